@@ -1,0 +1,262 @@
+"""Public kernel API: one function per operation, each with an explicit ``backend=``.
+
+Backends (:class:`Backend`): ``auto`` | ``triton_fp8`` | ``triton_bf16`` | ``flex`` | ``reference``.
+
+- ``auto`` resolves once per (device, dtype, head dim) along the chain
+  triton_fp8 (sm_90) -> triton_bf16 (other CUDA GPUs) -> flex -> reference, logs its choice
+  once, and if a chosen fast backend raises at run time it logs that once and moves down the chain.
+- An explicit backend never falls back: if it cannot run on these inputs it raises
+  :class:`BackendUnavailableError` naming the reason.
+
+Shapes: q ``[B, H, Lq, D]``, k/v ``[B, H, Lk, D]`` (same B, H, D); block maps bool
+``[B or 1, H or 1, ceil(Lq/bs), ceil(Lk/bs)]``. Validation errors are ``ValueError``.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import math
+
+import torch
+
+from . import reference
+from .masks import validate_block_map
+
+LOG = logging.getLogger(__name__)
+
+
+class Backend(str, enum.Enum):
+    AUTO = "auto"
+    TRITON_FP8 = "triton_fp8"
+    TRITON_BF16 = "triton_bf16"
+    FLEX = "flex"
+    REFERENCE = "reference"
+
+
+class BackendUnavailableError(RuntimeError):
+    """An explicitly requested backend cannot run on these inputs (no silent fallback)."""
+
+
+_AUTO_CHAIN = (Backend.TRITON_FP8, Backend.TRITON_BF16, Backend.FLEX, Backend.REFERENCE)
+_auto_choice: dict[tuple, Backend] = {}
+_auto_logged: set[tuple] = set()
+
+
+def _parse_backend(backend) -> Backend:
+    try:
+        return Backend(backend)
+    except ValueError:
+        names = ", ".join(b.value for b in Backend)
+        raise ValueError(f"unknown backend {backend!r}; choose one of: {names}") from None
+
+
+def _triton_module():
+    from . import triton as triton_kernels  # noqa: PLC0415 (optional, heavy import)
+
+    return triton_kernels
+
+
+def why_unavailable(backend: Backend, q: torch.Tensor, op: str = "attention") -> str | None:
+    """Reason ``backend`` cannot run ``op`` on tensors like ``q``, or ``None`` when it can."""
+    if backend == Backend.REFERENCE:
+        return None
+    if backend == Backend.FLEX:
+        if op != "attention":
+            return "flex has no block_mass implementation"
+        try:
+            from torch.nn.attention.flex_attention import flex_attention  # noqa: F401
+        except ImportError as exc:  # pragma: no cover - depends on torch build
+            return f"FlexAttention is not available in this torch ({exc})"
+        return None
+    # Triton backends.
+    if q.device.type != "cuda":
+        return f"{backend.value} needs a CUDA tensor, got device {q.device}"
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return f"{backend.value} needs fp16/bf16 inputs, got {q.dtype}"
+    if q.shape[-1] not in (64, 128):
+        return f"{backend.value} supports head dims 64 and 128, got {q.shape[-1]}"
+    try:
+        triton_kernels = _triton_module()
+    except Exception as exc:  # noqa: BLE001 - report any import failure as the reason
+        return f"Triton kernels failed to import: {exc}"
+    ok, reason = triton_kernels.triton_available()
+    if not ok:
+        return reason
+    if backend == Backend.TRITON_FP8:
+        major, minor = torch.cuda.get_device_capability(q.device)
+        if (major, minor) < (8, 9):
+            return f"triton_fp8 needs FP8 tensor cores (sm_89+), this GPU is sm_{major}{minor}"
+    return None
+
+
+def _candidates(q: torch.Tensor, op: str) -> list[Backend]:
+    if q.device.type == "cuda":
+        major, _ = torch.cuda.get_device_capability(q.device)
+        chain = list(_AUTO_CHAIN) if major == 9 else [b for b in _AUTO_CHAIN if b != Backend.TRITON_FP8]
+    else:
+        chain = [Backend.REFERENCE]
+    if op != "attention":
+        chain = [b for b in chain if b != Backend.FLEX]
+    return chain
+
+
+def resolve_backend(backend, q: torch.Tensor, op: str = "attention") -> Backend:
+    """Resolve ``backend`` for inputs like ``q``: auto picks the first runnable backend of its chain
+    (cached, logged once); an explicit backend is checked and raises if it cannot run."""
+    requested = _parse_backend(backend)
+    if requested != Backend.AUTO:
+        reason = why_unavailable(requested, q, op)
+        if reason is not None:
+            raise BackendUnavailableError(f"backend={requested.value!r} cannot run here: {reason}")
+        return requested
+    key = (op, q.device.type, q.device.index, q.dtype, q.shape[-1])
+    if key not in _auto_choice:
+        for candidate in _candidates(q, op):
+            reason = why_unavailable(candidate, q, op)
+            if reason is None:
+                _auto_choice[key] = candidate
+                break
+            LOG.debug("chorus auto backend: skipping %s (%s)", candidate.value, reason)
+        LOG.info("chorus: %s backend auto -> %s (device %s, %s, head dim %d)", op, _auto_choice[key].value,
+                 q.device, str(q.dtype).replace("torch.", ""), q.shape[-1])
+    return _auto_choice[key]
+
+
+def _demote_auto(key_op: str, q: torch.Tensor, failed: Backend, exc: Exception) -> Backend:
+    key = (key_op, q.device.type, q.device.index, q.dtype, q.shape[-1])
+    chain = _candidates(q, key_op)
+    rest = chain[chain.index(failed) + 1:] if failed in chain else [Backend.REFERENCE]
+    for candidate in rest:
+        if why_unavailable(candidate, q, key_op) is None:
+            _auto_choice[key] = candidate
+            LOG.warning("chorus: %s backend %s failed (%s); auto falls back to %s", key_op, failed.value,
+                        exc, candidate.value)
+            return candidate
+    raise exc
+
+
+def _check_qkv(q, k, v=None) -> None:
+    tensors = (q, k) if v is None else (q, k, v)
+    for name, t in zip("qkv", tensors):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be [B, H, L, D], got shape {tuple(t.shape)}")
+        if not t.is_floating_point():
+            raise ValueError(f"{name} must be floating point, got {t.dtype}")
+    if q.shape[0] != k.shape[0] or q.shape[1] != k.shape[1] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must share B, H and D")
+    if v is not None and v.shape != k.shape:
+        raise ValueError(f"v {tuple(v.shape)} must have k's shape {tuple(k.shape)}")
+    if q.shape[2] == 0 or k.shape[2] == 0:
+        raise ValueError("q and k need at least one token")
+    if len({t.dtype for t in tensors}) != 1 or len({t.device for t in tensors}) != 1:
+        raise ValueError("q, k and v must share dtype and device")
+
+
+def _check_block_size(block_size) -> None:
+    if not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+
+
+def _flex_attention(q, k, v, block_map, block_size, scale):
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from .codec import to_flex_block_mask
+
+    if block_map.shape[0] != q.shape[0] or block_map.shape[1] != q.shape[1]:
+        block_map = block_map.expand(q.shape[0], q.shape[1], *block_map.shape[-2:])
+    block_mask = to_flex_block_mask(block_map.to(q.device), block_size=block_size, q_len=q.shape[-2],
+                                    kv_len=k.shape[-2])
+    fn = flex_attention
+    if q.device.type == "cuda":
+        fn = _compiled_flex()
+    return fn(q, k, v, block_mask=block_mask, scale=scale)
+
+
+_COMPILED_FLEX = None
+
+
+def _compiled_flex():
+    global _COMPILED_FLEX
+    if _COMPILED_FLEX is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _COMPILED_FLEX = torch.compile(flex_attention, dynamic=False)
+    return _COMPILED_FLEX
+
+
+def _run_attention(chosen: Backend, q, k, v, block_map, block_size, scale):
+    if chosen == Backend.REFERENCE:
+        return reference.block_sparse_attention_reference(q, k, v, block_map, block_size, scale)
+    if chosen == Backend.FLEX:
+        return _flex_attention(q, k, v, block_map, block_size, scale)
+    return _triton_module().block_sparse_attention_triton(
+        q, k, v, block_map.to(q.device), block_size=block_size, scale=scale, fp8=chosen == Backend.TRITON_FP8)
+
+
+def block_sparse_attention(q, k, v, block_map, *, block_size: int = 128, scale: float | None = None,
+                           backend: str = "auto") -> torch.Tensor:
+    """Block-sparse attention: query block ``i`` attends only to key blocks ``j`` with
+    ``block_map[..., i, j]``.
+
+    Args:
+        q: ``[B, H, Lq, D]``; k, v: ``[B, H, Lk, D]``; same dtype and device.
+        block_map: bool ``[B or 1, H or 1, ceil(Lq/bs), ceil(Lk/bs)]``; every row keeps >= 1 block.
+            A partial last block (``L % bs != 0``) is handled: only real tokens take part.
+        block_size: ``bs``, tokens per block along both q and kv (default 128).
+        scale: softmax scale, default ``1/sqrt(D)``.
+        backend: see module docstring.
+
+    Returns:
+        ``[B, H, Lq, D]`` in q's dtype.
+
+    Raises:
+        ValueError: mismatched shapes, a map of the wrong block grid, an empty row, bad backend name.
+        BackendUnavailableError: an explicit backend that cannot run on these inputs.
+    """
+    _check_qkv(q, k, v)
+    _check_block_size(block_size)
+    validate_block_map(block_map, q.shape[0], q.shape[1], q.shape[2], k.shape[2], block_size)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    explicit = _parse_backend(backend) != Backend.AUTO
+    chosen = resolve_backend(backend, q, "attention")
+    while True:
+        try:
+            return _run_attention(chosen, q, k, v, block_map, block_size, scale)
+        except Exception as exc:  # noqa: BLE001 - auto walks down its chain, explicit re-raises
+            if explicit or chosen == Backend.REFERENCE:
+                raise
+            chosen = _demote_auto("attention", q, chosen, exc)
+
+
+def block_mass(q, k, *, block_size: int = 128, sample_rows: int | None = None, scale: float | None = None,
+               backend: str = "auto") -> torch.Tensor:
+    """Block attention mass: float32 ``[B, H, Qb, Kb]``.
+
+    For each query block, the mean over its query rows of the softmax probability (over all keys,
+    scale ``1/sqrt(D)`` by default) that falls in each key block; every row sums to 1. Exact, or
+    estimated from ``sample_rows`` evenly strided query rows per block (all rows of a smaller block).
+
+    Raises:
+        ValueError: bad shapes, ``sample_rows < 1``, bad backend name.
+        BackendUnavailableError: an explicit backend that cannot run here (``flex`` has none).
+    """
+    _check_qkv(q, k)
+    _check_block_size(block_size)
+    if sample_rows is not None and (not isinstance(sample_rows, int) or sample_rows < 1):
+        raise ValueError(f"sample_rows must be a positive int or None, got {sample_rows!r}")
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    explicit = _parse_backend(backend) != Backend.AUTO
+    chosen = resolve_backend(backend, q, "block_mass")
+    while True:
+        try:
+            if chosen == Backend.REFERENCE:
+                return reference.block_mass_reference(q, k, block_size, sample_rows, scale)
+            return _triton_module().block_mass_triton(q, k, block_size=block_size, sample_rows=sample_rows,
+                                                      scale=scale)
+        except Exception as exc:  # noqa: BLE001
+            if explicit or chosen == Backend.REFERENCE:
+                raise
+            chosen = _demote_auto("block_mass", q, chosen, exc)

@@ -1,0 +1,117 @@
+"""Block-map construction and validation.
+
+A block map is a bool tensor ``[B or 1, H or 1, Qb, Kb]``; ``True`` at ``[..., i, j]`` means query
+block ``i`` attends to key block ``j`` (geometry: ``bs x bs`` tokens, Wan token order).
+Block mass is a float tensor of the same shape whose rows are (close to) probability
+distributions, as :func:`chorus.kernels.block_mass` returns.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def num_blocks(length: int, block_size: int) -> int:
+    """Number of ``block_size`` blocks covering ``length`` tokens (the last may be partial)."""
+    return -(-length // block_size)
+
+
+def validate_block_map(block_map, batch: int, heads: int, q_len: int, kv_len: int, block_size: int) -> None:
+    """Raise ``ValueError`` unless ``block_map`` is a usable bool map for these shapes.
+
+    Checks dtype, rank, the block grid ``(ceil(q_len/bs), ceil(kv_len/bs))``, broadcastable batch and
+    head dims, and that every query block keeps at least one key block (an empty row would be a
+    division by zero in the softmax, i.e. NaN output).
+    """
+    if not isinstance(block_map, torch.Tensor):
+        raise ValueError(f"block_map must be a torch.Tensor, got {type(block_map).__name__}")
+    if block_map.dtype != torch.bool:
+        raise ValueError(f"block_map must be bool, got {block_map.dtype}")
+    if block_map.dim() != 4:
+        raise ValueError(f"block_map must be [B or 1, H or 1, Qb, Kb], got shape {tuple(block_map.shape)}")
+    want = (num_blocks(q_len, block_size), num_blocks(kv_len, block_size))
+    if tuple(block_map.shape[-2:]) != want:
+        raise ValueError(
+            f"block_map grid {tuple(block_map.shape[-2:])} does not match the block grid {want} of "
+            f"q_len={q_len}, kv_len={kv_len} at block_size={block_size}"
+        )
+    if block_map.shape[0] not in (1, batch):
+        raise ValueError(f"block_map batch dim {block_map.shape[0]} must be 1 or {batch}")
+    if block_map.shape[1] not in (1, heads):
+        raise ValueError(f"block_map head dim {block_map.shape[1]} must be 1 or {heads}")
+    empty = ~block_map.any(dim=-1)
+    if bool(empty.any()):
+        where = tuple(int(x) for x in empty.nonzero()[0].tolist())
+        raise ValueError(f"block_map has a query block that keeps no key block (first at [b, h, qb] = {where})")
+
+
+def select_blocks(mass: torch.Tensor, *, top_p: float, k_min: int, keep_diagonal: bool = True,
+                  keep_first_frame_blocks: int = 0) -> torch.Tensor:
+    """Block map from block mass: per row, top-p selection, a top-k floor, and keep-sets.
+
+    Args:
+        mass: float ``[..., Qb, Kb]``, non-negative, no NaN/inf. Rows are normally probability
+            distributions; otherwise ``top_p`` is taken relative to the row sum.
+        top_p: in (0, 1]. Per row, keep the fewest highest-mass blocks whose cumulative mass reaches
+            ``top_p`` of the row (ties broken by lower key-block index).
+        k_min: keep at least ``min(k_min, Kb)`` highest-mass blocks per row (the safety floor).
+        keep_diagonal: also keep block ``(i, i)`` (for ``i < min(Qb, Kb)``).
+        keep_first_frame_blocks: also keep key blocks ``0 .. n-1`` in every row (the blocks that
+            hold the first frame, i.e. the image condition in I2V).
+
+    Returns:
+        bool tensor shaped like ``mass``; every row keeps at least one block.
+
+    Raises:
+        ValueError: non-float or empty ``mass``, NaN/inf or negative mass, ``top_p`` outside (0, 1],
+            negative ``k_min`` or ``keep_first_frame_blocks``.
+    """
+    if not isinstance(mass, torch.Tensor) or not mass.is_floating_point():
+        raise ValueError("mass must be a floating-point torch.Tensor")
+    if mass.dim() < 2 or mass.shape[-1] == 0 or mass.shape[-2] == 0:
+        raise ValueError(f"mass must be [..., Qb, Kb] with Qb, Kb >= 1, got shape {tuple(mass.shape)}")
+    if not (isinstance(top_p, (int, float)) and 0.0 < float(top_p) <= 1.0):
+        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+    if int(k_min) < 0:
+        raise ValueError(f"k_min must be >= 0, got {k_min}")
+    if int(keep_first_frame_blocks) < 0:
+        raise ValueError(f"keep_first_frame_blocks must be >= 0, got {keep_first_frame_blocks}")
+    if bool(torch.isnan(mass).any()):
+        raise ValueError("mass contains NaN")
+    if bool(torch.isinf(mass).any()):
+        raise ValueError("mass contains inf")
+    if bool((mass < 0).any()):
+        raise ValueError("mass contains negative values")
+
+    num_q, num_kv = mass.shape[-2:]
+    mass64 = mass.double()
+    # Stable descending sort: equal masses keep increasing key-block order.
+    order = torch.sort(mass64, dim=-1, descending=True, stable=True).indices
+    sorted_mass = torch.gather(mass64, -1, order)
+    before = torch.cumsum(sorted_mass, dim=-1) - sorted_mass  # mass of the better blocks
+    row_total = sorted_mass.sum(-1, keepdim=True)
+    target = float(top_p) * row_total
+    # A block is needed while the better blocks have not yet reached the target; the tolerance keeps
+    # top_p=1 from keeping zero-mass blocks because of rounding in the cumulative sum.
+    needed = before < target - 1e-9 * row_total
+    needed[..., 0] = True
+    rank = torch.arange(num_kv, device=mass.device)
+    needed |= rank < min(int(k_min), num_kv)
+    keep = torch.zeros_like(needed)
+    keep.scatter_(-1, order, needed)
+    if keep_diagonal:
+        diag = torch.arange(min(num_q, num_kv), device=mass.device)
+        keep[..., diag, diag] = True
+    if keep_first_frame_blocks:
+        keep[..., : min(int(keep_first_frame_blocks), num_kv)] = True
+    return keep
+
+
+def first_frame_blocks(tokens_per_frame: int, block_size: int = 128) -> int:
+    """Number of leading key blocks that contain any first-frame token."""
+    return num_blocks(tokens_per_frame, block_size)
+
+
+def density(block_map: torch.Tensor) -> float:
+    """Fraction of kept block pairs (full blocks counted equally)."""
+    return float(block_map.float().mean()) if block_map.numel() else 0.0
