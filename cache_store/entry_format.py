@@ -1,0 +1,323 @@
+"""On-disk format of one cache entry: a safetensors file (never pickle) holding compressed mask chunks.
+
+An entry holds the masks of one request, ``{(expert, step, layer, head_group): tensor}``, and the
+request's embedding. Layout of the safetensors file:
+
+* tensor ``embedding``: float32 ``[dim]``, the embedding as given to ``Workspace.add``;
+* tensors ``chunk_000``, ``chunk_001``, ...: uint8 ``[n]``, each a compressed run of map payloads;
+* ``__metadata__``: ``format`` (``chorus-mask-entry``), ``version``, ``codec`` (``zstd`` / ``zlib`` /
+  ``none``), ``maps`` (JSON list: key, shape, dtype, encoding, chunk, offset, nbytes, raw chunk size)
+  and ``meta`` (the caller's JSON metadata, including ``signature``).
+
+Map payloads: a bool block map ``[..., Qb, Kb]`` (any leading dims, e.g. ``[H, Qb, Kb]`` or
+``[1, H, Qb, Kb]``; the shape is kept) is bit-packed with :func:`chorus.kernels.codec.pack_bits`
+(``[..., Qb, ceil(Kb/8)]`` uint8, MSB first). Float16 / bfloat16 / float32 / uint8 / int8 tensors
+(e.g. quantised block mass) are stored as raw little-endian bytes. Payloads are ordered by
+``(layer, head_group, expert, step)`` so that the maps of one layer at successive steps sit next
+to each other, where the compressor finds their redundancy, and are cut into chunks of about
+``CHUNK_RAW_BYTES`` that (de)compress in parallel threads (zstd and zlib release the GIL).
+
+Loading can stop at the packed form (:class:`PackedMap`): a Wan 14B 480p entry is ~52 MB of packed
+bits but ~420 MB of bool, so the engine should move the packed bits to the GPU and unpack there
+(:meth:`PackedMap.unpack` works on any device).
+
+Bad input to :func:`encode_entry` raises ``ValueError``; a file that does not decode raises
+:class:`EntryFormatError` (a ``ValueError``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import struct
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from ..kernels.codec import pack_bits, unpack_bits
+
+try:  # zstd compresses bit maps ~3x better than zlib (window >= one layer's maps); zlib is the fallback.
+    import zstandard as _zstd
+except ImportError:  # pragma: no cover - exercised only where zstandard is absent
+    _zstd = None
+
+LOG = logging.getLogger(__name__)
+
+FORMAT = "chorus-mask-entry"
+VERSION = 1
+CHUNK_RAW_BYTES = 4 << 20
+ZSTD_LEVEL = 3
+ZLIB_LEVEL = 6
+_THREADS = max(1, min(4, os.cpu_count() or 1))
+
+_RAW_DTYPES = {
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "uint8": torch.uint8,
+    "int8": torch.int8,
+}
+
+
+class EntryFormatError(ValueError):
+    """The bytes are not a valid Chorus entry (truncated, corrupt, wrong format or version)."""
+
+
+@dataclass
+class PackedMap:
+    """A bool block map kept bit-packed: ``bits`` uint8 ``[..., Qb, ceil(Kb/8)]`` of map ``shape``."""
+
+    bits: torch.Tensor
+    shape: tuple
+
+    def unpack(self, device=None) -> torch.Tensor:
+        """Bool ``shape`` tensor on ``device`` (default: where ``bits`` is). The unpack runs on that device."""
+        bits = self.bits if device is None else self.bits.to(device, non_blocking=True)
+        if bits.device.type == "cpu":
+            return unpack_bits(bits, self.shape[-1]).reshape(self.shape)
+        shifts = torch.arange(7, -1, -1, device=bits.device, dtype=torch.uint8)
+        expanded = (bits.unsqueeze(-1) >> shifts) & 1
+        return expanded.flatten(-2)[..., : self.shape[-1]].bool().reshape(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.bits.numel()
+
+
+def validate_key(key) -> tuple:
+    """Check a mask key ``(expert, step, layer, head_group)``: 4 items, each an int or a str."""
+    if not isinstance(key, (tuple, list)) or len(key) != 4:
+        raise ValueError(f"mask key must be a tuple (expert, step, layer, head_group), got {key!r}")
+    for item in key:
+        if isinstance(item, bool) or not isinstance(item, (int, str)):
+            raise ValueError(f"mask key items must be int or str, got {item!r} in {key!r}")
+    return tuple(key)
+
+
+def _order(key: tuple):
+    expert, step, layer, head_group = key
+
+    def norm(v):
+        return (0, v, "") if isinstance(v, int) else (1, 0, v)
+
+    return (norm(layer), norm(head_group), norm(expert), norm(step))
+
+
+def _compress(codec: str, data: bytes) -> bytes:
+    if codec == "zstd":
+        return _zstd.ZstdCompressor(level=ZSTD_LEVEL).compress(data)
+    if codec == "zlib":
+        return zlib.compress(data, ZLIB_LEVEL)
+    return data
+
+
+def _decompress_into(codec: str, blob: memoryview, out: torch.Tensor) -> None:
+    view = memoryview(out.numpy())
+    if codec == "zstd":
+        if _zstd is None:
+            raise EntryFormatError("entry is zstd-compressed but the zstandard package is not installed")
+        reader = _zstd.ZstdDecompressor().stream_reader(blob)
+        filled = 0
+        while filled < len(view):
+            got = reader.readinto(view[filled:])
+            if not got:
+                break
+            filled += got
+        extra = reader.read(1)
+    elif codec == "zlib":
+        data = zlib.decompress(blob)
+        filled = min(len(data), len(view))
+        view[:filled] = data[:filled]
+        extra = data[filled:]
+    elif codec == "none":
+        filled = min(len(blob), len(view))
+        view[:filled] = blob[:filled]
+        extra = blob[filled:]
+    else:
+        raise EntryFormatError(f"unknown codec {codec!r}")
+    if filled != len(view) or len(extra):
+        raise EntryFormatError(f"chunk decompressed to the wrong size (expected {len(view)} bytes)")
+
+
+def default_codec() -> str:
+    return "zstd" if _zstd is not None else "zlib"
+
+
+def encode_entry(embedding, masks: dict, meta: dict, *, codec: str | None = None) -> bytes:
+    """Serialise one entry to safetensors bytes.
+
+    ``embedding``: 1-D float array-like (finite). ``masks``: non-empty dict ``key -> tensor`` (bool
+    block maps with >= 2 dims, or float16/bfloat16/float32/uint8/int8 tensors). ``meta``:
+    JSON-serialisable dict. Raises ``ValueError`` on anything else.
+    """
+    codec = codec or default_codec()
+    if codec not in ("zstd", "zlib", "none"):
+        raise ValueError(f"unknown codec {codec!r}")
+    emb = torch.as_tensor(np.asarray(embedding, dtype=np.float32)).reshape(-1).contiguous()
+    if not isinstance(masks, dict) or not masks:
+        raise ValueError("masks must be a non-empty dict {(expert, step, layer, head_group): tensor}")
+    try:
+        meta_json = json.dumps(meta, sort_keys=True, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"meta must be JSON-serialisable: {exc}") from exc
+
+    items = []
+    for key, value in masks.items():
+        key = validate_key(key)
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(f"mask {key!r} must be a torch.Tensor, got {type(value).__name__}")
+        value = value.detach().cpu()
+        if value.dtype == torch.bool:
+            if value.dim() < 2:
+                raise ValueError(f"bool block map {key!r} must have >= 2 dims [..., Qb, Kb], got {tuple(value.shape)}")
+            payload = pack_bits(value).contiguous()
+            items.append((key, "bits", "bool", tuple(value.shape), payload))
+        else:
+            name = str(value.dtype).replace("torch.", "")
+            if name not in _RAW_DTYPES:
+                raise ValueError(f"mask {key!r} has unsupported dtype {value.dtype}")
+            if value.is_floating_point() and not torch.isfinite(value).all():
+                raise ValueError(f"mask {key!r} holds NaN or inf")
+            payload = value.contiguous().reshape(-1).view(torch.uint8)
+            items.append((key, "raw", name, tuple(value.shape), payload))
+    if len({k for k, *_ in items}) != len(items):
+        raise ValueError("duplicate mask keys")
+    items.sort(key=lambda item: _order(item[0]))
+
+    # Group payloads into chunks of about CHUNK_RAW_BYTES raw bytes.
+    chunks, current, current_size, records = [], [], 0, []
+    for key, encoding, dtype, shape, payload in items:
+        if current and current_size + payload.numel() > CHUNK_RAW_BYTES:
+            chunks.append(current)
+            current, current_size = [], 0
+        records.append({"key": list(key), "encoding": encoding, "dtype": dtype, "shape": list(shape),
+                        "chunk": len(chunks), "offset": current_size, "nbytes": int(payload.numel())})
+        current.append(payload.numpy().tobytes() if payload.numel() else b"")
+        current_size += payload.numel()
+    chunks.append(current)
+    raw_chunks = [b"".join(parts) for parts in chunks]
+    with ThreadPoolExecutor(_THREADS) as pool:
+        blobs = list(pool.map(lambda data: _compress(codec, data), raw_chunks))
+
+    tensors = {"embedding": emb}
+    for i, blob in enumerate(blobs):
+        tensors[f"chunk_{i:03d}"] = torch.frombuffer(bytearray(blob), dtype=torch.uint8) if blob else torch.zeros(0, dtype=torch.uint8)
+    metadata = {
+        "format": FORMAT,
+        "version": str(VERSION),
+        "codec": codec,
+        "chunk_raw_sizes": json.dumps([len(c) for c in raw_chunks]),
+        "maps": json.dumps(records),
+        "meta": meta_json,
+    }
+    return st_save(tensors, metadata=metadata)
+
+
+def _read_metadata(data: bytes) -> dict:
+    if len(data) < 8:
+        raise EntryFormatError("entry file is truncated (no safetensors header)")
+    (header_len,) = struct.unpack("<Q", data[:8])
+    if header_len > len(data) - 8 or header_len > 100 << 20:
+        raise EntryFormatError("entry file is truncated or has a corrupt header length")
+    try:
+        header = json.loads(data[8 : 8 + header_len])
+    except ValueError as exc:
+        raise EntryFormatError(f"corrupt safetensors header: {exc}") from exc
+    metadata = header.get("__metadata__") if isinstance(header, dict) else None
+    if not isinstance(metadata, dict) or metadata.get("format") != FORMAT:
+        raise EntryFormatError("not a Chorus mask entry (format tag missing)")
+    if metadata.get("version") != str(VERSION):
+        raise EntryFormatError(f"unsupported entry version {metadata.get('version')!r}")
+    return metadata
+
+
+def read_meta(data: bytes) -> dict:
+    """The caller's ``meta`` dict of an entry, from the header only."""
+    try:
+        return json.loads(_read_metadata(data)["meta"])
+    except (KeyError, ValueError) as exc:
+        raise EntryFormatError(f"corrupt entry metadata: {exc}") from exc
+
+
+def decode_entry(data: bytes, *, packed: bool = False):
+    """Parse entry bytes -> ``(masks, embedding, meta)``.
+
+    Bool maps come back as bool tensors of their original shape, or as :class:`PackedMap` when
+    ``packed`` is true; other dtypes come back as tensors. Raises :class:`EntryFormatError` on
+    any inconsistency.
+    """
+    metadata = _read_metadata(data)
+    try:
+        tensors = st_load(data)
+        codec = metadata["codec"]
+        raw_sizes = json.loads(metadata["chunk_raw_sizes"])
+        records = json.loads(metadata["maps"])
+        meta = json.loads(metadata["meta"])
+        embedding = tensors["embedding"]
+        blobs = [tensors[f"chunk_{i:03d}"] for i in range(len(raw_sizes))]
+    except Exception as exc:  # safetensors raises its own error types on corrupt bytes
+        raise EntryFormatError(f"corrupt entry: {exc}") from exc
+    if embedding.dtype != torch.float32 or embedding.dim() != 1:
+        raise EntryFormatError("corrupt entry: embedding must be float32 [dim]")
+
+    buffers = [torch.empty(int(size), dtype=torch.uint8) for size in raw_sizes]
+    jobs = [(codec, memoryview(blob.numpy()), buf) for blob, buf in zip(blobs, buffers)]
+    try:
+        if len(jobs) > 1:
+            with ThreadPoolExecutor(_THREADS) as pool:
+                list(pool.map(lambda job: _decompress_into(*job), jobs))
+        else:
+            for job in jobs:
+                _decompress_into(*job)
+    except EntryFormatError:
+        raise
+    except Exception as exc:  # zstd/zlib errors on corrupt blobs
+        raise EntryFormatError(f"corrupt chunk: {exc}") from exc
+
+    masks = {}
+    for rec in records:
+        try:
+            key = validate_key(rec["key"])
+            shape = tuple(int(s) for s in rec["shape"])
+            buf = buffers[rec["chunk"]]
+            offset, nbytes = int(rec["offset"]), int(rec["nbytes"])
+        except (KeyError, IndexError, TypeError, ValueError) as exc:
+            raise EntryFormatError(f"corrupt map record {rec!r}: {exc}") from exc
+        if offset < 0 or offset + nbytes > buf.numel():
+            raise EntryFormatError(f"map {key!r} lies outside its chunk")
+        payload = buf[offset : offset + nbytes]
+        if rec.get("encoding") == "bits":
+            packed_shape = shape[:-1] + ((shape[-1] + 7) // 8,)
+            if len(shape) < 2 or int(np.prod(packed_shape)) != nbytes:
+                raise EntryFormatError(f"map {key!r}: {nbytes} bytes do not hold shape {shape}")
+            pm = PackedMap(payload.reshape(packed_shape), shape)
+            masks[key] = pm if packed else pm.unpack()
+        elif rec.get("encoding") == "raw" and rec.get("dtype") in _RAW_DTYPES:
+            dtype = _RAW_DTYPES[rec["dtype"]]
+            itemsize = torch.empty(0, dtype=dtype).element_size()
+            if int(np.prod(shape)) * itemsize != nbytes:
+                raise EntryFormatError(f"map {key!r}: {nbytes} bytes do not hold {rec['dtype']} {shape}")
+            masks[key] = payload.view(dtype).reshape(shape)
+        else:
+            raise EntryFormatError(f"map {key!r}: unknown encoding {rec.get('encoding')!r}")
+    return masks, embedding, meta
+
+
+def fsync_dir(path) -> None:
+    """fsync a directory so a rename inside it is durable (no-op where directories can't be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
