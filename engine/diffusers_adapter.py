@@ -1,0 +1,125 @@
+"""Use the engine from a diffusers Wan pipeline: patch ``WanTransformer3DModel`` self-attention.
+
+``patch_diffusers_wan(transformer, handle)`` installs, on every block's ``attn1`` (self-attention),
+a processor that computes q/k/v exactly as diffusers' ``WanAttnProcessor`` does (projections,
+RMS norms, rotary embedding) and hands them to ``handle.self_attention``; cross-attention
+(``attn2``) keeps its processor. A forward pre-hook on the transformer reads, per call, the token
+grid from ``hidden_states`` ``[B, C, T, H, W]`` (``T/pt, H/ph, W/pw``) and the sigma from
+``timestep`` (flow-matching timesteps are ``1000 * sigma``; for per-token timesteps, Wan 2.2 TI2V,
+the largest value). The first call at a new sigma counts as the positive (cond) pass and later
+calls at the same sigma as negative passes, which matches how diffusers' Wan pipelines run CFG
+(cond first, then uncond, as separate calls); with CFG batched into one call every row is recorded.
+``patch.remove()`` restores the original processors and removes the hook.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .runtime import ChorusAttention
+
+
+def _rotary(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor) -> torch.Tensor:
+    """Interleaved-pair rotary embedding on ``[B, L, H, D]`` (diffusers Wan convention)."""
+    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
+    cos = freqs_cos[..., 0::2]
+    sin = freqs_sin[..., 1::2]
+    out = torch.empty_like(x)
+    out[..., 0::2] = x1 * cos - x2 * sin
+    out[..., 1::2] = x1 * sin + x2 * cos
+    return out.type_as(x)
+
+
+def _sdpa(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v)
+
+
+class _CallState:
+    def __init__(self):
+        self.sigma = None
+        self.grid = None
+        self.cond = True
+        self.last_sigma = None
+
+
+class ChorusWanSelfAttnProcessor:
+    """Self-attention processor for one diffusers ``WanAttention`` (``attn1`` of block ``layer``)."""
+
+    def __init__(self, handle: ChorusAttention, layer: int, state: _CallState, original):
+        self.handle, self.layer, self.state, self.original = handle, layer, state, original
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None,
+                 **kwargs):
+        st = self.state
+        if encoder_hidden_states is not None or attention_mask is not None or st.sigma is None:
+            return self.original(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb, **kwargs)
+        if getattr(attn, "fused_projections", False):
+            query, key, value = attn.to_qkv(hidden_states).chunk(3, dim=-1)
+        else:
+            query, key, value = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
+        query = attn.norm_q(query).unflatten(2, (attn.heads, -1))
+        key = attn.norm_k(key).unflatten(2, (attn.heads, -1))
+        value = value.unflatten(2, (attn.heads, -1))
+        if rotary_emb is not None:
+            query = _rotary(query, *rotary_emb)
+            key = _rotary(key, *rotary_emb)
+        q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # [B, H, L, D]
+        cond_rows = torch.full((q.shape[0],), st.cond, dtype=torch.bool)
+        out = self.handle.self_attention(q, k, v, layer=self.layer, sigma=st.sigma, grid=st.grid,
+                                         cond_rows=cond_rows, dense_fn=_sdpa)
+        out = out.transpose(1, 2).flatten(2, 3).type_as(query)
+        out = attn.to_out[0](out)
+        return attn.to_out[1](out)
+
+
+class DiffusersPatch:
+    """Handle returned by :func:`patch_diffusers_wan`; ``remove()`` undoes the patch."""
+
+    def __init__(self, transformer, handle, originals, hook):
+        self.transformer, self.handle, self._originals, self._hook = transformer, handle, originals, hook
+
+    def remove(self) -> None:
+        for block, proc in self._originals:
+            block.attn1.set_processor(proc) if hasattr(block.attn1, "set_processor") else setattr(block.attn1, "processor", proc)
+        self._originals = []
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+
+def patch_diffusers_wan(transformer, handle: ChorusAttention) -> DiffusersPatch:
+    """Route the self-attention of a diffusers ``WanTransformer3DModel`` through ``handle``.
+
+    Raises ``ValueError`` when ``transformer`` has no ``blocks[i].attn1`` or no patch-size config.
+    """
+    blocks = getattr(transformer, "blocks", None)
+    patch_size = getattr(getattr(transformer, "config", None), "patch_size", None)
+    if blocks is None or patch_size is None or not all(hasattr(b, "attn1") for b in blocks):
+        raise ValueError(f"{type(transformer).__name__} is not a diffusers WanTransformer3DModel")
+    pt, ph, pw = (int(p) for p in patch_size)
+    state = _CallState()
+
+    def pre_hook(module, args, kwargs):
+        hidden = kwargs.get("hidden_states", args[0] if args else None)
+        timestep = kwargs.get("timestep", args[1] if len(args) > 1 else None)
+        if hidden is None or timestep is None or hidden.dim() != 5:
+            state.sigma = None
+            return None
+        _, _, t, h, w = hidden.shape
+        state.grid = (t // pt, h // ph, w // pw)
+        sigma = float(torch.as_tensor(timestep).float().max()) / 1000.0
+        state.cond = state.last_sigma is None or abs(sigma - state.last_sigma) > 1e-7
+        state.sigma = state.last_sigma = sigma
+        return None
+
+    originals = []
+    for i, block in enumerate(blocks):
+        originals.append((block, block.attn1.processor))
+        proc = ChorusWanSelfAttnProcessor(handle, i, state, block.attn1.processor)
+        if hasattr(block.attn1, "set_processor"):
+            block.attn1.set_processor(proc)
+        else:
+            block.attn1.processor = proc
+    hook = transformer.register_forward_pre_hook(pre_hook, with_kwargs=True)
+    return DiffusersPatch(transformer, handle, originals, hook)

@@ -1,0 +1,103 @@
+"""The recorder: on a miss, block attention mass of the dense run becomes the entry's block maps."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from .. import kernels
+from ..kernels.codec import pack_bits, unpack_bits
+from .routing import SigmaSchedule
+
+
+class MassRecorder:
+    """Collects, per ``(expert, step sigma, layer)``, the block map selected from the block mass.
+
+    ``add(expert, sigma, layer, mass, ...)`` takes the float32 block mass ``[B, H, Qb, Kb]`` of the
+    cond rows of one self-attention call, averages it over the batch, selects blocks with
+    ``select_blocks(top_p, k_min, keep_diagonal=True, keep_first_frame_blocks)`` and ORs the map into
+    what that key already holds (samplers that evaluate several sigmas in one step, or cond chunks
+    run separately, add to one key). Maps are kept bit-packed on the CPU (a 14B 480p request: ~52 MB).
+    With ``keep_mass=True`` the averaged mass is kept too (float32, for benchmarks and tests).
+
+    A recorder that missed calls (an error, or a plan demoted after sparse steps ran) is marked
+    ``incomplete`` with a reason; :meth:`block_maps` then raises ``ValueError`` so no partial entry is
+    ever written.
+    """
+
+    def __init__(self, *, keep_mass: bool = False):
+        self.keep_mass = keep_mass
+        self.schedule = SigmaSchedule()
+        self._packed: dict[tuple[int, float, int], torch.Tensor] = {}
+        self._shape: dict[tuple[int, float, int], tuple[int, int, int]] = {}
+        self._mass: dict[tuple[int, float, int], tuple[torch.Tensor, int]] = {}
+        self.grid: tuple[int, int, int] | None = None
+        self.num_heads: int | None = None
+        self.block_size: int | None = None
+        self.incomplete_reason: str | None = None
+        self._lock = threading.Lock()
+
+    def mark_incomplete(self, reason: str) -> None:
+        if self.incomplete_reason is None:
+            self.incomplete_reason = reason
+
+    @property
+    def complete(self) -> bool:
+        return self.incomplete_reason is None and bool(self._packed)
+
+    def __len__(self) -> int:
+        return len(self._packed)
+
+    def add(self, expert: int, sigma: float, layer: int, mass: torch.Tensor, *, grid, top_p: float,
+            k_min: int, keep_first_frame_blocks: int = 0, block_size: int = 128) -> torch.Tensor:
+        """Record one call's mass ``[B, H, Qb, Kb]``; returns the selected bool map ``[H, Qb, Kb]``."""
+        if mass.dim() != 4:
+            raise ValueError(f"mass must be [B, H, Qb, Kb], got shape {tuple(mass.shape)}")
+        mean = mass.float().mean(dim=0, keepdim=True)
+        if not torch.isfinite(mean).all():
+            raise ValueError("block mass holds NaN/inf values")
+        selected = kernels.select_blocks(mean, top_p=top_p, k_min=min(k_min, mean.shape[-1]),
+                                         keep_diagonal=True, keep_first_frame_blocks=keep_first_frame_blocks)[0]
+        packed = pack_bits(selected)
+        with self._lock:
+            grid = tuple(int(g) for g in grid)
+            if self.grid is None:
+                self.grid, self.num_heads, self.block_size = grid, int(mass.shape[1]), int(block_size)
+            elif grid != self.grid or int(mass.shape[1]) != self.num_heads:
+                raise ValueError(f"recorded grid/heads changed within a request: {self.grid}/{self.num_heads} -> {grid}/{mass.shape[1]}")
+            key = (int(expert), self.schedule.canonical(sigma), int(layer))
+            if key in self._packed:
+                self._packed[key] |= packed
+            else:
+                self._packed[key] = packed
+                self._shape[key] = tuple(selected.shape)
+            if self.keep_mass:
+                prev = self._mass.get(key)
+                m = mean[0].cpu()
+                self._mass[key] = (m, 1) if prev is None else (prev[0] + m, prev[1] + 1)
+        return selected
+
+    def step_sigmas(self) -> list[float]:
+        return self.schedule.steps()
+
+    def block_maps(self) -> dict[tuple[int, int, int, int], torch.Tensor]:
+        """``{(expert, step, layer, 0): bool [H, Qb, Kb]}`` with global step indices (descending sigma).
+
+        Raises ``ValueError`` when nothing was recorded or the recording is incomplete.
+        """
+        if self.incomplete_reason is not None:
+            raise ValueError(f"recording incomplete: {self.incomplete_reason}")
+        if not self._packed:
+            raise ValueError("nothing was recorded (did the patched model sample?)")
+        steps = self.step_sigmas()
+        out = {}
+        for (expert, sigma, layer), packed in self._packed.items():
+            step = steps.index(sigma)
+            out[(expert, step, layer, 0)] = unpack_bits(packed, self._shape[(expert, sigma, layer)][-1])
+        return out
+
+    def masses(self) -> dict[tuple[int, int, int, int], torch.Tensor]:
+        """Averaged float32 mass per key (only with ``keep_mass=True``), same keys as :meth:`block_maps`."""
+        steps = self.step_sigmas()
+        return {(e, steps.index(s), l, 0): m / n for (e, s, l), (m, n) in self._mass.items()}

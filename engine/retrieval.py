@@ -1,0 +1,132 @@
+"""Glue between a request and a ``chorus.cache_store`` workspace: find a plan, commit a plan."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+
+from .plan import Plan
+from .signature import SIGNATURE_FORMAT, TOKEN_ORDER, latent_compatibility, token_grid
+
+log = logging.getLogger("chorus.engine")
+
+SEARCH_CANDIDATES = 4
+
+
+def retrieve_plan(workspace, embedding, latent_shape, *, similarity_threshold: float = 0.9,
+                  request_meta: dict | None = None, candidates: int = SEARCH_CANDIDATES) -> Plan:
+    """Search ``workspace`` for the most similar compatible entry and return a :class:`Plan`.
+
+    ``embedding``: 1-D float vector (the store normalises it). ``latent_shape``: ``[C, T, H, W]`` or
+    ``[B, C, T, H, W]``. The best ``candidates`` entries by similarity are tried in order; an entry
+    is used when its similarity >= ``similarity_threshold`` and its latent is compatible (same grid,
+    or another grid of the same aspect: masks resampled). Unreadable entries are skipped with a
+    message. Never raises for a store problem: returns a miss that says what happened.
+    Raises ``ValueError`` for a threshold outside [0, 1] or a bad latent shape.
+    """
+    if not (0.0 <= float(similarity_threshold) <= 1.0):
+        raise ValueError(f"similarity_threshold must be in [0, 1], got {similarity_threshold!r}")
+    grid = token_grid(latent_shape)
+    latent = tuple(int(s) for s in latent_shape)[-4:]
+    emb = np.asarray(embedding, dtype=np.float32).reshape(-1)
+    if emb.size == 0 or not np.isfinite(emb).all():
+        raise ValueError("embedding must be a non-empty finite vector")
+    common = dict(embedding=emb, latent_shape=latent, request_meta=request_meta, workspace=workspace)
+    try:
+        found = workspace.search(emb, k=candidates) if len(workspace) else []
+    except Exception as exc:  # noqa: BLE001 - a broken index is a miss, not a failed prompt
+        return Plan.miss(f"miss: search failed ({type(exc).__name__}: {exc})", **common)
+    if not found:
+        return Plan.miss("miss: the workspace has no entries yet", **common)
+    reasons = []
+    for entry_id, similarity in found:
+        similarity = float(similarity)
+        if similarity < similarity_threshold:
+            reasons.append(f"best remaining similarity {similarity:.3f} < threshold {similarity_threshold:.3f}")
+            break
+        try:
+            masks, meta = workspace.load(entry_id)
+            signature = meta["signature"]
+        except Exception as exc:  # noqa: BLE001 - corrupt entry: the store quarantines it; go on
+            reasons.append(f"entry {entry_id} unreadable ({type(exc).__name__}: {exc})")
+            continue
+        verdict, why = latent_compatibility(signature, latent)
+        if verdict == "incompatible":
+            reasons.append(f"entry {entry_id} (similarity {similarity:.3f}) incompatible: {why}")
+            continue
+        if not masks:
+            reasons.append(f"entry {entry_id} holds no masks")
+            continue
+        message = f"hit: entry {entry_id}, similarity {similarity:.3f}"
+        if verdict == "resample":
+            message += f" ({why})"
+        return Plan("hit", message=message, entry_id=entry_id, similarity=similarity, masks=masks,
+                    entry_meta=meta, resample_to=grid if verdict == "resample" else None, **common)
+    best = float(found[0][1])
+    return Plan.miss(f"miss (best similarity {best:.3f}): " + "; ".join(reasons), **common)
+
+
+def build_signature(plan: Plan) -> dict:
+    """The signature written with a new entry (see ``signature.py``). Raises ``ValueError`` if the
+    plan has not recorded anything."""
+    rec = plan.recorder
+    if rec is None or rec.grid is None or not plan.experts:
+        raise ValueError("nothing recorded")
+    first = plan.experts[0]
+    return {
+        "format": SIGNATURE_FORMAT,
+        "family": first.family,
+        "variant": first.variant,
+        "experts": [e.fingerprint for e in plan.experts],
+        "num_layers": first.num_layers,
+        "num_heads": first.num_heads,
+        "latent_shape": list(plan.latent_shape) if plan.latent_shape else None,
+        "token_grid": list(rec.grid),
+        "block_size": rec.block_size,
+        "token_order": TOKEN_ORDER,
+        "step_sigmas": [round(s, 6) for s in rec.step_sigmas()],
+        "head_groups": 1,
+    }
+
+
+def commit_plan(workspace, plan: Plan) -> str:
+    """After sampling: write a miss's recording as a new entry, or count a hit. Returns a message.
+
+    Never raises for an incomplete recording or a store error: the message says why nothing was
+    written. Committing the same plan twice does nothing the second time.
+    """
+    if plan.committed is not None:
+        return plan.committed
+    if plan.is_hit:
+        msg = f"hit: reused entry {plan.entry_id} (similarity {plan.similarity:.3f})"
+        counter = getattr(workspace, "record_hit", None) or getattr(workspace, "touch", None)
+        if counter is not None:
+            try:
+                counter(plan.entry_id)
+                msg = f"hit: updated stats of entry {plan.entry_id} (similarity {plan.similarity:.3f})"
+            except Exception as exc:  # noqa: BLE001
+                msg += f"; hit stats not updated ({type(exc).__name__}: {exc})"
+        plan.committed = msg
+        return msg
+    if plan.embedding is None:
+        plan.committed = "not written: the request has no embedding"
+        return plan.committed
+    try:
+        masks = plan.recorder.block_maps()
+        signature = build_signature(plan)
+    except ValueError as exc:
+        plan.committed = f"not written: {exc}"
+        return plan.committed
+    meta = dict(plan.request_meta)
+    meta.update({"signature": signature, "created": time.time(), "hits": 0})
+    try:
+        entry_id = workspace.add(plan.embedding, masks, meta)
+    except Exception as exc:  # noqa: BLE001 - the request succeeded; the cache just did not grow
+        log.warning("Chorus II: writing the cache entry failed: %s", exc)
+        plan.committed = f"not written: the store refused the entry ({type(exc).__name__}: {exc})"
+        return plan.committed
+    density = sum(float(m.float().mean()) for m in masks.values()) / max(len(masks), 1)
+    plan.committed = f"wrote entry {entry_id} ({len(masks)} maps, density {density:.1%})"
+    return plan.committed

@@ -1,0 +1,255 @@
+"""``ChorusAttention``: the per-model attention handle that routes, records and applies reuse.
+
+Hosts (the ComfyUI adapter, the diffusers adapter, a user's own loop) call
+:meth:`ChorusAttention.self_attention` for every *self*-attention call of a Wan model with
+``q, k, v`` as ``[B, H, L, D]``, the layer index, the current sigma and the token grid, plus a
+``dense_fn(q, k, v) -> [B, H, L, D]`` that computes the host's own dense attention. The handle
+never raises from there: anything unexpected is logged once (``plan.note``) and answered with
+``dense_fn``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from .. import kernels
+from .config import SparseConfig
+from .plan import Plan
+from .routing import match_step, step_sigma
+from .signature import ModelInfo
+
+
+def floor_k_min(block_map: torch.Tensor, k_min: int) -> torch.Tensor:
+    """Give every row of a bool map ``[..., Qb, Kb]`` at least ``min(k_min, Kb)`` kept blocks.
+
+    Rows below the floor gain the ``k_min`` key blocks nearest to their diagonal position
+    (``j ~ i * Kb / Qb``; a reused map has no mass left to rank by, and local blocks are the ones
+    video attention needs most). Rows already at the floor are unchanged.
+    """
+    num_q, num_kv = block_map.shape[-2:]
+    k = min(int(k_min), num_kv)
+    if k <= 0:
+        return block_map
+    short = block_map.sum(-1) < k
+    if not bool(short.any()):
+        return block_map
+    dev = block_map.device
+    centre = torch.arange(num_q, device=dev, dtype=torch.float64)[:, None] * (num_kv / num_q)
+    dist = (torch.arange(num_kv, device=dev, dtype=torch.float64)[None, :] - centre).abs()
+    rank = torch.argsort(torch.argsort(dist, dim=-1, stable=True), dim=-1)
+    near = rank < k
+    return block_map | (near & short[..., None])
+
+
+class _Fallback(Exception):
+    """A reason to run one call dense (not an error of the host)."""
+
+
+class ChorusAttention:
+    """One patched model's view of a request's :class:`Plan`.
+
+    Args:
+        plan: the request's plan; Wan 2.2 A14B passes the SAME plan to both experts' handles.
+        config: :class:`SparseConfig`.
+        model_info: :class:`ModelInfo` of this model (``wan_model_info``); an unsupported model runs
+            dense, with a message in ``plan.stats.messages``.
+
+    Per sampler run: :meth:`begin_run` (optional ``sample_sigmas`` of the run; registers the expert,
+    checks the schedule against a hit's entry) and :meth:`end_run` (drops device copies of maps).
+    ``self_attention`` begins a run by itself when the host did not.
+    """
+
+    def __init__(self, plan: Plan, config: SparseConfig, model_info: ModelInfo):
+        if not isinstance(plan, Plan):
+            raise ValueError(f"plan must be a chorus Plan, got {type(plan).__name__}")
+        if not isinstance(config, SparseConfig):
+            raise ValueError(f"config must be a SparseConfig, got {type(config).__name__}")
+        if not isinstance(model_info, ModelInfo):
+            raise ValueError(f"model_info must be a ModelInfo, got {type(model_info).__name__}")
+        self.plan = plan
+        self.config = config
+        self.model_info = model_info
+        self.expert: int | None = None
+        self.sample_sigmas: list[float] | None = None
+        self._running = False
+        self._maps: dict = {}
+        self._maps_step: int | None = None
+
+    def __deepcopy__(self, memo):
+        return self
+
+    # -- run bracket --------------------------------------------------------------------------
+    def begin_run(self, sample_sigmas=None) -> None:
+        """Start a sampler run: register this model as an expert of the request, check schedules.
+
+        ``sample_sigmas``: the run's schedule (descending sigmas, the last usually 0) or None.
+        """
+        plan = self.plan
+        sig = None
+        if sample_sigmas is not None:
+            sig = [float(s) for s in (sample_sigmas.tolist() if hasattr(sample_sigmas, "tolist") else sample_sigmas)]
+            if not sig or not all(math.isfinite(s) for s in sig):
+                plan.note(f"ignoring a sampler schedule with non-finite or no values: {sig}")
+                sig = None
+        self.sample_sigmas = sig
+        self._maps.clear()
+        self._maps_step = None
+        self._running = True
+        plan.stats.runs += 1
+        self.expert = plan.register_expert(self.model_info)
+        if self.expert is not None and plan.is_hit:
+            entry_bs = plan.entry_meta["signature"].get("block_size")
+            if entry_bs != self.config.block_size:
+                plan.demote(f"entry block size {entry_bs} differs from {self.config.block_size}")
+        if self.expert is not None and plan.is_hit and sig:
+            starts = sig[:-1] if len(sig) > 1 else sig
+            schedule = plan.step_sigmas
+            missing = [s for s in starts if match_step(s, schedule) is None]
+            if missing:
+                plan.demote(f"step schedule differs from the entry's (sigma {missing[0]:.4g} not in "
+                            f"{[round(s, 4) for s in schedule]})")
+
+    def end_run(self) -> None:
+        """End a sampler run: drop per-run state (device maps); the plan keeps request state."""
+        self._maps.clear()
+        self._maps_step = None
+        self._running = False
+        self.expert = None
+        self.sample_sigmas = None
+
+    # -- the call ------------------------------------------------------------------------------
+    def self_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layer: int, sigma: float,
+                       grid, dense_fn, cond_rows=None) -> torch.Tensor:
+        """Attention output ``[B, H, L, D]`` for one self-attention call.
+
+        ``q, k, v``: ``[B, H, L, D]`` (post-norm, post-RoPE). ``layer``: block index of the model.
+        ``sigma``: current sigma (float or tensor; first element used). ``grid``: token grid
+        ``(T', H', W')`` with ``T'*H'*W' == L``. ``cond_rows``: bool ``[B]`` marking rows of positive
+        conditioning (recorded on a miss) or None (all rows). ``dense_fn(q, k, v)``: the host's dense
+        attention, used on a miss and for every fallback.
+        """
+        start = time.perf_counter()
+        try:
+            if not self._running:
+                self.begin_run()
+            if self.expert is None:
+                self.plan.stats.dense_calls += 1
+                return dense_fn(q, k, v)
+            if self.plan.is_hit:
+                return self._sparse(q, k, v, layer, sigma, grid, dense_fn)
+            return self._dense_and_record(q, k, v, layer, sigma, grid, dense_fn, cond_rows)
+        finally:
+            self.plan.stats.attention_seconds += time.perf_counter() - start
+
+    def _check(self, q, k, v, layer, grid) -> tuple[int, int, int]:
+        if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
+            raise _Fallback("q/k/v are not tensors")
+        if q.dim() != 4 or q.shape != k.shape or q.shape[:3] != v.shape[:3]:
+            raise _Fallback(f"unexpected q/k/v shapes {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+        try:
+            grid = tuple(int(g) for g in grid)
+        except (TypeError, ValueError):
+            raise _Fallback(f"bad token grid {grid!r}") from None
+        if len(grid) != 3 or grid[0] * grid[1] * grid[2] != q.shape[2]:
+            raise _Fallback(f"token grid {grid} does not hold the {q.shape[2]} tokens of this call "
+                            "(extra reference / concatenated tokens?)")
+        if not (0 <= int(layer) < max(self.model_info.num_layers, 1)):
+            raise _Fallback(f"layer index {layer} outside the model's {self.model_info.num_layers} layers")
+        if q.shape[1] != self.model_info.num_heads:
+            raise _Fallback(f"{q.shape[1]} heads in the call, the model has {self.model_info.num_heads}")
+        return grid
+
+    def _sigma(self, sigma) -> float:
+        if isinstance(sigma, torch.Tensor):
+            if sigma.numel() == 0:
+                raise _Fallback("empty sigma tensor")
+            sigma = sigma.reshape(-1)[0].item()
+        return step_sigma(float(sigma), self.sample_sigmas)
+
+    def _sparse(self, q, k, v, layer, sigma, grid, dense_fn):
+        plan, cfg = self.plan, self.config
+        try:
+            grid = self._check(q, k, v, layer, grid)
+            s = self._sigma(sigma)
+            step = match_step(s, plan.step_sigmas)
+            if step is None:
+                raise _Fallback(f"sigma {s:.4g} is not a step of the entry's schedule")
+            block_map, kept = self._device_map(step, int(layer), q)
+            out = kernels.block_sparse_attention(q, k, v, block_map, block_size=cfg.block_size, backend=cfg.backend)
+        except Exception as exc:  # noqa: BLE001 - never crash sampling: dense for this call
+            why = str(exc) if isinstance(exc, _Fallback) else f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            plan.note(f"sparse attention not used for a call ({why}); dense attention instead")
+            plan.stats.fallback_calls += 1
+            return dense_fn(q, k, v)
+        batch = q.shape[0]
+        plan.stats.sparse_calls += 1
+        plan.stats.blocks_total += batch * block_map.shape[1] * block_map.shape[2] * block_map.shape[3]
+        plan.stats.blocks_computed += batch * kept
+        return out
+
+    def _device_map(self, step: int, layer: int, q: torch.Tensor):
+        """Final bool map ``[1, H, Qb, Kb]`` on q's device for (this expert, step, layer), and its count.
+
+        stored (resampled) map | k_min floor | visit-refresh extra pairs; built once per key and run.
+        """
+        if self._maps_step != step:  # keep only the current step's maps on the device
+            self._maps.clear()
+            self._maps_step = step
+        key = (step, layer)
+        if key in self._maps:
+            return self._maps[key]
+        cfg = self.config
+        try:
+            stored = self.plan.stored_map(self.expert, step, layer, block_size=cfg.block_size, top_p=cfg.top_p,
+                                          k_min=cfg.k_min)
+        except KeyError:
+            raise _Fallback(f"the entry has no mask for expert {self.expert}, step {step}, layer {layer}") from None
+        heads, length = q.shape[1], q.shape[2]
+        qb = -(-length // cfg.block_size)
+        if tuple(stored.shape[-2:]) != (qb, qb) or stored.shape[0] not in (1, heads):
+            raise _Fallback(f"entry mask {tuple(stored.shape)} does not fit {heads} heads x {qb} blocks")
+        block_map = floor_k_min(stored.to(q.device), cfg.k_min)
+        if block_map.shape[0] == 1 and heads > 1:
+            block_map = block_map.expand(heads, qb, qb).clone()
+        if cfg.refresh_steps > 0:
+            refresh = self.plan.refresh_state(cfg.refresh_steps)
+            block_map = block_map | refresh.extra_pairs(layer, block_map, step)
+            refresh.record(layer, block_map, step)
+        block_map = block_map[None]
+        entry = (block_map, int(block_map.sum()))
+        self._maps[key] = entry
+        return entry
+
+    def _dense_and_record(self, q, k, v, layer, sigma, grid, dense_fn, cond_rows):
+        plan, cfg = self.plan, self.config
+        out = dense_fn(q, k, v)
+        plan.stats.dense_calls += 1
+        recorder = plan.recorder
+        if recorder is None or recorder.incomplete_reason is not None:
+            return out
+        try:
+            grid = self._check(q, k, v, layer, grid)
+            qs, ks = q, k
+            if cond_rows is not None:
+                rows = torch.as_tensor(cond_rows, dtype=torch.bool, device=q.device).reshape(-1)
+                if rows.numel() != q.shape[0]:
+                    raise _Fallback(f"cond_rows has {rows.numel()} entries for a batch of {q.shape[0]}")
+                if not bool(rows.any()):
+                    return out  # negative conditioning only: the positive rows carry the mask
+                if not bool(rows.all()):
+                    qs, ks = q[rows], k[rows]
+            s = self._sigma(sigma)
+            with torch.no_grad():
+                mass = kernels.block_mass(qs, ks, block_size=cfg.block_size, sample_rows=cfg.sample_rows)
+                first_frame = kernels.first_frame_blocks(grid[1] * grid[2], cfg.block_size)
+                recorder.add(self.expert, s, int(layer), mass, grid=grid, top_p=cfg.top_p, k_min=cfg.k_min,
+                             keep_first_frame_blocks=first_frame, block_size=cfg.block_size)
+            plan.stats.recorded_calls += 1
+        except Exception as exc:  # noqa: BLE001 - the dense output stands; no partial entry is written
+            why = str(exc) if isinstance(exc, _Fallback) else f"{type(exc).__name__}: {exc}"
+            recorder.mark_incomplete(why)
+            plan.note(f"recording stopped ({why}); this request will not be written to the cache")
+        return out
