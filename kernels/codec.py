@@ -90,7 +90,9 @@ def to_flex_block_mask(block_map: torch.Tensor, *, block_size: int = 128, q_len:
 
     ``q_len``/``kv_len`` default to ``Qb * block_size`` / ``Kb * block_size``; for a partial last
     block pass the true lengths (FlexAttention masks the padding itself). A kept block becomes a
-    full block (no ``mask_mod`` evaluation), so the mask is exact and cheap.
+    full block (no ``mask_mod`` evaluation in compiled kernels). The ``mask_mod`` looks the block up
+    in the map too, because FlexAttention's unfused (eager, CPU) path ignores the block structure and
+    applies only ``mask_mod`` to the full score matrix.
     """
     from torch.nn.attention.flex_attention import BlockMask
 
@@ -109,8 +111,13 @@ def to_flex_block_mask(block_map: torch.Tensor, *, block_size: int = 128, q_len:
     order = torch.argsort((~block_map).to(torch.int8), dim=-1, stable=True).to(torch.int32)
     empty_counts = torch.zeros_like(counts)
     empty_indices = torch.zeros_like(order)
+    dense_map = block_map
+
+    def block_map_mod(b, h, q_idx, kv_idx):
+        return dense_map[b % dense_map.shape[0], h % dense_map.shape[1], q_idx // block_size, kv_idx // block_size]
+
     return BlockMask.from_kv_blocks(
-        empty_counts, empty_indices, counts, order, BLOCK_SIZE=block_size, mask_mod=None,
+        empty_counts, empty_indices, counts, order, BLOCK_SIZE=block_size, mask_mod=block_map_mod,
         seq_lengths=(q_len, kv_len), compute_q_blocks=False,
     )
 

@@ -91,9 +91,10 @@ def select_blocks(mass: torch.Tensor, *, top_p: float, k_min: int, keep_diagonal
     before = torch.cumsum(sorted_mass, dim=-1) - sorted_mass  # mass of the better blocks
     row_total = sorted_mass.sum(-1, keepdim=True)
     target = float(top_p) * row_total
-    # A block is needed while the better blocks have not yet reached the target; the tolerance keeps
-    # top_p=1 from keeping zero-mass blocks because of rounding in the cumulative sum.
-    needed = before < target - 1e-9 * row_total
+    # A block is needed while the better blocks have not yet reached the target. The 1e-6 relative
+    # tolerance absorbs float32 rounding of the input mass and of the cumulative sum (so top_p=1 keeps
+    # no zero-mass block and a target met exactly counts as met).
+    needed = before < target - 1e-6 * row_total
     needed[..., 0] = True
     rank = torch.arange(num_kv, device=mass.device)
     needed |= rank < min(int(k_min), num_kv)

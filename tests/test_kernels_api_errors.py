@@ -1,0 +1,59 @@
+"""Bad input to the public kernel API raises ValueError naming the problem."""
+
+import pytest
+import torch
+
+import chorus.kernels as K
+from testing import make_qkv
+
+
+def _full(qb, kb):
+    return torch.ones(1, 1, qb, kb, dtype=torch.bool)
+
+
+def test_mismatched_shapes():
+    q, k, v = make_qkv(q_len=100)
+    with pytest.raises(ValueError, match="share B, H and D"):
+        K.block_sparse_attention(q, k[..., :32], v[..., :32], _full(2, 2), block_size=64)
+    with pytest.raises(ValueError, match="v .* must have k's shape"):
+        K.block_sparse_attention(q, k, v[:, :, :50], _full(2, 2), block_size=64)
+    with pytest.raises(ValueError, match=r"\[B, H, L, D\]"):
+        K.block_sparse_attention(q[0], k[0], v[0], _full(2, 2), block_size=64)
+
+
+def test_wrong_block_grid():
+    q, k, v = make_qkv(q_len=100)
+    with pytest.raises(ValueError, match="does not match the block grid"):
+        K.block_sparse_attention(q, k, v, _full(1, 1), block_size=64)
+    with pytest.raises(ValueError, match="does not match the block grid"):
+        K.block_sparse_attention(q, k, v, _full(2, 2), block_size=32)
+
+
+def test_empty_row():
+    q, k, v = make_qkv(q_len=100)
+    block_map = _full(2, 2).clone()
+    block_map[0, 0, 1] = False
+    with pytest.raises(ValueError, match="keeps no key block"):
+        K.block_sparse_attention(q, k, v, block_map, block_size=64)
+
+
+def test_map_dtype_and_broadcast_dims():
+    q, k, v = make_qkv(batch=2, heads=2, q_len=64)
+    with pytest.raises(ValueError, match="bool"):
+        K.block_sparse_attention(q, k, v, torch.ones(1, 1, 1, 1), block_size=64)
+    with pytest.raises(ValueError, match="head dim"):
+        K.block_sparse_attention(q, k, v, torch.ones(1, 3, 1, 1, dtype=torch.bool), block_size=64)
+    with pytest.raises(ValueError, match="batch dim"):
+        K.block_sparse_attention(q, k, v, torch.ones(3, 1, 1, 1, dtype=torch.bool), block_size=64)
+
+
+def test_bad_backend_and_block_size():
+    q, k, v = make_qkv(q_len=64)
+    with pytest.raises(ValueError, match="unknown backend"):
+        K.block_sparse_attention(q, k, v, _full(1, 1), block_size=64, backend="cuda_magic")
+    with pytest.raises(ValueError, match="block_size"):
+        K.block_sparse_attention(q, k, v, _full(1, 1), block_size=0)
+    with pytest.raises(ValueError, match="sample_rows"):
+        K.block_mass(q, k, block_size=64, sample_rows=0)
+    with pytest.raises(K.BackendUnavailableError, match="flex has no block_mass"):
+        K.block_mass(q, k, block_size=64, backend="flex")

@@ -1,0 +1,103 @@
+"""block_mass and select_blocks: semantics, brute-force checks and bad input."""
+
+import math
+
+import pytest
+import torch
+
+import chorus.kernels as K
+from testing import make_qkv
+
+
+def brute_force_mass(q, k, block_size):
+    probs = torch.softmax((q.double() @ k.double().transpose(-1, -2)) / math.sqrt(q.shape[-1]), dim=-1)
+    qb, kb = -(-q.shape[2] // block_size), -(-k.shape[2] // block_size)
+    out = torch.zeros(q.shape[0], q.shape[1], qb, kb, dtype=torch.float64)
+    for i in range(qb):
+        for j in range(kb):
+            rows = probs[:, :, i * block_size:(i + 1) * block_size, j * block_size:(j + 1) * block_size]
+            out[:, :, i, j] = rows.sum(-1).mean(-1)
+    return out
+
+
+@pytest.mark.parametrize("seq_len,block_size", [(97, 32), (300, 64), (1025, 128)])
+def test_block_mass_exact_matches_brute_force(seq_len, block_size):
+    q, k, _ = make_qkv(heads=2, q_len=seq_len, seed=seq_len)
+    mass = K.block_mass(q, k, block_size=block_size)
+    assert mass.dtype == torch.float32
+    torch.testing.assert_close(mass.double(), brute_force_mass(q, k, block_size), atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(mass.sum(-1), torch.ones_like(mass.sum(-1)), atol=1e-5, rtol=0)
+
+
+def test_block_mass_sampled_rows_estimate():
+    q, k, _ = make_qkv(heads=2, q_len=1025, seed=1)
+    exact = K.block_mass(q, k, block_size=128)
+    sampled = K.block_mass(q, k, block_size=128, sample_rows=32)
+    torch.testing.assert_close(sampled.sum(-1), torch.ones_like(sampled.sum(-1)), atol=1e-5, rtol=0)
+    assert not torch.equal(sampled, exact)
+    # A 32-of-128 row sample estimates the block mean; its error is well below the mass itself.
+    assert (sampled - exact).abs().max() < 0.1
+    assert (sampled - exact).abs().mean() < 0.01
+    full_sample = K.block_mass(q, k, block_size=128, sample_rows=128)
+    torch.testing.assert_close(full_sample, exact)
+
+
+def test_select_blocks_top_p_semantics():
+    mass = torch.tensor([[[[0.5, 0.3, 0.15, 0.05]]]])
+    for top_p, want in [(0.5, [1, 0, 0, 0]), (0.51, [1, 1, 0, 0]), (0.8, [1, 1, 0, 0]),
+                        (0.81, [1, 1, 1, 0]), (1.0, [1, 1, 1, 1])]:
+        got = K.select_blocks(mass, top_p=top_p, k_min=0, keep_diagonal=False)
+        assert got[0, 0, 0].tolist() == [bool(x) for x in want], top_p
+
+
+def test_select_blocks_floor_and_keep_sets():
+    mass = torch.tensor([[0.0, 0.05, 0.9, 0.05], [0.97, 0.01, 0.01, 0.01], [0.1, 0.2, 0.3, 0.4]])[None, None]
+    got = K.select_blocks(mass, top_p=0.5, k_min=2, keep_diagonal=False)
+    assert got.sum(-1).tolist() == [[[2, 2, 2]]]
+    assert got[0, 0, 0].tolist() == [False, True, True, False]  # tie 0.05/0.05 -> lower index
+    got = K.select_blocks(mass, top_p=0.5, k_min=0, keep_diagonal=True, keep_first_frame_blocks=1)
+    assert got[0, 0, :, 0].all()
+    assert got[0, 0, 1, 1] and got[0, 0, 2, 2]
+    assert got[0, 0, 2].tolist() == [True, False, True, True]
+
+
+def test_select_blocks_top_p_one_keeps_exactly_nonzero():
+    mass = torch.softmax(torch.randn(2, 3, 8, 8), -1)  # no block below the 1e-6 rounding tolerance
+    mass[..., 5] = 0
+    mass = mass / mass.sum(-1, keepdim=True)
+    got = K.select_blocks(mass, top_p=1.0, k_min=0, keep_diagonal=False)
+    assert torch.equal(got, mass > 0)
+
+
+def test_select_blocks_reaches_top_p_minimally():
+    gen = torch.Generator().manual_seed(0)
+    mass = torch.softmax(torch.randn(1, 4, 16, 16, generator=gen) * 2, -1)
+    got = K.select_blocks(mass, top_p=0.8, k_min=0, keep_diagonal=False)
+    kept = (mass * got).sum(-1)
+    assert (kept >= 0.8 - 1e-6).all()
+    # Dropping the smallest kept block of any row falls below top_p (minimality).
+    smallest = torch.where(got, mass, torch.full_like(mass, float("inf"))).min(-1).values
+    assert (kept - smallest < 0.8).all()
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(top_p=-0.1), "top_p"),
+    (dict(k_min=-1), "k_min"), (dict(keep_first_frame_blocks=-2), "keep_first_frame_blocks"),
+])
+def test_select_blocks_bad_arguments(bad, match):
+    args = dict(top_p=0.9, k_min=1) | bad
+    with pytest.raises(ValueError, match=match):
+        K.select_blocks(torch.full((1, 1, 2, 2), 0.5), **args)
+
+
+@pytest.mark.parametrize("value,match", [(float("nan"), "NaN"), (float("inf"), "inf"), (-0.5, "negative")])
+def test_select_blocks_bad_mass(value, match):
+    mass = torch.full((1, 1, 3, 3), 1 / 3)
+    mass[0, 0, 1, 2] = value
+    with pytest.raises(ValueError, match=match):
+        K.select_blocks(mass, top_p=0.9, k_min=1)
+
+
+def test_select_blocks_rejects_non_float():
+    with pytest.raises(ValueError, match="floating"):
+        K.select_blocks(torch.ones(1, 1, 2, 2, dtype=torch.bool), top_p=0.9, k_min=1)

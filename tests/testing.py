@@ -1,0 +1,41 @@
+"""Shared oracles and input builders for the Chorus II tests."""
+
+from __future__ import annotations
+
+import torch
+
+from chorus.kernels.masks import num_blocks
+from chorus.kernels.reference import dense_attention_oracle, masked_attention_eager
+
+
+def make_qkv(batch=1, heads=2, q_len=300, kv_len=None, head_dim=64, dtype=torch.float32, seed=0, device="cpu"):
+    """Seeded q, k, v ``[B, H, L, D]``; q/k scaled so the softmax is peaked (like trained models)."""
+    gen = torch.Generator().manual_seed(seed)
+    kv_len = q_len if kv_len is None else kv_len
+    q = torch.randn(batch, heads, q_len, head_dim, generator=gen) * 1.5
+    k = torch.randn(batch, heads, kv_len, head_dim, generator=gen) * 1.5
+    v = torch.randn(batch, heads, kv_len, head_dim, generator=gen)
+    return tuple(t.to(device=device, dtype=dtype) for t in (q, k, v))
+
+
+def random_block_map(batch, heads, q_len, kv_len, block_size, density=0.5, seed=0):
+    """Random bool map with the diagonal kept, so no row is empty."""
+    gen = torch.Generator().manual_seed(seed)
+    qb, kb = num_blocks(q_len, block_size), num_blocks(kv_len, block_size)
+    keep = torch.rand(batch, heads, qb, kb, generator=gen) < density
+    diag = torch.arange(min(qb, kb))
+    keep[..., diag, diag] = True
+    keep[..., :, 0] |= ~keep.any(-1)
+    return keep
+
+
+def assert_matches_oracle(out, q, k, v, block_map, block_size, factor=2.0):
+    """Error of ``out`` vs the fp64 oracle is at most ``factor`` x the error of eager attention at
+    the inputs' dtype (plus a small absolute floor of a few output ulps for exact-in-fp32 paths)."""
+    oracle = dense_attention_oracle(q, k, v, block_map, block_size)
+    eager = masked_attention_eager(q, k, v, block_map, block_size).double()
+    err = (out.double() - oracle).abs().max().item()
+    err_eager = (eager - oracle).abs().max().item()
+    floor = 4 * torch.finfo(q.dtype).eps * oracle.abs().max().item()
+    assert err <= factor * err_eager + floor, f"error {err:.3e} > {factor} x eager {err_eager:.3e} + {floor:.1e}"
+    return err, err_eager
