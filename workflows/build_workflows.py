@@ -267,7 +267,7 @@ def wan22_a14b_i2v_4step() -> Graph:
         "- loras/wan2.2_i2v_lightx2v_4steps_lora_v1_high_noise.safetensors\n"
         "- loras/wan2.2_i2v_lightx2v_4steps_lora_v1_low_noise.safetensors\n"
         "- text_encoders/umt5_xxl_fp8_e4m3fn_scaled.safetensors\n"
-        "- vae/wan_2.1_vae.safetensors")}, pos=(-420, 0), size=(380, 420))
+        "- vae/wan_2.1_vae.safetensors")}, pos=(0, 880), size=(380, 420))
     high = g.add("UNETLoader", {"unet_name": "wan2.2_i2v_high_noise_14B_fp8_scaled.safetensors",
                                 "weight_dtype": "default"}, pos=(0, 0), size=(380, 82), title="Load high-noise expert")
     low = g.add("UNETLoader", {"unet_name": "wan2.2_i2v_low_noise_14B_fp8_scaled.safetensors",
@@ -318,7 +318,7 @@ def wan22_ti2v_5b() -> Graph:
         "Model files (ComfyUI/models/...):\n"
         "- diffusion_models/wan2.2_ti2v_5B_fp16.safetensors\n"
         "- text_encoders/umt5_xxl_fp8_e4m3fn_scaled.safetensors\n"
-        "- vae/wan2.2_vae.safetensors")}, pos=(-420, 0), size=(380, 300))
+        "- vae/wan2.2_vae.safetensors")}, pos=(0, 750), size=(380, 300))
     unet = g.add("UNETLoader", {"unet_name": "wan2.2_ti2v_5B_fp16.safetensors", "weight_dtype": "default"},
                  pos=(0, 0), size=(380, 82))
     clip = g.add("CLIPLoader", {"clip_name": "umt5_xxl_fp8_e4m3fn_scaled.safetensors", "type": "wan",
@@ -354,7 +354,7 @@ def wan21_i2v_14b() -> Graph:
         "- diffusion_models/wan2.1_i2v_480p_14B_fp16.safetensors\n"
         "- text_encoders/umt5_xxl_fp8_e4m3fn_scaled.safetensors\n"
         "- clip_vision/clip_vision_h.safetensors\n"
-        "- vae/wan_2.1_vae.safetensors")}, pos=(-420, 0), size=(380, 320))
+        "- vae/wan_2.1_vae.safetensors")}, pos=(0, 860), size=(380, 320))
     unet = g.add("UNETLoader", {"unet_name": "wan2.1_i2v_480p_14B_fp16.safetensors", "weight_dtype": "default"},
                  pos=(0, 0), size=(380, 82))
     clip = g.add("CLIPLoader", {"clip_name": "umt5_xxl_fp8_e4m3fn_scaled.safetensors", "type": "wan",

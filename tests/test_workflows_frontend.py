@@ -1,0 +1,142 @@
+"""The graph editor (ComfyUI's own frontend) loads each UI workflow of ``workflows/`` cleanly.
+
+A headless ComfyUI (CPU, this pack in its custom nodes; see ``tests/frontend/comfy_host.py``) serves
+its frontend (the comfyui-frontend-package of ComfyUI's requirements.txt); headless Chromium (Debian's
+``chromium``, driven by the ``playwright`` package; no browser is downloaded) opens it, and for each
+workflow the test calls ``app.loadGraphData(workflow)`` and checks:
+- no "Some Nodes Are Missing" dialog, and every node type is registered with LiteGraph;
+- the loaded graph has the workflow's nodes and exactly its links (origin/target node and slot, type);
+- every widget shows the value the workflow stores (catches a widget order the editor reads otherwise);
+- no page error and no console error while loading (network-resource errors excepted: the editor
+  probes resources that a machine without network does not have);
+and saves a screenshot ``<workflow>.png`` (under ``$CHORUS_SCREENSHOT_DIR`` when set, else a pytest
+temporary folder; the path is printed).
+
+Skips, with the reason, without a ComfyUI checkout, without the ``playwright`` package or without a
+Chromium binary (``$CHROMIUM``, /usr/bin/chromium). Install: ``apt-get install -y chromium`` and
+``pip install playwright`` (never ``playwright install``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.host
+
+WORKFLOWS_DIR = Path(__file__).resolve().parents[1] / "workflows"
+UI_FILES = sorted(WORKFLOWS_DIR.glob("*.json"))
+NETWORK_NOISE = ("Failed to load resource", "net::ERR_", "ERR_NAME_NOT_RESOLVED", "ERR_INTERNET_DISCONNECTED")
+
+GRAPH_STATE_JS = """() => {
+  const g = window.app.graph;
+  const links = g.links instanceof Map ? Array.from(g.links.values()) : Object.values(g.links || {});
+  return {
+    nodes: g._nodes.map(n => ({
+      id: n.id, type: n.type,
+      registered: !!window.LiteGraph.registered_node_types[n.type],
+      has_errors: !!n.has_errors,
+      widgets: (n.widgets || []).map(w => [w.name, w.value]),
+    })),
+    links: links.filter(l => l).map(l => [l.origin_id, l.origin_slot, l.target_id, l.target_slot, l.type]),
+    dialogs: Array.from(document.querySelectorAll('.p-dialog')).map(d => d.innerText.slice(0, 500)),
+  };
+}"""
+
+
+def _host():
+    name = "chorus_tests_comfy_host"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).parent / "frontend" / "comfy_host.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = _host().shared_server()
+    if isinstance(srv, str):
+        pytest.skip(srv)
+    if isinstance(srv, Exception):
+        pytest.fail(f"ComfyUI did not start: {srv}")
+    # Settings of a fresh user: no "Get started with a template" dialog, no minimap over the graph.
+    settings = srv.workdir / "user" / "default" / "comfy.settings.json"
+    settings.parent.mkdir(parents=True, exist_ok=True)
+    settings.write_text(json.dumps({"Comfy.TutorialCompleted": True, "Comfy.Minimap.Visible": False}))
+    return srv
+
+
+@pytest.fixture(scope="module")
+def browser_page(server):
+    sync_api = pytest.importorskip("playwright.sync_api", reason="the playwright package is not installed")
+    chromium = _host().find_chromium()
+    if chromium is None:
+        pytest.skip("no Chromium binary (apt-get install -y chromium, or set $CHROMIUM)")
+    events: list[tuple[str, str]] = []
+    with sync_api.sync_playwright() as pw:
+        context = pw.chromium.launch_persistent_context(
+            tempfile.mkdtemp(prefix="chorus_chromium_"), executable_path=chromium, headless=True,
+            args=_host().CHROMIUM_FLAGS, viewport={"width": 1600, "height": 1000})
+        try:
+            page = context.new_page()
+            page.on("console", lambda msg: events.append((msg.type, msg.text)))
+            page.on("pageerror", lambda err: events.append(("pageerror", str(err))))
+            page.goto(server.url, timeout=120_000)
+            page.wait_for_function("() => window.app && window.app.graph && window.LiteGraph", timeout=120_000)
+            # Node definitions arrive asynchronously; wait until ours are registered.
+            page.wait_for_function(
+                "() => !!window.LiteGraph.registered_node_types['ChorusMaskRetrieve']", timeout=60_000)
+            startup = list(events)
+            if any(kind == "pageerror" for kind, _ in startup):
+                print("page errors while the editor started (before any workflow was loaded):",
+                      [text for kind, text in startup if kind == "pageerror"])
+            yield page, events
+        finally:
+            context.close()
+
+
+@pytest.fixture(scope="module")
+def screenshot_dir(tmp_path_factory):
+    path = os.environ.get("CHORUS_SCREENSHOT_DIR")
+    if path:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        return Path(path)
+    return tmp_path_factory.mktemp("screenshots")
+
+
+@pytest.mark.parametrize("ui_path", UI_FILES, ids=lambda p: p.stem)
+def test_graph_editor_loads_workflow(ui_path, browser_page, screenshot_dir):
+    page, events = browser_page
+    workflow = json.loads(ui_path.read_text(encoding="utf-8"))
+    page.evaluate("() => window.app.graph.clear()")
+    first_event = len(events)
+    page.evaluate("async (wf) => { await window.app.loadGraphData(wf); }", workflow)
+    time.sleep(1.0)  # let dialogs open and the canvas draw
+    page.evaluate("() => window.app.canvas.setDirty(true, true)")
+    state = page.evaluate(GRAPH_STATE_JS)
+    shot = screenshot_dir / f"{ui_path.stem}.png"
+    page.screenshot(path=str(shot))
+    print(f"screenshot: {shot}")
+
+    missing_dialogs = [d for d in state["dialogs"] if "missing" in d.lower()]
+    assert not missing_dialogs, missing_dialogs
+    assert all(n["registered"] for n in state["nodes"]), [n["type"] for n in state["nodes"] if not n["registered"]]
+    assert not [n for n in state["nodes"] if n["has_errors"]]
+    assert sorted((n["id"], n["type"]) for n in state["nodes"]) == sorted((n["id"], n["type"]) for n in workflow["nodes"])
+    assert sorted(map(tuple, state["links"])) == sorted(tuple(link[1:]) for link in workflow["links"])
+    loaded = {n["id"]: n for n in state["nodes"]}
+    for node in workflow["nodes"]:
+        shown = [value for _, value in loaded[node["id"]]["widgets"]]
+        assert shown == node.get("widgets_values", []), (node["type"], loaded[node["id"]]["widgets"])
+    problems = [(kind, text) for kind, text in events[first_event:]
+                if kind in ("error", "pageerror") and not any(s in text for s in NETWORK_NOISE)]
+    assert not problems, problems

@@ -1,0 +1,158 @@
+"""The example workflows against a real ComfyUI (headless, CPU, this pack in its custom nodes).
+
+Skips with a reason when no ComfyUI checkout is found (``COMFYUI_DIR``, ``/opt/ComfyUI``, or the
+folder this pack sits in). Checks, using the server's own ``/object_info`` and validator:
+- every node type of every UI workflow is a ComfyUI core node or a node of this pack (frontend-only
+  note nodes excepted);
+- each link joins an output and an input whose types ComfyUI declares equal;
+- each node's ``widgets_values`` has one value per widget input (plus the UI-only seed control and
+  image-upload widgets), and each value sits where the API twin says (same name, same value);
+- each API twin passes ``POST /prompt`` validation except for the model files, which a test server
+  does not have (only ``value_not_in_list`` on the model-file inputs is allowed, and every model file
+  is reported missing, so the validator reached each loader).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.host
+
+WORKFLOWS_DIR = Path(__file__).resolve().parents[1] / "workflows"
+UI_FILES = sorted(WORKFLOWS_DIR.glob("*.json"))
+VIRTUAL_TYPES = {"MarkdownNote", "Note", "Reroute", "PrimitiveNode"}
+WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
+MODEL_FILE_INPUTS = {
+    ("UNETLoader", "unet_name"), ("CLIPLoader", "clip_name"), ("VAELoader", "vae_name"),
+    ("CLIPVisionLoader", "clip_name"), ("LoraLoaderModelOnly", "lora_name"),
+}
+CHORUS_NODES = {"ChorusMaskRetrieve", "ChorusSparseSampler", "ChorusFeatureReuse", "ChorusGuidanceBoost",
+                "ChorusCacheWrite"}
+
+
+def _host():
+    name = "chorus_tests_comfy_host"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).parent / "frontend" / "comfy_host.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+@pytest.fixture(scope="module")
+def server():
+    host = _host()
+    srv = host.shared_server()
+    if isinstance(srv, str):
+        pytest.skip(srv)
+    if isinstance(srv, Exception):
+        pytest.fail(f"ComfyUI did not start: {srv}")
+    return srv
+
+
+@pytest.fixture(scope="module")
+def object_info(server):
+    return _host().shared_object_info()
+
+
+def _load(path: Path) -> dict:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _is_widget(spec) -> bool:
+    typ = spec[0]
+    opts = spec[1] if len(spec) > 1 and isinstance(spec[1], dict) else {}
+    return (isinstance(typ, list) or typ in WIDGET_TYPES) and not opts.get("forceInput")
+
+
+def _widget_layout(info: dict) -> list[str]:
+    """Widget names in the order the graph editor creates them; "" for UI-only widgets."""
+    names = []
+    for category in ("required", "optional"):
+        for name in info.get("input_order", {}).get(category, []):
+            spec = info["input"][category][name]
+            if not _is_widget(spec):
+                continue
+            names.append(name)
+            opts = spec[1] if len(spec) > 1 and isinstance(spec[1], dict) else {}
+            if opts.get("control_after_generate"):
+                names.append("")
+            if opts.get("image_upload") or opts.get("video_upload") or opts.get("audio_upload"):
+                names.append("")
+    return names
+
+
+def _input_type(info: dict, name: str) -> str:
+    for category in ("required", "optional"):
+        if name in info["input"].get(category, {}):
+            typ = info["input"][category][name][0]
+            return "COMBO" if isinstance(typ, list) else typ
+    raise KeyError(name)
+
+
+def test_pack_nodes_are_registered(object_info):
+    missing = CHORUS_NODES - set(object_info)
+    assert not missing, f"pack nodes missing from /object_info: {sorted(missing)}"
+    for name in CHORUS_NODES:
+        assert object_info[name]["category"] == "Chorus II"
+
+
+@pytest.mark.parametrize("ui_path", UI_FILES, ids=lambda p: p.stem)
+def test_node_types_links_and_widgets_match_comfyui(ui_path, object_info):
+    wf = _load(ui_path)
+    api = _load(WORKFLOWS_DIR / "api" / f"{ui_path.stem}_api.json")
+    nodes = {n["id"]: n for n in wf["nodes"]}
+    unknown = sorted({n["type"] for n in wf["nodes"]} - set(object_info) - VIRTUAL_TYPES)
+    assert not unknown, f"node types unknown to this ComfyUI + pack: {unknown}"
+    for link_id, src, src_slot, dst, dst_slot, typ in wf["links"]:
+        src_info, dst_info = object_info[nodes[src]["type"]], object_info[nodes[dst]["type"]]
+        assert src_info["output"][src_slot] == typ, f"link {link_id}: origin type"
+        dst_name = nodes[dst]["inputs"][dst_slot]["name"]
+        assert _input_type(dst_info, dst_name) == typ, f"link {link_id}: target {dst_name}"
+    for node in wf["nodes"]:
+        if node["type"] in VIRTUAL_TYPES:
+            continue
+        info = object_info[node["type"]]
+        # Socket names and output names/types as ComfyUI declares them.
+        for inp in node["inputs"]:
+            assert _input_type(info, inp["name"]) == inp["type"], f"{node['type']}.{inp['name']}"
+        assert [o["type"] for o in node["outputs"]] == list(info["output"]), node["type"]
+        layout = _widget_layout(info)
+        values = node.get("widgets_values", [])
+        assert len(values) == len(layout), f"{node['type']}: {len(values)} widget values, layout {layout}"
+        api_inputs = api[str(node["id"])]["inputs"]
+        for name, value in zip(layout, values):
+            if name:
+                assert api_inputs[name] == value, f"{node['type']}.{name}: API {api_inputs[name]!r} UI {value!r}"
+        literal_names = {k for k, v in api_inputs.items() if not isinstance(v, list)}
+        assert literal_names == {n for n in layout if n}, node["type"]
+
+
+@pytest.mark.parametrize("ui_path", UI_FILES, ids=lambda p: p.stem)
+def test_api_twin_passes_comfyui_validation_but_for_model_files(ui_path, server, object_info):
+    from PIL import Image
+
+    api = _load(WORKFLOWS_DIR / "api" / f"{ui_path.stem}_api.json")
+    for node in api.values():  # the start image the LoadImage nodes name, in the server's input folder
+        if node["class_type"] == "LoadImage":
+            Image.new("RGB", (64, 64), (120, 90, 60)).save(server.workdir / "input" / node["inputs"]["image"])
+    status, body = server.post_json("/prompt", {"prompt": api, "client_id": uuid.uuid4().hex})
+    assert status == 400, f"a test server has no Wan model files, so validation must stop: {body}"
+    errors = body.get("node_errors", {})
+    reported = set()
+    for node_id, entry in errors.items():
+        for err in entry["errors"]:
+            key = (entry["class_type"], err.get("extra_info", {}).get("input_name"))
+            assert err["type"] == "value_not_in_list" and key in MODEL_FILE_INPUTS, (
+                f"node {node_id} {entry['class_type']}: {err['type']}: {err.get('details')}")
+            reported.add(node_id)
+    loaders = {k for k, v in api.items() if any(v["class_type"] == t for t, _ in MODEL_FILE_INPUTS)}
+    assert reported == loaders
