@@ -1,0 +1,99 @@
+"""Triton kernels for Hopper: FP8/bf16 block-sparse attention and block attention mass.
+
+Public entry points (called by :mod:`chorus.kernels.api` for backends ``triton_fp8``/``triton_bf16``):
+
+- :func:`block_sparse_attention_triton` ``(q, k, v, block_map, *, block_size, scale, fp8) -> Tensor``
+- :func:`block_mass_triton` ``(q, k, *, block_size, sample_rows, scale) -> float32 [B, H, Qb, Kb]``
+- :func:`triton_available` ``() -> (bool, reason)``
+
+Both launchers are ``torch.library`` custom ops (``torch.ops.chorus.block_sparse_attention_triton``,
+``torch.ops.chorus.block_mass_triton``) with fake (shape-only) implementations, so a model calling
+them compiles with ``torch.compile`` (they are opaque to the compiler). Importing this package
+imports ``triton``; it raises ImportError where Triton is missing (the API reports that as the
+reason the backend cannot run). Contracts: :mod:`._attention`, :mod:`._quant`, :mod:`._block_mass`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from ._attention import block_sparse_attention_triton_impl, compress_block_map
+from ._block_mass import block_mass_triton_impl
+
+__all__ = ["block_sparse_attention_triton", "block_mass_triton", "triton_available", "compress_block_map"]
+
+
+def triton_available() -> tuple[bool, str]:
+    """``(True, "")`` when the Triton kernels can launch here (a CUDA device, or the CPU interpreter
+    via ``TRITON_INTERPRET=1``), else ``(False, reason)``."""
+    try:
+        import triton  # noqa: F401
+    except Exception as exc:  # noqa: BLE001
+        return False, f"triton is not importable: {exc}"
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return True, ""
+    if not torch.cuda.is_available():
+        return False, "no CUDA device (set TRITON_INTERPRET=1 to run the kernels on CPU, slowly)"
+    return True, ""
+
+
+def _op_exists(name: str) -> bool:
+    try:
+        getattr(torch.ops.chorus, name)
+        return True
+    except (AttributeError, RuntimeError):
+        return False
+
+
+# The pack may be imported twice in one process under different names (ComfyUI imports the folder
+# under its clone name; tests import ``chorus``): register the ops only once.
+if not _op_exists("block_sparse_attention_triton"):
+    @torch.library.custom_op("chorus::block_sparse_attention_triton", mutates_args=())
+    def _bsa_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_map: torch.Tensor, block_size: int,
+                scale: float, fp8: bool) -> torch.Tensor:
+        return block_sparse_attention_triton_impl(q, k, v, block_map, block_size, scale, fp8)
+
+    @_bsa_op.register_fake
+    def _bsa_fake(q, k, v, block_map, block_size, scale, fp8):
+        return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+if not _op_exists("block_mass_triton"):
+    @torch.library.custom_op("chorus::block_mass_triton", mutates_args=())
+    def _mass_op(q: torch.Tensor, k: torch.Tensor, block_size: int, sample_rows: int, scale: float) -> torch.Tensor:
+        return block_mass_triton_impl(q, k, block_size, sample_rows if sample_rows > 0 else None, scale)
+
+    @_mass_op.register_fake
+    def _mass_fake(q, k, block_size, sample_rows, scale):
+        qb, kb = -(-q.shape[2] // block_size), -(-k.shape[2] // block_size)
+        return q.new_empty((q.shape[0], q.shape[1], qb, kb), dtype=torch.float32)
+
+
+def block_sparse_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_map: torch.Tensor, *,
+                                  block_size: int = 128, scale: float | None = None, fp8: bool = True) -> torch.Tensor:
+    """Block-sparse forward attention (FP8 e4m3 when ``fp8``, else the inputs' 16-bit dtype).
+
+    Args:
+        q: ``[B, H, Lq, D]``; k, v: ``[B, H, Lk, D]``; fp16/bf16, one device, unit stride on D, D 64|128.
+        block_map: bool ``[B or 1, H or 1, ceil(Lq/bs), ceil(Lk/bs)]`` on q's device.
+        block_size: power of two in [16, 256] (128 is the tuned size).
+        scale: softmax scale, default ``1/sqrt(D)``.
+        fp8: FP8 Q/K (per-128-token scales, K smoothed) and FP8 P/V (per-channel V scale).
+
+    Returns ``[B, H, Lq, D]`` in q's dtype. Raises ``ValueError`` on bad shapes/dtypes/maps.
+    A map row with no kept block gives zeros (the public API rejects such maps first).
+    """
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    return torch.ops.chorus.block_sparse_attention_triton(q, k, v, block_map, int(block_size), scale, bool(fp8))
+
+
+def block_mass_triton(q: torch.Tensor, k: torch.Tensor, *, block_size: int = 128, sample_rows: int | None = None,
+                      scale: float | None = None) -> torch.Tensor:
+    """Block attention mass, float32 ``[B, H, Qb, Kb]`` (see :mod:`._block_mass`); ``sample_rows``
+    rows per query block as :func:`chorus.kernels.reference.sample_row_offsets` picks them, or all."""
+    if sample_rows is not None and (not isinstance(sample_rows, int) or sample_rows < 1):
+        raise ValueError(f"sample_rows must be a positive int or None, got {sample_rows!r}")
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    return torch.ops.chorus.block_mass_triton(q, k, int(block_size), int(sample_rows or 0), scale)

@@ -1,0 +1,322 @@
+"""Block-sparse forward attention in Triton (FP8 e4m3 or bf16/fp16 tensor-core paths).
+
+Contract (checked by :func:`block_sparse_attention_triton_impl`):
+    q ``[B, H, Lq, D]``, k/v ``[B, H, Lk, D]``: fp16 or bf16, same dtype and device, unit stride on
+    D (other strides free: transposed ``[B, L, H, D]`` views work), D in {64, 128}.
+    block_map: bool ``[B or 1, H or 1, ceil(Lq/bs), ceil(Lk/bs)]``; query block ``i`` attends to key
+    blocks ``j`` with ``block_map[..., i, j]``. bs must be a power of two in [16, 256]. Partial last
+    blocks are handled: keys past ``Lk`` get logit -inf, query rows past ``Lq`` are never stored.
+    A row that keeps no block yields zeros (the public API rejects such maps before calling here).
+    Returns ``[B, H, Lq, D]`` in q's dtype.
+
+How it runs:
+1. ``_compress_map_kernel`` turns the bool map into FlexAttention-style ``kv_num [Bm, Hm, Qb]`` and
+   ascending ``kv_idx [Bm, Hm, Qb, Kb]`` lists on the device (no host sync), so masked blocks are never
+   loaded. Broadcast map dims (size 1) stay broadcast (stride 0).
+2. Query blocks are visited longest-row-first within each (b, h) (LPT order from a device argsort of
+   ``kv_num``); all q blocks of one head run together so its K/V stay in L2.
+3. FP8 path: the fused pre-pass of :mod:`._quant` (K smoothing, per-128-token Q/K scales, per-channel
+   V scale, token axis padded to a multiple of 128, V stored transposed for the FP8 wgmma). Per tile:
+   ``S = (Q8 @ K8^T) * (sq * sk)`` in fp32 (log2 units, softmax scale folded into sq), online softmax
+   with ``exp2``; ``P`` is computed as ``exp2(S - m + 8)``, i.e. scaled by 2^8 so that its row maximum
+   is 256 (<= 448, the e4m3 limit, with margin for rounding) and small probabilities keep 2^8 more
+   range before e4m3 underflow; the same factor is in the fp32 row sum ``l`` so it cancels in
+   ``acc / l``. ``P`` is cast to e4m3 for ``P @ V8`` (fp32 accumulation); the epilogue multiplies by
+   the per-channel V scale.
+4. bf16 path: the same loop on the input tensors (no copy), ``S = Q @ K^T * scale * log2(e)``.
+The last key block (when partial) is processed after the unmasked main loop with a key mask.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ._quant import LOG2E, QUANT_TILE, quantize_qkv_fp8, round_e4m3
+
+P_SHIFT_LOG2 = 8.0  # P is scaled by 2**8 before the e4m3 cast (see module docstring)
+
+# Tile configuration per path; the benchmark sweeps alternatives (``config=`` argument).
+DEFAULT_CONFIGS = {
+    "fp8": dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, use_tma=False),
+    "bf16": dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, use_tma=False),
+}
+
+_TMA_AVAILABLE = None
+
+
+def tma_available() -> bool:
+    """Whether host-side TMA tensor descriptors can be imported (Triton >= 3.4)."""
+    global _TMA_AVAILABLE
+    if _TMA_AVAILABLE is None:
+        try:
+            from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
+            _TMA_AVAILABLE = True
+        except Exception:  # noqa: BLE001
+            _TMA_AVAILABLE = False
+    return _TMA_AVAILABLE
+
+
+@triton.jit
+def _compress_map_kernel(block_map, kv_num, kv_idx, Kb, CHUNK: tl.constexpr):
+    """One program per map row: kv_idx[row, :n] = ascending kept block ids, kv_num[row] = n."""
+    row = tl.program_id(0)
+    count = 0
+    for start in range(0, Kb, CHUNK):
+        cols = start + tl.arange(0, CHUNK)
+        keep = tl.load(block_map + row * Kb + cols, mask=cols < Kb, other=0) != 0
+        pos = count + tl.cumsum(keep.to(tl.int32), axis=0) - 1
+        tl.store(kv_idx + row * Kb + pos, cols, mask=keep)
+        count += tl.sum(keep.to(tl.int32), axis=0)
+    tl.store(kv_num + row, count)
+
+
+@triton.jit
+def _attn_tiles(acc, l_i, m_i, q, sq, qk_scale, K, V, k_scale_row, idx_row, b, h, it_lo, it_hi, Lk,
+                s_kb, s_kh, s_kl, s_vb, s_vh, s_vl,
+                HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr, KV_SUB: tl.constexpr,
+                FP8: tl.constexpr, USE_TMA: tl.constexpr, MASK_KEYS: tl.constexpr, MASK_LOADS: tl.constexpr,
+                P_SHIFT: tl.constexpr, SCALE_TILE: tl.constexpr, INTERPRET: tl.constexpr):
+    offs_n0 = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    for it in range(it_lo, it_hi):
+        kb = tl.load(idx_row + it // KV_SUB)
+        start_n = kb * BS + (it % KV_SUB) * BLOCK_N
+        offs_n = start_n + offs_n0
+        if USE_TMA:
+            k = K.load([b, h, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
+        else:
+            k_ptrs = K + b * s_kb + h * s_kh + offs_n[:, None] * s_kl + offs_d[None, :]
+            if MASK_LOADS:
+                k = tl.load(k_ptrs, mask=(offs_n < Lk)[:, None], other=0.0)
+            else:
+                k = tl.load(k_ptrs)
+        if INTERPRET:
+            qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))
+        else:
+            qk = tl.dot(q, tl.trans(k))
+        if FP8:
+            s = sq * tl.load(k_scale_row + start_n // SCALE_TILE)
+        else:
+            s = qk_scale
+        if MASK_KEYS:
+            qk = tl.where((offs_n < Lk)[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * s)
+        if FP8:
+            p = tl.math.exp2(qk * s - (m_new - P_SHIFT)[:, None])
+        else:
+            p = tl.math.exp2(qk * s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        if FP8:
+            if USE_TMA:
+                vt = V.load([b, h, 0, start_n]).reshape(HEAD_DIM, BLOCK_N)
+            else:
+                vt = tl.load(V + b * s_vb + h * s_vh + offs_d[:, None] * s_vl + offs_n[None, :])
+            if INTERPRET:
+                p = round_e4m3(p)  # the interpreter's fp32->e4m3 cast mis-rounds; pre-round exactly
+            acc = tl.dot(p.to(vt.dtype), tl.trans(vt), acc)
+        else:
+            if USE_TMA:
+                v = V.load([b, h, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
+            else:
+                v_ptrs = V + b * s_vb + h * s_vh + offs_n[:, None] * s_vl + offs_d[None, :]
+                if MASK_LOADS:
+                    v = tl.load(v_ptrs, mask=(offs_n < Lk)[:, None], other=0.0)
+                else:
+                    v = tl.load(v_ptrs)
+            if INTERPRET:
+                acc = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), acc)
+            else:
+                acc = tl.dot(p.to(v.dtype), v, acc)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _bsa_fwd_kernel(Q, K, V, O, q_scale, k_scale, v_scale, kv_num, kv_idx, sched,
+                    H, Lq, Lk, num_kv_blocks, n_q_scale, n_k_scale, qk_scale,
+                    s_qb, s_qh, s_ql, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl, s_ob, s_oh, s_ol,
+                    s_nb, s_nh, s_ib, s_ih, s_iq,
+                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr,
+                    FP8: tl.constexpr, USE_TMA: tl.constexpr, TAIL_K: tl.constexpr, EVEN_Q: tl.constexpr,
+                    P_SHIFT: tl.constexpr, SCALE_TILE: tl.constexpr, INTERPRET: tl.constexpr):
+    TPB: tl.constexpr = BS // BLOCK_M
+    KV_SUB: tl.constexpr = BS // BLOCK_N
+    # Loads need masks only on the bf16 pointer path (FP8 buffers are padded, TMA zero-fills).
+    MASK_LOADS: tl.constexpr = (not FP8) and (not USE_TMA)
+    pid = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    row_base = b * s_nb + h * s_nh
+    qblk = tl.load(sched + row_base + pid // TPB)
+    start_m = qblk * BS + (pid % TPB) * BLOCK_M
+    n_kv = tl.load(kv_num + row_base + qblk)
+    idx_row = kv_idx + b * s_ib + h * s_ih + qblk * s_iq
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+
+    if USE_TMA:
+        q = Q.load([b, h, start_m, 0]).reshape(BLOCK_M, HEAD_DIM)
+    else:
+        q_ptrs = Q + b * s_qb + h * s_qh + offs_m[:, None] * s_ql + offs_d[None, :]
+        if MASK_LOADS and not EVEN_Q:
+            q = tl.load(q_ptrs, mask=(offs_m < Lq)[:, None], other=0.0)
+        else:
+            q = tl.load(q_ptrs)
+    if FP8:
+        sq = tl.load(q_scale + bh * n_q_scale + start_m // SCALE_TILE)
+    else:
+        sq = 1.0
+    k_scale_row = k_scale + bh * n_k_scale
+
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)  # finite: a fully masked tile cannot make NaN
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+
+    n_main = n_kv
+    if TAIL_K:
+        last = tl.load(idx_row + tl.maximum(n_kv - 1, 0))
+        n_main = n_kv - ((n_kv > 0) & (last == num_kv_blocks - 1)).to(tl.int32)
+    acc, l_i, m_i = _attn_tiles(acc, l_i, m_i, q, sq, qk_scale, K, V, k_scale_row, idx_row, b, h,
+                                0, n_main * KV_SUB, Lk, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl,
+                                HEAD_DIM, BLOCK_N, BS, KV_SUB, FP8, USE_TMA, False, False, P_SHIFT, SCALE_TILE, INTERPRET)
+    if TAIL_K:
+        acc, l_i, m_i = _attn_tiles(acc, l_i, m_i, q, sq, qk_scale, K, V, k_scale_row, idx_row, b, h,
+                                    n_main * KV_SUB, n_kv * KV_SUB, Lk, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl,
+                                    HEAD_DIM, BLOCK_N, BS, KV_SUB, FP8, USE_TMA, True, MASK_LOADS, P_SHIFT,
+                                    SCALE_TILE, INTERPRET)
+
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    if FP8:
+        out = out * tl.load(v_scale + bh * HEAD_DIM + offs_d)[None, :]
+    o_ptrs = O + b * s_ob + h * s_oh + offs_m[:, None] * s_ol + offs_d[None, :]
+    if EVEN_Q:
+        tl.store(o_ptrs, out.to(O.dtype.element_ty))
+    else:
+        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=(offs_m < Lq)[:, None])
+
+
+def interpreter_upcast(t: torch.Tensor) -> bool:
+    """True under ``TRITON_INTERPRET=1`` on CPU tensors. Two interpreter defects are worked around
+    then (Triton 3.8): its 16-bit ``tl.dot`` misreads bf16 bits, so 16-bit operands are upcast to fp32
+    first (products of 16-bit floats are exact in fp32, as on tensor cores); its fp32 -> e4m3 cast
+    mis-rounds values that carry into the next binade, so values are pre-rounded to the e4m3 grid
+    (round to nearest even) with exact fp32 arithmetic, making the cast exact."""
+    return t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def compress_block_map(block_map: torch.Tensor):
+    """bool ``[Bm, Hm, Qb, Kb]`` -> ``(kv_num int32 [Bm, Hm, Qb], kv_idx int32 [Bm, Hm, Qb, Kb])`` on the
+    map's device; ``kv_idx[..., :kv_num]`` lists the kept key blocks in ascending order (the rest of
+    each row is unspecified)."""
+    bm = block_map.contiguous()
+    rows = bm.shape[0] * bm.shape[1] * bm.shape[2]
+    kb = bm.shape[3]
+    kv_num = torch.empty(bm.shape[:3], dtype=torch.int32, device=bm.device)
+    kv_idx = torch.zeros(bm.shape, dtype=torch.int32, device=bm.device)
+    chunk = min(1024, triton.next_power_of_2(kb))
+    _compress_map_kernel[(rows,)](bm.view(torch.uint8), kv_num, kv_idx, kb, CHUNK=chunk, num_warps=4)
+    return kv_num, kv_idx
+
+
+def _validate(q, k, v, block_map, block_size):
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, v, block_map)):
+        raise ValueError("q, k, v and block_map must be torch tensors")
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"q, k, v must be [B, H, L, D]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"triton kernels need fp16/bf16 q, k, v of one dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError("q, k, v must be on one device")
+    batch, heads, q_len, head_dim = q.shape
+    if k.shape != v.shape or k.shape[0] != batch or k.shape[1] != heads or k.shape[3] != head_dim:
+        raise ValueError(f"k/v shape {tuple(k.shape)}/{tuple(v.shape)} does not match q {tuple(q.shape)}")
+    if head_dim not in (64, 128):
+        raise ValueError(f"triton kernels support head dims 64 and 128, got {head_dim}")
+    if q_len < 1 or k.shape[2] < 1:
+        raise ValueError("empty sequence")
+    if not isinstance(block_size, int) or block_size < 16 or block_size > 256 or block_size & (block_size - 1):
+        raise ValueError(f"triton kernels need a power-of-two block_size in [16, 256], got {block_size!r}")
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError("q, k, v need unit stride on the head dim")
+    qb, kb = -(-q_len // block_size), -(-k.shape[2] // block_size)
+    if block_map.dtype != torch.bool or block_map.dim() != 4:
+        raise ValueError(f"block_map must be a 4-D bool tensor, got {block_map.dtype} {tuple(block_map.shape)}")
+    bm_b, bm_h = block_map.shape[:2]
+    if bm_b not in (1, batch) or bm_h not in (1, heads) or tuple(block_map.shape[2:]) != (qb, kb):
+        raise ValueError(f"block_map shape {tuple(block_map.shape)} does not fit [B|1, H|1, {qb}, {kb}] "
+                         f"for Lq={q_len}, Lk={k.shape[2]}, block_size={block_size}")
+    if block_map.device != q.device:
+        raise ValueError(f"block_map is on {block_map.device}, q on {q.device}")
+
+
+def block_sparse_attention_triton_impl(q, k, v, block_map, block_size: int, scale: float, fp8: bool,
+                                       config: dict | None = None, _stage: str = "all"):
+    """Launch the kernels (no torch.library wrapping). ``config`` overrides tile settings;
+    ``_stage`` is a benchmark hook: "quant" runs only the pre-pass, "attn" reuses cached quantised
+    inputs (see the benchmark)."""
+    _validate(q, k, v, block_map, block_size)
+    if config is None:
+        config = DEFAULT_CONFIGS["fp8" if fp8 else "bf16"]
+    batch, heads, q_len, head_dim = q.shape
+    kv_len = k.shape[2]
+    block_m = min(block_size, config["BLOCK_M"])
+    block_n = min(block_size, config["BLOCK_N"])
+    use_tma = bool(config.get("use_tma", False)) and tma_available()
+    num_q_blocks, num_kv_blocks = block_map.shape[2], block_map.shape[3]
+
+    kv_num, kv_idx = compress_block_map(block_map)
+    sched = torch.argsort(kv_num, dim=-1, descending=True, stable=True).to(torch.int32)
+    bm_b, bm_h = block_map.shape[:2]
+    s_nb = bm_h * num_q_blocks if bm_b > 1 else 0
+    s_nh = num_q_blocks if bm_h > 1 else 0
+    s_ib = bm_h * num_q_blocks * num_kv_blocks if bm_b > 1 else 0
+    s_ih = num_q_blocks * num_kv_blocks if bm_h > 1 else 0
+
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if fp8:
+        q_in, k_in, v_in, q_scale, k_scale, v_scale = quantize_qkv_fp8(q, k, v, scale)
+        if _stage == "quant":
+            return out
+        n_q_scale, n_k_scale = q_scale.shape[-1], k_scale.shape[-1]
+        qk_scale = 1.0
+    else:
+        q_in, k_in, v_in = q, k, v
+        q_scale = k_scale = v_scale = q  # unused placeholders
+        n_q_scale = n_k_scale = 0
+        qk_scale = float(scale * LOG2E)
+
+    strides = (q_in.stride(0), q_in.stride(1), q_in.stride(2), k_in.stride(0), k_in.stride(1), k_in.stride(2),
+               v_in.stride(0), v_in.stride(1), v_in.stride(2))
+    if use_tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        q_arg = TensorDescriptor.from_tensor(q_in, [1, 1, block_m, head_dim])
+        k_arg = TensorDescriptor.from_tensor(k_in, [1, 1, block_n, head_dim])
+        v_block = [1, 1, head_dim, block_n] if fp8 else [1, 1, block_n, head_dim]
+        v_arg = TensorDescriptor.from_tensor(v_in, v_block)
+    else:
+        q_arg, k_arg, v_arg = q_in, k_in, v_in
+
+    grid = (num_q_blocks * (block_size // block_m), batch * heads)
+    _bsa_fwd_kernel[grid](
+        q_arg, k_arg, v_arg, out, q_scale, k_scale, v_scale, kv_num, kv_idx, sched,
+        heads, q_len, kv_len, num_kv_blocks, n_q_scale, n_k_scale, qk_scale,
+        *strides, out.stride(0), out.stride(1), out.stride(2),
+        s_nb, s_nh, s_ib, s_ih, num_kv_blocks,
+        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BS=block_size, FP8=bool(fp8), USE_TMA=use_tma,
+        TAIL_K=kv_len % block_size != 0, EVEN_Q=q_len % block_m == 0, P_SHIFT=P_SHIFT_LOG2,
+        SCALE_TILE=QUANT_TILE, INTERPRET=interpreter_upcast(q), num_warps=config["num_warps"], num_stages=config["num_stages"])
+    return out
+
+
+def default_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim)

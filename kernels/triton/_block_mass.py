@@ -1,0 +1,165 @@
+"""Triton block attention mass for the miss path (recording masks from a dense run).
+
+Contract: q ``[B, H, Lq, D]``, k ``[B, H, Lk, D]`` fp16/bf16 (unit stride on D, D in {64, 128});
+returns float32 ``[B, H, ceil(Lq/bs), ceil(Lk/bs)]``: for each query block, the mean over its
+(sampled) query rows of the softmax probability (over *all* keys, scale ``scale``) that falls in each
+key block. Rows of the result sum to 1 (up to fp32 rounding). ``sample_rows=None`` uses every row;
+otherwise the rows are exactly those of :func:`chorus.kernels.reference.sample_row_offsets`
+(evenly strided, deterministic), so the result matches ``block_mass_reference`` row for row.
+
+Two passes per tile of sampled rows (several query blocks share one 128-row tile when few rows
+are sampled, so the tensor cores still see M = 128):
+1. row max and sum of ``exp2`` over all keys (online), giving each row's log2-sum-exp;
+2. recompute ``S`` per key block, ``P = exp2(S - lse)``, sum over the block's keys and over the rows
+   of each query block, divide by the query block's sampled-row count.
+Keys past ``Lk`` are masked in the last (partial) key block only. QK^T runs in the inputs' dtype with
+fp32 accumulation. Cost ~ ``2 * 2 * rows * Lk * D`` FLOPs (no P @ V), i.e. with ``s`` sampled rows of
+``bs`` about ``s / bs`` of one dense attention call.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._attention import interpreter_upcast
+from ._quant import LOG2E
+
+MASS_ROWS = 128  # rows per program (tensor-core M)
+
+
+@triton.jit
+def _qk(q, k, INTERPRET: tl.constexpr):
+    if INTERPRET:
+        return tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))
+    else:
+        return tl.dot(q, tl.trans(k))
+
+
+@triton.jit
+def _block_mass_kernel(Q, K, Out, row_off, H, Lq, Lk, num_q_blocks, num_kv_blocks, qk_scale,
+                       s_qb, s_qh, s_ql, s_kb, s_kh, s_kl, s_ob, s_oh, s_oq,
+                       HEAD_DIM: tl.constexpr, BS: tl.constexpr, S: tl.constexpr, G: tl.constexpr,
+                       BLOCK_N: tl.constexpr, TAIL_K: tl.constexpr, INTERPRET: tl.constexpr):
+    R: tl.constexpr = G * S
+    KV_SUB: tl.constexpr = BS // BLOCK_N
+    tile = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    r = tl.arange(0, R)
+    qblk = tile * G + r // S
+    off = tl.load(row_off + qblk * S + r % S, mask=qblk < num_q_blocks, other=-1)
+    valid = off >= 0
+    rows = qblk * BS + off
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n0 = tl.arange(0, BLOCK_N)
+    q = tl.load(Q + b * s_qb + h * s_qh + rows[:, None] * s_ql + offs_d[None, :], mask=valid[:, None], other=0.0)
+    k_base = K + b * s_kb + h * s_kh
+    n_main = num_kv_blocks
+    if TAIL_K:
+        n_main = num_kv_blocks - 1
+
+    # pass 1: log2-sum-exp per row
+    m_i = tl.full([R], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([R], dtype=tl.float32)
+    for it in range(0, n_main * KV_SUB):
+        offs_n = it * BLOCK_N + offs_n0
+        k = tl.load(k_base + offs_n[:, None] * s_kl + offs_d[None, :])
+        qk = _qk(q, k, INTERPRET) * qk_scale
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        l_i = l_i * tl.math.exp2(m_i - m_new) + tl.sum(tl.math.exp2(qk - m_new[:, None]), 1)
+        m_i = m_new
+    if TAIL_K:
+        for it in range(n_main * KV_SUB, num_kv_blocks * KV_SUB):
+            offs_n = it * BLOCK_N + offs_n0
+            k = tl.load(k_base + offs_n[:, None] * s_kl + offs_d[None, :], mask=(offs_n < Lk)[:, None], other=0.0)
+            qk = _qk(q, k, INTERPRET) * qk_scale
+            qk = tl.where((offs_n < Lk)[None, :], qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            l_i = l_i * tl.math.exp2(m_i - m_new) + tl.sum(tl.math.exp2(qk - m_new[:, None]), 1)
+            m_i = m_new
+    lse = m_i + tl.math.log2(l_i)
+
+    # pass 2: probability mass per (query block, key block)
+    cnt = tl.sum(tl.reshape(valid.to(tl.float32), (G, S)), 1)
+    inv_cnt = tl.where(cnt > 0, 1.0 / cnt, 0.0)
+    qblk_g = tile * G + tl.arange(0, G)
+    out_base = Out + b * s_ob + h * s_oh + qblk_g * s_oq
+    g_ok = qblk_g < num_q_blocks
+    for kb in range(0, n_main):
+        acc = tl.zeros([R], dtype=tl.float32)
+        for sub in tl.static_range(KV_SUB):
+            offs_n = kb * BS + sub * BLOCK_N + offs_n0
+            k = tl.load(k_base + offs_n[:, None] * s_kl + offs_d[None, :])
+            qk = _qk(q, k, INTERPRET) * qk_scale
+            acc += tl.sum(tl.math.exp2(qk - lse[:, None]), 1)
+        acc = tl.where(valid, acc, 0.0)
+        tl.store(out_base + kb, tl.sum(tl.reshape(acc, (G, S)), 1) * inv_cnt, mask=g_ok)
+    if TAIL_K:
+        kb = num_kv_blocks - 1
+        acc = tl.zeros([R], dtype=tl.float32)
+        for sub in tl.static_range(KV_SUB):
+            offs_n = kb * BS + sub * BLOCK_N + offs_n0
+            k = tl.load(k_base + offs_n[:, None] * s_kl + offs_d[None, :], mask=(offs_n < Lk)[:, None], other=0.0)
+            qk = _qk(q, k, INTERPRET) * qk_scale
+            p = tl.math.exp2(qk - lse[:, None])
+            p = tl.where((offs_n < Lk)[None, :], p, 0.0)
+            acc += tl.sum(p, 1)
+        acc = tl.where(valid, acc, 0.0)
+        tl.store(out_base + kb, tl.sum(tl.reshape(acc, (G, S)), 1) * inv_cnt, mask=g_ok)
+
+
+_ROW_TABLES: dict = {}
+
+
+def _row_offset_table(q_len: int, block_size: int, sample_rows, device) -> tuple[torch.Tensor, int]:
+    """int32 ``[Qb, S]`` row offsets inside each query block (-1 = unused slot), S a power of two."""
+    from ..reference import sample_row_offsets  # the reference's row choice, so both agree exactly
+
+    key = (q_len, block_size, sample_rows, str(device))
+    if key not in _ROW_TABLES:
+        num_q_blocks = -(-q_len // block_size)
+        last_rows = q_len - (num_q_blocks - 1) * block_size
+        full = sample_row_offsets(block_size, sample_rows)
+        last = sample_row_offsets(last_rows, sample_rows)
+        width = triton.next_power_of_2(max(full.numel(), last.numel()))
+        table = torch.full((num_q_blocks, width), -1, dtype=torch.int32)
+        table[:, : full.numel()] = full.to(torch.int32)
+        table[-1] = -1
+        table[-1, : last.numel()] = last.to(torch.int32)
+        _ROW_TABLES[key] = (table.to(device), width)
+    return _ROW_TABLES[key]
+
+
+def block_mass_triton_impl(q: torch.Tensor, k: torch.Tensor, block_size: int, sample_rows, scale: float,
+                           block_n: int = 64, num_warps: int = 8, num_stages: int = 3) -> torch.Tensor:
+    """Launch the block-mass kernel; see the module docstring for the contract."""
+    if q.dim() != 4 or k.dim() != 4 or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"q/k must be [B, H, L, D] with matching B, H, D; got {tuple(q.shape)}, {tuple(k.shape)}")
+    if q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype:
+        raise ValueError(f"triton block_mass needs fp16/bf16 q and k of one dtype, got {q.dtype}, {k.dtype}")
+    if q.shape[3] not in (64, 128):
+        raise ValueError(f"triton block_mass supports head dims 64 and 128, got {q.shape[3]}")
+    if not isinstance(block_size, int) or block_size < 16 or block_size > 256 or block_size & (block_size - 1):
+        raise ValueError(f"triton block_mass needs a power-of-two block_size in [16, 256], got {block_size!r}")
+    if sample_rows is not None and (not isinstance(sample_rows, int) or sample_rows < 1):
+        raise ValueError(f"sample_rows must be a positive int or None, got {sample_rows!r}")
+    if q.stride(-1) != 1 or k.stride(-1) != 1:
+        raise ValueError("q, k need unit stride on the head dim")
+    batch, heads, q_len, head_dim = q.shape
+    kv_len = k.shape[2]
+    num_q_blocks, num_kv_blocks = -(-q_len // block_size), -(-kv_len // block_size)
+    table, width = _row_offset_table(q_len, block_size, sample_rows, q.device)
+    groups = max(1, MASS_ROWS // width)
+    block_n = min(block_n, block_size)
+    out = torch.empty(batch, heads, num_q_blocks, num_kv_blocks, dtype=torch.float32, device=q.device)
+    grid = (triton.cdiv(num_q_blocks, groups), batch * heads)
+    _block_mass_kernel[grid](
+        q, k, out, table, heads, q_len, kv_len, num_q_blocks, num_kv_blocks, float(scale * LOG2E),
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        HEAD_DIM=head_dim, BS=block_size, S=width, G=groups, BLOCK_N=block_n, TAIL_K=kv_len % block_size != 0, INTERPRET=interpreter_upcast(q),
+        num_warps=num_warps, num_stages=num_stages)
+    return out

@@ -1,0 +1,180 @@
+"""Fused FP8 (e4m3) quantisation pre-pass for the block-sparse attention kernel.
+
+Inputs q ``[B, H, Lq, D]``, k/v ``[B, H, Lk, D]`` (fp16/bf16, any strides with unit stride on D).
+Outputs (all contiguous, token axis padded to ``Lpad = ceil(L / 128) * 128`` so that the attention
+kernel only ever sees 16-byte aligned strides and never needs a load mask):
+
+- ``q8``  e4m3 ``[B, H, Lpad_q, D]``: ``q * softmax_scale * log2(e)`` divided by its per-(b, h,
+  128-token tile) scale ``q_scale`` fp32 ``[B, H, Lpad_q / 128]`` (the softmax scale and the base-2
+  exponent are folded in here, so the kernel's logits are already in log2 units);
+- ``k8``  e4m3 ``[B, H, Lpad_k, D]``: ``k - mean_t(k)`` (K smoothing: subtracting the per-(b, h)
+  channel mean of K adds the same constant to every logit of a query row, which softmax ignores,
+  and removes the shared offset that would otherwise eat the e4m3 range) divided by its per-tile
+  scale ``k_scale`` fp32 ``[B, H, Lpad_k / 128]``;
+- ``v8t`` e4m3 ``[B, H, D, Lpad_k]``: ``v / v_scale`` with a per-(b, h, channel) scale ``v_scale``
+  fp32 ``[B, H, D]``, stored *transposed* because Hopper's FP8 wgmma needs both operands K-major: in
+  ``P @ V`` the reduction axis is the token axis, so V must be token-contiguous.
+
+Scales are ``absmax / 448`` (448 = largest finite e4m3) with 1.0 where a tile is all zero; values
+are clamped to +-448 before the cast. Padded rows/columns are written as exact zeros.
+Two launches: a stats kernel (channel sum of K, channel absmax of V, fp32 atomics) and the
+quantise kernel (one program per 128-token tile and (b, h)).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+QUANT_TILE = 128  # tokens per Q/K scale (the attention kernel's tiles divide this)
+STATS_CHUNK = 2048  # tokens per program of the stats kernel
+FP8_MAX = 448.0
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def round_e4m3(x):
+    """Round fp32 ``x`` (|x| <= 448) to the nearest e4m3 value, ties to even, in fp32 arithmetic.
+    Only used under the CPU interpreter, whose own fp32 -> e4m3 cast mis-rounds."""
+    e = tl.maximum(tl.floor(tl.log2(tl.maximum(tl.abs(x), 1e-30))), -6.0)
+    quantum = tl.math.exp2(e - 3.0)
+    r = x / quantum
+    rr = tl.floor(r + 0.5)
+    odd = (rr - 2.0 * tl.floor(rr * 0.5)) != 0
+    rr = tl.where((rr - r == 0.5) & odd, rr - 1.0, rr)
+    return rr * quantum
+
+
+@triton.jit
+def _kv_stats_kernel(K, V, k_sum, v_amax, H, Lk,
+                     s_kb, s_kh, s_kl, s_vb, s_vh, s_vl,
+                     HEAD_DIM: tl.constexpr, TILE: tl.constexpr, CHUNK: tl.constexpr):
+    pid_c = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    offs_d = tl.arange(0, HEAD_DIM)
+    acc_sum = tl.zeros([HEAD_DIM], dtype=tl.float32)
+    acc_max = tl.zeros([HEAD_DIM], dtype=tl.float32)
+    for t in range(0, CHUNK, TILE):
+        rows = pid_c * CHUNK + t + tl.arange(0, TILE)
+        valid = (rows < Lk)[:, None]
+        kt = tl.load(K + b * s_kb + h * s_kh + rows[:, None] * s_kl + offs_d[None, :], mask=valid, other=0.0)
+        vt = tl.load(V + b * s_vb + h * s_vh + rows[:, None] * s_vl + offs_d[None, :], mask=valid, other=0.0)
+        acc_sum += tl.sum(kt.to(tl.float32), axis=0)
+        acc_max = tl.maximum(acc_max, tl.max(tl.abs(vt.to(tl.float32)), axis=0))
+    tl.atomic_add(k_sum + bh * HEAD_DIM + offs_d, acc_sum)
+    tl.atomic_max(v_amax + bh * HEAD_DIM + offs_d, acc_max)
+
+
+@triton.jit
+def _quant_kernel(Q, K, V, q8, k8, v8t, q_scale, k_scale, k_sum, v_amax,
+                  H, Lq, Lk, Lpad_q, Lpad_k, q_mult, inv_lk,
+                  s_qb, s_qh, s_ql, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl,
+                  HEAD_DIM: tl.constexpr, TILE: tl.constexpr, INTERPRET: tl.constexpr):
+    tile = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    offs_d = tl.arange(0, HEAD_DIM)
+    rows = tile * TILE + tl.arange(0, TILE)
+    n_qt = Lpad_q // TILE
+    n_kt = Lpad_k // TILE
+    if tile < n_qt:
+        valid = (rows < Lq)[:, None]
+        x = tl.load(Q + b * s_qb + h * s_qh + rows[:, None] * s_ql + offs_d[None, :], mask=valid, other=0.0)
+        x = x.to(tl.float32) * q_mult
+        amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
+        scale = tl.where(amax > 0, amax / 448.0, 1.0)
+        x = tl.minimum(tl.maximum(x / scale, -448.0), 448.0)
+        if INTERPRET:
+            x = round_e4m3(x)
+        tl.store(q8 + bh * Lpad_q * HEAD_DIM + rows[:, None] * HEAD_DIM + offs_d[None, :], x.to(q8.dtype.element_ty))
+        tl.store(q_scale + bh * n_qt + tile, scale)
+    if tile < n_kt:
+        valid = (rows < Lk)[:, None]
+        mean = tl.load(k_sum + bh * HEAD_DIM + offs_d) * inv_lk
+        x = tl.load(K + b * s_kb + h * s_kh + rows[:, None] * s_kl + offs_d[None, :], mask=valid, other=0.0)
+        x = tl.where(valid, x.to(tl.float32) - mean[None, :], 0.0)
+        amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
+        scale = tl.where(amax > 0, amax / 448.0, 1.0)
+        x = tl.minimum(tl.maximum(x / scale, -448.0), 448.0)
+        if INTERPRET:
+            x = round_e4m3(x)
+        tl.store(k8 + bh * Lpad_k * HEAD_DIM + rows[:, None] * HEAD_DIM + offs_d[None, :], x.to(k8.dtype.element_ty))
+        tl.store(k_scale + bh * n_kt + tile, scale)
+        vmax = tl.load(v_amax + bh * HEAD_DIM + offs_d)
+        vscale = tl.where(vmax > 0, vmax / 448.0, 1.0)
+        y = tl.load(V + b * s_vb + h * s_vh + rows[:, None] * s_vl + offs_d[None, :], mask=valid, other=0.0)
+        y = tl.minimum(tl.maximum(y.to(tl.float32) / vscale[None, :], -448.0), 448.0)
+        if INTERPRET:
+            y = round_e4m3(y)
+        # transposed store: v8t[bh, d, row]
+        tl.store(v8t + bh * HEAD_DIM * Lpad_k + offs_d[None, :] * Lpad_k + rows[:, None], y.to(v8t.dtype.element_ty))
+
+
+def padded_len(length: int) -> int:
+    return -(-length // QUANT_TILE) * QUANT_TILE
+
+
+def quantize_qkv_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
+    """Run the fused pre-pass; returns ``(q8, k8, v8t, q_scale, k_scale, v_scale)`` (see module doc).
+
+    ``scale`` is the softmax scale; ``q_scale`` already includes ``scale * log2(e)``.
+    """
+    batch, heads, q_len, head_dim = q.shape
+    kv_len = k.shape[2]
+    lpad_q, lpad_k = padded_len(q_len), padded_len(kv_len)
+    dev = q.device
+    fp8 = torch.float8_e4m3fn
+    q8 = torch.empty(batch, heads, lpad_q, head_dim, device=dev, dtype=fp8)
+    k8 = torch.empty(batch, heads, lpad_k, head_dim, device=dev, dtype=fp8)
+    v8t = torch.empty(batch, heads, head_dim, lpad_k, device=dev, dtype=fp8)
+    q_scale = torch.empty(batch, heads, lpad_q // QUANT_TILE, device=dev, dtype=torch.float32)
+    k_scale = torch.empty(batch, heads, lpad_k // QUANT_TILE, device=dev, dtype=torch.float32)
+    k_sum = torch.zeros(batch, heads, head_dim, device=dev, dtype=torch.float32)
+    v_amax = torch.zeros(batch, heads, head_dim, device=dev, dtype=torch.float32)
+    _kv_stats_kernel[(triton.cdiv(kv_len, STATS_CHUNK), batch * heads)](
+        k, v, k_sum, v_amax, heads, kv_len,
+        k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+        HEAD_DIM=head_dim, TILE=QUANT_TILE, CHUNK=STATS_CHUNK, num_warps=8)
+    _quant_kernel[(max(lpad_q, lpad_k) // QUANT_TILE, batch * heads)](
+        q, k, v, q8, k8, v8t, q_scale, k_scale, k_sum, v_amax,
+        heads, q_len, kv_len, lpad_q, lpad_k, float(scale * LOG2E), 1.0 / kv_len,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        HEAD_DIM=head_dim, TILE=QUANT_TILE, INTERPRET=q.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1",
+        num_warps=8)
+    v_scale = torch.where(v_amax > 0, v_amax / FP8_MAX, torch.ones_like(v_amax))
+    return q8, k8, v8t, q_scale, k_scale, v_scale
+
+
+def quantize_reference(q, k, v, scale: float):
+    """Plain-torch twin of :func:`quantize_qkv_fp8` (fp32 math, same scales and layout) for tests."""
+    batch, heads, q_len, head_dim = q.shape
+    kv_len = k.shape[2]
+    lpad_q, lpad_k = padded_len(q_len), padded_len(kv_len)
+
+    def tiles(x, lpad):
+        x = torch.nn.functional.pad(x, (0, 0, 0, lpad - x.shape[2]))
+        xt = x.view(batch, heads, lpad // QUANT_TILE, QUANT_TILE, head_dim)
+        amax = xt.abs().amax(dim=(-1, -2))
+        s = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+        return (xt / s[..., None, None]).clamp(-FP8_MAX, FP8_MAX).view_as(x), s
+
+    qf = q.float() * (scale * LOG2E)
+    kf = k.float() - k.float().mean(dim=2, keepdim=True)
+    q8, qs = tiles(qf, lpad_q)
+    k8, ks = tiles(kf, lpad_k)
+    vmax = v.float().abs().amax(dim=2)
+    vs = torch.where(vmax > 0, vmax / FP8_MAX, torch.ones_like(vmax))
+    v8 = torch.nn.functional.pad((v.float() / vs[:, :, None, :]).clamp(-FP8_MAX, FP8_MAX),
+                                 (0, 0, 0, lpad_k - kv_len))
+    fp8 = torch.float8_e4m3fn
+    return q8.to(fp8), k8.to(fp8), v8.transpose(-1, -2).contiguous().to(fp8), qs, ks, vs
+
+
+__all__ = ["quantize_qkv_fp8", "quantize_reference", "padded_len", "QUANT_TILE", "FP8_MAX", "LOG2E"]

@@ -1,0 +1,68 @@
+"""Plain-torch emulation of SageAttention-style FP8 attention: the yardstick for the FP8 kernel's error.
+
+:func:`sage_fp8_attention_emulation` quantises exactly like a SageAttention2-style FP8 kernel
+would, but computes everything else in fp64 with an exact (not online) softmax:
+
+- K smoothing: ``k - mean_t(k)`` per (b, h) (softmax-invariant);
+- Q and K to e4m3 with one absmax scale per 128-token block per (b, h);
+- ``P = softmax(S)`` over the kept keys, quantised to e4m3 as ``P * 448`` (static per-block scale,
+  P <= 1), V to e4m3 with a per-(b, h, channel) absmax scale;
+- ``O = (P8 @ V8) * v_scale / 448``.
+
+It is independent of the Triton code (no shared helpers) so the kernel cannot hide a mistake by
+sharing it. Shapes as the kernel: q ``[B, H, Lq, D]``, k/v ``[B, H, Lk, D]``, block map bool
+``[B|1, H|1, Qb, Kb]``; returns fp64 ``[B, H, Lq, D]``. Memory O(B*H*Lq*Lk): small shapes only.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+E4M3_MAX = 448.0
+_FP8 = torch.float8_e4m3fn
+
+
+def _quant_blocks(x: torch.Tensor, block: int) -> torch.Tensor:
+    """Fake-quantise ``x [B, H, L, D]`` (fp64) to e4m3 with one absmax scale per ``block`` tokens."""
+    length = x.shape[2]
+    pad = (-length) % block
+    xp = torch.nn.functional.pad(x, (0, 0, 0, pad))
+    xb = xp.reshape(x.shape[0], x.shape[1], -1, block, x.shape[3])
+    amax = xb.abs().amax(dim=(-1, -2), keepdim=True)
+    s = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    xq = (xb / s).clamp(-E4M3_MAX, E4M3_MAX).float().to(_FP8).double() * s
+    return xq.reshape(xp.shape)[:, :, :length]
+
+
+def sage_fp8_attention_emulation(q, k, v, block_map=None, block_size: int = 128, scale: float | None = None,
+                                 quant_block: int = 128) -> torch.Tensor:
+    """SageAttention-style FP8 attention in fp64 (see module docstring)."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    q64, k64, v64 = q.double(), k.double(), v.double()
+    k64 = k64 - k64.mean(dim=2, keepdim=True)
+    qq = _quant_blocks(q64 * scale, quant_block)
+    kq = _quant_blocks(k64, quant_block)
+    scores = qq @ kq.transpose(-1, -2)
+    if block_map is not None:
+        rows = torch.arange(q.shape[2], device=q.device) // block_size
+        cols = torch.arange(k.shape[2], device=q.device) // block_size
+        keep = block_map.to(q.device)[..., rows, :][..., cols]
+        scores = scores.masked_fill(~keep, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    p8 = (probs * E4M3_MAX).float().to(_FP8).double()
+    vmax = v64.abs().amax(dim=2, keepdim=True)
+    vs = torch.where(vmax > 0, vmax / E4M3_MAX, torch.ones_like(vmax))
+    v8 = (v64 / vs).clamp(-E4M3_MAX, E4M3_MAX).float().to(_FP8).double()
+    return (p8 @ v8) * vs / E4M3_MAX
+
+
+def error_stats(out: torch.Tensor, oracle: torch.Tensor) -> dict:
+    """``{"cosine", "rel_l1", "max_abs"}`` of ``out`` against ``oracle`` (flattened, fp64)."""
+    a, b = out.double().flatten(), oracle.double().flatten()
+    return {
+        "cosine": torch.nn.functional.cosine_similarity(a, b, dim=0).item(),
+        "rel_l1": ((a - b).abs().sum() / b.abs().sum()).item(),
+        "max_abs": (a - b).abs().max().item(),
+    }
