@@ -1,0 +1,45 @@
+"""ChorusCacheWrite: after sampling, write a miss's recorded masks as an entry, or count a hit."""
+
+from __future__ import annotations
+
+from comfy_api.latest import io
+
+from ..engine import Plan, commit_plan
+from .common import CATEGORY, ChorusPlan, ui_text
+
+
+class ChorusCacheWrite(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="ChorusCacheWrite",
+            display_name="Chorus Cache Write",
+            category=CATEGORY,
+            description="Runs after sampling (connect the sampled latent). Miss: commits the recorded masks, "
+                        "embedding and metadata as a new cache entry. Hit: updates the entry's hit statistics.",
+            inputs=[
+                io.Latent.Input("latent", tooltip="The SAMPLED latent (makes this node run after the sampler)."),
+                ChorusPlan.Input("plan", tooltip="The plan from Chorus Mask Retrieve (the same one the sampler used)."),
+            ],
+            outputs=[io.String.Output("info", display_name="info")],
+            is_output_node=True,
+            not_idempotent=True,
+        )
+
+    @classmethod
+    def fingerprint_inputs(cls, **kwargs):
+        return float("nan")  # writes to the cache on disk: run every time
+
+    @classmethod
+    def execute(cls, latent, plan) -> io.NodeOutput:
+        if not isinstance(plan, Plan):
+            info = f"not written: the plan input is not a Chorus plan ({type(plan).__name__})"
+            return io.NodeOutput(info, ui=ui_text(info))
+        if plan.workspace is None:
+            info = f"not written: no workspace ({plan.message})"
+        else:
+            info = commit_plan(plan.workspace, plan)
+        stats = plan.stats.summary()
+        notes = "; ".join(plan.stats.messages[:5])
+        text = f"{info} | {stats}" + (f" | notes: {notes}" if notes else "")
+        return io.NodeOutput(text, ui=ui_text(text))

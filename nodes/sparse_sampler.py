@@ -1,0 +1,58 @@
+"""ChorusSparseSampler: patch a Wan MODEL so its self-attention follows a CHORUS_PLAN."""
+
+from __future__ import annotations
+
+from comfy_api.latest import io
+
+from ..engine import BACKENDS, Plan, SparseConfig
+from .comfy_adapter import patch_model
+from .common import CATEGORY, ChorusPlan, ui_text
+
+
+class ChorusSparseSampler(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="ChorusSparseSampler",
+            display_name="Chorus Sparse Sampler",
+            category=CATEGORY,
+            description="Hit: block-sparse self-attention with the reused masks (+ safety fallback). Miss: dense "
+                        "attention while recording block attention mass for a new cache entry. For Wan 2.2 "
+                        "A14B patch BOTH models with the same plan.",
+            inputs=[
+                io.Model.Input("model", tooltip="A Wan 2.1 I2V, Wan 2.2 TI2V 5B or Wan 2.2 A14B (high or low) model."),
+                ChorusPlan.Input("plan", tooltip="The plan from Chorus Mask Retrieve."),
+                io.Float.Input("top_p", default=0.9, min=0.01, max=1.0, step=0.01,
+                               tooltip="On a miss: share of attention mass each query block keeps when the "
+                                       "recorded mass becomes the stored mask (higher = denser, safer)."),
+                io.Int.Input("k_min", default=4, min=1, max=4096,
+                             tooltip="Safety floor: at least this many key blocks per query block in a reused mask."),
+                io.Int.Input("refresh_steps", default=0, min=0, max=1000,
+                             tooltip="Visit refresh: 0 = off; R > 0 = every block pair a reused mask skips is "
+                                     "still computed at least once every R steps."),
+                io.Combo.Input("backend", options=list(BACKENDS), default="auto",
+                               tooltip="Sparse attention kernel: auto picks Triton FP8 on Hopper, Triton bf16 on "
+                                       "other CUDA GPUs, the reference on CPU. An explicit choice that cannot "
+                                       "run falls back to dense attention with a message."),
+            ],
+            outputs=[io.Model.Output("model", display_name="model")],
+        )
+
+    @classmethod
+    def execute(cls, model, plan, top_p=0.9, k_min=4, refresh_steps=0, backend="auto") -> io.NodeOutput:
+        if not isinstance(plan, Plan):
+            msg = f"not patched: the plan input is not a Chorus plan ({type(plan).__name__}); dense attention"
+            return io.NodeOutput(model, ui=ui_text(msg))
+        try:
+            config = SparseConfig(top_p=float(top_p), k_min=int(k_min), refresh_steps=int(refresh_steps),
+                                  backend=str(backend))
+        except ValueError as exc:
+            msg = f"not patched: {exc}; dense attention"
+            plan.note(msg)
+            return io.NodeOutput(model, ui=ui_text(msg))
+        patched, attention, message = patch_model(model, plan, config)
+        mode = ("HIT: sparse attention with entry %s (similarity %.3f)" % (plan.entry_id, plan.similarity)
+                if plan.is_hit else "MISS: dense attention + recording")
+        if attention is None:
+            mode = "dense attention"
+        return io.NodeOutput(patched, ui=ui_text(f"{mode} | {message}"))
