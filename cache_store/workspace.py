@@ -285,11 +285,30 @@ class Workspace:
             return target
 
     def rebuild_index(self, progress: bool = False) -> dict:
-        """Rebuild the index from the entries' embeddings in SQLite and save it."""
+        """Rebuild the index from the entries' embeddings in SQLite (tqdm bar if ``progress``) and save it."""
         with self._mutex:
-            self._sync_index(force_rebuild=True)
+            generation = self._generation()
+            dim = self._get("dim")
+            if dim is None:
+                self._index, self._index_generation = None, generation
+                return {}
+            index = PartitionedIndex(int(dim), self._approx_threshold)
+            rows = self._rows_for_index()
+            bar = None
+            if progress:
+                from tqdm import tqdm
+
+                bar = tqdm(total=len(rows), desc="rebuild-index", unit="entry")
+            for start in range(0, len(rows), 2048):
+                self._add_rows_to_index(index, rows[start : start + 2048])
+                if bar is not None:
+                    bar.update(len(rows[start : start + 2048]))
+            if bar is not None:
+                bar.close()
+            self._index, self._index_generation = index, generation
+            self._sync_index()
             self.save_index()
-            return self._index.kinds() if self._index is not None else {}
+            return self._index.kinds()
 
     def _maybe_save_index(self) -> None:
         size = len(self._index) if self._index is not None else 0
@@ -569,7 +588,8 @@ class Workspace:
         orphans and check that the index holds exactly the live entries. ``report["damaged"]``
         lists what was quarantined by this run; ``report["ok"]`` is true when nothing was.
         """
-        rows = self._db.execute("SELECT id, file, sha256, meta_json FROM entries ORDER BY id").fetchall()
+        with self._mutex:
+            rows = self._db.execute("SELECT id, file, sha256, meta_json FROM entries ORDER BY id").fetchall()
         damaged = []
         iterator = rows
         if progress:

@@ -1,0 +1,58 @@
+"""Shared builders and child-process workers for the cache_store tests (test_cache_*.py)."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import numpy as np
+import torch
+
+SIGNATURE = {"family": "wan", "variant": "test", "latent_shape": [16, 5, 12, 20], "block_size": 128,
+             "token_order": "thw", "step_sigmas": [1.0, 0.75, 0.5, 0.25]}
+DIM = 48
+
+
+def small_masks(seed: int, layers: int = 2, heads: int = 3, qb: int = 9, kb: int = 13) -> dict:
+    """Seeded bool maps ``{("high", step, layer, 0): [1, heads, qb, kb]}`` (kb not a multiple of 8)."""
+    gen = torch.Generator().manual_seed(seed)
+    return {("high", step, layer, 0): torch.rand(1, heads, qb, kb, generator=gen) < 0.3
+            for step in range(2) for layer in range(layers)}
+
+
+def embedding(seed: int, dim: int = DIM) -> np.ndarray:
+    return np.random.default_rng(seed).normal(size=dim).astype(np.float32)
+
+
+def clustered(n: int, dim: int, *, clusters: int, spread: float, seed: int) -> np.ndarray:
+    """Unit vectors around ``clusters`` random centres (requests from templates), float32 ``[n, dim]``."""
+    rng = np.random.default_rng(seed)
+    centres = rng.normal(size=(clusters, dim))
+    centres /= np.linalg.norm(centres, axis=1, keepdims=True)
+    x = centres[rng.integers(0, clusters, n)] + spread * rng.normal(size=(n, dim)) / np.sqrt(dim)
+    return (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32)
+
+
+def writer(path: str, seeds, conn=None, crash_phase: str | None = None, mask_kwargs=None) -> None:
+    """Child process: add one entry per seed (meta["seed"] lets the parent rebuild the masks), sending
+    each committed id through ``conn``. With ``crash_phase``, SIGKILL itself at that write phase of
+    the first entry."""
+    from chorus.cache_store import workspace as workspace_mod
+    from chorus.cache_store import Workspace
+
+    if crash_phase is not None:
+        def hook(phase):
+            if phase == crash_phase:
+                os.kill(os.getpid(), signal.SIGKILL)
+        workspace_mod._crash_hook = hook
+    ws = Workspace.open(path)
+    if conn is not None:
+        conn.send(("ready", None))
+    for seed in seeds:
+        entry_id = ws.add(embedding(seed), small_masks(seed, **(mask_kwargs or {})),
+                          {"signature": SIGNATURE, "seed": int(seed), "writer": os.getpid()})
+        if conn is not None:
+            conn.send(("committed", (entry_id, int(seed))))
+    ws.close()
+    if conn is not None:
+        conn.send(("done", None))
