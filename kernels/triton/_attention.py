@@ -80,7 +80,8 @@ def _attn_tiles(acc, l_i, m_i, q, sq, qk_scale, K, V, k_scale_row, idx_row, b, h
                 s_kb, s_kh, s_kl, s_vb, s_vh, s_vl,
                 HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr, KV_SUB: tl.constexpr,
                 FP8: tl.constexpr, USE_TMA: tl.constexpr, MASK_KEYS: tl.constexpr, MASK_LOADS: tl.constexpr,
-                P_SHIFT: tl.constexpr, SCALE_TILE: tl.constexpr, INTERPRET: tl.constexpr):
+                P_SHIFT: tl.constexpr, SCALE_TILE: tl.constexpr, INTERPRET: tl.constexpr,
+                ABLATE: tl.constexpr):
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     for it in range(it_lo, it_hi):
@@ -105,15 +106,22 @@ def _attn_tiles(acc, l_i, m_i, q, sq, qk_scale, K, V, k_scale_row, idx_row, b, h
             s = qk_scale
         if MASK_KEYS:
             qk = tl.where((offs_n < Lk)[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1) * s)
-        if FP8:
-            p = tl.math.exp2(qk * s - (m_new - P_SHIFT)[:, None])
+        if ABLATE == 1:  # benchmark only: no softmax (measures the exp/max/rescale cost)
+            p = qk * s
+            m_new = m_i
         else:
-            p = tl.math.exp2(qk * s - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        if FP8:
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * s)
+            if FP8:
+                p = tl.math.exp2(qk * s - (m_new - P_SHIFT)[:, None])
+            else:
+                p = tl.math.exp2(qk * s - m_new[:, None])
+            alpha = tl.math.exp2(m_i - m_new)
+            l_i = l_i * alpha
+            acc = acc * alpha[:, None]
+        l_i = l_i + tl.sum(p, 1)
+        if ABLATE == 2:  # benchmark only: no P @ V (measures the V load + second GEMM)
+            pass
+        elif FP8:
             if USE_TMA:
                 vt = V.load([b, h, 0, start_n]).reshape(HEAD_DIM, BLOCK_N)
             else:
@@ -145,7 +153,8 @@ def _bsa_fwd_kernel(Q, K, V, O, q_scale, k_scale, v_scale, kv_num, kv_idx, sched
                     s_nb, s_nh, s_ib, s_ih, s_iq,
                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr,
                     FP8: tl.constexpr, USE_TMA: tl.constexpr, TAIL_K: tl.constexpr, EVEN_Q: tl.constexpr,
-                    P_SHIFT: tl.constexpr, SCALE_TILE: tl.constexpr, INTERPRET: tl.constexpr):
+                    P_SHIFT: tl.constexpr, SCALE_TILE: tl.constexpr, INTERPRET: tl.constexpr,
+                    ABLATE: tl.constexpr):
     TPB: tl.constexpr = BS // BLOCK_M
     KV_SUB: tl.constexpr = BS // BLOCK_N
     # Loads need masks only on the bf16 pointer path (FP8 buffers are padded, TMA zero-fills).
@@ -186,12 +195,12 @@ def _bsa_fwd_kernel(Q, K, V, O, q_scale, k_scale, v_scale, kv_num, kv_idx, sched
         n_main = n_kv - ((n_kv > 0) & (last == num_kv_blocks - 1)).to(tl.int32)
     acc, l_i, m_i = _attn_tiles(acc, l_i, m_i, q, sq, qk_scale, K, V, k_scale_row, idx_row, b, h,
                                 0, n_main * KV_SUB, Lk, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl,
-                                HEAD_DIM, BLOCK_N, BS, KV_SUB, FP8, USE_TMA, False, False, P_SHIFT, SCALE_TILE, INTERPRET)
+                                HEAD_DIM, BLOCK_N, BS, KV_SUB, FP8, USE_TMA, False, False, P_SHIFT, SCALE_TILE, INTERPRET, ABLATE)
     if TAIL_K:
         acc, l_i, m_i = _attn_tiles(acc, l_i, m_i, q, sq, qk_scale, K, V, k_scale_row, idx_row, b, h,
                                     n_main * KV_SUB, n_kv * KV_SUB, Lk, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl,
                                     HEAD_DIM, BLOCK_N, BS, KV_SUB, FP8, USE_TMA, True, MASK_LOADS, P_SHIFT,
-                                    SCALE_TILE, INTERPRET)
+                                    SCALE_TILE, INTERPRET, ABLATE)
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     out = acc / l_safe[:, None]
@@ -258,11 +267,9 @@ def _validate(q, k, v, block_map, block_size):
         raise ValueError(f"block_map is on {block_map.device}, q on {q.device}")
 
 
-def block_sparse_attention_triton_impl(q, k, v, block_map, block_size: int, scale: float, fp8: bool,
-                                       config: dict | None = None, _stage: str = "all"):
-    """Launch the kernels (no torch.library wrapping). ``config`` overrides tile settings;
-    ``_stage`` is a benchmark hook: "quant" runs only the pre-pass, "attn" reuses cached quantised
-    inputs (see the benchmark)."""
+def prepare_attention(q, k, v, block_map, block_size: int, scale: float, fp8: bool, config: dict | None = None):
+    """Validate, build the block index and (FP8) quantise; returns the launch arguments as a dict.
+    Split from :func:`launch_attention` so the benchmark can time the stages separately."""
     _validate(q, k, v, block_map, block_size)
     if config is None:
         config = DEFAULT_CONFIGS["fp8" if fp8 else "bf16"]
@@ -270,33 +277,42 @@ def block_sparse_attention_triton_impl(q, k, v, block_map, block_size: int, scal
     kv_len = k.shape[2]
     block_m = min(block_size, config["BLOCK_M"])
     block_n = min(block_size, config["BLOCK_N"])
-    use_tma = bool(config.get("use_tma", False)) and tma_available()
+    use_tma = bool(config.get("use_tma", False)) and tma_available() and not interpreter_upcast(q)
     num_q_blocks, num_kv_blocks = block_map.shape[2], block_map.shape[3]
 
     kv_num, kv_idx = compress_block_map(block_map)
     sched = torch.argsort(kv_num, dim=-1, descending=True, stable=True).to(torch.int32)
     bm_b, bm_h = block_map.shape[:2]
-    s_nb = bm_h * num_q_blocks if bm_b > 1 else 0
-    s_nh = num_q_blocks if bm_h > 1 else 0
-    s_ib = bm_h * num_q_blocks * num_kv_blocks if bm_b > 1 else 0
-    s_ih = num_q_blocks * num_kv_blocks if bm_h > 1 else 0
-
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    map_strides = (bm_h * num_q_blocks if bm_b > 1 else 0, num_q_blocks if bm_h > 1 else 0,
+                   bm_h * num_q_blocks * num_kv_blocks if bm_b > 1 else 0,
+                   num_q_blocks * num_kv_blocks if bm_h > 1 else 0, num_kv_blocks)
     if fp8:
         q_in, k_in, v_in, q_scale, k_scale, v_scale = quantize_qkv_fp8(q, k, v, scale)
-        if _stage == "quant":
-            return out
         n_q_scale, n_k_scale = q_scale.shape[-1], k_scale.shape[-1]
         qk_scale = 1.0
     else:
         q_in, k_in, v_in = q, k, v
-        q_scale = k_scale = v_scale = q  # unused placeholders
+        q_scale = k_scale = v_scale = kv_num  # unused placeholders
         n_q_scale = n_k_scale = 0
         qk_scale = float(scale * LOG2E)
+    return dict(q=q, q_in=q_in, k_in=k_in, v_in=v_in, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
+                kv_num=kv_num, kv_idx=kv_idx, sched=sched, map_strides=map_strides, fp8=bool(fp8),
+                block_size=block_size, block_m=block_m, block_n=block_n, use_tma=use_tma, kv_len=kv_len,
+                num_q_blocks=num_q_blocks, num_kv_blocks=num_kv_blocks, n_q_scale=n_q_scale,
+                n_k_scale=n_k_scale, qk_scale=qk_scale, config=config)
 
+
+def launch_attention(prep: dict, ablate: int = 0) -> torch.Tensor:
+    """Run the attention kernel on prepared arguments (``ablate`` is a benchmark-only switch:
+    1 leaves the softmax out, 2 leaves ``P @ V`` out; results are then meaningless)."""
+    q, q_in, k_in, v_in = prep["q"], prep["q_in"], prep["k_in"], prep["v_in"]
+    batch, heads, q_len, head_dim = q.shape
+    block_m, block_n, fp8, config = prep["block_m"], prep["block_n"], prep["fp8"], prep["config"]
+    block_size = prep["block_size"]
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     strides = (q_in.stride(0), q_in.stride(1), q_in.stride(2), k_in.stride(0), k_in.stride(1), k_in.stride(2),
                v_in.stride(0), v_in.stride(1), v_in.stride(2))
-    if use_tma:
+    if prep["use_tma"]:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         q_arg = TensorDescriptor.from_tensor(q_in, [1, 1, block_m, head_dim])
@@ -305,17 +321,23 @@ def block_sparse_attention_triton_impl(q, k, v, block_map, block_size: int, scal
         v_arg = TensorDescriptor.from_tensor(v_in, v_block)
     else:
         q_arg, k_arg, v_arg = q_in, k_in, v_in
-
-    grid = (num_q_blocks * (block_size // block_m), batch * heads)
+    grid = (prep["num_q_blocks"] * (block_size // block_m), batch * heads)
     _bsa_fwd_kernel[grid](
-        q_arg, k_arg, v_arg, out, q_scale, k_scale, v_scale, kv_num, kv_idx, sched,
-        heads, q_len, kv_len, num_kv_blocks, n_q_scale, n_k_scale, qk_scale,
-        *strides, out.stride(0), out.stride(1), out.stride(2),
-        s_nb, s_nh, s_ib, s_ih, num_kv_blocks,
-        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BS=block_size, FP8=bool(fp8), USE_TMA=use_tma,
-        TAIL_K=kv_len % block_size != 0, EVEN_Q=q_len % block_m == 0, P_SHIFT=P_SHIFT_LOG2,
-        SCALE_TILE=QUANT_TILE, INTERPRET=interpreter_upcast(q), num_warps=config["num_warps"], num_stages=config["num_stages"])
+        q_arg, k_arg, v_arg, out, prep["q_scale"], prep["k_scale"], prep["v_scale"], prep["kv_num"],
+        prep["kv_idx"], prep["sched"], heads, q_len, prep["kv_len"], prep["num_kv_blocks"], prep["n_q_scale"],
+        prep["n_k_scale"], prep["qk_scale"], *strides, out.stride(0), out.stride(1), out.stride(2),
+        *prep["map_strides"],
+        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BS=block_size, FP8=fp8, USE_TMA=prep["use_tma"],
+        TAIL_K=prep["kv_len"] % block_size != 0, EVEN_Q=q_len % block_m == 0, P_SHIFT=P_SHIFT_LOG2,
+        SCALE_TILE=QUANT_TILE, INTERPRET=interpreter_upcast(q), ABLATE=ablate,
+        num_warps=config["num_warps"], num_stages=config["num_stages"])
     return out
+
+
+def block_sparse_attention_triton_impl(q, k, v, block_map, block_size: int, scale: float, fp8: bool,
+                                       config: dict | None = None) -> torch.Tensor:
+    """Validate, prepare and launch (no torch.library wrapping); ``config`` overrides tile settings."""
+    return launch_attention(prepare_attention(q, k, v, block_map, block_size, scale, fp8, config))
 
 
 def default_scale(head_dim: int) -> float:

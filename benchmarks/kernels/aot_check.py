@@ -1,0 +1,93 @@
+"""Compile the Triton kernels for sm_90 without a GPU and report registers, spills and MMA kinds.
+
+Usage: ``python benchmarks/kernels/aot_check.py [--sass]``. Needs only Triton (its bundled ptxas and
+cuobjdump); useful before spending GPU time. Prints one line per variant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from chorus.kernels.triton import _attention as A
+
+TARGET = GPUTarget("cuda", 90, 32)
+
+
+def attn_signature(fp8: bool, dtype: str, use_tma: bool, block_m: int, block_n: int, head_dim: int):
+    ed = "fp8e4nv" if fp8 else dtype
+    if use_tma:
+        q = f"tensordesc<{ed}[1,1,{block_m},{head_dim}]>"
+        k = f"tensordesc<{ed}[1,1,{block_n},{head_dim}]>"
+        v = f"tensordesc<{ed}[1,1,{head_dim},{block_n}]>" if fp8 else f"tensordesc<{ed}[1,1,{block_n},{head_dim}]>"
+    else:
+        q = k = v = f"*{ed}"
+    sig = {"Q": q, "K": k, "V": v, "O": f"*{dtype}", "q_scale": "*fp32", "k_scale": "*fp32", "v_scale": "*fp32",
+           "kv_num": "*i32", "kv_idx": "*i32", "sched": "*i32"}
+    for name in ["H", "Lq", "Lk", "num_kv_blocks", "n_q_scale", "n_k_scale"]:
+        sig[name] = "i32"
+    sig["qk_scale"] = "fp32"
+    for name in ["s_qb", "s_qh", "s_ql", "s_kb", "s_kh", "s_kl", "s_vb", "s_vh", "s_vl", "s_ob", "s_oh", "s_ol",
+                 "s_nb", "s_nh", "s_ib", "s_ih", "s_iq"]:
+        sig[name] = "i32"
+    return sig
+
+
+def compile_attn(fp8=True, use_tma=False, block_m=128, block_n=128, head_dim=128, num_warps=8, num_stages=3,
+                 tail=False, dtype="bf16", ablate=0):
+    sig = attn_signature(fp8, dtype, use_tma, block_m, block_n, head_dim)
+    consts = dict(HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BS=128, FP8=fp8, USE_TMA=use_tma,
+                  TAIL_K=tail, EVEN_Q=not tail, P_SHIFT=A.P_SHIFT_LOG2, SCALE_TILE=128, INTERPRET=False, ABLATE=ablate)
+    for c in consts:
+        sig[c] = "constexpr"
+    # 16-byte divisibility hints like the launcher's specialisation gives for pointers/strides
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig)
+             if sig[n].startswith("*") or (n.startswith("s_") and n not in ("s_nb", "s_nh", "s_ib", "s_ih"))}
+    src = ASTSource(fn=A._bsa_fwd_kernel, signature=sig, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=TARGET, options=dict(num_warps=num_warps, num_stages=num_stages))
+
+
+def summarize(kernel, sass: bool):
+    ptx = kernel.asm["ptx"]
+    mma = sorted(set(re.findall(r"wgmma\.mma_async\.[a-z0-9.]+", ptx)))
+    line = f"smem={kernel.metadata.shared} wgmma={mma[:3]}"
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(kernel.asm["cubin"])
+        tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+        res = subprocess.run([tool, "--dump-resource-usage", path], capture_output=True, text=True).stdout
+        m = re.search(r"REG:(\d+) STACK:(\d+)", res)
+        line += f" regs={m.group(1)} stack={m.group(2)}" if m else ""
+        if sass:
+            out = subprocess.run([tool, "--dump-sass", path], capture_output=True, text=True).stdout
+            ops = {k: len(re.findall(k, out)) for k in ["QGMMA", "HGMMA", "UTMALDG", "LDG.E.128", "LDGSTS", "MUFU.EX2"]}
+            line += f" sass={ops}"
+    return line
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sass", action="store_true")
+    args = ap.parse_args()
+    for fp8 in (True, False):
+        for use_tma in (False, True):
+            for block_n in (64, 128):
+                for stages in (2, 3):
+                    try:
+                        k = compile_attn(fp8=fp8, use_tma=use_tma, block_n=block_n, num_stages=stages)
+                        msg = summarize(k, args.sass)
+                    except Exception as exc:  # noqa: BLE001
+                        msg = f"FAILED {type(exc).__name__}: {str(exc)[:300]}"
+                    print(f"fp8={fp8} tma={use_tma} BLOCK_N={block_n} stages={stages}: {msg}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
