@@ -1,0 +1,140 @@
+"""Test helpers: import ComfyUI in-process on CPU and build tiny random-weight Wan files at test time.
+
+Loaded by file path from the tests (the tests folder is not a package). Nothing here is committed
+model data: every weight is drawn from a seeded generator when a test runs.
+
+ComfyUI is found through env ``COMFYUI_DIR``, else ``/opt/ComfyUI``, else the ComfyUI folder this
+pack sits in (``ComfyUI/custom_nodes/<pack>``). :func:`import_comfy` puts that folder on
+``sys.path`` (tests only; ComfyUI is not an installable package) and sets
+``comfy.cli_args.args.cpu = True`` before any ``comfy.model_management`` import, as ComfyUI's own
+``tests-unit`` do on machines without a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+PACK_ROOT = Path(__file__).resolve().parents[2]
+
+TINY_DIM = 256       # 2 heads of 128 (ComfyUI fixes head_dim = 128 for Wan)
+TINY_LAYERS = 2
+TINY_FFN = 512
+TEXT_DIM = 4096      # fixed by ComfyUI's Wan config
+TEXT_TOKENS = 512    # UMT5 pads prompts to 512 tokens
+WAN21_VAE_CONFIG = {"dim": 96, "z_dim": 16, "dim_mult": [1, 2, 4, 4], "num_res_blocks": 2, "attn_scales": [],
+                    "temperal_downsample": [False, True, True], "dropout": 0.0}
+
+
+def find_comfyui_dir() -> Path | None:
+    candidates = []
+    if os.environ.get("COMFYUI_DIR"):
+        candidates.append(Path(os.environ["COMFYUI_DIR"]))
+    candidates.append(Path("/opt/ComfyUI"))
+    if PACK_ROOT.parent.name == "custom_nodes":
+        candidates.append(PACK_ROOT.parent.parent)
+    for path in candidates:
+        if (path / "main.py").is_file() and (path / "comfy").is_dir():
+            return path
+    return None
+
+
+_IMPORT_STATE: dict = {}
+
+
+def import_comfy() -> str | None:
+    """Make ``import comfy`` work in this process on CPU. Returns None, or why it cannot."""
+    if "reason" in _IMPORT_STATE:
+        return _IMPORT_STATE["reason"]
+    comfy_dir = find_comfyui_dir()
+    if comfy_dir is None:
+        reason = "no ComfyUI checkout (set COMFYUI_DIR; looked at $COMFYUI_DIR, /opt/ComfyUI, ../../ of custom_nodes)"
+    else:
+        if str(comfy_dir) not in sys.path:
+            sys.path.insert(0, str(comfy_dir))
+        try:
+            import comfy.cli_args
+
+            if not torch.cuda.is_available():
+                comfy.cli_args.args.cpu = True
+            import comfy.ldm.wan.model  # noqa: F401
+            import comfy.model_management  # noqa: F401
+            import comfy.sample  # noqa: F401
+            import comfy.sd  # noqa: F401
+            reason = None
+        except Exception as exc:  # noqa: BLE001 - a broken checkout is a skip reason, not a test error
+            reason = f"ComfyUI at {comfy_dir} does not import: {type(exc).__name__}: {exc}"
+    _IMPORT_STATE["reason"] = reason
+    return reason
+
+
+def _init_(module: torch.nn.Module, seed: int, std: float = 0.02) -> None:
+    """Initialise EVERY parameter (ComfyUI's ops skip reset_parameters: untouched weights are garbage)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            leaf = name.rsplit(".", 1)[-1]
+            if leaf == "bias":
+                p.zero_()
+            elif "norm" in name and p.dim() == 1:
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
+
+
+def tiny_wan_state_dict(*, seed: int = 0, i2v_clip: bool = False, in_dim: int = 36, out_dim: int = 16,
+                        dim: int = TINY_DIM, num_layers: int = TINY_LAYERS, ffn_dim: int = TINY_FFN) -> dict:
+    """State dict of a tiny random ComfyUI ``WanModel`` with ComfyUI's key names.
+
+    Defaults: Wan 2.2 A14B-I2V shaped (in_dim 36, no CLIP image projection). ``i2v_clip=True`` adds
+    the image projection (Wan 2.1 I2V shape); ``in_dim=out_dim=48`` is the Wan 2.2 TI2V 5B shape.
+    """
+    import comfy.ldm.wan.model
+    import comfy.ops
+
+    model = comfy.ldm.wan.model.WanModel(
+        model_type="i2v" if i2v_clip else "t2v", in_dim=in_dim, dim=dim, ffn_dim=ffn_dim, freq_dim=256,
+        text_dim=TEXT_DIM, out_dim=out_dim, num_heads=dim // 128, num_layers=num_layers,
+        operations=comfy.ops.disable_weight_init)
+    _init_(model, seed)
+    return {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+
+
+def load_tiny_wan(state_dict: dict):
+    """A ComfyUI ``ModelPatcher`` from a tiny state dict (as UNETLoader would load it)."""
+    import comfy.sd
+
+    patcher = comfy.sd.load_diffusion_model_state_dict(dict(state_dict))
+    if patcher is None:
+        raise RuntimeError("ComfyUI did not recognise the tiny Wan state dict")
+    return patcher
+
+
+def random_wan21_vae_state_dict(seed: int = 0, dtype=torch.bfloat16) -> dict:
+    """Full-size Wan 2.1 VAE (ComfyUI hard-codes its config) with random weights (~127 M params)."""
+    import comfy.ldm.wan.vae
+
+    vae = comfy.ldm.wan.vae.WanVAE(**WAN21_VAE_CONFIG)
+    _init_(vae, seed, std=0.01)
+    return {k: v.detach().to(dtype).contiguous() for k, v in vae.state_dict().items()}
+
+
+def save_safetensors(state_dict: dict, path) -> Path:
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(state_dict, str(path))
+    return path
+
+
+def random_conditioning(seed: int, *, scale: float = 1.0, noise: float = 0.0, noise_seed: int = 1000):
+    """ComfyUI CONDITIONING ``[[cond [1, 512, 4096], {}]]`` from a seed (+ optional small noise)."""
+    gen = torch.Generator().manual_seed(seed)
+    cond = torch.randn(1, TEXT_TOKENS, TEXT_DIM, generator=gen) * scale
+    if noise:
+        cond = cond + noise * torch.randn(cond.shape, generator=torch.Generator().manual_seed(noise_seed))
+    return [[cond, {}]]

@@ -1,0 +1,268 @@
+"""The engine driven through ComfyUI's real ``WanModel`` (tiny, random weights) on CPU.
+
+Skips with a visible reason when no ComfyUI checkout is found (COMFYUI_DIR, /opt/ComfyUI, or the
+ComfyUI folder the pack sits in). Covers: sampling through ``comfy.sample.sample`` with a patched
+model (miss records every (step, layer); a hit then runs every self-attention call sparse),
+routing by sigma with KSamplerAdvanced-style slices and the Wan 2.2 A14B split across two models
+patched with one plan, cond-only recording under CFG, the full-map equality with dense attention
+against an fp64 oracle, and the override chaining / fallbacks.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+_spec = importlib.util.spec_from_file_location("chorus_tests_tiny_wan", Path(__file__).parent / "host" / "tiny_wan.py")
+tiny = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(tiny)
+
+SKIP_REASON = tiny.import_comfy()
+pytestmark = pytest.mark.skipif(SKIP_REASON is not None, reason=f"ComfyUI not available: {SKIP_REASON}")
+
+from chorus.cache_store import Workspace  # noqa: E402
+from chorus.engine import Plan, SparseConfig, commit_plan, retrieve_plan  # noqa: E402
+
+BS = 32                       # small blocks so the tiny latent has several: 3 x 8 x 8 = 192 tokens = 6 blocks
+LATENT = (1, 16, 3, 16, 16)   # [B, C, T, H, W]
+GRID = (3, 8, 8)
+CONFIG = SparseConfig(top_p=0.9, k_min=1, block_size=BS)
+
+
+@pytest.fixture(scope="module")
+def adapter():
+    from chorus.nodes import comfy_adapter
+
+    return comfy_adapter
+
+
+@pytest.fixture(scope="module")
+def experts():
+    """Two tiny Wan 2.2 A14B-I2V shaped models with different weights (high / low noise experts)."""
+    return [tiny.load_tiny_wan(tiny.tiny_wan_state_dict(seed=s)) for s in (0, 1)]
+
+
+def _conds(seed=3):
+    return tiny.random_conditioning(seed), tiny.random_conditioning(seed + 100)
+
+
+def _sample(model, *, steps=4, cfg=1.0, start_step=None, last_step=None, latent=None, seed=0,
+            disable_noise=False, force_full_denoise=True):
+    import comfy.sample
+
+    positive, negative = _conds()
+    latent_image = torch.zeros(LATENT) if latent is None else latent
+    noise = torch.zeros(LATENT) if disable_noise else comfy.sample.prepare_noise(latent_image, seed)
+    return comfy.sample.sample(model, noise, steps, cfg, "euler", "simple", positive, negative, latent_image,
+                               start_step=start_step, last_step=last_step, force_full_denoise=force_full_denoise,
+                               disable_noise=disable_noise, disable_pbar=True, seed=seed)
+
+
+def _embedding(seed):
+    return np.random.default_rng(seed).standard_normal(16).astype(np.float32)
+
+
+def _full_hit(plan_like: Plan, keys) -> Plan:
+    """A hit whose every map keeps every block, built from a recorded plan's signature."""
+    from chorus.engine import build_signature
+
+    sig = build_signature(plan_like)
+    qb = -(-GRID[0] * GRID[1] * GRID[2] // BS)
+    masks = {k: torch.ones(2, qb, qb, dtype=torch.bool) for k in keys}
+    return Plan("hit", entry_id=1, similarity=1.0, masks=masks, entry_meta={"signature": sig},
+                latent_shape=LATENT, embedding=_embedding(0))
+
+
+def test_miss_records_every_step_and_layer_then_hit_runs_sparse(tmp_path, adapter, experts):
+    ws = Workspace.open(tmp_path / "ws")
+    plan = retrieve_plan(ws, _embedding(0), LATENT, similarity_threshold=0.9)
+    assert not plan.is_hit and "no entries" in plan.message
+    model, _, msg = adapter.patch_model(experts[0], plan, CONFIG)
+    assert "patched wan2.2-a14b-i2v" in msg
+    dense_out = _sample(experts[0])
+    miss_out = _sample(model)
+    torch.testing.assert_close(miss_out, dense_out, rtol=0, atol=0)  # recording returns the dense result unchanged
+    assert plan.stats.recorded_calls == 4 * 2 and plan.stats.fallback_calls == 0
+    assert "wrote entry" in commit_plan(ws, plan)
+    masks, meta = ws.load(1, touch=False)
+    assert sorted(masks) == [(0, s, l, 0) for s in range(4) for l in range(2)]
+    sig = meta["signature"]
+    assert sig["token_grid"] == list(GRID) and len(sig["step_sigmas"]) == 4 and sig["block_size"] == BS
+
+    hit = retrieve_plan(ws, _embedding(0) + 0.01, LATENT, similarity_threshold=0.9)
+    assert hit.is_hit and hit.entry_id == 1 and hit.similarity > 0.99
+    patched, _, _ = adapter.patch_model(experts[0], hit, CONFIG)
+    out = _sample(patched)
+    assert torch.isfinite(out).all()
+    assert hit.stats.sparse_calls == 4 * 2 and hit.stats.fallback_calls == 0 and hit.stats.dense_calls == 0
+    assert 0 < hit.stats.density <= 1
+    assert "hit: updated stats of entry 1" in commit_plan(ws, hit)
+    assert ws.entries()[0]["hits"] == 1
+
+
+def test_a14b_split_two_models_one_plan_routes_by_sigma(adapter, experts):
+    """KSamplerAdvanced high (steps 0-2 of 4, leftover noise) then low (2-4, no added noise)."""
+    plan = Plan.miss("test", embedding=_embedding(1), latent_shape=LATENT)
+    high, _, _ = adapter.patch_model(experts[0], plan, CONFIG)
+    low, _, _ = adapter.patch_model(experts[1], plan, CONFIG)
+    mid = _sample(high, start_step=0, last_step=2, force_full_denoise=False)
+    _sample(low, start_step=2, last_step=10000, latent=mid, disable_noise=True)
+    maps = plan.recorder.block_maps()
+    assert sorted(maps) == sorted([(0, s, l, 0) for s in (0, 1) for l in range(2)]
+                                  + [(1, s, l, 0) for s in (2, 3) for l in range(2)])
+    assert [e.fingerprint for e in plan.experts] == [
+        adapter.comfy_model_info(experts[0]).fingerprint, adapter.comfy_model_info(experts[1]).fingerprint]
+
+    # the full schedule of a plain 4-step run is the one the split run recorded
+    import comfy.samplers
+
+    full = comfy.samplers.calculate_sigmas(experts[0].get_model_object("model_sampling"), "simple", 4)
+    np.testing.assert_allclose(plan.recorder.step_sigmas(), full[:-1].tolist(), rtol=1e-5)
+
+    # one hit plan drives both experts; every call is sparse on the right expert's maps
+    hit = _full_hit(plan, maps.keys())
+    high, _, _ = adapter.patch_model(experts[0], hit, CONFIG)
+    low, _, _ = adapter.patch_model(experts[1], hit, CONFIG)
+    mid = _sample(high, start_step=0, last_step=2, force_full_denoise=False)
+    _sample(low, start_step=2, last_step=10000, latent=mid, disable_noise=True)
+    assert hit.is_hit and hit.stats.sparse_calls == 8 and hit.stats.fallback_calls == 0, hit.stats.messages
+
+
+def test_hit_with_other_model_or_schedule_is_demoted(adapter, experts):
+    plan = Plan.miss("test", embedding=_embedding(2), latent_shape=LATENT)
+    model, _, _ = adapter.patch_model(experts[0], plan, CONFIG)
+    _sample(model, steps=2)
+    maps = plan.recorder.block_maps()
+    # another model's weights: demoted to a miss that records, output stays dense
+    hit = _full_hit(plan, maps.keys())
+    other, _, _ = adapter.patch_model(experts[1], hit, CONFIG)
+    torch.testing.assert_close(_sample(other, steps=2), _sample(experts[1], steps=2), rtol=0, atol=0)
+    assert not hit.is_hit and "another model" in hit.message and hit.stats.sparse_calls == 0
+    assert hit.recorder.complete
+    # another step count: the schedule differs from the entry's -> demoted before any sparse call
+    hit = _full_hit(plan, maps.keys())
+    model, _, _ = adapter.patch_model(experts[0], hit, CONFIG)
+    _sample(model, steps=3)
+    assert not hit.is_hit and "schedule" in hit.message and hit.recorder.complete
+
+
+def test_cfg_records_cond_rows_only(adapter, experts, monkeypatch):
+    from chorus import kernels
+
+    seen = []
+    real = kernels.block_mass
+
+    def spy(q, k, **kw):
+        seen.append(q.shape[0])
+        return real(q, k, **kw)
+
+    monkeypatch.setattr(kernels, "block_mass", spy)
+    plan = Plan.miss("test", embedding=_embedding(3), latent_shape=LATENT)
+    model, _, _ = adapter.patch_model(experts[0], plan, CONFIG)
+    _sample(model, steps=2, cfg=3.0)  # cond and uncond are evaluated at every step
+    assert seen and all(b == 1 for b in seen)  # only the positive row of each call is recorded
+    assert plan.stats.recorded_calls == 2 * 2 and plan.stats.dense_calls >= 2 * 2
+
+
+def _direct_forward(model_patcher, x, t, context, dtype, extra_options=None):
+    """One diffusion-model call with the patcher's transformer_options and wrappers (as sampling does)."""
+    dm = model_patcher.model.diffusion_model
+    options = copy.deepcopy(model_patcher.model_options.get("transformer_options", {}))
+    options["wrappers"] = {k: {kk: list(vv) for kk, vv in v.items()} for k, v in model_patcher.wrappers.items()}
+    options.update(extra_options or {})
+    with torch.no_grad():
+        return dm(x.to(dtype), t.to(dtype), context.to(dtype), transformer_options=options).double()
+
+
+def test_full_block_map_equals_dense_within_oracle_tolerance(adapter):
+    """Patched (hit, every block kept) vs unpatched model output, against an fp64 run of the model."""
+    sd = tiny.tiny_wan_state_dict(seed=5)
+    model = tiny.load_tiny_wan(sd)
+    qb = -(-GRID[0] * GRID[1] * GRID[2] // BS)
+    sigma = 0.75
+    sig = {"format": 1, "family": "wan", "variant": "wan2.2-a14b-i2v",
+           "experts": [adapter.comfy_model_info(model).fingerprint], "num_layers": 2, "num_heads": 2,
+           "latent_shape": list(LATENT[1:]), "token_grid": list(GRID), "block_size": BS, "token_order": "thw",
+           "step_sigmas": [sigma], "head_groups": 1}
+    masks = {(0, 0, l, 0): torch.ones(2, qb, qb, dtype=torch.bool) for l in range(2)}
+    hit = Plan("hit", entry_id=1, similarity=1.0, masks=masks, entry_meta={"signature": sig})
+    patched, attention, _ = adapter.patch_model(model, hit, CONFIG)
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 36, *LATENT[2:], generator=gen)
+    t = torch.tensor([sigma * 1000.0])
+    context = torch.randn(1, 512, 4096, generator=gen)
+    extra = {"sigmas": torch.tensor([sigma]), "cond_or_uncond": [0]}
+    dense32 = _direct_forward(model, x, t, context, torch.float32, extra)
+    attention.begin_run([sigma, 0.0])
+    sparse32 = _direct_forward(patched, x, t, context, torch.float32, extra)
+    attention.end_run()
+    assert hit.stats.sparse_calls == 2 and hit.stats.fallback_calls == 0, hit.stats.messages
+
+    model64 = tiny.load_tiny_wan({k: v.double() for k, v in sd.items()})
+    model64.model.diffusion_model.double()
+    model64.model.diffusion_model.patch_embedding.float()  # WanModel runs its patch embedding in fp32 always
+    oracle = _direct_forward(model64, x, t, context, torch.float64, extra)
+    err_dense = (dense32 - oracle).abs().max().item()
+    err_sparse = (sparse32 - oracle).abs().max().item()
+    assert err_dense > 0
+    assert err_sparse <= 2 * err_dense, (err_sparse, err_dense)
+
+
+def test_override_chains_previous_and_leaves_cross_attention_alone(adapter, experts):
+    calls = []
+
+    def previous(func, *args, **kwargs):
+        calls.append((args[0].shape[1], args[1].shape[1]))
+        return func(*args, **kwargs)
+
+    base = experts[0].clone()
+    base.model_options["transformer_options"]["optimized_attention_override"] = previous
+    plan = Plan.miss("test", embedding=_embedding(4), latent_shape=LATENT)
+    model, _, _ = adapter.patch_model(base, plan, CONFIG)
+    # re-patching replaces the Chorus override instead of stacking a second one
+    model, _, _ = adapter.patch_model(model, plan, CONFIG)
+    assert model.model_options["transformer_options"]["optimized_attention_override"].previous is previous
+    assert "optimized_attention_override" not in experts[0].model_options["transformer_options"]
+    _sample(model, steps=2)
+    tokens = GRID[0] * GRID[1] * GRID[2]
+    assert (tokens, tokens) in calls and (tokens, 512) in calls  # self (dense under recording) and text cross
+    assert plan.stats.recorded_calls == 2 * 2
+    # deep copies (clone() of model_options) keep the one shared handle
+    override = model.model_options["transformer_options"]["optimized_attention_override"]
+    assert copy.deepcopy(override) is override and copy.deepcopy(plan) is plan
+
+
+def test_block_index_from_transformer_options_wins(adapter):
+    """Newer ComfyUI puts block_index into transformer_options: the override uses it as the layer."""
+    from chorus.engine import ChorusAttention, ModelInfo
+
+    info = ModelInfo("wan", "wan2.2-a14b-i2v", 4, 2, 128, 36, "fp")
+    plan = Plan.miss("test", latent_shape=LATENT)
+    override = adapter.ChorusOverride(ChorusAttention(plan, CONFIG, info))
+    ctx = adapter.ForwardContext(GRID)
+    tokens = GRID[0] * GRID[1] * GRID[2]
+    q = torch.randn(1, tokens, 256)
+
+    def func(q, k, v, heads, **kw):
+        return q
+
+    for layer in (3, 1):
+        opts = {adapter.FORWARD_KEY: ctx, "block_index": layer, "sigmas": torch.tensor([0.5]), "cond_or_uncond": [0]}
+        override(func, q, q, q, heads=2, transformer_options=opts)
+    assert sorted(k[2] for k in plan.recorder.block_maps()) == [1, 3]
+
+
+def test_unsupported_model_passes_through_with_message(adapter):
+    sd = tiny.tiny_wan_state_dict(seed=0, in_dim=16)  # a Wan text-to-video model
+    model = tiny.load_tiny_wan(sd)
+    plan = Plan.miss("test", latent_shape=LATENT)
+    patched, attention, msg = adapter.patch_model(model, plan, CONFIG)
+    assert attention is None and "not supported" in msg and patched is not model
+    assert "optimized_attention_override" not in patched.model_options["transformer_options"]
+    assert any("unsupported model" in m for m in plan.stats.messages)
