@@ -1,0 +1,309 @@
+"""Token pooling over (t, h, w) regions: the geometry and numerics of feature reuse.
+
+Tokens follow Wan's frame-major order after the 1x2x2 patchify: token ``(t, h, w)`` of a grid
+``(T, H, W)`` sits at index ``(t * H + h) * W + w`` of the sequence (dim 1 of ``[B, L, ...]``).
+
+- A *region* is a tile of ``region = (rt, rh, rw)`` tokens; regions tile the grid from the origin.
+  Only *complete* regions (fully inside the grid) can be downsampled; the ragged rim never is.
+- A region that is downsampled is cut into *cells* of ``pool = (pt, ph, pw)`` tokens (``pool``
+  divides ``region``); each cell becomes one pooled token (the mean of its tokens).
+- :class:`RegionLayout` describes one choice of downsampled regions: the *compact* sequence holds
+  the kept (full-resolution) tokens in their original order, then one token per cell. It carries
+  the index tensors to go between the two sequences.
+
+Functions (``x`` is ``[B, L, ...]``, float; indices are int64 on ``x``'s device):
+
+- :func:`pool_tokens` ``[B, L, ...] -> [B, L', ...]`` (kept tokens, then cell means);
+- :func:`expand_tokens` ``[B, L', ...] -> [B, L, ...]`` (each token takes its compact token: a cell's
+  value is repeated over its members, i.e. nearest-neighbour upsampling);
+- :func:`compact_rows` ``[B, L, ...] -> [B, L', ...]`` (the row of each compact token's first
+  member: the inverse of :func:`expand_tokens` on expanded tensors);
+- :func:`unpool_residual` (input ``x``, pooled input, block output on the compact sequence) ->
+  full output: kept tokens take their own output; a cell's members keep their own input and add
+  the cell's update ``y_c - x_c`` (the block's *update* is what is computed at low resolution);
+- :func:`pool_rotations`: pooled RoPE rotations ``[..., 2, 2]``: the mean of a cell's rotations,
+  renormalised, is the rotation at the cell's centre position;
+- :func:`region_detail` per complete region, the share of a tensor's energy that the cell means
+  do not hold (0 = constant over every cell, i.e. downsampling loses nothing; 1 = none kept).
+
+``*_reference`` functions compute the same with explicit per-cell loops (tests compare).
+Bad geometry raises ``ValueError``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def _triple(v, name: str) -> tuple[int, int, int]:
+    try:
+        out = tuple(int(s) for s in v)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be three ints (t, h, w), got {v!r}") from None
+    if len(out) != 3 or min(out) < 1:
+        raise ValueError(f"{name} must be three positive ints (t, h, w), got {v!r}")
+    return out
+
+
+def check_geometry(grid, region, pool) -> tuple[tuple[int, int, int], tuple[int, int, int], tuple[int, int, int]]:
+    """Validate and normalise ``(grid, region, pool)``; ``pool`` must divide ``region``."""
+    grid, region, pool = _triple(grid, "grid"), _triple(region, "region"), _triple(pool, "pool")
+    if any(r % p for r, p in zip(region, pool)):
+        raise ValueError(f"pool {pool} must divide region {region} in every dimension")
+    return grid, region, pool
+
+
+def region_counts(grid, region) -> tuple[int, int, int]:
+    """Complete regions along (t, h, w)."""
+    return tuple(g // r for g, r in zip(_triple(grid, "grid"), _triple(region, "region")))
+
+
+def region_cells(grid, region, pool, device=None) -> torch.Tensor:
+    """Token indices of every cell of every complete region: int64 ``[R, C, P]``.
+
+    ``R`` = complete regions in (t, h, w) raster order, ``C`` = cells per region (raster order),
+    ``P = pt * ph * pw`` tokens per cell (raster order). ``R`` may be 0.
+    """
+    (T, H, W), (rt, rh, rw), (pt, ph, pw) = check_geometry(grid, region, pool)
+    nt, nh, nw = T // rt, H // rh, W // rw
+    tok = torch.arange(T * H * W, device=device, dtype=torch.int64).view(T, H, W)
+    tok = tok[: nt * rt, : nh * rh, : nw * rw]
+    tok = tok.reshape(nt, rt // pt, pt, nh, rh // ph, ph, nw, rw // pw, pw)
+    tok = tok.permute(0, 3, 6, 1, 4, 7, 2, 5, 8)
+    return tok.reshape(nt * nh * nw, (rt // pt) * (rh // ph) * (rw // pw), pt * ph * pw)
+
+
+def region_frames(grid, region) -> torch.Tensor:
+    """First frame index ``[R]`` of every complete region (raster order)."""
+    (T, H, W), (rt, rh, rw) = _triple(grid, "grid"), _triple(region, "region")
+    nt, nh, nw = T // rt, H // rh, W // rw
+    return (torch.arange(nt, dtype=torch.int64) * rt).repeat_interleave(nh * nw)
+
+
+@dataclass
+class RegionLayout:
+    """One choice of downsampled regions over a token grid (see the module docstring).
+
+    Attributes (int64 tensors on one device):
+        grid, region, pool: the geometry; ``regions``: sorted ids of the downsampled regions.
+        keep_index ``[Lk]``: original indices of the kept tokens (ascending).
+        cell_index ``[Nc, P]``: original indices of each cell's tokens.
+        expand_index ``[L]``: compact position of every original token.
+        rep_index ``[L']``: one original token per compact token (kept token / cell's first member).
+    ``length`` = L, ``compact_length`` = L' = Lk + Nc.
+    """
+
+    grid: tuple
+    region: tuple
+    pool: tuple
+    regions: torch.Tensor
+    keep_index: torch.Tensor
+    cell_index: torch.Tensor
+    expand_index: torch.Tensor
+    rep_index: torch.Tensor
+
+    @property
+    def length(self) -> int:
+        return int(self.expand_index.numel())
+
+    @property
+    def compact_length(self) -> int:
+        return int(self.rep_index.numel())
+
+    @property
+    def num_cells(self) -> int:
+        return int(self.cell_index.shape[0])
+
+    @property
+    def pooled_tokens(self) -> int:
+        return int(self.cell_index.numel())
+
+    def to(self, device) -> "RegionLayout":
+        return RegionLayout(self.grid, self.region, self.pool,
+                            *(t.to(device) for t in (self.regions, self.keep_index, self.cell_index,
+                                                     self.expand_index, self.rep_index)))
+
+    def __deepcopy__(self, memo):
+        return self
+
+
+def build_layout(grid, region, pool, regions, device=None) -> RegionLayout:
+    """:class:`RegionLayout` downsampling the complete regions ``regions`` (ids in raster order).
+
+    Raises ``ValueError`` for bad geometry or a region id outside ``[0, R)``. Duplicates are ignored.
+    """
+    grid, region, pool = check_geometry(grid, region, pool)
+    cells = region_cells(grid, region, pool, device=device)
+    regions = torch.as_tensor(regions, dtype=torch.int64).reshape(-1).unique().to(cells.device)
+    if regions.numel() and (int(regions.min()) < 0 or int(regions.max()) >= cells.shape[0]):
+        raise ValueError(f"region ids must be in [0, {cells.shape[0]}), got {regions.tolist()[:8]}...")
+    length = grid[0] * grid[1] * grid[2]
+    cell_index = cells[regions].reshape(-1, cells.shape[-1])
+    pooled = torch.zeros(length, dtype=torch.bool, device=cells.device)
+    pooled[cell_index.reshape(-1)] = True
+    keep_index = torch.nonzero(~pooled).reshape(-1)
+    expand_index = torch.empty(length, dtype=torch.int64, device=cells.device)
+    expand_index[keep_index] = torch.arange(keep_index.numel(), device=cells.device)
+    cell_pos = keep_index.numel() + torch.arange(cell_index.shape[0], device=cells.device)
+    expand_index[cell_index] = cell_pos[:, None].expand_as(cell_index)
+    rep_index = torch.cat([keep_index, cell_index[:, 0]])
+    return RegionLayout(grid, region, pool, regions, keep_index, cell_index, expand_index, rep_index)
+
+
+def _check_x(x: torch.Tensor, layout: RegionLayout, length: int, what: str) -> None:
+    if not isinstance(x, torch.Tensor) or x.dim() < 2:
+        raise ValueError(f"{what} must be a tensor [B, L, ...], got {type(x).__name__}")
+    if x.shape[1] != length:
+        raise ValueError(f"{what} has {x.shape[1]} tokens on dim 1, the layout expects {length}")
+
+
+def pool_tokens(x: torch.Tensor, layout: RegionLayout) -> torch.Tensor:
+    """``[B, L, ...] -> [B, L', ...]``: kept tokens in order, then each cell's mean (in x's dtype,
+    accumulated in float32 for half types)."""
+    _check_x(x, layout, layout.length, "x")
+    kept = x.index_select(1, layout.keep_index)
+    if layout.num_cells == 0:
+        return kept
+    acc = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+    members = acc.index_select(1, layout.cell_index.reshape(-1))
+    cells = members.view(x.shape[0], layout.num_cells, layout.cell_index.shape[1], *x.shape[2:]).mean(2)
+    return torch.cat([kept, cells.to(x.dtype)], dim=1)
+
+
+def expand_tokens(x_compact: torch.Tensor, layout: RegionLayout) -> torch.Tensor:
+    """``[B, L', ...] -> [B, L, ...]``: every token takes its compact token's value."""
+    _check_x(x_compact, layout, layout.compact_length, "x_compact")
+    return x_compact.index_select(1, layout.expand_index)
+
+
+def compact_rows(x_full: torch.Tensor, layout: RegionLayout) -> torch.Tensor:
+    """``[B, L, ...] -> [B, L', ...]``: the row of each compact token's representative token."""
+    _check_x(x_full, layout, layout.length, "x_full")
+    return x_full.index_select(1, layout.rep_index)
+
+
+def unpool_residual(x: torch.Tensor, x_compact: torch.Tensor, y_compact: torch.Tensor,
+                    layout: RegionLayout) -> torch.Tensor:
+    """Full-length block output from a block run on the compact sequence.
+
+    ``x`` ``[B, L, C]``: the block input; ``x_compact = pool_tokens(x)``; ``y_compact``: the block's
+    output on ``x_compact``. Kept tokens take their own output; each cell member gets
+    ``x[member] + (y_c[cell] - x_c[cell])`` (own input, upsampled update), so the detail of the
+    input survives and only the block's update is coarse.
+    """
+    _check_x(x, layout, layout.length, "x")
+    _check_x(x_compact, layout, layout.compact_length, "x_compact")
+    _check_x(y_compact, layout, layout.compact_length, "y_compact")
+    delta = (y_compact - x_compact).index_select(1, layout.expand_index)
+    out = x + delta
+    # kept tokens: exactly the block output (no x + (y - x) rounding)
+    out.index_copy_(1, layout.keep_index, y_compact[:, : layout.keep_index.numel()])
+    return out
+
+
+def pool_rotations(rot: torch.Tensor, layout: RegionLayout) -> torch.Tensor:
+    """Pool RoPE rotation matrices ``[B or 1, L, ..., 2, 2]`` (ComfyUI Wan ``freqs`` layout).
+
+    A cell's rotations are averaged and each 2x2 rotation is renormalised: for positions symmetric
+    about the cell centre the result is exactly the rotation at the centre (half-integer position).
+    """
+    if rot.shape[-2:] != (2, 2):
+        raise ValueError(f"rotations must end in [2, 2], got {tuple(rot.shape)}")
+    pooled = pool_tokens(rot.float(), layout)
+    cos, sin = pooled[..., 0, 0], pooled[..., 1, 0]
+    norm = torch.sqrt(cos * cos + sin * sin).clamp_min(1e-12)
+    return (pooled / norm[..., None, None]).to(rot.dtype)
+
+
+def pool_cos_sin(cos: torch.Tensor, sin: torch.Tensor, layout: RegionLayout):
+    """Pool RoPE given as ``cos, sin`` ``[B or 1, L, ..., D]`` (diffusers layout); renormalised pairs."""
+    pc, ps = pool_tokens(cos.float(), layout), pool_tokens(sin.float(), layout)
+    norm = torch.sqrt(pc * pc + ps * ps).clamp_min(1e-12)
+    return (pc / norm).to(cos.dtype), (ps / norm).to(sin.dtype)
+
+
+def region_detail(x: torch.Tensor, grid, region, pool) -> torch.Tensor:
+    """Float32 ``[R]``: per complete region, ``sum |x - cellmean(x)|^2 / sum |x|^2`` over ``x``'s
+    batch, tokens and channels (``x`` ``[B, L, ...]``, ``L = T*H*W``). A region with no energy gives 0.
+    """
+    grid, region, pool = check_geometry(grid, region, pool)
+    length = grid[0] * grid[1] * grid[2]
+    if x.dim() < 2 or x.shape[1] != length:
+        raise ValueError(f"x must be [B, {length}, ...] for grid {grid}, got {tuple(x.shape)}")
+    cells = region_cells(grid, region, pool, device=x.device)
+    if cells.shape[0] == 0:
+        return torch.zeros(0, dtype=torch.float32, device=x.device)
+    xf = x.float().reshape(x.shape[0], length, -1)
+    members = xf.index_select(1, cells.reshape(-1)).view(x.shape[0], *cells.shape, xf.shape[-1])  # [B,R,C,P,D]
+    mean = members.mean(3, keepdim=True)
+    detail = (members - mean).square().sum(dim=(0, 2, 3, 4))
+    total = members.square().sum(dim=(0, 2, 3, 4))
+    return torch.where(total > 0, detail / total.clamp_min(1e-30), torch.zeros_like(total))
+
+
+# -- references: explicit loops over cells --------------------------------------------------------
+
+def _cells_reference(grid, region, pool, regions):
+    (T, H, W), (rt, rh, rw), (pt, ph, pw) = check_geometry(grid, region, pool)
+    nt, nh, nw = T // rt, H // rh, W // rw
+    out = []
+    for r in sorted(set(int(i) for i in regions)):
+        a, rem = divmod(r, nh * nw)
+        b, c = divmod(rem, nw)
+        for ct in range(rt // pt):
+            for ch in range(rh // ph):
+                for cw in range(rw // pw):
+                    cell = []
+                    for dt in range(pt):
+                        for dh in range(ph):
+                            for dw in range(pw):
+                                t = a * rt + ct * pt + dt
+                                h = b * rh + ch * ph + dh
+                                w = c * rw + cw * pw + dw
+                                cell.append((t * H + h) * W + w)
+                    out.append(cell)
+    return out
+
+
+def pool_tokens_reference(x, grid, region, pool, regions):
+    """Loop reference of :func:`pool_tokens` in float64."""
+    cells = _cells_reference(grid, region, pool, regions)
+    pooled = {i for cell in cells for i in cell}
+    xd = x.double()
+    kept = [xd[:, i] for i in range(x.shape[1]) if i not in pooled]
+    means = [torch.stack([xd[:, i] for i in cell], 0).mean(0) for cell in cells]
+    return torch.stack(kept + means, dim=1)
+
+
+def unpool_residual_reference(x, y_compact, grid, region, pool, regions):
+    """Loop reference of :func:`unpool_residual` in float64 (``y_compact`` on the compact order)."""
+    cells = _cells_reference(grid, region, pool, regions)
+    pooled = {i for cell in cells for i in cell}
+    kept = [i for i in range(x.shape[1]) if i not in pooled]
+    xd, yd = x.double(), y_compact.double()
+    out = xd.clone()
+    for pos, i in enumerate(kept):
+        out[:, i] = yd[:, pos]
+    for c, cell in enumerate(cells):
+        mean = torch.stack([xd[:, i] for i in cell], 0).mean(0)
+        for i in cell:
+            out[:, i] = xd[:, i] + yd[:, len(kept) + c] - mean
+    return out
+
+
+def region_detail_reference(x, grid, region, pool):
+    """Loop reference of :func:`region_detail` in float64."""
+    grid, region, pool = check_geometry(grid, region, pool)
+    n = region_counts(grid, region)
+    xd = x.double().reshape(x.shape[0], x.shape[1], -1)
+    out = []
+    for r in range(n[0] * n[1] * n[2]):
+        detail = total = 0.0
+        for cell in _cells_reference(grid, region, pool, [r]):
+            vals = xd[:, cell]
+            detail += float((vals - vals.mean(1, keepdim=True)).square().sum())
+            total += float(vals.square().sum())
+        out.append(detail / total if total > 0 else 0.0)
+    return torch.tensor(out, dtype=torch.float64)
