@@ -1,0 +1,188 @@
+"""Crash safety, concurrent writers and corruption handling of cache_store.workspace.
+
+Writers run in child processes forked from a forkserver that has imported chorus.cache_store
+once (a fresh interpreter per trial would spend ~2 s importing torch), and are SIGKILLed.
+"""
+
+import multiprocessing as mp
+import os
+import random
+import signal
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import cache_helpers
+from cache_helpers import SIGNATURE, embedding, small_masks
+from chorus.cache_store import CorruptEntryError, Workspace
+
+MASK_KW = {"layers": 6, "heads": 8, "qb": 64, "kb": 200}  # ~0.5 MB raw per entry: writes take a few ms
+
+
+@pytest.fixture(scope="module")
+def ctx():
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(["chorus.cache_store", "cache_helpers"])
+    return context
+
+
+def _check_consistent(path, reported):
+    """Every reported id is present and loads exactly; every present entry is whole; verify is clean."""
+    with Workspace.open(path) as ws:
+        present = {e["id"]: e["meta"]["seed"] for e in ws.entries()}
+        for entry_id, seed in reported:
+            assert present.get(entry_id) == seed, (entry_id, seed)
+        for entry_id, seed in present.items():
+            masks, meta = ws.load(entry_id, touch=False)
+            expected = small_masks(seed, **MASK_KW)
+            assert set(masks) == set(expected) and all(torch.equal(masks[k], expected[k]) for k in expected)
+            assert ws.search(embedding(seed), k=1)[0][0] == entry_id
+        report = ws.verify()
+        assert report["ok"] and report["index_consistent"], report
+        assert not [p for p in (path / "entries").iterdir() if p.name.startswith(".tmp-")]
+        assert len(list((path / "entries").iterdir())) == len(present)
+        return present
+
+
+@pytest.mark.parametrize("phase", ["temp_written", "renamed", "file_durable", "before_commit", "committed"])
+def test_kill_at_each_write_phase(tmp_path, ctx, phase):
+    """SIGKILL exactly between two steps of the write protocol: the entry is whole or absent."""
+    path = tmp_path / "ws"
+    Workspace.open(path).close()
+    proc = ctx.Process(target=cache_helpers.writer, args=(str(path), [1, 2]),
+                       kwargs={"crash_phase": phase, "mask_kwargs": MASK_KW})
+    proc.start()
+    proc.join(60)
+    assert proc.exitcode == -signal.SIGKILL
+    present = _check_consistent(path, [])
+    assert len(present) == (1 if phase == "committed" else 0)
+
+
+def test_sigkill_writer_at_random_moments(tmp_path, ctx):
+    """>= 20 trials: a writer adding entries in a loop is SIGKILLed at a random moment."""
+    rng = random.Random(1234)
+    path = tmp_path / "ws"
+    Workspace.open(path).close()
+    seed = 0
+    all_reported = []
+    for trial in range(24):
+        seeds = list(range(seed, seed + 200))
+        seed += 200
+        parent, child = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=cache_helpers.writer, args=(str(path), seeds, child),
+                           kwargs={"mask_kwargs": MASK_KW})
+        proc.start()
+        child.close()
+        assert parent.recv()[0] == "ready"
+        time.sleep(rng.uniform(0.0, 0.15))
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(30)
+        while parent.poll():
+            try:
+                kind, value = parent.recv()
+            except EOFError:
+                break
+            if kind == "committed":
+                all_reported.append(value)
+        parent.close()
+        _check_consistent(path, all_reported)
+    assert len(all_reported) > 0  # some writes did complete between kills
+
+
+def test_two_writers_fifty_entries_each(tmp_path, ctx):
+    path = tmp_path / "ws"
+    Workspace.open(path).close()
+    procs = [ctx.Process(target=cache_helpers.writer, args=(str(path), list(range(w * 1000, w * 1000 + 50))))
+             for w in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0
+    with Workspace.open(path) as ws:
+        entries = ws.entries()
+        ids = [e["id"] for e in entries]
+        assert len(ws) == 100 and len(set(ids)) == 100
+        assert sorted(e["meta"]["seed"] for e in entries) == sorted(list(range(50)) + list(range(1000, 1050)))
+        assert len({e["meta"]["writer"] for e in entries}) == 2
+        st = ws.stats()
+        assert st["indexed"] == 100 and st["generation"] == 100
+        for e in entries[::7]:
+            assert ws.search(embedding(e["meta"]["seed"]), k=1)[0][0] == e["id"]
+        assert ws.verify()["index_consistent"]
+
+
+def _corrupt(path, how):
+    data = path.read_bytes()
+    if how == "truncate":
+        path.write_bytes(data[: len(data) // 2])
+    elif how == "flip_payload":
+        b = bytearray(data)
+        b[len(b) - 20] ^= 0x10
+        path.write_bytes(bytes(b))
+    elif how == "flip_header":
+        b = bytearray(data)
+        b[12] ^= 0x01
+        path.write_bytes(bytes(b))
+    elif how == "empty":
+        path.write_bytes(b"")
+    elif how == "delete":
+        path.unlink()
+
+
+@pytest.mark.parametrize("how", ["truncate", "flip_payload", "flip_header", "empty", "delete"])
+def test_corrupt_entry_is_quarantined_and_search_goes_on(tmp_path, how, caplog):
+    path = tmp_path / "ws"
+    with Workspace.open(path) as ws:
+        ids = [ws.add(embedding(s), small_masks(s), {"signature": SIGNATURE, "seed": s}) for s in range(6)]
+        victim = ids[2]
+        victim_file = path / "entries" / ws._row(victim)[0]
+        _corrupt(victim_file, how)
+        assert ws.search(embedding(2), k=1)[0][0] == victim  # not detected until read
+        with pytest.raises(CorruptEntryError):
+            ws.load(victim)
+        assert "quarantining entry" in caplog.text
+        assert len(ws) == 5 and all(e != victim for e, _ in ws.search(embedding(2), k=10))
+        assert ws.search(embedding(3), k=1)[0][0] == ids[3]
+        q = ws.stats()["quarantined"]
+        assert [d["id"] for d in q] == [victim]
+        if how != "delete":
+            assert (path / "quarantine" / victim_file.name).exists() and not victim_file.exists()
+        masks, _ = ws.load(ids[3])
+        assert all(torch.equal(masks[k], v) for k, v in small_masks(3).items())
+    with Workspace.open(path) as ws:  # after a restart
+        assert len(ws) == 5 and ws.verify()["ok"] and ws.stats()["quarantined"][0]["id"] == victim
+
+
+def test_verify_finds_damage(tmp_path):
+    path = tmp_path / "ws"
+    with Workspace.open(path) as ws:
+        ids = [ws.add(embedding(s), small_masks(s), {"signature": SIGNATURE}) for s in range(5)]
+        for victim, how in ((ids[0], "flip_payload"), (ids[4], "truncate")):
+            _corrupt(path / "entries" / ws._row(victim)[0], how)
+        (path / "entries" / ".tmp-123-abc").write_bytes(b"partial")
+        (path / "entries" / "orphan.safetensors").write_bytes(b"x")
+        report = ws.verify()
+        assert not report["ok"] and sorted(d["id"] for d in report["damaged"]) == [ids[0], ids[4]]
+        assert report["temp_files_removed"] == 1 and report["orphans_removed"] == 1
+        assert report["index_consistent"] and len(ws) == 3
+        assert ws.verify()["ok"]
+
+
+def test_writer_lock_blocks_a_second_writer(tmp_path):
+    """While one process holds the writer lock, another handle's add waits (the lock is cross-process)."""
+    from filelock import FileLock, Timeout
+
+    path = tmp_path / "ws"
+    ws = Workspace.open(path)
+    other = FileLock(str(path / "write.lock"), timeout=0.2)
+    with other:  # a different FileLock object on the same file behaves as another process
+        ws._file_lock.timeout = 0.3
+        with pytest.raises(Timeout):
+            ws.add(embedding(1), small_masks(1), {"signature": SIGNATURE})
+    ws._file_lock.timeout = -1
+    assert ws.add(embedding(1), small_masks(1), {"signature": SIGNATURE}) == 1
+    assert len(list((path / "entries").iterdir())) == 1
+    ws.close()
