@@ -84,7 +84,7 @@ def _block_mass_kernel(Q, K, Out, row_off, H, Lq, Lk, num_q_blocks, num_kv_block
 
     # pass 2: probability mass per (query block, key block)
     cnt = tl.sum(tl.reshape(valid.to(tl.float32), (G, S)), 1)
-    inv_cnt = tl.where(cnt > 0, 1.0 / cnt, 0.0)
+    inv_cnt = tl.where(cnt > 0, 1.0 / tl.maximum(cnt, 1.0), 0.0)
     qblk_g = tile * G + tl.arange(0, G)
     out_base = Out + b * s_ob + h * s_oh + qblk_g * s_oq
     g_ok = qblk_g < num_q_blocks

@@ -1,0 +1,270 @@
+"""Block-sparse attention benchmark on one GPU (Wan 14B shapes), all contenders side by side in one run.
+
+Contenders per sequence length (1 x 40 heads x L x 128, bf16 random inputs):
+dense cuDNN SDPA, dense FLASH SDPA, compiled FlexAttention with the same block masks, our Triton kernel
+(bf16 and FP8) with a full map and with structured masks (3D-local windows + diagonal + sink column,
+see ``masks.py``) at densities 5-50%, the fixed-cost stages of our FP8 path (block index, FP8
+pre-pass), variants leaving one stage out (no softmax / no P@V: where the time goes), and the Triton
+block_mass (sampled rows) against one dense cuDNN call.
+
+Times are ``triton.testing.do_bench`` medians (L2 flushed between runs); TFLOP/s count only kept
+blocks (4 * kept query-key pairs * D * heads, partial blocks exact). Writes ``bench_block_sparse.json``
+and ``bench_block_sparse.png`` into ``--out``.
+
+Usage: ``python benchmarks/kernels/bench_block_sparse.py --out /tmp/bench [--sweep] [--sizes 32760,75600]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+import triton
+from triton.testing import do_bench
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from masks import kept_flops, structured_block_map  # noqa: E402
+
+from chorus.kernels.triton import _attention as attn  # noqa: E402
+from chorus.kernels.triton import block_mass_triton  # noqa: E402
+
+SWEEP_FP8 = [
+    dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, use_tma=False),
+    dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2, use_tma=True),
+    dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, use_tma=True),
+    dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=4, use_tma=True),
+    dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, use_tma=True),
+    dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3, use_tma=True),
+]
+SWEEP_BF16 = [
+    dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, use_tma=False),
+    dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, use_tma=True),
+    dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2, use_tma=True),
+    dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, use_tma=True),
+]
+
+
+def bench(fn, est_ms: float | None = None) -> float:
+    """Median ms; rep scaled so slow calls still get >= ~5 timed runs."""
+    rep = 200 if est_ms is None else max(200, int(6 * est_ms))
+    return float(do_bench(fn, warmup=max(25, int(2 * (est_ms or 10))), rep=rep, return_mode="median"))
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def sdpa(backend):
+    from torch.nn.attention import sdpa_kernel
+
+    def run(q, k, v):
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v)
+
+    return run
+
+
+def cfg_name(cfg: dict) -> str:
+    return f"BN{cfg['BLOCK_N']}-w{cfg['num_warps']}-s{cfg['num_stages']}-{'tma' if cfg['use_tma'] else 'ptr'}"
+
+
+def run_size(length: int, args, results: dict) -> None:
+    from torch.nn.attention import SDPBackend
+
+    heads, dim, bs = args.heads, args.dim, 128
+    gen = torch.Generator(device="cuda").manual_seed(length)
+    q, k, v = (torch.randn(1, heads, length, dim, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
+    dense_flops = 4.0 * heads * dim * length * length
+    row: dict = {"tokens": length, "heads": heads, "head_dim": dim, "dense_flops": dense_flops}
+    results["sizes"].append(row)
+
+    cudnn = sdpa(SDPBackend.CUDNN_ATTENTION)
+    flash = sdpa(SDPBackend.FLASH_ATTENTION)
+    ref = cudnn(q, k, v)
+    torch.cuda.synchronize()
+    t0 = time.time()
+    cudnn(q, k, v)
+    torch.cuda.synchronize()
+    est = (time.time() - t0) * 1e3
+    row["cudnn_ms"] = bench(lambda: cudnn(q, k, v), est)
+    row["flash_ms"] = bench(lambda: flash(q, k, v), est * 1.7)
+    log(f"[{length}] dense cuDNN {row['cudnn_ms']:.2f} ms ({dense_flops / row['cudnn_ms'] / 1e9:.0f} TFLOP/s), "
+        f"FLASH {row['flash_ms']:.2f} ms ({dense_flops / row['flash_ms'] / 1e9:.0f})")
+
+    full = torch.ones(1, 1, -(-length // bs), -(-length // bs), dtype=torch.bool, device="cuda")
+    # config sweep on the full map
+    best = {"fp8": attn.DEFAULT_CONFIGS["fp8"], "bf16": attn.DEFAULT_CONFIGS["bf16"]}
+    if args.sweep:
+        row["sweep"] = {}
+        for path, cfgs in (("fp8", SWEEP_FP8), ("bf16", SWEEP_BF16)):
+            best_ms = math.inf
+            for cfg in cfgs:
+                try:
+                    prep = attn.prepare_attention(q, k, v, full, bs, dim ** -0.5, path == "fp8", cfg)
+                    ms = bench(lambda: attn.launch_attention(prep), est / 2)
+                except Exception as exc:  # noqa: BLE001 - a config that does not compile is reported, not fatal
+                    log(f"[{length}] sweep {path} {cfg_name(cfg)} FAILED: {type(exc).__name__}: {str(exc)[:200]}")
+                    row["sweep"][f"{path}:{cfg_name(cfg)}"] = None
+                    continue
+                row["sweep"][f"{path}:{cfg_name(cfg)}"] = ms
+                log(f"[{length}] sweep {path} {cfg_name(cfg)}: kernel {ms:.2f} ms ({dense_flops / ms / 1e9:.0f} TFLOP/s)")
+                if ms < best_ms:
+                    best_ms, best[path] = ms, cfg
+        row["best_config"] = {p: cfg_name(c) for p, c in best.items()}
+        results.setdefault("best_configs", {})[str(length)] = best
+
+    def ours(bm, fp8):
+        return lambda: attn.block_sparse_attention_triton_impl(q, k, v, bm, bs, dim ** -0.5, fp8, best["fp8" if fp8 else "bf16"])
+
+    for fp8 in (False, True):
+        key = "fp8" if fp8 else "bf16"
+        out = ours(full, fp8)()
+        cos = F.cosine_similarity(out.float().flatten(), ref.float().flatten(), dim=0).item()
+        ms = bench(ours(full, fp8), est / 2)
+        row[f"full_{key}_ms"] = ms
+        row[f"full_{key}_cos_vs_cudnn"] = cos
+        log(f"[{length}] ours {key} full map {ms:.2f} ms ({dense_flops / ms / 1e9:.0f} TFLOP/s, "
+            f"{row['cudnn_ms'] / ms:.2f}x cuDNN), cosine vs cuDNN {cos:.5f}")
+
+    # stages of the FP8 path at full map (fixed costs) and leave-one-out variants
+    prep = attn.prepare_attention(q, k, v, full, bs, dim ** -0.5, True, best["fp8"])
+    stages = {
+        "index_ms": bench(lambda: (attn.compress_block_map(full), torch.argsort(
+            full.sum(-1, dtype=torch.int32), dim=-1, descending=True, stable=True))),
+        "quant_ms": bench(lambda: attn.quantize_qkv_fp8(q, k, v, dim ** -0.5)),
+        "kernel_ms": bench(lambda: attn.launch_attention(prep), est / 2),
+        "kernel_no_softmax_ms": bench(lambda: attn.launch_attention(prep, ablate=1), est / 2),
+        "kernel_no_pv_ms": bench(lambda: attn.launch_attention(prep, ablate=2), est / 2),
+    }
+    row["fp8_stages_full"] = stages
+    log(f"[{length}] fp8 stages (full map): " + ", ".join(f"{n} {t:.3f}" for n, t in stages.items()))
+
+    # structured densities: ours fp8/bf16 and compiled flex with the same maps
+    flex = None
+    if not args.skip_flex:
+        try:
+            from torch.nn.attention.flex_attention import flex_attention
+
+            from chorus.kernels.codec import to_flex_block_mask
+            flex = torch.compile(flex_attention, dynamic=False)
+        except Exception as exc:  # noqa: BLE001
+            log(f"flex unavailable: {exc}")
+    row["densities"] = []
+    for density in args.densities:
+        bm = structured_block_map(length, heads, density, bs, device="cuda")
+        flops = kept_flops(bm, length, length, dim, bs)
+        entry = {"density": density, "kept_flops": flops, "measured_density": bm.double().mean().item()}
+        for fp8 in (True, False):
+            key = "fp8" if fp8 else "bf16"
+            ms = bench(ours(bm, fp8), est * density)
+            entry[f"{key}_ms"] = ms
+            entry[f"{key}_tflops"] = flops / ms / 1e9
+            entry[f"{key}_speedup_vs_cudnn"] = row["cudnn_ms"] / ms
+        if flex is not None:
+            try:
+                block_mask = to_flex_block_mask(bm, block_size=bs, q_len=length, kv_len=length)
+                flex(q, k, v, block_mask=block_mask)  # compile once per shape
+                ms = bench(lambda: flex(q, k, v, block_mask=block_mask), est * density * 2)
+                entry["flex_ms"] = ms
+                entry["flex_tflops"] = flops / ms / 1e9
+                entry["flex_speedup_vs_cudnn"] = row["cudnn_ms"] / ms
+            except Exception as exc:  # noqa: BLE001
+                log(f"flex failed: {type(exc).__name__}: {str(exc)[:200]}")
+        if density in (0.15,):
+            prep_d = attn.prepare_attention(q, k, v, bm, bs, dim ** -0.5, True, best["fp8"])
+            entry["fp8_kernel_only_ms"] = bench(lambda: attn.launch_attention(prep_d), est * density)
+        row["densities"].append(entry)
+        log(f"[{length}] density {density:.2f}: fp8 {entry['fp8_ms']:.2f} ms ({entry['fp8_tflops']:.0f} TFLOP/s, "
+            f"{entry['fp8_speedup_vs_cudnn']:.2f}x cuDNN); bf16 {entry['bf16_ms']:.2f} ms ({entry['bf16_tflops']:.0f}, "
+            f"{entry['bf16_speedup_vs_cudnn']:.2f}x)" + (
+                f"; flex {entry['flex_ms']:.2f} ms ({entry['flex_tflops']:.0f}, {entry['flex_speedup_vs_cudnn']:.2f}x)"
+                if "flex_ms" in entry else ""))
+
+    # linear fit of fp8 time vs density (intercept = fixed overhead)
+    xs = [e["measured_density"] for e in row["densities"]] + [1.0]
+    ys = [e["fp8_ms"] for e in row["densities"]] + [row["full_fp8_ms"]]
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    row["fp8_fit"] = {"slope_ms": slope, "intercept_ms": my - slope * mx,
+                      "intercept_share_of_dense_fp8": (my - slope * mx) / row["full_fp8_ms"]}
+    log(f"[{length}] fp8 time ~ {slope:.2f} ms * density + {my - slope * mx:.3f} ms "
+        f"(intercept {100 * row['fp8_fit']['intercept_share_of_dense_fp8']:.1f}% of dense FP8)")
+
+    if length in args.mass_sizes:
+        row["block_mass"] = []
+        for rows in args.mass_rows:
+            sample = None if rows >= bs else rows
+            ms = bench(lambda: block_mass_triton(q, k, block_size=bs, sample_rows=sample), est * rows / bs)
+            row["block_mass"].append({"sample_rows": rows, "ms": ms, "share_of_cudnn": ms / row["cudnn_ms"]})
+            log(f"[{length}] block_mass sample_rows={rows}: {ms:.2f} ms = {100 * ms / row['cudnn_ms']:.1f}% of dense cuDNN")
+    del q, k, v, ref
+    torch.cuda.empty_cache()
+
+
+def plot(results: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = results["sizes"]
+    fig, axes = plt.subplots(1, len(sizes), figsize=(6 * len(sizes), 4.2), squeeze=False)
+    for ax, row in zip(axes[0], sizes):
+        dens = [e["measured_density"] for e in row["densities"]] + [1.0]
+        for key, label, marker in (("fp8", "ours FP8", "o"), ("bf16", "ours bf16", "s"), ("flex", "FlexAttention (compiled)", "^")):
+            ys = [e.get(f"{key}_ms") for e in row["densities"]]
+            full = row.get(f"full_{key}_ms")
+            pts = [(d, y) for d, y in zip(dens, ys + [full]) if y is not None]
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, label=label)
+        ax.axhline(row["cudnn_ms"], color="k", ls="--", lw=1, label="dense cuDNN bf16")
+        ax.axhline(row["flash_ms"], color="gray", ls=":", lw=1, label="dense FLASH bf16")
+        ax.set_title(f"1x{row['heads']}x{row['tokens']}x{row['head_dim']}")
+        ax.set_xlabel("kept block density")
+        ax.set_ylabel("ms (median)")
+        ax.set_xlim(0, 1.02)
+        ax.set_ylim(0, None)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"Block-sparse attention time vs density ({results['gpu']})", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--sizes", default="32760,75600")
+    ap.add_argument("--heads", type=int, default=40)
+    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--densities", default="0.05,0.10,0.15,0.20,0.30,0.50")
+    ap.add_argument("--mass-rows", default="8,16,32")
+    ap.add_argument("--mass-sizes", default="75600")
+    ap.add_argument("--sweep", action="store_true", help="try tile configs on the full map, then use the fastest")
+    ap.add_argument("--skip-flex", action="store_true")
+    args = ap.parse_args()
+    args.densities = [float(x) for x in args.densities.split(",") if x]
+    args.mass_rows = [int(x) for x in args.mass_rows.split(",") if x]
+    args.mass_sizes = [int(x) for x in args.mass_sizes.split(",") if x]
+    os.makedirs(args.out, exist_ok=True)
+    results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+               "python": platform.python_version(), "argv": sys.argv, "sizes": []}
+    log(f"GPU {results['gpu']}, torch {torch.__version__}, triton {triton.__version__}")
+    for length in [int(x) for x in args.sizes.split(",")]:
+        run_size(length, args, results)
+        with open(os.path.join(args.out, "bench_block_sparse.json"), "w") as f:
+            json.dump(results, f, indent=1)
+    plot(results, os.path.join(args.out, "bench_block_sparse.png"))
+    log("done")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,171 @@
+"""Triton kernels on CPU under the Triton interpreter, against the fp64 oracle.
+
+These cases run only when ``TRITON_INTERPRET=1`` is set before Triton is imported (Triton decides
+interpreted vs compiled when a kernel is defined); ``test_triton_cpu.py`` runs this file in a
+subprocess with that variable, so a plain ``pytest`` covers them. Run directly:
+``TRITON_INTERPRET=1 python -m pytest tests/test_triton_interpret_cases.py``.
+
+Tolerances (all derived, none guessed):
+- bf16/fp16 path: max error vs the fp64 oracle <= 2 x that of eager masked attention in the same dtype
+  (+ 4 ulp of the output scale).
+- FP8 path: relative L1 error <= 2 x, and cosine deficit (1 - cos) <= 2 x, those of a SageAttention-style
+  FP8 emulation in torch (:mod:`chorus.kernels.triton.emulation`) on the same inputs. The interpreter's
+  own fp32->e4m3 cast mis-rounds, so under the interpreter the kernels pre-round to the e4m3 grid
+  (exact); on the GPU the hardware cast is used (tested in ``test_triton_gpu.py``).
+- block mass: exact and sampled results match ``block_mass_reference`` to 1e-5 absolute.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="runs under TRITON_INTERPRET=1 (test_triton_cpu.py starts it in a subprocess)")
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from chorus.kernels.reference import (block_mass_reference, dense_attention_oracle, masked_attention_eager)
+    from chorus.kernels.triton import block_mass_triton, block_sparse_attention_triton
+    from chorus.kernels.triton.emulation import error_stats, sage_fp8_attention_emulation
+
+
+def make_inputs(batch, heads, length, dim, dtype, seed, kv_len=None, layout="bhld"):
+    gen = torch.Generator().manual_seed(seed)
+    kv_len = length if kv_len is None else kv_len
+    q = torch.randn(batch, heads, length, dim, generator=gen) * 1.5
+    k = torch.randn(batch, heads, kv_len, dim, generator=gen) * 1.5 + 0.5  # a shared K offset (smoothing matters)
+    v = torch.randn(batch, heads, kv_len, dim, generator=gen)
+    if layout == "blhd":  # [B, L, H, D] storage viewed as [B, H, L, D] (what attention modules pass)
+        q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+    return tuple(t.to(dtype) for t in (q, k, v))
+
+
+def random_map(batch, heads, q_len, kv_len, bs, density, seed):
+    gen = torch.Generator().manual_seed(seed)
+    qb, kb = -(-q_len // bs), -(-kv_len // bs)
+    keep = torch.rand(batch, heads, qb, kb, generator=gen) < density
+    keep[..., torch.arange(min(qb, kb)), torch.arange(min(qb, kb))] = True
+    keep[..., -1, -1] = True  # the partial last key block is exercised
+    return keep
+
+
+def check_16bit(out, q, k, v, bm, bs):
+    oracle = dense_attention_oracle(q, k, v, bm, bs)
+    eager = masked_attention_eager(q, k, v, bm, bs).double()
+    err = (out.double() - oracle).abs().max().item()
+    err_eager = (eager - oracle).abs().max().item()
+    floor = 4 * torch.finfo(q.dtype).eps * oracle.abs().max().item()
+    assert out.dtype == q.dtype and out.shape == q.shape
+    assert torch.isfinite(out).all()
+    assert err <= 2 * err_eager + floor, f"error {err:.3e} > 2 x eager {err_eager:.3e} + {floor:.1e}"
+
+
+def check_fp8(out, q, k, v, bm, bs):
+    oracle = dense_attention_oracle(q, k, v, bm, bs)
+    ours = error_stats(out, oracle)
+    sage = error_stats(sage_fp8_attention_emulation(q, k, v, bm, bs), oracle)
+    assert out.dtype == q.dtype and torch.isfinite(out).all()
+    assert ours["rel_l1"] <= 2 * sage["rel_l1"], (ours, sage)
+    assert 1 - ours["cosine"] <= 2 * (1 - sage["cosine"]), (ours, sage)
+    return ours, sage
+
+
+CASES = [  # (batch, heads, length, dim, block_size, density, map broadcast)
+    (1, 2, 97, 64, 32, 0.5, False),
+    (1, 2, 300, 128, 64, 0.4, False),
+    (2, 2, 300, 64, 128, 1.0, False),
+    (1, 3, 300, 64, 32, 0.2, True),
+    (1, 1, 128, 128, 128, 1.0, False),
+]
+
+
+@pytest.mark.parametrize("batch,heads,length,dim,bs,density,broadcast", CASES)
+def test_bf16_kernel_matches_oracle(batch, heads, length, dim, bs, density, broadcast):
+    q, k, v = make_inputs(batch, heads, length, dim, torch.bfloat16, seed=length + dim)
+    bm = random_map(1 if broadcast else batch, 1 if broadcast else heads, length, length, bs, density, seed=bs)
+    out = block_sparse_attention_triton(q, k, v, bm, block_size=bs, fp8=False)
+    check_16bit(out, q, k, v, bm, bs)
+
+
+def test_fp16_and_strided_inputs_and_cross_lengths():
+    q, k, v = make_inputs(1, 2, 150, 64, torch.float16, seed=3, kv_len=260, layout="blhd")
+    assert not q.is_contiguous()
+    bm = random_map(1, 2, 150, 260, 64, 0.5, seed=4)
+    out = block_sparse_attention_triton(q, k, v, bm, block_size=64, fp8=False, scale=0.2)
+    oracle = dense_attention_oracle(q, k, v, bm, 64, scale=0.2)
+    eager = masked_attention_eager(q, k, v, bm, 64, scale=0.2).double()
+    assert (out.double() - oracle).abs().max() <= 2 * (eager - oracle).abs().max() + 1e-3
+
+
+@pytest.mark.parametrize("batch,heads,length,dim,bs,density,broadcast", CASES[:4])
+def test_fp8_kernel_within_sage_emulation_bound(batch, heads, length, dim, bs, density, broadcast):
+    q, k, v = make_inputs(batch, heads, length, dim, torch.bfloat16, seed=7 * length + dim)
+    bm = random_map(1 if broadcast else batch, 1 if broadcast else heads, length, length, bs, density, seed=bs + 1)
+    out = block_sparse_attention_triton(q, k, v, bm, block_size=bs, fp8=True)
+    check_fp8(out, q, k, v, bm, bs)
+
+
+def test_fp8_prepass_matches_torch_quantisation():
+    from chorus.kernels.triton._quant import quantize_qkv_fp8, quantize_reference
+
+    q, k, v = make_inputs(1, 2, 200, 64, torch.bfloat16, seed=11)
+    got = quantize_qkv_fp8(q, k, v, 0.125)
+    want = quantize_reference(q, k, v, 0.125)
+    for name, a, b in zip(("q8", "k8", "v8t", "q_scale", "k_scale", "v_scale"), got, want):
+        assert a.shape == b.shape, name
+        diff = (a.float() - b.float()).abs()
+        # e4m3 values may differ by one step where fp32 division rounds differently (|x| < 448 -> 32)
+        tol = 1e-6 if a.dtype == torch.float32 else 32.0
+        assert diff.max().item() <= tol, (name, diff.max().item())
+        if a.dtype != torch.float32:
+            assert (diff > 0).float().mean().item() < 0.01, name
+    assert got[1][:, :, 200:].float().abs().max() == 0 and got[2][..., 200:].float().abs().max() == 0
+
+
+@pytest.mark.parametrize("length,bs,sample_rows", [(97, 32, None), (300, 64, 5), (300, 128, 16), (128, 128, 200)])
+def test_block_mass_matches_reference(length, bs, sample_rows):
+    q, k, _ = make_inputs(1, 2, length, 64, torch.bfloat16, seed=length)
+    got = block_mass_triton(q, k, block_size=bs, sample_rows=sample_rows)
+    want = block_mass_reference(q, k, bs, sample_rows, 1 / math.sqrt(64))
+    assert got.shape == want.shape and got.dtype == torch.float32
+    assert (got - want).abs().max().item() <= 1e-5
+    assert torch.allclose(got.sum(-1), torch.ones_like(got.sum(-1)), atol=1e-5)
+
+
+def test_bad_inputs_raise_value_error():
+    q, k, v = make_inputs(1, 2, 100, 64, torch.bfloat16, seed=0)
+    good = torch.ones(1, 2, 4, 4, dtype=torch.bool)
+    with pytest.raises(ValueError, match="block_map shape"):
+        block_sparse_attention_triton(q, k, v, torch.ones(1, 2, 3, 4, dtype=torch.bool), block_size=32)
+    with pytest.raises(ValueError, match="bool"):
+        block_sparse_attention_triton(q, k, v, good.int(), block_size=32)
+    with pytest.raises(ValueError, match="head dims"):
+        block_sparse_attention_triton(q[..., :32], k[..., :32], v[..., :32], good, block_size=32)
+    with pytest.raises(ValueError, match="block_size"):
+        block_sparse_attention_triton(q, k, v, good, block_size=48)
+    with pytest.raises(ValueError, match="fp16/bf16"):
+        block_sparse_attention_triton(q.float(), k.float(), v.float(), good, block_size=32)
+    with pytest.raises(ValueError, match="sample_rows"):
+        block_mass_triton(q, k, block_size=32, sample_rows=0)
+
+
+def test_custom_ops_trace_with_fake_tensors():
+    """The ops have fake implementations: a function calling them compiles (graph capture only here;
+    the GPU test compiles with Inductor)."""
+    q, k, v = make_inputs(1, 2, 64, 64, torch.bfloat16, seed=1)
+    bm = torch.ones(1, 1, 2, 2, dtype=torch.bool)
+
+    def fn(q, k, v, bm):
+        return block_sparse_attention_triton(q, k, v, bm, block_size=32, fp8=False) * 2, \
+            block_mass_triton(q, k, block_size=32, sample_rows=4)
+
+    out, mass = torch.compile(fn, backend="aot_eager", fullgraph=True)(q, k, v, bm)
+    ref_out, ref_mass = fn(q, k, v, bm)
+    assert torch.equal(out, ref_out) and torch.equal(mass, ref_mass)
+    torch.library.opcheck(torch.ops.chorus.block_sparse_attention_triton, (q, k, v, bm, 32, 0.125, False),
+                          test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(torch.ops.chorus.block_mass_triton, (q, k, 32, 4, 0.125),
+                          test_utils=("test_schema", "test_faketensor"))
