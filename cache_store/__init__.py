@@ -2,13 +2,21 @@
 
 Imports without ComfyUI. Public API: :class:`Workspace` (``Workspace.open(path)``),
 :func:`resolve_workspace`, :func:`signature_key`, :mod:`embedders`. See README.md in this folder.
+Names are resolved lazily (PEP 562), so ``python -m chorus cache`` rejects bad arguments without
+importing torch and faiss.
 """
 
-from . import embedders
-from .entry_format import EntryFormatError, PackedMap
+from importlib import import_module
+
 from .paths import default_cache_root, resolve_workspace, validate_workspace_name
 from .signature import canonical_signature, signature_key
-from .workspace import CorruptEntryError, Workspace
+
+_LAZY = {
+    "Workspace": ".workspace",
+    "CorruptEntryError": ".workspace",
+    "EntryFormatError": ".entry_format",
+    "PackedMap": ".entry_format",
+}
 
 __all__ = [
     "Workspace",
@@ -22,3 +30,15 @@ __all__ = [
     "canonical_signature",
     "embedders",
 ]
+
+
+def __getattr__(name):
+    if name == "embedders":
+        return import_module(".embedders", __name__)
+    if name in _LAZY:
+        return getattr(import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

@@ -15,7 +15,6 @@ import sys
 import time
 
 from .paths import resolve_workspace
-from .workspace import Workspace
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -59,6 +58,8 @@ def main(argv=None) -> int:
         path = args.path if args.path else resolve_workspace(args.workspace, args.root)
         if not path.exists():
             raise ValueError(f"workspace {path} does not exist")
+        from .workspace import Workspace  # torch/faiss are imported only once the arguments are good
+
         ws = Workspace.open(path)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
