@@ -35,7 +35,7 @@ class ChorusSparseSampler(io.ComfyNode):
                                        "other CUDA GPUs, the reference on CPU. An explicit choice that cannot "
                                        "run falls back to dense attention with a message."),
             ],
-            outputs=[io.Model.Output("model", display_name="model")],
+            outputs=[io.Model.Output(display_name="model")],
         )
 
     @classmethod
