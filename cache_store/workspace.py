@@ -339,6 +339,21 @@ class Workspace:
         float16/uint8/... tensors such as quantised block mass are also accepted). ``meta``: a
         JSON-serialisable dict with a ``"signature"`` dict. Raises ``ValueError`` on bad input.
         """
+        return self._add(embedding, masks, meta, None)[0]
+
+    def add_unique(self, embedding, masks: dict, meta: dict, *, min_similarity: float) -> tuple[int, bool]:
+        """Like :meth:`add`, unless the workspace already holds an entry with the same signature and
+        cosine similarity >= ``min_similarity`` (checked under the writer lock, after catching up
+        with other processes): then nothing is written and ``(that entry id, False)`` is returned;
+        else ``(new entry id, True)``. Several workers that missed on the same request at once thus
+        write it once. Raises ``ValueError`` on bad input (as :meth:`add`).
+        """
+        min_similarity = float(min_similarity)
+        if not (min_similarity == min_similarity):  # NaN
+            raise ValueError("min_similarity must be a number")
+        return self._add(embedding, masks, meta, min_similarity)
+
+    def _add(self, embedding, masks: dict, meta: dict, min_similarity: float | None) -> tuple[int, bool]:
         if not isinstance(meta, dict) or not isinstance(meta.get("signature"), dict):
             raise ValueError('meta must be a dict holding a "signature" dict')
         sig_key = signature_key(meta["signature"])
@@ -355,6 +370,10 @@ class Workspace:
             dim = self._get("dim")
             if dim is not None and int(dim) != emb.size:
                 raise ValueError(f"embedding has dim {emb.size}, this workspace holds dim {dim}")
+            if min_similarity is not None and self._index is not None:
+                found = self._index.search(emb, 1, sig_key)
+                if found and found[0][1] >= min_similarity:
+                    return found[0][0], False
             self._atomic_write(self.entry_dir / file_name, data)
             _crash_hook("file_durable")
             try:
@@ -383,7 +402,7 @@ class Workspace:
             self._sync_index()  # catches up if another process committed in between
             self._evict_locked(protect=entry_id)
             self._maybe_save_index()
-        return entry_id
+        return entry_id, True
 
     def _delete_locked(self, ids, *, quarantine_reason: str | None = None) -> list[int]:
         """Delete rows (and files, or move them to quarantine). Caller holds both locks."""
