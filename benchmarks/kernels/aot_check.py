@@ -21,10 +21,10 @@ from chorus.kernels.triton import _attention as A
 TARGET = GPUTarget("cuda", 90, 32)
 
 
-def attn_signature(fp8: bool, dtype: str, use_tma: bool, block_m: int, block_n: int, head_dim: int):
+def attn_signature(fp8: bool, dtype: str, use_tma: bool, block_m: int, block_n: int, head_dim: int, ws=False):
     ed = "fp8e4nv" if fp8 else dtype
     if use_tma:
-        q = f"tensordesc<{ed}[1,1,{block_m},{head_dim}]>"
+        q = f"*{ed}" if ws else f"tensordesc<{ed}[1,1,{block_m},{head_dim}]>"
         k = f"tensordesc<{ed}[1,1,{block_n},{head_dim}]>"
         v = f"tensordesc<{ed}[1,1,{head_dim},{block_n}]>" if fp8 else f"tensordesc<{ed}[1,1,{block_n},{head_dim}]>"
     else:
@@ -41,10 +41,10 @@ def attn_signature(fp8: bool, dtype: str, use_tma: bool, block_m: int, block_n: 
 
 
 def compile_attn(fp8=True, use_tma=False, block_m=128, block_n=128, head_dim=128, num_warps=8, num_stages=3,
-                 tail=False, dtype="bf16", ablate=0):
-    sig = attn_signature(fp8, dtype, use_tma, block_m, block_n, head_dim)
+                 tail=False, dtype="bf16", ablate=0, ws=False):
+    sig = attn_signature(fp8, dtype, use_tma, block_m, block_n, head_dim, ws)
     consts = dict(HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BS=128, FP8=fp8, USE_TMA=use_tma,
-                  TAIL_K=tail, EVEN_Q=not tail, P_SHIFT=A.P_SHIFT_LOG2, SCALE_TILE=128, INTERPRET=False, ABLATE=ablate)
+                  TAIL_K=tail, EVEN_Q=not tail, P_SHIFT=A.P_SHIFT_LOG2, SCALE_TILE=128, INTERPRET=False, ABLATE=ablate, WARP_SPEC=ws)
     for c in consts:
         sig[c] = "constexpr"
     # 16-byte divisibility hints like the launcher's specialisation gives for pointers/strides

@@ -42,12 +42,16 @@ SWEEP_FP8 = [
     dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=4, use_tma=True),
     dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, use_tma=True),
     dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3, use_tma=True),
+    dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3, use_tma=True),
+    dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=2, use_tma=True),
+    dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3, use_tma=True),
 ]
 SWEEP_BF16 = [
     dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, use_tma=False),
     dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, use_tma=True),
     dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2, use_tma=True),
     dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, use_tma=True),
+    dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3, use_tma=True),
 ]
 
 
@@ -177,9 +181,19 @@ def run_size(length: int, args, results: dict) -> None:
                 entry["flex_speedup_vs_cudnn"] = row["cudnn_ms"] / ms
             except Exception as exc:  # noqa: BLE001
                 log(f"flex failed: {type(exc).__name__}: {str(exc)[:200]}")
-        if density in (0.15,):
+        if density in (0.05, 0.15):
             prep_d = attn.prepare_attention(q, k, v, bm, bs, dim ** -0.5, True, best["fp8"])
             entry["fp8_kernel_only_ms"] = bench(lambda: attn.launch_attention(prep_d), est * density)
+            if args.sweep:  # which tile config wins on sparse maps (rows of few blocks)
+                entry["fp8_sweep_kernel_ms"] = {}
+                for cfg in SWEEP_FP8:
+                    try:
+                        prep_c = attn.prepare_attention(q, k, v, bm, bs, dim ** -0.5, True, cfg)
+                        entry["fp8_sweep_kernel_ms"][cfg_name(cfg)] = bench(lambda: attn.launch_attention(prep_c), est * density)
+                    except Exception:  # noqa: BLE001
+                        entry["fp8_sweep_kernel_ms"][cfg_name(cfg)] = None
+                log(f"[{length}] density {density:.2f} fp8 kernel-only by config: " + ", ".join(
+                    f"{n} {t:.2f}" for n, t in entry["fp8_sweep_kernel_ms"].items() if t))
         row["densities"].append(entry)
         log(f"[{length}] density {density:.2f}: fp8 {entry['fp8_ms']:.2f} ms ({entry['fp8_tflops']:.0f} TFLOP/s, "
             f"{entry['fp8_speedup_vs_cudnn']:.2f}x cuDNN); bf16 {entry['bf16_ms']:.2f} ms ({entry['bf16_tflops']:.0f}, "

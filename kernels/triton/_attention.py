@@ -42,8 +42,8 @@ P_SHIFT_LOG2 = 8.0  # P is scaled by 2**8 before the e4m3 cast (see module docst
 
 # Tile configuration per path; the benchmark sweeps alternatives (``config=`` argument).
 DEFAULT_CONFIGS = {
-    "fp8": dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, use_tma=False),
-    "bf16": dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, use_tma=False),
+    "fp8": dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, use_tma=True),
+    "bf16": dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2, use_tma=True),
 }
 
 _TMA_AVAILABLE = None
@@ -81,10 +81,10 @@ def _attn_tiles(acc, l_i, m_i, q, sq, qk_scale, K, V, k_scale_row, idx_row, b, h
                 HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr, KV_SUB: tl.constexpr,
                 FP8: tl.constexpr, USE_TMA: tl.constexpr, MASK_KEYS: tl.constexpr, MASK_LOADS: tl.constexpr,
                 P_SHIFT: tl.constexpr, SCALE_TILE: tl.constexpr, INTERPRET: tl.constexpr,
-                ABLATE: tl.constexpr):
+                ABLATE: tl.constexpr, WARP_SPEC: tl.constexpr):
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    for it in range(it_lo, it_hi):
+    for it in tl.range(it_lo, it_hi, warp_specialize=WARP_SPEC):
         kb = tl.load(idx_row + it // KV_SUB)
         start_n = kb * BS + (it % KV_SUB) * BLOCK_N
         offs_n = start_n + offs_n0
@@ -154,7 +154,7 @@ def _bsa_fwd_kernel(Q, K, V, O, q_scale, k_scale, v_scale, kv_num, kv_idx, sched
                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr,
                     FP8: tl.constexpr, USE_TMA: tl.constexpr, TAIL_K: tl.constexpr, EVEN_Q: tl.constexpr,
                     P_SHIFT: tl.constexpr, SCALE_TILE: tl.constexpr, INTERPRET: tl.constexpr,
-                    ABLATE: tl.constexpr):
+                    ABLATE: tl.constexpr, WARP_SPEC: tl.constexpr):
     TPB: tl.constexpr = BS // BLOCK_M
     KV_SUB: tl.constexpr = BS // BLOCK_N
     # Loads need masks only on the bf16 pointer path (FP8 buffers are padded, TMA zero-fills).
@@ -171,7 +171,7 @@ def _bsa_fwd_kernel(Q, K, V, O, q_scale, k_scale, v_scale, kv_num, kv_idx, sched
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
 
-    if USE_TMA:
+    if USE_TMA and not WARP_SPEC:  # (warp specialisation splits Q by rows: pointer load then)
         q = Q.load([b, h, start_m, 0]).reshape(BLOCK_M, HEAD_DIM)
     else:
         q_ptrs = Q + b * s_qb + h * s_qh + offs_m[:, None] * s_ql + offs_d[None, :]
@@ -195,12 +195,12 @@ def _bsa_fwd_kernel(Q, K, V, O, q_scale, k_scale, v_scale, kv_num, kv_idx, sched
         n_main = n_kv - ((n_kv > 0) & (last == num_kv_blocks - 1)).to(tl.int32)
     acc, l_i, m_i = _attn_tiles(acc, l_i, m_i, q, sq, qk_scale, K, V, k_scale_row, idx_row, b, h,
                                 0, n_main * KV_SUB, Lk, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl,
-                                HEAD_DIM, BLOCK_N, BS, KV_SUB, FP8, USE_TMA, False, False, P_SHIFT, SCALE_TILE, INTERPRET, ABLATE)
+                                HEAD_DIM, BLOCK_N, BS, KV_SUB, FP8, USE_TMA, False, False, P_SHIFT, SCALE_TILE, INTERPRET, ABLATE, WARP_SPEC)
     if TAIL_K:
         acc, l_i, m_i = _attn_tiles(acc, l_i, m_i, q, sq, qk_scale, K, V, k_scale_row, idx_row, b, h,
                                     n_main * KV_SUB, n_kv * KV_SUB, Lk, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl,
                                     HEAD_DIM, BLOCK_N, BS, KV_SUB, FP8, USE_TMA, True, MASK_LOADS, P_SHIFT,
-                                    SCALE_TILE, INTERPRET, ABLATE)
+                                    SCALE_TILE, INTERPRET, ABLATE, False)
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     out = acc / l_safe[:, None]
@@ -315,7 +315,7 @@ def launch_attention(prep: dict, ablate: int = 0) -> torch.Tensor:
     if prep["use_tma"]:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
-        q_arg = TensorDescriptor.from_tensor(q_in, [1, 1, block_m, head_dim])
+        q_arg = q_in if config.get("warp_spec") else TensorDescriptor.from_tensor(q_in, [1, 1, block_m, head_dim])
         k_arg = TensorDescriptor.from_tensor(k_in, [1, 1, block_n, head_dim])
         v_block = [1, 1, head_dim, block_n] if fp8 else [1, 1, block_n, head_dim]
         v_arg = TensorDescriptor.from_tensor(v_in, v_block)
@@ -330,6 +330,7 @@ def launch_attention(prep: dict, ablate: int = 0) -> torch.Tensor:
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BS=block_size, FP8=fp8, USE_TMA=prep["use_tma"],
         TAIL_K=prep["kv_len"] % block_size != 0, EVEN_Q=q_len % block_m == 0, P_SHIFT=P_SHIFT_LOG2,
         SCALE_TILE=QUANT_TILE, INTERPRET=interpreter_upcast(q), ABLATE=ablate,
+        WARP_SPEC=bool(config.get("warp_spec", False)) and not interpreter_upcast(q),
         num_warps=config["num_warps"], num_stages=config["num_stages"])
     return out
 
