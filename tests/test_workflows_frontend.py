@@ -43,7 +43,9 @@ GRAPH_STATE_JS = """() => {
       id: n.id, type: n.type,
       registered: !!window.LiteGraph.registered_node_types[n.type],
       has_errors: !!n.has_errors,
-      widgets: (n.widgets || []).map(w => [w.name, w.value]),
+      // widgets the editor saves (not its own previews such as '$$canvas-image-preview')
+      widgets: (n.widgets || []).filter(w => !String(w.name).startsWith('$$') && w.serialize !== false)
+                                .map(w => [w.name, w.value]),
     })),
     links: links.filter(l => l).map(l => [l.origin_id, l.origin_slot, l.target_id, l.target_slot, l.type]),
     dialogs: Array.from(document.querySelectorAll('.p-dialog')).map(d => d.innerText.slice(0, 500)),
