@@ -44,6 +44,7 @@ META_KEY = "feature_reuse"
 META_VERSION = 1
 STATE_ATTR = "_chorus_feature_reuse"
 POOL_RULES = ("mean", "rotation", "none")
+MODES = ("downsample", "skip")
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,8 @@ class FeatureReuseConfig:
     - ``region`` / ``pool``: region and cell sizes in tokens (t, h, w); ``pool`` divides ``region``.
     - ``full_layers`` >= 0: leading layers always computed in full.
     - ``keep_first_frame``: never downsample a region that holds frame 0 (the image condition).
+    - ``mode``: ``"downsample"`` (the method) or ``"skip"`` (ablation for tests and benchmarks: the
+      same regions are left out of the block and keep their input, as feature *skipping* would).
     """
 
     downsample_share: float = 0.25
@@ -61,6 +64,7 @@ class FeatureReuseConfig:
     pool: tuple = (2, 2, 2)
     full_layers: int = 1
     keep_first_frame: bool = True
+    mode: str = "downsample"
 
     def __post_init__(self):
         share = self.downsample_share
@@ -71,6 +75,8 @@ class FeatureReuseConfig:
         object.__setattr__(self, "pool", tuple(int(v) for v in self.pool))
         if not isinstance(self.full_layers, int) or self.full_layers < 0:
             raise ValueError(f"full_layers must be an int >= 0, got {self.full_layers!r}")
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
 
 
 class FeatureReuseState:
@@ -302,18 +308,27 @@ class FeatureReuse:
             with self.state.lock:
                 self.state.blocks_full += 1
             return block_fn(x, full_inputs, None)
+        skip = self.config.mode == "skip"
         try:
-            x_c = pooling.pool_tokens(x, layout)
-            inputs_c = compact_per_token(per_token, layout)
+            if skip:
+                keep = layout.keep_index
+                x_c = x.index_select(1, keep)
+                inputs_c = {name: (t if rule == "none" else t.index_select(1, keep))
+                            for name, (t, rule) in (per_token or {}).items()}
+            else:
+                x_c = pooling.pool_tokens(x, layout)
+                inputs_c = compact_per_token(per_token, layout)
         except Exception as exc:  # noqa: BLE001
             plan.note(f"feature reuse: pooling failed ({type(exc).__name__}: {exc}); full block")
             return block_fn(x, full_inputs, None)
-        y_c = block_fn(x_c, inputs_c, layout)
+        y_c = block_fn(x_c, inputs_c, None if skip else layout)
         with self.state.lock:
             self.state.blocks_reduced += 1
-            self.state.tokens_saved += layout.length - layout.compact_length
+            self.state.tokens_saved += layout.length - x_c.shape[1]
             self.state.tokens_total += layout.length
             self.state.acted_sigmas.add(round(sigma, 6))
+        if skip:
+            return x.index_copy(1, layout.keep_index, y_c)
         return pooling.unpool_residual(x, x_c, y_c, layout)
 
     def _full_and_record(self, block_fn, x, inputs, layer, sigma, grid):
