@@ -22,6 +22,7 @@ UI_FILES = sorted(WORKFLOWS_DIR.glob("*.json"))
 VIRTUAL_TYPES = {"MarkdownNote", "Note", "Reroute", "PrimitiveNode"}
 EXPECTED = {
     "chorus_wan22_a14b_i2v_4step",
+    "chorus_wan22_a14b_i2v_4step_feature_reuse",
     "chorus_wan22_ti2v_5b",
     "chorus_wan21_i2v_14b",
 }
@@ -128,14 +129,26 @@ def test_chorus_wiring_follows_the_contract(ui_path):
     assert len(first) == 1 and r["inputs"]["latent"] == first[0]["inputs"]["latent_image"]
     assert api[r["inputs"]["start_image"][0]]["class_type"] == "LoadImage"
     assert api[r["inputs"]["positive"][0]]["class_type"] == "CLIPTextEncode"
-    # Every sampler runs a model patched by ChorusSparseSampler with the one plan.
+    # Every sampler runs a model patched by ChorusSparseSampler (and, in the feature-reuse variant,
+    # ChorusFeatureReuse and ChorusGuidanceBoost) with the one plan, on top of ModelSamplingSD3.
     sparse = _by_type(api, "ChorusSparseSampler")
     assert len(sparse) == len(samplers)
+    chorus_model_nodes = ("ChorusSparseSampler", "ChorusFeatureReuse", "ChorusGuidanceBoost")
+    chains = []
     for s in samplers.values():
-        model_src = s["inputs"]["model"][0]
-        assert model_src in sparse
-        assert sparse[model_src]["inputs"]["plan"] == [retrieve_id, 0]
-        assert api[sparse[model_src]["inputs"]["model"][0]]["class_type"] == "ModelSamplingSD3"
+        node_id, chain = s["inputs"]["model"][0], []
+        while api[node_id]["class_type"] in chorus_model_nodes:
+            assert api[node_id]["inputs"]["plan"] == [retrieve_id, 0]
+            chain.append(api[node_id]["class_type"])
+            node_id = api[node_id]["inputs"]["model"][0]
+        assert api[node_id]["class_type"] == "ModelSamplingSD3"
+        assert chain.count("ChorusSparseSampler") == 1
+        chains.append(tuple(chain))
+    assert len(set(chains)) == 1, "every expert must be patched the same way"
+    if "feature_reuse" in ui_path.stem:
+        assert set(chains[0]) == set(chorus_model_nodes)
+    else:
+        assert chains[0] == ("ChorusSparseSampler",)
     # The cache write takes the last sampler's latent (so it runs after sampling) and the plan.
     last = [k for k, s in samplers.items()
             if not any(o["inputs"].get("latent_image") == [k, 0] for o in samplers.values())]
@@ -145,8 +158,9 @@ def test_chorus_wiring_follows_the_contract(ui_path):
     assert [d["inputs"]["samples"] for d in decode.values()] == [[last[0], 0]]
 
 
-def test_a14b_is_the_4step_lora_2_plus_2_graph():
-    api = _load(WORKFLOWS_DIR / "api" / "chorus_wan22_a14b_i2v_4step_api.json")
+@pytest.mark.parametrize("name", ["chorus_wan22_a14b_i2v_4step", "chorus_wan22_a14b_i2v_4step_feature_reuse"])
+def test_a14b_is_the_4step_lora_2_plus_2_graph(name):
+    api = _load(WORKFLOWS_DIR / "api" / f"{name}_api.json")
     unets = sorted(v["inputs"]["unet_name"] for v in _by_type(api, "UNETLoader").values())
     assert unets == ["wan2.2_i2v_high_noise_14B_fp8_scaled.safetensors",
                      "wan2.2_i2v_low_noise_14B_fp8_scaled.safetensors"]
@@ -163,7 +177,7 @@ def test_a14b_is_the_4step_lora_2_plus_2_graph():
     assert [s["inputs"]["add_noise"] for s in samplers] == ["enable", "disable"]
     assert [s["inputs"]["return_with_leftover_noise"] for s in samplers] == ["enable", "disable"]
 
-    def expert_of(sampler):  # follow sampler -> ChorusSparseSampler -> ModelSamplingSD3 -> LoRA -> UNETLoader
+    def expert_of(sampler):  # follow sampler -> Chorus nodes -> ModelSamplingSD3 -> LoRA -> UNETLoader
         node = api[sampler["inputs"]["model"][0]]
         while node["class_type"] != "UNETLoader":
             node = api[node["inputs"]["model"][0]]
@@ -182,6 +196,7 @@ def _template_dir() -> Path | None:
 
 TEMPLATE_OF = {
     "chorus_wan22_a14b_i2v_4step": "video_wan2_2_14B_i2v.json",
+    "chorus_wan22_a14b_i2v_4step_feature_reuse": "video_wan2_2_14B_i2v.json",
     "chorus_wan22_ti2v_5b": "video_wan2_2_5B_ti2v.json",
     "chorus_wan21_i2v_14b": "image_to_video_wan.json",
 }

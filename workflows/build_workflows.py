@@ -95,6 +95,13 @@ NODE_SPECS: dict[str, dict] = {
         widgets=["top_p", "k_min", "refresh_steps", "backend"],
         outputs=[("model", "MODEL")],
     ),
+    "ChorusFeatureReuse": dict(
+        sockets=[("model", "MODEL"), ("plan", "CHORUS_PLAN")], widgets=["downsample_share"],
+        outputs=[("model", "MODEL")],
+    ),
+    "ChorusGuidanceBoost": dict(
+        sockets=[("model", "MODEL"), ("plan", "CHORUS_PLAN")], widgets=["strength"], outputs=[("model", "MODEL")],
+    ),
     "ChorusCacheWrite": dict(
         sockets=[("latent", "LATENT"), ("plan", "CHORUS_PLAN")], widgets=[], outputs=[("info", "STRING")]
     ),
@@ -253,14 +260,21 @@ def _chorus_tail(g: Graph, plan_node, final_latent_node, vae, fps, prefix, x, y)
           title="Chorus mask preview")
 
 
-def wan22_a14b_i2v_4step() -> Graph:
-    """Wan 2.2 A14B I2V, lightx2v 4-step LoRAs: high-noise expert steps 0-2, low-noise expert 2-4, cfg 1."""
-    g = Graph("chorus_wan22_a14b_i2v_4step")
+def wan22_a14b_i2v_4step(feature_reuse: bool = False) -> Graph:
+    """Wan 2.2 A14B I2V, lightx2v 4-step LoRAs: high-noise expert steps 0-2, low-noise expert 2-4, cfg 1.
+
+    ``feature_reuse``: each expert's model also goes through ChorusFeatureReuse (downsample_share
+    0.25) and ChorusGuidanceBoost (strength 0.5), same plan, after ChorusSparseSampler.
+    """
+    g = Graph("chorus_wan22_a14b_i2v_4step" + ("_feature_reuse" if feature_reuse else ""))
+    extra = ("With **ChorusFeatureReuse** (on a hit, redundant regions run at a downsampled resolution) and "
+             "**ChorusGuidanceBoost** (reinforces the conditioning on the reused steps) after the sparse "
+             "sampler of each expert.\n\n" if feature_reuse else "")
     g.add("MarkdownNote", {"text": (
         "## Chorus II — Wan 2.2 A14B I2V, 4-step LoRA (2 + 2 steps, cfg 1)\n\n"
         "Both experts are patched by **ChorusSparseSampler** with the **same plan** from "
         "**ChorusMaskRetrieve**. A miss runs dense attention and records masks; **ChorusCacheWrite** "
-        "then stores them. A similar later request (similarity >= threshold) reuses them.\n\n"
+        "then stores them. A similar later request (similarity >= threshold) reuses them.\n\n" + extra +
         "Model files (ComfyUI/models/...):\n"
         "- diffusion_models/wan2.2_i2v_high_noise_14B_fp8_scaled.safetensors\n"
         "- diffusion_models/wan2.2_i2v_low_noise_14B_fp8_scaled.safetensors\n"
@@ -294,17 +308,32 @@ def wan22_a14b_i2v_4step() -> Graph:
                         pos=(1240, 0), size=(300, 160), title="ChorusSparseSampler (high-noise)", color=CHORUS_COLOR)
     sparse_low = g.add("ChorusSparseSampler", CHORUS_SPARSE, {"model": (shift_low, 0), "plan": (retrieve, 0)},
                        pos=(1240, 200), size=(300, 160), title="ChorusSparseSampler (low-noise)", color=CHORUS_COLOR)
+    model_high, model_low = sparse_high, sparse_low
+    if feature_reuse:
+        reuse_high = g.add("ChorusFeatureReuse", {"downsample_share": 0.25},
+                           {"model": (sparse_high, 0), "plan": (retrieve, 0)}, pos=(1240, 400), size=(300, 80),
+                           title="ChorusFeatureReuse (high-noise)", color=CHORUS_COLOR)
+        reuse_low = g.add("ChorusFeatureReuse", {"downsample_share": 0.25},
+                          {"model": (sparse_low, 0), "plan": (retrieve, 0)}, pos=(1240, 520), size=(300, 80),
+                          title="ChorusFeatureReuse (low-noise)", color=CHORUS_COLOR)
+        model_high = g.add("ChorusGuidanceBoost", {"strength": 0.5},
+                           {"model": (reuse_high, 0), "plan": (retrieve, 0)}, pos=(1240, 640), size=(300, 80),
+                           title="ChorusGuidanceBoost (high-noise)", color=CHORUS_COLOR)
+        model_low = g.add("ChorusGuidanceBoost", {"strength": 0.5},
+                          {"model": (reuse_low, 0), "plan": (retrieve, 0)}, pos=(1240, 760), size=(300, 80),
+                          title="ChorusGuidanceBoost (low-noise)", color=CHORUS_COLOR)
     sample_high = g.add("KSamplerAdvanced", {
         "add_noise": "enable", "noise_seed": 42, "steps": 4, "cfg": 1.0, "sampler_name": "euler",
         "scheduler": "simple", "start_at_step": 0, "end_at_step": 2, "return_with_leftover_noise": "enable"},
-        {"model": (sparse_high, 0), "positive": (i2v, 0), "negative": (i2v, 1), "latent_image": (i2v, 2)},
+        {"model": (model_high, 0), "positive": (i2v, 0), "negative": (i2v, 1), "latent_image": (i2v, 2)},
         pos=(1580, 0), size=(300, 340), title="KSamplerAdvanced (high-noise, steps 0-2)")
     sample_low = g.add("KSamplerAdvanced", {
         "add_noise": "disable", "noise_seed": 0, "steps": 4, "cfg": 1.0, "sampler_name": "euler",
         "scheduler": "simple", "start_at_step": 2, "end_at_step": 4, "return_with_leftover_noise": "disable"},
-        {"model": (sparse_low, 0), "positive": (i2v, 0), "negative": (i2v, 1), "latent_image": (sample_high, 0)},
+        {"model": (model_low, 0), "positive": (i2v, 0), "negative": (i2v, 1), "latent_image": (sample_high, 0)},
         pos=(1920, 0), size=(300, 340), title="KSamplerAdvanced (low-noise, steps 2-4)")
-    _chorus_tail(g, retrieve, sample_low, vae, 16.0, "video/chorus_wan22_a14b", 1580, 400)
+    prefix = "video/chorus_wan22_a14b" + ("_feature_reuse" if feature_reuse else "")
+    _chorus_tail(g, retrieve, sample_low, vae, 16.0, prefix, 1580, 400)
     return g
 
 
@@ -384,7 +413,11 @@ def wan21_i2v_14b() -> Graph:
     return g
 
 
-WORKFLOWS = (wan22_a14b_i2v_4step, wan22_ti2v_5b, wan21_i2v_14b)
+def wan22_a14b_i2v_4step_feature_reuse() -> Graph:
+    return wan22_a14b_i2v_4step(feature_reuse=True)
+
+
+WORKFLOWS = (wan22_a14b_i2v_4step, wan22_a14b_i2v_4step_feature_reuse, wan22_ti2v_5b, wan21_i2v_14b)
 
 
 def main() -> int:
