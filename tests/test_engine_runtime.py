@@ -1,0 +1,255 @@
+"""ChorusAttention on plain tensors (no host): recorder, hit path, safety fallback, stats, bad input,
+and the retrieval/commit round trip through a real cache_store Workspace."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from chorus.cache_store import Workspace
+from chorus.engine import (ChorusAttention, ModelInfo, Plan, SparseConfig, commit_plan, floor_k_min,
+                           latent_compatibility, mask_heatmap, retrieve_plan, token_grid)
+from chorus.kernels.reference import dense_attention_oracle
+
+BS = 32
+GRID = (3, 5, 7)            # 105 tokens: not a multiple of the block size (4 blocks, last one partial)
+LATENT = (16, 3, 10, 14)
+L = 105
+QB = 4
+INFO = ModelInfo("wan", "wan2.2-a14b-i2v", 2, 2, 64, 36, "fp-high")
+INFO_LOW = ModelInfo("wan", "wan2.2-a14b-i2v", 2, 2, 64, 36, "fp-low")
+SIGMAS = [1.0, 0.75, 0.5, 0.0]
+CFG = SparseConfig(top_p=0.9, k_min=1, block_size=BS, sample_rows=None)
+
+
+def sdpa(q, k, v):
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+
+def qkv(seed, batch=1, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(batch, 2, L, 64, generator=g, dtype=dtype) for _ in range(3)]
+
+
+def signature(experts=("fp-high",), sigmas=SIGMAS[:-1], grid=GRID, latent=LATENT):
+    return {"format": 1, "family": "wan", "variant": "wan2.2-a14b-i2v", "experts": list(experts), "num_layers": 2,
+            "num_heads": 2, "latent_shape": list(latent), "token_grid": list(grid), "block_size": BS,
+            "token_order": "thw", "step_sigmas": list(sigmas), "head_groups": 1}
+
+
+def hit_plan(masks, **kw):
+    return Plan("hit", entry_id=7, similarity=0.95, masks=masks, entry_meta={"signature": kw.pop("sig", signature())},
+                latent_shape=LATENT, **kw)
+
+
+def run_steps(handle, seed=0, sigmas=SIGMAS, layers=2, batch=1, cond_rows=None):
+    outs = []
+    handle.begin_run(sigmas)
+    for i, s in enumerate(sigmas[:-1]):
+        for layer in range(layers):
+            q, k, v = qkv(seed + 10 * i + layer, batch)
+            outs.append((q, k, v, handle.self_attention(q, k, v, layer=layer, sigma=s, grid=GRID, dense_fn=sdpa,
+                                                        cond_rows=cond_rows)))
+    handle.end_run()
+    return outs
+
+
+def test_miss_records_every_key_and_returns_dense_unchanged():
+    plan = Plan.miss("test", latent_shape=LATENT, keep_mass=True)
+    outs = run_steps(ChorusAttention(plan, CFG, INFO))
+    for q, k, v, out in outs:
+        torch.testing.assert_close(out, sdpa(q, k, v), rtol=0, atol=0)
+    maps = plan.recorder.block_maps()
+    assert sorted(maps) == [(0, s, l, 0) for s in range(3) for l in range(2)]
+    for key, m in maps.items():
+        assert m.shape == (2, QB, QB) and m.dtype == torch.bool
+        assert m.diagonal(dim1=-2, dim2=-1).all() and m[..., 0].all()  # diagonal + first-frame block kept
+    masses = plan.recorder.masses()
+    row_sums = torch.stack([m.sum(-1) for m in masses.values()])
+    torch.testing.assert_close(row_sums, torch.ones_like(row_sums), rtol=0, atol=1e-5)
+    assert plan.stats.recorded_calls == 6 and plan.stats.dense_calls == 6 and plan.stats.sparse_calls == 0
+
+
+def test_recorder_uses_only_cond_rows():
+    plan = Plan.miss("test", latent_shape=LATENT, keep_mass=True)
+    handle = ChorusAttention(plan, CFG, INFO)
+    handle.begin_run(SIGMAS)
+    q, k, v = qkv(1, batch=2)
+    handle.self_attention(q, k, v, layer=0, sigma=1.0, grid=GRID, dense_fn=sdpa, cond_rows=torch.tensor([True, False]))
+    handle.self_attention(q[1:], k[1:], v[1:], layer=1, sigma=1.0, grid=GRID, dense_fn=sdpa,
+                          cond_rows=torch.tensor([False]))  # an uncond-only chunk records nothing
+    from chorus.kernels import block_mass
+
+    mass = plan.recorder.masses()[(0, 0, 0, 0)]
+    torch.testing.assert_close(mass, block_mass(q[:1], k[:1], block_size=BS)[0], rtol=1e-5, atol=1e-6)
+    assert (0, 0, 1, 0) not in plan.recorder.masses()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_full_map_hit_matches_the_fp64_oracle_like_dense(dtype):
+    masks = {(0, s, l, 0): torch.ones(2, QB, QB, dtype=torch.bool) for s in range(3) for l in range(2)}
+    plan = hit_plan(masks)
+    handle = ChorusAttention(plan, CFG, INFO)
+    handle.begin_run(SIGMAS)
+    q, k, v = qkv(3, dtype=dtype)
+    out = handle.self_attention(q, k, v, layer=1, sigma=0.5, grid=GRID, dense_fn=sdpa)
+    oracle = dense_attention_oracle(q, k, v)
+    err = (out.double() - oracle).abs().max().item()
+    err_eager = (sdpa(q, k, v).double() - oracle).abs().max().item()
+    assert err <= 2 * err_eager + 1e-7
+    assert plan.stats.sparse_calls == 1 and plan.stats.density == 1.0
+
+
+def test_sparse_hit_equals_masked_oracle_and_counts_blocks():
+    band = torch.eye(QB, dtype=torch.bool) | torch.eye(QB, dtype=torch.bool).roll(1, 1)
+    masks = {(0, 2, 0, 0): band.expand(2, QB, QB).clone()}
+    plan = hit_plan(masks)
+    handle = ChorusAttention(plan, SparseConfig(top_p=0.9, k_min=1, block_size=BS), INFO)
+    handle.begin_run(SIGMAS)
+    q, k, v = qkv(4)
+    out = handle.self_attention(q, k, v, layer=0, sigma=0.5, grid=GRID, dense_fn=sdpa)
+    oracle = dense_attention_oracle(q, k, v, block_map=band[None, None], block_size=BS)
+    err_dense_eager = (sdpa(q, k, v).double() - dense_attention_oracle(q, k, v)).abs().max().item()
+    assert (out.double() - oracle).abs().max().item() <= 2 * err_dense_eager + 1e-6
+    assert (out - sdpa(q, k, v)).abs().max() > 1e-3  # it really is sparse
+    assert plan.stats.blocks_computed == 2 * int(band.sum()) and plan.stats.blocks_total == 2 * QB * QB
+
+
+def test_k_min_floor_adds_blocks_nearest_the_diagonal():
+    m = torch.zeros(1, 6, 6, dtype=torch.bool)
+    m[0, :, 0] = True
+    m[0, 3, :] = True
+    out = floor_k_min(m, 3)
+    assert (out.sum(-1) >= 3).all() and (out | m).equal(out)
+    assert out[0, 5, 4] and out[0, 5, 5] and not out[0, 5, 1]
+    assert out[0, 3].all()  # a full row is unchanged
+    assert floor_k_min(m, 100).all()
+
+
+def test_visit_refresh_adds_unvisited_pairs_over_steps():
+    diag = torch.eye(QB, dtype=torch.bool).expand(2, QB, QB).clone()
+    masks = {(0, s, 0, 0): diag for s in range(3)}
+    plan = hit_plan(masks)
+    handle = ChorusAttention(plan, SparseConfig(k_min=1, refresh_steps=1, block_size=BS), INFO)
+    handle.begin_run(SIGMAS)
+    visited = torch.zeros(2, QB, QB, dtype=torch.bool)
+    for step, s in enumerate(SIGMAS[:-1]):
+        handle.self_attention(*qkv(step), layer=0, sigma=s, grid=GRID, dense_fn=sdpa)
+        used = handle._maps[(step, 0)][0][0]
+        visited |= used
+        assert diag.le(used).all()
+    assert visited.all()  # R = 1: every pair computed within two steps
+    assert plan.stats.density > diag.float().mean().item()
+
+
+def test_fallbacks_are_dense_and_noted_never_raised():
+    masks = {(0, 0, 0, 0): torch.ones(2, QB, QB, dtype=torch.bool)}
+    plan = hit_plan(masks, sig=signature(sigmas=[1.0]))
+    handle = ChorusAttention(plan, CFG, INFO)
+    handle.begin_run([1.0, 0.0])
+    q, k, v = qkv(5)
+    dense = sdpa(q, k, v)
+    cases = [
+        dict(layer=1, sigma=1.0, grid=GRID),               # no map for this key
+        dict(layer=0, sigma=1.5, grid=GRID),               # above the schedule: not an entry step
+        dict(layer=0, sigma=1.0, grid=(3, 5, 8)),          # grid does not hold the tokens
+        dict(layer=9, sigma=1.0, grid=GRID),               # layer outside the model
+    ]
+    for kw in cases:
+        torch.testing.assert_close(handle.self_attention(q, k, v, dense_fn=sdpa, **kw), dense)
+    out = handle.self_attention(q[:, :1], k[:, :1], v[:, :1], layer=0, sigma=1.0, grid=GRID, dense_fn=sdpa)
+    assert out.shape == (1, 1, L, 64)  # wrong head count: dense
+    assert plan.stats.fallback_calls == 5 and plan.stats.sparse_calls == 0
+    assert len(plan.stats.messages) == 5 and all("dense attention instead" in m for m in plan.stats.messages)
+    # an explicit backend that cannot run here (no CUDA) is a message and dense attention, not a crash
+    if not torch.cuda.is_available():
+        plan2 = hit_plan(masks, sig=signature(sigmas=[1.0]))
+        h2 = ChorusAttention(plan2, SparseConfig(k_min=1, block_size=BS, backend="triton_fp8"), INFO)
+        torch.testing.assert_close(h2.self_attention(q, k, v, layer=0, sigma=1.0, grid=GRID, dense_fn=sdpa), dense)
+        assert plan2.stats.fallback_calls == 1 and "BackendUnavailableError" in plan2.stats.messages[0]
+
+
+def test_hit_for_another_model_or_schedule_demotes_to_a_recording_miss():
+    masks = {(0, s, l, 0): torch.ones(2, QB, QB, dtype=torch.bool) for s in range(3) for l in range(2)}
+    plan = hit_plan(masks)
+    run_steps(ChorusAttention(plan, CFG, INFO_LOW))
+    assert plan.kind == "miss" and "another model" in plan.message and plan.recorder.complete
+    plan = hit_plan(masks)
+    run_steps(ChorusAttention(plan, CFG, INFO), sigmas=[1.0, 0.6, 0.0])
+    assert plan.kind == "miss" and "schedule differs" in plan.message
+    # demoted after sparse calls ran: no partial entry can be written
+    plan = hit_plan(masks, sig=signature(experts=("fp-high",)))
+    run_steps(ChorusAttention(plan, CFG, INFO), sigmas=[1.0, 0.75, 0.5])
+    run_steps(ChorusAttention(plan, CFG, INFO_LOW), sigmas=[0.5, 0.0])
+    assert plan.kind == "miss" and not plan.recorder.complete
+    assert "not written" in commit_plan(object(), plan)
+
+
+def test_two_experts_share_one_plan_and_route_by_sigma():
+    plan = Plan.miss("test", latent_shape=LATENT)
+    run_steps(ChorusAttention(plan, CFG, INFO), sigmas=SIGMAS[:3])      # high: steps 0, 1
+    run_steps(ChorusAttention(plan, CFG, INFO_LOW), sigmas=SIGMAS[2:])  # low: step 2
+    assert sorted(plan.recorder.block_maps()) == [(0, 0, 0, 0), (0, 0, 1, 0), (0, 1, 0, 0), (0, 1, 1, 0),
+                                                  (1, 2, 0, 0), (1, 2, 1, 0)]
+    assert [e.fingerprint for e in plan.experts] == ["fp-high", "fp-low"]
+
+
+def test_bad_arguments_raise_value_errors():
+    for kw in (dict(top_p=0.0), dict(top_p=1.5), dict(top_p=float("nan")), dict(k_min=0), dict(refresh_steps=-1),
+               dict(backend="cuda"), dict(sample_rows=0), dict(block_size=100)):
+        with pytest.raises(ValueError):
+            SparseConfig(**kw)
+    with pytest.raises(ValueError):
+        Plan("maybe")
+    with pytest.raises(ValueError):
+        Plan("hit", masks={}, entry_meta={"signature": {}})
+    with pytest.raises(ValueError):
+        ChorusAttention("plan", CFG, INFO)
+    with pytest.raises(ValueError):
+        token_grid((16, 3, 10))
+
+
+def test_workspace_round_trip_resample_and_corruption(tmp_path):
+    ws = Workspace.open(tmp_path / "ws")
+    emb = np.random.default_rng(0).standard_normal(24).astype(np.float32)
+    plan = retrieve_plan(ws, emb, LATENT, request_meta={"prompt": "a cat"})
+    assert not plan.is_hit
+    run_steps(ChorusAttention(plan, CFG, INFO))
+    assert commit_plan(ws, plan).startswith("wrote entry 1") and commit_plan(ws, plan).startswith("wrote entry 1")
+    assert len(ws) == 1
+    _, meta = ws.load(1, touch=False)
+    assert meta["prompt"] == "a cat" and meta["signature"]["experts"] == ["fp-high"]
+
+    hit = retrieve_plan(ws, emb * 1.01 + 0.01, LATENT, similarity_threshold=0.9)
+    assert hit.is_hit and hit.entry_id == 1 and copy.deepcopy(hit) is hit
+    assert retrieve_plan(ws, -emb, LATENT).message.startswith("miss (best similarity")
+
+    # same aspect, more frames: resampled in 3D block coordinates, used sparse
+    bigger = (16, 6, 10, 14)
+    assert latent_compatibility(meta["signature"], bigger)[0] == "resample"
+    hit = retrieve_plan(ws, emb, bigger)
+    assert hit.is_hit and hit.resample_to == token_grid(bigger)
+    handle = ChorusAttention(hit, CFG, INFO)
+    handle.begin_run(SIGMAS)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 210, 64, generator=g) for _ in range(3))
+    handle.self_attention(q, k, v, layer=0, sigma=0.75, grid=token_grid(bigger), dense_fn=sdpa)
+    assert hit.stats.sparse_calls == 1 and hit.stats.fallback_calls == 0
+    # another aspect: a miss that says why
+    other = retrieve_plan(ws, emb, (16, 3, 10, 28))
+    assert not other.is_hit and "aspect" in other.message
+
+    # heatmap of the reused masks
+    image = mask_heatmap(list(hit.masks.values()))
+    assert image.shape[0] == 1 and image.shape[-1] == 3 and 0 <= image.min() and image.max() <= 1
+
+    # a corrupt entry file: reported, the request is a miss, nothing raised
+    for path in (tmp_path / "ws").rglob("*.safetensors"):
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        path.write_bytes(bytes(data))
+    broken = retrieve_plan(ws, emb, LATENT)
+    assert not broken.is_hit and "unreadable" in broken.message
