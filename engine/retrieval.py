@@ -17,6 +17,17 @@ SEARCH_CANDIDATES = 4
 
 def retrieve_plan(workspace, embedding, latent_shape, *, similarity_threshold: float = 0.9,
                   request_meta: dict | None = None, candidates: int = SEARCH_CANDIDATES) -> Plan:
+    """See :func:`_retrieve_plan`. The plan remembers ``similarity_threshold`` so that
+    :func:`commit_plan` writes a miss only if no entry that would serve it was written meanwhile
+    (e.g. by another worker that missed on the same request at the same time)."""
+    plan = _retrieve_plan(workspace, embedding, latent_shape, similarity_threshold=similarity_threshold,
+                          request_meta=request_meta, candidates=candidates)
+    plan.similarity_threshold = float(similarity_threshold)
+    return plan
+
+
+def _retrieve_plan(workspace, embedding, latent_shape, *, similarity_threshold: float = 0.9,
+                   request_meta: dict | None = None, candidates: int = SEARCH_CANDIDATES) -> Plan:
     """Search ``workspace`` for the most similar compatible entry and return a :class:`Plan`.
 
     ``embedding``: 1-D float vector (the store normalises it). ``latent_shape``: ``[C, T, H, W]`` or
@@ -121,8 +132,18 @@ def commit_plan(workspace, plan: Plan) -> str:
         return plan.committed
     meta = dict(plan.request_meta)
     meta.update({"signature": signature, "created": time.time(), "hits": 0})
+    threshold = getattr(plan, "similarity_threshold", None)
+    add_unique = getattr(workspace, "add_unique", None)
     try:
-        entry_id = workspace.add(plan.embedding, masks, meta)
+        if threshold is not None and add_unique is not None:
+            # dedupe under the store's writer lock: a concurrent worker may have written this request
+            entry_id, created = add_unique(plan.embedding, masks, meta, min_similarity=threshold)
+            if not created:
+                plan.committed = (f"not written: entry {entry_id} (written meanwhile, e.g. by another worker) "
+                                  f"already serves this request at threshold {threshold:.3f}")
+                return plan.committed
+        else:
+            entry_id = workspace.add(plan.embedding, masks, meta)
     except Exception as exc:  # noqa: BLE001 - the request succeeded; the cache just did not grow
         log.warning("Chorus II: writing the cache entry failed: %s", exc)
         plan.committed = f"not written: the store refused the entry ({type(exc).__name__}: {exc})"
