@@ -37,21 +37,15 @@ from chorus.kernels.triton import block_mass_triton  # noqa: E402
 
 SWEEP_FP8 = [
     dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, use_tma=False),
-    dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2, use_tma=True),
     dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, use_tma=True),
-    dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=4, use_tma=True),
     dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, use_tma=True),
-    dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3, use_tma=True),
     dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3, use_tma=True),
-    dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=2, use_tma=True),
-    dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3, use_tma=True),
+    dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3, use_tma=True, maxnreg=168),
+    dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=4, use_tma=True, maxnreg=168),
 ]
 SWEEP_BF16 = [
     dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, use_tma=False),
-    dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, use_tma=True),
     dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2, use_tma=True),
-    dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, use_tma=True),
-    dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3, use_tma=True),
 ]
 
 
@@ -76,7 +70,8 @@ def sdpa(backend):
 
 
 def cfg_name(cfg: dict) -> str:
-    return f"BN{cfg['BLOCK_N']}-w{cfg['num_warps']}-s{cfg['num_stages']}-{'tma' if cfg['use_tma'] else 'ptr'}"
+    name = f"BM{cfg['BLOCK_M']}-BN{cfg['BLOCK_N']}-w{cfg['num_warps']}-s{cfg['num_stages']}-{'tma' if cfg['use_tma'] else 'ptr'}"
+    return name + (f"-r{cfg['maxnreg']}" if cfg.get("maxnreg") else "")
 
 
 def run_size(length: int, args, results: dict) -> None:
@@ -143,6 +138,7 @@ def run_size(length: int, args, results: dict) -> None:
         "index_ms": bench(lambda: (attn.compress_block_map(full), torch.argsort(
             full.sum(-1, dtype=torch.int32), dim=-1, descending=True, stable=True))),
         "quant_ms": bench(lambda: attn.quantize_qkv_fp8(q, k, v, dim ** -0.5)),
+        "prepare_ms": bench(lambda: attn.prepare_attention(q, k, v, full, bs, dim ** -0.5, True, best["fp8"])),
         "kernel_ms": bench(lambda: attn.launch_attention(prep), est / 2),
         "kernel_no_softmax_ms": bench(lambda: attn.launch_attention(prep, ablate=1), est / 2),
         "kernel_no_pv_ms": bench(lambda: attn.launch_attention(prep, ablate=2), est / 2),
