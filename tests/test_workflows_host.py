@@ -156,3 +156,13 @@ def test_api_twin_passes_comfyui_validation_but_for_model_files(ui_path, server,
             reported.add(node_id)
     loaders = {k for k, v in api.items() if any(v["class_type"] == t for t, _ in MODEL_FILE_INPUTS)}
     assert reported == loaders
+
+
+def test_template_browser_lists_the_ui_workflows_only(server):
+    """ComfyUI serves ``workflows/*.json`` of a pack as templates; the API twins (``workflows/api/``) stay out."""
+    host = _host()
+    templates = server.get_json("/api/workflow_templates")
+    assert sorted(templates.get(host.PACK_LINK_NAME, [])) == sorted(p.stem for p in UI_FILES)
+    for ui_path in UI_FILES:
+        served = server.get_json(f"/api/workflow_templates/{host.PACK_LINK_NAME}/{ui_path.name}")
+        assert served == _load(ui_path)
