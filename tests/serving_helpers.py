@@ -1,0 +1,147 @@
+"""Helpers for the serving tests (``tests/test_serving_*.py``): tiny-request ComfyUI workers that
+share one Chorus cache root.
+
+Reuses the host helpers (``tests/host/tiny_wan.py`` for the tiny random Wan checkpoint and the
+ComfyUI import, ``tests/host/server.py`` for the headless server subprocess and its base folder).
+
+A serving request here is the cheapest graph that still goes through every Chorus step on a real
+ComfyUI: ``UNETLoader`` (tiny Wan 2.2 A14B-I2V-shaped model: dim 256, 2 layers, in_dim 36; its 20
+image channels are zeros because no start image is concatenated) -> ``ChorusSparseSampler`` ->
+``KSampler`` (1-2 steps, cfg 1, euler) on an ``EmptyHunyuanLatentVideo`` latent (32x32, 5 frames:
+``[1, 16, 2, 4, 4]``, 8 tokens), conditioning from the test-only node ``ChorusTestConditioning``
+(no text encoder), ``ChorusMaskRetrieve`` (embedding from the positive conditioning) and
+``ChorusCacheWrite``. No VAE, no image saved: the requests cost a few hundred milliseconds each.
+
+Requests are named by a *template* (the conditioning seed) and a *variant* (small noise on top):
+the same template is a hit at the default threshold once an entry exists, different templates are
+dissimilar (independent 512x4096 Gaussian conditionings: cosine ~0).
+
+Several servers share the cache by ``CHORUS_CACHE_DIR`` (each has its own base folder, user
+directory, output and temp folders), exactly as an operator would run them (docs/OPERATIONS.md).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+UNET = "chorus_serving_tiny_wan.safetensors"
+WORKSPACE = "serving"
+
+
+def _load(name: str, path: Path):
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+tiny = _load("chorus_tests_tiny_wan", HERE / "host" / "tiny_wan.py")
+hostlib = _load("chorus_tests_host_server", HERE / "host" / "server.py")
+
+
+def skip_reason() -> str | None:
+    """None when a ComfyUI checkout imports in-process (needed to build the tiny checkpoint)."""
+    return tiny.import_comfy()
+
+
+def write_tiny_unet(path: Path, seed: int = 0) -> Path:
+    """The tiny Wan checkpoint UNETLoader loads (every weight initialised, ~13 MB)."""
+    return tiny.save_safetensors(tiny.tiny_wan_state_dict(seed=seed), path)
+
+
+def prepare_worker_base(base_dir: Path, unet_file: Path) -> Path:
+    """A ComfyUI base folder (pack + test node via :func:`hostlib.prepare_base`) with the tiny
+    checkpoint linked into ``models/diffusion_models``."""
+    base = hostlib.prepare_base(base_dir)
+    link = base / "models" / "diffusion_models" / UNET
+    if not link.exists():
+        link.symlink_to(unet_file)
+    return base
+
+
+def start_worker(base_dir: Path, cache_root: Path, *, startup_timeout: float = 180.0):
+    """Start one headless ComfyUI worker whose Chorus cache root is ``cache_root``."""
+    comfy_dir = tiny.find_comfyui_dir()
+    return hostlib.ComfyHost(comfy_dir, base_dir, startup_timeout=startup_timeout,
+                             extra_env={"CHORUS_CACHE_DIR": str(cache_root)})
+
+
+def request_graph(template: int, variant: int = 0, *, workspace: str = WORKSPACE, steps: int = 1,
+                  threshold: float = 0.9, size: int = 32, length: int = 5, noise: float = 0.05,
+                  seed: int = 0) -> dict:
+    """API-format graph of one tiny request. Node ids: 3 = ChorusMaskRetrieve, 4 =
+    ChorusSparseSampler, 6 = ChorusCacheWrite. ``variant`` > 0 adds ``noise`` x N(0, 1) (seeded by
+    the variant) to the template's conditioning: a near-duplicate (cosine ~0.999)."""
+    return {
+        "1": {"class_type": "UNETLoader", "inputs": {"unet_name": UNET, "weight_dtype": "default"}},
+        "2": {"class_type": "ChorusTestConditioning", "inputs": {
+            "seed": int(template), "noise": noise if variant else 0.0, "noise_seed": int(variant)}},
+        "7": {"class_type": "EmptyHunyuanLatentVideo", "inputs": {
+            "width": size, "height": size, "length": length, "batch_size": 1}},
+        "3": {"class_type": "ChorusMaskRetrieve", "inputs": {
+            "latent": ["7", 0], "workspace": workspace, "similarity_threshold": threshold, "positive": ["2", 0],
+            "prompt": f"template {template}"}},
+        "4": {"class_type": "ChorusSparseSampler", "inputs": {
+            "model": ["1", 0], "plan": ["3", 0], "top_p": 0.9, "k_min": 1, "refresh_steps": 0, "backend": "auto"}},
+        "5": {"class_type": "KSampler", "inputs": {
+            "model": ["4", 0], "seed": int(seed), "steps": int(steps), "cfg": 1.0, "sampler_name": "euler",
+            "scheduler": "simple", "positive": ["2", 0], "negative": ["2", 1], "latent_image": ["7", 0],
+            "denoise": 1.0}},
+        "6": {"class_type": "ChorusCacheWrite", "inputs": {"latent": ["5", 0], "plan": ["3", 0]}},
+    }
+
+
+def outcome(record: dict) -> dict:
+    """Summary of a finished request's ``/history`` record: status, hit/miss, entry ids, texts."""
+    status = record.get("status", {})
+    outputs = record.get("outputs", {})
+    retrieve = " ".join(outputs.get("3", {}).get("text", []))
+    write = " ".join(outputs.get("6", {}).get("text", []))
+    hit_entry = None
+    if retrieve.startswith("HIT entry "):
+        hit_entry = int(retrieve.split()[2])
+    wrote = None
+    if write.startswith("wrote entry "):
+        wrote = int(write.split()[2])
+    return {"status": status.get("status_str"), "hit": hit_entry is not None, "hit_entry": hit_entry,
+            "wrote": wrote, "retrieve": retrieve, "write": write,
+            "messages": [m[0] for m in status.get("messages", [])]}
+
+
+def chorus_cli(*args: str, env_root: Path | None = None, timeout: float = 120.0):
+    """Run ``python -m chorus <args>`` in a subprocess; returns the CompletedProcess."""
+    import subprocess
+
+    env = dict(os.environ)
+    if env_root is not None:
+        env["CHORUS_CACHE_DIR"] = str(env_root)
+    return subprocess.run([sys.executable, "-m", "chorus", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def unique_writer(path: str, barrier, results, rounds: int = 5) -> None:
+    """Child process for the dedupe test: ``Workspace.add_unique`` of the same ``rounds`` requests
+    (seeded embeddings), each after a barrier shared with the other writer; puts
+    ``[(round, entry_id, created), ...]`` on ``results``."""
+    import numpy as np
+    import torch
+
+    from chorus.cache_store import Workspace
+
+    ws = Workspace.open(path)
+    masks = {(0, 0, 0, 0): torch.ones(2, 3, 3, dtype=torch.bool)}
+    embeddings = np.random.default_rng(0).normal(size=(rounds, 16)).astype(np.float32)
+    created = []
+    for round_, emb in enumerate(embeddings):
+        barrier.wait(60)  # both processes write the same request at the same moment
+        entry_id, new = ws.add_unique(emb, masks, {"signature": {"s": 1}, "round": round_}, min_similarity=0.9)
+        created.append((round_, int(entry_id), bool(new)))
+    ws.close()
+    results.put(created)
