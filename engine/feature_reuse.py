@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 import threading
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -208,6 +209,7 @@ class FeatureReuse:
         self.sample_sigmas: list[float] | None = None
         self._running = False
         self._layouts: dict = {}
+        self._compacted: dict = {}
 
     def __deepcopy__(self, memo):
         return self
@@ -219,6 +221,7 @@ class FeatureReuse:
             sig = [float(s) for s in vals] if vals and all(math.isfinite(float(s)) for s in vals) else None
         self.sample_sigmas = sig
         self._layouts.clear()
+        self._compacted.clear()
         self._running = True
         self.expert = self.plan.register_expert(self.model_info)
 
@@ -228,6 +231,7 @@ class FeatureReuse:
             if exported is not None:
                 self.plan.request_meta[META_KEY] = exported
         self._layouts.clear()
+        self._compacted.clear()
         self._running = False
         self.expert = None
 
@@ -317,7 +321,7 @@ class FeatureReuse:
                             for name, (t, rule) in (per_token or {}).items()}
             else:
                 x_c = pooling.pool_tokens(x, layout)
-                inputs_c = compact_per_token(per_token, layout)
+                inputs_c = self._compact_inputs(per_token, layout)
         except Exception as exc:  # noqa: BLE001
             plan.note(f"feature reuse: pooling failed ({type(exc).__name__}: {exc}); full block")
             return block_fn(x, full_inputs, None)
@@ -330,6 +334,23 @@ class FeatureReuse:
         if skip:
             return x.index_copy(1, layout.keep_index, y_c)
         return pooling.unpool_residual(x, x_c, y_c, layout)
+
+    def _compact_inputs(self, per_token, layout):
+        """:func:`compact_per_token`, reusing the result while the same tensor object comes back with
+        the same layout (hosts pass one RoPE tensor to every block of a forward)."""
+        out = {}
+        for name, (tensor, rule) in (per_token or {}).items():
+            hit = self._compacted.get(name)
+            if hit is not None and hit[0]() is tensor and hit[1] is layout and hit[2] == rule:
+                out[name] = hit[3]
+                continue
+            value = compact_per_token({name: (tensor, rule)}, layout)[name]
+            try:
+                self._compacted[name] = (weakref.ref(tensor), layout, rule, value)
+            except TypeError:  # not weak-referenceable: no caching
+                pass
+            out[name] = value
+        return out
 
     def _full_and_record(self, block_fn, x, inputs, layer, sigma, grid):
         y = block_fn(x, inputs, None)

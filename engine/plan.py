@@ -54,7 +54,8 @@ class Plan:
     - hit: ``entry_id``, ``similarity``, ``masks`` = ``{(expert, step, layer, head_group): bool
       [H, Qb, Kb]}`` on the CPU, ``entry_meta`` (with ``"signature"``), ``step_sigmas`` of the entry,
       and ``resample_to`` = the token grid to resample masks to (None when the grid is the entry's).
-    - miss: ``recorder`` (a :class:`MassRecorder`) that the patched models fill.
+    - miss: ``recorder`` (a :class:`MassRecorder`) that the patched models fill; None when
+      ``record=False`` (nothing could be written: no embedding or no usable workspace).
     - both: ``embedding`` (float32 numpy, L2-normalised by the store), ``latent_shape`` ``[C, T, H, W]``,
       ``request_meta`` (free-form fields written with a new entry), ``stats`` (:class:`PlanStats`),
       ``experts`` (ModelInfo of the models that sampled, in order).
@@ -66,7 +67,7 @@ class Plan:
     def __init__(self, kind: str, *, message: str = "", embedding=None, latent_shape=None,
                  request_meta: dict | None = None, entry_id=None, similarity: float | None = None,
                  masks: dict | None = None, entry_meta: dict | None = None, resample_to=None,
-                 workspace=None, keep_mass: bool = False):
+                 workspace=None, keep_mass: bool = False, record: bool = True):
         if kind not in ("hit", "miss"):
             raise ValueError(f"plan kind must be 'hit' or 'miss', got {kind!r}")
         if kind == "hit" and (not masks or entry_meta is None or "signature" not in entry_meta):
@@ -84,7 +85,7 @@ class Plan:
         self.workspace = workspace
         self.stats = PlanStats(similarity=similarity)
         self.experts: list[ModelInfo] = []
-        self.recorder = MassRecorder(keep_mass=keep_mass) if kind == "miss" else None
+        self.recorder = MassRecorder(keep_mass=keep_mass) if kind == "miss" and record else None
         self.demoted_reason: str | None = None
         self.committed: str | None = None
         self._refresh: dict[int, object] = {}
@@ -188,36 +189,44 @@ class Plan:
             return self._refresh[refresh_steps]
 
     def stored_map(self, expert: int, step: int, layer: int, *, block_size: int, top_p: float,
-                   k_min: int) -> torch.Tensor:
-        """Bool ``[H, Qb, Kb]`` (CPU) for a key, resampled to ``resample_to`` when set.
+                   k_min: int, device=None) -> torch.Tensor:
+        """Bool ``[H, Qb, Kb]`` for a key (on ``device``, default CPU), resampled to ``resample_to``.
 
-        Entries store bool maps; an entry that stores float block *mass* instead is turned into a
-        map here with ``select_blocks(top_p, k_min)`` (density chosen at retrieval time).
-        Raises ``KeyError`` when the entry has no map for the key, ``ValueError`` on a bad map.
+        Entries store bool maps (possibly bit-packed, ``cache_store.PackedMap``: unpacked on
+        ``device``); an entry that stores float block *mass* instead is turned into a map here with
+        ``select_blocks(top_p, k_min)`` (density chosen at retrieval time). Transformed maps are
+        cached on the CPU for the request. Raises ``KeyError`` when the entry has no map for the key,
+        ``ValueError`` on a bad map.
         """
         key = (expert, step, layer, 0)
         with self._lock:
             stored = self.masks[key]
+            cache_key = (key, top_p, k_min, block_size)
+            if cache_key in self._resampled:
+                return self._resampled[cache_key].to(device) if device is not None else self._resampled[cache_key]
             if hasattr(stored, "unpack") and not isinstance(stored, torch.Tensor):  # cache_store PackedMap
-                stored = stored.unpack()
+                stored = stored.unpack(device) if device is not None else stored.unpack()
             if not isinstance(stored, torch.Tensor):
                 raise ValueError(f"entry map {key} is not a tensor")
-            cache_key = key if stored.dtype == torch.bool else (key, top_p, k_min)
-            if cache_key in self._resampled:
-                return self._resampled[cache_key]
             block_map = stored
+            if block_map.dim() == 4 and block_map.shape[0] == 1:
+                block_map = block_map[0]
             if block_map.dim() == 2:
                 block_map = block_map[None]
             if block_map.dim() != 3:
                 raise ValueError(f"entry map {key} must be [H, Qb, Kb], got {tuple(stored.shape)}")
+            transformed = False
             if block_map.dtype != torch.bool:
                 if not block_map.is_floating_point():
                     raise ValueError(f"entry map {key} has dtype {block_map.dtype}, expected bool or float mass")
                 block_map = kernels.select_blocks(block_map.float()[None], top_p=top_p,
                                                   k_min=min(k_min, block_map.shape[-1]))[0]
+                transformed = True
             if self.resample_to is not None:
                 src = tuple(self.entry_meta["signature"]["token_grid"])
-                block_map = kernels.resample_block_map(block_map[None], src, self.resample_to,
+                block_map = kernels.resample_block_map(block_map.cpu()[None], src, self.resample_to,
                                                        block_size=block_size)[0]
-            self._resampled[cache_key] = block_map
-            return block_map
+                transformed = True
+            if transformed:
+                self._resampled[cache_key] = block_map.cpu()
+            return block_map.to(device) if device is not None else block_map

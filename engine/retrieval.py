@@ -58,7 +58,7 @@ def _retrieve_plan(workspace, embedding, latent_shape, *, similarity_threshold: 
             reasons.append(f"best remaining similarity {similarity:.3f} < threshold {similarity_threshold:.3f}")
             break
         try:
-            masks, meta = workspace.load(entry_id)
+            masks, meta = _load(workspace, entry_id)
             signature = meta["signature"]
         except Exception as exc:  # noqa: BLE001 - corrupt entry: the store quarantines it; go on
             reasons.append(f"entry {entry_id} unreadable ({type(exc).__name__}: {exc})")
@@ -79,11 +79,22 @@ def _retrieve_plan(workspace, embedding, latent_shape, *, similarity_threshold: 
     return Plan.miss(f"miss (best similarity {best:.3f}): " + "; ".join(reasons), **common)
 
 
+def _load(workspace, entry_id):
+    """Load an entry without counting a hit (the hit is counted by :func:`commit_plan`), bit-packed
+    when the store can (maps are unpacked on the device that uses them)."""
+    try:
+        return workspace.load(entry_id, packed=True, touch=False)
+    except TypeError:  # a store without those options
+        return workspace.load(entry_id)
+
+
 def build_signature(plan: Plan) -> dict:
     """The signature written with a new entry (see ``signature.py``). Raises ``ValueError`` if the
     plan has not recorded anything."""
     rec = plan.recorder
-    if rec is None or rec.grid is None or not plan.experts:
+    if rec is None:
+        raise ValueError("the plan did not record (nothing can be written for it)")
+    if rec.grid is None or not plan.experts:
         raise ValueError("nothing recorded")
     first = plan.experts[0]
     return {
@@ -112,7 +123,7 @@ def commit_plan(workspace, plan: Plan) -> str:
         return plan.committed
     if plan.is_hit:
         msg = f"hit: reused entry {plan.entry_id} (similarity {plan.similarity:.3f})"
-        counter = getattr(workspace, "record_hit", None) or getattr(workspace, "touch", None)
+        counter = getattr(workspace, "touch", None)
         if counter is not None:
             try:
                 counter(plan.entry_id)
@@ -123,6 +134,9 @@ def commit_plan(workspace, plan: Plan) -> str:
         return msg
     if plan.embedding is None:
         plan.committed = "not written: the request has no embedding"
+        return plan.committed
+    if plan.recorder is None:
+        plan.committed = "not written: the plan did not record"
         return plan.committed
     try:
         masks = plan.recorder.block_maps()

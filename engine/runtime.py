@@ -204,7 +204,7 @@ class ChorusAttention:
         cfg = self.config
         try:
             stored = self.plan.stored_map(self.expert, step, layer, block_size=cfg.block_size, top_p=cfg.top_p,
-                                          k_min=cfg.k_min)
+                                          k_min=cfg.k_min, device=q.device)
         except KeyError:
             raise _Fallback(f"the entry has no mask for expert {self.expert}, step {step}, layer {layer}") from None
         heads, length = q.shape[1], q.shape[2]

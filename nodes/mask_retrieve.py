@@ -98,7 +98,7 @@ class ChorusMaskRetrieve(io.ComfyNode):
         shape = tuple(samples.shape) if isinstance(samples, torch.Tensor) else None
         if shape is None or len(shape) != 5:
             plan = Plan.miss(f"miss: the latent must be a video latent [B, C, T, H, W], got {shape}; "
-                             "dense attention, nothing will be written")
+                             "dense attention, nothing will be written", record=False)
             return cls._out(plan)
         meta = {"prompt": (prompt or "")[:2000], "image_hash": _image_hash(start_image),
                 "embedder": EMBEDDER.name, "text_weight": TEXT_WEIGHT,
@@ -108,13 +108,13 @@ class ChorusMaskRetrieve(io.ComfyNode):
             embedding = request_embedding(positive, start_image, prompt, clip_vision_output)
         except (ValueError, TypeError) as exc:
             plan = Plan.miss(f"miss: no request embedding ({exc}); connect start_image and/or positive. "
-                             "Dense attention, nothing will be written", latent_shape=shape)
+                             "Dense attention, nothing will be written", latent_shape=shape, record=False)
             return cls._out(plan)
         try:
             ws = open_workspace(workspace)
         except (ValueError, OSError) as exc:
             plan = Plan.miss(f"miss: workspace {workspace!r} unusable ({exc}); dense attention, nothing will be "
-                             "written", embedding=embedding, latent_shape=shape, request_meta=meta)
+                             "written", embedding=embedding, latent_shape=shape, request_meta=meta, record=False)
             return cls._out(plan)
         try:
             plan = retrieve_plan(ws, embedding, shape, similarity_threshold=similarity_threshold, request_meta=meta)

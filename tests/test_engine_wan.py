@@ -26,7 +26,7 @@ SKIP_REASON = tiny.import_comfy()
 pytestmark = pytest.mark.skipif(SKIP_REASON is not None, reason=f"ComfyUI not available: {SKIP_REASON}")
 
 from chorus.cache_store import Workspace  # noqa: E402
-from chorus.engine import Plan, SparseConfig, commit_plan, retrieve_plan  # noqa: E402
+from chorus.engine import Plan, SparseConfig, build_signature, commit_plan, retrieve_plan  # noqa: E402
 
 BS = 32                       # small blocks so the tiny latent has several: 3 x 8 x 8 = 192 tokens = 6 blocks
 LATENT = (1, 16, 3, 16, 16)   # [B, C, T, H, W]
@@ -266,3 +266,34 @@ def test_unsupported_model_passes_through_with_message(adapter):
     assert attention is None and "not supported" in msg and patched is not model
     assert "optimized_attention_override" not in patched.model_options["transformer_options"]
     assert any("unsupported model" in m for m in plan.stats.messages)
+
+
+@pytest.mark.parametrize("variant,kwargs,channels", [
+    ("wan2.1-i2v", dict(i2v_clip=True), 16),
+    ("wan2.2-ti2v-5b", dict(in_dim=48, out_dim=48), 48),
+    ("wan2.2-a14b-i2v", dict(), 16),
+])
+def test_each_supported_variant_records_then_reuses(adapter, variant, kwargs, channels):
+    """Wan 2.1 I2V (CLIP image projection), Wan 2.2 TI2V 5B (48 channels, per-frame timesteps) and a
+    Wan 2.2 A14B expert: detected, recorded on a miss, every call sparse on the hit."""
+    import comfy.sample
+
+    model = tiny.load_tiny_wan(tiny.tiny_wan_state_dict(seed=9, **kwargs))
+    assert adapter.comfy_model_info(model).variant == variant
+    latent = torch.zeros(1, channels, 2, 8, 8)
+    positive, negative = _conds()
+
+    def sample(m):
+        noise = comfy.sample.prepare_noise(latent, 0)
+        return comfy.sample.sample(m, noise, 2, 1.0, "euler", "simple", positive, negative, latent,
+                                   disable_pbar=True, seed=0)
+
+    plan = Plan.miss("test", embedding=_embedding(5), latent_shape=latent.shape)
+    patched, _, _ = adapter.patch_model(model, plan, CONFIG)
+    sample(patched)
+    maps = plan.recorder.block_maps()
+    assert len(maps) == 2 * 2 and plan.stats.fallback_calls == 0, plan.stats.messages
+    hit = Plan("hit", entry_id=1, similarity=1.0, masks=maps, entry_meta={"signature": build_signature(plan)})
+    patched, _, _ = adapter.patch_model(model, hit, CONFIG)
+    assert torch.isfinite(sample(patched)).all()
+    assert hit.is_hit and hit.stats.sparse_calls == 2 * 2 and hit.stats.fallback_calls == 0, hit.stats.messages
