@@ -163,13 +163,17 @@ def pool_tokens(x: torch.Tensor, layout: RegionLayout) -> torch.Tensor:
     """``[B, L, ...] -> [B, L', ...]``: kept tokens in order, then each cell's mean (in x's dtype,
     accumulated in float32 for half types)."""
     _check_x(x, layout, layout.length, "x")
-    kept = x.index_select(1, layout.keep_index)
-    if layout.num_cells == 0:
-        return kept
-    acc = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
-    members = acc.index_select(1, layout.cell_index.reshape(-1))
-    cells = members.view(x.shape[0], layout.num_cells, layout.cell_index.shape[1], *x.shape[2:]).mean(2)
-    return torch.cat([kept, cells.to(x.dtype)], dim=1)
+    out = x.new_empty((x.shape[0], layout.compact_length, *x.shape[2:]))
+    n_keep = layout.keep_index.numel()
+    out[:, :n_keep] = x.index_select(1, layout.keep_index)
+    if layout.num_cells:
+        # only the pooled members are read (and upcast): one pass over ~share of the tokens
+        members = x.index_select(1, layout.cell_index.reshape(-1))
+        members = members.view(x.shape[0], layout.num_cells, layout.cell_index.shape[1], *x.shape[2:])
+        if x.dtype in (torch.float16, torch.bfloat16):
+            members = members.float()
+        out[:, n_keep:] = members.mean(2).to(x.dtype)
+    return out
 
 
 def expand_tokens(x_compact: torch.Tensor, layout: RegionLayout) -> torch.Tensor:
@@ -196,10 +200,15 @@ def unpool_residual(x: torch.Tensor, x_compact: torch.Tensor, y_compact: torch.T
     _check_x(x, layout, layout.length, "x")
     _check_x(x_compact, layout, layout.compact_length, "x_compact")
     _check_x(y_compact, layout, layout.compact_length, "y_compact")
-    delta = (y_compact - x_compact).index_select(1, layout.expand_index)
-    out = x + delta
-    # kept tokens: exactly the block output (no x + (y - x) rounding)
-    out.index_copy_(1, layout.keep_index, y_compact[:, : layout.keep_index.numel()])
+    n_keep = layout.keep_index.numel()
+    out = torch.empty_like(x)
+    # kept tokens: exactly the block output
+    out.index_copy_(1, layout.keep_index, y_compact[:, :n_keep].to(x.dtype))
+    if layout.num_cells:
+        flat = layout.cell_index.reshape(-1)
+        delta = (y_compact[:, n_keep:] - x_compact[:, n_keep:]).unsqueeze(2)  # [B, Nc, 1, ...]
+        members = x.index_select(1, flat).view(x.shape[0], layout.num_cells, layout.cell_index.shape[1], *x.shape[2:])
+        out.index_copy_(1, flat, (members + delta).reshape(x.shape[0], -1, *x.shape[2:]).to(x.dtype))
     return out
 
 
