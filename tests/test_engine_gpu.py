@@ -1,0 +1,69 @@
+"""The engine's hit and miss paths on a CUDA GPU with the Triton backends (skipped without CUDA)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from chorus.engine import ChorusAttention, ModelInfo, Plan, SparseConfig
+from chorus.kernels.reference import dense_attention_oracle
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+GRID = (5, 30, 52)          # 7 800 tokens (not a multiple of 128): 61 blocks
+L = GRID[0] * GRID[1] * GRID[2]
+QB = -(-L // 128)
+INFO = ModelInfo("wan", "wan2.2-a14b-i2v", 1, 4, 128, 36, "fp")
+
+
+def sdpa(q, k, v):
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+
+def _qkv(seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return [torch.randn(2, 4, L, 128, generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+
+
+def _hit(block_map):
+    sig = {"format": 1, "family": "wan", "variant": INFO.variant, "experts": ["fp"], "num_layers": 1, "num_heads": 4,
+           "latent_shape": [16, 5, 60, 104], "token_grid": list(GRID), "block_size": 128, "token_order": "thw",
+           "step_sigmas": [0.9], "head_groups": 1}
+    return Plan("hit", entry_id=1, similarity=1.0, masks={(0, 0, 0, 0): block_map}, entry_meta={"signature": sig})
+
+
+@pytest.mark.parametrize("backend", ["auto", "triton_bf16", "triton_fp8", "reference"])
+def test_hit_on_gpu_matches_the_masked_oracle(backend):
+    gen = torch.Generator().manual_seed(0)
+    block_map = torch.rand(4, QB, QB, generator=gen) < 0.3
+    block_map |= torch.eye(QB, dtype=torch.bool)
+    plan = _hit(block_map)
+    handle = ChorusAttention(plan, SparseConfig(k_min=4, backend=backend), INFO)
+    handle.begin_run([0.9, 0.0])
+    q, k, v = _qkv(1)
+    out = handle.self_attention(q, k, v, layer=0, sigma=torch.tensor([0.9], device="cuda"), grid=GRID, dense_fn=sdpa)
+    assert plan.stats.sparse_calls == 1 and plan.stats.fallback_calls == 0, plan.stats.messages
+    used = handle._maps[(0, 0)][0]
+    assert used.device.type == "cuda" and (used.sum(-1) >= 4).all()
+    oracle = dense_attention_oracle(q, k, v, block_map=used, block_size=128)
+    err = (out.double() - oracle).abs().max().item()
+    eager = dense_attention_oracle(q.double(), k.double(), v.double(), block_map=used, block_size=128)
+    bf16_eager = (eager.to(torch.bfloat16).double() - oracle).abs().max().item()  # rounding of the output alone
+    cos = torch.nn.functional.cosine_similarity(out.double().flatten(), oracle.flatten(), dim=0).item()
+    if backend == "triton_fp8" or (backend == "auto" and torch.cuda.get_device_capability() == (9, 0)):
+        assert cos >= 0.999, cos
+    else:
+        assert err <= 4 * max(bf16_eager, 1e-3), (err, bf16_eager)
+
+
+def test_miss_on_gpu_records_cond_rows_and_returns_dense():
+    plan = Plan.miss("gpu", latent_shape=(16, 5, 60, 104))
+    handle = ChorusAttention(plan, SparseConfig(), INFO)
+    handle.begin_run([0.9, 0.0])
+    q, k, v = _qkv(2)
+    out = handle.self_attention(q, k, v, layer=0, sigma=0.9, grid=GRID, dense_fn=sdpa,
+                                cond_rows=torch.tensor([True, False]))
+    torch.testing.assert_close(out, sdpa(q, k, v), rtol=0, atol=0)
+    maps = plan.recorder.block_maps()
+    assert list(maps) == [(0, 0, 0, 0)] and maps[(0, 0, 0, 0)].shape == (4, QB, QB)
+    assert plan.stats.recorded_calls == 1 and not plan.stats.messages
