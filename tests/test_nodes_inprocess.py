@@ -1,0 +1,119 @@
+"""The nodes' ``execute`` in-process (ComfyUI imported on CPU, no server): a miss -> write -> hit
+cycle with a tiny Wan, the preview, maintenance, the node contract, and bad inputs as messages.
+(ChorusFeatureReuse / ChorusGuidanceBoost behaviour is tested with their engine modules.)"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+_spec = importlib.util.spec_from_file_location("chorus_tests_tiny_wan", Path(__file__).parent / "host" / "tiny_wan.py")
+tiny = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(tiny)
+
+SKIP_REASON = tiny.import_comfy()
+pytestmark = pytest.mark.skipif(SKIP_REASON is not None, reason=f"ComfyUI not available: {SKIP_REASON}")
+
+LATENT = {"samples": torch.zeros(1, 16, 2, 8, 8)}
+
+
+@pytest.fixture()
+def nodes(tmp_path, monkeypatch):
+    monkeypatch.setenv("CHORUS_CACHE_DIR", str(tmp_path / "cache"))
+    import chorus.nodes as nodes_pkg
+
+    return nodes_pkg
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny.load_tiny_wan(tiny.tiny_wan_state_dict(seed=0))
+
+
+def _text(out):
+    return " ".join(out.ui["text"])
+
+
+def _sample(model_patched, positive):
+    import comfy.sample
+
+    latent = LATENT["samples"]
+    noise = comfy.sample.prepare_noise(latent, 0)
+    return comfy.sample.sample(model_patched, noise, 2, 1.0, "euler", "simple", positive,
+                               tiny.random_conditioning(1), latent, disable_pbar=True, seed=0)
+
+
+def test_miss_write_hit_cycle_through_the_nodes(nodes, model, tmp_path):
+    image = torch.rand(1, 32, 32, 3, generator=torch.Generator().manual_seed(0))
+    positive = tiny.random_conditioning(5)
+    out = nodes.ChorusMaskRetrieve.execute(latent=LATENT, workspace="cycle", similarity_threshold=0.9,
+                                           start_image=image, positive=positive, prompt="a red fox")
+    plan, preview, info = out.args
+    assert info.startswith("MISS") and not plan.is_hit and preview.shape == (1, 64, 64, 3)
+    assert torch.all(preview == 0.5)  # gray placeholder on a miss
+    patched = nodes.ChorusSparseSampler.execute(model=model, plan=plan, top_p=0.9, k_min=4, refresh_steps=0,
+                                                backend="auto")
+    assert "MISS: dense attention + recording" in _text(patched)
+    samples = _sample(patched.args[0], positive)
+    written = nodes.ChorusCacheWrite.execute(latent={"samples": samples}, plan=plan)
+    assert "wrote entry 1" in written.args[0] and "recorded 4" in written.args[0]
+    assert (tmp_path / "cache" / "cycle").is_dir()
+
+    similar = nodes.ChorusMaskRetrieve.execute(latent=LATENT, workspace="cycle", similarity_threshold=0.9,
+                                               start_image=image * 0.98, positive=tiny.random_conditioning(5, noise=0.05),
+                                               prompt="a red fox")
+    plan2, preview2, info2 = similar.args
+    assert plan2.is_hit and info2.startswith("HIT entry 1") and "stored density 100.0%" in info2
+    assert preview2.shape[0] == 1 and preview2.shape[-1] == 3 and not torch.all(preview2 == 0.5)
+    patched2 = nodes.ChorusSparseSampler.execute(model=model, plan=plan2, top_p=0.9, k_min=4, refresh_steps=2,
+                                                 backend="reference")
+    assert "HIT: sparse attention with entry 1" in _text(patched2)
+    _sample(patched2.args[0], positive)
+    text = nodes.ChorusCacheWrite.execute(latent=LATENT, plan=plan2).args[0]
+    assert "hit: updated stats of entry 1" in text and "calls sparse 4" in text and "fallback 0" in text
+
+    report = nodes.ChorusCacheMaintenance.execute(workspace="cycle", action="stats", max_entries=0).args[0]
+    assert report.startswith("stats cycle:") and '"entries": 1' in report.replace("'", '"') or "1" in report
+    for action in ("verify", "rebuild-index", "prune"):
+        report = nodes.ChorusCacheMaintenance.execute(workspace="cycle", action=action, max_entries=5).args[0]
+        assert report.startswith(f"{action} cycle:"), report
+
+
+def test_bad_inputs_are_messages(nodes, model):
+    out = nodes.ChorusMaskRetrieve.execute(latent=LATENT, workspace="w")
+    assert "no request embedding" in out.args[2] and out.args[0].recorder is None
+    out = nodes.ChorusMaskRetrieve.execute(latent={"samples": torch.zeros(1, 4, 8, 8)}, workspace="w",
+                                           positive=tiny.random_conditioning(1))
+    assert "video latent" in out.args[2]
+    out = nodes.ChorusMaskRetrieve.execute(latent=LATENT, workspace="/etc", positive=tiny.random_conditioning(1))
+    assert "unusable" in out.args[2]
+    assert "not written" in nodes.ChorusCacheWrite.execute(latent=LATENT, plan=out.args[0]).args[0]
+    assert "not a Chorus plan" in nodes.ChorusCacheWrite.execute(latent=LATENT, plan="x").args[0]
+    passed = nodes.ChorusSparseSampler.execute(model=model, plan=None)
+    assert passed.args[0] is model and "not a Chorus plan" in _text(passed)
+    assert "failed" in nodes.ChorusCacheMaintenance.execute(workspace="../up", action="stats").args[0]
+    t2v = tiny.load_tiny_wan(tiny.tiny_wan_state_dict(seed=0, in_dim=16))
+    plan = nodes.ChorusMaskRetrieve.execute(latent=LATENT, workspace="w", positive=tiny.random_conditioning(1)).args[0]
+    out = nodes.ChorusSparseSampler.execute(model=t2v, plan=plan)
+    assert "not patched" in _text(out) and "not supported" in _text(out)
+
+
+def test_schemas_match_the_node_contract(nodes):
+    ids = {c.define_schema().node_id: c.define_schema() for c in nodes.NODES}
+    assert set(ids) == {"ChorusMaskRetrieve", "ChorusSparseSampler", "ChorusFeatureReuse", "ChorusGuidanceBoost",
+                        "ChorusCacheWrite", "ChorusCacheMaintenance"}
+    for schema in ids.values():
+        assert schema.category == "Chorus II"
+        assert all(i.tooltip for i in schema.inputs), schema.node_id
+    assert ids["ChorusCacheWrite"].is_output_node and ids["ChorusCacheMaintenance"].is_output_node
+    assert ids["ChorusMaskRetrieve"].not_idempotent
+    import math
+
+    assert math.isnan(nodes.ChorusMaskRetrieve.fingerprint_inputs()) and math.isnan(nodes.ChorusCacheWrite.fingerprint_inputs())
+    defaults = {i.id: getattr(i, "default", None) for i in ids["ChorusSparseSampler"].inputs}
+    assert defaults == {"model": None, "plan": None, "top_p": 0.9, "k_min": 4, "refresh_steps": 0, "backend": "auto"}
+    assert [i.id for i in ids["ChorusFeatureReuse"].inputs] == ["model", "plan", "downsample_share"]
+    assert {i.id: getattr(i, "default", None) for i in ids["ChorusGuidanceBoost"].inputs}["strength"] == 0.5
