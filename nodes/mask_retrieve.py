@@ -136,5 +136,6 @@ class ChorusMaskRetrieve(io.ComfyNode):
             info = (f"HIT entry {plan.entry_id} | similarity {plan.similarity:.3f} | "
                     f"stored density {density:.1%} | {len(plan.masks)} maps")
         else:
-            info = f"MISS | {plan.message}"
+            message = plan.message
+            info = "MISS" + (message[4:] if message.lower().startswith("miss") else f": {message}")
         return io.NodeOutput(plan, preview, info, ui=ui_text(info))
