@@ -285,6 +285,7 @@ def main(argv=None) -> int:
                         row["recorded_calls"] = plan.stats.recorded_calls
                 row["timing"] = timing
                 out.setdefault(precision, {})[name] = row
+                (args.out / "e2e_results.json").write_text(json.dumps(info, indent=1, default=str))
                 log(f"{res} {precision:4s} {name:12s} latency {row['latency_s']:.2f} s  attention "
                     f"{row['attention_share']:.0%}  block {row['block_ms_mean']:.1f} ms  "
                     f"peak {row.get('peak_gib', 0):.1f} GiB  density {row.get('density')}")
