@@ -299,6 +299,9 @@ def prepare_attention(q, k, v, block_map, block_size: int, scale: float, fp8: bo
         q_scale = k_scale = v_scale = kv_num  # unused placeholders
         n_q_scale = n_k_scale = 0
         qk_scale = float(scale * LOG2E)
+    # TMA needs 16-byte aligned base addresses and strides; odd views fall back to pointer loads
+    use_tma = use_tma and all(t.data_ptr() % 16 == 0 and all((st * t.element_size()) % 16 == 0 for st in t.stride()[:-1])
+                              for t in (q_in, k_in, v_in))
     return dict(q=q, q_in=q_in, k_in=k_in, v_in=v_in, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
                 kv_num=kv_num, kv_idx=kv_idx, sched=sched, map_strides=map_strides, fp8=bool(fp8),
                 block_size=block_size, block_m=block_m, block_n=block_n, use_tma=use_tma, kv_len=kv_len,
@@ -345,6 +348,9 @@ def launch_attention(prep: dict, ablate: int = 0) -> torch.Tensor:
 def block_sparse_attention_triton_impl(q, k, v, block_map, block_size: int, scale: float, fp8: bool,
                                        config: dict | None = None) -> torch.Tensor:
     """Validate, prepare and launch (no torch.library wrapping); ``config`` overrides tile settings."""
+    if q.device.type == "cuda":
+        with torch.cuda.device(q.device):  # Triton launches on the current device
+            return launch_attention(prepare_attention(q, k, v, block_map, block_size, scale, fp8, config))
     return launch_attention(prepare_attention(q, k, v, block_map, block_size, scale, fp8, config))
 
 

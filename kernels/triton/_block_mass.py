@@ -156,6 +156,9 @@ def block_mass_triton_impl(q: torch.Tensor, k: torch.Tensor, block_size: int, sa
     block_n = min(block_n, block_size)
     out = torch.empty(batch, heads, num_q_blocks, num_kv_blocks, dtype=torch.float32, device=q.device)
     grid = (triton.cdiv(num_q_blocks, groups), batch * heads)
+    if q.device.type == "cuda" and q.device.index is not None and q.device.index != torch.cuda.current_device():
+        with torch.cuda.device(q.device):  # Triton launches on the current device
+            return block_mass_triton_impl(q, k, block_size, sample_rows, scale, block_n, num_warps, num_stages)
     _block_mass_kernel[grid](
         q, k, out, table, heads, q_len, kv_len, num_q_blocks, num_kv_blocks, float(scale * LOG2E),
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
