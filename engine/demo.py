@@ -22,8 +22,10 @@ What it runs (CPU by default, about a minute on 2 cores):
   and the PSNR of the request's frames against a dense run of the same request (hits only).
 * **Saved**: the start image and the decoded frames of each request as PNG under ``--out``
   (default ``./chorus_demo_out``): ``req_NN_<template>_<hit|miss>/frame_KK.png``. The "VAE" is a
-  fixed, invertible pixel <-> latent packing (no weights), so frames show what the random model
-  computed, not a trained video.
+  fixed, invertible pixel <-> latent packing (no weights), and the denoiser's clean-latent estimate is
+  the start image's latent on every frame (a still-video prior) plus the random transformer's output
+  (see :func:`sample`): the frames show the start image with what the random model adds, not a
+  trained video; sparse attention changes only the added part.
 
 Library use: :func:`run_demo` returns one :class:`RequestResult` per request.
 """
@@ -53,6 +55,7 @@ LATENT_CHANNELS = 16
 PIXELS_PER_LATENT = 8  # the pseudo-VAE: 8x8 pixels per latent position
 TEXT_DIM = 64
 TEXT_TOKENS = 24
+MODEL_GAIN = 0.25  # RMS of the random model's part of x0 (the start image latent has RMS ~0.5)
 STRUCTURE_GAIN = 4.0  # logit gain of the structured attention: ~50% of blocks kept at top_p 0.9 here
 
 # --------------------------------------------------------------------------------------------
@@ -379,11 +382,23 @@ class DenseErrorProbe:
 
 
 def sample(host, latent_shape, cond_y: torch.Tensor, context: torch.Tensor, sigmas: list[float],
-           switch_step: int, seed: int, handles=None) -> torch.Tensor:
-    """Euler flow-matching from noise; steps ``< switch_step`` on expert 0 (high noise), the rest on
-    expert 1. ``handles``: per expert, an object with ``begin_run``/``end_run`` (or None for dense)."""
+           switch_step: int, seed: int, handles=None, prior: torch.Tensor | None = None,
+           model_gain: float = MODEL_GAIN) -> torch.Tensor:
+    """Euler flow-matching sampling from seeded noise; steps ``< switch_step`` on expert 0 (high
+    noise), the rest on expert 1. ``handles``: per expert, an object with ``begin_run``/``end_run``
+    (None: unpatched, dense).
+
+    The denoiser's clean-latent estimate is ``x0 = prior + model_gain * out / rms0``: ``prior`` (the
+    start image's latent on every frame, a still-video prior; zeros when None) plus the transformer
+    output ``out`` scaled by the RMS ``rms0`` of its first output in this run (a random model's raw
+    output is tiny). The flow velocity is ``(x - x0) / sigma``, so the result is that ``x0`` at the
+    last step: the start image plus what the random model adds, and attention changes only the added
+    part. Returns the latent ``[C, T, h, w]``.
+    """
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn((1, *latent_shape), generator=gen)
+    base = torch.zeros_like(x) if prior is None else prior.expand_as(x)
+    rms0 = None
     segments = ((0, 0, switch_step), (1, switch_step, len(sigmas) - 1))
     for expert, start, end in segments:
         if start >= end:
@@ -392,8 +407,11 @@ def sample(host, latent_shape, cond_y: torch.Tensor, context: torch.Tensor, sigm
             handles[expert].begin_run(sample_sigmas=sigmas[start:end + 1])
         try:
             for i in range(start, end):
-                v = host.velocity(expert, torch.cat([x, cond_y], 1), sigmas[i], context)
-                x = x + (sigmas[i + 1] - sigmas[i]) * v.float()
+                out = host.velocity(expert, torch.cat([x, cond_y], 1), sigmas[i], context).float()
+                if rms0 is None:
+                    rms0 = out.pow(2).mean().sqrt().clamp_min(1e-12)
+                x0 = base + model_gain * out / rms0
+                x = x + (sigmas[i + 1] - sigmas[i]) * (x - x0) / sigmas[i]
         finally:
             if handles is not None:
                 handles[expert].end_run()
@@ -496,6 +514,7 @@ def run_demo(*, num_requests: int | None = None, out_dir: str = "chorus_demo_out
                 t0 = time.perf_counter()
                 context = text_conditioning(req.prompt)
                 cond_y = i2v_condition(req.image, latent_frames)
+                prior = cond_y[:, 4:4 + LATENT_CHANNELS, :1]  # the start image latent, first frame
                 embedding = embedder.embed(image=torch.from_numpy(req.image)[None], text=req.prompt)
                 plan = retrieve_plan(ws, embedding, latent_shape, similarity_threshold=threshold,
                                      request_meta={"prompt": req.prompt, "template": req.name})
@@ -511,7 +530,8 @@ def run_demo(*, num_requests: int | None = None, out_dir: str = "chorus_demo_out
                                                    seed=seed + 1000 * req.index + e))
                     host.patch(e, handles[-1])
                 try:
-                    latent = sample(host, latent_shape, cond_y, context, sigmas, steps // 2, seed + req.index, handles)
+                    latent = sample(host, latent_shape, cond_y, context, sigmas, steps // 2, seed + req.index, handles,
+                                    prior=prior)
                 finally:
                     host.unpatch()
                 message = commit_plan(ws, plan)
@@ -520,7 +540,8 @@ def run_demo(*, num_requests: int | None = None, out_dir: str = "chorus_demo_out
                 made = _save_frames(frame_dir, req.image, latent)
                 quality = None
                 if hit and compare_dense:
-                    dense = sample(host, latent_shape, cond_y, context, sigmas, steps // 2, seed + req.index, None)
+                    dense = sample(host, latent_shape, cond_y, context, sigmas, steps // 2, seed + req.index, None,
+                                   prior=prior)
                     quality = float(np.mean([psnr(a, decode_latent(dense[:, t])) for t, a in enumerate(made)]))
                 density = plan.stats.density if hit else None
                 res = RequestResult(req.index, req.kind, req.name, req.variant, hit, similarity, density,
