@@ -18,7 +18,9 @@ log = logging.getLogger("chorus.engine")
 
 @dataclass
 class PlanStats:
-    """Per-request counters. ``density`` = computed / total blocks over sparse calls."""
+    """Per-request counters. ``density`` = computed / total blocks over sparse calls (batch rows
+    counted). ``attention_seconds`` is host wall time spent inside the patched self-attention calls
+    (on CUDA, launch time unless the host synchronises): a ratio between runs, not a kernel timing."""
 
     similarity: float | None = None
     sparse_calls: int = 0

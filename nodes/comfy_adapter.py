@@ -44,8 +44,9 @@ CLIP_IMAGE_TOKENS = 257
 class ForwardContext:
     """Per diffusion-model forward: token grid, self-attention counter, and whether Chorus is off."""
 
-    def __init__(self, grid, disabled_reason: str | None = None):
+    def __init__(self, grid, disabled_reason: str | None = None, sigma: float | None = None):
         self.grid = grid
+        self.sigma = sigma  # read once per forward: one device sync per forward, not one per attention call
         self.tokens = grid[0] * grid[1] * grid[2] if grid else -1
         self.layer_counter = 0
         self.disabled_reason = disabled_reason
@@ -110,7 +111,7 @@ class ChorusOverride:
         if cond_or_uncond and batch % len(cond_or_uncond) == 0:
             per = batch // len(cond_or_uncond)
             cond_rows = torch.tensor([c == 0 for c in cond_or_uncond], dtype=torch.bool).repeat_interleave(per)
-        sigma = options.get("sigmas")
+        sigma = ctx.sigma if ctx.sigma is not None else options.get("sigmas")
         if sigma is None:
             plan.note("no sigma in transformer_options; dense attention")
             plan.stats.fallback_calls += 1
@@ -154,8 +155,12 @@ def diffusion_model_wrapper(override: ChorusOverride, executor, *args, **kwargs)
         if tokens in context_lengths:
             reason = (f"the latent has {tokens} tokens, as many as a cross-attention context: self- and "
                       "cross-attention cannot be told apart; dense attention")
+    sigma = None
+    sigmas = options.get("sigmas")
+    if isinstance(sigmas, torch.Tensor) and sigmas.numel() > 0:
+        sigma = float(sigmas.reshape(-1)[0].item())
     options = dict(options)
-    options[FORWARD_KEY] = ForwardContext(grid, reason)
+    options[FORWARD_KEY] = ForwardContext(grid, reason, sigma)
     if where == "kw":
         kwargs["transformer_options"] = options
     else:
