@@ -52,6 +52,7 @@ LOG = logging.getLogger(__name__)
 FORMAT = "chorus-mask-entry"
 VERSION = 1
 CHUNK_RAW_BYTES = 4 << 20
+MAX_ENTRY_RAW_BYTES = 8 << 30  # decoded size ceiling (a Wan 14B 1080p 4-step entry is ~1.4 GB of bits)
 ZSTD_LEVEL = 3
 ZLIB_LEVEL = 6
 _THREADS = max(1, min(4, os.cpu_count() or 1))
@@ -260,13 +261,21 @@ def decode_entry(data: bytes, *, packed: bool = False):
         records = json.loads(metadata["maps"])
         meta = json.loads(metadata["meta"])
         embedding = tensors["embedding"]
+        if not isinstance(raw_sizes, list) or not all(type(s) is int and s >= 0 for s in raw_sizes) \
+                or sum(raw_sizes) > MAX_ENTRY_RAW_BYTES:
+            raise EntryFormatError(f"chunk sizes must be a list of ints in [0, {MAX_ENTRY_RAW_BYTES}] in all")
+        if not isinstance(records, list):
+            raise EntryFormatError("the map records must be a list")
         blobs = [tensors[f"chunk_{i:03d}"] for i in range(len(raw_sizes))]
     except Exception as exc:  # safetensors raises its own error types on corrupt bytes
         raise EntryFormatError(f"corrupt entry: {exc}") from exc
     if embedding.dtype != torch.float32 or embedding.dim() != 1:
         raise EntryFormatError("corrupt entry: embedding must be float32 [dim]")
 
-    buffers = [torch.empty(int(size), dtype=torch.uint8) for size in raw_sizes]
+    try:
+        buffers = [torch.empty(size, dtype=torch.uint8) for size in raw_sizes]
+    except RuntimeError as exc:  # sizes within the ceiling that this machine still cannot allocate
+        raise EntryFormatError(f"corrupt entry: cannot allocate its chunks ({exc})") from exc
     jobs = [(codec, memoryview(blob.numpy()), buf) for blob, buf in zip(blobs, buffers)]
     try:
         if len(jobs) > 1:
