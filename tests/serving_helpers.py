@@ -18,6 +18,11 @@ dissimilar (independent 512x4096 Gaussian conditionings: cosine ~0).
 
 Several servers share the cache by ``CHORUS_CACHE_DIR`` (each has its own base folder, user
 directory, output and temp folders), exactly as an operator would run them (docs/OPERATIONS.md).
+
+Also the pieces the fuzz tests (``tests/test_fuzz_*.py``) share: case counting that shows in the
+test output (a :class:`FuzzReport` warning, which pytest prints in its warnings summary with or
+without ``-s``/``-rA``, plus a junit ``record_property``), filesystem snapshots around a cache
+root, and a tiny engine-shaped entry (signature, masks, model info).
 """
 
 from __future__ import annotations
@@ -25,7 +30,11 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+import warnings
 from pathlib import Path
+
+import numpy as np
+import torch
 
 HERE = Path(__file__).resolve().parent
 UNET = "chorus_serving_tiny_wan.safetensors"
@@ -145,3 +154,69 @@ def unique_writer(path: str, barrier, results, rounds: int = 5) -> None:
         created.append((round_, int(entry_id), bool(new)))
     ws.close()
     results.put(created)
+
+
+# -- fuzz helpers ---------------------------------------------------------------------------
+
+# the engine-shaped signature of a tiny Wan 2.2 A14B-I2V request: latent [16, 2, 4, 4] -> 8 tokens
+NUM_LAYERS, NUM_HEADS, HEAD_DIM = 2, 2, 64
+LATENT = (16, 2, 4, 4)
+GRID = (2, 2, 2)
+FINGERPRINT = "fuzz0000fuzz0000"
+STEP_SIGMAS = [1.0, 0.5]
+EMB_DIM = 32
+
+
+class FuzzReport(UserWarning):
+    """How many cases a fuzz test ran (shown in pytest's warnings summary)."""
+
+
+def report(record_property, name: str, counts: dict) -> None:
+    total = sum(counts.values())
+    detail = ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
+    record_property("fuzz_cases", total)
+    warnings.warn(FuzzReport(f"fuzz: {name}: {total} cases ({detail})"), stacklevel=2)
+
+
+def snapshot(root: Path, *, skip: Path | None = None) -> dict:
+    """``{relative path: (size, mtime_ns)}`` of everything under ``root`` (``skip`` subtree left out)."""
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+        here = Path(dirpath)
+        if skip is not None and (here == skip or skip in here.parents):
+            dirnames[:] = []
+            continue
+        for name in dirnames + filenames:
+            p = here / name
+            st = p.lstat()
+            out[str(p.relative_to(root))] = (st.st_size if not p.is_dir() else 0, st.st_mtime_ns if not p.is_dir() else 0)
+    return out
+
+
+def signature(**overrides) -> dict:
+    sig = {"format": 1, "family": "wan", "variant": "wan2.2-a14b-i2v", "experts": [FINGERPRINT],
+           "num_layers": NUM_LAYERS, "num_heads": NUM_HEADS, "latent_shape": list(LATENT),
+           "token_grid": list(GRID), "block_size": 128, "token_order": "thw", "step_sigmas": STEP_SIGMAS,
+           "head_groups": 1}
+    sig.update(overrides)
+    return sig
+
+
+def entry_masks(seed: int) -> dict:
+    """Engine-shaped masks ``{(expert, step, layer, head_group): bool [H, 1, 1]}`` (8 tokens = 1 block)."""
+    return {(0, step, layer, 0): torch.ones(NUM_HEADS, 1, 1, dtype=torch.bool)
+            for step in range(len(STEP_SIGMAS)) for layer in range(NUM_LAYERS)}
+
+
+def embedding(seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).normal(size=EMB_DIM).astype(np.float32)
+
+
+def model_info():
+    from chorus.engine import ModelInfo
+
+    return ModelInfo("wan", "wan2.2-a14b-i2v", NUM_LAYERS, NUM_HEADS, HEAD_DIM, 36, FINGERPRINT)
+
+
+def dense(q, k, v):
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v)
