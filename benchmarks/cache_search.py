@@ -164,12 +164,12 @@ def bench_entry(tmp, repeats, layers=40):
     def load_packed():
         return ws.load(entry_id, packed=True, touch=False)
 
-    warm = []
-    cold = []
+    warm, cold, warm_cpu = [], [], []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         load_packed()
         warm.append(time.perf_counter() - t0)
+        warm_cpu.append(time.process_time() - c0)  # CPU time of all threads (sha256, zstd in 2 threads)
         _evict_from_page_cache(file)
         t0 = time.perf_counter()
         load_packed()
@@ -197,6 +197,7 @@ def bench_entry(tmp, repeats, layers=40):
     out = {"maps": len(masks), "map_shape": list(next(iter(masks.values())).shape), "density": density,
            "packed_bits_MB": raw_bits / 1e6, "file_MB": size / 1e6, "write_s": write,
            "load_packed_warm_ms": {"p50": 1e3 * float(np.median(warm)), "max": 1e3 * max(warm)},
+           "load_packed_warm_cpu_ms": {"p50": 1e3 * float(np.median(warm_cpu))},
            "load_packed_cold_ms": {"p50": 1e3 * float(np.median(cold)), "max": 1e3 * max(cold)},
            "load_bool_cpu_ms": 1e3 * unpack_bool, "random_maps_same_density_MB": random_size / 1e6,
            "uint8_mass_MB_estimate": mass_size / 1e6}
@@ -213,16 +214,21 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
+    parser.add_argument("--nice", type=int, default=None,
+                        help="run at this nice value (negative needs root): on a machine shared with other jobs, "
+                             "latency percentiles then reflect this CPU rather than the other jobs")
     args = parser.parse_args(argv)
     from chorus.cache_store.index import DEFAULT_APPROX_THRESHOLD
 
+    if args.nice is not None:
+        os.setpriority(os.PRIO_PROCESS, 0, args.nice)
     sizes = [int(s) for s in args.sizes.split(",")]
     threshold = args.threshold or DEFAULT_APPROX_THRESHOLD
     if args.quick:
         sizes, threshold, args.queries, args.repeats = [1000, 5000], 5000, 300, 3
     machine = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                "python": sys.version.split()[0], "faiss": faiss.__version__, "torch": torch.__version__,
-               "faiss_omp_threads": faiss.omp_get_max_threads()}
+               "faiss_omp_threads": faiss.omp_get_max_threads(), "nice": os.getpriority(os.PRIO_PROCESS, 0)}
     try:
         machine["cpu"] = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
     except (OSError, StopIteration):
