@@ -311,16 +311,16 @@ def wan22_a14b_i2v_4step(feature_reuse: bool = False) -> Graph:
     model_high, model_low = sparse_high, sparse_low
     if feature_reuse:
         reuse_high = g.add("ChorusFeatureReuse", {"downsample_share": 0.25},
-                           {"model": (sparse_high, 0), "plan": (retrieve, 0)}, pos=(1240, 400), size=(300, 80),
+                           {"model": (sparse_high, 0), "plan": (retrieve, 0)}, pos=(1240, 420), size=(300, 80),
                            title="ChorusFeatureReuse (high-noise)", color=CHORUS_COLOR)
         reuse_low = g.add("ChorusFeatureReuse", {"downsample_share": 0.25},
-                          {"model": (sparse_low, 0), "plan": (retrieve, 0)}, pos=(1240, 520), size=(300, 80),
+                          {"model": (sparse_low, 0), "plan": (retrieve, 0)}, pos=(1240, 560), size=(300, 80),
                           title="ChorusFeatureReuse (low-noise)", color=CHORUS_COLOR)
         model_high = g.add("ChorusGuidanceBoost", {"strength": 0.5},
-                           {"model": (reuse_high, 0), "plan": (retrieve, 0)}, pos=(1240, 640), size=(300, 80),
+                           {"model": (reuse_high, 0), "plan": (retrieve, 0)}, pos=(1240, 700), size=(300, 80),
                            title="ChorusGuidanceBoost (high-noise)", color=CHORUS_COLOR)
         model_low = g.add("ChorusGuidanceBoost", {"strength": 0.5},
-                          {"model": (reuse_low, 0), "plan": (retrieve, 0)}, pos=(1240, 760), size=(300, 80),
+                          {"model": (reuse_low, 0), "plan": (retrieve, 0)}, pos=(1240, 840), size=(300, 80),
                           title="ChorusGuidanceBoost (low-noise)", color=CHORUS_COLOR)
     sample_high = g.add("KSamplerAdvanced", {
         "add_noise": "enable", "noise_seed": 42, "steps": 4, "cfg": 1.0, "sampler_name": "euler",
