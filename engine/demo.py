@@ -102,7 +102,11 @@ class Request:
 def _sample_image(skimage_name: str, size: int, shift=(0.0, 0.0), gain: float = 1.0) -> np.ndarray:
     """A scikit-image sample image: centre square crop moved by ``shift`` (fractions of the crop
     side), resized to ``size`` x ``size``, times ``gain``, clipped to [0, 1]."""
-    from skimage import data
+    try:
+        from skimage import data
+    except ImportError as exc:
+        raise ValueError("the demo's start images come from scikit-image's bundled samples: "
+                         "pip install scikit-image (or pip install -e '.[dev]')") from exc
 
     img = getattr(data, skimage_name)()
     img = img.astype(np.float32) / 255.0
