@@ -75,9 +75,17 @@ def joint_embedding(text_vec, image_vec, text_weight: float, text_dim: int, imag
     return out.astype(np.float32)
 
 
+def _as_tensor(value, what: str) -> torch.Tensor:
+    """``torch.as_tensor(value)``, or ``ValueError`` naming ``what`` (None, strings, ragged lists...)."""
+    try:
+        return torch.as_tensor(value)
+    except (RuntimeError, TypeError, ValueError) as exc:
+        raise ValueError(f"{what} must be a tensor, got {type(value).__name__} ({exc})") from exc
+
+
 def _first_image(image) -> torch.Tensor:
     """ComfyUI IMAGE ``[B, H, W, C]`` / ``[H, W, C]`` -> float32 ``[1, C, H, W]`` of the first item."""
-    image = torch.as_tensor(image)
+    image = _as_tensor(image, "image")
     if image.dim() == 3:
         image = image.unsqueeze(0)
     if image.dim() != 4 or image.shape[0] < 1 or image.shape[-1] not in (1, 3, 4):
@@ -172,7 +180,7 @@ class ComfyGraphEmbedder:
                 cond = conditioning[0][0]
             except (TypeError, IndexError, KeyError) as exc:
                 raise ValueError("conditioning must be ComfyUI CONDITIONING [[tensor, dict], ...] or a tensor") from exc
-        cond = torch.as_tensor(cond)
+        cond = _as_tensor(cond, "conditioning tensor")
         if cond.dim() == 2:
             cond = cond.unsqueeze(0)
         if cond.dim() != 3 or cond.shape[1] < 1:
@@ -186,11 +194,11 @@ class ComfyGraphEmbedder:
             lambda name, default=None: getattr(clip_vision_output, name, default))
         embeds = get("image_embeds", None)
         if embeds is not None:
-            embeds = torch.as_tensor(embeds)
+            embeds = _as_tensor(embeds, "CLIP vision image_embeds")
             return (embeds[0] if embeds.dim() > 1 else embeds).float().reshape(-1)
         hidden = get("penultimate_hidden_states", None)
         if hidden is not None:
-            hidden = torch.as_tensor(hidden)
+            hidden = _as_tensor(hidden, "CLIP vision penultimate_hidden_states")
             if hidden.dim() == 2:
                 hidden = hidden.unsqueeze(0)
             return hidden[0].float().mean(0)
