@@ -1,0 +1,263 @@
+"""Fuzzing the Chorus nodes in-process (ComfyUI imported on CPU; hypothesis).
+
+Part 1, the graph-building path (no sampling): ``ChorusMaskRetrieve.execute`` with fuzzed latents
+(any rank, empty, NaN/inf, huge shapes as zero-stride views), workspace names (traversal
+``../x``, absolute paths, separators, NUL bytes, unicode, 65+ characters, ``~``, ``.``/``..``),
+thresholds (NaN, +-inf, out of [0, 1]), conditionings (NaN/inf, wrong shapes and types), prompts
+(NUL, unicode, 100k characters) and start images; then ``ChorusSparseSampler`` (fuzzed top_p,
+k_min, refresh_steps, backend names), ``ChorusFeatureReuse``, ``ChorusGuidanceBoost`` on a tiny
+real Wan ModelPatcher, ``ChorusCacheWrite`` and ``ChorusCacheMaintenance`` (fuzzed action and
+max_entries). Every call returns its outputs with a message; none raises; the input model is
+never modified.
+
+Part 2, sampling: requests through MaskRetrieve -> SparseSampler -> ``comfy.sample.sample`` (tiny
+Wan, 1-2 steps) -> CacheWrite with fuzzed latent sizes, NaN/inf injected into the latent or the
+conditioning, and fuzzed sampler settings, on a workspace that fills up as the cases run (so later
+cases hit). Sampling never raises; the write either says "wrote entry N" or why nothing was
+written; entries written stay loadable.
+
+Around both: nothing is written outside the cache root (snapshot of its parent), every directory
+the nodes created under the root has a valid workspace name, and ``verify`` of each workspace is
+clean at the end. Case counts are printed (FuzzReport warning). Skips with a visible reason without
+a ComfyUI checkout.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import serving_helpers as sh
+
+SKIP = sh.skip_reason()
+pytestmark = [pytest.mark.host, pytest.mark.skipif(SKIP is not None, reason=f"ComfyUI not available: {SKIP}")]
+
+GRAPH_CASES = 150
+SAMPLING_CASES = 16
+
+NAMES = ["../x", "..", ".", "/abs", "/etc/passwd", "a/b", "a\\b", "a\x00b", "", " ", "~", "~root", "default",
+         "-x", ".hidden", "x" * 65, "x" * 64, "é", "\U0001d518", "CON", "fuzz", "fuzz.2", "_x", "a\nb",
+         "..\\..\\x", "%2e%2e%2fx", "file:///x", "fuzz/../../x"]
+FLOATS = st.one_of(st.sampled_from([math.nan, math.inf, -math.inf, -1.0, 0.0, 1.0, 2.0, 1e308, -0.0]),
+                   st.floats(allow_nan=True, allow_infinity=True, width=32))
+INTS = st.one_of(st.sampled_from([-(2**63), -1, 0, 1, 4, 2**31, 2**62]), st.integers(-10, 5000))
+TEXT = st.one_of(st.sampled_from(["", "a\x00b", "\u202e" * 3, "x" * 100_000, "\ud7ff"]), st.text(max_size=30))
+
+
+def _tensor(shape, fill):
+    if fill == "zeros_view":  # a huge shape without memory (zero-stride view)
+        return torch.zeros(1).expand(*shape) if shape else torch.zeros(())
+    t = torch.randn(*shape) if shape else torch.randn(())
+    if fill == "nan" and t.numel():
+        t.view(-1)[0] = math.nan
+    elif fill == "inf" and t.numel():
+        t.view(-1)[-1] = math.inf
+    return t
+
+
+small_dims = st.lists(st.integers(0, 5), min_size=0, max_size=6)
+ok_latent = st.tuples(st.just("ok"), st.sampled_from([(1, 16, 2, 4, 4), (1, 16, 4, 8, 8)]), st.just("randn"))
+latent_st = st.one_of(
+    ok_latent, ok_latent, ok_latent,
+    st.tuples(st.just("ok"), st.sampled_from([(1, 16, 2, 4, 4), (1, 16, 3, 8, 8), (2, 16, 1, 2, 2), (1, 48, 2, 4, 4)]),
+              st.sampled_from(["randn", "nan", "inf"])),
+    st.tuples(st.just("dims"), small_dims, st.sampled_from(["randn", "nan"])),
+    st.tuples(st.just("huge"), st.sampled_from([(1, 16, 10**4, 10**4, 10**4), (1, 16, 1, 2**20, 2**20), (10**6, 16, 1, 2, 2)]),
+              st.just("zeros_view")),
+    st.tuples(st.just("garbage"), st.sampled_from([None, "latent", 5, [], {}, {"samples": "x"}, {"samples": None}]),
+              st.none()),
+)
+ok_cond = st.tuples(st.just("seed"), st.integers(0, 3), st.sampled_from([0.0, 0.01]))
+cond_st = st.one_of(
+    ok_cond, ok_cond, ok_cond, ok_cond,
+    st.none(),
+    st.tuples(st.just("shape"), st.sampled_from([(1, 512, 4096), (1, 0, 4096), (1, 7, 3), (2, 512, 4096), (4096,), ()]),
+              st.sampled_from(["randn", "nan", "inf"])),
+    st.tuples(st.just("garbage"), st.sampled_from([[], [[]], [[None, {}]], "text", 3, [["x", {}]], [[torch.zeros(0), {}]]]),
+              st.none()),
+)
+image_st = st.one_of(
+    st.none(), st.none(), st.none(),
+    st.tuples(st.sampled_from([(1, 32, 32, 3), (1, 1, 1, 3), (2, 16, 8, 3), (1, 32, 32), (1, 0, 32, 3), (1, 2048, 2048, 3)]),
+              st.sampled_from(["randn", "nan", "inf", "zeros_view"])),
+)
+
+
+def _build_latent(spec):
+    kind, a, fill = spec
+    if kind == "garbage":
+        return a
+    return {"samples": _tensor(tuple(a), fill)}
+
+
+def _build_cond(spec):
+    if spec is None:
+        return None
+    kind, a, b = spec
+    if kind == "seed":
+        return sh.tiny.random_conditioning(100 + a, noise=b, noise_seed=7)
+    if kind == "shape":
+        return [[_tensor(a, b), {}]]
+    return a
+
+
+def _build_image(spec):
+    if spec is None:
+        return None
+    shape, fill = spec
+    return _tensor(shape, fill)
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    base = tmp_path_factory.mktemp("fuzz_nodes")
+    root = base / "cache_root"
+    root.mkdir()
+    (base / "sentinel.txt").write_text("outside the cache root")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("CHORUS_CACHE_DIR", str(root))
+        model = sh.tiny.load_tiny_wan(sh.tiny.tiny_wan_state_dict(seed=0))
+        yield base, root, model
+
+
+def _options_fingerprint(model):
+    opts = model.model_options.get("transformer_options", {})
+    return (sorted(opts), sorted(model.model_options), {k: len(v) for k, v in getattr(model, "wrappers", {}).items()})
+
+
+def _check_root(base, root, before):
+    from chorus.cache_store import Workspace, validate_workspace_name
+
+    assert sh.snapshot(base, skip=root) == before, "something was written outside the cache root"
+    for child in root.iterdir():
+        assert child.is_dir() and not child.is_symlink(), child
+        validate_workspace_name(child.name)
+        assert child.resolve().parent == root.resolve()
+    return [Workspace.open(child) for child in root.iterdir()]
+
+
+def test_fuzz_node_inputs(env, record_property):
+    from chorus.engine import Plan
+    from chorus.nodes.cache_maintenance import ChorusCacheMaintenance
+    from chorus.nodes.cache_write import ChorusCacheWrite
+    from chorus.nodes.feature_reuse import ChorusFeatureReuse
+    from chorus.nodes.guidance_boost import ChorusGuidanceBoost
+    from chorus.nodes.mask_retrieve import ChorusMaskRetrieve
+    from chorus.nodes.sparse_sampler import ChorusSparseSampler
+
+    from chorus.nodes.common import open_workspace
+    from chorus.nodes.mask_retrieve import request_embedding
+
+    base, root, model = env
+    before = sh.snapshot(base, skip=root)
+    model_state = _options_fingerprint(model)
+    ws = open_workspace("fuzz")  # entries for templates 0 and 1, so some requests hit
+    for template in (0, 1):
+        ws.add(request_embedding(positive=sh.tiny.random_conditioning(100 + template)), sh.entry_masks(template),
+               {"signature": sh.signature(), "prompt": f"template {template}"})
+    counts: dict[str, int] = {}
+
+    @settings(max_examples=GRAPH_CASES, deadline=None, derandomize=True, database=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(latent=latent_st, workspace=st.one_of(st.just("fuzz"), st.just("fuzz"), st.just("fuzz"),
+                                                 st.sampled_from(NAMES), st.text(max_size=70)),
+           threshold=st.one_of(st.just(0.9), st.just(0.9), st.just(0.5), FLOATS),
+           positive=cond_st, prompt=TEXT, image=image_st, top_p=FLOATS, k_min=INTS, refresh=INTS,
+           backend=st.one_of(st.sampled_from(["auto", "reference", "triton_fp8", "flex", "none", ""]), TEXT),
+           share=FLOATS, strength=FLOATS, action=st.sampled_from(["stats", "verify", "prune", "rebuild-index", "x"]),
+           max_entries=INTS)
+    def case(latent, workspace, threshold, positive, prompt, image, top_p, k_min, refresh, backend, share, strength,
+             action, max_entries):
+        out = ChorusMaskRetrieve.execute(latent=_build_latent(latent), workspace=workspace,
+                                         similarity_threshold=threshold, start_image=_build_image(image),
+                                         positive=_build_cond(positive), prompt=prompt)
+        plan, preview, info = out.result
+        assert isinstance(plan, Plan) and isinstance(info, str) and info.startswith(("HIT", "MISS"))
+        assert isinstance(preview, torch.Tensor) and preview.dim() == 4 and torch.isfinite(preview).all()
+        kind = "hit" if plan.is_hit else ("miss-ws" if plan.workspace is not None else "miss-nows")
+        patched = ChorusSparseSampler.execute(model=model, plan=plan, top_p=top_p, k_min=k_min,
+                                              refresh_steps=refresh, backend=backend).result[0]
+        reused = ChorusFeatureReuse.execute(model=patched, plan=plan, downsample_share=share).result[0]
+        boosted = ChorusGuidanceBoost.execute(model=reused, plan=plan, strength=strength).result[0]
+        assert boosted is not None and hasattr(boosted, "model_options")
+        written = ChorusCacheWrite.execute(latent=_build_latent(latent), plan=plan).result[0]
+        assert isinstance(written, str) and written
+        assert not written.startswith("wrote entry")  # nothing was sampled, so nothing recorded
+        report = ChorusCacheMaintenance.execute(workspace=workspace, action=action, max_entries=max_entries).result[0]
+        assert isinstance(report, str) and report.startswith(action)
+        assert _options_fingerprint(model) == model_state, "the input model was modified"
+        counts[kind] = counts.get(kind, 0) + 1
+
+    case()
+    for ws in _check_root(base, root, before):
+        report = ws.verify()
+        assert report["ok"] and report["index_consistent"], report
+        ws.close()
+    sh.report(record_property, "node inputs", counts)
+    assert sum(counts.values()) >= GRAPH_CASES // 2, counts
+    assert counts.get("hit") and counts.get("miss-ws") and counts.get("miss-nows"), counts
+
+
+def test_fuzz_sampling_requests(env, record_property):
+    import comfy.sample
+
+    from chorus.nodes.cache_write import ChorusCacheWrite
+    from chorus.nodes.mask_retrieve import ChorusMaskRetrieve
+    from chorus.nodes.sparse_sampler import ChorusSparseSampler
+
+    base, root, model = env
+    before = sh.snapshot(base, skip=root)
+    counts: dict[str, int] = {}
+    written: list[int] = []
+
+    @settings(max_examples=SAMPLING_CASES, deadline=None, derandomize=True, database=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(template=st.integers(0, 2), noise=st.sampled_from([0.0, 0.01]), shape=st.sampled_from(
+               [(1, 16, 2, 4, 4), (1, 16, 1, 6, 10), (1, 16, 3, 8, 8), (1, 16, 2, 8, 4)]),
+           poison=st.sampled_from(["none", "none", "latent_nan", "latent_inf", "cond_nan", "cond_inf"]),
+           steps=st.integers(1, 2), cfg=st.sampled_from([1.0, 2.0]), k_min=st.sampled_from([1, 4, 10**6]),
+           refresh=st.sampled_from([0, 1, 10**6]), top_p=st.sampled_from([0.01, 0.9, 1.0]))
+    def case(template, noise, shape, poison, steps, cfg, k_min, refresh, top_p):
+        positive = sh.tiny.random_conditioning(200 + template, noise=noise, noise_seed=11)
+        negative = sh.tiny.random_conditioning(300)
+        latent_image = torch.zeros(shape)
+        if poison.startswith("latent"):
+            latent_image.view(-1)[0] = math.nan if poison.endswith("nan") else math.inf
+        if poison.startswith("cond"):
+            positive[0][0].view(-1)[5] = math.nan if poison.endswith("nan") else math.inf
+        latent = {"samples": latent_image}
+        plan = ChorusMaskRetrieve.execute(latent=latent, workspace="fuzzrun", similarity_threshold=0.9,
+                                          positive=positive).result[0]
+        patched = ChorusSparseSampler.execute(model=model, plan=plan, top_p=top_p, k_min=k_min,
+                                              refresh_steps=refresh, backend="auto").result[0]
+        noise_t = comfy.sample.prepare_noise(latent_image, 0)
+        samples = comfy.sample.sample(patched, noise_t, steps, cfg, "euler", "simple", positive, negative,
+                                      latent_image, disable_pbar=True, seed=0)
+        assert samples.shape == latent_image.shape
+        if poison == "none":
+            assert torch.isfinite(samples).all()
+        info = ChorusCacheWrite.execute(latent={"samples": samples}, plan=plan).result[0]
+        assert info.startswith(("wrote entry", "hit:", "not written")), info
+        if info.startswith("wrote entry"):
+            assert poison == "none", f"a poisoned request was written: {info}"
+            written.append(int(info.split()[2]))
+        outcome = info.split(":")[0].split(" entry")[0]
+        counts[f"{poison}/{outcome}"] = counts.get(f"{poison}/{outcome}", 0) + 1
+
+    case()
+    for ws in _check_root(base, root, before):
+        if ws.path.name == "fuzzrun":
+            live = {e["id"] for e in ws.entries()}
+            assert set(written) <= live
+            for entry_id in written:
+                masks, meta = ws.load(entry_id, touch=False)
+                assert masks and all(not torch.is_floating_point(m) or torch.isfinite(m).all() for m in masks.values())
+        report = ws.verify()
+        assert report["ok"] and report["index_consistent"], report
+        ws.close()
+    sh.report(record_property, "sampling requests", counts)
+    assert written and any(k.endswith("/hit") for k in counts), counts
