@@ -204,6 +204,9 @@ def main(argv=None) -> int:
     ap.add_argument("--densities", nargs="+", type=float, default=[0.15, 0.05])
     ap.add_argument("--check-full-step", action="store_true", help="also time one full 40-block step (480p)")
     ap.add_argument("--tiny", action="store_true", help="toy sizes on the CPU (tests)")
+    ap.add_argument("--elementwise", choices=["eager", "fused"], default="fused",
+                    help="norms/RoPE/residuals: eager torch (fp32 temporaries, as ComfyUI runs them) or fused "
+                         "Triton kernels (one pass each)")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     cuda = torch.cuda.is_available() and not args.tiny
@@ -218,6 +221,9 @@ def main(argv=None) -> int:
             "attention_backend_sparse": attn_backend, "results": {}}
     t0 = time.perf_counter()
     experts = [WanExpert(shape, device, seed=11 + e) for e in range(2)]
+    for ex in experts:
+        ex.fused = args.elementwise == "fused"
+    info["elementwise"] = args.elementwise
     if "fp8" in args.precisions:
         for ex in experts:
             ex.to_fp8()
@@ -289,6 +295,9 @@ def main(argv=None) -> int:
                 log(f"{res} {precision:4s} {name:12s} latency {row['latency_s']:.2f} s  attention "
                     f"{row['attention_share']:.0%}  block {row['block_ms_mean']:.1f} ms  "
                     f"peak {row.get('peak_gib', 0):.1f} GiB  density {row.get('density')}")
+        if cuda:
+            out["miss_breakdown"] = miss_breakdown(grid, shape, device)
+            log(f"{res} miss path pieces per call (ms): {out['miss_breakdown']}")
         # mask-load overhead: the whole request's bank (4 steps x 40 layers) host -> device maps
         if args.densities:
             out["mask_load"] = mask_load(grid, shape, args.densities[0], device)
@@ -317,6 +326,39 @@ def fp8_block_check(expert: WanExpert, grid, device, shape: WanShape) -> dict:
         upd = y16 - x.float()
         return {"rel_l2_of_update": float((y8 - y16).norm() / upd.norm()),
                 "cosine_of_update": float(F.cosine_similarity((y8 - x.float()).flatten(), upd.flatten(), dim=0))}
+
+
+def miss_breakdown(grid, shape: WanShape, device, sample_rows: int = 16) -> dict:
+    """Per self-attention call of a miss, median ms of: dense cuDNN, ``block_mass`` (engine default
+    sampled rows), ``select_blocks`` of that mass, and bit-packing it to the host (``pack_bits``)."""
+    from chorus.engine.config import SparseConfig as _SC
+
+    L = grid[0] * grid[1] * grid[2]
+    gen = torch.Generator(device=device).manual_seed(5)
+    q, k, v = (torch.randn(1, shape.heads, L, shape.head_dim, device=device, dtype=torch.bfloat16, generator=gen)
+               for _ in range(3))
+    rows = _SC().sample_rows if sample_rows is None else sample_rows
+
+    def timed(fn, reps=3):
+        times = []
+        for _ in range(reps + 1):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t0 = time.perf_counter()
+            a.record()
+            r = fn()
+            b.record()
+            torch.cuda.synchronize()
+            times.append((a.elapsed_time(b), (time.perf_counter() - t0) * 1e3))
+        times = sorted(times[1:])
+        return r, times[len(times) // 2]
+
+    _, dense = timed(lambda: cudnn_sdpa(q, k, v))
+    mass, bm = timed(lambda: kernels.block_mass(q, k, sample_rows=rows))
+    first = kernels.first_frame_blocks(grid[1] * grid[2], 128)
+    sel, sb = timed(lambda: kernels.select_blocks(mass, top_p=0.9, k_min=4, keep_first_frame_blocks=first))
+    _, pk = timed(lambda: kernels.pack_bits(sel[0]))
+    return {"dense_cudnn_ms": dense[0], "block_mass_ms": bm[0], "select_blocks_ms": sb[0],
+            "pack_bits_host_ms": pk[1], "sample_rows": rows}
 
 
 def _fresh_hit(template: Plan) -> Plan:

@@ -68,7 +68,7 @@ def _triton_kernels():
 
         @triton.jit
         def _row_quant(x_ptr, y_ptr, s_ptr, shift_ptr, scale_ptr, n_cols, eps,
-                       MODE: tl.constexpr, BLOCK: tl.constexpr):
+                       MODE: tl.constexpr, BLOCK: tl.constexpr, OUT_FP8: tl.constexpr):
             # MODE 0: quantise; 1: LayerNorm (no affine) * (1 + scale) + shift, then quantise;
             # 2: GELU(tanh), then quantise. One program per row; fp32 math; e4m3 out + row scale.
             row = tl.program_id(0).to(tl.int64)
@@ -86,12 +86,44 @@ def _triton_kernels():
                 inner = 0.7978845608028654 * (x + 0.044715 * x * x * x)
                 x = 0.5 * x * (1.0 + (2.0 / (1.0 + tl.exp(-2.0 * inner)) - 1.0))
             x = tl.where(mask, x, 0.0)
-            amax = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12)
-            s = amax / 448.0
-            tl.store(y_ptr + row * n_cols + offs, (x / s).to(tl.float8e4nv), mask=mask)
-            tl.store(s_ptr + row, s)
+            if OUT_FP8:
+                amax = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12)
+                s = amax / 448.0
+                tl.store(y_ptr + row * n_cols + offs, (x / s).to(tl.float8e4nv), mask=mask)
+                tl.store(s_ptr + row, s)
+            else:
+                tl.store(y_ptr + row * n_cols + offs, x.to(tl.bfloat16), mask=mask)
 
-        _TRITON = _row_quant
+        @triton.jit
+        def _rms_rope(x_ptr, y_ptr, w_ptr, cos_ptr, sin_ptr, x_stride, n_cols, eps,
+                      HALF_D: tl.constexpr, BLOCK: tl.constexpr):
+            # One token row of q or k: RMS norm across all heads (weight), then Wan's interleaved
+            # RoPE per head (pair p of head h uses angle index p); bf16 out [L, H*D] contiguous.
+            row = tl.program_id(0).to(tl.int64)
+            pair = tl.arange(0, BLOCK)
+            mask = pair < n_cols // 2
+            xe = tl.load(x_ptr + row * x_stride + 2 * pair, mask=mask, other=0.0).to(tl.float32)
+            xo = tl.load(x_ptr + row * x_stride + 2 * pair + 1, mask=mask, other=0.0).to(tl.float32)
+            r = tl.rsqrt((tl.sum(xe * xe, axis=0) + tl.sum(xo * xo, axis=0)) / n_cols + eps)
+            xe = xe * r * tl.load(w_ptr + 2 * pair, mask=mask, other=0.0)
+            xo = xo * r * tl.load(w_ptr + 2 * pair + 1, mask=mask, other=0.0)
+            idx = pair % HALF_D
+            c = tl.load(cos_ptr + row * HALF_D + idx, mask=mask, other=0.0)
+            sn = tl.load(sin_ptr + row * HALF_D + idx, mask=mask, other=0.0)
+            tl.store(y_ptr + row * n_cols + 2 * pair, (xe * c - xo * sn).to(tl.bfloat16), mask=mask)
+            tl.store(y_ptr + row * n_cols + 2 * pair + 1, (xe * sn + xo * c).to(tl.bfloat16), mask=mask)
+
+        @triton.jit
+        def _gated_add(x_ptr, y_ptr, g_ptr, out_ptr, n_cols, y_stride, BLOCK: tl.constexpr):
+            row = tl.program_id(0).to(tl.int64)
+            offs = tl.arange(0, BLOCK)
+            mask = offs < n_cols
+            x = tl.load(x_ptr + row * n_cols + offs, mask=mask, other=0.0).to(tl.float32)
+            y = tl.load(y_ptr + row * y_stride + offs, mask=mask, other=0.0).to(tl.float32)
+            g = tl.load(g_ptr + offs, mask=mask, other=0.0)
+            tl.store(out_ptr + row * n_cols + offs, (x + y * g).to(tl.bfloat16), mask=mask)
+
+        _TRITON = {"row": _row_quant, "rms_rope": _rms_rope, "gated_add": _gated_add}
     return _TRITON
 
 
@@ -110,9 +142,9 @@ def quantize_rows(x: torch.Tensor, mode: int = 0, shift=None, scale=None, eps: f
             y[m:].zero_()
             s[m:].fill_(1.0)
         block = triton.next_power_of_2(n)
-        _triton_kernels()[(m,)](x.contiguous(), y, s, shift if shift is not None else s,
-                                scale if scale is not None else s, n, eps, MODE=mode, BLOCK=block,
-                                num_warps=16 if block >= 8192 else 8)
+        _triton_kernels()["row"][(m,)](x.contiguous(), y, s, shift if shift is not None else s,
+                                       scale if scale is not None else s, n, eps, MODE=mode, BLOCK=block,
+                                       OUT_FP8=True, num_warps=16 if block >= 8192 else 8)
         return y, s, m
     xf = x.float()
     if mode == 1:
@@ -121,6 +153,48 @@ def quantize_rows(x: torch.Tensor, mode: int = 0, shift=None, scale=None, eps: f
         xf = F.gelu(xf, approximate="tanh")
     s = xf.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / FP8_MAX
     return (xf / s).to(FP8), s, m
+
+
+def layer_norm_mod(x: torch.Tensor, shift, scale, eps: float, fused: bool) -> torch.Tensor:
+    """bf16 ``LayerNorm(x) * (1 + scale) + shift`` (fp32 math), one Triton pass when ``fused``."""
+    if fused and x.is_cuda:
+        import triton
+
+        m, n = x.shape
+        y = torch.empty_like(x)
+        block = triton.next_power_of_2(n)
+        _triton_kernels()["row"][(m,)](x, y, shift, shift, scale, n, eps, MODE=1, BLOCK=block, OUT_FP8=False,
+                                       num_warps=16 if block >= 8192 else 8)
+        return y
+    return (F.layer_norm(x.float(), (x.shape[1],), eps=eps) * (1 + scale) + shift).to(torch.bfloat16)
+
+
+def rms_rope(x: torch.Tensor, weight, rope, heads: int, eps: float, fused: bool) -> torch.Tensor:
+    """``x`` ``[L, H*D]`` (a view with any row stride) -> RMS norm across heads, Wan RoPE -> ``[L, H, D]``."""
+    L, n = x.shape
+    if fused and x.is_cuda:
+        import triton
+
+        y = torch.empty(L, n, device=x.device, dtype=torch.bfloat16)
+        half = rope[0].shape[-1]
+        block = triton.next_power_of_2(n // 2)
+        _triton_kernels()["rms_rope"][(L,)](x, y, weight, rope[0], rope[1], x.stride(0), n, eps, HALF_D=half,
+                                            BLOCK=block, num_warps=8)
+        return y.view(L, heads, -1)
+    return apply_rope(rms_norm(x, weight, eps).view(L, heads, -1), *rope)
+
+
+def gated_add(x: torch.Tensor, y: torch.Tensor, gate, fused: bool) -> torch.Tensor:
+    """bf16 ``x + y * gate`` computed in fp32 (Wan's residual); one Triton pass when ``fused``."""
+    if fused and x.is_cuda:
+        import triton
+
+        m, n = x.shape
+        out = torch.empty_like(x)
+        _triton_kernels()["gated_add"][(m,)](x, y, gate, out, n, y.stride(0), BLOCK=triton.next_power_of_2(n),
+                                             num_warps=8)
+        return out
+    return (x.float() + y.float() * gate).to(torch.bfloat16)
 
 
 _BIAS_IN_SCALED_MM = True
@@ -220,6 +294,8 @@ class WanExpert:
         self.head = Linear(s.dim, s.out_dim * 4, device, gen)
         self.head_table = torch.randn(2, s.dim, device=device, dtype=torch.float32, generator=gen) / math.sqrt(s.dim)
         self.blocks = [WanBlockWeights(s, device, gen) for _ in range(s.layers if layers is None else layers)]
+        self._ones = torch.ones(s.dim, device=device, dtype=torch.float32)
+        self.fused = False   # True: fused Triton kernels for the norm/RoPE/residual elementwise work
 
     def to_fp8(self, drop_bf16: bool = False) -> None:
         for b in self.blocks:
@@ -253,14 +329,12 @@ class WanExpert:
         L, d, H, D = x.shape[0], s.dim, s.heads, s.head_dim
         shift, scale, gate, c_shift, c_scale, c_gate = (w.table + e6).unbind(0)
         fp8 = precision == "fp8"
-        if fp8:
-            qkv = w.qkv.fp8(*quantize_rows(x, 1, shift, scale, s.eps))
-        else:
-            h = (F.layer_norm(x.float(), (d,), eps=s.eps) * (1 + scale) + shift).to(torch.bfloat16)
-            qkv = w.qkv(h)
+        fz = self.fused
+        qkv = w.qkv.fp8(*quantize_rows(x, 1, shift, scale, s.eps)) if fp8 else \
+            w.qkv(layer_norm_mod(x, shift, scale, s.eps, fz))
         q, k, v = qkv.view(L, 3, d).unbind(1)
-        q = apply_rope(rms_norm(q, w.norm_q, s.eps).view(L, H, D), *rope)
-        k = apply_rope(rms_norm(k, w.norm_k, s.eps).view(L, H, D), *rope)
+        q = rms_rope(q, w.norm_q, rope, H, s.eps, fz)
+        k = rms_rope(k, w.norm_k, rope, H, s.eps, fz)
         v = v.view(L, H, D)
         if timer is not None:
             timer[0].record()
@@ -269,26 +343,22 @@ class WanExpert:
             timer[1].record()
         o = o.transpose(1, 2).reshape(L, d)
         y = w.o.fp8(*quantize_rows(o)) if fp8 else w.o(o)
-        x = (x.float() + y.float() * gate).to(torch.bfloat16)
-        # cross-attention on the text tokens
-        if fp8:
-            cq = w.cq.fp8(*quantize_rows(x, 1, w.norm2_b, w.norm2_w - 1.0, s.eps))
-        else:
-            h = F.layer_norm(x.float(), (d,), w.norm2_w, w.norm2_b, eps=s.eps).to(torch.bfloat16)
-            cq = w.cq(h)
+        x = gated_add(x, y, gate, fz)
+        # cross-attention on the text tokens (affine LayerNorm = LN * (1 + (w - 1)) + b)
+        cq = w.cq.fp8(*quantize_rows(x, 1, w.norm2_b, w.norm2_w - 1.0, s.eps)) if fp8 else \
+            w.cq(layer_norm_mod(x, w.norm2_b, w.norm2_w - 1.0, s.eps, fz))
         cq = rms_norm(cq, w.norm_cq, s.eps).view(1, L, H, D).transpose(1, 2)
         ck = rms_norm(w.ck(ctx), w.norm_ck, s.eps).view(1, -1, H, D).transpose(1, 2)
         cv = w.cv(ctx).view(1, -1, H, D).transpose(1, 2)
         co = F.scaled_dot_product_attention(cq, ck, cv).transpose(1, 2).reshape(L, d)
-        x = x + (w.co.fp8(*quantize_rows(co)) if fp8 else w.co(co))
+        x = gated_add(x, w.co.fp8(*quantize_rows(co)) if fp8 else w.co(co), self._ones, fz)
         # feed-forward
         if fp8:
             f = w.f1.fp8(*quantize_rows(x, 1, c_shift, c_scale, s.eps))
             y = w.f2.fp8(*quantize_rows(f, 2))
         else:
-            h = (F.layer_norm(x.float(), (d,), eps=s.eps) * (1 + c_scale) + c_shift).to(torch.bfloat16)
-            y = w.f2(F.gelu(w.f1(h), approximate="tanh"))
-        return (x.float() + y.float() * c_gate).to(torch.bfloat16)
+            y = w.f2(F.gelu(w.f1(layer_norm_mod(x, c_shift, c_scale, s.eps, fz)), approximate="tanh"))
+        return gated_add(x, y, c_gate, fz)
 
 
 def patchify(latent: torch.Tensor) -> torch.Tensor:
