@@ -55,21 +55,24 @@ def _sample_values(t: torch.Tensor, count: int = 64) -> bytes:
     return vals.numpy().tobytes()
 
 
-def weights_fingerprint(module: torch.nn.Module, extra: str = "", max_tensors: int = 8) -> str:
+def weights_fingerprint(module: torch.nn.Module, extra: str = "", max_tensors: int = 8,
+                        exclude: frozenset | set = frozenset()) -> str:
     """Cheap, stable fingerprint of a module's weights: 16 hex chars.
 
     Hashes every parameter's name and shape (the architecture) plus up to 64 strided values of up to
     ``max_tensors`` parameters chosen evenly among those outside attention / feed-forward linears
     (patch embedding, modulation, norms, head: tensors weight patches such as LoRAs rarely touch, so
-    the value does not depend on whether a host has applied its patches yet). Callers pass a
-    description of such patches in ``extra``. Costs well under a millisecond per tensor.
+    the value does not depend on whether a host has applied its patches yet). Parameters named in
+    ``exclude`` (e.g. the keys a host patches in place when it loads the model) are never sampled;
+    callers pass a description of such patches in ``extra``. Costs well under a millisecond per tensor.
     """
     h = hashlib.sha256()
     h.update(type(module).__name__.encode())
     named = list(module.named_parameters())
     for name, p in named:
         h.update(f"{name}:{tuple(p.shape)};".encode())
-    untouched = [(n, p) for n, p in named if not any(s in n for s in ("attn", "ffn", "lora"))] or named
+    candidates = [(n, p) for n, p in named if n not in exclude]
+    untouched = [(n, p) for n, p in candidates if not any(s in n for s in ("attn", "ffn", "lora"))] or candidates
     if untouched:
         step = max(1, len(untouched) // max_tensors)
         for name, p in untouched[::step][:max_tensors]:
@@ -79,7 +82,8 @@ def weights_fingerprint(module: torch.nn.Module, extra: str = "", max_tensors: i
     return h.hexdigest()[:16]
 
 
-def wan_model_info(module: torch.nn.Module, *, fingerprint_extra: str = "") -> ModelInfo:
+def wan_model_info(module: torch.nn.Module, *, fingerprint_extra: str = "",
+                   fingerprint_exclude: frozenset | set = frozenset()) -> ModelInfo:
     """Identify a Wan diffusion model: ComfyUI's ``WanModel`` or diffusers' ``WanTransformer3DModel``.
 
     Supported: Wan 2.1 I2V (in_dim 36 with a CLIP image projection), Wan 2.2 TI2V 5B (48 latent
@@ -87,7 +91,8 @@ def wan_model_info(module: torch.nn.Module, *, fingerprint_extra: str = "") -> M
     module gives ``supported=False`` with a reason (never raises for a module of another kind).
     """
     name = type(module).__name__
-    fp = weights_fingerprint(module, extra=fingerprint_extra) if isinstance(module, torch.nn.Module) else ""
+    fp = (weights_fingerprint(module, extra=fingerprint_extra, exclude=fingerprint_exclude)
+          if isinstance(module, torch.nn.Module) else "")
     if name == "WanModel" and hasattr(module, "in_dim"):  # ComfyUI comfy.ldm.wan.model.WanModel
         num_layers, num_heads = int(module.num_layers), int(module.num_heads)
         head_dim = int(module.dim) // num_heads

@@ -208,8 +208,14 @@ def comfy_model_info(model_patcher) -> ModelInfo:
     if diffusion_model is None:
         return ModelInfo("unknown", type(model_patcher).__name__, 0, 0, 0, 0, "", False,
                          "the MODEL input holds no diffusion model")
+    prefix = "diffusion_model."
+    patched_keys = frozenset(k[len(prefix):] for k in (getattr(model_patcher, "patches", None) or {})
+                             if isinstance(k, str) and k.startswith(prefix))
     try:
-        return wan_model_info(diffusion_model, fingerprint_extra=patch_summary(model_patcher))
+        # weights with patches (LoRAs) are applied in place when ComfyUI loads the model: their values
+        # differ between a loaded and an unloaded model, so only the patch description enters the hash
+        return wan_model_info(diffusion_model, fingerprint_extra=patch_summary(model_patcher),
+                              fingerprint_exclude=patched_keys)
     except Exception as exc:  # noqa: BLE001
         return ModelInfo("unknown", type(diffusion_model).__name__, 0, 0, 0, 0, "", False,
                          f"could not inspect the model ({type(exc).__name__}: {exc})")

@@ -297,3 +297,27 @@ def test_each_supported_variant_records_then_reuses(adapter, variant, kwargs, ch
     patched, _, _ = adapter.patch_model(model, hit, CONFIG)
     assert torch.isfinite(sample(patched)).all()
     assert hit.is_hit and hit.stats.sparse_calls == 2 * 2 and hit.stats.fallback_calls == 0, hit.stats.messages
+
+
+def test_fingerprint_is_stable_under_in_place_lora_patching(adapter):
+    """ComfyUI applies weight patches (LoRAs) in place when it loads a model: the fingerprint must not
+    depend on whether that happened yet, but must change with the patches themselves."""
+    model = tiny.load_tiny_wan(tiny.tiny_wan_state_dict(seed=11))
+    base_fp = adapter.comfy_model_info(model).fingerprint
+    dm = model.model.diffusion_model
+    keys = ["patch_embedding.weight", "head.head.weight", "blocks.0.self_attn.q.weight"]
+    lora = model.clone()
+    lora.add_patches({f"diffusion_model.{k}": (torch.zeros_like(dict(dm.named_parameters())[k]),) for k in keys}, 0.5)
+    fp_unloaded = adapter.comfy_model_info(lora).fingerprint
+    assert fp_unloaded != base_fp
+    with torch.no_grad():  # what loading with the patches applied does to the weights
+        saved = {k: dict(dm.named_parameters())[k].clone() for k in keys}
+        for k in keys:
+            dict(dm.named_parameters())[k].add_(0.1)
+        fp_loaded = adapter.comfy_model_info(lora).fingerprint
+        for k in keys:
+            dict(dm.named_parameters())[k].copy_(saved[k])
+    assert fp_loaded == fp_unloaded
+    other = model.clone()
+    other.add_patches({f"diffusion_model.{k}": (torch.zeros_like(dict(dm.named_parameters())[k]),) for k in keys}, 1.0)
+    assert adapter.comfy_model_info(other).fingerprint not in (fp_unloaded, base_fp)
