@@ -261,3 +261,23 @@ def test_fuzz_sampling_requests(env, record_property):
         ws.close()
     sh.report(record_property, "sampling requests", counts)
     assert written and any(k.endswith("/hit") for k in counts), counts
+
+
+def test_symlinked_workspace_leading_outside_is_refused(tmp_path, monkeypatch):
+    """A workspace directory under the root that is a symlink to elsewhere is refused by name
+    (resolution follows symlinks), with a message; nothing is written at the link's target."""
+    from chorus.nodes.cache_maintenance import ChorusCacheMaintenance
+    from chorus.nodes.mask_retrieve import ChorusMaskRetrieve
+
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    root.mkdir()
+    outside.mkdir()
+    (root / "evil").symlink_to(outside, target_is_directory=True)
+    monkeypatch.setenv("CHORUS_CACHE_DIR", str(root))
+    plan, _, info = ChorusMaskRetrieve.execute(latent={"samples": torch.zeros(1, 16, 2, 4, 4)}, workspace="evil",
+                                               similarity_threshold=0.9,
+                                               positive=sh.tiny.random_conditioning(1)).result
+    assert info.startswith("MISS") and "outside the cache root" in info and plan.workspace is None, info
+    report = ChorusCacheMaintenance.execute(workspace="evil", action="verify", max_entries=0).result[0]
+    assert "failed" in report and "outside the cache root" in report, report
+    assert list(outside.iterdir()) == []

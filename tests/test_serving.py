@@ -38,6 +38,7 @@ import time
 import uuid
 
 import pytest
+import torch
 
 import serving_helpers as sh
 
@@ -162,6 +163,24 @@ def test_two_workers_share_one_cache(workers):
     print(f"serving: 40 requests on 2 workers: {len(writer_of)} entries written, {len(hits)} hits "
           f"({len(cross_hits)} from the other worker's entries), {len(deduped)} concurrent misses deduplicated")
 
+    # worker 1 killed (SIGKILL) while it works through 3 new requests: worker 0 goes on serving,
+    # the cache verifies clean (at most temporary/orphan files to remove), no template twice
+    victim = servers[1]
+    for template in (501, 502, 503):
+        _post(victim, sh.request_graph(template, 0))
+    time.sleep(1.0)
+    victim.proc.kill()
+    victim.proc.wait(30)
+    after = sh.outcome(servers[0].queue(sh.request_graph(501, 77)))
+    assert after["status"] == "success" and (after["hit"] or after["wrote"] is not None), after
+    done = sh.chorus_cli("cache", "verify", "--workspace", sh.WORKSPACE, "--json", env_root=cache_root)
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(done.stdout)
+    assert report["ok"] and report["index_consistent"], report
+    with Workspace.open(ws_dir) as ws:
+        prompts = [e["meta"]["prompt"] for e in ws.entries()]
+        assert len(prompts) == len(set(prompts)) and set(prompts) >= {f"template {t}" for t in templates}, prompts
+
 
 SOAK_REQUESTS = 200
 SOAK_BATCH = 10
@@ -253,3 +272,51 @@ def test_add_unique_across_processes(tmp_path):
         assert pair[0][0] == pair[1][0]  # both name the same entry
     with Workspace.open(path) as ws:
         assert len(ws) == 5 and sorted(e["meta"]["round"] for e in ws.entries()) == [0, 1, 2, 3, 4]
+
+
+def _recorded_miss(ws, seed):
+    """A miss plan whose attention was recorded for every (step, layer) of the tiny signature."""
+    from chorus.engine import ChorusAttention, SparseConfig, retrieve_plan
+
+    plan = retrieve_plan(ws, sh.embedding(seed), sh.LATENT, similarity_threshold=0.9)
+    assert not plan.is_hit
+    handle = ChorusAttention(plan, SparseConfig(backend="reference"), sh.model_info())
+    handle.begin_run(sample_sigmas=sh.STEP_SIGMAS + [0.0])
+    gen = torch.Generator().manual_seed(seed)
+    for sigma in sh.STEP_SIGMAS:
+        for layer in range(sh.NUM_LAYERS):
+            q, k, v = (torch.randn(1, sh.NUM_HEADS, 8, sh.HEAD_DIM, generator=gen) for _ in range(3))
+            handle.self_attention(q, k, v, layer=layer, sigma=sigma, grid=sh.GRID, dense_fn=sh.dense)
+    handle.end_run()
+    return plan
+
+
+@pytest.mark.parametrize("phase", ["temp_written", "before_commit"])
+def test_full_disk_is_a_message_not_a_failed_request(tmp_path, monkeypatch, phase):
+    """ENOSPC while an entry is written (the file data, or the SQLite commit: the two places a full
+    disk can fail a write; the rename and the directory fsync do not allocate): the
+    request gets "not written: ... No space left on device", the workspace keeps its entries, holds
+    no partial file and verifies clean; once space is back the next miss is written."""
+    import errno
+
+    from chorus.cache_store import Workspace
+    from chorus.cache_store import workspace as workspace_mod
+    from chorus.engine import commit_plan
+
+    ws = Workspace.open(tmp_path / "ws")
+    assert commit_plan(ws, _recorded_miss(ws, 1)).startswith("wrote entry 1")
+
+    def full_disk(where):
+        if where == phase:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(workspace_mod, "_crash_hook", full_disk)
+    message = commit_plan(ws, _recorded_miss(ws, 2))
+    assert message.startswith("not written") and "No space left on device" in message, message
+    assert len(ws) == 1 and [p.name for p in (tmp_path / "ws" / "entries").iterdir()] == [ws._row(1)[0]]
+    report = ws.verify()
+    assert report["ok"] and report["index_consistent"] and report["orphans_removed"] == 0, report
+    monkeypatch.setattr(workspace_mod, "_crash_hook", lambda where: None)
+    assert commit_plan(ws, _recorded_miss(ws, 3)).startswith("wrote entry")
+    assert len(ws) == 2 and ws.load(1, touch=False)[0]
+    ws.close()
