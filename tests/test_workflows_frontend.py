@@ -7,6 +7,7 @@ workflow the test calls ``app.loadGraphData(workflow)`` and checks:
 - no "Some Nodes Are Missing" dialog, and every node type is registered with LiteGraph;
 - the loaded graph has the workflow's nodes and exactly its links (origin/target node and slot, type);
 - every widget shows the value the workflow stores (catches a widget order the editor reads otherwise);
+- the API graph the editor makes from it (``app.graphToPrompt()``) equals the committed API twin;
 - no page error and no console error while loading (network-resource errors excepted: the editor
   probes resources that a machine without network does not have);
 and saves a screenshot ``<workflow>.png`` (under ``$CHORUS_SCREENSHOT_DIR`` when set, else a pytest
@@ -139,6 +140,10 @@ def test_graph_editor_loads_workflow(ui_path, browser_page, screenshot_dir):
     for node in workflow["nodes"]:
         shown = [value for _, value in loaded[node["id"]]["widgets"]]
         assert shown == node.get("widgets_values", []), (node["type"], loaded[node["id"]]["widgets"])
+    # What the editor would queue for this graph is exactly the committed API twin.
+    queued = page.evaluate("async () => (await window.app.graphToPrompt()).output")
+    api = json.loads((WORKFLOWS_DIR / "api" / f"{ui_path.stem}_api.json").read_text(encoding="utf-8"))
+    assert queued == api, {k: (queued.get(k), api.get(k)) for k in set(queued) | set(api) if queued.get(k) != api.get(k)}
     problems = [(kind, text) for kind, text in events[first_event:]
                 if kind in ("error", "pageerror") and not any(s in text for s in NETWORK_NOISE)]
     assert not problems, problems

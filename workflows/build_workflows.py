@@ -107,6 +107,18 @@ NODE_SPECS: dict[str, dict] = {
     ),
 }
 
+# Display names the graph editor shows (and puts into an API graph's ``_meta.title``) for nodes
+# without a title of their own; a type not listed shows its id.
+DISPLAY_NAMES = {
+    "UNETLoader": "Load Diffusion Model", "CLIPLoader": "Load CLIP", "VAELoader": "Load VAE",
+    "CLIPVisionLoader": "Load CLIP Vision", "CLIPVisionEncode": "CLIP Vision Encode", "LoadImage": "Load Image",
+    "CLIPTextEncode": "CLIP Text Encode (Prompt)", "KSamplerAdvanced": "KSampler (Advanced)",
+    "VAEDecode": "VAE Decode", "CreateVideo": "Create Video", "SaveVideo": "Save Video",
+    "PreviewImage": "Preview Image", "ChorusMaskRetrieve": "Chorus Mask Retrieve",
+    "ChorusSparseSampler": "Chorus Sparse Sampler", "ChorusFeatureReuse": "Chorus Feature Reuse",
+    "ChorusGuidanceBoost": "Chorus Guidance Boost", "ChorusCacheWrite": "Chorus Cache Write",
+}
+
 NEGATIVE_PROMPT = (
     "static, blurry details, subtitles, overall gray, worst quality, low quality, JPEG artifacts, "
     "deformed, disfigured, extra fingers, poorly drawn hands, poorly drawn face, messy background"
@@ -234,7 +246,8 @@ class Graph:
             inputs = dict(node.widgets)
             for sock, (src, slot) in node.links_in.items():
                 inputs[sock] = [str(src.id), slot]
-            api[str(node.id)] = {"class_type": node.type, "inputs": inputs, "_meta": {"title": node.title or node.type}}
+            title = node.title or DISPLAY_NAMES.get(node.type, node.type)
+            api[str(node.id)] = {"inputs": inputs, "class_type": node.type, "_meta": {"title": title}}
         return api
 
 
