@@ -3,7 +3,7 @@
 Method (DESIGN.md point 3), host-agnostic, at the level of one Wan transformer block:
 
 - **Miss (the dense run that becomes an entry)**: for every block call, the block's update
-  ``r = block(x) - x`` is measured per complete region of ``region`` tokens (default 2x8x8 over
+  ``r = block(x) - x`` (on a strided subset of at most 256 channels) is measured per complete region of ``region`` tokens (default 2x8x8 over
   t, h, w): ``detail = |r - cellmean(r)|^2 / |r|^2`` with cells of ``pool`` tokens (default 2x2x2),
   i.e. how much of the update varies across neighbouring frames and pixels inside the region —
   exactly the part a downsampled computation of the region would lose. ``redundancy = 1 - detail``
@@ -46,6 +46,8 @@ META_VERSION = 1
 STATE_ATTR = "_chorus_feature_reuse"
 POOL_RULES = ("mean", "rotation", "none")
 MODES = ("downsample", "skip")
+RECORD_CHANNELS = 256
+PROPAGATE = ("InterruptProcessingException", "KeyboardInterrupt", "OutOfMemoryError")
 
 
 @dataclass(frozen=True)
@@ -325,7 +327,15 @@ class FeatureReuse:
         except Exception as exc:  # noqa: BLE001
             plan.note(f"feature reuse: pooling failed ({type(exc).__name__}: {exc}); full block")
             return block_fn(x, full_inputs, None)
-        y_c = block_fn(x_c, inputs_c, None if skip else layout)
+        try:
+            y_c = block_fn(x_c, inputs_c, None if skip else layout)
+        except Exception as exc:  # noqa: BLE001 - e.g. another patch that needs the full sequence
+            if type(exc).__name__ in PROPAGATE:
+                raise
+            plan.note(f"feature reuse: the block failed on the compact sequence ({type(exc).__name__}: {exc}); "
+                      "full blocks from now on")
+            self.config = FeatureReuseConfig(**{**self.config.__dict__, "downsample_share": 0.0})
+            return block_fn(x, full_inputs, None)
         with self.state.lock:
             self.state.blocks_reduced += 1
             self.state.tokens_saved += layout.length - x_c.shape[1]
@@ -356,8 +366,12 @@ class FeatureReuse:
         y = block_fn(x, inputs, None)
         try:
             if int(layer) >= self.config.full_layers:
+                # a strided channel subset (<= RECORD_CHANNELS) estimates the detail share: a 14B
+                # block at 720p would otherwise need ~3 GB of float32 temporaries per call
+                stride = max(1, x.shape[-1] // RECORD_CHANNELS)
                 with torch.no_grad():
-                    detail = pooling.region_detail(y - x, grid, self.config.region, self.config.pool)
+                    update = y[..., ::stride] - x[..., ::stride]
+                    detail = pooling.region_detail(update, grid, self.config.region, self.config.pool)
                 if detail.numel():
                     self.state.record(self.expert, sigma, grid, self.config.region, self.config.pool, 1.0 - detail)
         except Exception as exc:  # noqa: BLE001 - the block output stands

@@ -221,3 +221,54 @@ def test_guidance_strength_zero_is_bit_identical_and_acts_only_on_hits(nodes, mo
     m = _patch(nodes, m, hit4, fr_config=FeatureReuseConfig(), order="fr_first")
     torch.testing.assert_close(_sample(m, latent), boosted, rtol=1e-5, atol=1e-6)
     assert math.isfinite(float(boosted.abs().mean()))
+
+
+def test_per_frame_modulation_and_a_failing_block_fall_back_safely(nodes):
+    """Wan 2.2 TI2V 5B shape (48 channels) with per-frame timesteps ([B, T'] -> vec [B, T', 6, C]): the
+    modulation is pooled per token; a block that cannot run on the compact sequence runs in full."""
+    _, fr_node, _ = nodes
+    ti2v = tiny.load_tiny_wan(tiny.tiny_wan_state_dict(seed=2, in_dim=48, out_dim=48, num_layers=2))
+    info = fr_node.comfy_model_info(ti2v)
+    assert info.variant == "wan2.2-ti2v-5b"
+    grid = (4, 8, 8)
+    n = pooling.region_counts(grid, REGION)  # 2 x 1 x 1 complete regions; frame 0's never pooled
+    scores = {"0": {"0.5": [1.0] * (n[0] * n[1] * n[2])}}
+    sig = {"variant": info.variant, "experts": [info.fingerprint], "num_layers": 2, "num_heads": 2,
+           "token_grid": list(grid), "step_sigmas": [0.5], "block_size": BS}
+    meta = {"signature": sig, "feature_reuse": {"version": 1, "token_grid": list(grid), "region": list(REGION),
+                                                "pool": [2, 2, 2], "scores": scores}}
+    hit = Plan("hit", entry_id=1, similarity=1.0, masks={(0, 0, 0, 0): torch.ones(2, 1, 1, dtype=torch.bool)},
+               entry_meta=meta, latent_shape=(48, 4, 16, 16))
+    patched, handle, _ = fr_node.patch_feature_reuse(ti2v, hit, FeatureReuseConfig(downsample_share=0.5, full_layers=0))
+    handle.begin_run([0.5, 0.0])
+    dm = ti2v.model.diffusion_model
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 48, 4, 16, 16, generator=g)
+    t = torch.tensor([[0.0, 500.0, 500.0, 500.0]])  # frame 0 is the clean start image
+    context = torch.randn(1, 512, 4096, generator=g)
+
+    def call(options):
+        opts = dict(options, sigmas=torch.tensor([0.5]))
+        opts[fr_node.FORWARD_KEY] = fr_node._Forward(grid)
+        with torch.no_grad():
+            return dm(x, t, context, transformer_options=opts)
+
+    full = call(ti2v.model_options["transformer_options"])
+    reduced = call(patched.model_options["transformer_options"])
+    state = feature_state(hit)
+    assert state.blocks_reduced == 2 and torch.isfinite(reduced).all()
+    rel = float((reduced - full).norm() / full.norm())
+    assert 0 < rel < 0.5, rel
+
+    def broken(args, extra):
+        if args["img"].shape[1] != grid[0] * grid[1] * grid[2]:
+            raise RuntimeError("this patch needs the full sequence")
+        return extra["original_block"](args)
+
+    opts = dict(ti2v.model_options["transformer_options"])
+    opts["patches_replace"] = {"dit": {("double_block", i): fr_node.FeatureReusePatch(handle, i, broken)
+                                       for i in range(2)}}
+    out = call(opts)
+    torch.testing.assert_close(out, full, rtol=1e-5, atol=1e-5)
+    assert any("failed on the compact sequence" in m for m in hit.stats.messages)
+    handle.end_run()
