@@ -171,17 +171,24 @@ class Plan:
                 self.experts.append(info)
                 index = len(self.experts) - 1
             if self.is_hit:
-                sig = self.entry_meta["signature"]
-                entry_experts = list(sig.get("experts", []))
-                if sig.get("variant") != info.variant:
-                    self.demote(f"entry made for {sig.get('variant')}, this model is {info.variant}")
-                elif int(sig.get("num_layers", -1)) != info.num_layers or int(sig.get("num_heads", -1)) != info.num_heads:
-                    self.demote("entry made for a model with other layer/head counts")
-                elif info.fingerprint not in entry_experts:
-                    self.demote(f"plan made for another model (weights fingerprint {info.fingerprint} not in the entry)")
-                else:
-                    return entry_experts.index(info.fingerprint)
+                reason = self.model_mismatch(info)
+                if reason is None:
+                    return list(self.entry_meta["signature"].get("experts", [])).index(info.fingerprint)
+                self.demote(reason)
             return index
+
+    def model_mismatch(self, info: ModelInfo) -> str | None:
+        """Why a hit's entry cannot serve this model (variant, geometry, weights), or None."""
+        if not self.is_hit:
+            return None
+        sig = self.entry_meta["signature"]
+        if sig.get("variant") != info.variant:
+            return f"entry made for {sig.get('variant')}, this model is {info.variant}"
+        if int(sig.get("num_layers", -1)) != info.num_layers or int(sig.get("num_heads", -1)) != info.num_heads:
+            return "entry made for a model with other layer/head counts"
+        if info.fingerprint not in list(sig.get("experts", [])):
+            return f"plan made for another model (weights fingerprint {info.fingerprint} not in the entry)"
+        return None
 
     def refresh_state(self, refresh_steps: int):
         """The request's ``VisitRefresh`` for this R (shared by all experts)."""

@@ -237,6 +237,9 @@ def patch_model(model, plan: Plan, config: SparseConfig):
     previous = options.get("optimized_attention_override")
     if isinstance(previous, ChorusOverride):
         previous = previous.previous  # re-patching replaces an earlier Chorus patch instead of stacking
+    mismatch = plan.model_mismatch(info)
+    if mismatch is not None:  # say so now, in this node's UI text, not only after sampling
+        plan.demote(mismatch)
     attention = ChorusAttention(plan, config, info)
     override = ChorusOverride(attention, previous)
     options["optimized_attention_override"] = override

@@ -51,8 +51,12 @@ class ChorusSparseSampler(io.ComfyNode):
             plan.note(msg)
             return io.NodeOutput(model, ui=ui_text(msg))
         patched, attention, message = patch_model(model, plan, config)
-        mode = ("HIT: sparse attention with entry %s (similarity %.3f)" % (plan.entry_id, plan.similarity)
-                if plan.is_hit else "MISS: dense attention + recording")
+        if plan.is_hit:
+            mode = "HIT: sparse attention with entry %s (similarity %.3f)" % (plan.entry_id, plan.similarity)
+        elif plan.demoted_reason:
+            mode = f"MISS ({plan.demoted_reason}): dense attention + recording"
+        else:
+            mode = "MISS: dense attention + recording"
         if attention is None:
             mode = "dense attention"
         return io.NodeOutput(patched, ui=ui_text(f"{mode} | {message}"))

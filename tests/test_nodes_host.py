@@ -36,6 +36,7 @@ pytestmark = [pytest.mark.host,
               pytest.mark.skipif(SKIP_REASON is not None, reason=f"ComfyUI not available: {SKIP_REASON}")]
 
 UNET = "chorus_tiny_wan_i2v.safetensors"
+UNET_OTHER = "chorus_tiny_wan_i2v_other.safetensors"  # same shape, other weights
 VAE = "chorus_random_wan21_vae.safetensors"
 NODE_IDS = ["ChorusMaskRetrieve", "ChorusSparseSampler", "ChorusFeatureReuse", "ChorusGuidanceBoost",
             "ChorusCacheWrite", "ChorusCacheMaintenance"]
@@ -60,6 +61,7 @@ class Env:
 def env(tmp_path_factory):
     base = hostlib.prepare_base(tmp_path_factory.mktemp("comfy_base"))
     tiny.save_safetensors(tiny.tiny_wan_state_dict(seed=0), base / "models" / "diffusion_models" / UNET)
+    tiny.save_safetensors(tiny.tiny_wan_state_dict(seed=1), base / "models" / "diffusion_models" / UNET_OTHER)
     tiny.save_safetensors(tiny.random_wan21_vae_state_dict(seed=0), base / "models" / "vae" / VAE)
     environment = Env(base)
     try:
@@ -71,14 +73,14 @@ def env(tmp_path_factory):
 
 
 def i2v_graph(*, workspace="hosttest", cond_seed=7, noise=0.0, color=0, width=32, height=32, seed=0,
-              threshold=0.9, decode=True):
+              threshold=0.9, decode=True, unet=UNET):
     """API-format I2V graph; node ids: 6 = ChorusMaskRetrieve, 7 = ChorusSparseSampler, 10 = ChorusCacheWrite.
 
     ``decode=False`` leaves out VAEDecode/SaveImage (the full-size VAE is the slow part on CPU; the
     bad-input checks do not need frames).
     """
     graph = {
-        "1": {"class_type": "UNETLoader", "inputs": {"unet_name": UNET, "weight_dtype": "default"}},
+        "1": {"class_type": "UNETLoader", "inputs": {"unet_name": unet, "weight_dtype": "default"}},
         "2": {"class_type": "VAELoader", "inputs": {"vae_name": VAE}},
         "3": {"class_type": "ChorusTestConditioning", "inputs": {"seed": cond_seed, "noise": noise, "noise_seed": 99}},
         "4": {"class_type": "EmptyImage", "inputs": {"width": width, "height": height, "batch_size": 1, "color": color}},
@@ -102,7 +104,7 @@ def i2v_graph(*, workspace="hosttest", cond_seed=7, noise=0.0, color=0, width=32
     return graph
 
 
-def _run(server, graph):
+def _run(server, graph, sampler_text=None):
     record = server.queue(graph)
     status = record["status"]
     assert status["status_str"] == "success", f"{status}\n{server.log_tail()}"
@@ -111,6 +113,8 @@ def _run(server, graph):
     write = " ".join(outputs["10"]["text"])
     if "11" in graph:
         assert outputs["11"]["images"], "the decoded frames were not saved"
+    if sampler_text is not None:
+        sampler_text.append(" ".join(outputs.get("7", {}).get("text", [])))
     return retrieve, write
 
 
@@ -160,21 +164,30 @@ def test_bad_inputs_give_a_message_and_dense_attention_never_a_failed_prompt(env
     retrieve, write = _run(env.server, i2v_graph(workspace="../escape", decode=False))
     assert "unusable" in retrieve and "not written" in write
     assert not (env.base / "user" / "escape").exists()
+    # an entry of this test's own workspace to run against
+    ws = "badinputs"
+    retrieve, write = _run(env.server, i2v_graph(workspace=ws, cond_seed=7, decode=False))
+    assert "wrote entry" in write, write
+    # a plan made for another model: the entry's weights fingerprint differs -> dense + recording
+    sampler = []
+    retrieve, write = _run(env.server, i2v_graph(workspace=ws, cond_seed=7, noise=0.05, decode=False, unet=UNET_OTHER), sampler)
+    assert retrieve.startswith("HIT entry 1"), retrieve
+    assert "plan made for another model" in sampler[0] and "calls sparse 0" in write, (sampler, write)
     # a latent of another aspect than the entry (64x32): a miss that says so, and a new entry
-    retrieve, write = _run(env.server, i2v_graph(cond_seed=7, width=64, height=32, decode=False))
+    retrieve, write = _run(env.server, i2v_graph(workspace=ws, cond_seed=7, width=64, height=32, decode=False))
     assert retrieve.startswith("MISS") and "aspect" in retrieve, retrieve
     # a corrupt entry file: caught by its checksum, reported, the request goes on as a miss
-    ws_dir = env.base / "user" / "chorus" / "hosttest"
+    ws_dir = env.base / "user" / "chorus" / ws
     entry_files = sorted(p for p in ws_dir.rglob("*.safetensors") if "quarantine" not in p.parts)
     assert entry_files
     for path in entry_files:
         data = bytearray(path.read_bytes())
         data[len(data) // 2] ^= 0xFF
         path.write_bytes(bytes(data))
-    retrieve, write = _run(env.server, i2v_graph(cond_seed=7, noise=0.05, decode=False))
+    retrieve, write = _run(env.server, i2v_graph(workspace=ws, cond_seed=7, noise=0.05, decode=False))
     assert retrieve.startswith("MISS") and "unreadable" in retrieve, retrieve
     # maintenance from the graph
     record = env.server.queue({"1": {"class_type": "ChorusCacheMaintenance",
-                                     "inputs": {"workspace": "hosttest", "action": "stats", "max_entries": 0}}})
+                                     "inputs": {"workspace": ws, "action": "verify", "max_entries": 0}}})
     assert record["status"]["status_str"] == "success"
-    assert "stats hosttest" in " ".join(record["outputs"]["1"]["text"])
+    assert "verify badinputs" in " ".join(record["outputs"]["1"]["text"])
