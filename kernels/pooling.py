@@ -176,16 +176,22 @@ def pool_tokens(x: torch.Tensor, layout: RegionLayout) -> torch.Tensor:
     return out
 
 
-def expand_tokens(x_compact: torch.Tensor, layout: RegionLayout) -> torch.Tensor:
-    """``[B, L', ...] -> [B, L, ...]``: every token takes its compact token's value."""
-    _check_x(x_compact, layout, layout.compact_length, "x_compact")
-    return x_compact.index_select(1, layout.expand_index)
+def expand_tokens(x_compact: torch.Tensor, layout: RegionLayout, dim: int = 1) -> torch.Tensor:
+    """``[B, L', ...] -> [B, L, ...]`` (tokens on ``dim``, default 1; e.g. 2 for ``[B, H, L', D]``):
+    every token takes its compact token's value."""
+    if not isinstance(x_compact, torch.Tensor) or x_compact.dim() <= dim or x_compact.shape[dim] != layout.compact_length:
+        raise ValueError(f"x_compact must hold {layout.compact_length} tokens on dim {dim}, got "
+                         f"{tuple(getattr(x_compact, 'shape', ()))}")
+    return x_compact.index_select(dim, layout.expand_index)
 
 
-def compact_rows(x_full: torch.Tensor, layout: RegionLayout) -> torch.Tensor:
-    """``[B, L, ...] -> [B, L', ...]``: the row of each compact token's representative token."""
-    _check_x(x_full, layout, layout.length, "x_full")
-    return x_full.index_select(1, layout.rep_index)
+def compact_rows(x_full: torch.Tensor, layout: RegionLayout, dim: int = 1) -> torch.Tensor:
+    """``[B, L, ...] -> [B, L', ...]`` (tokens on ``dim``): the row of each compact token's
+    representative token."""
+    if not isinstance(x_full, torch.Tensor) or x_full.dim() <= dim or x_full.shape[dim] != layout.length:
+        raise ValueError(f"x_full must hold {layout.length} tokens on dim {dim}, got "
+                         f"{tuple(getattr(x_full, 'shape', ()))}")
+    return x_full.index_select(dim, layout.rep_index)
 
 
 def unpool_residual(x: torch.Tensor, x_compact: torch.Tensor, y_compact: torch.Tensor,

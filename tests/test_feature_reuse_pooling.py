@@ -181,3 +181,13 @@ def test_compact_per_token_rules():
     assert out["a"].shape == (1, 1, 3) and out["b"] is t
     with pytest.raises(ValueError, match="rule"):
         compact_per_token({"a": (t, "max")}, layout)
+
+
+def test_expand_and_compact_on_another_token_dim():
+    layout = pooling.build_layout((3, 4, 4), (2, 2, 2), (2, 2, 2), [1, 2])
+    q = torch.randn(1, 2, layout.compact_length, 8)  # [B, H, L', D]
+    full = pooling.expand_tokens(q, layout, dim=2)
+    assert torch.equal(full.transpose(1, 2), pooling.expand_tokens(q.transpose(1, 2), layout))
+    assert torch.equal(pooling.compact_rows(full, layout, dim=2), q)
+    with pytest.raises(ValueError, match="dim 2"):
+        pooling.compact_rows(q, layout, dim=2)
