@@ -485,6 +485,10 @@ def run_demo(*, num_requests: int | None = None, out_dir: str = "chorus_demo_out
         raise ValueError(f"steps must be >= 2 (split over two experts), got {steps}")
     if attention not in ("structured", "random"):
         raise ValueError(f"attention must be 'structured' or 'random', got {attention!r}")
+    if num_requests is not None and not (1 <= int(num_requests) <= len(DEFAULT_STREAM)):
+        raise ValueError(f"requests must be between 1 and {len(DEFAULT_STREAM)}, got {num_requests}")
+    if not 0.0 <= float(threshold) <= 1.0:
+        raise ValueError(f"threshold must be in [0, 1], got {threshold}")
     torch.manual_seed(seed)
     requests = build_requests(num_requests, size)
     latent_frames = (frames - 1) // 4 + 1
