@@ -66,9 +66,12 @@ def masked_output(probs: torch.Tensor, v: torch.Tensor, block_map: torch.Tensor 
     """Attention output ``[H, L, D]`` restricted to ``block_map`` ``[1|H, Qb, Kb]`` (None = dense)."""
     if block_map is None:
         return torch.matmul(probs, v[0])
-    lq, lk = probs.shape[-2:]
-    tok = kernels.reference.expand_block_map(block_map, lq, lk, block_size)
-    p = probs * tok
+    heads, lq, lk = probs.shape
+    qb, kb = block_map.shape[-2:]
+    pq, pk = qb * block_size - lq, kb * block_size - lk
+    p = torch.nn.functional.pad(probs, (0, pk, 0, pq)).view(heads, qb, block_size, kb, block_size)
+    p = (p * block_map.to(probs.dtype).view(-1, qb, 1, kb, 1)).view(heads, qb * block_size, kb * block_size)
+    p = p[:, :lq, :lk]
     return torch.matmul(p, v[0]) / p.sum(-1, keepdim=True).clamp_min(1e-30)
 
 

@@ -244,7 +244,7 @@ def main(argv=None) -> int:
                 experts, vae = tiny_e2e.load_real_models(args.wan_transformer, args.wan_vae)
                 label = f"REAL weights from {', '.join(args.wan_transformer)}"
             else:
-                cfg = tiny_e2e.TinyConfig(latent_grid=(4, 16, 16) if args.quick else (6, 24, 32),
+                cfg = tiny_e2e.TinyConfig(latent_grid=(4, 16, 16) if args.quick else (5, 16, 24),
                                           block_size=16 if args.quick else 32, decode=not args.no_decode)
                 experts, vae = tiny_e2e.tiny_models(cfg)
                 label = tiny_e2e.TINY_LABEL

@@ -53,10 +53,10 @@ class SourceConfig:
     ``patch``: pixels per token side for the content features; ``seed``: the model's seed.
     """
 
-    grid: tuple = (16, 12, 16)
+    grid: tuple = (12, 12, 16)
     heads: int = 8
     head_dim: int = 128
-    layers: int = 4
+    layers: int = 2
     step_sigmas: tuple = (0.94, 0.83, 0.62, 0.35)
     high_steps: int = 2
     patch: int = 4
