@@ -1,6 +1,6 @@
 """``python -m chorus demo``: a stream of similar and unrelated I2V requests through the engine.
 
-What it runs (CPU by default, about a minute on 2 cores):
+What it runs (CPU; 1-2 minutes with the defaults on a 2-core machine that is not busy with other jobs):
 
 * **Requests** from three templates built on scikit-image's sample images (astronaut, chelsea the
   cat, coffee), each with controlled changes (a shifted crop, a brightness/contrast change, a
