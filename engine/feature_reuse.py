@@ -232,6 +232,12 @@ class FeatureReuse:
             exported = self.state.export()
             if exported is not None:
                 self.plan.request_meta[META_KEY] = exported
+        elif self.state.blocks_reduced or self.state.blocks_full:
+            # the request's summary for the UI (ChorusCacheWrite shows plan.stats.messages); one line
+            with self.plan._lock:
+                messages = self.plan.stats.messages
+                messages[:] = [m for m in messages if not m.startswith("feature reuse: ") or "block calls" not in m]
+                messages.append(self.state.summary())
         self._layouts.clear()
         self._compacted.clear()
         self._running = False
