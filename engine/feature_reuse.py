@@ -113,6 +113,8 @@ class FeatureReuseState:
             key = (int(expert), round(float(sigma), 6))
             cur = self.sums.get(key)
             vals = redundancy.detach().double().cpu()
+            if not bool(torch.isfinite(vals).all()):
+                return  # a non-finite block output: no score from this call
             if cur is None:
                 self.sums[key] = [vals, 1]
             else:
@@ -163,7 +165,7 @@ def select_regions(redundancy: torch.Tensor, grid, region, share: float, *, keep
     if redundancy.numel() != total:
         raise ValueError(f"{redundancy.numel()} region scores for {total} complete regions of grid {tuple(grid)}")
     want = int(round(float(share) * total))
-    scores = redundancy.double().clone()
+    scores = torch.nan_to_num(redundancy.double(), nan=-math.inf, posinf=-math.inf, neginf=-math.inf)
     if keep_first_frame:
         scores[pooling.region_frames(grid, region) == 0] = -math.inf
     eligible = int(torch.isfinite(scores).sum())

@@ -191,3 +191,14 @@ def test_expand_and_compact_on_another_token_dim():
     assert torch.equal(pooling.compact_rows(full, layout, dim=2), q)
     with pytest.raises(ValueError, match="dim 2"):
         pooling.compact_rows(q, layout, dim=2)
+
+
+def test_non_finite_scores_are_never_selected_or_recorded():
+    grid, region = (6, 8, 8), (2, 4, 4)
+    scores = torch.ones(12, dtype=torch.float64)
+    scores[4:8] = math.nan  # t-region 1
+    picked = select_regions(scores, grid, region, 1.0)
+    assert set(picked.tolist()) == set(range(8, 12))
+    state = feature_state(Plan.miss("m"))
+    state.record(0, 1.0, grid, region, (2, 2, 2), torch.tensor([math.nan] * 12))
+    assert state.export() is None
