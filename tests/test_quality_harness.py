@@ -34,6 +34,10 @@ def test_exact_block_mass_and_masked_output_match_the_kernels_reference(length, 
     ref = kernels.block_mass(q * 0.3, k, block_size=block, scale=1.0, backend="reference")
     torch.testing.assert_close(mass, ref, atol=2e-6, rtol=1e-5)
     torch.testing.assert_close(mass.sum(-1), torch.ones_like(mass.sum(-1)), atol=1e-5, rtol=0)
+    for rows in (None, 16, 5):
+        sampled = quality.sampled_block_mass(q * 0.3, k, block, rows)
+        api = kernels.block_mass(q * 0.3, k, block_size=block, sample_rows=rows, scale=1.0, backend="reference")
+        torch.testing.assert_close(sampled, api, atol=2e-6, rtol=1e-5)
     bmap = kernels.select_blocks(mass, top_p=0.6, k_min=1)[0]
     out = quality.masked_output(probs, v, bmap, block)
     oracle = dense_attention_oracle(q * 0.3, k, v, bmap[None], block_size=block, scale=1.0)[0]

@@ -12,8 +12,9 @@ per (expert, step, layer) and then averaged:
   reused map keeps -- mean over heads and query blocks; ``recall_min``: the worst call;
 * ``rel_l2`` / ``cosine``: attention output with the reused map against dense attention;
 * ``density``: kept block pairs of the reused map (after the floor);
-* the same for the query's own oracle map (``own_*``: what a miss would record) and for a static
-  prompt-agnostic map (``static_*``: the mean mass of all entries, selected the same way).
+* the same for the query's own oracle map (``own_*``: what a miss would record) and recall and
+  density of a static prompt-agnostic map (``static_*``: the mean mass of all entries, selected the
+  same way).
 
 Exact attention is computed once per call as fp32 probabilities ``P`` ``[H, L, L]``; a map's output
 is ``(P * M) v / rowsum(P * M)``, which equals masked softmax attention exactly.
@@ -62,6 +63,26 @@ def block_mass_from_probs(probs: torch.Tensor, block_size: int) -> torch.Tensor:
     return (per_block / rows_per_block[None, :, None])[None]
 
 
+def sampled_block_mass(q: torch.Tensor, k: torch.Tensor, block_size: int, sample_rows: int | None) -> torch.Tensor:
+    """``chorus.kernels.block_mass`` (``scale=1``) with the rows it samples, vectorised over blocks:
+    float32 ``[1, H, Qb, Kb]`` (checked against the kernel API in the tests)."""
+    lq, lk = q.shape[2], k.shape[2]
+    qb = -(-lq // block_size)
+    rows, owner = [], []
+    for b in range(qb):
+        start, stop = b * block_size, min((b + 1) * block_size, lq)
+        offs = kernels.reference.sample_row_offsets(stop - start, sample_rows) + start
+        rows.append(offs)
+        owner.append(torch.full_like(offs, b))
+    rows, owner = torch.cat(rows), torch.cat(owner)
+    probs = torch.softmax(torch.matmul(q[0, :, rows].float(), k[0].float().transpose(-1, -2)), dim=-1)
+    kb = -(-lk // block_size)
+    per_key_block = torch.zeros(probs.shape[0], probs.shape[1], kb, dtype=probs.dtype)
+    per_key_block.index_add_(2, torch.arange(lk) // block_size, probs)
+    mass = torch.zeros(probs.shape[0], qb, kb, dtype=probs.dtype).index_add_(1, owner, per_key_block)
+    return (mass / torch.bincount(owner, minlength=qb).to(probs.dtype)[None, :, None])[None]
+
+
 def masked_output(probs: torch.Tensor, v: torch.Tensor, block_map: torch.Tensor | None, block_size: int) -> torch.Tensor:
     """Attention output ``[H, L, D]`` restricted to ``block_map`` ``[1|H, Qb, Kb]`` (None = dense)."""
     if block_map is None:
@@ -89,13 +110,13 @@ def select(mass: torch.Tensor, cfg: SourceConfig, rc: ReuseConfig) -> torch.Tens
 
 
 def record_entry(model: SyntheticModel, attention: RequestAttention, rc: ReuseConfig):
-    """Masks ``{(expert, step, layer, 0): bool [H, Qb, Kb]}`` as the miss path records them, and the
-    recorded mass (float32, for the static baseline)."""
+    """Masks ``{(expert, step, layer, 0): bool [H, Qb, Kb]}`` as the miss path records them (block mass
+    from the engine's sampled rows, then ``select_blocks``), and the recorded mass (for the static
+    baseline)."""
     masks, masses = {}, {}
     for expert, step, layer in model.cfg.keys():
         q, k, _ = attention.qkv(expert, step, layer)
-        mass = kernels.block_mass(q, k, block_size=rc.block_size, sample_rows=rc.sample_rows, scale=1.0,
-                                  backend="reference")
+        mass = sampled_block_mass(q, k, rc.block_size, rc.sample_rows)
         masks[(expert, step, layer, 0)] = select(mass, model.cfg, rc)[0]
         masses[(expert, step, layer, 0)] = mass[0]
     return masks, masses
@@ -132,6 +153,8 @@ def evaluate_query(model: SyntheticModel, attention: RequestAttention, entry_mas
         for prefix, bmap in maps.items():
             rows[prefix + "recall"].append(float((mass * bmap).sum(-1).mean()))
             rows[prefix + "density"].append(float(bmap.float().mean()))
+            if prefix == "static_":
+                continue  # recall and density only (output error costs as much as the rest)
             rel, cos = _errors(masked_output(probs, v, bmap, rc.block_size), dense)
             rows[prefix + "rel_l2"].append(rel)
             rows[prefix + "cosine"].append(cos)

@@ -177,12 +177,12 @@ def summary_markdown(res: dict) -> str:
              f"top_p {a['reuse_config']['top_p']}, k_min {a['reuse_config']['k_min']}, refresh_steps "
              f"{a['reuse_config']['refresh_steps']}; threshold {res['threshold']}.", "",
              "| family | queries | hit rate | similarity | recall (reused) | recall (own) | recall (static) | rel L2 (reused) "
-             "| rel L2 (own) | rel L2 (static) | cosine (reused) | density (reused) | density (own) |",
+             "| rel L2 (own) | cosine (reused) | density (reused) | density (own) | density (static) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for family, f in a["per_family"].items():
         lines.append(f"| {family} | {f['queries']} | {f['hit_rate']:.0%} | {f['similarity']:.3f} | {f['recall']:.3f} | "
                      f"{f['own_recall']:.3f} | {f['static_recall']:.3f} | {f['rel_l2']:.3f} | {f['own_rel_l2']:.3f} | "
-                     f"{f['static_rel_l2']:.3f} | {f['cosine']:.4f} | {f['density']:.2f} | {f['own_density']:.2f} |")
+                     f"{f['cosine']:.4f} | {f['density']:.2f} | {f['own_density']:.2f} | {f['static_density']:.2f} |")
     lines += ["", f"Lowest threshold at which no hit is unsafe (reused recall more than 0.05 below the request's own "
               f"oracle recall): **{a['recommended_threshold']}**.", "",
               "| threshold | hit rate | hits | unsafe hits | recall mean | recall worst call | rel L2 mean | rel L2 worst |",
@@ -220,6 +220,8 @@ def main(argv=None) -> int:
     ap.add_argument("--wan-vae", default=None, help="real weights: diffusers Wan VAE folder")
     ap.add_argument("--clip", default=None, help="ARCH:CHECKPOINT of a local open_clip model for CLIP text-video "
                                                  "score and first-frame identity similarity")
+    ap.add_argument("--lpips", action="store_true", help="also LPIPS (needs the lpips package and its weights "
+                                                         "available locally; nothing is downloaded on purpose)")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(max(1, torch.get_num_threads()))
@@ -248,9 +250,23 @@ def main(argv=None) -> int:
                                           block_size=16 if args.quick else 32, decode=not args.no_decode)
                 experts, vae = tiny_e2e.tiny_models(cfg)
                 label = tiny_e2e.TINY_LABEL
+            clip = None
+            if args.clip:
+                from chorus.cache_store.embedders import OpenClipEmbedder
+
+                arch, ckpt = args.clip.split(":", 1)
+                clip = OpenClipEmbedder(arch, ckpt)
+            lpips_model = None
+            if args.lpips:
+                try:
+                    import lpips
+
+                    lpips_model = lpips.LPIPS(net="alex", verbose=False)
+                except Exception as exc:  # noqa: BLE001 - optional metric
+                    log(f"LPIPS not computed: {type(exc).__name__}: {exc}")
             with tempfile.TemporaryDirectory(prefix="chorus-quality-e2e-ws-") as wdir:
                 rows = tiny_e2e.run_pairs(e2e_pairs(res["attention"], args.quick), embedder, Workspace.open(wdir), cfg,
-                                          experts, vae, args.threshold, label)
+                                          experts, vae, args.threshold, label, clip=clip, lpips_model=lpips_model)
             res["e2e"] = {"label": label, "config": {**cfg.__dict__}, "rows": rows}
             for r in rows:
                 log(f"  e2e {r['family']:16s} {r['query']:24s} psnr latent {fmt(r['latent_psnr'], '.1f')} dB, frames "

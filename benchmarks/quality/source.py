@@ -53,7 +53,7 @@ class SourceConfig:
     ``patch``: pixels per token side for the content features; ``seed``: the model's seed.
     """
 
-    grid: tuple = (12, 12, 16)
+    grid: tuple = (12, 10, 14)
     heads: int = 8
     head_dim: int = 128
     layers: int = 2

@@ -205,8 +205,13 @@ class TinyRunner:
         return latent, plan, message
 
 
-def run_pairs(pairs, embedder, workspace, cfg: TinyConfig, experts, vae, threshold: float, label=TINY_LABEL):
-    """``pairs``: ``[(family, entry_request, query_request)]``. Returns one row per pair."""
+def run_pairs(pairs, embedder, workspace, cfg: TinyConfig, experts, vae, threshold: float, label=TINY_LABEL,
+              clip=None, lpips_model=None):
+    """``pairs``: ``[(family, entry_request, query_request)]``. Returns one row per pair.
+
+    ``clip``: an ``OpenClipEmbedder`` (local weights) for the CLIP text-video score (mean over frames
+    of the frame/prompt cosine) and first-frame identity similarity (frame 0 vs the start image), each
+    for the dense and the reused video; ``lpips_model``: an ``lpips.LPIPS`` instance (local weights)."""
     runner = TinyRunner(cfg, experts, vae, label)
     written = {}
     rows = []
@@ -227,9 +232,30 @@ def run_pairs(pairs, embedder, workspace, cfg: TinyConfig, experts, vae, thresho
         if frames_dense is not None:
             row["frames_psnr"] = psnr(frames_reused, frames_dense, data_range=2.0)
             row.update(_optional_image_metrics(frames_reused, frames_dense))
+            if clip is not None:
+                for tag, frames in (("dense", frames_dense), ("reused", frames_reused)):
+                    row.update({f"{k}_{tag}": v for k, v in clip_scores(clip, frames, query).items()})
+            if lpips_model is not None:
+                with torch.no_grad():
+                    a = frames_reused[0].permute(1, 0, 2, 3)
+                    b = frames_dense[0].permute(1, 0, 2, 3)
+                    row["frames_lpips"] = float(lpips_model(a, b).mean())
         row["seconds"] = time.perf_counter() - t0
         rows.append(row)
     return rows
+
+
+def clip_scores(clip, frames, request) -> dict:
+    """CLIP text-video score and first-frame identity similarity of frames ``[1, 3, F, H, W]`` in [-1, 1]."""
+    def unit(v):
+        v = np.asarray(v, dtype=np.float64)
+        return v / max(np.linalg.norm(v), 1e-12)
+
+    imgs = ((frames[0].permute(1, 2, 3, 0) + 1) / 2).clamp(0, 1)          # [F, H, W, 3]
+    text = unit(clip.text_features(request.prompt))
+    feats = [unit(clip.image_features(img)) for img in imgs]
+    start = unit(clip.image_features(torch.as_tensor(np.ascontiguousarray(request.image), dtype=torch.float32)))
+    return {"clip_text_video": float(np.mean([f @ text for f in feats])), "identity_first_frame": float(feats[0] @ start)}
 
 
 def _optional_image_metrics(frames, ref) -> dict:
