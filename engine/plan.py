@@ -32,6 +32,7 @@ class PlanStats:
     attention_seconds: float = 0.0
     runs: int = 0
     messages: list[str] = field(default_factory=list)
+    suppressed_messages: int = 0
 
     @property
     def density(self) -> float | None:
@@ -126,12 +127,19 @@ class Plan:
         return None if self.latent_shape is None else token_grid(self.latent_shape)
 
     # -- state shared by the patched models --------------------------------------------------------
+    MAX_MESSAGES = 20
+
     def note(self, message: str) -> None:
-        """Log a message once per plan and keep it for the UI."""
+        """Log a message once per plan and keep it for the UI (at most ``MAX_MESSAGES`` distinct
+        ones; later ones are counted in ``stats.suppressed_messages`` and logged at debug level)."""
         with self._lock:
             if message in self._warned:
                 return
             self._warned.add(message)
+            if len(self.stats.messages) >= self.MAX_MESSAGES:
+                self.stats.suppressed_messages += 1
+                log.debug("Chorus II: %s", message)
+                return
             self.stats.messages.append(message)
         log.warning("Chorus II: %s", message)
 

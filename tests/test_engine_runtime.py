@@ -253,3 +253,13 @@ def test_workspace_round_trip_resample_and_corruption(tmp_path):
         path.write_bytes(bytes(data))
     broken = retrieve_plan(ws, emb, LATENT)
     assert not broken.is_hit and "unreadable" in broken.message
+
+
+def test_messages_are_logged_once_and_capped():
+    plan = Plan.miss("test")
+    for _ in range(3):
+        plan.note("same")
+    for i in range(50):
+        plan.note(f"distinct {i}")
+    assert plan.stats.messages.count("same") == 1
+    assert len(plan.stats.messages) == Plan.MAX_MESSAGES and plan.stats.suppressed_messages == 50 + 1 - Plan.MAX_MESSAGES
