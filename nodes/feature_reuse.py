@@ -29,7 +29,7 @@ import torch
 from comfy_api.latest import io
 
 from ..engine import Plan
-from ..engine.feature_reuse import FeatureReuse, FeatureReuseConfig, feature_state
+from ..engine.feature_reuse import FeatureReuse, FeatureReuseConfig
 from ..kernels import pooling
 from .comfy_adapter import comfy_model_info
 from .common import CATEGORY, ChorusPlan, ui_text
@@ -242,5 +242,4 @@ class ChorusFeatureReuse(io.ComfyNode):
                     if fr else "HIT, but the entry has no region scores: blocks run in full")
         else:
             mode = "MISS: full blocks + recording region redundancy for the new entry"
-        feature_state(plan)
         return io.NodeOutput(patched, ui=ui_text(f"{mode} | {message}"))

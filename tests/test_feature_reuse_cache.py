@@ -4,7 +4,7 @@ import numpy as np
 import torch
 
 from chorus.cache_store import Workspace
-from chorus.engine import Plan, SparseConfig, commit_plan, retrieve_plan
+from chorus.engine import SparseConfig, commit_plan, retrieve_plan
 from chorus.engine.feature_reuse import FeatureReuse, FeatureReuseConfig, feature_state
 from chorus.engine.runtime import ChorusAttention
 from chorus.engine.signature import ModelInfo

@@ -74,7 +74,6 @@ def test_no_regions_is_identity():
 def test_pool_rotations_give_the_centre_rotation():
     grid, region, pool = (2, 4, 4), (2, 4, 4), (2, 2, 2)
     L = 32
-    pos = torch.arange(L, dtype=torch.float64).view(2, 4, 4)
     theta = torch.stack(torch.meshgrid(torch.arange(2.0), torch.arange(4.0), torch.arange(4.0), indexing="ij"), -1)
     freqs = torch.tensor([0.3, 0.7, 1.1], dtype=torch.float64)
     ang = (theta.reshape(L, 3) * freqs).sum(-1)  # one rotation per token from (t, h, w)
@@ -85,7 +84,6 @@ def test_pool_rotations_give_the_centre_rotation():
     centre = (theta.reshape(L, 3)[cells].mean(1) * freqs).sum(-1)
     want = torch.stack([torch.cos(centre), -torch.sin(centre), torch.sin(centre), torch.cos(centre)], -1).view(-1, 2, 2)
     assert torch.allclose(pooled, want, atol=1e-12)
-    del pos
 
 
 @pytest.mark.parametrize("grid,region,pool", GEOMETRIES)
