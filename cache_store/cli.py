@@ -13,6 +13,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 from .paths import resolve_workspace
 
@@ -55,7 +56,7 @@ def main(argv=None) -> int:
     except SystemExit as exc:
         return int(exc.code or 0)
     try:
-        path = args.path if args.path else resolve_workspace(args.workspace, args.root)
+        path = Path(args.path).expanduser() if args.path else resolve_workspace(args.workspace, args.root)
         if not path.exists():
             raise ValueError(f"workspace {path} does not exist")
         from .workspace import Workspace  # torch/faiss are imported only once the arguments are good
