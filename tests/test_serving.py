@@ -320,3 +320,33 @@ def test_full_disk_is_a_message_not_a_failed_request(tmp_path, monkeypatch, phas
     assert commit_plan(ws, _recorded_miss(ws, 3)).startswith("wrote entry")
     assert len(ws) == 2 and ws.load(1, touch=False)[0]
     ws.close()
+
+
+def test_backup_procedure_of_operations_md(tmp_path):
+    """docs/OPERATIONS.md backup: SQLite online backup, then copy entries/, then ``verify --path``:
+    entries written after the snapshot become orphans in the copy and are removed; every entry of
+    the snapshot loads from the backup."""
+    import shutil
+    import sqlite3
+
+    from chorus.cache_store import Workspace
+
+    src = tmp_path / "live" / "default"
+    dst = tmp_path / "backup" / "default"
+    with Workspace.open(src) as ws:
+        ids = [ws.add(sh.embedding(i), sh.entry_masks(i), {"signature": sh.signature()}) for i in range(3)]
+        (dst / "entries").mkdir(parents=True)
+        live, copy = sqlite3.connect(str(src / "chorus.sqlite3")), sqlite3.connect(str(dst / "chorus.sqlite3"))
+        live.backup(copy)
+        copy.close()
+        live.close()
+        ws.add(sh.embedding(9), sh.entry_masks(9), {"signature": sh.signature()})  # after the snapshot
+        shutil.copytree(src / "entries", dst / "entries", dirs_exist_ok=True)
+    done = sh.chorus_cli("cache", "verify", "--path", str(dst), "--json")
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(done.stdout)
+    assert report["ok"] and report["checked"] == 3 and report["orphans_removed"] == 1, report
+    with Workspace.open(dst) as ws:
+        assert sorted(e["id"] for e in ws.entries()) == ids
+        assert all(ws.load(i, touch=False)[0] for i in ids)
+        assert ws.search(sh.embedding(1), k=1)[0][0] == ids[1]
