@@ -21,7 +21,8 @@ What it runs (CPU; 1-2 minutes with the defaults on a 2-core machine that is not
   attention error against dense attention on the same q/k/v (relative L2, mean and max over calls),
   and the PSNR of the request's frames against a dense run of the same request (hits only).
 * **Saved**: the start image and the decoded frames of each request as PNG under ``--out``
-  (default ``./chorus_demo_out``): ``req_NN_<template>_<hit|miss>/frame_KK.png``. The "VAE" is a
+  (default ``./chorus_demo_out``): ``req_NN_<template>_<hit|miss>/frame_KK.png``, and for a hit
+  ``mask_preview.png`` (the reused masks as the nodes' heatmap). The "VAE" is a
   fixed, invertible pixel <-> latent packing (no weights), and the denoiser's clean-latent estimate is
   the start image's latent on every frame (a still-video prior) plus the random transformer's output
   (see :func:`sample`): the frames show the start image with what the random model adds, not a
@@ -48,7 +49,8 @@ import torch.nn.functional as F
 from ..cache_store import Workspace
 from ..cache_store.embedders import HashEmbedder
 from ..kernels.reference import expand_block_map
-from . import ChorusAttention, SparseConfig, commit_plan, patch_diffusers_wan, retrieve_plan, wan_model_info
+from . import (ChorusAttention, SparseConfig, commit_plan, mask_heatmap, patch_diffusers_wan, retrieve_plan,
+               wan_model_info)
 from .signature import token_grid
 
 LATENT_CHANNELS = 16
@@ -467,6 +469,15 @@ def _save_frames(directory: str, start_image: np.ndarray, latent: torch.Tensor) 
     return frames
 
 
+def _save_mask_preview(directory: str, plan) -> None:
+    """``mask_preview.png``: the reused masks as the nodes' heatmap (query blocks down, key blocks
+    across; bright = kept in many layers/steps/heads)."""
+    from PIL import Image
+
+    heat = mask_heatmap(list(plan.masks.values()))[0]
+    Image.fromarray((heat.numpy() * 255).round().astype(np.uint8)).save(os.path.join(directory, "mask_preview.png"))
+
+
 def run_demo(*, num_requests: int | None = None, out_dir: str = "chorus_demo_out", workspace_dir: str | None = None,
              model: str = "auto", attention: str = "structured", size: int = 256, frames: int = 17,
              layers: int = 2, heads: int = 2, steps: int = 4, shift: float = 5.0, threshold: float = 0.9,
@@ -546,6 +557,8 @@ def run_demo(*, num_requests: int | None = None, out_dir: str = "chorus_demo_out
                 hit = plan.is_hit
                 frame_dir = os.path.join(out_dir, f"req_{req.index:02d}_{req.name}_{'hit' if hit else 'miss'}")
                 made = _save_frames(frame_dir, req.image, latent)
+                if hit:
+                    _save_mask_preview(frame_dir, plan)
                 quality = None
                 if hit and compare_dense:
                     dense = sample(host, latent_shape, cond_y, context, sigmas, steps // 2, seed + req.index, None,

@@ -66,8 +66,8 @@ def test_frames_are_saved_as_png(results):
     res, out, lines = results
     for r in res:
         files = sorted(os.listdir(r.frame_dir))
-        assert files == ["frame_00.png", "frame_01.png", "frame_02.png", "frame_03.png", "frame_04.png",
-                         "start_image.png"]
+        assert files == ["frame_00.png", "frame_01.png", "frame_02.png", "frame_03.png", "frame_04.png"] + (
+            ["mask_preview.png"] if r.hit else []) + ["start_image.png"]
         with Image.open(os.path.join(r.frame_dir, "frame_00.png")) as im:
             assert im.size == (SIZE, SIZE) and im.mode == "RGB"
             assert np.asarray(im).std() > 0  # not a blank frame
