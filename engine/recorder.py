@@ -7,8 +7,24 @@ import threading
 import torch
 
 from .. import kernels
-from ..kernels.codec import pack_bits, unpack_bits
+from ..kernels.codec import unpack_bits
 from .routing import SigmaSchedule
+
+_BIT_WEIGHTS = (128, 64, 32, 16, 8, 4, 2, 1)
+
+
+def pack_bits_on_device(block_map: torch.Tensor) -> torch.Tensor:
+    """Bit-pack a bool map ``[..., Kb]`` into uint8 ``[..., ceil(Kb/8)]`` on its own device, in the
+    layout of ``chorus.kernels.codec.pack_bits`` (MSB first, numpy ``packbits`` order), so a GPU
+    recording never waits for a host copy per call; :func:`chorus.kernels.codec.unpack_bits` reads it."""
+    kb = block_map.shape[-1]
+    pad = (-kb) % 8
+    bits = block_map.to(torch.uint8)
+    if pad:
+        bits = torch.cat([bits, bits.new_zeros(*bits.shape[:-1], pad)], dim=-1)
+    bits = bits.reshape(*bits.shape[:-1], -1, 8)
+    weights = torch.tensor(_BIT_WEIGHTS, dtype=torch.uint8, device=bits.device)
+    return (bits * weights).sum(-1, dtype=torch.uint8)
 
 
 class MassRecorder:
@@ -54,12 +70,10 @@ class MassRecorder:
         """Record one call's mass ``[B, H, Qb, Kb]``; returns the selected bool map ``[H, Qb, Kb]``."""
         if mass.dim() != 4:
             raise ValueError(f"mass must be [B, H, Qb, Kb], got shape {tuple(mass.shape)}")
-        mean = mass.float().mean(dim=0, keepdim=True)
-        if not torch.isfinite(mean).all():
-            raise ValueError("block mass holds NaN/inf values")
+        mean = mass.float().mean(dim=0, keepdim=True)  # select_blocks rejects NaN/inf mass
         selected = kernels.select_blocks(mean, top_p=top_p, k_min=min(k_min, mean.shape[-1]),
                                          keep_diagonal=True, keep_first_frame_blocks=keep_first_frame_blocks)[0]
-        packed = pack_bits(selected)
+        packed = pack_bits_on_device(selected)
         with self._lock:
             grid = tuple(int(g) for g in grid)
             if self.grid is None:
@@ -94,7 +108,7 @@ class MassRecorder:
         out = {}
         for (expert, sigma, layer), packed in self._packed.items():
             step = steps.index(sigma)
-            out[(expert, step, layer, 0)] = unpack_bits(packed, self._shape[(expert, sigma, layer)][-1])
+            out[(expert, step, layer, 0)] = unpack_bits(packed.cpu(), self._shape[(expert, sigma, layer)][-1])
         return out
 
     def masses(self) -> dict[tuple[int, int, int, int], torch.Tensor]:

@@ -233,14 +233,15 @@ class ChorusAttention:
         try:
             grid = self._check(q, k, v, layer, grid)
             qs, ks = q, k
-            if cond_rows is not None:
-                rows = torch.as_tensor(cond_rows, dtype=torch.bool, device=q.device).reshape(-1)
+            if cond_rows is not None:  # decided on the host: no device sync
+                rows = torch.as_tensor(cond_rows, dtype=torch.bool, device="cpu").reshape(-1)
                 if rows.numel() != q.shape[0]:
                     raise _Fallback(f"cond_rows has {rows.numel()} entries for a batch of {q.shape[0]}")
-                if not bool(rows.any()):
+                keep = rows.nonzero().flatten().tolist()
+                if not keep:
                     return out  # negative conditioning only: the positive rows carry the mask
-                if not bool(rows.all()):
-                    qs, ks = q[rows], k[rows]
+                if len(keep) < q.shape[0]:
+                    qs, ks = q[keep], k[keep]
             s = self._sigma(sigma)
             with torch.no_grad():
                 mass = kernels.block_mass(qs, ks, block_size=cfg.block_size, sample_rows=cfg.sample_rows)

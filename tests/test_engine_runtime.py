@@ -263,3 +263,14 @@ def test_messages_are_logged_once_and_capped():
         plan.note(f"distinct {i}")
     assert plan.stats.messages.count("same") == 1
     assert len(plan.stats.messages) == Plan.MAX_MESSAGES and plan.stats.suppressed_messages == 50 + 1 - Plan.MAX_MESSAGES
+
+
+@pytest.mark.parametrize("kb", [1, 7, 8, 9, 61, 256])
+def test_device_bit_packing_matches_the_codec(kb):
+    from chorus.engine.recorder import pack_bits_on_device
+    from chorus.kernels.codec import pack_bits, unpack_bits
+
+    m = torch.rand(3, 5, kb, generator=torch.Generator().manual_seed(kb)) < 0.4
+    packed = pack_bits_on_device(m)
+    assert packed.dtype == torch.uint8 and torch.equal(packed, pack_bits(m))
+    assert torch.equal(unpack_bits(packed, kb), m)
