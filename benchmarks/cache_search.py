@@ -180,6 +180,7 @@ def bench_entry(tmp, repeats, layers=40):
     assert all(torch.equal(full[k], masks[k]) for k in list(masks)[::17])
     del full
 
+    zlib_size = len(encode_entry(np.ones(1024, np.float32), masks, {"signature": SIG}, codec="zlib"))
     gen = torch.Generator().manual_seed(1)
     random_masks = {k: torch.rand(m.shape, generator=gen) < density for k, m in masks.items()}
     random_size = len(encode_entry([1.0], random_masks, {}))
@@ -199,10 +200,49 @@ def bench_entry(tmp, repeats, layers=40):
            "load_packed_warm_ms": {"p50": 1e3 * float(np.median(warm)), "max": 1e3 * max(warm)},
            "load_packed_warm_cpu_ms": {"p50": 1e3 * float(np.median(warm_cpu))},
            "load_packed_cold_ms": {"p50": 1e3 * float(np.median(cold)), "max": 1e3 * max(cold)},
-           "load_bool_cpu_ms": 1e3 * unpack_bool, "random_maps_same_density_MB": random_size / 1e6,
+           "load_bool_cpu_ms": 1e3 * unpack_bool, "random_maps_same_density_MB": random_size / 1e6, "zlib_fallback_file_MB": zlib_size / 1e6,
            "uint8_mass_MB_estimate": mass_size / 1e6}
     print(json.dumps(out), flush=True)
     return out
+
+
+def to_markdown(results) -> str:
+    """Tables for docs/BENCHMARKS.md from a results dict (as written by ``--out``)."""
+    m = results["machine"]
+    lines = [f"Machine: {m['cpu']}, {m['cores']} cores, Python {m['python']}, faiss {m['faiss']}, torch {m['torch']}; "
+             f"load average {m['load_average_at_start'][0]:.1f} at start, {m.get('load_average_at_end', [float('nan')])[0]:.1f} at end.",
+             "", "| entries | index | wall p50 ms | wall p99 ms | CPU p50 ms | CPU p99 ms | recall@1 (hard) | build s |",
+             "|---:|---|---:|---:|---:|---:|---|---:|"]
+    for r in results["retrieval"]:
+        recall = f"{r['recall@1']:.4f}" + (f" ({r['recall@1_hard']:.4f})" if "recall@1_hard" in r else "")
+        build = f"{r['build_s']:.1f}" if "build_s" in r else ""
+        lines.append(f"| {r['n']:,} | {r['index']} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {r['cpu_p50_ms']:.2f} | "
+                     f"{r['cpu_p99_ms']:.2f} | {recall} | {build} |")
+    w = results["workspace"]
+    lines += ["", f"`Workspace.search` at {w['n']:,} entries (dim {w['dim']}, {w['index']}): k=1 with a signature: "
+              f"wall p50 {w['search_k1_signature']['p50_ms']:.2f} / p99 {w['search_k1_signature']['p99_ms']:.2f} ms, "
+              f"CPU p50 {w['search_k1_signature']['cpu_p50_ms']:.2f} / p99 {w['search_k1_signature']['cpu_p99_ms']:.2f} ms; "
+              f"k=5 over all signatures: wall p99 {w['search_k5_any']['p99_ms']:.2f} ms, CPU p99 "
+              f"{w['search_k5_any']['cpu_p99_ms']:.2f} ms. Index built from SQLite in {w['build_from_sqlite_s']:.0f} s, "
+              f"saved in {w['save_s']:.1f} s ({w['index_file_MB']:.0f} MB), reopened (load + sha256 + deserialise) in "
+              f"{w['reopen_s']:.1f} s."]
+    e = results["entry"]
+    lines += ["", "| Wan 14B 480p 81f 4-step entry | value |", "|---|---:|",
+              f"| maps x shape | {e['maps']} x {e['map_shape']} |",
+              f"| mean density (synthetic structured masks) | {e['density']:.3f} |",
+              f"| bit-packed payload | {e['packed_bits_MB']:.1f} MB |",
+              f"| file on disk (zstd) | **{e['file_MB']:.2f} MB** |"]
+    if "zlib_fallback_file_MB" in e:
+        lines.append(f"| file on disk with the zlib fallback | {e['zlib_fallback_file_MB']:.2f} MB |")
+    lines += [f"| write (encode + fsync + commit) | {e['write_s'] * 1e3:.0f} ms |",
+              f"| load to packed tensors, page cache warm: p50 / max | {e['load_packed_warm_ms']['p50']:.1f} / {e['load_packed_warm_ms']['max']:.1f} ms |"]
+    if "load_packed_warm_cpu_ms" in e:
+        lines.append(f"| same, CPU time of all threads, p50 | {e['load_packed_warm_cpu_ms']['p50']:.1f} ms |")
+    lines += [f"| load to packed tensors, file evicted from page cache: p50 / max | {e['load_packed_cold_ms']['p50']:.1f} / {e['load_packed_cold_ms']['max']:.1f} ms |",
+              f"| load and unpack to bool tensors on the CPU (420 MB) | {e['load_bool_cpu_ms']:.0f} ms |",
+              f"| same density, uniformly random maps (worst case) | {e['random_maps_same_density_MB']:.1f} MB |",
+              f"| uint8-quantised block mass instead of maps (2 layers x 20) | {e['uint8_mass_MB_estimate']:.0f} MB |"]
+    return "\n".join(lines)
 
 
 def main(argv=None):
@@ -214,10 +254,15 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
+    parser.add_argument("--markdown", default=None, metavar="JSON",
+                        help="only print the docs/BENCHMARKS.md tables of an earlier --out file")
     parser.add_argument("--nice", type=int, default=None,
                         help="run at this nice value (negative needs root): on a machine shared with other jobs, "
                              "latency percentiles then reflect this CPU rather than the other jobs")
     args = parser.parse_args(argv)
+    if args.markdown:
+        print(to_markdown(json.loads(Path(args.markdown).read_text())))
+        return None
     from chorus.cache_store.index import DEFAULT_APPROX_THRESHOLD
 
     if args.nice is not None:
@@ -245,6 +290,7 @@ def main(argv=None):
                "retrieval": retrieval, "workspace": workspace, "entry": entry}
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))
+    print(to_markdown(results))
     return results
 
 
