@@ -27,6 +27,13 @@ def pack_bits_on_device(block_map: torch.Tensor) -> torch.Tensor:
     return (bits * weights).sum(-1, dtype=torch.uint8)
 
 
+def unpack_bits_on_device(packed: torch.Tensor, num_kv_blocks: int) -> torch.Tensor:
+    """Inverse of :func:`pack_bits_on_device` on ``packed``'s device: bool ``[..., num_kv_blocks]``."""
+    shifts = torch.arange(7, -1, -1, device=packed.device, dtype=torch.uint8)
+    bits = (packed.unsqueeze(-1) >> shifts) & 1
+    return bits.flatten(-2)[..., :num_kv_blocks].bool()
+
+
 class MassRecorder:
     """Collects, per ``(expert, step sigma, layer)``, the block map selected from the block mass.
 

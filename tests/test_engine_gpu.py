@@ -43,7 +43,7 @@ def test_hit_on_gpu_matches_the_masked_oracle(backend):
     q, k, v = _qkv(1)
     out = handle.self_attention(q, k, v, layer=0, sigma=torch.tensor([0.9], device="cuda"), grid=GRID, dense_fn=sdpa)
     assert plan.stats.sparse_calls == 1 and plan.stats.fallback_calls == 0, plan.stats.messages
-    used = handle._maps[(0, 0)][0]
+    used = handle.used_map(0, 0)
     assert used.device.type == "cuda" and (used.sum(-1) >= 4).all()
     oracle = dense_attention_oracle(q, k, v, block_map=used, block_size=128)
     err = (out.double() - oracle).abs().max().item()

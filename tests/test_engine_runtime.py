@@ -138,7 +138,7 @@ def test_visit_refresh_adds_unvisited_pairs_over_steps():
     visited = torch.zeros(2, QB, QB, dtype=torch.bool)
     for step, s in enumerate(SIGMAS[:-1]):
         handle.self_attention(*qkv(step), layer=0, sigma=s, grid=GRID, dense_fn=sdpa)
-        used = handle._maps[(step, 0)][0][0]
+        used = handle.used_map(step, 0)[0]
         visited |= used
         assert diag.le(used).all()
     assert visited.all()  # R = 1: every pair computed within two steps
@@ -274,3 +274,11 @@ def test_device_bit_packing_matches_the_codec(kb):
     packed = pack_bits_on_device(m)
     assert packed.dtype == torch.uint8 and torch.equal(packed, pack_bits(m))
     assert torch.equal(unpack_bits(packed, kb), m)
+
+
+@pytest.mark.parametrize("kb", [1, 9, 61])
+def test_device_unpack_inverts_device_pack(kb):
+    from chorus.engine.recorder import pack_bits_on_device, unpack_bits_on_device
+
+    m = torch.rand(2, 4, kb, generator=torch.Generator().manual_seed(kb)) < 0.5
+    assert torch.equal(unpack_bits_on_device(pack_bits_on_device(m), kb), m)
