@@ -24,6 +24,9 @@ def test_cli_commands(tmp_path):
     stats = json.loads(out.stdout)
     assert stats["entries"] == 6 and stats["indexed"] == 6
 
+    out = _cli("stats", "--path", str(root / "proj"), "--json", root=root)  # a directory instead of a name
+    assert out.returncode == 0 and json.loads(out.stdout)["entries"] == 6, out.stderr
+
     out = _cli("list", "--workspace", "proj", root=root)
     assert out.returncode == 0 and "prompt 5" in out.stdout and len(out.stdout.strip().splitlines()) == 7
 
@@ -52,7 +55,7 @@ def test_cli_commands(tmp_path):
 def test_cli_bad_arguments(tmp_path):
     root = tmp_path / "root"
     for args in (("stats", "--workspace", "../etc"), ("stats", "--workspace", "/abs"), ("verify", "--workspace", "missing"),
-                 ("frobnicate",), ("stats", "--bogus")):
+                 ("frobnicate",), ("stats", "--bogus"), ("stats", "--path", str(tmp_path / "nowhere"))):
         out = _cli(*args, root=root)
         assert out.returncode == 2, (args, out.stdout, out.stderr)
-    assert not (root / "missing").exists() and not (tmp_path / "etc").exists()
+    assert not (root / "missing").exists() and not (tmp_path / "etc").exists() and not (tmp_path / "nowhere").exists()
