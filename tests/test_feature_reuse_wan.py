@@ -178,19 +178,27 @@ def _selected_regions(plan):
     return torch.cat(picked).unique()
 
 
-def test_feature_reuse_composes_with_sparse_sampler_in_either_order(nodes, model, recorded):
+@pytest.fixture(scope="module")
+def reused(nodes, model, recorded):
+    """Hit outputs (sparse sampler + feature reuse, full maps) in both node orders, with their plans."""
     latent, _, miss, _ = recorded
-    assert "feature_reuse" in miss.request_meta and miss.stats.recorded_calls == 2 * LAYERS
-    outs = []
+    runs = []
     for order in ("sparse_first", "fr_first"):
         hit = _hit_from(miss)
-        outs.append(_sample(_patch(nodes, model, hit, fr_config=FeatureReuseConfig(), order=order), latent))
+        runs.append((_sample(_patch(nodes, model, hit, fr_config=FeatureReuseConfig(), order=order), latent), hit))
+    return runs
+
+
+def test_feature_reuse_composes_with_sparse_sampler_in_either_order(recorded, reused):
+    _, _, miss, _ = recorded
+    assert "feature_reuse" in miss.request_meta and miss.stats.recorded_calls == 2 * LAYERS
+    for _, hit in reused:
         assert hit.stats.sparse_calls == 2 * LAYERS and hit.stats.fallback_calls == 0
         assert feature_state(hit).blocks_reduced == 2 * (LAYERS - 1)
-    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+    torch.testing.assert_close(reused[0][0], reused[1][0], rtol=0, atol=0)
 
 
-def test_guidance_strength_zero_is_bit_identical_and_acts_only_on_hits(nodes, model, recorded):
+def test_guidance_strength_zero_is_bit_identical_and_acts_only_on_hits(nodes, model, recorded, reused):
     latent, dense, miss, _ = recorded
     _, _, gb_node = nodes
     # strength 0 through the node's patch function: the model object comes back unpatched
@@ -199,8 +207,7 @@ def test_guidance_strength_zero_is_bit_identical_and_acts_only_on_hits(nodes, mo
     # strength 0 inside an installed override chain is bit-identical as well
     from chorus.engine.guidance import GuidanceBoost
 
-    hit = _hit_from(miss)
-    plain = _sample(_patch(nodes, model, hit, fr_config=FeatureReuseConfig()), latent)
+    plain = reused[0][0]  # sparse sampler + feature reuse on a hit, no guidance
     hit2 = _hit_from(miss)
     zero = _patch(nodes, model, hit2, fr_config=FeatureReuseConfig())
     zero = zero.clone()
