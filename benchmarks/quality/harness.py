@@ -170,29 +170,33 @@ def static_masks_from(masses: list[dict], cfg: SourceConfig, rc: ReuseConfig) ->
     return {key: select(torch.stack([m[key] for m in masses]).mean(0)[None], cfg, rc)[0] for key in keys}
 
 
-def threshold_table(results: list[dict], thresholds=None, recall_margin: float = 0.05) -> tuple[list[dict], float | None]:
-    """Per threshold: hit rate, and over hits mean/worst recall, mean/worst rel-L2, and how many hits
-    are *unsafe* (reused recall more than ``recall_margin`` below the request's own oracle recall).
+def threshold_table(results: list[dict], thresholds=None, recall_margin: float = 0.05,
+                    error_ratio: float = 1.25) -> tuple[list[dict], dict]:
+    """Per threshold: hit rate and, over the hits, mean/worst recall, mean/worst rel-L2, and the
+    *unsafe* hits by two criteria: ``unsafe_recall`` = reused recall more than ``recall_margin``
+    below the request's own oracle recall; ``unsafe_error`` = reused output error more than
+    ``error_ratio`` times the error of the request's own oracle map.
 
-    Returns ``(rows, recommended)``: the lowest threshold whose hits are all safe (None if none)."""
+    Returns ``(rows, recommended)`` with ``recommended[criterion]`` = the lowest threshold at which
+    no hit is unsafe by that criterion (None if there is none)."""
     if thresholds is None:
-        thresholds = [round(x, 2) for x in np.arange(0.50, 1.0, 0.01)]
-    rows, recommended = [], None
+        thresholds = [round(x, 2) for x in np.arange(0.0, 1.0, 0.01)]
+    rows = []
     for tau in thresholds:
         hits = [r for r in results if r["similarity"] >= tau]
-        unsafe = [r for r in hits if r["recall"] < r["own_recall"] - recall_margin]
         row = {"threshold": tau, "hit_rate": len(hits) / max(len(results), 1), "hits": len(hits),
-               "unsafe_hits": len(unsafe)}
+               "unsafe_recall": sum(r["recall"] < r["own_recall"] - recall_margin for r in hits),
+               "unsafe_error": sum(r["rel_l2"] > error_ratio * r["own_rel_l2"] for r in hits)}
         if hits:
             row.update(recall_mean=float(np.mean([r["recall"] for r in hits])),
                        recall_worst=float(np.min([r["recall_min"] for r in hits])),
                        rel_l2_mean=float(np.mean([r["rel_l2"] for r in hits])),
                        rel_l2_worst=float(np.max([r["rel_l2"] for r in hits])))
         rows.append(row)
-    for row in rows:
-        if row["unsafe_hits"] == 0:
-            recommended = row["threshold"]
-            break
+    recommended = {}
+    for crit in ("unsafe_recall", "unsafe_error"):
+        recommended[crit] = next((r["threshold"] for r in rows if r[crit] == 0), None)
+    recommended["criteria"] = {"recall_margin": recall_margin, "error_ratio": error_ratio}
     return rows, recommended
 
 

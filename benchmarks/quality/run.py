@@ -137,10 +137,10 @@ def plot(results: list[dict], threshold: float, recommended, out: Path, source: 
                    label="own oracle map")
         ax.axvline(threshold, color="gray", ls="--", lw=1, label=f"default threshold {threshold}")
         if recommended is not None and abs(recommended - threshold) > 1e-9:
-            ax.axvline(recommended, color="purple", ls=":", lw=1, label=f"lowest safe threshold {recommended}")
+            ax.axvline(recommended, color="purple", ls=":", lw=1, label=f"lowest safe threshold {recommended} (error)")
         ax.set_xlabel("embedding similarity to the reused entry")
         ax.set_ylabel(ylabel, fontsize=8)
-        ax.set_title(source[:70], fontsize=7)
+        ax.set_title(source.replace(" (", "\n("), fontsize=7)
         ax.legend(fontsize=6)
         fig.tight_layout()
         fig.savefig(out / name)
@@ -183,13 +183,19 @@ def summary_markdown(res: dict) -> str:
         lines.append(f"| {family} | {f['queries']} | {f['hit_rate']:.0%} | {f['similarity']:.3f} | {f['recall']:.3f} | "
                      f"{f['own_recall']:.3f} | {f['static_recall']:.3f} | {f['rel_l2']:.3f} | {f['own_rel_l2']:.3f} | "
                      f"{f['cosine']:.4f} | {f['density']:.2f} | {f['own_density']:.2f} | {f['static_density']:.2f} |")
-    lines += ["", f"Lowest threshold at which no hit is unsafe (reused recall more than 0.05 below the request's own "
-              f"oracle recall): **{a['recommended_threshold']}**.", "",
-              "| threshold | hit rate | hits | unsafe hits | recall mean | recall worst call | rel L2 mean | rel L2 worst |",
-              "|---|---|---|---|---|---|---|---|"]
+    rec = a["recommended_threshold"]
+    lines += ["", f"Lowest threshold at which no hit is unsafe: **{rec['unsafe_recall']}** by mass recall (reused "
+              f"recall more than {rec['criteria']['recall_margin']} below the request's own oracle recall), "
+              f"**{rec['unsafe_error']}** by output error (reused error more than {rec['criteria']['error_ratio']}x "
+              f"the own oracle map's).", "",
+              "| threshold | hit rate | hits | unsafe (recall) | unsafe (error) | recall mean | recall worst call | "
+              "rel L2 mean | rel L2 worst |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    marks = {rec["unsafe_recall"], rec["unsafe_error"]}
     for row in a["threshold_table"]:
-        if round(row["threshold"] * 100) % 5 == 0 or row["threshold"] == a["recommended_threshold"]:
-            lines.append(f"| {row['threshold']:.2f} | {row['hit_rate']:.0%} | {row['hits']} | {row['unsafe_hits']} | "
+        if round(row["threshold"] * 100) % 10 == 0 or row["threshold"] in marks or row["threshold"] in (0.85, 0.95):
+            lines.append(f"| {row['threshold']:.2f} | {row['hit_rate']:.0%} | {row['hits']} | {row['unsafe_recall']} | "
+                         f"{row['unsafe_error']} | "
                          f"{fmt(row.get('recall_mean'))} | {fmt(row.get('recall_worst'))} | {fmt(row.get('rel_l2_mean'))} | "
                          f"{fmt(row.get('rel_l2_worst'))} |")
     e = res.get("e2e")
@@ -236,8 +242,8 @@ def main(argv=None) -> int:
                "command": "python -m benchmarks.quality.run " + " ".join(argv if argv is not None else sys.argv[1:]),
                "torch": torch.__version__}
         res["attention"] = run_attention_level(args.out, args.quick, embedder, args.threshold, args.refresh_steps, log)
-        res["plots"] = plot(res["attention"]["per_query"], args.threshold, res["attention"]["recommended_threshold"],
-                            args.out, res["attention"]["source"])
+        res["plots"] = plot(res["attention"]["per_query"], args.threshold,
+                        res["attention"]["recommended_threshold"]["unsafe_error"], args.out, res["attention"]["source"])
         if not args.no_e2e:
             from . import tiny_e2e
 
