@@ -88,8 +88,8 @@ def _first_image(image) -> torch.Tensor:
     image = _as_tensor(image, "image")
     if image.dim() == 3:
         image = image.unsqueeze(0)
-    if image.dim() != 4 or image.shape[0] < 1 or image.shape[-1] not in (1, 3, 4):
-        raise ValueError(f"image must be [B, H, W, C] with C in (1, 3, 4), got {tuple(image.shape)}")
+    if image.dim() != 4 or min(image.shape[:3]) < 1 or image.shape[-1] not in (1, 3, 4):
+        raise ValueError(f"image must be [B, H, W, C] with B, H, W >= 1 and C in (1, 3, 4), got {tuple(image.shape)}")
     img = image[:1, ..., :3].float()
     if img.shape[-1] == 1:
         img = img.expand(-1, -1, -1, 3)

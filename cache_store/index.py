@@ -135,6 +135,7 @@ class PartitionedIndex:
         self.ef_search = int(ef_search)
         self.parts: dict[str, _Partition] = {}
         self.where: dict[int, str] = {}  # live entry id -> signature key
+        self.owner = ""  # id of the workspace database a loaded file was written for
 
     def __len__(self) -> int:
         return len(self.where)
@@ -200,7 +201,8 @@ class PartitionedIndex:
             part.rebuild("hnsw" if part.live_count() >= self.approx_threshold else "flat")
 
     # -- persistence -------------------------------------------------------------------------
-    def to_bytes(self, generation: int) -> bytes:
+    def to_bytes(self, generation: int, owner: str = "") -> bytes:
+        """Serialise; ``owner`` (the workspace's id) lets a reader reject a file left by another database."""
         tensors, parts = {}, []
         for n, (key, part) in enumerate(sorted(self.parts.items())):
             blob = faiss.serialize_index(part.index)
@@ -210,7 +212,7 @@ class PartitionedIndex:
                           "sha256": hashlib.sha256(blob.tobytes()).hexdigest()})
         if not tensors:
             tensors["empty"] = torch.zeros(0, dtype=torch.uint8)
-        meta = {"format": INDEX_FORMAT, "generation": str(int(generation)), "dim": str(self.dim),
+        meta = {"format": INDEX_FORMAT, "generation": str(int(generation)), "dim": str(self.dim), "owner": owner,
                 "approx_threshold": str(self.approx_threshold), "parts": json.dumps(parts)}
         return st_save(tensors, metadata=meta)
 
@@ -225,6 +227,7 @@ class PartitionedIndex:
                 raise ValueError("not a Chorus index file")
             tensors = st_load(data)
             index = cls(int(meta["dim"]), int(meta["approx_threshold"]), ef_search)
+            index.owner = meta.get("owner", "")
             for rec in json.loads(meta["parts"]):
                 blob = tensors[rec["tensor"]].numpy()
                 if hashlib.sha256(blob.tobytes()).hexdigest() != rec["sha256"]:

@@ -109,6 +109,10 @@ class Workspace:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.executescript(_SCHEMA)
+        # A random id of this database: an index file written for another database (the SQLite
+        # file was deleted or replaced, entry ids restarted) must not be caught up by id.
+        self._db.execute("INSERT OR IGNORE INTO settings(key, value) VALUES('workspace_id', ?)", (uuid.uuid4().hex,))
+        self._workspace_id = self._get("workspace_id")
         self._approx_threshold = int(approx_threshold)
         self._index: PartitionedIndex | None = None
         self._index_generation = -1
@@ -244,14 +248,15 @@ class Workspace:
                 for file_gen, file in self._index_files():
                     try:
                         index, saved_gen = PartitionedIndex.from_bytes(file.read_bytes())
-                        if index.dim != dim or saved_gen != file_gen:
+                        if index.dim != dim or saved_gen != file_gen or index.owner != self._workspace_id:
                             raise ValueError("index file does not match the workspace")
                         index.approx_threshold = self._approx_threshold
                         self._index = index
                         LOG.debug("loaded %s (generation %d, workspace at %d)", file.name, saved_gen, generation)
                         break
                     except (OSError, ValueError) as exc:
-                        LOG.warning("ignoring index file %s: %s", file, exc)
+                        LOG.warning("ignoring and deleting index file %s: %s", file, exc)
+                        file.unlink(missing_ok=True)  # files appear complete (rename), so this is never a write in progress
             if self._index is None:
                 LOG.info("building the index of %s from SQLite", self.path)
                 self._index = PartitionedIndex(dim, self._approx_threshold)
@@ -277,7 +282,7 @@ class Workspace:
                 return None
             generation = self._index_generation
             target = self.path / f"index.g{generation}.safetensors"
-            self._atomic_write(target, self._index.to_bytes(generation))
+            self._atomic_write(target, self._index.to_bytes(generation, self._workspace_id))
             for file_gen, file in self._index_files():
                 if file_gen < generation:
                     file.unlink(missing_ok=True)

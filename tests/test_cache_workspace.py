@@ -147,6 +147,24 @@ def test_stale_index_file_is_caught_up(tmp_path):
         assert all(e != 1 for e, _ in ws.search(embedding(1), k=20))
 
 
+def test_index_file_of_another_database_is_not_used(tmp_path):
+    """Deleting chorus.sqlite3 restarts entry ids; a leftover index file must not map them to old vectors."""
+    path = tmp_path / "ws"
+    with Workspace.open(path) as ws:
+        _fill(ws, 8)
+    (path / "chorus.sqlite3").unlink()
+    for extra in ("chorus.sqlite3-wal", "chorus.sqlite3-shm"):
+        (path / extra).unlink(missing_ok=True)
+    with Workspace.open(path) as ws:
+        ids, x = _fill(ws, 3, seed0=500)
+    with Workspace.open(path) as ws:  # the old index.g8 file is ignored; the new one is used
+        for i, entry_id in enumerate(ids):
+            [(found, sim)] = ws.search(x[i], k=1)
+            assert found == entry_id and sim == pytest.approx(1.0, abs=1e-5)
+        assert ws.verify()["orphans_removed"] == 8
+    assert not (path / "index.g8.safetensors").exists()
+
+
 def test_approximate_index_recall_and_switch():
     """Past approx_threshold a partition becomes HNSW; recall@1 against exact flat search >= 0.99."""
     dim, n = 64, 3000
