@@ -202,6 +202,7 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=3, help="timed blocks per step (of 40)")
     ap.add_argument("--precisions", nargs="+", default=["bf16", "fp8"])
     ap.add_argument("--densities", nargs="+", type=float, default=[0.15, 0.05])
+    ap.add_argument("--skip", nargs="*", default=[], help="variant names to leave out (dense_fp8, miss)")
     ap.add_argument("--check-full-step", action="store_true", help="also time one full 40-block step (480p)")
     ap.add_argument("--tiny", action="store_true", help="toy sizes on the CPU (tests)")
     ap.add_argument("--elementwise", choices=["eager", "fused"], default="fused",
@@ -252,6 +253,8 @@ def main(argv=None) -> int:
                         "dense_fp8": (fixed(lambda q, k, v: kernels.block_sparse_attention(
                             q, k, v, full, backend=attn_backend)), None)}
             variants["miss"] = "miss"
+            for name in args.skip:
+                variants.pop(name, None)
             for d in args.densities:
                 variants[f"hit@{d:g}"] = ("hit", d)
             for name, spec in variants.items():
