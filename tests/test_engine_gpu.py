@@ -51,7 +51,12 @@ def test_hit_on_gpu_matches_the_masked_oracle(backend):
     bf16_eager = (eager.to(torch.bfloat16).double() - oracle).abs().max().item()  # rounding of the output alone
     cos = torch.nn.functional.cosine_similarity(out.double().flatten(), oracle.flatten(), dim=0).item()
     if backend == "triton_fp8" or (backend == "auto" and torch.cuda.get_device_capability() == (9, 0)):
-        assert cos >= 0.999, cos
+        # the FP8 bound of the kernel tests: cosine deficit <= 2x a SageAttention-style FP8 emulation's,
+        # and cosine >= 0.998 (0.999 is out of reach for e4m3 P and V on flat-softmax random inputs)
+        from chorus.kernels.triton.emulation import error_stats, sage_fp8_attention_emulation
+
+        sage = error_stats(sage_fp8_attention_emulation(q, k, v, used, 128), oracle)
+        assert 1 - cos <= 2 * (1 - sage["cosine"]) and cos >= 0.998, (cos, sage)
     else:
         assert err <= 4 * max(bf16_eager, 1e-3), (err, bf16_eager)
 
