@@ -17,8 +17,8 @@ PREVIEW_MAPS = 32
 
 
 def _image_hash(image) -> str | None:
-    if image is None:
-        return None
+    if not isinstance(image, torch.Tensor) or image.dim() == 0:
+        return None  # no usable image: the embedding step says why
     data = image[:1].detach().to(torch.float32).cpu().contiguous().numpy().tobytes()
     return hashlib.sha256(data).hexdigest()[:16]
 
