@@ -161,17 +161,25 @@ def test_fuzz_node_inputs(env, record_property):
                {"signature": sh.signature(), "prompt": f"template {template}"})
     counts: dict[str, int] = {}
 
+    good = {"latent": ok_latent, "workspace": st.just("fuzz"), "threshold": st.sampled_from([0.9, 0.5]),
+            "positive": ok_cond, "image": st.none()}
+    hostile = {"latent": latent_st, "workspace": st.one_of(st.sampled_from(NAMES), st.text(max_size=70)),
+               "threshold": FLOATS, "positive": cond_st, "image": image_st}
+
     @settings(max_examples=GRAPH_CASES, deadline=None, derandomize=True, database=None,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-    @given(latent=latent_st, workspace=st.one_of(st.just("fuzz"), st.just("fuzz"), st.just("fuzz"),
-                                                 st.sampled_from(NAMES), st.text(max_size=70)),
-           threshold=st.one_of(st.just(0.9), st.just(0.9), st.just(0.5), FLOATS),
-           positive=cond_st, prompt=TEXT, image=image_st, top_p=FLOATS, k_min=INTS, refresh=INTS,
+    @given(data=st.data(),
+           # a good request, one hostile input at a time, or everything drawn from the hostile pools
+           scenario=st.sampled_from(["good", "good", "good"] + sorted(hostile) * 2 + ["all", "all"]),
+           prompt=TEXT, top_p=FLOATS, k_min=INTS, refresh=INTS,
            backend=st.one_of(st.sampled_from(["auto", "reference", "triton_fp8", "flex", "none", ""]), TEXT),
            share=FLOATS, strength=FLOATS, action=st.sampled_from(["stats", "verify", "prune", "rebuild-index", "x"]),
            max_entries=INTS)
-    def case(latent, workspace, threshold, positive, prompt, image, top_p, k_min, refresh, backend, share, strength,
-             action, max_entries):
+    def case(data, scenario, prompt, top_p, k_min, refresh, backend, share, strength, action, max_entries):
+        drawn = {name: data.draw(hostile[name] if scenario in (name, "all") else good[name], label=name)
+                 for name in sorted(good)}
+        latent, workspace, threshold = drawn["latent"], drawn["workspace"], drawn["threshold"]
+        positive, image = drawn["positive"], drawn["image"]
         out = ChorusMaskRetrieve.execute(latent=_build_latent(latent), workspace=workspace,
                                          similarity_threshold=threshold, start_image=_build_image(image),
                                          positive=_build_cond(positive), prompt=prompt)
@@ -191,15 +199,43 @@ def test_fuzz_node_inputs(env, record_property):
         assert isinstance(report, str) and report.startswith(action)
         assert _options_fingerprint(model) == model_state, "the input model was modified"
         counts[kind] = counts.get(kind, 0) + 1
+        scenarios[scenario] = scenarios.get(scenario, 0) + 1
 
+    scenarios: dict[str, int] = {}
     case()
     for ws in _check_root(base, root, before):
         report = ws.verify()
         assert report["ok"] and report["index_consistent"], report
         ws.close()
-    sh.report(record_property, "node inputs", counts)
+    sh.report(record_property, f"node inputs (scenarios {dict(sorted(scenarios.items()))})", counts)
     assert sum(counts.values()) >= GRAPH_CASES // 2, counts
     assert counts.get("hit") and counts.get("miss-ws") and counts.get("miss-nows"), counts
+
+
+EDGE_IMAGES = [(1, 0, 32, 3), (1, 32, 0, 3), (0, 32, 32, 3), (1, 32, 32, 0), (1, 32, 32, 2), (1, 1, 1, 1),
+               (32, 32, 3), (3,), ()]
+EDGE_CONDS = [None, [], [[]], [[None, {}]], [["x", {}]], [[torch.zeros(0), {}]], [[torch.zeros(1, 0, 4096), {}]],
+              [[torch.zeros(1, 512, 4096), {}]], [[torch.full((1, 512, 4096), math.inf), {}]], "text", 3]
+
+
+def test_edge_inputs_of_mask_retrieve(env, record_property):
+    """Every edge image x edge conditioning (empty dims, zero channels, None/str tensors, all-zero
+    and all-inf conditioning): a MISS with a message, never an exception (deterministic grid)."""
+    from chorus.nodes.mask_retrieve import ChorusMaskRetrieve
+
+    counts: dict[str, int] = {}
+    for shape in EDGE_IMAGES:
+        for cond in EDGE_CONDS:
+            for fill in ("randn", "nan"):
+                image = _tensor(shape, fill)
+                plan, _, info = ChorusMaskRetrieve.execute(latent={"samples": torch.zeros(1, 16, 2, 4, 4)},
+                                                           workspace="edges", similarity_threshold=0.9,
+                                                           start_image=image, positive=cond).result
+                assert info.startswith(("MISS", "HIT")) and plan.message, info
+                key = "usable" if plan.embedding is not None else "no embedding"
+                counts[key] = counts.get(key, 0) + 1
+    sh.report(record_property, "mask retrieve edge grid", counts)
+    assert counts.get("no embedding", 0) > 100, counts
 
 
 def test_fuzz_sampling_requests(env, record_property):
