@@ -365,9 +365,10 @@ class DenseErrorProbe:
             ref = dense_fn(q, k, v).float()
             norm = ref.norm().clamp_min(1e-30)
             self.errors.append(float((out.float() - ref).norm() / norm))
-            used = self.handle._maps.get((self.handle._maps_step, int(kwargs["layer"])))
+            # The map this call used (stored map + k_min floor + refresh), at the run's current step.
+            used = self.handle.used_map(self.handle._maps_step, int(kwargs["layer"]))
             if used is not None:
-                rand = self._random_like(used[0])
+                rand = self._random_like(used)
                 token_mask = expand_block_map(rand, q.shape[-2], k.shape[-2], self.handle.config.block_size)
                 other = F.scaled_dot_product_attention(q, k, v, attn_mask=token_mask)
                 self.random_errors.append(float((other.float() - ref).norm() / norm))
