@@ -1,0 +1,47 @@
+"""The repository rules that can be checked mechanically: install metadata, README commands, imports."""
+
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _name(requirement: str) -> str:
+    return re.split(r"[<>=!~;\[ ]", requirement.strip(), maxsplit=1)[0].lower().replace("_", "-")
+
+
+def test_pyproject_has_registry_section_and_dependencies():
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    deps = {_name(d) for d in meta["project"]["dependencies"]}
+    for needed in ("torch", "transformers", "open-clip-torch", "faiss-cpu", "triton", "safetensors"):
+        assert needed in deps, needed
+    assert "pytest" in {_name(d) for d in meta["project"]["optional-dependencies"]["dev"]}
+    comfy = meta["tool"]["comfy"]
+    assert {"PublisherId", "DisplayName", "Icon", "requires-comfyui"} <= set(comfy)
+    assert re.fullmatch(r">=0\.3\.\d+", comfy["requires-comfyui"])
+
+
+def test_requirements_txt_mirrors_pyproject_except_torch():
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    deps = {_name(d) for d in meta["project"]["dependencies"]} - {"torch", "torchvision"}
+    lines = [ln for ln in (ROOT / "requirements.txt").read_text().splitlines() if ln and not ln.startswith("#")]
+    assert {_name(ln) for ln in lines} == deps
+
+
+def test_readme_opens_with_setup_and_test_commands_and_ci_runs_the_test_command():
+    readme = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```bash\n(.*?)\n```", readme, flags=re.S)
+    assert "python -m chorus demo" in blocks[0] and "pip install" in blocks[0]
+    assert blocks[1].strip() == "python -m pytest"
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "-m pytest" in ci and "-eq 5" in ci
+
+
+def test_core_packages_import_without_comfyui():
+    code = ("import sys, chorus, chorus.kernels, chorus.cache_store, chorus.engine; "
+            "bad = [m for m in sys.modules if m == 'comfy' or m.startswith(('comfy.', 'comfy_api'))]; "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd="/")
