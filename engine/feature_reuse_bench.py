@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels import block_sparse_attention, pooling
-from .feature_reuse import select_regions
+from .feature_reuse import RECORD_CHANNELS, select_regions
 from .guidance import GAIN_PER_STRENGTH
 
 GRIDS = {"720p": (21, 45, 80), "480p": (21, 30, 52)}
@@ -227,6 +227,7 @@ def measure_block(grid=GRIDS["720p"], *, density=0.15, share=0.25, reps=5, backe
             return pooling.unpool_residual(x, x_c, y_c, layout)
 
         gain = 1.0 + GAIN_PER_STRENGTH * strength
+        stride = max(1, dim // RECORD_CHANNELS)
         variants = {
             "dense": lambda: block(x, e, rot, context, dense_attn),
             "sparse": lambda: block(x, e, rot, context, sparse_attn),
@@ -236,6 +237,9 @@ def measure_block(grid=GRIDS["720p"], *, density=0.15, share=0.25, reps=5, backe
             "attention_sparse": lambda: sparse_attn(*(torch.randn(1, L, dim, device=device, dtype=dtype),) * 3),
             "fr_pool_unpool_overhead": lambda: pooling.unpool_residual(x, pooling.pool_tokens(x, layout),
                                                                        pooling.pool_tokens(x, layout), layout),
+            # the miss path's extra work per block: region scores from a <= 256-channel subset
+            "fr_record_overhead": lambda: pooling.region_detail(
+                dense_out[..., ::stride] - x[..., ::stride], grid, (2, 8, 8), (2, 2, 2)),
         }
         times = {}
         for name, fn in variants.items():
