@@ -16,6 +16,7 @@ bf16 linears), on an 81-frame latent's token grid (720p: 21 x 45 x 80 = 75 600 t
   redundant regions (2x8x8 tokens, scored by ``region_detail`` of the dense block's update, frame
   0 never pooled) pooled 2x2x2; linears, cross-attention and FFN on the compact sequence;
   self-attention on q/k/v expanded back to the full grid (same sparse map); update upsampled.
+- ``fr_record_overhead``: what a miss adds per block (region scores of the update, <= 256 channels).
 - quality proxies vs the dense block output: relative L2 deviation over all tokens and over the
   first frame's tokens ("first-frame consistency"), with guidance (cross-attention gain
   ``1 + 0.2 * strength``) at strength 0 and 0.5. Random weights: these say how much each
