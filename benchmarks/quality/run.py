@@ -61,15 +61,16 @@ def make_embedder(kind: str, workdir: Path):
     raise ValueError(f"unknown embedder {kind!r}")
 
 
-def source_config(quick: bool) -> tuple[SourceConfig, ReuseConfig]:
+def source_config(quick: bool, content_heavy: bool = False) -> tuple[SourceConfig, ReuseConfig]:
     if quick:
-        return (SourceConfig(grid=(6, 8, 12), heads=4, layers=1, step_sigmas=(0.9, 0.45), high_steps=1, patch=4),
-                ReuseConfig(block_size=16))
-    return SourceConfig(), ReuseConfig(block_size=32)
+        return (SourceConfig(grid=(6, 8, 12), heads=4, layers=1, step_sigmas=(0.9, 0.45), high_steps=1, patch=4,
+                             content_heavy=content_heavy), ReuseConfig(block_size=16))
+    return SourceConfig(content_heavy=content_heavy), ReuseConfig(block_size=32)
 
 
-def run_attention_level(out: Path, quick: bool, embedder, threshold: float, refresh_steps: int, log) -> dict:
-    cfg, rc = source_config(quick)
+def run_attention_level(out: Path, quick: bool, embedder, threshold: float, refresh_steps: int, log,
+                        content_heavy: bool = False) -> dict:
+    cfg, rc = source_config(quick, content_heavy)
     rc = ReuseConfig(**{**rc.__dict__, "refresh_steps": refresh_steps})
     model = build_model(cfg)
     entries, queries = fam.build_workload(quick=quick)
@@ -112,7 +113,8 @@ def run_attention_level(out: Path, quick: bool, embedder, threshold: float, refr
         agg["retrieved_expected"] = float(np.mean([r["entry"] == r["expected_entry"] for r in rows])) \
             if rows[0]["expected_entry"] else None
         per_family[family] = agg
-    return {"source": SOURCE_LABEL, "source_config": {**cfg.__dict__}, "reuse_config": {**rc.__dict__},
+    label = SOURCE_LABEL + (" [content-heavy head mix]" if content_heavy else "")
+    return {"source": label, "source_config": {**cfg.__dict__}, "reuse_config": {**rc.__dict__},
             "tokens": cfg.tokens, "per_query": results, "per_family": per_family, "threshold_table": table,
             "recommended_threshold": recommended}
 
@@ -220,6 +222,8 @@ def main(argv=None) -> int:
     ap.add_argument("--refresh-steps", type=int, default=0, help="visit refresh R (0 = off, the engine default)")
     ap.add_argument("--embedder", default="comfy", help="comfy | hash | openclip-random | openclip:ARCH:CHECKPOINT")
     ap.add_argument("--no-e2e", action="store_true", help="skip the end-to-end tiny-model part")
+    ap.add_argument("--content-heavy", action="store_true",
+                    help="sensitivity check: a source whose heads are mostly content-driven")
     ap.add_argument("--no-decode", action="store_true", help="end to end: compare latents only (no VAE decode)")
     ap.add_argument("--wan-transformer", nargs="+", default=None,
                     help="real weights: diffusers Wan transformer folder(s), high-noise expert first")
@@ -241,14 +245,15 @@ def main(argv=None) -> int:
         res = {"threshold": args.threshold, "embedder": embedder_label, "quick": args.quick,
                "command": "python -m benchmarks.quality.run " + " ".join(argv if argv is not None else sys.argv[1:]),
                "torch": torch.__version__}
-        res["attention"] = run_attention_level(args.out, args.quick, embedder, args.threshold, args.refresh_steps, log)
+        res["attention"] = run_attention_level(args.out, args.quick, embedder, args.threshold, args.refresh_steps, log,
+                                               args.content_heavy)
         res["plots"] = plot(res["attention"]["per_query"], args.threshold,
                         res["attention"]["recommended_threshold"]["unsafe_error"], args.out, res["attention"]["source"])
         if not args.no_e2e:
             from . import tiny_e2e
 
             if args.wan_transformer:
-                cfg = tiny_e2e.TinyConfig(latent_grid=(21, 60, 104), decode=not args.no_decode)
+                cfg = tiny_e2e.TinyConfig(latent_grid=(21, 60, 104), block_size=128, decode=not args.no_decode)
                 experts, vae = tiny_e2e.load_real_models(args.wan_transformer, args.wan_vae)
                 label = f"REAL weights from {', '.join(args.wan_transformer)}"
             else:

@@ -40,6 +40,8 @@ SOURCE_LABEL = "synthetic structured source (RoPE-aligned positional + image-con
 
 HEAD_TYPES = ("local_narrow", "local_wide", "temporal", "frame", "content", "mixed")
 HEAD_TYPE_PROBS = (0.2, 0.12, 0.14, 0.09, 0.2, 0.25)
+# ``content_heavy`` sources: most heads content-driven (a sensitivity check for the threshold)
+HEAD_TYPE_PROBS_CONTENT = (0.1, 0.05, 0.08, 0.05, 0.42, 0.3)
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,7 @@ class SourceConfig:
     seed: int = 0
     pos_dim: int = 96
     rope_theta: float = 10000.0
+    content_heavy: bool = False   # more content heads and 1.5x content logits (sensitivity check)
 
     def __post_init__(self):
         if len(self.grid) != 3 or min(self.grid) < 1:
@@ -181,7 +184,8 @@ def build_model(cfg: SourceConfig) -> SyntheticModel:
     feat_dim = FEAT_DIM_PER_PIXEL * cfg.patch * cfg.patch
     model.feat_proj = torch.randn(feat_dim, cfg.content_dim, generator=gen, dtype=torch.float64) / math.sqrt(feat_dim)
     model.value_proj = torch.randn(feat_dim, cfg.head_dim, generator=gen, dtype=torch.float64) / math.sqrt(feat_dim)
-    probs = torch.tensor(HEAD_TYPE_PROBS, dtype=torch.float64)
+    probs = torch.tensor(HEAD_TYPE_PROBS_CONTENT if cfg.content_heavy else HEAD_TYPE_PROBS, dtype=torch.float64)
+    content_gain = 1.5 if cfg.content_heavy else 1.0
     for expert in (0, 1):
         for layer in range(cfg.layers):
             g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + expert * 1009 + layer * 31 + 1)
@@ -193,7 +197,7 @@ def build_model(cfg: SourceConfig) -> SyntheticModel:
                          "frame": u(0.5, 1.0), "content": u(1.5, 3.0), "mixed": u(1.0, 2.5)}[kind]
                 beta = {"local_narrow": u(12, 18), "local_wide": u(9, 13), "temporal": u(10, 14), "frame": u(7, 10),
                         "content": u(1, 3), "mixed": u(5, 9)}[kind]
-                gamma = {"content": u(10, 14), "mixed": u(6, 9)}.get(kind, u(0.5, 2.0))
+                gamma = content_gain * {"content": u(10, 14), "mixed": u(6, 9)}.get(kind, u(0.5, 2.0))
                 kappa = u(0.5, 3.5) if float(torch.rand((), generator=g)) < 0.6 else 0.0
                 protos = torch.randn(CLUSTERS, cfg.content_dim, generator=g, dtype=torch.float64)
                 protos = protos / protos.norm(dim=1, keepdim=True)

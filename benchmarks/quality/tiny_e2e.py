@@ -123,11 +123,15 @@ def tiny_models(cfg: TinyConfig):
 
 
 def load_real_models(transformer_dirs, vae_dir=None):
-    """Real diffusers Wan transformers (local folders; nothing is downloaded) and an optional VAE."""
+    """Real diffusers Wan transformers (local folders; nothing is downloaded) and an optional VAE,
+    in bf16 on the GPU when there is one (the VAE in fp32)."""
     from diffusers import AutoencoderKLWan, WanTransformer3DModel
 
-    experts = [WanTransformer3DModel.from_pretrained(d, local_files_only=True).eval() for d in transformer_dirs]
-    vae = AutoencoderKLWan.from_pretrained(vae_dir, local_files_only=True).eval() if vae_dir else None
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    experts = [WanTransformer3DModel.from_pretrained(d, local_files_only=True, torch_dtype=dtype).to(device).eval()
+               for d in transformer_dirs]
+    vae = AutoencoderKLWan.from_pretrained(vae_dir, local_files_only=True).to(device).eval() if vae_dir else None
     return experts, vae
 
 
@@ -138,11 +142,14 @@ class TinyRunner:
         self.cfg, self.experts, self.vae, self.label = cfg, experts, vae, label
         self.text_dim = experts[0].config.text_dim
         self.sigmas = cfg.sigmas
+        param = next(experts[0].parameters())
+        self.device, self.dtype = param.device, param.dtype
 
     def _condition(self, request):
         cfg = self.cfg
         t, h, w = cfg.latent_grid
         img = torch.as_tensor(np.ascontiguousarray(request.image), dtype=torch.float32).permute(2, 0, 1)[None]
+        img = img.to(self.device)
         img = torch.nn.functional.interpolate(img, size=(h * 8, w * 8), mode="bilinear", antialias=True,
                                               align_corners=False) * 2 - 1
         with torch.no_grad():
@@ -150,15 +157,15 @@ class TinyRunner:
                 lat0 = self.vae.encode(img[:, :, None]).latent_dist.mode()          # [1, 16, 1, h, w]
             else:
                 lat0 = torch.nn.functional.adaptive_avg_pool2d(img, (h, w))[:, :, None].repeat(1, 6, 1, 1, 1)[:, :16]
-        image_latent = torch.zeros(1, 16, t, h, w)
+        image_latent = torch.zeros(1, 16, t, h, w, device=self.device)
         image_latent[:, :, :1] = lat0
-        mask = torch.zeros(1, 4, t, h, w)
+        mask = torch.zeros(1, 4, t, h, w, device=self.device)
         mask[:, :, 0] = 1.0
         y = torch.cat([mask, image_latent], dim=1)
         text = torch.from_numpy(hashed_text_vector(request.prompt, cfg.text_tokens * self.text_dim)).float()
         text = (text / text.norm().clamp_min(1e-9) * math.sqrt(text.numel())).reshape(1, cfg.text_tokens, self.text_dim)
-        noise = torch.randn(1, 16, t, h, w, generator=torch.Generator().manual_seed(int(request.seed)))
-        return noise, y, text
+        noise = torch.randn(1, 16, t, h, w, generator=torch.Generator().manual_seed(int(request.seed))).to(self.device)
+        return noise, y, text.to(self.device)
 
     def sample(self, request, handles=None):
         """Latent ``[1, 16, T, H, W]``; with ``handles`` (one per expert) the engine is bracketed per expert."""
@@ -173,10 +180,10 @@ class TinyRunner:
                     handles[e].begin_run(sample_sigmas=sig[a:b + 1])
                 try:
                     for i in range(a, b):
-                        inp = torch.cat([x, y], dim=1)
-                        vel = model(hidden_states=inp, timestep=torch.tensor([1000.0 * sig[i]]),
-                                    encoder_hidden_states=text, return_dict=False)[0]
-                        x = x + (sig[i + 1] - sig[i]) * vel
+                        inp = torch.cat([x, y], dim=1).to(self.dtype)
+                        vel = model(hidden_states=inp, timestep=torch.tensor([1000.0 * sig[i]], device=self.device),
+                                    encoder_hidden_states=text.to(self.dtype), return_dict=False)[0]
+                        x = x + (sig[i + 1] - sig[i]) * vel.float()
                 finally:
                     if handles is not None:
                         handles[e].end_run()
@@ -186,14 +193,14 @@ class TinyRunner:
         if self.vae is None or not self.cfg.decode:
             return None
         with torch.no_grad():
-            return self.vae.decode(latent).sample.clamp(-1, 1)
+            return self.vae.decode(latent.to(next(self.vae.parameters()).dtype)).sample.clamp(-1, 1).float().cpu()
 
     def run_engine(self, workspace, request, embedding, threshold: float):
         """Sample through the engine: retrieve a plan, patch both experts, sample, commit."""
         t, h, w = self.cfg.latent_grid
         plan = retrieve_plan(workspace, embedding, latent_shape=(16, t, h, w), similarity_threshold=threshold,
                              request_meta={"prompt": request.prompt, "name": request.name})
-        sc = SparseConfig(block_size=self.cfg.block_size, backend="reference")
+        sc = SparseConfig(block_size=self.cfg.block_size, backend="auto" if self.device.type == "cuda" else "reference")
         handles = [ChorusAttention(plan, sc, wan_model_info(m)) for m in self.experts]
         patches = [patch_diffusers_wan(m, hd) for m, hd in zip(self.experts, handles)]
         try:
@@ -227,7 +234,8 @@ def run_pairs(pairs, embedder, workspace, cfg: TinyConfig, experts, vae, thresho
                "similarity": plan.similarity, "hit_at_threshold": bool(plan.is_hit and plan.similarity is not None
                                                                      and plan.similarity >= threshold),
                "density": plan.stats.density, "fallback_calls": plan.stats.fallback_calls,
-               "latent_psnr": psnr(reused, dense), "latent_rel_l2": float((reused - dense).norm() / dense.norm())}
+               "latent_psnr": psnr(reused.cpu(), dense.cpu()),
+               "latent_rel_l2": float((reused - dense).norm() / dense.norm())}
         frames_dense, frames_reused = runner.decode(dense), runner.decode(reused)
         if frames_dense is not None:
             row["frames_psnr"] = psnr(frames_reused, frames_dense, data_range=2.0)
