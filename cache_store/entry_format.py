@@ -271,6 +271,8 @@ def decode_entry(data: bytes, *, packed: bool = False):
         raise EntryFormatError(f"corrupt entry: {exc}") from exc
     if embedding.dtype != torch.float32 or embedding.dim() != 1:
         raise EntryFormatError("corrupt entry: embedding must be float32 [dim]")
+    if not isinstance(meta, dict):
+        raise EntryFormatError(f"corrupt entry: metadata must be a JSON object, got {type(meta).__name__}")
 
     try:
         buffers = [torch.empty(size, dtype=torch.uint8) for size in raw_sizes]
@@ -294,6 +296,8 @@ def decode_entry(data: bytes, *, packed: bool = False):
         try:
             key = validate_key(rec["key"])
             shape = tuple(int(s) for s in rec["shape"])
+            if any(s < 0 for s in shape):
+                raise ValueError(f"negative dimension in shape {shape}")
             buf = buffers[rec["chunk"]]
             offset, nbytes = int(rec["offset"]), int(rec["nbytes"])
         except (KeyError, IndexError, TypeError, ValueError) as exc:
@@ -302,7 +306,7 @@ def decode_entry(data: bytes, *, packed: bool = False):
             raise EntryFormatError(f"map {key!r} lies outside its chunk")
         payload = buf[offset : offset + nbytes]
         if rec.get("encoding") == "bits":
-            packed_shape = shape[:-1] + ((shape[-1] + 7) // 8,)
+            packed_shape = shape[:-1] + ((shape[-1] + 7) // 8,) if shape else ()
             if len(shape) < 2 or int(np.prod(packed_shape)) != nbytes:
                 raise EntryFormatError(f"map {key!r}: {nbytes} bytes do not hold shape {shape}")
             pm = PackedMap(payload.reshape(packed_shape), shape)
