@@ -115,7 +115,10 @@ class Plan:
     @property
     def step_sigmas(self) -> list[float]:
         if self.is_hit:
-            return [float(s) for s in self.entry_meta["signature"].get("step_sigmas", [])]
+            try:
+                return [float(s) for s in self.entry_meta["signature"].get("step_sigmas", [])]
+            except (TypeError, ValueError, AttributeError):
+                return []  # an unreadable schedule matches no step: the plan is demoted, runs dense
         return self.recorder.step_sigmas()
 
     @property
@@ -190,12 +193,15 @@ class Plan:
         if not self.is_hit:
             return None
         sig = self.entry_meta["signature"]
-        if sig.get("variant") != info.variant:
-            return f"entry made for {sig.get('variant')}, this model is {info.variant}"
-        if int(sig.get("num_layers", -1)) != info.num_layers or int(sig.get("num_heads", -1)) != info.num_heads:
-            return "entry made for a model with other layer/head counts"
-        if info.fingerprint not in list(sig.get("experts", [])):
-            return f"plan made for another model (weights fingerprint {info.fingerprint} not in the entry)"
+        try:
+            if sig.get("variant") != info.variant:
+                return f"entry made for {sig.get('variant')}, this model is {info.variant}"
+            if int(sig.get("num_layers", -1)) != info.num_layers or int(sig.get("num_heads", -1)) != info.num_heads:
+                return "entry made for a model with other layer/head counts"
+            if not isinstance(sig.get("experts"), list) or info.fingerprint not in sig["experts"]:
+                return f"plan made for another model (weights fingerprint {info.fingerprint} not in the entry)"
+        except (TypeError, ValueError, AttributeError) as exc:  # a hostile or damaged signature
+            return f"entry signature unreadable ({type(exc).__name__}: {exc})"
         return None
 
     def refresh_state(self, refresh_steps: int):
