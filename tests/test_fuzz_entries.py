@@ -112,7 +112,9 @@ def _hostile_entry(data: bytes, kind: str, params) -> bytes:
         meta["meta"] = text
     elif kind == "signature":
         user_meta = json.loads(meta["meta"])
-        field = ["latent_shape", "token_grid", "step_sigmas", "format", "token_order", "block_size"][number % 6]
+        fields = ["latent_shape", "token_grid", "step_sigmas", "format", "token_order", "block_size", "experts",
+                  "num_layers", "num_heads", "variant"]
+        field = fields[number % len(fields)]
         user_meta["signature"] = dict(user_meta["signature"], **{field: any_json})
         meta["meta"] = json.dumps(user_meta)
     elif kind == "maps_not_list":
@@ -258,7 +260,7 @@ def test_fuzz_decode_entry_bytes(template, record_property):
         try:
             masks, emb, meta = decode_entry(new if new is not None else b"", packed=packed)
             outcome = "decoded"
-            assert isinstance(masks, dict) and isinstance(meta, (dict, list, str, int, float, bool, type(None)))
+            assert isinstance(masks, dict) and isinstance(meta, dict)
         except EntryFormatError as exc:
             outcome = "rejected"
             assert str(exc)
@@ -269,7 +271,8 @@ def test_fuzz_decode_entry_bytes(template, record_property):
     assert sum(counts.values()) >= MAX_CASES // 2
 
 
-GRID_JSON = [None, True, [2**62], [-5], {"a": 1}, [[1]], "str", 2**62, [1, 2**40, -1], [2, 1, 2**62], 3.5]
+GRID_JSON = [None, True, [], [2**62], [-5], [-1, 8], [-1, 1, -8], {"a": 1}, [[1]], "str", 2**62, [1, 2**40, -1],
+             [2, 1, 2**62], 3.5]
 GRID_INT = [-1, 0, 1, 7, 2**31, 2**40, 2**62, -(2**62)]
 GRID_DTYPE = [torch.float64, torch.bool, torch.int32, torch.float16]
 
