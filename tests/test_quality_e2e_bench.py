@@ -8,15 +8,10 @@ linear emulation is close to bf16.
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 wan_model = pytest.importorskip("benchmarks.e2e.wan_model")
 

@@ -8,18 +8,13 @@ from __future__ import annotations
 
 import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # the benchmarks folder is not part of the installed package
-    sys.path.insert(0, str(ROOT))
 
-from chorus import kernels  # noqa: E402
-from chorus.kernels.reference import dense_attention_oracle  # noqa: E402
+from chorus import kernels
+from chorus.kernels.reference import dense_attention_oracle
 
 quality = pytest.importorskip("benchmarks.quality.harness")
 source = pytest.importorskip("benchmarks.quality.source")
