@@ -37,7 +37,6 @@ import hashlib
 import json
 import logging
 import os
-import shutil
 import sqlite3
 import threading
 import time
@@ -47,7 +46,6 @@ from pathlib import Path
 import numpy as np
 from filelock import FileLock
 
-from . import entry_format
 from .entry_format import EntryFormatError, decode_entry, encode_entry, fsync_dir
 from .index import DEFAULT_APPROX_THRESHOLD, PartitionedIndex, normalise
 from .paths import check_not_in_pack

@@ -27,7 +27,6 @@ root, and a tiny engine-shaped entry (signature, masks, model info).
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 import warnings
@@ -41,18 +40,10 @@ UNET = "chorus_serving_tiny_wan.safetensors"
 WORKSPACE = "serving"
 
 
-def _load(name: str, path: Path):
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
-tiny = _load("chorus_tests_tiny_wan", HERE / "host" / "tiny_wan.py")
-hostlib = _load("chorus_tests_host_server", HERE / "host" / "server.py")
+from host import tiny_wan as tiny  # noqa: E402
+from host import server as hostlib  # noqa: E402
 
 
 def skip_reason() -> str | None:

@@ -10,7 +10,6 @@ import random
 import signal
 import time
 
-import numpy as np
 import pytest
 import torch
 

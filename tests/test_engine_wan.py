@@ -11,16 +11,12 @@ against an fp64 oracle, and the override chaining / fallbacks.
 from __future__ import annotations
 
 import copy
-import importlib.util
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-_spec = importlib.util.spec_from_file_location("chorus_tests_tiny_wan", Path(__file__).parent / "host" / "tiny_wan.py")
-tiny = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(tiny)
+from host import tiny_wan as tiny  # tests/host (pytest pythonpath)
 
 SKIP_REASON = tiny.import_comfy()
 pytestmark = pytest.mark.skipif(SKIP_REASON is not None, reason=f"ComfyUI not available: {SKIP_REASON}")

@@ -11,7 +11,6 @@ Skips with a visible reason without a ComfyUI checkout.
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -19,15 +18,10 @@ import pytest
 _HERE = Path(__file__).parent
 
 
-def _load(name, path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
-tiny = _load("chorus_tests_tiny_wan_frh", _HERE / "host" / "tiny_wan.py")
-hostlib = _load("chorus_tests_host_server_frh", _HERE / "host" / "server.py")
+from host import tiny_wan as tiny  # noqa: E402
+from host import server as hostlib  # noqa: E402
 
 SKIP_REASON = tiny.import_comfy()
 pytestmark = [pytest.mark.host,

@@ -11,17 +11,13 @@ have something to find.
 
 from __future__ import annotations
 
-import importlib.util
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-_spec = importlib.util.spec_from_file_location("chorus_tests_tiny_wan_fr", Path(__file__).parent / "host" / "tiny_wan.py")
-tiny = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(tiny)
+from host import tiny_wan as tiny  # tests/host (pytest pythonpath)
 
 SKIP_REASON = tiny.import_comfy()
 pytestmark = pytest.mark.skipif(SKIP_REASON is not None, reason=f"ComfyUI not available: {SKIP_REASON}")

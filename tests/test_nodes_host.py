@@ -12,7 +12,6 @@ Skips with a visible reason without a ComfyUI checkout.
 
 from __future__ import annotations
 
-import importlib.util
 import time
 from pathlib import Path
 
@@ -21,15 +20,10 @@ import pytest
 _HERE = Path(__file__).parent
 
 
-def _load(name, path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
-tiny = _load("chorus_tests_tiny_wan", _HERE / "host" / "tiny_wan.py")
-hostlib = _load("chorus_tests_host_server", _HERE / "host" / "server.py")
+from host import tiny_wan as tiny  # noqa: E402
+from host import server as hostlib  # noqa: E402
 
 SKIP_REASON = tiny.import_comfy()
 pytestmark = [pytest.mark.host,

@@ -20,10 +20,8 @@ Chromium binary (``$CHROMIUM``, /usr/bin/chromium). Install: ``apt-get install -
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -55,13 +53,10 @@ GRAPH_STATE_JS = """() => {
 
 
 def _host():
-    name = "chorus_tests_comfy_host"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).parent / "frontend" / "comfy_host.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    """tests/frontend/comfy_host.py (on pytest's pythonpath): one shared server per process."""
+    import frontend.comfy_host
+
+    return frontend.comfy_host
 
 
 @pytest.fixture(scope="module")

@@ -14,9 +14,7 @@ folder this pack sits in). Checks, using the server's own ``/object_info`` and v
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 import uuid
 from pathlib import Path
 
@@ -37,13 +35,10 @@ CHORUS_NODES = {"ChorusMaskRetrieve", "ChorusSparseSampler", "ChorusFeatureReuse
 
 
 def _host():
-    name = "chorus_tests_comfy_host"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).parent / "frontend" / "comfy_host.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    """tests/frontend/comfy_host.py (on pytest's pythonpath): one shared server per process."""
+    import frontend.comfy_host
+
+    return frontend.comfy_host
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,6 @@ Skips without a ComfyUI checkout.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 from pathlib import Path
@@ -27,19 +26,10 @@ _HERE = Path(__file__).resolve().parent
 WORKFLOWS_DIR = _HERE.parent / "workflows"
 
 
-def _load(name: str, path: Path):
-    import sys
-
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
 
 
-tiny = _load("chorus_tests_tiny_wan", _HERE / "host" / "tiny_wan.py")
-server_mod = _load("chorus_tests_host_server", _HERE / "host" / "server.py")
+from host import tiny_wan as tiny  # noqa: E402
+from host import server as server_mod  # noqa: E402
 SKIP_REASON = tiny.import_comfy()
 
 
