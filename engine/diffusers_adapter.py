@@ -88,27 +88,42 @@ class DiffusersPatch:
             self._hook = None
 
 
+def diffusers_wan_blocks(transformer):
+    """``(blocks, (pt, ph, pw))`` of a diffusers ``WanTransformer3DModel``; ``ValueError`` for anything else."""
+    blocks = getattr(transformer, "blocks", None)
+    patch_size = getattr(getattr(transformer, "config", None), "patch_size", None)
+    if blocks is None or patch_size is None or not all(hasattr(b, "attn1") for b in blocks):
+        raise ValueError(f"{type(transformer).__name__} is not a diffusers WanTransformer3DModel")
+    return blocks, tuple(int(p) for p in patch_size)
+
+
+def forward_grid_and_sigma(args, kwargs, patch_size):
+    """From a ``WanTransformer3DModel.forward`` call: the token grid ``(T', H', W')`` and sigma
+    (``timestep / 1000``, the largest value for per-token timesteps), or ``None`` when the call does
+    not carry a 5-D latent and a timestep."""
+    hidden = kwargs.get("hidden_states", args[0] if args else None)
+    timestep = kwargs.get("timestep", args[1] if len(args) > 1 else None)
+    if hidden is None or timestep is None or hidden.dim() != 5:
+        return None
+    _, _, t, h, w = hidden.shape
+    pt, ph, pw = patch_size
+    return (t // pt, h // ph, w // pw), float(torch.as_tensor(timestep).float().max()) / 1000.0
+
+
 def patch_diffusers_wan(transformer, handle: ChorusAttention) -> DiffusersPatch:
     """Route the self-attention of a diffusers ``WanTransformer3DModel`` through ``handle``.
 
     Raises ``ValueError`` when ``transformer`` has no ``blocks[i].attn1`` or no patch-size config.
     """
-    blocks = getattr(transformer, "blocks", None)
-    patch_size = getattr(getattr(transformer, "config", None), "patch_size", None)
-    if blocks is None or patch_size is None or not all(hasattr(b, "attn1") for b in blocks):
-        raise ValueError(f"{type(transformer).__name__} is not a diffusers WanTransformer3DModel")
-    pt, ph, pw = (int(p) for p in patch_size)
+    blocks, patch_size = diffusers_wan_blocks(transformer)
     state = _CallState()
 
     def pre_hook(module, args, kwargs):
-        hidden = kwargs.get("hidden_states", args[0] if args else None)
-        timestep = kwargs.get("timestep", args[1] if len(args) > 1 else None)
-        if hidden is None or timestep is None or hidden.dim() != 5:
+        found = forward_grid_and_sigma(args, kwargs, patch_size)
+        if found is None:
             state.sigma = None
             return None
-        _, _, t, h, w = hidden.shape
-        state.grid = (t // pt, h // ph, w // pw)
-        sigma = float(torch.as_tensor(timestep).float().max()) / 1000.0
+        state.grid, sigma = found
         state.cond = state.last_sigma is None or abs(sigma - state.last_sigma) > 1e-7
         state.sigma = state.last_sigma = sigma
         return None

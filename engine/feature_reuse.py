@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels import pooling
+from .diffusers_adapter import diffusers_wan_blocks, forward_grid_and_sigma
 from .plan import Plan
 from .routing import match_step, step_sigma
 from .signature import ModelInfo
@@ -430,22 +431,12 @@ def patch_diffusers_feature_reuse(transformer, handle: FeatureReuse) -> Diffuser
     (``timestep / 1000``, the largest value for per-token timesteps). Combine with
     ``patch_diffusers_wan`` in either order. Raises ``ValueError`` for a module that is not a diffusers Wan.
     """
-    blocks = getattr(transformer, "blocks", None)
-    patch_size = getattr(getattr(transformer, "config", None), "patch_size", None)
-    if blocks is None or patch_size is None or not all(hasattr(b, "attn1") for b in blocks):
-        raise ValueError(f"{type(transformer).__name__} is not a diffusers WanTransformer3DModel")
-    pt, ph, pw = (int(p) for p in patch_size)
+    blocks, patch_size = diffusers_wan_blocks(transformer)
     state = _DiffusersState()
 
     def pre_hook(module, args, kwargs):
-        hidden = kwargs.get("hidden_states", args[0] if args else None)
-        timestep = kwargs.get("timestep", args[1] if len(args) > 1 else None)
-        if hidden is None or timestep is None or hidden.dim() != 5:
-            state.sigma = None
-            return None
-        _, _, t, h, w = hidden.shape
-        state.grid = (t // pt, h // ph, w // pw)
-        state.sigma = float(torch.as_tensor(timestep).float().max()) / 1000.0
+        found = forward_grid_and_sigma(args, kwargs, patch_size)
+        state.grid, state.sigma = found if found is not None else (state.grid, None)
         return None
 
     def wrap_attn1(attn, original):
