@@ -18,7 +18,9 @@ class SparseConfig:
     - ``refresh_steps`` >= 0: visit refresh; 0 = off, R > 0 = no block pair stays unvisited for more
       than R consecutive steps of a request (``chorus.kernels.VisitRefresh``).
     - ``backend``: one of ``auto | triton_fp8 | triton_bf16 | flex | reference`` (see kernels).
-    - ``sample_rows``: query rows per block used by the recorder's ``block_mass`` (None = exact).
+    - ``sample_rows``: query rows per block used by the recorder's ``block_mass`` (None = exact). 8 keeps
+      the miss within 10% of a dense run on the H200 and loses 0.0003 of mask recall against exact
+      mass (docs/BENCHMARKS.md, "End to end", miss rows).
     - ``block_size``: tokens per block (q and kv), 128 by default.
 
     Bad values raise ``ValueError``.
@@ -28,7 +30,7 @@ class SparseConfig:
     k_min: int = 4
     refresh_steps: int = 0
     backend: str = "auto"
-    sample_rows: int | None = 16
+    sample_rows: int | None = 8
     block_size: int = 128
 
     def __post_init__(self):

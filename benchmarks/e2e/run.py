@@ -203,6 +203,10 @@ def main(argv=None) -> int:
     ap.add_argument("--precisions", nargs="+", default=["bf16", "fp8"])
     ap.add_argument("--densities", nargs="+", type=float, default=[0.15, 0.05])
     ap.add_argument("--skip", nargs="*", default=[], help="variant names to leave out (dense_fp8, miss)")
+    ap.add_argument("--sample-rows", nargs="+", type=int, default=None,
+                    help="miss variants to run, one per value of the recorder's sampled query rows per block "
+                         "(default: one miss with the engine's default)")
+    ap.add_argument("--no-hits", action="store_true", help="leave out the hit variants")
     ap.add_argument("--check-full-step", action="store_true", help="also time one full 40-block step (480p)")
     ap.add_argument("--tiny", action="store_true", help="toy sizes on the CPU (tests)")
     ap.add_argument("--elementwise", choices=["eager", "fused"], default="fused",
@@ -238,7 +242,8 @@ def main(argv=None) -> int:
         L = grid[0] * grid[1] * grid[2]
         nb = -(-L // 128)
         full = torch.ones(1, shape.heads, nb, nb, dtype=torch.bool, device=device)
-        plans = {d: hit_plan(grid, shape, d, args.layers, device) for d in args.densities}
+        hit_densities = [] if args.no_hits else args.densities
+        plans = {d: hit_plan(grid, shape, d, args.layers, device) for d in hit_densities}
         out = info["results"].setdefault(res, {"tokens": L, "blocks": nb})
         if "fp8" in args.precisions:
             out["fp8_block_check"] = fp8_block_check(experts[0], grid, device, shape)
@@ -252,15 +257,19 @@ def main(argv=None) -> int:
             variants = {"dense_cudnn": (fixed(cudnn_sdpa), None),
                         "dense_fp8": (fixed(lambda q, k, v: kernels.block_sparse_attention(
                             q, k, v, full, backend=attn_backend)), None)}
-            variants["miss"] = "miss"
+            if args.sample_rows is None:
+                variants["miss"] = ("miss", SparseConfig().sample_rows)
+            else:
+                variants.update({f"miss@{r}rows": ("miss", r) for r in args.sample_rows})
             for name in args.skip:
                 variants.pop(name, None)
-            for d in args.densities:
+            for d in hit_densities:
                 variants[f"hit@{d:g}"] = ("hit", d)
             for name, spec in variants.items():
                 handles = None
-                if spec == "miss" or (isinstance(spec, tuple) and spec[0] == "hit"):
-                    cfg = SparseConfig(backend=attn_backend)
+                if isinstance(spec, tuple) and spec[0] in ("miss", "hit"):
+                    cfg = (SparseConfig(backend=attn_backend, sample_rows=spec[1]) if spec[0] == "miss"
+                           else SparseConfig(backend=attn_backend))
 
                     def make(plan_factory):
                         plan = plan_factory()
@@ -269,7 +278,7 @@ def main(argv=None) -> int:
                             q, k, v, layer=layer, sigma=sigma, grid=grid, dense_fn=cudnn_sdpa))
                         return plan, hs, fn
 
-                    factory = (lambda: Plan.miss("benchmark miss", latent_shape=(16, *grid))) if spec == "miss" \
+                    factory = (lambda: Plan.miss("benchmark miss", latent_shape=(16, *grid))) if spec[0] == "miss" \
                         else (lambda d=spec[1]: _fresh_hit(plans[d]))
                     _, hs, fn = make(factory)
                     req.run(fn, hs, layers=1)                      # warm-up (compiles, autotunes)
@@ -302,7 +311,7 @@ def main(argv=None) -> int:
             out["miss_breakdown"] = miss_breakdown(grid, shape, device)
             log(f"{res} miss path pieces per call (ms): {out['miss_breakdown']}")
         # mask-load overhead: the whole request's bank (4 steps x 40 layers) host -> device maps
-        if args.densities:
+        if hit_densities:
             out["mask_load"] = mask_load(grid, shape, args.densities[0], device)
             log(f"{res} mask load of a full request bank: {out['mask_load']}")
         if args.check_full_step and res == "480p" and cuda:
