@@ -16,7 +16,12 @@ process, each with bf16 linears and again with FP8 linears:
 * ``hit@D``: the engine's hit path with a stored bank of structured masks of density D (per head a
   3D-local window of head-specific anisotropy around each query block, exactly D of the key blocks
   per row): bit-packed maps on the CPU -> device, ``floor_k_min``, FP8 block-sparse kernel;
-* ``hit+feature_reuse``: not measured (feature reuse is a separate issue).
+* ``hit@D+fr``: ``hit@D`` plus feature reuse as ChorusFeatureReuse runs it (``--feature-reuse SHARE``):
+  the SHARE most redundant complete 2x8x8-token regions (scored by ``region_detail`` of a dense
+  block's update on this request; frame 0 never pooled) pooled 2x2x2; linears, cross-attention and
+  FFN on the compact sequence; self-attention on q/k/v expanded back to the full grid (same maps);
+  the update unpooled onto the tokens' own inputs. The first of the 40 layers runs in full (as the
+  engine does), so its latency is ``embed + head + block 0 + 39 * mean(compact blocks)``.
 
 Timing: CUDA events around the embeddings, every measured block, its self-attention, and the head.
 Each expert has all 40 blocks' weights on the GPU, but per step only the first ``--layers`` blocks
@@ -40,6 +45,8 @@ import torch.nn.functional as F
 
 from chorus import kernels
 from chorus.engine import ChorusAttention, ModelInfo, Plan, SparseConfig
+from chorus.engine.feature_reuse import select_regions
+from chorus.kernels import pooling
 
 from .wan_model import A14B, WanExpert, WanShape, patchify, rope_tables
 
@@ -109,9 +116,34 @@ class Request:
         self.text = torch.randn(shape.text_len, shape.text_dim, device=device, generator=gen, dtype=torch.bfloat16)
         self.rope = rope_tables(grid, shape.head_dim, device)
 
-    def run(self, attn_for_expert, handles=None, layers: int | None = None) -> dict:
+    def feature_reuse_layout(self, share: float):
+        """Regions to pool for this request: the ``share`` most redundant complete 2x8x8 regions by
+        ``region_detail`` of one dense block's update (high-noise expert, first step), frame 0 kept."""
+        expert = self.experts[0]
+        x, e6, _, ctx = expert.embed(self.latent_tokens, SIGMAS[0], self.text)
+        out = expert.block(1, x, e6, ctx, self.rope, lambda q, k, v, layer: cudnn_sdpa(q, k, v), self.precision)
+        detail = pooling.region_detail((out.float() - x.float())[None], self.grid, (2, 8, 8), (2, 2, 2))
+        regions = select_regions(1.0 - detail.cpu(), self.grid, (2, 8, 8), share)
+        layout = pooling.build_layout(self.grid, (2, 8, 8), (2, 2, 2), regions, device=self.device)
+        cos, sin = self.rope
+        cos_c, sin_c = pooling.pool_cos_sin(cos[None], sin[None], layout)
+        return layout, (cos_c[0], sin_c[0])
+
+    def _compact_block(self, expert, i, x, e6, ctx, attn, timer, reuse):
+        layout, rope_compact = reuse
+
+        def attn_full_grid(q, k, v, layer):
+            full = [pooling.expand_tokens(t, layout, dim=2) for t in (q, k, v)]
+            return pooling.compact_rows(attn(*full, layer), layout, dim=2)
+
+        x_c = pooling.pool_tokens(x[None], layout)[0]
+        y_c = expert.block(i, x_c, e6, ctx, rope_compact, attn_full_grid, self.precision, timer=timer)
+        return pooling.unpool_residual(x[None], x_c[None], y_c[None], layout)[0]
+
+    def run(self, attn_for_expert, handles=None, layers: int | None = None, reuse=None) -> dict:
         """``attn_for_expert(e) -> attn(q, k, v, layer, sigma)``; ``handles``: engine handles per expert
-        (bracketed with begin_run/end_run). Returns per-step event timings in ms."""
+        (bracketed with begin_run/end_run); ``reuse``: a :meth:`feature_reuse_layout` result to run
+        every block but the first on the compact sequence. Returns per-step event timings in ms."""
         layers = self.layers if layers is None else layers
         cuda = self.device.type == "cuda"
         ev = (lambda: torch.cuda.Event(enable_timing=True)) if cuda else None
@@ -136,8 +168,12 @@ class Request:
                 b = (ev(), ev(), ev(), ev()) if cuda else None
                 if cuda:
                     b[0].record()
-                x = expert.block(i, x, e6, ctx, self.rope, lambda q, k, v, layer: attn(q, k, v, layer, sigma),
-                                 self.precision, timer=(b[1], b[2]) if cuda else None)
+                attn_i = lambda q, k, v, layer: attn(q, k, v, layer, sigma)  # noqa: E731
+                timer = (b[1], b[2]) if cuda else None
+                if reuse is not None and i > 0:
+                    x = self._compact_block(expert, i, x, e6, ctx, attn_i, timer, reuse)
+                else:
+                    x = expert.block(i, x, e6, ctx, self.rope, attn_i, self.precision, timer=timer)
                 if cuda:
                     b[3].record()
                 blocks.append(b)
@@ -161,13 +197,19 @@ class Request:
         return {"steps": steps}
 
 
-def summarize(timing: dict, total_layers: int) -> dict:
-    """Per-request latency extrapolated from the measured blocks to ``total_layers`` per step."""
+def summarize(timing: dict, total_layers: int, first_layer_apart: bool = False) -> dict:
+    """Per-request latency extrapolated from the measured blocks to ``total_layers`` per step
+    (``first_layer_apart``: block 0 counted once and the mean of the others ``total_layers - 1`` times)."""
     lat = attn = embed_head = 0.0
+
+    def extrapolate(values):
+        if first_layer_apart and len(values) > 1:
+            return values[0] + (total_layers - 1) / (len(values) - 1) * sum(values[1:])
+        return total_layers / len(values) * sum(values)
+
     for s in timing["steps"]:
-        n = len(s["block_ms"])
-        lat += s["embed_ms"] + s["head_ms"] + total_layers / n * sum(s["block_ms"])
-        attn += total_layers / n * sum(s["attn_ms"])
+        lat += s["embed_ms"] + s["head_ms"] + extrapolate(s["block_ms"])
+        attn += extrapolate(s["attn_ms"])
         embed_head += s["embed_ms"] + s["head_ms"]
     blocks = [b for s in timing["steps"] for b in s["block_ms"]]
     return {"latency_s": lat / 1e3, "attention_s": attn / 1e3, "attention_share": attn / lat if lat else None,
@@ -207,6 +249,8 @@ def main(argv=None) -> int:
                     help="miss variants to run, one per value of the recorder's sampled query rows per block "
                          "(default: one miss with the engine's default)")
     ap.add_argument("--no-hits", action="store_true", help="leave out the hit variants")
+    ap.add_argument("--feature-reuse", type=float, default=None, metavar="SHARE",
+                    help="also run each hit with feature reuse pooling this share of the regions (e.g. 0.25)")
     ap.add_argument("--check-full-step", action="store_true", help="also time one full 40-block step (480p)")
     ap.add_argument("--tiny", action="store_true", help="toy sizes on the CPU (tests)")
     ap.add_argument("--elementwise", choices=["eager", "fused"], default="fused",
@@ -265,6 +309,9 @@ def main(argv=None) -> int:
                 variants.pop(name, None)
             for d in hit_densities:
                 variants[f"hit@{d:g}"] = ("hit", d)
+                if args.feature_reuse:
+                    variants[f"hit@{d:g}+fr"] = ("hit", d)
+            reuse = req.feature_reuse_layout(args.feature_reuse) if args.feature_reuse and hit_densities else None
             for name, spec in variants.items():
                 handles = None
                 if isinstance(spec, tuple) and spec[0] in ("miss", "hit"):
@@ -281,7 +328,8 @@ def main(argv=None) -> int:
                     factory = (lambda: Plan.miss("benchmark miss", latent_shape=(16, *grid))) if spec[0] == "miss" \
                         else (lambda d=spec[1]: _fresh_hit(plans[d]))
                     _, hs, fn = make(factory)
-                    req.run(fn, hs, layers=1)                      # warm-up (compiles, autotunes)
+                    req.run(fn, hs, layers=2 if name.endswith("+fr") else 1,      # warm-up (compiles, autotunes)
+                            reuse=reuse if name.endswith("+fr") else None)
                     plan, handles, attn_fn = make(factory)
                 else:
                     attn_fn = spec[0]
@@ -290,8 +338,13 @@ def main(argv=None) -> int:
                     torch.cuda.synchronize()
                     torch.cuda.reset_peak_memory_stats()
                     base_mem = torch.cuda.memory_allocated()
-                timing = req.run(attn_fn, handles)
-                row = summarize(timing, shape.layers)
+                with_fr = name.endswith("+fr")
+                timing = req.run(attn_fn, handles, reuse=reuse if with_fr else None)
+                row = summarize(timing, shape.layers, first_layer_apart=with_fr)
+                if with_fr:
+                    layout = reuse[0]
+                    row["compact_tokens"] = int(layout.compact_length)
+                    row["pooled_share_of_tokens"] = 1.0 - layout.compact_length / (grid[0] * grid[1] * grid[2])
                 if cuda:
                     row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
                     row["peak_over_static_gib"] = (torch.cuda.max_memory_allocated() - base_mem) / 2**30
@@ -416,7 +469,8 @@ def markdown(info: dict) -> str:
                              f"{(fp8b / row['latency_s']) if fp8b else math.nan:.2f}x | {row['attention_share']:.0%} | "
                              f"{row['block_ms_mean']:.1f} | {row.get('peak_gib', math.nan):.1f} | "
                              f"{row.get('peak_over_static_gib', math.nan):.2f} | {'-' if dens is None else f'{dens:.1%}'} |")
-            lines.append(f"| {precision} | hit+feature_reuse | not measured (feature reuse is another issue) | | | | | | | |")
+            if not any(name.endswith("+fr") for name in rows):
+                lines.append(f"| {precision} | hit+feature_reuse | not measured (run with --feature-reuse) | | | | | | | |")
     return "\n".join(lines)
 
 
