@@ -393,7 +393,7 @@ def fp8_block_check(expert: WanExpert, grid, device, shape: WanShape) -> dict:
                 "cosine_of_update": float(F.cosine_similarity((y8 - x.float()).flatten(), upd.flatten(), dim=0))}
 
 
-def miss_breakdown(grid, shape: WanShape, device, sample_rows: int = 16) -> dict:
+def miss_breakdown(grid, shape: WanShape, device, sample_rows: int | None = None) -> dict:
     """Per self-attention call of a miss, median ms of: dense cuDNN, ``block_mass`` (engine default
     sampled rows), ``select_blocks`` of that mass, and bit-packing it to the host (``pack_bits``)."""
     from chorus.engine.config import SparseConfig as _SC
