@@ -104,12 +104,16 @@ class Workspace:
         self._file_lock = FileLock(str(path / LOCK_NAME))
         self._db = sqlite3.connect(str(path / DB_NAME), timeout=60.0, isolation_level=None,
                                    check_same_thread=False)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=FULL")
-        self._db.executescript(_SCHEMA)
-        # A random id of this database: an index file written for another database (the SQLite
-        # file was deleted or replaced, entry ids restarted) must not be caught up by id.
-        self._db.execute("INSERT OR IGNORE INTO settings(key, value) VALUES('workspace_id', ?)", (uuid.uuid4().hex,))
+        # Switching a new database to WAL does not wait on SQLite's busy timeout: processes opening
+        # a fresh workspace at the same moment got "database is locked". Initialise under the writers' lock.
+        with self._file_lock:
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=FULL")
+            self._db.executescript(_SCHEMA)
+            # A random id of this database: an index file written for another database (the SQLite
+            # file was deleted or replaced, entry ids restarted) must not be caught up by id.
+            self._db.execute("INSERT OR IGNORE INTO settings(key, value) VALUES('workspace_id', ?)",
+                             (uuid.uuid4().hex,))
         self._workspace_id = self._get("workspace_id")
         self._approx_threshold = int(approx_threshold)
         self._index: PartitionedIndex | None = None

@@ -56,3 +56,15 @@ def writer(path: str, seeds, conn=None, crash_phase: str | None = None, mask_kwa
     ws.close()
     if conn is not None:
         conn.send(("done", None))
+
+
+def opener(path: str, barrier, results) -> None:
+    """Wait at ``barrier``, then open (and so create) the workspace at ``path``; report the outcome."""
+    from chorus.cache_store import Workspace
+
+    barrier.wait()
+    try:
+        Workspace.open(path).close()
+        results.put("ok")
+    except Exception as exc:  # noqa: BLE001 - the test reports whatever went wrong
+        results.put(repr(exc))

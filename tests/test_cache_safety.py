@@ -104,6 +104,23 @@ def test_sigkill_writer_at_random_moments(tmp_path, ctx):
     assert len(all_reported) > 0  # some writes did complete between kills
 
 
+def test_processes_creating_one_workspace_at_once(tmp_path, ctx):
+    """Several workers opening a fresh workspace at the same moment all succeed (WAL switch and
+    schema creation are serialised; this raised "database is locked" before)."""
+    failures = []
+    for trial in range(12):
+        path = str(tmp_path / f"ws{trial}")
+        barrier, results = ctx.Barrier(3), ctx.Queue()
+        procs = [ctx.Process(target=cache_helpers.opener, args=(path, barrier, results)) for _ in range(3)]
+        for p in procs:
+            p.start()
+        outcomes = [results.get(timeout=60) for _ in procs]
+        for p in procs:
+            p.join(30)
+        failures += [o for o in outcomes if o != "ok"]
+    assert not failures, failures[:3]
+
+
 def test_two_writers_fifty_entries_each(tmp_path, ctx):
     path = tmp_path / "ws"
     Workspace.open(path).close()
