@@ -110,9 +110,11 @@ def outcome(record: dict) -> dict:
     wrote = None
     if write.startswith("wrote entry "):
         wrote = int(write.split()[2])
+    errors = [{k: m[1].get(k) for k in ("node_type", "exception_type", "exception_message")}
+              for m in status.get("messages", []) if m[0] == "execution_error" and isinstance(m[1], dict)]
     return {"status": status.get("status_str"), "hit": hit_entry is not None, "hit_entry": hit_entry,
             "wrote": wrote, "retrieve": retrieve, "write": write,
-            "messages": [m[0] for m in status.get("messages", [])]}
+            "messages": [m[0] for m in status.get("messages", [])], "errors": errors}
 
 
 def chorus_cli(*args: str, env_root: Path | None = None, timeout: float = 120.0):
