@@ -38,6 +38,8 @@ class BackendUnavailableError(RuntimeError):
     """An explicitly requested backend cannot run on these inputs (no silent fallback)."""
 
 
+MAX_PREFIX_BIAS = 20.0  # exp(20) ~ 5e8: beyond any useful guidance, still far from overflow in log2 units
+
 _AUTO_CHAIN = (Backend.TRITON_FP8, Backend.TRITON_BF16, Backend.FLEX, Backend.REFERENCE)
 _auto_choice: dict[tuple, Backend] = {}
 _auto_logged: set[tuple] = set()
@@ -160,7 +162,19 @@ def _check_block_size(block_size) -> None:
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
 
 
-def _flex_attention(q, k, v, block_map, block_size, scale):
+def _check_prefix(prefix_len, prefix_bias, kv_len: int) -> tuple[int, float]:
+    if isinstance(prefix_len, bool) or not isinstance(prefix_len, int) or not 0 <= prefix_len <= kv_len:
+        raise ValueError(f"prefix_len must be an int in [0, {kv_len}] (the key count), got {prefix_len!r}")
+    if isinstance(prefix_bias, bool) or not isinstance(prefix_bias, (int, float)) or not math.isfinite(prefix_bias) \
+            or abs(prefix_bias) > MAX_PREFIX_BIAS:
+        raise ValueError(f"prefix_bias must be a finite number in [-{MAX_PREFIX_BIAS:g}, {MAX_PREFIX_BIAS:g}], "
+                         f"got {prefix_bias!r}")
+    if prefix_len == 0 or prefix_bias == 0:
+        return 0, 0.0
+    return prefix_len, float(prefix_bias)
+
+
+def _flex_attention(q, k, v, block_map, block_size, scale, prefix_len=0, prefix_bias=0.0):
     from torch.nn.attention.flex_attention import flex_attention
 
     from .codec import to_flex_block_mask
@@ -172,7 +186,15 @@ def _flex_attention(q, k, v, block_map, block_size, scale):
     fn = flex_attention
     if q.device.type == "cuda":
         fn = _compiled_flex()
-    return fn(q, k, v, block_mask=block_mask, scale=scale)
+    score_mod = None
+    if prefix_len:
+        # captured tensors (not Python numbers): a new bias value does not recompile the kernel
+        limit = torch.tensor(prefix_len, device=q.device, dtype=torch.int32)
+        bias = torch.tensor(prefix_bias, device=q.device, dtype=torch.float32)
+
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return torch.where(kv_idx < limit, score + bias, score)
+    return fn(q, k, v, block_mask=block_mask, scale=scale, score_mod=score_mod)
 
 
 _COMPILED_FLEX = None
@@ -187,17 +209,19 @@ def _compiled_flex():
     return _COMPILED_FLEX
 
 
-def _run_attention(chosen: Backend, q, k, v, block_map, block_size, scale):
+def _run_attention(chosen: Backend, q, k, v, block_map, block_size, scale, prefix_len, prefix_bias):
     if chosen == Backend.REFERENCE:
-        return reference.block_sparse_attention_reference(q, k, v, block_map, block_size, scale)
+        return reference.block_sparse_attention_reference(q, k, v, block_map, block_size, scale, prefix_len,
+                                                          prefix_bias)
     if chosen == Backend.FLEX:
-        return _flex_attention(q, k, v, block_map, block_size, scale)
+        return _flex_attention(q, k, v, block_map, block_size, scale, prefix_len, prefix_bias)
     return _triton_module().block_sparse_attention_triton(
-        q, k, v, block_map.to(q.device), block_size=block_size, scale=scale, fp8=chosen == Backend.TRITON_FP8)
+        q, k, v, block_map.to(q.device), block_size=block_size, scale=scale, fp8=chosen == Backend.TRITON_FP8,
+        prefix_len=prefix_len, prefix_bias=prefix_bias)
 
 
 def block_sparse_attention(q, k, v, block_map, *, block_size: int = 128, scale: float | None = None,
-                           backend: str = "auto") -> torch.Tensor:
+                           backend: str = "auto", prefix_len: int = 0, prefix_bias: float = 0.0) -> torch.Tensor:
     """Block-sparse attention: query block ``i`` attends only to key blocks ``j`` with
     ``block_map[..., i, j]``.
 
@@ -208,23 +232,29 @@ def block_sparse_attention(q, k, v, block_map, *, block_size: int = 128, scale: 
         block_size: ``bs``, tokens per block along both q and kv (default 128).
         scale: softmax scale, default ``1/sqrt(D)``.
         backend: see module docstring.
+        prefix_len, prefix_bias: ``prefix_bias`` (natural-log units, |bias| <= MAX_PREFIX_BIAS) is added
+            to the scaled logits of keys ``[0, prefix_len)`` for every query (Wan's first latent frame:
+            the image of an I2V request; guidance). Only keys the map keeps take part, as always.
+            ``prefix_len == 0`` or ``prefix_bias == 0`` runs exactly the unbiased computation.
 
     Returns:
         ``[B, H, Lq, D]`` in q's dtype.
 
     Raises:
-        ValueError: mismatched shapes, a map of the wrong block grid, an empty row, bad backend name.
+        ValueError: mismatched shapes, a map of the wrong block grid, an empty row, bad backend name,
+            a prefix outside ``[0, Lk]`` or a non-finite / too large bias.
         BackendUnavailableError: an explicit backend that cannot run on these inputs.
     """
     _check_qkv(q, k, v)
     _check_block_size(block_size)
     validate_block_map(block_map, q.shape[0], q.shape[1], q.shape[2], k.shape[2], block_size)
+    prefix_len, prefix_bias = _check_prefix(prefix_len, prefix_bias, k.shape[2])
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     explicit = _parse_backend(backend) != Backend.AUTO
     chosen = resolve_backend(backend, q, "attention")
     while True:
         try:
-            return _run_attention(chosen, q, k, v, block_map, block_size, scale)
+            return _run_attention(chosen, q, k, v, block_map, block_size, scale, prefix_len, prefix_bias)
         except Exception as exc:  # noqa: BLE001 - auto walks down its chain, explicit re-raises
             if explicit or chosen == Backend.REFERENCE:
                 raise

@@ -1,5 +1,6 @@
 """The ``reference`` and ``flex`` backends against the fp64 oracle (block map expanded to tokens)."""
 
+import math
 import warnings
 
 import pytest
@@ -75,3 +76,56 @@ def test_auto_on_cpu_resolves_to_reference():
     with pytest.raises(K.BackendUnavailableError, match="CUDA"):
         K.block_sparse_attention(q, k, v, torch.ones(1, 1, 1, 1, dtype=torch.bool), block_size=64,
                                  backend="triton_fp8")
+
+
+@pytest.mark.parametrize("seq_len,prefix_len", [(97, 40), (300, 130), (1025, 257)])
+@pytest.mark.parametrize("bias", [1.5, -0.7])
+@pytest.mark.parametrize("backend", ["reference", "flex"])
+def test_prefix_bias_matches_oracle(seq_len, prefix_len, bias, backend):
+    """The first-frame logit bias (guidance) on a prefix that does not end on a block boundary."""
+    q, k, v = make_qkv(heads=2, q_len=seq_len, seed=seq_len + prefix_len)
+    block_map = random_block_map(1, 2, seq_len, seq_len, 64, density=0.4, seed=3)
+    block_map[..., 0] = True  # the engine always keeps the first frame's key blocks
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        out = K.block_sparse_attention(q, k, v, block_map, block_size=64, backend=backend, prefix_len=prefix_len,
+                                       prefix_bias=bias)
+    assert_matches_oracle(out, q, k, v, block_map, 64, prefix_len=prefix_len, prefix_bias=bias)
+    unbiased = dense_attention_oracle(q, k, v, block_map, 64)
+    assert (out.double() - unbiased).abs().max() > 0.01  # the bias is not ignored
+
+
+def test_prefix_bias_scales_the_prefix_weights_by_exp_bias():
+    """Independent of any kernel: with v = 1 on the prefix keys and 0 elsewhere the output is the
+    prefix's attention mass m; a bias b turns it into e^b m / (e^b m + 1 - m)."""
+    q, k, _ = make_qkv(heads=2, q_len=200, seed=21)
+    prefix, bias = 70, 0.8
+    v = torch.zeros_like(q)
+    v[:, :, :prefix] = 1.0
+    mass = dense_attention_oracle(q, k, v)[..., 0]
+    biased = K.block_sparse_attention(q, k, v, torch.ones(1, 1, 4, 4, dtype=torch.bool), block_size=64,
+                                      backend="reference", prefix_len=prefix, prefix_bias=bias)[..., 0].double()
+    want = math.exp(bias) * mass / (math.exp(bias) * mass + 1 - mass)
+    torch.testing.assert_close(biased, want, atol=1e-6, rtol=1e-5)
+    assert (biased > mass).all()
+
+
+@pytest.mark.parametrize("prefix_len,bias", [(0, 2.0), (50, 0.0), (50, 0)])
+def test_no_prefix_bias_is_bit_identical(prefix_len, bias):
+    q, k, v = make_qkv(heads=2, q_len=150, seed=4)
+    block_map = random_block_map(1, 2, 150, 150, 64, density=0.5, seed=4)
+    plain = K.block_sparse_attention(q, k, v, block_map, block_size=64, backend="reference")
+    same = K.block_sparse_attention(q, k, v, block_map, block_size=64, backend="reference", prefix_len=prefix_len,
+                                    prefix_bias=bias)
+    assert torch.equal(plain, same)
+
+
+@pytest.mark.parametrize("prefix_len,bias,match", [(-1, 1.0, "prefix_len"), (151, 1.0, "prefix_len"),
+                                                   (2.5, 1.0, "prefix_len"), (True, 1.0, "prefix_len"),
+                                                   (10, math.nan, "prefix_bias"), (10, math.inf, "prefix_bias"),
+                                                   (10, 21.0, "prefix_bias"), (10, "1", "prefix_bias")])
+def test_bad_prefix_arguments_raise(prefix_len, bias, match):
+    q, k, v = make_qkv(heads=1, q_len=150, seed=1)
+    with pytest.raises(ValueError, match=match):
+        K.block_sparse_attention(q, k, v, torch.ones(1, 1, 3, 3, dtype=torch.bool), block_size=64,
+                                 prefix_len=prefix_len, prefix_bias=bias)

@@ -52,9 +52,9 @@ def random_map(batch, heads, q_len, kv_len, bs, density, seed):
     return keep
 
 
-def check_16bit(out, q, k, v, bm, bs):
-    oracle = dense_attention_oracle(q, k, v, bm, bs)
-    eager = masked_attention_eager(q, k, v, bm, bs).double()
+def check_16bit(out, q, k, v, bm, bs, prefix_len=0, prefix_bias=0.0):
+    oracle = dense_attention_oracle(q, k, v, bm, bs, prefix_len=prefix_len, prefix_bias=prefix_bias)
+    eager = masked_attention_eager(q, k, v, bm, bs, prefix_len=prefix_len, prefix_bias=prefix_bias).double()
     err = (out.double() - oracle).abs().max().item()
     err_eager = (eager - oracle).abs().max().item()
     floor = 4 * torch.finfo(q.dtype).eps * oracle.abs().max().item()
@@ -63,10 +63,11 @@ def check_16bit(out, q, k, v, bm, bs):
     assert err <= 2 * err_eager + floor, f"error {err:.3e} > 2 x eager {err_eager:.3e} + {floor:.1e}"
 
 
-def check_fp8(out, q, k, v, bm, bs):
-    oracle = dense_attention_oracle(q, k, v, bm, bs)
+def check_fp8(out, q, k, v, bm, bs, prefix_len=0, prefix_bias=0.0):
+    oracle = dense_attention_oracle(q, k, v, bm, bs, prefix_len=prefix_len, prefix_bias=prefix_bias)
     ours = error_stats(out, oracle)
-    sage = error_stats(sage_fp8_attention_emulation(q, k, v, bm, bs), oracle)
+    sage = error_stats(sage_fp8_attention_emulation(q, k, v, bm, bs, prefix_len=prefix_len,
+                                                    prefix_bias=prefix_bias), oracle)
     assert out.dtype == q.dtype and torch.isfinite(out).all()
     assert ours["rel_l1"] <= 2 * sage["rel_l1"], (ours, sage)
     assert 1 - ours["cosine"] <= 2 * (1 - sage["cosine"]), (ours, sage)
@@ -106,6 +107,20 @@ def test_fp8_kernel_within_sage_emulation_bound(batch, heads, length, dim, bs, d
     bm = random_map(1 if broadcast else batch, 1 if broadcast else heads, length, length, bs, density, seed=bs + 1)
     out = block_sparse_attention_triton(q, k, v, bm, block_size=bs, fp8=True)
     check_fp8(out, q, k, v, bm, bs)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("length,prefix_len,bs", [(300, 130, 64), (97, 97, 32)])
+def test_prefix_bias_matches_oracle(fp8, length, prefix_len, bs):
+    """The first-frame logit bias, on a prefix that ends inside a block (and one covering all keys)."""
+    q, k, v = make_inputs(1, 2, length, 64, torch.bfloat16, seed=length + prefix_len)
+    bm = random_map(1, 2, length, length, bs, 0.4, seed=5)
+    bm[..., 0] = True
+    out = block_sparse_attention_triton(q, k, v, bm, block_size=bs, fp8=fp8, prefix_len=prefix_len, prefix_bias=1.3)
+    (check_fp8 if fp8 else check_16bit)(out, q, k, v, bm, bs, prefix_len=prefix_len, prefix_bias=1.3)
+    plain = block_sparse_attention_triton(q, k, v, bm, block_size=bs, fp8=fp8)
+    if prefix_len < length:  # (a bias on every key cancels in the softmax)
+        assert (out.float() - plain.float()).abs().max() > 0.02
 
 
 def test_fp8_prepass_matches_torch_quantisation():
@@ -166,6 +181,8 @@ def test_custom_ops_trace_with_fake_tensors():
     ref_out, ref_mass = fn(q, k, v, bm)
     assert torch.equal(out, ref_out) and torch.equal(mass, ref_mass)
     torch.library.opcheck(torch.ops.chorus.block_sparse_attention_triton, (q, k, v, bm, 32, 0.125, False),
+                          test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(torch.ops.chorus.block_sparse_attention_triton, (q, k, v, bm, 32, 0.125, False, 40, 0.5),
                           test_utils=("test_schema", "test_faketensor"))
     torch.library.opcheck(torch.ops.chorus.block_mass_triton, (q, k, 32, 4, 0.125),
                           test_utils=("test_schema", "test_faketensor"))

@@ -29,11 +29,12 @@ def random_block_map(batch, heads, q_len, kv_len, block_size, density=0.5, seed=
     return keep
 
 
-def assert_matches_oracle(out, q, k, v, block_map, block_size, factor=2.0):
+def assert_matches_oracle(out, q, k, v, block_map, block_size, factor=2.0, prefix_len=0, prefix_bias=0.0):
     """Error of ``out`` vs the fp64 oracle is at most ``factor`` x the error of eager attention at
     the inputs' dtype (plus a small absolute floor of a few output ulps for exact-in-fp32 paths)."""
-    oracle = dense_attention_oracle(q, k, v, block_map, block_size)
-    eager = masked_attention_eager(q, k, v, block_map, block_size).double()
+    oracle = dense_attention_oracle(q, k, v, block_map, block_size, prefix_len=prefix_len, prefix_bias=prefix_bias)
+    eager = masked_attention_eager(q, k, v, block_map, block_size, prefix_len=prefix_len,
+                                   prefix_bias=prefix_bias).double()
     err = (out.double() - oracle).abs().max().item()
     err_eager = (eager - oracle).abs().max().item()
     floor = 4 * torch.finfo(q.dtype).eps * oracle.abs().max().item()

@@ -53,11 +53,12 @@ def _op_exists(name: str) -> bool:
 if not _op_exists("block_sparse_attention_triton"):
     @torch.library.custom_op("chorus::block_sparse_attention_triton", mutates_args=())
     def _bsa_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_map: torch.Tensor, block_size: int,
-                scale: float, fp8: bool) -> torch.Tensor:
-        return block_sparse_attention_triton_impl(q, k, v, block_map, block_size, scale, fp8)
+                scale: float, fp8: bool, prefix_len: int = 0, prefix_bias: float = 0.0) -> torch.Tensor:
+        return block_sparse_attention_triton_impl(q, k, v, block_map, block_size, scale, fp8,
+                                                  prefix_len=prefix_len, prefix_bias=prefix_bias)
 
     @_bsa_op.register_fake
-    def _bsa_fake(q, k, v, block_map, block_size, scale, fp8):
+    def _bsa_fake(q, k, v, block_map, block_size, scale, fp8, prefix_len=0, prefix_bias=0.0):
         return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 if not _op_exists("block_mass_triton"):
@@ -72,7 +73,8 @@ if not _op_exists("block_mass_triton"):
 
 
 def block_sparse_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_map: torch.Tensor, *,
-                                  block_size: int = 128, scale: float | None = None, fp8: bool = True) -> torch.Tensor:
+                                  block_size: int = 128, scale: float | None = None, fp8: bool = True,
+                                  prefix_len: int = 0, prefix_bias: float = 0.0) -> torch.Tensor:
     """Block-sparse forward attention (FP8 e4m3 when ``fp8``, else the inputs' 16-bit dtype).
 
     Args:
@@ -81,12 +83,15 @@ def block_sparse_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
         block_size: power of two in [16, 256] (128 is the tuned size).
         scale: softmax scale, default ``1/sqrt(D)``.
         fp8: FP8 Q/K (per-128-token scales, K smoothed) and FP8 P/V (per-channel V scale).
+        prefix_len, prefix_bias: ``prefix_bias`` (natural-log units) added to the scaled logits of keys
+            ``[0, prefix_len)`` (see :func:`chorus.kernels.block_sparse_attention`).
 
     Returns ``[B, H, Lq, D]`` in q's dtype. Raises ``ValueError`` on bad shapes/dtypes/maps.
     A map row with no kept block gives zeros (the public API rejects such maps first).
     """
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    return torch.ops.chorus.block_sparse_attention_triton(q, k, v, block_map, int(block_size), scale, bool(fp8))
+    return torch.ops.chorus.block_sparse_attention_triton(q, k, v, block_map, int(block_size), scale, bool(fp8),
+                                                          int(prefix_len), float(prefix_bias))
 
 
 def block_mass_triton(q: torch.Tensor, k: torch.Tensor, *, block_size: int = 128, sample_rows: int | None = None,

@@ -24,6 +24,10 @@ How it runs:
    ``acc / l``. ``P`` is cast to e4m3 for ``P @ V8`` (fp32 accumulation); the epilogue multiplies by
    the per-channel V scale.
 4. bf16 path: the same loop on the input tensors (no copy), ``S = Q @ K^T * scale * log2(e)``.
+5. Prefix bias (``HAS_BIAS``, a compile-time switch: without a bias the kernel is unchanged): the
+   bias in log2 units is added to the scaled ``S`` of keys ``< prefix_len`` before the row maximum,
+   so the FP8 ``P`` keeps its 2^8 headroom; K smoothing is still exact (it shifts each row by a
+   constant, the bias does not depend on the query).
 The last key block (when partial) is processed after the unmasked main loop with a key mask.
 """
 
@@ -79,11 +83,11 @@ def _compress_map_kernel(block_map, kv_num, kv_idx, Kb, CHUNK: tl.constexpr):
 
 @triton.jit
 def _attn_tiles(acc, l_i, m_i, q, sq, qk_scale, K, V, k_scale_row, idx_row, b, h, it_lo, it_hi, Lk,
-                s_kb, s_kh, s_kl, s_vb, s_vh, s_vl,
+                prefix_len, prefix_bias, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl,
                 HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr, KV_SUB: tl.constexpr,
                 FP8: tl.constexpr, USE_TMA: tl.constexpr, MASK_KEYS: tl.constexpr, MASK_LOADS: tl.constexpr,
                 P_SHIFT: tl.constexpr, SCALE_TILE: tl.constexpr, INTERPRET: tl.constexpr,
-                ABLATE: tl.constexpr, WARP_SPEC: tl.constexpr):
+                ABLATE: tl.constexpr, WARP_SPEC: tl.constexpr, HAS_BIAS: tl.constexpr):
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     for it in tl.range(it_lo, it_hi, warp_specialize=WARP_SPEC):
@@ -108,6 +112,9 @@ def _attn_tiles(acc, l_i, m_i, q, sq, qk_scale, K, V, k_scale_row, idx_row, b, h
             s = qk_scale
         if MASK_KEYS:
             qk = tl.where((offs_n < Lk)[None, :], qk, float("-inf"))
+        if HAS_BIAS:  # prefix bias (log2 units): scale first, then the row's logits are final
+            qk = qk * s + tl.where(offs_n < prefix_len, prefix_bias, 0.0)[None, :]
+            s = 1.0
         if ABLATE == 1:  # benchmark only: no softmax (measures the exp/max/rescale cost)
             p = qk * s
             m_new = m_i
@@ -152,13 +159,13 @@ def _attn_tiles(acc, l_i, m_i, q, sq, qk_scale, K, V, k_scale_row, idx_row, b, h
 
 @triton.jit
 def _bsa_fwd_kernel(Q, K, V, O, q_scale, k_scale, v_scale, kv_num, kv_idx, sched,
-                    H, Lq, Lk, num_kv_blocks, n_q_scale, n_k_scale, qk_scale,
+                    H, Lq, Lk, num_kv_blocks, n_q_scale, n_k_scale, qk_scale, prefix_len, prefix_bias,
                     s_qb, s_qh, s_ql, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl, s_ob, s_oh, s_ol,
                     s_nb, s_nh, s_ib, s_ih, s_iq,
                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr,
                     FP8: tl.constexpr, USE_TMA: tl.constexpr, TAIL_K: tl.constexpr, EVEN_Q: tl.constexpr,
                     P_SHIFT: tl.constexpr, SCALE_TILE: tl.constexpr, INTERPRET: tl.constexpr,
-                    ABLATE: tl.constexpr, WARP_SPEC: tl.constexpr):
+                    ABLATE: tl.constexpr, WARP_SPEC: tl.constexpr, HAS_BIAS: tl.constexpr):
     TPB: tl.constexpr = BS // BLOCK_M
     KV_SUB: tl.constexpr = BS // BLOCK_N
     # Loads need masks only on the bf16 pointer path (FP8 buffers are padded, TMA zero-fills).
@@ -198,13 +205,15 @@ def _bsa_fwd_kernel(Q, K, V, O, q_scale, k_scale, v_scale, kv_num, kv_idx, sched
         last = tl.load(idx_row + tl.maximum(n_kv - 1, 0))
         n_main = n_kv - ((n_kv > 0) & (last == num_kv_blocks - 1)).to(tl.int32)
     acc, l_i, m_i = _attn_tiles(acc, l_i, m_i, q, sq, qk_scale, K, V, k_scale_row, idx_row, b, h,
-                                0, n_main * KV_SUB, Lk, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl,
-                                HEAD_DIM, BLOCK_N, BS, KV_SUB, FP8, USE_TMA, False, False, P_SHIFT, SCALE_TILE, INTERPRET, ABLATE, WARP_SPEC)
+                                0, n_main * KV_SUB, Lk, prefix_len, prefix_bias, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl,
+                                HEAD_DIM, BLOCK_N, BS, KV_SUB, FP8, USE_TMA, False, False, P_SHIFT, SCALE_TILE, INTERPRET,
+                                ABLATE, WARP_SPEC, HAS_BIAS)
     if TAIL_K:
         acc, l_i, m_i = _attn_tiles(acc, l_i, m_i, q, sq, qk_scale, K, V, k_scale_row, idx_row, b, h,
-                                    n_main * KV_SUB, n_kv * KV_SUB, Lk, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl,
+                                    n_main * KV_SUB, n_kv * KV_SUB, Lk, prefix_len, prefix_bias,
+                                    s_kb, s_kh, s_kl, s_vb, s_vh, s_vl,
                                     HEAD_DIM, BLOCK_N, BS, KV_SUB, FP8, USE_TMA, True, MASK_LOADS, P_SHIFT,
-                                    SCALE_TILE, INTERPRET, ABLATE, False)
+                                    SCALE_TILE, INTERPRET, ABLATE, False, HAS_BIAS)
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     out = acc / l_safe[:, None]
@@ -271,10 +280,16 @@ def _validate(q, k, v, block_map, block_size):
         raise ValueError(f"block_map is on {block_map.device}, q on {q.device}")
 
 
-def prepare_attention(q, k, v, block_map, block_size: int, scale: float, fp8: bool, config: dict | None = None):
+def prepare_attention(q, k, v, block_map, block_size: int, scale: float, fp8: bool, config: dict | None = None,
+                      prefix_len: int = 0, prefix_bias: float = 0.0):
     """Validate, build the block index and (FP8) quantise; returns the launch arguments as a dict.
-    Split from :func:`launch_attention` so the benchmark can time the stages separately."""
+    Split from :func:`launch_attention` so the benchmark can time the stages separately.
+    ``prefix_bias`` (natural-log units) is added to the scaled logits of keys ``[0, prefix_len)``."""
     _validate(q, k, v, block_map, block_size)
+    if not (isinstance(prefix_len, int) and 0 <= prefix_len <= k.shape[2] and math.isfinite(prefix_bias)):
+        raise ValueError(f"prefix_len must be in [0, {k.shape[2]}] and prefix_bias finite, got "
+                         f"{prefix_len!r}, {prefix_bias!r}")
+    has_bias = prefix_len > 0 and prefix_bias != 0.0
     if config is None:
         config = DEFAULT_CONFIGS["fp8" if fp8 else "bf16"]
     batch, heads, q_len, head_dim = q.shape
@@ -306,7 +321,9 @@ def prepare_attention(q, k, v, block_map, block_size: int, scale: float, fp8: bo
                 kv_num=kv_num, kv_idx=kv_idx, sched=sched, map_strides=map_strides, fp8=bool(fp8),
                 block_size=block_size, block_m=block_m, block_n=block_n, use_tma=use_tma, kv_len=kv_len,
                 num_q_blocks=num_q_blocks, num_kv_blocks=num_kv_blocks, n_q_scale=n_q_scale,
-                n_k_scale=n_k_scale, qk_scale=qk_scale, config=config)
+                n_k_scale=n_k_scale, qk_scale=qk_scale, config=config, has_bias=has_bias,
+                prefix_len=int(prefix_len) if has_bias else 0,
+                prefix_bias_log2=float(prefix_bias) * LOG2E if has_bias else 0.0)
 
 
 def launch_attention(prep: dict, ablate: int = 0) -> torch.Tensor:
@@ -335,23 +352,26 @@ def launch_attention(prep: dict, ablate: int = 0) -> torch.Tensor:
     _bsa_fwd_kernel[grid](
         q_arg, k_arg, v_arg, out, prep["q_scale"], prep["k_scale"], prep["v_scale"], prep["kv_num"],
         prep["kv_idx"], prep["sched"], heads, q_len, prep["kv_len"], prep["num_kv_blocks"], prep["n_q_scale"],
-        prep["n_k_scale"], prep["qk_scale"], *strides, out.stride(0), out.stride(1), out.stride(2),
+        prep["n_k_scale"], prep["qk_scale"], prep["prefix_len"], prep["prefix_bias_log2"], *strides, out.stride(0), out.stride(1), out.stride(2),
         *prep["map_strides"],
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BS=block_size, FP8=fp8, USE_TMA=prep["use_tma"],
         TAIL_K=prep["kv_len"] % block_size != 0, EVEN_Q=q_len % block_m == 0, P_SHIFT=P_SHIFT_LOG2,
         SCALE_TILE=QUANT_TILE, INTERPRET=interpreter_upcast(q), ABLATE=ablate,
-        WARP_SPEC=bool(config.get("warp_spec", False)) and not interpreter_upcast(q),
+        WARP_SPEC=bool(config.get("warp_spec", False)) and not interpreter_upcast(q), HAS_BIAS=prep["has_bias"],
         num_warps=config["num_warps"], num_stages=config["num_stages"], **extra)
     return out
 
 
 def block_sparse_attention_triton_impl(q, k, v, block_map, block_size: int, scale: float, fp8: bool,
-                                       config: dict | None = None) -> torch.Tensor:
+                                       config: dict | None = None, prefix_len: int = 0,
+                                       prefix_bias: float = 0.0) -> torch.Tensor:
     """Validate, prepare and launch (no torch.library wrapping); ``config`` overrides tile settings."""
     if q.device.type == "cuda":
         with torch.cuda.device(q.device):  # Triton launches on the current device
-            return launch_attention(prepare_attention(q, k, v, block_map, block_size, scale, fp8, config))
-    return launch_attention(prepare_attention(q, k, v, block_map, block_size, scale, fp8, config))
+            return launch_attention(prepare_attention(q, k, v, block_map, block_size, scale, fp8, config,
+                                                      prefix_len, prefix_bias))
+    return launch_attention(prepare_attention(q, k, v, block_map, block_size, scale, fp8, config, prefix_len,
+                                              prefix_bias))
 
 
 def default_scale(head_dim: int) -> float:

@@ -37,14 +37,17 @@ def _quant_blocks(x: torch.Tensor, block: int) -> torch.Tensor:
 
 
 def sage_fp8_attention_emulation(q, k, v, block_map=None, block_size: int = 128, scale: float | None = None,
-                                 quant_block: int = 128) -> torch.Tensor:
-    """SageAttention-style FP8 attention in fp64 (see module docstring)."""
+                                 quant_block: int = 128, prefix_len: int = 0, prefix_bias: float = 0.0) -> torch.Tensor:
+    """SageAttention-style FP8 attention in fp64 (see module docstring); ``prefix_bias`` is added to
+    the (quantised) logits of keys ``[0, prefix_len)``."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     q64, k64, v64 = q.double(), k.double(), v.double()
     k64 = k64 - k64.mean(dim=2, keepdim=True)
     qq = _quant_blocks(q64 * scale, quant_block)
     kq = _quant_blocks(k64, quant_block)
     scores = qq @ kq.transpose(-1, -2)
+    if prefix_len > 0:
+        scores[..., :prefix_len] += prefix_bias
     if block_map is not None:
         rows = torch.arange(q.shape[2], device=q.device) // block_size
         cols = torch.arange(k.shape[2], device=q.device) // block_size
