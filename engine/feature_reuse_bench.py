@@ -17,10 +17,15 @@ bf16 linears), on an 81-frame latent's token grid (720p: 21 x 45 x 80 = 75 600 t
   0 never pooled) pooled 2x2x2; linears, cross-attention and FFN on the compact sequence;
   self-attention on q/k/v expanded back to the full grid (same sparse map); update upsampled.
 - ``fr_record_overhead``: what a miss adds per block (region scores of the update, <= 256 channels).
+- guidance (ChorusGuidanceBoost as on a hit's steps): text = cross-attention gain
+  ``1 + 0.2 * strength``; image = first-frame logit bias ``log(1 + 0.2 * image_strength)`` in
+  self-attention (inside the sparse kernel; a dense call takes it as an SDPA additive mask). Timed:
+  the biased sparse and dense attention calls next to the unbiased ones.
 - quality proxies vs the dense block output: relative L2 deviation over all tokens and over the
-  first frame's tokens ("first-frame consistency"), with guidance (cross-attention gain
-  ``1 + 0.2 * strength``) at strength 0 and 0.5. Random weights: these say how much each
-  approximation moves a block's output, not how a trained model's video looks.
+  first frame's tokens ("first-frame consistency"), without guidance and with text, image and both;
+  and the first frame's share of the self-attention mass (mean over 512 evenly spaced queries and
+  all heads, exact softmax in fp32) for dense, sparse, and sparse + the image bias. Random weights:
+  these say how much each approximation moves a block's output, not how a trained model's video looks.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ import torch.nn.functional as F
 
 from ..kernels import block_sparse_attention, pooling
 from .feature_reuse import RECORD_CHANNELS, select_regions
-from .guidance import GAIN_PER_STRENGTH
+from .guidance import GAIN_PER_STRENGTH, IMAGE_GAIN_PER_STRENGTH, first_frame_biased_attention
 
 GRIDS = {"720p": (21, 45, 80), "480p": (21, 30, 52)}
 
@@ -129,14 +134,46 @@ def _dense_attention(heads):
     return run
 
 
-def _sparse_attention(heads, block_map, backend):
+def _sparse_attention(heads, block_map, backend, prefix_len=0, prefix_bias=0.0):
     def run(q, k, v):
         b, s, w = q.shape
         d = w // heads
         t = [u.view(b, s, heads, d).transpose(1, 2) for u in (q, k, v)]
-        out = block_sparse_attention(*t, block_map, backend=backend)
+        out = block_sparse_attention(*t, block_map, backend=backend, prefix_len=prefix_len, prefix_bias=prefix_bias)
         return out.transpose(1, 2).reshape(b, s, w)
     return run
+
+
+def _dense_biased_attention(heads, prefix_len, bias):
+    def run(q, k, v):
+        b, s, w = q.shape
+        d = w // heads
+        t = [u.view(b, s, heads, d).transpose(1, 2) for u in (q, k, v)]
+        return first_frame_biased_attention(*t, prefix_len, bias).transpose(1, 2).reshape(b, s, w)
+    return run
+
+
+def first_frame_share(q, k, heads, first, block_map=None, bias=0.0, rows=512, block_size=128) -> float:
+    """Mean share of the softmax mass on keys ``[0, first)`` over ``rows`` evenly spaced queries and all
+    heads (q/k ``[1, L, H*D]``; exact fp32 softmax, optional block map ``[1, 1, Qb, Kb]`` and bias)."""
+    b, L, w = q.shape
+    d = w // heads
+    idx = torch.linspace(0, L - 1, rows, device=q.device).round().long()
+    qh = q[0, idx].view(rows, heads, d).transpose(0, 1).float()
+    kh = k[0].view(L, heads, d).transpose(0, 1).float()
+    keep = None
+    if block_map is not None:
+        keep = block_map[0, 0][idx // block_size][:, torch.arange(L, device=q.device) // block_size]
+    shares = []
+    for h0 in range(0, heads, 8):
+        logits = qh[h0:h0 + 8] @ kh[h0:h0 + 8].transpose(-1, -2) / math.sqrt(d)
+        if bias:
+            logits[..., :first] += bias
+        if keep is not None:
+            logits = logits.masked_fill(~keep, float("-inf"))
+        p = torch.softmax(logits, -1)
+        shares.append(p[..., :first].sum(-1).flatten())
+    return float(torch.cat(shares).mean())
 
 
 def structured_map(grid, block_size=128, density=0.15, device="cuda"):
@@ -189,7 +226,7 @@ def _smooth_input(grid, dim, device, dtype, seed=0):
 
 
 def measure_block(grid=GRIDS["720p"], *, density=0.15, share=0.25, reps=5, backend="auto", strength=0.5,
-                  dim=5120, heads=40, ffn=13824, device="cuda", log=print) -> dict:
+                  image_strength=0.5, dim=5120, heads=40, ffn=13824, device="cuda", log=print) -> dict:
     """Run the variants of the module docstring on one block; returns a JSON-able dict (times in ms)."""
     torch.manual_seed(0)
     dtype = torch.bfloat16
@@ -200,14 +237,24 @@ def measure_block(grid=GRIDS["720p"], *, density=0.15, share=0.25, reps=5, backe
     context = torch.randn(1, 512, dim, device=device, dtype=dtype)
     rot = _rope_rotations(grid, dim // heads, device)
     block_map = structured_map(grid, density=density, device=device)
+    first = grid[1] * grid[2]
+    image_bias = math.log1p(IMAGE_GAIN_PER_STRENGTH * image_strength)
     dense_attn = _dense_attention(heads)
     sparse_attn = _sparse_attention(heads, block_map, backend)
+    sparse_attn_biased = _sparse_attention(heads, block_map, backend, first, image_bias)
+    dense_attn_biased = _dense_biased_attention(heads, first, image_bias)
     res = {"grid": list(grid), "tokens": L, "dim": dim, "heads": heads, "ffn": ffn, "share": share,
-           "map_density": float(block_map.float().mean()), "device": torch.cuda.get_device_name(),
+           "map_density": float(block_map.float().mean()), "device": torch.cuda.get_device_name() if str(device).startswith("cuda") else str(device),
            "torch": torch.__version__, "backend": backend}
 
+    captured = {}
+
+    def capture(q, k, v):
+        captured["q"], captured["k"] = q, k
+        return dense_attn(q, k, v)
+
     with torch.no_grad():
-        dense_out = block(x, e, rot, context, dense_attn)
+        dense_out = block(x, e, rot, context, capture)
         # region scores from the dense run (what a miss records), then the hit's layout
         detail = pooling.region_detail(dense_out - x, grid, (2, 8, 8), (2, 2, 2))
         regions = select_regions(1.0 - detail.cpu(), grid, (2, 8, 8), share)
@@ -236,6 +283,11 @@ def measure_block(grid=GRIDS["720p"], *, density=0.15, share=0.25, reps=5, backe
             "dense+fr": lambda: with_fr(dense_attn),
             "attention_dense": lambda: dense_attn(*(torch.randn(1, L, dim, device=device, dtype=dtype),) * 3),
             "attention_sparse": lambda: sparse_attn(*(torch.randn(1, L, dim, device=device, dtype=dtype),) * 3),
+            "attention_sparse_first_frame_bias": lambda: sparse_attn_biased(
+                *(torch.randn(1, L, dim, device=device, dtype=dtype),) * 3),
+            "attention_dense_first_frame_bias": lambda: dense_attn_biased(
+                *(torch.randn(1, L, dim, device=device, dtype=dtype),) * 3),
+            "sparse+fr+guidance": lambda: with_fr(sparse_attn_biased, gain),
             "fr_pool_unpool_overhead": lambda: pooling.unpool_residual(x, pooling.pool_tokens(x, layout),
                                                                        pooling.pool_tokens(x, layout), layout),
             # the miss path's extra work per block: region scores from a <= 256-channel subset
@@ -256,7 +308,6 @@ def measure_block(grid=GRIDS["720p"], *, density=0.15, share=0.25, reps=5, backe
             res["speedup_sparse_fr_vs_sparse"] = times["sparse"] / times["sparse+fr"]
             res["speedup_sparse_fr_vs_dense"] = times["dense"] / times["sparse+fr"]
 
-        first = grid[1] * grid[2]
         ref = dense_out.float()
         upd = (dense_out - x).float()
 
@@ -267,15 +318,27 @@ def measure_block(grid=GRIDS["720p"], *, density=0.15, share=0.25, reps=5, backe
 
         q = {}
         for name, fn in (("sparse", lambda: block(x, e, rot, context, sparse_attn)),
+                         ("sparse+image", lambda: block(x, e, rot, context, sparse_attn_biased)),
                          ("sparse+fr", lambda: with_fr(sparse_attn)),
-                         ("sparse+fr+guidance", lambda: with_fr(sparse_attn, gain)),
+                         ("sparse+fr+text", lambda: with_fr(sparse_attn, gain)),
+                         ("sparse+fr+image", lambda: with_fr(sparse_attn_biased)),
+                         ("sparse+fr+text+image", lambda: with_fr(sparse_attn_biased, gain)),
                          ("dense+fr", lambda: with_fr(dense_attn))):
             try:
                 q[name] = quality(fn())
             except Exception as exc:  # noqa: BLE001
                 q[name] = f"failed: {type(exc).__name__}: {exc}"
         res["quality"] = q
+        qk = captured["q"], captured["k"]
+        res["first_frame_attention_share"] = {
+            "dense": first_frame_share(*qk, heads, first),
+            "sparse": first_frame_share(*qk, heads, first, block_map),
+            "sparse+image": first_frame_share(*qk, heads, first, block_map, image_bias),
+            "dense+image": first_frame_share(*qk, heads, first, None, image_bias),
+        }
+        log(f"quality: {json.dumps(q)}; first-frame share: {json.dumps(res['first_frame_attention_share'])}")
         res["guidance_gain"] = gain
+        res["image_bias"] = image_bias
     return res
 
 
@@ -286,6 +349,8 @@ def main(argv=None) -> int:
     p.add_argument("--share", type=float, default=0.25)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--backend", default="auto")
+    p.add_argument("--strength", type=float, default=0.5, help="guidance text strength (cross-attention gain)")
+    p.add_argument("--image-strength", type=float, default=0.5, help="guidance image strength (first-frame bias)")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -294,7 +359,8 @@ def main(argv=None) -> int:
     results = []
     for name in a.tokens:
         t0 = time.time()
-        r = measure_block(GRIDS[name], density=a.density, share=a.share, reps=a.reps, backend=a.backend)
+        r = measure_block(GRIDS[name], density=a.density, share=a.share, reps=a.reps, backend=a.backend,
+                          strength=a.strength, image_strength=a.image_strength)
         r["name"], r["wall_s"] = name, time.time() - t0
         print(json.dumps(r, indent=1))
         results.append(r)

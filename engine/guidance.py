@@ -2,19 +2,28 @@
 
 Reuse (sparse attention with an earlier request's masks, downsampled regions) lets a request drift
 from its own conditioning: attention to some key blocks is never computed, and pooled regions
-see the prompt at reduced resolution. Wan injects text (and, for Wan 2.1 I2V, the CLIP image
-tokens) through cross-attention, so the correction here is a gain on the cross-attention output:
+see the prompt at reduced resolution. Two corrections, each with its own strength:
 
-    out_cross  ->  (1 + GAIN_PER_STRENGTH * strength) * out_cross
+- **text** (``strength``): Wan injects the prompt (and, for Wan 2.1 I2V, the CLIP image tokens)
+  through cross-attention, so its output gets a gain
 
-applied to every cross-attention call (text, and CLIP image where the model has it) of the model
-calls whose step is one where reuse acted. "Reuse acted" means: the plan is a hit and the sigma
-is one of the entry's steps (sparsity reuse acts on every such step, feature reuse on a subset);
-a miss has no reuse, so nothing changes; without a plan, every step is boosted (the user asked).
-``strength == 0`` returns the host's output object unchanged: bit-identical to no patch.
+      out_cross  ->  (1 + GAIN_PER_STRENGTH * strength) * out_cross
 
-Wan 2.2 A14B I2V carries its image condition in the latent channels, not in cross-attention: for it
-this reinforces the text only (the first-frame keep-set of the masks protects the image tokens).
+- **image** (``image_strength``): Wan 2.2 (A14B I2V, TI2V 5B) carries the start image in the first
+  latent frame, whose tokens are the first ``H' * W'`` of the ``(t, h, w)`` sequence. Self-attention
+  gets a logit bias toward those keys,
+
+      bias = log(1 + IMAGE_GAIN_PER_STRENGTH * image_strength)
+
+  added to the scaled logits of the first-frame keys for every query: their softmax weights are
+  multiplied by ``1 + IMAGE_GAIN_PER_STRENGTH * image_strength`` before renormalisation. On the
+  sparse path the kernel applies it (the reused maps always keep the first frame's key blocks); a
+  dense call applies it through :func:`first_frame_biased_attention`.
+
+Both act only in model calls whose step is one where reuse acted: the plan is a hit and the sigma is
+one of the entry's steps (sparsity reuse acts on every such step, feature reuse on a subset). A miss
+has no reuse, so nothing changes; without a plan, every step is boosted (the user asked).
+A strength of 0 leaves that part out entirely; both 0 is bit-identical to no patch.
 """
 
 from __future__ import annotations
@@ -27,38 +36,72 @@ from .plan import Plan
 from .routing import match_step, step_sigma
 
 GAIN_PER_STRENGTH = 0.2
+IMAGE_GAIN_PER_STRENGTH = 0.2
 MAX_STRENGTH = 5.0
 
 
-class GuidanceBoost:
-    """Decides and applies the cross-attention gain for one patched model.
+def _check_strength(name: str, value) -> float:
+    if isinstance(value, bool) or not (isinstance(value, (int, float)) and math.isfinite(value)
+                                       and 0.0 <= value <= MAX_STRENGTH):
+        raise ValueError(f"{name} must be in [0, {MAX_STRENGTH}], got {value!r}")
+    return float(value)
 
-    ``plan``: the request's :class:`Plan` or None. ``strength`` in [0, MAX_STRENGTH]; bad values raise
-    ``ValueError``. ``sample_sigmas`` (optional): the run's schedule, so intermediate sigmas of
-    multi-evaluation samplers map to their step.
+
+def first_frame_biased_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_len: int,
+                                 bias: float) -> torch.Tensor:
+    """Dense attention ``[B, H, L, D]`` with ``bias`` added to the scaled logits of keys
+    ``[0, prefix_len)`` (PyTorch SDPA with an additive ``[1, 1, 1, Lk]`` mask, any device/dtype).
+
+    ``bias == 0`` or ``prefix_len == 0`` is plain SDPA. ``ValueError`` for a prefix outside
+    ``[0, Lk]`` or a non-finite bias."""
+    kv_len = k.shape[-2]
+    if not (0 <= int(prefix_len) <= kv_len) or not math.isfinite(bias):
+        raise ValueError(f"prefix_len must be in [0, {kv_len}] and bias finite, got {prefix_len!r}, {bias!r}")
+    if prefix_len == 0 or bias == 0.0:
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    mask = torch.zeros(1, 1, 1, kv_len, dtype=q.dtype, device=q.device)
+    mask[..., :prefix_len] = bias
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+class GuidanceBoost:
+    """Decides and applies the guidance for one patched model.
+
+    ``plan``: the request's :class:`Plan` or None. ``strength`` (text: cross-attention gain) and
+    ``image_strength`` (first-frame logit bias in self-attention), each in [0, MAX_STRENGTH]; bad
+    values raise ``ValueError``. ``sample_sigmas`` (set per sampler run by the host): the run's
+    schedule, so intermediate sigmas of multi-evaluation samplers map to their step.
     """
 
-    def __init__(self, plan: Plan | None, strength: float = 0.5):
+    def __init__(self, plan: Plan | None, strength: float = 0.5, image_strength: float = 0.5):
         if plan is not None and not isinstance(plan, Plan):
             raise ValueError(f"plan must be a chorus Plan or None, got {type(plan).__name__}")
-        if not (isinstance(strength, (int, float)) and math.isfinite(strength) and 0.0 <= strength <= MAX_STRENGTH):
-            raise ValueError(f"strength must be in [0, {MAX_STRENGTH}], got {strength!r}")
         self.plan = plan
-        self.strength = float(strength)
+        self.strength = _check_strength("strength", strength)
+        self.image_strength = _check_strength("image_strength", image_strength)
         self.sample_sigmas: list[float] | None = None
         self.boosted_calls = 0
+        self.biased_calls = 0
 
     def __deepcopy__(self, memo):
         return self
 
     @property
+    def is_off(self) -> bool:
+        return self.strength == 0.0 and self.image_strength == 0.0
+
+    @property
     def gain(self) -> float:
+        """Cross-attention output gain where reuse acted."""
         return 1.0 + GAIN_PER_STRENGTH * self.strength
 
-    def active_at(self, sigma) -> bool:
-        """Whether reuse acted at this sigma (float or tensor; first element)."""
-        if self.strength == 0.0:
-            return False
+    @property
+    def image_bias(self) -> float:
+        """First-frame logit bias (natural-log units) where reuse acted."""
+        return math.log1p(IMAGE_GAIN_PER_STRENGTH * self.image_strength)
+
+    def reuse_acted(self, sigma) -> bool:
+        """Whether reuse acted at this sigma (float or tensor; first element), regardless of strengths."""
         if self.plan is None:
             return True
         if not self.plan.is_hit:
@@ -71,9 +114,20 @@ class GuidanceBoost:
         except Exception:  # noqa: BLE001 - no step identity: no boost
             return False
 
+    def active_at(self, sigma) -> bool:
+        """Whether any part of the guidance acts at this sigma."""
+        return not self.is_off and self.reuse_acted(sigma)
+
     def cross_attention(self, out: torch.Tensor, sigma) -> torch.Tensor:
         """The cross-attention output, boosted when reuse acted at ``sigma``; else ``out`` itself."""
-        if not self.active_at(sigma):
+        if self.strength == 0.0 or not self.reuse_acted(sigma):
             return out
         self.boosted_calls += 1
         return out * self.gain
+
+    def first_frame_bias(self, sigma) -> float:
+        """The self-attention logit bias toward the first frame's keys at ``sigma`` (0.0: none)."""
+        if self.image_strength == 0.0 or not self.reuse_acted(sigma):
+            return 0.0
+        self.biased_calls += 1
+        return self.image_bias

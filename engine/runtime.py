@@ -10,6 +10,7 @@ never raises from there: anything unexpected is logged once (``plan.note``) and 
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 
@@ -17,6 +18,7 @@ import torch
 
 from .. import kernels
 from .config import SparseConfig
+from .guidance import first_frame_biased_attention
 from .plan import Plan
 from .recorder import pack_bits_on_device, unpack_bits_on_device
 from .routing import match_step, step_sigma
@@ -43,6 +45,15 @@ def floor_k_min(block_map: torch.Tensor, k_min: int) -> torch.Tensor:
     rank = torch.argsort(torch.argsort(dist, dim=-1, stable=True), dim=-1)
     near = rank < k
     return block_map | (near & short[..., None])
+
+
+def _first_frame_tokens(grid, q) -> int:
+    """``H' * W'`` when ``grid`` is a 3-int token grid holding q's ``L`` tokens, else 0."""
+    try:
+        t, h, w = (int(g) for g in grid)
+    except (TypeError, ValueError):
+        return 0
+    return h * w if t * h * w == q.shape[-2] and h * w > 0 else 0
 
 
 class _Fallback(Exception):
@@ -123,24 +134,31 @@ class ChorusAttention:
 
     # -- the call ------------------------------------------------------------------------------
     def self_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layer: int, sigma: float,
-                       grid, dense_fn, cond_rows=None) -> torch.Tensor:
+                       grid, dense_fn, cond_rows=None, first_frame_bias: float = 0.0) -> torch.Tensor:
         """Attention output ``[B, H, L, D]`` for one self-attention call.
 
         ``q, k, v``: ``[B, H, L, D]`` (post-norm, post-RoPE). ``layer``: block index of the model.
         ``sigma``: current sigma (float or tensor; first element used). ``grid``: token grid
         ``(T', H', W')`` with ``T'*H'*W' == L``. ``cond_rows``: bool ``[B]`` marking rows of positive
         conditioning (recorded on a miss) or None (all rows). ``dense_fn(q, k, v)``: the host's dense
-        attention, used on a miss and for every fallback.
+        attention, used on a miss and for every fallback. ``first_frame_bias`` (guidance, natural-log
+        units): added to the logits of the first frame's ``H' * W'`` keys, in the sparse kernel and,
+        in place of ``dense_fn``, in dense calls (:func:`first_frame_biased_attention`); ignored when
+        the grid does not hold the call's tokens. Block mass is always recorded without it.
         """
         start = time.perf_counter()
         try:
+            prefix_len = _first_frame_tokens(grid, q) if first_frame_bias else 0
+            if prefix_len:
+                dense_fn = functools.partial(first_frame_biased_attention, prefix_len=prefix_len,
+                                             bias=float(first_frame_bias))
             if not self._running:
                 self.begin_run()
             if self.expert is None:
                 self.plan.stats.dense_calls += 1
                 return dense_fn(q, k, v)
             if self.plan.is_hit:
-                return self._sparse(q, k, v, layer, sigma, grid, dense_fn)
+                return self._sparse(q, k, v, layer, sigma, grid, dense_fn, prefix_len, float(first_frame_bias))
             return self._dense_and_record(q, k, v, layer, sigma, grid, dense_fn, cond_rows)
         finally:
             self.plan.stats.attention_seconds += time.perf_counter() - start
@@ -170,7 +188,7 @@ class ChorusAttention:
             sigma = sigma.reshape(-1)[0].item()
         return step_sigma(float(sigma), self.sample_sigmas)
 
-    def _sparse(self, q, k, v, layer, sigma, grid, dense_fn):
+    def _sparse(self, q, k, v, layer, sigma, grid, dense_fn, prefix_len=0, prefix_bias=0.0):
         plan, cfg = self.plan, self.config
         try:
             grid = self._check(q, k, v, layer, grid)
@@ -180,7 +198,8 @@ class ChorusAttention:
                 raise _Fallback(f"sigma {s:.4g} is not a step of the entry's schedule")
             packed, kept, num_kv = self._device_map(step, int(layer), q)
             block_map = unpack_bits_on_device(packed, num_kv)
-            out = kernels.block_sparse_attention(q, k, v, block_map, block_size=cfg.block_size, backend=cfg.backend)
+            out = kernels.block_sparse_attention(q, k, v, block_map, block_size=cfg.block_size, backend=cfg.backend,
+                                                 prefix_len=prefix_len, prefix_bias=prefix_bias if prefix_len else 0.0)
         except Exception as exc:  # noqa: BLE001 - never crash sampling: dense for this call
             why = str(exc) if isinstance(exc, _Fallback) else f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             plan.note(f"sparse attention not used for a call ({why}); dense attention instead")

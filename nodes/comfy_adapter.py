@@ -14,7 +14,9 @@ Uses only ComfyUI's supported hooks (no module globals are touched):
   ``transformer_options``.
 
 Self-attention is the call whose q and k lengths both equal the token count of the grid; q/k/v
-arrive as ``[B, L, heads * head_dim]`` with ``heads``. Cross-attention (text, CLIP image) and any
+arrive as ``[B, L, heads * head_dim]`` with ``heads``. When ChorusGuidanceBoost is on the model
+(``transformer_options[GUIDANCE_KEY]``, in either node order) its first-frame logit bias is applied
+here, in the sparse kernel or in a biased dense call, so it is applied exactly once per call. Cross-attention (text, CLIP image) and any
 call with a mask or another layout pass through untouched. The layer comes from
 ``transformer_options["block_index"]`` when ComfyUI provides it (newer versions), else from the
 per-forward counter. The step comes from ``transformer_options["sigmas"]`` (see engine routing).
@@ -32,6 +34,7 @@ import math
 import torch
 
 from ..engine import ChorusAttention, ModelInfo, Plan, SparseConfig, wan_model_info
+from ..engine.guidance import first_frame_biased_attention
 
 log = logging.getLogger("chorus.nodes")
 
@@ -39,6 +42,7 @@ WRAPPER_KEY = "chorus_ii"
 HANDLE_KEY = "chorus_ii_attention"
 FORWARD_KEY = "chorus_ii_forward"
 CLIP_IMAGE_TOKENS = 257
+GUIDANCE_KEY = "chorus_ii_guidance_boost"  # transformer_options: the GuidanceBoost of ChorusGuidanceBoost
 
 
 class ForwardContext:
@@ -87,10 +91,6 @@ class ChorusOverride:
         ctx.layer_counter += 1
         if layer is None:
             layer = counted
-        if ctx.disabled_reason is not None:
-            plan.note(ctx.disabled_reason)
-            plan.stats.fallback_calls += 1
-            return self._dense(func, args, kwargs)
         batch, length, width = q.shape
         heads = int(heads)
         if width % heads:
@@ -98,6 +98,8 @@ class ChorusOverride:
             plan.stats.fallback_calls += 1
             return self._dense(func, args, kwargs)
         head_dim = width // heads
+        sigma = ctx.sigma if ctx.sigma is not None else options.get("sigmas")
+        bias = guidance_first_frame_bias(options, sigma)
 
         def to_bhld(t):
             return t.view(batch, length, heads, head_dim).transpose(1, 2)
@@ -106,19 +108,59 @@ class ChorusOverride:
             out = self._dense(func, args, kwargs)
             return out.view(batch, length, heads, head_dim).transpose(1, 2)
 
+        if ctx.disabled_reason is not None:
+            plan.note(ctx.disabled_reason)
+            plan.stats.fallback_calls += 1
+            if bias:
+                out = first_frame_biased_attention(to_bhld(q), to_bhld(k), to_bhld(v), ctx.grid[1] * ctx.grid[2], bias)
+                return out.transpose(1, 2).reshape(batch, length, width)
+            return self._dense(func, args, kwargs)
+
         cond_rows = None
         cond_or_uncond = options.get("cond_or_uncond")
         if cond_or_uncond and batch % len(cond_or_uncond) == 0:
             per = batch // len(cond_or_uncond)
             cond_rows = torch.tensor([c == 0 for c in cond_or_uncond], dtype=torch.bool).repeat_interleave(per)
-        sigma = ctx.sigma if ctx.sigma is not None else options.get("sigmas")
         if sigma is None:
             plan.note("no sigma in transformer_options; dense attention")
             plan.stats.fallback_calls += 1
             return self._dense(func, args, kwargs)
         out = self.attention.self_attention(to_bhld(q), to_bhld(k), to_bhld(v), layer=int(layer), sigma=sigma,
-                                            grid=ctx.grid, dense_fn=dense_fn, cond_rows=cond_rows)
+                                            grid=ctx.grid, dense_fn=dense_fn, cond_rows=cond_rows,
+                                            first_frame_bias=bias)
         return out.transpose(1, 2).reshape(batch, length, width)
+
+
+def guidance_first_frame_bias(options: dict, sigma) -> float:
+    """The first-frame logit bias ChorusGuidanceBoost asks for in this call (0.0 when no guidance is
+    installed on the model, or it does not act at ``sigma``); never raises."""
+    boost = options.get(GUIDANCE_KEY)
+    if boost is None or sigma is None:
+        return 0.0
+    try:
+        return float(boost.first_frame_bias(sigma))
+    except Exception:  # noqa: BLE001 - guidance must never break attention
+        return 0.0
+
+
+def chain_has_chorus_attention(override) -> bool:
+    """Whether a :class:`ChorusOverride` is reachable in an attention-override chain (links:
+    ``.previous`` / ``.inner``, as Chorus' own overrides name them)."""
+    seen = 0
+    while override is not None and seen < 64:
+        if isinstance(override, ChorusOverride):
+            return True
+        override = getattr(override, "previous", None) or getattr(override, "inner", None)
+        seen += 1
+    return False
+
+
+def latent_token_grid(x) -> tuple[int, int, int] | None:
+    """Token grid ``(T, ceil(H/2), ceil(W/2))`` of a Wan latent ``x [B, C, T, H, W]`` (patch 1x2x2), or None."""
+    if not isinstance(x, torch.Tensor) or x.dim() != 5:
+        return None
+    _, _, t, h, w = x.shape
+    return int(t), math.ceil(h / 2), math.ceil(w / 2)
 
 
 def _find_transformer_options(args, kwargs):

@@ -1,12 +1,16 @@
-"""engine/guidance.py: when the boost acts, its gain, and that strength 0 changes nothing."""
+"""engine/guidance.py: when the boost acts, its gain and first-frame bias, and that strength 0 changes
+nothing; the biased dense attention and the engine's sparse path against the fp64 oracle."""
 
 import math
 
 import pytest
 import torch
 
-from chorus.engine.guidance import GAIN_PER_STRENGTH, GuidanceBoost
+from chorus.engine.guidance import (GAIN_PER_STRENGTH, IMAGE_GAIN_PER_STRENGTH, GuidanceBoost,
+                                    first_frame_biased_attention)
 from chorus.engine.plan import Plan
+from chorus.kernels.reference import dense_attention_oracle
+from testing import assert_matches_oracle, make_qkv
 
 
 def _hit(step_sigmas=(1.0, 0.75, 0.5, 0.25)):
@@ -18,31 +22,91 @@ def _hit(step_sigmas=(1.0, 0.75, 0.5, 0.25)):
 def test_strength_zero_returns_the_same_object():
     out = torch.randn(1, 8, 4)
     for plan in (None, _hit(), Plan.miss("m")):
-        boost = GuidanceBoost(plan, 0.0)
-        assert boost.cross_attention(out, 1.0) is out and not boost.active_at(1.0)
+        boost = GuidanceBoost(plan, 0.0, 0.0)
+        assert boost.is_off and not boost.active_at(1.0)
+        assert boost.cross_attention(out, 1.0) is out and boost.first_frame_bias(1.0) == 0.0
+
+
+def test_each_part_has_its_own_strength():
+    out = torch.ones(1, 3, 2)
+    text_only = GuidanceBoost(None, 1.0, 0.0)
+    assert text_only.first_frame_bias(0.5) == 0.0 and torch.equal(text_only.cross_attention(out, 0.5), out * 1.2)
+    image_only = GuidanceBoost(None, 0.0, 1.0)
+    assert image_only.cross_attention(out, 0.5) is out
+    assert image_only.first_frame_bias(0.5) == pytest.approx(math.log(1 + IMAGE_GAIN_PER_STRENGTH))
 
 
 def test_acts_only_where_reuse_acted():
     out = torch.ones(1, 3, 2)
-    hit = GuidanceBoost(_hit(), 0.5)
+    hit = GuidanceBoost(_hit(), 0.5, 0.5)
     assert hit.gain == pytest.approx(1 + 0.5 * GAIN_PER_STRENGTH)
     assert torch.equal(hit.cross_attention(out, torch.tensor([0.75])), out * hit.gain)
-    assert hit.cross_attention(out, 0.6) is out  # not a step of the entry
+    assert hit.first_frame_bias(torch.tensor([0.75])) == pytest.approx(math.log(1 + 0.5 * IMAGE_GAIN_PER_STRENGTH))
+    assert hit.cross_attention(out, 0.6) is out and hit.first_frame_bias(0.6) == 0.0  # not a step of the entry
     hit.sample_sigmas = [1.0, 0.75, 0.5, 0.25, 0.0]
     assert hit.active_at(0.6)  # an intermediate sigma of step 0.75 (multi-evaluation samplers)
-    miss = GuidanceBoost(Plan.miss("m"), 2.0)
-    assert miss.cross_attention(out, 1.0) is out
-    no_plan = GuidanceBoost(None, 1.0)
+    miss = GuidanceBoost(Plan.miss("m"), 2.0, 2.0)
+    assert miss.cross_attention(out, 1.0) is out and miss.first_frame_bias(1.0) == 0.0
+    no_plan = GuidanceBoost(None, 1.0, 1.0)
     assert torch.equal(no_plan.cross_attention(out, 0.3), out * (1 + GAIN_PER_STRENGTH))
-    assert hit.boosted_calls == 1 and no_plan.boosted_calls == 1
+    assert hit.boosted_calls == 1 and no_plan.boosted_calls == 1 and hit.biased_calls == 1
 
 
-@pytest.mark.parametrize("bad", [-0.1, 5.1, math.nan, math.inf, "1"])
-def test_bad_strength_raises(bad):
-    with pytest.raises(ValueError, match="strength"):
-        GuidanceBoost(None, bad)
+@pytest.mark.parametrize("name", ["strength", "image_strength"])
+@pytest.mark.parametrize("bad", [-0.1, 5.1, math.nan, math.inf, "1", True])
+def test_bad_strength_raises(name, bad):
+    with pytest.raises(ValueError, match=name):
+        GuidanceBoost(None, **{name: bad})
 
 
 def test_bad_plan_raises():
     with pytest.raises(ValueError, match="plan"):
         GuidanceBoost(object(), 0.5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("length,prefix_len", [(300, 100), (97, 36)])
+def test_first_frame_biased_attention_matches_oracle(dtype, length, prefix_len):
+    q, k, v = make_qkv(batch=2, heads=2, q_len=length, dtype=dtype, seed=length)
+    bias = math.log(1.5)
+    out = first_frame_biased_attention(q, k, v, prefix_len, bias)
+    assert out.dtype == dtype and out.shape == q.shape
+    assert_matches_oracle(out, q, k, v, None, 64, prefix_len=prefix_len, prefix_bias=bias)
+    assert (out.double() - dense_attention_oracle(q, k, v)).abs().max() > 1e-3
+    assert torch.equal(first_frame_biased_attention(q, k, v, prefix_len, 0.0),
+                       torch.nn.functional.scaled_dot_product_attention(q, k, v))
+    with pytest.raises(ValueError, match="prefix_len"):
+        first_frame_biased_attention(q, k, v, length + 1, bias)
+
+
+def test_engine_applies_the_bias_on_the_sparse_path_and_in_dense_calls():
+    """ChorusAttention with a first-frame bias: a hit's sparse call equals the biased block-sparse
+    oracle; a miss's dense call (the host's dense_fn replaced) equals the biased dense oracle."""
+    from chorus.engine import ChorusAttention, SparseConfig
+    from chorus.engine.signature import ModelInfo
+
+    grid, bs = (3, 5, 20), 64  # 300 tokens, first frame 100 tokens (ends inside block 1)
+    q, k, v = make_qkv(batch=1, heads=2, q_len=300, seed=9)
+    info = ModelInfo("wan2.2-a14b-i2v", "WanModel", 1, 2, 64, 16, "fp0", True, "")
+    qb = 5
+    band = torch.zeros(2, qb, qb, dtype=torch.bool)
+    for i in range(qb):
+        band[:, i, max(0, i - 1):i + 1] = True
+    band[:, :, :2] = True  # the first frame's key blocks, as the recorder's keep-set stores them
+    sig = {"variant": info.variant, "experts": [info.fingerprint], "num_layers": 1, "num_heads": 2,
+           "token_grid": list(grid), "step_sigmas": [0.5], "block_size": bs}
+    hit = Plan("hit", masks={(0, 0, 0, 0): band}, entry_meta={"signature": sig}, similarity=0.95, entry_id=1)
+    handle = ChorusAttention(hit, SparseConfig(k_min=1, block_size=bs, backend="reference"), info)
+    bias = math.log(1.4)
+    out = handle.self_attention(q, k, v, layer=0, sigma=0.5, grid=grid, dense_fn=None, first_frame_bias=bias)
+    assert hit.stats.sparse_calls == 1 and hit.stats.fallback_calls == 0
+    used = handle.used_map(0, 0)
+    want = dense_attention_oracle(q, k, v, used, bs, prefix_len=100, prefix_bias=bias)
+    assert (out.double() - want).abs().max() < 1e-5
+    plain = handle.self_attention(q, k, v, layer=0, sigma=0.5, grid=grid, dense_fn=None)
+    assert (plain.double() - want).abs().max() > 1e-3
+
+    miss = Plan.miss("m")
+    dense_handle = ChorusAttention(miss, SparseConfig(block_size=bs), info)
+    out = dense_handle.self_attention(q, k, v, layer=0, sigma=0.5, grid=grid, dense_fn=None, first_frame_bias=bias)
+    assert (out.double() - dense_attention_oracle(q, k, v, prefix_len=100, prefix_bias=bias)).abs().max() < 1e-5
