@@ -21,9 +21,17 @@ def patch_diffusers_wan(transformer, handle):
     return _patch(transformer, handle)
 
 
+def patch_diffusers_guidance(transformer, boost):
+    """Add a :class:`~chorus.engine.guidance.GuidanceBoost` to a diffusers ``WanTransformer3DModel``
+    (see :mod:`chorus.engine.diffusers_adapter`)."""
+    from .diffusers_adapter import patch_diffusers_guidance as _patch
+
+    return _patch(transformer, boost)
+
+
 __all__ = [
     "BACKENDS", "SparseConfig", "Plan", "PlanStats", "mask_heatmap", "placeholder", "MassRecorder",
     "build_signature", "commit_plan", "retrieve_plan", "SigmaSchedule", "match_step", "step_sigma",
     "ChorusAttention", "floor_k_min", "SUPPORTED_VARIANTS", "ModelInfo", "latent_compatibility", "token_grid",
-    "wan_model_info", "weights_fingerprint", "patch_diffusers_wan",
+    "wan_model_info", "weights_fingerprint", "patch_diffusers_wan", "patch_diffusers_guidance",
 ]

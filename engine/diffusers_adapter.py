@@ -10,6 +10,14 @@ the largest value). The first call at a new sigma counts as the positive (cond) 
 calls at the same sigma as negative passes, which matches how diffusers' Wan pipelines run CFG
 (cond first, then uncond, as separate calls); with CFG batched into one call every row is recorded.
 ``patch.remove()`` restores the original processors and removes the hook.
+
+``patch_diffusers_guidance(transformer, boost)`` adds ChorusGuidanceBoost's corrections
+(:mod:`chorus.engine.guidance`) to the same model, before or after ``patch_diffusers_wan``: the
+cross-attention (``attn2``) output gets the text gain (applied to the attention result before the
+output projection: ``g * out - (g - 1) * to_out.bias``), and self-attention the first-frame logit
+bias — inside the sparse processor when ``patch_diffusers_wan`` is installed, else through a dense
+processor that leaves every call without a bias to diffusers' own processor. Remove patches in the
+reverse order of installing them.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .guidance import GuidanceBoost, first_frame_biased_attention
 from .runtime import ChorusAttention
 
 
@@ -44,15 +53,34 @@ class _CallState:
 
 
 class ChorusWanSelfAttnProcessor:
-    """Self-attention processor for one diffusers ``WanAttention`` (``attn1`` of block ``layer``)."""
+    """Self-attention processor for one diffusers ``WanAttention`` (``attn1`` of block ``layer``).
 
-    def __init__(self, handle: ChorusAttention, layer: int, state: _CallState, original):
+    ``handle``: the :class:`ChorusAttention` of ``patch_diffusers_wan``, or None for the dense
+    processor of ``patch_diffusers_guidance`` (then calls without a first-frame bias go to
+    ``original`` untouched). ``guidance``: a :class:`GuidanceBoost` whose first-frame bias is applied."""
+
+    def __init__(self, handle: ChorusAttention | None, layer: int, state: _CallState, original,
+                 guidance: GuidanceBoost | None = None):
         self.handle, self.layer, self.state, self.original = handle, layer, state, original
+        self.guidance = guidance
+
+    def _first_frame_bias(self) -> float:
+        if self.guidance is None or self.state.sigma is None:
+            return 0.0
+        try:
+            return float(self.guidance.first_frame_bias(self.state.sigma))
+        except Exception:  # noqa: BLE001 - guidance must never break attention
+            return 0.0
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None,
                  **kwargs):
         st = self.state
         if encoder_hidden_states is not None or attention_mask is not None or st.sigma is None:
+            return self.original(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb, **kwargs)
+        bias = self._first_frame_bias()
+        grid = st.grid
+        prefix = grid[1] * grid[2] if grid is not None and grid[0] * grid[1] * grid[2] == hidden_states.shape[1] else 0
+        if self.handle is None and not (bias and prefix):
             return self.original(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb, **kwargs)
         if getattr(attn, "fused_projections", False):
             query, key, value = attn.to_qkv(hidden_states).chunk(3, dim=-1)
@@ -65,9 +93,12 @@ class ChorusWanSelfAttnProcessor:
             query = _rotary(query, *rotary_emb)
             key = _rotary(key, *rotary_emb)
         q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # [B, H, L, D]
-        cond_rows = torch.full((q.shape[0],), st.cond, dtype=torch.bool)
-        out = self.handle.self_attention(q, k, v, layer=self.layer, sigma=st.sigma, grid=st.grid,
-                                         cond_rows=cond_rows, dense_fn=_sdpa)
+        if self.handle is None:
+            out = first_frame_biased_attention(q, k, v, prefix, bias)
+        else:
+            cond_rows = torch.full((q.shape[0],), st.cond, dtype=torch.bool)
+            out = self.handle.self_attention(q, k, v, layer=self.layer, sigma=st.sigma, grid=st.grid,
+                                             cond_rows=cond_rows, dense_fn=_sdpa, first_frame_bias=bias)
         out = out.transpose(1, 2).flatten(2, 3).type_as(query)
         out = attn.to_out[0](out)
         return attn.to_out[1](out)
@@ -81,7 +112,7 @@ class DiffusersPatch:
 
     def remove(self) -> None:
         for block, proc in self._originals:
-            block.attn1.set_processor(proc) if hasattr(block.attn1, "set_processor") else setattr(block.attn1, "processor", proc)
+            _set_processor(block.attn1, proc)
         self._originals = []
         if self._hook is not None:
             self._hook.remove()
@@ -110,12 +141,12 @@ def forward_grid_and_sigma(args, kwargs, patch_size):
     return (t // pt, h // ph, w // pw), float(torch.as_tensor(timestep).float().max()) / 1000.0
 
 
-def patch_diffusers_wan(transformer, handle: ChorusAttention) -> DiffusersPatch:
-    """Route the self-attention of a diffusers ``WanTransformer3DModel`` through ``handle``.
+def _set_processor(attn, proc) -> None:
+    attn.set_processor(proc) if hasattr(attn, "set_processor") else setattr(attn, "processor", proc)
 
-    Raises ``ValueError`` when ``transformer`` has no ``blocks[i].attn1`` or no patch-size config.
-    """
-    blocks, patch_size = diffusers_wan_blocks(transformer)
+
+def _state_hook(transformer, patch_size):
+    """A :class:`_CallState` kept current by a forward pre-hook on ``transformer``: ``(state, hook)``."""
     state = _CallState()
 
     def pre_hook(module, args, kwargs):
@@ -128,13 +159,85 @@ def patch_diffusers_wan(transformer, handle: ChorusAttention) -> DiffusersPatch:
         state.sigma = state.last_sigma = sigma
         return None
 
+    return state, transformer.register_forward_pre_hook(pre_hook, with_kwargs=True)
+
+
+def patch_diffusers_wan(transformer, handle: ChorusAttention) -> DiffusersPatch:
+    """Route the self-attention of a diffusers ``WanTransformer3DModel`` through ``handle``.
+
+    Raises ``ValueError`` when ``transformer`` has no ``blocks[i].attn1`` or no patch-size config.
+    """
+    blocks, patch_size = diffusers_wan_blocks(transformer)
+    state, hook = _state_hook(transformer, patch_size)
     originals = []
     for i, block in enumerate(blocks):
-        originals.append((block, block.attn1.processor))
-        proc = ChorusWanSelfAttnProcessor(handle, i, state, block.attn1.processor)
-        if hasattr(block.attn1, "set_processor"):
-            block.attn1.set_processor(proc)
-        else:
-            block.attn1.processor = proc
-    hook = transformer.register_forward_pre_hook(pre_hook, with_kwargs=True)
+        current = block.attn1.processor
+        originals.append((block, current))
+        guidance = None
+        if isinstance(current, ChorusWanSelfAttnProcessor) and current.handle is None:
+            guidance, current = current.guidance, current.original  # guidance patched first: take it inside
+        _set_processor(block.attn1, ChorusWanSelfAttnProcessor(handle, i, state, current, guidance))
     return DiffusersPatch(transformer, handle, originals, hook)
+
+
+class CrossAttentionGain:
+    """``attn2`` processor wrapper: the text gain of a :class:`GuidanceBoost` on the attention result."""
+
+    def __init__(self, boost: GuidanceBoost, state: _CallState, original):
+        self.boost, self.state, self.original = boost, state, original
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None,
+                 **kwargs):
+        out = self.original(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb, **kwargs)
+        if self.state.sigma is None or not isinstance(out, torch.Tensor):
+            return out
+        boosted = self.boost.cross_attention(out, self.state.sigma)
+        if boosted is out:
+            return out
+        bias = getattr(attn.to_out[0], "bias", None)  # to_out(g * a) = g * to_out(a) - (g - 1) * bias
+        return boosted if bias is None else boosted - (self.boost.gain - 1.0) * bias
+
+
+class DiffusersGuidancePatch:
+    """Handle returned by :func:`patch_diffusers_guidance`; ``remove()`` undoes the patch."""
+
+    def __init__(self, transformer, boost, undo, hook):
+        self.transformer, self.boost, self._undo, self._hook = transformer, boost, undo, hook
+
+    def remove(self) -> None:
+        for fn in reversed(self._undo):
+            fn()
+        self._undo = []
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+
+def patch_diffusers_guidance(transformer, boost: GuidanceBoost) -> DiffusersGuidancePatch:
+    """Apply ``boost`` (text gain on ``attn2``, first-frame bias in ``attn1``) to a diffusers
+    ``WanTransformer3DModel``; see the module docstring. A boost with every strength 0 patches nothing.
+    Raises ``ValueError`` for a module that is not a diffusers Wan or a ``boost`` that is not a
+    :class:`GuidanceBoost`."""
+    if not isinstance(boost, GuidanceBoost):
+        raise ValueError(f"boost must be a GuidanceBoost, got {type(boost).__name__}")
+    blocks, patch_size = diffusers_wan_blocks(transformer)
+    if boost.is_off:
+        return DiffusersGuidancePatch(transformer, boost, [], None)
+    state, hook = _state_hook(transformer, patch_size)
+    undo = []
+    for i, block in enumerate(blocks):
+        attn1, attn2 = block.attn1, getattr(block, "attn2", None)
+        if boost.image_strength:
+            current = attn1.processor
+            if isinstance(current, ChorusWanSelfAttnProcessor) and current.handle is not None:
+                previous = current.guidance
+                current.guidance = boost
+                undo.append(lambda p=current, g=previous: setattr(p, "guidance", g))
+            else:
+                _set_processor(attn1, ChorusWanSelfAttnProcessor(None, i, state, current, boost))
+                undo.append(lambda a=attn1, p=current: _set_processor(a, p))
+        if boost.strength and attn2 is not None:
+            current = attn2.processor
+            _set_processor(attn2, CrossAttentionGain(boost, state, current))
+            undo.append(lambda a=attn2, p=current: _set_processor(a, p))
+    return DiffusersGuidancePatch(transformer, boost, undo, hook)

@@ -20,10 +20,19 @@ see the prompt at reduced resolution. Two corrections, each with its own strengt
   sparse path the kernel applies it (the reused maps always keep the first frame's key blocks); a
   dense call applies it through :func:`first_frame_biased_attention`.
 
-Both act only in model calls whose step is one where reuse acted: the plan is a hit and the sigma is
+- **CFG-style correction** (``cfg_strength``, only where the sampler's cfg > 1): the guidance
+  direction ``cond - uncond`` of the denoised prediction is amplified, i.e. the step runs at
+  ``cfg * (1 + CFG_GAIN_PER_STRENGTH * cfg_strength)``:
+
+      denoised  ->  denoised + cfg * CFG_GAIN_PER_STRENGTH * cfg_strength * (cond_denoised - uncond_denoised)
+
+  (a ComfyUI post-CFG function; cfg 1 graphs, such as the 4-step Wan 2.2 LoRA, have no uncond
+  prediction and are left alone).
+
+All act only in model calls whose step is one where reuse acted: the plan is a hit and the sigma is
 one of the entry's steps (sparsity reuse acts on every such step, feature reuse on a subset). A miss
 has no reuse, so nothing changes; without a plan, every step is boosted (the user asked).
-A strength of 0 leaves that part out entirely; both 0 is bit-identical to no patch.
+A strength of 0 leaves that part out entirely; all 0 is bit-identical to no patch.
 """
 
 from __future__ import annotations
@@ -37,6 +46,7 @@ from .routing import match_step, step_sigma
 
 GAIN_PER_STRENGTH = 0.2
 IMAGE_GAIN_PER_STRENGTH = 0.2
+CFG_GAIN_PER_STRENGTH = 0.2
 MAX_STRENGTH = 5.0
 
 
@@ -67,28 +77,31 @@ def first_frame_biased_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
 class GuidanceBoost:
     """Decides and applies the guidance for one patched model.
 
-    ``plan``: the request's :class:`Plan` or None. ``strength`` (text: cross-attention gain) and
-    ``image_strength`` (first-frame logit bias in self-attention), each in [0, MAX_STRENGTH]; bad
-    values raise ``ValueError``. ``sample_sigmas`` (set per sampler run by the host): the run's
+    ``plan``: the request's :class:`Plan` or None. ``strength`` (text: cross-attention gain),
+    ``image_strength`` (first-frame logit bias in self-attention) and ``cfg_strength`` (CFG-style
+    correction where cfg > 1), each in [0, MAX_STRENGTH]; bad values raise ``ValueError``. ``sample_sigmas`` (set per sampler run by the host): the run's
     schedule, so intermediate sigmas of multi-evaluation samplers map to their step.
     """
 
-    def __init__(self, plan: Plan | None, strength: float = 0.5, image_strength: float = 0.5):
+    def __init__(self, plan: Plan | None, strength: float = 0.5, image_strength: float = 0.5,
+                 cfg_strength: float = 0.0):
         if plan is not None and not isinstance(plan, Plan):
             raise ValueError(f"plan must be a chorus Plan or None, got {type(plan).__name__}")
         self.plan = plan
         self.strength = _check_strength("strength", strength)
         self.image_strength = _check_strength("image_strength", image_strength)
+        self.cfg_strength = _check_strength("cfg_strength", cfg_strength)
         self.sample_sigmas: list[float] | None = None
         self.boosted_calls = 0
         self.biased_calls = 0
+        self.cfg_corrected_calls = 0
 
     def __deepcopy__(self, memo):
         return self
 
     @property
     def is_off(self) -> bool:
-        return self.strength == 0.0 and self.image_strength == 0.0
+        return self.strength == 0.0 and self.image_strength == 0.0 and self.cfg_strength == 0.0
 
     @property
     def gain(self) -> float:
@@ -131,3 +144,22 @@ class GuidanceBoost:
             return 0.0
         self.biased_calls += 1
         return self.image_bias
+
+    def cfg_correction(self, denoised: torch.Tensor, cond_denoised, uncond_denoised, cond_scale: float,
+                       sigma) -> torch.Tensor:
+        """The CFG result with its guidance direction amplified where reuse acted and ``cond_scale > 1``
+        (see the module docstring); ``denoised`` itself otherwise (no uncond prediction, cfg <= 1,
+        mismatched shapes, non-finite scale)."""
+        if self.cfg_strength == 0.0 or not isinstance(cond_denoised, torch.Tensor) \
+                or not isinstance(uncond_denoised, torch.Tensor) or cond_denoised.shape != denoised.shape \
+                or uncond_denoised.shape != denoised.shape:
+            return denoised
+        try:
+            scale = float(cond_scale)
+        except (TypeError, ValueError):
+            return denoised
+        if not math.isfinite(scale) or scale <= 1.0 or math.isclose(scale, 1.0) or not self.reuse_acted(sigma):
+            return denoised
+        self.cfg_corrected_calls += 1
+        extra = scale * CFG_GAIN_PER_STRENGTH * self.cfg_strength
+        return denoised + (cond_denoised - uncond_denoised) * extra

@@ -11,10 +11,12 @@ the model:
   and the CLIP image tokens of Wan 2.1 I2V) gets the gain ``1 + 0.2 * strength``; a self-attention
   call (q and k lengths = the latent's tokens) gets the first-frame bias as a dense SDPA call, unless
   a ChorusSparseSampler override is in the chain (then it applies the bias: never twice).
+- a post-CFG function (``cfg_strength > 0``; an earlier one of ours is replaced, others kept): the
+  CFG-style correction where the sampler's cfg > 1.
 - keyed wrappers (key ``"chorus_ii_guidance"``): OUTER_SAMPLE hands the run's sigmas to the boost,
   DIFFUSION_MODEL puts the latent's token grid into a copy of ``transformer_options``.
 
-``strength = image_strength = 0`` returns the model unpatched; a 0 leaves that part out.
+All strengths 0 returns the model unpatched; a 0 leaves that part out.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ import torch
 from comfy_api.latest import io
 
 from ..engine import Plan
-from ..engine.guidance import GAIN_PER_STRENGTH, IMAGE_GAIN_PER_STRENGTH, MAX_STRENGTH, GuidanceBoost
+from ..engine.guidance import (CFG_GAIN_PER_STRENGTH, GAIN_PER_STRENGTH, IMAGE_GAIN_PER_STRENGTH, MAX_STRENGTH,
+                               GuidanceBoost)
 from ..engine.guidance import first_frame_biased_attention
 from .comfy_adapter import GUIDANCE_KEY, _find_transformer_options, chain_has_chorus_attention, latent_token_grid
 from .common import CATEGORY, ChorusPlan, ui_text
@@ -81,6 +84,24 @@ class GuidanceOverride:
         return out.transpose(1, 2).reshape(batch, length, width)
 
 
+class CfgCorrection:
+    """ComfyUI post-CFG function applying :meth:`GuidanceBoost.cfg_correction` (never raises)."""
+
+    def __init__(self, boost: GuidanceBoost):
+        self.boost = boost
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __call__(self, args):
+        denoised = args["denoised"]
+        try:
+            return self.boost.cfg_correction(denoised, args.get("cond_denoised"), args.get("uncond_denoised"),
+                                             args.get("cond_scale"), args.get("sigma"))
+        except Exception:  # noqa: BLE001 - guidance must never fail a prompt
+            return denoised
+
+
 def _outer_sample_wrapper(boost: GuidanceBoost, executor, *args, **kwargs):
     sigmas = args[3] if len(args) > 3 else kwargs.get("sigmas")
     try:
@@ -109,10 +130,10 @@ def _diffusion_model_wrapper(executor, *args, **kwargs):
     return executor(*args, **kwargs)
 
 
-def patch_guidance(model, plan: Plan | None, strength: float, image_strength: float):
-    """Return ``(patched clone, or the model itself when both strengths are 0; GuidanceBoost or None;
+def patch_guidance(model, plan: Plan | None, strength: float, image_strength: float, cfg_strength: float = 0.0):
+    """Return ``(patched clone, or the model itself when all strengths are 0; GuidanceBoost or None;
     message)``. Raises ``ValueError`` for a strength outside [0, MAX_STRENGTH]."""
-    boost = GuidanceBoost(plan, strength, image_strength)
+    boost = GuidanceBoost(plan, strength, image_strength, cfg_strength)
     if boost.is_off:
         return model, None, "strengths 0: model unchanged"
     import comfy.patcher_extension
@@ -124,6 +145,11 @@ def patch_guidance(model, plan: Plan | None, strength: float, image_strength: fl
         previous = previous.previous  # re-patching replaces, never stacks
     options[OVERRIDE] = GuidanceOverride(boost, previous)
     options[GUIDANCE_KEY] = boost
+    post_cfg = [fn for fn in patched.model_options.get("sampler_post_cfg_function", [])
+                if not isinstance(fn, CfgCorrection)]  # re-patching replaces, never stacks
+    if boost.cfg_strength:
+        post_cfg.append(CfgCorrection(boost))
+    patched.model_options["sampler_post_cfg_function"] = post_cfg
     for wrapper_type, fn in ((comfy.patcher_extension.WrappersMP.OUTER_SAMPLE,
                               functools.partial(_outer_sample_wrapper, boost)),
                              (comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL, _diffusion_model_wrapper)):
@@ -134,6 +160,8 @@ def patch_guidance(model, plan: Plan | None, strength: float, image_strength: fl
         parts.append(f"cross-attention gain {boost.gain:.2f}")
     if boost.image_strength:
         parts.append(f"first-frame attention weight x{1 + IMAGE_GAIN_PER_STRENGTH * boost.image_strength:.2f}")
+    if boost.cfg_strength:
+        parts.append(f"cfg x{1 + CFG_GAIN_PER_STRENGTH * boost.cfg_strength:.2f} where cfg > 1")
     return patched, boost, ", ".join(parts)
 
 
@@ -149,7 +177,9 @@ class ChorusGuidanceBoost(io.ComfyNode):
                         f"1 + {GAIN_PER_STRENGTH} x strength on the cross-attention output (Wan 2.1: also its "
                         "CLIP image tokens), the start image (the first latent frame) through a self-attention "
                         f"bias that multiplies the first frame's attention weights by 1 + {IMAGE_GAIN_PER_STRENGTH}"
-                        " x image_strength. On a miss it does nothing; without a plan it acts on every step.",
+                        " x image_strength, and optionally (cfg > 1 graphs) the CFG scale by 1 + "
+                        f"{CFG_GAIN_PER_STRENGTH} x cfg_strength. On a miss it does nothing; without a plan it "
+                        "acts on every step.",
             inputs=[
                 io.Model.Input("model", tooltip="The Wan model (before or after the other Chorus nodes)."),
                 ChorusPlan.Input("plan", optional=True,
@@ -161,19 +191,24 @@ class ChorusGuidanceBoost(io.ComfyNode):
                 io.Float.Input("image_strength", default=0.5, min=0.0, max=MAX_STRENGTH, step=0.05,
                                tooltip="Start image: the first latent frame's self-attention weights are "
                                        f"multiplied by 1 + {IMAGE_GAIN_PER_STRENGTH} x image_strength (then "
-                                       "renormalised) where reuse acted. 0 = off; both 0 leaves the model "
+                                       "renormalised) where reuse acted. 0 = off."),
+                io.Float.Input("cfg_strength", default=0.0, min=0.0, max=MAX_STRENGTH, step=0.05,
+                               tooltip="Only for graphs sampled with cfg > 1: where reuse acted the step runs at "
+                                       f"cfg x (1 + {CFG_GAIN_PER_STRENGTH} x cfg_strength). 0 = off (the default: "
+                                       "cfg is already a strong text guidance). All three 0 leave the model "
                                        "unchanged (bit-identical)."),
             ],
             outputs=[io.Model.Output(display_name="model")],
         )
 
     @classmethod
-    def execute(cls, model, plan=None, strength=0.5, image_strength=0.5) -> io.NodeOutput:
+    def execute(cls, model, plan=None, strength=0.5, image_strength=0.5, cfg_strength=0.0) -> io.NodeOutput:
         if plan is not None and not isinstance(plan, Plan):
             return io.NodeOutput(model, ui=ui_text(
                 f"not patched: the plan input is not a Chorus plan ({type(plan).__name__})"))
         try:
-            patched, boost, message = patch_guidance(model, plan, float(strength), float(image_strength))
+            patched, boost, message = patch_guidance(model, plan, float(strength), float(image_strength),
+                                                     float(cfg_strength))
         except (TypeError, ValueError) as exc:
             return io.NodeOutput(model, ui=ui_text(f"not patched: {exc}"))
         if boost is None:

@@ -61,7 +61,7 @@ def graph(workspace="fr_host"):
         "7": {"class_type": "ChorusSparseSampler", "inputs": {
             "model": ["12", 0], "plan": ["6", 0], "top_p": 0.9, "k_min": 4, "refresh_steps": 0, "backend": "auto"}},
         "13": {"class_type": "ChorusGuidanceBoost", "inputs": {"model": ["7", 0], "plan": ["6", 0], "strength": 0.5,
-                                                          "image_strength": 0.5}},
+                                                          "image_strength": 0.5, "cfg_strength": 0.0}},
         "8": {"class_type": "KSampler", "inputs": {
             "model": ["13", 0], "seed": 0, "steps": 2, "cfg": 1.0, "sampler_name": "euler", "scheduler": "simple",
             "positive": ["5", 0], "negative": ["5", 1], "latent_image": ["5", 2], "denoise": 1.0}},

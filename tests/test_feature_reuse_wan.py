@@ -267,6 +267,33 @@ def test_first_frame_bias_is_applied_exactly_once_in_any_node_order(nodes, model
     torch.testing.assert_close(fr_runs[0], fr_runs[1], rtol=1e-5, atol=1e-6)
 
 
+def test_cfg_correction_runs_the_reused_steps_at_a_higher_cfg(nodes, model, recorded):
+    """cfg_strength in ComfyUI's real sampler (cfg 2): without a plan (every step) the result equals a
+    plain run at cfg 2 x 1.2; on a miss, or with cfg 1, it is bit-identical to no patch."""
+    import comfy.sample
+
+    latent, _, _, _ = recorded
+    _, _, gb_node = nodes
+
+    def sample(m, cfg):
+        positive, negative = tiny.random_conditioning(3), tiny.random_conditioning(103)
+        return comfy.sample.sample(m, torch.zeros(LATENT), 4, cfg, "euler", "simple", positive, negative, latent,
+                                   start_step=2, last_step=10000, force_full_denoise=True, disable_noise=True,
+                                   disable_pbar=True, seed=0)
+
+    corrected, boost, message = gb_node.patch_guidance(model, None, 0.0, 0.0, 1.0)
+    assert "cfg x1.20" in message
+    got, want = sample(corrected, 2.0), sample(model, 2.4)
+    assert boost.cfg_corrected_calls == 2
+    assert float((got - sample(model, 2.0)).abs().mean()) > 100 * float((got - want).abs().mean())
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    miss = Plan.miss("m", latent_shape=LATENT[1:], embedding=np.ones(4, np.float32))
+    assert torch.equal(sample(gb_node.patch_guidance(model, miss, 0.0, 0.0, 1.0)[0], 2.0), sample(model, 2.0))
+    assert torch.equal(sample(corrected, 1.0), sample(model, 1.0))
+    twice = gb_node.patch_guidance(corrected, None, 0.0, 0.0, 2.0)[0]  # re-patching replaces, never stacks
+    assert len(twice.model_options["sampler_post_cfg_function"]) == 1
+
+
 def test_per_frame_modulation_and_a_failing_block_fall_back_safely(nodes):
     """Wan 2.2 TI2V 5B shape (48 channels) with per-frame timesteps ([B, T'] -> vec [B, T', 6, C]): the
     modulation is pooled per token; a block that cannot run on the compact sequence runs in full."""

@@ -173,10 +173,10 @@ def test_fuzz_node_inputs(env, record_property):
            scenario=st.sampled_from(["good", "good", "good"] + sorted(hostile) * 2 + ["all", "all"]),
            prompt=TEXT, top_p=FLOATS, k_min=INTS, refresh=INTS,
            backend=st.one_of(st.sampled_from(["auto", "reference", "triton_fp8", "flex", "none", ""]), TEXT),
-           share=FLOATS, strength=FLOATS, image_strength=FLOATS, action=st.sampled_from(["stats", "verify", "prune", "rebuild-index", "x"]),
+           share=FLOATS, strength=FLOATS, image_strength=FLOATS, cfg_strength=FLOATS, action=st.sampled_from(["stats", "verify", "prune", "rebuild-index", "x"]),
            max_entries=INTS)
-    def case(data, scenario, prompt, top_p, k_min, refresh, backend, share, strength, image_strength, action,
-             max_entries):
+    def case(data, scenario, prompt, top_p, k_min, refresh, backend, share, strength, image_strength, cfg_strength,
+             action, max_entries):
         drawn = {name: data.draw(hostile[name] if scenario in (name, "all") else good[name], label=name)
                  for name in sorted(good)}
         latent, workspace, threshold = drawn["latent"], drawn["workspace"], drawn["threshold"]
@@ -192,7 +192,7 @@ def test_fuzz_node_inputs(env, record_property):
                                               refresh_steps=refresh, backend=backend).result[0]
         reused = ChorusFeatureReuse.execute(model=patched, plan=plan, downsample_share=share).result[0]
         boosted = ChorusGuidanceBoost.execute(model=reused, plan=plan, strength=strength,
-                                              image_strength=image_strength).result[0]
+                                              image_strength=image_strength, cfg_strength=cfg_strength).result[0]
         assert boosted is not None and hasattr(boosted, "model_options")
         written = ChorusCacheWrite.execute(latent=_build_latent(latent), plan=plan).result[0]
         assert isinstance(written, str) and written

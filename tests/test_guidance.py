@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from chorus.engine.guidance import (GAIN_PER_STRENGTH, IMAGE_GAIN_PER_STRENGTH, GuidanceBoost,
-                                    first_frame_biased_attention)
+from chorus.engine.guidance import (CFG_GAIN_PER_STRENGTH, GAIN_PER_STRENGTH, IMAGE_GAIN_PER_STRENGTH,
+                                    GuidanceBoost, first_frame_biased_attention)
 from chorus.engine.plan import Plan
 from chorus.kernels.reference import dense_attention_oracle
 from testing import assert_matches_oracle, make_qkv
@@ -52,11 +52,31 @@ def test_acts_only_where_reuse_acted():
     assert hit.boosted_calls == 1 and no_plan.boosted_calls == 1 and hit.biased_calls == 1
 
 
-@pytest.mark.parametrize("name", ["strength", "image_strength"])
+@pytest.mark.parametrize("name", ["strength", "image_strength", "cfg_strength"])
 @pytest.mark.parametrize("bad", [-0.1, 5.1, math.nan, math.inf, "1", True])
 def test_bad_strength_raises(name, bad):
     with pytest.raises(ValueError, match=name):
         GuidanceBoost(None, **{name: bad})
+
+
+def test_cfg_correction_amplifies_the_guidance_direction_where_cfg_above_one():
+    g = torch.Generator().manual_seed(0)
+    cond, uncond = torch.randn(1, 4, 2, 3, 3, generator=g), torch.randn(1, 4, 2, 3, 3, generator=g)
+    cfg = 3.0
+    denoised = uncond + cfg * (cond - uncond)
+    hit = GuidanceBoost(_hit(), 0.0, 0.0, 1.0)
+    out = hit.cfg_correction(denoised, cond, uncond, cfg, torch.tensor([0.5]))
+    scaled = uncond + cfg * (1 + CFG_GAIN_PER_STRENGTH) * (cond - uncond)  # the step at cfg x 1.2
+    torch.testing.assert_close(out, scaled, rtol=1e-6, atol=1e-6)
+    assert hit.cfg_corrected_calls == 1
+    # left alone: cfg 1 (no uncond prediction), a non-step sigma, a miss, strength 0, missing/odd inputs
+    assert hit.cfg_correction(cond, cond, uncond, 1.0, 0.5) is cond
+    assert hit.cfg_correction(denoised, cond, uncond, cfg, 0.6) is denoised
+    assert GuidanceBoost(Plan.miss("m"), 0, 0, 2.0).cfg_correction(denoised, cond, uncond, cfg, 0.5) is denoised
+    assert GuidanceBoost(None, 1.0, 1.0, 0.0).cfg_correction(denoised, cond, uncond, cfg, 0.5) is denoised
+    for bad in ((None, uncond, cfg), (cond, None, cfg), (cond, uncond[..., :2], cfg), (cond, uncond, math.nan),
+                (cond, uncond, "x")):
+        assert hit.cfg_correction(denoised, *bad, 0.5) is denoised
 
 
 def test_bad_plan_raises():

@@ -113,4 +113,4 @@ def test_schemas_match_the_node_contract(nodes):
     assert defaults == {"model": None, "plan": None, "top_p": 0.9, "k_min": 4, "refresh_steps": 0, "backend": "auto"}
     assert [i.id for i in ids["ChorusFeatureReuse"].inputs] == ["model", "plan", "downsample_share"]
     guidance = {i.id: getattr(i, "default", None) for i in ids["ChorusGuidanceBoost"].inputs}
-    assert guidance == {"model": None, "plan": None, "strength": 0.5, "image_strength": 0.5}
+    assert guidance == {"model": None, "plan": None, "strength": 0.5, "image_strength": 0.5, "cfg_strength": 0.0}

@@ -100,7 +100,7 @@ NODE_SPECS: dict[str, dict] = {
         outputs=[("model", "MODEL")],
     ),
     "ChorusGuidanceBoost": dict(
-        sockets=[("model", "MODEL"), ("plan", "CHORUS_PLAN")], widgets=["strength", "image_strength"],
+        sockets=[("model", "MODEL"), ("plan", "CHORUS_PLAN")], widgets=["strength", "image_strength", "cfg_strength"],
         outputs=[("model", "MODEL")],
     ),
     "ChorusCacheWrite": dict(
@@ -278,7 +278,7 @@ def wan22_a14b_i2v_4step(feature_reuse: bool = False) -> Graph:
     """Wan 2.2 A14B I2V, lightx2v 4-step LoRAs: high-noise expert steps 0-2, low-noise expert 2-4, cfg 1.
 
     ``feature_reuse``: each expert's model also goes through ChorusFeatureReuse (downsample_share
-    0.25) and ChorusGuidanceBoost (strength 0.5, image_strength 0.5), same plan, after ChorusSparseSampler.
+    0.25) and ChorusGuidanceBoost (strength 0.5, image_strength 0.5, cfg_strength 0), same plan, after ChorusSparseSampler.
     """
     g = Graph("chorus_wan22_a14b_i2v_4step" + ("_feature_reuse" if feature_reuse else ""))
     extra = ("With **ChorusFeatureReuse** (on a hit, redundant regions run at a downsampled resolution) and "
@@ -330,11 +330,11 @@ def wan22_a14b_i2v_4step(feature_reuse: bool = False) -> Graph:
         reuse_low = g.add("ChorusFeatureReuse", {"downsample_share": 0.25},
                           {"model": (sparse_low, 0), "plan": (retrieve, 0)}, pos=(1240, 560), size=(300, 80),
                           title="ChorusFeatureReuse (low-noise)", color=CHORUS_COLOR)
-        model_high = g.add("ChorusGuidanceBoost", {"strength": 0.5, "image_strength": 0.5},
-                           {"model": (reuse_high, 0), "plan": (retrieve, 0)}, pos=(1240, 700), size=(300, 80),
+        model_high = g.add("ChorusGuidanceBoost", {"strength": 0.5, "image_strength": 0.5, "cfg_strength": 0.0},
+                           {"model": (reuse_high, 0), "plan": (retrieve, 0)}, pos=(1240, 700), size=(300, 130),
                            title="ChorusGuidanceBoost (high-noise)", color=CHORUS_COLOR)
-        model_low = g.add("ChorusGuidanceBoost", {"strength": 0.5, "image_strength": 0.5},
-                          {"model": (reuse_low, 0), "plan": (retrieve, 0)}, pos=(1240, 840), size=(300, 80),
+        model_low = g.add("ChorusGuidanceBoost", {"strength": 0.5, "image_strength": 0.5, "cfg_strength": 0.0},
+                          {"model": (reuse_low, 0), "plan": (retrieve, 0)}, pos=(1240, 860), size=(300, 130),
                           title="ChorusGuidanceBoost (low-noise)", color=CHORUS_COLOR)
     sample_high = g.add("KSamplerAdvanced", {
         "add_noise": "enable", "noise_seed": 42, "steps": 4, "cfg": 1.0, "sampler_name": "euler",

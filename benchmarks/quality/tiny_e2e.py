@@ -32,7 +32,10 @@ import numpy as np
 import torch
 
 from chorus.cache_store.embedders import hashed_text_vector
-from chorus.engine import ChorusAttention, SparseConfig, commit_plan, patch_diffusers_wan, retrieve_plan, wan_model_info
+from chorus.engine import (ChorusAttention, SparseConfig, commit_plan, patch_diffusers_guidance, patch_diffusers_wan,
+                           retrieve_plan, wan_model_info)
+from chorus.engine.feature_reuse import FeatureReuse, patch_diffusers_feature_reuse
+from chorus.engine.guidance import GuidanceBoost
 
 from .harness import psnr
 
@@ -168,7 +171,8 @@ class TinyRunner:
         return noise, y, text.to(self.device)
 
     def sample(self, request, handles=None):
-        """Latent ``[1, 16, T, H, W]``; with ``handles`` (one per expert) the engine is bracketed per expert."""
+        """Latent ``[1, 16, T, H, W]``; with ``handles`` (one per expert: an object with ``begin_run`` /
+        ``end_run``, or a tuple of them) the engine is bracketed per expert."""
         x, y, text = self._condition(request)
         cfg, sig = self.cfg, self.sigmas
         single = len(self.experts) == 1
@@ -176,8 +180,9 @@ class TinyRunner:
         with torch.no_grad():
             for e, (a, b) in enumerate(spans):
                 model = self.experts[e]
-                if handles is not None:
-                    handles[e].begin_run(sample_sigmas=sig[a:b + 1])
+                group = () if handles is None else (handles[e] if isinstance(handles[e], tuple) else (handles[e],))
+                for h in group:
+                    h.begin_run(sample_sigmas=sig[a:b + 1])
                 try:
                     for i in range(a, b):
                         inp = torch.cat([x, y], dim=1).to(self.dtype)
@@ -185,8 +190,8 @@ class TinyRunner:
                                     encoder_hidden_states=text.to(self.dtype), return_dict=False)[0]
                         x = x + (sig[i + 1] - sig[i]) * vel.float()
                 finally:
-                    if handles is not None:
-                        handles[e].end_run()
+                    for h in reversed(group):
+                        h.end_run()
         return x
 
     def decode(self, latent):
@@ -195,18 +200,30 @@ class TinyRunner:
         with torch.no_grad():
             return self.vae.decode(latent.to(next(self.vae.parameters()).dtype)).sample.clamp(-1, 1).float().cpu()
 
-    def run_engine(self, workspace, request, embedding, threshold: float):
-        """Sample through the engine: retrieve a plan, patch both experts, sample, commit."""
+    def run_engine(self, workspace, request, embedding, threshold: float, feature_reuse=None, guidance=None):
+        """Sample through the engine: retrieve a plan, patch both experts, sample, commit.
+
+        ``feature_reuse``: a :class:`FeatureReuseConfig` (a miss records region scores, a hit
+        downsamples); ``guidance``: ``(strength, image_strength)`` of a :class:`GuidanceBoost`."""
         t, h, w = self.cfg.latent_grid
         plan = retrieve_plan(workspace, embedding, latent_shape=(16, t, h, w), similarity_threshold=threshold,
                              request_meta={"prompt": request.prompt, "name": request.name})
         sc = SparseConfig(block_size=self.cfg.block_size, backend="auto" if self.device.type == "cuda" else "reference")
-        handles = [ChorusAttention(plan, sc, wan_model_info(m)) for m in self.experts]
-        patches = [patch_diffusers_wan(m, hd) for m, hd in zip(self.experts, handles)]
+        handles, patches = [], []
         try:
+            for m in self.experts:
+                info = wan_model_info(m)
+                group = [ChorusAttention(plan, sc, info)]
+                patches.append(patch_diffusers_wan(m, group[0]))
+                if feature_reuse is not None:
+                    group.append(FeatureReuse(plan, feature_reuse, info))
+                    patches.append(patch_diffusers_feature_reuse(m, group[-1]))
+                if guidance is not None:
+                    patches.append(patch_diffusers_guidance(m, GuidanceBoost(plan, *guidance)))
+                handles.append(tuple(group))
             latent = self.sample(request, handles)
         finally:
-            for p in patches:
+            for p in reversed(patches):
                 p.remove()
         message = commit_plan(workspace, plan)
         return latent, plan, message

@@ -1,0 +1,120 @@
+"""ChorusGuidanceBoost's corrections in a diffusers ``WanTransformer3DModel`` (tiny, random weights, CPU):
+the text gain equals scaling the attention result before ``attn2.to_out``; the first-frame bias is
+applied once whether the guidance patch comes before or after ``patch_diffusers_wan`` or alone;
+strength 0 and removal leave the model unchanged."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+diffusers = pytest.importorskip("diffusers")
+
+from chorus.engine import (ChorusAttention, Plan, SparseConfig, build_signature, patch_diffusers_guidance,  # noqa: E402
+                           patch_diffusers_wan, wan_model_info)
+from chorus.engine.guidance import GuidanceBoost  # noqa: E402
+
+BS = 32
+SHAPE = (1, 36, 5, 16, 16)   # token grid (5, 8, 8) = 320 tokens, first frame 64 tokens
+SIGMAS = (0.8, 0.4)
+CFG = SparseConfig(top_p=0.9, k_min=1, block_size=BS, sample_rows=None, backend="reference")
+
+
+def tiny_transformer():
+    torch.manual_seed(0)
+    model = diffusers.WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=64, in_channels=36, out_channels=16,
+        text_dim=64, freq_dim=32, ffn_dim=128, num_layers=3, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
+        eps=1e-6, image_dim=None, rope_max_seq_len=1024)
+    with torch.no_grad():  # self-attention gate near 1 (random init leaves it near 0), so attention matters
+        for block in model.blocks:
+            block.scale_shift_table[:, 2].add_(1.0)
+            block.attn2.to_out[0].bias.normal_()  # a non-zero output bias: the gain must not scale it
+    return model.eval()
+
+
+def inputs(sigma):
+    g = torch.Generator().manual_seed(1)
+    return dict(hidden_states=torch.randn(SHAPE, generator=g) * 2, timestep=torch.tensor([sigma * 1000.0]),
+                encoder_hidden_states=torch.randn(1, 8, 64, generator=g), return_dict=False)
+
+
+def forward(model):
+    with torch.no_grad():
+        return [model(**inputs(s))[0] for s in SIGMAS]
+
+
+def test_text_gain_scales_the_attention_result_before_the_output_projection():
+    model = tiny_transformer()
+    plain = forward(model)
+    boost = GuidanceBoost(None, strength=1.0, image_strength=0.0)
+    patch = patch_diffusers_guidance(model, boost)
+    got = forward(model)
+    patch.remove()
+    hooks = [b.attn2.to_out[0].register_forward_pre_hook(lambda m, a: (a[0] * boost.gain,)) for b in model.blocks]
+    want = forward(model)
+    for h in hooks:
+        h.remove()
+    for g, w, p in zip(got, want, plain):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+        assert (g - p).abs().max() > 1e-3
+    assert boost.boosted_calls == 2 * 3
+    assert all(torch.equal(a, b) for a, b in zip(forward(model), plain))  # removed
+
+
+def _hit_plan(model):
+    """A hit with every block kept, for the two sigmas (sparse attention = dense, through the engine)."""
+    miss = Plan.miss("m", latent_shape=SHAPE)
+    handle = ChorusAttention(miss, CFG, wan_model_info(model))
+    patch = patch_diffusers_wan(model, handle)
+    handle.begin_run(list(SIGMAS) + [0.0])
+    forward(model)
+    handle.end_run()
+    patch.remove()
+    masks = {k: torch.ones_like(v) for k, v in miss.recorder.block_maps().items()}
+    return Plan("hit", entry_id=1, similarity=1.0, masks=masks, entry_meta={"signature": build_signature(miss)})
+
+
+@pytest.mark.parametrize("order", ["guidance_only", "sparse_then_guidance", "guidance_then_sparse"])
+def test_first_frame_bias_applied_once_in_any_order(order):
+    model = tiny_transformer()
+    plan = _hit_plan(model)
+    plain = forward(model)
+    boost = GuidanceBoost(plan, strength=0.0, image_strength=2.0)
+    handle = ChorusAttention(plan, CFG, wan_model_info(model))
+    patches = []
+    for step in {"guidance_only": ["g"], "sparse_then_guidance": ["s", "g"], "guidance_then_sparse": ["g", "s"]}[order]:
+        patches.append(patch_diffusers_guidance(model, boost) if step == "g" else patch_diffusers_wan(model, handle))
+    handle.begin_run(list(SIGMAS) + [0.0])
+    got = forward(model)
+    handle.end_run()
+    for p in reversed(patches):
+        p.remove()
+    assert boost.biased_calls == 2 * 3
+    if order != "guidance_only":
+        assert plan.stats.sparse_calls == 2 * 3 and plan.stats.fallback_calls == 0
+    # the reference: the same model with a dense processor that applies the bias (guidance alone)
+    ref_boost = GuidanceBoost(plan, strength=0.0, image_strength=2.0)
+    ref = patch_diffusers_guidance(model, ref_boost)
+    want = forward(model)
+    ref.remove()
+    for g, w, p in zip(got, want, plain):
+        change = float((w - p).norm() / p.norm())
+        assert change > 1e-3, change
+        assert float((g - w).norm() / p.norm()) < 0.01 * change
+    assert all(torch.equal(a, b) for a, b in zip(forward(model), plain))  # everything removed
+
+
+def test_strength_zero_and_a_miss_leave_the_outputs_bit_identical():
+    model = tiny_transformer()
+    plain = forward(model)
+    patch = patch_diffusers_guidance(model, GuidanceBoost(None, 0.0, 0.0))
+    assert all(torch.equal(a, b) for a, b in zip(forward(model), plain))
+    patch.remove()
+    patch = patch_diffusers_guidance(model, GuidanceBoost(Plan.miss("m"), 2.0, 2.0))
+    assert all(torch.equal(a, b) for a, b in zip(forward(model), plain))
+    patch.remove()
+    with pytest.raises(ValueError, match="GuidanceBoost"):
+        patch_diffusers_guidance(model, 0.5)
+    with pytest.raises(ValueError, match="not a diffusers"):
+        patch_diffusers_guidance(torch.nn.Linear(2, 2), GuidanceBoost(None))
