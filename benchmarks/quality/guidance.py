@@ -60,7 +60,9 @@ def study_pairs(quick: bool):
 
 
 def run_study(pairs, cfg: tiny_e2e.TinyConfig, experts, vae, fr_config: FeatureReuseConfig, label: str,
-              log=print) -> dict:
+              log=print, on_row=None) -> dict:
+    """Run the variants on ``pairs``; ``on_row(partial_result)`` is called after every request (so a
+    run stopped by a time limit keeps what it measured)."""
     runner = tiny_e2e.TinyRunner(cfg, experts, vae, label)
     embedder = ComfyGraphEmbedder(text_weight=0.5)
     rows = []
@@ -91,8 +93,14 @@ def run_study(pairs, cfg: tiny_e2e.TinyConfig, experts, vae, fr_config: FeatureR
                     v["first_frame_psnr"] = psnr(frames[:, :, :1], frames_dense[:, :, :1], data_range=2.0)
                 row["variants"][name] = v
             rows.append(row)
+            if on_row is not None:
+                on_row(_result(rows, label, cfg, fr_config))
             log(f"{family:16s} {query.name:22s} " + "  ".join(
                 f"{n} {v['latent_rel_l2']:.4f}/{v['first_frame_rel_l2']:.4f}" for n, v in row["variants"].items()))
+    return _result(rows, label, cfg, fr_config)
+
+
+def _result(rows, label, cfg, fr_config) -> dict:
     means = {}
     for name in VARIANTS:
         vals = [r["variants"][name] for r in rows]
@@ -111,11 +119,13 @@ def summary_markdown(res: dict) -> str:
              "| variant | latent rel L2 vs dense | first frame rel L2 vs dense | first frame vs start image "
              "| frames PSNR (dB) | first frame PSNR (dB) |", "|---|---|---|---|---|---|",
              f"| dense | 0 | 0 | {res['dense_first_frame_to_image']:.4f} | - | - |"]
-    nan = float("nan")
+    def cell(m, key, spec):
+        return format(m[key], spec) if key in m else "-"
+
     for name, m in res["means"].items():
-        lines.append(f"| {name} | {m.get('latent_rel_l2', nan):.4f} | {m.get('first_frame_rel_l2', nan):.4f} "
-                     f"| {m.get('first_frame_to_image', nan):.4f} | {m.get('frames_psnr', nan):.2f} "
-                     f"| {m.get('first_frame_psnr', nan):.2f} |")
+        lines.append(f"| {name} | {cell(m, 'latent_rel_l2', '.4f')} | {cell(m, 'first_frame_rel_l2', '.4f')} "
+                     f"| {cell(m, 'first_frame_to_image', '.4f')} | {cell(m, 'frames_psnr', '.2f')} "
+                     f"| {cell(m, 'first_frame_psnr', '.2f')} |")
     return "\n".join(lines) + "\n"
 
 
@@ -130,6 +140,7 @@ def main(argv=None) -> int:
     ap.add_argument("--block-size", type=int, default=None)
     ap.add_argument("--share", type=float, default=0.25, help="feature reuse downsample_share")
     ap.add_argument("--no-decode", action="store_true")
+    ap.add_argument("--max-requests", type=int, default=None, help="stop after this many similar requests")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     grid = tuple(args.grid) if args.grid else ((4, 16, 16) if args.quick else (5, 16, 24))
@@ -144,12 +155,17 @@ def main(argv=None) -> int:
         experts = [m.cuda() for m in experts]
         vae = vae.cuda() if vae is not None else None
     started = time.perf_counter()
-    res = run_study(study_pairs(args.quick), cfg, experts, vae, fr_config, tiny_e2e.TINY_LABEL)
-    res.update(seconds=time.perf_counter() - started, torch=torch.__version__,
-               device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-               command="python -m benchmarks.quality.guidance " + " ".join(argv if argv is not None else sys.argv[1:]))
-    (args.out / "guidance.json").write_text(json.dumps(res, indent=1, default=str))
-    (args.out / "guidance.md").write_text(summary_markdown(res))
+    info = dict(torch=torch.__version__, device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                command="python -m benchmarks.quality.guidance " + " ".join(argv if argv is not None else sys.argv[1:]))
+
+    def write(res):
+        res.update(info, seconds=time.perf_counter() - started)
+        (args.out / "guidance.json").write_text(json.dumps(res, indent=1, default=str))
+        (args.out / "guidance.md").write_text(summary_markdown(res))
+
+    pairs = study_pairs(args.quick)[:args.max_requests]
+    res = run_study(pairs, cfg, experts, vae, fr_config, tiny_e2e.TINY_LABEL, on_row=write)
+    write(res)
     print(summary_markdown(res))
     print(f"wrote {args.out}/guidance.json and guidance.md in {res['seconds']:.0f} s")
     return 0
