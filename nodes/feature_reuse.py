@@ -241,5 +241,6 @@ class ChorusFeatureReuse(io.ComfyNode):
             mode = (f"HIT: {config.downsample_share:.0%} of regions downsampled where the entry scored them"
                     if fr else "HIT, but the entry has no region scores: blocks run in full")
         else:
-            mode = "MISS: full blocks + recording region redundancy for the new entry"
+            mode = ("MISS: full blocks + recording region redundancy for the new entry (stored with the masks "
+                    "Chorus Sparse Sampler records; without it no entry is written)")
         return io.NodeOutput(patched, ui=ui_text(f"{mode} | {message}"))
