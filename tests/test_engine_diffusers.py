@@ -9,6 +9,7 @@ diffusers = pytest.importorskip("diffusers")
 
 from chorus.engine import (ChorusAttention, Plan, SparseConfig, build_signature, patch_diffusers_wan,  # noqa: E402
                            wan_model_info)
+from testing import tiny_diffusers_wan  # noqa: E402
 
 BS = 32
 SHAPE = (1, 36, 3, 10, 14)   # -> token grid (3, 5, 7) = 105 tokens, 4 blocks of 32
@@ -17,12 +18,7 @@ CFG = SparseConfig(top_p=0.9, k_min=1, block_size=BS, sample_rows=None)
 
 
 def tiny_transformer(dtype=torch.float32):
-    torch.manual_seed(0)
-    model = diffusers.WanTransformer3DModel(
-        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=64, in_channels=36, out_channels=16,
-        text_dim=64, freq_dim=32, ffn_dim=128, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
-        eps=1e-6, image_dim=None, rope_max_seq_len=1024)
-    return model.to(dtype).eval()
+    return tiny_diffusers_wan(num_layers=2, dtype=dtype)
 
 
 def inputs(sigma, seed=0, dtype=torch.float32):

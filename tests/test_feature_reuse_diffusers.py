@@ -13,6 +13,7 @@ diffusers = pytest.importorskip("diffusers")
 from chorus.engine import ChorusAttention, Plan, SparseConfig, build_signature, patch_diffusers_wan, wan_model_info  # noqa: E402
 from chorus.engine.feature_reuse import (FeatureReuse, FeatureReuseConfig, feature_state,  # noqa: E402
                                          patch_diffusers_feature_reuse)
+from testing import tiny_diffusers_wan  # noqa: E402
 
 BS = 32
 SHAPE = (1, 36, 5, 16, 16)   # token grid (5, 8, 8) = 320 tokens
@@ -22,12 +23,7 @@ FR = FeatureReuseConfig(downsample_share=0.25, region=(2, 4, 4), full_layers=1)
 
 
 def tiny_transformer():
-    torch.manual_seed(0)
-    model = diffusers.WanTransformer3DModel(
-        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=64, in_channels=36, out_channels=16,
-        text_dim=64, freq_dim=32, ffn_dim=128, num_layers=3, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
-        eps=1e-6, image_dim=None, rope_max_seq_len=1024)
-    return model.eval()
+    return tiny_diffusers_wan(num_layers=3)
 
 
 def inputs(sigma):

@@ -13,6 +13,7 @@ diffusers = pytest.importorskip("diffusers")
 from chorus.engine import (ChorusAttention, Plan, SparseConfig, build_signature, patch_diffusers_guidance,  # noqa: E402
                            patch_diffusers_wan, wan_model_info)
 from chorus.engine.guidance import GuidanceBoost  # noqa: E402
+from testing import tiny_diffusers_wan  # noqa: E402
 
 BS = 32
 SHAPE = (1, 36, 5, 16, 16)   # token grid (5, 8, 8) = 320 tokens, first frame 64 tokens
@@ -21,11 +22,7 @@ CFG = SparseConfig(top_p=0.9, k_min=1, block_size=BS, sample_rows=None, backend=
 
 
 def tiny_transformer():
-    torch.manual_seed(0)
-    model = diffusers.WanTransformer3DModel(
-        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=64, in_channels=36, out_channels=16,
-        text_dim=64, freq_dim=32, ffn_dim=128, num_layers=3, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
-        eps=1e-6, image_dim=None, rope_max_seq_len=1024)
+    model = tiny_diffusers_wan(num_layers=3)
     with torch.no_grad():  # self-attention gate near 1 (random init leaves it near 0), so attention matters
         for block in model.blocks:
             block.scale_shift_table[:, 2].add_(1.0)

@@ -40,3 +40,16 @@ def assert_matches_oracle(out, q, k, v, block_map, block_size, factor=2.0, prefi
     floor = 4 * torch.finfo(q.dtype).eps * oracle.abs().max().item()
     assert err <= factor * err_eager + floor, f"error {err:.3e} > {factor} x eager {err_eager:.3e} + {floor:.1e}"
     return err, err_eager
+
+
+def tiny_diffusers_wan(num_layers: int = 2, dtype=torch.float32, seed: int = 0):
+    """A tiny diffusers ``WanTransformer3DModel`` (Wan 2.2 A14B I2V layout: 36 input channels, 2 heads
+    x 64, text width 64), random weights from ``seed``, in eval mode. Needs diffusers."""
+    import diffusers
+
+    torch.manual_seed(seed)
+    model = diffusers.WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=64, in_channels=36, out_channels=16,
+        text_dim=64, freq_dim=32, ffn_dim=128, num_layers=num_layers, cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads", eps=1e-6, image_dim=None, rope_max_seq_len=1024)
+    return model.to(dtype).eval()
