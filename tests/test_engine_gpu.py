@@ -72,3 +72,40 @@ def test_miss_on_gpu_records_cond_rows_and_returns_dense():
     maps = plan.recorder.block_maps()
     assert list(maps) == [(0, 0, 0, 0)] and maps[(0, 0, 0, 0)].shape == (4, QB, QB)
     assert plan.stats.recorded_calls == 1 and not plan.stats.messages
+
+
+@pytest.mark.parametrize("backend", ["triton_fp8", "triton_bf16"])
+def test_first_frame_bias_on_gpu(backend):
+    """Guidance's first-frame bias through the engine on the GPU: the sparse kernel against the biased
+    oracle (the first frame, 1 560 tokens, ends inside block 12), and a dense call through the biased
+    SDPA path; both move the output away from the unbiased one."""
+    import math
+
+    if backend == "triton_fp8" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 needs sm_89+")
+    bias = math.log(1.3)
+    block_map = torch.rand(4, QB, QB, generator=torch.Generator().manual_seed(3)) < 0.3
+    block_map |= torch.eye(QB, dtype=torch.bool)
+    block_map[:, :, :13] = True  # the recorder's first-frame keep-set
+    plan = _hit(block_map)
+    handle = ChorusAttention(plan, SparseConfig(k_min=4, backend=backend), INFO)
+    handle.begin_run([0.9, 0.0])
+    q, k, v = _qkv(4)
+    out = handle.self_attention(q, k, v, layer=0, sigma=0.9, grid=GRID, dense_fn=sdpa, first_frame_bias=bias)
+    assert plan.stats.sparse_calls == 1 and plan.stats.fallback_calls == 0, plan.stats.messages
+    used = handle.used_map(0, 0)
+    oracle = dense_attention_oracle(q, k, v, block_map=used, block_size=128, prefix_len=1560, prefix_bias=bias)
+    plain = dense_attention_oracle(q, k, v, block_map=used, block_size=128)
+    err = (out.double() - oracle).abs().max().item()
+    moved = (oracle - plain).abs().max().item()
+    cos = torch.nn.functional.cosine_similarity(out.double().flatten(), oracle.flatten(), dim=0).item()
+    assert cos >= 0.998 and moved > 1e-3, (cos, moved)
+    if backend == "triton_bf16":
+        assert err < 0.1 * moved, (err, moved)
+
+    miss = Plan.miss("gpu", latent_shape=(16, 5, 60, 104))
+    dense_handle = ChorusAttention(miss, SparseConfig(), INFO)
+    dense_handle.begin_run([0.9, 0.0])
+    out = dense_handle.self_attention(q, k, v, layer=0, sigma=0.9, grid=GRID, dense_fn=sdpa, first_frame_bias=bias)
+    want = dense_attention_oracle(q, k, v, prefix_len=1560, prefix_bias=bias)
+    assert (out.double() - want).abs().max().item() < 0.1 * (want - dense_attention_oracle(q, k, v)).abs().max().item()
