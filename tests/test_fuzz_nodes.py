@@ -244,6 +244,7 @@ def test_fuzz_sampling_requests(env, record_property):
     import comfy.sample
 
     from chorus.nodes.cache_write import ChorusCacheWrite
+    from chorus.nodes.guidance_boost import ChorusGuidanceBoost
     from chorus.nodes.mask_retrieve import ChorusMaskRetrieve
     from chorus.nodes.sparse_sampler import ChorusSparseSampler
 
@@ -251,6 +252,7 @@ def test_fuzz_sampling_requests(env, record_property):
     before = sh.snapshot(base, skip=root)
     counts: dict[str, int] = {}
     written: list[int] = []
+    guided = [0]
 
     @settings(max_examples=SAMPLING_CASES, deadline=None, derandomize=True, database=None,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -258,8 +260,9 @@ def test_fuzz_sampling_requests(env, record_property):
                [(1, 16, 2, 4, 4), (1, 16, 1, 6, 10), (1, 16, 3, 8, 8), (1, 16, 2, 8, 4)]),
            poison=st.sampled_from(["none", "none", "latent_nan", "latent_inf", "cond_nan", "cond_inf"]),
            steps=st.integers(1, 2), cfg=st.sampled_from([1.0, 2.0]), k_min=st.sampled_from([1, 4, 10**6]),
-           refresh=st.sampled_from([0, 1, 10**6]), top_p=st.sampled_from([0.01, 0.9, 1.0]))
-    def case(template, noise, shape, poison, steps, cfg, k_min, refresh, top_p):
+           refresh=st.sampled_from([0, 1, 10**6]), top_p=st.sampled_from([0.01, 0.9, 1.0]),
+           guidance=st.sampled_from([None, (0.5, 0.5, 0.0), (5.0, 5.0, 5.0)]))
+    def case(template, noise, shape, poison, steps, cfg, k_min, refresh, top_p, guidance):
         positive = sh.tiny.random_conditioning(200 + template, noise=noise, noise_seed=11)
         negative = sh.tiny.random_conditioning(300)
         latent_image = torch.zeros(shape)
@@ -272,6 +275,9 @@ def test_fuzz_sampling_requests(env, record_property):
                                           positive=positive).result[0]
         patched = ChorusSparseSampler.execute(model=model, plan=plan, top_p=top_p, k_min=k_min,
                                               refresh_steps=refresh, backend="auto").result[0]
+        if guidance is not None:  # text gain, first-frame bias and CFG correction, at the defaults or the maximum
+            patched = ChorusGuidanceBoost.execute(model=patched, plan=plan, strength=guidance[0],
+                                                  image_strength=guidance[1], cfg_strength=guidance[2]).result[0]
         noise_t = comfy.sample.prepare_noise(latent_image, 0)
         samples = comfy.sample.sample(patched, noise_t, steps, cfg, "euler", "simple", positive, negative,
                                       latent_image, disable_pbar=True, seed=0)
@@ -285,6 +291,7 @@ def test_fuzz_sampling_requests(env, record_property):
             written.append(int(info.split()[2]))
         outcome = info.split(":")[0].split(" entry")[0]
         counts[f"{poison}/{outcome}"] = counts.get(f"{poison}/{outcome}", 0) + 1
+        guided[0] += guidance is not None
 
     case()
     for ws in _check_root(base, root, before):
@@ -297,8 +304,9 @@ def test_fuzz_sampling_requests(env, record_property):
         report = ws.verify()
         assert report["ok"] and report["index_consistent"], report
         ws.close()
-    sh.report(record_property, "sampling requests", counts)
+    sh.report(record_property, f"sampling requests ({guided[0]} with ChorusGuidanceBoost)", counts)
     assert written and any(k.endswith("/hit") for k in counts), counts
+    assert guided[0] > 0
 
 
 def test_symlinked_workspace_leading_outside_is_refused(tmp_path, monkeypatch):
