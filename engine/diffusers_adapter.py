@@ -94,7 +94,10 @@ class ChorusWanSelfAttnProcessor:
             key = _rotary(key, *rotary_emb)
         q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # [B, H, L, D]
         if self.handle is None:
-            out = first_frame_biased_attention(q, k, v, prefix, bias)
+            try:
+                out = first_frame_biased_attention(q, k, v, prefix, bias)
+            except Exception:  # noqa: BLE001 - never fail a forward: diffusers' own processor, no bias
+                return self.original(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb, **kwargs)
         else:
             cond_rows = torch.full((q.shape[0],), st.cond, dtype=torch.bool)
             out = self.handle.self_attention(q, k, v, layer=self.layer, sigma=st.sigma, grid=st.grid,

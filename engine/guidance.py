@@ -74,6 +74,22 @@ def first_frame_biased_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
+def biased_dense_or_plain(dense_fn, prefix_len: int, bias: float, on_error=None):
+    """A ``dense_fn``-shaped callable ``(q, k, v) -> [B, H, L, D]``: :func:`first_frame_biased_attention`,
+    or ``dense_fn(q, k, v)`` (no bias) when that raises — e.g. out of memory on a GPU/dtype where SDPA
+    has no fused kernel for an additive mask — after telling ``on_error(message)``. Guidance must never
+    fail a sampling run."""
+    def run(q, k, v):
+        try:
+            return first_frame_biased_attention(q, k, v, prefix_len, bias)
+        except Exception as exc:  # noqa: BLE001 - fall back to the plain dense call
+            if on_error is not None:
+                on_error(f"first-frame bias not applied to a dense call ({type(exc).__name__}: "
+                         f"{str(exc).splitlines()[0] if str(exc) else ''}); plain dense attention")
+            return dense_fn(q, k, v)
+    return run
+
+
 class GuidanceBoost:
     """Decides and applies the guidance for one patched model.
 

@@ -10,7 +10,6 @@ never raises from there: anything unexpected is logged once (``plan.note``) and 
 
 from __future__ import annotations
 
-import functools
 import math
 import time
 
@@ -18,7 +17,7 @@ import torch
 
 from .. import kernels
 from .config import SparseConfig
-from .guidance import first_frame_biased_attention
+from .guidance import biased_dense_or_plain
 from .plan import Plan
 from .recorder import pack_bits_on_device, unpack_bits_on_device
 from .routing import match_step, step_sigma
@@ -143,15 +142,15 @@ class ChorusAttention:
         conditioning (recorded on a miss) or None (all rows). ``dense_fn(q, k, v)``: the host's dense
         attention, used on a miss and for every fallback. ``first_frame_bias`` (guidance, natural-log
         units): added to the logits of the first frame's ``H' * W'`` keys, in the sparse kernel and,
-        in place of ``dense_fn``, in dense calls (:func:`first_frame_biased_attention`); ignored when
+        in place of ``dense_fn``, in dense calls (:func:`biased_dense_or_plain`: ``dense_fn`` itself if the
+        biased call fails); ignored when
         the grid does not hold the call's tokens. Block mass is always recorded without it.
         """
         start = time.perf_counter()
         try:
             prefix_len = _first_frame_tokens(grid, q) if first_frame_bias else 0
             if prefix_len:
-                dense_fn = functools.partial(first_frame_biased_attention, prefix_len=prefix_len,
-                                             bias=float(first_frame_bias))
+                dense_fn = biased_dense_or_plain(dense_fn, prefix_len, float(first_frame_bias), self.plan.note)
             if not self._running:
                 self.begin_run()
             if self.expert is None:

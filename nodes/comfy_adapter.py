@@ -34,7 +34,7 @@ import math
 import torch
 
 from ..engine import ChorusAttention, ModelInfo, Plan, SparseConfig, wan_model_info
-from ..engine.guidance import first_frame_biased_attention
+from ..engine.guidance import biased_dense_or_plain
 
 log = logging.getLogger("chorus.nodes")
 
@@ -112,8 +112,8 @@ class ChorusOverride:
             plan.note(ctx.disabled_reason)
             plan.stats.fallback_calls += 1
             if bias:
-                out = first_frame_biased_attention(to_bhld(q), to_bhld(k), to_bhld(v), ctx.grid[1] * ctx.grid[2], bias)
-                return out.transpose(1, 2).reshape(batch, length, width)
+                biased = biased_dense_or_plain(dense_fn, ctx.grid[1] * ctx.grid[2], bias, plan.note)
+                return biased(to_bhld(q), to_bhld(k), to_bhld(v)).transpose(1, 2).reshape(batch, length, width)
             return self._dense(func, args, kwargs)
 
         cond_rows = None

@@ -22,6 +22,7 @@ All strengths 0 returns the model unpatched; a 0 leaves that part out.
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 from comfy_api.latest import io
@@ -29,9 +30,11 @@ from comfy_api.latest import io
 from ..engine import Plan
 from ..engine.guidance import (CFG_GAIN_PER_STRENGTH, GAIN_PER_STRENGTH, IMAGE_GAIN_PER_STRENGTH, MAX_STRENGTH,
                                GuidanceBoost)
-from ..engine.guidance import first_frame_biased_attention
+from ..engine.guidance import biased_dense_or_plain
 from .comfy_adapter import GUIDANCE_KEY, _find_transformer_options, chain_has_chorus_attention, latent_token_grid
 from .common import CATEGORY, ChorusPlan, ui_text
+
+log = logging.getLogger("chorus.nodes")
 
 WRAPPER_KEY = "chorus_ii_guidance"
 FORWARD_KEY = "chorus_ii_guidance_grid"
@@ -80,8 +83,19 @@ class GuidanceOverride:
         batch, length, width = q.shape
         heads = int(heads)
         q4, k4, v4 = (t.view(batch, length, heads, width // heads).transpose(1, 2) for t in (q, k, v))
-        out = first_frame_biased_attention(q4, k4, v4, grid[1] * grid[2], bias)
+
+        def plain(*_):
+            return self._call(func, args, kwargs).view(batch, length, heads, width // heads).transpose(1, 2)
+
+        out = biased_dense_or_plain(plain, grid[1] * grid[2], bias, self._note)(q4, k4, v4)
         return out.transpose(1, 2).reshape(batch, length, width)
+
+    def _note(self, message: str) -> None:
+        if self.boost.plan is not None:
+            self.boost.plan.note(message)
+        elif not getattr(self, "_warned", False):
+            self._warned = True
+            log.warning("Chorus II guidance: %s", message)
 
 
 class CfgCorrection:

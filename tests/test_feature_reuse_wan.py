@@ -267,6 +267,24 @@ def test_first_frame_bias_is_applied_exactly_once_in_any_node_order(nodes, model
     torch.testing.assert_close(fr_runs[0], fr_runs[1], rtol=1e-5, atol=1e-6)
 
 
+def test_guidance_survives_a_failing_biased_attention_call(nodes, model, recorded, monkeypatch):
+    """If the biased dense call raises (out of memory where SDPA has no fused masked kernel), the
+    guidance override runs the host's own attention: the result equals no image guidance at all."""
+    import chorus.engine.guidance as guidance_module
+
+    latent, dense, miss, _ = recorded
+    _, _, gb_node = nodes
+
+    def broken(*args, **kwargs):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory (test)")
+
+    monkeypatch.setattr(guidance_module, "first_frame_biased_attention", broken)
+    hit = _hit_from(miss)
+    out = _sample(gb_node.patch_guidance(model, hit, 0.0, 2.0)[0], latent)
+    assert torch.equal(out, dense)
+    assert any("first-frame bias not applied" in m for m in hit.stats.messages), hit.stats.messages
+
+
 def test_cfg_correction_runs_the_reused_steps_at_a_higher_cfg(nodes, model, recorded):
     """cfg_strength in ComfyUI's real sampler (cfg 2): without a plan (every step) the result equals a
     plain run at cfg 2 x 1.2; on a miss, or with cfg 1, it is bit-identical to no patch."""

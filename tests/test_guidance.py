@@ -130,3 +130,24 @@ def test_engine_applies_the_bias_on_the_sparse_path_and_in_dense_calls():
     dense_handle = ChorusAttention(miss, SparseConfig(block_size=bs), info)
     out = dense_handle.self_attention(q, k, v, layer=0, sigma=0.5, grid=grid, dense_fn=None, first_frame_bias=bias)
     assert (out.double() - dense_attention_oracle(q, k, v, prefix_len=100, prefix_bias=bias)).abs().max() < 1e-5
+
+
+def test_a_failing_biased_dense_call_falls_back_to_plain_dense(monkeypatch):
+    """Where SDPA cannot run the masked call (e.g. out of memory without a fused kernel), the dense call
+    runs without the bias, with a note, and sampling goes on."""
+    import chorus.engine.guidance as guidance_module
+    from chorus.engine import ChorusAttention, SparseConfig
+    from chorus.engine.signature import ModelInfo
+
+    def broken(*args, **kwargs):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory (test)")
+
+    monkeypatch.setattr(guidance_module, "first_frame_biased_attention", broken)
+    q, k, v = make_qkv(batch=1, heads=2, q_len=300, seed=2)
+    info = ModelInfo("wan2.2-a14b-i2v", "WanModel", 1, 2, 64, 16, "fp0", True, "")
+    plan = Plan.miss("m")
+    handle = ChorusAttention(plan, SparseConfig(block_size=64), info)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    out = handle.self_attention(q, k, v, layer=0, sigma=0.5, grid=(3, 5, 20), dense_fn=sdpa, first_frame_bias=0.3)
+    assert torch.equal(out, sdpa(q, k, v))
+    assert any("first-frame bias not applied" in m for m in plan.stats.messages), plan.stats.messages
