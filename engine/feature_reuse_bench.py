@@ -243,9 +243,10 @@ def measure_block(grid=GRIDS["720p"], *, density=0.15, share=0.25, reps=5, backe
     sparse_attn = _sparse_attention(heads, block_map, backend)
     sparse_attn_biased = _sparse_attention(heads, block_map, backend, first, image_bias)
     dense_attn_biased = _dense_biased_attention(heads, first, image_bias)
+    device_name = torch.cuda.get_device_name() if str(device).startswith("cuda") else str(device)
     res = {"grid": list(grid), "tokens": L, "dim": dim, "heads": heads, "ffn": ffn, "share": share,
-           "map_density": float(block_map.float().mean()), "device": torch.cuda.get_device_name() if str(device).startswith("cuda") else str(device),
-           "torch": torch.__version__, "backend": backend}
+           "map_density": float(block_map.float().mean()), "device": device_name, "torch": torch.__version__,
+           "backend": backend}
 
     captured = {}
 

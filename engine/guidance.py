@@ -2,7 +2,7 @@
 
 Reuse (sparse attention with an earlier request's masks, downsampled regions) lets a request drift
 from its own conditioning: attention to some key blocks is never computed, and pooled regions
-see the prompt at reduced resolution. Two corrections, each with its own strength:
+see the prompt at reduced resolution. Three corrections, each with its own strength:
 
 - **text** (``strength``): Wan injects the prompt (and, for Wan 2.1 I2V, the CLIP image tokens)
   through cross-attention, so its output gets a gain
@@ -95,8 +95,9 @@ class GuidanceBoost:
 
     ``plan``: the request's :class:`Plan` or None. ``strength`` (text: cross-attention gain),
     ``image_strength`` (first-frame logit bias in self-attention) and ``cfg_strength`` (CFG-style
-    correction where cfg > 1), each in [0, MAX_STRENGTH]; bad values raise ``ValueError``. ``sample_sigmas`` (set per sampler run by the host): the run's
-    schedule, so intermediate sigmas of multi-evaluation samplers map to their step.
+    correction where cfg > 1), each in [0, MAX_STRENGTH]; bad values raise ``ValueError``.
+    ``sample_sigmas`` (set per sampler run by the host): the run's schedule, so intermediate sigmas
+    of multi-evaluation samplers map to their step.
     """
 
     def __init__(self, plan: Plan | None, strength: float = 0.5, image_strength: float = 0.5,

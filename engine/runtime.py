@@ -142,9 +142,9 @@ class ChorusAttention:
         conditioning (recorded on a miss) or None (all rows). ``dense_fn(q, k, v)``: the host's dense
         attention, used on a miss and for every fallback. ``first_frame_bias`` (guidance, natural-log
         units): added to the logits of the first frame's ``H' * W'`` keys, in the sparse kernel and,
-        in place of ``dense_fn``, in dense calls (:func:`biased_dense_or_plain`: ``dense_fn`` itself if the
-        biased call fails); ignored when
-        the grid does not hold the call's tokens. Block mass is always recorded without it.
+        in place of ``dense_fn``, in dense calls (:func:`biased_dense_or_plain`: ``dense_fn`` itself if
+        the biased call fails); ignored when the grid does not hold the call's tokens. Block mass is
+        always recorded without it.
         """
         start = time.perf_counter()
         try:

@@ -206,8 +206,8 @@ def _bsa_fwd_kernel(Q, K, V, O, q_scale, k_scale, v_scale, kv_num, kv_idx, sched
         n_main = n_kv - ((n_kv > 0) & (last == num_kv_blocks - 1)).to(tl.int32)
     acc, l_i, m_i = _attn_tiles(acc, l_i, m_i, q, sq, qk_scale, K, V, k_scale_row, idx_row, b, h,
                                 0, n_main * KV_SUB, Lk, prefix_len, prefix_bias, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl,
-                                HEAD_DIM, BLOCK_N, BS, KV_SUB, FP8, USE_TMA, False, False, P_SHIFT, SCALE_TILE, INTERPRET,
-                                ABLATE, WARP_SPEC, HAS_BIAS)
+                                HEAD_DIM, BLOCK_N, BS, KV_SUB, FP8, USE_TMA, False, False, P_SHIFT, SCALE_TILE,
+                                INTERPRET, ABLATE, WARP_SPEC, HAS_BIAS)
     if TAIL_K:
         acc, l_i, m_i = _attn_tiles(acc, l_i, m_i, q, sq, qk_scale, K, V, k_scale_row, idx_row, b, h,
                                     n_main * KV_SUB, n_kv * KV_SUB, Lk, prefix_len, prefix_bias,
@@ -352,7 +352,8 @@ def launch_attention(prep: dict, ablate: int = 0) -> torch.Tensor:
     _bsa_fwd_kernel[grid](
         q_arg, k_arg, v_arg, out, prep["q_scale"], prep["k_scale"], prep["v_scale"], prep["kv_num"],
         prep["kv_idx"], prep["sched"], heads, q_len, prep["kv_len"], prep["num_kv_blocks"], prep["n_q_scale"],
-        prep["n_k_scale"], prep["qk_scale"], prep["prefix_len"], prep["prefix_bias_log2"], *strides, out.stride(0), out.stride(1), out.stride(2),
+        prep["n_k_scale"], prep["qk_scale"], prep["prefix_len"], prep["prefix_bias_log2"], *strides,
+        out.stride(0), out.stride(1), out.stride(2),
         *prep["map_strides"],
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BS=block_size, FP8=fp8, USE_TMA=prep["use_tma"],
         TAIL_K=prep["kv_len"] % block_size != 0, EVEN_Q=q_len % block_m == 0, P_SHIFT=P_SHIFT_LOG2,
