@@ -291,6 +291,9 @@ def measure_block(grid=GRIDS["720p"], *, density=0.15, share=0.25, reps=5, backe
             "sparse+fr+guidance": lambda: with_fr(sparse_attn_biased, gain),
             "fr_pool_unpool_overhead": lambda: pooling.unpool_residual(x, pooling.pool_tokens(x, layout),
                                                                        pooling.pool_tokens(x, layout), layout),
+            # the same with the torch implementation (the fused Triton kernels' reference), side by side
+            "fr_pool_unpool_overhead_torch": lambda: pooling.unpool_residual_torch(
+                x, pooling.pool_tokens_torch(x, layout), pooling.pool_tokens_torch(x, layout), layout),
             # the miss path's extra work per block: region scores from a <= 256-channel subset
             "fr_record_overhead": lambda: pooling.region_detail(
                 dense_out[..., ::stride] - x[..., ::stride], grid, (2, 8, 8), (2, 2, 2)),

@@ -28,13 +28,47 @@ Functions (``x`` is ``[B, L, ...]``, float; indices are int64 on ``x``'s device)
 
 ``*_reference`` functions compute the same with explicit per-cell loops (tests compare).
 Bad geometry raises ``ValueError``.
+
+On a CUDA device, :func:`pool_tokens` and :func:`unpool_residual` of ``[B, L, C]`` fp16/bf16/fp32
+tensors run as fused Triton kernels (:mod:`chorus.kernels.triton._pooling`: one pass each instead of
+several gathers, casts and scatters); anywhere else, or if a kernel fails (logged once), the torch
+code below runs. Both agree to fp32 rounding (cell means) and are exact copies for kept tokens.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
+
+LOG = logging.getLogger(__name__)
+_FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_fused_failed = False
+
+
+def _fused_kernels(layout, *tensors):
+    """The Triton pooling module when every tensor is a ``[B, L, C]`` CUDA tensor with unit channel
+    stride of a supported dtype, on the device of the layout's indices (and the kernels have not
+    failed before), else None."""
+    if _fused_failed:
+        return None
+    device = layout.expand_index.device
+    if not all(isinstance(t, torch.Tensor) and t.is_cuda and t.dim() == 3 and t.stride(-1) == 1
+               and t.dtype in _FUSED_DTYPES and t.device == device for t in tensors):
+        return None
+    try:
+        from .triton import _pooling
+    except Exception:  # noqa: BLE001 - no Triton: the torch path
+        return None
+    return _pooling
+
+
+def _fused_failure(exc: Exception) -> None:
+    global _fused_failed
+    _fused_failed = True
+    LOG.warning("chorus: fused pooling kernels failed (%s: %s); using the torch implementation",
+                type(exc).__name__, exc)
 
 
 def _triple(v, name: str) -> tuple[int, int, int]:
@@ -163,6 +197,17 @@ def pool_tokens(x: torch.Tensor, layout: RegionLayout) -> torch.Tensor:
     """``[B, L, ...] -> [B, L', ...]``: kept tokens in order, then each cell's mean (in x's dtype,
     accumulated in float32 for half types)."""
     _check_x(x, layout, layout.length, "x")
+    fused = _fused_kernels(layout, x)
+    if fused is not None:
+        try:
+            return fused.pool_tokens_triton(x, layout)
+        except Exception as exc:  # noqa: BLE001
+            _fused_failure(exc)
+    return pool_tokens_torch(x, layout)
+
+
+def pool_tokens_torch(x: torch.Tensor, layout: RegionLayout) -> torch.Tensor:
+    """:func:`pool_tokens` in torch ops (any device and shape; the fused kernel's reference)."""
     out = x.new_empty((x.shape[0], layout.compact_length, *x.shape[2:]))
     n_keep = layout.keep_index.numel()
     out[:, :n_keep] = x.index_select(1, layout.keep_index)
@@ -206,6 +251,18 @@ def unpool_residual(x: torch.Tensor, x_compact: torch.Tensor, y_compact: torch.T
     _check_x(x, layout, layout.length, "x")
     _check_x(x_compact, layout, layout.compact_length, "x_compact")
     _check_x(y_compact, layout, layout.compact_length, "y_compact")
+    fused = _fused_kernels(layout, x, x_compact, y_compact)
+    if fused is not None:
+        try:
+            return fused.unpool_residual_triton(x, x_compact, y_compact, layout)
+        except Exception as exc:  # noqa: BLE001
+            _fused_failure(exc)
+    return unpool_residual_torch(x, x_compact, y_compact, layout)
+
+
+def unpool_residual_torch(x: torch.Tensor, x_compact: torch.Tensor, y_compact: torch.Tensor,
+                          layout: RegionLayout) -> torch.Tensor:
+    """:func:`unpool_residual` in torch ops (any device and shape; the fused kernel's reference)."""
     n_keep = layout.keep_index.numel()
     out = torch.empty_like(x)
     # kept tokens: exactly the block output

@@ -123,6 +123,38 @@ def test_prefix_bias_matches_oracle(fp8, length, prefix_len, bs):
         assert (out.float() - plain.float()).abs().max() > 0.02
 
 
+@pytest.mark.parametrize("grid,region,pool,channels", [((3, 6, 10), (2, 2, 4), (1, 2, 2), 1100),
+                                                       ((5, 9, 13), (2, 4, 4), (2, 2, 2), 96)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_pooling_matches_the_loop_references(grid, region, pool, channels, dtype):
+    """Feature reuse's fused pool / unpool kernels (ragged grids, channels not a multiple of the
+    kernel's 1024-channel block) against the fp64 loop references, with the torch path's bounds;
+    kept tokens are exact copies."""
+    from chorus.kernels import pooling
+    from chorus.kernels.triton._pooling import pool_tokens_triton, unpool_residual_triton
+
+    length = grid[0] * grid[1] * grid[2]
+    gen = torch.Generator().manual_seed(channels)
+    x = torch.randn(2, length, channels, generator=gen).to(dtype)
+    n = pooling.region_counts(grid, region)
+    regions = torch.randperm(n[0] * n[1] * n[2], generator=gen)[: max(1, n[0] * n[1] * n[2] // 2)]
+    layout = pooling.build_layout(grid, region, pool, regions)
+    pooled = pool_tokens_triton(x, layout)
+    ref = pooling.pool_tokens_reference(x, grid, region, pool, regions)
+    assert pooled.shape == ref.shape and pooled.dtype == dtype
+    assert float((pooled.double() - ref).abs().max()) <= 2 * torch.finfo(dtype).eps * float(ref.abs().max())
+    n_keep = layout.keep_index.numel()
+    assert torch.equal(pooled[:, :n_keep], x[:, layout.keep_index])
+    y_c = torch.randn(pooled.shape, generator=gen).to(dtype)
+    out = unpool_residual_triton(x, pooled, y_c, layout)
+    ref_out = pooling.unpool_residual_reference(x, y_c, grid, region, pool, regions)
+    tol = 4 * torch.finfo(dtype).eps * float(ref_out.abs().max() + x.double().abs().max())
+    assert float((out.double() - ref_out).abs().max()) <= tol
+    assert torch.equal(out[:, layout.keep_index], y_c[:, :n_keep])
+    torch.testing.assert_close(out, pooling.unpool_residual_torch(x, pooled, y_c, layout), rtol=0,
+                               atol=2 * tol)
+
+
 def test_fp8_prepass_matches_torch_quantisation():
     from chorus.kernels.triton._quant import quantize_qkv_fp8, quantize_reference
 
