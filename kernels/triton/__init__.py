@@ -2,9 +2,13 @@
 
 Public entry points (called by :mod:`chorus.kernels.api` for backends ``triton_fp8``/``triton_bf16``):
 
-- :func:`block_sparse_attention_triton` ``(q, k, v, block_map, *, block_size, scale, fp8) -> Tensor``
+- :func:`block_sparse_attention_triton` ``(q, k, v, block_map, *, block_size, scale, fp8, prefix_len,
+  prefix_bias) -> Tensor``
 - :func:`block_mass_triton` ``(q, k, *, block_size, sample_rows, scale) -> float32 [B, H, Qb, Kb]``
 - :func:`triton_available` ``() -> (bool, reason)``
+
+Feature reuse's fused pool / unpool kernels live in :mod:`._pooling` (called by
+:mod:`chorus.kernels.pooling` on CUDA tensors).
 
 Both launchers are ``torch.library`` custom ops (``torch.ops.chorus.block_sparse_attention_triton``,
 ``torch.ops.chorus.block_mass_triton``) with fake (shape-only) implementations, so a model calling
