@@ -218,3 +218,27 @@ def test_custom_ops_trace_with_fake_tensors():
                           test_utils=("test_schema", "test_faketensor"))
     torch.library.opcheck(torch.ops.chorus.block_mass_triton, (q, k, 32, 4, 0.125),
                           test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_int32_chunked_launches_match_one_launch(fp8, monkeypatch):
+    """Inputs whose offsets would pass int32 run in (batch, head) chunks; forcing tiny chunks (a low
+    limit) on small inputs gives the same result as one launch, for both broadcast and full maps."""
+    from chorus.kernels.triton import _attention, _block_mass
+
+    q, k, v = make_inputs(2, 3, 150, 64, torch.bfloat16, seed=31)
+    full_map = random_map(2, 3, 150, 150, 64, 0.5, seed=3)
+    shared_map = random_map(1, 1, 150, 150, 64, 0.5, seed=4)
+    want = [block_sparse_attention_triton(q, k, v, m, block_size=64, fp8=fp8) for m in (full_map, shared_map)]
+    want_mass = block_mass_triton(q, k, block_size=64, sample_rows=4)
+    per_head = 256 * 64  # the padded FP8 copy of one (b, h)
+    for limit in (2 * 3 * per_head - 1, 2 * per_head, per_head):  # batch chunks, then head chunks
+        monkeypatch.setattr(_attention, "INT32_LIMIT", limit)
+        chunks = _attention.int32_chunks((q, k, v), per_head)
+        assert len(chunks) > 1
+        for m, w in zip((full_map, shared_map), want):
+            assert torch.equal(block_sparse_attention_triton(q, k, v, m, block_size=64, fp8=fp8), w)
+        assert torch.equal(block_mass_triton(q, k, block_size=64, sample_rows=4), want_mass)
+    monkeypatch.setattr(_attention, "INT32_LIMIT", 100)
+    with pytest.raises(ValueError, match="32-bit"):
+        _attention.int32_chunks((q, k, v), per_head)

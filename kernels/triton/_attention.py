@@ -363,16 +363,70 @@ def launch_attention(prep: dict, ablate: int = 0) -> torch.Tensor:
     return out
 
 
+INT32_LIMIT = 2**31 - 1
+
+
+def _max_offset(t: torch.Tensor, nb: int, nh: int) -> int:
+    """Largest element offset from the data pointer of ``t[b0:b0+nb, h0:h0+nh]`` (``t`` 4-D)."""
+    sizes = (nb, nh, t.shape[2], t.shape[3])
+    return sum((size - 1) * stride for size, stride in zip(sizes, t.stride()) if size > 0)
+
+
+def int32_chunks(tensors, per_bh_elements: int) -> list[tuple[int, int, int, int]]:
+    """Split the ``(batch, heads)`` of ``[B, H, L, D]`` tensors into ``(b0, b1, h0, h1)`` chunks in which
+    every element offset the kernels form fits in int32 (Triton computes pointer offsets from 32-bit
+    program ids and strides): the views of ``tensors`` and ``per_bh_elements`` elements per (b, h) of
+    the buffers the launch allocates (padded FP8 copies, the output). One chunk when everything fits,
+    which is every Wan shape with fewer than ~5 batch rows at 720p. ``ValueError`` when one head alone
+    does not fit."""
+    batch, heads = tensors[0].shape[:2]
+
+    def fits(nb, nh):
+        return (nb * nh * per_bh_elements <= INT32_LIMIT
+                and all(_max_offset(t, nb, nh) <= INT32_LIMIT for t in tensors))
+
+    if fits(batch, heads):
+        return [(0, batch, 0, heads)]
+    if fits(1, heads):
+        nb = max(n for n in range(1, batch + 1) if fits(n, heads))
+        return [(b, min(b + nb, batch), 0, heads) for b in range(0, batch, nb)]
+    if not fits(1, 1):
+        raise ValueError(f"one head of {tuple(tensors[0].shape)} is too large for 32-bit offsets")
+    nh = max(n for n in range(1, heads + 1) if fits(1, n))
+    return [(b, b + 1, h, min(h + nh, heads)) for b in range(batch) for h in range(0, heads, nh)]
+
+
+def _map_view(block_map: torch.Tensor, b0: int, b1: int, h0: int, h1: int) -> torch.Tensor:
+    """The block map of a (batch, head) chunk; broadcast dims (size 1) stay whole."""
+    rows = slice(b0, b1) if block_map.shape[0] > 1 else slice(0, 1)
+    cols = slice(h0, h1) if block_map.shape[1] > 1 else slice(0, 1)
+    return block_map[rows, cols]
+
+
 def block_sparse_attention_triton_impl(q, k, v, block_map, block_size: int, scale: float, fp8: bool,
                                        config: dict | None = None, prefix_len: int = 0,
                                        prefix_bias: float = 0.0) -> torch.Tensor:
-    """Validate, prepare and launch (no torch.library wrapping); ``config`` overrides tile settings."""
+    """Validate, prepare and launch (no torch.library wrapping); ``config`` overrides tile settings.
+    Inputs whose offsets would overflow int32 run in (batch, head) chunks (:func:`int32_chunks`)."""
     if q.device.type == "cuda":
         with torch.cuda.device(q.device):  # Triton launches on the current device
-            return launch_attention(prepare_attention(q, k, v, block_map, block_size, scale, fp8, config,
-                                                      prefix_len, prefix_bias))
-    return launch_attention(prepare_attention(q, k, v, block_map, block_size, scale, fp8, config, prefix_len,
-                                              prefix_bias))
+            return _run_chunks(q, k, v, block_map, block_size, scale, fp8, config, prefix_len, prefix_bias)
+    return _run_chunks(q, k, v, block_map, block_size, scale, fp8, config, prefix_len, prefix_bias)
+
+
+def _run_chunks(q, k, v, block_map, block_size, scale, fp8, config, prefix_len, prefix_bias):
+    _validate(q, k, v, block_map, block_size)
+    padded = -(-max(q.shape[2], k.shape[2]) // 128) * 128
+    chunks = int32_chunks((q, k, v), padded * q.shape[3])
+    if len(chunks) == 1:
+        return launch_attention(prepare_attention(q, k, v, block_map, block_size, scale, fp8, config, prefix_len,
+                                                  prefix_bias))
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    for b0, b1, h0, h1 in chunks:
+        out[b0:b1, h0:h1] = launch_attention(prepare_attention(
+            q[b0:b1, h0:h1], k[b0:b1, h0:h1], v[b0:b1, h0:h1], _map_view(block_map, b0, b1, h0, h1), block_size,
+            scale, fp8, config, prefix_len, prefix_bias))
+    return out
 
 
 def default_scale(head_dim: int) -> float:

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._attention import interpreter_upcast
+from ._attention import int32_chunks, interpreter_upcast
 from ._quant import LOG2E
 
 MASS_ROWS = 128  # rows per program (tensor-core M)
@@ -159,6 +159,12 @@ def block_mass_triton_impl(q: torch.Tensor, k: torch.Tensor, block_size: int, sa
     if q.device.type == "cuda" and q.device.index is not None and q.device.index != torch.cuda.current_device():
         with torch.cuda.device(q.device):  # Triton launches on the current device
             return block_mass_triton_impl(q, k, block_size, sample_rows, scale, block_n, num_warps, num_stages)
+    chunks = int32_chunks((q, k), num_q_blocks * num_kv_blocks)
+    if len(chunks) > 1:  # offsets past int32: run (batch, head) chunks
+        for b0, b1, h0, h1 in chunks:
+            out[b0:b1, h0:h1] = block_mass_triton_impl(q[b0:b1, h0:h1], k[b0:b1, h0:h1], block_size, sample_rows,
+                                                       scale, block_n, num_warps, num_stages)
+        return out
     _block_mass_kernel[grid](
         q, k, out, table, heads, q_len, kv_len, num_q_blocks, num_kv_blocks, float(scale * LOG2E),
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),

@@ -27,8 +27,8 @@ BLOCK_C = 1024  # channels per program (bf16: 2 KiB per row load)
 @triton.jit
 def _pool_kernel(X, OUT, keep_index, cell_index, n_keep, C, s_xb, s_xl, s_ob, s_ol,
                  P: tl.constexpr, BLOCK: tl.constexpr):
-    j = tl.program_id(0)
-    b = tl.program_id(2)
+    j = tl.program_id(0).to(tl.int64)  # 64-bit offsets: [B, L, C] activations pass 2**31 elements
+    b = tl.program_id(2).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < C
     x_row = X + b * s_xb
@@ -48,8 +48,8 @@ def _pool_kernel(X, OUT, keep_index, cell_index, n_keep, C, s_xb, s_xl, s_ob, s_
 @triton.jit
 def _unpool_kernel(X, XC, YC, OUT, expand_index, n_keep, C, s_xb, s_xl, s_cb, s_cl, s_yb, s_yl, s_ob, s_ol,
                    BLOCK: tl.constexpr):
-    i = tl.program_id(0)
-    b = tl.program_id(2)
+    i = tl.program_id(0).to(tl.int64)  # 64-bit offsets: [B, L, C] activations pass 2**31 elements
+    b = tl.program_id(2).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < C
     j = tl.load(expand_index + i)
