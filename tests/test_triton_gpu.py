@@ -235,7 +235,11 @@ def test_inputs_past_int32_offsets_run_in_chunks():
     bm = structured_map(length, 1, 0.05)
     for fp8 in (False, True) if _fp8_capable() else (False,):
         out = block_sparse_attention_triton(q, k, v, bm, block_size=128, fp8=fp8)
-        assert torch.isfinite(out).all() and torch.equal(out[5], out[0]) and not torch.equal(out[4], out[0])
+        assert torch.isfinite(out).all()
+        same = (out[5].float() - out[0].float()).abs().max().item()
+        other = (out[4].float() - out[0].float()).abs().max().item()
+        # bf16: bitwise; FP8: the K-mean of the pre-pass is summed with fp32 atomics (order varies)
+        assert same == 0.0 if not fp8 else same < 0.01 * other, (fp8, same, other)
         del out
     mass = block_mass_triton(q, k, block_size=128, sample_rows=8)
     assert torch.equal(mass[5], mass[0]) and torch.allclose(mass.sum(-1), torch.ones_like(mass.sum(-1)), atol=1e-3)
