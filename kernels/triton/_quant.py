@@ -17,8 +17,9 @@ kernel only ever sees 16-byte aligned strides and never needs a load mask):
 
 Scales are ``absmax / 448`` (448 = largest finite e4m3) with 1.0 where a tile is all zero; values
 are clamped to +-448 before the cast. Padded rows/columns are written as exact zeros.
-Two launches: a stats kernel (channel sum of K, channel absmax of V, fp32 atomics) and the
-quantise kernel (one program per 128-token tile and (b, h)).
+Launches: a stats kernel (per 2048-token chunk: channel sum of K, channel absmax of V, written as
+partials), their fixed-order reduction (two small torch reductions: no atomics, so the result is
+bitwise reproducible), and the quantise kernel (one program per 128-token tile and (b, h)).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def round_e4m3(x):
 
 
 @triton.jit
-def _kv_stats_kernel(K, V, k_sum, v_amax, H, Lk,
+def _kv_stats_kernel(K, V, k_part, v_part, H, Lk, n_chunks,
                      s_kb, s_kh, s_kl, s_vb, s_vh, s_vl,
                      HEAD_DIM: tl.constexpr, TILE: tl.constexpr, CHUNK: tl.constexpr):
     pid_c = tl.program_id(0)
@@ -66,8 +67,10 @@ def _kv_stats_kernel(K, V, k_sum, v_amax, H, Lk,
         vt = tl.load(V + b * s_vb + h * s_vh + rows[:, None] * s_vl + offs_d[None, :], mask=valid, other=0.0)
         acc_sum += tl.sum(kt.to(tl.float32), axis=0)
         acc_max = tl.maximum(acc_max, tl.max(tl.abs(vt.to(tl.float32)), axis=0))
-    tl.atomic_add(k_sum + bh * HEAD_DIM + offs_d, acc_sum)
-    tl.atomic_max(v_amax + bh * HEAD_DIM + offs_d, acc_max)
+    # per-chunk partials, reduced in a fixed order afterwards (fp32 atomics would make the sum, and so
+    # the FP8 result, depend on the order programs finish)
+    tl.store(k_part + (bh * n_chunks + pid_c) * HEAD_DIM + offs_d, acc_sum)
+    tl.store(v_part + (bh * n_chunks + pid_c) * HEAD_DIM + offs_d, acc_max)
 
 
 @triton.jit
@@ -135,12 +138,15 @@ def quantize_qkv_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     v8t = torch.empty(batch, heads, head_dim, lpad_k, device=dev, dtype=fp8)
     q_scale = torch.empty(batch, heads, lpad_q // QUANT_TILE, device=dev, dtype=torch.float32)
     k_scale = torch.empty(batch, heads, lpad_k // QUANT_TILE, device=dev, dtype=torch.float32)
-    k_sum = torch.zeros(batch, heads, head_dim, device=dev, dtype=torch.float32)
-    v_amax = torch.zeros(batch, heads, head_dim, device=dev, dtype=torch.float32)
-    _kv_stats_kernel[(triton.cdiv(kv_len, STATS_CHUNK), batch * heads)](
-        k, v, k_sum, v_amax, heads, kv_len,
+    n_chunks = triton.cdiv(kv_len, STATS_CHUNK)
+    k_part = torch.empty(batch * heads, n_chunks, head_dim, device=dev, dtype=torch.float32)
+    v_part = torch.empty(batch * heads, n_chunks, head_dim, device=dev, dtype=torch.float32)
+    _kv_stats_kernel[(n_chunks, batch * heads)](
+        k, v, k_part, v_part, heads, kv_len, n_chunks,
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         HEAD_DIM=head_dim, TILE=QUANT_TILE, CHUNK=STATS_CHUNK, num_warps=8)
+    k_sum = k_part.sum(1).view(batch, heads, head_dim)
+    v_amax = v_part.amax(1).view(batch, heads, head_dim)
     _quant_kernel[(max(lpad_q, lpad_k) // QUANT_TILE, batch * heads)](
         q, k, v, q8, k8, v8t, q_scale, k_scale, k_sum, v_amax,
         heads, q_len, kv_len, lpad_q, lpad_k, float(scale * LOG2E), 1.0 / kv_len,
