@@ -176,11 +176,9 @@ def diffusion_model_wrapper(override: ChorusOverride, executor, *args, **kwargs)
     """DIFFUSION_MODEL wrapper: per-forward token grid and layer counter (args: x, timestep, context,
     clip_fea, time_dim_concat, transformer_options, ...)."""
     where, options = _find_transformer_options(args, kwargs)
-    x = args[0] if args else kwargs.get("x")
-    if where is None or not isinstance(x, torch.Tensor) or x.dim() != 5:
+    grid = latent_token_grid(args[0] if args else kwargs.get("x"))
+    if where is None or grid is None:
         return executor(*args, **kwargs)
-    _, _, t, h, w = x.shape
-    grid = (int(t), math.ceil(h / 2), math.ceil(w / 2))
     tokens = grid[0] * grid[1] * grid[2]
     reason = None
     time_dim_concat = args[4] if len(args) > 4 and not isinstance(args[4], dict) else kwargs.get("time_dim_concat")

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 
 import torch
 from comfy_api.latest import io
@@ -31,7 +30,7 @@ from comfy_api.latest import io
 from ..engine import Plan
 from ..engine.feature_reuse import FeatureReuse, FeatureReuseConfig
 from ..kernels import pooling
-from .comfy_adapter import comfy_model_info
+from .comfy_adapter import comfy_model_info, latent_token_grid
 from .common import CATEGORY, ChorusPlan, ui_text
 
 log = logging.getLogger("chorus.nodes")
@@ -150,9 +149,8 @@ def _diffusion_model_wrapper(handle: FeatureReuse, executor, *args, **kwargs):
     if (where is None or not isinstance(x, torch.Tensor) or x.dim() != 5 or time_dim_concat is not None
             or "reference_latent" in kwargs):
         return executor(*args, **kwargs)
-    _, _, t, h, w = x.shape
     options = dict(options)
-    options[FORWARD_KEY] = _Forward((int(t), math.ceil(h / 2), math.ceil(w / 2)))
+    options[FORWARD_KEY] = _Forward(latent_token_grid(x))
     if where == "kw":
         kwargs["transformer_options"] = options
     else:
