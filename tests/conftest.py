@@ -1,0 +1,27 @@
+"""Suite-wide pytest hooks.
+
+``CHORUS_REQUIRE_HOST=1`` (set by ``.ci/run`` once it has a ComfyUI checkout) turns a test that skips
+for want of the host (no ComfyUI checkout, ComfyUI not importable, no workflow templates package) into
+a failure, so CI never passes while silently skipping the host tests.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+HOST_SKIP_MARKERS = ("no ComfyUI checkout", "ComfyUI not available", "ComfyUI is not importable", "comfyui-workflow-templates",
+                     "comfyui_workflow_templates")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if os.environ.get("CHORUS_REQUIRE_HOST") != "1" or not report.skipped:
+        return
+    reason = str(report.longrepr[2]) if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    if any(marker in reason for marker in HOST_SKIP_MARKERS):
+        report.outcome = "failed"
+        report.longrepr = f"host test skipped although CI has a ComfyUI checkout (CHORUS_REQUIRE_HOST=1): {reason}"
