@@ -15,7 +15,7 @@ def main(argv=None) -> int:
 
         return cache_main(rest)
     if command == "demo":
-        from .engine.demo import main as demo_main
+        from .demo.run import main as demo_main
 
         return demo_main(rest)
     print(f"unknown command {command!r}\n{usage}", file=sys.stderr)

@@ -1,6 +1,7 @@
 """Chorus II engine: the host-agnostic request runtime (see README.md for the public API).
 
-Importing it needs torch and ``chorus.kernels`` / ``chorus.cache_store`` only, never ComfyUI.
+Importing it needs torch and ``chorus.kernels`` / ``chorus.cache_store`` only, never ComfyUI or diffusers
+(the diffusers adapter is ``chorus.hosts.diffusers``, the ComfyUI one ``nodes/``).
 """
 
 from .config import BACKENDS, SparseConfig
@@ -13,25 +14,9 @@ from .runtime import ChorusAttention, floor_k_min
 from .signature import (SUPPORTED_VARIANTS, ModelInfo, latent_compatibility, token_grid, wan_model_info,
                         weights_fingerprint)
 
-
-def patch_diffusers_wan(transformer, handle):
-    """Patch a diffusers ``WanTransformer3DModel`` (see :mod:`chorus.engine.diffusers_adapter`)."""
-    from .diffusers_adapter import patch_diffusers_wan as _patch
-
-    return _patch(transformer, handle)
-
-
-def patch_diffusers_guidance(transformer, boost):
-    """Add a :class:`~chorus.engine.guidance.GuidanceBoost` to a diffusers ``WanTransformer3DModel``
-    (see :mod:`chorus.engine.diffusers_adapter`)."""
-    from .diffusers_adapter import patch_diffusers_guidance as _patch
-
-    return _patch(transformer, boost)
-
-
 __all__ = [
     "BACKENDS", "SparseConfig", "Plan", "PlanStats", "mask_heatmap", "placeholder", "MassRecorder",
     "build_signature", "commit_plan", "retrieve_plan", "SigmaSchedule", "match_step", "step_sigma",
     "ChorusAttention", "floor_k_min", "SUPPORTED_VARIANTS", "ModelInfo", "latent_compatibility", "token_grid",
-    "wan_model_info", "weights_fingerprint", "patch_diffusers_wan", "patch_diffusers_guidance",
+    "wan_model_info", "weights_fingerprint",
 ]

@@ -1,4 +1,4 @@
-"""``python -m chorus demo`` (``chorus.engine.demo``) on a short request stream, CPU.
+"""``python -m chorus demo`` (``chorus.demo.run``) on a short request stream, CPU.
 
 The stream: astronaut, cat, astronaut (shifted crop, brighter), coffee, cat (shifted crop,
 brighter), rocket (unrelated). Asserted: the first request of each template and the unrelated one
@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from chorus.engine import demo
+from chorus.demo import run as demo
 
 SIZE = 192  # 12 x 12 tokens per latent frame, 5 latent frames: 720 tokens, 12 blocks of 64
 

@@ -7,8 +7,8 @@ import torch
 
 diffusers = pytest.importorskip("diffusers")
 
-from chorus.engine import (ChorusAttention, Plan, SparseConfig, build_signature, patch_diffusers_wan,  # noqa: E402
-                           wan_model_info)
+from chorus.engine import ChorusAttention, Plan, SparseConfig, build_signature, wan_model_info  # noqa: E402
+from chorus.hosts.diffusers import patch_diffusers_wan  # noqa: E402
 from testing import tiny_diffusers_wan  # noqa: E402
 
 BS = 32

@@ -10,9 +10,9 @@ import torch
 
 diffusers = pytest.importorskip("diffusers")
 
-from chorus.engine import ChorusAttention, Plan, SparseConfig, build_signature, patch_diffusers_wan, wan_model_info  # noqa: E402
-from chorus.engine.feature_reuse import (FeatureReuse, FeatureReuseConfig, feature_state,  # noqa: E402
-                                         patch_diffusers_feature_reuse)
+from chorus.engine import ChorusAttention, Plan, SparseConfig, build_signature, wan_model_info  # noqa: E402
+from chorus.engine.feature_reuse import FeatureReuse, FeatureReuseConfig, feature_state  # noqa: E402
+from chorus.hosts.diffusers import patch_diffusers_feature_reuse, patch_diffusers_wan  # noqa: E402
 from testing import tiny_diffusers_wan  # noqa: E402
 
 BS = 32

@@ -10,8 +10,8 @@ import torch
 
 diffusers = pytest.importorskip("diffusers")
 
-from chorus.engine import (ChorusAttention, Plan, SparseConfig, build_signature, patch_diffusers_guidance,  # noqa: E402
-                           patch_diffusers_wan, wan_model_info)
+from chorus.engine import ChorusAttention, Plan, SparseConfig, build_signature, wan_model_info  # noqa: E402
+from chorus.hosts.diffusers import patch_diffusers_guidance, patch_diffusers_wan  # noqa: E402
 from chorus.engine.guidance import GuidanceBoost  # noqa: E402
 from testing import tiny_diffusers_wan  # noqa: E402
 

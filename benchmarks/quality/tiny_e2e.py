@@ -1,7 +1,7 @@
 """End-to-end deviation from dense through the real engine on a tiny diffusers Wan 2.2 A14B pair.
 
 Two tiny random ``WanTransformer3DModel`` experts (in_dim 36: noise + mask + image latent, like Wan
-2.2 A14B I2V) are patched with ``chorus.engine.patch_diffusers_wan`` and sampled with 4 flow-matching
+2.2 A14B I2V) are patched with ``chorus.hosts.diffusers.patch_diffusers_wan`` and sampled with 4 flow-matching
 Euler steps (2 on the high-noise expert, 2 on the low-noise one). Random weights give nearly uniform
 attention, so the self-attention projections get a *structured init*: RoPE-aligned q/k biases (per
 head amplitudes over Wan's rotary pairs: a narrow and a wide 3D-local head, a same-position-in-other-
@@ -32,10 +32,10 @@ import numpy as np
 import torch
 
 from chorus.cache_store.embedders import hashed_text_vector
-from chorus.engine import (ChorusAttention, SparseConfig, commit_plan, patch_diffusers_guidance, patch_diffusers_wan,
-                           retrieve_plan, wan_model_info)
-from chorus.engine.feature_reuse import FeatureReuse, patch_diffusers_feature_reuse
+from chorus.engine import ChorusAttention, SparseConfig, commit_plan, retrieve_plan, wan_model_info
+from chorus.engine.feature_reuse import FeatureReuse
 from chorus.engine.guidance import GuidanceBoost
+from chorus.hosts.diffusers import patch_diffusers_feature_reuse, patch_diffusers_guidance, patch_diffusers_wan
 
 from .harness import psnr
 

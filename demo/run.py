@@ -48,10 +48,10 @@ import torch.nn.functional as F
 
 from ..cache_store import Workspace
 from ..cache_store.embedders import HashEmbedder
+from ..engine import ChorusAttention, SparseConfig, commit_plan, mask_heatmap, retrieve_plan, wan_model_info
+from ..engine.signature import token_grid
+from ..hosts.diffusers import patch_diffusers_wan
 from ..kernels.reference import expand_block_map
-from . import (ChorusAttention, SparseConfig, commit_plan, mask_heatmap, patch_diffusers_wan, retrieve_plan,
-               wan_model_info)
-from .signature import token_grid
 
 LATENT_CHANNELS = 16
 PIXELS_PER_LATENT = 8  # the pseudo-VAE: 8x8 pixels per latent position

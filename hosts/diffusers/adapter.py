@@ -25,8 +25,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .guidance import GuidanceBoost, first_frame_biased_attention
-from .runtime import ChorusAttention
+from ...engine.guidance import GuidanceBoost, first_frame_biased_attention
+from ...engine.runtime import ChorusAttention
 
 
 def _rotary(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor) -> torch.Tensor:
