@@ -1,4 +1,4 @@
-"""engine/feature_reuse_bench.py runs end to end on a tiny block on CPU (timing replaced by one call),
+"""benchmarks/feature_reuse_bench.py runs end to end on a tiny block on CPU (timing replaced by one call),
 so the GPU benchmark's code paths are exercised in CI; its guidance proxies move the right way."""
 
 import math
@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from chorus.engine import feature_reuse_bench as bench
+from benchmarks import feature_reuse_bench as bench
 
 
 def _plain_sdpa(heads):

@@ -1,6 +1,6 @@
 """Block-level measurement of feature reuse on a Wan-14B-shaped block (GPU; random weights).
 
-``python -m chorus.engine.feature_reuse_bench [--tokens 720p|480p] [--out results.json]`` or
+``python -m benchmarks.feature_reuse_bench [--tokens 720p|480p] [--out results.json]`` (from the pack root) or
 :func:`measure_block` from another benchmark (``benchmarks/e2e`` may call it).
 
 One Wan DiT block as ComfyUI's ``WanAttentionBlock`` computes it (dim 5120, 40 heads x 128, FFN
@@ -40,9 +40,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from ..kernels import block_sparse_attention, pooling
-from .feature_reuse import RECORD_CHANNELS, select_regions
-from .guidance import GAIN_PER_STRENGTH, IMAGE_GAIN_PER_STRENGTH, first_frame_biased_attention
+from chorus.engine.feature_reuse import RECORD_CHANNELS, select_regions
+from chorus.engine.guidance import GAIN_PER_STRENGTH, IMAGE_GAIN_PER_STRENGTH, first_frame_biased_attention
+from chorus.kernels import block_sparse_attention, pooling
 
 GRIDS = {"720p": (21, 45, 80), "480p": (21, 30, 52)}
 
