@@ -41,7 +41,30 @@ def test_readme_opens_with_setup_and_test_commands_and_ci_runs_the_test_command(
 
 
 def test_core_packages_import_without_comfyui():
-    code = ("import sys, chorus, chorus.kernels, chorus.cache_store, chorus.engine; "
+    code = ("import sys, chorus, chorus.kernels, chorus.cache_store, chorus.engine, chorus.hosts.diffusers; "
             "bad = [m for m in sys.modules if m == 'comfy' or m.startswith(('comfy.', 'comfy_api'))]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, cwd="/")
+
+
+def test_engine_imports_neither_comfyui_nor_diffusers():
+    """``import chorus.engine`` alone (a fresh interpreter) loads no ComfyUI and no diffusers module."""
+    code = ("import sys, chorus.engine; "
+            "tops = {m.split('.')[0] for m in sys.modules}; "
+            "bad = sorted(t for t in tops if t in ('comfy', 'diffusers') or t.startswith('comfy_')); "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd="/")
+
+
+def test_every_pack_package_is_installed():
+    """Each folder of the pack with an ``__init__.py`` (outside tests/ and benchmarks/) is listed in
+    ``[tool.setuptools] packages``, so ``pip install`` ships it."""
+    packages = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = set()
+    for init in ROOT.rglob("__init__.py"):
+        rel = init.parent.relative_to(ROOT)
+        if rel.parts and (rel.parts[0] in ("tests", "benchmarks", "build") or rel.parts[0].startswith(".")):
+            continue
+        if all((ROOT / Path(*rel.parts[:i]) / "__init__.py").exists() for i in range(len(rel.parts))):
+            found.add(".".join(("chorus",) + rel.parts))
+    assert found - packages == set()
