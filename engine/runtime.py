@@ -24,26 +24,36 @@ from .routing import match_step, step_sigma
 from .signature import ModelInfo
 
 
+_NEAR_TABLES: dict = {}
+
+
+def _nearest_blocks(num_q: int, num_kv: int, k: int, device) -> torch.Tensor:
+    """Bool ``[Qb, Kb]``: for each query block row, its ``k`` key blocks nearest to the diagonal position
+    ``j ~ i * Kb / Qb`` (ties to the lower index); cached per geometry and device."""
+    key = (num_q, num_kv, k, str(device))
+    table = _NEAR_TABLES.get(key)
+    if table is None:
+        centre = torch.arange(num_q, dtype=torch.float64)[:, None] * (num_kv / num_q)
+        dist = (torch.arange(num_kv, dtype=torch.float64)[None, :] - centre).abs()
+        rank = torch.argsort(torch.argsort(dist, dim=-1, stable=True), dim=-1)
+        table = _NEAR_TABLES[key] = (rank < k).to(device)
+    return table
+
+
 def floor_k_min(block_map: torch.Tensor, k_min: int) -> torch.Tensor:
     """Give every row of a bool map ``[..., Qb, Kb]`` at least ``min(k_min, Kb)`` kept blocks.
 
     Rows below the floor gain the ``k_min`` key blocks nearest to their diagonal position
     (``j ~ i * Kb / Qb``; a reused map has no mass left to rank by, and local blocks are the ones
-    video attention needs most). Rows already at the floor are unchanged.
+    video attention needs most). Rows already at the floor are unchanged. Runs on the map's device
+    without a host sync (a few elementwise kernels; the nearest-block table is built once per grid).
     """
     num_q, num_kv = block_map.shape[-2:]
     k = min(int(k_min), num_kv)
     if k <= 0:
         return block_map
-    short = block_map.sum(-1) < k
-    if not bool(short.any()):
-        return block_map
-    dev = block_map.device
-    centre = torch.arange(num_q, device=dev, dtype=torch.float64)[:, None] * (num_kv / num_q)
-    dist = (torch.arange(num_kv, device=dev, dtype=torch.float64)[None, :] - centre).abs()
-    rank = torch.argsort(torch.argsort(dist, dim=-1, stable=True), dim=-1)
-    near = rank < k
-    return block_map | (near & short[..., None])
+    short = block_map.sum(-1, dtype=torch.int32) < k
+    return block_map | (_nearest_blocks(num_q, num_kv, k, block_map.device) & short[..., None])
 
 
 def _first_frame_tokens(grid, q) -> int:
@@ -88,6 +98,9 @@ class ChorusAttention:
         self._running = False
         self._maps: dict = {}
         self._maps_step: int | None = None
+        self._device_bits: dict | None = None  # (step, layer) -> the entry's bit-packed map on the device
+        self._entry_steps: list[float] = []
+        self._kept = None  # device counter of computed blocks (read at end_run: no sync per call)
 
     def __deepcopy__(self, memo):
         return self
@@ -106,8 +119,7 @@ class ChorusAttention:
                 plan.note(f"ignoring a sampler schedule with non-finite or no values: {sig}")
                 sig = None
         self.sample_sigmas = sig
-        self._maps.clear()
-        self._maps_step = None
+        self._reset_run_state()
         self._running = True
         plan.stats.runs += 1
         self.expert = plan.register_expert(self.model_info)
@@ -124,12 +136,26 @@ class ChorusAttention:
                             f"{[round(s, 4) for s in schedule]})")
 
     def end_run(self) -> None:
-        """End a sampler run: drop per-run state (device maps); the plan keeps request state."""
-        self._maps.clear()
-        self._maps_step = None
+        """End a sampler run: count the blocks computed (one host sync per run), drop per-run state
+        (device maps); the plan keeps request state."""
+        self.flush_stats()
+        self._reset_run_state()
         self._running = False
         self.expert = None
         self.sample_sigmas = None
+
+    def _reset_run_state(self) -> None:
+        self._maps.clear()
+        self._maps_step = None
+        self._device_bits = None
+        self._kept = None
+        self._entry_steps = list(self.plan.step_sigmas) if self.plan.is_hit else []
+
+    def flush_stats(self) -> None:
+        """Add the device-side count of computed blocks to ``plan.stats.blocks_computed`` (syncs)."""
+        if self._kept is not None:
+            self.plan.stats.blocks_computed += int(self._kept)
+            self._kept = None
 
     # -- the call ------------------------------------------------------------------------------
     def self_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layer: int, sigma: float,
@@ -192,13 +218,15 @@ class ChorusAttention:
         try:
             grid = self._check(q, k, v, layer, grid)
             s = self._sigma(sigma)
-            step = match_step(s, plan.step_sigmas)
+            step = match_step(s, self._entry_steps)
             if step is None:
                 raise _Fallback(f"sigma {s:.4g} is not a step of the entry's schedule")
-            packed, kept, num_kv = self._device_map(step, int(layer), q)
-            block_map = unpack_bits_on_device(packed, num_kv)
+            block_map, kept = self._device_map(step, int(layer), q)
+            # rows_checked: the k_min >= 1 floor keeps a block in every row, so the kernel API skips
+            # the one validation that would sync the host with the GPU
             out = kernels.block_sparse_attention(q, k, v, block_map, block_size=cfg.block_size, backend=cfg.backend,
-                                                 prefix_len=prefix_len, prefix_bias=prefix_bias if prefix_len else 0.0)
+                                                 prefix_len=prefix_len, prefix_bias=prefix_bias if prefix_len else 0.0,
+                                                 rows_checked=True)
         except Exception as exc:  # noqa: BLE001 - never crash sampling: dense for this call
             why = str(exc) if isinstance(exc, _Fallback) else f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             plan.note(f"sparse attention not used for a call ({why}); dense attention instead")
@@ -207,33 +235,72 @@ class ChorusAttention:
         batch = q.shape[0]
         plan.stats.sparse_calls += 1
         plan.stats.blocks_total += batch * block_map.shape[1] * block_map.shape[2] * block_map.shape[3]
-        plan.stats.blocks_computed += batch * kept
+        if isinstance(kept, int):
+            plan.stats.blocks_computed += batch * kept
+        else:
+            self._kept = kept * batch if self._kept is None else self._kept + kept * batch
         return out
 
-    def _device_map(self, step: int, layer: int, q: torch.Tensor):
-        """Final map for (this expert, step, layer) on q's device: ``(bit-packed uint8 [1, H, Qb,
-        ceil(Kb/8)], kept block count, Kb)``.
+    def _prefetch(self, device) -> None:
+        """Copy this expert's bit-packed entry maps to ``device`` at once (pinned, non-blocking), at the
+        first sparse call of a run: later calls never copy from the host (a pageable host -> device copy
+        waits for the GPU). Maps that need a host-side transform (resampling, stored mass) and plain
+        tensors are left to :meth:`Plan.stored_map`."""
+        self._device_bits = {}
+        plan = self.plan
+        if plan.resample_to is not None or device.type != "cuda":
+            return
+        for key, stored in plan.masks.items():
+            if key[0] != self.expert or key[3] != 0 or isinstance(stored, torch.Tensor):
+                continue
+            bits = getattr(stored, "bits", None)
+            shape = getattr(stored, "shape", None)
+            if not isinstance(bits, torch.Tensor) or bits.dtype != torch.uint8 or shape is None:
+                continue
+            try:
+                host = bits if bits.is_pinned() else bits.pin_memory()
+            except RuntimeError:  # no pinned memory here: a plain copy, still only once per run
+                host = bits
+            self._device_bits[(int(key[1]), int(key[2]))] = (host.to(device, non_blocking=True), tuple(shape))
 
-        stored (resampled) map | k_min floor | visit-refresh extra pairs; built once per key and run
-        (so cond and uncond calls of a step use one map and the refresh records it once), kept
-        bit-packed (8x less device memory: a 720p 14B step's 40 maps take ~70 MB, not ~560 MB) and
-        unpacked per call.
+    def _stored_on_device(self, step: int, layer: int, q: torch.Tensor) -> torch.Tensor:
+        cfg = self.config
+        if self._device_bits is None:
+            self._prefetch(q.device)
+        found = self._device_bits.get((step, layer))
+        if found is not None:
+            bits, shape = found
+            return unpack_bits_on_device(bits, shape[-1]).reshape(shape)
+        try:
+            return self.plan.stored_map(self.expert, step, layer, block_size=cfg.block_size, top_p=cfg.top_p,
+                                        k_min=cfg.k_min, device=q.device)
+        except KeyError:
+            raise _Fallback(f"the entry has no mask for expert {self.expert}, step {step}, layer {layer}") from None
+
+    def _device_map(self, step: int, layer: int, q: torch.Tensor):
+        """Final map for (this expert, step, layer) on q's device: ``(bool [1, H, Qb, Kb], kept)`` with
+        ``kept`` the number of kept blocks (a device scalar on CUDA, read only at :meth:`end_run`).
+
+        stored map (resampled) | k_min floor | visit-refresh extra pairs. No host sync: the entry's
+        maps reach the device once per run (:meth:`_prefetch`), the floor and the refresh are device
+        ops. Built once per (step, layer) and run: the current step's maps stay on the device
+        bit-packed (a 720p 14B step's 40 maps take ~70 MB) for a second call of the same step (cond
+        and uncond run separately), so the refresh records each map once.
         """
         if self._maps_step != step:  # keep only the current step's maps on the device
             self._maps.clear()
             self._maps_step = step
         key = (step, layer)
         if key in self._maps:
-            return self._maps[key]
+            packed, kept, num_kv = self._maps[key]
+            return unpack_bits_on_device(packed, num_kv), kept
         cfg = self.config
-        try:
-            stored = self.plan.stored_map(self.expert, step, layer, block_size=cfg.block_size, top_p=cfg.top_p,
-                                          k_min=cfg.k_min, device=q.device)
-        except KeyError:
-            raise _Fallback(f"the entry has no mask for expert {self.expert}, step {step}, layer {layer}") from None
+        stored = self._stored_on_device(step, layer, q)
+        if stored.dim() == 4 and stored.shape[0] == 1:
+            stored = stored[0]
         heads, length = q.shape[1], q.shape[2]
         qb = -(-length // cfg.block_size)
-        if tuple(stored.shape[-2:]) != (qb, qb) or stored.shape[0] not in (1, heads):
+        if stored.dim() != 3 or tuple(stored.shape[-2:]) != (qb, qb) or stored.shape[0] not in (1, heads):
             raise _Fallback(f"entry mask {tuple(stored.shape)} does not fit {heads} heads x {qb} blocks")
         block_map = floor_k_min(stored.to(q.device), cfg.k_min)
         if block_map.shape[0] == 1 and heads > 1:
@@ -243,9 +310,9 @@ class ChorusAttention:
             block_map = block_map | refresh.extra_pairs(layer, block_map, step)
             refresh.record(layer, block_map, step)
         block_map = block_map[None]
-        entry = (pack_bits_on_device(block_map), int(block_map.sum()), block_map.shape[-1])
-        self._maps[key] = entry
-        return entry
+        kept = block_map.sum() if block_map.device.type == "cuda" else int(block_map.sum())
+        self._maps[key] = (pack_bits_on_device(block_map), kept, block_map.shape[-1])
+        return block_map, kept
 
     def used_map(self, step: int, layer: int) -> torch.Tensor | None:
         """The bool map ``[1, H, Qb, Kb]`` this run computes for (step, layer) (stored map + floor +

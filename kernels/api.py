@@ -216,12 +216,13 @@ def _run_attention(chosen: Backend, q, k, v, block_map, block_size, scale, prefi
     if chosen == Backend.FLEX:
         return _flex_attention(q, k, v, block_map, block_size, scale, prefix_len, prefix_bias)
     return _triton_module().block_sparse_attention_triton(
-        q, k, v, block_map.to(q.device), block_size=block_size, scale=scale, fp8=chosen == Backend.TRITON_FP8,
+        q, k, v, block_map if block_map.device == q.device else block_map.to(q.device), block_size=block_size, scale=scale, fp8=chosen == Backend.TRITON_FP8,
         prefix_len=prefix_len, prefix_bias=prefix_bias)
 
 
 def block_sparse_attention(q, k, v, block_map, *, block_size: int = 128, scale: float | None = None,
-                           backend: str = "auto", prefix_len: int = 0, prefix_bias: float = 0.0) -> torch.Tensor:
+                           backend: str = "auto", prefix_len: int = 0, prefix_bias: float = 0.0,
+                           rows_checked: bool = False) -> torch.Tensor:
     """Block-sparse attention: query block ``i`` attends only to key blocks ``j`` with
     ``block_map[..., i, j]``.
 
@@ -236,6 +237,10 @@ def block_sparse_attention(q, k, v, block_map, *, block_size: int = 128, scale: 
             to the scaled logits of keys ``[0, prefix_len)`` for every query (Wan's first latent frame:
             the image of an I2V request; guidance). Only keys the map keeps take part, as always.
             ``prefix_len == 0`` or ``prefix_bias == 0`` runs exactly the unbiased computation.
+        rows_checked: the caller guarantees that every row of the map keeps at least one block (e.g.
+            a ``k_min >= 1`` floor was applied): the empty-row check, the only validation that reads the
+            map's values (one host-device sync), is skipped. A map with an empty row then gives
+            zeros in that row's output (Triton) or NaN (reference, flex) instead of a ``ValueError``.
 
     Returns:
         ``[B, H, Lq, D]`` in q's dtype.
@@ -247,7 +252,8 @@ def block_sparse_attention(q, k, v, block_map, *, block_size: int = 128, scale: 
     """
     _check_qkv(q, k, v)
     _check_block_size(block_size)
-    validate_block_map(block_map, q.shape[0], q.shape[1], q.shape[2], k.shape[2], block_size)
+    validate_block_map(block_map, q.shape[0], q.shape[1], q.shape[2], k.shape[2], block_size,
+                       check_rows=not rows_checked)
     prefix_len, prefix_bias = _check_prefix(prefix_len, prefix_bias, k.shape[2])
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     explicit = _parse_backend(backend) != Backend.AUTO

@@ -16,7 +16,8 @@ def num_blocks(length: int, block_size: int) -> int:
     return -(-length // block_size)
 
 
-def validate_block_map(block_map, batch: int, heads: int, q_len: int, kv_len: int, block_size: int) -> None:
+def validate_block_map(block_map, batch: int, heads: int, q_len: int, kv_len: int, block_size: int, *,
+                       check_rows: bool = True) -> None:
     """Raise ``ValueError`` unless ``block_map`` is a usable bool map for these shapes.
 
     Checks dtype, rank, the block grid ``(ceil(q_len/bs), ceil(kv_len/bs))``, broadcastable batch and
@@ -39,6 +40,8 @@ def validate_block_map(block_map, batch: int, heads: int, q_len: int, kv_len: in
         raise ValueError(f"block_map batch dim {block_map.shape[0]} must be 1 or {batch}")
     if block_map.shape[1] not in (1, heads):
         raise ValueError(f"block_map head dim {block_map.shape[1]} must be 1 or {heads}")
+    if not check_rows:
+        return
     empty = ~block_map.any(dim=-1)
     if bool(empty.any()):
         where = tuple(int(x) for x in empty.nonzero()[0].tolist())

@@ -24,7 +24,7 @@ import os
 
 import torch
 
-from ._attention import block_sparse_attention_triton_impl, compress_block_map
+from ._attention import block_sparse_attention_triton_impl, compress_block_map, output_like
 from ._block_mass import block_mass_triton_impl
 
 __all__ = ["block_sparse_attention_triton", "block_mass_triton", "triton_available", "compress_block_map"]
@@ -63,7 +63,7 @@ if not _op_exists("block_sparse_attention_triton"):
 
     @_bsa_op.register_fake
     def _bsa_fake(q, k, v, block_map, block_size, scale, fp8, prefix_len=0, prefix_bias=0.0):
-        return torch.empty_like(q, memory_format=torch.contiguous_format)
+        return output_like(q)
 
 if not _op_exists("block_mass_triton"):
     @torch.library.custom_op("chorus::block_mass_triton", mutates_args=())
@@ -90,7 +90,8 @@ def block_sparse_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
         prefix_len, prefix_bias: ``prefix_bias`` (natural-log units) added to the scaled logits of keys
             ``[0, prefix_len)`` (see :func:`chorus.kernels.block_sparse_attention`).
 
-    Returns ``[B, H, Lq, D]`` in q's dtype. Raises ``ValueError`` on bad shapes/dtypes/maps.
+    Returns ``[B, H, Lq, D]`` in q's dtype, in ``[B, Lq, H, D]`` memory when q is such a
+    head-transposed view (:func:`._attention.output_like`), else contiguous. Raises ``ValueError`` on bad shapes/dtypes/maps.
     A map row with no kept block gives zeros (the public API rejects such maps first).
     """
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)

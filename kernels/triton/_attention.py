@@ -235,6 +235,17 @@ def interpreter_upcast(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def output_like(q: torch.Tensor) -> torch.Tensor:
+    """An empty ``[B, H, L, D]`` output for ``q``: in ``[B, L, H, D]`` memory (a head-transposed view)
+    when q itself is such a view -- the layout ComfyUI and diffusers pass (``[B, L, H * D]`` viewed as
+    ``[B, H, L, D]``) -- so the host's ``out.transpose(1, 2).reshape(B, L, H * D)`` is a free view, not
+    a copy; else contiguous ``[B, H, L, D]``."""
+    batch, heads, length, head_dim = q.shape
+    if heads > 1 and length > 1 and q.stride(3) == 1 and q.stride(1) == head_dim and q.stride(2) == heads * head_dim:
+        return torch.empty(batch, length, heads, head_dim, dtype=q.dtype, device=q.device).transpose(1, 2)
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+
+
 def compress_block_map(block_map: torch.Tensor):
     """bool ``[Bm, Hm, Qb, Kb]`` -> ``(kv_num int32 [Bm, Hm, Qb], kv_idx int32 [Bm, Hm, Qb, Kb])`` on the
     map's device; ``kv_idx[..., :kv_num]`` lists the kept key blocks in ascending order (the rest of
@@ -243,7 +254,7 @@ def compress_block_map(block_map: torch.Tensor):
     rows = bm.shape[0] * bm.shape[1] * bm.shape[2]
     kb = bm.shape[3]
     kv_num = torch.empty(bm.shape[:3], dtype=torch.int32, device=bm.device)
-    kv_idx = torch.zeros(bm.shape, dtype=torch.int32, device=bm.device)
+    kv_idx = torch.empty(bm.shape, dtype=torch.int32, device=bm.device)  # entries past kv_num are never read
     chunk = min(1024, triton.next_power_of_2(kb))
     _compress_map_kernel[(rows,)](bm.view(torch.uint8), kv_num, kv_idx, kb, CHUNK=chunk, num_warps=4)
     return kv_num, kv_idx
@@ -334,7 +345,7 @@ def launch_attention(prep: dict, ablate: int = 0) -> torch.Tensor:
     batch, heads, q_len, head_dim = q.shape
     block_m, block_n, fp8, config = prep["block_m"], prep["block_n"], prep["fp8"], prep["config"]
     block_size = prep["block_size"]
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    out = output_like(q)
     strides = (q_in.stride(0), q_in.stride(1), q_in.stride(2), k_in.stride(0), k_in.stride(1), k_in.stride(2),
                v_in.stride(0), v_in.stride(1), v_in.stride(2))
     if prep["use_tma"]:
@@ -421,7 +432,7 @@ def _run_chunks(q, k, v, block_map, block_size, scale, fp8, config, prefix_len, 
     if len(chunks) == 1:
         return launch_attention(prepare_attention(q, k, v, block_map, block_size, scale, fp8, config, prefix_len,
                                                   prefix_bias))
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    out = output_like(q)
     for b0, b1, h0, h1 in chunks:
         out[b0:b1, h0:h1] = launch_attention(prepare_attention(
             q[b0:b1, h0:h1], k[b0:b1, h0:h1], v[b0:b1, h0:h1], _map_view(block_map, b0, b1, h0, h1), block_size,
