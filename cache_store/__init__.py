@@ -1,7 +1,8 @@
 """Chorus cache store: persistent per-workspace mask cache with faiss retrieval.
 
 Imports without ComfyUI. Public API: :class:`Workspace` (``Workspace.open(path)``),
-:func:`resolve_workspace`, :func:`signature_key`, :mod:`embedders`. See README.md in this folder.
+:func:`resolve_workspace`, :func:`signature_key`, :mod:`embedders`; the store protocol
+(:class:`CacheStore`, :func:`open_store`) and the PostgreSQL :class:`FleetStore`. See README.md in this folder.
 Names are resolved lazily (PEP 562), so ``python -m chorus cache`` rejects bad arguments without
 importing torch and faiss.
 """
@@ -16,6 +17,10 @@ _LAZY = {
     "CorruptEntryError": ".workspace",
     "EntryFormatError": ".entry_format",
     "PackedMap": ".entry_format",
+    "CacheStore": ".protocol",
+    "open_store": ".protocol",
+    "StoreUnavailableError": ".protocol",
+    "FleetStore": ".fleet",
 }
 
 __all__ = [
@@ -23,6 +28,10 @@ __all__ = [
     "CorruptEntryError",
     "EntryFormatError",
     "PackedMap",
+    "CacheStore",
+    "open_store",
+    "StoreUnavailableError",
+    "FleetStore",
     "resolve_workspace",
     "validate_workspace_name",
     "default_cache_root",

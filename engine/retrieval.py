@@ -1,4 +1,8 @@
-"""Glue between a request and a ``chorus.cache_store`` workspace: find a plan, commit a plan."""
+"""Glue between a request and a cache store: find a plan, commit a plan.
+
+The store is anything that follows ``chorus.cache_store.protocol.CacheStore`` (the one-host
+``Workspace`` or the PostgreSQL ``FleetStore``); only its ``__len__``, ``search``, ``load``,
+``touch``, ``add_unique`` and ``add`` are used here."""
 
 from __future__ import annotations
 
@@ -81,11 +85,8 @@ def _retrieve_plan(workspace, embedding, latent_shape, *, similarity_threshold: 
 
 def _load(workspace, entry_id):
     """Load an entry without counting a hit (the hit is counted by :func:`commit_plan`), bit-packed
-    when the store can (maps are unpacked on the device that uses them)."""
-    try:
-        return workspace.load(entry_id, packed=True, touch=False)
-    except TypeError:  # a store without those options
-        return workspace.load(entry_id)
+    (maps are unpacked on the device that uses them); the store protocol has both options."""
+    return workspace.load(entry_id, packed=True, touch=False)
 
 
 def build_signature(plan: Plan) -> dict:

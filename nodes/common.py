@@ -19,15 +19,20 @@ _WS_LOCK = threading.Lock()
 
 
 def open_workspace(name: str) -> Workspace:
-    """Open (creating if needed) the workspace ``name`` under the cache root (ComfyUI's user
-    directory ``/chorus`` unless ``CHORUS_CACHE_DIR`` is set); one open handle per process.
-    Raises ``ValueError`` for an invalid name (path separators, ``..``, absolute paths)."""
-    path = resolve_workspace(name)
-    key = str(path)
+    """Open (creating if needed) the cache store of workspace ``name``; one open handle per process.
+    The store follows ``chorus.cache_store.protocol`` (the engine calls nothing else): the fleet
+    store (PostgreSQL) when ``CHORUS_CACHE_URL`` is set, else the one-host workspace directory
+    under the cache root (ComfyUI's user directory ``/chorus`` unless ``CHORUS_CACHE_DIR`` is set;
+    the fleet store keeps its local tier there). Raises ``ValueError`` for an invalid name (path
+    separators, ``..``, absolute paths) or URL, ``OSError`` (``StoreUnavailableError``) when
+    PostgreSQL cannot be reached (not cached: the next request tries again)."""
+    from ..cache_store.protocol import open_store, store_key
+
+    key = store_key(name)
     with _WS_LOCK:
         ws = _WORKSPACES.get(key)
         if ws is None or getattr(ws, "_closed", False):
-            ws = _WORKSPACES[key] = Workspace.open(path)
+            ws = _WORKSPACES[key] = open_store(name)
         return ws
 
 
