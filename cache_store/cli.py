@@ -2,9 +2,11 @@
 
 ``--workspace`` is a workspace name, validated and resolved under ``--root`` (default: see
 :func:`chorus.cache_store.default_cache_root`); ``--path DIR`` opens a workspace directory
-directly instead. Output is human-readable, or JSON with ``--json``. Exit status: 0 on success,
-1 when ``verify`` finds (and quarantines) damage or the index is inconsistent, 2 on bad arguments.
-Long work (verify, rebuild-index) shows a tqdm progress bar on stderr.
+directly instead. ``--url postgresql://...`` (default: ``CHORUS_CACHE_URL``, unless ``--path``)
+works on the fleet store's workspace instead (this host's local tier under ``--root``). Output
+is human-readable, or JSON with ``--json``. Exit status: 0 on success, 1 when ``verify`` finds
+(and quarantines) damage or the index is inconsistent, 2 on bad arguments (or an unreachable
+fleet store). Long work (verify, rebuild-index) shows a tqdm progress bar on stderr.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ def _parser() -> argparse.ArgumentParser:
         where.add_argument("--path", default=None, help="workspace directory (instead of a name)")
         p.add_argument("--root", default=None, help="cache root directory (default: CHORUS_CACHE_DIR, ComfyUI user dir, ~/.cache/chorus)")
         p.add_argument("--json", action="store_true", help="print JSON")
+        p.add_argument("--url", default=None, help="fleet store: postgresql://... (default: CHORUS_CACHE_URL; "
+                                                   "put the password in a pgpass file or PGPASSWORD, not here)")
         if name == "prune":
             p.add_argument("--max-entries", type=int, default=None, help="keep at most this many entries")
             p.add_argument("--max-bytes", type=int, default=None, help="keep at most this many bytes")
@@ -56,13 +60,24 @@ def main(argv=None) -> int:
     except SystemExit as exc:
         return int(exc.code or 0)
     try:
-        path = Path(args.path).expanduser() if args.path else resolve_workspace(args.workspace, args.root)
-        if not path.exists():
-            raise ValueError(f"workspace {path} does not exist")
-        from .workspace import Workspace  # torch/faiss are imported only once the arguments are good
+        from .protocol import cache_url
 
-        ws = Workspace.open(path)
-    except ValueError as exc:
+        if args.path and args.url:
+            raise ValueError("--path names a one-host workspace directory; with --url use --workspace")
+        url = None if args.path else cache_url(args.url)
+        if url is not None:  # the fleet store (PostgreSQL); this host's local tier under --root
+            from .fleet import FleetStore
+
+            ws = FleetStore.open(url, args.workspace, local_path=resolve_workspace(args.workspace, args.root),
+                                 listen=False)
+        else:
+            path = Path(args.path).expanduser() if args.path else resolve_workspace(args.workspace, args.root)
+            if not path.exists():
+                raise ValueError(f"workspace {path} does not exist")
+            from .workspace import Workspace  # torch/faiss are imported only once the arguments are good
+
+            ws = Workspace.open(path)
+    except (ValueError, ConnectionError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     with ws:
