@@ -1,10 +1,21 @@
-"""The plan of one request: a hit (reuse an entry's masks) or a miss (dense + record)."""
+"""The plan of one request: the immutable retrieval result plus the request's state.
+
+- :class:`Retrieval` (frozen): what retrieval decided — a hit (reuse an entry's masks) or a miss
+  (dense + record) — with the request's embedding, latent shape, metadata and threshold.
+- :class:`~chorus.engine.state.RequestState` (``plan.state``): what changes while the request
+  samples (stats, recorder, experts, refresh, feature-reuse state, entry extras, commit result).
+- :class:`Plan`: the object passed between nodes / hosts; read-only properties over both, and the
+  methods the patched models call (``note``, ``demote``, ``register_expert``, ``stored_map``,
+  ``refresh_state``). Attributes cannot be set on it: per-request state is a declared field of
+  ``plan.state``.
+"""
 
 from __future__ import annotations
 
 import logging
-import threading
+import types
 from dataclasses import dataclass, field
+from typing import Any, Mapping
 
 import numpy as np
 import torch
@@ -12,105 +23,235 @@ import torch
 from .. import kernels
 from .recorder import MassRecorder
 from .signature import ModelInfo, token_grid
+from .state import PlanStats, RequestState
 
 log = logging.getLogger("chorus.engine")
 
+__all__ = ["Plan", "PlanStats", "RequestState", "Retrieval"]
 
-@dataclass
-class PlanStats:
-    """Per-request counters. ``density`` = computed / total blocks over sparse calls (batch rows
-    counted). ``attention_seconds`` is host wall time spent inside the patched self-attention calls
-    (on CUDA, launch time unless the host synchronises): a ratio between runs, not a kernel timing."""
 
+
+@dataclass(frozen=True, eq=False)
+class Retrieval:
+    """The retrieval result of one request, immutable once made (see :class:`Plan` for the fields).
+
+    ``masks`` and ``request_meta`` are read-only mappings (``request_meta`` as the caller gave it;
+    what feature reuse adds for a new entry is ``RequestState.entry_extras``)."""
+
+    kind: str
+    message: str = ""
+    entry_id: Any = None
     similarity: float | None = None
-    sparse_calls: int = 0
-    dense_calls: int = 0
-    recorded_calls: int = 0
-    fallback_calls: int = 0
-    blocks_total: int = 0
-    blocks_computed: int = 0
-    attention_seconds: float = 0.0
-    runs: int = 0
-    messages: list[str] = field(default_factory=list)
-    suppressed_messages: int = 0
+    masks: Mapping = field(default_factory=dict)
+    entry_meta: Mapping | None = None
+    embedding: np.ndarray | None = None
+    latent_shape: tuple | None = None
+    resample_to: tuple | None = None
+    similarity_threshold: float | None = None
+    request_meta: Mapping = field(default_factory=dict)
+    workspace: Any = field(default=None, repr=False)
 
-    @property
-    def density(self) -> float | None:
-        return self.blocks_computed / self.blocks_total if self.blocks_total else None
+    def __post_init__(self):
+        if self.kind not in ("hit", "miss"):
+            raise ValueError(f"plan kind must be 'hit' or 'miss', got {self.kind!r}")
+        if self.kind == "hit" and (not self.masks or self.entry_meta is None or "signature" not in self.entry_meta):
+            raise ValueError("a hit needs masks and entry_meta with a signature")
+        def fix(name, value):
+            object.__setattr__(self, name, value)
 
-    def summary(self) -> str:
-        parts = []
-        if self.similarity is not None:
-            parts.append(f"similarity {self.similarity:.3f}")
-        if self.density is not None:
-            parts.append(f"density {self.density:.1%} ({self.blocks_computed}/{self.blocks_total} blocks)")
-        parts.append(f"calls sparse {self.sparse_calls}, dense {self.dense_calls} (recorded {self.recorded_calls}), "
-                     f"fallback {self.fallback_calls}")
-        parts.append(f"attention {self.attention_seconds * 1e3:.1f} ms")
-        return "; ".join(parts)
+        if self.embedding is not None:
+            fix("embedding", np.asarray(self.embedding, dtype=np.float32).reshape(-1))
+        if self.latent_shape is not None:
+            fix("latent_shape", tuple(int(s) for s in self.latent_shape)[-4:])
+        if self.resample_to is not None:
+            fix("resample_to", tuple(int(g) for g in self.resample_to))
+        if self.similarity_threshold is not None:
+            fix("similarity_threshold", float(self.similarity_threshold))
+        fix("masks", types.MappingProxyType(dict(self.masks or {})))
+        fix("request_meta", types.MappingProxyType(dict(self.request_meta or {})))
+
+    def __deepcopy__(self, memo):
+        return self
+
+
+class _ExtrasWriteThrough(dict):
+    """Bridge for engine/feature_reuse.py until it writes ``state.entry_extras`` itself (same commit series)."""
+
+    def __init__(self, state, items):
+        super().__init__(items)
+        self._state = state
+
+    def __setitem__(self, key, value):
+        super().__setitem__(key, value)
+        with self._state.lock:
+            self._state.entry_extras[key] = value
 
 
 class Plan:
-    """What a request does with self-attention.
+    """What a request does with self-attention: ``plan.retrieval`` (:class:`Retrieval`, immutable)
+    plus ``plan.state`` (:class:`~chorus.engine.state.RequestState`, per request).
 
-    - ``kind``: ``"hit"`` or ``"miss"``; ``message`` says why (similarity, reason for a miss).
+    - ``kind``: ``"hit"`` or ``"miss"`` (a demoted hit is a miss); ``message`` says why.
     - hit: ``entry_id``, ``similarity``, ``masks`` = ``{(expert, step, layer, head_group): bool
       [H, Qb, Kb]}`` on the CPU, ``entry_meta`` (with ``"signature"``), ``step_sigmas`` of the entry,
       and ``resample_to`` = the token grid to resample masks to (None when the grid is the entry's).
     - miss: ``recorder`` (a :class:`MassRecorder`) that the patched models fill; None when
       ``record=False`` (nothing could be written: no embedding or no usable workspace).
     - both: ``embedding`` (float32 numpy, L2-normalised by the store), ``latent_shape`` ``[C, T, H, W]``,
-      ``request_meta`` (free-form fields written with a new entry), ``stats`` (:class:`PlanStats`),
-      ``experts`` (ModelInfo of the models that sampled, in order).
+      ``request_meta`` (the request's free-form fields merged with ``state.entry_extras``: what a new
+      entry's metadata gets), ``similarity_threshold`` (the one retrieval used, or None),
+      ``stats`` (:class:`PlanStats`), ``experts`` (ModelInfo of the models that sampled, in order).
 
+    ``Plan("hit", ...)`` / ``Plan.miss(message, ...)`` take the :class:`Retrieval` fields as keywords
+    (plus ``keep_mass`` / ``record`` for the recorder); ``Plan.from_retrieval(r)`` takes one.
     ``copy.deepcopy(plan)`` returns the plan itself: hosts deep-copy model options (ComfyUI's
-    ``clone()``), while every patched model of a request must share one plan.
+    ``clone()``), while every patched model of a request must share one plan. Setting an attribute
+    on a plan raises ``AttributeError``.
     """
+
+    __slots__ = ("retrieval", "state")
+    MAX_MESSAGES = 20
 
     def __init__(self, kind: str, *, message: str = "", embedding=None, latent_shape=None,
                  request_meta: dict | None = None, entry_id=None, similarity: float | None = None,
                  masks: dict | None = None, entry_meta: dict | None = None, resample_to=None,
-                 workspace=None, keep_mass: bool = False, record: bool = True):
-        if kind not in ("hit", "miss"):
-            raise ValueError(f"plan kind must be 'hit' or 'miss', got {kind!r}")
-        if kind == "hit" and (not masks or entry_meta is None or "signature" not in entry_meta):
-            raise ValueError("a hit needs masks and entry_meta with a signature")
-        self.kind = kind
-        self.message = message
-        self.embedding = None if embedding is None else np.asarray(embedding, dtype=np.float32).reshape(-1)
-        self.latent_shape = None if latent_shape is None else tuple(int(s) for s in latent_shape)[-4:]
-        self.request_meta = dict(request_meta or {})
-        self.entry_id = entry_id
-        self.similarity = similarity
-        self.masks = masks or {}
-        self.entry_meta = entry_meta
-        self.resample_to = None if resample_to is None else tuple(int(g) for g in resample_to)
-        self.workspace = workspace
-        self.stats = PlanStats(similarity=similarity)
-        self.experts: list[ModelInfo] = []
-        self.recorder = MassRecorder(keep_mass=keep_mass) if kind == "miss" and record else None
-        self.demoted_reason: str | None = None
-        self.committed: str | None = None
-        self._refresh: dict[int, object] = {}
-        self._resampled: dict = {}
-        self._warned: set[str] = set()
-        self._lock = threading.RLock()
+                 workspace=None, similarity_threshold: float | None = None, keep_mass: bool = False,
+                 record: bool = True):
+        retrieval = Retrieval(kind, message=message, entry_id=entry_id, similarity=similarity, masks=masks or {},
+                              entry_meta=entry_meta, embedding=embedding, latent_shape=latent_shape,
+                              resample_to=resample_to, similarity_threshold=similarity_threshold,
+                              request_meta=request_meta or {}, workspace=workspace)
+        self._init(retrieval, keep_mass=keep_mass, record=record)
+
+    def _init(self, retrieval: Retrieval, *, keep_mass: bool, record: bool) -> None:
+        recorder = MassRecorder(keep_mass=keep_mass) if retrieval.kind == "miss" and record else None
+        object.__setattr__(self, "retrieval", retrieval)
+        object.__setattr__(self, "state", RequestState(stats=PlanStats(similarity=retrieval.similarity),
+                                                       recorder=recorder))
 
     # -- construction helpers ------------------------------------------------------------------
     @classmethod
     def miss(cls, message: str, **kwargs) -> "Plan":
         return cls("miss", message=message, **kwargs)
 
+    @classmethod
+    def from_retrieval(cls, retrieval: Retrieval, *, keep_mass: bool = False, record: bool = True) -> "Plan":
+        if not isinstance(retrieval, Retrieval):
+            raise ValueError(f"retrieval must be a Retrieval, got {type(retrieval).__name__}")
+        plan = cls.__new__(cls)
+        plan._init(retrieval, keep_mass=keep_mass, record=record)
+        return plan
+
+    # -- bridge for engine/feature_reuse.py until it reads plan.state.feature_reuse (same commit series) --
+    _LEGACY_FEATURE_STATE = "_chorus_feature_reuse"
+
+    @property
+    def __dict__(self):  # feature_state() looked its state up in the plan's __dict__
+        return {self._LEGACY_FEATURE_STATE: self.state.feature_reuse}
+
+    @property
+    def _lock(self):
+        return self.state.lock
+
+    def __setattr__(self, name, value):
+        if name == self._LEGACY_FEATURE_STATE:
+            return  # the declared state.feature_reuse already exists
+        raise AttributeError(f"a Plan is read-only (tried to set {name!r}); per-request state is a declared "
+                             "field of plan.state (chorus.engine.state.RequestState)")
+
+    def __delattr__(self, name):
+        raise AttributeError(f"a Plan is read-only (tried to delete {name!r})")
+
     def __deepcopy__(self, memo):
         return self
+
+    def __copy__(self):
+        return self
+
+    def __reduce__(self):
+        raise TypeError("a Plan is not picklable (it holds live request state)")
 
     def __repr__(self) -> str:
         who = f"entry {self.entry_id}, similarity {self.similarity:.3f}" if self.is_hit else self.message
         return f"Plan({self.kind}: {who})"
 
+    # -- read-only views ---------------------------------------------------------------------------
+    @property
+    def kind(self) -> str:
+        return "miss" if self.state.demoted_reason is not None else self.retrieval.kind
+
     @property
     def is_hit(self) -> bool:
         return self.kind == "hit"
+
+    @property
+    def message(self) -> str:
+        reason = self.state.demoted_reason
+        if reason is not None:
+            return f"miss ({reason}); was a hit on entry {self.retrieval.entry_id}"
+        return self.retrieval.message
+
+    @property
+    def entry_id(self):
+        return self.retrieval.entry_id
+
+    @property
+    def similarity(self) -> float | None:
+        return self.retrieval.similarity
+
+    @property
+    def masks(self) -> Mapping:
+        return self.retrieval.masks
+
+    @property
+    def entry_meta(self) -> Mapping | None:
+        return self.retrieval.entry_meta
+
+    @property
+    def embedding(self):
+        return self.retrieval.embedding
+
+    @property
+    def latent_shape(self):
+        return self.retrieval.latent_shape
+
+    @property
+    def resample_to(self):
+        return self.retrieval.resample_to
+
+    @property
+    def similarity_threshold(self) -> float | None:
+        return self.retrieval.similarity_threshold
+
+    @property
+    def workspace(self):
+        return self.retrieval.workspace
+
+    @property
+    def request_meta(self) -> dict:
+        """The request's own fields merged with ``state.entry_extras`` (a new dict on every read)."""
+        with self.state.lock:
+            return _ExtrasWriteThrough(self.state, {**self.retrieval.request_meta, **self.state.entry_extras})
+
+    @property
+    def stats(self) -> PlanStats:
+        return self.state.stats
+
+    @property
+    def recorder(self) -> MassRecorder | None:
+        return self.state.recorder
+
+    @property
+    def experts(self) -> list[ModelInfo]:
+        return self.state.experts
+
+    @property
+    def demoted_reason(self) -> str | None:
+        return self.state.demoted_reason
+
+    @property
+    def committed(self) -> str | None:
+        return self.state.committed
 
     @property
     def step_sigmas(self) -> list[float]:
@@ -119,7 +260,7 @@ class Plan:
                 return [float(s) for s in self.entry_meta["signature"].get("step_sigmas", [])]
             except (TypeError, ValueError, AttributeError):
                 return []  # an unreadable schedule matches no step: the plan is demoted, runs dense
-        return self.recorder.step_sigmas()
+        return self.recorder.step_sigmas() if self.recorder is not None else []
 
     @property
     def token_grid(self):
@@ -130,20 +271,19 @@ class Plan:
         return None if self.latent_shape is None else token_grid(self.latent_shape)
 
     # -- state shared by the patched models --------------------------------------------------------
-    MAX_MESSAGES = 20
-
     def note(self, message: str) -> None:
         """Log a message once per plan and keep it for the UI (at most ``MAX_MESSAGES`` distinct
         ones; later ones are counted in ``stats.suppressed_messages`` and logged at debug level)."""
-        with self._lock:
-            if message in self._warned:
+        state = self.state
+        with state.lock:
+            if message in state.noted:
                 return
-            self._warned.add(message)
-            if len(self.stats.messages) >= self.MAX_MESSAGES:
-                self.stats.suppressed_messages += 1
+            state.noted.add(message)
+            if len(state.stats.messages) >= self.MAX_MESSAGES:
+                state.stats.suppressed_messages += 1
                 log.debug("Chorus II: %s", message)
                 return
-            self.stats.messages.append(message)
+            state.stats.messages.append(message)
         log.warning("Chorus II: %s", message)
 
     def demote(self, reason: str) -> None:
@@ -152,15 +292,14 @@ class Plan:
         If sparse calls already ran, the recording cannot cover the request: it is marked
         incomplete and no entry will be written from it.
         """
-        with self._lock:
+        state = self.state
+        with state.lock:
             if not self.is_hit:
                 return
-            self.kind = "miss"
-            self.demoted_reason = reason
-            self.message = f"miss ({reason}); was a hit on entry {self.entry_id}"
-            self.recorder = MassRecorder()
-            if self.stats.sparse_calls:
-                self.recorder.mark_incomplete(f"plan demoted after {self.stats.sparse_calls} sparse calls ({reason})")
+            state.demoted_reason = reason
+            state.recorder = MassRecorder()
+            if state.stats.sparse_calls:
+                state.recorder.mark_incomplete(f"plan demoted after {state.stats.sparse_calls} sparse calls ({reason})")
         self.note(f"plan demoted to dense: {reason}")
 
     def register_expert(self, info: ModelInfo) -> int | None:
@@ -170,7 +309,7 @@ class Plan:
         otherwise the plan is demoted and the index is the model's position among this request's
         models. Returns None for an unsupported model (the caller runs it dense).
         """
-        with self._lock:
+        with self.state.lock:
             if not info.supported:
                 self.note(f"unsupported model: {info.reason}; dense attention")
                 return None
@@ -206,10 +345,11 @@ class Plan:
 
     def refresh_state(self, refresh_steps: int):
         """The request's ``VisitRefresh`` for this R (shared by all experts)."""
-        with self._lock:
-            if refresh_steps not in self._refresh:
-                self._refresh[refresh_steps] = kernels.VisitRefresh(refresh_steps)
-            return self._refresh[refresh_steps]
+        with self.state.lock:
+            refresh = self.state.refresh
+            if refresh_steps not in refresh:
+                refresh[refresh_steps] = kernels.VisitRefresh(refresh_steps)
+            return refresh[refresh_steps]
 
     def stored_map(self, expert: int, step: int, layer: int, *, block_size: int, top_p: float,
                    k_min: int, device=None) -> torch.Tensor:
@@ -222,11 +362,12 @@ class Plan:
         ``ValueError`` on a bad map.
         """
         key = (expert, step, layer, 0)
-        with self._lock:
+        resampled = self.state.resampled
+        with self.state.lock:
             stored = self.masks[key]
             cache_key = (key, top_p, k_min, block_size)
-            if cache_key in self._resampled:
-                return self._resampled[cache_key].to(device) if device is not None else self._resampled[cache_key]
+            if cache_key in resampled:
+                return resampled[cache_key].to(device) if device is not None else resampled[cache_key]
             if hasattr(stored, "unpack") and not isinstance(stored, torch.Tensor):  # cache_store PackedMap
                 stored = stored.unpack(device) if device is not None else stored.unpack()
             if not isinstance(stored, torch.Tensor):
@@ -251,5 +392,5 @@ class Plan:
                                                        block_size=block_size)[0]
                 transformed = True
             if transformed:
-                self._resampled[cache_key] = block_map.cpu()
+                resampled[cache_key] = block_map.cpu()
             return block_map.to(device) if device is not None else block_map

@@ -21,13 +21,11 @@ SEARCH_CANDIDATES = 4
 
 def retrieve_plan(workspace, embedding, latent_shape, *, similarity_threshold: float = 0.9,
                   request_meta: dict | None = None, candidates: int = SEARCH_CANDIDATES) -> Plan:
-    """See :func:`_retrieve_plan`. The plan remembers ``similarity_threshold`` so that
-    :func:`commit_plan` writes a miss only if no entry that would serve it was written meanwhile
+    """See :func:`_retrieve_plan`. The plan carries ``similarity_threshold`` (a retrieval field) so
+    that :func:`commit_plan` writes a miss only if no entry that would serve it was written meanwhile
     (e.g. by another worker that missed on the same request at the same time)."""
-    plan = _retrieve_plan(workspace, embedding, latent_shape, similarity_threshold=similarity_threshold,
+    return _retrieve_plan(workspace, embedding, latent_shape, similarity_threshold=similarity_threshold,
                           request_meta=request_meta, candidates=candidates)
-    plan.similarity_threshold = float(similarity_threshold)
-    return plan
 
 
 def _retrieve_plan(workspace, embedding, latent_shape, *, similarity_threshold: float = 0.9,
@@ -48,7 +46,8 @@ def _retrieve_plan(workspace, embedding, latent_shape, *, similarity_threshold: 
     emb = np.asarray(embedding, dtype=np.float32).reshape(-1)
     if emb.size == 0 or not np.isfinite(emb).all():
         raise ValueError("embedding must be a non-empty finite vector")
-    common = dict(embedding=emb, latent_shape=latent, request_meta=request_meta, workspace=workspace)
+    common = dict(embedding=emb, latent_shape=latent, request_meta=request_meta, workspace=workspace,
+                  similarity_threshold=float(similarity_threshold))
     try:
         found = workspace.search(emb, k=candidates) if len(workspace) else []
     except Exception as exc:  # noqa: BLE001 - a broken index is a miss, not a failed prompt
@@ -131,38 +130,38 @@ def commit_plan(workspace, plan: Plan) -> str:
                 msg = f"hit: updated stats of entry {plan.entry_id} (similarity {plan.similarity:.3f})"
             except Exception as exc:  # noqa: BLE001
                 msg += f"; hit stats not updated ({type(exc).__name__}: {exc})"
-        plan.committed = msg
+        plan.state.committed = msg
         return msg
     if plan.embedding is None:
-        plan.committed = "not written: the request has no embedding"
+        plan.state.committed = "not written: the request has no embedding"
         return plan.committed
     if plan.recorder is None:
-        plan.committed = "not written: the plan did not record"
+        plan.state.committed = "not written: the plan did not record"
         return plan.committed
     try:
         masks = plan.recorder.block_maps()
         signature = build_signature(plan)
     except ValueError as exc:
-        plan.committed = f"not written: {exc}"
+        plan.state.committed = f"not written: {exc}"
         return plan.committed
-    meta = dict(plan.request_meta)
+    meta = {**plan.retrieval.request_meta, **plan.state.entry_extras}  # the request's fields + e.g. feature reuse's
     meta.update({"signature": signature, "created": time.time(), "hits": 0})
-    threshold = getattr(plan, "similarity_threshold", None)
+    threshold = plan.similarity_threshold
     add_unique = getattr(workspace, "add_unique", None)
     try:
         if threshold is not None and add_unique is not None:
             # dedupe under the store's writer lock: a concurrent worker may have written this request
             entry_id, created = add_unique(plan.embedding, masks, meta, min_similarity=threshold)
             if not created:
-                plan.committed = (f"not written: entry {entry_id} (written meanwhile, e.g. by another worker) "
-                                  f"already serves this request at threshold {threshold:.3f}")
+                plan.state.committed = (f"not written: entry {entry_id} (written meanwhile, e.g. by another worker) "
+                                        f"already serves this request at threshold {threshold:.3f}")
                 return plan.committed
         else:
             entry_id = workspace.add(plan.embedding, masks, meta)
     except Exception as exc:  # noqa: BLE001 - the request succeeded; the cache just did not grow
         log.warning("Chorus II: writing the cache entry failed: %s", exc)
-        plan.committed = f"not written: the store refused the entry ({type(exc).__name__}: {exc})"
+        plan.state.committed = f"not written: the store refused the entry ({type(exc).__name__}: {exc})"
         return plan.committed
     density = sum(float(m.float().mean()) for m in masks.values()) / max(len(masks), 1)
-    plan.committed = f"wrote entry {entry_id} ({len(masks)} maps, density {density:.1%})"
+    plan.state.committed = f"wrote entry {entry_id} ({len(masks)} maps, density {density:.1%})"
     return plan.committed

@@ -152,10 +152,12 @@ def test_miss_records_scores_and_hit_reuses_them():
     right = pooling.region_cells(grid, (2, 4, 4), (2, 2, 2))[:, 0, 0] % 8 >= 4
     assert float(scores[right].min()) > 0.99 > float(scores[~right].max())
 
-    entry_meta = {"signature": {"token_grid": list(grid)}, "feature_reuse": meta}
+    info = _info()
+    sig = {"token_grid": list(grid), "variant": info.variant, "experts": [info.fingerprint],
+           "num_layers": info.num_layers, "num_heads": info.num_heads}
+    entry_meta = {"signature": sig, "feature_reuse": meta}
     hit = Plan("hit", masks={(0, 0, 0, 0): torch.ones(1, 2, 2, dtype=torch.bool)}, entry_meta=entry_meta,
                similarity=0.95, entry_id=1)
-    hit.register_expert = lambda info: 0  # the entry's signature checks are the runtime's business
     fr_hit = FeatureReuse(hit, cfg, _info())
     fr_hit.begin_run([1.0, 0.5, 0.0])
     seen = []

@@ -1,0 +1,147 @@
+"""The per-request state of a plan, declared in one place.
+
+A :class:`~chorus.engine.plan.Plan` is the immutable retrieval result (``plan.retrieval``) plus one
+:class:`RequestState` (``plan.state``): everything that changes while the request samples and is
+committed. Every patched model of the request (Wan 2.2 A14B: both experts) shares it. Nothing else
+is attached to a plan: hosts and engine parts read and write these declared fields only.
+
+- ``stats`` (:class:`PlanStats`, the UI messages included), ``noted`` (messages already logged);
+- ``recorder`` (a miss's :class:`~chorus.engine.recorder.MassRecorder`, or None);
+- ``experts`` (``ModelInfo`` of the models that sampled, in order), ``demoted_reason``;
+- ``refresh`` (one ``kernels.VisitRefresh`` per refresh period), ``resampled`` (transformed maps);
+- ``feature_reuse`` (:class:`FeatureReuseState`), ``entry_extras`` (fields a new entry's metadata
+  gets on top of the request's own, e.g. feature reuse's region scores: ``commit_plan`` merges them);
+- ``committed`` (what ``commit_plan`` did, so a second commit does nothing), ``lock``.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from .recorder import MassRecorder
+
+FEATURE_REUSE_META_VERSION = 1
+
+
+@dataclass
+class PlanStats:
+    """Per-request counters. ``density`` = computed / total blocks over sparse calls (batch rows
+    counted). ``attention_seconds`` is host wall time spent inside the patched self-attention calls
+    (on CUDA, launch time unless the host synchronises): a ratio between runs, not a kernel timing."""
+
+    similarity: float | None = None
+    sparse_calls: int = 0
+    dense_calls: int = 0
+    recorded_calls: int = 0
+    fallback_calls: int = 0
+    blocks_total: int = 0
+    blocks_computed: int = 0
+    attention_seconds: float = 0.0
+    runs: int = 0
+    messages: list[str] = field(default_factory=list)
+    suppressed_messages: int = 0
+
+    @property
+    def density(self) -> float | None:
+        return self.blocks_computed / self.blocks_total if self.blocks_total else None
+
+    def summary(self) -> str:
+        parts = []
+        if self.similarity is not None:
+            parts.append(f"similarity {self.similarity:.3f}")
+        if self.density is not None:
+            parts.append(f"density {self.density:.1%} ({self.blocks_computed}/{self.blocks_total} blocks)")
+        parts.append(f"calls sparse {self.sparse_calls}, dense {self.dense_calls} (recorded {self.recorded_calls}), "
+                     f"fallback {self.fallback_calls}")
+        parts.append(f"attention {self.attention_seconds * 1e3:.1f} ms")
+        return "; ".join(parts)
+
+
+class FeatureReuseState:
+    """Request-wide feature-reuse state (``plan.state.feature_reuse``), shared by every patched model.
+
+    Recording: sums of per-region redundancy per (expert, step sigma). Acting: which step sigmas
+    had regions downsampled (guidance enhancement acts there), counters for the UI.
+    """
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.grid = None
+        self.region = None
+        self.pool = None
+        self.sums: dict[tuple[int, float], list] = {}   # (expert, sigma) -> [tensor [R] float64, count]
+        self.acted_sigmas: set[float] = set()
+        self.blocks_reduced = 0
+        self.blocks_full = 0
+        self.tokens_saved = 0
+        self.tokens_total = 0
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def record(self, expert: int, sigma: float, grid, region, pool, redundancy: torch.Tensor) -> None:
+        with self.lock:
+            if self.grid is None:
+                self.grid, self.region, self.pool = tuple(grid), tuple(region), tuple(pool)
+            elif (tuple(grid), tuple(region), tuple(pool)) != (self.grid, self.region, self.pool):
+                return  # another geometry within one request: keep the first
+            key = (int(expert), round(float(sigma), 6))
+            cur = self.sums.get(key)
+            vals = redundancy.detach().double().cpu()
+            if not bool(torch.isfinite(vals).all()):
+                return  # a non-finite block output: no score from this call
+            if cur is None:
+                self.sums[key] = [vals, 1]
+            else:
+                cur[0] += vals
+                cur[1] += 1
+
+    def export(self) -> dict | None:
+        """JSON-able dict written with the entry (None if nothing was recorded)."""
+        with self.lock:
+            if not self.sums:
+                return None
+            scores: dict[str, dict[str, list[float]]] = {}
+            for (expert, sigma), (total, count) in sorted(self.sums.items()):
+                scores.setdefault(str(expert), {})[repr(sigma)] = [round(float(v), 4) for v in (total / count)]
+            return {"version": FEATURE_REUSE_META_VERSION, "metric": "1 - cell-detail share of the block update",
+                    "token_grid": list(self.grid), "region": list(self.region), "pool": list(self.pool),
+                    "scores": scores}
+
+    def acted_at(self, sigma: float) -> bool:
+        with self.lock:
+            return any(abs(s - sigma) <= 1e-4 * max(abs(s), abs(sigma), 1e-12) for s in self.acted_sigmas)
+
+    def summary(self) -> str:
+        total = self.blocks_reduced + self.blocks_full
+        if not total:
+            return "feature reuse: no block calls"
+        saved = self.tokens_saved / self.tokens_total if self.tokens_total else 0.0
+        return (f"feature reuse: {self.blocks_reduced}/{total} block calls downsampled, "
+                f"{saved:.1%} fewer tokens in those blocks")
+
+
+@dataclass(eq=False)
+class RequestState:
+    """Everything of one request that changes after retrieval (see the module docstring).
+
+    Made by :class:`~chorus.engine.plan.Plan`; ``copy.deepcopy`` returns the object itself (hosts
+    deep-copy model options, while every patched model of a request shares one state)."""
+
+    stats: PlanStats = field(default_factory=PlanStats)
+    recorder: MassRecorder | None = None
+    experts: list = field(default_factory=list)
+    demoted_reason: str | None = None
+    refresh: dict = field(default_factory=dict)
+    resampled: dict = field(default_factory=dict)
+    feature_reuse: FeatureReuseState = field(default_factory=FeatureReuseState)
+    entry_extras: dict = field(default_factory=dict)
+    committed: str | None = None
+    noted: set = field(default_factory=set)
+    lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
+
+    def __deepcopy__(self, memo):
+        return self
