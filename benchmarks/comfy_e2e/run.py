@@ -1,0 +1,434 @@
+"""The benchmark of record: Chorus II inside ComfyUI's own ``WanModel``, driven through the nodes.
+
+``python -m benchmarks.comfy_e2e.run --comfyui DIR --out OUT [--res 480p 720p] [--weights bf16 fp8]
+[--variants dense miss hit15 hit5 hitfr] [--compile] [--layers 40]`` (``--tiny``: the same code at toy
+sizes on the CPU, for tests).
+
+What runs (everything side by side in one process, one GPU):
+
+* Two random-weight experts of the Wan 2.2 A14B I2V shape (dim 5120, 40 layers, 40 heads x 128, FFN
+  13 824, in_dim 36, text 4096 x 512 tokens) built by ComfyUI itself: ``model_detection`` of the
+  state-dict shapes, ``model_config.get_model`` (``model_base.WAN21`` with ``comfy.ldm.wan.model.WanModel``
+  and the operations ComfyUI picks for the weight dtype), weights initialised in place on the GPU, one
+  ``ModelPatcher`` each. ``--weights bf16``: bf16 weights, ComfyUI's default ops. ``--weights fp8``:
+  ComfyUI's FP8 weights path -- ``weight_dtype fp8_e4m3fn_fast`` of UNETLoader (e4m3 weights,
+  ``fp8_optimizations``) with ``--fast fp8_matrix_mult``, i.e. ``comfy.ops.fp8_ops`` (``torch._scaled_mm``).
+* A request = ComfyUI's ``KSamplerAdvanced`` twice, as the shipped A14B workflow runs it: high-noise
+  expert steps 0-2 of 4 (noise added, leftover noise returned), low-noise expert steps 2-4, euler /
+  simple, cfg 1, batch 1, 81 frames (21 latent frames), Wan I2V conditioning (``concat_latent_image``,
+  ``concat_mask`` as ``WanImageToVideo`` makes them; random text embeddings).
+* Variants: ``dense`` (the unpatched models: ComfyUI's default attention, SDPA with cuDNN first);
+  ``miss`` (``ChorusMaskRetrieve`` on an empty workspace -> ``ChorusSparseSampler`` +
+  ``ChorusFeatureReuse`` on both models -> sampling = dense + recording -> ``ChorusCacheWrite`` writes the
+  entry); ``hit15`` / ``hit5`` (the miss's entry with its maps replaced by structured maps of 15% / 5%
+  density -- random weights have near-uniform attention, so recorded maps say nothing about speed --
+  written to a workspace of its own; ``ChorusMaskRetrieve`` finds it, ``ChorusSparseSampler`` patches both
+  models; the similarity threshold is the node's default); ``hitfr`` (hit15 + ``ChorusFeatureReuse``
+  at ``downsample_share`` 0.25 with the region scores the miss recorded). ``--compile``: ``dense`` and
+  ``hit15`` again on models passed through ComfyUI's ``TorchCompileModel`` node (inductor).
+* Timing: each variant runs one warm-up step (high expert, step 0 -> 1: Triton and cuDNN compile there),
+  then one timed request (``torch.cuda.synchronize`` + wall clock around both KSamplerAdvanced calls).
+  Per-layer self-attention time: an outermost attention override (ComfyUI's chaining mechanism) puts
+  CUDA events around every self-attention call of the timed request's second step (``sample_sigmas``
+  index 1). ``kernel alone``: ``chorus.kernels.block_sparse_attention`` on random q/k/v in ComfyUI's
+  layout with the map layer 0 of the hit used (entry map + k_min floor), timed the same way; the hit's
+  per-layer time over it is what the integration costs per call. Retrieval and cache-write times are
+  reported separately (they run on the CPU before / after sampling).
+
+Writes ``OUT/comfy_e2e.json`` (every number) and prints a table. Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+RESOLUTIONS = {"480p": (480, 832), "720p": (720, 1280), "tiny": (128, 256)}
+FRAMES = {"480p": 81, "720p": 81, "tiny": 13}
+A14B = dict(dim=5120, ffn_dim=13824, num_heads=40, num_layers=40, in_dim=36, out_dim=16, text_dim=4096,
+            freq_dim=256)
+TINY = dict(dim=256, ffn_dim=512, num_heads=2, num_layers=2, in_dim=36, out_dim=16, text_dim=4096, freq_dim=256)
+TEXT_TOKENS = 512
+HIT_DENSITY = {"hit15": 0.15, "hit5": 0.05, "hitfr": 0.15}
+
+
+def import_comfy(comfy_dir: Path, cpu: bool):
+    """Import ComfyUI from a checkout (a benchmark, not the pack: the checkout goes on sys.path)."""
+    if not (comfy_dir / "comfy" / "ldm" / "wan" / "model.py").is_file():
+        raise SystemExit(f"error: {comfy_dir} is not a ComfyUI checkout")
+    sys.path.insert(0, str(comfy_dir))
+    import comfy.cli_args
+
+    comfy.cli_args.args.cpu = cpu
+    comfy.cli_args.args.highvram = not cpu  # keep both experts resident, as a 141 GB card does
+    import comfy.model_management  # noqa: F401
+    import comfy.model_patcher  # noqa: F401
+    import nodes  # noqa: F401  (ComfyUI's nodes.py: KSamplerAdvanced)
+    return comfy
+
+
+class FastFp8:
+    """``--fast fp8_matrix_mult`` while ComfyUI picks the operations of a model (restored after)."""
+
+    def __enter__(self):
+        import comfy.cli_args as cli
+
+        self.cli = cli
+        self.before = set(cli.args.fast or ())
+        cli.args.fast = self.before | {cli.PerformanceFeature.Fp8MatrixMultiplication}
+
+    def __exit__(self, *exc):
+        self.cli.args.fast = self.before
+
+
+def build_expert(shape: dict, weights: str, seed: int, device: torch.device):
+    """A ComfyUI ``ModelPatcher`` over a random Wan expert built by ComfyUI's own loader path."""
+    import comfy.model_detection
+    import comfy.model_management
+    import comfy.model_patcher
+    import comfy.ldm.wan.model
+    import comfy.ops
+
+    with torch.device("meta"):
+        meta = comfy.ldm.wan.model.WanModel(model_type="t2v", operations=comfy.ops.disable_weight_init, **shape)
+    sd = dict(meta.state_dict())
+    config = comfy.model_detection.model_config_from_unet(sd, "")
+    if config is None:
+        raise RuntimeError("ComfyUI did not detect the Wan state dict")
+    if weights == "fp8":
+        unet_dtype = torch.float8_e4m3fn
+        config.optimizations["fp8"] = True
+    else:
+        unet_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    manual_cast = comfy.model_management.unet_manual_cast(unet_dtype, device, config.supported_inference_dtypes)
+    config.set_inference_dtype(unet_dtype, manual_cast)
+    if weights == "fp8":
+        with FastFp8():
+            model = config.get_model({}, "", device=device)
+    else:
+        model = config.get_model({}, "", device=device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.diffusion_model.named_parameters():
+            if name.endswith("bias"):
+                p.zero_()
+            elif "norm" in name and p.dim() == 1:
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.randn(p.shape, device=device, generator=gen, dtype=torch.float32) * 0.02)
+    patcher = comfy.model_patcher.ModelPatcher(model, load_device=device, offload_device=device)
+    ops = type(model.diffusion_model.blocks[0].self_attn.q).__module__ + "." + \
+        type(model.diffusion_model.blocks[0].self_attn.q).__qualname__
+    return patcher, ops
+
+
+def conditioning(latent_shape, seed: int, device):
+    """Wan I2V conditioning as ``WanImageToVideo`` shapes it: text [1, 512, 4096], the start image's
+    latent video and the mask (0 on the first latent frame)."""
+    gen = torch.Generator().manual_seed(seed)
+    _, _, t, h, w = latent_shape
+    image = torch.randn(1, 16, t, h, w, generator=gen) * 0.5
+    mask = torch.ones(1, 1, t, h, w)
+    mask[:, :, :1] = 0.0
+
+    def cond(s):
+        text = torch.randn(1, TEXT_TOKENS, 4096, generator=torch.Generator().manual_seed(s))
+        return [[text, {"concat_latent_image": image, "concat_mask": mask}]]
+
+    return cond(seed), cond(seed + 1), image
+
+
+def start_image_pixels(res: str, seed: int) -> torch.Tensor:
+    """A start image ``[1, H, W, 3]`` in [0, 1] (what LoadImage gives; only its pixels are embedded)."""
+    h, w = RESOLUTIONS[res]
+    gen = torch.Generator().manual_seed(seed)
+    return torch.rand(1, h // 8, w // 8, 3, generator=gen).repeat_interleave(8, 1).repeat_interleave(8, 2)
+
+
+class AttentionTimer:
+    """Outermost attention override: CUDA events around each self-attention call (k length == q length)
+    of one step (``sample_sigmas`` index ``step``); everything else passes straight to the inner one."""
+
+    def __init__(self, inner, step: int):
+        self.inner, self.step = inner, step
+        self.events: list = []
+        self.calls = 0
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def _inner(self, func, args, kwargs):
+        return self.inner(func, *args, **kwargs) if self.inner is not None else func(*args, **kwargs)
+
+    def __call__(self, func, *args, **kwargs):
+        q, k = args[0], args[1]
+        options = kwargs.get("transformer_options") or {}
+        if q.shape[1] != k.shape[1] or not q.is_cuda:
+            return self._inner(func, args, kwargs)
+        sched, sig = options.get("sample_sigmas"), options.get("sigmas")
+        timed = False
+        if isinstance(sched, torch.Tensor) and isinstance(sig, torch.Tensor) and sched.numel() > self.step:
+            timed = abs(float(sched[self.step]) - float(sig.reshape(-1)[0])) <= 1e-4 * max(1e-6, float(sched[self.step]))
+        if not timed:
+            return self._inner(func, args, kwargs)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = self._inner(func, args, kwargs)
+        end.record()
+        self.events.append((start, end))
+        return out
+
+    def per_call_ms(self) -> list[float]:
+        torch.cuda.synchronize()
+        return [s.elapsed_time(e) for s, e in self.events]
+
+
+def with_timer(model, step: int):
+    m = model.clone()
+    opts = m.model_options.setdefault("transformer_options", {})
+    timer = AttentionTimer(opts.get("optimized_attention_override"), step)
+    opts["optimized_attention_override"] = timer
+    return m, timer
+
+
+def sample_request(high, low, latent, positive, negative, seed: int, *, steps=4, switch=2, end_step=None):
+    """The A14B workflow's two KSamplerAdvanced calls (``end_step`` < switch: only the high expert)."""
+    import nodes
+
+    ks = nodes.KSamplerAdvanced()
+    if end_step is not None and end_step <= switch:
+        return ks.sample(high, "enable", seed, steps, 1.0, "euler", "simple", positive, negative, latent, 0, end_step,
+                         "enable")[0]
+    mid = ks.sample(high, "enable", seed, steps, 1.0, "euler", "simple", positive, negative, latent, 0, switch,
+                    "enable")[0]
+    return ks.sample(low, "disable", seed, steps, 1.0, "euler", "simple", positive, negative, mid, switch, 10000,
+                     "disable")[0]
+
+
+def structured_maps(grid, heads: int, density: float, layers: int, device) -> dict:
+    """One structured map per layer (``benchmarks.e2e.run.structured_map``: per head the key blocks
+    nearest in 3D with head-specific anisotropy, exactly ``density`` of them per row)."""
+    from benchmarks.e2e.run import structured_map
+
+    return {layer: structured_map(grid, heads, density, 128, device, seed=100 + layer).cpu() for layer in range(layers)}
+
+
+def run(args) -> dict:
+    cpu = args.tiny or not torch.cuda.is_available()
+    comfy_dir = Path(args.comfyui or os.environ.get("COMFYUI_DIR", ""))
+    import_comfy(comfy_dir, cpu)
+    device = torch.device("cpu" if cpu else "cuda")
+    root = Path(tempfile.mkdtemp(prefix="chorus_comfy_e2e_"))
+    os.environ["CHORUS_CACHE_DIR"] = str(root)
+    from chorus import kernels
+    from chorus.cache_store import Workspace, resolve_workspace
+    from chorus.engine import token_grid
+    from chorus.nodes.cache_write import ChorusCacheWrite
+    from chorus.nodes.feature_reuse import ChorusFeatureReuse
+    from chorus.nodes.mask_retrieve import ChorusMaskRetrieve
+    from chorus.nodes.sparse_sampler import ChorusSparseSampler
+
+    shape = TINY if args.tiny else A14B
+    if args.layers:
+        shape = dict(shape, num_layers=args.layers)
+    results = {"command": " ".join(sys.argv), "device": torch.cuda.get_device_name() if not cpu else "cpu",
+               "torch": torch.__version__, "shape": shape, "runs": []}
+    if not cpu:
+        import triton
+
+        results["triton"] = triton.__version__
+    t_start = time.perf_counter()
+    for weights in args.weights:
+        experts = [build_expert(shape, weights, seed, device) for seed in (1, 2)]
+        (high, ops), (low, _) = experts
+        results.setdefault("ops", {})[weights] = ops
+        for res in args.res:
+            h_px, w_px = RESOLUTIONS[res]
+            lat_shape = (1, 16, (FRAMES[res] - 1) // 4 + 1, h_px // 8, w_px // 8)
+            grid = token_grid(lat_shape)
+            positive, negative, _ = conditioning(lat_shape, 7, device)
+            latent = {"samples": torch.zeros(lat_shape)}
+            pixels = start_image_pixels(res, 3)
+            ws_miss, ws_hit = f"bench_{weights}_{res}_miss", f"bench_{weights}_{res}_hit"
+
+            def retrieve(workspace):
+                t0 = time.perf_counter()
+                plan = ChorusMaskRetrieve.execute(latent, workspace=workspace, start_image=pixels,
+                                                  positive=positive).result[0]
+                return plan, time.perf_counter() - t0
+
+            def patched(plan, fr_share=None, compile_models=False):
+                models = []
+                for m in (high, low):
+                    if compile_models:
+                        from comfy_extras.nodes_torch_compile import TorchCompileModel
+
+                        m = TorchCompileModel.execute(m, "inductor").result[0]
+                    if plan is not None:
+                        m = ChorusSparseSampler.execute(m, plan).result[0]
+                        if fr_share is not None:
+                            m = ChorusFeatureReuse.execute(m, plan, downsample_share=fr_share).result[0]
+                    models.append(m)
+                return models
+
+            def timed(name, models, plan=None):
+                if time.perf_counter() - t_start > args.time_budget:
+                    print(f"skipping {weights}/{res}/{name}: past the time budget", flush=True)
+                    return None
+                h_m, l_m = models
+                sample_request(h_m, l_m, latent, positive, negative, 11, end_step=1)  # warm-up step
+                h_t, timer = with_timer(h_m, step=1)
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                    torch.cuda.reset_peak_memory_stats()
+                t0 = time.perf_counter()
+                out = sample_request(h_t, l_m, latent, positive, negative, 11)
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                seconds = time.perf_counter() - t0
+                per_call = timer.per_call_ms() if device.type == "cuda" else []
+                row = {"weights": weights, "res": res, "variant": name, "tokens": grid[0] * grid[1] * grid[2],
+                       "seconds": seconds, "attn_ms_per_layer": float(np.mean(per_call)) if per_call else None,
+                       "attn_calls_timed": len(per_call),
+                       "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
+                       "finite": bool(torch.isfinite(out["samples"]).all())}
+                if plan is not None:
+                    row.update(plan_kind=plan.kind, density=plan.stats.density, sparse_calls=plan.stats.sparse_calls,
+                               fallback_calls=plan.stats.fallback_calls, messages=plan.stats.messages[:5])
+                results["runs"].append(row)
+                print(json.dumps(row), flush=True)
+                return out
+
+            if "dense" in args.variants:
+                timed("dense", (high, low))
+            entry_plan = None
+            if any(v in args.variants for v in ("miss", "hit15", "hit5", "hitfr")):
+                plan, t_ret = retrieve(ws_miss)
+                assert not plan.is_hit, plan.message
+                h_m, l_m = patched(plan, fr_share=0.25)
+                sampled = timed("miss", (h_m, l_m), plan)
+                if sampled is not None:
+                    t0 = time.perf_counter()
+                    info = ChorusCacheWrite.execute(latent, plan).result[0]
+                    t_write = time.perf_counter() - t0
+                    results["runs"][-1].update(retrieve_s=t_ret, write_s=t_write, write=info[:200])
+                    entry_plan = plan if info.startswith("wrote entry") else None
+                    if entry_plan is None:
+                        print(f"the miss wrote no entry: {info}", flush=True)
+            for name in ("hit15", "hit5", "hitfr"):
+                if name not in args.variants or entry_plan is None:
+                    continue
+                density = HIT_DENSITY[name]
+                ws = Workspace.open(resolve_workspace(f"{ws_hit}_{int(density * 100)}"))
+                if len(ws) == 0:
+                    src = Workspace.open(resolve_workspace(ws_miss))
+                    eid = src.search(entry_plan.embedding, k=1)[0][0]
+                    masks, meta = src.load(eid, packed=True, touch=False)
+                    per_layer = structured_maps(grid, shape["num_heads"], density, shape["num_layers"], device)
+                    ws.add(entry_plan.embedding, {key: per_layer[key[2]] for key in masks}, meta)
+                plan, t_ret = retrieve(f"{ws_hit}_{int(density * 100)}")
+                assert plan.is_hit, plan.message
+                models = patched(plan, fr_share=0.25 if name == "hitfr" else None)
+                if timed(name, models, plan) is None:
+                    continue
+                results["runs"][-1].update(retrieve_s=t_ret)
+                if name == "hit15" and device.type == "cuda":
+                    results["runs"][-1]["kernel_alone_ms"] = kernel_alone_ms(plan, grid, shape, kernels)
+                if args.compile and name == "hit15":
+                    plan_c, _ = retrieve(f"{ws_hit}_{int(density * 100)}")
+                    timed("hit15+compile", patched(plan_c, compile_models=True), plan_c)
+            if args.compile and "dense" in args.variants:
+                timed("dense+compile", patched(None, compile_models=True))
+        del high, low, experts
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    results["wall_s"] = time.perf_counter() - t_start
+    return results
+
+
+def kernel_alone_ms(plan, grid, shape, kernels, reps: int = 10) -> dict:
+    """The Triton kernel by itself (pre-pass + index + attention) on random q/k/v in ComfyUI's layout
+    with the map the hit computes for layer 0 of step 0 (entry map + k_min floor)."""
+    from chorus.engine.runtime import floor_k_min
+
+    t, h, w = grid
+    length, heads, dim = t * h * w, shape["num_heads"], shape["dim"] // shape["num_heads"]
+    stored = plan.stored_map(0, 0, 0, block_size=128, top_p=0.9, k_min=4, device="cuda")
+    block_map = floor_k_min(stored, 4)[None]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    qkv = [torch.randn(1, length, heads * dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+           .view(1, length, heads, dim).transpose(1, 2) for _ in range(3)]
+    out = {}
+    for name, backend in (("triton_fp8", "triton_fp8"), ("dense_sdpa", None)):
+        def call():
+            if backend is None:
+                o = torch.nn.functional.scaled_dot_product_attention(*qkv)
+                return o.transpose(1, 2).reshape(1, length, heads * dim)
+            o = kernels.block_sparse_attention(*qkv, block_map, backend=backend, rows_checked=True)
+            return o.transpose(1, 2).reshape(1, length, heads * dim)
+        for _ in range(2):
+            call()
+        times = []
+        for _ in range(reps):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            call()
+            e.record()
+            torch.cuda.synchronize()
+            times.append(s.elapsed_time(e))
+        out[name] = float(np.median(times))
+    out["density"] = float(block_map.float().mean())
+    return out
+
+
+def table(results: dict) -> str:
+    rows = results["runs"]
+    lines = ["| weights | res | variant | request s | vs dense | attention ms/layer | density | peak GiB |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        base = next((x for x in rows if x["weights"] == r["weights"] and x["res"] == r["res"]
+                     and x["variant"] == ("dense+compile" if "compile" in r["variant"] else "dense")), None)
+        ratio = f"{base['seconds'] / r['seconds']:.2f}x" if base else "-"
+        attn = f"{r['attn_ms_per_layer']:.2f}" if r.get("attn_ms_per_layer") is not None else "-"
+        dens = f"{r['density']:.1%}" if r.get("density") is not None else "-"
+        peak = f"{r['peak_gib']:.1f}" if r.get("peak_gib") is not None else "-"
+        lines.append(f"| {r['weights']} | {r['res']} | {r['variant']} | {r['seconds']:.2f} | {ratio} | {attn} | "
+                     f"{dens} | {peak} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--comfyui", help="ComfyUI checkout (default: $COMFYUI_DIR)")
+    p.add_argument("--out", required=True)
+    p.add_argument("--res", nargs="+", default=["480p", "720p"], choices=sorted(RESOLUTIONS))
+    p.add_argument("--weights", nargs="+", default=["bf16"], choices=["bf16", "fp8"])
+    p.add_argument("--variants", nargs="+", default=["dense", "miss", "hit15", "hit5", "hitfr"],
+                   choices=["dense", "miss", "hit15", "hit5", "hitfr"])
+    p.add_argument("--compile", action="store_true", help="also dense and hit15 under TorchCompileModel")
+    p.add_argument("--layers", type=int, default=0, help="layers per expert (default: the model's 40)")
+    p.add_argument("--tiny", action="store_true", help="toy sizes on the CPU (tests)")
+    p.add_argument("--time-budget", type=float, default=1e9, help="seconds; later variants are skipped past it")
+    args = p.parse_args(argv)
+    if args.tiny:
+        args.res = ["tiny"]
+    results = run(args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "comfy_e2e.json").write_text(json.dumps(results, indent=1, default=str))
+    print(table(results))
+    print(f"wall {results['wall_s']:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
