@@ -1,12 +1,27 @@
-"""ChorusSparseSampler: patch a Wan MODEL so its self-attention follows a CHORUS_PLAN."""
+"""ChorusSparseSampler: patch a Wan MODEL so its self-attention follows a CHORUS_PLAN.
+
+Sets the sparse part (``ChorusAttention``) of the model's one Chorus patch (:mod:`.comfy_patch`).
+"""
 
 from __future__ import annotations
 
 from comfy_api.latest import io
 
 from ..engine import BACKENDS, Plan, SparseConfig
-from .comfy_adapter import patch_model
+from .comfy_patch import configure
 from .common import CATEGORY, ChorusPlan, ui_text
+
+
+def patch_model(model, plan: Plan, config: SparseConfig):
+    """Return ``(patched clone, ChorusAttention or None, message)``; the input model is not modified.
+
+    An unsupported model comes back as a clone without the sparse part, with a message saying why.
+    """
+    patched, patch, info = configure(model, plan, sparse=config)
+    if not info.supported:
+        plan.note(f"unsupported model: {info.reason}; this model runs dense attention")
+        return patched, None, f"not patched: {info.reason}"
+    return patched, patch.attention, f"patched {info.variant} ({info.num_layers} layers, {info.num_heads} heads)"
 
 
 class ChorusSparseSampler(io.ComfyNode):

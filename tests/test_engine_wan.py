@@ -32,9 +32,14 @@ CONFIG = SparseConfig(top_p=0.9, k_min=1, block_size=BS)
 
 @pytest.fixture(scope="module")
 def adapter():
-    from chorus.nodes import comfy_adapter
+    """The ComfyUI glue: ``patch_model`` (ChorusSparseSampler's part of the model's Chorus patch),
+    ``comfy_model_info`` (LoRA-aware identity) and the patch module itself."""
+    import types
 
-    return comfy_adapter
+    from chorus.nodes import comfy_adapter, comfy_patch, sparse_sampler
+
+    return types.SimpleNamespace(patch_model=sparse_sampler.patch_model,
+                                 comfy_model_info=comfy_adapter.comfy_model_info, patch=comfy_patch)
 
 
 @pytest.fixture(scope="module")
@@ -221,9 +226,10 @@ def test_override_chains_previous_and_leaves_cross_attention_alone(adapter, expe
     base.model_options["transformer_options"]["optimized_attention_override"] = previous
     plan = Plan.miss("test", embedding=_embedding(4), latent_shape=LATENT)
     model, _, _ = adapter.patch_model(base, plan, CONFIG)
-    # re-patching replaces the Chorus override instead of stacking a second one
+    # re-patching replaces the Chorus patch instead of stacking a second one
     model, _, _ = adapter.patch_model(model, plan, CONFIG)
-    assert model.model_options["transformer_options"]["optimized_attention_override"].previous is previous
+    override = model.model_options["transformer_options"]["optimized_attention_override"]
+    assert override is adapter.patch.get_patch(model) and override.previous_override is previous
     assert "optimized_attention_override" not in experts[0].model_options["transformer_options"]
     _sample(model, steps=2)
     tokens = GRID[0] * GRID[1] * GRID[2]
@@ -240,8 +246,8 @@ def test_block_index_from_transformer_options_wins(adapter):
 
     info = ModelInfo("wan", "wan2.2-a14b-i2v", 4, 2, 128, 36, "fp")
     plan = Plan.miss("test", latent_shape=LATENT)
-    override = adapter.ChorusOverride(ChorusAttention(plan, CONFIG, info))
-    ctx = adapter.ForwardContext(GRID)
+    override = adapter.patch.ChorusPatch(plan, info, attention=ChorusAttention(plan, CONFIG, info))
+    ctx = adapter.patch.Forward(override, GRID, 0.5, None, cond_or_uncond=[0])
     tokens = GRID[0] * GRID[1] * GRID[2]
     q = torch.randn(1, tokens, 256)
 
@@ -249,7 +255,7 @@ def test_block_index_from_transformer_options_wins(adapter):
         return q
 
     for layer in (3, 1):
-        opts = {adapter.FORWARD_KEY: ctx, "block_index": layer, "sigmas": torch.tensor([0.5]), "cond_or_uncond": [0]}
+        opts = {adapter.patch.FORWARD_KEY: ctx, "block_index": layer}
         override(func, q, q, q, heads=2, transformer_options=opts)
     assert sorted(k[2] for k in plan.recorder.block_maps()) == [1, 3]
 

@@ -36,9 +36,9 @@ SPARSE = SparseConfig(top_p=0.9, k_min=1, block_size=BS)
 
 @pytest.fixture(scope="module")
 def nodes():
-    from chorus.nodes import comfy_adapter, feature_reuse, guidance_boost
+    from chorus.nodes import feature_reuse, guidance_boost, sparse_sampler
 
-    return comfy_adapter, feature_reuse, guidance_boost
+    return sparse_sampler, feature_reuse, guidance_boost
 
 
 @pytest.fixture(scope="module")
@@ -206,10 +206,10 @@ def test_guidance_strength_zero_is_bit_identical_and_acts_only_on_hits(nodes, mo
     plain = reused[0][0]  # sparse sampler + feature reuse on a hit, no guidance
     hit2 = _hit_from(miss)
     zero = _patch(nodes, model, hit2, fr_config=FeatureReuseConfig())
-    zero = zero.clone()
-    opts = zero.model_options["transformer_options"]
-    opts["optimized_attention_override"] = gb_node.GuidanceOverride(GuidanceBoost(hit2, 0.0, 0.0),
-                                                                    opts.get("optimized_attention_override"))
+    from chorus.nodes.comfy_patch import configure
+
+    zero, patch, _ = configure(zero, hit2, guidance=GuidanceBoost(hit2, 0.0, 0.0))  # past the node's shortcut
+    assert patch.guidance is not None and patch.attention is not None and patch.feature_reuse is not None
     assert torch.equal(_sample(zero, latent), plain)
     # on a miss (no reuse acted) a boost does nothing
     miss2 = Plan.miss("test miss 2", latent_shape=LATENT[1:], embedding=np.ones(4, np.float32))
@@ -255,13 +255,13 @@ def test_first_frame_bias_is_applied_exactly_once_in_any_node_order(nodes, model
     for name in ("sparse_then_guidance", "guidance_then_sparse"):
         out, hit = runs[name]
         assert hit.stats.sparse_calls == 2 * LAYERS and hit.stats.fallback_calls == 0
-    from chorus.nodes.comfy_adapter import GUIDANCE_KEY
+    from chorus.nodes.comfy_patch import get_patch
 
     fr_runs = []
     for order in ("sparse_first", "fr_first"):
         hit = _hit_from(miss)
         m = _patch(nodes, model, hit, fr_config=FeatureReuseConfig(), order=order, strength=0.5, image_strength=2.0)
-        boost = m.model_options["transformer_options"][GUIDANCE_KEY]
+        boost = get_patch(m).guidance
         fr_runs.append(_sample(m, latent))
         assert boost.biased_calls == 2 * LAYERS and boost.boosted_calls > 0  # 2 steps (cond and uncond in one call)
     torch.testing.assert_close(fr_runs[0], fr_runs[1], rtol=1e-5, atol=1e-6)
@@ -315,9 +315,12 @@ def test_cfg_correction_runs_the_reused_steps_at_a_higher_cfg(nodes, model, reco
 def test_per_frame_modulation_and_a_failing_block_fall_back_safely(nodes):
     """Wan 2.2 TI2V 5B shape (48 channels) with per-frame timesteps ([B, T'] -> vec [B, T', 6, C]): the
     modulation is pooled per token; a block that cannot run on the compact sequence runs in full."""
+    from chorus.nodes import comfy_patch
+    from chorus.nodes.comfy_adapter import comfy_model_info
+
     _, fr_node, _ = nodes
     ti2v = tiny.load_tiny_wan(tiny.tiny_wan_state_dict(seed=2, in_dim=48, out_dim=48, num_layers=2))
-    info = fr_node.comfy_model_info(ti2v)
+    info = comfy_model_info(ti2v)
     assert info.variant == "wan2.2-ti2v-5b"
     grid = (4, 8, 8)
     n = pooling.region_counts(grid, REGION)  # 2 x 1 x 1 complete regions; frame 0's never pooled
@@ -329,6 +332,8 @@ def test_per_frame_modulation_and_a_failing_block_fall_back_safely(nodes):
     hit = Plan("hit", entry_id=1, similarity=1.0, masks={(0, 0, 0, 0): torch.ones(2, 1, 1, dtype=torch.bool)},
                entry_meta=meta, latent_shape=(48, 4, 16, 16))
     patched, handle, _ = fr_node.patch_feature_reuse(ti2v, hit, FeatureReuseConfig(downsample_share=0.5, full_layers=0))
+    patch = comfy_patch.get_patch(patched)
+    assert patch.feature_reuse is handle
     handle.begin_run([0.5, 0.0])
     dm = ti2v.model.diffusion_model
     g = torch.Generator().manual_seed(0)
@@ -338,7 +343,7 @@ def test_per_frame_modulation_and_a_failing_block_fall_back_safely(nodes):
 
     def call(options):
         opts = dict(options, sigmas=torch.tensor([0.5]))
-        opts[fr_node.FORWARD_KEY] = fr_node._Forward(grid)
+        opts[comfy_patch.FORWARD_KEY] = comfy_patch.Forward(patch, grid, 0.5, None)  # what the wrapper puts there
         with torch.no_grad():
             return dm(x, t, context, transformer_options=opts)
 
@@ -355,7 +360,7 @@ def test_per_frame_modulation_and_a_failing_block_fall_back_safely(nodes):
         return extra["original_block"](args)
 
     opts = dict(ti2v.model_options["transformer_options"])
-    opts["patches_replace"] = {"dit": {("double_block", i): fr_node.FeatureReusePatch(handle, i, broken)
+    opts["patches_replace"] = {"dit": {("double_block", i): comfy_patch.ChorusBlock(patch, i, broken)
                                        for i in range(2)}}
     out = call(opts)
     torch.testing.assert_close(out, full, rtol=1e-5, atol=1e-5)

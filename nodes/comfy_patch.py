@@ -1,0 +1,493 @@
+"""One Chorus patch per ComfyUI model: the object ChorusSparseSampler, ChorusFeatureReuse and
+ChorusGuidanceBoost all configure.
+
+A :class:`ChorusPatch` holds the request's plan, the model's ``ModelInfo`` and up to three parts
+(the engine's ``ChorusAttention`` from a ``SparseConfig``, ``FeatureReuse`` from a
+``FeatureReuseConfig``, ``GuidanceBoost``). It lives under ONE key, ``transformer_options["chorus_ii"]``,
+of a ``model.clone()``; :func:`configure` (what every node calls) reads the model's patch, if any,
+and returns a clone with a new patch = the old parts + the node's part (configuring a part again
+replaces it; the order of the nodes does not matter), then (re)installs with ComfyUI's supported hooks:
+
+- ``optimized_attention_override`` = the patch itself (an override already set by another node is
+  chained: everything Chorus does not handle, and every dense call, goes through it);
+- one ``OUTER_SAMPLE`` and one ``DIFFUSION_MODEL`` wrapper under the key ``"chorus_ii"`` (the old
+  per-node keys ``"chorus_ii_feature_reuse"`` / ``"chorus_ii_guidance"`` are removed);
+- with feature reuse, ``patches_replace["dit"][("double_block", i)]`` = a :class:`ChorusBlock` per block
+  (a patch already at the key is chained and receives the compacted arguments);
+- with ``cfg_strength > 0``, a :class:`CfgCorrection` post-CFG function (an earlier one replaced).
+
+Per sampler run (``OUTER_SAMPLE``): every part's ``begin_run(sigmas)``, and every reset in ``finally``.
+Per diffusion-model forward (``DIFFUSION_MODEL``): the sigma is read once (one ``.item()``) and the
+token grid comes from ``engine.token_grid`` of the latent's shape; both go, with a layer counter, into
+a :class:`Forward` in a copy of that call's ``transformer_options``. Per attention call (the override):
+
+- self-attention = q, k and v lengths equal the grid's token count (one test; inside a feature-reuse
+  compacted block, the compact length, expanded back first); everything else with another k length
+  is cross-attention (text, CLIP image tokens), which gets guidance's gain;
+- self-attention runs, in this fixed order: expand (compacted block) -> first-frame bias + sparse (a
+  hit) or dense (+ recording on a miss), through ``ChorusAttention``; or, without the sparse sampler,
+  a biased dense call (``biased_dense_or_plain``) -> compact. So the bias is applied exactly once.
+
+A Chorus patch that is not the one of the current forward (e.g. an old one another pack's override
+chained before the model was re-patched) passes every call through. Objects stored in
+``model_options`` return themselves from ``__deepcopy__`` (``clone()`` deep-copies ``model_options``).
+Anything unexpected gives a note in the plan and dense attention / a full block, never a failed prompt.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ..engine import ChorusAttention, ModelInfo, Plan, SparseConfig, token_grid
+from ..engine.feature_reuse import FeatureReuse, FeatureReuseConfig
+from ..engine.guidance import GuidanceBoost, biased_dense_or_plain
+from ..kernels import pooling
+from .comfy_adapter import comfy_model_info
+
+log = logging.getLogger("chorus.nodes")
+
+PATCH_KEY = "chorus_ii"            # transformer_options: the model's ChorusPatch
+WRAPPER_KEY = "chorus_ii"          # the keyed OUTER_SAMPLE / DIFFUSION_MODEL wrappers
+FORWARD_KEY = "chorus_ii_forward"  # a forward's transformer_options copy: its Forward
+LAYOUT_KEY = "chorus_ii_layout"    # a compacted block call's transformer_options copy: its RegionLayout
+OVERRIDE = "optimized_attention_override"
+LEGACY_OPTION_KEYS = ("chorus_ii_attention", "chorus_ii_guidance_boost")  # before one patch per model
+LEGACY_WRAPPER_KEYS = ("chorus_ii_feature_reuse", "chorus_ii_guidance")
+CLIP_IMAGE_TOKENS = 257
+KEEP = object()  # configure(): leave that part as it is
+
+
+class Forward:
+    """One diffusion-model call: the patch that owns it, token grid, sigma (read once), layer counter,
+    and why Chorus stays out of it (None: it does not)."""
+
+    def __init__(self, patch: "ChorusPatch", grid, sigma: float | None, disabled_reason: str | None,
+                 context_lengths=frozenset(), cond_or_uncond=None):
+        self.patch = patch
+        self.grid = grid
+        self.tokens = grid[0] * grid[1] * grid[2]
+        self.sigma = sigma
+        self.disabled_reason = disabled_reason
+        self.context_lengths = frozenset(context_lengths)
+        self.cond_or_uncond = cond_or_uncond
+        self.layer_counter = 0
+        self._cond_rows: dict[int, torch.Tensor | None] = {}
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def next_layer(self) -> int:
+        layer = self.layer_counter
+        self.layer_counter += 1
+        return layer
+
+    def cond_rows(self, batch: int):
+        """Bool ``[batch]`` marking positive-conditioning rows (from ``cond_or_uncond``), or None."""
+        if batch not in self._cond_rows:
+            rows = None
+            cond = self.cond_or_uncond
+            if cond and batch % len(cond) == 0:
+                rows = torch.tensor([c == 0 for c in cond], dtype=torch.bool).repeat_interleave(batch // len(cond))
+            self._cond_rows[batch] = rows
+        return self._cond_rows[batch]
+
+
+class ChorusPatch:
+    """The one Chorus object of a patched model (see the module docstring). Immutable once installed:
+    :func:`configure` makes a new one. ``plan`` may be None only for guidance without a plan."""
+
+    def __init__(self, plan: Plan | None, model_info: ModelInfo, *, attention: ChorusAttention | None = None,
+                 feature_reuse: FeatureReuse | None = None, guidance: GuidanceBoost | None = None,
+                 previous_override=None):
+        self.plan = plan
+        self.model_info = model_info
+        self.attention = attention
+        self.feature_reuse = feature_reuse
+        self.guidance = guidance
+        self.previous_override = previous_override
+        self._run_failed: str | None = None
+        self._warned: set[str] = set()
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __repr__(self) -> str:
+        parts = [n for n in ("attention", "feature_reuse", "guidance") if getattr(self, n) is not None]
+        return f"ChorusPatch({self.model_info.variant}: {', '.join(parts) or 'no parts'}; {self.plan!r})"
+
+    @property
+    def is_empty(self) -> bool:
+        return self.attention is None and self.feature_reuse is None and self.guidance is None
+
+    def note(self, message: str) -> None:
+        if self.plan is not None:
+            self.plan.note(message)
+        elif message not in self._warned:
+            self._warned.add(message)
+            log.warning("Chorus II: %s", message)
+
+    # -- OUTER_SAMPLE: one sampler run ---------------------------------------------------------------
+    def outer_sample(self, executor, *args, **kwargs):
+        """OUTER_SAMPLE wrapper (args: noise, latent_image, sampler, sigmas, ...)."""
+        sigmas = args[3] if len(args) > 3 else kwargs.get("sigmas")
+        schedule = sigmas.detach().float().cpu() if isinstance(sigmas, torch.Tensor) else sigmas
+        started = []
+        self._run_failed = None
+        try:
+            for part in (self.attention, self.feature_reuse):
+                if part is None:
+                    continue
+                started.append(part)
+                try:
+                    part.begin_run(schedule)
+                except Exception as exc:  # noqa: BLE001 - never fail the prompt: the run goes plain
+                    self._run_failed = f"could not start the Chorus run ({type(exc).__name__}: {exc})"
+                    self.note(f"{self._run_failed}; dense attention, full blocks")
+            if self.guidance is not None:
+                try:
+                    self.guidance.sample_sigmas = (None if schedule is None else
+                                                   [float(s) for s in (schedule.tolist() if hasattr(schedule, "tolist")
+                                                                       else schedule)])
+                except (TypeError, ValueError):
+                    self.guidance.sample_sigmas = None
+            return executor(*args, **kwargs)
+        finally:
+            for part in started:
+                try:
+                    part.end_run()
+                except Exception as exc:  # noqa: BLE001
+                    self.note(f"ending the Chorus run failed ({type(exc).__name__}: {exc})")
+            if self.guidance is not None:
+                self.guidance.sample_sigmas = None
+            self._run_failed = None
+            if self.plan is not None:
+                log.info("Chorus II run: %s; %s", self.plan.message, self.plan.stats.summary())
+
+    # -- DIFFUSION_MODEL: one forward ----------------------------------------------------------------
+    def diffusion_model(self, executor, *args, **kwargs):
+        """DIFFUSION_MODEL wrapper (Wan args: x, timestep, context, clip_fea, time_dim_concat,
+        transformer_options, ...): the per-forward :class:`Forward` into a copy of the options."""
+        where, options = _find_transformer_options(args, kwargs)
+        x = args[0] if args else kwargs.get("x")
+        if where is None or not isinstance(x, torch.Tensor) or x.dim() != 5:
+            return executor(*args, **kwargs)
+        try:
+            grid = token_grid(x.shape)
+        except ValueError:
+            return executor(*args, **kwargs)
+        tokens = grid[0] * grid[1] * grid[2]
+        context = args[2] if len(args) > 2 else kwargs.get("context")
+        clip_fea = args[3] if len(args) > 3 and not isinstance(args[3], dict) else kwargs.get("clip_fea")
+        time_dim_concat = args[4] if len(args) > 4 and not isinstance(args[4], dict) else kwargs.get("time_dim_concat")
+        context_lengths = set()
+        if isinstance(context, torch.Tensor) and context.dim() == 3:
+            context_lengths.add(int(context.shape[1]))
+        if clip_fea is not None:
+            context_lengths.add(CLIP_IMAGE_TOKENS)
+        reason = None
+        if self._run_failed is not None:
+            reason = self._run_failed
+        elif time_dim_concat is not None or "reference_latent" in kwargs:
+            reason = "extra concatenated/reference tokens in this model call"
+        elif tokens in context_lengths:
+            reason = (f"the latent has {tokens} tokens, as many as a cross-attention context: self- and "
+                      "cross-attention cannot be told apart")
+        sigma = None
+        sigmas = options.get("sigmas")
+        if isinstance(sigmas, torch.Tensor) and sigmas.numel() > 0:
+            sigma = float(sigmas.reshape(-1)[0].item())  # the one host sync of the forward
+        elif isinstance(sigmas, (int, float)):
+            sigma = float(sigmas)
+        options = dict(options)
+        options[FORWARD_KEY] = Forward(self, grid, sigma, reason, context_lengths, options.get("cond_or_uncond"))
+        if where == "kw":
+            kwargs["transformer_options"] = options
+        else:
+            args = args[:where] + (options,) + args[where + 1:]
+        return executor(*args, **kwargs)
+
+    # -- the attention override ----------------------------------------------------------------------
+    def _pass(self, func, args, kwargs):
+        if self.previous_override is not None:
+            return self.previous_override(func, *args, **kwargs)
+        return func(*args, **kwargs)
+
+    def __call__(self, func, *args, **kwargs):
+        options = kwargs.get("transformer_options") or {}
+        ctx = options.get(FORWARD_KEY)
+        if ctx is None or ctx.patch is not self or len(args) < 3:
+            return self._pass(func, args, kwargs)
+        q, k, v = args[:3]
+        if (not all(isinstance(t, torch.Tensor) and t.dim() == 3 for t in (q, k, v))
+                or kwargs.get("mask") is not None or kwargs.get("skip_reshape") or kwargs.get("skip_output_reshape")):
+            return self._pass(func, args, kwargs)  # a layout we do not handle
+        if k.shape[1] != q.shape[1]:  # cross-attention: text, CLIP image tokens
+            out = self._pass(func, args, kwargs)
+            guidance = self.guidance
+            if guidance is not None and guidance.strength and ctx.sigma is not None and isinstance(out, torch.Tensor):
+                return guidance.cross_attention(out, ctx.sigma)
+            return out
+        layout = options.get(LAYOUT_KEY)
+        if layout is not None and q.shape[1] == v.shape[1] == layout.compact_length and layout.length == ctx.tokens:
+            full = tuple(pooling.expand_tokens(t, layout) for t in (q, k, v))  # expand
+            out = self._self_attention(func, full + tuple(args[3:]), kwargs, ctx, options)
+            return pooling.compact_rows(out, layout)  # compact
+        if q.shape[1] == v.shape[1] == ctx.tokens:
+            return self._self_attention(func, args, kwargs, ctx, options)
+        return self._pass(func, args, kwargs)
+
+    def _self_attention(self, func, args, kwargs, ctx: Forward, options):
+        """(bias +) sparse or dense (+ recording) on the full grid; q/k/v ``[B, L, H*D]``."""
+        attention, guidance = self.attention, self.guidance
+        if ctx.disabled_reason is not None:
+            if attention is not None or guidance is not None:
+                self.note(f"{ctx.disabled_reason}; dense attention")
+                if attention is not None:
+                    attention.plan.stats.fallback_calls += 1
+            return self._pass(func, args, kwargs)
+        q, k, v = args[:3]
+        heads = kwargs.get("heads", args[3] if len(args) > 3 else None)
+        batch, length, width = q.shape
+        if not heads or width % int(heads):
+            self.note(f"q width {width} is not a multiple of {heads} heads; dense attention")
+            if attention is not None:
+                attention.plan.stats.fallback_calls += 1
+            return self._pass(func, args, kwargs)
+        heads = int(heads)
+        head_dim = width // heads
+        sigma = ctx.sigma
+        bias = 0.0
+        if guidance is not None and guidance.image_strength and sigma is not None:
+            try:
+                bias = float(guidance.first_frame_bias(sigma))
+            except Exception:  # noqa: BLE001 - guidance must never break attention
+                bias = 0.0
+
+        def to_bhld(t):
+            return t.view(batch, length, heads, head_dim).transpose(1, 2)
+
+        def dense_fn(*_):
+            return self._pass(func, args, kwargs).view(batch, length, heads, head_dim).transpose(1, 2)
+
+        if attention is not None:
+            layer = options.get("block_index")
+            counted = ctx.next_layer()
+            if sigma is None:
+                self.note("no sigma in transformer_options; dense attention")
+                attention.plan.stats.fallback_calls += 1
+                return self._pass(func, args, kwargs)
+            out = attention.self_attention(to_bhld(q), to_bhld(k), to_bhld(v), layer=int(counted if layer is None else layer),
+                                           sigma=sigma, grid=ctx.grid, dense_fn=dense_fn,
+                                           cond_rows=ctx.cond_rows(batch), first_frame_bias=bias)
+            return out.transpose(1, 2).reshape(batch, length, width)
+        if bias:
+            out = biased_dense_or_plain(dense_fn, ctx.grid[1] * ctx.grid[2], bias, self.note)(
+                to_bhld(q), to_bhld(k), to_bhld(v))
+            return out.transpose(1, 2).reshape(batch, length, width)
+        return self._pass(func, args, kwargs)
+
+
+class ChorusBlock:
+    """``patches_replace["dit"][("double_block", layer)]`` of a patch with feature reuse: the block
+    through :meth:`FeatureReuse.block` (a compacted call carries its layout in ``LAYOUT_KEY`` so the
+    override expands self-attention to the full grid); ``previous`` = a non-Chorus patch chained."""
+
+    def __init__(self, patch: ChorusPatch, layer: int, previous=None):
+        self.patch, self.layer, self.previous = patch, layer, previous
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def _run(self, args, extra):
+        if self.previous is not None:
+            return self.previous(args, extra)
+        return extra["original_block"](args)
+
+    def __call__(self, args, extra):
+        options = args.get("transformer_options") or {}
+        ctx = options.get(FORWARD_KEY)
+        handle = self.patch.feature_reuse
+        x = args.get("img")
+        if (handle is None or ctx is None or ctx.patch is not self.patch or ctx.disabled_reason is not None
+                or not isinstance(x, torch.Tensor) or x.dim() != 3):
+            return self._run(args, extra)
+        pe = args.get("pe")
+        if not isinstance(pe, torch.Tensor) or pe.dim() < 3 or pe.shape[1] != x.shape[1] or pe.shape[-2:] != (2, 2):
+            handle.plan.note("feature reuse: unexpected RoPE layout in the block arguments; blocks run in full")
+            return self._run(args, extra)
+        per_token = {"pe": (pe, "rotation")}
+        vec_tok = _per_token_vec(args.get("vec"), x.shape[1])
+        if vec_tok is not None:
+            per_token["vec"] = (vec_tok, "mean")
+
+        def block_fn(x_in, inputs, layout):
+            if layout is None and x_in is x:
+                return self._run(args, extra)["img"]
+            call = dict(args)
+            call["img"] = x_in
+            call["pe"] = inputs["pe"]
+            if "vec" in inputs:
+                call["vec"] = inputs["vec"]
+            if layout is not None:
+                if layout.compact_length in ctx.context_lengths:
+                    raise ValueError(f"the compact sequence ({layout.compact_length} tokens) is as long as a "
+                                     "cross-attention context")
+                opts = dict(options)
+                opts[LAYOUT_KEY] = layout
+                call["transformer_options"] = opts
+            return self._run(call, extra)["img"]
+
+        return {"img": handle.block(block_fn, x, layer=self.layer, sigma=ctx.sigma, grid=ctx.grid,
+                                    per_token=per_token)}
+
+
+class CfgCorrection:
+    """ComfyUI post-CFG function applying :meth:`GuidanceBoost.cfg_correction` (never raises)."""
+
+    def __init__(self, boost: GuidanceBoost):
+        self.boost = boost
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __call__(self, args):
+        denoised = args["denoised"]
+        try:
+            return self.boost.cfg_correction(denoised, args.get("cond_denoised"), args.get("uncond_denoised"),
+                                             args.get("cond_scale"), args.get("sigma"))
+        except Exception:  # noqa: BLE001 - guidance must never fail a prompt
+            return denoised
+
+
+def _per_token_vec(vec, length: int):
+    """Wan time modulation ``[B, Tt, 6, C]`` as per-token ``[B, L, 6, C]`` (ComfyUI's ``repeat_e``), or
+    None when it is one vector per sample (``Tt == 1``: nothing to compact)."""
+    if not isinstance(vec, torch.Tensor) or vec.dim() != 4 or vec.shape[1] == 1:
+        return None
+    repeats = length // vec.shape[1]
+    if repeats * vec.shape[1] == length:
+        return torch.repeat_interleave(vec, repeats, dim=1)
+    return torch.repeat_interleave(vec, repeats + 1, dim=1)[:, :length]
+
+
+def _find_transformer_options(args, kwargs):
+    if isinstance(kwargs.get("transformer_options"), dict):
+        return "kw", kwargs["transformer_options"]
+    for i in range(len(args) - 1, -1, -1):
+        if isinstance(args[i], dict):
+            return i, args[i]
+    return None, None
+
+
+# -- configuring a model ------------------------------------------------------------------------------
+
+def get_patch(model) -> ChorusPatch | None:
+    """The :class:`ChorusPatch` of a ModelPatcher, or None."""
+    options = (getattr(model, "model_options", None) or {}).get("transformer_options") or {}
+    patch = options.get(PATCH_KEY)
+    return patch if isinstance(patch, ChorusPatch) else None
+
+
+def configure(model, plan: Plan | None, *, sparse=KEEP, feature_reuse=KEEP, guidance=KEEP):
+    """Return ``(clone, ChorusPatch or None, ModelInfo)``: a clone of ``model`` whose Chorus patch is
+    the model's current one (if any) with the given parts set.
+
+    ``sparse``: a ``SparseConfig``, ``feature_reuse``: a ``FeatureReuseConfig``, ``guidance``: a
+    ``GuidanceBoost``; each may be ``KEEP`` (default: unchanged) or None (removed). ``plan``: the
+    request's plan (None keeps the patch's plan). Every part is (re)built on that plan and the model's
+    ``ModelInfo``; the sparse and feature-reuse parts only for a supported model. A patch with no parts
+    left is uninstalled. The input model is never modified.
+    """
+    patched = model.clone()
+    info = comfy_model_info(patched)
+    old = get_patch(patched)
+    if plan is None and old is not None:
+        plan = old.plan
+    if old is not None and plan is not None and old.plan is not None and old.plan is not plan:
+        plan.note("the model was patched by Chorus nodes for another plan; this plan replaces it on that model")
+
+    def keep(value, current):
+        return current if value is KEEP else value
+
+    sparse_config = keep(sparse, old.attention.config if old is not None and old.attention is not None else None)
+    fr_config = keep(feature_reuse, old.feature_reuse.config if old is not None and old.feature_reuse is not None
+                     else None)
+    boost = keep(guidance, old.guidance if old is not None else None)
+
+    attention = fr = None
+    if plan is not None and info.supported:
+        if sparse_config is not None:
+            mismatch = plan.model_mismatch(info)
+            if mismatch is not None:  # say so now, in the node's UI text, not only after sampling
+                plan.demote(mismatch)
+            attention = ChorusAttention(plan, sparse_config, info)
+        if fr_config is not None:
+            fr = FeatureReuse(plan, fr_config, info)
+    if boost is not None and old is not None and boost is old.guidance and boost.plan is not None \
+            and plan is not None and boost.plan is not plan:
+        boost = GuidanceBoost(plan, boost.strength, boost.image_strength, boost.cfg_strength)  # follow the plan
+    patch = ChorusPatch(plan if plan is not None else (boost.plan if boost is not None else None), info,
+                        attention=attention, feature_reuse=fr, guidance=boost)
+    _install(patched, old, patch)
+    return patched, (None if patch.is_empty else patch), info
+
+
+def _install(patched, old: ChorusPatch | None, patch: ChorusPatch) -> None:
+    import comfy.patcher_extension
+
+    options = patched.model_options.setdefault("transformer_options", {})
+    current = options.get(OVERRIDE)
+    if isinstance(current, ChorusPatch):
+        previous = current.previous_override  # re-patching replaces the Chorus patch, never stacks
+    else:
+        previous = current  # another pack's override (one that chains an older Chorus patch: that passes through)
+    patch.previous_override = previous
+    for key in LEGACY_OPTION_KEYS:
+        options.pop(key, None)
+    wrapper_types = (comfy.patcher_extension.WrappersMP.OUTER_SAMPLE, comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL)
+    for wrapper_type in wrapper_types:
+        for key in (WRAPPER_KEY,) + LEGACY_WRAPPER_KEYS:
+            patched.remove_wrappers_with_key(wrapper_type, key)
+    post_cfg = [fn for fn in patched.model_options.get("sampler_post_cfg_function", [])
+                if not isinstance(fn, CfgCorrection)]
+    dit = (options.get("patches_replace") or {}).get("dit") or {}
+    for key in [k for k, v in dit.items() if isinstance(v, ChorusBlock)]:
+        if dit[key].previous is None:
+            del dit[key]
+        else:
+            dit[key] = dit[key].previous
+    if patch.is_empty:  # nothing left to do: uninstall
+        options.pop(PATCH_KEY, None)
+        if previous is None:
+            options.pop(OVERRIDE, None)
+        else:
+            options[OVERRIDE] = previous
+    else:
+        options[PATCH_KEY] = patch
+        options[OVERRIDE] = patch
+        patched.add_wrapper_with_key(wrapper_types[0], WRAPPER_KEY, patch.outer_sample)
+        patched.add_wrapper_with_key(wrapper_types[1], WRAPPER_KEY, patch.diffusion_model)
+        if patch.feature_reuse is not None:
+            dit = options.setdefault("patches_replace", {}).setdefault("dit", {})
+            for layer in range(patch.model_info.num_layers):
+                dit[("double_block", layer)] = ChorusBlock(patch, layer, dit.get(("double_block", layer)))
+        if patch.guidance is not None and patch.guidance.cfg_strength:
+            post_cfg.append(CfgCorrection(patch.guidance))
+    if post_cfg or "sampler_post_cfg_function" in patched.model_options:
+        patched.model_options["sampler_post_cfg_function"] = post_cfg
+
+
+def describe(patch: ChorusPatch | None) -> str:
+    """One line naming the parts of a model's patch (for the nodes' UI text)."""
+    if patch is None:
+        return "no Chorus parts on this model"
+    parts = []
+    if patch.attention is not None:
+        parts.append("sparse sampler")
+    if patch.feature_reuse is not None:
+        parts.append("feature reuse")
+    if patch.guidance is not None:
+        parts.append("guidance")
+    return "Chorus patch: " + " + ".join(parts)
