@@ -1,0 +1,256 @@
+"""One Chorus patch per model (``nodes/comfy_patch.py``), through the three nodes' ``execute`` on
+ComfyUI's tiny ``WanModel`` (CPU, random weights).
+
+Covers: the three nodes in every order give one ``ChorusPatch`` under one key with one override, one
+wrapper of each kind, one block patch per block and one post-CFG function; re-patching replaces a part
+and keeps hooks of other packs chained; strength 0 removes guidance; the old per-node keys are
+removed; per forward the token grid is computed once and every part gets the sigma as a float; an
+older Chorus patch left inside another pack's override chain passes through (nothing is recorded
+twice); the A14B pair gets two patches sharing one plan; a node with another plan moves every part
+to it.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from host import tiny_wan as tiny  # tests/host (pytest pythonpath)
+
+SKIP_REASON = tiny.import_comfy()
+pytestmark = pytest.mark.skipif(SKIP_REASON is not None, reason=f"ComfyUI not available: {SKIP_REASON}")
+
+from chorus.engine import Plan  # noqa: E402
+
+LATENT = (1, 16, 3, 16, 16)  # grid (3, 8, 8) = 192 tokens
+LAYERS = 2
+OVERRIDE = "optimized_attention_override"
+
+
+@pytest.fixture(scope="module")
+def cp():
+    from chorus.nodes import comfy_patch
+
+    return comfy_patch
+
+
+@pytest.fixture(scope="module")
+def nodes():
+    from chorus.nodes.feature_reuse import ChorusFeatureReuse
+    from chorus.nodes.guidance_boost import ChorusGuidanceBoost
+    from chorus.nodes.sparse_sampler import ChorusSparseSampler
+
+    return {
+        "sparse": lambda m, plan, k_min=2: ChorusSparseSampler.execute(model=m, plan=plan, top_p=0.9, k_min=k_min,
+                                                                       refresh_steps=0, backend="auto").result[0],
+        "fr": lambda m, plan, share=0.3: ChorusFeatureReuse.execute(model=m, plan=plan,
+                                                                    downsample_share=share).result[0],
+        "guidance": lambda m, plan, s=0.5, i=0.7, c=0.4: ChorusGuidanceBoost.execute(
+            model=m, plan=plan, strength=s, image_strength=i, cfg_strength=c).result[0],
+    }
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny.load_tiny_wan(tiny.tiny_wan_state_dict(seed=0, num_layers=LAYERS))
+
+
+def _miss():
+    return Plan.miss("test miss", latent_shape=LATENT[1:], embedding=np.ones(4, np.float32))
+
+
+def _sample(m, steps=2, cfg=1.0):
+    import comfy.sample
+
+    positive, negative = tiny.random_conditioning(3), tiny.random_conditioning(103)
+    latent = torch.zeros(LATENT)
+    noise = comfy.sample.prepare_noise(latent, 0)
+    return comfy.sample.sample(m, noise, steps, cfg, "euler", "simple", positive, negative, latent,
+                               disable_pbar=True, seed=0)
+
+
+def _chorus_wrappers(m):
+    import comfy.patcher_extension as pe
+
+    out = {}
+    for kind in (pe.WrappersMP.OUTER_SAMPLE, pe.WrappersMP.DIFFUSION_MODEL):
+        out[kind] = {key: len(fns) for key, fns in m.wrappers.get(kind, {}).items() if "chorus" in key}
+    return out
+
+
+def test_three_nodes_in_any_order_make_one_patch(cp, nodes, model):
+    plan = _miss()
+    for order in itertools.permutations(("sparse", "fr", "guidance")):
+        m = model
+        for name in order:
+            m = nodes[name](m, plan)
+        opts = m.model_options["transformer_options"]
+        patch = opts[cp.PATCH_KEY]
+        assert isinstance(patch, cp.ChorusPatch) and opts[OVERRIDE] is patch and cp.get_patch(m) is patch, order
+        assert patch.plan is plan and patch.attention.plan is plan and patch.feature_reuse.plan is plan
+        assert patch.guidance.plan is plan and patch.previous_override is None
+        assert patch.attention.config.k_min == 2 and patch.feature_reuse.config.downsample_share == 0.3
+        assert (patch.guidance.strength, patch.guidance.image_strength, patch.guidance.cfg_strength) == (0.5, 0.7, 0.4)
+        assert all(w == {cp.WRAPPER_KEY: 1} for w in _chorus_wrappers(m).values()), (order, _chorus_wrappers(m))
+        dit = opts["patches_replace"]["dit"]
+        assert sorted(dit) == [("double_block", i) for i in range(LAYERS)]
+        assert all(isinstance(b, cp.ChorusBlock) and b.patch is patch and b.previous is None for b in dit.values())
+        post = m.model_options["sampler_post_cfg_function"]
+        assert len(post) == 1 and isinstance(post[0], cp.CfgCorrection) and post[0].boost is patch.guidance
+        assert not any(k in opts for k in cp.LEGACY_OPTION_KEYS)
+        assert [k for k in opts if "chorus" in k] == [cp.PATCH_KEY]
+    base = model.model_options["transformer_options"]
+    assert cp.PATCH_KEY not in base and OVERRIDE not in base and "patches_replace" not in base
+    assert not any(_chorus_wrappers(model).values())
+    # clone() deep-copies model_options: the patch objects come through as themselves
+    clone = m.clone()
+    assert cp.get_patch(clone) is patch and clone.model_options["transformer_options"][OVERRIDE] is patch
+    for obj in (patch, dit[("double_block", 0)], post[0]):
+        assert copy.deepcopy(obj) is obj
+
+
+def test_repatching_replaces_parts_and_keeps_other_packs_hooks(cp, nodes, model):
+    def foreign_override(func, *args, **kwargs):
+        return func(*args, **kwargs)
+
+    def foreign_block(args, extra):
+        return extra["original_block"](args)
+
+    def foreign_post_cfg(args):
+        return args["denoised"]
+
+    import comfy.patcher_extension as pe
+
+    base = model.clone()
+    opts = base.model_options["transformer_options"]
+    opts[OVERRIDE] = foreign_override
+    opts["patches_replace"] = {"dit": {("double_block", 0): foreign_block}}
+    base.model_options["sampler_post_cfg_function"] = [foreign_post_cfg]
+    # what the per-node patches of earlier versions left on a model
+    opts["chorus_ii_guidance_boost"] = object()
+    base.add_wrapper_with_key(pe.WrappersMP.DIFFUSION_MODEL, "chorus_ii_guidance", lambda ex, *a, **k: ex(*a, **k))
+    base.add_wrapper_with_key(pe.WrappersMP.OUTER_SAMPLE, "chorus_ii_feature_reuse", lambda ex, *a, **k: ex(*a, **k))
+
+    plan = _miss()
+    m = nodes["sparse"](base, plan)
+    m = nodes["fr"](m, plan)
+    m = nodes["sparse"](m, plan, k_min=3)
+    m = nodes["guidance"](m, plan)
+    m = nodes["guidance"](m, plan, s=1.0, i=0.0, c=0.2)
+    m = nodes["fr"](m, plan, share=0.5)
+    patch = cp.get_patch(m)
+    opts = m.model_options["transformer_options"]
+    assert opts[OVERRIDE] is patch and patch.previous_override is foreign_override
+    assert patch.attention.config.k_min == 3 and patch.feature_reuse.config.downsample_share == 0.5
+    assert (patch.guidance.strength, patch.guidance.image_strength, patch.guidance.cfg_strength) == (1.0, 0.0, 0.2)
+    dit = opts["patches_replace"]["dit"]
+    assert dit[("double_block", 0)].previous is foreign_block and dit[("double_block", 1)].previous is None
+    post = m.model_options["sampler_post_cfg_function"]
+    assert post[0] is foreign_post_cfg and len(post) == 2 and isinstance(post[1], cp.CfgCorrection)
+    assert all(w == {cp.WRAPPER_KEY: 1} for w in _chorus_wrappers(m).values()), _chorus_wrappers(m)
+    assert "chorus_ii_guidance_boost" not in opts
+
+    # strength 0 removes the guidance part (and its post-CFG function); the other parts stay
+    off = nodes["guidance"](m, plan, s=0.0, i=0.0, c=0.0)
+    patch_off = cp.get_patch(off)
+    assert patch_off.guidance is None and patch_off.attention is not None and patch_off.feature_reuse is not None
+    assert off.model_options["sampler_post_cfg_function"] == [foreign_post_cfg]
+    # ... and on a model without guidance it returns the model itself
+    assert nodes["guidance"](off, plan, s=0.0, i=0.0, c=0.0) is off
+    out = _sample(m)
+    assert torch.isfinite(out).all() and plan.stats.recorded_calls == 2 * LAYERS and plan.stats.fallback_calls == 0
+
+
+def test_one_grid_and_one_float_sigma_per_forward(cp, nodes, model, monkeypatch):
+    """Per forward the DIFFUSION_MODEL wrapper computes the token grid once (engine.token_grid) and
+    reads the sigma once: the sparse, feature-reuse and guidance parts all get it as a float."""
+    from chorus.engine import ChorusAttention
+    from chorus.engine.feature_reuse import FeatureReuse
+    from chorus.engine.guidance import GuidanceBoost
+
+    grids, sigmas = [], []
+    real_grid = cp.token_grid
+    monkeypatch.setattr(cp, "token_grid", lambda shape: grids.append(tuple(shape)) or real_grid(shape))
+    for cls, name in ((ChorusAttention, "self_attention"), (FeatureReuse, "block"), (GuidanceBoost, "cross_attention")):
+        real = getattr(cls, name)
+
+        def spy(self, *args, _real=real, _name=name, **kwargs):
+            sigmas.append((_name, kwargs.get("sigma", args[1] if len(args) > 1 else None)))
+            return _real(self, *args, **kwargs)
+
+        monkeypatch.setattr(cls, name, spy)
+    plan = _miss()
+    m = nodes["guidance"](nodes["fr"](nodes["sparse"](model, plan), plan), None, s=1.0, i=0.0, c=0.0)
+    _sample(m, steps=2)
+    assert len(grids) == 2  # one forward per step at cfg 1
+    names = {n for n, _ in sigmas}
+    assert names == {"self_attention", "block", "cross_attention"}, names
+    assert all(type(s) is float for _, s in sigmas), {type(s) for _, s in sigmas}
+    assert plan.stats.recorded_calls == 2 * LAYERS
+
+
+def test_an_older_chorus_patch_inside_another_packs_chain_passes_through(cp, nodes, model):
+    """Sparse sampler, then another pack's override that chains it, then feature reuse: the new patch
+    chains the other pack's override; the old Chorus patch inside it passes every call through, so
+    nothing is recorded twice."""
+    seen = []
+
+    class Foreign:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __deepcopy__(self, memo):
+            return self
+
+        def __call__(self, func, *args, **kwargs):
+            seen.append(args[0].shape[1])
+            return self.inner(func, *args, **kwargs)
+
+    plan = _miss()
+    m1 = nodes["sparse"](model, plan)
+    old = cp.get_patch(m1)
+    m2 = m1.clone()
+    m2.model_options["transformer_options"][OVERRIDE] = Foreign(old)
+    m3 = nodes["fr"](m2, plan)
+    new = cp.get_patch(m3)
+    assert new is not old and isinstance(new.previous_override, Foreign)
+    assert new.previous_override.inner is old
+    _sample(m3, steps=2)
+    assert seen and plan.stats.recorded_calls == 2 * LAYERS and plan.stats.dense_calls == 2 * LAYERS
+
+
+def test_a14b_pair_gets_two_patches_sharing_one_plan(cp, nodes):
+    experts = [tiny.load_tiny_wan(tiny.tiny_wan_state_dict(seed=s)) for s in (0, 1)]
+    plan = _miss()
+    high, low = (nodes["fr"](nodes["sparse"](e, plan), plan) for e in experts)
+    ph, pl = cp.get_patch(high), cp.get_patch(low)
+    assert ph is not pl and ph.plan is pl.plan is plan
+    assert ph.model_info.fingerprint != pl.model_info.fingerprint
+    assert ph.attention is not pl.attention and ph.feature_reuse is not pl.feature_reuse
+    assert plan.state.feature_reuse is ph.feature_reuse.state is pl.feature_reuse.state
+
+
+def test_a_node_with_another_plan_moves_every_part_to_it(cp, nodes, model):
+    first, second = _miss(), _miss()
+    m = nodes["guidance"](nodes["sparse"](model, first), first)
+    m = nodes["fr"](m, second)
+    patch = cp.get_patch(m)
+    assert patch.plan is second and patch.attention.plan is second and patch.guidance.plan is second
+    assert any("another plan" in msg for msg in second.stats.messages)
+    _sample(m, steps=1)
+    assert second.stats.recorded_calls == LAYERS and first.stats.recorded_calls == 0
+
+
+def test_unsupported_model_keeps_guidance_but_gets_no_sparse_part(cp, nodes):
+    t2v = tiny.load_tiny_wan(tiny.tiny_wan_state_dict(seed=0, in_dim=16))
+    plan = _miss()
+    m = nodes["sparse"](t2v, plan)
+    assert cp.get_patch(m) is None and OVERRIDE not in m.model_options["transformer_options"]
+    m = nodes["guidance"](m, plan, s=1.0, i=0.0, c=0.0)
+    patch = cp.get_patch(m)
+    assert patch.guidance is not None and patch.attention is None and patch.feature_reuse is None
+    assert any("unsupported model" in msg for msg in plan.stats.messages)
