@@ -255,6 +255,47 @@ def test_workspace_round_trip_resample_and_corruption(tmp_path):
     assert not broken.is_hit and "unreadable" in broken.message
 
 
+def test_plan_is_an_immutable_retrieval_plus_one_request_state(tmp_path):
+    """The retrieval result cannot change; everything that does is a declared field of plan.state."""
+    import dataclasses
+
+    from chorus.engine.plan import Retrieval
+    from chorus.engine.state import RequestState
+
+    masks = {(0, s, l, 0): torch.ones(2, QB, QB, dtype=torch.bool) for s in range(3) for l in range(2)}
+    plan = hit_plan(masks, request_meta={"prompt": "p"})
+    assert isinstance(plan.retrieval, Retrieval) and isinstance(plan.state, RequestState)
+    for name in ("kind", "similarity_threshold", "_chorus_feature_reuse_typo", "recorder"):
+        with pytest.raises(AttributeError):
+            setattr(plan, name, 1)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.retrieval.kind = "miss"
+    with pytest.raises(TypeError):
+        plan.retrieval.request_meta["x"] = 1
+    with pytest.raises(TypeError):
+        plan.masks[(9, 9, 9, 0)] = None
+    assert copy.deepcopy(plan) is plan and copy.copy(plan) is plan and copy.deepcopy(plan.state) is plan.state
+    # demotion is state: the retrieval still says hit, the plan says miss (with the reason)
+    plan.demote("test reason")
+    assert plan.retrieval.kind == "hit" and plan.kind == "miss" and not plan.is_hit
+    assert plan.demoted_reason == "test reason" and "test reason" in plan.message and plan.recorder is not None
+    # what a new entry's metadata gets = the request's fields + state.entry_extras, retrieval untouched
+    plan.state.entry_extras["feature_reuse"] = {"version": 1}
+    assert plan.request_meta == {"prompt": "p", "feature_reuse": {"version": 1}}
+    assert dict(plan.retrieval.request_meta) == {"prompt": "p"}
+    # retrieve_plan hands the threshold to the constructor; commit_plan writes the extras
+    ws = Workspace.open(tmp_path / "ws")
+    emb = np.random.default_rng(1).standard_normal(24).astype(np.float32)
+    miss = retrieve_plan(ws, emb, LATENT, similarity_threshold=0.8, request_meta={"prompt": "q"})
+    assert miss.similarity_threshold == 0.8 and miss.retrieval.similarity_threshold == 0.8
+    run_steps(ChorusAttention(miss, CFG, INFO))
+    miss.state.entry_extras["extra"] = [1, 2]
+    assert commit_plan(ws, miss).startswith("wrote entry 1") and miss.committed.startswith("wrote entry 1")
+    _, meta = ws.load(1, touch=False)
+    assert meta["prompt"] == "q" and meta["extra"] == [1, 2]
+    assert Plan.from_retrieval(miss.retrieval).state is not miss.state
+
+
 def test_messages_are_logged_once_and_capped():
     plan = Plan.miss("test")
     for _ in range(3):
