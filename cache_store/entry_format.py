@@ -23,12 +23,27 @@ bits but ~420 MB of bool, so the engine should move the packed bits to the GPU a
 
 Bad input to :func:`encode_entry` raises ``ValueError``; a file that does not decode raises
 :class:`EntryFormatError` (a ``ValueError``).
+
+Hostile bytes cost at most what they state, within caps (checked before anything is allocated):
+
+* JSON (the header, the map records, the caller's meta) nested deeper than ``MAX_JSON_DEPTH`` is
+  refused, on decode (:class:`EntryFormatError`) and on encode (``ValueError``); the caller's meta
+  must serialise to at most ``MAX_META_BYTES``.
+* Chunk sizes must equal the summed sizes of the map records that lie in them (the layout the
+  encoder writes), so a chunk is never decompressed past what its records need, and decompression
+  (zstd and zlib alike) stops at the declared size.
+* The maps' total element count (= the bytes of the unpacked bool maps) is capped: by
+  :func:`geometry_element_cap` of the entry's signature when the signature states its geometry
+  (``token_grid``, ``block_size``, ``num_layers``, ``num_heads``, ``step_sigmas``: the engine's
+  signatures do), else by ``MAX_ENTRY_ELEMENTS``; raw chunk bytes by ``MAX_ENTRY_RAW_BYTES``.
+  :func:`encode_entry` refuses masks past the same caps, so every entry it writes decodes.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import struct
 import zlib
@@ -52,7 +67,12 @@ LOG = logging.getLogger(__name__)
 FORMAT = "chorus-mask-entry"
 VERSION = 1
 CHUNK_RAW_BYTES = 4 << 20
-MAX_ENTRY_RAW_BYTES = 8 << 30  # decoded size ceiling (a Wan 14B 1080p 4-step entry is ~1.4 GB of bits)
+MAX_ENTRY_RAW_BYTES = 2 << 30  # decompressed size ceiling (a Wan 14B 1080p 4-step entry is ~1.4 GB of bits)
+MAX_ENTRY_ELEMENTS = 8 * MAX_ENTRY_RAW_BYTES  # map elements (unpacked bool bytes) of a signature without geometry
+MAX_HEADER_BYTES = 100 << 20  # safetensors header (JSON) of one entry
+MAX_META_BYTES = 16 << 20  # the caller's meta, as JSON
+MAX_JSON_DEPTH = 64  # nesting of any JSON the store reads or writes
+GEOMETRY_SLACK = 1.25  # block-count slack per map side over ceil(tokens / block_size) (token reordering pads)
 ZSTD_LEVEL = 3
 ZLIB_LEVEL = 6
 _THREADS = max(1, min(4, os.cpu_count() or 1))
@@ -89,6 +109,70 @@ class PackedMap:
     @property
     def nbytes(self) -> int:
         return self.bits.numel()
+
+
+def json_depth_ok(obj, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether ``obj`` (decoded JSON, or a dict/list tree) nests at most ``limit`` containers deep.
+    Iterative: any depth is checked without recursion."""
+    stack = [(obj, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children = item.values()
+        elif isinstance(item, (list, tuple)):
+            children = item
+        else:
+            continue
+        if depth > limit:
+            return False
+        stack.extend((child, depth + 1) for child in children)
+    return True
+
+
+def loads_bounded(text, what: str):
+    """``json.loads`` that raises :class:`EntryFormatError` for invalid JSON and for nesting past
+    ``MAX_JSON_DEPTH`` (also where the decoder itself would hit the recursion limit)."""
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        raise EntryFormatError(f"{what}: JSON nested too deeply") from None
+    except (ValueError, TypeError) as exc:
+        raise EntryFormatError(f"{what}: invalid JSON ({exc})") from None
+    if not json_depth_ok(value):
+        raise EntryFormatError(f"{what}: JSON nested deeper than {MAX_JSON_DEPTH}")
+    return value
+
+
+def _positive_int(value) -> int | None:
+    return value if type(value) is int and value > 0 else None
+
+
+def geometry_element_cap(signature) -> int | None:
+    """The most map elements an entry of this signature can hold, from its geometry: steps x layers
+    x head groups x heads x ``nb``², ``nb`` = ``GEOMETRY_SLACK`` x ceil(tokens / block_size) + 8.
+    ``None`` when the signature does not state ``token_grid`` (3 positive ints), ``block_size``,
+    ``num_layers``, ``num_heads`` (positive ints) and ``step_sigmas`` (a list)."""
+    if not isinstance(signature, dict):
+        return None
+    grid = signature.get("token_grid")
+    block = _positive_int(signature.get("block_size"))
+    layers = _positive_int(signature.get("num_layers"))
+    heads = _positive_int(signature.get("num_heads"))
+    steps = signature.get("step_sigmas")
+    groups = signature.get("head_groups", 1)
+    groups = _positive_int(groups) if groups is not None else 1
+    if not (isinstance(grid, list) and len(grid) == 3 and all(_positive_int(g) for g in grid)) \
+            or None in (block, layers, heads, groups) or not isinstance(steps, list) or not steps:
+        return None
+    blocks = math.ceil(math.prod(grid) / block)
+    nb = math.ceil(GEOMETRY_SLACK * blocks) + 8
+    return len(steps) * layers * groups * heads * nb * nb
+
+
+def element_cap(signature) -> int:
+    """The element cap that applies to an entry of ``signature`` (see the module docstring)."""
+    cap = geometry_element_cap(signature)
+    return MAX_ENTRY_ELEMENTS if cap is None else min(cap, MAX_ENTRY_ELEMENTS)
 
 
 def validate_key(key) -> tuple:
@@ -132,10 +216,11 @@ def _decompress_into(codec: str, blob: memoryview, out: torch.Tensor) -> None:
             filled += got
         extra = reader.read(1)
     elif codec == "zlib":
-        data = zlib.decompress(blob)
+        inflater = zlib.decompressobj()
+        data = inflater.decompress(blob, len(view) + 1)  # never more than the declared size + 1
         filled = min(len(data), len(view))
         view[:filled] = data[:filled]
-        extra = data[filled:]
+        extra = data[filled:] or inflater.unconsumed_tail[:1]
     elif codec == "none":
         filled = min(len(blob), len(view))
         view[:filled] = blob[:filled]
@@ -155,7 +240,9 @@ def encode_entry(embedding, masks: dict, meta: dict, *, codec: str | None = None
 
     ``embedding``: 1-D float array-like (finite). ``masks``: non-empty dict ``key -> tensor`` (bool
     block maps with >= 2 dims, or float16/bfloat16/float32/uint8/int8 tensors). ``meta``:
-    JSON-serialisable dict. Raises ``ValueError`` on anything else.
+    JSON-serialisable dict, nested at most ``MAX_JSON_DEPTH`` deep, at most ``MAX_META_BYTES`` as
+    JSON. Raises ``ValueError`` on anything else, and for masks past the element cap of
+    ``meta["signature"]`` (:func:`element_cap`) or past ``MAX_ENTRY_RAW_BYTES``.
     """
     codec = codec or default_codec()
     if codec not in ("zstd", "zlib", "none"):
@@ -163,10 +250,16 @@ def encode_entry(embedding, masks: dict, meta: dict, *, codec: str | None = None
     emb = torch.as_tensor(np.asarray(embedding, dtype=np.float32)).reshape(-1).contiguous()
     if not isinstance(masks, dict) or not masks:
         raise ValueError("masks must be a non-empty dict {(expert, step, layer, head_group): tensor}")
+    if not json_depth_ok(meta):
+        raise ValueError(f"meta is nested deeper than {MAX_JSON_DEPTH} levels; the store cannot keep it")
     try:
         meta_json = json.dumps(meta, sort_keys=True, allow_nan=False)
+    except RecursionError:
+        raise ValueError("meta is nested too deeply; the store cannot keep it") from None
     except (TypeError, ValueError) as exc:
         raise ValueError(f"meta must be JSON-serialisable: {exc}") from exc
+    if len(meta_json) > MAX_META_BYTES:
+        raise ValueError(f"meta is {len(meta_json)} bytes as JSON; the store keeps at most {MAX_META_BYTES}")
 
     items = []
     for key, value in masks.items():
@@ -189,6 +282,13 @@ def encode_entry(embedding, masks: dict, meta: dict, *, codec: str | None = None
             items.append((key, "raw", name, tuple(value.shape), payload))
     if len({k for k, *_ in items}) != len(items):
         raise ValueError("duplicate mask keys")
+    elements = sum(math.prod(shape) for *_, shape, _ in items)
+    cap = element_cap(meta.get("signature") if isinstance(meta, dict) else None)
+    if elements > cap:
+        raise ValueError(f"masks hold {elements} elements, more than the {cap} that an entry of this signature "
+                         "may hold (its token grid, block size, layers, heads and steps)")
+    if sum(payload.numel() for *_, payload in items) > MAX_ENTRY_RAW_BYTES:
+        raise ValueError(f"masks take more than {MAX_ENTRY_RAW_BYTES} bytes")
     items.sort(key=lambda item: _order(item[0]))
 
     # Group payloads into chunks of about CHUNK_RAW_BYTES raw bytes.
@@ -224,12 +324,9 @@ def _read_metadata(data: bytes) -> dict:
     if len(data) < 8:
         raise EntryFormatError("entry file is truncated (no safetensors header)")
     (header_len,) = struct.unpack("<Q", data[:8])
-    if header_len > len(data) - 8 or header_len > 100 << 20:
+    if header_len > len(data) - 8 or header_len > MAX_HEADER_BYTES:
         raise EntryFormatError("entry file is truncated or has a corrupt header length")
-    try:
-        header = json.loads(data[8 : 8 + header_len])
-    except ValueError as exc:
-        raise EntryFormatError(f"corrupt safetensors header: {exc}") from exc
+    header = loads_bounded(bytes(data[8 : 8 + header_len]), "corrupt safetensors header")
     metadata = header.get("__metadata__") if isinstance(header, dict) else None
     if not isinstance(metadata, dict) or metadata.get("format") != FORMAT:
         raise EntryFormatError("not a Chorus mask entry (format tag missing)")
@@ -241,38 +338,79 @@ def _read_metadata(data: bytes) -> dict:
 def read_meta(data: bytes) -> dict:
     """The caller's ``meta`` dict of an entry, from the header only."""
     try:
-        return json.loads(_read_metadata(data)["meta"])
-    except (KeyError, ValueError) as exc:
+        return loads_bounded(_read_metadata(data)["meta"], "corrupt entry metadata")
+    except (KeyError, TypeError) as exc:
         raise EntryFormatError(f"corrupt entry metadata: {exc}") from exc
 
 
-def decode_entry(data: bytes, *, packed: bool = False):
+def _check_records(records, raw_sizes, meta, max_elements):
+    """Validate the map records against the chunk sizes and the element cap before any allocation;
+    returns ``[(key, encoding, dtype, shape, chunk, offset, nbytes)]``."""
+    cap = element_cap(meta.get("signature"))
+    if max_elements is not None:
+        cap = min(cap, int(max_elements))
+    plan, elements = [], 0
+    per_chunk = [0] * len(raw_sizes)
+    for rec in records:
+        try:
+            if not isinstance(rec, dict):
+                raise TypeError("a map record must be an object")
+            key = validate_key(rec["key"])
+            shape = rec["shape"]
+            if not isinstance(shape, list) or len(shape) > 8 or not all(type(s) is int and s >= 0 for s in shape):
+                raise ValueError(f"shape must be a list of at most 8 ints >= 0, got {shape!r}")
+            shape = tuple(shape)
+            chunk, offset, nbytes = rec["chunk"], rec["offset"], rec["nbytes"]
+            if not all(type(v) is int and v >= 0 for v in (chunk, offset, nbytes)):
+                raise ValueError("chunk, offset and nbytes must be ints >= 0")
+        except (KeyError, IndexError, TypeError, ValueError) as exc:
+            raise EntryFormatError(f"corrupt map record {str(rec)[:200]}: {exc}") from exc
+        if chunk >= len(raw_sizes) or offset + nbytes > raw_sizes[chunk]:
+            raise EntryFormatError(f"map {key!r} lies outside its chunk")
+        elements += math.prod(shape)
+        if elements > cap:
+            raise EntryFormatError(f"maps declare more than {cap} elements, the cap of this entry's signature")
+        per_chunk[chunk] += nbytes
+        plan.append((key, rec.get("encoding"), rec.get("dtype"), shape, chunk, offset, nbytes))
+    if per_chunk != list(raw_sizes):
+        raise EntryFormatError("chunk sizes do not match the sizes of the maps they hold")
+    return plan
+
+
+def decode_entry(data: bytes, *, packed: bool = False, max_elements: int | None = None):
     """Parse entry bytes -> ``(masks, embedding, meta)``.
 
     Bool maps come back as bool tensors of their original shape, or as :class:`PackedMap` when
     ``packed`` is true; other dtypes come back as tensors. Raises :class:`EntryFormatError` on
-    any inconsistency.
+    any inconsistency, and before allocating anything for maps past the caps of the module
+    docstring (``max_elements``, if given, lowers the element cap further).
     """
     metadata = _read_metadata(data)
     try:
-        tensors = st_load(data)
         codec = metadata["codec"]
-        raw_sizes = json.loads(metadata["chunk_raw_sizes"])
-        records = json.loads(metadata["maps"])
-        meta = json.loads(metadata["meta"])
+        raw_sizes = loads_bounded(metadata["chunk_raw_sizes"], "chunk sizes")
+        records = loads_bounded(metadata["maps"], "map records")
+        meta = loads_bounded(metadata["meta"], "entry metadata")
+    except (KeyError, TypeError) as exc:
+        raise EntryFormatError(f"corrupt entry: missing or bad header field {exc}") from exc
+    if not isinstance(raw_sizes, list) or not all(type(s) is int and s >= 0 for s in raw_sizes) \
+            or sum(raw_sizes) > MAX_ENTRY_RAW_BYTES:
+        raise EntryFormatError(f"chunk sizes must be a list of ints in [0, {MAX_ENTRY_RAW_BYTES}] in all")
+    if not isinstance(records, list):
+        raise EntryFormatError("the map records must be a list")
+    if not isinstance(meta, dict):
+        raise EntryFormatError(f"corrupt entry: metadata must be a JSON object, got {type(meta).__name__}")
+    plan = _check_records(records, raw_sizes, meta, max_elements)
+    try:
+        tensors = st_load(bytes(data) if not isinstance(data, bytes) else data)
         embedding = tensors["embedding"]
-        if not isinstance(raw_sizes, list) or not all(type(s) is int and s >= 0 for s in raw_sizes) \
-                or sum(raw_sizes) > MAX_ENTRY_RAW_BYTES:
-            raise EntryFormatError(f"chunk sizes must be a list of ints in [0, {MAX_ENTRY_RAW_BYTES}] in all")
-        if not isinstance(records, list):
-            raise EntryFormatError("the map records must be a list")
         blobs = [tensors[f"chunk_{i:03d}"] for i in range(len(raw_sizes))]
     except Exception as exc:  # safetensors raises its own error types on corrupt bytes
         raise EntryFormatError(f"corrupt entry: {exc}") from exc
     if embedding.dtype != torch.float32 or embedding.dim() != 1:
         raise EntryFormatError("corrupt entry: embedding must be float32 [dim]")
-    if not isinstance(meta, dict):
-        raise EntryFormatError(f"corrupt entry: metadata must be a JSON object, got {type(meta).__name__}")
+    if any(blob.dtype != torch.uint8 or blob.dim() != 1 for blob in blobs):
+        raise EntryFormatError("corrupt entry: chunks must be uint8 [n]")
 
     try:
         buffers = [torch.empty(size, dtype=torch.uint8) for size in raw_sizes]
@@ -292,33 +430,24 @@ def decode_entry(data: bytes, *, packed: bool = False):
         raise EntryFormatError(f"corrupt chunk: {exc}") from exc
 
     masks = {}
-    for rec in records:
-        try:
-            key = validate_key(rec["key"])
-            shape = tuple(int(s) for s in rec["shape"])
-            if any(s < 0 for s in shape):
-                raise ValueError(f"negative dimension in shape {shape}")
-            buf = buffers[rec["chunk"]]
-            offset, nbytes = int(rec["offset"]), int(rec["nbytes"])
-        except (KeyError, IndexError, TypeError, ValueError) as exc:
-            raise EntryFormatError(f"corrupt map record {rec!r}: {exc}") from exc
-        if offset < 0 or offset + nbytes > buf.numel():
-            raise EntryFormatError(f"map {key!r} lies outside its chunk")
-        payload = buf[offset : offset + nbytes]
-        if rec.get("encoding") == "bits":
+    for key, encoding, dtype_name, shape, chunk, offset, nbytes in plan:
+        if key in masks:
+            raise EntryFormatError(f"map {key!r} appears twice")
+        payload = buffers[chunk][offset : offset + nbytes]
+        if encoding == "bits":
             packed_shape = shape[:-1] + ((shape[-1] + 7) // 8,) if shape else ()
             if len(shape) < 2 or int(np.prod(packed_shape)) != nbytes:
                 raise EntryFormatError(f"map {key!r}: {nbytes} bytes do not hold shape {shape}")
             pm = PackedMap(payload.reshape(packed_shape), shape)
             masks[key] = pm if packed else pm.unpack()
-        elif rec.get("encoding") == "raw" and rec.get("dtype") in _RAW_DTYPES:
-            dtype = _RAW_DTYPES[rec["dtype"]]
+        elif encoding == "raw" and isinstance(dtype_name, str) and dtype_name in _RAW_DTYPES:
+            dtype = _RAW_DTYPES[dtype_name]
             itemsize = torch.empty(0, dtype=dtype).element_size()
-            if int(np.prod(shape)) * itemsize != nbytes:
-                raise EntryFormatError(f"map {key!r}: {nbytes} bytes do not hold {rec['dtype']} {shape}")
+            if math.prod(shape) * itemsize != nbytes:
+                raise EntryFormatError(f"map {key!r}: {nbytes} bytes do not hold {dtype_name} {shape}")
             masks[key] = payload.view(dtype).reshape(shape)
         else:
-            raise EntryFormatError(f"map {key!r}: unknown encoding {rec.get('encoding')!r}")
+            raise EntryFormatError(f"map {key!r}: unknown encoding {str(encoding)[:40]!r}")
     return masks, embedding, meta
 
 

@@ -192,27 +192,32 @@ def test_verify_finds_damage(tmp_path):
         ids = [ws.add(embedding(s), small_masks(s), {"signature": SIGNATURE}) for s in range(5)]
         for victim, how in ((ids[0], "flip_payload"), (ids[4], "truncate")):
             _corrupt(path / "entries" / ws._row(victim)[0], how)
-        (path / "entries" / ".tmp-123-abc").write_bytes(b"partial")
-        (path / "entries" / "orphan.safetensors").write_bytes(b"x")
+        (path / "entries" / f".tmp-123-{'ab' * 16}").write_bytes(b"partial")  # names the store makes
+        (path / "entries" / f"{'cd' * 16}.safetensors").write_bytes(b"x")
+        (path / "entries" / "orphan.safetensors").write_bytes(b"x")  # a name it never makes: left alone
         report = ws.verify()
         assert not report["ok"] and sorted(d["id"] for d in report["damaged"]) == [ids[0], ids[4]]
         assert report["temp_files_removed"] == 1 and report["orphans_removed"] == 1
+        assert report["stray"] == ["entries/orphan.safetensors"]
+        assert (path / "entries" / "orphan.safetensors").exists()
         assert report["index_consistent"] and len(ws) == 3
         assert ws.verify()["ok"]
 
 
 def test_writer_lock_blocks_a_second_writer(tmp_path):
-    """While one process holds the writer lock, another handle's add waits (the lock is cross-process)."""
-    from filelock import FileLock, Timeout
+    """While one process holds the writer lock, another handle's add waits at most the time bound and
+    raises StoreBusyError (an OSError) having written nothing (the lock is cross-process)."""
+    from filelock import FileLock
+
+    from chorus.cache_store.errors import StoreBusyError
 
     path = tmp_path / "ws"
-    ws = Workspace.open(path)
+    ws = Workspace.open(path, timeout=0.3)
     other = FileLock(str(path / "write.lock"), timeout=0.2)
     with other:  # a different FileLock object on the same file behaves as another process
-        ws._file_lock.timeout = 0.3
-        with pytest.raises(Timeout):
+        with pytest.raises(StoreBusyError, match="writers' lock"):
             ws.add(embedding(1), small_masks(1), {"signature": SIGNATURE})
-    ws._file_lock.timeout = -1
+        assert list((path / "entries").iterdir()) == []
     assert ws.add(embedding(1), small_masks(1), {"signature": SIGNATURE}) == 1
     assert len(list((path / "entries").iterdir())) == 1
     ws.close()
