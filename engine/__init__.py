@@ -5,7 +5,7 @@ Importing it needs torch and ``chorus.kernels`` / ``chorus.cache_store`` only, n
 """
 
 from .config import BACKENDS, SparseConfig
-from .plan import Plan, PlanStats
+from .plan import Plan, PlanStats, Retrieval
 from .preview import mask_heatmap, placeholder
 from .recorder import MassRecorder
 from .retrieval import build_signature, commit_plan, retrieve_plan
@@ -13,9 +13,11 @@ from .routing import SigmaSchedule, match_step, step_sigma
 from .runtime import ChorusAttention, floor_k_min
 from .signature import (SUPPORTED_VARIANTS, ModelInfo, latent_compatibility, token_grid, wan_model_info,
                         weights_fingerprint)
+from .state import RequestState
 
 __all__ = [
-    "BACKENDS", "SparseConfig", "Plan", "PlanStats", "mask_heatmap", "placeholder", "MassRecorder",
+    "BACKENDS", "SparseConfig", "Plan", "PlanStats", "Retrieval", "RequestState", "mask_heatmap", "placeholder",
+    "MassRecorder",
     "build_signature", "commit_plan", "retrieve_plan", "SigmaSchedule", "match_step", "step_sigma",
     "ChorusAttention", "floor_k_min", "SUPPORTED_VARIANTS", "ModelInfo", "latent_compatibility", "token_grid",
     "wan_model_info", "weights_fingerprint",

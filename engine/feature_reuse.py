@@ -8,7 +8,7 @@ Method (DESIGN.md point 3), host-agnostic, at the level of one Wan transformer b
   i.e. how much of the update varies across neighbouring frames and pixels inside the region —
   exactly the part a downsampled computation of the region would lose. ``redundancy = 1 - detail``
   is averaged over the layers per (expert, step) and written with the entry, in its metadata under
-  ``"feature_reuse"`` (``plan.request_meta``, which ``commit_plan`` writes; a few thousand floats).
+  ``"feature_reuse"`` (``plan.state.entry_extras``, which ``commit_plan`` writes; a few thousand floats).
 - **Hit**: per (expert, step) the ``downsample_share`` most redundant regions (share of all complete
   regions; never a region holding the first frame, which carries the image condition) are pooled,
   cell by cell, into one token each; the block runs once on the compact sequence (kept tokens at
@@ -30,7 +30,6 @@ the tokens it stands for and the attention mass stays right (the ComfyUI node do
 from __future__ import annotations
 
 import math
-import threading
 import weakref
 from dataclasses import dataclass
 
@@ -40,10 +39,10 @@ from ..kernels import pooling
 from .plan import Plan
 from .routing import match_step, step_sigma
 from .signature import ModelInfo
+from .state import FEATURE_REUSE_META_VERSION, FeatureReuseState
 
 META_KEY = "feature_reuse"
-META_VERSION = 1
-STATE_ATTR = "_chorus_feature_reuse"
+META_VERSION = FEATURE_REUSE_META_VERSION
 POOL_RULES = ("mean", "rotation", "none")
 MODES = ("downsample", "skip")
 RECORD_CHANNELS = 256
@@ -82,78 +81,9 @@ class FeatureReuseConfig:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
 
 
-class FeatureReuseState:
-    """Request-wide feature-reuse state, shared by every patched model of a plan.
-
-    Recording: sums of per-region redundancy per (expert, step sigma). Acting: which step sigmas
-    had regions downsampled (guidance enhancement acts there), counters for the UI.
-    """
-
-    def __init__(self):
-        self.lock = threading.Lock()
-        self.grid = None
-        self.region = None
-        self.pool = None
-        self.sums: dict[tuple[int, float], list] = {}   # (expert, sigma) -> [tensor [R] float64, count]
-        self.acted_sigmas: set[float] = set()
-        self.blocks_reduced = 0
-        self.blocks_full = 0
-        self.tokens_saved = 0
-        self.tokens_total = 0
-
-    def __deepcopy__(self, memo):
-        return self
-
-    def record(self, expert: int, sigma: float, grid, region, pool, redundancy: torch.Tensor) -> None:
-        with self.lock:
-            if self.grid is None:
-                self.grid, self.region, self.pool = tuple(grid), tuple(region), tuple(pool)
-            elif (tuple(grid), tuple(region), tuple(pool)) != (self.grid, self.region, self.pool):
-                return  # another geometry within one request: keep the first
-            key = (int(expert), round(float(sigma), 6))
-            cur = self.sums.get(key)
-            vals = redundancy.detach().double().cpu()
-            if not bool(torch.isfinite(vals).all()):
-                return  # a non-finite block output: no score from this call
-            if cur is None:
-                self.sums[key] = [vals, 1]
-            else:
-                cur[0] += vals
-                cur[1] += 1
-
-    def export(self) -> dict | None:
-        """JSON-able dict written with the entry (None if nothing was recorded)."""
-        with self.lock:
-            if not self.sums:
-                return None
-            scores: dict[str, dict[str, list[float]]] = {}
-            for (expert, sigma), (total, count) in sorted(self.sums.items()):
-                scores.setdefault(str(expert), {})[repr(sigma)] = [round(float(v), 4) for v in (total / count)]
-            return {"version": META_VERSION, "metric": "1 - cell-detail share of the block update",
-                    "token_grid": list(self.grid), "region": list(self.region), "pool": list(self.pool),
-                    "scores": scores}
-
-    def acted_at(self, sigma: float) -> bool:
-        with self.lock:
-            return any(abs(s - sigma) <= 1e-4 * max(abs(s), abs(sigma), 1e-12) for s in self.acted_sigmas)
-
-    def summary(self) -> str:
-        total = self.blocks_reduced + self.blocks_full
-        if not total:
-            return "feature reuse: no block calls"
-        saved = self.tokens_saved / self.tokens_total if self.tokens_total else 0.0
-        return (f"feature reuse: {self.blocks_reduced}/{total} block calls downsampled, "
-                f"{saved:.1%} fewer tokens in those blocks")
-
-
 def feature_state(plan: Plan) -> FeatureReuseState:
-    """The plan's :class:`FeatureReuseState` (created on first use; kept on the plan object)."""
-    with plan._lock:
-        state = plan.__dict__.get(STATE_ATTR)
-        if state is None:
-            state = FeatureReuseState()
-            setattr(plan, STATE_ATTR, state)
-        return state
+    """The plan's :class:`FeatureReuseState` (the declared ``plan.state.feature_reuse``)."""
+    return plan.state.feature_reuse
 
 
 def select_regions(redundancy: torch.Tensor, grid, region, share: float, *, keep_first_frame: bool = True
@@ -197,7 +127,7 @@ class FeatureReuse:
     Args: ``plan`` (shared by every model of the request), ``config`` (:class:`FeatureReuseConfig`),
     ``model_info`` (:class:`ModelInfo`; an unsupported model always runs in full).
     Per sampler run: :meth:`begin_run` / :meth:`end_run` (a miss's scores are written into
-    ``plan.request_meta["feature_reuse"]`` at the end of every run). ``block`` begins a run itself.
+    ``plan.state.entry_extras["feature_reuse"]`` at the end of every run). ``block`` begins a run itself.
     """
 
     def __init__(self, plan: Plan, config: FeatureReuseConfig, model_info: ModelInfo):
@@ -230,14 +160,16 @@ class FeatureReuse:
         self.expert = self.plan.register_expert(self.model_info)
 
     def end_run(self) -> None:
+        request = self.plan.state
         if not self.plan.is_hit:
             exported = self.state.export()
             if exported is not None:
-                self.plan.request_meta[META_KEY] = exported
+                with request.lock:  # written with the new entry: commit_plan merges the entry extras
+                    request.entry_extras[META_KEY] = exported
         elif self.state.blocks_reduced or self.state.blocks_full:
             # the request's summary for the UI (ChorusCacheWrite shows plan.stats.messages); one line
-            with self.plan._lock:
-                messages = self.plan.stats.messages
+            with request.lock:
+                messages = request.stats.messages
                 messages[:] = [m for m in messages if not m.startswith("feature reuse: ") or "block calls" not in m]
                 messages.append(self.state.summary())
         self._layouts.clear()

@@ -74,19 +74,6 @@ class Retrieval:
         return self
 
 
-class _ExtrasWriteThrough(dict):
-    """Bridge for engine/feature_reuse.py until it writes ``state.entry_extras`` itself (same commit series)."""
-
-    def __init__(self, state, items):
-        super().__init__(items)
-        self._state = state
-
-    def __setitem__(self, key, value):
-        super().__setitem__(key, value)
-        with self._state.lock:
-            self._state.entry_extras[key] = value
-
-
 class Plan:
     """What a request does with self-attention: ``plan.retrieval`` (:class:`Retrieval`, immutable)
     plus ``plan.state`` (:class:`~chorus.engine.state.RequestState`, per request).
@@ -142,20 +129,7 @@ class Plan:
         plan._init(retrieval, keep_mass=keep_mass, record=record)
         return plan
 
-    # -- bridge for engine/feature_reuse.py until it reads plan.state.feature_reuse (same commit series) --
-    _LEGACY_FEATURE_STATE = "_chorus_feature_reuse"
-
-    @property
-    def __dict__(self):  # feature_state() looked its state up in the plan's __dict__
-        return {self._LEGACY_FEATURE_STATE: self.state.feature_reuse}
-
-    @property
-    def _lock(self):
-        return self.state.lock
-
     def __setattr__(self, name, value):
-        if name == self._LEGACY_FEATURE_STATE:
-            return  # the declared state.feature_reuse already exists
         raise AttributeError(f"a Plan is read-only (tried to set {name!r}); per-request state is a declared "
                              "field of plan.state (chorus.engine.state.RequestState)")
 
@@ -231,7 +205,7 @@ class Plan:
     def request_meta(self) -> dict:
         """The request's own fields merged with ``state.entry_extras`` (a new dict on every read)."""
         with self.state.lock:
-            return _ExtrasWriteThrough(self.state, {**self.retrieval.request_meta, **self.state.entry_extras})
+            return {**self.retrieval.request_meta, **self.state.entry_extras}
 
     @property
     def stats(self) -> PlanStats:
