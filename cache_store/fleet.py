@@ -326,8 +326,11 @@ class FleetStore:
             return len(self._known)
 
     # -- connections ------------------------------------------------------------------------
-    def _connect(self) -> _Conn:
-        return _Conn(self._params, self._secrets)
+    def _connect(self, feed: bool = False) -> _Conn:
+        params = dict(self._params)
+        if feed:  # the listener's connection, told apart in pg_stat_activity
+            params["application_name"] = f"{params['application_name']}-feed"
+        return _Conn(params, self._secrets)
 
     def _call(self, fn, *args, deadline: float = CALL_DEADLINE_S):
         """Run ``fn(conn, *args)`` on the command connection (reconnecting as needed) within
@@ -376,7 +379,7 @@ class FleetStore:
                 raise StoreUnavailableError(f"PostgreSQL error: {redact(_first_line(exc), self._secrets)}") from None
 
     def _down(self, reason: str) -> None:
-        if self.connected or self.last_error is None:
+        if self.connected:  # logged once per outage (a failed open is reported by its exception)
             LOG.warning("Chorus fleet store %s: %s", self.url, reason)
         self.connected, self.last_error = False, reason
 
@@ -522,7 +525,7 @@ class FleetStore:
         while not self._stop.is_set():
             conn = None
             try:
-                conn = self._connect()
+                conn = self._connect(feed=True)
                 conn.conn.execute(f"LISTEN {CHANNEL}")
                 with conn.deadline(FEED_DEADLINE_S):
                     self._catch_up(conn.conn)

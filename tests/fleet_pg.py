@@ -6,11 +6,13 @@ socket in that dir, TCP on 127.0.0.1 at a free port) and returns it; it is stopp
 the session (the modules' session fixtures call :meth:`Cluster.stop`, and ``atexit`` as a last
 resort). PostgreSQL refuses to run as root, so as root every server command (``initdb``,
 ``postgres``) runs as the ``postgres`` user that Debian's ``postgresql`` package creates (a child
-process with that uid, as ``runuser -u postgres --`` would) and the temp dir is owned by it. Where no cluster can be started (no ``initdb``, root without a
-``postgres`` user, psycopg missing), :func:`skip_reason` says why and the fleet tests skip with it.
+process with that uid, as ``runuser -u postgres --`` would, so that this process reaps it) and
+the temp dir is owned by it. Where no cluster can be started (no ``initdb``, root without a
+``postgres`` user, psycopg missing), :func:`require` skips the test with the reason (fails
+under ``CHORUS_REQUIRE_FLEET=1``).
 
-Authentication (``pg_hba.conf``): ``trust`` on the socket and on loopback, except the roles named
-``*_pw`` which need a SCRAM password over TCP (the credential tests).
+Authentication (``pg_hba.conf``): ``trust`` on the socket and on loopback, except the role
+``chorus_pw``, which needs a SCRAM password over TCP (the credential tests).
 """
 
 from __future__ import annotations
@@ -78,7 +80,7 @@ class Cluster:
             "log_min_messages = warning\n")
         (self.data / "pg_hba.conf").write_text(
             "local all all trust\n"
-            "host all /_pw$ 127.0.0.1/32 scram-sha-256\n"
+            "host all chorus_pw 127.0.0.1/32 scram-sha-256\n"
             "host all all 127.0.0.1/32 trust\n")
         self.start()
 
@@ -218,3 +220,44 @@ def skip_reason() -> str | None:
     except RuntimeError as exc:
         return str(exc)
     return None
+
+
+def require() -> Cluster:
+    """The cluster for a test: skips with the reason where it cannot start, or fails when
+    ``CHORUS_REQUIRE_FLEET=1`` (set by ``.ci/run`` where PostgreSQL is installed)."""
+    import pytest
+
+    try:
+        return cluster()
+    except RuntimeError as exc:
+        if os.environ.get("CHORUS_REQUIRE_FLEET") == "1":
+            pytest.fail(f"fleet test cannot start PostgreSQL although CI installed it (CHORUS_REQUIRE_FLEET=1): {exc}")
+        pytest.skip(f"PostgreSQL not available: {exc}")
+
+
+def connect(url: str):
+    """A plain autocommit psycopg connection (for tests that write hostile rows directly)."""
+    import psycopg
+
+    return psycopg.connect(url, autocommit=True, connect_timeout=10)
+
+
+def unique_writer(url: str, local: str, barrier, results, rounds: int = 8) -> None:
+    """Child process of the fleet dedupe test: ``FleetStore.add_unique`` of the same ``rounds``
+    requests (seeded embeddings), each after a barrier shared with the other writers; puts
+    ``[(round, entry_id, created), ...]`` on ``results``."""
+    import numpy as np
+    import torch
+
+    from chorus.cache_store.fleet import FleetStore
+
+    store = FleetStore.open(url, "race", local_path=Path(local))
+    masks = {(0, 0, 0, 0): torch.ones(2, 3, 3, dtype=torch.bool)}
+    embeddings = np.random.default_rng(0).normal(size=(rounds, 16)).astype(np.float32)
+    created = []
+    for round_, emb in enumerate(embeddings):
+        barrier.wait(60)  # all writers write the same request at the same moment
+        entry_id, new = store.add_unique(emb, masks, {"signature": {"s": 1}, "round": round_}, min_similarity=0.9)
+        created.append((round_, int(entry_id), bool(new)))
+    store.close()
+    results.put(created)
