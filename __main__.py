@@ -2,12 +2,22 @@
 
 import sys
 
+HELP = """
+
+commands:
+  demo    the README's demo: similar and unrelated I2V requests through the engine on a tiny random Wan (CPU)
+  cache   inspect and maintain a mask cache workspace: stats, list, verify, prune, rebuild-index
+          (stats and list are read-only; `cache -h` says which cache root is used)
+
+The pack also installs the `chorus` command (pip's console script): `chorus cache stats` is
+`python -m chorus cache stats`."""
+
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     usage = "usage: python -m chorus {demo,cache} [options]   (add -h to a command for its options)"
     if not argv or argv[0] in ("-h", "--help"):
-        print(usage)
+        print(usage + HELP if argv else usage)
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
     if command == "cache":

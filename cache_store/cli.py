@@ -1,12 +1,18 @@
 """Command line: ``python -m chorus cache {stats,list,verify,prune,rebuild-index} --workspace NAME``.
 
-``--workspace`` is a workspace name, validated and resolved under ``--root`` (default: see
-:func:`chorus.cache_store.default_cache_root`); ``--path DIR`` opens a workspace directory
-directly instead. ``--url postgresql://...`` (default: ``CHORUS_CACHE_URL``, unless ``--path``)
+``--workspace`` is a workspace *name* (never a folder), validated and resolved under the cache
+root: ``--root DIR``, or ``--comfyui DIR`` meaning ``DIR/user/chorus`` (where ComfyUI keeps the
+cache), else the rules of :func:`chorus.cache_store.default_cache_root` (from a shell, without
+``CHORUS_CACHE_DIR``, that is ``~/.cache/chorus``, not ComfyUI's folder: ``--help`` and every error
+say which root was used). ``--path DIR`` opens a workspace directory directly instead.
+``stats`` and ``list`` are read-only: they create, write, move and delete nothing; every command
+refuses a folder that is not a workspace (nothing is created there). ``--url postgresql://...`` (default: ``CHORUS_CACHE_URL``, unless ``--path``)
 works on the fleet store's workspace instead (this host's local tier under ``--root``). Output
 is human-readable, or JSON with ``--json``. Exit status: 0 on success, 1 when ``verify`` finds
-(and quarantines) damage or the index is inconsistent, 2 on bad arguments (or an unreachable
-fleet store). Long work (verify, rebuild-index) shows a tqdm progress bar on stderr.
+(and quarantines) damage or the index is inconsistent (entries evicted by a worker while verify
+ran are listed, not damage), 2 on any error: bad arguments, a folder that is not a workspace, a
+permission, disk or SQLite error, a store busy past ``--timeout`` (default 30 s), an unreachable
+fleet store; an error is one line on stderr starting ``error:``, never a traceback. Long work (verify, rebuild-index) shows a tqdm progress bar on stderr.
 """
 
 from __future__ import annotations
@@ -17,22 +23,44 @@ import sys
 import time
 from pathlib import Path
 
-from .paths import resolve_workspace
+from .paths import ENV_ROOT, cache_root_source, resolve_workspace
+
+READ_ONLY_ACTIONS = ("stats", "list")
+CLI_TIMEOUT = 30.0  # seconds maintenance waits for busy workers (a prompt's calls wait at most CHORUS_CACHE_TIMEOUT)
+
+
+def _root_epilog() -> str:
+    try:
+        root, rule = cache_root_source()
+        now = f"now: {root} ({rule})"
+    except (ValueError, OSError) as exc:
+        now = f"now: unresolved ({exc})"
+    return ("cache root, first that applies: --root DIR; --comfyui DIR (= DIR/user/chorus, where ComfyUI keeps it); "
+            f"{ENV_ROOT}; ~/.cache/chorus (a shell does not know ComfyUI's folder). {now}. "
+            "Also installed as the `chorus` command: `chorus cache stats ...`.")
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m chorus cache", description="Inspect and maintain a Chorus mask cache workspace.")
+    parser = argparse.ArgumentParser(prog="python -m chorus cache", description="Inspect and maintain a Chorus mask cache workspace.",
+                                     epilog=_root_epilog())
     sub = parser.add_subparsers(dest="action", required=True)
     for name, help_text in [("stats", "counts, bytes, index kinds, quarantine"),
                             ("list", "one line per entry"),
                             ("verify", "check every entry's checksum; quarantine damage; exit 1 if any"),
                             ("prune", "evict entries (LRU/LFU) down to the limits"),
                             ("rebuild-index", "rebuild the faiss index from the entries")]:
-        p = sub.add_parser(name, help=help_text)
+        p = sub.add_parser(name, help=help_text, description=help_text + (" (read-only)" if name in READ_ONLY_ACTIONS else ""),
+                           epilog=_root_epilog())
         where = p.add_mutually_exclusive_group()
-        where.add_argument("--workspace", default="default", help="workspace name (validated; resolved under --root)")
-        where.add_argument("--path", default=None, help="workspace directory (instead of a name)")
-        p.add_argument("--root", default=None, help="cache root directory (default: CHORUS_CACHE_DIR, ComfyUI user dir, ~/.cache/chorus)")
+        where.add_argument("--workspace", default="default",
+                           help="workspace NAME under the cache root (validated; not a folder: use --path)")
+        where.add_argument("--path", default=None, help="workspace directory DIR (instead of a name)")
+        roots = p.add_mutually_exclusive_group()
+        roots.add_argument("--root", default=None, help=f"cache root directory (default: {ENV_ROOT}, else ~/.cache/chorus)")
+        roots.add_argument("--comfyui", default=None, metavar="DIR",
+                           help="the ComfyUI folder: the cache root is DIR/user/chorus")
+        p.add_argument("--timeout", type=float, default=CLI_TIMEOUT,
+                       help=f"seconds to wait for busy workers before giving up (default {CLI_TIMEOUT:g})")
         p.add_argument("--json", action="store_true", help="print JSON")
         p.add_argument("--url", default=None, help="fleet store: postgresql://... (default: CHORUS_CACHE_URL; "
                                                    "put the password in a pgpass file or PGPASSWORD, not here)")
@@ -59,63 +87,111 @@ def main(argv=None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:
         return int(exc.code or 0)
+    where = ""
     try:
+        root = _cli_root(args)
+        where = _describe(args, root)
         from .protocol import cache_url
 
         if args.path and args.url:
             raise ValueError("--path names a one-host workspace directory; with --url use --workspace")
         url = None if args.path else cache_url(args.url)
-        if url is not None:  # the fleet store (PostgreSQL); this host's local tier under --root
+        if url is not None:  # the fleet store (PostgreSQL); this host's local tier under the root
             from .fleet import FleetStore
 
-            ws = FleetStore.open(url, args.workspace, local_path=resolve_workspace(args.workspace, args.root),
-                                 listen=False)
+            ws = FleetStore.open(url, args.workspace, local_path=_resolve(args.workspace, root), listen=False)
         else:
-            path = Path(args.path).expanduser() if args.path else resolve_workspace(args.workspace, args.root)
+            path = Path(args.path).expanduser().absolute() if args.path else _resolve(args.workspace, root)
             if not path.exists():
                 raise ValueError(f"workspace {path} does not exist")
             from .workspace import Workspace  # torch/faiss are imported only once the arguments are good
 
-            ws = Workspace.open(path)
-    except (ValueError, ConnectionError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+            ws = Workspace.open(path, create=False, readonly=args.action in READ_ONLY_ACTIONS, timeout=args.timeout)
+        with ws:
+            code, result, text = _run(args, ws)
+    except Exception as exc:  # noqa: BLE001 - every error is one line, exit 2 (exit 1 means damage found)
+        message = " ".join((str(exc) or type(exc).__name__).split())
+        if not isinstance(exc, (ValueError, OSError)):
+            message = f"{type(exc).__name__}: {message}"
+        print(f"error: {message}" + (f" [{where}]" if where else ""), file=sys.stderr)
         return 2
-    with ws:
-        code = 0
-        if args.action == "stats":
-            result = ws.stats()
-            text = (f"workspace {result['path']}\n  entries: {result['entries']} ({_fmt_bytes(result['bytes'])}), "
-                    f"hits: {result['hits']}, signatures: {result['signatures']}, dim: {result['dim']}\n"
-                    f"  limits: {result['limits']}\n  index: " +
-                    (", ".join(f"{k[:12]}: {v['kind']} x{v['entries']}" for k, v in result["index"].items()) or "empty") +
-                    f"\n  quarantined: {len(result['quarantined'])}")
-        elif args.action == "list":
-            result = ws.entries()
-            if args.limit:
-                result = result[: args.limit]
-            lines = [f"{'id':>8}  {'signature':12}  {'size':>10}  {'hits':>5}  last used            prompt"]
-            for e in result:
-                prompt = str(e["meta"].get("prompt", ""))[:40].replace("\n", " ")
-                lines.append(f"{e['id']:>8}  {e['sig_key'][:12]:12}  {_fmt_bytes(e['nbytes']):>10}  {e['hits']:>5}  "
-                             f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(e['last_used']))}  {prompt}")
-            text = "\n".join(lines)
-        elif args.action == "verify":
-            result = ws.verify(progress=True)
-            code = 0 if result["ok"] and result["index_consistent"] else 1
-            text = (f"checked {result['checked']} entries: " +
-                    ("no damage" if result["ok"] else f"{len(result['damaged'])} damaged (quarantined)") +
-                    f"; index consistent: {result['index_consistent']}; removed {result['orphans_removed']} orphan "
-                    f"and {result['temp_files_removed']} temporary files")
-            for d in result["damaged"]:
-                text += f"\n  entry {d['id']} ({d['file']}): {d['reason']}"
-        elif args.action == "prune":
-            removed = ws.prune(max_bytes=args.max_bytes, max_entries=args.max_entries)
-            result = {"removed": removed, "entries": len(ws)}
-            text = f"removed {len(removed)} entries; {len(ws)} left"
-        else:  # rebuild-index
-            kinds = ws.rebuild_index(progress=True)
-            result = {"index": kinds, "entries": len(ws)}
-            text = f"rebuilt the index of {len(ws)} entries: " + (
-                ", ".join(f"{k[:12]}: {v['kind']} x{v['entries']}" for k, v in kinds.items()) or "empty")
-        print(json.dumps(result, indent=2, default=str) if args.json else text)
-        return code
+    print(json.dumps(result, indent=2, default=str) if args.json else text)
+    return code
+
+
+def _cli_root(args):
+    """The root the options name (None: the default rules). Raises ValueError for a bad --comfyui."""
+    if args.comfyui is not None:
+        comfy = Path(args.comfyui).expanduser()
+        if not comfy.is_dir():
+            raise ValueError(f"--comfyui {args.comfyui}: not a directory (give the ComfyUI folder; the cache "
+                             "root is its user/chorus)")
+        return comfy / "user" / "chorus"
+    return args.root
+
+
+def _describe(args, root) -> str:
+    """Where the command works, for error messages: the workspace and which root was used."""
+    if args.path:
+        return f"workspace directory {args.path}"
+    try:
+        resolved, rule = cache_root_source(root)
+    except (ValueError, OSError):
+        return ""  # the error itself says why the root cannot be resolved
+    rule = "--comfyui" if args.comfyui is not None else ("--root" if root is not None else rule)
+    return f"workspace {args.workspace!r} under cache root {resolved} ({rule})"
+
+
+def _resolve(name, root):
+    try:
+        return resolve_workspace(name, root)
+    except ValueError as exc:
+        if isinstance(name, str) and ("/" in name or "\\" in name):
+            raise ValueError(f"{exc}; --workspace takes a name under the cache root, use --path DIR for a folder") from None
+        raise
+
+
+def _run(args, ws):
+    """Run the action on an open store: ``(exit code, JSON result, text)``."""
+    code = 0
+    if args.action == "stats":
+        result = ws.stats()
+        text = (f"workspace {result['path']}\n  entries: {result['entries']} ({_fmt_bytes(result['bytes'])}), "
+                f"hits: {result['hits']}, signatures: {result['signatures']}, dim: {result['dim']}\n"
+                f"  limits: {result['limits']}\n  index: " +
+                (", ".join(f"{k[:12]}: {v['kind']} x{v['entries']}" for k, v in result["index"].items()) or "empty") +
+                f"\n  quarantined: {len(result['quarantined'])}")
+    elif args.action == "list":
+        result = ws.entries()
+        if args.limit:
+            result = result[: args.limit]
+        lines = [f"{'id':>8}  {'signature':12}  {'size':>10}  {'hits':>5}  last used            prompt"]
+        for e in result:
+            prompt = str(e["meta"].get("prompt", ""))[:40].replace("\n", " ")
+            lines.append(f"{e['id']:>8}  {e['sig_key'][:12]:12}  {_fmt_bytes(e['nbytes']):>10}  {e['hits']:>5}  "
+                         f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(e['last_used']))}  {prompt}")
+        text = "\n".join(lines)
+    elif args.action == "verify":
+        result = ws.verify(progress=True)
+        code = 0 if result["ok"] and result["index_consistent"] else 1
+        text = (f"checked {result['checked']} entries: " +
+                ("no damage" if result["ok"] else f"{len(result['damaged'])} damaged (quarantined)") +
+                f"; index consistent: {result['index_consistent']}; removed {result['orphans_removed']} orphan "
+                f"and {result['temp_files_removed']} temporary files")
+        for d in result["damaged"]:
+            text += f"\n  entry {d['id']} ({d['file']}): {d['reason']}"
+        if result.get("evicted"):
+            text += (f"\n  {len(result['evicted'])} entries were evicted or removed by a worker while verify ran "
+                     "(not damage)")
+        for stray in result.get("stray", []):
+            text += f"\n  left alone (not made by the store): {stray}"
+    elif args.action == "prune":
+        removed = ws.prune(max_bytes=args.max_bytes, max_entries=args.max_entries)
+        result = {"removed": removed, "entries": len(ws)}
+        text = f"removed {len(removed)} entries; {len(ws)} left"
+    else:  # rebuild-index
+        kinds = ws.rebuild_index(progress=True)
+        result = {"index": kinds, "entries": len(ws)}
+        text = f"rebuilt the index of {len(ws)} entries: " + (
+            ", ".join(f"{k[:12]}: {v['kind']} x{v['entries']}" for k, v in kinds.items()) or "empty")
+    return code, result, text

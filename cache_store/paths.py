@@ -71,7 +71,7 @@ def cache_root_source(root=None) -> tuple[Path, str]:
         if user_dir:
             chosen, rule = Path(user_dir) / "chorus", "ComfyUI user directory"
         else:
-            chosen, rule = Path.home() / ".cache" / "chorus", f"default outside ComfyUI (no {ENV_ROOT})"
+            chosen, rule = Path.home() / ".cache" / "chorus", f"default outside ComfyUI, {ENV_ROOT} unset"
     return check_not_in_pack(chosen), rule
 
 
