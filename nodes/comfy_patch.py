@@ -40,8 +40,8 @@ import logging
 
 import torch
 
-from ..engine import ChorusAttention, ModelInfo, Plan, SparseConfig, token_grid
-from ..engine.feature_reuse import FeatureReuse, FeatureReuseConfig
+from ..engine import ChorusAttention, ModelInfo, Plan, token_grid
+from ..engine.feature_reuse import FeatureReuse
 from ..engine.guidance import GuidanceBoost, biased_dense_or_plain
 from ..kernels import pooling
 from .comfy_adapter import comfy_model_info
@@ -272,15 +272,16 @@ class ChorusPatch:
             return self._pass(func, args, kwargs).view(batch, length, heads, head_dim).transpose(1, 2)
 
         if attention is not None:
-            layer = options.get("block_index")
+            layer = options.get("block_index")  # newer ComfyUI; else the per-forward counter
             counted = ctx.next_layer()
+            layer = counted if layer is None else layer
             if sigma is None:
                 self.note("no sigma in transformer_options; dense attention")
                 attention.plan.stats.fallback_calls += 1
                 return self._pass(func, args, kwargs)
-            out = attention.self_attention(to_bhld(q), to_bhld(k), to_bhld(v), layer=int(counted if layer is None else layer),
-                                           sigma=sigma, grid=ctx.grid, dense_fn=dense_fn,
-                                           cond_rows=ctx.cond_rows(batch), first_frame_bias=bias)
+            out = attention.self_attention(to_bhld(q), to_bhld(k), to_bhld(v), layer=int(layer), sigma=sigma,
+                                           grid=ctx.grid, dense_fn=dense_fn, cond_rows=ctx.cond_rows(batch),
+                                           first_frame_bias=bias)
             return out.transpose(1, 2).reshape(batch, length, width)
         if bias:
             out = biased_dense_or_plain(dense_fn, ctx.grid[1] * ctx.grid[2], bias, self.note)(
@@ -446,7 +447,8 @@ def _install(patched, old: ChorusPatch | None, patch: ChorusPatch) -> None:
     patch.previous_override = previous
     for key in LEGACY_OPTION_KEYS:
         options.pop(key, None)
-    wrapper_types = (comfy.patcher_extension.WrappersMP.OUTER_SAMPLE, comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL)
+    wrappers_mp = comfy.patcher_extension.WrappersMP
+    wrapper_types = (wrappers_mp.OUTER_SAMPLE, wrappers_mp.DIFFUSION_MODEL)
     for wrapper_type in wrapper_types:
         for key in (WRAPPER_KEY,) + LEGACY_WRAPPER_KEYS:
             patched.remove_wrappers_with_key(wrapper_type, key)

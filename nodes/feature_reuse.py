@@ -17,8 +17,8 @@ from __future__ import annotations
 from comfy_api.latest import io
 
 from ..engine import Plan
-from ..engine.feature_reuse import FeatureReuse, FeatureReuseConfig
-from .comfy_patch import configure
+from ..engine.feature_reuse import FeatureReuseConfig
+from .comfy_patch import configure, describe, get_patch
 from .common import CATEGORY, ChorusPlan, ui_text
 
 
@@ -74,4 +74,4 @@ class ChorusFeatureReuse(io.ComfyNode):
         else:
             mode = ("MISS: full blocks + recording region redundancy for the new entry (stored with the masks "
                     "Chorus Sparse Sampler records; without it no entry is written)")
-        return io.NodeOutput(patched, ui=ui_text(f"{mode} | {message}"))
+        return io.NodeOutput(patched, ui=ui_text(f"{mode} | {message} | {describe(get_patch(patched))}"))

@@ -18,7 +18,7 @@ from comfy_api.latest import io
 from ..engine import Plan
 from ..engine.guidance import (CFG_GAIN_PER_STRENGTH, GAIN_PER_STRENGTH, IMAGE_GAIN_PER_STRENGTH, MAX_STRENGTH,
                                GuidanceBoost)
-from .comfy_patch import configure, get_patch
+from .comfy_patch import configure, describe, get_patch
 from .common import CATEGORY, ChorusPlan, ui_text
 
 
@@ -98,4 +98,4 @@ class ChorusGuidanceBoost(io.ComfyNode):
             mode = "HIT: boost on the reused steps"
         else:
             mode = "MISS: no reuse, no boost"
-        return io.NodeOutput(patched, ui=ui_text(f"{mode} | {message}"))
+        return io.NodeOutput(patched, ui=ui_text(f"{mode} | {message} | {describe(get_patch(patched))}"))

@@ -8,7 +8,7 @@ from __future__ import annotations
 from comfy_api.latest import io
 
 from ..engine import BACKENDS, Plan, SparseConfig
-from .comfy_patch import configure
+from .comfy_patch import configure, describe, get_patch
 from .common import CATEGORY, ChorusPlan, ui_text
 
 
@@ -74,4 +74,4 @@ class ChorusSparseSampler(io.ComfyNode):
             mode = "MISS: dense attention + recording"
         if attention is None:
             mode = "dense attention"
-        return io.NodeOutput(patched, ui=ui_text(f"{mode} | {message}"))
+        return io.NodeOutput(patched, ui=ui_text(f"{mode} | {message} | {describe(get_patch(patched))}"))

@@ -103,6 +103,10 @@ def test_three_nodes_in_any_order_make_one_patch(cp, nodes, model):
         assert len(post) == 1 and isinstance(post[0], cp.CfgCorrection) and post[0].boost is patch.guidance
         assert not any(k in opts for k in cp.LEGACY_OPTION_KEYS)
         assert [k for k in opts if "chorus" in k] == [cp.PATCH_KEY]
+    from chorus.nodes.guidance_boost import ChorusGuidanceBoost
+
+    out = ChorusGuidanceBoost.execute(model=m, plan=plan, strength=0.5, image_strength=0.0, cfg_strength=0.0)
+    assert "Chorus patch: sparse sampler + feature reuse + guidance" in out.ui["text"][0], out.ui
     base = model.model_options["transformer_options"]
     assert cp.PATCH_KEY not in base and OVERRIDE not in base and "patches_replace" not in base
     assert not any(_chorus_wrappers(model).values())
