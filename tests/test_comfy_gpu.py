@@ -30,6 +30,7 @@ def _model(dtype):
     patcher = tiny.load_tiny_wan(tiny.tiny_wan_state_dict(seed=0, num_layers=LAYERS))
     model = patcher.model
     model.diffusion_model.to(device="cuda", dtype=dtype)
+    model.diffusion_model.patch_embedding.to(torch.float32)  # ComfyUI's Wan keeps the patch embedding fp32
     model.diffusion_model.dtype = dtype  # what the model casts its inputs to
     model.manual_cast_dtype = None
     model.model_config.set_inference_dtype(dtype, None)

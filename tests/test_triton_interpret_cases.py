@@ -242,3 +242,18 @@ def test_int32_chunked_launches_match_one_launch(fp8, monkeypatch):
     monkeypatch.setattr(_attention, "INT32_LIMIT", 100)
     with pytest.raises(ValueError, match="32-bit"):
         _attention.int32_chunks((q, k, v), per_head)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_output_is_written_in_the_callers_layout(fp8):
+    """q/k/v as ComfyUI passes them ([B, L, H * D] viewed as [B, H, L, D]): the output lives in
+    [B, L, H, D] memory, so the host's ``transpose(1, 2).reshape(B, L, H * D)`` is a view, not a copy;
+    contiguous inputs get a contiguous output. Both equal the same computation."""
+    bm = random_map(2, 3, 200, 200, 64, 0.5, seed=5)
+    q, k, v = make_inputs(2, 3, 200, 64, torch.bfloat16, seed=6, layout="blhd")
+    out = block_sparse_attention_triton(q, k, v, bm, block_size=64, fp8=fp8)
+    flat = out.transpose(1, 2).reshape(2, 200, 3 * 64)
+    assert flat.data_ptr() == out.data_ptr() and flat.is_contiguous()
+    contiguous = block_sparse_attention_triton(*(t.contiguous() for t in (q, k, v)), bm, block_size=64, fp8=fp8)
+    assert contiguous.is_contiguous()
+    torch.testing.assert_close(out, contiguous, rtol=0, atol=0)

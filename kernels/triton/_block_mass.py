@@ -7,14 +7,16 @@ key block. Rows of the result sum to 1 (up to fp32 rounding). ``sample_rows=None
 otherwise the rows are exactly those of :func:`chorus.kernels.reference.sample_row_offsets`
 (evenly strided, deterministic), so the result matches ``block_mass_reference`` row for row.
 
-Two passes per tile of sampled rows (several query blocks share one 128-row tile when few rows
-are sampled, so the tensor cores still see M = 128):
-1. row max and sum of ``exp2`` over all keys (online), giving each row's log2-sum-exp;
-2. recompute ``S`` per key block, ``P = exp2(S - lse)``, sum over the block's keys and over the rows
-   of each query block, divide by the query block's sampled-row count.
-Keys past ``Lk`` are masked in the last (partial) key block only. QK^T runs in the inputs' dtype with
-fp32 accumulation. Cost ~ ``2 * 2 * rows * Lk * D`` FLOPs (no P @ V), i.e. with ``s`` sampled rows of
-``bs`` about ``s / bs`` of one dense attention call.
+One pass over the keys per tile of sampled rows (several query blocks share one 128-row tile when
+few rows are sampled, so the tensor cores still see M = 128): for each key block, each row's
+log2-sum-exp over the block's keys goes to a scratch buffer (fp32 ``[Kb, rows]`` per program) and into
+the row's running total (online, as the softmax denominator); then, with the row's final log2-sum-exp
+``lse``, each key block's probability is ``exp2(block lse - lse)``, summed over the rows of each query
+block and divided by its sampled-row count. ``S`` is computed once (an earlier version recomputed it
+in a second pass: twice the FLOPs). Keys past ``Lk`` are masked in the last (partial) key block only.
+QK^T runs in the inputs' dtype with fp32 accumulation. Cost ~ ``2 * rows * Lk * D`` FLOPs (no P @ V),
+i.e. with ``s`` sampled rows of ``bs`` about ``s / (2 bs)`` of one dense attention call, plus the scratch
+(``4 * rows * Kb`` bytes per head, e.g. 11 MB per head at 720p with 8 rows: written and read once).
 """
 
 from __future__ import annotations
@@ -38,7 +40,28 @@ def _qk(q, k, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _block_mass_kernel(Q, K, Out, row_off, H, Lq, Lk, num_q_blocks, num_kv_blocks, qk_scale,
+def _block_lse(q, k_base, s_kl, start_kb, Lk, qk_scale, offs_n0, offs_d, BLOCK_N: tl.constexpr,
+               KV_SUB: tl.constexpr, MASK: tl.constexpr, INTERPRET: tl.constexpr, R: tl.constexpr):
+    """log2 of each row's sum of exp2(S) over one key block (online over its BLOCK_N sub-tiles)."""
+    m_b = tl.full([R], -1.0e30, dtype=tl.float32)
+    l_b = tl.zeros([R], dtype=tl.float32)
+    for sub in tl.static_range(KV_SUB):
+        offs_n = start_kb + sub * BLOCK_N + offs_n0
+        if MASK:
+            k = tl.load(k_base + offs_n[:, None] * s_kl + offs_d[None, :], mask=(offs_n < Lk)[:, None], other=0.0)
+            qk = _qk(q, k, INTERPRET) * qk_scale
+            qk = tl.where((offs_n < Lk)[None, :], qk, float("-inf"))
+        else:
+            k = tl.load(k_base + offs_n[:, None] * s_kl + offs_d[None, :])
+            qk = _qk(q, k, INTERPRET) * qk_scale
+        m_new = tl.maximum(m_b, tl.max(qk, 1))
+        l_b = l_b * tl.math.exp2(m_b - m_new) + tl.sum(tl.math.exp2(qk - m_new[:, None]), 1)
+        m_b = m_new
+    return m_b + tl.math.log2(l_b)
+
+
+@triton.jit
+def _block_mass_kernel(Q, K, Out, Scratch, row_off, H, Lq, Lk, num_q_blocks, num_kv_blocks, n_tiles, qk_scale,
                        s_qb, s_qh, s_ql, s_kb, s_kh, s_kl, s_ob, s_oh, s_oq,
                        HEAD_DIM: tl.constexpr, BS: tl.constexpr, S: tl.constexpr, G: tl.constexpr,
                        BLOCK_N: tl.constexpr, TAIL_K: tl.constexpr, INTERPRET: tl.constexpr):
@@ -57,58 +80,42 @@ def _block_mass_kernel(Q, K, Out, row_off, H, Lq, Lk, num_q_blocks, num_kv_block
     offs_n0 = tl.arange(0, BLOCK_N)
     q = tl.load(Q + b * s_qb + h * s_qh + rows[:, None] * s_ql + offs_d[None, :], mask=valid[:, None], other=0.0)
     k_base = K + b * s_kb + h * s_kh
+    # per-row, per-key-block log2 partial sums: [Kb, R] of this program, written once, read once
+    scratch = Scratch + (bh * n_tiles + tile).to(tl.int64) * num_kv_blocks * R
     n_main = num_kv_blocks
     if TAIL_K:
         n_main = num_kv_blocks - 1
 
-    # pass 1: log2-sum-exp per row
+    # one pass over the keys: each key block's log-sum-exp per row, and the row's total (online)
     m_i = tl.full([R], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([R], dtype=tl.float32)
-    for it in range(0, n_main * KV_SUB):
-        offs_n = it * BLOCK_N + offs_n0
-        k = tl.load(k_base + offs_n[:, None] * s_kl + offs_d[None, :])
-        qk = _qk(q, k, INTERPRET) * qk_scale
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        l_i = l_i * tl.math.exp2(m_i - m_new) + tl.sum(tl.math.exp2(qk - m_new[:, None]), 1)
+    for kb in range(0, n_main):
+        lse_b = _block_lse(q, k_base, s_kl, kb * BS, Lk, qk_scale, offs_n0, offs_d, BLOCK_N, KV_SUB, False,
+                           INTERPRET, R)
+        tl.store(scratch + kb * R + r, lse_b)
+        m_new = tl.maximum(m_i, lse_b)
+        l_i = l_i * tl.math.exp2(m_i - m_new) + tl.math.exp2(lse_b - m_new)
         m_i = m_new
     if TAIL_K:
-        for it in range(n_main * KV_SUB, num_kv_blocks * KV_SUB):
-            offs_n = it * BLOCK_N + offs_n0
-            k = tl.load(k_base + offs_n[:, None] * s_kl + offs_d[None, :], mask=(offs_n < Lk)[:, None], other=0.0)
-            qk = _qk(q, k, INTERPRET) * qk_scale
-            qk = tl.where((offs_n < Lk)[None, :], qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            l_i = l_i * tl.math.exp2(m_i - m_new) + tl.sum(tl.math.exp2(qk - m_new[:, None]), 1)
-            m_i = m_new
+        kb = num_kv_blocks - 1
+        lse_b = _block_lse(q, k_base, s_kl, kb * BS, Lk, qk_scale, offs_n0, offs_d, BLOCK_N, KV_SUB, True,
+                           INTERPRET, R)
+        tl.store(scratch + kb * R + r, lse_b)
+        m_new = tl.maximum(m_i, lse_b)
+        l_i = l_i * tl.math.exp2(m_i - m_new) + tl.math.exp2(lse_b - m_new)
+        m_i = m_new
     lse = m_i + tl.math.log2(l_i)
 
-    # pass 2: probability mass per (query block, key block)
+    # probability mass per (query block, key block): mean over the block's sampled rows
     cnt = tl.sum(tl.reshape(valid.to(tl.float32), (G, S)), 1)
     inv_cnt = tl.where(cnt > 0, 1.0 / tl.maximum(cnt, 1.0), 0.0)
     qblk_g = tile * G + tl.arange(0, G)
     out_base = Out + b * s_ob + h * s_oh + qblk_g * s_oq
     g_ok = qblk_g < num_q_blocks
-    for kb in range(0, n_main):
-        acc = tl.zeros([R], dtype=tl.float32)
-        for sub in tl.static_range(KV_SUB):
-            offs_n = kb * BS + sub * BLOCK_N + offs_n0
-            k = tl.load(k_base + offs_n[:, None] * s_kl + offs_d[None, :])
-            qk = _qk(q, k, INTERPRET) * qk_scale
-            acc += tl.sum(tl.math.exp2(qk - lse[:, None]), 1)
-        acc = tl.where(valid, acc, 0.0)
-        tl.store(out_base + kb, tl.sum(tl.reshape(acc, (G, S)), 1) * inv_cnt, mask=g_ok)
-    if TAIL_K:
-        kb = num_kv_blocks - 1
-        acc = tl.zeros([R], dtype=tl.float32)
-        for sub in tl.static_range(KV_SUB):
-            offs_n = kb * BS + sub * BLOCK_N + offs_n0
-            k = tl.load(k_base + offs_n[:, None] * s_kl + offs_d[None, :], mask=(offs_n < Lk)[:, None], other=0.0)
-            qk = _qk(q, k, INTERPRET) * qk_scale
-            p = tl.math.exp2(qk - lse[:, None])
-            p = tl.where((offs_n < Lk)[None, :], p, 0.0)
-            acc += tl.sum(p, 1)
-        acc = tl.where(valid, acc, 0.0)
-        tl.store(out_base + kb, tl.sum(tl.reshape(acc, (G, S)), 1) * inv_cnt, mask=g_ok)
+    for kb in range(0, num_kv_blocks):
+        p = tl.math.exp2(tl.load(scratch + kb * R + r) - lse)
+        p = tl.where(valid, p, 0.0)
+        tl.store(out_base + kb, tl.sum(tl.reshape(p, (G, S)), 1) * inv_cnt, mask=g_ok)
 
 
 _ROW_TABLES: dict = {}
@@ -155,18 +162,22 @@ def block_mass_triton_impl(q: torch.Tensor, k: torch.Tensor, block_size: int, sa
     groups = max(1, MASS_ROWS // width)
     block_n = min(block_n, block_size)
     out = torch.empty(batch, heads, num_q_blocks, num_kv_blocks, dtype=torch.float32, device=q.device)
-    grid = (triton.cdiv(num_q_blocks, groups), batch * heads)
+    n_tiles = triton.cdiv(num_q_blocks, groups)
+    grid = (n_tiles, batch * heads)
     if q.device.type == "cuda" and q.device.index is not None and q.device.index != torch.cuda.current_device():
         with torch.cuda.device(q.device):  # Triton launches on the current device
             return block_mass_triton_impl(q, k, block_size, sample_rows, scale, block_n, num_warps, num_stages)
-    chunks = int32_chunks((q, k), num_q_blocks * num_kv_blocks)
+    # per (b, h): the output block grid and the scratch of per-row key-block partial sums
+    chunks = int32_chunks((q, k), max(num_q_blocks * num_kv_blocks, n_tiles * groups * width * num_kv_blocks))
     if len(chunks) > 1:  # offsets past int32: run (batch, head) chunks
         for b0, b1, h0, h1 in chunks:
             out[b0:b1, h0:h1] = block_mass_triton_impl(q[b0:b1, h0:h1], k[b0:b1, h0:h1], block_size, sample_rows,
                                                        scale, block_n, num_warps, num_stages)
         return out
+    scratch = torch.empty(batch * heads * n_tiles * groups * width * num_kv_blocks, dtype=torch.float32,
+                          device=q.device)
     _block_mass_kernel[grid](
-        q, k, out, table, heads, q_len, kv_len, num_q_blocks, num_kv_blocks, float(scale * LOG2E),
+        q, k, out, scratch, table, heads, q_len, kv_len, num_q_blocks, num_kv_blocks, n_tiles, float(scale * LOG2E),
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         HEAD_DIM=head_dim, BS=block_size, S=width, G=groups, BLOCK_N=block_n, TAIL_K=kv_len % block_size != 0, INTERPRET=interpreter_upcast(q),
