@@ -95,8 +95,9 @@ class Forward:
 
 
 class ChorusPatch:
-    """The one Chorus object of a patched model (see the module docstring). Immutable once installed:
-    :func:`configure` makes a new one. ``plan`` may be None only for guidance without a plan."""
+    """The one Chorus object of a patched model (see the module docstring). Its parts are not changed
+    once it is installed: :func:`configure` makes a new one. ``plan`` may be None only for guidance
+    without a plan. ``previous_override``: a non-Chorus override it chains (or None)."""
 
     def __init__(self, plan: Plan | None, model_info: ModelInfo, *, attention: ChorusAttention | None = None,
                  feature_reuse: FeatureReuse | None = None, guidance: GuidanceBoost | None = None,
@@ -163,7 +164,8 @@ class ChorusPatch:
                 self.guidance.sample_sigmas = None
             self._run_failed = None
             if self.plan is not None:
-                log.info("Chorus II run: %s; %s", self.plan.message, self.plan.stats.summary())
+                log.info("Chorus II run: %s; %s%s", self.plan.message, self.plan.stats.summary(),
+                         f"; {self.feature_reuse.state.summary()}" if self.feature_reuse is not None else "")
 
     # -- DIFFUSION_MODEL: one forward ----------------------------------------------------------------
     def diffusion_model(self, executor, *args, **kwargs):
@@ -429,22 +431,22 @@ def configure(model, plan: Plan | None, *, sparse=KEEP, feature_reuse=KEEP, guid
     if boost is not None and old is not None and boost is old.guidance and boost.plan is not None \
             and plan is not None and boost.plan is not plan:
         boost = GuidanceBoost(plan, boost.strength, boost.image_strength, boost.cfg_strength)  # follow the plan
+    options = patched.model_options.setdefault("transformer_options", {})
+    previous = options.get(OVERRIDE)
+    if isinstance(previous, ChorusPatch):
+        previous = previous.previous_override  # re-patching replaces the Chorus patch, never stacks
+    # else: None, or another pack's override (one that chains an older Chorus patch: that one passes through)
     patch = ChorusPatch(plan if plan is not None else (boost.plan if boost is not None else None), info,
-                        attention=attention, feature_reuse=fr, guidance=boost)
-    _install(patched, old, patch)
+                        attention=attention, feature_reuse=fr, guidance=boost, previous_override=previous)
+    _install(patched, patch)
     return patched, (None if patch.is_empty else patch), info
 
 
-def _install(patched, old: ChorusPatch | None, patch: ChorusPatch) -> None:
+def _install(patched, patch: ChorusPatch) -> None:
     import comfy.patcher_extension
 
-    options = patched.model_options.setdefault("transformer_options", {})
-    current = options.get(OVERRIDE)
-    if isinstance(current, ChorusPatch):
-        previous = current.previous_override  # re-patching replaces the Chorus patch, never stacks
-    else:
-        previous = current  # another pack's override (one that chains an older Chorus patch: that passes through)
-    patch.previous_override = previous
+    options = patched.model_options["transformer_options"]
+    previous = patch.previous_override
     for key in LEGACY_OPTION_KEYS:
         options.pop(key, None)
     wrappers_mp = comfy.patcher_extension.WrappersMP
