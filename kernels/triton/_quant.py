@@ -7,19 +7,24 @@ kernel only ever sees 16-byte aligned strides and never needs a load mask):
 - ``q8``  e4m3 ``[B, H, Lpad_q, D]``: ``q * softmax_scale * log2(e)`` divided by its per-(b, h,
   128-token tile) scale ``q_scale`` fp32 ``[B, H, Lpad_q / 128]`` (the softmax scale and the base-2
   exponent are folded in here, so the kernel's logits are already in log2 units);
-- ``k8``  e4m3 ``[B, H, Lpad_k, D]``: ``k - mean_t(k)`` (K smoothing: subtracting the per-(b, h)
-  channel mean of K adds the same constant to every logit of a query row, which softmax ignores,
-  and removes the shared offset that would otherwise eat the e4m3 range) divided by its per-tile
-  scale ``k_scale`` fp32 ``[B, H, Lpad_k / 128]``;
+- ``k8``  e4m3 ``[B, H, Lpad_k, D]``: ``k - c`` (K smoothing: subtracting any per-(b, h) channel
+  vector ``c`` from K adds the same constant to every logit of a query row, which softmax ignores;
+  with ``c`` the channel mean it removes the shared offset that would otherwise eat the e4m3 range)
+  divided by its per-tile scale ``k_scale`` fp32 ``[B, H, Lpad_k / 128]``. ``c`` is the mean of
+  ``SMOOTH_ROWS`` (128) evenly strided rows of K (:func:`smoothing_rows`), not of all rows: the
+  result is exact either way, and K is then read from memory once (by the quantise kernel) instead
+  of twice;
 - ``v8t`` e4m3 ``[B, H, D, Lpad_k]``: ``v / v_scale`` with a per-(b, h, channel) scale ``v_scale``
   fp32 ``[B, H, D]``, stored *transposed* because Hopper's FP8 wgmma needs both operands K-major: in
   ``P @ V`` the reduction axis is the token axis, so V must be token-contiguous.
 
 Scales are ``absmax / 448`` (448 = largest finite e4m3) with 1.0 where a tile is all zero; values
 are clamped to +-448 before the cast. Padded rows/columns are written as exact zeros.
-Launches: a stats kernel (per 2048-token chunk: channel sum of K, channel absmax of V, written as
-partials), their fixed-order reduction (two small torch reductions: no atomics, so the result is
-bitwise reproducible), and the quantise kernel (one program per 128-token tile and (b, h)).
+Launches: the smoothing vector (a gather of the sampled K rows and their mean), a stats kernel (per
+2048-token chunk: channel absmax of V, written as partials), their fixed-order reduction (a small
+torch reduction: no atomics, so the result is bitwise reproducible), and the quantise kernel (one
+program per 128-token tile and (b, h)). Memory traffic: Q and K read once, V twice (its per-channel
+scale needs the whole sequence first), the three FP8 copies written once.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import triton.language as tl
 
 QUANT_TILE = 128  # tokens per Q/K scale (the attention kernel's tiles divide this)
 STATS_CHUNK = 2048  # tokens per program of the stats kernel
+SMOOTH_ROWS = 128  # K rows whose channel mean is the smoothing vector
 FP8_MAX = 448.0
 LOG2E = 1.4426950408889634
 
@@ -50,32 +56,26 @@ def round_e4m3(x):
 
 
 @triton.jit
-def _kv_stats_kernel(K, V, k_part, v_part, H, Lk, n_chunks,
-                     s_kb, s_kh, s_kl, s_vb, s_vh, s_vl,
-                     HEAD_DIM: tl.constexpr, TILE: tl.constexpr, CHUNK: tl.constexpr):
+def _v_stats_kernel(V, v_part, H, Lk, n_chunks, s_vb, s_vh, s_vl,
+                    HEAD_DIM: tl.constexpr, TILE: tl.constexpr, CHUNK: tl.constexpr):
     pid_c = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
     h = bh % H
     offs_d = tl.arange(0, HEAD_DIM)
-    acc_sum = tl.zeros([HEAD_DIM], dtype=tl.float32)
     acc_max = tl.zeros([HEAD_DIM], dtype=tl.float32)
     for t in range(0, CHUNK, TILE):
         rows = pid_c * CHUNK + t + tl.arange(0, TILE)
         valid = (rows < Lk)[:, None]
-        kt = tl.load(K + b * s_kb + h * s_kh + rows[:, None] * s_kl + offs_d[None, :], mask=valid, other=0.0)
         vt = tl.load(V + b * s_vb + h * s_vh + rows[:, None] * s_vl + offs_d[None, :], mask=valid, other=0.0)
-        acc_sum += tl.sum(kt.to(tl.float32), axis=0)
         acc_max = tl.maximum(acc_max, tl.max(tl.abs(vt.to(tl.float32)), axis=0))
-    # per-chunk partials, reduced in a fixed order afterwards (fp32 atomics would make the sum, and so
-    # the FP8 result, depend on the order programs finish)
-    tl.store(k_part + (bh * n_chunks + pid_c) * HEAD_DIM + offs_d, acc_sum)
+    # per-chunk partials, reduced in a fixed order afterwards (no atomics: bitwise reproducible)
     tl.store(v_part + (bh * n_chunks + pid_c) * HEAD_DIM + offs_d, acc_max)
 
 
 @triton.jit
-def _quant_kernel(Q, K, V, q8, k8, v8t, q_scale, k_scale, k_sum, v_amax,
-                  H, Lq, Lk, Lpad_q, Lpad_k, q_mult, inv_lk,
+def _quant_kernel(Q, K, V, q8, k8, v8t, q_scale, k_scale, k_smooth, v_amax,
+                  H, Lq, Lk, Lpad_q, Lpad_k, q_mult,
                   s_qb, s_qh, s_ql, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl,
                   HEAD_DIM: tl.constexpr, TILE: tl.constexpr, INTERPRET: tl.constexpr):
     tile = tl.program_id(0)
@@ -99,7 +99,7 @@ def _quant_kernel(Q, K, V, q8, k8, v8t, q_scale, k_scale, k_sum, v_amax,
         tl.store(q_scale + bh * n_qt + tile, scale)
     if tile < n_kt:
         valid = (rows < Lk)[:, None]
-        mean = tl.load(k_sum + bh * HEAD_DIM + offs_d) * inv_lk
+        mean = tl.load(k_smooth + bh * HEAD_DIM + offs_d)
         x = tl.load(K + b * s_kb + h * s_kh + rows[:, None] * s_kl + offs_d[None, :], mask=valid, other=0.0)
         x = tl.where(valid, x.to(tl.float32) - mean[None, :], 0.0)
         amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
@@ -117,6 +117,19 @@ def _quant_kernel(Q, K, V, q8, k8, v8t, q_scale, k_scale, k_sum, v_amax,
             y = round_e4m3(y)
         # transposed store: v8t[bh, d, row]
         tl.store(v8t + bh * HEAD_DIM * Lpad_k + offs_d[None, :] * Lpad_k + rows[:, None], y.to(v8t.dtype.element_ty))
+
+
+def smoothing_rows(length: int, device=None) -> torch.Tensor:
+    """int64 indices of the ``SMOOTH_ROWS`` evenly strided K rows (all rows of a shorter sequence)
+    whose channel mean is the smoothing vector."""
+    if length <= SMOOTH_ROWS:
+        return torch.arange(length, device=device)
+    return torch.linspace(0, length - 1, SMOOTH_ROWS, device=device).round().long()
+
+
+def smoothing_vector(k: torch.Tensor) -> torch.Tensor:
+    """fp32 ``[B, H, D]``: the channel mean of K's :func:`smoothing_rows`."""
+    return k.index_select(2, smoothing_rows(k.shape[2], k.device)).float().mean(dim=2)
 
 
 def padded_len(length: int) -> int:
@@ -139,17 +152,15 @@ def quantize_qkv_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     q_scale = torch.empty(batch, heads, lpad_q // QUANT_TILE, device=dev, dtype=torch.float32)
     k_scale = torch.empty(batch, heads, lpad_k // QUANT_TILE, device=dev, dtype=torch.float32)
     n_chunks = triton.cdiv(kv_len, STATS_CHUNK)
-    k_part = torch.empty(batch * heads, n_chunks, head_dim, device=dev, dtype=torch.float32)
     v_part = torch.empty(batch * heads, n_chunks, head_dim, device=dev, dtype=torch.float32)
-    _kv_stats_kernel[(n_chunks, batch * heads)](
-        k, v, k_part, v_part, heads, kv_len, n_chunks,
-        k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+    _v_stats_kernel[(n_chunks, batch * heads)](
+        v, v_part, heads, kv_len, n_chunks, v.stride(0), v.stride(1), v.stride(2),
         HEAD_DIM=head_dim, TILE=QUANT_TILE, CHUNK=STATS_CHUNK, num_warps=8)
-    k_sum = k_part.sum(1).view(batch, heads, head_dim)
+    k_mean = smoothing_vector(k).contiguous()
     v_amax = v_part.amax(1).view(batch, heads, head_dim)
     _quant_kernel[(max(lpad_q, lpad_k) // QUANT_TILE, batch * heads)](
-        q, k, v, q8, k8, v8t, q_scale, k_scale, k_sum, v_amax,
-        heads, q_len, kv_len, lpad_q, lpad_k, float(scale * LOG2E), 1.0 / kv_len,
+        q, k, v, q8, k8, v8t, q_scale, k_scale, k_mean, v_amax,
+        heads, q_len, kv_len, lpad_q, lpad_k, float(scale * LOG2E),
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         HEAD_DIM=head_dim, TILE=QUANT_TILE, INTERPRET=q.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1",
@@ -172,7 +183,7 @@ def quantize_reference(q, k, v, scale: float):
         return (xt / s[..., None, None]).clamp(-FP8_MAX, FP8_MAX).view_as(x), s
 
     qf = q.float() * (scale * LOG2E)
-    kf = k.float() - k.float().mean(dim=2, keepdim=True)
+    kf = k.float() - smoothing_vector(k)[:, :, None, :]
     q8, qs = tiles(qf, lpad_q)
     k8, ks = tiles(kf, lpad_k)
     vmax = v.float().abs().amax(dim=2)
@@ -183,4 +194,5 @@ def quantize_reference(q, k, v, scale: float):
     return q8.to(fp8), k8.to(fp8), v8.transpose(-1, -2).contiguous().to(fp8), qs, ks, vs
 
 
-__all__ = ["quantize_qkv_fp8", "quantize_reference", "padded_len", "QUANT_TILE", "FP8_MAX", "LOG2E"]
+__all__ = ["quantize_qkv_fp8", "quantize_reference", "padded_len", "smoothing_rows", "smoothing_vector",
+           "QUANT_TILE", "FP8_MAX", "LOG2E", "SMOOTH_ROWS"]
