@@ -1078,6 +1078,7 @@ class Workspace:
         """
         with self._rmutex:
             rows = self._rdb.execute("SELECT id, file, sha256, meta_json, nbytes FROM entries ORDER BY id").fetchall()
+        _crash_hook("verify_listed")
         damaged, evicted = [], []
         iterator = rows
         if progress:

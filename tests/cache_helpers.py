@@ -49,7 +49,7 @@ def writer(path: str, seeds, conn=None, crash_phase: str | None = None, mask_kwa
     if conn is not None:
         conn.send(("ready", None))
     for seed in seeds:
-        entry_id = ws.add(embedding(seed), small_masks(seed, **(mask_kwargs or {})),
+        entry_id = ws.add(embedding(seed), small_masks(seed),
                           {"signature": SIGNATURE, "seed": int(seed), "writer": os.getpid()})
         if conn is not None:
             conn.send(("committed", (entry_id, int(seed))))
@@ -68,3 +68,19 @@ def opener(path: str, barrier, results) -> None:
         results.put("ok")
     except Exception as exc:  # noqa: BLE001 - the test reports whatever went wrong
         results.put(repr(exc))
+
+
+def churner(path: str, conn, batch: int = 12, keep: int = 2) -> None:
+    """Child process: forever add ``batch`` entries, then prune to ``keep`` (evicting many at once,
+    as a worker with a full cache or an operator's prune does). Sends "ready" once, then the
+    number of entries evicted after each prune."""
+    from chorus.cache_store import Workspace
+
+    ws = Workspace.open(path, timeout=30)
+    conn.send(("ready", None))
+    seed = 0
+    while True:
+        for _ in range(batch):
+            ws.add(embedding(seed), small_masks(seed), {"signature": SIGNATURE, "seed": seed})
+            seed += 1
+        conn.send(("evicted", len(ws.prune(max_entries=keep))))
