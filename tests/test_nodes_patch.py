@@ -258,3 +258,59 @@ def test_unsupported_model_keeps_guidance_but_gets_no_sparse_part(cp, nodes):
     patch = cp.get_patch(m)
     assert patch.guidance is not None and patch.attention is None and patch.feature_reuse is None
     assert any("unsupported model" in msg for msg in plan.stats.messages)
+
+
+def test_a_latent_as_long_as_the_text_context_runs_dense_with_a_note(cp, nodes, model):
+    """512 latent tokens = the 512 text tokens: self- and cross-attention cannot be told apart, so the
+    patch stays out of every such call (no recording, no bias, no pooled blocks): the output is the
+    unpatched model's, bit for bit."""
+    import comfy.sample
+
+    latent = torch.zeros(1, 16, 2, 32, 32)  # grid (2, 16, 16) = 512 tokens
+    positive, negative = tiny.random_conditioning(3), tiny.random_conditioning(103)
+
+    def sample(m):
+        return comfy.sample.sample(m, comfy.sample.prepare_noise(latent, 0), 1, 1.0, "euler", "simple", positive,
+                                   negative, latent, disable_pbar=True, seed=0)
+
+    plan = Plan.miss("test miss", latent_shape=latent.shape[1:], embedding=np.ones(4, np.float32))
+    m = nodes["guidance"](nodes["fr"](nodes["sparse"](model, plan), plan), None, s=0.0, i=2.0, c=0.0)
+    assert torch.equal(sample(m), sample(model))
+    # per block, self-attention and the text cross-attention both look like 512 x 512 calls
+    assert plan.stats.recorded_calls == 0 and plan.stats.fallback_calls == 2 * LAYERS
+    assert any("cannot be told apart" in msg for msg in plan.stats.messages), plan.stats.messages
+    assert cp.get_patch(m).guidance.biased_calls == 0
+
+
+def test_a_run_that_cannot_start_goes_dense_and_every_reset_runs_when_sampling_fails(cp, nodes, model, monkeypatch):
+    from chorus.engine import ChorusAttention
+
+    plan = _miss()
+    m = nodes["guidance"](nodes["fr"](nodes["sparse"](model, plan), plan), None, s=1.0, i=0.0, c=0.0)
+    patch = cp.get_patch(m)
+    real_begin = ChorusAttention.begin_run
+
+    def broken(self, *args, **kwargs):
+        raise RuntimeError("begin_run broke (test)")
+
+    monkeypatch.setattr(ChorusAttention, "begin_run", broken)
+    # dense attention and full blocks; the cross-attention gain (no self-attention involved) still acts
+    assert torch.equal(_sample(m, steps=1), _sample(nodes["guidance"](model, None, s=1.0, i=0.0, c=0.0), steps=1))
+    assert plan.stats.recorded_calls == 0 and any("could not start" in msg for msg in plan.stats.messages)
+    assert patch._run_failed is None and not patch.feature_reuse._running
+    monkeypatch.setattr(ChorusAttention, "begin_run", real_begin)
+
+    # the sampler itself fails mid-run (here: another pack's override raises): the error reaches
+    # ComfyUI as it would without Chorus, and every part's run state is reset on the way out
+    def failing(func, *args, **kwargs):
+        raise KeyError("another pack failed (test)")
+
+    failing_model = m.clone()
+    failing_model.model_options["transformer_options"][OVERRIDE] = failing
+    failing_model = nodes["sparse"](failing_model, plan)
+    fpatch = cp.get_patch(failing_model)
+    assert fpatch.previous_override is failing
+    with pytest.raises(KeyError, match="another pack failed"):
+        _sample(failing_model, steps=1)
+    assert not fpatch.attention._running and fpatch.attention.expert is None
+    assert not fpatch.feature_reuse._running and fpatch.guidance.sample_sigmas is None
