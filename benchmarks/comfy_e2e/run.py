@@ -52,7 +52,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-RESOLUTIONS = {"480p": (480, 832), "720p": (720, 1280), "tiny": (128, 256)}
+RESOLUTIONS = {"480p": (480, 832), "720p": (720, 1280), "tiny": (128, 224)}
 FRAMES = {"480p": 81, "720p": 81, "tiny": 13}
 A14B = dict(dim=5120, ffn_dim=13824, num_heads=40, num_layers=40, in_dim=36, out_dim=16, text_dim=4096,
             freq_dim=256)
@@ -299,6 +299,7 @@ def run(args) -> dict:
                                fallback_calls=plan.stats.fallback_calls, messages=plan.stats.messages[:5])
                 results["runs"].append(row)
                 print(json.dumps(row), flush=True)
+                save(results, args.out)
                 return out
 
             if "dense" in args.variants:
@@ -348,6 +349,13 @@ def run(args) -> dict:
     return results
 
 
+def save(results: dict, out_dir) -> None:
+    """Write what is measured so far (a run stopped at its time limit still leaves its numbers)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "comfy_e2e.json").write_text(json.dumps(results, indent=1, default=str))
+
+
 def kernel_alone_ms(plan, grid, shape, kernels, reps: int = 10) -> dict:
     """The Triton kernel by itself (pre-pass + index + attention) on random q/k/v in ComfyUI's layout
     with the map the hit computes for layer 0 of step 0 (entry map + k_min floor)."""
@@ -360,13 +368,18 @@ def kernel_alone_ms(plan, grid, shape, kernels, reps: int = 10) -> dict:
     gen = torch.Generator(device="cuda").manual_seed(0)
     qkv = [torch.randn(1, length, heads * dim, device="cuda", dtype=torch.bfloat16, generator=gen)
            .view(1, length, heads, dim).transpose(1, 2) for _ in range(3)]
+    from chorus.kernels.triton._attention import launch_attention, prepare_attention
+
+    scale = 1.0 / math.sqrt(dim)
+    prep = prepare_attention(*qkv, block_map, 128, scale, True)
     out = {}
-    for name, backend in (("triton_fp8", "triton_fp8"), ("dense_sdpa", None)):
+    for name in ("triton_fp8", "prepass_and_index", "attention_kernel"):
         def call():
-            if backend is None:
-                o = torch.nn.functional.scaled_dot_product_attention(*qkv)
-                return o.transpose(1, 2).reshape(1, length, heads * dim)
-            o = kernels.block_sparse_attention(*qkv, block_map, backend=backend, rows_checked=True)
+            if name == "prepass_and_index":
+                return prepare_attention(*qkv, block_map, 128, scale, True)
+            if name == "attention_kernel":
+                return launch_attention(prep)
+            o = kernels.block_sparse_attention(*qkv, block_map, backend=name, rows_checked=True)
             return o.transpose(1, 2).reshape(1, length, heads * dim)
         for _ in range(2):
             call()
@@ -415,9 +428,7 @@ def main(argv=None) -> int:
     if args.tiny:
         args.res = ["tiny"]
     results = run(args)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "comfy_e2e.json").write_text(json.dumps(results, indent=1, default=str))
+    save(results, args.out)
     print(table(results))
     print(f"wall {results['wall_s']:.1f} s")
     return 0

@@ -1,0 +1,26 @@
+"""The benchmark of record's code path (``benchmarks/comfy_e2e``) at toy sizes on the CPU, through
+ComfyUI's real loader, sampler and the nodes' ``execute`` (no timing is asserted)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from host import tiny_wan as tiny  # tests/host (pytest pythonpath)
+
+SKIP_REASON = tiny.import_comfy()
+pytestmark = [pytest.mark.host, pytest.mark.skipif(SKIP_REASON is not None, reason=f"ComfyUI not available: {SKIP_REASON}")]
+
+
+def test_comfy_e2e_benchmark_runs_dense_miss_and_hit(tmp_path, monkeypatch):
+    from benchmarks.comfy_e2e import run
+
+    monkeypatch.setenv("COMFYUI_DIR", str(tiny.find_comfyui_dir()))
+    monkeypatch.setenv("CHORUS_CACHE_DIR", str(tmp_path / "cache"))  # the benchmark sets its own; restored after
+    assert run.main(["--tiny", "--out", str(tmp_path), "--variants", "dense", "miss", "hit15"]) == 0
+    rows = {r["variant"]: r for r in json.loads((tmp_path / "comfy_e2e.json").read_text())["runs"]}
+    assert set(rows) == {"dense", "miss", "hit15"}
+    assert rows["miss"]["plan_kind"] == "miss" and rows["miss"]["write"].startswith("wrote entry")
+    assert rows["hit15"]["plan_kind"] == "hit" and rows["hit15"]["sparse_calls"] > 0
+    assert rows["hit15"]["fallback_calls"] == 0 and all(r["finite"] for r in rows.values())
