@@ -16,9 +16,15 @@ def _name(requirement: str) -> str:
 def test_pyproject_has_registry_section_and_dependencies():
     meta = tomllib.loads((ROOT / "pyproject.toml").read_text())
     deps = {_name(d) for d in meta["project"]["dependencies"]}
-    for needed in ("torch", "transformers", "open-clip-torch", "faiss-cpu", "triton", "safetensors"):
+    for needed in ("torch", "faiss-cpu", "triton", "safetensors", "zstandard", "filelock"):
         assert needed in deps, needed
-    assert "pytest" in {_name(d) for d in meta["project"]["optional-dependencies"]["dev"]}
+    # the default install is what the nodes need inside ComfyUI: demo / diffusers / open_clip are extras
+    for optional in ("diffusers", "open-clip-torch", "scikit-image", "transformers", "torchvision"):
+        assert optional not in deps, optional
+    extras = {name: {_name(d) for d in reqs} for name, reqs in meta["project"]["optional-dependencies"].items()}
+    assert "open-clip-torch" in extras["openclip"] and "diffusers" in extras["diffusers"]
+    assert "scikit-image" in extras["demo"] and "psycopg" in extras["fleet"]
+    assert "pytest" in extras["dev"] and "chorus-ii" in extras["dev"]  # dev = every extra + the test tools
     comfy = meta["tool"]["comfy"]
     assert {"PublisherId", "DisplayName", "Icon", "requires-comfyui"} <= set(comfy)
     assert re.fullmatch(r">=0\.3\.\d+", comfy["requires-comfyui"])
