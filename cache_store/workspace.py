@@ -313,7 +313,7 @@ class Workspace:
             if _is_busy(exc):
                 raise StoreBusyError(f"workspace {self.path}: the metadata database stayed locked for the time bound "
                                      f"({self.timeout:g} s)") from exc
-            raise StoreError(f"workspace {self.path}: {DB_NAME} is not a readable SQLite database "
+            raise StoreError(f"workspace {self.path}: {DB_NAME} could not be opened as a SQLite database "
                              f"({type(exc).__name__}: {exc})") from exc
         self._workspace_id = workspace_id
 

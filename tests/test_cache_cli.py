@@ -59,3 +59,154 @@ def test_cli_bad_arguments(tmp_path):
         out = _cli(*args, root=root)
         assert out.returncode == 2, (args, out.stdout, out.stderr)
     assert not (root / "missing").exists() and not (tmp_path / "etc").exists() and not (tmp_path / "nowhere").exists()
+
+
+# -- issue 16 / 15.5: one-line errors with exit 2, read-only commands, the root used ------------------
+import os  # noqa: E402
+import signal  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+from chorus.cache_store import cli  # noqa: E402
+
+
+def _tree(root: Path) -> dict:
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            p = Path(dirpath) / name
+            st = p.lstat()
+            out[str(p.relative_to(root))] = (st.st_mode, st.st_size if not p.is_dir() else 0, st.st_mtime_ns)
+    return out
+
+
+def _run_inprocess(capsys, *args):
+    """cli.main in this process: an uncaught exception (a traceback for a user) fails the test."""
+    code = cli.main(list(args))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def _one_error_line(err: str) -> str:
+    """The one error line of stderr (tqdm progress bars of verify / rebuild-index aside)."""
+    lines = [line for line in err.splitlines() if line.strip() and "%|" not in line]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err, err
+    return lines[0]
+
+
+def test_read_only_commands_write_nothing_and_refuse_non_workspaces(tmp_path, capsys):
+    root = tmp_path / "root"
+    with Workspace.open(root / "proj") as ws:
+        for s in range(3):
+            ws.add(embedding(s), small_masks(s), {"signature": SIGNATURE, "prompt": f"prompt {s}"})
+    before = _tree(tmp_path)
+    for action in ("stats", "list"):
+        code, out, err = _run_inprocess(capsys, action, "--workspace", "proj", "--root", str(root))
+        assert code == 0 and ("entries: 3" in out or "prompt 2" in out), err
+    assert _tree(tmp_path) == before, "a read-only command changed the workspace"
+
+    folder = tmp_path / "etc_like"
+    folder.mkdir()
+    (folder / "hosts").write_text("127.0.0.1 localhost\n")
+    before = _tree(folder)
+    for action in ("stats", "list", "verify", "prune", "rebuild-index"):
+        code, _, err = _run_inprocess(capsys, action, "--path", str(folder))
+        assert code == 2 and "is not a Chorus cache workspace" in _one_error_line(err), err
+    assert _tree(folder) == before, "a command created files in a folder that is not a workspace"
+
+
+@pytest.mark.parametrize("damage", ["db_directory", "db_garbage", "entries_link", "long_root", "bad_comfyui",
+                                    "name_is_a_path", "relative_env_root"])
+def test_errors_are_one_line_with_exit_2(tmp_path, capsys, monkeypatch, damage):
+    root = tmp_path / "root"
+    Workspace.open(root / "proj").close()
+    ws_dir = root / "proj"
+    args = ["verify", "--workspace", "proj", "--root", str(root)]
+    expect = str(root)  # every error names the root it used
+    if damage == "db_directory":
+        (ws_dir / "chorus.sqlite3").unlink()
+        (ws_dir / "chorus.sqlite3").mkdir()
+    elif damage == "db_garbage":
+        (ws_dir / "chorus.sqlite3").write_bytes(b"not sqlite" * 1000)
+    elif damage == "entries_link":
+        (ws_dir / "entries").rmdir()
+        (ws_dir / "entries").symlink_to(tmp_path)
+    elif damage == "long_root":
+        args, expect = ["stats", "--root", str(tmp_path / ("x" * 300))], "too long"
+    elif damage == "bad_comfyui":
+        args, expect = ["stats", "--comfyui", str(tmp_path / "no_comfy")], "--comfyui"
+    elif damage == "name_is_a_path":
+        args, expect = ["stats", "--workspace", str(ws_dir), "--root", str(root)], "use --path"
+    else:
+        monkeypatch.setenv("CHORUS_CACHE_DIR", "relative/dir")
+        args, expect = ["stats"], "relative path"
+    code, _, err = _run_inprocess(capsys, *args)
+    assert code == 2 and expect in _one_error_line(err), err
+
+
+def test_busy_store_and_file_size_limit_are_errors_not_tracebacks(tmp_path):
+    """As users run it (a subprocess): a writer holding the store past --timeout, and a real OSError
+    in the middle of a write (EFBIG from a file-size limit while rebuild-index saves the index), each
+    give one error line and exit 2; stats still works beside the busy writer (it takes no lock)."""
+    import resource
+
+    from test_cache_hardening import Holder
+
+    root = tmp_path / "root"
+    with Workspace.open(root / "proj") as ws:
+        for s in range(40):  # 1024-dim embeddings: the saved index takes ~170 KB
+            ws.add(embedding(s, dim=1024), small_masks(s, layers=1), {"signature": SIGNATURE})
+    holder = Holder(root / "proj")
+    try:
+        out = _cli("prune", "--workspace", "proj", "--max-entries", "1", "--timeout", "1", root=root)
+        assert out.returncode == 2 and "writers' lock" in _one_error_line(out.stderr), out.stderr
+        out = _cli("stats", "--workspace", "proj", "--json", root=root)
+        assert out.returncode == 0 and json.loads(out.stdout)["entries"] == 40, out.stderr
+    finally:
+        holder.release()
+
+    def limit_file_size():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, 64 << 10))  # SQLite's files fit, the index does not
+
+    out = subprocess.run([sys.executable, "-m", "chorus", "cache", "rebuild-index", "--workspace", "proj",
+                          "--root", str(root)], capture_output=True, text=True, timeout=120,
+                         preexec_fn=limit_file_size)
+    assert out.returncode == 2 and "File too large" in _one_error_line(out.stderr), out.stderr
+    with Workspace.open(root / "proj") as ws:
+        assert len(ws) == 40 and ws.verify()["ok"]
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads any file: a permission error cannot happen")
+def test_permission_error_is_one_line(tmp_path, capsys):
+    root = tmp_path / "root"
+    Workspace.open(root / "proj").close()
+    (root / "proj" / "chorus.sqlite3").chmod(0)
+    try:
+        code, _, err = _run_inprocess(capsys, "stats", "--workspace", "proj", "--root", str(root))
+        assert code == 2 and _one_error_line(err)
+    finally:
+        (root / "proj" / "chorus.sqlite3").chmod(0o644)
+
+
+def test_comfyui_option_and_help_name_the_root(tmp_path, capsys, monkeypatch):
+    comfy = tmp_path / "ComfyUI"
+    with Workspace.open(comfy / "user" / "chorus" / "proj") as ws:
+        ws.add(embedding(0), small_masks(0), {"signature": SIGNATURE})
+    code, out, err = _run_inprocess(capsys, "stats", "--comfyui", str(comfy), "--workspace", "proj", "--json")
+    assert code == 0 and json.loads(out)["entries"] == 1, err
+    code, _, err = _run_inprocess(capsys, "verify", "--comfyui", str(comfy), "--workspace", "nope")
+    assert code == 2 and f"{comfy / 'user' / 'chorus'} (--comfyui)" in _one_error_line(err)
+
+    monkeypatch.setenv("CHORUS_CACHE_DIR", str(tmp_path / "env_root"))
+    code, _, err = _run_inprocess(capsys, "stats", "--workspace", "nope")
+    assert code == 2 and f"{tmp_path / 'env_root'} (CHORUS_CACHE_DIR)" in _one_error_line(err)
+    with pytest.raises(SystemExit):
+        cli._parser().parse_args(["stats", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--comfyui DIR (= DIR/user/chorus" in text and f"now: {tmp_path / 'env_root'} (CHORUS_CACHE_DIR)" in text
+    assert "`chorus` command" in text
+
+    top = subprocess.run([sys.executable, "-m", "chorus", "--help"], capture_output=True, text=True, timeout=60)
+    assert top.returncode == 0 and "cache   inspect and maintain" in top.stdout and "`chorus` command" in top.stdout
