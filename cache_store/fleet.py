@@ -38,11 +38,15 @@ a finite vector of the workspace's dim is refused. Anything else is quarantined:
 :class:`~chorus.cache_store.CorruptEntryError` is raised. Local tier files are checked against the
 row's sha256 and replaced when they differ.
 
-Bounded waits: ``connect_timeout`` (3 s), ``statement_timeout`` (5 s) and ``lock_timeout`` (3 s)
-on every connection, TCP keepalives and ``tcp_user_timeout``, and a client-side deadline that
-shuts the socket down when a call overruns (a server that stopped answering). Past it the call
-raises :class:`~chorus.cache_store.protocol.StoreUnavailableError`; the engine turns that into a
-miss (dense attention) or a write not made, with a message. The next call reconnects.
+Bounded waits (the store contract of ``errors.py``): ``lock_timeout`` is the time bound
+(``CHORUS_CACHE_TIMEOUT``, 2 s by default; past it
+:class:`~chorus.cache_store.errors.StoreBusyError`, nothing changed); ``connect_timeout`` (3 s)
+and ``statement_timeout`` (5 s) on every connection, TCP keepalives and ``tcp_user_timeout``, and
+a client-side deadline (7 s) that shuts the socket down when a call overruns (a server that
+stopped answering). Past those the call raises
+:class:`~chorus.cache_store.protocol.StoreUnavailableError` (a ``StoreError``); other server
+errors (a missing privilege, the server's disk full) raise ``StoreError``. The engine turns each
+into a miss (dense attention) or a write not made, with a message. The next call reconnects.
 
 Security: credentials come from the URL, the environment (``PGPASSWORD``, ``PGUSER``...) or a
 pgpass file, as libpq reads them; they are never logged or put in a message (:func:`redact`);
@@ -70,6 +74,7 @@ import numpy as np
 
 from .entry_format import EntryFormatError, decode_entry, encode_entry
 from .index import DEFAULT_APPROX_THRESHOLD, PartitionedIndex, normalise
+from .errors import StoreBusyError, StoreError, store_timeout
 from .protocol import MissingDriverError, StoreUnavailableError
 from .signature import signature_key
 from .workspace import DEFAULT_MAX_BYTES, EVICTION_POLICIES, CorruptEntryError
@@ -81,7 +86,7 @@ TIER_DIR = "fleet_tier"
 DEFAULT_TIER_BYTES = 20 << 30
 CONNECT_TIMEOUT_S = 3
 STATEMENT_TIMEOUT_MS = 5000
-LOCK_TIMEOUT_MS = 3000
+LOCK_TIMEOUT_MS = 2000  # the default; the store's time bound (errors.store_timeout) sets it
 CALL_DEADLINE_S = 7.0  # client side: statement_timeout + margin for the transfer
 POLL_S = 2.0
 FEED_DEADLINE_S = 300.0  # the listener's catch-ups (a background thread; a full load of 100k entries)
@@ -157,7 +162,7 @@ def redact(text: str, secrets=()) -> str:
 class _Conn:
     """One psycopg connection with the store's session settings and a client-side deadline."""
 
-    def __init__(self, params: dict, secrets):
+    def __init__(self, params: dict, secrets, lock_timeout_ms: int = LOCK_TIMEOUT_MS):
         psycopg = _psycopg()
         self.secrets = secrets
         try:
@@ -166,7 +171,7 @@ class _Conn:
             raise StoreUnavailableError(f"PostgreSQL unreachable: {redact(_first_line(exc), secrets)}") from None
         try:
             self.conn.execute("SELECT set_config('statement_timeout', %s, false), set_config('lock_timeout', %s, false)",
-                              (str(STATEMENT_TIMEOUT_MS), str(LOCK_TIMEOUT_MS)))
+                              (str(STATEMENT_TIMEOUT_MS), str(int(lock_timeout_ms))))
         except psycopg.Error as exc:
             self.close()
             raise StoreUnavailableError(f"PostgreSQL session setup failed: {redact(_first_line(exc), secrets)}") from None
@@ -222,8 +227,9 @@ class FleetStore:
     """
 
     def __init__(self, url: str, workspace: str, local_path: Path, *, tier_bytes: int = DEFAULT_TIER_BYTES,
-                 approx_threshold: int = DEFAULT_APPROX_THRESHOLD, listen: bool = True):
+                 approx_threshold: int = DEFAULT_APPROX_THRESHOLD, listen: bool = True, timeout=None):
         psycopg = _psycopg()
+        self.timeout = store_timeout(timeout)  # the longest wait for another worker (the row lock)
         from .paths import check_not_in_pack, validate_workspace_name
 
         self.workspace = validate_workspace_name(workspace)
@@ -330,7 +336,7 @@ class FleetStore:
         params = dict(self._params)
         if feed:  # the listener's connection, told apart in pg_stat_activity
             params["application_name"] = f"{params['application_name']}-feed"
-        return _Conn(params, self._secrets)
+        return _Conn(params, self._secrets, lock_timeout_ms=int(self.timeout * 1000))
 
     def _call(self, fn, *args, deadline: float = CALL_DEADLINE_S):
         """Run ``fn(conn, *args)`` on the command connection (reconnecting as needed) within
@@ -366,7 +372,10 @@ class FleetStore:
                 self.connected, self.last_error = True, None
                 return result
             except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
-                if isinstance(exc, psycopg.errors.QueryCanceled) or isinstance(exc, psycopg.errors.LockNotAvailable):
+                if isinstance(exc, psycopg.errors.LockNotAvailable):
+                    raise StoreBusyError(f"fleet workspace {self.workspace}: another worker held the write lock past "
+                                         f"the time bound ({self.timeout:g} s); nothing was changed") from None
+                if isinstance(exc, psycopg.errors.QueryCanceled):
                     reason = f"PostgreSQL did not answer in time ({redact(_first_line(exc), self._secrets)})"
                     raise StoreUnavailableError(reason) from None
                 conn.close()
@@ -375,8 +384,8 @@ class FleetStore:
                     f"PostgreSQL connection lost ({redact(_first_line(exc), self._secrets)})"
                 self._down(reason)
                 raise StoreUnavailableError(reason) from None
-            except psycopg.Error as exc:
-                raise StoreUnavailableError(f"PostgreSQL error: {redact(_first_line(exc), self._secrets)}") from None
+            except psycopg.Error as exc:  # e.g. a permission the role lacks, a full disk on the server
+                raise StoreError(f"PostgreSQL error: {redact(_first_line(exc), self._secrets)}") from None
 
     def _down(self, reason: str) -> None:
         if self.connected:  # logged once per outage (a failed open is reported by its exception)
@@ -772,7 +781,10 @@ class FleetStore:
         else:
             masks, meta = self._decode(entry_id, data, packed, known[0], None)
         if touch:
-            self.touch(entry_id)
+            try:
+                self.touch(entry_id)
+            except StoreError as exc:  # the entry is good; only its hit was not counted (store contract)
+                LOG.warning("fleet entry %d: hit not counted (%s)", entry_id, exc)
         return masks, meta
 
     def _fetch(self, conn, entry_id):

@@ -27,14 +27,21 @@ Contract shared by both (tested against both in ``tests/test_fleet_store.py::tes
   ``set_limits(...)``, ``rebuild_index(progress=False) -> index kinds``, ``entries() -> [dict]``,
   ``quarantined() -> [dict]``, ``len(store)``, ``close()``; usable as a context manager.
 
-Every call made while a prompt runs returns within a few seconds; a store that is down or slow
-gives an exception (a miss, or a write not made, with a message), never a hang.
+Errors follow the store contract of ``errors.py`` (README.md): problems of the store itself leave
+as :class:`~chorus.cache_store.errors.StoreError` (an ``OSError``; :class:`StoreBusyError` when
+another worker held what the call needed past the time bound, ``CHORUS_CACHE_TIMEOUT``, 2 s by
+default; :class:`StoreUnavailableError` when the fleet's server is down or silent), bad input and
+damaged entries as ``ValueError``. Every call made while a prompt runs returns within a few
+seconds; the engine turns an error into a miss, or a write not made, with a message, never a
+failed prompt.
 """
 
 from __future__ import annotations
 
 import os
 from typing import Protocol, runtime_checkable
+
+from .errors import StoreError
 
 URL_ENV = "CHORUS_CACHE_URL"
 
@@ -44,9 +51,10 @@ class MissingDriverError(ImportError, ValueError):
     a node answers with a miss and a message instead of failing the prompt)."""
 
 
-class StoreUnavailableError(ConnectionError):
-    """The store's server could not be reached (or did not answer in time). The message never
-    holds credentials."""
+class StoreUnavailableError(StoreError, ConnectionError):
+    """The store's server could not be reached or did not answer in time (a
+    :class:`~chorus.cache_store.errors.StoreError`, so an ``OSError``). The message never holds
+    credentials."""
 
 
 @runtime_checkable
