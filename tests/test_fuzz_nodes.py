@@ -10,8 +10,9 @@ real Wan ModelPatcher, ``ChorusCacheWrite`` and ``ChorusCacheMaintenance`` (fuzz
 max_entries). Every call returns its outputs with a message; none raises; the input model is
 never modified.
 
-Part 2, sampling: requests through MaskRetrieve -> SparseSampler -> ``comfy.sample.sample`` (tiny
-Wan, 1-2 steps) -> CacheWrite with fuzzed latent sizes, NaN/inf injected into the latent or the
+Part 2, sampling: requests through MaskRetrieve -> SparseSampler, FeatureReuse and GuidanceBoost in a
+fuzzed order (each optional but the first; they configure one Chorus patch) -> ``comfy.sample.sample``
+(tiny Wan, 1-2 steps) -> CacheWrite with fuzzed latent sizes, NaN/inf injected into the latent or the
 conditioning, and fuzzed sampler settings, on a workspace that fills up as the cases run (so later
 cases hit). Sampling never raises; the write either says "wrote entry N" or why nothing was
 written; entries written stay loadable.
@@ -244,6 +245,7 @@ def test_fuzz_sampling_requests(env, record_property):
     import comfy.sample
 
     from chorus.nodes.cache_write import ChorusCacheWrite
+    from chorus.nodes.feature_reuse import ChorusFeatureReuse
     from chorus.nodes.guidance_boost import ChorusGuidanceBoost
     from chorus.nodes.mask_retrieve import ChorusMaskRetrieve
     from chorus.nodes.sparse_sampler import ChorusSparseSampler
@@ -253,6 +255,7 @@ def test_fuzz_sampling_requests(env, record_property):
     counts: dict[str, int] = {}
     written: list[int] = []
     guided = [0]
+    orders: dict[str, int] = {}
 
     @settings(max_examples=SAMPLING_CASES, deadline=None, derandomize=True, database=None,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -261,8 +264,9 @@ def test_fuzz_sampling_requests(env, record_property):
            poison=st.sampled_from(["none", "none", "latent_nan", "latent_inf", "cond_nan", "cond_inf"]),
            steps=st.integers(1, 2), cfg=st.sampled_from([1.0, 2.0]), k_min=st.sampled_from([1, 4, 10**6]),
            refresh=st.sampled_from([0, 1, 10**6]), top_p=st.sampled_from([0.01, 0.9, 1.0]),
-           guidance=st.sampled_from([None, (0.5, 0.5, 0.0), (5.0, 5.0, 5.0)]))
-    def case(template, noise, shape, poison, steps, cfg, k_min, refresh, top_p, guidance):
+           guidance=st.sampled_from([None, (0.5, 0.5, 0.0), (5.0, 5.0, 5.0)]),
+           order=st.permutations(["sparse", "feature_reuse", "guidance"]), share=st.sampled_from([None, 0.25, 1.0]))
+    def case(template, noise, shape, poison, steps, cfg, k_min, refresh, top_p, guidance, order, share):
         positive = sh.tiny.random_conditioning(200 + template, noise=noise, noise_seed=11)
         negative = sh.tiny.random_conditioning(300)
         latent_image = torch.zeros(shape)
@@ -273,11 +277,17 @@ def test_fuzz_sampling_requests(env, record_property):
         latent = {"samples": latent_image}
         plan = ChorusMaskRetrieve.execute(latent=latent, workspace="fuzzrun", similarity_threshold=0.9,
                                           positive=positive).result[0]
-        patched = ChorusSparseSampler.execute(model=model, plan=plan, top_p=top_p, k_min=k_min,
-                                              refresh_steps=refresh, backend="auto").result[0]
-        if guidance is not None:  # text gain, first-frame bias and CFG correction, at the defaults or the maximum
-            patched = ChorusGuidanceBoost.execute(model=patched, plan=plan, strength=guidance[0],
-                                                  image_strength=guidance[1], cfg_strength=guidance[2]).result[0]
+        patched = model
+        for node in order:  # the three nodes configure one Chorus patch, in any order
+            if node == "sparse":
+                patched = ChorusSparseSampler.execute(model=patched, plan=plan, top_p=top_p, k_min=k_min,
+                                                      refresh_steps=refresh, backend="auto").result[0]
+            elif node == "feature_reuse" and share is not None:
+                patched = ChorusFeatureReuse.execute(model=patched, plan=plan, downsample_share=share).result[0]
+            elif node == "guidance" and guidance is not None:
+                # text gain, first-frame bias and CFG correction, at the defaults or the maximum
+                patched = ChorusGuidanceBoost.execute(model=patched, plan=plan, strength=guidance[0],
+                                                      image_strength=guidance[1], cfg_strength=guidance[2]).result[0]
         noise_t = comfy.sample.prepare_noise(latent_image, 0)
         samples = comfy.sample.sample(patched, noise_t, steps, cfg, "euler", "simple", positive, negative,
                                       latent_image, disable_pbar=True, seed=0)
@@ -292,6 +302,8 @@ def test_fuzz_sampling_requests(env, record_property):
         outcome = info.split(":")[0].split(" entry")[0]
         counts[f"{poison}/{outcome}"] = counts.get(f"{poison}/{outcome}", 0) + 1
         guided[0] += guidance is not None
+        key = ">".join(n[0] for n in order)
+        orders[key] = orders.get(key, 0) + 1
 
     case()
     for ws in _check_root(base, root, before):
@@ -304,7 +316,8 @@ def test_fuzz_sampling_requests(env, record_property):
         report = ws.verify()
         assert report["ok"] and report["index_consistent"], report
         ws.close()
-    sh.report(record_property, f"sampling requests ({guided[0]} with ChorusGuidanceBoost)", counts)
+    sh.report(record_property, f"sampling requests ({guided[0]} with ChorusGuidanceBoost; node orders "
+                               f"{dict(sorted(orders.items()))})", counts)
     assert written and any(k.endswith("/hit") for k in counts), counts
     assert guided[0] > 0
 
