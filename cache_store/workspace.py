@@ -234,7 +234,9 @@ class Workspace:
         self._rmutex = threading.RLock()  # the read connection and the in-memory index
         self._wmutex = threading.RLock()  # the write connection; writers of this handle
         try:
-            self._open_layout(create=create and not readonly)
+            if not create and not os.path.lexists(path / DB_NAME):  # checked before anything is created
+                raise ValueError(f"{path} is not a Chorus cache workspace (no {DB_NAME}); nothing was created there")
+            self._open_layout(create=not readonly)  # a writable handle of a workspace restores missing subdirs
             self._file_lock = None if self.readonly else FileLock(str(path / LOCK_NAME), timeout=self.timeout)
             self._connect(create=create and not readonly)
         except BaseException:
@@ -923,6 +925,8 @@ class Workspace:
     def _read_checked(self, entry_id: int, row) -> bytes:
         """The entry's bytes after the checks of the module docstring (kind, size, sha256)."""
         file, digest, _, nbytes = row
+        if self._entry_fd is None:  # read-only handle of a workspace without entries/
+            raise self._damaged(entry_id, file, "file missing (no entries/ directory)")
         if not ENTRY_NAME_RE.fullmatch(file):
             raise self._damaged(entry_id, file, f"file name {file[:80]!r} is not one the store makes")
         try:

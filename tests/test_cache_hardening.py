@@ -515,3 +515,26 @@ def test_names_are_fully_matched_and_relative_env_root_refused(tmp_path, monkeyp
     monkeypatch.setenv("CHORUS_CACHE_DIR", "~/cache")
     assert resolve_workspace("abc") == (tmp_path / "home" / "cache" / "abc").resolve()
     assert not (tmp_path / "root").exists()
+
+
+def test_missing_subdirectories_stay_inside(tmp_path, monkeypatch):
+    """A workspace copied without quarantine/ (as the backup recipe does) gets it back inside the
+    workspace on a writable open; a read-only handle of one without entries/ reads nothing elsewhere
+    (the working directory holds a same-named file that must not be used)."""
+    path = tmp_path / "ws"
+    ids = _filled(path, n=2)
+    victim = _entry_file(path, ids[0])
+    victim.write_bytes(b"damaged")
+    (path / "quarantine").rmdir()
+    monkeypatch.chdir(tmp_path)
+    with Workspace.open(path, create=False) as ws:
+        assert not ws.verify()["ok"]
+    assert (path / "quarantine" / victim.name).exists() and not (tmp_path / victim.name).exists()
+
+    good = _entry_file(path, ids[1])
+    os.replace(good, tmp_path / good.name)  # same name in the working directory
+    (path / "entries").rmdir()
+    with Workspace.open(path, readonly=True) as ws:
+        with pytest.raises(CorruptEntryError, match="no entries/ directory"):
+            ws.load(ids[1])
+    assert not (path / "entries").exists()
