@@ -24,7 +24,8 @@ Hosts give :meth:`FeatureReuse.block` a ``block_fn(x, per_token, layout) -> y`` 
 ``layout`` (a :class:`chorus.kernels.pooling.RegionLayout`, or None for the full sequence). A host whose
 self-attention can be intercepted should expand q/k/v to the full sequence (``expand_tokens``), run
 its (sparse) attention there and take ``compact_rows`` of the output: then each pooled key counts as
-the tokens it stands for and the attention mass stays right (the ComfyUI node does that).
+the tokens it stands for and the attention mass stays right (the ComfyUI patch's one attention
+override does that, ``nodes/comfy_patch.py``).
 """
 
 from __future__ import annotations

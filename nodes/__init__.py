@@ -1,6 +1,7 @@
 """ComfyUI nodes of Chorus II (V3 API). Imported only by the pack's ``comfy_entrypoint``.
 
-One module per node; ``comfy_adapter`` holds the model patching. Node ids are public API.
+One module per node; ``comfy_patch`` holds the one Chorus patch per model the nodes configure,
+``comfy_adapter`` the LoRA-aware model identity. Node ids are public API.
 """
 
 from comfy_api.latest import ComfyExtension
