@@ -145,6 +145,7 @@ class FeatureReuse:
         self._running = False
         self._layouts: dict = {}
         self._compacted: dict = {}
+        self.full_blocks_reason: str | None = None  # set when a compact block failed: full blocks from then on
 
     def __deepcopy__(self, memo):
         return self
@@ -190,7 +191,7 @@ class FeatureReuse:
         """The layout to use at this step and grid, or None (run in full). Raises ``ValueError`` on
         an entry whose scores do not fit."""
         cfg = self.config
-        if cfg.downsample_share <= 0 or self.expert is None or not self.plan.is_hit:
+        if cfg.downsample_share <= 0 or self.expert is None or not self.plan.is_hit or self.full_blocks_reason:
             return None
         fr = self._entry_scores()
         if fr is None:
@@ -273,9 +274,8 @@ class FeatureReuse:
         except Exception as exc:  # noqa: BLE001 - e.g. another patch that needs the full sequence
             if type(exc).__name__ in PROPAGATE:
                 raise
-            plan.note(f"feature reuse: the block failed on the compact sequence ({type(exc).__name__}: {exc}); "
-                      "full blocks from now on")
-            self.config = FeatureReuseConfig(**{**self.config.__dict__, "downsample_share": 0.0})
+            self.full_blocks_reason = f"the block failed on the compact sequence ({type(exc).__name__}: {exc})"
+            plan.note(f"feature reuse: {self.full_blocks_reason}; full blocks from now on")
             return block_fn(x, full_inputs, None)
         with self.state.lock:
             self.state.blocks_reduced += 1

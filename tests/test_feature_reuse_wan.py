@@ -365,4 +365,7 @@ def test_per_frame_modulation_and_a_failing_block_fall_back_safely(nodes):
     out = call(opts)
     torch.testing.assert_close(out, full, rtol=1e-5, atol=1e-5)
     assert any("failed on the compact sequence" in m for m in hit.stats.messages)
+    # full blocks from then on, while the part keeps the user's setting (a later re-patch carries it)
+    assert handle.full_blocks_reason and handle.config.downsample_share == 0.5
+    assert handle.layout_for(0.5, grid, x.device) is None
     handle.end_run()
