@@ -23,7 +23,9 @@ Time bound (``timeout``, default :func:`chorus.cache_store.errors.store_timeout`
 ``CHORUS_CACHE_TIMEOUT``): no call waits longer than that for another thread or process (the
 writers' lock, SQLite's write lock). Past it the call raises
 :class:`~chorus.cache_store.errors.StoreBusyError` (an ``OSError``) having changed nothing, except
-:meth:`load` with ``touch=True``, which returns the entry and logs that its hit was not counted.
+:meth:`load` with ``touch=True``, which never waits to count its hit: when SQLite's write lock is
+busy that instant the hit is kept in memory (logged) and counted by the handle's next
+:meth:`touch` or :meth:`close`.
 Every other ``sqlite3`` error leaves as :class:`~chorus.cache_store.errors.StoreError` (an
 ``OSError``).
 
@@ -228,6 +230,7 @@ class Workspace:
         self._index_generation = -1
         self._unsaved_changes = 0
         self._set_aside: set[int] = set()  # damaged entries this handle could not quarantine (read-only/busy)
+        self._pending_hits: dict[int, int] = {}  # hits of load(touch=True) not yet counted (store was busy)
         self._closed = False
         self._fds: list[int] = []
         self._rdb = self._wdb = None
@@ -406,6 +409,11 @@ class Workspace:
         busy past the time bound: the index is rebuildable), and close the database."""
         if self._closed:
             return
+        if self._pending_hits and not self.readonly:
+            try:
+                self._flush_hits()
+            except Exception as exc:  # noqa: BLE001 - hit counts steer eviction only
+                LOG.warning("%d hits of %s not counted: %s", sum(self._pending_hits.values()), self.path, exc)
         if self._unsaved_changes and not self.readonly:
             try:
                 self.save_index()
@@ -434,13 +442,15 @@ class Workspace:
 
     # -- locking -----------------------------------------------------------------------------
     @contextmanager
-    def _writing(self, *, file_lock: bool = True):
+    def _writing(self, *, file_lock: bool = True, timeout: float | None = None):
         """Hold this handle's writer mutex, then (``file_lock``) the cross-process writers' lock, each
-        waited for at most what is left of the time bound; set SQLite's busy timeout to the rest."""
+        waited for at most what is left of the time bound (or ``timeout``); set SQLite's busy
+        timeout to the rest."""
         if self.readonly:
             raise StoreError(f"workspace {self.path} was opened read-only")
-        deadline = time.monotonic() + self.timeout
-        if not self._wmutex.acquire(timeout=self.timeout):
+        timeout = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        if not self._wmutex.acquire(timeout=timeout):
             raise StoreBusyError(f"workspace {self.path}: another thread of this process kept writing for the "
                                  f"time bound ({self.timeout:g} s); nothing was changed")
         try:
@@ -953,11 +963,11 @@ class Workspace:
     def load(self, entry_id: int, *, packed: bool = False, touch: bool = True):
         """``(masks, meta)`` of an entry. Bool maps come back with the shape they were added with
         (as :class:`~chorus.cache_store.entry_format.PackedMap` when ``packed``; unpack on the GPU
-        with ``.unpack(device)``). Counts a hit unless ``touch=False``; a hit that cannot be
-        counted within the time bound is logged and dropped, the entry is still returned. Raises
+        with ``.unpack(device)``). Counts a hit unless ``touch=False``, without waiting (a hit that
+        cannot be written this instant is kept pending, see the module docstring). Raises
         ``KeyError`` for an unknown id (or one evicted while it was read) and
         :class:`CorruptEntryError` for a damaged (now quarantined) entry. Never waits for a writer
-        except to quarantine or count the hit (each within the time bound).
+        except to quarantine a damaged entry (within the time bound).
         """
         row = self._row(entry_id)
         if row is None:
@@ -970,19 +980,50 @@ class Workspace:
         except _EntryGone:
             raise KeyError(f"entry {entry_id} of workspace {self.path} was removed (evicted) while it was read") from None
         if touch:
-            try:
-                self.touch(entry_id)
-            except StoreBusyError as exc:
-                LOG.warning("hit of entry %d not counted: %s", entry_id, exc)
+            self._count_hit(entry_id)
         return masks, meta
+
+    def _count_hit(self, entry_id: int) -> None:
+        """Count a hit without waiting: if SQLite's write lock is busy this instant, the hit is kept
+        in memory and counted by this handle's next touch or close (or lost if the process ends)."""
+        if self.readonly:
+            return
+        with self._rmutex:
+            self._pending_hits[int(entry_id)] = self._pending_hits.get(int(entry_id), 0) + 1
+        try:
+            self._flush_hits(timeout=0.0)
+        except (StoreBusyError, sqlite3.OperationalError) as exc:
+            LOG.warning("hit of entry %d not counted yet (kept for the next write): %s", entry_id,
+                        exc if isinstance(exc, StoreBusyError) else "the store is busy")
+
+    def _flush_hits(self, timeout: float | None = None) -> None:
+        with self._writing(file_lock=False, timeout=timeout) as db:
+            with self._rmutex:
+                hits, self._pending_hits = self._pending_hits, {}
+            if not hits:
+                return
+            try:
+                db.execute("BEGIN IMMEDIATE")
+                now = time.time()
+                for entry_id, n in hits.items():
+                    db.execute("UPDATE entries SET hits = hits + ?, last_used = ? WHERE id = ?", (n, now, entry_id))
+                db.execute("COMMIT")
+            except BaseException:
+                if db.in_transaction:
+                    db.execute("ROLLBACK")
+                with self._rmutex:  # keep them for the next try
+                    for entry_id, n in hits.items():
+                        self._pending_hits[entry_id] = self._pending_hits.get(entry_id, 0) + n
+                raise
 
     @_store_call
     def touch(self, entry_id: int) -> None:
-        """Count a hit: ``hits += 1``, ``last_used = now`` (drives LRU/LFU eviction). Takes SQLite's
-        write lock only (not the writers' file lock); raises ``StoreBusyError`` (hit not counted)
-        past the time bound."""
-        with self._writing(file_lock=False) as db:
-            db.execute("UPDATE entries SET hits = hits + 1, last_used = ? WHERE id = ?", (time.time(), int(entry_id)))
+        """Count a hit: ``hits += 1``, ``last_used = now`` (drives LRU/LFU eviction), together with
+        hits :meth:`load` could not count earlier. Takes SQLite's write lock only (not the writers'
+        file lock); raises ``StoreBusyError`` past the time bound (the hits stay pending)."""
+        with self._rmutex:
+            self._pending_hits[int(entry_id)] = self._pending_hits.get(int(entry_id), 0) + 1
+        self._flush_hits()
 
     def _meta(self, meta_json: str):
         try:

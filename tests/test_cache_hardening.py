@@ -123,9 +123,9 @@ def test_fifo_entry_never_blocks_load_or_verify(tmp_path):
 
 def test_held_sqlite_transaction_bounds_every_prompt_call(tmp_path, caplog):
     """Another process holds SQLite's write transaction and the writers' lock: open, search, len and
-    load(touch=False) do not wait at all; load(touch=True) returns the entry (hit not counted);
-    touch and add give up within the bound with StoreBusyError (an OSError) and write nothing; a
-    search on the same handle while add waits returns before add gives up."""
+    load(touch=False) do not wait at all; load(touch=True) returns the entry without waiting (its hit
+    is kept pending); touch and add give up within the bound with StoreBusyError (an OSError) and
+    write nothing; a search on the same handle while add waits returns before add gives up."""
     path = tmp_path / "ws"
     ids = _filled(path)
     holder = Holder(path)
@@ -156,6 +156,8 @@ def test_held_sqlite_transaction_bounds_every_prompt_call(tmp_path, caplog):
         holder.release()
     assert ws.add(embedding(9), small_masks(9), {"signature": SIGNATURE}) == 5
     assert ws.stats()["hits"] == 0
+    ws.touch(ids[2])  # counts the hits kept pending while the store was busy
+    assert {e["id"]: e["hits"] for e in ws.entries()} == {ids[0]: 0, ids[1]: 0, ids[2]: 1, ids[3]: 2, 5: 0}
     ws.close()
     slow.close()
 
