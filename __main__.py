@@ -16,9 +16,12 @@ The pack also installs the `chorus` command (pip's console script): `chorus cach
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     usage = "usage: python -m chorus {demo,cache} [options]   (add -h to a command for its options)"
-    if not argv or argv[0] in ("-h", "--help"):
-        print(usage + HELP if argv else usage)
-        return 0 if argv else 2
+    if not argv:
+        print(f"error: no command given ({usage})", file=sys.stderr)
+        return 2
+    if argv[0] in ("-h", "--help"):
+        print(usage + HELP)
+        return 0
     command, rest = argv[0], argv[1:]
     if command == "cache":
         from .cache_store.cli import main as cache_main
@@ -28,7 +31,7 @@ def main(argv=None) -> int:
         from .demo.run import main as demo_main
 
         return demo_main(rest)
-    print(f"unknown command {command!r}\n{usage}", file=sys.stderr)
+    print(f"error: unknown command {command!r} ({usage})", file=sys.stderr)
     return 2
 
 

@@ -40,8 +40,15 @@ def _root_epilog() -> str:
             "Also installed as the `chorus` command: `chorus cache stats ...`.")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with errors as one line ``error: ...`` (exit 2) instead of usage + message."""
+
+    def error(self, message):
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m chorus cache", description="Inspect and maintain a Chorus mask cache workspace.",
+    parser = _Parser(prog="python -m chorus cache", description="Inspect and maintain a Chorus mask cache workspace.",
                                      epilog=_root_epilog())
     sub = parser.add_subparsers(dest="action", required=True)
     for name, help_text in [("stats", "counts, bytes, index kinds, quarantine"),

@@ -210,3 +210,14 @@ def test_comfyui_option_and_help_name_the_root(tmp_path, capsys, monkeypatch):
 
     top = subprocess.run([sys.executable, "-m", "chorus", "--help"], capture_output=True, text=True, timeout=60)
     assert top.returncode == 0 and "cache   inspect and maintain" in top.stdout and "`chorus` command" in top.stdout
+
+
+def test_argument_errors_are_one_line(capsys):
+    for args in (["stats", "--bogus"], [], ["frobnicate"], ["prune", "--max-entries", "x"]):
+        code, _, err = _run_inprocess(capsys, *args)
+        assert code == 2 and _one_error_line(err), (args, err)
+    from chorus.__main__ import main as top
+
+    for args in ([], ["frobnicate"]):
+        assert top(args) == 2
+        _one_error_line(capsys.readouterr().err)
