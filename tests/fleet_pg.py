@@ -55,7 +55,8 @@ class Cluster:
 
     proc: subprocess.Popen | None = None
 
-    def __init__(self):
+    def __init__(self, primary: "Cluster | None" = None):
+        """A new cluster, or with ``primary`` a streaming standby of it (``pg_basebackup -R``)."""
         self.bin = _bin_dir()
         if self.bin is None:
             raise RuntimeError("PostgreSQL's initdb not found (install Debian's postgresql package)")
@@ -72,6 +73,13 @@ class Cluster:
         self.data = self.tmp / "data"
         self.port = _free_port()
         self.log = self.tmp / "server.log"
+        if primary is not None:
+            self._run("pg_basebackup", "-D", str(self.data), "-h", "127.0.0.1", "-p", str(primary.port),
+                      "-U", "postgres", "-X", "stream", "-R", "-c", "fast")
+            (self.data / "postgresql.conf").open("a").write(
+                f"\nport = {self.port}\nunix_socket_directories = '{self.tmp}'\n")
+            self.start()
+            return
         self._run("initdb", "-D", str(self.data), "-U", "postgres", "--auth=trust", "-E", "UTF8",
                   "--no-instructions")
         (self.data / "postgresql.conf").open("a").write(
@@ -81,8 +89,13 @@ class Cluster:
         (self.data / "pg_hba.conf").write_text(
             "local all all trust\n"
             "host all chorus_pw 127.0.0.1/32 scram-sha-256\n"
-            "host all all 127.0.0.1/32 trust\n")
+            "host all all 127.0.0.1/32 trust\n"
+            "host replication all 127.0.0.1/32 trust\n")
         self.start()
+
+    def promote(self) -> None:
+        """Promote a standby to primary (``pg_ctl promote``)."""
+        self._run("pg_ctl", "-D", str(self.data), "-w", "-t", "60", "promote")
 
     def _user_kwargs(self) -> dict:
         if self.as_user is None:

@@ -30,6 +30,7 @@ pytest.importorskip("psycopg", reason="psycopg 3 is not installed (pip install '
 from chorus.cache_store import CacheStore, CorruptEntryError, StoreUnavailableError, Workspace  # noqa: E402
 from chorus.cache_store import fleet as fleet_mod  # noqa: E402
 from chorus.cache_store.fleet import FleetStore  # noqa: E402
+from chorus.cache_store.errors import StoreError  # noqa: E402
 from chorus.cache_store.protocol import open_store  # noqa: E402
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "OPERATIONS.md"
@@ -609,3 +610,49 @@ def test_cli_on_the_fleet_store(url, tmp_path):
     assert "entries: 2" in text
     bad = sh.chorus_cli("cache", "stats", "--url", url, "--path", root)
     assert bad.returncode == 2 and bad.stderr.startswith("error: ")
+
+
+def test_standby_failover_of_operations_md(tmp_path):
+    """docs/OPERATIONS.md (Fleet): a synchronous streaming standby (``pg_basebackup -R``), workers
+    on a two-host URL with ``target_session_attrs=read-write``; the primary is SIGKILLed and the
+    standby promoted (``pg_ctl promote``): every entry reported committed is there, the worker
+    reconnects by itself and writes again, a worker started later sees everything."""
+    fleet_pg.require()
+    primary, standby, stores = fleet_pg.Cluster(), None, []
+    try:
+        primary.sql("ALTER SYSTEM SET synchronous_standby_names = '*'")
+        primary.sql("SELECT pg_reload_conf()")
+        standby = fleet_pg.Cluster(primary=primary)
+        _wait_until(lambda: primary.sql("SELECT sync_state FROM pg_stat_replication") == [("sync",)], 30,
+                    "the standby streams synchronously")
+        url = (f"postgresql://postgres@127.0.0.1:{primary.port},127.0.0.1:{standby.port}/postgres"
+               "?target_session_attrs=read-write")
+        a = FleetStore.open(url, "w", local_path=tmp_path / "a" / "w")
+        stores.append(a)
+        ids = [a.add(sh.embedding(i), sh.entry_masks(i), _meta(i)) for i in range(5)]
+        primary.kill()
+        standby.promote()
+        # as docs/OPERATIONS.md says: the promoted standby has no standby of its own yet, so its
+        # commits must stop waiting for one (else every write hangs until the client's deadline)
+        standby.sql("ALTER SYSTEM SET synchronous_standby_names = ''")
+        standby.sql("SELECT pg_reload_conf()")
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                new = a.add(sh.embedding(9), sh.entry_masks(9), _meta(9))
+                break
+            except StoreError:
+                assert time.monotonic() < deadline, "the worker did not reach the promoted standby"
+                time.sleep(0.2)
+        assert standby.sql("SELECT pg_is_in_recovery()") == [(False,)]
+        assert sorted(e["id"] for e in a.entries()) == ids + [new]  # nothing reported committed was lost
+        late = FleetStore.open(url, "w", local_path=tmp_path / "b" / "w")
+        stores.append(late)
+        assert sorted(late._known) == ids + [new] and late.verify()["ok"]
+        _wait_until(lambda: sorted(a._known) == ids + [new], 10, "the first worker's feed reconnected")
+    finally:
+        for store in stores:
+            store.close()
+        for cluster in (standby, primary):
+            if cluster is not None:
+                cluster.stop()
