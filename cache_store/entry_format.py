@@ -367,11 +367,20 @@ def _check_records(records, raw_sizes, meta, max_elements):
             raise EntryFormatError(f"corrupt map record {str(rec)[:200]}: {exc}") from exc
         if chunk >= len(raw_sizes) or offset + nbytes > raw_sizes[chunk]:
             raise EntryFormatError(f"map {key!r} lies outside its chunk")
+        encoding, dtype_name = rec.get("encoding"), rec.get("dtype")
+        if encoding == "bits":
+            if len(shape) < 2 or math.prod(shape[:-1]) * ((shape[-1] + 7) // 8) != nbytes:
+                raise EntryFormatError(f"map {key!r}: {nbytes} bytes do not hold bit-packed shape {shape}")
+        elif encoding == "raw" and isinstance(dtype_name, str) and dtype_name in _RAW_DTYPES:
+            if math.prod(shape) * _RAW_DTYPES[dtype_name].itemsize != nbytes:
+                raise EntryFormatError(f"map {key!r}: {nbytes} bytes do not hold {dtype_name} {shape}")
+        else:
+            raise EntryFormatError(f"map {key!r}: unknown encoding {str(encoding)[:40]!r}")
         elements += math.prod(shape)
         if elements > cap:
             raise EntryFormatError(f"maps declare more than {cap} elements, the cap of this entry's signature")
         per_chunk[chunk] += nbytes
-        plan.append((key, rec.get("encoding"), rec.get("dtype"), shape, chunk, offset, nbytes))
+        plan.append((key, encoding, dtype_name, shape, chunk, offset, nbytes))
     if per_chunk != list(raw_sizes):
         raise EntryFormatError("chunk sizes do not match the sizes of the maps they hold")
     return plan

@@ -198,14 +198,14 @@ def read_regular_file(name: str, *, dir_fd: int, max_bytes: int, expected_size: 
             raise UnsafeLayoutError(f"{name} has {st.st_size} bytes, more than the {max_bytes} the store reads")
         parts, size = [], st.st_size
         while size > 0:
-            part = os.read(fd, min(size, 64 << 20))
+            part = os.read(fd, min(size, 0x7FFFF000))  # one read for any entry (Linux's per-call maximum)
             if not part:
                 break
             parts.append(part)
             size -= len(part)
         if size or os.read(fd, 1):
             raise UnsafeLayoutError(f"{name} changed size while being read")
-        return parts[0] if len(parts) == 1 else b"".join(parts)
+        return parts[0] if len(parts) == 1 else b"".join(parts)  # (an empty file: b"")
     finally:
         os.close(fd)
 

@@ -329,7 +329,7 @@ def test_sparse_huge_entry_file_is_refused_before_reading(tmp_path):
 
 
 @pytest.mark.parametrize("case", ["shape_past_geometry", "stream_past_declared_zstd", "stream_past_declared_zlib",
-                                  "sizes_past_records", "raw_past_ceiling"])
+                                  "sizes_past_records", "bytes_past_shape", "raw_past_ceiling"])
 def test_decompression_bombs_are_refused_at_their_stated_size(tmp_path, case):
     """Each forged entry (consistent checksum) is quarantined with a reason; the load's peak memory
     stays far below what the bomb would expand to (hundreds of MiB, x8 unpacked)."""
@@ -351,6 +351,10 @@ def test_decompression_bombs_are_refused_at_their_stated_size(tmp_path, case):
         records = [{"key": ["high", 0, 0, 0], "encoding": "raw", "dtype": "uint8", "shape": [16], "chunk": 0,
                     "offset": 0, "nbytes": 16}]
         data, match = _entry_bytes(records, [big], [_bomb_stream(big, "zstd")], meta), "do not match"
+    elif case == "bytes_past_shape":  # a one-element map declaring 256 MiB of payload
+        records = [{"key": ["high", 0, 0, 0], "encoding": "raw", "dtype": "uint8", "shape": [1], "chunk": 0,
+                    "offset": 0, "nbytes": big}]
+        data, match = _entry_bytes(records, [big], [_bomb_stream(big, "zstd")], meta), "do not hold"
     else:  # a signature without geometry: the global ceiling on raw bytes
         records = [{"key": ["high", 0, 0, 0], "encoding": "raw", "dtype": "uint8", "shape": [3 << 30], "chunk": 0,
                     "offset": 0, "nbytes": 3 << 30}]
