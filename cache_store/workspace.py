@@ -548,10 +548,17 @@ class Workspace:
         for key, (ids, vecs) in groups.items():
             index.add(key, np.array(ids, dtype=np.int64), np.stack(vecs))
 
+    def _index_file_cap(self, dim: int) -> int:
+        """The most bytes a saved index of this workspace can take: per entry its vector, its id and
+        HNSW links (generously), twice over for tombstones, plus headers; at most MAX_INDEX_FILE_BYTES."""
+        count = self._rdb.execute("SELECT COUNT(*) FROM entries").fetchone()[0]
+        return min(MAX_INDEX_FILE_BYTES, (1 << 20) + 2 * count * (4 * dim + 1024))
+
     def _load_index_file(self, dim: int):
+        cap = self._index_file_cap(dim)
         for file_gen, name in self._index_files():
             try:
-                data = read_regular_file(name, dir_fd=self._dir_fd, max_bytes=MAX_INDEX_FILE_BYTES)
+                data = read_regular_file(name, dir_fd=self._dir_fd, max_bytes=cap)
                 index, saved_gen = PartitionedIndex.from_bytes(data)
                 if index.dim != dim or saved_gen != file_gen or index.owner != self._workspace_id:
                     raise ValueError("index file does not match the workspace")

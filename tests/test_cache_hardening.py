@@ -544,3 +544,21 @@ def test_missing_subdirectories_stay_inside(tmp_path, monkeypatch):
         with pytest.raises(CorruptEntryError, match="no entries/ directory"):
             ws.load(ids[1])
     assert not (path / "entries").exists()
+
+
+def test_oversized_or_odd_index_files_are_not_read(tmp_path):
+    """The saved index is capped by the entry count (a sparse 1 GiB index file is dropped unread, the
+    index rebuilt from SQLite); an index file that is a FIFO is skipped without blocking."""
+    path = tmp_path / "ws"
+    ids = _filled(path)
+    with Workspace.open(path) as ws:
+        saved = ws.save_index()
+    with open(saved, "r+b") as f:
+        f.truncate(1 << 30)
+    os.mkfifo(path / "index.g999.safetensors")
+    result, growth = _peak_growth_mib(lambda: _in_thread(lambda: Workspace.open(path))[0])
+    assert isinstance(result, Workspace), result
+    assert growth is None or growth < 64, f"+{growth:.0f} MiB peak RSS"
+    assert result.search(embedding(2), k=1)[0][0] == ids[2] and result.verify()["index_consistent"]
+    result.close()
+    assert saved.stat().st_size < 1 << 20  # dropped, and saved again from the rebuilt index on close
