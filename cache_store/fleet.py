@@ -14,7 +14,8 @@ Where things live:
   entry_id)``, ``op`` ``a``\\ dd or ``r``\\ emove) and ``chorus_quarantine``.
 * **Each worker's memory**: a faiss :class:`~chorus.cache_store.index.PartitionedIndex` of the
   workspace, fed from PostgreSQL: an initial load (one consistent snapshot of the entries and the
-  sequence number), then the change log after each ``NOTIFY chorus_changes`` (a listener thread
+  sequence number; exact partitions at once, large ones rebuilt as HNSW in a background thread
+  and swapped in, so a new worker serves while the slow build runs), then the change log after each ``NOTIFY chorus_changes`` (a listener thread
   with its own connection) and every ``POLL_S`` seconds; after a reconnect it catches up from the
   last sequence number it applied (a full reload when the log was trimmed past it). Searches never
   touch the network.
@@ -92,6 +93,7 @@ POLL_S = 2.0
 FEED_DEADLINE_S = 300.0  # the listener's catch-ups (a background thread; a full load of 100k entries)
 FULL_LOAD_TIMEOUT_MS = 300_000
 CATCH_UP_BATCH = 5000
+FLAT_ONLY = 1 << 62  # approx_threshold of the exact index a worker serves from while it builds HNSW
 CHANGE_LOG_KEEP_S = 7 * 86400
 
 SCHEMA = [
@@ -263,6 +265,8 @@ class FleetStore:
         self.last_error: str | None = None
         self._tier_lock = threading.Lock()
         self._listen = listen
+        self._build_token = None
+        self._building: threading.Thread | None = None
 
     # -- opening ----------------------------------------------------------------------------
     @classmethod
@@ -310,6 +314,7 @@ class FleetStore:
         if self._closed:
             return
         self._closed = True
+        self._build_token = None  # a background index build stops at its swap
         self._stop.set()
         if self._listener is not None:
             self._listener.join(timeout=POLL_S + CALL_DEADLINE_S)
@@ -418,7 +423,9 @@ class FleetStore:
                 if not batch:
                     break
                 rows.extend(batch)
-        index = PartitionedIndex(int(dim), self._approx_threshold) if dim else None
+        # exact (flat) partitions first, so that the worker serves at once; partitions past the
+        # approximate threshold are built as HNSW in a background thread and swapped in
+        index = PartitionedIndex(int(dim), FLAT_ONLY) if dim else None
         known: dict[int, tuple[str, str, int]] = {}
         bad = []
         if index is not None:
@@ -427,7 +434,40 @@ class FleetStore:
             known = {r[0]: (r[1], r[2], r[3]) for r in good}
         with self._mutex:
             self._index, self._known, self._dim, self._seq = index, known, (int(dim) if dim else None), seq
+            token = self._build_token = object()
+            large = index is not None and any(p.live_count() >= self._approx_threshold for p in index.parts.values())
+        if large:
+            self._building = threading.Thread(target=self._build_approx, args=(token,), daemon=True,
+                                              name=f"chorus-fleet-index-{self.workspace}")
+            self._building.start()
         self._quarantine_later(bad)
+
+    def _build_approx(self, token) -> None:
+        """Build the index with approximate (HNSW) partitions from the exact one loaded at open,
+        then swap it in, with whatever the feed added or removed meanwhile."""
+        with self._mutex:
+            if token is not self._build_token or self._index is None:
+                return
+            flat = self._index
+            parts = {key: part.vectors() for key, part in flat.parts.items()}
+        t = time.monotonic()
+        built = PartitionedIndex(flat.dim, self._approx_threshold)
+        for key, (ids, xb) in parts.items():
+            if len(ids):
+                built.add(key, ids, xb)
+        with self._mutex:
+            if token is not self._build_token or self._index is not flat:
+                return  # reloaded meanwhile
+            stale = [i for i in built.where if i not in self._known]
+            if stale:
+                built.remove(stale)
+            missing = [i for i in self._known if i not in built.where]
+            for i in missing:  # added by the feed during the build: take their vectors from the flat index
+                key = self._known[i][0]
+                built.add(key, [i], flat.parts[key].index.reconstruct(int(i))[None])
+            self._index = built
+        LOG.info("fleet workspace %s: approximate index of %d entries built in %.1f s", self.workspace,
+                 len(built), time.monotonic() - t)
 
     def _check_rows(self, rows, dim: int, bad: list) -> list:
         """Rows whose embedding is a finite float32 vector of ``dim`` (others go to ``bad``)."""
@@ -554,6 +594,15 @@ class FleetStore:
                     conn.close()
             self._stop.wait(backoff)
             backoff = min(backoff * 2, 2.0)
+
+    def wait_index(self, timeout: float | None = None) -> bool:
+        """Wait until a background build of approximate partitions (after a load of a large
+        workspace) is done; returns whether it is. Searches are exact while it runs."""
+        thread = self._building
+        if thread is not None:
+            thread.join(timeout)
+            return not thread.is_alive()
+        return True
 
     def sync(self) -> int:
         """Catch up with the change log now (the listener does this by itself); returns changes applied."""
@@ -849,21 +898,24 @@ class FleetStore:
         with self._mutex:
             kinds = self._index.kinds() if self._index is not None else {}
             indexed, applied = len(self._known), self._seq
+        building = self._building is not None and self._building.is_alive()
         tier_files, tier_bytes = self._tier_usage()
         return {
             "path": f"{self.url} workspace {self.workspace}", "store": "fleet", "workspace": self.workspace,
             "entries": int(ws[2]), "bytes": int(ws[3]), "hits": hits, "signatures": sigs,
             "dim": ws[1], "generation": int(ws[0]), "feed_seq": applied,
             "limits": {"max_bytes": int(ws[4]), "max_entries": int(ws[5]) or None, "eviction": ws[6]},
-            "index": kinds, "indexed": indexed, "quarantined": self.quarantined(),
+            "index": kinds, "index_building": building, "indexed": indexed, "quarantined": self.quarantined(),
             "local_tier": {"path": str(self.tier_dir), "files": tier_files, "bytes": tier_bytes,
                            "max_bytes": self.tier_bytes},
         }
 
     # -- maintenance ------------------------------------------------------------------------
     def rebuild_index(self, progress: bool = False) -> dict:
-        """Reload this worker's index from PostgreSQL; returns its kinds per signature."""
+        """Reload this worker's index from PostgreSQL (waiting for the approximate partitions);
+        returns its kinds per signature."""
         self._call(self._full_load, deadline=FEED_DEADLINE_S)
+        self.wait_index()
         with self._mutex:
             return self._index.kinds() if self._index is not None else {}
 

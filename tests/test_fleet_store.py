@@ -656,3 +656,38 @@ def test_standby_failover_of_operations_md(tmp_path):
         for cluster in (standby, primary):
             if cluster is not None:
                 cluster.stop()
+
+
+def test_large_workspace_serves_exact_then_swaps_in_hnsw(url, tmp_path, monkeypatch):
+    """A worker opening a workspace past the approximate threshold serves from an exact index at
+    once and swaps in HNSW partitions built in the background, with the feed's changes made
+    during the build (held open here until the changes are in)."""
+    writer = _open(url, tmp_path, "a", listen=False)
+    ids = [writer.add(sh.embedding(i), sh.entry_masks(i), _meta(i)) for i in range(60)]
+    release, real = threading.Event(), fleet_mod.PartitionedIndex
+
+    def held(dim, threshold, *args, **kwargs):  # the background build waits after its snapshot
+        if threshold == 20:
+            release.wait(30)
+        return real(dim, threshold, *args, **kwargs)
+
+    monkeypatch.setattr(fleet_mod, "PartitionedIndex", held)
+    reader = _open(url, tmp_path, "b", approx_threshold=20)
+    try:
+        assert [v["kind"] for v in reader._index.kinds().values()] == ["flat"] and reader.stats()["index_building"]
+        assert reader.search(sh.embedding(7))[0][0] == ids[7]
+        ids += [writer.add(sh.embedding(i), sh.entry_masks(i), _meta(i)) for i in range(60, 65)]
+        assert writer.remove(ids[3]) and writer.remove(ids[61])
+        live = sorted(set(ids) - {ids[3], ids[61]})
+        _wait_until(lambda: sorted(reader._known) == live, 5.0, "feed applied to the exact index")
+        release.set()
+        assert reader.wait_index(60)
+        assert [v["kind"] for v in reader._index.kinds().values()] == ["hnsw"]
+        assert sorted(reader._index.where) == live
+        for n, entry_id in enumerate(ids):
+            if entry_id in live:
+                assert reader.search(sh.embedding(n))[0][0] == entry_id
+        assert reader.verify()["index_consistent"]
+    finally:
+        reader.close()
+        writer.close()
