@@ -190,6 +190,8 @@ def _run(args, ws):
         if result.get("evicted"):
             text += (f"\n  {len(result['evicted'])} entries were evicted or removed by a worker while verify ran "
                      "(not damage)")
+        if result.get("cleanup_skipped"):
+            text += f"\n  orphan cleanup skipped: {result['cleanup_skipped']}"
         for stray in result.get("stray", []):
             text += f"\n  left alone (not made by the store): {stray}"
     elif args.action == "prune":

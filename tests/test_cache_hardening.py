@@ -562,3 +562,16 @@ def test_oversized_or_odd_index_files_are_not_read(tmp_path):
     assert result.search(embedding(2), k=1)[0][0] == ids[2] and result.verify()["index_consistent"]
     result.close()
     assert saved.stat().st_size < 1 << 20  # dropped, and saved again from the rebuilt index on close
+
+
+def test_verify_beside_a_held_lock_checks_and_skips_only_the_cleanup(tmp_path):
+    path = tmp_path / "ws"
+    ids = _filled(path)
+    holder = Holder(path)
+    try:
+        with Workspace.open(path, timeout=BOUND) as ws:
+            report, took = _in_thread(ws.verify)
+            assert report["ok"] and report["checked"] == len(ids) and report["index_consistent"], report
+            assert "writers' lock" in report["cleanup_skipped"] and took < LIMIT
+    finally:
+        holder.release()
