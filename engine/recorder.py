@@ -11,6 +11,15 @@ from ..kernels.codec import unpack_bits
 from .routing import SigmaSchedule
 
 _BIT_WEIGHTS = (128, 64, 32, 16, 8, 4, 2, 1)
+_WEIGHTS_ON: dict = {}  # device -> the bit weights there (made once: a host -> device copy waits for the GPU)
+
+
+def _bit_weights(device) -> torch.Tensor:
+    key = str(device)
+    weights = _WEIGHTS_ON.get(key)
+    if weights is None:
+        weights = _WEIGHTS_ON[key] = torch.tensor(_BIT_WEIGHTS, dtype=torch.uint8).to(device)
+    return weights
 
 
 def pack_bits_on_device(block_map: torch.Tensor) -> torch.Tensor:
@@ -23,8 +32,7 @@ def pack_bits_on_device(block_map: torch.Tensor) -> torch.Tensor:
     if pad:
         bits = torch.cat([bits, bits.new_zeros(*bits.shape[:-1], pad)], dim=-1)
     bits = bits.reshape(*bits.shape[:-1], -1, 8)
-    weights = torch.tensor(_BIT_WEIGHTS, dtype=torch.uint8, device=bits.device)
-    return (bits * weights).sum(-1, dtype=torch.uint8)
+    return (bits * _bit_weights(bits.device)).sum(-1, dtype=torch.uint8)
 
 
 def unpack_bits_on_device(packed: torch.Tensor, num_kv_blocks: int) -> torch.Tensor:
@@ -59,6 +67,7 @@ class MassRecorder:
         self.num_heads: int | None = None
         self.block_size: int | None = None
         self.incomplete_reason: str | None = None
+        self._bad = None  # device bool: some recorded mass was NaN, inf or negative
         self._lock = threading.Lock()
 
     def mark_incomplete(self, reason: str) -> None:
@@ -77,9 +86,12 @@ class MassRecorder:
         """Record one call's mass ``[B, H, Qb, Kb]``; returns the selected bool map ``[H, Qb, Kb]``."""
         if mass.dim() != 4:
             raise ValueError(f"mass must be [B, H, Qb, Kb], got shape {tuple(mass.shape)}")
-        mean = mass.float().mean(dim=0, keepdim=True)  # select_blocks rejects NaN/inf mass
-        selected = kernels.select_blocks(mean, top_p=top_p, k_min=min(k_min, mean.shape[-1]),
-                                         keep_diagonal=True, keep_first_frame_blocks=keep_first_frame_blocks)[0]
+        mean = mass.float().mean(dim=0, keepdim=True)
+        # NaN / inf / negative mass is flagged on the device (no host sync per call) and checked when
+        # the maps are written: such a recording is never written
+        bad = ~(torch.isfinite(mean) & (mean >= 0)).all()
+        selected = kernels.select_blocks(mean, top_p=top_p, k_min=min(k_min, mean.shape[-1]), keep_diagonal=True,
+                                         keep_first_frame_blocks=keep_first_frame_blocks, check_values=False)[0]
         packed = pack_bits_on_device(selected)
         with self._lock:
             grid = tuple(int(g) for g in grid)
@@ -87,6 +99,7 @@ class MassRecorder:
                 self.grid, self.num_heads, self.block_size = grid, int(mass.shape[1]), int(block_size)
             elif grid != self.grid or int(mass.shape[1]) != self.num_heads:
                 raise ValueError(f"recorded grid/heads changed within a request: {self.grid}/{self.num_heads} -> {grid}/{mass.shape[1]}")
+            self._bad = bad if self._bad is None else (self._bad | bad)
             key = (int(expert), self.schedule.canonical(sigma), int(layer))
             if key in self._packed:
                 self._packed[key] |= packed
@@ -107,6 +120,8 @@ class MassRecorder:
 
         Raises ``ValueError`` when nothing was recorded or the recording is incomplete.
         """
+        if self._bad is not None and bool(self._bad):
+            self.mark_incomplete("the recorded attention mass was not finite (NaN/inf in the model's activations)")
         if self.incomplete_reason is not None:
             raise ValueError(f"recording incomplete: {self.incomplete_reason}")
         if not self._packed:

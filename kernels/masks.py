@@ -49,7 +49,7 @@ def validate_block_map(block_map, batch: int, heads: int, q_len: int, kv_len: in
 
 
 def select_blocks(mass: torch.Tensor, *, top_p: float, k_min: int, keep_diagonal: bool = True,
-                  keep_first_frame_blocks: int = 0) -> torch.Tensor:
+                  keep_first_frame_blocks: int = 0, check_values: bool = True) -> torch.Tensor:
     """Block map from block mass: per row, top-p selection, a top-k floor, and keep-sets.
 
     Args:
@@ -61,6 +61,10 @@ def select_blocks(mass: torch.Tensor, *, top_p: float, k_min: int, keep_diagonal
         keep_diagonal: also keep block ``(i, i)`` (for ``i < min(Qb, Kb)``).
         keep_first_frame_blocks: also keep key blocks ``0 .. n-1`` in every row (the blocks that
             hold the first frame, i.e. the image condition in I2V).
+        check_values: reject NaN, inf and negative mass (three reads of the values: on a GPU, three
+            host syncs). ``False`` for a caller that checks the mass itself without a sync (the miss
+            recorder keeps a device flag and refuses to write a recording that saw such mass); the
+            map selected from such mass is then undefined, never an error.
 
     Returns:
         bool tensor shaped like ``mass``; every row keeps at least one block.
@@ -79,12 +83,13 @@ def select_blocks(mass: torch.Tensor, *, top_p: float, k_min: int, keep_diagonal
         raise ValueError(f"k_min must be >= 0, got {k_min}")
     if int(keep_first_frame_blocks) < 0:
         raise ValueError(f"keep_first_frame_blocks must be >= 0, got {keep_first_frame_blocks}")
-    if bool(torch.isnan(mass).any()):
-        raise ValueError("mass contains NaN")
-    if bool(torch.isinf(mass).any()):
-        raise ValueError("mass contains inf")
-    if bool((mass < 0).any()):
-        raise ValueError("mass contains negative values")
+    if check_values:
+        if bool(torch.isnan(mass).any()):
+            raise ValueError("mass contains NaN")
+        if bool(torch.isinf(mass).any()):
+            raise ValueError("mass contains inf")
+        if bool((mass < 0).any()):
+            raise ValueError("mass contains negative values")
 
     num_q, num_kv = mass.shape[-2:]
     mass64 = mass.double()
