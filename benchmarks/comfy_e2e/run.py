@@ -337,10 +337,10 @@ def run(args) -> dict:
                 results["runs"][-1].update(retrieve_s=t_ret)
                 if name == "hit15" and device.type == "cuda":
                     results["runs"][-1]["kernel_alone_ms"] = kernel_alone_ms(plan, grid, shape, kernels)
-                if args.compile and name == "hit15":
+                if args.compile and name == "hit15" and res in args.compile_res:
                     plan_c, _ = retrieve(f"{ws_hit}_{int(density * 100)}")
                     timed("hit15+compile", patched(plan_c, compile_models=True), plan_c)
-            if args.compile and "dense" in args.variants:
+            if args.compile and "dense" in args.variants and res in args.compile_res:
                 timed("dense+compile", patched(None, compile_models=True))
         del high, low, experts
         if device.type == "cuda":
@@ -421,6 +421,7 @@ def main(argv=None) -> int:
     p.add_argument("--variants", nargs="+", default=["dense", "miss", "hit15", "hit5", "hitfr"],
                    choices=["dense", "miss", "hit15", "hit5", "hitfr"])
     p.add_argument("--compile", action="store_true", help="also dense and hit15 under TorchCompileModel")
+    p.add_argument("--compile-res", nargs="+", default=["480p", "720p", "tiny"], help="resolutions --compile applies to")
     p.add_argument("--layers", type=int, default=0, help="layers per expert (default: the model's 40)")
     p.add_argument("--tiny", action="store_true", help="toy sizes on the CPU (tests)")
     p.add_argument("--time-budget", type=float, default=1e9, help="seconds; later variants are skipped past it")
