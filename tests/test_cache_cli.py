@@ -202,6 +202,7 @@ def test_comfyui_option_and_help_name_the_root(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("CHORUS_CACHE_DIR", str(tmp_path / "env_root"))
     code, _, err = _run_inprocess(capsys, "stats", "--workspace", "nope")
     assert code == 2 and f"{tmp_path / 'env_root'} (CHORUS_CACHE_DIR)" in _one_error_line(err)
+    monkeypatch.setenv("COLUMNS", "2000")  # no wrapping (argparse breaks long paths at their hyphens)
     with pytest.raises(SystemExit):
         cli._parser().parse_args(["stats", "--help"])
     text = " ".join(capsys.readouterr().out.split())

@@ -425,7 +425,7 @@ def test_verify_beside_an_evicting_worker_reports_no_false_damage(tmp_path):
         assert parent.poll(60) and parent.recv()[0] == "ready"
         reports, pruned = [], 0
         with Workspace.open(path, timeout=30) as ws:
-            deadline = time.monotonic() + 8
+            deadline = time.monotonic() + 4
             while time.monotonic() < deadline:
                 reports.append(ws.verify())
                 while parent.poll():
