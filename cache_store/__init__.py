@@ -21,6 +21,9 @@ _LAZY = {
     "open_store": ".protocol",
     "StoreUnavailableError": ".protocol",
     "FleetStore": ".fleet",
+    "StoreError": ".errors",
+    "StoreBusyError": ".errors",
+    "UnsafeLayoutError": ".errors",
 }
 
 __all__ = [
@@ -32,6 +35,9 @@ __all__ = [
     "open_store",
     "StoreUnavailableError",
     "FleetStore",
+    "StoreError",
+    "StoreBusyError",
+    "UnsafeLayoutError",
     "resolve_workspace",
     "validate_workspace_name",
     "default_cache_root",
