@@ -21,7 +21,7 @@ Where things live:
   touch the network.
 * **A local disk tier** under the cache root (``<CHORUS_CACHE_DIR>/<workspace>/fleet_tier/``): the
   entry files of this worker's recent loads and writes, ``<id>-<sha256>.safetensors``, an LRU cache
-  bounded by ``tier_bytes``, so that a hit fetches an entry from PostgreSQL at most once per host.
+  bounded by ``tier_bytes`` (``CHORUS_FLEET_TIER_BYTES``, 20 GiB by default), so that a hit fetches an entry from PostgreSQL at most once per host.
 
 Writes (:meth:`FleetStore.add_unique`): encode the entry, then one transaction: lock the workspace
 row (``SELECT ... FOR UPDATE``, waiting at most ``lock_timeout``), catch up with the change log
@@ -85,6 +85,7 @@ LOG = logging.getLogger(__name__)
 CHANNEL = "chorus_changes"
 TIER_DIR = "fleet_tier"
 DEFAULT_TIER_BYTES = 20 << 30
+TIER_ENV = "CHORUS_FLEET_TIER_BYTES"
 CONNECT_TIMEOUT_S = 3
 STATEMENT_TIMEOUT_MS = 5000
 LOCK_TIMEOUT_MS = 2000  # the default; the store's time bound (errors.store_timeout) sets it
@@ -228,7 +229,7 @@ class FleetStore:
     index (as fresh as its change feed); everything else asks PostgreSQL.
     """
 
-    def __init__(self, url: str, workspace: str, local_path: Path, *, tier_bytes: int = DEFAULT_TIER_BYTES,
+    def __init__(self, url: str, workspace: str, local_path: Path, *, tier_bytes: int | None = None,
                  approx_threshold: int = DEFAULT_APPROX_THRESHOLD, listen: bool = True, timeout=None):
         psycopg = _psycopg()
         self.timeout = store_timeout(timeout)  # the longest wait for another worker (the row lock)
@@ -249,6 +250,14 @@ class FleetStore:
         self.url = redact(url, self._secrets)  # safe to show
         self.path = check_not_in_pack(Path(local_path))
         self.tier_dir = self.path / TIER_DIR
+        if tier_bytes is None:  # the operator's setting, else 20 GiB
+            raw = os.environ.get(TIER_ENV, "").strip()
+            try:
+                tier_bytes = int(raw) if raw else DEFAULT_TIER_BYTES
+            except ValueError:
+                raise ValueError(f"{TIER_ENV} must be a number of bytes, got {raw!r}") from None
+        if tier_bytes < 0:
+            raise ValueError("the local tier's byte cap must be >= 0")
         self.tier_bytes = int(tier_bytes)
         self._approx_threshold = int(approx_threshold)
         self._mutex = threading.RLock()  # index, known rows, seq

@@ -247,14 +247,16 @@ def test_fleet_wide_cap_and_lru_across_workers(url, tmp_path):
         b.close()
 
 
-def test_local_tier_is_bounded_lru_and_serves_hits_without_postgres(url, tmp_path, pg):
+def test_local_tier_is_bounded_lru_and_serves_hits_without_postgres(url, tmp_path, pg, monkeypatch):
     """A load keeps the entry in the local tier; the next load reads the tier (it works with the
     server down); the tier stays under its byte cap (LRU); a damaged tier file is fetched again."""
     writer = _open(url, tmp_path, "a")
     ids = [writer.add(sh.embedding(i), _big_masks(i, n=2), _big_meta(i)) for i in range(4)]
     size = max(e["nbytes"] for e in writer.entries())
     writer.close()
-    reader = _open(url, tmp_path, "b", tier_bytes=int(size * 2.5))
+    monkeypatch.setenv("CHORUS_FLEET_TIER_BYTES", str(int(size * 2.5)))  # the operator's setting
+    reader = _open(url, tmp_path, "b")
+    assert reader.tier_bytes == int(size * 2.5)
     try:
         for i in ids[:3]:
             reader.load(i, touch=False)
