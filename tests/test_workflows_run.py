@@ -1,15 +1,28 @@
-"""The Wan 2.2 A14B 4-step workflows, queued for real through a headless ComfyUI (CPU).
+"""Every shipped workflow, queued for real through a headless ComfyUI (CPU).
 
 The API twins of ``workflows/`` name the model files of ComfyUI's Wan templates. Here those exact
-file names hold tiny random-weight stand-ins made at test time (two A14B-shaped experts: dim 256,
-2 layers; rank-4 LoRAs on every self-attention q; a random full-size Wan 2.1 VAE), so the graph runs
-as committed — UNETLoader x2 -> LoraLoaderModelOnly x2 -> ModelSamplingSD3 x2 -> Chorus nodes ->
-KSamplerAdvanced 0-2 / 2-4 (cfg 1) -> VAEDecode -> CreateVideo -> SaveVideo, ChorusCacheWrite on the
-low-noise sampler's latent — with two changes a CPU test needs: the umt5-xxl text encoder (11 GB,
-fixed size) is replaced by a test-only node giving random CONDITIONING, and the video is 64x64, 5
-frames. Each workflow is queued twice with nearly the same conditioning: the first request is a
-miss that writes an entry, the second a hit whose sparse attention ran on both experts.
-Skips without a ComfyUI checkout.
+file names hold random-weight stand-ins made at test time in the models folder of the shared run
+server (``host/run_host.py``), so each graph runs as committed:
+
+- Wan 2.2 A14B 4-step (plain and with feature reuse + guidance): two A14B-shaped experts (dim 256,
+  2 layers), rank-4 LoRAs on every self-attention q, a random full-size Wan 2.1 VAE; UNETLoader x2 ->
+  LoraLoaderModelOnly x2 -> ModelSamplingSD3 x2 -> Chorus nodes -> KSamplerAdvanced 0-2 / 2-4 (cfg 1);
+- Wan 2.2 TI2V 5B: a tiny 48-channel ``WanModel`` (ComfyUI detects Wan 2.2 TI2V: per-frame
+  timesteps) and a random full-size Wan 2.2 VAE (``vae2_2``: ComfyUI hard-codes its config, ~705 M
+  params; 48 latent channels, 16x spatial) -> Wan22ImageToVideoLatent (start image encoded into the
+  first latent frame) -> KSampler uni_pc, cfg 5;
+- Wan 2.1 I2V 14B: a tiny ``WanModel`` with the CLIP image projection, a random full-size CLIP
+  vision ViT-H (``comfy/clip_vision.py`` picks ViT-H from the layer count; Wan 2.1 needs its
+  1280-wide features, no smaller config exists) -> CLIPVisionEncode -> WanImageToVideo
+  (``clip_vision_output`` -> the model's ``clip_fea``; ChorusMaskRetrieve embeds it) -> KSampler uni_pc,
+  cfg 6;
+
+then VAEDecode -> CreateVideo -> SaveVideo, ChorusCacheWrite on the last sampler's latent. Two
+changes a CPU test needs: the umt5-xxl text encoder (11 GB, fixed size) is replaced by a test-only
+node giving random CONDITIONING, and the video is 64x64, 5 frames (and the 20-step graphs sample 4 steps). Each workflow is queued twice
+with nearly the same conditioning: the first request is a miss that writes an entry, the second a
+hit whose every self-attention call ran sparse (on both experts for A14B). Skips without a ComfyUI
+checkout.
 """
 
 from __future__ import annotations
@@ -29,8 +42,15 @@ WORKFLOWS_DIR = _HERE.parent / "workflows"
 
 
 from host import tiny_wan as tiny  # noqa: E402
-from host import server as server_mod  # noqa: E402
+from host import run_host  # noqa: E402
 SKIP_REASON = tiny.import_comfy()
+WORKFLOWS = ["chorus_wan22_a14b_i2v_4step", "chorus_wan22_a14b_i2v_4step_feature_reuse",
+             "chorus_wan22_ti2v_5b", "chorus_wan21_i2v_14b"]
+CPU_STEPS = 4  # the 20-step KSampler graphs (5B, 2.1) run 4 steps here (same sampler, scheduler, cfg)
+# model calls per request (ComfyUI batches cond and uncond into one call on CPU): A14B 2 steps per
+# expert, cfg 1; 5B and 2.1 4 steps uni_pc (one model call per step)
+MODEL_CALLS = {"chorus_wan22_a14b_i2v_4step": 2 * 2, "chorus_wan22_a14b_i2v_4step_feature_reuse": 2 * 2,
+               "chorus_wan22_ti2v_5b": CPU_STEPS, "chorus_wan21_i2v_14b": CPU_STEPS}
 
 
 def _tiny_lora(state_dict: dict, seed: int, rank: int = 4) -> dict:
@@ -47,26 +67,41 @@ def _tiny_lora(state_dict: dict, seed: int, rank: int = 4) -> dict:
     return lora
 
 
+def stage_models(api: dict) -> None:
+    """Write the stand-in of every model file ``api`` names into the run server's models folder."""
+    unets = [n for n in api.values() if n["class_type"] == "UNETLoader"]
+    vae_name = next(n["inputs"]["vae_name"] for n in api.values() if n["class_type"] == "VAELoader")
+    clip_vision = [n for n in api.values() if n["class_type"] == "CLIPVisionLoader"]
+    if vae_name == "wan2.2_vae.safetensors":  # Wan 2.2 TI2V 5B: 48 latent channels
+        unet_kwargs, vae = dict(in_dim=48, out_dim=48), tiny.random_wan22_vae_state_dict
+    elif clip_vision:  # Wan 2.1 I2V: the CLIP image projection
+        unet_kwargs, vae = dict(i2v_clip=True), tiny.random_wan21_vae_state_dict
+    else:  # Wan 2.2 A14B I2V experts
+        unet_kwargs, vae = {}, tiny.random_wan21_vae_state_dict
+    for seed, node in enumerate(unets):
+        name = node["inputs"]["unet_name"]
+        seed += 10 * len(name)  # another model file, other weights
+        run_host.ensure_model("diffusion_models", name, lambda: tiny.tiny_wan_state_dict(seed=seed, **unet_kwargs))
+        for lora in (n for n in api.values() if n["class_type"] == "LoraLoaderModelOnly"
+                     and n["inputs"]["model"] == [key_of(api, node), 0]):
+            run_host.ensure_model("loras", lora["inputs"]["lora_name"],
+                                  lambda: _tiny_lora(tiny.tiny_wan_state_dict(seed=seed, **unet_kwargs), seed + 10))
+    run_host.ensure_model("vae", vae_name, vae)
+    for node in clip_vision:
+        run_host.ensure_model("clip_vision", node["inputs"]["clip_name"], tiny.random_clip_vision_h_state_dict)
+    for node in api.values():
+        if node["class_type"] == "LoadImage":
+            run_host.ensure_input_image(node["inputs"]["image"])
+
+
 @pytest.fixture(scope="module")
-def host(tmp_path_factory):
+def host():
     if SKIP_REASON:
         pytest.skip(SKIP_REASON)
-    from PIL import Image
-
-    base = server_mod.prepare_base(tmp_path_factory.mktemp("comfy_run_base"))
-    api = json.loads((WORKFLOWS_DIR / "api" / "chorus_wan22_a14b_i2v_4step_api.json").read_text())
-    for seed, node in enumerate(n for n in api.values() if n["class_type"] == "UNETLoader"):
-        sd = tiny.tiny_wan_state_dict(seed=seed)
-        tiny.save_safetensors(sd, base / "models" / "diffusion_models" / node["inputs"]["unet_name"])
-        lora = next(n for n in api.values() if n["class_type"] == "LoraLoaderModelOnly"
-                    and n["inputs"]["model"] == [key_of(api, node), 0])
-        tiny.save_safetensors(_tiny_lora(sd, seed + 10), base / "models" / "loras" / lora["inputs"]["lora_name"])
-    vae_name = next(n["inputs"]["vae_name"] for n in api.values() if n["class_type"] == "VAELoader")
-    tiny.save_safetensors(tiny.random_wan21_vae_state_dict(), base / "models" / "vae" / vae_name)
-    Image.new("RGB", (64, 64), (150, 110, 70)).save(base / "input" / "example.png")
-    srv = server_mod.ComfyHost(tiny.find_comfyui_dir(), base)
-    yield srv
-    srv.stop()
+    srv = run_host.shared_run_host()
+    if isinstance(srv, str):
+        pytest.skip(srv)
+    return srv
 
 
 def key_of(api: dict, node: dict) -> str:
@@ -88,8 +123,10 @@ def cpu_sized(api: dict, *, seed: int, noise: float, workspace: str) -> dict:
         for name, value in node["inputs"].items():
             if isinstance(value, list) and value[0] in text_ids:
                 node["inputs"][name] = ["900", 0 if value[0] == positive_id else 1]
-        if node["class_type"] == "WanImageToVideo":
+        if node["class_type"] in ("WanImageToVideo", "Wan22ImageToVideoLatent"):
             node["inputs"].update(width=64, height=64, length=5)
+        if node["class_type"] == "KSampler":
+            node["inputs"]["steps"] = min(node["inputs"]["steps"], CPU_STEPS)
         if node["class_type"] == "ChorusMaskRetrieve":
             node["inputs"]["workspace"] = workspace
     return graph
@@ -100,14 +137,19 @@ def _texts(record: dict, class_type: str, graph: dict) -> str:
     return " ".join(record["outputs"].get(node_id, {}).get("text", []))
 
 
-@pytest.mark.parametrize("name", ["chorus_wan22_a14b_i2v_4step", "chorus_wan22_a14b_i2v_4step_feature_reuse"])
-def test_a14b_workflow_miss_then_hit(host, name):
+@pytest.mark.parametrize("name", WORKFLOWS)
+def test_workflow_miss_then_hit(host, name):
     api = json.loads((WORKFLOWS_DIR / "api" / f"{name}_api.json").read_text())
+    stage_models(api)
     first = cpu_sized(api, seed=5, noise=0.0, workspace=name)
     record = host.queue(first, timeout=300)
     assert record["status"]["status_str"] == "success", (record["status"], host.log_tail())
+    retrieved = _texts(record, "ChorusMaskRetrieve", first)
+    assert retrieved.startswith("MISS"), retrieved
     written = _texts(record, "ChorusCacheWrite", first)
     assert "wrote entry" in written, written
+    dense = int(re.search(r"dense (\d+)", written).group(1))
+    assert dense == MODEL_CALLS[name] * tiny.TINY_LAYERS, written
     save_id = next(k for k, v in first.items() if v["class_type"] == "SaveVideo")
     assert record["outputs"].get(save_id), "SaveVideo produced nothing"
 
@@ -118,7 +160,9 @@ def test_a14b_workflow_miss_then_hit(host, name):
     assert retrieved.startswith("HIT"), retrieved
     written = _texts(record, "ChorusCacheWrite", second)
     assert written.startswith("hit"), written
-    # Both experts ran sparse: 2 steps x 2 layers each (cfg 1: one model call per step).
+    # every self-attention call sparse (A14B: on both experts), none dense, none fell back
     sparse = int(re.search(r"calls sparse (\d+)", written).group(1))
+    dense = int(re.search(r"dense (\d+)", written).group(1))
     fallback = int(re.search(r"fallback (\d+)", written).group(1))
-    assert sparse == 2 * 2 * tiny.TINY_LAYERS and fallback == 0, written
+    assert sparse == MODEL_CALLS[name] * tiny.TINY_LAYERS and dense == 0 and fallback == 0, written
+    assert record["outputs"].get(save_id), "SaveVideo produced nothing"

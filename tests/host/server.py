@@ -5,7 +5,8 @@
 ``<base_dir>/custom_nodes`` (the pack is symlinked there by :func:`prepare_base`). The base
 directory holds models/, input/, output/, temp/, user/, so a restart on the same base keeps the
 cache workspaces (under user/). ``queue(graph)`` posts to ``/prompt`` and polls ``/history`` until
-the prompt finished. Nothing is downloaded; the frontend package must be installed (ComfyUI exits
+the prompt finished. ``cpu=False`` (GPU tests) leaves ``--cpu`` out; ``extra_args`` (e.g.
+``--use-sage-attention``) and ``extra_env`` go to the subprocess. Nothing is downloaded; the frontend package must be installed (ComfyUI exits
 without it).
 """
 
@@ -50,12 +51,12 @@ def _free_port() -> int:
 
 class ComfyHost:
     def __init__(self, comfy_dir: Path, base_dir: Path, startup_timeout: float = 120.0,
-                 extra_env: dict | None = None, extra_args: list | None = None):
+                 extra_env: dict | None = None, extra_args: list | None = None, cpu: bool = True):
         self.comfy_dir, self.base_dir = Path(comfy_dir), Path(base_dir)
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = self.base_dir / f"server_{self.port}.log"
-        cmd = [sys.executable, "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(self.port),
+        cmd = [sys.executable, "main.py", *(["--cpu"] if cpu else []), "--listen", "127.0.0.1", "--port", str(self.port),
                "--base-directory", str(self.base_dir), "--user-directory", str(self.base_dir / "user"),
                "--disable-all-custom-nodes", "--whitelist-custom-nodes", PACK_LINK, TEST_NODES,
                "--database-url", "sqlite:///:memory:", "--disable-api-nodes", "--disable-auto-launch",

@@ -27,6 +27,10 @@ TEXT_DIM = 4096      # fixed by ComfyUI's Wan config
 TEXT_TOKENS = 512    # UMT5 pads prompts to 512 tokens
 WAN21_VAE_CONFIG = {"dim": 96, "z_dim": 16, "dim_mult": [1, 2, 4, 4], "num_res_blocks": 2, "attn_scales": [],
                     "temperal_downsample": [False, True, True], "dropout": 0.0}
+# ComfyUI's comfy.sd.VAE hard-codes this config for a state dict with the Wan 2.2 VAE's keys
+# ("decoder.upsamples.0.upsamples.0.residual.2.weight"): full size, ~705 M params, 48 latent channels
+WAN22_VAE_CONFIG = {"dim": 160, "z_dim": 48, "dim_mult": [1, 2, 4, 4], "num_res_blocks": 2, "attn_scales": [],
+                    "temperal_downsample": [False, True, True], "dropout": 0.0}
 
 
 def find_comfyui_dir() -> Path | None:
@@ -120,6 +124,67 @@ def random_wan21_vae_state_dict(seed: int = 0, dtype=torch.bfloat16) -> dict:
     vae = comfy.ldm.wan.vae.WanVAE(**WAN21_VAE_CONFIG)
     _init_(vae, seed, std=0.01)
     return {k: v.detach().to(dtype).contiguous() for k, v in vae.state_dict().items()}
+
+
+def _shapes(build) -> dict:
+    """``{key: shape}`` of a module's state dict, built on the meta device (no memory)."""
+    with torch.device("meta"):
+        module = build()
+    return {k: tuple(v.shape) for k, v in module.state_dict().items()}
+
+
+def _pooled_random_state_dict(shapes: dict, seed: int, std: float, dtype) -> dict:
+    """Random weights for a large fixed-size model, fast: every tensor is a window at a seeded random
+    offset of one seeded N(0, std) pool (biases 0, norm scales 1). Drawing ~700 M fresh normals
+    costs ~7 s on this machine's CPU; windows of a 32 M pool cost a copy. Real architectures, random
+    weights made at test time, finite outputs: all a stand-in checkpoint must give."""
+    gen = torch.Generator().manual_seed(seed)
+    pool_size = 1 << 25
+    pool = (torch.randn(pool_size, generator=gen) * std).to(dtype)
+    out = {}
+    for key, shape in shapes.items():
+        n = 1
+        for d in shape:
+            n *= d
+        leaf = key.rsplit(".", 1)[-1]
+        if leaf == "bias":
+            out[key] = torch.zeros(shape, dtype=dtype)
+        elif leaf == "gamma" or (len(shape) == 1 and leaf == "weight"):  # norm scales
+            out[key] = torch.ones(shape, dtype=dtype)
+        elif n <= pool_size:
+            start = int(torch.randint(0, pool_size - n + 1, (1,), generator=gen))
+            out[key] = pool[start:start + n].clone().reshape(shape)
+        else:
+            reps = -(-n // pool_size)
+            out[key] = pool.repeat(reps)[:n].clone().reshape(shape)
+    return out
+
+
+def random_wan22_vae_state_dict(seed: int = 0, dtype=torch.bfloat16) -> dict:
+    """Full-size Wan 2.2 VAE (``comfy/ldm/wan/vae2_2.py``; ComfyUI hard-codes its config, found by
+    its keys) with random weights (~705 M params, ~1.4 GB in bf16; 48 latent channels, 16x spatial)."""
+    import comfy.ldm.wan.vae2_2
+
+    shapes = _shapes(lambda: comfy.ldm.wan.vae2_2.WanVAE(**WAN22_VAE_CONFIG))
+    return _pooled_random_state_dict(shapes, seed, 0.01, dtype)
+
+
+def random_clip_vision_h_state_dict(seed: int = 0, dtype=torch.float16) -> dict:
+    """ComfyUI's CLIP vision ViT-H/14 (``comfy/clip_vision.py`` + ``clip_vision_config_h.json``; the
+    config ComfyUI picks for a state dict with 32 encoder layers; Wan 2.1 I2V's ``clip_vision_h``) with
+    random weights (~632 M params). No smaller config can be had: ComfyUI chooses the config from the
+    layer count (ViT-L/H/G), and Wan 2.1's image projection takes 1280-wide features (ViT-H only)."""
+    import json
+
+    import comfy.clip_model
+    import comfy.clip_vision
+    import comfy.ops
+
+    config_path = Path(comfy.clip_vision.__file__).parent / "clip_vision_config_h.json"
+    config = json.loads(config_path.read_text())
+    shapes = _shapes(lambda: comfy.clip_model.CLIPVisionModelProjection(
+        config, torch.float32, "meta", comfy.ops.manual_cast))
+    return _pooled_random_state_dict(shapes, seed, 0.02, dtype)
 
 
 def save_safetensors(state_dict: dict, path) -> Path:
