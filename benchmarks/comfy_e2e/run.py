@@ -292,6 +292,8 @@ def run(args) -> dict:
                 per_call = timer.per_call_ms() if device.type == "cuda" and timer is not None else []
                 row = {"weights": weights, "res": res, "variant": name, "tokens": grid[0] * grid[1] * grid[2],
                        "seconds": seconds, "attn_ms_per_layer": float(np.mean(per_call)) if per_call else None,
+                       "attn_ms_median": float(np.median(per_call)) if per_call else None,
+                       "attn_ms_first_call": per_call[0] if per_call else None,
                        "attn_calls_timed": len(per_call),
                        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
                        "finite": bool(torch.isfinite(out["samples"]).all())}
