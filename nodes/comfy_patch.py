@@ -216,6 +216,10 @@ class ChorusPatch:
             return self.previous_override(func, *args, **kwargs)
         return func(*args, **kwargs)
 
+    # Under torch.compile (ComfyUI's TorchCompileModel compiles the diffusion model, this override
+    # inside it) the override runs eagerly: dynamo tracing the plan's Python state (maps, refresh,
+    # recorder) took minutes and its guards on the unpacked maps failed, so hits fell back to dense.
+    @torch.compiler.disable
     def __call__(self, func, *args, **kwargs):
         options = kwargs.get("transformer_options") or {}
         ctx = options.get(FORWARD_KEY)

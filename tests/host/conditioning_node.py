@@ -4,9 +4,38 @@ custom_nodes folder by the host tests; never part of the pack).
 ChorusTestConditioning(seed, noise, noise_seed) -> (positive, negative): positive is
 ``randn(1, 512, 4096)`` from ``seed`` plus ``noise * randn`` from ``noise_seed`` (a "similar" request
 uses the same seed with a little noise); negative comes from ``seed + 1``.
+
+ChorusTestSageCalls(latent) -> UI text ``"sage calls N"``: how many times ComfyUI's
+``attention_sage`` called ``sageattention.sageattn`` since the last report (then the count restarts).
+Counted only when the server runs with env ``CHORUS_TEST_COUNT_SAGE=1``: the test wraps
+``comfy.ldm.modules.attention.sageattn`` (the name ``attention_sage`` calls) at import time; the
+``latent`` input only orders the node after sampling.
 """
 
+import os
+
 import torch
+
+SAGE_CALLS = {"n": 0, "wrapped": False}
+
+
+def _wrap_sage():
+    import comfy.ldm.modules.attention as attention
+
+    inner = getattr(attention, "sageattn", None)
+    if inner is None:
+        return
+
+    def counting_sageattn(*args, **kwargs):
+        SAGE_CALLS["n"] += 1
+        return inner(*args, **kwargs)
+
+    attention.sageattn = counting_sageattn
+    SAGE_CALLS["wrapped"] = True
+
+
+if os.environ.get("CHORUS_TEST_COUNT_SAGE") == "1":
+    _wrap_sage()
 
 
 class ChorusTestConditioning:
@@ -31,4 +60,24 @@ class ChorusTestConditioning:
         return ([[positive, {}]], [[negative, {}]])
 
 
-NODE_CLASS_MAPPINGS = {"ChorusTestConditioning": ChorusTestConditioning}
+class ChorusTestSageCalls:
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"latent": ("LATENT", {"tooltip": "the sampled latent (orders this node after sampling)"})}}
+
+    RETURN_TYPES = ()
+    FUNCTION = "report"
+    OUTPUT_NODE = True
+    CATEGORY = "testing"
+
+    @classmethod
+    def IS_CHANGED(cls, latent):
+        return float("nan")  # report every run
+
+    def report(self, latent):
+        n, SAGE_CALLS["n"] = SAGE_CALLS["n"], 0
+        text = f"sage calls {n}" if SAGE_CALLS["wrapped"] else "sage calls not counted"
+        return {"ui": {"text": [text]}}
+
+
+NODE_CLASS_MAPPINGS = {"ChorusTestConditioning": ChorusTestConditioning, "ChorusTestSageCalls": ChorusTestSageCalls}
