@@ -12,6 +12,7 @@ model file missing). Used by ``test_workflows_run.py`` and ``test_combinations_h
 from __future__ import annotations
 
 import atexit
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -31,8 +32,17 @@ def shared_run_host():
             base = hostlib.prepare_base(Path(tempfile.mkdtemp(prefix="chorus_run_")))
             for sub in ("loras", "clip_vision"):
                 (base / "models" / sub).mkdir(parents=True, exist_ok=True)
-            host = hostlib.ComfyHost(tiny.find_comfyui_dir(), base, startup_timeout=180)
-            atexit.register(host.stop)
+            try:
+                host = hostlib.ComfyHost(tiny.find_comfyui_dir(), base, startup_timeout=180)
+            except RuntimeError:
+                shutil.rmtree(base, ignore_errors=True)
+                raise
+
+            def stop_and_clean():  # the stand-ins are ~3 GB (full-size VAEs, CLIP vision): never left in /tmp
+                host.stop()
+                shutil.rmtree(base, ignore_errors=True)
+
+            atexit.register(stop_and_clean)
             _SHARED["host"] = host
             _SHARED["models"] = set()
     return _SHARED["host"]
