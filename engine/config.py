@@ -6,6 +6,13 @@ import math
 from dataclasses import dataclass
 
 BACKENDS = ("auto", "triton_fp8", "triton_bf16", "flex", "reference")
+# 0 = off by default (ChorusSparseSampler's default too). Why not on: on the quality harness's synthetic
+# source no threshold catches >= 95% of wrong entries while demoting <= 5% of near-duplicates (wrong maps
+# keep nearly as much mass there), and every random-weight model (tests, the GPU benchmark of record)
+# fails any useful threshold by construction. 0.85 is the value to try on real weights (a genuine hit at
+# top_p 0.9 keeps ~0.9); docs/BENCHMARKS.md, "Self-verifying hits".
+DEFAULT_VERIFY_THRESHOLD = 0.0
+SUGGESTED_VERIFY_THRESHOLD = 0.85
 
 
 @dataclass(frozen=True)
@@ -22,6 +29,18 @@ class SparseConfig:
       the miss within 10% of a dense run on the H200 and loses 0.0003 of mask recall against exact
       mass (docs/BENCHMARKS.md, "End to end", miss rows).
     - ``block_size``: tokens per block (q and kv), 128 by default.
+    - ``verify_threshold`` in [0, 1]: self-verifying hits (``chorus.engine.verify``). At the first step
+      of each expert of a hit, the share of attention mass the reused map keeps (its *recall*) is
+      estimated from sampled query rows on a few (layer, head); an estimate below the threshold
+      demotes the plan: the rest of the request runs dense and records, so it writes its own entry
+      (when the first expert fails). 0 = off (:data:`DEFAULT_VERIFY_THRESHOLD`, see there why);
+      :data:`SUGGESTED_VERIFY_THRESHOLD` (0.85) to turn it on. It is an absolute share of mass, so with ``top_p`` well below the
+      default (sparser maps keep less mass by design) lower it too, and random-weight models (near
+      uniform attention: any sparse map keeps about its density) fail it by construction.
+    - ``verify_layers``: layer indices checked (those past the model's layers are ignored); the
+      first expert's calls up to the last checked layer are also recorded, so keep them early.
+    - ``verify_heads`` >= 1: evenly spaced heads checked per layer (all when the model has fewer).
+    - ``verify_rows`` >= 1: sampled query rows per block for the estimate.
 
     Bad values raise ``ValueError``.
     """
@@ -32,6 +51,10 @@ class SparseConfig:
     backend: str = "auto"
     sample_rows: int | None = 8
     block_size: int = 128
+    verify_threshold: float = DEFAULT_VERIFY_THRESHOLD
+    verify_layers: tuple = (0, 1, 2, 3)
+    verify_heads: int = 4
+    verify_rows: int = 4
 
     def __post_init__(self):
         if not (isinstance(self.top_p, (int, float)) and math.isfinite(self.top_p) and 0.0 < self.top_p <= 1.0):
@@ -46,3 +69,20 @@ class SparseConfig:
             raise ValueError(f"sample_rows must be None or an int >= 1, got {self.sample_rows!r}")
         if not isinstance(self.block_size, int) or self.block_size < 16 or self.block_size % 16:
             raise ValueError(f"block_size must be a positive multiple of 16, got {self.block_size!r}")
+        thr = self.verify_threshold
+        if isinstance(thr, bool) or not isinstance(thr, (int, float)) or not math.isfinite(thr) or not 0.0 <= thr <= 1.0:
+            raise ValueError(f"verify_threshold must be in [0, 1] (0 = off), got {thr!r}")
+        layers = self.verify_layers
+        if isinstance(layers, int) and not isinstance(layers, bool):
+            layers = (layers,)
+        try:
+            layers = tuple(layers)
+        except TypeError:
+            raise ValueError(f"verify_layers must be a tuple of layer indices, got {self.verify_layers!r}") from None
+        if not layers or not all(isinstance(l, int) and not isinstance(l, bool) and l >= 0 for l in layers):
+            raise ValueError(f"verify_layers must be a non-empty tuple of ints >= 0, got {self.verify_layers!r}")
+        object.__setattr__(self, "verify_layers", tuple(sorted(set(layers))))
+        for name in ("verify_heads", "verify_rows"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")

@@ -260,20 +260,26 @@ class Plan:
             state.stats.messages.append(message)
         log.warning("Chorus II: %s", message)
 
-    def demote(self, reason: str) -> None:
+    def demote(self, reason: str, recorder: MassRecorder | None = None) -> None:
         """Turn a hit into a miss: dense attention + recording from now on.
 
-        If sparse calls already ran, the recording cannot cover the request: it is marked
-        incomplete and no entry will be written from it.
+        ``recorder``: a recording that already covers every sparse call of the request (the
+        verification's record-ahead, engine/verify.py); it continues, so the request can be written.
+        Without one, if sparse calls already ran, the recording cannot cover the request: it is
+        marked incomplete and no entry will be written from it.
         """
         state = self.state
         with state.lock:
             if not self.is_hit:
                 return
             state.demoted_reason = reason
-            state.recorder = MassRecorder()
-            if state.stats.sparse_calls:
-                state.recorder.mark_incomplete(f"plan demoted after {state.stats.sparse_calls} sparse calls ({reason})")
+            if recorder is not None and recorder.incomplete_reason is None:
+                state.recorder = recorder
+            else:
+                state.recorder = MassRecorder()
+                if state.stats.sparse_calls:
+                    state.recorder.mark_incomplete(f"plan demoted after {state.stats.sparse_calls} sparse calls "
+                                                   f"({reason})")
         self.note(f"plan demoted to dense: {reason}")
 
     def register_expert(self, info: ModelInfo) -> int | None:

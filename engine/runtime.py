@@ -19,9 +19,10 @@ from .. import kernels
 from .config import SparseConfig
 from .guidance import biased_dense_or_plain
 from .plan import Plan
-from .recorder import pack_bits_on_device, unpack_bits_on_device
+from .recorder import MassRecorder, pack_bits_on_device, unpack_bits_on_device
 from .routing import match_step, step_sigma
 from .signature import ModelInfo
+from .verify import ExpertCheck, recall_estimate, verify_head_index
 
 
 _NEAR_TABLES: dict = {}
@@ -136,8 +137,9 @@ class ChorusAttention:
                             f"{[round(s, 4) for s in schedule]})")
 
     def end_run(self) -> None:
-        """End a sampler run: count the blocks computed (one host sync per run), drop per-run state
-        (device maps); the plan keeps request state."""
+        """End a sampler run: count the blocks computed (one host sync per run), decide a verification
+        still pending (engine/verify.py), drop per-run state (device maps); the plan keeps request state."""
+        self._decide_pending()
         self.flush_stats()
         self._reset_run_state()
         self._running = False
@@ -183,7 +185,8 @@ class ChorusAttention:
                 self.plan.stats.dense_calls += 1
                 return dense_fn(q, k, v)
             if self.plan.is_hit:
-                return self._sparse(q, k, v, layer, sigma, grid, dense_fn, prefix_len, float(first_frame_bias))
+                return self._sparse(q, k, v, layer, sigma, grid, dense_fn, prefix_len, float(first_frame_bias),
+                                    cond_rows)
             return self._dense_and_record(q, k, v, layer, sigma, grid, dense_fn, cond_rows)
         finally:
             self.plan.stats.attention_seconds += time.perf_counter() - start
@@ -213,15 +216,19 @@ class ChorusAttention:
             sigma = sigma.reshape(-1)[0].item()
         return step_sigma(float(sigma), self.sample_sigmas)
 
-    def _sparse(self, q, k, v, layer, sigma, grid, dense_fn, prefix_len=0, prefix_bias=0.0):
+    def _sparse(self, q, k, v, layer, sigma, grid, dense_fn, prefix_len=0, prefix_bias=0.0, cond_rows=None):
         plan, cfg = self.plan, self.config
+        check = None
         try:
             grid = self._check(q, k, v, layer, grid)
             s = self._sigma(sigma)
             step = match_step(s, self._entry_steps)
             if step is None:
                 raise _Fallback(f"sigma {s:.4g} is not a step of the entry's schedule")
+            if self._verify_moved_on(step) and not plan.is_hit:  # demoted by a late verdict: this call too
+                return self._dense_and_record(q, k, v, layer, sigma, grid, dense_fn, cond_rows)
             block_map, kept = self._device_map(step, int(layer), q)
+            check = self._verify(q, k, int(layer), step, s, grid, block_map, cond_rows)
             # rows_checked: the k_min >= 1 floor keeps a block in every row, so the kernel API skips
             # the one validation that would sync the host with the GPU
             out = kernels.block_sparse_attention(q, k, v, block_map, block_size=cfg.block_size, backend=cfg.backend,
@@ -231,6 +238,8 @@ class ChorusAttention:
             why = str(exc) if isinstance(exc, _Fallback) else f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             plan.note(f"sparse attention not used for a call ({why}); dense attention instead")
             plan.stats.fallback_calls += 1
+            if plan.state.verify_recorder is not None:  # a dense call the record-ahead did not record
+                plan.state.verify_recorder.mark_incomplete(f"a call fell back during verification ({why})")
             return dense_fn(q, k, v)
         batch = q.shape[0]
         plan.stats.sparse_calls += 1
@@ -239,7 +248,148 @@ class ChorusAttention:
             plan.stats.blocks_computed += batch * kept
         else:
             self._kept = kept * batch if self._kept is None else self._kept + kept * batch
+        if check is not None and int(layer) >= check.layers[-1]:
+            self._decide(check)
         return out
+
+    # -- self-verifying hits (engine/verify.py) ------------------------------------------------------
+    def _verify(self, q, k, layer, step, sigma, grid, block_map, cond_rows):
+        """At the first step of this expert: record this call ahead (first expert) and add the
+        estimate of a checked layer. Returns the pending :class:`ExpertCheck` or None. Never raises."""
+        plan, cfg = self.plan, self.config
+        if cfg.verify_threshold <= 0:
+            return None
+        state = plan.state
+        try:
+            with state.lock:
+                check = state.verification.get(self.expert)
+                if check is None:
+                    layers = tuple(l for l in cfg.verify_layers if l < self.model_info.num_layers)
+                    if not layers:
+                        check = state.verification[self.expert] = ExpertCheck(step, (), verdict="no verdict",
+                                                                              reason="no checked layer in the model")
+                        self._publish(check)
+                        return None
+                    first = not state.verification and plan.stats.sparse_calls == 0
+                    check = state.verification[self.expert] = ExpertCheck(step, layers, records=first)
+                    if first and plan.embedding is not None:  # a demoted request could be written
+                        state.verify_recorder, state.verify_covered = MassRecorder(), 0
+            if check.verdict is not None or check.step != step:
+                return None
+            recorder = state.verify_recorder if check.records else None
+            if recorder is not None and recorder.incomplete_reason is None:
+                try:
+                    self._record_into(recorder, q, k, layer, sigma, grid, cond_rows)
+                    state.verify_covered += 1
+                except Exception as exc:  # noqa: BLE001
+                    recorder.mark_incomplete(f"recording ahead failed ({type(exc).__name__}: {exc})")
+            if layer in check.layers and layer not in check.estimates:
+                qs, ks = self._cond_subset(q, k, cond_rows, keep_all=True)
+                with torch.no_grad():
+                    check.estimates[layer] = recall_estimate(
+                        qs, ks, block_map, heads=verify_head_index(q.shape[1], cfg.verify_heads),
+                        sample_rows=cfg.verify_rows, block_size=cfg.block_size)
+            return check
+        except Exception as exc:  # noqa: BLE001 - verification never breaks sampling
+            why = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            plan.note(f"hit verification gave no verdict for expert {self.expert} ({why})")
+            check = state.verification.get(self.expert)
+            if check is not None and check.verdict is None:
+                check.verdict, check.reason, check.estimates = "no verdict", why, {}
+                self._publish(check)
+                self._drop_record_ahead(check)
+            return None
+
+    def _verify_moved_on(self, step: int) -> bool:
+        """Decide this expert's check if it is still pending at a later step (its last checked layer
+        never ran sparse, e.g. a fallback); True when a verdict was taken now."""
+        check = self.plan.state.verification.get(self.expert)
+        if check is None or check.verdict is not None or check.step == step:
+            return False
+        self._decide(check)
+        return True
+
+    def _publish(self, check: ExpertCheck) -> None:
+        self.plan.stats.verification[self.expert] = {**check.summary(), "threshold": self.config.verify_threshold}
+
+    def _drop_record_ahead(self, check: ExpertCheck) -> None:
+        if check.records:
+            self.plan.state.verify_recorder = None
+
+    def _decide(self, check: ExpertCheck) -> None:
+        """The verdict of a pending check: reads its estimates (the one host sync of the check),
+        demotes the plan below the threshold. Never raises."""
+        plan, cfg = self.plan, self.config
+        state = plan.state
+        if check.verdict is not None:
+            return
+        try:
+            check.values = {layer: float(est) for layer, est in check.estimates.items()}
+            check.estimates = {}
+            vals = list(check.values.values())
+            if not vals or not all(v == v for v in vals):  # none, or NaN
+                check.verdict, check.reason = "no verdict", "no estimate" if not vals else "non-finite estimate"
+                plan.note(f"hit verification gave no verdict for expert {self.expert} ({check.reason})")
+                self._publish(check)
+                self._drop_record_ahead(check)
+                return
+            mean = sum(vals) / len(vals)
+            check.verdict = "pass" if mean >= cfg.verify_threshold else "fail"
+            self._publish(check)
+            if check.verdict == "pass":
+                self._drop_record_ahead(check)
+                return
+            recorder = state.verify_recorder if check.records else None
+            if recorder is not None and state.verify_covered != plan.stats.sparse_calls:
+                recorder = None  # some sparse call was not recorded ahead: nothing can be written
+            self._drop_record_ahead(check)
+            if recorder is not None:
+                plan.stats.recorded_calls += len(recorder) and state.verify_covered
+            plan.demote(f"hit verification failed for expert {self.expert}: the reused maps keep an estimated "
+                        f"{mean:.3f} of the attention mass (< verify_threshold {cfg.verify_threshold:g}) on layers "
+                        f"{sorted(check.values)} at step {check.step}", recorder=recorder)
+            if plan.recorder is not None and plan.recorder.incomplete_reason is not None:
+                plan.note("hit verification failed after other steps ran sparse: the rest of the request runs "
+                          "dense; nothing will be written to the cache")
+        except Exception as exc:  # noqa: BLE001
+            check.verdict, check.reason = "no verdict", f"{type(exc).__name__}: {exc}"
+            plan.note(f"hit verification gave no verdict for expert {self.expert} ({check.reason})")
+            self._publish(check)
+            self._drop_record_ahead(check)
+
+    def _decide_pending(self) -> None:
+        if self.expert is None:
+            return
+        check = self.plan.state.verification.get(self.expert)
+        if check is not None and check.verdict is None:
+            self._decide(check)
+
+    def _cond_subset(self, q, k, cond_rows, keep_all: bool = False):
+        """``(q, k)`` restricted to the positive-conditioning rows (chosen on the host: no device sync).
+        No positive row: ``(None, None)``, or all rows with ``keep_all``."""
+        if cond_rows is None:
+            return q, k
+        rows = torch.as_tensor(cond_rows, dtype=torch.bool, device="cpu").reshape(-1)
+        if rows.numel() != q.shape[0]:
+            raise _Fallback(f"cond_rows has {rows.numel()} entries for a batch of {q.shape[0]}")
+        keep = rows.nonzero().flatten().tolist()
+        if not keep:
+            return (q, k) if keep_all else (None, None)
+        if len(keep) < q.shape[0]:
+            return q[keep], k[keep]
+        return q, k
+
+    def _record_into(self, recorder, q, k, layer, sigma, grid, cond_rows) -> None:
+        """Record the cond rows' block mass of one call into ``recorder`` (raises on error)."""
+        cfg = self.config
+        qs, ks = self._cond_subset(q, k, cond_rows)
+        if qs is None:
+            return  # negative conditioning only: the positive rows carry the mask
+        with torch.no_grad():
+            mass = kernels.block_mass(qs, ks, block_size=cfg.block_size, sample_rows=cfg.sample_rows)
+            first_frame = kernels.first_frame_blocks(grid[1] * grid[2], cfg.block_size)
+            recorder.add(self.expert, sigma, int(layer), mass, grid=grid, top_p=cfg.top_p, k_min=cfg.k_min,
+                         keep_first_frame_blocks=first_frame, block_size=cfg.block_size)
 
     def _prefetch(self, device) -> None:
         """Copy this expert's bit-packed entry maps to ``device`` at once (pinned, non-blocking), at the
@@ -329,22 +479,9 @@ class ChorusAttention:
             return out
         try:
             grid = self._check(q, k, v, layer, grid)
-            qs, ks = q, k
-            if cond_rows is not None:  # decided on the host: no device sync
-                rows = torch.as_tensor(cond_rows, dtype=torch.bool, device="cpu").reshape(-1)
-                if rows.numel() != q.shape[0]:
-                    raise _Fallback(f"cond_rows has {rows.numel()} entries for a batch of {q.shape[0]}")
-                keep = rows.nonzero().flatten().tolist()
-                if not keep:
-                    return out  # negative conditioning only: the positive rows carry the mask
-                if len(keep) < q.shape[0]:
-                    qs, ks = q[keep], k[keep]
-            s = self._sigma(sigma)
-            with torch.no_grad():
-                mass = kernels.block_mass(qs, ks, block_size=cfg.block_size, sample_rows=cfg.sample_rows)
-                first_frame = kernels.first_frame_blocks(grid[1] * grid[2], cfg.block_size)
-                recorder.add(self.expert, s, int(layer), mass, grid=grid, top_p=cfg.top_p, k_min=cfg.k_min,
-                             keep_first_frame_blocks=first_frame, block_size=cfg.block_size)
+            if self._cond_subset(q, k, cond_rows)[0] is None:
+                return out  # negative conditioning only: the positive rows carry the mask
+            self._record_into(recorder, q, k, layer, self._sigma(sigma), grid, cond_rows)
             plan.stats.recorded_calls += 1
         except Exception as exc:  # noqa: BLE001 - the dense output stands; no partial entry is written
             why = str(exc) if isinstance(exc, _Fallback) else f"{type(exc).__name__}: {exc}"

@@ -11,6 +11,9 @@ is attached to a plan: hosts and engine parts read and write these declared fiel
 - ``refresh`` (one ``kernels.VisitRefresh`` per refresh period), ``resampled`` (transformed maps);
 - ``feature_reuse`` (:class:`FeatureReuseState`), ``entry_extras`` (fields a new entry's metadata
   gets on top of the request's own, e.g. feature reuse's region scores: ``commit_plan`` merges them);
+- ``verification`` (expert -> :class:`~chorus.engine.verify.ExpertCheck`), ``verify_recorder`` /
+  ``verify_covered`` (the first expert's calls recorded ahead while its verdict is pending, and how
+  many sparse calls that recording covers; engine/verify.py);
 - ``committed`` (what ``commit_plan`` did, so a second commit does nothing), ``lock``.
 """
 
@@ -43,6 +46,9 @@ class PlanStats:
     runs: int = 0
     messages: list[str] = field(default_factory=list)
     suppressed_messages: int = 0
+    # self-verifying hits (engine/verify.py): expert -> {"step", "layers", "verdict", "min", "mean",
+    # "threshold"[, "reason"]}: the estimated recall of the reused maps at the expert's first step
+    verification: dict = field(default_factory=dict)
 
     @property
     def density(self) -> float | None:
@@ -57,6 +63,12 @@ class PlanStats:
         parts.append(f"calls sparse {self.sparse_calls}, dense {self.dense_calls} (recorded {self.recorded_calls}), "
                      f"fallback {self.fallback_calls}")
         parts.append(f"attention {self.attention_seconds * 1e3:.1f} ms")
+        for expert, v in sorted(self.verification.items()):
+            if v.get("mean") is None:
+                parts.append(f"verify expert {expert}: {v.get('verdict')} ({v.get('reason', 'no estimate')})")
+            else:
+                parts.append(f"verify expert {expert}: estimated recall min {v['min']:.3f} / mean {v['mean']:.3f} "
+                             f"on layers {v['layers']} vs threshold {v['threshold']:g}: {v['verdict']}")
         return "; ".join(parts)
 
 
@@ -140,6 +152,9 @@ class RequestState:
     feature_reuse: FeatureReuseState = field(default_factory=FeatureReuseState)
     entry_extras: dict = field(default_factory=dict)
     committed: str | None = None
+    verification: dict = field(default_factory=dict)
+    verify_recorder: MassRecorder | None = None
+    verify_covered: int = 0
     noted: set = field(default_factory=set)
     lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
 

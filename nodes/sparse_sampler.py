@@ -8,6 +8,7 @@ from __future__ import annotations
 from comfy_api.latest import io
 
 from ..engine import BACKENDS, Plan, SparseConfig
+from ..engine.config import DEFAULT_VERIFY_THRESHOLD
 from .comfy_patch import configure, describe, get_patch
 from .common import CATEGORY, ChorusPlan, ui_text
 
@@ -49,18 +50,30 @@ class ChorusSparseSampler(io.ComfyNode):
                                tooltip="Sparse attention kernel: auto picks Triton FP8 on Hopper, Triton bf16 on "
                                        "other CUDA GPUs, the reference on CPU. An explicit choice that cannot "
                                        "run falls back to dense attention with a message."),
+                io.Float.Input("verify_threshold", default=DEFAULT_VERIFY_THRESHOLD, min=0.0, max=1.0, step=0.01,
+                               optional=True,
+                               tooltip="Self-verifying hits: at the first step of each expert, the share of "
+                                       "attention mass the reused masks keep is estimated from a few sampled "
+                                       "query rows (4 heads of layers 0-3); below this value the rest of the "
+                                       "request runs dense and records (a failure at the first expert writes "
+                                       "a new, fitting entry). 0 = off (the default); 0.85 to turn it on with "
+                                       "top_p 0.9. An absolute share of mass: lower it with a top_p well below "
+                                       "0.9; random-weight models always fail it."),
             ],
             outputs=[io.Model.Output(display_name="model")],
         )
 
     @classmethod
-    def execute(cls, model, plan, top_p=0.9, k_min=4, refresh_steps=0, backend="auto") -> io.NodeOutput:
+    def execute(cls, model, plan, top_p=0.9, k_min=4, refresh_steps=0, backend="auto",
+                verify_threshold=DEFAULT_VERIFY_THRESHOLD) -> io.NodeOutput:
         if not isinstance(plan, Plan):
             msg = f"not patched: the plan input is not a Chorus plan ({type(plan).__name__}); dense attention"
             return io.NodeOutput(model, ui=ui_text(msg))
         try:
             config = SparseConfig(top_p=float(top_p), k_min=int(k_min), refresh_steps=int(refresh_steps),
-                                  backend=str(backend))
+                                  backend=str(backend),
+                                  verify_threshold=float(DEFAULT_VERIFY_THRESHOLD if verify_threshold is None
+                                                         else verify_threshold))
         except ValueError as exc:
             msg = f"not patched: {exc}; dense attention"
             plan.note(msg)
@@ -74,4 +87,10 @@ class ChorusSparseSampler(io.ComfyNode):
             mode = "MISS: dense attention + recording"
         if attention is None:
             mode = "dense attention"
-        return io.NodeOutput(patched, ui=ui_text(f"{mode} | {message} | {describe(get_patch(patched))}"))
+        verify = ""
+        if plan.is_hit and attention is not None:
+            verify = (f"verification: recall estimate >= {config.verify_threshold:g} at each expert's first step "
+                      f"(layers {list(config.verify_layers)}, {config.verify_heads} heads, {config.verify_rows} rows "
+                      "per block; the result is in the plan stats)" if config.verify_threshold > 0
+                      else "verification off")
+        return io.NodeOutput(patched, ui=ui_text(f"{mode} | {message} | {describe(get_patch(patched))}", verify))

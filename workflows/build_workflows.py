@@ -92,7 +92,7 @@ NODE_SPECS: dict[str, dict] = {
     ),
     "ChorusSparseSampler": dict(
         sockets=[("model", "MODEL"), ("plan", "CHORUS_PLAN")],
-        widgets=["top_p", "k_min", "refresh_steps", "backend"],
+        widgets=["top_p", "k_min", "refresh_steps", "backend", "verify_threshold"],
         outputs=[("model", "MODEL")],
     ),
     "ChorusFeatureReuse": dict(
@@ -127,7 +127,7 @@ NEGATIVE_PROMPT = (
 
 # Chorus defaults (the node contract): similarity threshold 0.9, top_p 0.9, k_min 4, refresh off.
 CHORUS_RETRIEVE = {"workspace": "default", "similarity_threshold": 0.9, "prompt": ""}
-CHORUS_SPARSE = {"top_p": 0.9, "k_min": 4, "refresh_steps": 0, "backend": "auto"}
+CHORUS_SPARSE = {"top_p": 0.9, "k_min": 4, "refresh_steps": 0, "backend": "auto", "verify_threshold": 0.0}
 
 
 @dataclass

@@ -1,0 +1,172 @@
+"""Self-verifying hits (engine/verify.py) on plain tensors: the estimate against exact recall
+(reference backend, a partial last block, head subsets), the verdict paths (pass; fail at the first
+expert -> dense + a complete recording that is written; fail at a later expert -> dense, nothing
+written), off, and no exception mid-sampling. ComfyUI's tiny WanModel: tests/test_verify_wan.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from chorus import kernels
+from chorus.cache_store import Workspace
+from chorus.engine import ChorusAttention, Plan, SparseConfig, commit_plan
+from chorus.engine import verify as verify_mod
+from chorus.engine.verify import recall_estimate, verify_head_index
+
+from test_engine_runtime import BS, GRID, INFO, INFO_LOW, L, LATENT, QB, SIGMAS, hit_plan, qkv, run_steps, sdpa, \
+    signature
+
+VCFG = SparseConfig(top_p=0.9, k_min=1, block_size=BS, sample_rows=None, verify_threshold=0.5,
+                    verify_layers=(0, 1), verify_heads=1, verify_rows=4)
+EMB = np.ones(8, dtype=np.float32)
+
+
+def exact_recall(q, k, block_map, heads=None):
+    """fp64 softmax probabilities summed over the kept blocks of each row, mean over rows, then over
+    query blocks (each block weighted once, as block_mass does), heads and batch."""
+    scale = q.shape[-1] ** -0.5
+    p = torch.softmax((q.double() @ k.double().transpose(-1, -2)) * scale, dim=-1)  # [B, H, L, L]
+    kept = block_map.bool().repeat_interleave(BS, -1)[..., :L].repeat_interleave(BS, -2)[..., :L, :]
+    row = (p * kept.double()).sum(-1)  # [B, H, L]
+    blocks = torch.stack([row[..., i * BS:(i + 1) * BS].mean(-1) for i in range(QB)], -1)
+    if heads is not None:
+        blocks = blocks[:, heads]
+    return float(blocks.mean())
+
+
+def test_head_index_is_evenly_spaced():
+    assert verify_head_index(40, 4) == [0, 10, 20, 30]
+    assert verify_head_index(2, 4) == [0, 1]
+    assert verify_head_index(8, 1) == [0]
+
+
+@pytest.mark.parametrize("heads", [None, [1], [0, 1]])
+def test_estimate_equals_exact_recall_with_all_rows_and_is_close_with_sampled_rows(heads):
+    q, k, _ = qkv(5, batch=2)
+    q = q * 3  # peaked attention: recall far from density
+    gen = torch.Generator().manual_seed(0)
+    block_map = torch.rand(1, 2, QB, QB, generator=gen) > 0.6
+    block_map[..., 0] = True
+    want = exact_recall(q, k, block_map, heads)
+    got = float(recall_estimate(q, k, block_map, heads=heads, sample_rows=None, block_size=BS, backend="reference"))
+    assert got == pytest.approx(want, abs=1e-5)
+    # all 32 rows of a block sampled (the partial last block has 9) = exact
+    assert float(recall_estimate(q, k, block_map, heads=heads, sample_rows=BS, block_size=BS)) == \
+        pytest.approx(want, abs=1e-5)
+    sampled = float(recall_estimate(q, k, block_map, heads=heads, sample_rows=4, block_size=BS))
+    assert abs(sampled - want) < 0.1
+    two = recall_estimate(q, k, block_map, heads=heads, sample_rows=None, block_size=BS, with_best=True)
+    assert two.shape == (2,) and float(two[0]) == pytest.approx(want, abs=1e-5) and float(two[1]) >= float(two[0]) - 1e-6
+
+
+def _recorded(seed=0, info=INFO):
+    plan = Plan.miss("t", embedding=EMB, latent_shape=LATENT)
+    run_steps(ChorusAttention(plan, VCFG, info), seed=seed)
+    return plan.recorder.block_maps()
+
+
+def _wrong(maps):
+    """Maps keeping only the last key block: far less mass than the request's own."""
+    out = {}
+    for key, m in maps.items():
+        w = torch.zeros_like(m)
+        w[..., -1] = True
+        out[key] = w
+    return out
+
+
+def test_a_fitting_hit_passes_and_stays_sparse():
+    hit = hit_plan(_recorded(), embedding=EMB)
+    run_steps(ChorusAttention(hit, VCFG, INFO))
+    assert hit.is_hit and hit.stats.sparse_calls == 6 and hit.stats.dense_calls == 0
+    v = hit.stats.verification[0]
+    assert v["verdict"] == "pass" and v["layers"] == [0, 1] and v["min"] <= v["mean"] and v["mean"] > 0.5
+    assert v["threshold"] == 0.5 and "verify expert 0: estimated recall" in hit.stats.summary()
+    assert hit.state.verify_recorder is None  # the record-ahead is dropped on a pass
+
+
+def test_a_wrong_hit_fails_at_the_first_expert_runs_dense_and_writes_a_new_entry(tmp_path):
+    maps = _recorded()
+    hit = hit_plan(_wrong(maps), embedding=EMB)
+    outs = run_steps(ChorusAttention(hit, VCFG, INFO))
+    assert not hit.is_hit and "hit verification failed for expert 0" in hit.message
+    assert hit.stats.verification[0]["verdict"] == "fail" and hit.stats.verification[0]["mean"] < 0.5
+    # step 0's two layers ran sparse (recorded ahead), the other 4 calls dense and recorded
+    assert hit.stats.sparse_calls == 2 and hit.stats.dense_calls == 4
+    for q, k, v, out in outs[2:]:
+        torch.testing.assert_close(out, sdpa(q, k, v), rtol=0, atol=0)
+    assert hit.recorder.complete and sorted(hit.recorder.block_maps()) == sorted(maps)
+    ws = Workspace.open(tmp_path / "ws")
+    assert commit_plan(ws, hit).startswith("wrote entry")
+
+
+def test_a_later_expert_failing_runs_dense_but_writes_nothing(tmp_path):
+    high = _recorded(info=INFO)
+    sig = signature(experts=("fp-high", "fp-low"))
+    masks = dict(high)
+    for key, m in _wrong(high).items():  # expert 1 gets wrong maps for steps 1-2
+        if key[1] >= 1:
+            masks[(1, key[1], key[2], 0)] = m
+    masks = {k: v for k, v in masks.items() if not (k[0] == 0 and k[1] >= 1)}
+    hit = hit_plan(masks, embedding=EMB, sig=sig)
+    h = ChorusAttention(hit, VCFG, INFO)
+    low = ChorusAttention(hit, VCFG, INFO_LOW)
+    h.begin_run(SIGMAS[:2] + [SIGMAS[1]])  # step 0 on the high-noise expert
+    for layer in range(2):
+        q, k, v = qkv(layer)
+        h.self_attention(q, k, v, layer=layer, sigma=SIGMAS[0], grid=GRID, dense_fn=sdpa)
+    h.end_run()
+    assert hit.is_hit and hit.stats.verification[0]["verdict"] == "pass"
+    low.begin_run(SIGMAS[1:])
+    for i, s in enumerate(SIGMAS[1:-1]):
+        for layer in range(2):
+            q, k, v = qkv(10 * (i + 1) + layer)
+            low.self_attention(q, k, v, layer=layer, sigma=s, grid=GRID, dense_fn=sdpa)
+    low.end_run()
+    assert not hit.is_hit and hit.stats.verification[1]["verdict"] == "fail"
+    assert hit.recorder.incomplete_reason is not None
+    assert "not written" in commit_plan(Workspace.open(tmp_path / "ws"), hit)
+    assert any("nothing will be written" in m for m in hit.stats.messages)
+
+
+def test_verification_off_and_layers_outside_the_model():
+    maps = _wrong(_recorded())
+    hit = hit_plan(maps, embedding=EMB)
+    run_steps(ChorusAttention(hit, SparseConfig(top_p=0.9, k_min=1, block_size=BS, verify_threshold=0.0), INFO))
+    assert hit.is_hit and hit.stats.sparse_calls == 6 and hit.stats.verification == {}
+    hit = hit_plan(maps, embedding=EMB)
+    cfg = SparseConfig(top_p=0.9, k_min=1, block_size=BS, verify_threshold=0.5, verify_layers=(7,))
+    run_steps(ChorusAttention(hit, cfg, INFO))
+    assert hit.is_hit and hit.stats.verification[0]["verdict"] == "no verdict"
+
+
+@pytest.mark.parametrize("failure", ["raise", "nan"])
+def test_a_failing_estimate_gives_no_verdict_never_an_exception(monkeypatch, failure):
+    def broken(q, k, block_map, **kw):
+        if failure == "raise":
+            raise RuntimeError("kernel exploded")
+        return torch.tensor(float("nan"))
+
+    monkeypatch.setattr("chorus.engine.runtime.recall_estimate", broken)
+    hit = hit_plan(_wrong(_recorded()), embedding=EMB)
+    run_steps(ChorusAttention(hit, VCFG, INFO))
+    assert hit.is_hit and hit.stats.sparse_calls == 6 and hit.stats.fallback_calls == 0
+    assert hit.stats.verification[0]["verdict"] == "no verdict"
+    assert any("no verdict" in m for m in hit.stats.messages)
+    assert hit.state.verify_recorder is None
+
+
+def test_config_validation():
+    for bad in (dict(verify_threshold=1.5), dict(verify_threshold=-0.1), dict(verify_threshold=float("nan")),
+                dict(verify_threshold=True), dict(verify_layers=()), dict(verify_layers=(-1,)),
+                dict(verify_layers=(0.5,)), dict(verify_heads=0), dict(verify_rows=0)):
+        with pytest.raises(ValueError):
+            SparseConfig(**bad)
+    assert SparseConfig(verify_layers=[3, 1, 1]).verify_layers == (1, 3)
+    assert SparseConfig().verify_threshold == 0.0  # off by default (engine/config.py says why)
+
+
+def test_module_docstring_names_the_choice():
+    assert "demotes the plan" in verify_mod.__doc__ and "Re-selecting" in verify_mod.__doc__
