@@ -49,7 +49,7 @@ def writer(path: str, seeds, conn=None, crash_phase: str | None = None, mask_kwa
     if conn is not None:
         conn.send(("ready", None))
     for seed in seeds:
-        entry_id = ws.add(embedding(seed), small_masks(seed),
+        entry_id = ws.add(embedding(seed), small_masks(seed, **(mask_kwargs or {})),
                           {"signature": SIGNATURE, "seed": int(seed), "writer": os.getpid()})
         if conn is not None:
             conn.send(("committed", (entry_id, int(seed))))
