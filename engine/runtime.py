@@ -344,7 +344,7 @@ class ChorusAttention:
                 recorder = None  # some sparse call was not recorded ahead: nothing can be written
             self._drop_record_ahead(check)
             if recorder is not None:
-                plan.stats.recorded_calls += len(recorder) and state.verify_covered
+                plan.stats.recorded_calls += state.verify_covered  # the calls recorded ahead
             plan.demote(f"hit verification failed for expert {self.expert}: the reused maps keep an estimated "
                         f"{mean:.3f} of the attention mass (< verify_threshold {cfg.verify_threshold:g}) on layers "
                         f"{sorted(check.values)} at step {check.step}", recorder=recorder)
