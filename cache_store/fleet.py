@@ -73,12 +73,12 @@ from pathlib import Path
 
 import numpy as np
 
-from .entry_format import EntryFormatError, decode_entry, encode_entry
+from .entry_format import EntryFormatError, decode_entry
 from .index import DEFAULT_APPROX_THRESHOLD, PartitionedIndex, normalise
 from .errors import StoreBusyError, StoreError, store_timeout
 from .protocol import MissingDriverError, StoreUnavailableError
 from .signature import signature_key
-from .workspace import DEFAULT_MAX_BYTES, EVICTION_POLICIES, CorruptEntryError
+from .workspace import DEFAULT_MAX_BYTES, EVICTION_POLICIES, CorruptEntryError, encode_new_entry
 
 LOG = logging.getLogger(__name__)
 
@@ -632,18 +632,9 @@ class FleetStore:
         return self._add(embedding, masks, meta, min_similarity)
 
     def _add(self, embedding, masks, meta, min_similarity):
-        if not isinstance(meta, dict) or not isinstance(meta.get("signature"), dict):
-            raise ValueError('meta must be a dict holding a "signature" dict')
-        sig_key = signature_key(meta["signature"])
-        emb = np.asarray(embedding, dtype=np.float32).reshape(-1)
-        normalise(emb)  # raises on NaN/inf/zero
-        now = time.time()
-        meta = dict(meta)
-        meta.setdefault("created", now)
-        data = encode_entry(emb, masks, meta)
-        digest = hashlib.sha256(data).hexdigest()
-        meta_json = json.dumps(meta, sort_keys=True)
-        result = self._call(self._add_tx, emb, sig_key, digest, data, meta_json, now, min_similarity)
+        new = encode_new_entry(embedding, masks, meta)  # the same checks and bytes as a one-host workspace
+        emb, sig_key, digest, data = new.embedding, new.sig_key, new.digest, new.data
+        result = self._call(self._add_tx, emb, sig_key, digest, data, new.meta_json, new.created, min_similarity)
         entry_id, created = result
         _crash_hook("committed")
         if created:

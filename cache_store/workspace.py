@@ -83,6 +83,7 @@ import threading
 import time
 import uuid
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -132,6 +133,41 @@ CREATE TABLE IF NOT EXISTS quarantine(
     entry_id INTEGER, file TEXT, reason TEXT, time REAL, sig_key TEXT, meta_json TEXT
 );
 """
+
+
+@dataclass(frozen=True)
+class NewEntry:
+    """A new entry, checked and encoded: what every store writes (see :func:`encode_new_entry`)."""
+
+    sig_key: str
+    embedding: np.ndarray  # float32, L2-normalised
+    data: bytes            # the entry file's bytes
+    digest: str            # sha256 of ``data``
+    meta_json: str
+    created: float
+
+
+def encode_new_entry(embedding, masks: dict, meta: dict) -> NewEntry:
+    """Check and encode a new entry once, the same way for every store (one-host and fleet).
+
+    Raises ``ValueError`` for metadata without a ``"signature"`` dict or nested deeper than 64 levels,
+    a NaN/inf/zero embedding, masks the entry format refuses, and an entry larger than the
+    ``MAX_ENTRY_FILE_BYTES`` a store ever reads back (so nothing is written that could not be loaded).
+    ``meta`` gets ``"created"`` when it has none (the caller's dict is not modified)."""
+    if not isinstance(meta, dict) or not isinstance(meta.get("signature"), dict):
+        raise ValueError('meta must be a dict holding a "signature" dict')
+    if not json_depth_ok(meta):
+        raise ValueError("meta is nested deeper than 64 levels; the store cannot keep it")
+    sig_key = signature_key(meta["signature"])
+    emb = np.asarray(embedding, dtype=np.float32).reshape(-1)
+    normalise(emb)  # raises on NaN/inf/zero
+    now = time.time()
+    meta = dict(meta)
+    meta.setdefault("created", now)
+    data = encode_entry(emb, masks, meta)
+    if len(data) > MAX_ENTRY_FILE_BYTES:
+        raise ValueError(f"the entry takes {len(data)} bytes, more than the {MAX_ENTRY_FILE_BYTES} the store reads")
+    return NewEntry(sig_key, emb, data, hashlib.sha256(data).hexdigest(), json.dumps(meta, sort_keys=True), now)
 
 
 class CorruptEntryError(ValueError):
@@ -735,22 +771,10 @@ class Workspace:
 
     @_store_call
     def _add(self, embedding, masks: dict, meta: dict, min_similarity: float | None) -> tuple[int, bool]:
-        if not isinstance(meta, dict) or not isinstance(meta.get("signature"), dict):
-            raise ValueError('meta must be a dict holding a "signature" dict')
-        if not json_depth_ok(meta):
-            raise ValueError("meta is nested deeper than 64 levels; the store cannot keep it")
-        sig_key = signature_key(meta["signature"])
-        emb = np.asarray(embedding, dtype=np.float32).reshape(-1)
-        normalise(emb)  # raises on NaN/inf/zero
-        now = time.time()
-        meta = dict(meta)
-        meta.setdefault("created", now)
-        data = encode_entry(emb, masks, meta)
-        if len(data) > MAX_ENTRY_FILE_BYTES:
-            raise ValueError(f"the entry takes {len(data)} bytes, more than the {MAX_ENTRY_FILE_BYTES} the store reads")
-        digest = hashlib.sha256(data).hexdigest()
+        new = encode_new_entry(embedding, masks, meta)
+        sig_key, emb, data, digest, meta_json, now = (new.sig_key, new.embedding, new.data, new.digest,
+                                                       new.meta_json, new.created)
         file_name = f"{uuid.uuid4().hex}.safetensors"
-        meta_json = json.dumps(meta, sort_keys=True)
         with self._writing() as db:
             self._sync_index()
             dim = self._get("dim", db=db)

@@ -120,6 +120,14 @@ def test_protocol_both_stores(kind, tmp_path, request, monkeypatch):
             store.search(np.zeros(sh.EMB_DIM, np.float32))
         with pytest.raises(ValueError):
             store.add(np.ones(3, np.float32), sh.entry_masks(0), _meta())
+        deep = _meta(8)
+        node = deep
+        for _ in range(100):
+            node["next"] = {}
+            node = node["next"]
+        with pytest.raises(ValueError, match="nested deeper"):  # both stores refuse what they could not read
+            store.add(sh.embedding(8), sh.entry_masks(8), deep)
+        assert len(store) == 5
         store.set_limits(max_entries=3)
         removed = store.prune()
         assert len(removed) == 2 and len(store) == 3 and ids[0] not in removed  # LRU: ids[0] was touched
