@@ -61,6 +61,17 @@ def _block_lse(q, k_base, s_kl, start_kb, Lk, qk_scale, offs_n0, offs_d, BLOCK_N
 
 
 @triton.jit
+def _key_block(q, k_base, s_kl, kb, scratch, r, m_i, l_i, Lk, qk_scale, offs_n0, offs_d, BS: tl.constexpr,
+               BLOCK_N: tl.constexpr, KV_SUB: tl.constexpr, MASK: tl.constexpr, INTERPRET: tl.constexpr,
+               R: tl.constexpr):
+    """One key block: its per-row log2-sum-exp to the scratch buffer, and into the rows' running total."""
+    lse_b = _block_lse(q, k_base, s_kl, kb * BS, Lk, qk_scale, offs_n0, offs_d, BLOCK_N, KV_SUB, MASK, INTERPRET, R)
+    tl.store(scratch + kb * R + r, lse_b)
+    m_new = tl.maximum(m_i, lse_b)
+    return m_new, l_i * tl.math.exp2(m_i - m_new) + tl.math.exp2(lse_b - m_new)
+
+
+@triton.jit
 def _block_mass_kernel(Q, K, Out, Scratch, row_off, H, Lq, Lk, num_q_blocks, num_kv_blocks, n_tiles, qk_scale,
                        s_qb, s_qh, s_ql, s_kb, s_kh, s_kl, s_ob, s_oh, s_oq,
                        HEAD_DIM: tl.constexpr, BS: tl.constexpr, S: tl.constexpr, G: tl.constexpr,
@@ -90,20 +101,11 @@ def _block_mass_kernel(Q, K, Out, Scratch, row_off, H, Lq, Lk, num_q_blocks, num
     m_i = tl.full([R], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([R], dtype=tl.float32)
     for kb in range(0, n_main):
-        lse_b = _block_lse(q, k_base, s_kl, kb * BS, Lk, qk_scale, offs_n0, offs_d, BLOCK_N, KV_SUB, False,
-                           INTERPRET, R)
-        tl.store(scratch + kb * R + r, lse_b)
-        m_new = tl.maximum(m_i, lse_b)
-        l_i = l_i * tl.math.exp2(m_i - m_new) + tl.math.exp2(lse_b - m_new)
-        m_i = m_new
-    if TAIL_K:
-        kb = num_kv_blocks - 1
-        lse_b = _block_lse(q, k_base, s_kl, kb * BS, Lk, qk_scale, offs_n0, offs_d, BLOCK_N, KV_SUB, True,
-                           INTERPRET, R)
-        tl.store(scratch + kb * R + r, lse_b)
-        m_new = tl.maximum(m_i, lse_b)
-        l_i = l_i * tl.math.exp2(m_i - m_new) + tl.math.exp2(lse_b - m_new)
-        m_i = m_new
+        m_i, l_i = _key_block(q, k_base, s_kl, kb, scratch, r, m_i, l_i, Lk, qk_scale, offs_n0, offs_d, BS,
+                              BLOCK_N, KV_SUB, False, INTERPRET, R)
+    if TAIL_K:  # the partial last key block: keys past Lk masked
+        m_i, l_i = _key_block(q, k_base, s_kl, num_kv_blocks - 1, scratch, r, m_i, l_i, Lk, qk_scale, offs_n0,
+                              offs_d, BS, BLOCK_N, KV_SUB, True, INTERPRET, R)
     lse = m_i + tl.math.log2(l_i)
 
     # probability mass per (query block, key block): mean over the block's sampled rows
