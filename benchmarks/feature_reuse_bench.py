@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import sys
 import time
 
@@ -43,6 +42,8 @@ import torch.nn.functional as F
 from chorus.engine.feature_reuse import RECORD_CHANNELS, select_regions
 from chorus.engine.guidance import GAIN_PER_STRENGTH, IMAGE_GAIN_PER_STRENGTH, first_frame_biased_attention
 from chorus.kernels import block_sparse_attention, pooling
+
+from benchmarks.timing import cuda_median_ms
 
 GRIDS = {"720p": (21, 45, 80), "480p": (21, 30, 52)}
 
@@ -196,21 +197,6 @@ def structured_map(grid, block_size=128, density=0.15, device="cuda"):
     return torch.ones(1, 1, nb, nb, dtype=torch.bool, device=device)
 
 
-def _time(fn, reps):
-    torch.cuda.synchronize()
-    fn()  # warm-up (compiles kernels)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
-
-
 def _smooth_input(grid, dim, device, dtype, seed=0):
     """Block input with low-frequency content over (t, h, w) plus a textured quarter of the frame."""
     g = torch.Generator(device="cpu").manual_seed(seed)
@@ -301,7 +287,7 @@ def measure_block(grid=GRIDS["720p"], *, density=0.15, share=0.25, reps=5, backe
         times = {}
         for name, fn in variants.items():
             try:
-                times[name] = _time(fn, reps)
+                times[name] = cuda_median_ms(fn, reps)
                 log(f"{name}: {times[name]:.2f} ms")
             except Exception as exc:  # noqa: BLE001 - report what ran
                 times[name] = None

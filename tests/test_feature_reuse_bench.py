@@ -16,7 +16,7 @@ def _plain_sdpa(heads):
 
 def test_measure_block_on_cpu(monkeypatch):
     calls = []
-    monkeypatch.setattr(bench, "_time", lambda fn, reps: (calls.append(fn()), 0.0)[1])
+    monkeypatch.setattr(bench, "cuda_median_ms", lambda fn, reps: (calls.append(fn()), 0.0)[1])
     monkeypatch.setattr(bench, "_dense_attention", _plain_sdpa)
     res = bench.measure_block((5, 8, 16), density=0.3, share=0.5, reps=1, backend="reference", dim=128, heads=2,
                               ffn=256, device="cpu", log=lambda *_: None)

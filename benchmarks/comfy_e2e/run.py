@@ -373,6 +373,8 @@ def kernel_alone_ms(plan, grid, shape, kernels, reps: int = 10) -> dict:
            .view(1, length, heads, dim).transpose(1, 2) for _ in range(3)]
     from chorus.kernels.triton._attention import launch_attention, prepare_attention
 
+    from benchmarks.timing import cuda_median_ms
+
     scale = 1.0 / math.sqrt(dim)
     prep = prepare_attention(*qkv, block_map, 128, scale, True)
     out = {}
@@ -384,17 +386,7 @@ def kernel_alone_ms(plan, grid, shape, kernels, reps: int = 10) -> dict:
                 return launch_attention(prep)
             o = kernels.block_sparse_attention(*qkv, block_map, backend=name, rows_checked=True)
             return o.transpose(1, 2).reshape(1, length, heads * dim)
-        for _ in range(2):
-            call()
-        times = []
-        for _ in range(reps):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            call()
-            e.record()
-            torch.cuda.synchronize()
-            times.append(s.elapsed_time(e))
-        out[name] = float(np.median(times))
+        out[name] = cuda_median_ms(call, reps, warmup=2)
     out["density"] = float(block_map.float().mean())
     return out
 
