@@ -6,10 +6,12 @@ The store is anything that follows ``chorus.cache_store.protocol.CacheStore`` (t
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
 import numpy as np
+import torch
 
 from .plan import Plan
 from .signature import SIGNATURE_FORMAT, TOKEN_ORDER, latent_compatibility, token_grid
@@ -84,8 +86,28 @@ def _retrieve_plan(workspace, embedding, latent_shape, *, similarity_threshold: 
 
 def _load(workspace, entry_id):
     """Load an entry without counting a hit (the hit is counted by :func:`commit_plan`), bit-packed
-    (maps are unpacked on the device that uses them); the store protocol has both options."""
-    return workspace.load(entry_id, packed=True, touch=False)
+    (maps are unpacked on the device that uses them); the store protocol has both options. With CUDA
+    present the packed maps are moved into pinned host memory here, before sampling, so the first
+    sparse call of a run only starts one asynchronous host -> device copy (``ChorusAttention``)."""
+    masks, meta = workspace.load(entry_id, packed=True, touch=False)
+    return _pin_packed(masks), meta
+
+
+def _pin_packed(masks: dict) -> dict:
+    """``masks`` with every bit-packed map's ``bits`` in pinned host memory (same keys, same maps).
+    A no-op without CUDA, and for plain tensors (stored mass) and maps that cannot be pinned."""
+    if not torch.cuda.is_available():
+        return masks
+    out = {}
+    for key, stored in masks.items():
+        bits = getattr(stored, "bits", None)
+        if isinstance(bits, torch.Tensor) and bits.device.type == "cpu" and not bits.is_pinned():
+            try:
+                stored = dataclasses.replace(stored, bits=bits.pin_memory())
+            except (RuntimeError, TypeError, ValueError):  # no pinned memory here: the plain copy stays
+                pass
+        out[key] = stored
+    return out
 
 
 def build_signature(plan: Plan) -> dict:

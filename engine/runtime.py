@@ -394,7 +394,8 @@ class ChorusAttention:
     def _prefetch(self, device) -> None:
         """Copy this expert's bit-packed entry maps to ``device`` at once (pinned, non-blocking), at the
         first sparse call of a run: later calls never copy from the host (a pageable host -> device copy
-        waits for the GPU). Maps that need a host-side transform (resampling, stored mass) and plain
+        waits for the GPU). Retrieval has already pinned them (``retrieval._pin_packed``), so this call
+        only enqueues the copy. Maps that need a host-side transform (resampling, stored mass) and plain
         tensors are left to :meth:`Plan.stored_map`."""
         self._device_bits = {}
         plan = self.plan
