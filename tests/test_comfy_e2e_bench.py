@@ -18,9 +18,13 @@ def test_comfy_e2e_benchmark_runs_dense_miss_and_hit(tmp_path, monkeypatch):
 
     monkeypatch.setenv("COMFYUI_DIR", str(tiny.find_comfyui_dir()))
     monkeypatch.setenv("CHORUS_CACHE_DIR", str(tmp_path / "cache"))  # the benchmark sets its own; restored after
-    assert run.main(["--tiny", "--out", str(tmp_path), "--variants", "dense", "miss", "hit15"]) == 0
+    assert run.main(["--tiny", "--out", str(tmp_path), "--variants", "dense", "miss", "hit15", "hitver"]) == 0
     rows = {r["variant"]: r for r in json.loads((tmp_path / "comfy_e2e.json").read_text())["runs"]}
-    assert set(rows) == {"dense", "miss", "hit15"}
+    assert set(rows) == {"dense", "miss", "hit15", "hitver"}
     assert rows["miss"]["plan_kind"] == "miss" and rows["miss"]["write"].startswith("wrote entry")
     assert rows["hit15"]["plan_kind"] == "hit" and rows["hit15"]["sparse_calls"] > 0
     assert rows["hit15"]["fallback_calls"] == 0 and all(r["finite"] for r in rows.values())
+    # the verified hit did its check at each expert's first step and stayed a hit
+    assert rows["hitver"]["plan_kind"] == "hit" and rows["hitver"]["sparse_calls"] == rows["hit15"]["sparse_calls"]
+    verdicts = [v["verdict"] for v in rows["hitver"]["verification"].values()]
+    assert verdicts and all(v == "pass" for v in verdicts), rows["hitver"]["verification"]
