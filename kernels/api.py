@@ -10,6 +10,14 @@ Backends (:class:`Backend`): ``auto`` | ``triton_fp8`` | ``triton_bf16`` | ``fle
 
 Shapes: q ``[B, H, Lq, D]``, k/v ``[B, H, Lk, D]`` (same B, H, D); block maps bool
 ``[B or 1, H or 1, ceil(Lq/bs), ceil(Lk/bs)]``. Validation errors are ``ValueError``.
+
+Token order: ``token_perm=`` (a :class:`~chorus.kernels.tile_order.TileOrder` or an int64
+permutation ``[L]``, self-attention only: ``Lq == Lk == L``) runs an operation on the tokens in
+that order: q/k/v are given in raster order, blocks (of the map, of the mass, ``prefix_len``) count
+positions of the permuted sequence, the output comes back in raster order. Every backend gathers
+and scatters through :func:`~chorus.kernels.tile_order.to_tile_order` /
+:func:`~chorus.kernels.tile_order.to_raster_order` (``index_select``; the one place a fused
+kernel replaces).
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import torch
 
 from . import reference
 from .masks import validate_block_map
+from .tile_order import resolve_token_perm, to_raster_order, to_tile_order
 
 LOG = logging.getLogger(__name__)
 
@@ -220,9 +229,18 @@ def _run_attention(chosen: Backend, q, k, v, block_map, block_size, scale, prefi
         prefix_len=prefix_len, prefix_bias=prefix_bias)
 
 
+def _token_perm(token_perm, q, k):
+    """``(perm, inverse)`` on q's device, or None; self-attention lengths only."""
+    if token_perm is None:
+        return None
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(f"token_perm needs self-attention (Lq == Lk), got Lq={q.shape[2]}, Lk={k.shape[2]}")
+    return resolve_token_perm(token_perm, q.shape[2], q.device)
+
+
 def block_sparse_attention(q, k, v, block_map, *, block_size: int = 128, scale: float | None = None,
                            backend: str = "auto", prefix_len: int = 0, prefix_bias: float = 0.0,
-                           rows_checked: bool = False) -> torch.Tensor:
+                           rows_checked: bool = False, token_perm=None) -> torch.Tensor:
     """Block-sparse attention: query block ``i`` attends only to key blocks ``j`` with
     ``block_map[..., i, j]``.
 
@@ -241,13 +259,17 @@ def block_sparse_attention(q, k, v, block_map, *, block_size: int = 128, scale: 
             a ``k_min >= 1`` floor was applied): the empty-row check, the only validation that reads the
             map's values (one host-device sync), is skipped. A map with an empty row then gives
             zeros in that row's output (Triton) or NaN (reference, flex) instead of a ``ValueError``.
+        token_perm: None (raster), or a ``TileOrder`` / int64 permutation ``[L]`` (``Lq == Lk == L``;
+            ``perm[p]`` = raster index of position ``p``): q/k/v stay in raster order, ``block_map``
+            and ``prefix_len`` refer to the permuted order (a ``TileOrder`` keeps frame 0 as the
+            prefix), the output is returned in raster order. Exact: attention is permutation-equivariant.
 
     Returns:
-        ``[B, H, Lq, D]`` in q's dtype.
+        ``[B, H, Lq, D]`` in q's dtype (raster order).
 
     Raises:
         ValueError: mismatched shapes, a map of the wrong block grid, an empty row, bad backend name,
-            a prefix outside ``[0, Lk]`` or a non-finite / too large bias.
+            a prefix outside ``[0, Lk]`` or a non-finite / too large bias, a bad ``token_perm``.
         BackendUnavailableError: an explicit backend that cannot run on these inputs.
     """
     _check_qkv(q, k, v)
@@ -256,11 +278,15 @@ def block_sparse_attention(q, k, v, block_map, *, block_size: int = 128, scale: 
                        check_rows=not rows_checked)
     prefix_len, prefix_bias = _check_prefix(prefix_len, prefix_bias, k.shape[2])
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    perm = _token_perm(token_perm, q, k)
+    if perm is not None:  # every backend: gather into the order, run, scatter back (tile_order.py)
+        q, k, v = to_tile_order(perm[0], q, k, v)
     explicit = _parse_backend(backend) != Backend.AUTO
     chosen = resolve_backend(backend, q, "attention")
     while True:
         try:
-            return _run_attention(chosen, q, k, v, block_map, block_size, scale, prefix_len, prefix_bias)
+            out = _run_attention(chosen, q, k, v, block_map, block_size, scale, prefix_len, prefix_bias)
+            return out if perm is None else to_raster_order(perm[1], out)
         except Exception as exc:  # noqa: BLE001 - auto walks down its chain, explicit re-raises
             if explicit or chosen == Backend.REFERENCE:
                 raise
@@ -268,15 +294,17 @@ def block_sparse_attention(q, k, v, block_map, *, block_size: int = 128, scale: 
 
 
 def block_mass(q, k, *, block_size: int = 128, sample_rows: int | None = None, scale: float | None = None,
-               backend: str = "auto") -> torch.Tensor:
+               backend: str = "auto", token_perm=None) -> torch.Tensor:
     """Block attention mass: float32 ``[B, H, Qb, Kb]``.
 
     For each query block, the mean over its query rows of the softmax probability (over all keys,
     scale ``1/sqrt(D)`` by default) that falls in each key block; every row sums to 1. Exact, or
     estimated from ``sample_rows`` evenly strided query rows per block (all rows of a smaller block).
+    ``token_perm`` (see :func:`block_sparse_attention`): q/k in raster order, blocks of the permuted
+    order (the mass a map recorded in that order is selected from).
 
     Raises:
-        ValueError: bad shapes, ``sample_rows < 1``, bad backend name.
+        ValueError: bad shapes, ``sample_rows < 1``, bad backend name, a bad ``token_perm``.
         BackendUnavailableError: an explicit backend that cannot run here (``flex`` has none).
     """
     _check_qkv(q, k)
@@ -284,6 +312,9 @@ def block_mass(q, k, *, block_size: int = 128, sample_rows: int | None = None, s
     if sample_rows is not None and (not isinstance(sample_rows, int) or sample_rows < 1):
         raise ValueError(f"sample_rows must be a positive int or None, got {sample_rows!r}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    perm = _token_perm(token_perm, q, k)
+    if perm is not None:
+        q, k = to_tile_order(perm[0], q, k)
     explicit = _parse_backend(backend) != Backend.AUTO
     chosen = resolve_backend(backend, q, "block_mass")
     while True:

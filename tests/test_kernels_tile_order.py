@@ -1,0 +1,146 @@
+"""3D-tile token order (kernels/tile_order.py): permutation, round trips, map conversion, exactness."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from chorus.kernels import block_mass, block_sparse_attention
+from chorus.kernels.masks import num_blocks
+from chorus.kernels.reference import dense_attention_oracle, expand_block_map
+from chorus.kernels.tile_order import (TileOrder, block_overlap, choose_tile, convert_map, convert_mass,
+                                       order_name, resolve_token_perm)
+
+from testing import assert_matches_oracle, make_qkv, random_block_map
+
+AWKWARD = [((3, 5, 7), 8), ((4, 3, 9), 16), ((1, 6, 10), 16), ((2, 1, 1), 4), ((6, 10, 14), 32), ((5, 7, 11), 128)]
+
+
+@pytest.mark.parametrize("grid,bs", AWKWARD)
+def test_perm_is_a_bijection_and_round_trips_exactly(grid, bs):
+    order = TileOrder(grid, bs)
+    length = grid[0] * grid[1] * grid[2]
+    assert order.perm.dtype == torch.int64 and order.perm.shape == (length,)
+    assert torch.equal(torch.sort(order.perm).values, torch.arange(length))
+    assert torch.equal(order.perm[order.inverse], torch.arange(length))
+    x = torch.randn(2, 3, length, 5, dtype=torch.float64)
+    assert torch.equal(order.to_raster(order.to_tile(x, dim=2), dim=2), x)
+    p = length // 2
+    assert torch.equal(order.to_tile(x, dim=-2)[:, :, p], x[:, :, order.perm[p]])
+    # frame 0 is the prefix [0, H*W) of the tile order (prefix bias and first-frame keep-set hold)
+    assert set(order.perm[: grid[1] * grid[2]].tolist()) == set(range(grid[1] * grid[2]))
+
+
+def test_wan_grids_get_2x8x8_tiles_and_full_tiles_are_blocks():
+    for grid in [(21, 30, 52), (21, 45, 80), (1, 30, 52), (21, 60, 104)]:
+        tile, first = choose_tile(grid, 128)
+        assert first == (1, 8, 16)
+        assert tile == ((2, 8, 8) if grid[0] > 2 else (1, 8, 16))
+    order = TileOrder((5, 16, 32), 128)  # multiples of the tile: every block is exactly one tile
+    assert order.name == "tile2x8x8-f8x16-s"
+    t, h, w = (order.perm // (16 * 32)), (order.perm // 32) % 16, order.perm % 32
+    for b in range(order.length // 128):
+        sl = slice(b * 128, (b + 1) * 128)
+        extent = [int(a[sl].max() - a[sl].min()) + 1 for a in (t, h, w)]
+        assert extent in ([1, 8, 16], [2, 8, 8]), (b, extent)
+
+
+def test_bad_input_raises():
+    with pytest.raises(ValueError, match="grid"):
+        TileOrder((0, 4, 4), 16)
+    with pytest.raises(ValueError, match="block_size"):
+        TileOrder((2, 4, 4), 16, tile=(2, 2, 2))
+    with pytest.raises(ValueError, match="first_tile"):
+        TileOrder((2, 4, 4), 16, first_tile=(2, 2, 4))
+    order = TileOrder((2, 4, 4), 16)
+    with pytest.raises(ValueError, match="tokens"):
+        order.to_tile(torch.zeros(1, 1, 31, 2))
+    with pytest.raises(ValueError, match="permutation"):
+        resolve_token_perm(torch.zeros(32, dtype=torch.int64), 32, "cpu")
+    with pytest.raises(ValueError, match="TileOrder of 32"):
+        resolve_token_perm(order, 33, "cpu")
+    with pytest.raises(ValueError, match="bool"):
+        convert_map(torch.zeros(2, 2), "raster", order, block_size=16)
+    with pytest.raises(ValueError, match="block size"):
+        convert_map(torch.zeros(2, 2, dtype=torch.bool), "raster", order, block_size=8)
+
+
+def _token_cover(block_map, order, bs):
+    """Token-pair coverage [L, L] in raster token indices of a map in ``order`` (None = raster)."""
+    length = order.length if order is not None else None
+    cover = expand_block_map(block_map, length, length, bs)
+    if order is None:
+        return cover
+    inv = order.inverse
+    return cover[..., inv[:, None], inv[None, :]]  # raster pair (a, b) -> tile positions (inv a, inv b)
+
+
+@pytest.mark.parametrize("grid,bs", [((3, 5, 7), 8), ((4, 6, 10), 16), ((1, 6, 10), 16)])
+def test_converted_maps_cover_every_source_token_pair(grid, bs):
+    order = TileOrder(grid, bs)
+    length = order.length
+    nb = num_blocks(length, bs)
+    for seed in range(3):
+        src = random_block_map(1, 2, length, length, bs, density=0.2, seed=seed)
+        to_tile = convert_map(src, "raster", order, block_size=bs)
+        back = convert_map(to_tile, order, "raster", block_size=bs)
+        raster_cover = expand_block_map(src, length, length, bs)
+        tile_cover = _token_cover(to_tile, order, bs)
+        assert tile_cover.shape == raster_cover.shape and to_tile.shape[-2:] == (nb, nb)
+        assert not (raster_cover & ~tile_cover).any()  # never drops a covered token pair
+        assert not (tile_cover & ~expand_block_map(back, length, length, bs)).any()
+        assert torch.equal(convert_map(src, "raster", None, grid=grid, block_size=bs), src)
+    overlap = block_overlap("raster", order, block_size=bs)
+    per_block = torch.bincount(torch.arange(length) // bs).double()
+    assert torch.equal(overlap.sum(1), per_block) and torch.equal(overlap.sum(0), per_block)
+
+
+def test_converted_mass_keeps_row_sums_and_exact_mass_in_tile_order():
+    grid, bs = (3, 5, 7), 8
+    order = TileOrder(grid, bs)
+    q, k, _ = make_qkv(heads=2, q_len=order.length, head_dim=16, dtype=torch.float64, seed=1)
+    raster_mass = block_mass(q, k, block_size=bs, backend="reference")
+    tile_mass = block_mass(q, k, block_size=bs, backend="reference", token_perm=order)
+    direct = block_mass(order.to_tile(q), order.to_tile(k), block_size=bs, backend="reference")
+    torch.testing.assert_close(tile_mass, direct, rtol=0, atol=0)
+    carried = convert_mass(raster_mass, "raster", order, block_size=bs)
+    torch.testing.assert_close(carried.sum(-1), torch.ones_like(carried.sum(-1)), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("grid,bs", [((3, 5, 7), 8), ((4, 6, 10), 16)])
+def test_tile_order_attention_with_full_coverage_map_equals_raster_attention(grid, bs):
+    """Attention in tile order with the conversion of a map (to a map covering at least the same
+    pairs; a full map stays full) equals raster attention (fp64 oracle)."""
+    order = TileOrder(grid, bs)
+    q, k, v = make_qkv(heads=2, q_len=order.length, head_dim=16, seed=2)
+    nb = num_blocks(order.length, bs)
+    full = torch.ones(1, 2, nb, nb, dtype=torch.bool)
+    tile_map = convert_map(full, "raster", order, block_size=bs)
+    assert tile_map.all()
+    out = block_sparse_attention(q, k, v, tile_map, block_size=bs, backend="reference", token_perm=order)
+    assert_matches_oracle(out, q, k, v, full, bs)
+    # the perm-tensor form is the same computation
+    out2 = block_sparse_attention(q, k, v, tile_map, block_size=bs, backend="reference", token_perm=order.perm)
+    torch.testing.assert_close(out2, out, rtol=0, atol=0)
+    # a sparse map recorded in tile order: exactly the tile-order computation, un-permuted
+    sparse = random_block_map(1, 2, order.length, order.length, bs, density=0.4, seed=3)
+    got = block_sparse_attention(q, k, v, sparse, block_size=bs, backend="reference", token_perm=order)
+    want = dense_attention_oracle(order.to_tile(q), order.to_tile(k), order.to_tile(v), sparse, bs)
+    torch.testing.assert_close(got.double(), order.to_raster(want), rtol=1e-5, atol=1e-5)
+
+
+def test_prefix_bias_in_tile_order_is_the_first_frame():
+    grid, bs = (3, 4, 6), 8
+    order = TileOrder(grid, bs)
+    q, k, v = make_qkv(heads=1, q_len=order.length, head_dim=16, seed=4)
+    nb = num_blocks(order.length, bs)
+    full = torch.ones(1, 1, nb, nb, dtype=torch.bool)
+    hw = grid[1] * grid[2]
+    got = block_sparse_attention(q, k, v, full, block_size=bs, backend="reference", token_perm=order,
+                                 prefix_len=hw, prefix_bias=1.5)
+    assert_matches_oracle(got, q, k, v, full, bs, prefix_len=hw, prefix_bias=1.5)
+
+
+def test_order_name():
+    assert order_name(None) == order_name("raster") == "raster"
+    assert order_name(TileOrder((3, 8, 8), 32)).startswith("tile2x4x4")
