@@ -257,3 +257,48 @@ def test_output_is_written_in_the_callers_layout(fp8):
     contiguous = block_sparse_attention_triton(*(t.contiguous() for t in (q, k, v)), bm, block_size=64, fp8=fp8)
     assert contiguous.is_contiguous()
     torch.testing.assert_close(out, contiguous, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("fp8,q_in_kernel", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("length,bs,layout", [(300, 64, "blhd"), (97, 32, "bhld")])
+def test_token_perm_runs_the_reordered_sequence(fp8, q_in_kernel, length, bs, layout):
+    """``token_perm``: the kernel computes attention of the reordered sequence with the map in that
+    order and writes rows back in input order -- i.e. ``out[:, :, perm]`` is the attention of
+    ``(q, k, v)[:, :, perm]``, held to the same bound as an unpermuted call."""
+    from chorus.kernels.triton._attention import DEFAULT_CONFIGS, block_sparse_attention_triton_impl
+
+    q, k, v = make_inputs(1, 2, length, 64, torch.bfloat16, seed=length + bs, layout=layout)
+    perm = torch.randperm(length, generator=torch.Generator().manual_seed(bs))
+    bm = random_map(1, 2, length, length, bs, 0.4, seed=length)
+    config = dict(DEFAULT_CONFIGS["fp8" if fp8 else "bf16"], q_in_kernel=q_in_kernel)
+    out = block_sparse_attention_triton_impl(q, k, v, bm, bs, 1 / math.sqrt(64), fp8, config=config, token_perm=perm)
+    assert out.shape == q.shape
+    qp, kp, vp = (t[:, :, perm] for t in (q, k, v))
+    (check_fp8 if fp8 else check_16bit)(out[:, :, perm], qp, kp, vp, bm, bs)
+
+
+@pytest.mark.parametrize("length,bs", [(300, 64), (97, 32), (256, 128)])
+def test_fp8_q_quantised_in_the_kernel(length, bs):
+    """Q quantised on load by the attention kernel (per query tile) instead of the pre-pass: the same
+    FP8 error bound."""
+    from chorus.kernels.triton._attention import DEFAULT_CONFIGS, block_sparse_attention_triton_impl
+
+    q, k, v = make_inputs(1, 2, length, 64, torch.bfloat16, seed=3 * length, layout="blhd")
+    bm = random_map(1, 2, length, length, bs, 0.5, seed=bs + 2)
+    config = dict(DEFAULT_CONFIGS["fp8"], q_in_kernel=True)
+    out = block_sparse_attention_triton_impl(q, k, v, bm, bs, 1 / math.sqrt(64), True, config=config)
+    check_fp8(out, q, k, v, bm, bs)
+
+
+def test_token_perm_bad_input_raises():
+    from chorus.kernels.triton._attention import block_sparse_attention_triton_impl
+
+    q, k, v = make_inputs(1, 2, 100, 64, torch.bfloat16, seed=0)
+    bm = torch.ones(1, 2, 4, 4, dtype=torch.bool)
+    with pytest.raises(ValueError, match="token_perm"):
+        block_sparse_attention_triton_impl(q, k, v, bm, 32, 0.125, True, token_perm=torch.arange(99))
+    with pytest.raises(ValueError, match="token_perm"):
+        block_sparse_attention_triton_impl(q, k, v, bm, 32, 0.125, True, token_perm=torch.arange(100.0))
+    with pytest.raises(ValueError, match="prefix_bias with token_perm"):
+        block_sparse_attention_triton_impl(q, k, v, bm, 32, 0.125, True, prefix_len=10, prefix_bias=1.0,
+                                           token_perm=torch.arange(100))

@@ -29,14 +29,14 @@ def attn_signature(fp8: bool, dtype: str, use_tma: bool, block_m: int, block_n: 
         v = f"tensordesc<{ed}[1,1,{head_dim},{block_n}]>" if fp8 else f"tensordesc<{ed}[1,1,{block_n},{head_dim}]>"
     else:
         q = k = v = f"*{ed}"
-    sig = {"Q": q, "K": k, "V": v, "O": f"*{dtype}", "q_scale": "*fp32", "k_scale": "*fp32", "v_scale": "*fp32",
-           "kv_num": "*i32", "kv_idx": "*i32", "sched": "*i32"}
-    for name in ["H", "Lq", "Lk", "num_kv_blocks", "n_q_scale", "n_k_scale"]:
-        sig[name] = "i32"
-    sig["qk_scale"] = "fp32"
-    for name in ["s_qb", "s_qh", "s_ql", "s_kb", "s_kh", "s_kl", "s_vb", "s_vh", "s_vl", "s_ob", "s_oh", "s_ol",
-                 "s_nb", "s_nh", "s_ib", "s_ih", "s_iq"]:
-        sig[name] = "i32"
+    pointers = {"Q": q, "K": k, "V": v, "O": f"*{dtype}", "q_scale": "*fp32", "k_scale": "*fp32", "v_scale": "*fp32",
+                "kv_num": "*i32", "kv_idx": "*i32", "sched": "*i32", "token_perm": "*i32"}
+    floats = {"qk_scale", "prefix_bias"}
+    sig = {}
+    for name, param in zip(A._bsa_fwd_kernel.arg_names, A._bsa_fwd_kernel.params):
+        if param.is_constexpr:
+            continue  # added by compile_attn
+        sig[name] = pointers.get(name, "fp32" if name in floats else "i32")
     return sig
 
 
@@ -44,7 +44,9 @@ def compile_attn(fp8=True, use_tma=False, block_m=128, block_n=128, head_dim=128
                  tail=False, dtype="bf16", ablate=0, ws=False):
     sig = attn_signature(fp8, dtype, use_tma, block_m, block_n, head_dim, ws)
     consts = dict(HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BS=128, FP8=fp8, USE_TMA=use_tma,
-                  TAIL_K=tail, EVEN_Q=not tail, P_SHIFT=A.P_SHIFT_LOG2, SCALE_TILE=128, INTERPRET=False, ABLATE=ablate, WARP_SPEC=ws)
+                  TAIL_K=tail, EVEN_Q=not tail, P_SHIFT=A.P_SHIFT_LOG2, SCALE_TILE=128, INTERPRET=False, ABLATE=ablate, WARP_SPEC=ws, HAS_BIAS=False)
+    consts.update({n: False for n, p in zip(A._bsa_fwd_kernel.arg_names, A._bsa_fwd_kernel.params)
+                   if p.is_constexpr and n not in consts})  # later compile-time switches, off
     for c in consts:
         sig[c] = "constexpr"
     # 16-byte divisibility hints like the launcher's specialisation gives for pointers/strides

@@ -57,12 +57,13 @@ def _op_exists(name: str) -> bool:
 if not _op_exists("block_sparse_attention_triton"):
     @torch.library.custom_op("chorus::block_sparse_attention_triton", mutates_args=())
     def _bsa_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_map: torch.Tensor, block_size: int,
-                scale: float, fp8: bool, prefix_len: int = 0, prefix_bias: float = 0.0) -> torch.Tensor:
+                scale: float, fp8: bool, prefix_len: int = 0, prefix_bias: float = 0.0,
+                token_perm: torch.Tensor | None = None) -> torch.Tensor:
         return block_sparse_attention_triton_impl(q, k, v, block_map, block_size, scale, fp8,
-                                                  prefix_len=prefix_len, prefix_bias=prefix_bias)
+                                                  prefix_len=prefix_len, prefix_bias=prefix_bias, token_perm=token_perm)
 
     @_bsa_op.register_fake
-    def _bsa_fake(q, k, v, block_map, block_size, scale, fp8, prefix_len=0, prefix_bias=0.0):
+    def _bsa_fake(q, k, v, block_map, block_size, scale, fp8, prefix_len=0, prefix_bias=0.0, token_perm=None):
         return output_like(q)
 
 if not _op_exists("block_mass_triton"):
@@ -78,7 +79,8 @@ if not _op_exists("block_mass_triton"):
 
 def block_sparse_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_map: torch.Tensor, *,
                                   block_size: int = 128, scale: float | None = None, fp8: bool = True,
-                                  prefix_len: int = 0, prefix_bias: float = 0.0) -> torch.Tensor:
+                                  prefix_len: int = 0, prefix_bias: float = 0.0,
+                                  token_perm: torch.Tensor | None = None) -> torch.Tensor:
     """Block-sparse forward attention (FP8 e4m3 when ``fp8``, else the inputs' 16-bit dtype).
 
     Args:
@@ -89,6 +91,10 @@ def block_sparse_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
         fp8: FP8 Q/K (per-128-token scales, K smoothed) and FP8 P/V (per-channel V scale).
         prefix_len, prefix_bias: ``prefix_bias`` (natural-log units) added to the scaled logits of keys
             ``[0, prefix_len)`` (see :func:`chorus.kernels.block_sparse_attention`).
+        token_perm: None, or (``Lq == Lk == L``) an int32/int64 ``[L]`` permutation: attention runs on
+            the sequence in that order (position ``i`` = input row ``token_perm[i]``; ``block_map`` is in
+            that order) and the output is returned in the input order; fused into the FP8 pre-pass and
+            the output store (not combinable with a prefix bias).
 
     Returns ``[B, H, Lq, D]`` in q's dtype, in ``[B, Lq, H, D]`` memory when q is such a
     head-transposed view (:func:`._attention.output_like`), else contiguous. Raises ``ValueError`` on bad shapes/dtypes/maps.
@@ -96,7 +102,7 @@ def block_sparse_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     """
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     return torch.ops.chorus.block_sparse_attention_triton(q, k, v, block_map, int(block_size), scale, bool(fp8),
-                                                          int(prefix_len), float(prefix_bias))
+                                                          int(prefix_len), float(prefix_bias), token_perm)
 
 
 def block_mass_triton(q: torch.Tensor, k: torch.Tensor, *, block_size: int = 128, sample_rows: int | None = None,

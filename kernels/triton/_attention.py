@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._quant import LOG2E, QUANT_TILE, quantize_qkv_fp8, round_e4m3
+from ._quant import LOG2E, QUANT_TILE, _source_rows, quantize_q_tile, quantize_qkv_fp8, round_e4m3
 
 P_SHIFT_LOG2 = 8.0  # P is scaled by 2**8 before the e4m3 cast (see module docstring)
 
@@ -158,14 +158,15 @@ def _attn_tiles(acc, l_i, m_i, q, sq, qk_scale, K, V, k_scale_row, idx_row, b, h
 
 
 @triton.jit
-def _bsa_fwd_kernel(Q, K, V, O, q_scale, k_scale, v_scale, kv_num, kv_idx, sched,
-                    H, Lq, Lk, num_kv_blocks, n_q_scale, n_k_scale, qk_scale, prefix_len, prefix_bias,
+def _bsa_fwd_kernel(Q, K, V, O, q_scale, k_scale, v_scale, kv_num, kv_idx, sched, token_perm,
+                    H, Lq, Lk, num_kv_blocks, n_q_scale, n_k_scale, qk_scale, q_mult, prefix_len, prefix_bias,
                     s_qb, s_qh, s_ql, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl, s_ob, s_oh, s_ol,
                     s_nb, s_nh, s_ib, s_ih, s_iq,
                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr,
                     FP8: tl.constexpr, USE_TMA: tl.constexpr, TAIL_K: tl.constexpr, EVEN_Q: tl.constexpr,
                     P_SHIFT: tl.constexpr, SCALE_TILE: tl.constexpr, INTERPRET: tl.constexpr,
-                    ABLATE: tl.constexpr, WARP_SPEC: tl.constexpr, HAS_BIAS: tl.constexpr):
+                    ABLATE: tl.constexpr, WARP_SPEC: tl.constexpr, HAS_BIAS: tl.constexpr,
+                    Q_RAW: tl.constexpr, HAS_PERM: tl.constexpr):
     TPB: tl.constexpr = BS // BLOCK_M
     KV_SUB: tl.constexpr = BS // BLOCK_N
     # Loads need masks only on the bf16 pointer path (FP8 buffers are padded, TMA zero-fills).
@@ -182,18 +183,28 @@ def _bsa_fwd_kernel(Q, K, V, O, q_scale, k_scale, v_scale, kv_num, kv_idx, sched
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
 
-    if USE_TMA and not WARP_SPEC:  # (warp specialisation splits Q by rows: pointer load then)
-        q = Q.load([b, h, start_m, 0]).reshape(BLOCK_M, HEAD_DIM)
-    else:
-        q_ptrs = Q + b * s_qb + h * s_qh + offs_m[:, None] * s_ql + offs_d[None, :]
-        if MASK_LOADS and not EVEN_Q:
-            q = tl.load(q_ptrs, mask=(offs_m < Lq)[:, None], other=0.0)
+    # HAS_PERM: sequence position i is input row token_perm[i] (K/V copies are already in that order)
+    src_m = _source_rows(token_perm, offs_m, Lq, HAS_PERM)
+    if Q_RAW:  # 16-bit Q in the caller's memory, quantised here (FP8 only): the pre-pass skips Q
+        if USE_TMA and not WARP_SPEC and not HAS_PERM:
+            q = Q.load([b, h, start_m, 0]).reshape(BLOCK_M, HEAD_DIM)
         else:
-            q = tl.load(q_ptrs)
-    if FP8:
-        sq = tl.load(q_scale + bh * n_q_scale + start_m // SCALE_TILE)
+            q = tl.load(Q + b * s_qb + h * s_qh + src_m[:, None] * s_ql + offs_d[None, :],
+                        mask=(offs_m < Lq)[:, None], other=0.0)
+        q, sq = quantize_q_tile(q, q_mult, INTERPRET)
     else:
-        sq = 1.0
+        if USE_TMA and not WARP_SPEC:  # (warp specialisation splits Q by rows: pointer load then)
+            q = Q.load([b, h, start_m, 0]).reshape(BLOCK_M, HEAD_DIM)
+        else:
+            q_ptrs = Q + b * s_qb + h * s_qh + offs_m[:, None] * s_ql + offs_d[None, :]
+            if MASK_LOADS and not EVEN_Q:
+                q = tl.load(q_ptrs, mask=(offs_m < Lq)[:, None], other=0.0)
+            else:
+                q = tl.load(q_ptrs)
+        if FP8:
+            sq = tl.load(q_scale + bh * n_q_scale + start_m // SCALE_TILE)
+        else:
+            sq = 1.0
     k_scale_row = k_scale + bh * n_k_scale
 
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)  # finite: a fully masked tile cannot make NaN
@@ -219,8 +230,8 @@ def _bsa_fwd_kernel(Q, K, V, O, q_scale, k_scale, v_scale, kv_num, kv_idx, sched
     out = acc / l_safe[:, None]
     if FP8:
         out = out * tl.load(v_scale + bh * HEAD_DIM + offs_d)[None, :]
-    o_ptrs = O + b * s_ob + h * s_oh + offs_m[:, None] * s_ol + offs_d[None, :]
-    if EVEN_Q:
+    o_ptrs = O + b * s_ob + h * s_oh + src_m[:, None] * s_ol + offs_d[None, :]  # HAS_PERM: back to input order
+    if EVEN_Q and not HAS_PERM:
         tl.store(o_ptrs, out.to(O.dtype.element_ty))
     else:
         tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=(offs_m < Lq)[:, None])
@@ -291,16 +302,35 @@ def _validate(q, k, v, block_map, block_size):
         raise ValueError(f"block_map is on {block_map.device}, q on {q.device}")
 
 
+def _check_perm(token_perm, q, k):
+    """``token_perm`` as int32 ``[L]`` on q's device (None stays None); ``ValueError`` unless it is a
+    1-D integer tensor of length ``Lq == Lk``. Its values are not read here (no host sync): the kernels
+    clamp them into ``[0, L)``, so a tensor that is not a permutation gives wrong output, never an
+    out-of-bounds access."""
+    if token_perm is None:
+        return None
+    if not isinstance(token_perm, torch.Tensor) or token_perm.dim() != 1 or token_perm.dtype not in (torch.int32, torch.int64):
+        raise ValueError("token_perm must be a 1-D int32/int64 tensor")
+    if q.shape[2] != k.shape[2] or token_perm.shape[0] != q.shape[2]:
+        raise ValueError(f"token_perm of length {token_perm.shape[0]} needs Lq == Lk == it; got Lq={q.shape[2]}, "
+                         f"Lk={k.shape[2]}")
+    return token_perm.to(device=q.device, dtype=torch.int32).contiguous()
+
+
 def prepare_attention(q, k, v, block_map, block_size: int, scale: float, fp8: bool, config: dict | None = None,
-                      prefix_len: int = 0, prefix_bias: float = 0.0):
+                      prefix_len: int = 0, prefix_bias: float = 0.0, token_perm: torch.Tensor | None = None):
     """Validate, build the block index and (FP8) quantise; returns the launch arguments as a dict.
     Split from :func:`launch_attention` so the benchmark can time the stages separately.
-    ``prefix_bias`` (natural-log units) is added to the scaled logits of keys ``[0, prefix_len)``."""
+    ``prefix_bias`` (natural-log units) is added to the scaled logits of keys ``[0, prefix_len)``
+    (of the input order). ``token_perm``: see :func:`block_sparse_attention_triton_impl`."""
     _validate(q, k, v, block_map, block_size)
+    token_perm = _check_perm(token_perm, q, k)
     if not (isinstance(prefix_len, int) and 0 <= prefix_len <= k.shape[2] and math.isfinite(prefix_bias)):
         raise ValueError(f"prefix_len must be in [0, {k.shape[2]}] and prefix_bias finite, got "
                          f"{prefix_len!r}, {prefix_bias!r}")
     has_bias = prefix_len > 0 and prefix_bias != 0.0
+    if has_bias and token_perm is not None:
+        raise ValueError("prefix_bias with token_perm is not supported (the prefix is a range of input rows)")
     if config is None:
         config = DEFAULT_CONFIGS["fp8" if fp8 else "bf16"]
     batch, heads, q_len, head_dim = q.shape
@@ -316,12 +346,19 @@ def prepare_attention(q, k, v, block_map, block_size: int, scale: float, fp8: bo
     map_strides = (bm_h * num_q_blocks if bm_b > 1 else 0, num_q_blocks if bm_h > 1 else 0,
                    bm_h * num_q_blocks * num_kv_blocks if bm_b > 1 else 0,
                    num_q_blocks * num_kv_blocks if bm_h > 1 else 0, num_kv_blocks)
+    q_raw = bool(fp8 and config.get("q_in_kernel", False))
     if fp8:
-        q_in, k_in, v_in, q_scale, k_scale, v_scale = quantize_qkv_fp8(q, k, v, scale)
-        n_q_scale, n_k_scale = q_scale.shape[-1], k_scale.shape[-1]
+        q_in, k_in, v_in, q_scale, k_scale, v_scale = quantize_qkv_fp8(q, k, v, scale, quantize_q=not q_raw,
+                                                                       token_perm=token_perm)
+        if q_raw:
+            q_in, q_scale = q, k_scale  # Q quantised by the attention kernel (q_scale unused)
+        n_q_scale, n_k_scale = (0 if q_raw else q_scale.shape[-1]), k_scale.shape[-1]
         qk_scale = 1.0
     else:
         q_in, k_in, v_in = q, k, v
+        if token_perm is not None:  # the 16-bit path has no pre-pass to fuse the reorder into: one gather each
+            idx = token_perm.long()
+            q_in, k_in, v_in = (t.index_select(2, idx) for t in (q, k, v))
         q_scale = k_scale = v_scale = kv_num  # unused placeholders
         n_q_scale = n_k_scale = 0
         qk_scale = float(scale * LOG2E)
@@ -332,7 +369,8 @@ def prepare_attention(q, k, v, block_map, block_size: int, scale: float, fp8: bo
                 kv_num=kv_num, kv_idx=kv_idx, sched=sched, map_strides=map_strides, fp8=bool(fp8),
                 block_size=block_size, block_m=block_m, block_n=block_n, use_tma=use_tma, kv_len=kv_len,
                 num_q_blocks=num_q_blocks, num_kv_blocks=num_kv_blocks, n_q_scale=n_q_scale,
-                n_k_scale=n_k_scale, qk_scale=qk_scale, config=config, has_bias=has_bias,
+                n_k_scale=n_k_scale, qk_scale=qk_scale, config=config, has_bias=has_bias, q_raw=q_raw,
+                q_mult=float(scale * LOG2E), token_perm=token_perm,
                 prefix_len=int(prefix_len) if has_bias else 0,
                 prefix_bias_log2=float(prefix_bias) * LOG2E if has_bias else 0.0)
 
@@ -351,7 +389,8 @@ def launch_attention(prep: dict, ablate: int = 0) -> torch.Tensor:
     if prep["use_tma"]:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
-        q_arg = q_in if config.get("warp_spec") else TensorDescriptor.from_tensor(q_in, [1, 1, block_m, head_dim])
+        q_pointer = config.get("warp_spec") or (prep["q_raw"] and prep["token_perm"] is not None)
+        q_arg = q_in if q_pointer else TensorDescriptor.from_tensor(q_in, [1, 1, block_m, head_dim])
         k_arg = TensorDescriptor.from_tensor(k_in, [1, 1, block_n, head_dim])
         v_block = [1, 1, head_dim, block_n] if fp8 else [1, 1, block_n, head_dim]
         v_arg = TensorDescriptor.from_tensor(v_in, v_block)
@@ -362,14 +401,16 @@ def launch_attention(prep: dict, ablate: int = 0) -> torch.Tensor:
     extra = {"maxnreg": config["maxnreg"]} if config.get("maxnreg") and not interpreter_upcast(q) else {}
     _bsa_fwd_kernel[grid](
         q_arg, k_arg, v_arg, out, prep["q_scale"], prep["k_scale"], prep["v_scale"], prep["kv_num"],
-        prep["kv_idx"], prep["sched"], heads, q_len, prep["kv_len"], prep["num_kv_blocks"], prep["n_q_scale"],
-        prep["n_k_scale"], prep["qk_scale"], prep["prefix_len"], prep["prefix_bias_log2"], *strides,
+        prep["kv_idx"], prep["sched"], prep["kv_num"] if prep["token_perm"] is None else prep["token_perm"],
+        heads, q_len, prep["kv_len"], prep["num_kv_blocks"], prep["n_q_scale"],
+        prep["n_k_scale"], prep["qk_scale"], prep["q_mult"], prep["prefix_len"], prep["prefix_bias_log2"], *strides,
         out.stride(0), out.stride(1), out.stride(2),
         *prep["map_strides"],
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BS=block_size, FP8=fp8, USE_TMA=prep["use_tma"],
         TAIL_K=prep["kv_len"] % block_size != 0, EVEN_Q=q_len % block_m == 0, P_SHIFT=P_SHIFT_LOG2,
         SCALE_TILE=QUANT_TILE, INTERPRET=interpreter_upcast(q), ABLATE=ablate,
         WARP_SPEC=bool(config.get("warp_spec", False)) and not interpreter_upcast(q), HAS_BIAS=prep["has_bias"],
+        Q_RAW=prep["q_raw"], HAS_PERM=prep["token_perm"] is not None,
         num_warps=config["num_warps"], num_stages=config["num_stages"], **extra)
     return out
 
@@ -416,27 +457,34 @@ def _map_view(block_map: torch.Tensor, b0: int, b1: int, h0: int, h1: int) -> to
 
 def block_sparse_attention_triton_impl(q, k, v, block_map, block_size: int, scale: float, fp8: bool,
                                        config: dict | None = None, prefix_len: int = 0,
-                                       prefix_bias: float = 0.0) -> torch.Tensor:
+                                       prefix_bias: float = 0.0, token_perm: torch.Tensor | None = None) -> torch.Tensor:
     """Validate, prepare and launch (no torch.library wrapping); ``config`` overrides tile settings.
-    Inputs whose offsets would overflow int32 run in (batch, head) chunks (:func:`int32_chunks`)."""
+    Inputs whose offsets would overflow int32 run in (batch, head) chunks (:func:`int32_chunks`).
+
+    ``token_perm`` (self-attention only, ``Lq == Lk == L``): int32/int64 ``[L]``, a permutation of
+    ``range(L)``; the attention runs on the sequence reordered so that position ``i`` is input row
+    ``token_perm[i]`` -- ``block_map`` is read in that order (e.g. 3D tiles) -- and the output comes
+    back in the input order. FP8: the reorder is fused into the pre-pass loads and the kernel's
+    output store (no extra pass); bf16: q, k, v are gathered once each, the store is fused."""
     if q.device.type == "cuda":
         with torch.cuda.device(q.device):  # Triton launches on the current device
-            return _run_chunks(q, k, v, block_map, block_size, scale, fp8, config, prefix_len, prefix_bias)
-    return _run_chunks(q, k, v, block_map, block_size, scale, fp8, config, prefix_len, prefix_bias)
+            return _run_chunks(q, k, v, block_map, block_size, scale, fp8, config, prefix_len, prefix_bias, token_perm)
+    return _run_chunks(q, k, v, block_map, block_size, scale, fp8, config, prefix_len, prefix_bias, token_perm)
 
 
-def _run_chunks(q, k, v, block_map, block_size, scale, fp8, config, prefix_len, prefix_bias):
+def _run_chunks(q, k, v, block_map, block_size, scale, fp8, config, prefix_len, prefix_bias, token_perm=None):
     _validate(q, k, v, block_map, block_size)
+    token_perm = _check_perm(token_perm, q, k)
     padded = -(-max(q.shape[2], k.shape[2]) // 128) * 128
     chunks = int32_chunks((q, k, v), padded * q.shape[3])
     if len(chunks) == 1:
         return launch_attention(prepare_attention(q, k, v, block_map, block_size, scale, fp8, config, prefix_len,
-                                                  prefix_bias))
+                                                  prefix_bias, token_perm))
     out = output_like(q)
     for b0, b1, h0, h1 in chunks:
         out[b0:b1, h0:h1] = launch_attention(prepare_attention(
             q[b0:b1, h0:h1], k[b0:b1, h0:h1], v[b0:b1, h0:h1], _map_view(block_map, b0, b1, h0, h1), block_size,
-            scale, fp8, config, prefix_len, prefix_bias))
+            scale, fp8, config, prefix_len, prefix_bias, token_perm))
     return out
 
 

@@ -18,6 +18,10 @@ kernel only ever sees 16-byte aligned strides and never needs a load mask):
   fp32 ``[B, H, D]``, stored *transposed* because Hopper's FP8 wgmma needs both operands K-major: in
   ``P @ V`` the reduction axis is the token axis, so V must be token-contiguous.
 
+Options: Q may be left to the attention kernel (``quantize_q=False``: it quantises each query tile
+on load with :func:`quantize_q_tile`, so this pass reads only K and V), and a token permutation may be
+fused into the loads (``token_perm``: the copies are written in that order; 3D-tile token order).
+
 Scales are ``absmax / 448`` (448 = largest finite e4m3) with 1.0 where a tile is all zero; values
 are clamped to +-448 before the cast. Padded rows/columns are written as exact zeros.
 Launches: the smoothing vector (a gather of the sampled K rows and their mean), a stats kernel (per
@@ -74,10 +78,35 @@ def _v_stats_kernel(V, v_part, H, Lk, n_chunks, s_vb, s_vh, s_vl,
 
 
 @triton.jit
-def _quant_kernel(Q, K, V, q8, k8, v8t, q_scale, k_scale, k_smooth, v_amax,
+def quantize_q_tile(q, q_mult, INTERPRET: tl.constexpr):
+    """One Q tile to e4m3: returns ``(q * q_mult / scale as e4m3, scale)`` with ``scale = absmax / 448``
+    (1.0 for an all-zero tile) in fp32; ``q_mult`` folds the softmax scale and log2(e) in. Used by the
+    pre-pass (128-token tiles) and by the attention kernel when it quantises its own Q tile."""
+    x = q.to(tl.float32) * q_mult
+    amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
+    scale = tl.where(amax > 0, amax / 448.0, 1.0)
+    x = tl.minimum(tl.maximum(x / scale, -448.0), 448.0)
+    if INTERPRET:
+        x = round_e4m3(x)
+    return x.to(tl.float8e4nv), scale
+
+
+@triton.jit
+def _source_rows(token_perm, rows, length, HAS_PERM: tl.constexpr):
+    """The input row read for each output position ``rows``: ``token_perm[rows]`` clamped into
+    ``[0, length)`` (a bad permutation gives wrong values, never an out-of-bounds read), or ``rows``."""
+    if HAS_PERM:
+        src = tl.load(token_perm + rows, mask=rows < length, other=0)
+        return tl.minimum(tl.maximum(src, 0), length - 1)
+    return rows
+
+
+@triton.jit
+def _quant_kernel(Q, K, V, q8, k8, v8t, q_scale, k_scale, k_smooth, v_amax, token_perm,
                   H, Lq, Lk, Lpad_q, Lpad_k, q_mult,
                   s_qb, s_qh, s_ql, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl,
-                  HEAD_DIM: tl.constexpr, TILE: tl.constexpr, INTERPRET: tl.constexpr):
+                  HEAD_DIM: tl.constexpr, TILE: tl.constexpr, INTERPRET: tl.constexpr, QUANT_Q: tl.constexpr,
+                  HAS_PERM: tl.constexpr):
     tile = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -86,21 +115,18 @@ def _quant_kernel(Q, K, V, q8, k8, v8t, q_scale, k_scale, k_smooth, v_amax,
     rows = tile * TILE + tl.arange(0, TILE)
     n_qt = Lpad_q // TILE
     n_kt = Lpad_k // TILE
-    if tile < n_qt:
+    if QUANT_Q and tile < n_qt:
         valid = (rows < Lq)[:, None]
-        x = tl.load(Q + b * s_qb + h * s_qh + rows[:, None] * s_ql + offs_d[None, :], mask=valid, other=0.0)
-        x = x.to(tl.float32) * q_mult
-        amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
-        scale = tl.where(amax > 0, amax / 448.0, 1.0)
-        x = tl.minimum(tl.maximum(x / scale, -448.0), 448.0)
-        if INTERPRET:
-            x = round_e4m3(x)
-        tl.store(q8 + bh * Lpad_q * HEAD_DIM + rows[:, None] * HEAD_DIM + offs_d[None, :], x.to(q8.dtype.element_ty))
+        src = _source_rows(token_perm, rows, Lq, HAS_PERM)
+        x = tl.load(Q + b * s_qb + h * s_qh + src[:, None] * s_ql + offs_d[None, :], mask=valid, other=0.0)
+        x8, scale = quantize_q_tile(x, q_mult, INTERPRET)
+        tl.store(q8 + bh * Lpad_q * HEAD_DIM + rows[:, None] * HEAD_DIM + offs_d[None, :], x8)
         tl.store(q_scale + bh * n_qt + tile, scale)
     if tile < n_kt:
         valid = (rows < Lk)[:, None]
         mean = tl.load(k_smooth + bh * HEAD_DIM + offs_d)
-        x = tl.load(K + b * s_kb + h * s_kh + rows[:, None] * s_kl + offs_d[None, :], mask=valid, other=0.0)
+        src = _source_rows(token_perm, rows, Lk, HAS_PERM)
+        x = tl.load(K + b * s_kb + h * s_kh + src[:, None] * s_kl + offs_d[None, :], mask=valid, other=0.0)
         x = tl.where(valid, x.to(tl.float32) - mean[None, :], 0.0)
         amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
         scale = tl.where(amax > 0, amax / 448.0, 1.0)
@@ -111,7 +137,7 @@ def _quant_kernel(Q, K, V, q8, k8, v8t, q_scale, k_scale, k_smooth, v_amax,
         tl.store(k_scale + bh * n_kt + tile, scale)
         vmax = tl.load(v_amax + bh * HEAD_DIM + offs_d)
         vscale = tl.where(vmax > 0, vmax / 448.0, 1.0)
-        y = tl.load(V + b * s_vb + h * s_vh + rows[:, None] * s_vl + offs_d[None, :], mask=valid, other=0.0)
+        y = tl.load(V + b * s_vb + h * s_vh + src[:, None] * s_vl + offs_d[None, :], mask=valid, other=0.0)
         y = tl.minimum(tl.maximum(y.to(tl.float32) / vscale[None, :], -448.0), 448.0)
         if INTERPRET:
             y = round_e4m3(y)
@@ -136,20 +162,32 @@ def padded_len(length: int) -> int:
     return -(-length // QUANT_TILE) * QUANT_TILE
 
 
-def quantize_qkv_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
+def quantize_qkv_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *, quantize_q: bool = True,
+                     token_perm: torch.Tensor | None = None):
     """Run the fused pre-pass; returns ``(q8, k8, v8t, q_scale, k_scale, v_scale)`` (see module doc).
 
     ``scale`` is the softmax scale; ``q_scale`` already includes ``scale * log2(e)``.
+    ``quantize_q=False``: Q is left to the attention kernel (it quantises its own Q tile on load);
+    ``q8`` and ``q_scale`` are then None and the pass reads only K and V.
+    ``token_perm``: int32 ``[L]`` on q's device (``Lq == Lk == L``), output position -> input row: the
+    copies are written in that token order (row ``i`` of ``q8``/``k8``/``v8t`` is input row
+    ``token_perm[i]``), fused into the loads, so a reordered sequence costs no extra pass. Entries
+    are clamped into ``[0, L)``; the caller passes a permutation.
     """
     batch, heads, q_len, head_dim = q.shape
     kv_len = k.shape[2]
     lpad_q, lpad_k = padded_len(q_len), padded_len(kv_len)
     dev = q.device
     fp8 = torch.float8_e4m3fn
-    q8 = torch.empty(batch, heads, lpad_q, head_dim, device=dev, dtype=fp8)
+    if token_perm is not None and (q_len != kv_len or token_perm.shape != (q_len,) or token_perm.dtype != torch.int32
+                                   or token_perm.device != dev):
+        raise ValueError(f"token_perm must be int32 [{q_len}] on {dev} with Lq == Lk; got "
+                         f"{token_perm.dtype} {tuple(token_perm.shape)} on {token_perm.device}, Lk={kv_len}")
+    q8 = torch.empty(batch, heads, lpad_q, head_dim, device=dev, dtype=fp8) if quantize_q else None
     k8 = torch.empty(batch, heads, lpad_k, head_dim, device=dev, dtype=fp8)
     v8t = torch.empty(batch, heads, head_dim, lpad_k, device=dev, dtype=fp8)
-    q_scale = torch.empty(batch, heads, lpad_q // QUANT_TILE, device=dev, dtype=torch.float32)
+    q_scale = (torch.empty(batch, heads, lpad_q // QUANT_TILE, device=dev, dtype=torch.float32) if quantize_q
+               else None)
     k_scale = torch.empty(batch, heads, lpad_k // QUANT_TILE, device=dev, dtype=torch.float32)
     n_chunks = triton.cdiv(kv_len, STATS_CHUNK)
     v_part = torch.empty(batch * heads, n_chunks, head_dim, device=dev, dtype=torch.float32)
@@ -158,13 +196,15 @@ def quantize_qkv_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
         HEAD_DIM=head_dim, TILE=QUANT_TILE, CHUNK=STATS_CHUNK, num_warps=8)
     k_mean = smoothing_vector(k).contiguous()
     v_amax = v_part.amax(1).view(batch, heads, head_dim)
-    _quant_kernel[(max(lpad_q, lpad_k) // QUANT_TILE, batch * heads)](
-        q, k, v, q8, k8, v8t, q_scale, k_scale, k_mean, v_amax,
+    tiles = max(lpad_q, lpad_k) if quantize_q else lpad_k
+    _quant_kernel[(tiles // QUANT_TILE, batch * heads)](
+        q, k, v, k8 if q8 is None else q8, k8, v8t, k_scale if q_scale is None else q_scale, k_scale, k_mean,
+        v_amax, k_scale if token_perm is None else token_perm,
         heads, q_len, kv_len, lpad_q, lpad_k, float(scale * LOG2E),
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         HEAD_DIM=head_dim, TILE=QUANT_TILE, INTERPRET=q.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1",
-        num_warps=8)
+        QUANT_Q=bool(quantize_q), HAS_PERM=token_perm is not None, num_warps=8)
     v_scale = torch.where(v_amax > 0, v_amax / FP8_MAX, torch.ones_like(v_amax))
     return q8, k8, v8t, q_scale, k_scale, v_scale
 
@@ -194,5 +234,5 @@ def quantize_reference(q, k, v, scale: float):
     return q8.to(fp8), k8.to(fp8), v8.transpose(-1, -2).contiguous().to(fp8), qs, ks, vs
 
 
-__all__ = ["quantize_qkv_fp8", "quantize_reference", "padded_len", "smoothing_rows", "smoothing_vector",
+__all__ = ["quantize_qkv_fp8", "quantize_q_tile", "quantize_reference", "padded_len", "smoothing_rows", "smoothing_vector",
            "QUANT_TILE", "FP8_MAX", "LOG2E", "SMOOTH_ROWS"]
