@@ -5,13 +5,18 @@ dense cuDNN SDPA, dense FLASH SDPA, compiled FlexAttention with the same block m
 (bf16 and FP8) with a full map and with structured masks (3D-local windows + diagonal + sink column,
 see ``masks.py``) at densities 5-50%, the fixed-cost stages of our FP8 path (block index, FP8
 pre-pass), variants leaving one stage out (no softmax / no P@V: where the time goes), and the Triton
-block_mass (sampled rows) against one dense cuDNN call.
+block_mass (sampled rows) against one dense cuDNN call. Then every peer of ``peers.py`` (one registry:
+ours, compiled flex, cuDNN bf16 / FP8 SDPA, cuDNN block-mask SDPA and BSA, SageAttention, FlashInfer,
+FlashAttention-4) on the same inputs at a full map and 15% / 5% density (dense peers once per length): the
+JSON's ``peers`` table holds name, ran, the exact reason when it did not, ms, TFLOP/s (dense FLOPs for dense
+peers, kept-block FLOPs for sparse ones) and the cosine against an fp32 reference on 4 heads.
 
 Times are ``triton.testing.do_bench`` medians (L2 flushed between runs); TFLOP/s count only kept
 blocks (4 * kept query-key pairs * D * heads, partial blocks exact). Writes ``bench_block_sparse.json``
 and ``bench_block_sparse.png`` into ``--out``.
 
-Usage: ``python benchmarks/kernels/bench_block_sparse.py --out /tmp/bench [--sweep] [--sizes 32760,75600]``
+Usage: ``python benchmarks/kernels/bench_block_sparse.py --out /tmp/bench [--sweep] [--sizes 32760,75600]
+[--peers-only] [--peers NAME,...]``
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from triton.testing import do_bench
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from masks import kept_flops, structured_block_map  # noqa: E402
+from peers import PEERS, cosine, make_peer, reference_subset  # noqa: E402
 
 from chorus.kernels.triton import _attention as attn  # noqa: E402
 from chorus.kernels.triton import block_mass_triton  # noqa: E402
@@ -69,6 +75,73 @@ def sdpa(backend):
     return run
 
 
+def bench_peer(fn, est_ms: float) -> float:
+    """Median ms with a small budget (peers: a few timed runs each, the whole table in about a minute)."""
+    return float(do_bench(fn, warmup=max(1, int(est_ms)), rep=max(30, int(3 * est_ms)), return_mode="median"))
+
+
+def reference_heads(heads: int) -> list[int]:
+    """4 heads spread over the range (one of each of the 4 head patterns of ``masks.py`` at 40 heads)."""
+    return sorted({round(i * (heads - 1) / 3) for i in range(4)}) if heads >= 4 else list(range(heads))
+
+
+def run_peers(length: int, q, k, v, args, results: dict) -> None:
+    """Every peer of the registry on these inputs: sparse peers at each ``--peer-densities`` map (1.0 =
+    full map), dense peers once; appends rows to ``results["peers"]``. Nothing a peer does stops the run."""
+    heads, dim, bs = q.shape[1], q.shape[3], 128
+    dense_flops = 4.0 * heads * dim * length * length
+    ref_heads = reference_heads(heads)
+    maps = [(d, structured_block_map(length, heads, d, bs, device="cuda")) for d in args.peer_densities]
+    full = torch.ones(1, 1, -(-length // bs), -(-length // bs), dtype=torch.bool, device="cuda")
+    refs: dict = {}
+
+    def reference(density, bm):
+        if density not in refs:
+            refs[density] = reference_subset(q, k, v, None if density >= 1.0 else bm, bs, ref_heads)
+        return refs[density]
+
+    table = results.setdefault("peers", [])
+    for peer in PEERS:
+        if args.peers and peer.name not in args.peers:
+            continue
+        for density, bm in (maps if peer.sparse else [(1.0, full)]):
+            entry = {"tokens": length, "peer": peer.name, "what": peer.what, "sparse": peer.sparse,
+                     "map": ("full" if density >= 1.0 else f"{density:.2f}") if peer.sparse else "dense",
+                     "measured_density": bm.double().mean().item() if peer.sparse else 1.0,
+                     "flops_counted": "kept blocks" if peer.sparse else "dense", "ran": False, "reason": "",
+                     "ms": None, "tflops": None, "cos_vs_fp32_ref": None, "ref_heads": ref_heads}
+            fn, reason = make_peer(peer, q, k, v, bm, bs)
+            if fn is None:
+                entry["reason"] = reason
+            else:
+                try:
+                    out = fn()  # first call: compile / plan build
+                    torch.cuda.synchronize()
+                    t0 = time.time()
+                    out = fn()
+                    torch.cuda.synchronize()
+                    est = (time.time() - t0) * 1e3
+                    entry["cos_vs_fp32_ref"] = cosine(out[:, ref_heads], reference(density, bm))
+                    del out
+                    ms = bench_peer(fn, est)
+                    flops = kept_flops(bm, length, length, dim, bs, heads=heads) if peer.sparse else dense_flops
+                    entry.update(ran=True, ms=ms, tflops=flops / ms / 1e9)
+                except Exception as exc:  # noqa: BLE001 - a failing peer is a row of the table, not the end of the run
+                    entry["reason"] = f"run failed: {type(exc).__name__}: {str(exc).strip()[:600]}"
+                if peer.name.startswith("cudnn_fp8") and entry["cos_vs_fp32_ref"] is not None:
+                    entry["cos_ok"] = entry["cos_vs_fp32_ref"] >= 0.99  # issue 14: the FP8 peer must reach 0.99
+            fn = None
+            torch.cuda.empty_cache()
+            table.append(entry)
+            if entry["ran"]:
+                log(f"[{length}] peer {peer.name:24s} {entry['map']:>5s}: {entry['ms']:9.2f} ms "
+                    f"({entry['tflops']:4.0f} TFLOP/s, {entry['flops_counted']}), cosine vs fp32 {entry['cos_vs_fp32_ref']:.5f}")
+            else:
+                log(f"[{length}] peer {peer.name:24s} {entry['map']:>5s}: not run: {entry['reason']}")
+    refs.clear()
+    torch.cuda.empty_cache()
+
+
 def cfg_name(cfg: dict) -> str:
     name = f"BM{cfg['BLOCK_M']}-BN{cfg['BLOCK_N']}-w{cfg['num_warps']}-s{cfg['num_stages']}-{'tma' if cfg['use_tma'] else 'ptr'}"
     return name + (f"-r{cfg['maxnreg']}" if cfg.get("maxnreg") else "")
@@ -83,6 +156,11 @@ def run_size(length: int, args, results: dict) -> None:
     dense_flops = 4.0 * heads * dim * length * length
     row: dict = {"tokens": length, "heads": heads, "head_dim": dim, "dense_flops": dense_flops}
     results["sizes"].append(row)
+    if args.peers_only:
+        run_peers(length, q, k, v, args, results)
+        del q, k, v
+        torch.cuda.empty_cache()
+        return
 
     cudnn = sdpa(SDPBackend.CUDNN_ATTENTION)
     flash = sdpa(SDPBackend.FLASH_ATTENTION)
@@ -216,7 +294,10 @@ def run_size(length: int, args, results: dict) -> None:
             ms = bench(lambda: block_mass_triton(q, k, block_size=bs, sample_rows=sample), est * rows / bs)
             row["block_mass"].append({"sample_rows": rows, "ms": ms, "share_of_cudnn": ms / row["cudnn_ms"]})
             log(f"[{length}] block_mass sample_rows={rows}: {ms:.2f} ms = {100 * ms / row['cudnn_ms']:.1f}% of dense cuDNN")
-    del q, k, v, ref
+    del ref
+    torch.cuda.empty_cache()
+    run_peers(length, q, k, v, args, results)
+    del q, k, v
     torch.cuda.empty_cache()
 
 
@@ -261,7 +342,12 @@ def main():
     ap.add_argument("--mass-sizes", default="75600")
     ap.add_argument("--sweep", action="store_true", help="try tile configs on the full map, then use the fastest")
     ap.add_argument("--skip-flex", action="store_true")
+    ap.add_argument("--peers-only", action="store_true", help="run only the peers table (no sweep, densities, stages)")
+    ap.add_argument("--peers", default="", help="comma list of peer names (default: every peer of peers.PEERS)")
+    ap.add_argument("--peer-densities", default="1.0,0.15,0.05", help="maps for sparse peers (1.0 = full map)")
     args = ap.parse_args()
+    args.peers = [x for x in args.peers.split(",") if x]
+    args.peer_densities = [float(x) for x in args.peer_densities.split(",") if x]
     args.densities = [float(x) for x in args.densities.split(",") if x]
     args.mass_rows = [int(x) for x in args.mass_rows.split(",") if x]
     args.mass_sizes = [int(x) for x in args.mass_sizes.split(",") if x]
@@ -273,7 +359,8 @@ def main():
         run_size(length, args, results)
         with open(os.path.join(args.out, "bench_block_sparse.json"), "w") as f:
             json.dump(results, f, indent=1)
-    plot(results, os.path.join(args.out, "bench_block_sparse.png"))
+    if any(row.get("densities") for row in results["sizes"]):
+        plot(results, os.path.join(args.out, "bench_block_sparse.png"))
     log("done")
 
 
