@@ -218,7 +218,13 @@ def _compiled_flex():
     return _COMPILED_FLEX
 
 
-def _run_attention(chosen: Backend, q, k, v, block_map, block_size, scale, prefix_len, prefix_bias):
+def _run_attention(chosen: Backend, q, k, v, block_map, block_size, scale, prefix_len, prefix_bias, perm=None):
+    """One backend's call; ``perm`` = ``(perm, inverse)`` or None: the Triton kernels take the order
+    fused into their loads and output store, the others gather into it and scatter back."""
+    if perm is not None and chosen not in (Backend.TRITON_FP8, Backend.TRITON_BF16):
+        q, k, v = to_tile_order(perm[0], q, k, v)
+        return to_raster_order(perm[1], _run_attention(chosen, q, k, v, block_map, block_size, scale, prefix_len,
+                                                       prefix_bias))
     if chosen == Backend.REFERENCE:
         return reference.block_sparse_attention_reference(q, k, v, block_map, block_size, scale, prefix_len,
                                                           prefix_bias)
@@ -226,7 +232,7 @@ def _run_attention(chosen: Backend, q, k, v, block_map, block_size, scale, prefi
         return _flex_attention(q, k, v, block_map, block_size, scale, prefix_len, prefix_bias)
     return _triton_module().block_sparse_attention_triton(
         q, k, v, block_map if block_map.device == q.device else block_map.to(q.device), block_size=block_size, scale=scale, fp8=chosen == Backend.TRITON_FP8,
-        prefix_len=prefix_len, prefix_bias=prefix_bias)
+        prefix_len=prefix_len, prefix_bias=prefix_bias, token_perm=None if perm is None else perm[0])
 
 
 def _token_perm(token_perm, q, k):
@@ -279,14 +285,11 @@ def block_sparse_attention(q, k, v, block_map, *, block_size: int = 128, scale: 
     prefix_len, prefix_bias = _check_prefix(prefix_len, prefix_bias, k.shape[2])
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     perm = _token_perm(token_perm, q, k)
-    if perm is not None:  # every backend: gather into the order, run, scatter back (tile_order.py)
-        q, k, v = to_tile_order(perm[0], q, k, v)
     explicit = _parse_backend(backend) != Backend.AUTO
     chosen = resolve_backend(backend, q, "attention")
     while True:
         try:
-            out = _run_attention(chosen, q, k, v, block_map, block_size, scale, prefix_len, prefix_bias)
-            return out if perm is None else to_raster_order(perm[1], out)
+            return _run_attention(chosen, q, k, v, block_map, block_size, scale, prefix_len, prefix_bias, perm)
         except Exception as exc:  # noqa: BLE001 - auto walks down its chain, explicit re-raises
             if explicit or chosen == Backend.REFERENCE:
                 raise

@@ -299,6 +299,39 @@ def test_token_perm_bad_input_raises():
         block_sparse_attention_triton_impl(q, k, v, bm, 32, 0.125, True, token_perm=torch.arange(99))
     with pytest.raises(ValueError, match="token_perm"):
         block_sparse_attention_triton_impl(q, k, v, bm, 32, 0.125, True, token_perm=torch.arange(100.0))
-    with pytest.raises(ValueError, match="prefix_bias with token_perm"):
-        block_sparse_attention_triton_impl(q, k, v, bm, 32, 0.125, True, prefix_len=10, prefix_bias=1.0,
-                                           token_perm=torch.arange(100))
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_token_perm_with_prefix_bias(fp8):
+    """With ``token_perm`` the prefix counts positions of the reordered sequence (a tile order puts
+    the first frame first): the same as the biased call on the reordered inputs."""
+    from chorus.kernels.triton._attention import block_sparse_attention_triton_impl
+
+    q, k, v = make_inputs(1, 2, 200, 64, torch.bfloat16, seed=21)
+    perm = torch.randperm(200, generator=torch.Generator().manual_seed(5))
+    bm = random_map(1, 2, 200, 200, 64, 0.5, seed=9)
+    out = block_sparse_attention_triton_impl(q, k, v, bm, 64, 0.125, fp8, prefix_len=70, prefix_bias=1.3,
+                                             token_perm=perm)
+    qp, kp, vp = (t[:, :, perm] for t in (q, k, v))
+    (check_fp8 if fp8 else check_16bit)(out[:, :, perm], qp, kp, vp, bm, 64, prefix_len=70, prefix_bias=1.3)
+
+
+@pytest.mark.parametrize("backend", ["triton_fp8", "triton_bf16"])
+def test_api_tile_order_on_triton_matches_reference(backend):
+    """The API's routing with a ``TileOrder``: the Triton backends (order fused into the kernels) agree
+    with the reference backend (gather, run, scatter) on the same map of the tile order. (The public
+    function refuses CPU tensors for Triton backends, so its backend call is made directly.)"""
+    from chorus import kernels
+    from chorus.kernels.api import Backend, _run_attention
+    from chorus.kernels.tile_order import TileOrder, resolve_token_perm
+
+    order = TileOrder((3, 5, 12), block_size=32)  # 180 tokens: partial tiles at every edge
+    q, k, v = make_inputs(1, 2, order.length, 64, torch.bfloat16, seed=31, layout="blhd")
+    bm = random_map(1, 2, order.length, order.length, 32, 0.5, seed=3)
+    ref = kernels.block_sparse_attention(q, k, v, bm, block_size=32, backend="reference", token_perm=order)
+    out = _run_attention(Backend(backend), q, k, v, bm, 32, 1 / math.sqrt(64), 0, 0.0,
+                         resolve_token_perm(order, order.length, q.device))
+    perm = order.perm
+    qp, kp, vp = (t[:, :, perm] for t in (q, k, v))
+    check_16bit(ref[:, :, perm], qp, kp, vp, bm, 32)
+    (check_fp8 if backend == "triton_fp8" else check_16bit)(out[:, :, perm], qp, kp, vp, bm, 32)

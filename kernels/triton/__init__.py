@@ -94,7 +94,7 @@ def block_sparse_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
         token_perm: None, or (``Lq == Lk == L``) an int32/int64 ``[L]`` permutation: attention runs on
             the sequence in that order (position ``i`` = input row ``token_perm[i]``; ``block_map`` is in
             that order) and the output is returned in the input order; fused into the FP8 pre-pass and
-            the output store (not combinable with a prefix bias).
+            the output store; ``prefix_len`` then counts positions of that order.
 
     Returns ``[B, H, Lq, D]`` in q's dtype, in ``[B, Lq, H, D]`` memory when q is such a
     head-transposed view (:func:`._attention.output_like`), else contiguous. Raises ``ValueError`` on bad shapes/dtypes/maps.

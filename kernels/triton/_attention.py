@@ -322,15 +322,14 @@ def prepare_attention(q, k, v, block_map, block_size: int, scale: float, fp8: bo
     """Validate, build the block index and (FP8) quantise; returns the launch arguments as a dict.
     Split from :func:`launch_attention` so the benchmark can time the stages separately.
     ``prefix_bias`` (natural-log units) is added to the scaled logits of keys ``[0, prefix_len)``
-    (of the input order). ``token_perm``: see :func:`block_sparse_attention_triton_impl`."""
+    (positions of the permuted order when ``token_perm`` is given: see
+    :func:`block_sparse_attention_triton_impl`)."""
     _validate(q, k, v, block_map, block_size)
     token_perm = _check_perm(token_perm, q, k)
     if not (isinstance(prefix_len, int) and 0 <= prefix_len <= k.shape[2] and math.isfinite(prefix_bias)):
         raise ValueError(f"prefix_len must be in [0, {k.shape[2]}] and prefix_bias finite, got "
                          f"{prefix_len!r}, {prefix_bias!r}")
     has_bias = prefix_len > 0 and prefix_bias != 0.0
-    if has_bias and token_perm is not None:
-        raise ValueError("prefix_bias with token_perm is not supported (the prefix is a range of input rows)")
     if config is None:
         config = DEFAULT_CONFIGS["fp8" if fp8 else "bf16"]
     batch, heads, q_len, head_dim = q.shape
@@ -465,7 +464,8 @@ def block_sparse_attention_triton_impl(q, k, v, block_map, block_size: int, scal
     ``range(L)``; the attention runs on the sequence reordered so that position ``i`` is input row
     ``token_perm[i]`` -- ``block_map`` is read in that order (e.g. 3D tiles) -- and the output comes
     back in the input order. FP8: the reorder is fused into the pre-pass loads and the kernel's
-    output store (no extra pass); bf16: q, k, v are gathered once each, the store is fused."""
+    output store (no extra pass); bf16: q, k, v are gathered once each, the store is fused.
+    ``block_map`` and ``prefix_len`` refer to positions of the reordered sequence."""
     if q.device.type == "cuda":
         with torch.cuda.device(q.device):  # Triton launches on the current device
             return _run_chunks(q, k, v, block_map, block_size, scale, fp8, config, prefix_len, prefix_bias, token_perm)
