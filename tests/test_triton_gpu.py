@@ -252,3 +252,44 @@ def test_fp8_results_are_bitwise_reproducible():
     bm = structured_map(32760, 8, 0.15)
     runs = [block_sparse_attention_triton(q, k, v, bm, block_size=128, fp8=True) for _ in range(3)]
     assert torch.equal(runs[0], runs[1]) and torch.equal(runs[0], runs[2])
+
+
+@pytest.mark.parametrize("grid", [(21, 30, 52), (21, 45, 80), (3, 7, 11)])
+@pytest.mark.parametrize("q_in_kernel", [False, True])
+def test_tile_order_and_q_in_kernel_match_oracle(grid, q_in_kernel):
+    """A 3D-tile order fused into the FP8 pre-pass and output store (and Q quantised on load):
+    ``out[:, :, perm]`` is the attention of the reordered inputs, held to the FP8 bounds on whole
+    query blocks (first, middle, last); the bf16 path (gathers) to its bound."""
+    from chorus.kernels.reference import dense_attention_oracle, masked_attention_eager
+    from chorus.kernels.tile_order import TileOrder
+    from chorus.kernels.triton._attention import DEFAULT_CONFIGS, block_sparse_attention_triton_impl
+    from chorus.kernels.triton.emulation import error_stats, sage_fp8_attention_emulation
+
+    heads, bs = 4, 128
+    order = TileOrder(grid, block_size=bs)
+    length = order.length
+    q, k, v = make_inputs(heads, length, 128, seed=length)
+    q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))  # ComfyUI's [B, L, H, D] memory
+    perm = order.perm.cuda()
+    bm = structured_map(length, heads, 0.15, bs) if length in (32760, 75600) else (
+        torch.rand(1, heads, -(-length // bs), -(-length // bs), device="cuda") < 0.5)
+    bm[..., torch.arange(bm.shape[2]), torch.arange(bm.shape[2])] = True
+    nqb = bm.shape[2]
+    blocks = sorted({0, nqb // 2, nqb - 1})
+    rows = block_rows(length, bs, blocks)
+    qp, kp, vp = (t[:, :, perm] for t in (q, k, v))
+    oracle = dense_attention_oracle(qp[:, :, rows], kp, vp, bm[:, :, blocks], bs)
+    for fp8 in (False, True) if _fp8_capable() else (False,):
+        config = dict(DEFAULT_CONFIGS["fp8" if fp8 else "bf16"], q_in_kernel=q_in_kernel)
+        out = block_sparse_attention_triton_impl(q, k, v, bm, bs, 128 ** -0.5, fp8, config=config, token_perm=perm)
+        got = out[:, :, perm][:, :, rows]
+        assert torch.isfinite(out).all()
+        if fp8:
+            ours = error_stats(got, oracle)
+            sage = error_stats(sage_fp8_attention_emulation(qp[:, :, rows], kp, vp, bm[:, :, blocks], bs), oracle)
+            assert ours["rel_l1"] <= 2 * sage["rel_l1"] and 1 - ours["cosine"] <= 2 * (1 - sage["cosine"]), (ours, sage)
+            assert ours["cosine"] >= 0.998, ours
+        else:
+            eager = masked_attention_eager(qp[:, :, rows], kp, vp, bm[:, :, blocks], bs).double()
+            floor = 4 * torch.finfo(torch.bfloat16).eps * oracle.abs().max().item()
+            assert (got.double() - oracle).abs().max() <= 2 * (eager - oracle).abs().max() + floor

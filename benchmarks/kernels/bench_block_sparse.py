@@ -52,7 +52,12 @@ SWEEP_FP8 = [
 SWEEP_BF16 = [
     dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, use_tma=False),
     dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2, use_tma=True),
+    dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, use_tma=True),
+    dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=2, use_tma=True),
+    dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3, use_tma=True),
 ]
+# Wan token grids of the benchmark's lengths (81 frames): the tile-order lever uses their TileOrder
+GRIDS = {32760: (21, 30, 52), 75600: (21, 45, 80)}
 
 
 def bench(fn, est_ms: float | None = None) -> float:
@@ -142,6 +147,38 @@ def run_peers(length: int, q, k, v, args, results: dict) -> None:
     torch.cuda.empty_cache()
 
 
+def levers(length: int, q, k, v, full, cfg: dict, est: float) -> dict:
+    """Each lever measured alone, whole FP8 calls (index + pre-pass + kernel), full map and 15%:
+    Q quantised in the pre-pass vs on load in the attention kernel (pre-pass reads K and V only);
+    the 3D-tile token order fused into the pre-pass / output store vs none vs gather -> run -> scatter."""
+    from chorus.kernels.tile_order import TileOrder, to_raster_order, to_tile_order
+
+    heads, dim, bs = q.shape[1], q.shape[3], 128
+    scale = dim ** -0.5
+    bm15 = structured_block_map(length, heads, 0.15, bs, device="cuda")
+    q_kernel = dict(cfg, q_in_kernel=True)
+    out = {"prepass_qkv_ms": bench(lambda: attn.quantize_qkv_fp8(q, k, v, scale)),
+           "prepass_kv_only_ms": bench(lambda: attn.quantize_qkv_fp8(q, k, v, scale, quantize_q=False))}
+    for dname, bm, share in (("full", full, 1.0), ("d15", bm15, 0.15)):
+        for name, c in (("q_prepass", cfg), ("q_in_kernel", q_kernel)):
+            out[f"{name}_{dname}_ms"] = bench(
+                lambda: attn.block_sparse_attention_triton_impl(q, k, v, bm, bs, scale, True, c), est * share / 2)
+    grid = GRIDS.get(length)
+    if grid is not None:
+        order = TileOrder(grid, block_size=bs)
+        perm, inverse = order.perm.cuda(), order.inverse.cuda()
+        for name, c in (("q_prepass", cfg), ("q_in_kernel", q_kernel)):
+            out[f"tile_fused_{name}_d15_ms"] = bench(
+                lambda: attn.block_sparse_attention_triton_impl(q, k, v, bm15, bs, scale, True, c, token_perm=perm),
+                est * 0.15 / 2)
+
+        def gathered():
+            qt, kt, vt = to_tile_order(perm, q, k, v)
+            return to_raster_order(inverse, attn.block_sparse_attention_triton_impl(qt, kt, vt, bm15, bs, scale, True, cfg))
+        out["tile_gather_scatter_d15_ms"] = bench(gathered, est * 0.15 / 2)
+    return out
+
+
 def cfg_name(cfg: dict) -> str:
     name = f"BM{cfg['BLOCK_M']}-BN{cfg['BLOCK_N']}-w{cfg['num_warps']}-s{cfg['num_stages']}-{'tma' if cfg['use_tma'] else 'ptr'}"
     return name + (f"-r{cfg['maxnreg']}" if cfg.get("maxnreg") else "")
@@ -224,6 +261,8 @@ def run_size(length: int, args, results: dict) -> None:
     }
     row["fp8_stages_full"] = stages
     log(f"[{length}] fp8 stages (full map): " + ", ".join(f"{n} {t:.3f}" for n, t in stages.items()))
+    row["levers"] = levers(length, q, k, v, full, best["fp8"], est)
+    log(f"[{length}] levers (whole calls): " + ", ".join(f"{n} {t:.3f}" for n, t in row["levers"].items()))
 
     # structured densities: ours fp8/bf16 and compiled flex with the same maps
     flex = None
