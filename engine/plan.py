@@ -22,7 +22,7 @@ import torch
 
 from .. import kernels
 from .recorder import MassRecorder
-from .signature import ModelInfo, token_grid
+from .signature import ModelInfo, entry_token_order, token_grid
 from .state import PlanStats, RequestState
 
 log = logging.getLogger("chorus.engine")
@@ -56,6 +56,14 @@ class Retrieval:
             raise ValueError(f"plan kind must be 'hit' or 'miss', got {self.kind!r}")
         if self.kind == "hit" and (not self.masks or self.entry_meta is None or "signature" not in self.entry_meta):
             raise ValueError("a hit needs masks and entry_meta with a signature")
+        if self.kind == "hit":
+            try:
+                order = entry_token_order(self.entry_meta["signature"])
+            except (AttributeError, KeyError, TypeError, ValueError) as exc:
+                raise ValueError(f"a hit's entry has an unreadable token order ({exc})") from None
+            if order is not None:  # never run a tile-order map on raster tokens (retrieval misses first)
+                raise ValueError(f"a hit needs a raster-order entry; this one is in token order {order.name} "
+                                 "(this version runs attention in raster order only)")
         def fix(name, value):
             object.__setattr__(self, name, value)
 

@@ -4,7 +4,12 @@ A signature is a plain JSON-able dict (stored in ``meta["signature"]`` of an ent
 
 ``{"format": 1, "family": "wan", "variant": str, "experts": [fingerprint, ...],
 "num_layers": int, "num_heads": int, "latent_shape": [C, T, H, W], "token_grid": [T', H', W'],
-"block_size": int, "token_order": "thw", "step_sigmas": [float, ...], "head_groups": 1}``
+"block_size": int, "token_order": str, "step_sigmas": [float, ...], "head_groups": 1}``
+
+``token_order`` is the order of the tokens the entry's blocks were cut from: ``"thw"``
+(:data:`TOKEN_ORDER`, raster: Wan's frame-major order after the 1x2x2 patchify; an entry without
+the field is raster too) or the name of a :class:`chorus.kernels.tile_order.TileOrder` of the
+entry's token grid and block size (e.g. ``"tile2x8x8-f8x16-s"``; :func:`entry_token_order`).
 
 ``experts`` lists the weights fingerprints of the models that sampled the request, in the order
 they first sampled (Wan 2.2 A14B: high-noise expert first). ``step_sigmas`` is the sigma at the
@@ -20,7 +25,9 @@ from dataclasses import dataclass
 import torch
 
 SIGNATURE_FORMAT = 1
-TOKEN_ORDER = "thw"  # Wan's frame-major order after the 1x2x2 patchify; no 3D tile reordering
+TOKEN_ORDER = "thw"  # the raster default: Wan's frame-major order after the 1x2x2 patchify
+RASTER_ORDER_NAMES = (TOKEN_ORDER, "raster")
+MAX_ORDER_TOKENS = 1 << 22  # a tile order is rebuilt from an entry's grid only up to this many tokens
 PATCH_SIZE = (1, 2, 2)
 
 SUPPORTED_VARIANTS = ("wan2.1-i2v", "wan2.2-ti2v-5b", "wan2.2-a14b-i2v")
@@ -139,19 +146,57 @@ def token_grid(latent_shape, patch_size=PATCH_SIZE) -> tuple[int, int, int]:
     return (math.ceil(t / pt), math.ceil(h / ph), math.ceil(w / pw))
 
 
+def token_order_name(order) -> str:
+    """What a signature records for an order: :data:`TOKEN_ORDER` for raster (None), else the
+    ``TileOrder``'s name."""
+    return TOKEN_ORDER if order is None else order.name
+
+
+def entry_token_order(entry_signature: dict):
+    """The order an entry's blocks are in: None (raster: ``"thw"``, ``"raster"`` or no field) or the
+    :class:`~chorus.kernels.tile_order.TileOrder` of the entry's token grid and block size whose name
+    the entry records. Raises ``ValueError`` for any other value (an order this code cannot rebuild
+    is never guessed: the entry is unusable rather than misread)."""
+    from ..kernels.tile_order import cached_tile_order
+
+    name = entry_signature.get("token_order", TOKEN_ORDER)
+    if isinstance(name, str) and name in RASTER_ORDER_NAMES:
+        return None
+    if not isinstance(name, str) or not name.startswith("tile"):
+        raise ValueError(f"unknown token order {name!r}")
+    grid = tuple(int(g) for g in entry_signature["token_grid"])
+    block_size = int(entry_signature["block_size"])
+    if len(grid) != 3 or min(grid) < 1 or math.prod(grid) > MAX_ORDER_TOKENS or block_size < 1:
+        raise ValueError(f"token grid {grid} / block size {block_size} of a tile-order entry is out of range")
+    for serpentine in (True, False):
+        order = cached_tile_order(grid, block_size, serpentine)
+        if order.name == name:
+            return order
+    raise ValueError(f"token order {name!r} is not the tile order this version builds for grid {grid} "
+                     f"and block size {block_size}")
+
+
 def latent_compatibility(entry_signature: dict, latent_shape) -> tuple[str, str]:
     """Can an entry's masks serve a latent of this shape?
 
     Returns ``("same", "")``, ``("resample", why)`` (same channels and aspect, another token grid:
     masks are resampled in 3D block coordinates) or ``("incompatible", why)``.
+
+    Token order (:func:`entry_token_order`): raster entries (``"thw"``, ``"raster"``, no field) are
+    served; a tile-order entry is incompatible, i.e. a miss, never misread: this version records
+    and runs attention in raster order only (tile order measured no fewer blocks at equal recall,
+    docs/BENCHMARKS.md, "Tile token order"; ``chorus.kernels.tile_order.convert_map`` would carry
+    its maps to raster order, nearly dense); an order that cannot be rebuilt is incompatible too.
     """
     from ..kernels import aspect_matches
 
     try:
         if int(entry_signature.get("format", -1)) != SIGNATURE_FORMAT:
             return "incompatible", f"entry signature format {entry_signature.get('format')!r} is not {SIGNATURE_FORMAT}"
-        if entry_signature.get("token_order") != TOKEN_ORDER:
-            return "incompatible", f"entry token order {entry_signature.get('token_order')!r} differs"
+        order = entry_token_order(entry_signature)
+        if order is not None:
+            return "incompatible", (f"entry in token order {order.name}: this version runs attention in raster "
+                                    f"order only")
         shape = tuple(int(s) for s in latent_shape)[-4:]
         e_shape = tuple(int(s) for s in entry_signature["latent_shape"])
         if shape == e_shape:
@@ -162,5 +207,5 @@ def latent_compatibility(entry_signature: dict, latent_shape) -> tuple[str, str]
         if aspect_matches(src, dst):
             return "resample", f"token grid {dst} differs from the entry's {src} with the same aspect: masks resampled"
         return "incompatible", f"latent {list(shape)} has another aspect than the entry's {list(e_shape)}"
-    except (KeyError, TypeError, ValueError) as e:
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
         return "incompatible", f"entry signature unreadable ({type(e).__name__}: {e})"
