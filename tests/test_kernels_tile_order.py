@@ -127,6 +127,9 @@ def test_tile_order_attention_with_full_coverage_map_equals_raster_attention(gri
     got = block_sparse_attention(q, k, v, sparse, block_size=bs, backend="reference", token_perm=order)
     want = dense_attention_oracle(order.to_tile(q), order.to_tile(k), order.to_tile(v), sparse, bs)
     torch.testing.assert_close(got.double(), order.to_raster(want), rtol=1e-5, atol=1e-5)
+    # flex goes through the same gather / scatter (eager on the CPU)
+    flex = block_sparse_attention(q, k, v, sparse, block_size=bs, backend="flex", token_perm=order)
+    torch.testing.assert_close(flex, got, rtol=1e-5, atol=1e-5)
 
 
 def test_prefix_bias_in_tile_order_is_the_first_frame():
