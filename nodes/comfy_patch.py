@@ -171,14 +171,31 @@ class ChorusPatch:
     def diffusion_model(self, executor, *args, **kwargs):
         """DIFFUSION_MODEL wrapper (Wan args: x, timestep, context, clip_fea, time_dim_concat,
         transformer_options, ...): the per-forward :class:`Forward` into a copy of the options."""
+        where, options = self._forward_options(args, kwargs)
+        if where is None:
+            return executor(*args, **kwargs)
+        if where == "kw":
+            kwargs["transformer_options"] = options
+        else:
+            args = args[:where] + (options,) + args[where + 1:]
+        return executor(*args, **kwargs)
+
+    # Under TorchCompileModel the model forward around this wrapper is compiled: reading sigma and
+    # building the Forward run eagerly, so dynamo never sees sigma as a Python float (it specialised
+    # on its value and recompiled the model at every step) and only passes the options dict through.
+    @torch.compiler.disable
+    def _forward_options(self, args, kwargs):
+        """``(where, options)``: where the call's transformer_options are (``"kw"`` or an arg index) and
+        a copy of them holding this forward's :class:`Forward`; ``(None, None)`` when this call is not a
+        Wan video forward (the options are then left as they are)."""
         where, options = _find_transformer_options(args, kwargs)
         x = args[0] if args else kwargs.get("x")
         if where is None or not isinstance(x, torch.Tensor) or x.dim() != 5:
-            return executor(*args, **kwargs)
+            return None, None
         try:
             grid = token_grid(x.shape)
         except ValueError:
-            return executor(*args, **kwargs)
+            return None, None
         tokens = grid[0] * grid[1] * grid[2]
         context = args[2] if len(args) > 2 else kwargs.get("context")
         clip_fea = args[3] if len(args) > 3 and not isinstance(args[3], dict) else kwargs.get("clip_fea")
@@ -204,11 +221,7 @@ class ChorusPatch:
             sigma = float(sigmas)
         options = dict(options)
         options[FORWARD_KEY] = Forward(self, grid, sigma, reason, context_lengths, options.get("cond_or_uncond"))
-        if where == "kw":
-            kwargs["transformer_options"] = options
-        else:
-            args = args[:where] + (options,) + args[where + 1:]
-        return executor(*args, **kwargs)
+        return where, options
 
     # -- the attention override ----------------------------------------------------------------------
     def _pass(self, func, args, kwargs):

@@ -314,3 +314,40 @@ def test_a_run_that_cannot_start_goes_dense_and_every_reset_runs_when_sampling_f
         _sample(failing_model, steps=1)
     assert not fpatch.attention._running and fpatch.attention.expert is None
     assert not fpatch.feature_reuse._running and fpatch.guidance.sample_sigmas is None
+
+
+def test_a_compiled_forward_is_not_recompiled_for_each_sigma(cp, nodes, model):
+    """Under torch.compile (TorchCompileModel compiles the model forward around the DIFFUSION_MODEL
+    wrapper) the sigma read and the Forward are built eagerly: a new sigma value at every step must
+    not make dynamo recompile the forward (it did when sigma was a Python float in the traced frame)."""
+    import torch._dynamo
+    import torch._dynamo.testing
+
+    patched = nodes["sparse"](model, _miss())
+    patch = cp.get_patch(patched)
+    seen = []
+
+    @torch.compiler.disable  # (in ComfyUI only the eager override reads the Forward)
+    def record(options):
+        seen.append(options[cp.FORWARD_KEY].sigma)
+
+    def executor(x, timestep, context, clip_fea, time_dim_concat, transformer_options):
+        record(transformer_options)
+        return x * 2.0
+
+    def forward(x, sigmas):
+        opts = {"sigmas": sigmas, "sample_sigmas": torch.tensor([1.0, 0.5, 0.0])}
+        return patch.diffusion_model(executor, x, sigmas, None, None, None, opts)
+
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounter()
+    compiled = torch.compile(forward, backend=counter)
+    x = torch.randn(LATENT)
+    assert torch.equal(compiled(x, torch.tensor([1.0])), x * 2.0)
+    frames_after_first = counter.frame_count
+    for sigma in (0.75, 0.5, 0.25, 0.125):
+        assert torch.equal(compiled(x, torch.tensor([sigma])), x * 2.0)
+    assert seen == [1.0, 0.75, 0.5, 0.25, 0.125]
+    assert counter.frame_count == frames_after_first, \
+        f"new sigmas compiled {counter.frame_count - frames_after_first} more frames"
+    torch._dynamo.reset()
