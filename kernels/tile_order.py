@@ -36,6 +36,7 @@ token pair a kept source block pair covers is covered by a kept destination pair
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -172,6 +173,13 @@ class TileOrder:
         """Inverse of :meth:`to_tile`: ``out[n] = x[inverse[n]]``."""
         _check_token_dim(x, dim, self.length)
         return x.index_select(dim, self.indices(x.device)[1])
+
+
+@functools.lru_cache(maxsize=32)
+def cached_tile_order(grid: tuple, block_size: int = 128, serpentine: bool = True) -> TileOrder:
+    """The default :class:`TileOrder` of ``(grid, block_size)`` (tiles from :func:`choose_tile`),
+    built once per process and geometry (the engine asks for it on every call)."""
+    return TileOrder(tuple(int(g) for g in grid), int(block_size), serpentine=serpentine)
 
 
 def _tile_permutation(grid, tile, first, serpentine: bool) -> torch.Tensor:
