@@ -6,13 +6,22 @@ import math
 from dataclasses import dataclass
 
 BACKENDS = ("auto", "triton_fp8", "triton_bf16", "flex", "reference")
-# 0 = off by default (ChorusSparseSampler's default too). Why not on: on the quality harness's synthetic
-# source no threshold catches >= 95% of wrong entries while demoting <= 5% of near-duplicates (wrong maps
-# keep nearly as much mass there), and every random-weight model (tests, the GPU benchmark of record)
-# fails any useful threshold by construction. 0.85 is the value to try on real weights (a genuine hit at
-# top_p 0.9 keeps ~0.9); docs/BENCHMARKS.md, "Self-verifying hits".
+# The verdict is RELATIVE (engine/verify.py): the estimated recall of the reused map divided by the best recall
+# any map as sparse keeps on the same sampled mass (the "fit ratio"): ~1 for a map that fits the request, lower
+# for a map of another request, ~1 on near-uniform attention (random weights) whatever the map. Off by default:
+# on the quality harness 0.95 meets the targets (>= 95% of permuted / other-family entries caught, no
+# near-duplicate demoted) only for entries recorded from exact block mass; the fit ratio of a genuine hit is
+# bounded by how precisely its entry was recorded, and with the recorder's share of sampled rows (8 of 128 ->
+# 1 of the harness's 16) near-duplicates fall to 0.81-0.92 and no threshold meets the targets
+# (docs/BENCHMARKS.md, "Self-verifying hits"). SUGGESTED_VERIFY_THRESHOLD is the value to try, and to
+# re-measure on real weights before turning it on.
 DEFAULT_VERIFY_THRESHOLD = 0.0
-SUGGESTED_VERIFY_THRESHOLD = 0.85
+SUGGESTED_VERIFY_THRESHOLD = 0.95
+# Rows per block for the estimate: the in-sample best is biased up by row-sampling noise, which a map that fits
+# still pays on near-uniform attention (i.i.d. Gaussian q/k at 480p's 32 760 tokens, a 5%-density structured
+# map: fit ratio 0.918 with 8 rows, 0.957 with 32, 0.969 with 64). 64 of a 128 block on 4 of 40 heads is 5% of
+# one layer's QK^T, on 4 layers, once per expert.
+DEFAULT_VERIFY_ROWS = 64
 
 
 @dataclass(frozen=True)
@@ -30,17 +39,22 @@ class SparseConfig:
       mass (docs/BENCHMARKS.md, "End to end", miss rows).
     - ``block_size``: tokens per block (q and kv), 128 by default.
     - ``verify_threshold`` in [0, 1]: self-verifying hits (``chorus.engine.verify``). At the first step
-      of each expert of a hit, the share of attention mass the reused map keeps (its *recall*) is
-      estimated from sampled query rows on a few (layer, head); an estimate below the threshold
-      demotes the plan: the rest of the request runs dense and records, so it writes its own entry
-      (when the first expert fails). 0 = off (:data:`DEFAULT_VERIFY_THRESHOLD`, see there why);
-      :data:`SUGGESTED_VERIFY_THRESHOLD` (0.85) to turn it on. It is an absolute share of mass, so with ``top_p`` well below the
-      default (sparser maps keep less mass by design) lower it too, and random-weight models (near
-      uniform attention: any sparse map keeps about its density) fail it by construction.
+      of each expert of a hit, the share of attention mass the reused map keeps (its *recall*) and the
+      share the best map with the same number of kept blocks per row would keep (*best*) are estimated
+      from sampled query rows on a few (layer, head); the verdict's number is their ratio (the *fit
+      ratio*, mean recall / mean best over the checked layers and heads, in (0, 1]). A ratio below the
+      threshold demotes the plan: the rest of the request runs dense and records, so it writes its own
+      entry (when the first expert fails). A ratio, not a share of mass (a share depends on ``top_p`` and on
+      how peaked the model's attention is): a map that fits is near-optimal for its density (ratio ~1; 0.95-0.96
+      for near-duplicates on the quality harness, below 1 as the map was selected on the entry's
+      mass, with forced diagonal and first-frame blocks), a map of another request is not; near-uniform attention (random weights) gives ~1
+      for any map. 0 = off, the default (:data:`DEFAULT_VERIFY_THRESHOLD`, see there why);
+      :data:`SUGGESTED_VERIFY_THRESHOLD` (0.95) to turn it on.
     - ``verify_layers``: layer indices checked (those past the model's layers are ignored); the
       first expert's calls up to the last checked layer are also recorded, so keep them early.
     - ``verify_heads`` >= 1: evenly spaced heads checked per layer (all when the model has fewer).
-    - ``verify_rows`` >= 1: sampled query rows per block for the estimate.
+    - ``verify_rows`` >= 1: sampled query rows per block for the estimate (:data:`DEFAULT_VERIFY_ROWS`, 64:
+      fewer rows bias the fit ratio of a map that fits down, most on near-uniform attention).
 
     Bad values raise ``ValueError``.
     """
@@ -54,7 +68,7 @@ class SparseConfig:
     verify_threshold: float = DEFAULT_VERIFY_THRESHOLD
     verify_layers: tuple = (0, 1, 2, 3)
     verify_heads: int = 4
-    verify_rows: int = 4
+    verify_rows: int = DEFAULT_VERIFY_ROWS
 
     def __post_init__(self):
         if not (isinstance(self.top_p, (int, float)) and math.isfinite(self.top_p) and 0.0 < self.top_p <= 1.0):

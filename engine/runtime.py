@@ -22,7 +22,7 @@ from .plan import Plan
 from .recorder import MassRecorder, pack_bits_on_device, unpack_bits_on_device
 from .routing import match_step, step_sigma
 from .signature import ModelInfo
-from .verify import ExpertCheck, recall_estimate, verify_head_index
+from .verify import ExpertCheck, recall_terms, verify_head_index
 
 
 _NEAR_TABLES: dict = {}
@@ -286,7 +286,7 @@ class ChorusAttention:
             if layer in check.layers and layer not in check.estimates:
                 qs, ks = self._cond_subset(q, k, cond_rows, keep_all=True)
                 with torch.no_grad():
-                    check.estimates[layer] = recall_estimate(
+                    check.estimates[layer] = recall_terms(
                         qs, ks, block_map, heads=verify_head_index(q.shape[1], cfg.verify_heads),
                         sample_rows=cfg.verify_rows, block_size=cfg.block_size)
             return check
@@ -317,24 +317,28 @@ class ChorusAttention:
             self.plan.state.verify_recorder = None
 
     def _decide(self, check: ExpertCheck) -> None:
-        """The verdict of a pending check: reads its estimates (the one host sync of the check),
-        demotes the plan below the threshold. Never raises."""
+        """The verdict of a pending check: reads its estimates (the one host sync of the check: one
+        stacked copy), demotes the plan when the fit ratio (recall / best recall at the same density,
+        over the checked layers and heads; engine/verify.py) is below the threshold. Never raises."""
         plan, cfg = self.plan, self.config
         state = plan.state
         if check.verdict is not None:
             return
         try:
-            check.values = {layer: float(est) for layer, est in check.estimates.items()}
+            layers = sorted(check.estimates)
+            terms = (torch.stack([check.estimates[l].float().reshape(2, -1).mean(-1) for l in layers]).cpu().tolist()
+                     if layers else [])
+            check.values = {layer: (float(r), float(b)) for layer, (r, b) in zip(layers, terms)}
             check.estimates = {}
-            vals = list(check.values.values())
-            if not vals or not all(v == v for v in vals):  # none, or NaN
+            vals = [v for pair in check.values.values() for v in pair]
+            if not vals or not all(math.isfinite(v) for v in vals):  # none, or NaN / inf
                 check.verdict, check.reason = "no verdict", "no estimate" if not vals else "non-finite estimate"
                 plan.note(f"hit verification gave no verdict for expert {self.expert} ({check.reason})")
                 self._publish(check)
                 self._drop_record_ahead(check)
                 return
-            mean = sum(vals) / len(vals)
-            check.verdict = "pass" if mean >= cfg.verify_threshold else "fail"
+            ratio = check.ratio
+            check.verdict = "pass" if ratio >= cfg.verify_threshold else "fail"
             self._publish(check)
             if check.verdict == "pass":
                 self._drop_record_ahead(check)
@@ -345,9 +349,11 @@ class ChorusAttention:
             self._drop_record_ahead(check)
             if recorder is not None:
                 plan.stats.recorded_calls += state.verify_covered  # the calls recorded ahead
+            summary = check.summary()
             plan.demote(f"hit verification failed for expert {self.expert}: the reused maps keep an estimated "
-                        f"{mean:.3f} of the attention mass (< verify_threshold {cfg.verify_threshold:g}) on layers "
-                        f"{sorted(check.values)} at step {check.step}", recorder=recorder)
+                        f"{summary['recall']:.3f} of the attention mass where maps as sparse could keep "
+                        f"{summary['best']:.3f} (fit ratio {ratio:.3f} < verify_threshold {cfg.verify_threshold:g}) "
+                        f"on layers {sorted(check.values)} at step {check.step}", recorder=recorder)
             if plan.recorder is not None and plan.recorder.incomplete_reason is not None:
                 plan.note("hit verification failed after other steps ran sparse: the rest of the request runs "
                           "dense; nothing will be written to the cache")

@@ -46,8 +46,9 @@ class PlanStats:
     runs: int = 0
     messages: list[str] = field(default_factory=list)
     suppressed_messages: int = 0
-    # self-verifying hits (engine/verify.py): expert -> {"step", "layers", "verdict", "min", "mean",
-    # "threshold"[, "reason"]}: the estimated recall of the reused maps at the expert's first step
+    # self-verifying hits (engine/verify.py): expert -> {"step", "layers", "verdict", "ratio", "recall",
+    # "best", "min_ratio", "threshold"[, "reason"]}: at the expert's first step, the estimated recall of
+    # the reused maps, the best recall at their density, and their ratio (the verdict's number)
     verification: dict = field(default_factory=dict)
 
     @property
@@ -64,10 +65,11 @@ class PlanStats:
                      f"fallback {self.fallback_calls}")
         parts.append(f"attention {self.attention_seconds * 1e3:.1f} ms")
         for expert, v in sorted(self.verification.items()):
-            if v.get("mean") is None:
+            if v.get("ratio") is None:
                 parts.append(f"verify expert {expert}: {v.get('verdict')} ({v.get('reason', 'no estimate')})")
             else:
-                parts.append(f"verify expert {expert}: estimated recall min {v['min']:.3f} / mean {v['mean']:.3f} "
+                parts.append(f"verify expert {expert}: estimated recall {v['recall']:.3f} of a best {v['best']:.3f} "
+                             f"at the same density, fit ratio {v['ratio']:.3f} (worst layer {v['min_ratio']:.3f}) "
                              f"on layers {v['layers']} vs threshold {v['threshold']:g}: {v['verdict']}")
         return "; ".join(parts)
 

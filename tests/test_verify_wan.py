@@ -2,7 +2,9 @@
 ChorusSparseSampler node: the request's own recorded maps pass; a wrong entry forced as a hit
 (maps of another request permuted across heads and layers, thinned to the diagonal band) is caught
 at the first step, the rest runs dense and the request writes its own entry; the node input
-(optional, default, 0 = off, bad values -> not patched with a message)."""
+(optional, default 0 = off, bad values -> not patched with a message). Thresholds are on the fit
+ratio (estimated recall / best recall at the same density), which random weights pass for a fitting
+map: the suggested 0.95 is used here."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ pytestmark = pytest.mark.skipif(SKIP_REASON is not None, reason=f"ComfyUI not av
 
 from chorus.cache_store import Workspace  # noqa: E402
 from chorus.engine import Plan, build_signature, commit_plan  # noqa: E402
-from chorus.engine.config import DEFAULT_VERIFY_THRESHOLD  # noqa: E402
+from chorus.engine.config import DEFAULT_VERIFY_THRESHOLD, SUGGESTED_VERIFY_THRESHOLD  # noqa: E402
 
 LATENT = (1, 16, 3, 16, 16)  # grid (3, 8, 8) = 192 tokens; block 128 -> 2 blocks
 
@@ -67,10 +69,11 @@ def test_own_maps_pass_and_a_wrong_entry_is_caught_and_rewritten(node, model, tm
     miss = _recorded(node, model)
     maps = miss.recorder.block_maps()
     hit = _hit(miss, maps)
-    out = node.execute(model, hit, k_min=1, verify_threshold=0.75)
-    assert "verification: recall estimate" in " ".join(out.ui["text"])
+    out = node.execute(model, hit, k_min=1, verify_threshold=SUGGESTED_VERIFY_THRESHOLD)
+    assert "verification: fit ratio" in " ".join(out.ui["text"])
     _sample(out.result[0])
     assert hit.is_hit and hit.stats.verification[0]["verdict"] == "pass", hit.stats.summary()
+    assert hit.stats.verification[0]["ratio"] >= SUGGESTED_VERIFY_THRESHOLD
 
     # a wrong entry: another request's maps permuted across layers and heads, thinned to the diagonal
     gen = torch.Generator().manual_seed(0)
@@ -81,16 +84,27 @@ def test_own_maps_pass_and_a_wrong_entry_is_caught_and_rewritten(node, model, tm
         src = src[torch.randperm(src.shape[0], generator=gen)]
         wrong[key] = src & torch.eye(src.shape[-1], dtype=torch.bool)
     bad = _hit(miss, wrong)
-    patched = node.execute(model, bad, k_min=1, verify_threshold=0.75).result[0]
+    patched = node.execute(model, bad, k_min=1, verify_threshold=SUGGESTED_VERIFY_THRESHOLD).result[0]
     dense = _sample(model)
     got = _sample(patched)
     assert torch.isfinite(got).all()
     assert not bad.is_hit and bad.stats.verification[0]["verdict"] == "fail", bad.stats.summary()
     assert bad.stats.sparse_calls == 2 and bad.stats.fallback_calls == 0  # step 0's two layers, then dense
-    assert "estimated recall" in bad.stats.summary() and "fail" in bad.stats.summary()
+    assert "estimated recall" in bad.stats.summary() and "fit ratio" in bad.stats.summary()
+    assert "fail" in bad.stats.summary() and bad.stats.verification[0]["ratio"] < SUGGESTED_VERIFY_THRESHOLD
     assert bad.recorder.complete
     assert commit_plan(Workspace.open(tmp_path / "ws"), bad).startswith("wrote entry")
     assert (got - dense).abs().max() < (dense.abs().max() + 1)  # ran; dense after the first step
+
+
+def test_default_is_off(node, model):
+    """The node's default (DEFAULT_VERIFY_THRESHOLD = 0): a hit runs without verification."""
+    miss = _recorded(node, model)
+    hit = _hit(miss, miss.recorder.block_maps())
+    out = node.execute(model, hit, k_min=1)
+    assert "verification off" in " ".join(out.ui["text"])
+    _sample(out.result[0])
+    assert hit.is_hit and hit.stats.verification == {}
 
 
 def test_off_and_bad_values(node, model):

@@ -1,14 +1,17 @@
 """Self-verifying hits on the quality harness: ``python -m benchmarks.quality.verify --out DIR [--quick]``.
 
 The engine's verification (``chorus.engine.verify``) estimates, at the first step of each expert of a
-hit, the share of attention mass the reused map keeps (``recall_estimate`` on ``verify_heads``
-evenly spaced heads of the ``verify_layers`` layers with ``verify_rows`` sampled rows per block) and
-demotes the hit when the mean over the checked layers falls below ``verify_threshold``. Here, on the
+hit, the share of attention mass the reused map keeps (its recall) and the share the best map with the
+same number of kept blocks per row keeps (``recall_terms`` on ``verify_heads`` evenly spaced heads of
+the ``verify_layers`` layers with sampled rows per block), and demotes the hit when the *fit ratio*
+(mean recall / mean best over the checked (layer, head)) falls below ``verify_threshold``. Here, on the
 synthetic structured source (:mod:`.source`; random weights), with entries recorded as the miss path
-records them (:func:`.harness.record_entry`):
+records them (:func:`.harness.record_entry`; ``--record-rows`` sets the rows per block of that
+recording, default the harness's, exact at quick sizes):
 
-* **estimate error**: the estimate against the true recall of the same map on the same (layer, head)
-  (exact block mass, every query row), per checked layer and per expert mean;
+* **estimate error**: the estimated fit ratio and recall against the true ones of the same map on the
+  same (layer, head) (exact block mass, every query row), per expert and per checked layer; the
+  sampled rows per block are ``verify_rows`` scaled to the harness's block (:func:`scaled_rows`);
 * **genuine hits**: every query of every family with its retrieved (top-1) entry; the demotion rate
   of near-duplicates is the number that must stay low;
 * **wrong entries, forced as hits**: (a) ``permuted`` -- the maps of another request (an entry that is
@@ -17,14 +20,16 @@ records them (:func:`.harness.record_entry`):
   query's; a wrong entry is caught when the verdict of any expert fails (the engine demotes at the
   first failing expert).
 
-Threshold sweep: catch rate and demotion rate per threshold. Writes ``verify.json`` and prints the
-markdown summary. The q of the source has the softmax scale folded in (attention at scale 1), so q is
-multiplied by ``sqrt(D)`` before the engine's estimator (which uses Wan's ``1/sqrt(D)``).
+Threshold sweep on the fit ratio (and, for comparison, on the absolute recall, the former verdict):
+catch rate and demotion rate per threshold. Writes ``verify.json`` and prints the markdown summary.
+The q of the source has the softmax scale folded in (attention at scale 1), so q is multiplied by
+``sqrt(D)`` before the engine's estimator (which uses Wan's ``1/sqrt(D)``).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -37,14 +42,15 @@ import torch
 from chorus.cache_store.embedders import ComfyGraphEmbedder
 from chorus.engine import SparseConfig
 from chorus.engine.runtime import floor_k_min
-from chorus.engine.verify import recall_estimate, verify_head_index
+from chorus.engine.verify import fit_ratio, recall_estimate, recall_terms, verify_head_index
 
 from . import families as fam
 from .harness import record_entry
 from .run import source_config
 from .source import SOURCE_LABEL, RequestAttention, SourceConfig, build_model
 
-THRESHOLDS = (0.5, 0.55, 0.6, 0.65, 0.7, 0.75, 0.8, 0.85, 0.9)
+THRESHOLDS = (0.9, 0.92, 0.93, 0.94, 0.945, 0.95, 0.955, 0.96, 0.97)  # on the fit ratio
+RECALL_THRESHOLDS = (0.8, 0.85, 0.88, 0.9)  # the former absolute verdict, for comparison
 
 
 def first_steps(cfg) -> dict[int, int]:
@@ -58,8 +64,8 @@ def first_steps(cfg) -> dict[int, int]:
 class Checker:
     """The engine's estimate and the true recall for one request's attention against given maps."""
 
-    def __init__(self, model, vc: SparseConfig, block_size: int, k_min: int):
-        self.model, self.vc, self.bs, self.k_min = model, vc, block_size, k_min
+    def __init__(self, model, vc: SparseConfig, block_size: int, k_min: int, rows: int):
+        self.model, self.vc, self.bs, self.k_min, self.rows = model, vc, block_size, k_min, rows
         cfg = model.cfg
         self.layers = [l for l in vc.verify_layers if l < cfg.layers]
         self.heads = verify_head_index(cfg.heads, vc.verify_heads)
@@ -74,24 +80,27 @@ class Checker:
         return self._qk[key]
 
     def check(self, name: str, attention: RequestAttention, maps: dict) -> dict:
-        """Per expert: per-layer estimate / true recall (checked heads) / true recall (all heads)."""
+        """Per expert: per checked layer and head, the engine's sampled-row ``recall_terms`` (recall and
+        best recall at the same density) and the exact ones; the fit ratio the engine decides on (mean
+        recall / mean best, :class:`ExpertCheck`), estimated and true; the true recall over all heads."""
         out = {}
         for expert, step in self.steps.items():
-            rows = []
+            est, true, true_all = [], [], []
             for layer in self.layers:
                 q, k = self.qk(name, attention, expert, step, layer)
                 used = floor_k_min(maps[(expert, step, layer, 0)].bool(), self.k_min)[None]
-                est, est_best = recall_estimate(q, k, used, heads=self.heads, sample_rows=self.vc.verify_rows,
-                                                block_size=self.bs, with_best=True).tolist()
-                true, true_best = recall_estimate(q, k, used, heads=self.heads, sample_rows=None, block_size=self.bs,
-                                                  with_best=True).tolist()
-                true_all = float(recall_estimate(q, k, used, heads=None, sample_rows=None, block_size=self.bs))
-                rows.append((est, true, true_all, est_best, true_best))
-            arr = np.array(rows)
-            out[expert] = {"est": arr[:, 0].tolist(), "true": arr[:, 1].tolist(), "true_all": arr[:, 2].tolist(),
-                           "est_mean": float(arr[:, 0].mean()), "true_mean": float(arr[:, 1].mean()),
-                           "true_all_mean": float(arr[:, 2].mean()), "est_best_mean": float(arr[:, 3].mean()),
-                           "true_best_mean": float(arr[:, 4].mean())}
+                est.append(recall_terms(q, k, used, heads=self.heads, sample_rows=self.rows,
+                                        block_size=self.bs).tolist())
+                true.append(recall_terms(q, k, used, heads=self.heads, sample_rows=None, block_size=self.bs).tolist())
+                true_all.append(float(recall_estimate(q, k, used, heads=None, sample_rows=None, block_size=self.bs)))
+            e, t = np.array(est), np.array(true)  # [layers, 2, heads]
+            out[expert] = {"est_terms": est, "true_terms": true, "true_all": true_all,
+                           "est": e[:, 0].mean(-1).tolist(), "true": t[:, 0].mean(-1).tolist(),
+                           "est_mean": float(e[:, 0].mean()), "true_mean": float(t[:, 0].mean()),
+                           "true_all_mean": float(np.mean(true_all)),
+                           "est_best_mean": float(e[:, 1].mean()), "true_best_mean": float(t[:, 1].mean()),
+                           "est_ratio": fit_ratio(float(e[:, 0].mean()), float(e[:, 1].mean())),
+                           "true_ratio": fit_ratio(float(t[:, 0].mean()), float(t[:, 1].mean()))}
         return out
 
 
@@ -107,19 +116,29 @@ def permuted(maps: dict, seed: int) -> dict:
     return out
 
 
-def caught(result: dict, threshold: float) -> bool:
-    """The engine's verdict: demoted when any expert's mean estimate is below the threshold."""
-    return any(e["est_mean"] < threshold for e in result.values())
+def scaled_rows(verify_rows: int, block_size: int) -> int:
+    """Rows per block for a harness block: the share of a block's rows ``verify_rows`` is of the engine's
+    128-token block (64 of 128 -> 8 of 16), so the harness's small blocks are not read exactly."""
+    return max(1, round(verify_rows * block_size / 128))
 
 
-def run_source(content_heavy: bool, quick: bool, vc: SparseConfig, log, grid=None, small_workload=None) -> dict:
+def caught(result: dict, threshold: float, key: str = "est_ratio") -> bool:
+    """The engine's verdict: demoted when any expert's estimated fit ratio is below the threshold
+    (``key="est_mean"``: the former absolute verdict on the estimated recall, for comparison)."""
+    return any(e[key] < threshold for e in result.values())
+
+
+def run_source(content_heavy: bool, quick: bool, vc: SparseConfig, log, grid=None, small_workload=None,
+               record_rows: int | None = None) -> dict:
     cfg, rc = source_config(quick, content_heavy)
+    if record_rows is not None:  # the entries' recording precision (rows per block of the recorder's mass)
+        rc = dataclasses.replace(rc, sample_rows=record_rows)
     if grid is not None:
         cfg = SourceConfig(**{**cfg.__dict__, "grid": tuple(grid)})
     model = build_model(cfg)
     entries, queries = fam.build_workload(quick=quick if small_workload is None else small_workload)
     embedder = ComfyGraphEmbedder(text_weight=0.5)
-    checker = Checker(model, vc, rc.block_size, rc.k_min)
+    checker = Checker(model, vc, rc.block_size, rc.k_min, scaled_rows(vc.verify_rows, rc.block_size))
     t0 = time.perf_counter()
     entry_maps, entry_emb = {}, {}
     for req in entries:
@@ -149,26 +168,31 @@ def run_source(content_heavy: bool, quick: bool, vc: SparseConfig, log, grid=Non
                               "result": checker.check(req.name, att, entry_maps[n])})
         mine_cases = [c for c in cases if c["query"] == req.name]
         log(f"  {'content-heavy' if content_heavy else 'default'} {req.family:16s} {req.name:24s} -> {best:16s} "
-            + " | ".join(f"{c['kind']} {[round(v['est_mean'], 3) for v in c['result'].values()]}" for c in mine_cases[:3]))
+            + " | ".join(f"{c['kind']} {[round(v['est_ratio'], 3) for v in c['result'].values()]}" for c in mine_cases[:3]))
     label = SOURCE_LABEL + (" [content-heavy head mix]" if content_heavy else "")
     return {"source": label, "grid": list(cfg.grid), "heads": cfg.heads, "layers": cfg.layers,
             "block_size": rc.block_size, "top_p": rc.top_p, "k_min": rc.k_min, "checked_layers": checker.layers,
+            "rows": checker.rows, "record_rows": rc.sample_rows,
             "checked_heads": checker.heads, "cases": cases, "seconds": time.perf_counter() - t0}
 
 
 def errors(cases: list[dict]) -> dict:
-    per_layer, per_expert, vs_all = [], [], []
+    per_layer, per_expert, vs_all, ratio, ratio_signed = [], [], [], [], []
     for c in cases:
         for e in c["result"].values():
             per_layer += [abs(a - b) for a, b in zip(e["est"], e["true"])]
             per_expert.append(abs(e["est_mean"] - e["true_mean"]))
             vs_all.append(abs(e["est_mean"] - e["true_all_mean"]))
+            ratio.append(abs(e["est_ratio"] - e["true_ratio"]))
+            ratio_signed.append(e["est_ratio"] - e["true_ratio"])
     return {"per_layer_max": max(per_layer), "per_layer_mean": float(np.mean(per_layer)),
             "per_expert_max": max(per_expert), "per_expert_mean": float(np.mean(per_expert)),
-            "vs_all_heads_max": max(vs_all), "vs_all_heads_mean": float(np.mean(vs_all)), "n_layers": len(per_layer)}
+            "vs_all_heads_max": max(vs_all), "vs_all_heads_mean": float(np.mean(vs_all)), "n_layers": len(per_layer),
+            "ratio_max": max(ratio), "ratio_mean": float(np.mean(ratio)), "ratio_bias": float(np.mean(ratio_signed)),
+            "n_experts": len(ratio)}
 
 
-def sweep(sources: list[dict], thresholds=THRESHOLDS) -> list[dict]:
+def sweep(sources: list[dict], thresholds=THRESHOLDS, key: str = "est_ratio") -> list[dict]:
     rows = []
     for tau in thresholds:
         row = {"threshold": tau}
@@ -177,30 +201,47 @@ def sweep(sources: list[dict], thresholds=THRESHOLDS) -> list[dict]:
             for kind in ("permuted", "other_family"):
                 cs = [c for c in src["cases"] if c["kind"] == kind]
                 if cs:
-                    row[f"{tag}_{kind}_caught"] = float(np.mean([caught(c["result"], tau) for c in cs]))
+                    row[f"{tag}_{kind}_caught"] = float(np.mean([caught(c["result"], tau, key) for c in cs]))
                     row[f"{tag}_{kind}_n"] = len(cs)
             for family in fam.FAMILIES:
                 cs = [c for c in src["cases"] if c["kind"] == "genuine" and c["family"] == family]
                 if cs:
-                    row[f"{tag}_{family}_demoted"] = float(np.mean([caught(c["result"], tau) for c in cs]))
+                    row[f"{tag}_{family}_demoted"] = float(np.mean([caught(c["result"], tau, key) for c in cs]))
                     row[f"{tag}_{family}_n"] = len(cs)
         rows.append(row)
     return rows
 
 
+def _sweep_table(rows: list[dict], marked: float | None, label: str) -> list[str]:
+    cols = [k for k in rows[0] if k.endswith("_caught") or k.endswith("_demoted")]
+    lines = ["| " + label + " | " + " | ".join(c.replace("def_", "default: ").replace("ch_", "content-heavy: ")
+                                              .replace("_", " ") for c in cols) + " |",
+             "|---|" + "---|" * len(cols)]
+    for row in rows:
+        mark = "**" if marked is not None and abs(row["threshold"] - marked) < 1e-9 else ""
+        lines.append(f"| {mark}{row['threshold']:.3g}{mark} | " + " | ".join(f"{row[c]:.0%}" for c in cols) + " |")
+    return lines
+
+
 def markdown(res: dict) -> str:
     vc = res["verify_config"]
+    src0 = res["sources"][0]
     described = "; ".join(f"{s['source']} (grid {tuple(s['grid'])}, {s['heads']} heads, {s['layers']} layers per "
                           f"expert, block {s['block_size']})" for s in res["sources"])
     lines = [f"Sources: {described}.",
-             f"Check: layers {res['sources'][0]['checked_layers']} (of verify_layers {vc['verify_layers']}), heads "
-             f"{res['sources'][0]['checked_heads']} (verify_heads {vc['verify_heads']}), verify_rows {vc['verify_rows']}, "
-             "at the first step of each expert; verdict on the mean over the checked layers.", "",
-             "| estimate vs true recall (same heads, exact mass) | max abs error | mean abs error |", "|---|---|---|"]
+             f"Check: layers {src0['checked_layers']} (of verify_layers {vc['verify_layers']}), heads "
+             f"{src0['checked_heads']} (verify_heads {vc['verify_heads']}), {src0['rows']} sampled rows per block of "
+             f"{src0['block_size']} (verify_rows {vc['verify_rows']} of a 128 block, the same share), entries recorded from "
+             f"{src0['record_rows']} rows per block, at the first step "
+             "of each expert; verdict on the fit ratio = mean recall / mean best recall at the same density over "
+             "the checked (layer, head).", "",
+             "| estimate vs truth (same heads, exact mass) | max abs error | mean abs error |", "|---|---|---|"]
     e = res["errors"]
-    lines += [f"| per checked layer ({e['n_layers']} estimates) | {e['per_layer_max']:.4f} | {e['per_layer_mean']:.4f} |",
-              f"| per expert (mean over checked layers: the verdict's number) | {e['per_expert_max']:.4f} | {e['per_expert_mean']:.4f} |",
-              f"| per expert, against the true recall over ALL heads | {e['vs_all_heads_max']:.4f} | {e['vs_all_heads_mean']:.4f} |", ""]
+    lines += [f"| fit ratio per expert (the verdict's number; {e['n_experts']} estimates; mean signed error "
+              f"{e['ratio_bias']:+.4f}) | {e['ratio_max']:.4f} | {e['ratio_mean']:.4f} |",
+              f"| recall per checked layer ({e['n_layers']} estimates) | {e['per_layer_max']:.4f} | {e['per_layer_mean']:.4f} |",
+              f"| recall per expert (mean over checked layers) | {e['per_expert_max']:.4f} | {e['per_expert_mean']:.4f} |",
+              f"| recall per expert, against the true recall over ALL heads | {e['vs_all_heads_max']:.4f} | {e['vs_all_heads_mean']:.4f} |", ""]
     rec = {}
     for src in res["sources"]:
         tag = "content-heavy" if "content-heavy" in src["source"] else "default"
@@ -211,21 +252,23 @@ def markdown(res: dict) -> str:
             by_fam = {}
             for c in cs:
                 by_fam.setdefault(c["family"] if kind == "genuine" else "all", []).append(
-                    min(v["true_mean"] for v in c["result"].values()))
+                    (min(v["true_mean"] for v in c["result"].values()), min(v["est_ratio"] for v in c["result"].values())))
             for f, vals in by_fam.items():
-                rec[(tag, kind, f)] = (len(vals), float(np.mean(vals)), float(np.min(vals)), float(np.max(vals)))
-    lines += ["| source | case | family | n | true recall of the worse expert: mean / min / max |", "|---|---|---|---|---|"]
+                arr = np.array(vals)
+                rec[(tag, kind, f)] = (len(vals), arr.mean(0), arr.min(0), arr.max(0))
+    lines += ["| source | case | family | n | true recall of the worse expert: mean / min / max | estimated fit ratio "
+              "of the worse expert: mean / min / max |", "|---|---|---|---|---|---|"]
     for (tag, kind, f), (n, mean, lo, hi) in rec.items():
-        lines.append(f"| {tag} | {kind} | {f} | {n} | {mean:.3f} / {lo:.3f} / {hi:.3f} |")
-    cols = [k for k in res["sweep"][0] if k.endswith("_caught") or k.endswith("_demoted")]
-    lines += ["", "| threshold | " + " | ".join(c.replace("def_", "default: ").replace("ch_", "content-heavy: ")
-                                                .replace("_", " ") for c in cols) + " |",
-              "|---|" + "---|" * len(cols)]
-    for row in res["sweep"]:
-        mark = "**" if abs(row["threshold"] - vc["verify_threshold"]) < 1e-9 else ""
-        lines.append(f"| {mark}{row['threshold']:.2f}{mark} | " + " | ".join(f"{row[c]:.0%}" for c in cols) + " |")
-    ns = {c.replace("_caught", "_n").replace("_demoted", "_n"): res["sweep"][0][c.replace("_caught", "_n").replace("_demoted", "_n")] for c in cols}
-    lines += ["", "Cases per column: " + ", ".join(f"{k[:-2].replace('def_', 'default ').replace('ch_', 'content-heavy ')} {v}" for k, v in ns.items()) + "."]
+        lines.append(f"| {tag} | {kind} | {f} | {n} | {mean[0]:.3f} / {lo[0]:.3f} / {hi[0]:.3f} | "
+                     f"{mean[1]:.3f} / {lo[1]:.3f} / {hi[1]:.3f} |")
+    lines += ["", "Fit-ratio verdict (the engine's):", ""] + _sweep_table(res["sweep"], vc["verify_threshold"],
+                                                                           "fit ratio threshold")
+    lines += ["", "For comparison, the former absolute verdict (estimated recall below the threshold):", ""]
+    lines += _sweep_table(res["sweep_recall"], None, "recall threshold")
+    first = res["sweep"][0]
+    ns = {c[:-2]: first[c] for c in first if c.endswith("_n")}
+    lines += ["", "Cases per column: " + ", ".join(f"{k.replace('def_', 'default ').replace('ch_', 'content-heavy ')} {v}"
+                                                 for k, v in ns.items()) + "."]
     return "\n".join(lines) + "\n"
 
 
@@ -237,6 +280,9 @@ def main(argv=None) -> int:
     ap.add_argument("--verify-heads", type=int, default=SparseConfig().verify_heads)
     ap.add_argument("--verify-rows", type=int, default=SparseConfig().verify_rows)
     ap.add_argument("--grid", nargs=3, type=int, default=None, help="token grid T H W (default: the harness's)")
+    ap.add_argument("--record-rows", type=int, default=None,
+                    help="rows per block the entries are recorded from (default: the harness's; its block or more = "
+                         "exact; 1 = the engine recorder's share, 8 of 128)")
     ap.add_argument("--full-workload", action="store_true",
                     help="with --quick: the quick sizes but every query of the full workload")
     args = ap.parse_args(argv)
@@ -247,13 +293,14 @@ def main(argv=None) -> int:
         print(msg, flush=True)
 
     small = False if args.full_workload else None
-    sources = [run_source(ch, args.quick, vc, log, args.grid, small) for ch in (False, True)]
+    sources = [run_source(ch, args.quick, vc, log, args.grid, small, args.record_rows) for ch in (False, True)]
     all_cases = [c for s in sources for c in s["cases"]]
     res = {"command": "python -m benchmarks.quality.verify " + " ".join(argv if argv is not None else sys.argv[1:]),
            "torch": torch.__version__,
            "verify_config": {"verify_threshold": vc.verify_threshold, "verify_layers": list(vc.verify_layers),
                              "verify_heads": vc.verify_heads, "verify_rows": vc.verify_rows},
-           "sources": sources, "errors": errors(all_cases), "sweep": sweep(sources)}
+           "sources": sources, "errors": errors(all_cases), "sweep": sweep(sources),
+           "sweep_recall": sweep(sources, RECALL_THRESHOLDS, key="est_mean")}
     res["seconds"] = time.perf_counter() - started
     (args.out / "verify.json").write_text(json.dumps(res, indent=1, default=str))
     md = markdown(res)
