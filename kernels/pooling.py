@@ -71,7 +71,9 @@ def _fused_failure(exc: Exception) -> None:
                 type(exc).__name__, exc)
 
 
-def _triple(v, name: str) -> tuple[int, int, int]:
+def positive_triple(v, name: str) -> tuple[int, int, int]:
+    """``v`` as three positive ints (a (t, h, w) grid, region or tile); ``ValueError`` naming ``name``
+    otherwise."""
     try:
         out = tuple(int(s) for s in v)
     except (TypeError, ValueError):
@@ -83,7 +85,7 @@ def _triple(v, name: str) -> tuple[int, int, int]:
 
 def check_geometry(grid, region, pool) -> tuple[tuple[int, int, int], tuple[int, int, int], tuple[int, int, int]]:
     """Validate and normalise ``(grid, region, pool)``; ``pool`` must divide ``region``."""
-    grid, region, pool = _triple(grid, "grid"), _triple(region, "region"), _triple(pool, "pool")
+    grid, region, pool = positive_triple(grid, "grid"), positive_triple(region, "region"), positive_triple(pool, "pool")
     if any(r % p for r, p in zip(region, pool)):
         raise ValueError(f"pool {pool} must divide region {region} in every dimension")
     return grid, region, pool
@@ -91,7 +93,7 @@ def check_geometry(grid, region, pool) -> tuple[tuple[int, int, int], tuple[int,
 
 def region_counts(grid, region) -> tuple[int, int, int]:
     """Complete regions along (t, h, w)."""
-    return tuple(g // r for g, r in zip(_triple(grid, "grid"), _triple(region, "region")))
+    return tuple(g // r for g, r in zip(positive_triple(grid, "grid"), positive_triple(region, "region")))
 
 
 def region_cells(grid, region, pool, device=None) -> torch.Tensor:
@@ -111,7 +113,7 @@ def region_cells(grid, region, pool, device=None) -> torch.Tensor:
 
 def region_frames(grid, region) -> torch.Tensor:
     """First frame index ``[R]`` of every complete region (raster order)."""
-    (T, H, W), (rt, rh, rw) = _triple(grid, "grid"), _triple(region, "region")
+    (T, H, W), (rt, rh, rw) = positive_triple(grid, "grid"), positive_triple(region, "region")
     nt, nh, nw = T // rt, H // rh, W // rw
     return (torch.arange(nt, dtype=torch.int64) * rt).repeat_interleave(nh * nw)
 

@@ -42,17 +42,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .pooling import positive_triple
+
 RASTER = "raster"
-
-
-def _grid3(grid) -> tuple[int, int, int]:
-    try:
-        out = tuple(int(g) for g in grid)
-    except (TypeError, ValueError):
-        raise ValueError(f"grid must be three positive ints (T, H, W), got {grid!r}") from None
-    if len(out) != 3 or min(out) < 1:
-        raise ValueError(f"grid must be three positive ints (T, H, W), got {grid!r}")
-    return out
 
 
 def _rim_tokens(extent: tuple[int, ...], tile: tuple[int, ...]) -> int:
@@ -75,7 +67,7 @@ def choose_tile(grid, block_size: int = 128) -> tuple[tuple[int, int, int], tupl
     720p grids: ``(2, 8, 8)`` and ``(1, 8, 16)``. A grid smaller than a block gets whatever fits
     (e.g. ``(1, H, ...)``); the order is then still a valid permutation.
     """
-    T, H, W = _grid3(grid)
+    T, H, W = positive_triple(grid, "grid")
     if not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
 
@@ -121,12 +113,12 @@ class TileOrder:
     _on_device: dict = field(init=False, repr=False, compare=False, default_factory=dict)
 
     def __post_init__(self):
-        grid = _grid3(self.grid)
+        grid = positive_triple(self.grid, "grid")
         if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1:
             raise ValueError(f"block_size must be a positive int, got {self.block_size!r}")
         chosen_tile, chosen_first = choose_tile(grid, self.block_size)
-        tile = chosen_tile if self.tile is None else _grid3(self.tile)
-        first = chosen_first if self.first_tile is None else _grid3(self.first_tile)
+        tile = chosen_tile if self.tile is None else positive_triple(self.tile, "tile")
+        first = chosen_first if self.first_tile is None else positive_triple(self.first_tile, "first_tile")
         if math.prod(tile) != self.block_size:
             raise ValueError(f"tile {tile} must hold block_size={self.block_size} tokens, holds {math.prod(tile)}")
         if first[0] != 1 or math.prod(first) != self.block_size:
@@ -274,7 +266,7 @@ def block_overlap(src_order, dst_order, *, grid=None, block_size: int = 128) -> 
     grids = {o.grid for o in (src_order, dst_order) if isinstance(o, TileOrder)}
     if len(grids) > 1:
         raise ValueError(f"orders of different grids: {sorted(grids)}")
-    grid = _grid3(grid) if grid is not None else (grids.pop() if grids else None)
+    grid = positive_triple(grid, "grid") if grid is not None else (grids.pop() if grids else None)
     if grid is None:
         raise ValueError("grid is needed when both orders are raster")
     src = _order_of(src_order, grid, block_size)
