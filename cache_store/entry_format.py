@@ -55,7 +55,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from ..kernels.codec import pack_bits, unpack_bits
+from ..kernels.codec import pack_bits, unpack_bits, unpack_bits_on_device
 
 try:  # zstd compresses bit maps ~3x better than zlib (window >= one layer's maps); zlib is the fallback.
     import zstandard as _zstd
@@ -102,9 +102,7 @@ class PackedMap:
         bits = self.bits if device is None else self.bits.to(device, non_blocking=True)
         if bits.device.type == "cpu":
             return unpack_bits(bits, self.shape[-1]).reshape(self.shape)
-        shifts = torch.arange(7, -1, -1, device=bits.device, dtype=torch.uint8)
-        expanded = (bits.unsqueeze(-1) >> shifts) & 1
-        return expanded.flatten(-2)[..., : self.shape[-1]].bool().reshape(self.shape)
+        return unpack_bits_on_device(bits, self.shape[-1]).reshape(self.shape)
 
     @property
     def nbytes(self) -> int:

@@ -7,40 +7,8 @@ import threading
 import torch
 
 from .. import kernels
-from ..kernels.codec import unpack_bits
+from ..kernels.codec import pack_bits_on_device, unpack_bits
 from .routing import SigmaSchedule
-
-_BIT_WEIGHTS = (128, 64, 32, 16, 8, 4, 2, 1)
-_WEIGHTS_ON: dict = {}  # device -> the bit weights there (made once: a host -> device copy waits for the GPU)
-
-
-def _bit_weights(device) -> torch.Tensor:
-    key = str(device)
-    weights = _WEIGHTS_ON.get(key)
-    if weights is None:
-        weights = _WEIGHTS_ON[key] = torch.tensor(_BIT_WEIGHTS, dtype=torch.uint8).to(device)
-    return weights
-
-
-def pack_bits_on_device(block_map: torch.Tensor) -> torch.Tensor:
-    """Bit-pack a bool map ``[..., Kb]`` into uint8 ``[..., ceil(Kb/8)]`` on its own device, in the
-    layout of ``chorus.kernels.codec.pack_bits`` (MSB first, numpy ``packbits`` order), so a GPU
-    recording never waits for a host copy per call; :func:`chorus.kernels.codec.unpack_bits` reads it."""
-    kb = block_map.shape[-1]
-    pad = (-kb) % 8
-    bits = block_map.to(torch.uint8)
-    if pad:
-        bits = torch.cat([bits, bits.new_zeros(*bits.shape[:-1], pad)], dim=-1)
-    bits = bits.reshape(*bits.shape[:-1], -1, 8)
-    return (bits * _bit_weights(bits.device)).sum(-1, dtype=torch.uint8)
-
-
-def unpack_bits_on_device(packed: torch.Tensor, num_kv_blocks: int) -> torch.Tensor:
-    """Inverse of :func:`pack_bits_on_device` on ``packed``'s device: bool ``[..., num_kv_blocks]``."""
-    shifts = torch.arange(7, -1, -1, device=packed.device, dtype=torch.uint8)
-    bits = (packed.unsqueeze(-1) >> shifts) & 1
-    return bits.flatten(-2)[..., :num_kv_blocks].bool()
-
 
 class MassRecorder:
     """Collects, per ``(expert, step sigma, layer)``, the block map selected from the block mass.

@@ -16,10 +16,11 @@ import time
 import torch
 
 from .. import kernels
+from ..kernels.codec import pack_bits_on_device, unpack_bits_on_device
 from .config import SparseConfig
 from .guidance import biased_dense_or_plain
 from .plan import Plan
-from .recorder import MassRecorder, pack_bits_on_device, unpack_bits_on_device
+from .recorder import MassRecorder
 from .routing import match_step, step_sigma
 from .signature import ModelInfo
 from .verify import ExpertCheck, recall_terms, verify_head_index

@@ -308,7 +308,7 @@ def test_messages_are_logged_once_and_capped():
 
 @pytest.mark.parametrize("kb", [1, 7, 8, 9, 61, 256])
 def test_device_bit_packing_matches_the_codec(kb):
-    from chorus.engine.recorder import pack_bits_on_device
+    from chorus.kernels.codec import pack_bits_on_device
     from chorus.kernels.codec import pack_bits, unpack_bits
 
     m = torch.rand(3, 5, kb, generator=torch.Generator().manual_seed(kb)) < 0.4
@@ -319,7 +319,7 @@ def test_device_bit_packing_matches_the_codec(kb):
 
 @pytest.mark.parametrize("kb", [1, 9, 61])
 def test_device_unpack_inverts_device_pack(kb):
-    from chorus.engine.recorder import pack_bits_on_device, unpack_bits_on_device
+    from chorus.kernels.codec import pack_bits_on_device, unpack_bits_on_device
 
     m = torch.rand(2, 4, kb, generator=torch.Generator().manual_seed(kb)) < 0.5
     assert torch.equal(unpack_bits_on_device(pack_bits_on_device(m), kb), m)
