@@ -78,7 +78,7 @@ from .index import DEFAULT_APPROX_THRESHOLD, PartitionedIndex, normalise
 from .errors import StoreBusyError, StoreError, store_timeout
 from .protocol import MissingDriverError, StoreUnavailableError
 from .signature import signature_key
-from .workspace import DEFAULT_MAX_BYTES, EVICTION_POLICIES, CorruptEntryError, encode_new_entry
+from .workspace import DEFAULT_MAX_BYTES, CorruptEntryError, check_limits, encode_new_entry
 
 LOG = logging.getLogger(__name__)
 
@@ -776,12 +776,7 @@ class FleetStore:
                    eviction: str | None = None) -> None:
         """Store the fleet-wide cap (``max_entries=0``: no entry cap) and the eviction policy; every
         worker applies it at its next write."""
-        if max_bytes is not None and (not isinstance(max_bytes, int) or max_bytes < 1):
-            raise ValueError(f"max_bytes must be a positive int, got {max_bytes!r}")
-        if max_entries is not None and (not isinstance(max_entries, int) or max_entries < 0):
-            raise ValueError(f"max_entries must be an int >= 0, got {max_entries!r}")
-        if eviction is not None and eviction not in EVICTION_POLICIES:
-            raise ValueError(f"eviction must be one of {EVICTION_POLICIES}, got {eviction!r}")
+        check_limits(max_bytes, max_entries, eviction)
 
         def tx(conn):
             with conn.transaction():

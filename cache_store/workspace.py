@@ -135,6 +135,19 @@ CREATE TABLE IF NOT EXISTS quarantine(
 """
 
 
+def check_limits(max_bytes, max_entries, eviction) -> None:
+    """``ValueError`` unless each given limit is valid (None = unchanged): ``max_bytes`` a positive
+    int, ``max_entries`` an int >= 0 (0 = no entry cap), ``eviction`` one of :data:`EVICTION_POLICIES`.
+    Both stores' ``set_limits`` check with this."""
+    if max_bytes is not None and (not isinstance(max_bytes, int) or max_bytes < 1):
+        raise ValueError(f"max_bytes must be a positive int, got {max_bytes!r}")
+    if max_entries is not None and (not isinstance(max_entries, int) or max_entries < 0):
+        raise ValueError(f"max_entries must be an int >= 0, got {max_entries!r}")
+    if eviction is not None and eviction not in EVICTION_POLICIES:
+        raise ValueError(f"eviction must be one of {EVICTION_POLICIES}, got {eviction!r}")
+
+
+
 @dataclass(frozen=True)
 class NewEntry:
     """A new entry, checked and encoded: what every store writes (see :func:`encode_new_entry`)."""
@@ -532,12 +545,7 @@ class Workspace:
     def set_limits(self, *, max_bytes: int | None = None, max_entries: int | None = None,
                    eviction: str | None = None) -> None:
         """Store the size cap (``max_entries=0`` means no entry cap) and eviction policy."""
-        if max_bytes is not None and (not isinstance(max_bytes, int) or max_bytes < 1):
-            raise ValueError(f"max_bytes must be a positive int, got {max_bytes!r}")
-        if max_entries is not None and (not isinstance(max_entries, int) or max_entries < 0):
-            raise ValueError(f"max_entries must be an int >= 0, got {max_entries!r}")
-        if eviction is not None and eviction not in EVICTION_POLICIES:
-            raise ValueError(f"eviction must be one of {EVICTION_POLICIES}, got {eviction!r}")
+        check_limits(max_bytes, max_entries, eviction)
         with self._writing() as db:
             db.execute("BEGIN IMMEDIATE")
             try:
