@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -11,6 +12,19 @@ import torch
 SIGNATURE = {"family": "wan", "variant": "test", "latent_shape": [16, 5, 12, 20], "block_size": 128,
              "token_order": "thw", "step_sigmas": [1.0, 0.75, 0.5, 0.25]}
 DIM = 48
+
+
+def tree_snapshot(root) -> dict:
+    """name -> (mode, size, mtime_ns) of everything under ``root`` (links not followed, sizes of
+    folders 0): equal snapshots mean nothing there was created, removed, written or chmod-ed."""
+    root = Path(root)
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            p = Path(dirpath) / name
+            st = p.lstat()
+            out[str(p.relative_to(root))] = (st.st_mode, st.st_size if not p.is_dir() else 0, st.st_mtime_ns)
+    return out
 
 
 def small_masks(seed: int, layers: int = 2, heads: int = 3, qb: int = 9, kb: int = 13) -> dict:

@@ -4,7 +4,7 @@ import json
 import subprocess
 import sys
 
-from cache_helpers import SIGNATURE, embedding, small_masks
+from cache_helpers import SIGNATURE, embedding, small_masks, tree_snapshot
 from chorus.cache_store import Workspace
 
 
@@ -64,21 +64,10 @@ def test_cli_bad_arguments(tmp_path):
 # -- issue 16 / 15.5: one-line errors with exit 2, read-only commands, the root used ------------------
 import os  # noqa: E402
 import signal  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
 from chorus.cache_store import cli  # noqa: E402
-
-
-def _tree(root: Path) -> dict:
-    out = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        for name in dirnames + filenames:
-            p = Path(dirpath) / name
-            st = p.lstat()
-            out[str(p.relative_to(root))] = (st.st_mode, st.st_size if not p.is_dir() else 0, st.st_mtime_ns)
-    return out
 
 
 def _run_inprocess(capsys, *args):
@@ -100,20 +89,20 @@ def test_read_only_commands_write_nothing_and_refuse_non_workspaces(tmp_path, ca
     with Workspace.open(root / "proj") as ws:
         for s in range(3):
             ws.add(embedding(s), small_masks(s), {"signature": SIGNATURE, "prompt": f"prompt {s}"})
-    before = _tree(tmp_path)
+    before = tree_snapshot(tmp_path)
     for action in ("stats", "list"):
         code, out, err = _run_inprocess(capsys, action, "--workspace", "proj", "--root", str(root))
         assert code == 0 and ("entries: 3" in out or "prompt 2" in out), err
-    assert _tree(tmp_path) == before, "a read-only command changed the workspace"
+    assert tree_snapshot(tmp_path) == before, "a read-only command changed the workspace"
 
     folder = tmp_path / "etc_like"
     folder.mkdir()
     (folder / "hosts").write_text("127.0.0.1 localhost\n")
-    before = _tree(folder)
+    before = tree_snapshot(folder)
     for action in ("stats", "list", "verify", "prune", "rebuild-index"):
         code, _, err = _run_inprocess(capsys, action, "--path", str(folder))
         assert code == 2 and "is not a Chorus cache workspace" in _one_error_line(err), err
-    assert _tree(folder) == before, "a command created files in a folder that is not a workspace"
+    assert tree_snapshot(folder) == before, "a command created files in a folder that is not a workspace"
 
 
 @pytest.mark.parametrize("damage", ["db_directory", "db_garbage", "entries_link", "long_root", "bad_comfyui",

@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import save as st_save
 
 import cache_helpers
-from cache_helpers import SIGNATURE, embedding, small_masks
+from cache_helpers import SIGNATURE, embedding, small_masks, tree_snapshot
 from chorus.cache_store import CorruptEntryError, Workspace, resolve_workspace
 from chorus.cache_store.entry_format import FORMAT, VERSION, decode_entry, encode_entry
 from chorus.cache_store.errors import StoreBusyError, StoreError, UnsafeLayoutError
@@ -87,17 +87,6 @@ def _in_thread(fn, limit=LIMIT):
     thread.join(limit)
     assert not thread.is_alive(), f"{fn} still blocked after {limit} s"
     return out["value"], time.monotonic() - t0
-
-
-def _tree(root: Path) -> dict:
-    """name -> (kind, size, mtime_ns) of everything under ``root`` (links not followed)."""
-    out = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        for name in dirnames + filenames:
-            p = Path(dirpath) / name
-            st = p.lstat()
-            out[str(p.relative_to(root))] = (st.st_mode >> 12, st.st_size if not p.is_dir() else 0, st.st_mtime_ns)
-    return out
 
 
 # -- 1. bounded time ---------------------------------------------------------------------------------
@@ -208,7 +197,7 @@ def test_links_leading_out_of_the_workspace_are_refused(tmp_path, item):
     moved = outside / item
     os.replace(real, moved)
     os.symlink(moved, real)
-    before = _tree(outside)
+    before = tree_snapshot(outside)
     for attempt in (lambda: Workspace.open(path), lambda: Workspace.open(path, readonly=True)):
         with pytest.raises(UnsafeLayoutError, match=f"{item} is a symbolic link to {moved}") as info:
             attempt()
@@ -218,7 +207,7 @@ def test_links_leading_out_of_the_workspace_are_refused(tmp_path, item):
                              capture_output=True, text=True, timeout=120)
         assert out.returncode == 2 and out.stderr.startswith("error:") and "symbolic link" in out.stderr, out.stderr
         assert len(out.stderr.strip().splitlines()) == 1
-    assert _tree(outside) == before
+    assert tree_snapshot(outside) == before
 
 
 def test_entry_file_link_is_quarantined_and_its_target_untouched(tmp_path):

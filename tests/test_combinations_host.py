@@ -24,7 +24,6 @@ server (``host/run_host.py``), one workspace per test. Combinations:
 
 from __future__ import annotations
 
-import json
 import re
 
 import pytest
@@ -43,25 +42,11 @@ LORA = "chorus_combo_lora.safetensors"
 def host():
     if SKIP_REASON:
         pytest.skip(SKIP_REASON)
-    srv = run_host.shared_run_host()
-    if isinstance(srv, str):
-        pytest.skip(srv)
+    srv = run_host.run_host_or_skip()
     run_host.ensure_model("diffusion_models", sh.UNET, lambda: tiny.tiny_wan_state_dict(seed=0))
-    run_host.ensure_model("loras", LORA, lambda: _lora(tiny.tiny_wan_state_dict(seed=0)))
+    run_host.ensure_model("loras", LORA, lambda: tiny.tiny_lora_state_dict(tiny.tiny_wan_state_dict(seed=0), seed=3,
+                                                                            scale=0.05))
     return srv
-
-
-def _lora(state_dict: dict, rank: int = 4) -> dict:
-    import torch
-
-    gen = torch.Generator().manual_seed(3)
-    out = {}
-    for key, weight in state_dict.items():
-        if key.endswith("self_attn.q.weight"):
-            base = "diffusion_model." + key[: -len(".weight")]
-            out[f"{base}.lora_up.weight"] = torch.randn(weight.shape[0], rank, generator=gen) * 0.05
-            out[f"{base}.lora_down.weight"] = torch.randn(rank, weight.shape[1], generator=gen) * 0.05
-    return out
 
 
 def graph(workspace: str, variant: int = 0, *, steps: int = 2) -> dict:

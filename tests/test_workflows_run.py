@@ -53,20 +53,6 @@ MODEL_CALLS = {"chorus_wan22_a14b_i2v_4step": 2 * 2, "chorus_wan22_a14b_i2v_4ste
                "chorus_wan22_ti2v_5b": CPU_STEPS, "chorus_wan21_i2v_14b": CPU_STEPS}
 
 
-def _tiny_lora(state_dict: dict, seed: int, rank: int = 4) -> dict:
-    """A rank-``rank`` LoRA on every block's self-attention q, in ComfyUI's generic key format."""
-    import torch
-
-    gen = torch.Generator().manual_seed(seed)
-    lora = {}
-    for key, weight in state_dict.items():
-        if key.endswith("self_attn.q.weight"):
-            base = "diffusion_model." + key[: -len(".weight")]
-            lora[f"{base}.lora_up.weight"] = torch.randn(weight.shape[0], rank, generator=gen) * 0.01
-            lora[f"{base}.lora_down.weight"] = torch.randn(rank, weight.shape[1], generator=gen) * 0.01
-    return lora
-
-
 def stage_models(api: dict) -> None:
     """Write the stand-in of every model file ``api`` names into the run server's models folder."""
     unets = [n for n in api.values() if n["class_type"] == "UNETLoader"]
@@ -85,7 +71,8 @@ def stage_models(api: dict) -> None:
         for lora in (n for n in api.values() if n["class_type"] == "LoraLoaderModelOnly"
                      and n["inputs"]["model"] == [key_of(api, node), 0]):
             run_host.ensure_model("loras", lora["inputs"]["lora_name"],
-                                  lambda: _tiny_lora(tiny.tiny_wan_state_dict(seed=seed, **unet_kwargs), seed + 10))
+                                  lambda: tiny.tiny_lora_state_dict(tiny.tiny_wan_state_dict(seed=seed, **unet_kwargs),
+                                                                     seed=seed + 10))
     run_host.ensure_model("vae", vae_name, vae)
     for node in clip_vision:
         run_host.ensure_model("clip_vision", node["inputs"]["clip_name"], tiny.random_clip_vision_h_state_dict)
@@ -98,10 +85,7 @@ def stage_models(api: dict) -> None:
 def host():
     if SKIP_REASON:
         pytest.skip(SKIP_REASON)
-    srv = run_host.shared_run_host()
-    if isinstance(srv, str):
-        pytest.skip(srv)
-    return srv
+    return run_host.run_host_or_skip()
 
 
 def key_of(api: dict, node: dict) -> str:

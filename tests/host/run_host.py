@@ -16,10 +16,20 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import pytest
+
 from host import server as hostlib
 from host import tiny_wan as tiny
 
 _SHARED: dict = {}
+
+
+def run_host_or_skip():
+    """The process's run server for a module fixture; skips (with the reason) when there is none."""
+    srv = shared_run_host()
+    if isinstance(srv, str):
+        pytest.skip(srv)
+    return srv
 
 
 def shared_run_host():

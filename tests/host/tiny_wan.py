@@ -187,6 +187,19 @@ def random_clip_vision_h_state_dict(seed: int = 0, dtype=torch.float16) -> dict:
     return _pooled_random_state_dict(shapes, seed, 0.02, dtype)
 
 
+def tiny_lora_state_dict(state_dict: dict, *, seed: int, rank: int = 4, scale: float = 0.01) -> dict:
+    """A rank-``rank`` LoRA on every block's self-attention q of ``state_dict`` (a tiny Wan), in
+    ComfyUI's generic key format, random up/down factors times ``scale``."""
+    gen = torch.Generator().manual_seed(seed)
+    lora = {}
+    for key, weight in state_dict.items():
+        if key.endswith("self_attn.q.weight"):
+            base = "diffusion_model." + key[: -len(".weight")]
+            lora[f"{base}.lora_up.weight"] = torch.randn(weight.shape[0], rank, generator=gen) * scale
+            lora[f"{base}.lora_down.weight"] = torch.randn(rank, weight.shape[1], generator=gen) * scale
+    return lora
+
+
 def save_safetensors(state_dict: dict, path) -> Path:
     from safetensors.torch import save_file
 
