@@ -70,7 +70,6 @@ reported but not quarantined, and the index is built in memory only.
 
 from __future__ import annotations
 
-import errno
 import functools
 import hashlib
 import json

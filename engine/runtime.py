@@ -479,7 +479,7 @@ class ChorusAttention:
         return None if entry is None else unpack_bits_on_device(entry[0], entry[2])
 
     def _dense_and_record(self, q, k, v, layer, sigma, grid, dense_fn, cond_rows):
-        plan, cfg = self.plan, self.config
+        plan = self.plan
         out = dense_fn(q, k, v)
         plan.stats.dense_calls += 1
         recorder = plan.recorder

@@ -321,7 +321,7 @@ def region_detail(x: torch.Tensor, grid, region, pool) -> torch.Tensor:
 
 def _cells_reference(grid, region, pool, regions):
     (T, H, W), (rt, rh, rw), (pt, ph, pw) = check_geometry(grid, region, pool)
-    nt, nh, nw = T // rt, H // rh, W // rw
+    nh, nw = H // rh, W // rw
     out = []
     for r in sorted(set(int(i) for i in regions)):
         a, rem = divmod(r, nh * nw)
