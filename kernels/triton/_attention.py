@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._quant import LOG2E, QUANT_TILE, _source_rows, quantize_q_tile, quantize_qkv_fp8, round_e4m3
+from ._quant import LOG2E, QUANT_TILE, source_rows, quantize_q_tile, quantize_qkv_fp8, round_e4m3
 
 P_SHIFT_LOG2 = 8.0  # P is scaled by 2**8 before the e4m3 cast (see module docstring)
 
@@ -184,7 +184,7 @@ def _bsa_fwd_kernel(Q, K, V, O, q_scale, k_scale, v_scale, kv_num, kv_idx, sched
     offs_d = tl.arange(0, HEAD_DIM)
 
     # HAS_PERM: sequence position i is input row token_perm[i] (K/V copies are already in that order)
-    src_m = _source_rows(token_perm, offs_m, Lq, HAS_PERM)
+    src_m = source_rows(token_perm, offs_m, Lq, HAS_PERM)
     if Q_RAW:  # 16-bit Q in the caller's memory, quantised here (FP8 only): the pre-pass skips Q
         if USE_TMA and not WARP_SPEC and not HAS_PERM:
             q = Q.load([b, h, start_m, 0]).reshape(BLOCK_M, HEAD_DIM)

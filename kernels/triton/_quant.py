@@ -92,7 +92,7 @@ def quantize_q_tile(q, q_mult, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _source_rows(token_perm, rows, length, HAS_PERM: tl.constexpr):
+def source_rows(token_perm, rows, length, HAS_PERM: tl.constexpr):
     """The input row read for each output position ``rows``: ``token_perm[rows]`` clamped into
     ``[0, length)`` (a bad permutation gives wrong values, never an out-of-bounds read), or ``rows``."""
     if HAS_PERM:
@@ -117,7 +117,7 @@ def _quant_kernel(Q, K, V, q8, k8, v8t, q_scale, k_scale, k_smooth, v_amax, toke
     n_kt = Lpad_k // TILE
     if QUANT_Q and tile < n_qt:
         valid = (rows < Lq)[:, None]
-        src = _source_rows(token_perm, rows, Lq, HAS_PERM)
+        src = source_rows(token_perm, rows, Lq, HAS_PERM)
         x = tl.load(Q + b * s_qb + h * s_qh + src[:, None] * s_ql + offs_d[None, :], mask=valid, other=0.0)
         x8, scale = quantize_q_tile(x, q_mult, INTERPRET)
         tl.store(q8 + bh * Lpad_q * HEAD_DIM + rows[:, None] * HEAD_DIM + offs_d[None, :], x8)
@@ -125,7 +125,7 @@ def _quant_kernel(Q, K, V, q8, k8, v8t, q_scale, k_scale, k_smooth, v_amax, toke
     if tile < n_kt:
         valid = (rows < Lk)[:, None]
         mean = tl.load(k_smooth + bh * HEAD_DIM + offs_d)
-        src = _source_rows(token_perm, rows, Lk, HAS_PERM)
+        src = source_rows(token_perm, rows, Lk, HAS_PERM)
         x = tl.load(K + b * s_kb + h * s_kh + src[:, None] * s_kl + offs_d[None, :], mask=valid, other=0.0)
         x = tl.where(valid, x.to(tl.float32) - mean[None, :], 0.0)
         amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
