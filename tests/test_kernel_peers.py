@@ -156,3 +156,19 @@ def test_cudnn_graphs_build_their_operation_graph(monkeypatch):
         for stats in (False, True):
             peers._build_fp8_graph(cudnn, None, shape, 128 ** -0.5, fp8_output, stats)
     peers._build_block_mask_graph(cudnn, None, shape, 8, 1, 128 ** -0.5)
+
+
+@pytest.mark.parametrize("length", [300, 32768])
+@pytest.mark.parametrize("density", [0.05, 0.15, 0.5])
+def test_uniform_rows_maps_keep_one_count_and_the_forced_blocks(length, density):
+    from benchmarks.kernels import masks
+
+    bm = masks.structured_block_map(length, 4, density, 128, uniform_rows=True)
+    nb = -(-length // 128)
+    counts = bm.sum(-1)
+    assert (counts == max(1, round(density * nb))).all()
+    if counts[0, 0, 0] > 1:
+        assert bm[0, :, torch.arange(nb), torch.arange(nb)].all()  # the diagonal comes first
+    # the cuDNN fixed-count peer accepts only such maps (and lengths that are multiples of 128)
+    assert masks.grid_for(32768) == masks.WAN_GRIDS[32760] and masks.grid_for(75648) == masks.WAN_GRIDS[75600]
+    assert masks.grid_for(300) == (1, 1, 300)

@@ -96,7 +96,8 @@ def run_peers(length: int, q, k, v, args, results: dict) -> None:
     heads, dim, bs = q.shape[1], q.shape[3], 128
     dense_flops = 4.0 * heads * dim * length * length
     ref_heads = reference_heads(heads)
-    maps = [(d, structured_block_map(length, heads, d, bs, device="cuda")) for d in args.peer_densities]
+    maps = [(d, structured_block_map(length, heads, d, bs, device="cuda", uniform_rows=args.uniform_rows))
+            for d in args.peer_densities]
     full = torch.ones(1, 1, -(-length // bs), -(-length // bs), dtype=torch.bool, device="cuda")
     refs: dict = {}
 
@@ -110,7 +111,8 @@ def run_peers(length: int, q, k, v, args, results: dict) -> None:
         if args.peers and peer.name not in args.peers:
             continue
         for density, bm in (maps if peer.sparse else [(1.0, full)]):
-            entry = {"tokens": length, "peer": peer.name, "what": peer.what, "sparse": peer.sparse,
+            entry = {"tokens": length, "uniform_rows": args.uniform_rows, "peer": peer.name, "what": peer.what,
+                     "sparse": peer.sparse,
                      "map": ("full" if density >= 1.0 else f"{density:.2f}") if peer.sparse else "dense",
                      "measured_density": bm.double().mean().item() if peer.sparse else 1.0,
                      "flops_counted": "kept blocks" if peer.sparse else "dense", "ran": False, "reason": "",
@@ -384,6 +386,9 @@ def main():
     ap.add_argument("--peers-only", action="store_true", help="run only the peers table (no sweep, densities, stages)")
     ap.add_argument("--peers", default="", help="comma list of peer names (default: every peer of peers.PEERS)")
     ap.add_argument("--peer-densities", default="1.0,0.15,0.05", help="maps for sparse peers (1.0 = full map)")
+    ap.add_argument("--uniform-rows", action="store_true",
+                    help="peer maps keep the same number of key blocks in every row (for fixed-count kernels; "
+                         "use with --sizes 32768,75648, multiples of 128)")
     args = ap.parse_args()
     args.peers = [x for x in args.peers.split(",") if x]
     args.peer_densities = [float(x) for x in args.peer_densities.split(",") if x]

@@ -17,13 +17,21 @@ HEAD_PATTERNS = ((1.0, 1.0, 1.0), (0.5, 1.0, 1.0), (2.0, 0.7, 0.7), (1.0, 1.6, 0
 
 
 def grid_for(num_tokens: int) -> tuple[int, int, int]:
-    """(T, H, W) token grid for a benchmark length; unknown lengths become one frame of 1 x L."""
-    return WAN_GRIDS.get(num_tokens, (1, 1, num_tokens))
+    """(T, H, W) token grid for a benchmark length: a Wan length, or a Wan length padded up to a multiple
+    of 128 (32 768, 75 648: the pad tokens sit past the last frame); other lengths become 1 x 1 x L."""
+    for length, grid in WAN_GRIDS.items():
+        if length <= num_tokens < length + 128:
+            return grid
+    return (1, 1, num_tokens)
 
 
 def structured_block_map(num_tokens: int, heads: int, density: float, block_size: int = 128,
-                         device="cpu", grid=None) -> torch.Tensor:
-    """bool ``[1, heads, nb, nb]`` with ~``density`` kept pairs per head (exactly 1.0 -> full map)."""
+                         device="cpu", grid=None, uniform_rows: bool = False) -> torch.Tensor:
+    """bool ``[1, heads, nb, nb]`` with ~``density`` kept pairs per head (exactly 1.0 -> full map).
+
+    ``uniform_rows``: every query block keeps the same number of key blocks, ``max(1, round(density * nb))``
+    nearest by the same score (the forced diagonal and sink blocks first), for kernels that take one
+    fixed count per call (cuDNN's SM90 FP8 block-sparse attention)."""
     nb = -(-num_tokens // block_size)
     if density >= 1.0:
         return torch.ones(1, heads, nb, nb, dtype=torch.bool, device=device)
@@ -45,6 +53,12 @@ def structured_block_map(num_tokens: int, heads: int, density: float, block_size
         # Chebyshev window, ties broken by Euclidean distance then a tiny fixed jitter
         score = scaled.amax(-1) + 0.05 * scaled.norm(dim=-1) + jitter
         score = score.masked_fill(forced, -1.0)
+        if uniform_rows:
+            count = min(nb, max(1, int(round(density * nb))))
+            keep = torch.zeros(nb, nb, dtype=torch.bool, device=device)
+            keep.scatter_(1, score.topk(count, dim=1, largest=False).indices, True)
+            maps.append(keep)
+            continue
         want = max(int(round(density * nb * nb)), int(forced.sum()))
         threshold = score.flatten().kthvalue(want).values
         maps.append(score <= threshold)

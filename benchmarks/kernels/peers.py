@@ -22,6 +22,10 @@ Peers (``PEERS``, in table order):
   (needs cuDNN >= 9.14 and the "unified" SDPA engine; sparse).
 - ``cudnn_bsa``: ``cudnn.block_sparse_attention`` (CuTe DSL kernels shipped in the frontend wheel; needs
   ``nvidia-cutlass-dsl``; sparse).
+- ``cudnn_bsa_fp8``: ``cudnn.block_sparse_attention_fp8_forward`` (SageAttention-style FP8, native
+  128 x 128 blocks on sm_90; bf16 inputs quantised inside the call; on sm_90 it takes one fixed count of
+  key blocks per query block and lengths that are multiples of 128, so it runs on the benchmark's
+  ``--uniform-rows`` maps at padded lengths only; sparse).
 - ``sageattention``: ``sageattn`` 1.0.6 (Triton, INT8 QK, dense).
 - ``flashinfer_block_sparse``: FlashInfer ``VariableBlockSparseAttentionWrapper`` (sparse).
 - ``fa4_block_sparse``: FlashAttention-4 (``flash_attn.cute.flash_attn_func``) with
@@ -449,6 +453,46 @@ def make_cudnn_bsa(q, k, v, block_map, block_size):
     return run, ""
 
 
+def make_cudnn_bsa_fp8(q, k, v, block_map, block_size):
+    reason = _needs_cuda(q, "cudnn.block_sparse_attention_fp8_forward")
+    if reason:
+        return None, reason
+    cudnn, reason = _cudnn_frontend()
+    if reason:
+        return None, reason
+    try:
+        import cutlass  # noqa: F401
+    except Exception as exc:  # noqa: BLE001
+        return None, f"{CUTLASS_DSL_NOT_INSTALLED} ({_err(exc)})"
+    try:
+        from cudnn.block_sparse_attention import block_sparse_attention_fp8_forward
+    except Exception as exc:  # noqa: BLE001
+        return None, f"cudnn.block_sparse_attention_fp8_forward not importable: {_err(exc)}"
+    if block_size != 128:
+        return None, f"this wrapper runs the native 128 x 128 blocks, the map's blocks are {block_size}"
+    if q.shape[2] % block_size or k.shape[2] % block_size:
+        return None, (f"on sm_90 the kernel needs lengths that are multiples of {block_size} "
+                      f"(q {q.shape[2]}, k {k.shape[2]}): run it on --uniform-rows maps at padded lengths")
+    try:
+        bm = expand_map(block_map.to(q.device), q.shape[0], q.shape[1])
+        counts, order = block_index_lists(bm)
+        count = int(counts.max().item())
+        if int(counts.min().item()) != count:
+            return None, ("on sm_90 the kernel takes one fixed count of key blocks per query block; this map's "
+                          f"rows keep {int(counts.min().item())}..{count} (use --uniform-rows maps)")
+        index = order[..., :count].contiguous()
+        qc, kc, vc = (t.contiguous() for t in (q, k, v))
+    except Exception as exc:  # noqa: BLE001
+        return None, f"block index preparation failed: {_err(exc)}"
+    scale = 1.0 / math.sqrt(q.shape[-1])
+
+    def run():
+        return block_sparse_attention_fp8_forward(qc, kc, vc, index, block_sparse_num=count, softmax_scale=scale,
+                                                  sparse_block_size=block_size)["o_tensor"]
+
+    return run, ""
+
+
 # --------------------------------------------------------------------------------------------- SageAttention
 
 
@@ -550,6 +594,8 @@ PEERS: tuple[Peer, ...] = (
          "cuDNN frontend sdpa_fp8, dense; inputs quantised once outside the timed call"),
     Peer("cudnn_bf16_block_mask", True, make_cudnn_block_mask, "cuDNN frontend sdpa with a 128x128 tile block_mask"),
     Peer("cudnn_bsa", True, make_cudnn_bsa, "cudnn.block_sparse_attention (CuTe DSL, in the frontend wheel)"),
+    Peer("cudnn_bsa_fp8", True, make_cudnn_bsa_fp8,
+         "cudnn.block_sparse_attention_fp8_forward (CuTe DSL, Sage-style FP8, fixed count per row)"),
     Peer("sageattention", False, make_sageattention, "sageattn 1.0.6 (Triton, INT8 QK, fp16 PV), dense"),
     Peer("flashinfer_block_sparse", True, make_flashinfer, "FlashInfer VariableBlockSparseAttentionWrapper"),
     Peer("fa4_block_sparse", True, make_fa4, "FlashAttention-4 (CuTe DSL) with BlockSparseTensorsTorch"),
