@@ -1,10 +1,14 @@
 """Public kernel API: one function per operation, each with an explicit ``backend=``.
 
-Backends (:class:`Backend`): ``auto`` | ``triton_fp8`` | ``triton_bf16`` | ``flex`` | ``reference``.
+Backends (:class:`Backend`): ``auto`` | ``triton_fp8`` | ``triton_bf16`` | ``fa4_bf16`` | ``flex`` |
+``reference``. ``fa4_bf16`` is FlashAttention-4's CuTe DSL kernel (optional dependency, see
+:mod:`chorus.kernels.fa4`; attention only, no prefix bias, block size 64 or 128).
 
 - ``auto`` resolves once per (device, dtype, head dim) along the chain
-  triton_fp8 (sm_90) -> triton_bf16 (other CUDA GPUs) -> flex -> reference, logs its choice
-  once, and if a chosen fast backend raises at run time it logs that once and moves down the chain.
+  triton_fp8 (sm_90) -> fa4_bf16 (sm_90, where installed) -> triton_bf16 (other CUDA GPUs) -> flex ->
+  reference, logs its choice once, and if a chosen fast backend raises at run time it logs that once
+  and moves down the chain. A call whose options a backend lacks (fa4_bf16 with a prefix bias or
+  another block size) runs on the next backend of the chain, that call only.
 - An explicit backend never falls back: if it cannot run on these inputs it raises
   :class:`BackendUnavailableError` naming the reason.
 
@@ -39,6 +43,7 @@ class Backend(str, enum.Enum):
     AUTO = "auto"
     TRITON_FP8 = "triton_fp8"
     TRITON_BF16 = "triton_bf16"
+    FA4_BF16 = "fa4_bf16"
     FLEX = "flex"
     REFERENCE = "reference"
 
@@ -49,7 +54,8 @@ class BackendUnavailableError(RuntimeError):
 
 MAX_PREFIX_BIAS = 20.0  # exp(20) ~ 5e8: beyond any useful guidance, still far from overflow in log2 units
 
-_AUTO_CHAIN = (Backend.TRITON_FP8, Backend.TRITON_BF16, Backend.FLEX, Backend.REFERENCE)
+_AUTO_CHAIN = (Backend.TRITON_FP8, Backend.FA4_BF16, Backend.TRITON_BF16, Backend.FLEX, Backend.REFERENCE)
+_SM90_ONLY = (Backend.TRITON_FP8, Backend.FA4_BF16)  # auto takes them on Hopper only (measured there)
 _auto_choice: dict[tuple, Backend] = {}
 _auto_logged: set[tuple] = set()
 
@@ -80,6 +86,12 @@ def why_unavailable(backend: Backend, q: torch.Tensor, op: str = "attention") ->
         except ImportError as exc:  # pragma: no cover - depends on torch build
             return f"FlexAttention is not available in this torch ({exc})"
         return None
+    if backend == Backend.FA4_BF16:
+        if op != "attention":
+            return "fa4_bf16 has no block_mass implementation"
+        from .fa4 import fa4_unavailable  # noqa: PLC0415
+
+        return fa4_unavailable(q)
     # Triton backends.
     if q.device.type != "cuda":
         return f"{backend.value} needs a CUDA tensor, got device {q.device}"
@@ -104,11 +116,11 @@ def why_unavailable(backend: Backend, q: torch.Tensor, op: str = "attention") ->
 def _candidates(q: torch.Tensor, op: str) -> list[Backend]:
     if q.device.type == "cuda":
         major, _ = torch.cuda.get_device_capability(q.device)
-        chain = list(_AUTO_CHAIN) if major == 9 else [b for b in _AUTO_CHAIN if b != Backend.TRITON_FP8]
+        chain = list(_AUTO_CHAIN) if major == 9 else [b for b in _AUTO_CHAIN if b not in _SM90_ONLY]
     else:
         chain = [Backend.REFERENCE]
     if op != "attention":
-        chain = [b for b in chain if b != Backend.FLEX]
+        chain = [b for b in chain if b not in (Backend.FLEX, Backend.FA4_BF16)]
     return chain
 
 
@@ -134,17 +146,37 @@ def resolve_backend(backend, q: torch.Tensor, op: str = "attention") -> Backend:
     return _auto_choice[key]
 
 
+def _next_in_chain(key_op: str, q: torch.Tensor, after: Backend) -> Backend | None:
+    """The first runnable backend of auto's chain after ``after`` (None when there is none)."""
+    chain = _candidates(q, key_op)
+    rest = chain[chain.index(after) + 1:] if after in chain else [Backend.REFERENCE]
+    return next((b for b in rest if why_unavailable(b, q, key_op) is None), None)
+
+
 def _demote_auto(key_op: str, q: torch.Tensor, failed: Backend, exc: Exception) -> Backend:
     key = (key_op, q.device.type, q.device.index, q.dtype, q.shape[-1])
-    chain = _candidates(q, key_op)
-    rest = chain[chain.index(failed) + 1:] if failed in chain else [Backend.REFERENCE]
-    for candidate in rest:
-        if why_unavailable(candidate, q, key_op) is None:
-            _auto_choice[key] = candidate
-            LOG.warning("chorus: %s backend %s failed (%s); auto falls back to %s", key_op, failed.value,
-                        exc, candidate.value)
-            return candidate
-    raise exc
+    candidate = _next_in_chain(key_op, q, failed)
+    if candidate is None:
+        raise exc
+    _auto_choice[key] = candidate
+    LOG.warning("chorus: %s backend %s failed (%s); auto falls back to %s", key_op, failed.value, exc,
+                candidate.value)
+    return candidate
+
+
+def _for_call_options(chosen: Backend, explicit: bool, q, block_size: int, prefix_len: int) -> Backend:
+    """``chosen``, or (auto) the next backend of the chain when this call's options are outside it;
+    an explicit backend raises :class:`BackendUnavailableError` instead."""
+    while chosen == Backend.FA4_BF16:
+        from .fa4 import check_call  # noqa: PLC0415
+
+        reason = check_call(block_size, prefix_len)
+        if reason is None:
+            return chosen
+        if explicit:
+            raise BackendUnavailableError(f"backend='fa4_bf16' cannot run this call: {reason}")
+        chosen = _next_in_chain("attention", q, chosen) or Backend.REFERENCE
+    return chosen
 
 
 def _check_qkv(q, k, v=None) -> None:
@@ -230,6 +262,10 @@ def _run_attention(chosen: Backend, q, k, v, block_map, block_size, scale, prefi
                                                           prefix_bias)
     if chosen == Backend.FLEX:
         return _flex_attention(q, k, v, block_map, block_size, scale, prefix_len, prefix_bias)
+    if chosen == Backend.FA4_BF16:
+        from .fa4 import block_sparse_attention_fa4  # noqa: PLC0415
+
+        return block_sparse_attention_fa4(q, k, v, block_map, block_size=block_size, scale=scale)
     return _triton_module().block_sparse_attention_triton(
         q, k, v, block_map if block_map.device == q.device else block_map.to(q.device), block_size=block_size, scale=scale, fp8=chosen == Backend.TRITON_FP8,
         prefix_len=prefix_len, prefix_bias=prefix_bias, token_perm=None if perm is None else perm[0])
@@ -288,12 +324,15 @@ def block_sparse_attention(q, k, v, block_map, *, block_size: int = 128, scale: 
     explicit = _parse_backend(backend) != Backend.AUTO
     chosen = resolve_backend(backend, q, "attention")
     while True:
+        call_backend = chosen
         try:
-            return _run_attention(chosen, q, k, v, block_map, block_size, scale, prefix_len, prefix_bias, perm)
+            call_backend = _for_call_options(chosen, explicit, q, block_size, prefix_len)
+            return _run_attention(call_backend, q, k, v, block_map, block_size, scale, prefix_len, prefix_bias,
+                                  perm)
         except Exception as exc:  # noqa: BLE001 - auto walks down its chain, explicit re-raises
-            if explicit or chosen == Backend.REFERENCE:
+            if explicit or call_backend == Backend.REFERENCE:
                 raise
-            chosen = _demote_auto("attention", q, chosen, exc)
+            chosen = _demote_auto("attention", q, call_backend, exc)
 
 
 def block_mass(q, k, *, block_size: int = 128, sample_rows: int | None = None, scale: float | None = None,

@@ -48,8 +48,10 @@ class ChorusSparseSampler(io.ComfyNode):
                                      "still computed at least once every R steps."),
                 io.Combo.Input("backend", options=list(BACKENDS), default="auto",
                                tooltip="Sparse attention kernel: auto picks Triton FP8 on Hopper, Triton bf16 on "
-                                       "other CUDA GPUs, the reference on CPU. An explicit choice that cannot "
-                                       "run falls back to dense attention with a message."),
+                                       "other CUDA GPUs, the reference on CPU. fa4_bf16: FlashAttention-4's "
+                                       "block-sparse kernel in bf16 (optional flash-attn-4; 1.3-1.5x Triton "
+                                       "bf16 on an H200, slower than FP8 at 720p). An explicit choice that "
+                                       "cannot run falls back to dense attention with a message."),
                 io.Float.Input("verify_threshold", default=DEFAULT_VERIFY_THRESHOLD, min=0.0, max=1.0, step=0.01,
                                optional=True,
                                tooltip="Self-verifying hits: at the first step of each expert, the share of "

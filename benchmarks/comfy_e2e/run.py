@@ -17,6 +17,8 @@ What runs (everything side by side in one process, one GPU):
   expert steps 0-2 of 4 (noise added, leftover noise returned), low-noise expert steps 2-4, euler /
   simple, cfg 1, batch 1, 81 frames (21 latent frames), Wan I2V conditioning (``concat_latent_image``,
   ``concat_mask`` as ``WanImageToVideo`` makes them; random text embeddings).
+* ``--hit-backends auto fa4_bf16 triton_bf16``: hit15 / hit5 once per sparse-attention backend of
+  ``ChorusSparseSampler`` (rows ``hit15@fa4_bf16`` ...; ``auto`` is the plain row).
 * Variants: ``dense`` (the unpatched models: ComfyUI's default attention, SDPA with cuDNN first);
   ``miss`` (``ChorusMaskRetrieve`` on an empty workspace -> ``ChorusSparseSampler`` +
   ``ChorusFeatureReuse`` on both models -> sampling = dense + recording -> ``ChorusCacheWrite`` writes the
@@ -263,7 +265,7 @@ def run(args) -> dict:
                                                   positive=positive).result[0]
                 return plan, time.perf_counter() - t0
 
-            def patched(plan, fr_share=None, compile_models=False, verify=None):
+            def patched(plan, fr_share=None, compile_models=False, verify=None, backend="auto"):
                 models = []
                 for m in (high, low):
                     if compile_models:
@@ -271,8 +273,9 @@ def run(args) -> dict:
 
                         m = TorchCompileModel.execute(m, "inductor").result[0]
                     if plan is not None:
-                        m = (ChorusSparseSampler.execute(m, plan) if verify is None else
-                             ChorusSparseSampler.execute(m, plan, verify_threshold=verify)).result[0]
+                        options = {"backend": backend} if verify is None else {"backend": backend,
+                                                                                "verify_threshold": verify}
+                        m = ChorusSparseSampler.execute(m, plan, **options).result[0]
                         if fr_share is not None:
                             m = ChorusFeatureReuse.execute(m, plan, downsample_share=fr_share).result[0]
                     models.append(m)
@@ -337,6 +340,14 @@ def run(args) -> dict:
                     masks, meta = src.load(eid, packed=True, touch=False)
                     per_layer = structured_maps(grid, shape["num_heads"], density, shape["num_layers"], device)
                     ws.add(entry_plan.embedding, {key: per_layer[key[2]] for key in masks}, meta)
+                for backend in args.hit_backends if name in ("hit15", "hit5") else ["auto"]:
+                    if backend == "auto":
+                        continue  # the default-backend row runs below, with the rest of its variant
+                    plan_b, _ = retrieve(f"{ws_hit}_{int(density * 100)}")
+                    if timed(f"{name}@{backend}", patched(plan_b, backend=backend), plan_b) is not None:
+                        results["runs"][-1]["backend"] = backend
+                if "auto" not in args.hit_backends and name in ("hit15", "hit5"):
+                    continue
                 plan, t_ret = retrieve(f"{ws_hit}_{int(density * 100)}")
                 assert plan.is_hit, plan.message
                 models = patched(plan, fr_share=0.25 if name == "hitfr" else None,
@@ -423,6 +434,9 @@ def main(argv=None) -> int:
     p.add_argument("--weights", nargs="+", default=["bf16"], choices=["bf16", "fp8"])
     p.add_argument("--variants", nargs="+", default=["dense", "miss", "hit15", "hit5", "hitfr"],
                    choices=["dense", "miss", *HIT_VARIANTS])
+    p.add_argument("--hit-backends", nargs="+", default=["auto"],
+                   help="sparse-attention backends the hit15 / hit5 variants run with (rows 'hit15@NAME'; "
+                        "'auto' = the node's default row 'hit15')")
     p.add_argument("--compile", action="store_true", help="also dense and hit15 under TorchCompileModel")
     p.add_argument("--compile-res", nargs="+", default=["480p", "720p", "tiny"], help="resolutions --compile applies to")
     p.add_argument("--layers", type=int, default=0, help="layers per expert (default: the model's 40)")

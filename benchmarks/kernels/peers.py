@@ -13,6 +13,8 @@ q, k, v: ``[B, H, L, D]`` bf16 (the benchmark's inputs); block maps bool
 Peers (``PEERS``, in table order):
 
 - ``ours_fp8`` / ``ours_bf16``: ``chorus.kernels.block_sparse_attention`` (Triton), for the side-by-side rows.
+- ``api_fa4_bf16``: the same API with ``backend="fa4_bf16"`` (FlashAttention-4's kernel, the block lists
+  built from the map inside each call, as a hit runs it).
 - ``flex_compiled``: ``torch.compile(flex_attention)`` with a ``BlockMask`` from the same map (sparse).
 - ``cudnn_sdpa_bf16``: torch SDPA restricted to the cuDNN backend (dense).
 - ``cudnn_fp8_sdpa``: cuDNN frontend graph ``sdpa_fp8`` (``nvidia-cudnn-frontend``), q/k/v quantised to
@@ -107,9 +109,7 @@ def unpack_tile_mask_lsb(packed: torch.Tensor, num_kv_blocks: int) -> torch.Tens
 # --------------------------------------------------------------------------------------------- ours
 
 
-def _make_ours(fp8: bool):
-    backend = "triton_fp8" if fp8 else "triton_bf16"
-
+def _make_api(backend: str):
     def make(q, k, v, block_map, block_size):
         try:
             from chorus.kernels import api
@@ -446,8 +446,7 @@ def make_cudnn_bsa(q, k, v, block_map, block_size):
     def run():
         res = block_sparse_attention_forward(q, k, v, order, block_sparse_num=int(order.shape[-1]),
                                              q2k_block_nums=counts, sparse_block_size=block_size,
-                                             softmax_scale=scale, layout="bhsd",
-                                             kv_splits="auto" if torch.cuda.get_device_capability(q.device)[0] == 9 else 1)
+                                             softmax_scale=scale, layout="bhsd", kv_splits=1)
         return res["o_tensor"]
 
     return run, ""
@@ -584,8 +583,10 @@ def make_fa4(q, k, v, block_map, block_size):
 # --------------------------------------------------------------------------------------------- registry
 
 PEERS: tuple[Peer, ...] = (
-    Peer("ours_fp8", True, _make_ours(True), "chorus Triton block-sparse, FP8 (default tile config)"),
-    Peer("ours_bf16", True, _make_ours(False), "chorus Triton block-sparse, bf16 (default tile config)"),
+    Peer("ours_fp8", True, _make_api("triton_fp8"), "chorus Triton block-sparse, FP8 (default tile config)"),
+    Peer("ours_bf16", True, _make_api("triton_bf16"), "chorus Triton block-sparse, bf16 (default tile config)"),
+    Peer("api_fa4_bf16", True, _make_api("fa4_bf16"),
+         "chorus.kernels backend fa4_bf16: FlashAttention-4 through our API (map -> block lists per call)"),
     Peer("flex_compiled", True, make_flex, "torch.compile(flex_attention), BlockMask from the map"),
     Peer("cudnn_sdpa_bf16", False, make_cudnn_sdpa_bf16, "torch SDPA, cuDNN backend, dense bf16"),
     Peer("cudnn_fp8_sdpa", False, _make_cudnn_fp8(False),

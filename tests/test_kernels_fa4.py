@@ -1,0 +1,73 @@
+"""The fa4_bf16 backend (FlashAttention-4's CuTe DSL kernel) on the CPU: where auto may take it, what an
+explicit request says where it cannot run, how a call with options it lacks is routed, and the shape
+and layout its torch.compile stand-in promises. Its numerics are checked on the GPU
+(``test_kernels_fa4_gpu.py``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import chorus.kernels as K
+from chorus.kernels import api, fa4
+from testing import make_qkv
+
+
+def test_explicit_fa4_on_cpu_names_the_device():
+    q, k, v = make_qkv(q_len=200)
+    bm = torch.ones(1, 1, 2, 2, dtype=torch.bool)
+    with pytest.raises(K.BackendUnavailableError, match="fa4_bf16 needs a CUDA tensor"):
+        K.block_sparse_attention(q, k, v, bm, block_size=128, backend="fa4_bf16")
+    with pytest.raises(K.BackendUnavailableError, match="no block_mass"):
+        K.block_mass(q, k, block_size=128, backend="fa4_bf16")
+
+
+def test_auto_chain_takes_fa4_on_hopper_only_and_after_fp8():
+    assert api._AUTO_CHAIN.index(api.Backend.FA4_BF16) == api._AUTO_CHAIN.index(api.Backend.TRITON_FP8) + 1
+    assert api.Backend.FA4_BF16 in api._SM90_ONLY
+    q = torch.zeros(1, 1, 4, 64)
+    assert api._candidates(q, "attention") == [api.Backend.REFERENCE]  # CPU
+
+
+def test_call_options_outside_fa4_go_down_the_chain_for_auto_and_raise_for_explicit():
+    q = torch.zeros(1, 1, 4, 64)
+    assert api._for_call_options(api.Backend.FA4_BF16, False, q, 128, 0) == api.Backend.FA4_BF16
+    assert api._for_call_options(api.Backend.FA4_BF16, False, q, 128, 16) == api.Backend.REFERENCE
+    assert api._for_call_options(api.Backend.FA4_BF16, False, q, 32, 0) == api.Backend.REFERENCE
+    assert api._for_call_options(api.Backend.TRITON_BF16, True, q, 32, 16) == api.Backend.TRITON_BF16
+    with pytest.raises(K.BackendUnavailableError, match="prefix bias"):
+        api._for_call_options(api.Backend.FA4_BF16, True, q, 128, 16)
+    with pytest.raises(K.BackendUnavailableError, match="block size 64 or 128"):
+        api._for_call_options(api.Backend.FA4_BF16, True, q, 256, 0)
+
+
+@pytest.mark.parametrize("reason_for,expect", [
+    (dict(device="cpu"), "CUDA tensor"),
+])
+def test_unavailable_reasons(reason_for, expect):
+    q = torch.zeros(1, 1, 4, 64, **reason_for)
+    assert expect in fa4.fa4_unavailable(q)
+
+
+def test_direct_call_rejects_what_fa4_cannot_take():
+    q, k, v = make_qkv(q_len=200, head_dim=32)
+    bm = torch.ones(1, 1, 2, 2, dtype=torch.bool)
+    with pytest.raises(ValueError, match="block size 64 or 128"):
+        fa4.block_sparse_attention_fa4(q, k, v, bm, block_size=32)
+    with pytest.raises(ValueError, match="unit stride on D and D in"):
+        fa4.block_sparse_attention_fa4(q, k, v, bm, block_size=128)
+
+
+@pytest.mark.parametrize("comfy_layout", [False, True])
+def test_fake_output_is_a_head_transposed_view_like_the_kernel_returns(comfy_layout):
+    with FakeTensorMode():
+        b, h, length, d = 2, 4, 300, 128
+        if comfy_layout:
+            q = torch.empty(b, length, h, d, dtype=torch.bfloat16).transpose(1, 2)
+        else:
+            q = torch.empty(b, h, length, d, dtype=torch.bfloat16)
+        bm = torch.ones(1, h, 3, 3, dtype=torch.bool)
+        out = torch.ops.chorus.block_sparse_attention_fa4(q, q, q, bm, 128, 0.1)
+        assert out.shape == (b, h, length, d) and out.dtype == torch.bfloat16
+        assert out.transpose(1, 2).is_contiguous()  # FA4 writes [B, L, H, D]
