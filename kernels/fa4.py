@@ -71,13 +71,6 @@ def check_call(block_size: int, prefix_len: int) -> str | None:
     return None
 
 
-@functools.lru_cache(maxsize=8)
-def _no_partial_blocks(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Count and index tensors of FA4's "mask" (partially masked) blocks: none, broadcast over all rows."""
-    zeros = torch.zeros(1, 1, 1, dtype=torch.int32, device=device)
-    return zeros, torch.zeros(1, 1, 1, 1, dtype=torch.int32, device=device)
-
-
 def _fa4_impl(q, k, v, block_map, block_size: int, scale: float) -> torch.Tensor:
     from flash_attn.cute import flash_attn_func
     from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
@@ -85,8 +78,9 @@ def _fa4_impl(q, k, v, block_map, block_size: int, scale: float) -> torch.Tensor
     from .triton import compress_block_map
 
     kv_num, kv_idx = compress_block_map(block_map)
-    partial_num, partial_idx = _no_partial_blocks(q.device)
-    sparse = BlockSparseTensorsTorch(mask_block_cnt=partial_num, mask_block_idx=partial_idx,
+    # no partially masked blocks: zero counts per query block (FA4 checks that dimension), compact index
+    sparse = BlockSparseTensorsTorch(mask_block_cnt=torch.zeros_like(kv_num),
+                                     mask_block_idx=kv_num.new_zeros(*kv_num.shape, 1),
                                      full_block_cnt=kv_num, full_block_idx=kv_idx,
                                      block_size=(block_size, block_size))
     out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale=scale,

@@ -421,11 +421,12 @@ def make_cudnn_block_mask(q, k, v, block_map, block_size):
     return run, ""
 
 
-def make_cudnn_bsa(q, k, v, block_map, block_size):
-    reason = _needs_cuda(q, "cudnn.block_sparse_attention")
+def _cudnn_bsa_function(q, name: str):
+    """(``cudnn.block_sparse_attention.<name>``, "") or (None, why not): CUDA, the frontend, CuTe DSL."""
+    reason = _needs_cuda(q, f"cudnn.block_sparse_attention.{name}")
     if reason:
         return None, reason
-    cudnn, reason = _cudnn_frontend()
+    _, reason = _cudnn_frontend()
     if reason:
         return None, reason
     try:
@@ -433,9 +434,17 @@ def make_cudnn_bsa(q, k, v, block_map, block_size):
     except Exception as exc:  # noqa: BLE001
         return None, f"{CUTLASS_DSL_NOT_INSTALLED} ({_err(exc)})"
     try:
-        from cudnn.block_sparse_attention import block_sparse_attention_forward
+        from cudnn import block_sparse_attention
+
+        return getattr(block_sparse_attention, name), ""
     except Exception as exc:  # noqa: BLE001
-        return None, f"cudnn.block_sparse_attention not importable: {_err(exc)}"
+        return None, f"cudnn.block_sparse_attention.{name} not importable: {_err(exc)}"
+
+
+def make_cudnn_bsa(q, k, v, block_map, block_size):
+    block_sparse_attention_forward, reason = _cudnn_bsa_function(q, "block_sparse_attention_forward")
+    if reason:
+        return None, reason
     try:
         bm = expand_map(block_map.to(q.device), q.shape[0], q.shape[1])
         counts, order = block_index_lists(bm)
@@ -453,20 +462,9 @@ def make_cudnn_bsa(q, k, v, block_map, block_size):
 
 
 def make_cudnn_bsa_fp8(q, k, v, block_map, block_size):
-    reason = _needs_cuda(q, "cudnn.block_sparse_attention_fp8_forward")
+    block_sparse_attention_fp8_forward, reason = _cudnn_bsa_function(q, "block_sparse_attention_fp8_forward")
     if reason:
         return None, reason
-    cudnn, reason = _cudnn_frontend()
-    if reason:
-        return None, reason
-    try:
-        import cutlass  # noqa: F401
-    except Exception as exc:  # noqa: BLE001
-        return None, f"{CUTLASS_DSL_NOT_INSTALLED} ({_err(exc)})"
-    try:
-        from cudnn.block_sparse_attention import block_sparse_attention_fp8_forward
-    except Exception as exc:  # noqa: BLE001
-        return None, f"cudnn.block_sparse_attention_fp8_forward not importable: {_err(exc)}"
     if block_size != 128:
         return None, f"this wrapper runs the native 128 x 128 blocks, the map's blocks are {block_size}"
     if q.shape[2] % block_size or k.shape[2] % block_size:
