@@ -42,12 +42,10 @@ def test_call_options_outside_fa4_go_down_the_chain_for_auto_and_raise_for_expli
         api._for_call_options(api.Backend.FA4_BF16, True, q, 256, 0)
 
 
-@pytest.mark.parametrize("reason_for,expect", [
-    (dict(device="cpu"), "CUDA tensor"),
-])
-def test_unavailable_reasons(reason_for, expect):
-    q = torch.zeros(1, 1, 4, 64, **reason_for)
-    assert expect in fa4.fa4_unavailable(q)
+def test_unavailable_reason_on_cpu_and_call_reasons():
+    assert "CUDA tensor" in fa4.fa4_unavailable(torch.zeros(1, 1, 4, 64))
+    assert fa4.check_call(128, 0) is None and fa4.check_call(64, 0) is None
+    assert "block size" in fa4.check_call(32, 0) and "prefix bias" in fa4.check_call(128, 1)
 
 
 def test_direct_call_rejects_what_fa4_cannot_take():
