@@ -8,13 +8,15 @@ from dataclasses import dataclass
 BACKENDS = ("auto", "triton_fp8", "triton_bf16", "fa4_bf16", "flex", "reference")
 # The verdict is RELATIVE (engine/verify.py): the estimated recall of the reused map divided by the best recall
 # any map as sparse keeps on the same sampled mass (the "fit ratio"): ~1 for a map that fits the request, lower
-# for a map of another request, ~1 on near-uniform attention (random weights) whatever the map. Off by default:
-# on the quality harness 0.95 meets the targets (>= 95% of permuted / other-family entries caught, no
-# near-duplicate demoted) only for entries recorded from exact block mass; the fit ratio of a genuine hit is
-# bounded by how precisely its entry was recorded, and with the recorder's share of sampled rows (8 of 128 ->
-# 1 of the harness's 16) near-duplicates fall to 0.81-0.92 and no threshold meets the targets
-# (docs/BENCHMARKS.md, "Self-verifying hits"). SUGGESTED_VERIFY_THRESHOLD is the value to try, and to
-# re-measure on real weights before turning it on.
+# for a map of another request, ~1 on near-uniform attention (random weights) whatever the map. The fit ratio
+# of a genuine hit is bounded by how precisely its entry was recorded where the check looks, so the recorder
+# records exact mass there (its verification anchors: first step of each expert, verify_layers x verify_heads;
+# engine/runtime.py). With them, on the quality harness, 0.95 meets the targets with the recorder's real row
+# sampling elsewhere (97-100% of permuted / 99% of other-family entries caught, no near-duplicate demoted;
+# without them no threshold does: docs/BENCHMARKS.md, "Self-verifying hits"). Still off by default: the
+# near-duplicates' margin there is thin (0.953 against 0.95 on the content-heavy source), nothing says where a
+# trained Wan puts it, and entries written before the anchors existed have none (a hit on one says so in its
+# messages). SUGGESTED_VERIFY_THRESHOLD is the value to try, and to re-measure on real weights first.
 DEFAULT_VERIFY_THRESHOLD = 0.0
 SUGGESTED_VERIFY_THRESHOLD = 0.95
 # Rows per block for the estimate: the in-sample best is biased up by row-sampling noise, which a map that fits

@@ -36,6 +36,7 @@ class MassRecorder:
         self.block_size: int | None = None
         self.incomplete_reason: str | None = None
         self._bad = None  # device bool: some recorded mass was NaN, inf or negative
+        self._first_sigma: dict[int, float] = {}  # expert -> the first step it recorded
         self._lock = threading.Lock()
 
     def mark_incomplete(self, reason: str) -> None:
@@ -48,6 +49,13 @@ class MassRecorder:
 
     def __len__(self) -> int:
         return len(self._packed)
+
+    def is_first_step(self, expert: int, sigma: float) -> bool:
+        """True when ``sigma`` is the first step this recorder sees for ``expert`` (the first sigma it
+        is asked about fixes it): the step at which a later hit of the entry verifies that expert."""
+        with self._lock:
+            canonical = self.schedule.canonical(sigma)
+            return self._first_sigma.setdefault(int(expert), canonical) == canonical
 
     def add(self, expert: int, sigma: float, layer: int, mass: torch.Tensor, *, grid, top_p: float,
             k_min: int, keep_first_frame_blocks: int = 0, block_size: int = 128) -> torch.Tensor:

@@ -23,7 +23,7 @@ from .plan import Plan
 from .recorder import MassRecorder
 from .routing import match_step, step_sigma
 from .signature import ModelInfo
-from .verify import ExpertCheck, recall_terms, verify_head_index
+from .verify import ANCHORS_META_KEY, ExpertCheck, anchors_cover, recall_terms, verify_head_index
 
 
 _NEAR_TABLES: dict = {}
@@ -273,6 +273,11 @@ class ChorusAttention:
                         return None
                     first = not state.verification and plan.stats.sparse_calls == 0
                     check = state.verification[self.expert] = ExpertCheck(step, layers, records=first)
+                    if first and not anchors_cover(plan.entry_meta, layers, cfg.verify_heads):
+                        plan.note("hit verification: the entry was recorded without exact mass where this check "
+                                  "looks (no verification anchors for these layers / heads), so its fit ratio is "
+                                  "held down by the recording's row sampling and a fitting hit may be demoted "
+                                  "(the request then writes an entry that has them)")
                     if first and plan.embedding is not None:  # a demoted request could be written
                         state.verify_recorder, state.verify_covered = MassRecorder(), 0
             if check.verdict is not None or check.step != step:
@@ -387,13 +392,27 @@ class ChorusAttention:
         return q, k
 
     def _record_into(self, recorder, q, k, layer, sigma, grid, cond_rows) -> None:
-        """Record the cond rows' block mass of one call into ``recorder`` (raises on error)."""
+        """Record the cond rows' block mass of one call into ``recorder`` (raises on error).
+
+        Verification anchors: at the first step of each expert, on the ``verify_layers`` and the
+        ``verify_heads`` heads (exactly where a later hit of this entry checks how well it fits), the
+        mass is exact (every query row) instead of ``sample_rows`` per block, so a genuine hit's fit
+        ratio is not held down by the recording's row-sampling noise (docs/BENCHMARKS.md,
+        "Self-verifying hits"). Cost: exact block mass of those heads on those few calls."""
         cfg = self.config
         qs, ks = self._cond_subset(q, k, cond_rows)
         if qs is None:
             return  # negative conditioning only: the positive rows carry the mask
         with torch.no_grad():
             mass = kernels.block_mass(qs, ks, block_size=cfg.block_size, sample_rows=cfg.sample_rows)
+            if int(layer) in cfg.verify_layers and recorder.is_first_step(self.expert, sigma):
+                if cfg.sample_rows is not None:  # (sample_rows None: every call is exact already)
+                    heads = torch.tensor(verify_head_index(qs.shape[1], cfg.verify_heads), device=qs.device)
+                    exact = kernels.block_mass(qs.index_select(1, heads), ks.index_select(1, heads),
+                                               block_size=cfg.block_size, sample_rows=None)
+                    mass = mass.index_copy(1, heads, exact.to(mass.dtype))
+                self.plan.state.entry_extras[ANCHORS_META_KEY] = {"layers": list(cfg.verify_layers),
+                                                                  "heads": int(cfg.verify_heads)}
             first_frame = kernels.first_frame_blocks(grid[1] * grid[2], cfg.block_size)
             recorder.add(self.expert, sigma, int(layer), mass, grid=grid, top_p=cfg.top_p, k_min=cfg.k_min,
                          keep_first_frame_blocks=first_frame, block_size=cfg.block_size)

@@ -21,8 +21,11 @@ map that keeps, in every query-block row, as many blocks as it does but those wi
 * ``best`` is taken on the same sampled mass, so it is biased up by the row-sampling noise (the top
   blocks of a noisy mass include those the noise favoured): ``verify_rows`` 64 of a 128 block keeps
   that bias small enough for random weights to pass (``engine/config.py``). A genuine hit's ratio is
-  also bounded by how precisely its entry was recorded (a map selected on a noisier mass is further
-  from the best): the reason the check is off by default (``DEFAULT_VERIFY_THRESHOLD``).
+  also bounded by how precisely its entry was recorded where the check looks (a map selected on a
+  noisier mass is further from the best): the recorder therefore records exact mass there (its
+  verification anchors, named in the entry's metadata under :data:`ANCHORS_META_KEY`; a hit on an entry
+  without them notes it), and the check stays off by default until real weights say where genuine
+  hits' ratios fall (``DEFAULT_VERIFY_THRESHOLD``).
 
 How ``ChorusAttention`` uses it (``SparseConfig.verify_*``; the plan's request-wide record is
 :class:`ExpertCheck` in ``plan.state.verification``):
@@ -56,6 +59,22 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import kernels
+
+
+ANCHORS_META_KEY = "verify_anchors"  # entry metadata: where the recorder's mass was exact (layers, heads)
+
+
+def anchors_cover(meta, layers, heads: int) -> bool:
+    """True when an entry's metadata says its maps were recorded from exact mass on ``layers`` x
+    ``heads`` evenly spaced heads at the first step of each expert (the recorder's verification
+    anchors), i.e. where a hit with these settings checks."""
+    anchors = (meta or {}).get(ANCHORS_META_KEY)
+    if not isinstance(anchors, dict):
+        return False
+    try:
+        return set(layers) <= {int(l) for l in anchors.get("layers", ())} and int(anchors.get("heads", 0)) == int(heads)
+    except (TypeError, ValueError):
+        return False
 
 
 def verify_head_index(num_heads: int, count: int) -> list[int]:

@@ -2,7 +2,7 @@
 (reference backend, a partial last block, head subsets), the best map at the same density against a
 brute-force top-k, the fit ratio (~1 on near-uniform attention, a permuted map caught and a genuine
 one passing on the quality harness's synthetic source, the genuine ratio bounded by the entry's
-recording precision), the verdict paths (pass; fail at the first expert -> dense + a complete
+recording precision unless the recorder's verification anchors are exact), the verdict paths (pass; fail at the first expert -> dense + a complete
 recording that is written; fail at a later expert -> dense, nothing written), off by default, and no
 exception mid-sampling. ComfyUI's tiny WanModel: tests/test_verify_wan.py."""
 
@@ -107,6 +107,9 @@ def test_a_wrong_hit_fails_at_the_first_expert_runs_dense_and_writes_a_new_entry
     assert hit.recorder.complete and sorted(hit.recorder.block_maps()) == sorted(maps)
     ws = Workspace.open(tmp_path / "ws")
     assert commit_plan(ws, hit).startswith("wrote entry")
+    (eid, _), = ws.search(EMB, k=1)
+    _, meta = ws.load(eid, touch=False)  # the new entry names its verification anchors
+    assert meta[verify_mod.ANCHORS_META_KEY] == {"layers": [0, 1], "heads": 1}
 
 
 def test_a_later_expert_failing_runs_dense_but_writes_nothing(tmp_path):
@@ -256,17 +259,18 @@ def _source_info(model):
     return ModelInfo("wan", "wan2.2-a14b-i2v", 2, 4, model.cfg.head_dim, 36, "fp-high")
 
 
-def _source_record(model, image, seed, rows):
+def _source_record(model, image, seed, rows, verify_layers=(0, 1, 2, 3)):
     plan = Plan.miss("t", embedding=EMB, latent_shape=(16, 6, 16, 24))
-    _source_run(ChorusAttention(plan, SparseConfig(block_size=16, sample_rows=rows), _source_info(model)),
-                model, image, seed)
+    cfg = SparseConfig(block_size=16, sample_rows=rows, verify_layers=verify_layers)
+    _source_run(ChorusAttention(plan, cfg, _source_info(model)), model, image, seed)
     return plan
 
 
 def _source_hit(model, miss, masks, image, seed):
     from chorus.engine import build_signature
 
-    hit = Plan("hit", entry_id=1, similarity=0.99, masks=masks, entry_meta={"signature": build_signature(miss)},
+    meta = {"signature": build_signature(miss), **miss.state.entry_extras}  # what commit_plan writes
+    hit = Plan("hit", entry_id=1, similarity=0.99, masks=masks, entry_meta=meta,
                latent_shape=(16, 6, 16, 24), embedding=EMB)
     cfg = SparseConfig(block_size=16, verify_threshold=SUGGESTED_VERIFY_THRESHOLD, verify_rows=8)  # 8 of 16 = 64 of 128
     _source_run(ChorusAttention(hit, cfg, _source_info(model)), model, image, seed)
@@ -291,11 +295,49 @@ def test_structured_source_genuine_passes_permuted_is_caught_and_recording_noise
     assert wrong.recorder.complete  # the first expert failed: the request can write its own entry
 
     # the same genuine entry recorded from 1 sampled row per block of 16 (the recorder's default share, 8 of
-    # 128): a fitting map, yet its ratio falls below the threshold -- why the check is off by default
+    # 128): its verification anchors (exact mass where a hit checks) keep the genuine hit passing ...
     noisy = _source_record(source, image, 1, rows=1)
-    coarse = _source_hit(source, noisy, noisy.recorder.block_maps(), near, 3)
+    anchored = _source_hit(source, noisy, noisy.recorder.block_maps(), near, 3)
+    a = anchored.stats.verification[0]
+    assert anchored.is_hit and a["verdict"] == "pass" and a["ratio"] == pytest.approx(v["ratio"], abs=1e-6), a
+    # ... without them (anchor layers off the checked ones) the fitting map's ratio falls below the
+    # threshold: the recording's row-sampling noise, not the request, would demote it
+    plain = _source_record(source, image, 1, rows=1, verify_layers=(7,))
+    coarse = _source_hit(source, plain, plain.recorder.block_maps(), near, 3)
     c = coarse.stats.verification[0]
     assert c["verdict"] == "fail" and c["ratio"] < v["ratio"] - 0.03, c
+
+
+def test_entries_say_where_their_anchors_are_and_a_hit_without_them_says_so(source):
+    image = _blocky_image(3)
+    anchored = _source_record(source, image, 1, rows=1)
+    assert anchored.state.entry_extras[verify_mod.ANCHORS_META_KEY] == {"layers": [0, 1, 2, 3], "heads": 4}
+    exact = _source_record(source, image, 1, rows=None)  # exact everywhere: the anchors are too
+    assert exact.state.entry_extras[verify_mod.ANCHORS_META_KEY] == {"layers": [0, 1, 2, 3], "heads": 4}
+    note = "recorded without exact mass where this check looks"
+    hit = _source_hit(source, anchored, anchored.recorder.block_maps(), image, 3)
+    assert hit.is_hit and not any(note in m for m in hit.stats.messages), hit.stats.messages
+    plain = _source_record(source, image, 1, rows=1, verify_layers=(7,))
+    hit = _source_hit(source, plain, plain.recorder.block_maps(), image, 3)
+    assert any(note in m for m in hit.stats.messages), hit.stats.messages
+    assert verify_mod.anchors_cover({verify_mod.ANCHORS_META_KEY: {"layers": [0, 1], "heads": 4}}, (0, 1), 4)
+    assert not verify_mod.anchors_cover({verify_mod.ANCHORS_META_KEY: {"layers": [0], "heads": 4}}, (0, 1), 4)
+    assert not verify_mod.anchors_cover({verify_mod.ANCHORS_META_KEY: "junk"}, (0,), 4)
+    assert not verify_mod.anchors_cover(None, (0,), 4)
+
+
+def test_recorder_anchors_are_exact_where_a_hit_checks_and_sampled_elsewhere(source):
+    """At the first step of each expert, on verify_layers x verify_heads, a sampled recording holds the
+    maps an exact one selects; elsewhere (the second step here) it keeps its own sampled maps."""
+    image = _blocky_image(2)
+    exact = _source_record(source, image, 4, rows=None).recorder.block_maps()
+    anchored = _source_record(source, image, 4, rows=1, verify_layers=(1,)).recorder.block_maps()
+    plain = _source_record(source, image, 4, rows=1, verify_layers=(7,)).recorder.block_maps()
+    heads = verify_head_index(4, SparseConfig().verify_heads)
+    assert torch.equal(anchored[(0, 0, 1, 0)][heads], exact[(0, 0, 1, 0)][heads])   # the anchor
+    assert not torch.equal(plain[(0, 0, 1, 0)], exact[(0, 0, 1, 0)])                # sampling noise shows
+    for key in ((0, 0, 0, 0), (0, 1, 0, 0), (0, 1, 1, 0)):                         # not anchors: as sampled
+        assert torch.equal(anchored[key], plain[key]), key
 
 
 def test_default_config_runs_no_verification():

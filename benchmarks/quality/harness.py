@@ -29,20 +29,29 @@ import numpy as np
 import torch
 
 from chorus import kernels
+from chorus.engine import SparseConfig
 from chorus.engine.runtime import floor_k_min
+from chorus.engine.verify import verify_head_index
 
 from .source import RequestAttention, SourceConfig, SyntheticModel
 
 
 @dataclass(frozen=True)
 class ReuseConfig:
-    """The engine settings the harness mirrors (``chorus.engine.SparseConfig`` defaults)."""
+    """The engine settings the harness mirrors (``chorus.engine.SparseConfig`` defaults).
+
+    ``anchors``: the recorder's verification anchors -- at the first step of each expert, on
+    ``verify_layers`` x ``verify_heads`` (evenly spaced), the mass is exact instead of sampled
+    (``ChorusAttention._record_into``); off only for comparisons."""
 
     top_p: float = 0.9
     k_min: int = 4
     refresh_steps: int = 0
     sample_rows: int | None = 16
     block_size: int = 32
+    anchors: bool = True
+    verify_layers: tuple = SparseConfig.verify_layers
+    verify_heads: int = SparseConfig.verify_heads
 
 
 def exact_probs(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -111,12 +120,17 @@ def select(mass: torch.Tensor, cfg: SourceConfig, rc: ReuseConfig) -> torch.Tens
 
 def record_entry(model: SyntheticModel, attention: RequestAttention, rc: ReuseConfig):
     """Masks ``{(expert, step, layer, 0): bool [H, Qb, Kb]}`` as the miss path records them (block mass
-    from the engine's sampled rows, then ``select_blocks``), and the recorded mass (for the static
-    baseline)."""
-    masks, masses = {}, {}
+    from the engine's sampled rows, exact on the verification anchors, then ``select_blocks``), and the
+    recorded mass (for the static baseline)."""
+    masks, masses, first_step = {}, {}, {}
     for expert, step, layer in model.cfg.keys():
         q, k, _ = attention.qkv(expert, step, layer)
         mass = sampled_block_mass(q, k, rc.block_size, rc.sample_rows)
+        first_step.setdefault(expert, step)
+        if rc.anchors and rc.sample_rows is not None and layer in rc.verify_layers and step == first_step[expert]:
+            heads = torch.tensor(verify_head_index(q.shape[1], rc.verify_heads))
+            exact = sampled_block_mass(q.index_select(1, heads), k.index_select(1, heads), rc.block_size, None)
+            mass = mass.index_copy(1, heads, exact)
         masks[(expert, step, layer, 0)] = select(mass, model.cfg, rc)[0]
         masses[(expert, step, layer, 0)] = mass[0]
     return masks, masses

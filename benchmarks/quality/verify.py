@@ -7,7 +7,8 @@ the ``verify_layers`` layers with sampled rows per block), and demotes the hit w
 (mean recall / mean best over the checked (layer, head)) falls below ``verify_threshold``. Here, on the
 synthetic structured source (:mod:`.source`; random weights), with entries recorded as the miss path
 records them (:func:`.harness.record_entry`; ``--record-rows`` sets the rows per block of that
-recording, default the harness's, exact at quick sizes):
+recording, default the harness's, exact at quick sizes; the recorder's verification anchors -- exact
+mass at the first step of each expert on the checked layers and heads -- unless ``--no-anchors``):
 
 * **estimate error**: the estimated fit ratio and recall against the true ones of the same map on the
   same (layer, head) (exact block mass, every query row), per expert and per checked layer; the
@@ -129,10 +130,12 @@ def caught(result: dict, threshold: float, key: str = "est_ratio") -> bool:
 
 
 def run_source(content_heavy: bool, quick: bool, vc: SparseConfig, log, grid=None, small_workload=None,
-               record_rows: int | None = None) -> dict:
+               record_rows: int | None = None, anchors: bool = True) -> dict:
     cfg, rc = source_config(quick, content_heavy)
     if record_rows is not None:  # the entries' recording precision (rows per block of the recorder's mass)
         rc = dataclasses.replace(rc, sample_rows=record_rows)
+    # the recorder's verification anchors (exact mass where a hit checks), on the checker's layers and heads
+    rc = dataclasses.replace(rc, anchors=anchors, verify_layers=vc.verify_layers, verify_heads=vc.verify_heads)
     if grid is not None:
         cfg = SourceConfig(**{**cfg.__dict__, "grid": tuple(grid)})
     model = build_model(cfg)
@@ -172,7 +175,7 @@ def run_source(content_heavy: bool, quick: bool, vc: SparseConfig, log, grid=Non
     label = SOURCE_LABEL + (" [content-heavy head mix]" if content_heavy else "")
     return {"source": label, "grid": list(cfg.grid), "heads": cfg.heads, "layers": cfg.layers,
             "block_size": rc.block_size, "top_p": rc.top_p, "k_min": rc.k_min, "checked_layers": checker.layers,
-            "rows": checker.rows, "record_rows": rc.sample_rows,
+            "rows": checker.rows, "record_rows": rc.sample_rows, "anchors": rc.anchors,
             "checked_heads": checker.heads, "cases": cases, "seconds": time.perf_counter() - t0}
 
 
@@ -232,7 +235,9 @@ def markdown(res: dict) -> str:
              f"Check: layers {src0['checked_layers']} (of verify_layers {vc['verify_layers']}), heads "
              f"{src0['checked_heads']} (verify_heads {vc['verify_heads']}), {src0['rows']} sampled rows per block of "
              f"{src0['block_size']} (verify_rows {vc['verify_rows']} of a 128 block, the same share), entries recorded from "
-             f"{src0['record_rows']} rows per block, at the first step "
+             f"{src0['record_rows']} rows per block"
+             f"{' (exact on the verification anchors)' if src0.get('anchors') else ' (no verification anchors)'}"
+             ", at the first step "
              "of each expert; verdict on the fit ratio = mean recall / mean best recall at the same density over "
              "the checked (layer, head).", "",
              "| estimate vs truth (same heads, exact mass) | max abs error | mean abs error |", "|---|---|---|"]
@@ -283,6 +288,8 @@ def main(argv=None) -> int:
     ap.add_argument("--record-rows", type=int, default=None,
                     help="rows per block the entries are recorded from (default: the harness's; its block or more = "
                          "exact; 1 = the engine recorder's share, 8 of 128)")
+    ap.add_argument("--no-anchors", action="store_true",
+                    help="record without the recorder's verification anchors (every call at --record-rows)")
     ap.add_argument("--full-workload", action="store_true",
                     help="with --quick: the quick sizes but every query of the full workload")
     args = ap.parse_args(argv)
@@ -293,7 +300,8 @@ def main(argv=None) -> int:
         print(msg, flush=True)
 
     small = False if args.full_workload else None
-    sources = [run_source(ch, args.quick, vc, log, args.grid, small, args.record_rows) for ch in (False, True)]
+    sources = [run_source(ch, args.quick, vc, log, args.grid, small, args.record_rows, not args.no_anchors)
+               for ch in (False, True)]
     all_cases = [c for s in sources for c in s["cases"]]
     res = {"command": "python -m benchmarks.quality.verify " + " ".join(argv if argv is not None else sys.argv[1:]),
            "torch": torch.__version__,
