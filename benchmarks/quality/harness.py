@@ -50,6 +50,7 @@ class ReuseConfig:
     sample_rows: int | None = 16
     block_size: int = 32
     anchors: bool = True
+    anchor_rows: int | None = None  # rows per block on the anchors (None = exact, the engine's choice)
     verify_layers: tuple = SparseConfig.verify_layers
     verify_heads: int = SparseConfig.verify_heads
 
@@ -129,7 +130,8 @@ def record_entry(model: SyntheticModel, attention: RequestAttention, rc: ReuseCo
         first_step.setdefault(expert, step)
         if rc.anchors and rc.sample_rows is not None and layer in rc.verify_layers and step == first_step[expert]:
             heads = torch.tensor(verify_head_index(q.shape[1], rc.verify_heads))
-            exact = sampled_block_mass(q.index_select(1, heads), k.index_select(1, heads), rc.block_size, None)
+            exact = sampled_block_mass(q.index_select(1, heads), k.index_select(1, heads), rc.block_size,
+                                       rc.anchor_rows)
             mass = mass.index_copy(1, heads, exact)
         masks[(expert, step, layer, 0)] = select(mass, model.cfg, rc)[0]
         masses[(expert, step, layer, 0)] = mass[0]

@@ -130,12 +130,13 @@ def caught(result: dict, threshold: float, key: str = "est_ratio") -> bool:
 
 
 def run_source(content_heavy: bool, quick: bool, vc: SparseConfig, log, grid=None, small_workload=None,
-               record_rows: int | None = None, anchors: bool = True) -> dict:
+               record_rows: int | None = None, anchors: bool = True, anchor_rows: int | None = None) -> dict:
     cfg, rc = source_config(quick, content_heavy)
     if record_rows is not None:  # the entries' recording precision (rows per block of the recorder's mass)
         rc = dataclasses.replace(rc, sample_rows=record_rows)
     # the recorder's verification anchors (exact mass where a hit checks), on the checker's layers and heads
-    rc = dataclasses.replace(rc, anchors=anchors, verify_layers=vc.verify_layers, verify_heads=vc.verify_heads)
+    rc = dataclasses.replace(rc, anchors=anchors, anchor_rows=anchor_rows, verify_layers=vc.verify_layers,
+                             verify_heads=vc.verify_heads)
     if grid is not None:
         cfg = SourceConfig(**{**cfg.__dict__, "grid": tuple(grid)})
     model = build_model(cfg)
@@ -290,6 +291,8 @@ def main(argv=None) -> int:
                          "exact; 1 = the engine recorder's share, 8 of 128)")
     ap.add_argument("--no-anchors", action="store_true",
                     help="record without the recorder's verification anchors (every call at --record-rows)")
+    ap.add_argument("--anchor-rows", type=int, default=None,
+                    help="rows per block on the anchors (default: exact, as the engine records them)")
     ap.add_argument("--full-workload", action="store_true",
                     help="with --quick: the quick sizes but every query of the full workload")
     args = ap.parse_args(argv)
@@ -300,8 +303,8 @@ def main(argv=None) -> int:
         print(msg, flush=True)
 
     small = False if args.full_workload else None
-    sources = [run_source(ch, args.quick, vc, log, args.grid, small, args.record_rows, not args.no_anchors)
-               for ch in (False, True)]
+    sources = [run_source(ch, args.quick, vc, log, args.grid, small, args.record_rows, not args.no_anchors,
+                          args.anchor_rows) for ch in (False, True)]
     all_cases = [c for s in sources for c in s["cases"]]
     res = {"command": "python -m benchmarks.quality.verify " + " ".join(argv if argv is not None else sys.argv[1:]),
            "torch": torch.__version__,
