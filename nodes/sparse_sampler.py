@@ -62,9 +62,10 @@ class ChorusSparseSampler(io.ComfyNode):
                                        "records (a failure at the first expert writes a new, fitting entry). "
                                        "A ratio, not a share of mass: random-weight models pass it. 0 = off (the "
                                        "default); 0.95 to turn it on (it caught >= 95% of wrong entries "
-                                       "without demoting near-duplicates on the synthetic quality harness, "
-                                       "but only for entries recorded from exact mass: re-measure on your "
-                                       "model first)."),
+                                       "without demoting near-duplicates on the synthetic quality harness, for "
+                                       "entries recorded since the recorder keeps exact mass where the check "
+                                       "looks; older entries say so and may be demoted and rewritten; "
+                                       "re-measure on your model first)."),
             ],
             outputs=[io.Model.Output(display_name="model")],
         )
