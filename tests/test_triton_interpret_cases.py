@@ -290,6 +290,23 @@ def test_fp8_q_quantised_in_the_kernel(length, bs):
     check_fp8(out, q, k, v, bm, bs)
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("batch,heads,length,bs,broadcast", [(1, 3, 300, 64, False), (2, 2, 97, 32, True)])
+def test_persistent_grid_walks_every_tile(fp8, batch, heads, length, bs, broadcast):
+    """The persistent launch (a fixed grid striding over (batch, head)-major tiles; 4 programs under the
+    interpreter, fewer than the tiles) computes the same function as one program per tile."""
+    from chorus.kernels.triton._attention import DEFAULT_CONFIGS, block_sparse_attention_triton_impl
+
+    q, k, v = make_inputs(batch, heads, length, 64, torch.bfloat16, seed=length + bs, layout="blhd")
+    bm = random_map(1 if broadcast else batch, 1 if broadcast else heads, length, length, bs, 0.4, seed=bs)
+    config = dict(DEFAULT_CONFIGS["fp8" if fp8 else "bf16"], persistent=True)
+    out = block_sparse_attention_triton_impl(q, k, v, bm, bs, 1 / math.sqrt(64), fp8, config=config)
+    full = bm.expand(batch, heads, *bm.shape[-2:])
+    (check_fp8 if fp8 else check_16bit)(out, q, k, v, full, bs)
+    plain = block_sparse_attention_triton_impl(q, k, v, bm, bs, 1 / math.sqrt(64), fp8)
+    assert torch.equal(out, plain)
+
+
 def test_token_perm_bad_input_raises():
     from chorus.kernels.triton._attention import block_sparse_attention_triton_impl
 

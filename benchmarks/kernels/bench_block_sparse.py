@@ -151,7 +151,8 @@ def run_peers(length: int, q, k, v, args, results: dict) -> None:
 
 def levers(length: int, q, k, v, full, cfg: dict, est: float) -> dict:
     """Each lever measured alone, whole FP8 calls (index + pre-pass + kernel), full map and 15%:
-    Q quantised in the pre-pass vs on load in the attention kernel (pre-pass reads K and V only);
+    Q quantised in the pre-pass vs on load in the attention kernel (pre-pass reads K and V only); the
+    persistent launch;
     the 3D-tile token order fused into the pre-pass / output store vs none vs gather -> run -> scatter."""
     from chorus.kernels.tile_order import TileOrder, to_raster_order, to_tile_order
 
@@ -162,7 +163,7 @@ def levers(length: int, q, k, v, full, cfg: dict, est: float) -> dict:
     out = {"prepass_qkv_ms": bench(lambda: attn.quantize_qkv_fp8(q, k, v, scale)),
            "prepass_kv_only_ms": bench(lambda: attn.quantize_qkv_fp8(q, k, v, scale, quantize_q=False))}
     for dname, bm, share in (("full", full, 1.0), ("d15", bm15, 0.15)):
-        for name, c in (("q_prepass", cfg), ("q_in_kernel", q_kernel)):
+        for name, c in (("q_prepass", cfg), ("q_in_kernel", q_kernel), ("persistent", dict(cfg, persistent=True))):
             out[f"{name}_{dname}_ms"] = bench(
                 lambda: attn.block_sparse_attention_triton_impl(q, k, v, bm, bs, scale, True, c), est * share / 2)
     grid = GRIDS.get(length)

@@ -13,6 +13,7 @@ q, k, v: ``[B, H, L, D]`` bf16 (the benchmark's inputs); block maps bool
 Peers (``PEERS``, in table order):
 
 - ``ours_fp8`` / ``ours_bf16``: ``chorus.kernels.block_sparse_attention`` (Triton), for the side-by-side rows.
+- ``ours_fp8_persistent``: our FP8 kernel with the persistent launch (the persistent-kernel lever).
 - ``api_fa4_bf16``: the same API with ``backend="fa4_bf16"`` (FlashAttention-4's kernel, the block lists
   built from the map inside each call, as a hit runs it).
 - ``flex_compiled``: ``torch.compile(flex_attention)`` with a ``BlockMask`` from the same map (sparse).
@@ -129,6 +130,20 @@ def _make_api(backend: str):
         return run, ""
 
     return make
+
+
+def make_ours_fp8_persistent(q, k, v, block_map, block_size):
+    """Our FP8 kernel with the persistent launch (config ``persistent``: a fixed grid of 2 programs per
+    SM walking the (batch, head)-major, LPT-within-head tiles): the issue's persistent-kernel lever."""
+    fn, reason = _make_api("triton_fp8")(q, k, v, block_map, block_size)
+    if fn is None:
+        return None, reason
+    from chorus.kernels.triton import _attention as attn
+
+    config = dict(attn.DEFAULT_CONFIGS["fp8"], persistent=True)
+    bm = block_map.to(q.device)
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    return (lambda: attn.block_sparse_attention_triton_impl(q, k, v, bm, block_size, scale, True, config)), ""
 
 
 # --------------------------------------------------------------------------------------------- flex
@@ -583,6 +598,8 @@ def make_fa4(q, k, v, block_map, block_size):
 PEERS: tuple[Peer, ...] = (
     Peer("ours_fp8", True, _make_api("triton_fp8"), "chorus Triton block-sparse, FP8 (default tile config)"),
     Peer("ours_bf16", True, _make_api("triton_bf16"), "chorus Triton block-sparse, bf16 (default tile config)"),
+    Peer("ours_fp8_persistent", True, make_ours_fp8_persistent,
+         "chorus Triton FP8, persistent launch (2 programs per SM over LPT-ordered tiles): a lever"),
     Peer("api_fa4_bf16", True, _make_api("fa4_bf16"),
          "chorus.kernels backend fa4_bf16: FlashAttention-4 through our API (map -> block lists per call)"),
     Peer("flex_compiled", True, make_flex, "torch.compile(flex_attention), BlockMask from the map"),

@@ -14,7 +14,9 @@ How it runs:
    ascending ``kv_idx [Bm, Hm, Qb, Kb]`` lists on the device (no host sync), so masked blocks are never
    loaded. Broadcast map dims (size 1) stay broadcast (stride 0).
 2. Query blocks are visited longest-row-first within each (b, h) (LPT order from a device argsort of
-   ``kv_num``); all q blocks of one head run together so its K/V stay in L2.
+   ``kv_num``); all q blocks of one head run together so its K/V stay in L2. Config ``persistent``
+   (off by default; a benchmark lever): a fixed grid of ``persistent_ctas`` programs per SM walks the
+   tiles in that same order instead of one program per tile.
 3. FP8 path: the fused pre-pass of :mod:`._quant` (K smoothing, per-128-token Q/K scales, per-channel
    V scale, token axis padded to a multiple of 128, V stored transposed for the FP8 wgmma). Per tile:
    ``S = (Q8 @ K8^T) * (sq * sk)`` in fp32 (log2 units, softmax scale folded into sq), online softmax
@@ -158,21 +160,20 @@ def _attn_tiles(acc, l_i, m_i, q, sq, qk_scale, K, V, k_scale_row, idx_row, b, h
 
 
 @triton.jit
-def _bsa_fwd_kernel(Q, K, V, O, q_scale, k_scale, v_scale, kv_num, kv_idx, sched, token_perm,
-                    H, Lq, Lk, num_kv_blocks, n_q_scale, n_k_scale, qk_scale, q_mult, prefix_len, prefix_bias,
-                    s_qb, s_qh, s_ql, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl, s_ob, s_oh, s_ol,
-                    s_nb, s_nh, s_ib, s_ih, s_iq,
-                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr,
-                    FP8: tl.constexpr, USE_TMA: tl.constexpr, TAIL_K: tl.constexpr, EVEN_Q: tl.constexpr,
-                    P_SHIFT: tl.constexpr, SCALE_TILE: tl.constexpr, INTERPRET: tl.constexpr,
-                    ABLATE: tl.constexpr, WARP_SPEC: tl.constexpr, HAS_BIAS: tl.constexpr,
-                    Q_RAW: tl.constexpr, HAS_PERM: tl.constexpr):
+def _bsa_tile(pid, bh, Q, K, V, O, q_scale, k_scale, v_scale, kv_num, kv_idx, sched, token_perm,
+              H, Lq, Lk, num_kv_blocks, n_q_scale, n_k_scale, qk_scale, q_mult, prefix_len, prefix_bias,
+              s_qb, s_qh, s_ql, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl, s_ob, s_oh, s_ol,
+              s_nb, s_nh, s_ib, s_ih, s_iq,
+              HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr,
+              FP8: tl.constexpr, USE_TMA: tl.constexpr, TAIL_K: tl.constexpr, EVEN_Q: tl.constexpr,
+              P_SHIFT: tl.constexpr, SCALE_TILE: tl.constexpr, INTERPRET: tl.constexpr,
+              ABLATE: tl.constexpr, WARP_SPEC: tl.constexpr, HAS_BIAS: tl.constexpr,
+              Q_RAW: tl.constexpr, HAS_PERM: tl.constexpr):
+    """One query tile: row tile ``pid`` (in the LPT order of ``sched``) of (batch, head) ``bh``."""
     TPB: tl.constexpr = BS // BLOCK_M
     KV_SUB: tl.constexpr = BS // BLOCK_N
     # Loads need masks only on the bf16 pointer path (FP8 buffers are padded, TMA zero-fills).
     MASK_LOADS: tl.constexpr = (not FP8) and (not USE_TMA)
-    pid = tl.program_id(0)
-    bh = tl.program_id(1)
     b = bh // H
     h = bh % H
     row_base = b * s_nb + h * s_nh
@@ -235,6 +236,33 @@ def _bsa_fwd_kernel(Q, K, V, O, q_scale, k_scale, v_scale, kv_num, kv_idx, sched
         tl.store(o_ptrs, out.to(O.dtype.element_ty))
     else:
         tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=(offs_m < Lq)[:, None])
+
+
+@triton.jit
+def _bsa_fwd_kernel(Q, K, V, O, q_scale, k_scale, v_scale, kv_num, kv_idx, sched, token_perm,
+                    H, Lq, Lk, num_kv_blocks, n_q_scale, n_k_scale, qk_scale, q_mult, prefix_len, prefix_bias,
+                    s_qb, s_qh, s_ql, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl, s_ob, s_oh, s_ol,
+                    s_nb, s_nh, s_ib, s_ih, s_iq, tiles_per_bh, num_tiles,
+                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr,
+                    FP8: tl.constexpr, USE_TMA: tl.constexpr, TAIL_K: tl.constexpr, EVEN_Q: tl.constexpr,
+                    P_SHIFT: tl.constexpr, SCALE_TILE: tl.constexpr, INTERPRET: tl.constexpr,
+                    ABLATE: tl.constexpr, WARP_SPEC: tl.constexpr, HAS_BIAS: tl.constexpr,
+                    Q_RAW: tl.constexpr, HAS_PERM: tl.constexpr, PERSISTENT: tl.constexpr):
+    # PERSISTENT: a fixed grid of programs walks the tiles in (batch, head)-major, LPT-within-head
+    # order, so the tiles in flight at any time share a head's K/V in L2; else one program per tile.
+    if PERSISTENT:
+        for tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
+            _bsa_tile(tile % tiles_per_bh, tile // tiles_per_bh, Q, K, V, O, q_scale, k_scale, v_scale, kv_num,
+                      kv_idx, sched, token_perm, H, Lq, Lk, num_kv_blocks, n_q_scale, n_k_scale, qk_scale, q_mult,
+                      prefix_len, prefix_bias, s_qb, s_qh, s_ql, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl, s_ob, s_oh,
+                      s_ol, s_nb, s_nh, s_ib, s_ih, s_iq, HEAD_DIM, BLOCK_M, BLOCK_N, BS, FP8, USE_TMA, TAIL_K,
+                      EVEN_Q, P_SHIFT, SCALE_TILE, INTERPRET, ABLATE, WARP_SPEC, HAS_BIAS, Q_RAW, HAS_PERM)
+    else:
+        _bsa_tile(tl.program_id(0), tl.program_id(1), Q, K, V, O, q_scale, k_scale, v_scale, kv_num, kv_idx,
+                  sched, token_perm, H, Lq, Lk, num_kv_blocks, n_q_scale, n_k_scale, qk_scale, q_mult, prefix_len,
+                  prefix_bias, s_qb, s_qh, s_ql, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl, s_ob, s_oh, s_ol, s_nb, s_nh,
+                  s_ib, s_ih, s_iq, HEAD_DIM, BLOCK_M, BLOCK_N, BS, FP8, USE_TMA, TAIL_K, EVEN_Q, P_SHIFT,
+                  SCALE_TILE, INTERPRET, ABLATE, WARP_SPEC, HAS_BIAS, Q_RAW, HAS_PERM)
 
 
 def interpreter_upcast(t: torch.Tensor) -> bool:
@@ -395,7 +423,14 @@ def launch_attention(prep: dict, ablate: int = 0) -> torch.Tensor:
         v_arg = TensorDescriptor.from_tensor(v_in, v_block)
     else:
         q_arg, k_arg, v_arg = q_in, k_in, v_in
-    grid = (prep["num_q_blocks"] * (block_size // block_m), batch * heads)
+    tiles_per_bh = prep["num_q_blocks"] * (block_size // block_m)
+    num_tiles = tiles_per_bh * batch * heads
+    persistent = bool(config.get("persistent"))
+    if persistent:  # programs per SM from the config (2: what the 64-row tiles overlap at)
+        sms = 2 if interpreter_upcast(q) else torch.cuda.get_device_properties(q.device).multi_processor_count
+        grid = (min(num_tiles, sms * int(config.get("persistent_ctas", 2))), 1)
+    else:
+        grid = (tiles_per_bh, batch * heads)
     # optional register cap (e.g. 168 lets three 128-thread CTAs share an SM's 64K registers)
     extra = {"maxnreg": config["maxnreg"]} if config.get("maxnreg") and not interpreter_upcast(q) else {}
     _bsa_fwd_kernel[grid](
@@ -404,12 +439,12 @@ def launch_attention(prep: dict, ablate: int = 0) -> torch.Tensor:
         heads, q_len, prep["kv_len"], prep["num_kv_blocks"], prep["n_q_scale"],
         prep["n_k_scale"], prep["qk_scale"], prep["q_mult"], prep["prefix_len"], prep["prefix_bias_log2"], *strides,
         out.stride(0), out.stride(1), out.stride(2),
-        *prep["map_strides"],
+        *prep["map_strides"], tiles_per_bh, num_tiles,
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BS=block_size, FP8=fp8, USE_TMA=prep["use_tma"],
         TAIL_K=prep["kv_len"] % block_size != 0, EVEN_Q=q_len % block_m == 0, P_SHIFT=P_SHIFT_LOG2,
         SCALE_TILE=QUANT_TILE, INTERPRET=interpreter_upcast(q), ABLATE=ablate,
         WARP_SPEC=bool(config.get("warp_spec", False)) and not interpreter_upcast(q), HAS_BIAS=prep["has_bias"],
-        Q_RAW=prep["q_raw"], HAS_PERM=prep["token_perm"] is not None,
+        Q_RAW=prep["q_raw"], HAS_PERM=prep["token_perm"] is not None, PERSISTENT=persistent,
         num_warps=config["num_warps"], num_stages=config["num_stages"], **extra)
     return out
 
