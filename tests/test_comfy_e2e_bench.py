@@ -18,9 +18,14 @@ def test_comfy_e2e_benchmark_runs_dense_miss_and_hit(tmp_path, monkeypatch):
 
     monkeypatch.setenv("COMFYUI_DIR", str(tiny.find_comfyui_dir()))
     monkeypatch.setenv("CHORUS_CACHE_DIR", str(tmp_path / "cache"))  # the benchmark sets its own; restored after
-    assert run.main(["--tiny", "--out", str(tmp_path), "--variants", "dense", "miss", "hit15", "hitver"]) == 0
+    assert run.main(["--tiny", "--out", str(tmp_path), "--variants", "dense", "miss", "hit15", "hitver",
+                     "--hit-backends", "auto", "reference"]) == 0
     rows = {r["variant"]: r for r in json.loads((tmp_path / "comfy_e2e.json").read_text())["runs"]}
-    assert set(rows) == {"dense", "miss", "hit15", "hitver"}
+    assert set(rows) == {"dense", "miss", "hit15", "hit15@reference", "hitver"}
+    # --hit-backends: the same hit once more through ChorusSparseSampler's backend input
+    assert rows["hit15@reference"]["backend"] == "reference" and rows["hit15@reference"]["plan_kind"] == "hit"
+    assert rows["hit15@reference"]["sparse_calls"] == rows["hit15"]["sparse_calls"]
+    assert rows["hit15@reference"]["fallback_calls"] == 0
     assert rows["miss"]["plan_kind"] == "miss" and rows["miss"]["write"].startswith("wrote entry")
     assert rows["hit15"]["plan_kind"] == "hit" and rows["hit15"]["sparse_calls"] > 0
     assert rows["hit15"]["fallback_calls"] == 0 and all(r["finite"] for r in rows.values())
