@@ -3,8 +3,9 @@
 FlashAttention-4 (PyPI ``flash-attn-4``, optional: ``pip install chorus-ii[fa4]``) ships a
 warp-specialised Hopper forward (producer warp with TMA loads, two consumer warpgroups) that takes a
 FlexAttention-style list of kept key blocks per query block. It computes in the inputs' 16-bit dtype
-(no FP8 on sm_90). Measured on the H200 (``docs/BENCHMARKS.md``, kernels 2026-12-01 b): 1.3-1.5x our
-Triton bf16 path on the same maps; our Triton FP8 path stays faster at 720p. So ``auto`` takes it on
+(no FP8 on sm_90). Measured on the H200 (``docs/BENCHMARKS.md``, "Kernels (H200), 2026-12-01, second
+run"): 1.3-1.5x our Triton bf16 path on the same maps; our Triton FP8 path stays faster at 720p 15%,
+and per request in ComfyUI's WanModel the two are equal. So ``auto`` takes it on
 sm_90 only after ``triton_fp8`` (where FP8 cannot run), and a user who wants bf16 attention picks it.
 
 Contract (:func:`block_sparse_attention_fa4`):
@@ -13,7 +14,7 @@ Contract (:func:`block_sparse_attention_fa4`):
     block_map: bool ``[B or 1, H or 1, ceil(Lq/bs), ceil(Lk/bs)]``, every row keeping >= 1 block (the
     public API checks); broadcast dims stay broadcast (FA4 expands size-1 dims itself).
     bs in {64, 128}: FA4's sm_90 tile must match the sparse key block. Partial last blocks are handled
-    by FA4's sequence-length masking. D in {64, 96, 128}. No key prefix bias (guidance): the public
+    by FA4's sequence-length masking. D in {64, 96, 128} (64 and 128 tested on the GPU). No key prefix bias (guidance): the public
     API routes such calls elsewhere.
     Returns ``[B, H, Lq, D]`` in q's dtype, a head-transposed view of ``[B, Lq, H, D]`` memory.
 
