@@ -167,16 +167,16 @@ def _demote_auto(key_op: str, q: torch.Tensor, failed: Backend, exc: Exception) 
 def _for_call_options(chosen: Backend, explicit: bool, q, block_size: int, prefix_len: int) -> Backend:
     """``chosen``, or (auto) the next backend of the chain when this call's options are outside it;
     an explicit backend raises :class:`BackendUnavailableError` instead."""
-    while chosen == Backend.FA4_BF16:
-        from .fa4 import check_call  # noqa: PLC0415
+    if chosen != Backend.FA4_BF16:
+        return chosen
+    from .fa4 import check_call  # noqa: PLC0415
 
-        reason = check_call(block_size, prefix_len)
-        if reason is None:
-            return chosen
-        if explicit:
-            raise BackendUnavailableError(f"backend='fa4_bf16' cannot run this call: {reason}")
-        chosen = _next_in_chain("attention", q, chosen) or Backend.REFERENCE
-    return chosen
+    reason = check_call(block_size, prefix_len)
+    if reason is None:
+        return chosen
+    if explicit:
+        raise BackendUnavailableError(f"backend='fa4_bf16' cannot run this call: {reason}")
+    return _next_in_chain("attention", q, chosen) or Backend.REFERENCE
 
 
 def _check_qkv(q, k, v=None) -> None:

@@ -273,8 +273,9 @@ def run(args) -> dict:
 
                         m = TorchCompileModel.execute(m, "inductor").result[0]
                     if plan is not None:
-                        options = {"backend": backend} if verify is None else {"backend": backend,
-                                                                                "verify_threshold": verify}
+                        options = {"backend": backend}
+                        if verify is not None:
+                            options["verify_threshold"] = verify
                         m = ChorusSparseSampler.execute(m, plan, **options).result[0]
                         if fr_share is not None:
                             m = ChorusFeatureReuse.execute(m, plan, downsample_share=fr_share).result[0]
@@ -340,14 +341,13 @@ def run(args) -> dict:
                     masks, meta = src.load(eid, packed=True, touch=False)
                     per_layer = structured_maps(grid, shape["num_heads"], density, shape["num_layers"], device)
                     ws.add(entry_plan.embedding, {key: per_layer[key[2]] for key in masks}, meta)
-                for backend in args.hit_backends if name in ("hit15", "hit5") else ["auto"]:
-                    if backend == "auto":
-                        continue  # the default-backend row runs below, with the rest of its variant
+                per_backend = name in ("hit15", "hit5")
+                for backend in [b for b in args.hit_backends if b != "auto"] if per_backend else []:
                     plan_b, _ = retrieve(f"{ws_hit}_{int(density * 100)}")
                     if timed(f"{name}@{backend}", patched(plan_b, backend=backend), plan_b) is not None:
                         results["runs"][-1]["backend"] = backend
-                if "auto" not in args.hit_backends and name in ("hit15", "hit5"):
-                    continue
+                if per_backend and "auto" not in args.hit_backends:
+                    continue  # the plain (auto) row below runs only when asked for
                 plan, t_ret = retrieve(f"{ws_hit}_{int(density * 100)}")
                 assert plan.is_hit, plan.message
                 models = patched(plan, fr_share=0.25 if name == "hitfr" else None,
