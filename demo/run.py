@@ -48,7 +48,7 @@ import torch.nn.functional as F
 
 from ..cache_store import Workspace
 from ..cache_store.embedders import HashEmbedder
-from ..engine import ChorusAttention, SparseConfig, commit_plan, mask_heatmap, retrieve_plan, wan_model_info
+from ..engine import BACKENDS, ChorusAttention, SparseConfig, commit_plan, mask_heatmap, retrieve_plan, wan_model_info
 from ..engine.signature import token_grid
 from ..hosts.diffusers import patch_diffusers_wan
 from ..kernels.reference import expand_block_map
@@ -616,7 +616,7 @@ def main(argv=None) -> int:
     parser.add_argument("--top-p", type=float, default=0.9, help="mass kept per query block when masks are recorded")
     parser.add_argument("--k-min", type=int, default=2, help="minimum key blocks per query block on reuse")
     parser.add_argument("--block-size", type=int, default=64, help="attention block size in tokens")
-    parser.add_argument("--backend", default="auto", choices=("auto", "triton_fp8", "triton_bf16", "flex", "reference"))
+    parser.add_argument("--backend", default="auto", choices=BACKENDS)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-dense-compare", action="store_true", help="skip the dense re-run of hits (PSNR column)")
     args = parser.parse_args(argv)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-BACKENDS = ("auto", "triton_fp8", "triton_bf16", "fa4_bf16", "flex", "reference")
+BACKENDS = ("auto", "triton_fp8_ws", "triton_fp8", "triton_bf16", "fa4_bf16", "flex", "reference")
 # The verdict is RELATIVE (engine/verify.py): the estimated recall of the reused map divided by the best recall
 # any map as sparse keeps on the same sampled mass (the "fit ratio"): ~1 for a map that fits the request, lower
 # for a map of another request, ~1 on near-uniform attention (random weights) whatever the map. The fit ratio
@@ -35,8 +35,8 @@ class SparseConfig:
     - ``k_min`` >= 1: floor on kept key blocks per query-block row of a reused map (safety fallback).
     - ``refresh_steps`` >= 0: visit refresh; 0 = off, R > 0 = no block pair stays unvisited for more
       than R consecutive steps of a request (``chorus.kernels.VisitRefresh``).
-    - ``backend``: one of ``auto | triton_fp8 | triton_bf16 | fa4_bf16 | flex | reference`` (see kernels;
-      ``fa4_bf16`` needs the optional ``flash-attn-4``).
+    - ``backend``: one of ``auto | triton_fp8_ws | triton_fp8 | triton_bf16 | fa4_bf16 | flex | reference``
+      (see kernels; ``triton_fp8_ws`` is Hopper-only, ``fa4_bf16`` needs the optional ``flash-attn-4``).
     - ``sample_rows``: query rows per block used by the recorder's ``block_mass`` (None = exact). 8 keeps
       the miss within 10% of a dense run on the H200 and loses 0.0003 of mask recall against exact
       mass (docs/BENCHMARKS.md, "End to end", miss rows).

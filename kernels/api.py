@@ -1,14 +1,17 @@
 """Public kernel API: one function per operation, each with an explicit ``backend=``.
 
-Backends (:class:`Backend`): ``auto`` | ``triton_fp8`` | ``triton_bf16`` | ``fa4_bf16`` | ``flex`` |
-``reference``. ``fa4_bf16`` is FlashAttention-4's CuTe DSL kernel (optional dependency, see
+Backends (:class:`Backend`): ``auto`` | ``triton_fp8_ws`` | ``triton_fp8`` | ``triton_bf16`` |
+``fa4_bf16`` | ``flex`` | ``reference``. ``triton_fp8_ws`` is the warp-specialised Gluon FP8 kernel
+(:mod:`chorus.kernels.triton._attention_ws`; sm_90, attention only, block size 128, no prefix bias);
+``fa4_bf16`` is FlashAttention-4's CuTe DSL kernel (optional dependency, see
 :mod:`chorus.kernels.fa4`; attention only, no prefix bias, block size 64 or 128).
 
 - ``auto`` resolves once per (device, dtype, head dim) along the chain
-  triton_fp8 (sm_90) -> fa4_bf16 (sm_90, where installed) -> triton_bf16 (other CUDA GPUs) -> flex ->
-  reference, logs its choice once, and if a chosen fast backend raises at run time it logs that once
-  and moves down the chain. A call whose options a backend lacks (fa4_bf16 with a prefix bias or
-  another block size) runs on the next backend of the chain, that call only.
+  triton_fp8_ws (sm_90) -> triton_fp8 (sm_90) -> fa4_bf16 (sm_90, where installed) -> triton_bf16
+  (other CUDA GPUs) -> flex -> reference, logs its choice once, and if a chosen fast backend raises
+  at run time it logs that once and moves down the chain. A call whose options a backend lacks
+  (triton_fp8_ws or fa4_bf16 with a prefix bias or another block size) runs on the next backend of
+  the chain, that call only.
 - An explicit backend never falls back: if it cannot run on these inputs it raises
   :class:`BackendUnavailableError` naming the reason.
 
@@ -41,6 +44,7 @@ LOG = logging.getLogger(__name__)
 
 class Backend(str, enum.Enum):
     AUTO = "auto"
+    TRITON_FP8_WS = "triton_fp8_ws"
     TRITON_FP8 = "triton_fp8"
     TRITON_BF16 = "triton_bf16"
     FA4_BF16 = "fa4_bf16"
@@ -54,8 +58,10 @@ class BackendUnavailableError(RuntimeError):
 
 MAX_PREFIX_BIAS = 20.0  # exp(20) ~ 5e8: beyond any useful guidance, still far from overflow in log2 units
 
-_AUTO_CHAIN = (Backend.TRITON_FP8, Backend.FA4_BF16, Backend.TRITON_BF16, Backend.FLEX, Backend.REFERENCE)
-_SM90_ONLY = (Backend.TRITON_FP8, Backend.FA4_BF16)  # auto takes them on Hopper only (measured there)
+_AUTO_CHAIN = (Backend.TRITON_FP8_WS, Backend.TRITON_FP8, Backend.FA4_BF16, Backend.TRITON_BF16, Backend.FLEX,
+               Backend.REFERENCE)
+_SM90_ONLY = (Backend.TRITON_FP8_WS, Backend.TRITON_FP8, Backend.FA4_BF16)  # auto: Hopper only (measured there)
+_ATTENTION_ONLY = (Backend.TRITON_FP8_WS, Backend.FA4_BF16, Backend.FLEX)
 _auto_choice: dict[tuple, Backend] = {}
 _auto_logged: set[tuple] = set()
 
@@ -86,9 +92,9 @@ def why_unavailable(backend: Backend, q: torch.Tensor, op: str = "attention") ->
         except ImportError as exc:  # pragma: no cover - depends on torch build
             return f"FlexAttention is not available in this torch ({exc})"
         return None
+    if backend in (Backend.FA4_BF16, Backend.TRITON_FP8_WS) and op != "attention":
+        return f"{backend.value} has no block_mass implementation"
     if backend == Backend.FA4_BF16:
-        if op != "attention":
-            return "fa4_bf16 has no block_mass implementation"
         from .fa4 import fa4_unavailable  # noqa: PLC0415
 
         return fa4_unavailable(q)
@@ -110,6 +116,8 @@ def why_unavailable(backend: Backend, q: torch.Tensor, op: str = "attention") ->
         major, minor = torch.cuda.get_device_capability(q.device)
         if (major, minor) < (8, 9):
             return f"triton_fp8 needs FP8 tensor cores (sm_89+), this GPU is sm_{major}{minor}"
+    if backend == Backend.TRITON_FP8_WS:
+        return triton_kernels.ws_unavailable(q)
     return None
 
 
@@ -120,7 +128,7 @@ def _candidates(q: torch.Tensor, op: str) -> list[Backend]:
     else:
         chain = [Backend.REFERENCE]
     if op != "attention":
-        chain = [b for b in chain if b not in (Backend.FLEX, Backend.FA4_BF16)]
+        chain = [b for b in chain if b not in _ATTENTION_ONLY]
     return chain
 
 
@@ -167,15 +175,18 @@ def _demote_auto(key_op: str, q: torch.Tensor, failed: Backend, exc: Exception) 
 def _for_call_options(chosen: Backend, explicit: bool, q, block_size: int, prefix_len: int) -> Backend:
     """``chosen``, or (auto) the next backend of the chain when this call's options are outside it;
     an explicit backend raises :class:`BackendUnavailableError` instead."""
-    if chosen != Backend.FA4_BF16:
-        return chosen
-    from .fa4 import check_call  # noqa: PLC0415
+    if chosen == Backend.FA4_BF16:
+        from .fa4 import check_call  # noqa: PLC0415
 
-    reason = check_call(block_size, prefix_len)
+        reason = check_call(block_size, prefix_len)
+    elif chosen == Backend.TRITON_FP8_WS:
+        reason = _triton_module().ws_call_unsupported(q.shape[-1], block_size, prefix_len > 0)
+    else:
+        return chosen
     if reason is None:
         return chosen
     if explicit:
-        raise BackendUnavailableError(f"backend='fa4_bf16' cannot run this call: {reason}")
+        raise BackendUnavailableError(f"backend={chosen.value!r} cannot run this call: {reason}")
     return _next_in_chain("attention", q, chosen) or Backend.REFERENCE
 
 
@@ -266,8 +277,11 @@ def _run_attention(chosen: Backend, q, k, v, block_map, block_size, scale, prefi
         from .fa4 import block_sparse_attention_fa4  # noqa: PLC0415
 
         return block_sparse_attention_fa4(q, k, v, block_map, block_size=block_size, scale=scale)
+    block_map = block_map if block_map.device == q.device else block_map.to(q.device)
+    if chosen == Backend.TRITON_FP8_WS:
+        return _triton_module().block_sparse_attention_ws(q, k, v, block_map, scale=scale)
     return _triton_module().block_sparse_attention_triton(
-        q, k, v, block_map if block_map.device == q.device else block_map.to(q.device), block_size=block_size, scale=scale, fp8=chosen == Backend.TRITON_FP8,
+        q, k, v, block_map, block_size=block_size, scale=scale, fp8=chosen == Backend.TRITON_FP8,
         prefix_len=prefix_len, prefix_bias=prefix_bias, token_perm=None if perm is None else perm[0])
 
 

@@ -47,8 +47,10 @@ class ChorusSparseSampler(io.ComfyNode):
                              tooltip="Visit refresh: 0 = off; R > 0 = every block pair a reused mask skips is "
                                      "still computed at least once every R steps."),
                 io.Combo.Input("backend", options=list(BACKENDS), default="auto",
-                               tooltip="Sparse attention kernel: auto picks Triton FP8 on Hopper, Triton bf16 on "
-                                       "other CUDA GPUs, the reference on CPU. fa4_bf16: FlashAttention-4's "
+                               tooltip="Sparse attention kernel: auto picks the warp-specialised FP8 kernel "
+                                       "(triton_fp8_ws) on Hopper, with Triton FP8 for the calls it cannot take, "
+                                       "Triton bf16 on other CUDA GPUs, the reference on CPU. fa4_bf16: "
+                                       "FlashAttention-4's "
                                        "block-sparse kernel in bf16 (optional flash-attn-4; 1.3-1.5x Triton "
                                        "bf16 on an H200, slower than FP8 at 720p). An explicit choice that "
                                        "cannot run falls back to dense attention with a message."),

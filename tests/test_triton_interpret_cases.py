@@ -172,6 +172,24 @@ def test_fp8_prepass_matches_torch_quantisation():
     assert got[1][:, :, 200:].float().abs().max() == 0 and got[2][..., 200:].float().abs().max() == 0
 
 
+def test_fp8_prepass_wgmma_key_order_permutes_v_within_16_keys():
+    from chorus.kernels.triton._quant import quantize_qkv_fp8, quantize_reference, wgmma_key_order_torch
+
+    q, k, v = make_inputs(1, 2, 200, 64, torch.bfloat16, seed=12)
+    natural = quantize_qkv_fp8(q, k, v, 0.125)
+    ordered = quantize_qkv_fp8(q, k, v, 0.125, v_key_order="wgmma")
+    cols = wgmma_key_order_torch(torch.arange(natural[2].shape[-1]))
+    assert sorted(cols.tolist()) == list(range(natural[2].shape[-1]))  # a permutation ...
+    assert torch.equal(cols // 16, torch.arange(cols.numel()) // 16)  # ... within each 16 keys
+    assert torch.equal(ordered[2][..., cols].view(torch.uint8), natural[2].view(torch.uint8))
+    for a, b in zip(ordered[:2] + ordered[3:], natural[:2] + natural[3:]):  # everything else unchanged
+        assert torch.equal(a.float(), b.float())
+    want = quantize_reference(q, k, v, 0.125, v_key_order="wgmma")[2]
+    assert (ordered[2].float() - want.float()).abs().max().item() <= 32.0
+    with pytest.raises(ValueError, match="v_key_order"):
+        quantize_qkv_fp8(q, k, v, 0.125, v_key_order="tiles")
+
+
 @pytest.mark.parametrize("length,bs,sample_rows", [(97, 32, None), (300, 64, 5), (300, 128, 16), (128, 128, 200)])
 def test_block_mass_matches_reference(length, bs, sample_rows):
     q, k, _ = make_inputs(1, 2, length, 64, torch.bfloat16, seed=length)

@@ -1,7 +1,9 @@
 """Compile the Triton kernels for sm_90 without a GPU and report registers, spills and MMA kinds.
 
 Usage: ``python benchmarks/kernels/aot_check.py [--sass]``. Needs only Triton (its bundled ptxas and
-cuobjdump); useful before spending GPU time. Prints one line per variant.
+cuobjdump); useful before spending GPU time. Prints one line per variant: the Triton kernel's tile
+configurations, then the warp-specialised Gluon kernel's schedules (:func:`compile_ws`; its registers
+are the launch's 168, the consumer warpgroups raise theirs to 240 with ``setmaxnreg``).
 """
 
 from __future__ import annotations
@@ -56,6 +58,37 @@ def compile_attn(fp8=True, use_tma=False, block_m=128, block_n=128, head_dim=128
     return triton.compile(src, target=TARGET, options=dict(num_warps=num_warps, num_stages=num_stages))
 
 
+def compile_ws(head_dim=128, schedule="serial", stages=3, tail=True, ablate=0):
+    """The warp-specialised Gluon kernel (``chorus.kernels.triton._attention_ws``) compiled for sm_90."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from chorus.kernels.triton import _attention_ws as W
+
+    qk_layout, vt_layout = W.shared_layouts(head_dim)
+    kernel = W._bsa_ws_kernel
+    sig = {}
+    for name, param in zip(kernel.arg_names, kernel.params):
+        if param.is_constexpr:
+            continue
+        if name in ("q_desc", "k_desc"):
+            sig[name] = f"tensordesc<fp8e4nv[{W.BLOCK}, {head_dim}],{qk_layout!r}>"
+        elif name == "v_desc":
+            sig[name] = f"tensordesc<fp8e4nv[{head_dim}, {W.BLOCK}],{vt_layout!r}>"
+        elif name == "O":
+            sig[name] = "*bf16"
+        elif name in ("q_scale", "k_scale", "v_scale"):
+            sig[name] = "*fp32"
+        elif name in ("kv_num", "kv_idx", "sched"):
+            sig[name] = "*i32"
+        else:
+            sig[name] = "i32"
+    consts = dict(HEAD_DIM=head_dim, STAGES=stages, Q_STAGES=2, TAIL_K=tail, P_SHIFT=A.P_SHIFT_LOG2,
+                  SCHEDULE=schedule, ABLATE=ablate)
+    sig.update({c: "constexpr" for c in consts})
+    src = GluonASTSource(fn=kernel, signature=sig, constexprs=consts)
+    return triton.compile(src, target=TARGET, options=dict(num_warps=4))
+
+
 def summarize(kernel, sass: bool):
     ptx = kernel.asm["ptx"]
     mma = sorted(set(re.findall(r"wgmma\.mma_async\.[a-z0-9.]+", ptx)))
@@ -70,7 +103,8 @@ def summarize(kernel, sass: bool):
         line += f" regs={m.group(1)} stack={m.group(2)}" if m else ""
         if sass:
             out = subprocess.run([tool, "--dump-sass", path], capture_output=True, text=True).stdout
-            ops = {k: len(re.findall(k, out)) for k in ["QGMMA", "HGMMA", "UTMALDG", "LDG.E.128", "LDGSTS", "MUFU.EX2"]}
+            ops = {k: len(re.findall(k, out)) for k in ["QGMMA", "HGMMA", "UTMALDG", "LDG.E.128", "LDGSTS", "MUFU.EX2",
+                                                          "SHFL.IDX"]}
             line += f" sass={ops}"
     return line
 
@@ -89,6 +123,13 @@ def main():
                     except Exception as exc:  # noqa: BLE001
                         msg = f"FAILED {type(exc).__name__}: {str(exc)[:300]}"
                     print(f"fp8={fp8} tma={use_tma} BLOCK_N={block_n} stages={stages}: {msg}", flush=True)
+    for head_dim in (128, 64):
+        for schedule in ("serial", "overlap", "pingpong"):
+            try:
+                msg = summarize(compile_ws(head_dim, schedule), args.sass)
+            except Exception as exc:  # noqa: BLE001
+                msg = f"FAILED {type(exc).__name__}: {str(exc)[:300]}"
+            print(f"warp-specialised D={head_dim} schedule={schedule}: {msg}", flush=True)
 
 
 if __name__ == "__main__":

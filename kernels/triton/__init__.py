@@ -4,14 +4,17 @@ Public entry points (called by :mod:`chorus.kernels.api` for backends ``triton_f
 
 - :func:`block_sparse_attention_triton` ``(q, k, v, block_map, *, block_size, scale, fp8, prefix_len,
   prefix_bias) -> Tensor``
+- :func:`block_sparse_attention_ws` ``(q, k, v, block_map, *, scale) -> Tensor``: the warp-specialised
+  Gluon FP8 kernel of :mod:`._attention_ws` (backend ``triton_fp8_ws``; sm_90, block size 128, no
+  prefix bias), :func:`ws_unavailable` ``(q) -> reason | None`` and :func:`ws_call_unsupported`
 - :func:`block_mass_triton` ``(q, k, *, block_size, sample_rows, scale) -> float32 [B, H, Qb, Kb]``
 - :func:`triton_available` ``() -> (bool, reason)``
 
 Feature reuse's fused pool / unpool kernels live in :mod:`._pooling` (called by
 :mod:`chorus.kernels.pooling` on CUDA tensors).
 
-Both launchers are ``torch.library`` custom ops (``torch.ops.chorus.block_sparse_attention_triton``,
-``torch.ops.chorus.block_mass_triton``) with fake (shape-only) implementations, so a model calling
+The launchers are ``torch.library`` custom ops (``torch.ops.chorus.block_sparse_attention_triton``,
+``torch.ops.chorus.block_sparse_attention_ws``, ``torch.ops.chorus.block_mass_triton``) with fake (shape-only) implementations, so a model calling
 them compiles with ``torch.compile`` (they are opaque to the compiler). Importing this package
 imports ``triton``; it raises ImportError where Triton is missing (the API reports that as the
 reason the backend cannot run). Contracts: :mod:`._attention`, :mod:`._quant`, :mod:`._block_mass`.
@@ -24,10 +27,13 @@ import os
 
 import torch
 
+from . import _attention_ws
 from ._attention import block_sparse_attention_triton_impl, compress_block_map, output_like
 from ._block_mass import block_mass_triton_impl
 
-__all__ = ["block_sparse_attention_triton", "block_mass_triton", "triton_available", "compress_block_map"]
+__all__ = ["block_sparse_attention_triton", "block_sparse_attention_ws", "ws_unavailable", "ws_call_unsupported",
+           "block_mass_triton",
+           "triton_available", "compress_block_map"]
 
 
 def triton_available() -> tuple[bool, str]:
@@ -64,6 +70,16 @@ if not _op_exists("block_sparse_attention_triton"):
 
     @_bsa_op.register_fake
     def _bsa_fake(q, k, v, block_map, block_size, scale, fp8, prefix_len=0, prefix_bias=0.0, token_perm=None):
+        return output_like(q)
+
+if not _op_exists("block_sparse_attention_ws"):
+    @torch.library.custom_op("chorus::block_sparse_attention_ws", mutates_args=())
+    def _bsa_ws_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_map: torch.Tensor,
+                   scale: float) -> torch.Tensor:
+        return _attention_ws.block_sparse_attention_ws(q, k, v, block_map, scale)
+
+    @_bsa_ws_op.register_fake
+    def _bsa_ws_fake(q, k, v, block_map, scale):
         return output_like(q)
 
 if not _op_exists("block_mass_triton"):
@@ -103,6 +119,32 @@ def block_sparse_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     return torch.ops.chorus.block_sparse_attention_triton(q, k, v, block_map, int(block_size), scale, bool(fp8),
                                                           int(prefix_len), float(prefix_bias), token_perm)
+
+
+def ws_unavailable(q: torch.Tensor) -> str | None:
+    """Reason the warp-specialised kernel (backend ``triton_fp8_ws``) cannot run on tensors like ``q``
+    (any call options aside: :func:`._attention_ws.supports`), or None."""
+    if q.device.type != "cuda":
+        return f"triton_fp8_ws needs a CUDA tensor, got device {q.device} (Gluon has no CPU interpreter)"
+    major, minor = torch.cuda.get_device_capability(q.device)
+    if major != 9:
+        return f"triton_fp8_ws is built for sm_90 (Hopper), this GPU is sm_{major}{minor}"
+    return _attention_ws.supports(q.shape[-1], _attention_ws.BLOCK, False)
+
+
+def ws_call_unsupported(head_dim: int, block_size: int, prefix: bool) -> str | None:
+    """Why the warp-specialised kernel cannot run a call with these options (block size, head dim,
+    a prefix bias), or None."""
+    return _attention_ws.supports(head_dim, block_size, prefix)
+
+
+def block_sparse_attention_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_map: torch.Tensor, *,
+                              scale: float | None = None) -> torch.Tensor:
+    """The warp-specialised FP8 kernel (contract: :mod:`._attention_ws`; block size 128, no prefix
+    bias), as the custom op ``torch.ops.chorus.block_sparse_attention_ws``. Output layout as
+    :func:`block_sparse_attention_triton`'s. Raises ``ValueError`` outside the contract."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    return torch.ops.chorus.block_sparse_attention_ws(q, k, v, block_map, scale)
 
 
 def block_mass_triton(q: torch.Tensor, k: torch.Tensor, *, block_size: int = 128, sample_rows: int | None = None,

@@ -92,6 +92,20 @@ def quantize_q_tile(q, q_mult, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def wgmma_key_order(rows):
+    """Column of V^T that holds key ``rows`` in the wgmma key order: within each 16 keys, key
+    ``8a + 2t + b`` goes to ``4t + 2a + b`` (a, b in {0, 1}, t in 0..3). It is the order in which an
+    FP8 wgmma's A-operand registers hold the keys of P computed in the accumulator layout, so the
+    warp-specialised kernel feeds P to ``P @ V`` without moving data between threads."""
+    return (rows & ~15) | (((rows >> 1) & 3) << 2) | (((rows >> 3) & 1) << 1) | (rows & 1)
+
+
+def wgmma_key_order_torch(rows: torch.Tensor) -> torch.Tensor:
+    """:func:`wgmma_key_order` on an integer tensor (tests, the plain-torch twin)."""
+    return (rows & ~15) | (((rows >> 1) & 3) << 2) | (((rows >> 3) & 1) << 1) | (rows & 1)
+
+
+@triton.jit
 def source_rows(token_perm, rows, length, HAS_PERM: tl.constexpr):
     """The input row read for each output position ``rows``: ``token_perm[rows]`` clamped into
     ``[0, length)`` (a bad permutation gives wrong values, never an out-of-bounds read), or ``rows``."""
@@ -106,7 +120,7 @@ def _quant_kernel(Q, K, V, q8, k8, v8t, q_scale, k_scale, k_smooth, v_amax, toke
                   H, Lq, Lk, Lpad_q, Lpad_k, q_mult,
                   s_qb, s_qh, s_ql, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl,
                   HEAD_DIM: tl.constexpr, TILE: tl.constexpr, INTERPRET: tl.constexpr, QUANT_Q: tl.constexpr,
-                  HAS_PERM: tl.constexpr):
+                  HAS_PERM: tl.constexpr, V_WGMMA_ORDER: tl.constexpr):
     tile = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -141,8 +155,9 @@ def _quant_kernel(Q, K, V, q8, k8, v8t, q_scale, k_scale, k_smooth, v_amax, toke
         y = tl.minimum(tl.maximum(y.to(tl.float32) / vscale[None, :], -448.0), 448.0)
         if INTERPRET:
             y = round_e4m3(y)
-        # transposed store: v8t[bh, d, row]
-        tl.store(v8t + bh * HEAD_DIM * Lpad_k + offs_d[None, :] * Lpad_k + rows[:, None], y.to(v8t.dtype.element_ty))
+        # transposed store: v8t[bh, d, col] with col = row, or its wgmma key order (see quantize_qkv_fp8)
+        cols = wgmma_key_order(rows) if V_WGMMA_ORDER else rows
+        tl.store(v8t + bh * HEAD_DIM * Lpad_k + offs_d[None, :] * Lpad_k + cols[:, None], y.to(v8t.dtype.element_ty))
 
 
 def smoothing_rows(length: int, device=None) -> torch.Tensor:
@@ -163,7 +178,7 @@ def padded_len(length: int) -> int:
 
 
 def quantize_qkv_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *, quantize_q: bool = True,
-                     token_perm: torch.Tensor | None = None):
+                     token_perm: torch.Tensor | None = None, v_key_order: str = "natural"):
     """Run the fused pre-pass; returns ``(q8, k8, v8t, q_scale, k_scale, v_scale)`` (see module doc).
 
     ``scale`` is the softmax scale; ``q_scale`` already includes ``scale * log2(e)``.
@@ -173,7 +188,12 @@ def quantize_qkv_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     copies are written in that token order (row ``i`` of ``q8``/``k8``/``v8t`` is input row
     ``token_perm[i]``), fused into the loads, so a reordered sequence costs no extra pass. Entries
     are clamped into ``[0, L)``; the caller passes a permutation.
+    ``v_key_order``: ``"natural"`` (column ``j`` of ``v8t`` is key ``j``) or ``"wgmma"`` (key ``j`` sits at
+    column :func:`wgmma_key_order` ``(j)``, a permutation within each 16 keys, for the warp-specialised
+    kernel).
     """
+    if v_key_order not in ("natural", "wgmma"):
+        raise ValueError(f"v_key_order must be 'natural' or 'wgmma', got {v_key_order!r}")
     batch, heads, q_len, head_dim = q.shape
     kv_len = k.shape[2]
     lpad_q, lpad_k = padded_len(q_len), padded_len(kv_len)
@@ -204,12 +224,12 @@ def quantize_qkv_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         HEAD_DIM=head_dim, TILE=QUANT_TILE, INTERPRET=q.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1",
-        QUANT_Q=bool(quantize_q), HAS_PERM=token_perm is not None, num_warps=8)
+        QUANT_Q=bool(quantize_q), HAS_PERM=token_perm is not None, V_WGMMA_ORDER=v_key_order == "wgmma", num_warps=8)
     v_scale = torch.where(v_amax > 0, v_amax / FP8_MAX, torch.ones_like(v_amax))
     return q8, k8, v8t, q_scale, k_scale, v_scale
 
 
-def quantize_reference(q, k, v, scale: float):
+def quantize_reference(q, k, v, scale: float, v_key_order: str = "natural"):
     """Plain-torch twin of :func:`quantize_qkv_fp8` (fp32 math, same scales and layout) for tests."""
     batch, heads, q_len, head_dim = q.shape
     kv_len = k.shape[2]
@@ -231,8 +251,12 @@ def quantize_reference(q, k, v, scale: float):
     v8 = torch.nn.functional.pad((v.float() / vs[:, :, None, :]).clamp(-FP8_MAX, FP8_MAX),
                                  (0, 0, 0, lpad_k - kv_len))
     fp8 = torch.float8_e4m3fn
-    return q8.to(fp8), k8.to(fp8), v8.transpose(-1, -2).contiguous().to(fp8), qs, ks, vs
+    v8t = v8.transpose(-1, -2).contiguous()
+    if v_key_order == "wgmma":
+        cols = wgmma_key_order_torch(torch.arange(lpad_k, device=v8t.device))
+        v8t = torch.empty_like(v8t).index_copy_(-1, cols, v8t)
+    return q8.to(fp8), k8.to(fp8), v8t.to(fp8), qs, ks, vs
 
 
-__all__ = ["quantize_qkv_fp8", "quantize_q_tile", "quantize_reference", "padded_len", "smoothing_rows", "smoothing_vector",
+__all__ = ["quantize_qkv_fp8", "quantize_q_tile", "wgmma_key_order_torch", "quantize_reference", "padded_len", "smoothing_rows", "smoothing_vector",
            "QUANT_TILE", "FP8_MAX", "LOG2E", "SMOOTH_ROWS"]

@@ -1,0 +1,390 @@
+"""Warp-specialised FP8 block-sparse attention for Hopper, in Gluon (Triton's tile-level language):
+the ``triton_fp8_ws`` backend.
+
+The numerics of the FP8 path of :mod:`._attention` (the same pre-pass of :mod:`._quant`, the same
+block lists, the same scales: the two agree to fp32 rounding), laid out the way FlashAttention-3 runs
+on sm_90:
+
+- persistent: one CTA per SM walks the 128-row query tiles in (batch, head)-major, longest-row-first
+  order, so the tiles in flight share a head's K/V in L2 and the long rows start first;
+- three partitions: a producer (4 warps at 24 registers) issuing the TMA loads of Q (double-buffered
+  across tiles) and of each kept key block's K and V^T into a ring of ``STAGES`` shared-memory
+  stages, and two consumer warpgroups (240 registers) that each own 64 query rows and share every
+  stage; mbarriers hand stages over (``ready``: the TMA bytes landed; ``empty``: both consumers'
+  wgmmas that read the stage retired);
+- per consumer and key block: ``S = Q8 @ K8^T`` (FP8 wgmma, fp32 accumulation) scaled by
+  ``sq * sk``, online softmax in log2 units with ``P = exp2(S - m + 8)`` (row maximum 256, inside
+  e4m3), ``P`` cast to e4m3 in registers and ``O += P8 @ V8`` (FP8 wgmma, V^T stage K-major); P goes
+  from the accumulator to the A-operand layout without moving data (:func:`_p_operand`: the pre-pass
+  stores V^T's keys in the matching order).
+
+``SCHEDULE`` (compile time): ``"serial"`` (the default, measured fastest) runs each block's two
+GEMMs and softmax in order and lets the two warpgroups overlap each other through the warp
+schedulers; ``"overlap"`` issues block j's ``Q @ K^T`` before waiting for block j-1's ``P @ V``
+(FlashAttention-3's intra-warpgroup pipelining); ``"pingpong"`` makes the warpgroups take turns
+issuing their GEMMs (FlashAttention-3's ping-pong, mbarriers for the turns). The last two are the
+benchmark's levers (``docs/BENCHMARKS.md``: both slower here).
+
+Contract (checked by :func:`block_sparse_attention_ws`): q ``[B, H, Lq, D]``, k/v ``[B, H, Lk, D]``
+fp16/bf16 on one sm_90 device, unit stride on D (ComfyUI's ``[B, L, H, D]`` views work), D in
+{64, 128}; block size 128 (the quantisation tile); block_map bool ``[B or 1, H or 1, ceil(Lq/128),
+ceil(Lk/128)]``. Partial last blocks are handled (keys past ``Lk`` get logit -inf, rows past ``Lq``
+are not stored); a row that keeps no block yields zeros. No prefix bias: the public API sends such
+calls to the next backend (:func:`supports`). Returns ``[B, H, Lq, D]`` in q's dtype.
+
+Gluon is an experimental Triton API (Triton >= 3.5): :func:`available` says whether this Triton has
+it; the tests compile the kernel for sm_90 on the CPU, so an API change shows up in CI.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from ._attention import P_SHIFT_LOG2, _validate, compress_block_map, int32_chunks, output_like, _map_view
+from ._quant import QUANT_TILE, quantize_qkv_fp8
+
+try:  # Gluon ships with Triton >= 3.5; older Tritons simply have no such backend
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    _IMPORT_ERROR = None
+except Exception as exc:  # noqa: BLE001
+    gluon = None
+    _IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
+
+BLOCK = 128  # query rows per CTA, keys per block, tokens per Q/K scale
+CONSUMER_ROWS = 64  # query rows per consumer warpgroup (one wgmma M tile of 4 warps)
+CONSUMER_REGS = 240  # registers per consumer thread (setmaxnreg); the producer keeps the rest
+SCHEDULES = ("serial", "overlap", "pingpong")
+DEFAULT_CONFIG = dict(stages=3, q_stages=2, schedule="serial")
+
+
+def available() -> str | None:
+    """None when this Triton has the Gluon Hopper API the kernel needs, else the reason."""
+    return _IMPORT_ERROR
+
+
+def supports(head_dim: int, block_size: int, prefix: bool) -> str | None:
+    """None when a call with these options can run here, else why not (for auto's routing)."""
+    if _IMPORT_ERROR:
+        return f"Gluon is not importable ({_IMPORT_ERROR})"
+    if block_size != BLOCK:
+        return f"block size {block_size} (the warp-specialised kernel runs 128-token blocks)"
+    if head_dim not in (64, 128):
+        return f"head dim {head_dim} (64 or 128)"
+    if prefix:
+        return "a prefix bias (not in the warp-specialised kernel)"
+    return None
+
+
+if gluon is not None:
+    _BLOCK = gl.constexpr(BLOCK)
+    _ROWS = gl.constexpr(CONSUMER_ROWS)
+    _REGS = gl.constexpr(CONSUMER_REGS)
+
+    @gluon.jit
+    def _tile_of(t, sched, kv_num, kv_idx, H, q_blocks, s_nb, s_nh, s_ib, s_ih, s_iq):
+        """Tile ``t`` of the persistent walk -> (b, h, bh, query block, kept count, block list row)."""
+        bh = t // q_blocks
+        b = bh // H
+        h = bh % H
+        row_base = b * s_nb + h * s_nh
+        qblk = gl.load(sched + row_base + t % q_blocks)
+        n_kv = gl.load(kv_num + row_base + qblk)
+        idx_row = kv_idx + b * s_ib + h * s_ih + qblk * s_iq
+        return b, h, bh, qblk, n_kv, idx_row
+
+    @gluon.jit
+    def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
+                  sched, kv_num, kv_idx, H, q_blocks, num_tiles, lpad_q, lpad_k,
+                  s_nb, s_nh, s_ib, s_ih, s_iq,
+                  HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, Q_STAGES: gl.constexpr):
+        # Waits on "empty" barriers start at parity 1: a fresh barrier counts as having completed
+        # the phase before its first, so the first STAGES (Q_STAGES) loads do not wait.
+        kctr = 0
+        qt = 0
+        for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+            b, h, bh, qblk, n_kv, idx_row = _tile_of(t, sched, kv_num, kv_idx, H, q_blocks, s_nb, s_nh, s_ib, s_ih,
+                                                     s_iq)
+            qs = qt % Q_STAGES
+            mbarrier.wait(q_empty.index(qs), ((qt // Q_STAGES) & 1) ^ 1)
+            mbarrier.expect(q_ready.index(qs), q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [bh * lpad_q + qblk * _BLOCK, 0], q_ready.index(qs),
+                                            q_smem.index(qs))
+            qt += 1
+            for j in range(n_kv):
+                kb = gl.load(idx_row + j)  # issued before the wait: its latency hides behind it
+                st = kctr % STAGES
+                mbarrier.wait(kv_empty.index(st), ((kctr // STAGES) & 1) ^ 1)
+                mbarrier.expect(k_ready.index(st), k_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(k_desc, [bh * lpad_k + kb * _BLOCK, 0], k_ready.index(st),
+                                                k_smem.index(st))
+                mbarrier.expect(v_ready.index(st), v_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(v_desc, [bh * HEAD_DIM, kb * _BLOCK], v_ready.index(st),
+                                                v_smem.index(st))
+                kctr += 1
+
+    @gluon.jit
+    def _logits(s, sc, kb, offs_n, Lk, num_kv_blocks, TAIL_K: gl.constexpr):
+        """The wgmma output ``s`` of key block ``kb`` -> its row maxima in log2 units (``sc`` = sq * sk > 0
+        folds the scales in after the max), with keys past ``Lk`` at -inf in the partial last block."""
+        if TAIL_K:
+            if kb == num_kv_blocks - 1:
+                s = gl.where((kb * _BLOCK + offs_n < Lk)[None, :], s, float("-inf"))
+        return s, gl.max(s, axis=1) * sc
+
+    @gluon.jit
+    def _probs(s, sc, m_new, P_SHIFT: gl.constexpr, ABLATE: gl.constexpr):
+        """``P = exp2(s * sc - m + P_SHIFT)`` in fp32 (row maximum 2^P_SHIFT, inside e4m3).
+        ABLATE (benchmark only, results meaningless): 1 leaves the exp2 out, 2 the whole softmax."""
+        if ABLATE == 2:
+            return s * sc
+        x = s * sc - (m_new - P_SHIFT)[:, None]
+        if ABLATE == 1:
+            return x
+        return gl.exp2(x)
+
+    @gluon.jit
+    def _p_operand(p, p_layout: gl.constexpr):
+        """P (fp32, wgmma accumulator layout) as the e4m3 A operand of ``P @ V`` with no data movement.
+
+        In the accumulator layout a thread holds, of each 16 key columns, ``8a + 2t + b`` (a, b in {0, 1},
+        t = lane % 4); the 8-bit A operand wants ``4t + 2a + b`` in the same registers. Relabelling the key
+        axis by that permutation (a reshape / permute, free in registers) makes the two layouts one, and
+        the pre-pass stores V^T with its keys in the same order (``v_key_order="wgmma"``), so the product
+        is unchanged (measured: +3% on a full map against Triton's shuffle-based conversion)."""
+        ROWS: gl.constexpr = p.shape[0]
+        N: gl.constexpr = p.shape[1]
+        p8 = gl.reshape(p.to(gl.float8e4nv), [ROWS, N // 16, 2, 4, 2])
+        p8 = gl.permute(p8, [0, 1, 3, 2, 4])
+        p8 = gl.reshape(p8, [ROWS, N])
+        return gl.convert_layout(p8, p_layout, assert_trivial=True)
+
+    @gluon.jit
+    def _consumer(o_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn,
+                  q_scale, k_scale, v_scale, sched, kv_num, kv_idx, H, Lq, Lk, num_kv_blocks, q_blocks, num_tiles,
+                  n_q_scale, n_k_scale, s_ob, s_oh, s_ol, s_nb, s_nh, s_ib, s_ih, s_iq,
+                  HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, Q_STAGES: gl.constexpr, CONSUMER: gl.constexpr,
+                  TAIL_K: gl.constexpr, P_SHIFT: gl.constexpr, SCHEDULE: gl.constexpr, ABLATE: gl.constexpr):
+        ROWS: gl.constexpr = _ROWS
+        # wgmma accumulator layouts (M = 64 rows over 4 warps; K = 32 for 8-bit operands) and the
+        # register layout of P as the A operand of P @ V
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, _BLOCK, 32])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, HEAD_DIM, 32])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
+        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+        col_o: gl.constexpr = gl.SliceLayout(0, o_layout)
+        offs_n = gl.arange(0, _BLOCK, layout=gl.SliceLayout(0, s_layout))
+        offs_d = gl.arange(0, HEAD_DIM, layout=col_o)
+        s_zero = gl.zeros([ROWS, _BLOCK], gl.float32, layout=s_layout)
+
+        kctr = 0  # key blocks consumed so far (all tiles): stage = kctr % STAGES, parity = (kctr // STAGES) & 1
+        qt = 0
+        turns = 0
+        for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+            b, h, bh, qblk, n_kv, idx_row = _tile_of(t, sched, kv_num, kv_idx, H, q_blocks, s_nb, s_nh, s_ib, s_ih,
+                                                     s_iq)
+            sq = gl.load(q_scale + bh * n_q_scale + qblk)
+            k_scale_row = k_scale + bh * n_k_scale
+            qs = qt % Q_STAGES
+            mbarrier.wait(q_ready.index(qs), (qt // Q_STAGES) & 1)
+            q = q_smem.index(qs).slice(CONSUMER * ROWS, ROWS, dim=0)
+
+            m_i = gl.full([ROWS], -1.0e30, gl.float32, layout=row_s)  # finite: no NaN from a masked row
+            l_i = gl.zeros([ROWS], gl.float32, layout=row_s)
+            acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
+            j0 = 0  # first block of the one-block loop below (the overlap schedule consumes them all)
+            if SCHEDULE == "overlap":
+                # block j's Q @ K^T is issued before block j-1's P @ V is waited for, so a warpgroup's
+                # softmax runs under its own P @ V (FlashAttention-3's intra-warpgroup pipelining); P of
+                # block j-1 is carried in registers across the step
+                p8 = gl.zeros([ROWS, _BLOCK], gl.float8e4nv, layout=p_layout)
+                prev = 0
+                if n_kv > 0:  # block 0: no P @ V in flight yet
+                    kb = gl.load(idx_row)
+                    sc = sq * gl.load(k_scale_row + kb)
+                    st = kctr % STAGES
+                    mbarrier.wait(k_ready.index(st), (kctr // STAGES) & 1)
+                    s = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                    s = warpgroup_mma_wait(num_outstanding=0, deps=[s])
+                    s, mb = _logits(s, sc, kb, offs_n, Lk, num_kv_blocks, TAIL_K)
+                    m_i = gl.maximum(m_i, mb)
+                    p = _probs(s, sc, m_i, P_SHIFT, ABLATE)
+                    l_i = gl.sum(p, axis=1)
+                    p8 = _p_operand(p, p_layout)
+                    mbarrier.wait(v_ready.index(st), (kctr // STAGES) & 1)
+                    prev = st
+                    kctr += 1
+                for j in range(1, n_kv):
+                    kb = gl.load(idx_row + j)
+                    sc = sq * gl.load(k_scale_row + kb)
+                    st = kctr % STAGES
+                    mbarrier.wait(k_ready.index(st), (kctr // STAGES) & 1)
+                    s = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                    acc = warpgroup_mma(p8, v_smem.index(prev).permute((1, 0)), acc, is_async=True)
+                    s = warpgroup_mma_wait(num_outstanding=1, deps=[s])  # Q @ K^T done; P @ V may run on
+                    s, mb = _logits(s, sc, kb, offs_n, Lk, num_kv_blocks, TAIL_K)
+                    m_new = gl.maximum(m_i, mb)
+                    p = _probs(s, sc, m_new, P_SHIFT, ABLATE)
+                    alpha = gl.exp2(m_i - m_new)
+                    l_i = l_i * alpha + gl.sum(p, axis=1)
+                    m_i = m_new
+                    acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+                    mbarrier.arrive(kv_empty.index(prev), count=1)
+                    acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+                    p8 = _p_operand(p, p_layout)
+                    mbarrier.wait(v_ready.index(st), (kctr // STAGES) & 1)
+                    prev = st
+                    kctr += 1
+                if n_kv > 0:
+                    acc = warpgroup_mma(p8, v_smem.index(prev).permute((1, 0)), acc, is_async=True)
+                    acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+                    mbarrier.arrive(kv_empty.index(prev), count=1)
+                j0 = n_kv
+            for j in range(j0, n_kv):
+                # one key block per step: Q @ K^T, softmax, P @ V; with SCHEDULE "pingpong" the two
+                # warpgroups take turns (mbarriers) issuing each GEMM, FlashAttention-3's ping-pong
+                kb = gl.load(idx_row + j)
+                sc = sq * gl.load(k_scale_row + kb)
+                st = kctr % STAGES
+                ph = (kctr // STAGES) & 1
+                mbarrier.wait(k_ready.index(st), ph)
+                if SCHEDULE == "pingpong":
+                    mbarrier.wait(turn.index(CONSUMER), (turns & 1) ^ (1 - CONSUMER))
+                s = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                if SCHEDULE == "pingpong":
+                    mbarrier.arrive(turn.index(1 - CONSUMER), count=1)
+                    turns += 1
+                s = warpgroup_mma_wait(num_outstanding=0, deps=[s])
+                s, mb = _logits(s, sc, kb, offs_n, Lk, num_kv_blocks, TAIL_K)
+                m_new = gl.maximum(m_i, mb)
+                p = _probs(s, sc, m_new, P_SHIFT, ABLATE)
+                alpha = gl.exp2(m_i - m_new)
+                l_i = l_i * alpha + gl.sum(p, axis=1)
+                m_i = m_new
+                acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+                p8 = _p_operand(p, p_layout)
+                mbarrier.wait(v_ready.index(st), ph)
+                if SCHEDULE == "pingpong":
+                    mbarrier.wait(turn.index(CONSUMER), (turns & 1) ^ (1 - CONSUMER))
+                acc = warpgroup_mma(p8, v_smem.index(st).permute((1, 0)), acc, is_async=True)
+                if SCHEDULE == "pingpong":
+                    mbarrier.arrive(turn.index(1 - CONSUMER), count=1)
+                    turns += 1
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+                mbarrier.arrive(kv_empty.index(st), count=1)
+                kctr += 1
+            mbarrier.arrive(q_empty.index(qs), count=1)  # this consumer's Q rows are no longer read
+            qt += 1
+
+            l_safe = gl.where(l_i > 0, l_i, 1.0)
+            out = acc * gl.convert_layout(1.0 / l_safe, row_o)[:, None]
+            out = out * gl.load(v_scale + bh * HEAD_DIM + offs_d)[None, :]
+            rows = qblk * _BLOCK + CONSUMER * ROWS + gl.arange(0, ROWS, layout=row_o)
+            o_ptrs = o_ptr + b * s_ob + h * s_oh + rows[:, None] * s_ol + offs_d[None, :]
+            gl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=(rows < Lq)[:, None])
+
+    @gluon.jit
+    def _bsa_ws_kernel(q_desc, k_desc, v_desc, O, q_scale, k_scale, v_scale, kv_num, kv_idx, sched,
+                       H, Lq, Lk, lpad_q, lpad_k, num_kv_blocks, q_blocks, num_tiles, n_q_scale, n_k_scale,
+                       s_ob, s_oh, s_ol, s_nb, s_nh, s_ib, s_ih, s_iq,
+                       HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, Q_STAGES: gl.constexpr,
+                       TAIL_K: gl.constexpr, P_SHIFT: gl.constexpr, SCHEDULE: gl.constexpr, ABLATE: gl.constexpr):
+        q_smem = gl.allocate_shared_memory(gl.float8e4nv, [Q_STAGES, _BLOCK, HEAD_DIM], q_desc.layout)
+        k_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, _BLOCK, HEAD_DIM], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, HEAD_DIM, _BLOCK], v_desc.layout)
+        q_ready = gl.allocate_shared_memory(gl.int64, [Q_STAGES, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [Q_STAGES, 1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(turn.index(i), count=1)
+        for i in gl.static_range(Q_STAGES):
+            mbarrier.init(q_ready.index(i), count=1)
+            mbarrier.init(q_empty.index(i), count=2)  # one arrive per consumer
+        for i in gl.static_range(STAGES):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(kv_empty.index(i), count=2)
+        gl.warp_specialize([
+            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
+                         sched, kv_num, kv_idx, H, q_blocks, num_tiles, lpad_q, lpad_k, s_nb, s_nh, s_ib, s_ih, s_iq,
+                         HEAD_DIM, STAGES, Q_STAGES)),
+            (_consumer, (O, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn,
+                         q_scale, k_scale, v_scale, sched, kv_num, kv_idx, H, Lq, Lk, num_kv_blocks, q_blocks,
+                         num_tiles, n_q_scale, n_k_scale, s_ob, s_oh, s_ol, s_nb, s_nh, s_ib, s_ih, s_iq,
+                         HEAD_DIM, STAGES, Q_STAGES, 0, TAIL_K, P_SHIFT, SCHEDULE, ABLATE)),
+            (_consumer, (O, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn,
+                         q_scale, k_scale, v_scale, sched, kv_num, kv_idx, H, Lq, Lk, num_kv_blocks, q_blocks,
+                         num_tiles, n_q_scale, n_k_scale, s_ob, s_oh, s_ol, s_nb, s_nh, s_ib, s_ih, s_iq,
+                         HEAD_DIM, STAGES, Q_STAGES, 1, TAIL_K, P_SHIFT, SCHEDULE, ABLATE)),
+        ], [4, 4], [_REGS, _REGS])
+
+
+def shared_layouts(head_dim: int):
+    """NVMMA shared layouts of the Q/K tile ``[128, D]`` and the V^T tile ``[D, 128]`` (e4m3)."""
+    qk = gl.NVMMASharedLayout.get_default_for([BLOCK, head_dim], gl.float8e4nv)
+    vt = gl.NVMMASharedLayout.get_default_for([head_dim, BLOCK], gl.float8e4nv)
+    return qk, vt
+
+
+def launch_ws(q, k, v, block_map, scale: float, config: dict | None = None) -> torch.Tensor:
+    """Pre-pass + block lists + the warp-specialised kernel, for one int32-safe chunk."""
+    cfg = dict(DEFAULT_CONFIG, **(config or {}))
+    batch, heads, q_len, head_dim = q.shape
+    kv_len = k.shape[2]
+    q8, k8, v8t, q_scale, k_scale, v_scale = quantize_qkv_fp8(q, k, v, scale, v_key_order="wgmma")
+    lpad_q, lpad_k = q8.shape[2], k8.shape[2]
+    kv_num, kv_idx = compress_block_map(block_map)
+    sched = torch.argsort(kv_num, dim=-1, descending=True, stable=True).to(torch.int32)
+    bm_b, bm_h, num_q_blocks, num_kv_blocks = block_map.shape
+    map_strides = (bm_h * num_q_blocks if bm_b > 1 else 0, num_q_blocks if bm_h > 1 else 0,
+                   bm_h * num_q_blocks * num_kv_blocks if bm_b > 1 else 0,
+                   num_q_blocks * num_kv_blocks if bm_h > 1 else 0, num_kv_blocks)
+    qk_layout, vt_layout = shared_layouts(head_dim)
+    q_desc = TensorDescriptor.from_tensor(q8.view(-1, head_dim), [BLOCK, head_dim], qk_layout)
+    k_desc = TensorDescriptor.from_tensor(k8.view(-1, head_dim), [BLOCK, head_dim], qk_layout)
+    v_desc = TensorDescriptor.from_tensor(v8t.view(-1, lpad_k), [head_dim, BLOCK], vt_layout)
+    out = output_like(q)
+    num_tiles = batch * heads * num_q_blocks
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    _bsa_ws_kernel[(min(num_tiles, sms),)](
+        q_desc, k_desc, v_desc, out, q_scale, k_scale, v_scale, kv_num, kv_idx, sched,
+        heads, q_len, kv_len, lpad_q, lpad_k, num_kv_blocks, num_q_blocks, num_tiles,
+        q_scale.shape[-1], k_scale.shape[-1], out.stride(0), out.stride(1), out.stride(2), *map_strides,
+        HEAD_DIM=head_dim, STAGES=int(cfg["stages"]), Q_STAGES=int(cfg["q_stages"]),
+        TAIL_K=kv_len % BLOCK != 0, P_SHIFT=P_SHIFT_LOG2, SCHEDULE=cfg["schedule"],
+        ABLATE=int(cfg.get("ablate", 0)), num_warps=4)
+    return out
+
+
+def block_sparse_attention_ws(q, k, v, block_map, scale: float, config: dict | None = None) -> torch.Tensor:
+    """The warp-specialised FP8 kernel on a CUDA sm_90 device (module docstring: the contract).
+    ``ValueError`` for inputs outside it (the caller's auto chain then takes the next backend);
+    inputs whose offsets overflow int32 run in (batch, head) chunks."""
+    _validate(q, k, v, block_map, BLOCK)
+    why = supports(q.shape[3], BLOCK, False)
+    if why:
+        raise ValueError(why)
+    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:
+        raise ValueError("the warp-specialised FP8 kernel needs a CUDA sm_90 (Hopper) device")
+    padded = -(-max(q.shape[2], k.shape[2]) // QUANT_TILE) * QUANT_TILE
+    with torch.cuda.device(q.device):
+        chunks = int32_chunks((q, k, v), padded * q.shape[3])
+        if len(chunks) == 1:
+            return launch_ws(q, k, v, block_map, scale, config)
+        out = output_like(q)
+        for b0, b1, h0, h1 in chunks:
+            out[b0:b1, h0:h1] = launch_ws(q[b0:b1, h0:h1], k[b0:b1, h0:h1], v[b0:b1, h0:h1],
+                                          _map_view(block_map, b0, b1, h0, h1), scale, config)
+        return out
+
+
+__all__ = ["block_sparse_attention_ws", "available", "supports", "DEFAULT_CONFIG", "BLOCK"]

@@ -1,0 +1,85 @@
+"""The triton_fp8_ws backend (the warp-specialised Gluon FP8 kernel) on the CPU: where auto takes it,
+which calls it sends on, what an explicit choice says, and that the kernel compiles for sm_90 with the
+installed Triton (every schedule, head dims 64 / 128, FP8 wgmmas, P handed to ``P @ V`` without a
+shuffle; the kernel itself asserts that conversion is trivial). Its numerics: test_kernels_ws_gpu.py."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+
+import pytest
+import torch
+
+_AOT_PY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "kernels",
+                       "aot_check.py")
+
+
+def _aot_check():
+    spec = importlib.util.spec_from_file_location("chorus_bench_aot_check", _AOT_PY)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_auto_takes_it_first_on_hopper_and_never_for_block_mass():
+    from chorus.kernels import api
+
+    assert api._AUTO_CHAIN[:2] == (api.Backend.TRITON_FP8_WS, api.Backend.TRITON_FP8)
+    assert api.Backend.TRITON_FP8_WS in api._SM90_ONLY
+    q = torch.zeros(1, 1, 8, 128)
+    assert api.Backend.TRITON_FP8_WS not in api._candidates(q, "block_mass")
+    assert "no block_mass" in api.why_unavailable(api.Backend.TRITON_FP8_WS, q, "block_mass")
+
+
+def test_explicit_choice_on_cpu_says_why():
+    import chorus.kernels as K
+
+    q = k = v = torch.zeros(1, 1, 256, 128, dtype=torch.bfloat16)
+    bm = torch.ones(1, 1, 2, 2, dtype=torch.bool)
+    with pytest.raises(K.BackendUnavailableError, match="triton_fp8_ws needs a CUDA tensor"):
+        K.block_sparse_attention(q, k, v, bm, block_size=128, backend="triton_fp8_ws")
+    with pytest.raises(K.BackendUnavailableError, match="triton_fp8_ws"):
+        K.block_mass(q, k, block_size=128, backend="triton_fp8_ws")
+
+
+def test_calls_it_cannot_take_go_down_the_chain_or_raise_when_explicit():
+    from chorus.kernels import api
+
+    q = torch.zeros(1, 1, 8, 128)
+    ws = api.Backend.TRITON_FP8_WS
+    assert api._for_call_options(ws, False, q, 128, 0) == ws
+    assert api._for_call_options(ws, False, q, 128, 16) != ws  # a guidance prefix bias
+    assert api._for_call_options(ws, False, q, 64, 0) != ws  # another block size
+    with pytest.raises(api.BackendUnavailableError, match="prefix bias"):
+        api._for_call_options(ws, True, q, 128, 16)
+    with pytest.raises(api.BackendUnavailableError, match="block size 256"):
+        api._for_call_options(ws, True, q, 256, 0)
+    from chorus.kernels.triton import ws_call_unsupported
+
+    assert "head dim 96" in ws_call_unsupported(96, 128, False)
+
+
+def test_the_engine_and_the_node_offer_it():
+    from chorus.engine import BACKENDS, SparseConfig
+
+    assert "triton_fp8_ws" in BACKENDS
+    assert SparseConfig(backend="triton_fp8_ws").backend == "triton_fp8_ws"
+
+
+@pytest.mark.parametrize("head_dim", [128, 64])
+@pytest.mark.parametrize("schedule", ["serial", "overlap", "pingpong"])
+def test_kernel_compiles_for_sm90_with_fp8_wgmma_and_no_shuffles(head_dim, schedule):
+    from chorus.kernels.triton import _attention_ws
+
+    if _attention_ws.available():
+        pytest.fail(f"this Triton has no Gluon Hopper API: {_attention_ws.available()}")
+    kernel = _aot_check().compile_ws(head_dim, schedule, tail=True)
+    ptx = kernel.asm["ptx"]
+    mmas = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k32\.f32\.e4m3\.e4m3", ptx))
+    assert mmas == {"128"} if head_dim == 128 else mmas == {"128", "64"}, mmas  # QK^T: N = 128 keys; PV: N = D
+    assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+240", ptx)  # the consumer warpgroups
+    # P reaches P @ V in its registers: the only cross-lane index shuffle left broadcasts the warp id
+    assert ptx.count("shfl.sync.idx") <= 1
+    assert kernel.metadata.shared <= 228 * 1024

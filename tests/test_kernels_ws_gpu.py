@@ -1,0 +1,139 @@
+"""The warp-specialised Gluon FP8 kernel on an sm_90 GPU (skipped elsewhere): the bounds of the Triton
+FP8 path (``test_triton_gpu.py``) against the fp64 oracle on whole query blocks (first, middle, partial
+last): relative L1 and cosine deficit <= 2 x those of the SageAttention-style FP8 emulation, cosine
+>= 0.998; at awkward lengths, head dims 64 / 128, densities 3-100%, every schedule (serial,
+intra-warpgroup overlap, ping-pong), ComfyUI's [B, L, H, D] memory with a broadcast map and batch 2,
+rows that keep no block, agreement with the Triton FP8 kernel (same pre-pass, same scales), and the
+public API (auto's choice on sm_90, a prefix-bias call routed to triton_fp8, torch.compile)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="compiled kernels only"),
+    pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] != 9,
+                       reason="the warp-specialised kernel is built for sm_90"),
+]
+
+SCALE = 128 ** -0.5
+
+
+def _inputs(batch, heads, length, dim, seed, comfy_layout=False):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    shape = (batch, length, heads, dim) if comfy_layout else (batch, heads, length, dim)
+    q, k, v = (torch.randn(*shape, device="cuda", generator=gen) for _ in range(3))
+    k = k + 0.5
+    ts = [t.to(torch.bfloat16) for t in (q, k, v)]
+    return [t.transpose(1, 2) for t in ts] if comfy_layout else ts
+
+
+def _random_map(batch, heads, length, density, seed):
+    nb = -(-length // 128)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    bm = torch.rand(batch, heads, nb, nb, device="cuda", generator=gen) < density
+    bm[..., torch.arange(nb), torch.arange(nb)] = True
+    return bm
+
+
+def _check(out, q, k, v, bm):
+    from chorus.kernels.reference import dense_attention_oracle
+    from chorus.kernels.triton.emulation import error_stats, sage_fp8_attention_emulation
+
+    nqb = bm.shape[2]
+    blocks = sorted({0, nqb // 2, nqb - 1})
+    rows = torch.cat([torch.arange(b * 128, min((b + 1) * 128, q.shape[2]), device="cuda") for b in blocks])
+    sub_map = bm[:, :, blocks]
+    q_sub = q[:, :, rows]
+    oracle = dense_attention_oracle(q_sub, k, v, sub_map, 128)
+    ours = error_stats(out[:, :, rows], oracle)
+    sage = error_stats(sage_fp8_attention_emulation(q_sub, k, v, sub_map, 128), oracle)
+    assert torch.isfinite(out).all()
+    assert ours["rel_l1"] <= 2 * sage["rel_l1"], (ours, sage)
+    assert 1 - ours["cosine"] <= 2 * (1 - sage["cosine"]), (ours, sage)
+    assert ours["cosine"] >= 0.998, ours
+
+
+SCHEDULES = {"serial": {}, "overlap": {"schedule": "overlap"}, "pingpong": {"schedule": "pingpong"}}
+
+
+@pytest.mark.parametrize("length,dim", [(1000, 128), (4097, 128), (4097, 64), (32760, 128)])
+@pytest.mark.parametrize("density", [0.03, 0.3, 1.0])
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+def test_ws_matches_oracle(length, dim, density, schedule):
+    from chorus.kernels.triton._attention_ws import block_sparse_attention_ws
+
+    q, k, v = _inputs(1, 4, length, dim, seed=length + dim)
+    bm = _random_map(1, 4, length, density, seed=length)
+    out = block_sparse_attention_ws(q, k, v, bm, dim ** -0.5, SCHEDULES[schedule])
+    assert out.shape == q.shape and out.dtype == q.dtype
+    _check(out, q, k, v, bm)
+
+
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+def test_ws_comfy_layout_broadcast_map_batch2(schedule):
+    from chorus.kernels.triton._attention_ws import block_sparse_attention_ws
+
+    q, k, v = _inputs(2, 3, 2000, 128, seed=7, comfy_layout=True)
+    bm = _random_map(1, 1, 2000, 0.4, seed=3)
+    out = block_sparse_attention_ws(q, k, v, bm, SCALE, SCHEDULES[schedule])
+    for b in range(2):
+        _check(out[b:b + 1], q[b:b + 1], k[b:b + 1], v[b:b + 1], bm)
+
+
+def test_ws_agrees_with_triton_fp8_and_empty_rows_are_zero():
+    from chorus.kernels.triton import block_sparse_attention_triton
+    from chorus.kernels.triton._attention_ws import block_sparse_attention_ws
+
+    q, k, v = _inputs(1, 2, 3000, 128, seed=11)
+    bm = _random_map(1, 2, 3000, 0.2, seed=5)
+    ref = block_sparse_attention_triton(q, k, v, bm, block_size=128, fp8=True)
+    for config in SCHEDULES.values():
+        out = block_sparse_attention_ws(q, k, v, bm, SCALE, config)
+        cos = torch.nn.functional.cosine_similarity(out.double().flatten(), ref.double().flatten(), dim=0).item()
+        assert cos > 0.9999, cos
+    empty = bm.clone()
+    empty[:, :, 3] = False
+    for config in SCHEDULES.values():
+        out = block_sparse_attention_ws(q, k, v, empty, SCALE, config)
+        assert torch.equal(out[:, :, 3 * 128:4 * 128], torch.zeros_like(out[:, :, 3 * 128:4 * 128]))
+        assert torch.isfinite(out).all()
+
+
+def test_public_api_auto_takes_it_and_routes_a_prefix_bias_call():
+    import chorus.kernels as K
+    from chorus.kernels import api
+
+    q, k, v = _inputs(1, 2, 2000, 128, seed=13)
+    bm = _random_map(1, 2, 2000, 0.3, seed=2)
+    assert api.resolve_backend("auto", q) == api.Backend.TRITON_FP8_WS
+    out = K.block_sparse_attention(q, k, v, bm, block_size=128)
+    _check(out, q, k, v, bm)
+    assert api._for_call_options(api.Backend.TRITON_FP8_WS, False, q, 128, 300) == api.Backend.TRITON_FP8
+    biased = K.block_sparse_attention(q, k, v, bm, block_size=128, prefix_len=300, prefix_bias=1.5)
+    want = K.block_sparse_attention(q, k, v, bm, block_size=128, prefix_len=300, prefix_bias=1.5,
+                                    backend="triton_fp8")
+    assert torch.equal(biased, want)
+    with pytest.raises(K.BackendUnavailableError, match="prefix bias"):
+        K.block_sparse_attention(q, k, v, bm, block_size=128, prefix_len=300, prefix_bias=1.5,
+                                 backend="triton_fp8_ws")
+
+
+def test_torch_compile_of_a_module_calling_it():
+    import chorus.kernels as K
+
+    q, k, v = _inputs(1, 2, 1000, 128, seed=17)
+    bm = _random_map(1, 2, 1000, 0.5, seed=4)
+
+    def attend(q, k, v, bm):
+        return K.block_sparse_attention(q * 1.0, k, v, bm, block_size=128, backend="triton_fp8_ws",
+                                        rows_checked=True)
+
+    eager = attend(q, k, v, bm)
+    compiled = torch.compile(attend, fullgraph=False)(q, k, v, bm)
+    assert torch.equal(eager, compiled)
