@@ -11,6 +11,8 @@ import os
 import pytest
 import torch
 
+from testing import cuda_bf16_qkv
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
@@ -25,15 +27,6 @@ def _fa4_runs_here():
     reason = fa4_unavailable(torch.empty(1, 1, 1, 128, device="cuda", dtype=torch.bfloat16))
     if reason:
         pytest.skip(reason)
-
-
-def _inputs(batch, heads, length, dim, seed, comfy_layout=False):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    shape = (batch, length, heads, dim) if comfy_layout else (batch, heads, length, dim)
-    q, k, v = (torch.randn(*shape, device="cuda", generator=gen) for _ in range(3))
-    k = k + 0.5
-    ts = [t.to(torch.bfloat16) for t in (q, k, v)]
-    return [t.transpose(1, 2) for t in ts] if comfy_layout else ts
 
 
 def _rows(length, bs, blocks):
@@ -71,7 +64,7 @@ def _check_against_oracle(out, q, k, v, bm, bs):
 def test_fa4_matches_oracle(length, dim, bs, density):
     import chorus.kernels as K
 
-    q, k, v = _inputs(1, 4, length, dim, seed=length + dim)
+    q, k, v = cuda_bf16_qkv(1, 4, length, dim, seed=length + dim)
     bm = _random_map(4, length, bs, density, seed=length)
     out = K.block_sparse_attention(q, k, v, bm, block_size=bs, backend="fa4_bf16")
     assert out.shape == q.shape and out.dtype == q.dtype
@@ -81,7 +74,7 @@ def test_fa4_matches_oracle(length, dim, bs, density):
 def test_fa4_comfy_layout_broadcast_map_batch_two():
     import chorus.kernels as K
 
-    q, k, v = _inputs(2, 8, 2000, 128, seed=3, comfy_layout=True)
+    q, k, v = cuda_bf16_qkv(2, 8, 2000, 128, seed=3, comfy_layout=True)
     bm = _random_map(8, 2000, 128, 0.2, seed=4)  # [1, H, ...]: one map for both batch rows (cond / uncond)
     out = K.block_sparse_attention(q, k, v, bm, block_size=128, backend="fa4_bf16", rows_checked=True)
     assert out.transpose(1, 2).is_contiguous()  # handed back to ComfyUI without a copy
@@ -95,7 +88,7 @@ def test_prefix_bias_call_routes_to_triton_under_auto_and_raises_explicit():
     import chorus.kernels as K
     from chorus.kernels import api
 
-    q, k, v = _inputs(1, 4, 1500, 128, seed=9)
+    q, k, v = cuda_bf16_qkv(1, 4, 1500, 128, seed=9)
     bm = _random_map(4, 1500, 128, 0.4, seed=10)
     with pytest.raises(K.BackendUnavailableError, match="prefix bias"):
         K.block_sparse_attention(q, k, v, bm, block_size=128, backend="fa4_bf16", prefix_len=300, prefix_bias=1.0)
@@ -110,7 +103,7 @@ def test_prefix_bias_call_routes_to_triton_under_auto_and_raises_explicit():
 def test_fa4_under_torch_compile():
     import chorus.kernels as K
 
-    q, k, v = _inputs(1, 4, 1000, 128, seed=12, comfy_layout=True)
+    q, k, v = cuda_bf16_qkv(1, 4, 1000, 128, seed=12, comfy_layout=True)
     bm = _random_map(4, 1000, 128, 0.3, seed=13)
 
     def attend(q, k, v):

@@ -13,6 +13,8 @@ import os
 import pytest
 import torch
 
+from testing import cuda_bf16_qkv
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
@@ -22,15 +24,6 @@ pytestmark = [
 ]
 
 SCALE = 128 ** -0.5
-
-
-def _inputs(batch, heads, length, dim, seed, comfy_layout=False):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    shape = (batch, length, heads, dim) if comfy_layout else (batch, heads, length, dim)
-    q, k, v = (torch.randn(*shape, device="cuda", generator=gen) for _ in range(3))
-    k = k + 0.5
-    ts = [t.to(torch.bfloat16) for t in (q, k, v)]
-    return [t.transpose(1, 2) for t in ts] if comfy_layout else ts
 
 
 def _random_map(batch, heads, length, density, seed):
@@ -68,7 +61,7 @@ SCHEDULES = {"serial": {}, "overlap": {"schedule": "overlap"}, "pingpong": {"sch
 def test_ws_matches_oracle(length, dim, density, schedule):
     from chorus.kernels.triton._attention_ws import block_sparse_attention_ws
 
-    q, k, v = _inputs(1, 4, length, dim, seed=length + dim)
+    q, k, v = cuda_bf16_qkv(1, 4, length, dim, seed=length + dim)
     bm = _random_map(1, 4, length, density, seed=length)
     out = block_sparse_attention_ws(q, k, v, bm, dim ** -0.5, SCHEDULES[schedule])
     assert out.shape == q.shape and out.dtype == q.dtype
@@ -79,7 +72,7 @@ def test_ws_matches_oracle(length, dim, density, schedule):
 def test_ws_comfy_layout_broadcast_map_batch2(schedule):
     from chorus.kernels.triton._attention_ws import block_sparse_attention_ws
 
-    q, k, v = _inputs(2, 3, 2000, 128, seed=7, comfy_layout=True)
+    q, k, v = cuda_bf16_qkv(2, 3, 2000, 128, seed=7, comfy_layout=True)
     bm = _random_map(1, 1, 2000, 0.4, seed=3)
     out = block_sparse_attention_ws(q, k, v, bm, SCALE, SCHEDULES[schedule])
     for b in range(2):
@@ -90,7 +83,7 @@ def test_ws_agrees_with_triton_fp8_and_empty_rows_are_zero():
     from chorus.kernels.triton import block_sparse_attention_triton
     from chorus.kernels.triton._attention_ws import block_sparse_attention_ws
 
-    q, k, v = _inputs(1, 2, 3000, 128, seed=11)
+    q, k, v = cuda_bf16_qkv(1, 2, 3000, 128, seed=11)
     bm = _random_map(1, 2, 3000, 0.2, seed=5)
     ref = block_sparse_attention_triton(q, k, v, bm, block_size=128, fp8=True)
     for config in SCHEDULES.values():
@@ -109,7 +102,7 @@ def test_public_api_auto_takes_it_and_routes_a_prefix_bias_call():
     import chorus.kernels as K
     from chorus.kernels import api
 
-    q, k, v = _inputs(1, 2, 2000, 128, seed=13)
+    q, k, v = cuda_bf16_qkv(1, 2, 2000, 128, seed=13)
     bm = _random_map(1, 2, 2000, 0.3, seed=2)
     assert api.resolve_backend("auto", q) == api.Backend.TRITON_FP8_WS
     out = K.block_sparse_attention(q, k, v, bm, block_size=128)
@@ -127,7 +120,7 @@ def test_public_api_auto_takes_it_and_routes_a_prefix_bias_call():
 def test_torch_compile_of_a_module_calling_it():
     import chorus.kernels as K
 
-    q, k, v = _inputs(1, 2, 1000, 128, seed=17)
+    q, k, v = cuda_bf16_qkv(1, 2, 1000, 128, seed=17)
     bm = _random_map(1, 2, 1000, 0.5, seed=4)
 
     def attend(q, k, v, bm):

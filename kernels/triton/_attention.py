@@ -299,6 +299,15 @@ def compress_block_map(block_map: torch.Tensor):
     return kv_num, kv_idx
 
 
+def block_list_strides(block_map: torch.Tensor) -> tuple[int, int, int, int, int]:
+    """Element strides ``(s_nb, s_nh, s_ib, s_ih, s_iq)`` of the ``kv_num`` / ``kv_idx`` lists that
+    :func:`compress_block_map` builds from ``block_map``, with 0 on broadcast (size-1) dims."""
+    bm_b, bm_h, num_q_blocks, num_kv_blocks = block_map.shape
+    return (bm_h * num_q_blocks if bm_b > 1 else 0, num_q_blocks if bm_h > 1 else 0,
+            bm_h * num_q_blocks * num_kv_blocks if bm_b > 1 else 0,
+            num_q_blocks * num_kv_blocks if bm_h > 1 else 0, num_kv_blocks)
+
+
 def _validate(q, k, v, block_map, block_size):
     if not all(isinstance(t, torch.Tensor) for t in (q, k, v, block_map)):
         raise ValueError("q, k, v and block_map must be torch tensors")
@@ -369,10 +378,7 @@ def prepare_attention(q, k, v, block_map, block_size: int, scale: float, fp8: bo
 
     kv_num, kv_idx = compress_block_map(block_map)
     sched = torch.argsort(kv_num, dim=-1, descending=True, stable=True).to(torch.int32)
-    bm_b, bm_h = block_map.shape[:2]
-    map_strides = (bm_h * num_q_blocks if bm_b > 1 else 0, num_q_blocks if bm_h > 1 else 0,
-                   bm_h * num_q_blocks * num_kv_blocks if bm_b > 1 else 0,
-                   num_q_blocks * num_kv_blocks if bm_h > 1 else 0, num_kv_blocks)
+    map_strides = block_list_strides(block_map)
     q_raw = bool(fp8 and config.get("q_in_kernel", False))
     if fp8:
         q_in, k_in, v_in, q_scale, k_scale, v_scale = quantize_qkv_fp8(q, k, v, scale, quantize_q=not q_raw,
@@ -507,20 +513,25 @@ def block_sparse_attention_triton_impl(q, k, v, block_map, block_size: int, scal
     return _run_chunks(q, k, v, block_map, block_size, scale, fp8, config, prefix_len, prefix_bias, token_perm)
 
 
-def _run_chunks(q, k, v, block_map, block_size, scale, fp8, config, prefix_len, prefix_bias, token_perm=None):
-    _validate(q, k, v, block_map, block_size)
-    token_perm = _check_perm(token_perm, q, k)
+def run_in_int32_chunks(q, k, v, block_map, launch) -> torch.Tensor:
+    """``launch(q, k, v, block_map)`` once, or once per (batch, head) chunk of :func:`int32_chunks` (the
+    FP8 copies and the output take ``L`` padded to 128 per (b, h)) written into one output."""
     padded = -(-max(q.shape[2], k.shape[2]) // 128) * 128
     chunks = int32_chunks((q, k, v), padded * q.shape[3])
     if len(chunks) == 1:
-        return launch_attention(prepare_attention(q, k, v, block_map, block_size, scale, fp8, config, prefix_len,
-                                                  prefix_bias, token_perm))
+        return launch(q, k, v, block_map)
     out = output_like(q)
     for b0, b1, h0, h1 in chunks:
-        out[b0:b1, h0:h1] = launch_attention(prepare_attention(
-            q[b0:b1, h0:h1], k[b0:b1, h0:h1], v[b0:b1, h0:h1], _map_view(block_map, b0, b1, h0, h1), block_size,
-            scale, fp8, config, prefix_len, prefix_bias, token_perm))
+        out[b0:b1, h0:h1] = launch(q[b0:b1, h0:h1], k[b0:b1, h0:h1], v[b0:b1, h0:h1],
+                                   _map_view(block_map, b0, b1, h0, h1))
     return out
+
+
+def _run_chunks(q, k, v, block_map, block_size, scale, fp8, config, prefix_len, prefix_bias, token_perm=None):
+    _validate(q, k, v, block_map, block_size)
+    token_perm = _check_perm(token_perm, q, k)
+    return run_in_int32_chunks(q, k, v, block_map, lambda q, k, v, bm: launch_attention(prepare_attention(
+        q, k, v, bm, block_size, scale, fp8, config, prefix_len, prefix_bias, token_perm)))
 
 
 def default_scale(head_dim: int) -> float:

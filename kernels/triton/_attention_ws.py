@@ -32,19 +32,21 @@ ceil(Lk/128)]``. Partial last blocks are handled (keys past ``Lk`` get logit -in
 are not stored); a row that keeps no block yields zeros. No prefix bias: the public API sends such
 calls to the next backend (:func:`supports`). Returns ``[B, H, Lq, D]`` in q's dtype.
 
-Gluon is an experimental Triton API (Triton >= 3.5): :func:`available` says whether this Triton has
-it; the tests compile the kernel for sm_90 on the CPU, so an API change shows up in CI.
+Gluon is an experimental Triton API (built and tested with Triton 3.6 and 3.8): :func:`available`
+says whether this Triton has it; the tests compile the kernel for sm_90 on the CPU, so an API change
+shows up in CI, and a Triton that imports Gluon but cannot build the kernel fails its first call,
+which ``auto`` logs once before moving to ``triton_fp8``.
 """
 
 from __future__ import annotations
 
 import torch
-import triton
 
-from ._attention import P_SHIFT_LOG2, _validate, compress_block_map, int32_chunks, output_like, _map_view
-from ._quant import QUANT_TILE, quantize_qkv_fp8
+from ._attention import (P_SHIFT_LOG2, _validate, block_list_strides, compress_block_map, output_like,
+                         run_in_int32_chunks)
+from ._quant import quantize_qkv_fp8
 
-try:  # Gluon ships with Triton >= 3.5; older Tritons simply have no such backend
+try:  # Gluon ships inside recent Tritons; without it this backend reports itself unavailable
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
@@ -127,24 +129,24 @@ if gluon is not None:
                 kctr += 1
 
     @gluon.jit
-    def _logits(s, sc, kb, offs_n, Lk, num_kv_blocks, TAIL_K: gl.constexpr):
-        """The wgmma output ``s`` of key block ``kb`` -> its row maxima in log2 units (``sc`` = sq * sk > 0
-        folds the scales in after the max), with keys past ``Lk`` at -inf in the partial last block."""
+    def _softmax_block(s, m_i, l_i, sc, kb, offs_n, Lk, num_kv_blocks, TAIL_K: gl.constexpr, P_SHIFT: gl.constexpr,
+                       ABLATE: gl.constexpr):
+        """Online softmax over key block ``kb``'s wgmma output ``s`` (``sc`` = sq * sk > 0, folded in after
+        the row max): returns ``(P, m, l, alpha)`` with ``P = exp2(s * sc - m + P_SHIFT)`` in fp32 (row
+        maximum 2^P_SHIFT, inside e4m3), the new row max / sum and ``alpha`` = the old accumulator's
+        rescale factor. Keys past ``Lk`` in the partial last block get -inf. ABLATE (benchmark only,
+        results meaningless): 1 leaves the exp2 out, 2 the whole softmax."""
         if TAIL_K:
             if kb == num_kv_blocks - 1:
                 s = gl.where((kb * _BLOCK + offs_n < Lk)[None, :], s, float("-inf"))
-        return s, gl.max(s, axis=1) * sc
-
-    @gluon.jit
-    def _probs(s, sc, m_new, P_SHIFT: gl.constexpr, ABLATE: gl.constexpr):
-        """``P = exp2(s * sc - m + P_SHIFT)`` in fp32 (row maximum 2^P_SHIFT, inside e4m3).
-        ABLATE (benchmark only, results meaningless): 1 leaves the exp2 out, 2 the whole softmax."""
         if ABLATE == 2:
-            return s * sc
-        x = s * sc - (m_new - P_SHIFT)[:, None]
-        if ABLATE == 1:
-            return x
-        return gl.exp2(x)
+            return s * sc, m_i, l_i, gl.full_like(m_i, 1.0)
+        m_new = gl.maximum(m_i, gl.max(s, axis=1) * sc)
+        p = s * sc - (m_new - P_SHIFT)[:, None]
+        if ABLATE == 0:
+            p = gl.exp2(p)
+        alpha = gl.exp2(m_i - m_new)
+        return p, m_new, l_i * alpha + gl.sum(p, axis=1), alpha
 
     @gluon.jit
     def _p_operand(p, p_layout: gl.constexpr):
@@ -212,10 +214,8 @@ if gluon is not None:
                     mbarrier.wait(k_ready.index(st), (kctr // STAGES) & 1)
                     s = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
                     s = warpgroup_mma_wait(num_outstanding=0, deps=[s])
-                    s, mb = _logits(s, sc, kb, offs_n, Lk, num_kv_blocks, TAIL_K)
-                    m_i = gl.maximum(m_i, mb)
-                    p = _probs(s, sc, m_i, P_SHIFT, ABLATE)
-                    l_i = gl.sum(p, axis=1)
+                    p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, sc, kb, offs_n, Lk, num_kv_blocks, TAIL_K,
+                                                        P_SHIFT, ABLATE)
                     p8 = _p_operand(p, p_layout)
                     mbarrier.wait(v_ready.index(st), (kctr // STAGES) & 1)
                     prev = st
@@ -228,12 +228,8 @@ if gluon is not None:
                     s = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
                     acc = warpgroup_mma(p8, v_smem.index(prev).permute((1, 0)), acc, is_async=True)
                     s = warpgroup_mma_wait(num_outstanding=1, deps=[s])  # Q @ K^T done; P @ V may run on
-                    s, mb = _logits(s, sc, kb, offs_n, Lk, num_kv_blocks, TAIL_K)
-                    m_new = gl.maximum(m_i, mb)
-                    p = _probs(s, sc, m_new, P_SHIFT, ABLATE)
-                    alpha = gl.exp2(m_i - m_new)
-                    l_i = l_i * alpha + gl.sum(p, axis=1)
-                    m_i = m_new
+                    p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, sc, kb, offs_n, Lk, num_kv_blocks, TAIL_K,
+                                                        P_SHIFT, ABLATE)
                     acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
                     mbarrier.arrive(kv_empty.index(prev), count=1)
                     acc = acc * gl.convert_layout(alpha, row_o)[:, None]
@@ -261,12 +257,8 @@ if gluon is not None:
                     mbarrier.arrive(turn.index(1 - CONSUMER), count=1)
                     turns += 1
                 s = warpgroup_mma_wait(num_outstanding=0, deps=[s])
-                s, mb = _logits(s, sc, kb, offs_n, Lk, num_kv_blocks, TAIL_K)
-                m_new = gl.maximum(m_i, mb)
-                p = _probs(s, sc, m_new, P_SHIFT, ABLATE)
-                alpha = gl.exp2(m_i - m_new)
-                l_i = l_i * alpha + gl.sum(p, axis=1)
-                m_i = m_new
+                p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, sc, kb, offs_n, Lk, num_kv_blocks, TAIL_K, P_SHIFT,
+                                                    ABLATE)
                 acc = acc * gl.convert_layout(alpha, row_o)[:, None]
                 p8 = _p_operand(p, p_layout)
                 mbarrier.wait(v_ready.index(st), ph)
@@ -338,16 +330,17 @@ def shared_layouts(head_dim: int):
 def launch_ws(q, k, v, block_map, scale: float, config: dict | None = None) -> torch.Tensor:
     """Pre-pass + block lists + the warp-specialised kernel, for one int32-safe chunk."""
     cfg = dict(DEFAULT_CONFIG, **(config or {}))
+    if cfg["schedule"] not in SCHEDULES or int(cfg["stages"]) < 2 or int(cfg["q_stages"]) < 1:
+        raise ValueError(f"bad warp-specialised kernel config {cfg}: schedule one of {SCHEDULES}, stages >= 2, "
+                         "q_stages >= 1")
     batch, heads, q_len, head_dim = q.shape
     kv_len = k.shape[2]
     q8, k8, v8t, q_scale, k_scale, v_scale = quantize_qkv_fp8(q, k, v, scale, v_key_order="wgmma")
     lpad_q, lpad_k = q8.shape[2], k8.shape[2]
     kv_num, kv_idx = compress_block_map(block_map)
     sched = torch.argsort(kv_num, dim=-1, descending=True, stable=True).to(torch.int32)
-    bm_b, bm_h, num_q_blocks, num_kv_blocks = block_map.shape
-    map_strides = (bm_h * num_q_blocks if bm_b > 1 else 0, num_q_blocks if bm_h > 1 else 0,
-                   bm_h * num_q_blocks * num_kv_blocks if bm_b > 1 else 0,
-                   num_q_blocks * num_kv_blocks if bm_h > 1 else 0, num_kv_blocks)
+    num_q_blocks, num_kv_blocks = block_map.shape[2:]
+    map_strides = block_list_strides(block_map)
     qk_layout, vt_layout = shared_layouts(head_dim)
     q_desc = TensorDescriptor.from_tensor(q8.view(-1, head_dim), [BLOCK, head_dim], qk_layout)
     k_desc = TensorDescriptor.from_tensor(k8.view(-1, head_dim), [BLOCK, head_dim], qk_layout)
@@ -375,16 +368,8 @@ def block_sparse_attention_ws(q, k, v, block_map, scale: float, config: dict | N
         raise ValueError(why)
     if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:
         raise ValueError("the warp-specialised FP8 kernel needs a CUDA sm_90 (Hopper) device")
-    padded = -(-max(q.shape[2], k.shape[2]) // QUANT_TILE) * QUANT_TILE
     with torch.cuda.device(q.device):
-        chunks = int32_chunks((q, k, v), padded * q.shape[3])
-        if len(chunks) == 1:
-            return launch_ws(q, k, v, block_map, scale, config)
-        out = output_like(q)
-        for b0, b1, h0, h1 in chunks:
-            out[b0:b1, h0:h1] = launch_ws(q[b0:b1, h0:h1], k[b0:b1, h0:h1], v[b0:b1, h0:h1],
-                                          _map_view(block_map, b0, b1, h0, h1), scale, config)
-        return out
+        return run_in_int32_chunks(q, k, v, block_map, lambda q, k, v, bm: launch_ws(q, k, v, bm, scale, config))
 
 
 __all__ = ["block_sparse_attention_ws", "available", "supports", "DEFAULT_CONFIG", "BLOCK"]

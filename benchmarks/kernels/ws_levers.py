@@ -1,0 +1,81 @@
+"""Lever sweep of the warp-specialised FP8 kernel (``triton_fp8_ws``) against the Triton FP8 kernel.
+
+Usage (on an sm_90 GPU)::
+
+    python benchmarks/kernels/ws_levers.py --sizes 75600,32760 --densities 1.0,0.15,0.05 \\
+        --configs '{"serial": {}, "overlap": {"schedule": "overlap"}, "noexp": {"ablate": 1}}'
+
+Each config is a dict of ``chorus.kernels.triton._attention_ws.DEFAULT_CONFIG`` overrides (``schedule``,
+``stages``, ``q_stages``; ``ablate`` 1 / 2 leaves the exp2 / the whole softmax out, benchmark only:
+its output is meaningless and its cosine says so). Inputs: 1 x 40 heads x L x 128, unit Gaussians in
+bf16, the benchmark's structured maps (``masks.structured_block_map``); times are
+``triton.testing.do_bench`` medians of whole calls (pre-pass included); TFLOP/s count kept blocks.
+Prints one line per (size, density, config) and the pre-pass alone per size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+
+import torch
+from triton.testing import do_bench
+
+from chorus.kernels.triton import block_sparse_attention_triton
+from chorus.kernels.triton._attention import compress_block_map
+from chorus.kernels.triton._attention_ws import block_sparse_attention_ws
+from chorus.kernels.triton._quant import quantize_qkv_fp8
+
+_MASKS_PY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "masks.py")
+
+
+def _masks():
+    spec = importlib.util.spec_from_file_location("chorus_bench_kernel_masks", _MASKS_PY)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes", default="75600,32760")
+    ap.add_argument("--densities", default="1.0,0.15,0.05")
+    ap.add_argument("--configs", default='{"serial": {}}', help="JSON: name -> DEFAULT_CONFIG overrides")
+    ap.add_argument("--heads", type=int, default=40)
+    args = ap.parse_args()
+    configs = json.loads(args.configs)
+    densities = [float(x) for x in args.densities.split(",")]
+    heads, dim = args.heads, 128
+    scale = dim ** -0.5
+    masks = _masks()
+    for length in (int(x) for x in args.sizes.split(",")):
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        q, k, v = (torch.randn(1, heads, length, dim, device="cuda", generator=gen).bfloat16() for _ in range(3))
+        full = torch.ones(1, heads, 1, 1, dtype=torch.bool, device="cuda")
+        t_pre = do_bench(lambda: (quantize_qkv_fp8(q, k, v, scale), compress_block_map(full)), return_mode="median")
+        print(f"[{length}] pre-pass {t_pre:.3f} ms", flush=True)
+        for density in densities:
+            bm = masks.structured_block_map(length, heads, density, 128, device="cuda")
+            flops = 4 * bm.sum().item() * 128 * 128 * dim
+            ref = block_sparse_attention_triton(q, k, v, bm, block_size=128, fp8=True)
+            t = do_bench(lambda: block_sparse_attention_triton(q, k, v, bm, block_size=128, fp8=True),
+                         return_mode="median")
+            print(f"[{length}] d={density} triton_fp8 {t:.2f} ms {flops / t / 1e9:.0f} TFLOP/s", flush=True)
+            for name, cfg in configs.items():
+                if cfg.get("ablate") and density != densities[0]:
+                    continue  # ablations on the first map only
+                try:
+                    out = block_sparse_attention_ws(q, k, v, bm, scale, cfg)
+                    cos = torch.nn.functional.cosine_similarity(out.double().flatten(), ref.double().flatten(),
+                                                                dim=0).item()
+                    t = do_bench(lambda: block_sparse_attention_ws(q, k, v, bm, scale, cfg), return_mode="median")
+                    print(f"[{length}] d={density} {name:12s} {t:.2f} ms {flops / t / 1e9:.0f} TFLOP/s "
+                          f"cos_vs_triton {cos:.6f}", flush=True)
+                except Exception as exc:  # noqa: BLE001 - a config that does not build is a result too
+                    print(f"[{length}] d={density} {name} FAILED {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
