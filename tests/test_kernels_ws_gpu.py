@@ -2,7 +2,7 @@
 FP8 path (``test_triton_gpu.py``) against the fp64 oracle on whole query blocks (first, middle, partial
 last): relative L1 and cosine deficit <= 2 x those of the SageAttention-style FP8 emulation, cosine
 >= 0.998; at awkward lengths, head dims 64 / 128, densities 3-100%, every schedule (serial,
-intra-warpgroup overlap, ping-pong), ComfyUI's [B, L, H, D] memory with a broadcast map and batch 2,
+intra-warpgroup overlap, ping-pong) and exp2 split (a quarter / half of the columns on the FMA pipes), ComfyUI's [B, L, H, D] memory with a broadcast map and batch 2,
 rows that keep no block, agreement with the Triton FP8 kernel (same pre-pass, same scales), and the
 public API (auto's choice on sm_90, a prefix-bias call routed to triton_fp8, torch.compile)."""
 
@@ -52,7 +52,8 @@ def _check(out, q, k, v, bm):
     assert ours["cosine"] >= 0.998, ours
 
 
-SCHEDULES = {"serial": {}, "overlap": {"schedule": "overlap"}, "pingpong": {"schedule": "pingpong"}}
+SCHEDULES = {"serial": {}, "overlap": {"schedule": "overlap"}, "pingpong": {"schedule": "pingpong"},
+             "fma_quarter": {"fma_quarters": 1}, "fma_half": {"fma_quarters": 2}}
 
 
 @pytest.mark.parametrize("length,dim", [(1000, 128), (4097, 128), (4097, 64), (32760, 128)])

@@ -60,7 +60,7 @@ BLOCK = 128  # query rows per CTA, keys per block, tokens per Q/K scale
 CONSUMER_ROWS = 64  # query rows per consumer warpgroup (one wgmma M tile of 4 warps)
 CONSUMER_REGS = 240  # registers per consumer thread (setmaxnreg); the producer keeps the rest
 SCHEDULES = ("serial", "overlap", "pingpong")
-DEFAULT_CONFIG = dict(stages=3, q_stages=2, schedule="serial")
+DEFAULT_CONFIG = dict(stages=3, q_stages=2, schedule="serial", fma_quarters=0)
 
 
 def available() -> str | None:
@@ -129,8 +129,45 @@ if gluon is not None:
                 kctr += 1
 
     @gluon.jit
+    def _exp2_fma(x):
+        """exp2 on the FMA pipes for x <= P_SHIFT: x = j + f with j = round(x) (the 1.5 * 2^23 trick),
+        ``2^f`` by a degree-2 polynomial on [-0.5, 0.5] (relative error 1.7e-3, far below e4m3's 2^-4
+        step), ``j`` added to the exponent bits. ``x`` is clamped at -100 (``-inf`` keys give 2^-100,
+        which is 0 in e4m3 and nothing in the row sum)."""
+        x = gl.maximum(x, -100.0)
+        t = x + 12582912.0
+        f = x - (t - 12582912.0)
+        p = (0.23842119 * f + 0.70343381) * f + 1.00044262
+        j = t.to(gl.int32, bitcast=True) - 0x4B400000
+        return (p.to(gl.int32, bitcast=True) + (j << 23)).to(gl.float32, bitcast=True)
+
+    @gluon.jit
+    def _exp2_split(x, FMA_QUARTERS: gl.constexpr):
+        """exp2 of ``x`` (``[ROWS, N]``, wgmma accumulator layout) with ``FMA_QUARTERS`` (0, 1 or 2) quarters
+        of the columns on the FMA pipes (:func:`_exp2_fma`) and the rest on the MUFU: FlashAttention-4's
+        balance of the two pipes. The columns are split along register bits of each thread (free)."""
+        layout: gl.constexpr = x.type.layout
+        R: gl.constexpr = x.shape[0]
+        N: gl.constexpr = x.shape[1]
+        if FMA_QUARTERS == 0:
+            y = gl.exp2(x)
+        else:
+            lo, hi = gl.split(gl.permute(gl.reshape(x, [R, N // 16, 2, 8]), [0, 1, 3, 2]))
+            lo = gl.exp2(lo)
+            if FMA_QUARTERS == 2:
+                hi = gl.convert_layout(_exp2_fma(hi), lo.type.layout, assert_trivial=True)
+            else:
+                a, b = gl.split(gl.permute(gl.reshape(hi, [R, N // 32, 2, 8]), [0, 1, 3, 2]))
+                a = gl.exp2(a)
+                b = gl.convert_layout(_exp2_fma(b), a.type.layout, assert_trivial=True)
+                hi = gl.convert_layout(gl.reshape(gl.permute(gl.join(a, b), [0, 1, 3, 2]), [R, N // 16, 8]),
+                                       lo.type.layout, assert_trivial=True)
+            y = gl.reshape(gl.permute(gl.join(lo, hi), [0, 1, 3, 2]), [R, N])
+        return gl.convert_layout(y, layout, assert_trivial=True)
+
+    @gluon.jit
     def _softmax_block(s, m_i, l_i, sc, kb, offs_n, Lk, num_kv_blocks, TAIL_K: gl.constexpr, P_SHIFT: gl.constexpr,
-                       ABLATE: gl.constexpr):
+                       ABLATE: gl.constexpr, FMA_QUARTERS: gl.constexpr):
         """Online softmax over key block ``kb``'s wgmma output ``s`` (``sc`` = sq * sk > 0, folded in after
         the row max): returns ``(P, m, l, alpha)`` with ``P = exp2(s * sc - m + P_SHIFT)`` in fp32 (row
         maximum 2^P_SHIFT, inside e4m3), the new row max / sum and ``alpha`` = the old accumulator's
@@ -144,7 +181,7 @@ if gluon is not None:
         m_new = gl.maximum(m_i, gl.max(s, axis=1) * sc)
         p = s * sc - (m_new - P_SHIFT)[:, None]
         if ABLATE == 0:
-            p = gl.exp2(p)
+            p = _exp2_split(p, FMA_QUARTERS)
         alpha = gl.exp2(m_i - m_new)
         return p, m_new, l_i * alpha + gl.sum(p, axis=1), alpha
 
@@ -169,7 +206,8 @@ if gluon is not None:
                   q_scale, k_scale, v_scale, sched, kv_num, kv_idx, H, Lq, Lk, num_kv_blocks, q_blocks, num_tiles,
                   n_q_scale, n_k_scale, s_ob, s_oh, s_ol, s_nb, s_nh, s_ib, s_ih, s_iq,
                   HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, Q_STAGES: gl.constexpr, CONSUMER: gl.constexpr,
-                  TAIL_K: gl.constexpr, P_SHIFT: gl.constexpr, SCHEDULE: gl.constexpr, ABLATE: gl.constexpr):
+                  TAIL_K: gl.constexpr, P_SHIFT: gl.constexpr, SCHEDULE: gl.constexpr, ABLATE: gl.constexpr,
+                  FMA_QUARTERS: gl.constexpr):
         ROWS: gl.constexpr = _ROWS
         # wgmma accumulator layouts (M = 64 rows over 4 warps; K = 32 for 8-bit operands) and the
         # register layout of P as the A operand of P @ V
@@ -215,7 +253,7 @@ if gluon is not None:
                     s = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
                     s = warpgroup_mma_wait(num_outstanding=0, deps=[s])
                     p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, sc, kb, offs_n, Lk, num_kv_blocks, TAIL_K,
-                                                        P_SHIFT, ABLATE)
+                                                        P_SHIFT, ABLATE, FMA_QUARTERS)
                     p8 = _p_operand(p, p_layout)
                     mbarrier.wait(v_ready.index(st), (kctr // STAGES) & 1)
                     prev = st
@@ -229,7 +267,7 @@ if gluon is not None:
                     acc = warpgroup_mma(p8, v_smem.index(prev).permute((1, 0)), acc, is_async=True)
                     s = warpgroup_mma_wait(num_outstanding=1, deps=[s])  # Q @ K^T done; P @ V may run on
                     p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, sc, kb, offs_n, Lk, num_kv_blocks, TAIL_K,
-                                                        P_SHIFT, ABLATE)
+                                                        P_SHIFT, ABLATE, FMA_QUARTERS)
                     acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
                     mbarrier.arrive(kv_empty.index(prev), count=1)
                     acc = acc * gl.convert_layout(alpha, row_o)[:, None]
@@ -258,7 +296,7 @@ if gluon is not None:
                     turns += 1
                 s = warpgroup_mma_wait(num_outstanding=0, deps=[s])
                 p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, sc, kb, offs_n, Lk, num_kv_blocks, TAIL_K, P_SHIFT,
-                                                    ABLATE)
+                                                    ABLATE, FMA_QUARTERS)
                 acc = acc * gl.convert_layout(alpha, row_o)[:, None]
                 p8 = _p_operand(p, p_layout)
                 mbarrier.wait(v_ready.index(st), ph)
@@ -286,7 +324,8 @@ if gluon is not None:
                        H, Lq, Lk, lpad_q, lpad_k, num_kv_blocks, q_blocks, num_tiles, n_q_scale, n_k_scale,
                        s_ob, s_oh, s_ol, s_nb, s_nh, s_ib, s_ih, s_iq,
                        HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, Q_STAGES: gl.constexpr,
-                       TAIL_K: gl.constexpr, P_SHIFT: gl.constexpr, SCHEDULE: gl.constexpr, ABLATE: gl.constexpr):
+                       TAIL_K: gl.constexpr, P_SHIFT: gl.constexpr, SCHEDULE: gl.constexpr, ABLATE: gl.constexpr,
+                       FMA_QUARTERS: gl.constexpr):
         q_smem = gl.allocate_shared_memory(gl.float8e4nv, [Q_STAGES, _BLOCK, HEAD_DIM], q_desc.layout)
         k_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, _BLOCK, HEAD_DIM], k_desc.layout)
         v_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, HEAD_DIM, _BLOCK], v_desc.layout)
@@ -312,11 +351,11 @@ if gluon is not None:
             (_consumer, (O, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn,
                          q_scale, k_scale, v_scale, sched, kv_num, kv_idx, H, Lq, Lk, num_kv_blocks, q_blocks,
                          num_tiles, n_q_scale, n_k_scale, s_ob, s_oh, s_ol, s_nb, s_nh, s_ib, s_ih, s_iq,
-                         HEAD_DIM, STAGES, Q_STAGES, 0, TAIL_K, P_SHIFT, SCHEDULE, ABLATE)),
+                         HEAD_DIM, STAGES, Q_STAGES, 0, TAIL_K, P_SHIFT, SCHEDULE, ABLATE, FMA_QUARTERS)),
             (_consumer, (O, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn,
                          q_scale, k_scale, v_scale, sched, kv_num, kv_idx, H, Lq, Lk, num_kv_blocks, q_blocks,
                          num_tiles, n_q_scale, n_k_scale, s_ob, s_oh, s_ol, s_nb, s_nh, s_ib, s_ih, s_iq,
-                         HEAD_DIM, STAGES, Q_STAGES, 1, TAIL_K, P_SHIFT, SCHEDULE, ABLATE)),
+                         HEAD_DIM, STAGES, Q_STAGES, 1, TAIL_K, P_SHIFT, SCHEDULE, ABLATE, FMA_QUARTERS)),
         ], [4, 4], [_REGS, _REGS])
 
 
@@ -330,9 +369,10 @@ def shared_layouts(head_dim: int):
 def launch_ws(q, k, v, block_map, scale: float, config: dict | None = None) -> torch.Tensor:
     """Pre-pass + block lists + the warp-specialised kernel, for one int32-safe chunk."""
     cfg = dict(DEFAULT_CONFIG, **(config or {}))
-    if cfg["schedule"] not in SCHEDULES or int(cfg["stages"]) < 2 or int(cfg["q_stages"]) < 1:
+    if cfg["schedule"] not in SCHEDULES or int(cfg["stages"]) < 2 or int(cfg["q_stages"]) < 1 \
+            or int(cfg["fma_quarters"]) not in (0, 1, 2):
         raise ValueError(f"bad warp-specialised kernel config {cfg}: schedule one of {SCHEDULES}, stages >= 2, "
-                         "q_stages >= 1")
+                         "q_stages >= 1, fma_quarters 0 / 1 / 2")
     batch, heads, q_len, head_dim = q.shape
     kv_len = k.shape[2]
     q8, k8, v8t, q_scale, k_scale, v_scale = quantize_qkv_fp8(q, k, v, scale, v_key_order="wgmma")
@@ -354,7 +394,7 @@ def launch_ws(q, k, v, block_map, scale: float, config: dict | None = None) -> t
         q_scale.shape[-1], k_scale.shape[-1], out.stride(0), out.stride(1), out.stride(2), *map_strides,
         HEAD_DIM=head_dim, STAGES=int(cfg["stages"]), Q_STAGES=int(cfg["q_stages"]),
         TAIL_K=kv_len % BLOCK != 0, P_SHIFT=P_SHIFT_LOG2, SCHEDULE=cfg["schedule"],
-        ABLATE=int(cfg.get("ablate", 0)), num_warps=4)
+        ABLATE=int(cfg.get("ablate", 0)), FMA_QUARTERS=int(cfg["fma_quarters"]), num_warps=4)
     return out
 
 
