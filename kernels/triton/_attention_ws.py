@@ -22,8 +22,11 @@ on sm_90:
 GEMMs and softmax in order and lets the two warpgroups overlap each other through the warp
 schedulers; ``"overlap"`` issues block j's ``Q @ K^T`` before waiting for block j-1's ``P @ V``
 (FlashAttention-3's intra-warpgroup pipelining); ``"pingpong"`` makes the warpgroups take turns
-issuing their GEMMs (FlashAttention-3's ping-pong, mbarriers for the turns). The last two are the
-benchmark's levers (``docs/BENCHMARKS.md``: both slower here).
+issuing their GEMMs (FlashAttention-3's ping-pong, mbarriers for the turns). ``FMA_QUARTERS``
+(0 by default; 1 or 2): that share of each row's exp2 runs on the FMA pipes instead of the MUFU
+(FlashAttention-4's split, :func:`_exp2_split`). All but the defaults are the benchmark's levers
+(``docs/BENCHMARKS.md``, "third run": overlap and ping-pong slower here, a quarter split +3% on a
+full map and level where hits run).
 
 Contract (checked by :func:`block_sparse_attention_ws`): q ``[B, H, Lq, D]``, k/v ``[B, H, Lk, D]``
 fp16/bf16 on one sm_90 device, unit stride on D (ComfyUI's ``[B, L, H, D]`` views work), D in
