@@ -5,22 +5,10 @@ shuffle; the kernel itself asserts that conversion is trivial). Its numerics: te
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import re
 
 import pytest
 import torch
-
-_AOT_PY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "kernels",
-                       "aot_check.py")
-
-
-def _aot_check():
-    spec = importlib.util.spec_from_file_location("chorus_bench_aot_check", _AOT_PY)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_auto_takes_it_first_on_hopper_and_never_for_block_mass():
@@ -75,7 +63,9 @@ def test_kernel_compiles_for_sm90_with_fp8_wgmma_and_no_shuffles(head_dim, sched
 
     if _attention_ws.available():
         pytest.fail(f"this Triton has no Gluon Hopper API: {_attention_ws.available()}")
-    kernel = _aot_check().compile_ws(head_dim, schedule, tail=True)
+    from benchmarks.kernels.aot_check import compile_ws
+
+    kernel = compile_ws(head_dim, schedule, tail=True)
     ptx = kernel.asm["ptx"]
     mmas = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k32\.f32\.e4m3\.e4m3", ptx))
     assert mmas == {"128"} if head_dim == 128 else mmas == {"128", "64"}, mmas  # QK^T: N = 128 keys; PV: N = D

@@ -24,19 +24,6 @@ pytestmark = [
     pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="compiled kernels only"),
 ]
 
-_MASKS_PY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "kernels", "masks.py")
-
-
-def _bench_masks():
-    """The benchmark's structured-mask builder (loaded from its file; benchmarks/ is not a package)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("chorus_bench_kernel_masks", _MASKS_PY)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _fp8_capable() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
 
@@ -54,8 +41,8 @@ def block_rows(length, bs, blocks):
 
 
 def structured_map(length, heads, density, bs=128):
-    masks = _bench_masks()
-    grid_for, structured_block_map = masks.grid_for, masks.structured_block_map
+    from benchmarks.kernels.masks import grid_for, structured_block_map  # the benchmark's structured maps
+
     if length in (32760, 75600):
         return structured_block_map(length, heads, density, bs, device="cuda")
     return structured_block_map(length, heads, density, bs, device="cuda", grid=grid_for(length))

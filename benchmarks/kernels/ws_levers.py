@@ -16,26 +16,20 @@ Prints one line per (size, density, config) and the pre-pass alone per size.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
+import sys
 
 import torch
 from triton.testing import do_bench
 
-from chorus.kernels.triton import block_sparse_attention_triton
-from chorus.kernels.triton._attention import compress_block_map
-from chorus.kernels.triton._attention_ws import block_sparse_attention_ws
-from chorus.kernels.triton._quant import quantize_qkv_fp8
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from masks import structured_block_map  # noqa: E402  (as bench_block_sparse.py imports it)
 
-_MASKS_PY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "masks.py")
-
-
-def _masks():
-    spec = importlib.util.spec_from_file_location("chorus_bench_kernel_masks", _MASKS_PY)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from chorus.kernels.triton import block_sparse_attention_triton  # noqa: E402
+from chorus.kernels.triton._attention import compress_block_map  # noqa: E402
+from chorus.kernels.triton._attention_ws import block_sparse_attention_ws  # noqa: E402
+from chorus.kernels.triton._quant import quantize_qkv_fp8  # noqa: E402
 
 
 def main():
@@ -49,7 +43,6 @@ def main():
     densities = [float(x) for x in args.densities.split(",")]
     heads, dim = args.heads, 128
     scale = dim ** -0.5
-    masks = _masks()
     for length in (int(x) for x in args.sizes.split(",")):
         gen = torch.Generator(device="cuda").manual_seed(0)
         q, k, v = (torch.randn(1, heads, length, dim, device="cuda", generator=gen).bfloat16() for _ in range(3))
@@ -57,7 +50,7 @@ def main():
         t_pre = do_bench(lambda: (quantize_qkv_fp8(q, k, v, scale), compress_block_map(full)), return_mode="median")
         print(f"[{length}] pre-pass {t_pre:.3f} ms", flush=True)
         for density in densities:
-            bm = masks.structured_block_map(length, heads, density, 128, device="cuda")
+            bm = structured_block_map(length, heads, density, 128, device="cuda")
             flops = 4 * bm.sum().item() * 128 * 128 * dim
             ref = block_sparse_attention_triton(q, k, v, bm, block_size=128, fp8=True)
             t = do_bench(lambda: block_sparse_attention_triton(q, k, v, bm, block_size=128, fp8=True),

@@ -14,10 +14,11 @@ Feature reuse's fused pool / unpool kernels live in :mod:`._pooling` (called by
 :mod:`chorus.kernels.pooling` on CUDA tensors).
 
 The launchers are ``torch.library`` custom ops (``torch.ops.chorus.block_sparse_attention_triton``,
-``torch.ops.chorus.block_sparse_attention_ws``, ``torch.ops.chorus.block_mass_triton``) with fake (shape-only) implementations, so a model calling
-them compiles with ``torch.compile`` (they are opaque to the compiler). Importing this package
-imports ``triton``; it raises ImportError where Triton is missing (the API reports that as the
-reason the backend cannot run). Contracts: :mod:`._attention`, :mod:`._quant`, :mod:`._block_mass`.
+``torch.ops.chorus.block_sparse_attention_ws``, ``torch.ops.chorus.block_mass_triton``) with fake
+(shape-only) implementations, so a model calling them compiles with ``torch.compile`` (they are
+opaque to the compiler). Importing this package imports ``triton``; it raises ImportError where
+Triton is missing (the API reports that as the reason the backend cannot run). Contracts:
+:mod:`._attention`, :mod:`._attention_ws`, :mod:`._quant`, :mod:`._block_mass`.
 """
 
 from __future__ import annotations
@@ -32,8 +33,7 @@ from ._attention import block_sparse_attention_triton_impl, compress_block_map, 
 from ._block_mass import block_mass_triton_impl
 
 __all__ = ["block_sparse_attention_triton", "block_sparse_attention_ws", "ws_unavailable", "ws_call_unsupported",
-           "block_mass_triton",
-           "triton_available", "compress_block_map"]
+           "block_mass_triton", "triton_available", "compress_block_map"]
 
 
 def triton_available() -> tuple[bool, str]:

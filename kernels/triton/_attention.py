@@ -299,13 +299,18 @@ def compress_block_map(block_map: torch.Tensor):
     return kv_num, kv_idx
 
 
-def block_list_strides(block_map: torch.Tensor) -> tuple[int, int, int, int, int]:
-    """Element strides ``(s_nb, s_nh, s_ib, s_ih, s_iq)`` of the ``kv_num`` / ``kv_idx`` lists that
-    :func:`compress_block_map` builds from ``block_map``, with 0 on broadcast (size-1) dims."""
+def lpt_block_lists(block_map: torch.Tensor):
+    """What the attention kernels walk: ``(kv_num, kv_idx, sched, strides)`` -- the block lists of
+    :func:`compress_block_map`, ``sched`` int32 ``[Bm, Hm, Qb]`` = query blocks longest row first (a
+    stable device argsort of ``kv_num``), and the element strides ``(s_nb, s_nh, s_ib, s_ih, s_iq)`` of
+    ``kv_num`` / ``sched`` and ``kv_idx``, 0 on broadcast (size-1) map dims."""
+    kv_num, kv_idx = compress_block_map(block_map)
+    sched = torch.argsort(kv_num, dim=-1, descending=True, stable=True).to(torch.int32)
     bm_b, bm_h, num_q_blocks, num_kv_blocks = block_map.shape
-    return (bm_h * num_q_blocks if bm_b > 1 else 0, num_q_blocks if bm_h > 1 else 0,
-            bm_h * num_q_blocks * num_kv_blocks if bm_b > 1 else 0,
-            num_q_blocks * num_kv_blocks if bm_h > 1 else 0, num_kv_blocks)
+    strides = (bm_h * num_q_blocks if bm_b > 1 else 0, num_q_blocks if bm_h > 1 else 0,
+               bm_h * num_q_blocks * num_kv_blocks if bm_b > 1 else 0,
+               num_q_blocks * num_kv_blocks if bm_h > 1 else 0, num_kv_blocks)
+    return kv_num, kv_idx, sched, strides
 
 
 def _validate(q, k, v, block_map, block_size):
@@ -376,9 +381,7 @@ def prepare_attention(q, k, v, block_map, block_size: int, scale: float, fp8: bo
     use_tma = bool(config.get("use_tma", False)) and tma_available() and not interpreter_upcast(q)
     num_q_blocks, num_kv_blocks = block_map.shape[2], block_map.shape[3]
 
-    kv_num, kv_idx = compress_block_map(block_map)
-    sched = torch.argsort(kv_num, dim=-1, descending=True, stable=True).to(torch.int32)
-    map_strides = block_list_strides(block_map)
+    kv_num, kv_idx, sched, map_strides = lpt_block_lists(block_map)
     q_raw = bool(fp8 and config.get("q_in_kernel", False))
     if fp8:
         q_in, k_in, v_in, q_scale, k_scale, v_scale = quantize_qkv_fp8(q, k, v, scale, quantize_q=not q_raw,

@@ -45,8 +45,7 @@ from __future__ import annotations
 
 import torch
 
-from ._attention import (P_SHIFT_LOG2, _validate, block_list_strides, compress_block_map, output_like,
-                         run_in_int32_chunks)
+from ._attention import P_SHIFT_LOG2, _validate, lpt_block_lists, output_like, run_in_int32_chunks
 from ._quant import quantize_qkv_fp8
 
 try:  # Gluon ships inside recent Tritons; without it this backend reports itself unavailable
@@ -380,10 +379,8 @@ def launch_ws(q, k, v, block_map, scale: float, config: dict | None = None) -> t
     kv_len = k.shape[2]
     q8, k8, v8t, q_scale, k_scale, v_scale = quantize_qkv_fp8(q, k, v, scale, v_key_order="wgmma")
     lpad_q, lpad_k = q8.shape[2], k8.shape[2]
-    kv_num, kv_idx = compress_block_map(block_map)
-    sched = torch.argsort(kv_num, dim=-1, descending=True, stable=True).to(torch.int32)
+    kv_num, kv_idx, sched, map_strides = lpt_block_lists(block_map)
     num_q_blocks, num_kv_blocks = block_map.shape[2:]
-    map_strides = block_list_strides(block_map)
     qk_layout, vt_layout = shared_layouts(head_dim)
     q_desc = TensorDescriptor.from_tensor(q8.view(-1, head_dim), [BLOCK, head_dim], qk_layout)
     k_desc = TensorDescriptor.from_tensor(k8.view(-1, head_dim), [BLOCK, head_dim], qk_layout)

@@ -91,18 +91,16 @@ def quantize_q_tile(q, q_mult, INTERPRET: tl.constexpr):
     return x.to(tl.float8e4nv), scale
 
 
-@triton.jit
-def wgmma_key_order(rows):
+def wgmma_key_order_torch(rows):
     """Column of V^T that holds key ``rows`` in the wgmma key order: within each 16 keys, key
     ``8a + 2t + b`` goes to ``4t + 2a + b`` (a, b in {0, 1}, t in 0..3). It is the order in which an
     FP8 wgmma's A-operand registers hold the keys of P computed in the accumulator layout, so the
-    warp-specialised kernel feeds P to ``P @ V`` without moving data between threads."""
+    warp-specialised kernel feeds P to ``P @ V`` without moving data between threads. Integer bit
+    operations only: the same body runs on torch tensors and, as :func:`wgmma_key_order`, in kernels."""
     return (rows & ~15) | (((rows >> 1) & 3) << 2) | (((rows >> 3) & 1) << 1) | (rows & 1)
 
 
-def wgmma_key_order_torch(rows: torch.Tensor) -> torch.Tensor:
-    """:func:`wgmma_key_order` on an integer tensor (tests, the plain-torch twin)."""
-    return (rows & ~15) | (((rows >> 1) & 3) << 2) | (((rows >> 3) & 1) << 1) | (rows & 1)
+wgmma_key_order = triton.jit(wgmma_key_order_torch)
 
 
 @triton.jit
