@@ -2,7 +2,7 @@
 
 Backends (:class:`Backend`): ``auto`` | ``triton_fp8_ws`` | ``triton_fp8`` | ``triton_bf16`` |
 ``fa4_bf16`` | ``flex`` | ``reference``. ``triton_fp8_ws`` is the warp-specialised Gluon FP8 kernel
-(:mod:`chorus.kernels.triton._attention_ws`; sm_90, attention only, block size 128, no prefix bias);
+(:mod:`chorus.kernels.triton._attention_ws`; sm_90, attention only, block size 128, head dim 64/128);
 ``fa4_bf16`` is FlashAttention-4's CuTe DSL kernel (optional dependency, see
 :mod:`chorus.kernels.fa4`; attention only, no prefix bias, block size 64 or 128).
 
@@ -10,8 +10,8 @@ Backends (:class:`Backend`): ``auto`` | ``triton_fp8_ws`` | ``triton_fp8`` | ``t
   triton_fp8_ws (sm_90) -> triton_fp8 (sm_90) -> fa4_bf16 (sm_90, where installed) -> triton_bf16
   (other CUDA GPUs) -> flex -> reference, logs its choice once, and if a chosen fast backend raises
   at run time it logs that once and moves down the chain. A call whose options a backend lacks
-  (triton_fp8_ws or fa4_bf16 with a prefix bias or another block size) runs on the next backend of
-  the chain, that call only.
+  (triton_fp8_ws with another block size or head dim, fa4_bf16 with a prefix bias or another block
+  size) runs on the next backend of the chain, that call only.
 - An explicit backend never falls back: if it cannot run on these inputs it raises
   :class:`BackendUnavailableError` naming the reason.
 
@@ -180,7 +180,7 @@ def _for_call_options(chosen: Backend, explicit: bool, q, block_size: int, prefi
 
         reason = check_call(block_size, prefix_len)
     elif chosen == Backend.TRITON_FP8_WS:
-        reason = _triton_module().ws_call_unsupported(q.shape[-1], block_size, prefix_len > 0)
+        reason = _triton_module().ws_call_unsupported(q.shape[-1], block_size)
     else:
         return chosen
     if reason is None:
@@ -279,7 +279,8 @@ def _run_attention(chosen: Backend, q, k, v, block_map, block_size, scale, prefi
         return block_sparse_attention_fa4(q, k, v, block_map, block_size=block_size, scale=scale)
     block_map = block_map if block_map.device == q.device else block_map.to(q.device)
     if chosen == Backend.TRITON_FP8_WS:
-        return _triton_module().block_sparse_attention_ws(q, k, v, block_map, scale=scale)
+        return _triton_module().block_sparse_attention_ws(q, k, v, block_map, scale=scale, prefix_len=prefix_len,
+                                                          prefix_bias=prefix_bias)
     return _triton_module().block_sparse_attention_triton(
         q, k, v, block_map, block_size=block_size, scale=scale, fp8=chosen == Backend.TRITON_FP8,
         prefix_len=prefix_len, prefix_bias=prefix_bias, token_perm=None if perm is None else perm[0])

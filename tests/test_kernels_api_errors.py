@@ -57,3 +57,12 @@ def test_bad_backend_and_block_size():
         K.block_mass(q, k, block_size=64, sample_rows=0)
     with pytest.raises(K.BackendUnavailableError, match="flex has no block_mass"):
         K.block_mass(q, k, block_size=64, backend="flex")
+
+
+@pytest.mark.parametrize("backend", ["triton_fp8_ws", "fa4_bf16"])
+def test_an_explicit_gpu_only_backend_on_cpu_names_the_device(backend):
+    q, k, v = make_qkv(q_len=200, head_dim=128)
+    with pytest.raises(K.BackendUnavailableError, match=f"{backend} needs a CUDA tensor"):
+        K.block_sparse_attention(q, k, v, _full(2, 2), block_size=128, backend=backend)
+    with pytest.raises(K.BackendUnavailableError, match=f"{backend}.*no block_mass|no block_mass.*{backend}"):
+        K.block_mass(q, k, block_size=128, backend=backend)

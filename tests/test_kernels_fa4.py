@@ -14,15 +14,6 @@ from chorus.kernels import api, fa4
 from testing import make_qkv
 
 
-def test_explicit_fa4_on_cpu_names_the_device():
-    q, k, v = make_qkv(q_len=200)
-    bm = torch.ones(1, 1, 2, 2, dtype=torch.bool)
-    with pytest.raises(K.BackendUnavailableError, match="fa4_bf16 needs a CUDA tensor"):
-        K.block_sparse_attention(q, k, v, bm, block_size=128, backend="fa4_bf16")
-    with pytest.raises(K.BackendUnavailableError, match="no block_mass"):
-        K.block_mass(q, k, block_size=128, backend="fa4_bf16")
-
-
 def test_auto_chain_takes_fa4_on_hopper_only_and_after_fp8():
     assert api._AUTO_CHAIN.index(api.Backend.FA4_BF16) == api._AUTO_CHAIN.index(api.Backend.TRITON_FP8) + 1
     assert api.Backend.FA4_BF16 in api._SM90_ONLY

@@ -3,8 +3,10 @@ FP8 path (``test_triton_gpu.py``) against the fp64 oracle on whole query blocks 
 last): relative L1 and cosine deficit <= 2 x those of the SageAttention-style FP8 emulation, cosine
 >= 0.998; at awkward lengths, head dims 64 / 128, densities 3-100%, every schedule (serial,
 intra-warpgroup overlap, ping-pong) and exp2 split (a quarter / half of the columns on the FMA pipes), ComfyUI's [B, L, H, D] memory with a broadcast map and batch 2,
-rows that keep no block, agreement with the Triton FP8 kernel (same pre-pass, same scales), and the
-public API (auto's choice on sm_90, a prefix-bias call routed to triton_fp8, torch.compile)."""
+rows that keep no block, the prefix bias (ChorusGuidanceBoost's first-frame weight, Wan's frame sizes
+as prefixes, not multiples of 128), agreement with the Triton FP8 kernel (same pre-pass, same scales,
+with and without the bias), and the public API (auto's choice on sm_90, a prefix-bias call taken by
+this kernel, torch.compile)."""
 
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ def _random_map(batch, heads, length, density, seed):
     return bm
 
 
-def _check(out, q, k, v, bm):
+def _check(out, q, k, v, bm, prefix_len=0, prefix_bias=0.0):
     from chorus.kernels.reference import dense_attention_oracle
     from chorus.kernels.triton.emulation import error_stats, sage_fp8_attention_emulation
 
@@ -43,9 +45,10 @@ def _check(out, q, k, v, bm):
     rows = torch.cat([torch.arange(b * 128, min((b + 1) * 128, q.shape[2]), device="cuda") for b in blocks])
     sub_map = bm[:, :, blocks]
     q_sub = q[:, :, rows]
-    oracle = dense_attention_oracle(q_sub, k, v, sub_map, 128)
+    oracle = dense_attention_oracle(q_sub, k, v, sub_map, 128, prefix_len=prefix_len, prefix_bias=prefix_bias)
     ours = error_stats(out[:, :, rows], oracle)
-    sage = error_stats(sage_fp8_attention_emulation(q_sub, k, v, sub_map, 128), oracle)
+    sage = error_stats(sage_fp8_attention_emulation(q_sub, k, v, sub_map, 128, prefix_len=prefix_len,
+                                                    prefix_bias=prefix_bias), oracle)
     assert torch.isfinite(out).all()
     assert ours["rel_l1"] <= 2 * sage["rel_l1"], (ours, sage)
     assert 1 - ours["cosine"] <= 2 * (1 - sage["cosine"]), (ours, sage)
@@ -99,7 +102,30 @@ def test_ws_agrees_with_triton_fp8_and_empty_rows_are_zero():
         assert torch.isfinite(out).all()
 
 
-def test_public_api_auto_takes_it_and_routes_a_prefix_bias_call():
+@pytest.mark.parametrize("length,prefix_len", [(4097, 300), (32760, 30 * 52), (3600 * 2 + 77, 3600)])
+@pytest.mark.parametrize("prefix_bias", [1.5, -0.7])
+@pytest.mark.parametrize("schedule", ["serial", "pingpong"])
+def test_prefix_bias_matches_oracle_and_the_triton_kernel(length, prefix_len, prefix_bias, schedule):
+    from chorus.kernels.triton import block_sparse_attention_triton
+    from chorus.kernels.triton._attention_ws import block_sparse_attention_ws
+
+    q, k, v = cuda_bf16_qkv(1, 3, length, 128, seed=length + prefix_len)
+    bm = _random_map(1, 3, length, 0.25, seed=prefix_len)
+    bm[..., : -(-prefix_len // 128)] = True  # every row sees the whole prefix (Chorus's first-frame keep-set)
+    out = block_sparse_attention_ws(q, k, v, bm, SCALE, SCHEDULES[schedule], prefix_len=prefix_len,
+                                    prefix_bias=prefix_bias)
+    _check(out, q, k, v, bm, prefix_len, prefix_bias)
+    ref = block_sparse_attention_triton(q, k, v, bm, block_size=128, fp8=True, prefix_len=prefix_len,
+                                        prefix_bias=prefix_bias)
+    cos = torch.nn.functional.cosine_similarity(out.double().flatten(), ref.double().flatten(), dim=0).item()
+    assert cos > 0.9999, cos
+    unbiased = block_sparse_attention_ws(q, k, v, bm, SCALE, SCHEDULES[schedule])
+    assert not torch.equal(out, unbiased)  # the bias acted
+    assert torch.equal(block_sparse_attention_ws(q, k, v, bm, SCALE, prefix_len=prefix_len, prefix_bias=0.0),
+                       block_sparse_attention_ws(q, k, v, bm, SCALE))  # a zero bias is the unbiased kernel
+
+
+def test_public_api_auto_takes_it_with_and_without_a_prefix_bias():
     import chorus.kernels as K
     from chorus.kernels import api
 
@@ -108,14 +134,12 @@ def test_public_api_auto_takes_it_and_routes_a_prefix_bias_call():
     assert api.resolve_backend("auto", q) == api.Backend.TRITON_FP8_WS
     out = K.block_sparse_attention(q, k, v, bm, block_size=128)
     _check(out, q, k, v, bm)
-    assert api._for_call_options(api.Backend.TRITON_FP8_WS, False, q, 128, 300) == api.Backend.TRITON_FP8
+    assert api._for_call_options(api.Backend.TRITON_FP8_WS, False, q, 128, 300) == api.Backend.TRITON_FP8_WS
     biased = K.block_sparse_attention(q, k, v, bm, block_size=128, prefix_len=300, prefix_bias=1.5)
     want = K.block_sparse_attention(q, k, v, bm, block_size=128, prefix_len=300, prefix_bias=1.5,
-                                    backend="triton_fp8")
+                                    backend="triton_fp8_ws")
     assert torch.equal(biased, want)
-    with pytest.raises(K.BackendUnavailableError, match="prefix bias"):
-        K.block_sparse_attention(q, k, v, bm, block_size=128, prefix_len=300, prefix_bias=1.5,
-                                 backend="triton_fp8_ws")
+    _check(biased, q, k, v, bm, 300, 1.5)
 
 
 def test_torch_compile_of_a_module_calling_it():
@@ -126,7 +150,7 @@ def test_torch_compile_of_a_module_calling_it():
 
     def attend(q, k, v, bm):
         return K.block_sparse_attention(q * 1.0, k, v, bm, block_size=128, backend="triton_fp8_ws",
-                                        rows_checked=True)
+                                        rows_checked=True, prefix_len=100, prefix_bias=0.5)
 
     eager = attend(q, k, v, bm)
     compiled = torch.compile(attend, fullgraph=False)(q, k, v, bm)

@@ -10,7 +10,9 @@ Each config is a dict of ``chorus.kernels.triton._attention_ws.DEFAULT_CONFIG`` 
 its output is meaningless and its cosine says so). Inputs: 1 x 40 heads x L x 128, unit Gaussians in
 bf16, the benchmark's structured maps (``masks.structured_block_map``); times are
 ``triton.testing.do_bench`` medians of whole calls (pre-pass included); TFLOP/s count kept blocks.
-Prints one line per (size, density, config) and the pre-pass alone per size.
+Prints one line per (size, density, config) and the pre-pass alone per size. ``--prefix-frames F``
+adds ChorusGuidanceBoost's first-frame bias (``--prefix-bias``, natural log) to every call of both
+kernels, over the first F frames' tokens of the Wan grid.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch
 from triton.testing import do_bench
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from masks import structured_block_map  # noqa: E402  (as bench_block_sparse.py imports it)
+from masks import grid_for, structured_block_map  # noqa: E402  (as bench_block_sparse.py imports it)
 
 from chorus.kernels.triton import block_sparse_attention_triton  # noqa: E402
 from chorus.kernels.triton._attention import compress_block_map  # noqa: E402
@@ -38,6 +40,8 @@ def main():
     ap.add_argument("--densities", default="1.0,0.15,0.05")
     ap.add_argument("--configs", default='{"serial": {}}', help="JSON: name -> DEFAULT_CONFIG overrides")
     ap.add_argument("--heads", type=int, default=40)
+    ap.add_argument("--prefix-frames", type=int, default=0, help="first-frame bias over this many frames (0: none)")
+    ap.add_argument("--prefix-bias", type=float, default=0.0953, help="natural log; default log(1.1), the node's")
     args = ap.parse_args()
     configs = json.loads(args.configs)
     densities = [float(x) for x in args.densities.split(",")]
@@ -47,23 +51,27 @@ def main():
         gen = torch.Generator(device="cuda").manual_seed(0)
         q, k, v = (torch.randn(1, heads, length, dim, device="cuda", generator=gen).bfloat16() for _ in range(3))
         full = torch.ones(1, heads, 1, 1, dtype=torch.bool, device="cuda")
+        _, grid_h, grid_w = grid_for(length)
+        bias = dict(prefix_len=args.prefix_frames * grid_h * grid_w, prefix_bias=args.prefix_bias) \
+            if args.prefix_frames else {}
         t_pre = do_bench(lambda: (quantize_qkv_fp8(q, k, v, scale), compress_block_map(full)), return_mode="median")
         print(f"[{length}] pre-pass {t_pre:.3f} ms", flush=True)
         for density in densities:
             bm = structured_block_map(length, heads, density, 128, device="cuda")
             flops = 4 * bm.sum().item() * 128 * 128 * dim
-            ref = block_sparse_attention_triton(q, k, v, bm, block_size=128, fp8=True)
-            t = do_bench(lambda: block_sparse_attention_triton(q, k, v, bm, block_size=128, fp8=True),
+            ref = block_sparse_attention_triton(q, k, v, bm, block_size=128, fp8=True, **bias)
+            t = do_bench(lambda: block_sparse_attention_triton(q, k, v, bm, block_size=128, fp8=True, **bias),
                          return_mode="median")
             print(f"[{length}] d={density} triton_fp8 {t:.2f} ms {flops / t / 1e9:.0f} TFLOP/s", flush=True)
             for name, cfg in configs.items():
                 if cfg.get("ablate") and density != densities[0]:
                     continue  # ablations on the first map only
                 try:
-                    out = block_sparse_attention_ws(q, k, v, bm, scale, cfg)
+                    out = block_sparse_attention_ws(q, k, v, bm, scale, cfg, **bias)
                     cos = torch.nn.functional.cosine_similarity(out.double().flatten(), ref.double().flatten(),
                                                                 dim=0).item()
-                    t = do_bench(lambda: block_sparse_attention_ws(q, k, v, bm, scale, cfg), return_mode="median")
+                    t = do_bench(lambda: block_sparse_attention_ws(q, k, v, bm, scale, cfg, **bias),
+                                 return_mode="median")
                     print(f"[{length}] d={density} {name:12s} {t:.2f} ms {flops / t / 1e9:.0f} TFLOP/s "
                           f"cos_vs_triton {cos:.6f}", flush=True)
                 except Exception as exc:  # noqa: BLE001 - a config that does not build is a result too

@@ -4,9 +4,9 @@ Public entry points (called by :mod:`chorus.kernels.api` for backends ``triton_f
 
 - :func:`block_sparse_attention_triton` ``(q, k, v, block_map, *, block_size, scale, fp8, prefix_len,
   prefix_bias) -> Tensor``
-- :func:`block_sparse_attention_ws` ``(q, k, v, block_map, *, scale) -> Tensor``: the warp-specialised
-  Gluon FP8 kernel of :mod:`._attention_ws` (backend ``triton_fp8_ws``; sm_90, block size 128, no
-  prefix bias), :func:`ws_unavailable` ``(q) -> reason | None`` and :func:`ws_call_unsupported`
+- :func:`block_sparse_attention_ws` ``(q, k, v, block_map, *, scale, prefix_len, prefix_bias) -> Tensor``:
+  the warp-specialised Gluon FP8 kernel of :mod:`._attention_ws` (backend ``triton_fp8_ws``; sm_90,
+  block size 128), :func:`ws_unavailable` ``(q) -> reason | None`` and :func:`ws_call_unsupported`
 - :func:`block_mass_triton` ``(q, k, *, block_size, sample_rows, scale) -> float32 [B, H, Qb, Kb]``
 - :func:`triton_available` ``() -> (bool, reason)``
 
@@ -75,11 +75,12 @@ if not _op_exists("block_sparse_attention_triton"):
 if not _op_exists("block_sparse_attention_ws"):
     @torch.library.custom_op("chorus::block_sparse_attention_ws", mutates_args=())
     def _bsa_ws_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_map: torch.Tensor,
-                   scale: float) -> torch.Tensor:
-        return _attention_ws.block_sparse_attention_ws(q, k, v, block_map, scale)
+                   scale: float, prefix_len: int = 0, prefix_bias: float = 0.0) -> torch.Tensor:
+        return _attention_ws.block_sparse_attention_ws(q, k, v, block_map, scale, prefix_len=prefix_len,
+                                                       prefix_bias=prefix_bias)
 
     @_bsa_ws_op.register_fake
-    def _bsa_ws_fake(q, k, v, block_map, scale):
+    def _bsa_ws_fake(q, k, v, block_map, scale, prefix_len=0, prefix_bias=0.0):
         return output_like(q)
 
 if not _op_exists("block_mass_triton"):
@@ -129,22 +130,24 @@ def ws_unavailable(q: torch.Tensor) -> str | None:
     major, minor = torch.cuda.get_device_capability(q.device)
     if major != 9:
         return f"triton_fp8_ws is built for sm_90 (Hopper), this GPU is sm_{major}{minor}"
-    return _attention_ws.supports(q.shape[-1], _attention_ws.BLOCK, False)
+    return _attention_ws.supports(q.shape[-1], _attention_ws.BLOCK)
 
 
-def ws_call_unsupported(head_dim: int, block_size: int, prefix: bool) -> str | None:
-    """Why the warp-specialised kernel cannot run a call with these options (block size, head dim,
-    a prefix bias), or None."""
-    return _attention_ws.supports(head_dim, block_size, prefix)
+def ws_call_unsupported(head_dim: int, block_size: int) -> str | None:
+    """Why the warp-specialised kernel cannot run a call with these options (block size, head dim),
+    or None."""
+    return _attention_ws.supports(head_dim, block_size)
 
 
 def block_sparse_attention_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_map: torch.Tensor, *,
-                              scale: float | None = None) -> torch.Tensor:
-    """The warp-specialised FP8 kernel (contract: :mod:`._attention_ws`; block size 128, no prefix
-    bias), as the custom op ``torch.ops.chorus.block_sparse_attention_ws``. Output layout as
-    :func:`block_sparse_attention_triton`'s. Raises ``ValueError`` outside the contract."""
+                              scale: float | None = None, prefix_len: int = 0,
+                              prefix_bias: float = 0.0) -> torch.Tensor:
+    """The warp-specialised FP8 kernel (contract: :mod:`._attention_ws`; block size 128), as the custom
+    op ``torch.ops.chorus.block_sparse_attention_ws``; ``prefix_len`` / ``prefix_bias`` as in
+    :func:`block_sparse_attention_triton`. Output layout as :func:`block_sparse_attention_triton`'s.
+    Raises ``ValueError`` outside the contract."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    return torch.ops.chorus.block_sparse_attention_ws(q, k, v, block_map, scale)
+    return torch.ops.chorus.block_sparse_attention_ws(q, k, v, block_map, scale, int(prefix_len), float(prefix_bias))
 
 
 def block_mass_triton(q: torch.Tensor, k: torch.Tensor, *, block_size: int = 128, sample_rows: int | None = None,

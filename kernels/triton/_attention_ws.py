@@ -22,18 +22,23 @@ on sm_90:
 GEMMs and softmax in order and lets the two warpgroups overlap each other through the warp
 schedulers; ``"overlap"`` issues block j's ``Q @ K^T`` before waiting for block j-1's ``P @ V``
 (FlashAttention-3's intra-warpgroup pipelining); ``"pingpong"`` makes the warpgroups take turns
-issuing their GEMMs (FlashAttention-3's ping-pong, mbarriers for the turns). ``FMA_QUARTERS``
+issuing their GEMMs (FlashAttention-3's ping-pong: each consumer waits on its own named hardware
+barrier, ``bar.sync`` over both warpgroups' 256 threads, and hands the turn over with ``bar.arrive``
+on the other's; ids ``TURN_BARRIERS``, clear of the ids Triton gives its partitions). ``FMA_QUARTERS``
 (0 by default; 1 or 2): that share of each row's exp2 runs on the FMA pipes instead of the MUFU
 (FlashAttention-4's split, :func:`_exp2_split`). All but the defaults are the benchmark's levers
 (``docs/BENCHMARKS.md``, "third run": overlap and ping-pong slower here, a quarter split +3% on a
-full map and level where hits run).
+full map and level where hits run; ping-pong on named barriers: +1% on a full map, -2% / level at
+15% / 5%, "fourth run").
 
 Contract (checked by :func:`block_sparse_attention_ws`): q ``[B, H, Lq, D]``, k/v ``[B, H, Lk, D]``
 fp16/bf16 on one sm_90 device, unit stride on D (ComfyUI's ``[B, L, H, D]`` views work), D in
 {64, 128}; block size 128 (the quantisation tile); block_map bool ``[B or 1, H or 1, ceil(Lq/128),
 ceil(Lk/128)]``. Partial last blocks are handled (keys past ``Lk`` get logit -inf, rows past ``Lq``
-are not stored); a row that keeps no block yields zeros. No prefix bias: the public API sends such
-calls to the next backend (:func:`supports`). Returns ``[B, H, Lq, D]`` in q's dtype.
+are not stored); a row that keeps no block yields zeros. Optional prefix bias (``HAS_BIAS``, compile
+time): ``prefix_bias`` added to the scaled logits of keys ``[0, prefix_len)`` (ChorusGuidanceBoost's
+first-frame weight), applied only on the key blocks that hold such keys. Returns ``[B, H, Lq, D]`` in
+q's dtype.
 
 Gluon is an experimental Triton API (built and tested with Triton 3.6 and 3.8): :func:`available`
 says whether this Triton has it; the tests compile the kernel for sm_90 on the CPU, so an API change
@@ -43,10 +48,12 @@ which ``auto`` logs once before moving to ``triton_fp8``.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ._attention import P_SHIFT_LOG2, _validate, lpt_block_lists, output_like, run_in_int32_chunks
-from ._quant import quantize_qkv_fp8
+from ._quant import LOG2E, quantize_qkv_fp8
 
 try:  # Gluon ships inside recent Tritons; without it this backend reports itself unavailable
     from triton.experimental import gluon
@@ -62,6 +69,7 @@ BLOCK = 128  # query rows per CTA, keys per block, tokens per Q/K scale
 CONSUMER_ROWS = 64  # query rows per consumer warpgroup (one wgmma M tile of 4 warps)
 CONSUMER_REGS = 240  # registers per consumer thread (setmaxnreg); the producer keeps the rest
 SCHEDULES = ("serial", "overlap", "pingpong")
+TURN_BARRIERS = (8, 9)  # ping-pong: the consumers' named hardware barriers (Triton's partitions use ids 0-3)
 DEFAULT_CONFIG = dict(stages=3, q_stages=2, schedule="serial", fma_quarters=0)
 
 
@@ -70,7 +78,7 @@ def available() -> str | None:
     return _IMPORT_ERROR
 
 
-def supports(head_dim: int, block_size: int, prefix: bool) -> str | None:
+def supports(head_dim: int, block_size: int) -> str | None:
     """None when a call with these options can run here, else why not (for auto's routing)."""
     if _IMPORT_ERROR:
         return f"Gluon is not importable ({_IMPORT_ERROR})"
@@ -78,8 +86,6 @@ def supports(head_dim: int, block_size: int, prefix: bool) -> str | None:
         return f"block size {block_size} (the warp-specialised kernel runs 128-token blocks)"
     if head_dim not in (64, 128):
         return f"head dim {head_dim} (64 or 128)"
-    if prefix:
-        return "a prefix bias (not in the warp-specialised kernel)"
     return None
 
 
@@ -87,6 +93,7 @@ if gluon is not None:
     _BLOCK = gl.constexpr(BLOCK)
     _ROWS = gl.constexpr(CONSUMER_ROWS)
     _REGS = gl.constexpr(CONSUMER_REGS)
+    _TURN0 = gl.constexpr(TURN_BARRIERS[0])
 
     @gluon.jit
     def _tile_of(t, sched, kv_num, kv_idx, H, q_blocks, s_nb, s_nh, s_ib, s_ih, s_iq):
@@ -131,6 +138,19 @@ if gluon is not None:
                 kctr += 1
 
     @gluon.jit
+    def _turn_wait(consumer):
+        """Wait for this consumer warpgroup's turn: ``bar.sync`` on its named barrier, which completes
+        when the other warpgroup has arrived on it (256 threads: both consumers)."""
+        gl.inline_asm_elementwise("bar.sync $1, 256;\n mov.u32 $0, 0;", "=r,r", [consumer + _TURN0], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+
+    @gluon.jit
+    def _turn_pass(consumer):
+        """Hand the turn to the other consumer warpgroup (``bar.arrive`` on its named barrier)."""
+        gl.inline_asm_elementwise("bar.arrive $1, 256;\n mov.u32 $0, 0;", "=r,r", [_TURN0 + 1 - consumer],
+                                  dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
     def _exp2_fma(x):
         """exp2 on the FMA pipes for x <= P_SHIFT: x = j + f with j = round(x) (the 1.5 * 2^23 trick),
         ``2^f`` by a degree-2 polynomial on [-0.5, 0.5] (relative error 1.7e-3, far below e4m3's 2^-4
@@ -168,16 +188,23 @@ if gluon is not None:
         return gl.convert_layout(y, layout, assert_trivial=True)
 
     @gluon.jit
-    def _softmax_block(s, m_i, l_i, sc, kb, offs_n, Lk, num_kv_blocks, TAIL_K: gl.constexpr, P_SHIFT: gl.constexpr,
-                       ABLATE: gl.constexpr, FMA_QUARTERS: gl.constexpr):
+    def _softmax_block(s, m_i, l_i, sc, kb, offs_n, Lk, num_kv_blocks, prefix_len, prefix_bias, TAIL_K: gl.constexpr,
+                       HAS_BIAS: gl.constexpr, P_SHIFT: gl.constexpr, ABLATE: gl.constexpr,
+                       FMA_QUARTERS: gl.constexpr):
         """Online softmax over key block ``kb``'s wgmma output ``s`` (``sc`` = sq * sk > 0, folded in after
         the row max): returns ``(P, m, l, alpha)`` with ``P = exp2(s * sc - m + P_SHIFT)`` in fp32 (row
         maximum 2^P_SHIFT, inside e4m3), the new row max / sum and ``alpha`` = the old accumulator's
-        rescale factor. Keys past ``Lk`` in the partial last block get -inf. ABLATE (benchmark only,
-        results meaningless): 1 leaves the exp2 out, 2 the whole softmax."""
+        rescale factor. Keys past ``Lk`` in the partial last block get -inf. ``HAS_BIAS``: keys
+        ``< prefix_len`` get ``prefix_bias`` (log2 units) added to their scaled logit, as ``prefix_bias / sc``
+        added to ``s`` on the blocks that hold such keys only (the others run the unbiased code). ABLATE
+        (benchmark only, results meaningless): 1 leaves the exp2 out, 2 the whole softmax."""
         if TAIL_K:
             if kb == num_kv_blocks - 1:
                 s = gl.where((kb * _BLOCK + offs_n < Lk)[None, :], s, float("-inf"))
+        if HAS_BIAS:
+            biased_keys = prefix_len - kb * _BLOCK
+            if biased_keys > 0:
+                s = gl.where((offs_n < biased_keys)[None, :], s + prefix_bias / sc, s)
         if ABLATE == 2:
             return s * sc, m_i, l_i, gl.full_like(m_i, 1.0)
         m_new = gl.maximum(m_i, gl.max(s, axis=1) * sc)
@@ -204,12 +231,12 @@ if gluon is not None:
         return gl.convert_layout(p8, p_layout, assert_trivial=True)
 
     @gluon.jit
-    def _consumer(o_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn,
+    def _consumer(o_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
                   q_scale, k_scale, v_scale, sched, kv_num, kv_idx, H, Lq, Lk, num_kv_blocks, q_blocks, num_tiles,
-                  n_q_scale, n_k_scale, s_ob, s_oh, s_ol, s_nb, s_nh, s_ib, s_ih, s_iq,
+                  n_q_scale, n_k_scale, prefix_len, prefix_bias, s_ob, s_oh, s_ol, s_nb, s_nh, s_ib, s_ih, s_iq,
                   HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, Q_STAGES: gl.constexpr, CONSUMER: gl.constexpr,
-                  TAIL_K: gl.constexpr, P_SHIFT: gl.constexpr, SCHEDULE: gl.constexpr, ABLATE: gl.constexpr,
-                  FMA_QUARTERS: gl.constexpr):
+                  TAIL_K: gl.constexpr, HAS_BIAS: gl.constexpr, P_SHIFT: gl.constexpr, SCHEDULE: gl.constexpr,
+                  ABLATE: gl.constexpr, FMA_QUARTERS: gl.constexpr):
         ROWS: gl.constexpr = _ROWS
         # wgmma accumulator layouts (M = 64 rows over 4 warps; K = 32 for 8-bit operands) and the
         # register layout of P as the A operand of P @ V
@@ -227,7 +254,9 @@ if gluon is not None:
 
         kctr = 0  # key blocks consumed so far (all tiles): stage = kctr % STAGES, parity = (kctr // STAGES) & 1
         qt = 0
-        turns = 0
+        if SCHEDULE == "pingpong":
+            if CONSUMER == 1:
+                _turn_pass(CONSUMER)  # consumer 0 takes the first turn
         for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
             b, h, bh, qblk, n_kv, idx_row = _tile_of(t, sched, kv_num, kv_idx, H, q_blocks, s_nb, s_nh, s_ib, s_ih,
                                                      s_iq)
@@ -254,8 +283,8 @@ if gluon is not None:
                     mbarrier.wait(k_ready.index(st), (kctr // STAGES) & 1)
                     s = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
                     s = warpgroup_mma_wait(num_outstanding=0, deps=[s])
-                    p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, sc, kb, offs_n, Lk, num_kv_blocks, TAIL_K,
-                                                        P_SHIFT, ABLATE, FMA_QUARTERS)
+                    p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, sc, kb, offs_n, Lk, num_kv_blocks, prefix_len,
+                                                        prefix_bias, TAIL_K, HAS_BIAS, P_SHIFT, ABLATE, FMA_QUARTERS)
                     p8 = _p_operand(p, p_layout)
                     mbarrier.wait(v_ready.index(st), (kctr // STAGES) & 1)
                     prev = st
@@ -268,8 +297,8 @@ if gluon is not None:
                     s = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
                     acc = warpgroup_mma(p8, v_smem.index(prev).permute((1, 0)), acc, is_async=True)
                     s = warpgroup_mma_wait(num_outstanding=1, deps=[s])  # Q @ K^T done; P @ V may run on
-                    p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, sc, kb, offs_n, Lk, num_kv_blocks, TAIL_K,
-                                                        P_SHIFT, ABLATE, FMA_QUARTERS)
+                    p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, sc, kb, offs_n, Lk, num_kv_blocks, prefix_len,
+                                                        prefix_bias, TAIL_K, HAS_BIAS, P_SHIFT, ABLATE, FMA_QUARTERS)
                     acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
                     mbarrier.arrive(kv_empty.index(prev), count=1)
                     acc = acc * gl.convert_layout(alpha, row_o)[:, None]
@@ -284,30 +313,28 @@ if gluon is not None:
                 j0 = n_kv
             for j in range(j0, n_kv):
                 # one key block per step: Q @ K^T, softmax, P @ V; with SCHEDULE "pingpong" the two
-                # warpgroups take turns (mbarriers) issuing each GEMM, FlashAttention-3's ping-pong
+                # warpgroups take turns issuing each GEMM (named barriers), FlashAttention-3's ping-pong
                 kb = gl.load(idx_row + j)
                 sc = sq * gl.load(k_scale_row + kb)
                 st = kctr % STAGES
                 ph = (kctr // STAGES) & 1
                 mbarrier.wait(k_ready.index(st), ph)
                 if SCHEDULE == "pingpong":
-                    mbarrier.wait(turn.index(CONSUMER), (turns & 1) ^ (1 - CONSUMER))
+                    _turn_wait(CONSUMER)
                 s = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
                 if SCHEDULE == "pingpong":
-                    mbarrier.arrive(turn.index(1 - CONSUMER), count=1)
-                    turns += 1
+                    _turn_pass(CONSUMER)
                 s = warpgroup_mma_wait(num_outstanding=0, deps=[s])
-                p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, sc, kb, offs_n, Lk, num_kv_blocks, TAIL_K, P_SHIFT,
-                                                    ABLATE, FMA_QUARTERS)
+                p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, sc, kb, offs_n, Lk, num_kv_blocks, prefix_len,
+                                                    prefix_bias, TAIL_K, HAS_BIAS, P_SHIFT, ABLATE, FMA_QUARTERS)
                 acc = acc * gl.convert_layout(alpha, row_o)[:, None]
                 p8 = _p_operand(p, p_layout)
                 mbarrier.wait(v_ready.index(st), ph)
                 if SCHEDULE == "pingpong":
-                    mbarrier.wait(turn.index(CONSUMER), (turns & 1) ^ (1 - CONSUMER))
+                    _turn_wait(CONSUMER)
                 acc = warpgroup_mma(p8, v_smem.index(st).permute((1, 0)), acc, is_async=True)
                 if SCHEDULE == "pingpong":
-                    mbarrier.arrive(turn.index(1 - CONSUMER), count=1)
-                    turns += 1
+                    _turn_pass(CONSUMER)
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
                 mbarrier.arrive(kv_empty.index(st), count=1)
                 kctr += 1
@@ -320,14 +347,17 @@ if gluon is not None:
             rows = qblk * _BLOCK + CONSUMER * ROWS + gl.arange(0, ROWS, layout=row_o)
             o_ptrs = o_ptr + b * s_ob + h * s_oh + rows[:, None] * s_ol + offs_d[None, :]
             gl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=(rows < Lq)[:, None])
+        if SCHEDULE == "pingpong":
+            if CONSUMER == 0:
+                _turn_wait(CONSUMER)  # consumer 1's last hand-over: no arrival left pending at exit
 
     @gluon.jit
     def _bsa_ws_kernel(q_desc, k_desc, v_desc, O, q_scale, k_scale, v_scale, kv_num, kv_idx, sched,
                        H, Lq, Lk, lpad_q, lpad_k, num_kv_blocks, q_blocks, num_tiles, n_q_scale, n_k_scale,
-                       s_ob, s_oh, s_ol, s_nb, s_nh, s_ib, s_ih, s_iq,
+                       prefix_len, prefix_bias, s_ob, s_oh, s_ol, s_nb, s_nh, s_ib, s_ih, s_iq,
                        HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, Q_STAGES: gl.constexpr,
-                       TAIL_K: gl.constexpr, P_SHIFT: gl.constexpr, SCHEDULE: gl.constexpr, ABLATE: gl.constexpr,
-                       FMA_QUARTERS: gl.constexpr):
+                       TAIL_K: gl.constexpr, HAS_BIAS: gl.constexpr, P_SHIFT: gl.constexpr, SCHEDULE: gl.constexpr,
+                       ABLATE: gl.constexpr, FMA_QUARTERS: gl.constexpr):
         q_smem = gl.allocate_shared_memory(gl.float8e4nv, [Q_STAGES, _BLOCK, HEAD_DIM], q_desc.layout)
         k_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, _BLOCK, HEAD_DIM], k_desc.layout)
         v_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, HEAD_DIM, _BLOCK], v_desc.layout)
@@ -336,9 +366,6 @@ if gluon is not None:
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(2):
-            mbarrier.init(turn.index(i), count=1)
         for i in gl.static_range(Q_STAGES):
             mbarrier.init(q_ready.index(i), count=1)
             mbarrier.init(q_empty.index(i), count=2)  # one arrive per consumer
@@ -350,14 +377,16 @@ if gluon is not None:
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
                          sched, kv_num, kv_idx, H, q_blocks, num_tiles, lpad_q, lpad_k, s_nb, s_nh, s_ib, s_ih, s_iq,
                          HEAD_DIM, STAGES, Q_STAGES)),
-            (_consumer, (O, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn,
+            (_consumer, (O, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
                          q_scale, k_scale, v_scale, sched, kv_num, kv_idx, H, Lq, Lk, num_kv_blocks, q_blocks,
-                         num_tiles, n_q_scale, n_k_scale, s_ob, s_oh, s_ol, s_nb, s_nh, s_ib, s_ih, s_iq,
-                         HEAD_DIM, STAGES, Q_STAGES, 0, TAIL_K, P_SHIFT, SCHEDULE, ABLATE, FMA_QUARTERS)),
-            (_consumer, (O, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn,
+                         num_tiles, n_q_scale, n_k_scale, prefix_len, prefix_bias, s_ob, s_oh, s_ol, s_nb, s_nh, s_ib,
+                         s_ih, s_iq, HEAD_DIM, STAGES, Q_STAGES, 0, TAIL_K, HAS_BIAS, P_SHIFT, SCHEDULE, ABLATE,
+                         FMA_QUARTERS)),
+            (_consumer, (O, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
                          q_scale, k_scale, v_scale, sched, kv_num, kv_idx, H, Lq, Lk, num_kv_blocks, q_blocks,
-                         num_tiles, n_q_scale, n_k_scale, s_ob, s_oh, s_ol, s_nb, s_nh, s_ib, s_ih, s_iq,
-                         HEAD_DIM, STAGES, Q_STAGES, 1, TAIL_K, P_SHIFT, SCHEDULE, ABLATE, FMA_QUARTERS)),
+                         num_tiles, n_q_scale, n_k_scale, prefix_len, prefix_bias, s_ob, s_oh, s_ol, s_nb, s_nh, s_ib,
+                         s_ih, s_iq, HEAD_DIM, STAGES, Q_STAGES, 1, TAIL_K, HAS_BIAS, P_SHIFT, SCHEDULE, ABLATE,
+                         FMA_QUARTERS)),
         ], [4, 4], [_REGS, _REGS])
 
 
@@ -368,8 +397,10 @@ def shared_layouts(head_dim: int):
     return qk, vt
 
 
-def launch_ws(q, k, v, block_map, scale: float, config: dict | None = None) -> torch.Tensor:
-    """Pre-pass + block lists + the warp-specialised kernel, for one int32-safe chunk."""
+def launch_ws(q, k, v, block_map, scale: float, config: dict | None = None, prefix_len: int = 0,
+              prefix_bias: float = 0.0) -> torch.Tensor:
+    """Pre-pass + block lists + the warp-specialised kernel, for one int32-safe chunk
+    (``prefix_bias`` in natural-log units; a zero bias or length compiles the unbiased kernel)."""
     cfg = dict(DEFAULT_CONFIG, **(config or {}))
     if cfg["schedule"] not in SCHEDULES or int(cfg["stages"]) < 2 or int(cfg["q_stages"]) < 1 \
             or int(cfg["fma_quarters"]) not in (0, 1, 2):
@@ -377,6 +408,7 @@ def launch_ws(q, k, v, block_map, scale: float, config: dict | None = None) -> t
                          "q_stages >= 1, fma_quarters 0 / 1 / 2")
     batch, heads, q_len, head_dim = q.shape
     kv_len = k.shape[2]
+    has_bias = prefix_len > 0 and prefix_bias != 0.0
     q8, k8, v8t, q_scale, k_scale, v_scale = quantize_qkv_fp8(q, k, v, scale, v_key_order="wgmma")
     lpad_q, lpad_k = q8.shape[2], k8.shape[2]
     kv_num, kv_idx, sched, map_strides = lpt_block_lists(block_map)
@@ -391,25 +423,32 @@ def launch_ws(q, k, v, block_map, scale: float, config: dict | None = None) -> t
     _bsa_ws_kernel[(min(num_tiles, sms),)](
         q_desc, k_desc, v_desc, out, q_scale, k_scale, v_scale, kv_num, kv_idx, sched,
         heads, q_len, kv_len, lpad_q, lpad_k, num_kv_blocks, num_q_blocks, num_tiles,
-        q_scale.shape[-1], k_scale.shape[-1], out.stride(0), out.stride(1), out.stride(2), *map_strides,
+        q_scale.shape[-1], k_scale.shape[-1], int(prefix_len) if has_bias else 0,
+        float(prefix_bias) * LOG2E if has_bias else 0.0, out.stride(0), out.stride(1), out.stride(2), *map_strides,
         HEAD_DIM=head_dim, STAGES=int(cfg["stages"]), Q_STAGES=int(cfg["q_stages"]),
-        TAIL_K=kv_len % BLOCK != 0, P_SHIFT=P_SHIFT_LOG2, SCHEDULE=cfg["schedule"],
+        TAIL_K=kv_len % BLOCK != 0, HAS_BIAS=has_bias, P_SHIFT=P_SHIFT_LOG2, SCHEDULE=cfg["schedule"],
         ABLATE=int(cfg.get("ablate", 0)), FMA_QUARTERS=int(cfg["fma_quarters"]), num_warps=4)
     return out
 
 
-def block_sparse_attention_ws(q, k, v, block_map, scale: float, config: dict | None = None) -> torch.Tensor:
+def block_sparse_attention_ws(q, k, v, block_map, scale: float, config: dict | None = None, prefix_len: int = 0,
+                              prefix_bias: float = 0.0) -> torch.Tensor:
     """The warp-specialised FP8 kernel on a CUDA sm_90 device (module docstring: the contract).
-    ``ValueError`` for inputs outside it (the caller's auto chain then takes the next backend);
-    inputs whose offsets overflow int32 run in (batch, head) chunks."""
+    ``prefix_bias`` (natural-log units) is added to the scaled logits of keys ``[0, prefix_len)``.
+    ``ValueError`` for inputs outside the contract (the caller's auto chain then takes the next
+    backend); inputs whose offsets overflow int32 run in (batch, head) chunks."""
     _validate(q, k, v, block_map, BLOCK)
-    why = supports(q.shape[3], BLOCK, False)
+    why = supports(q.shape[3], BLOCK)
     if why:
         raise ValueError(why)
     if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:
         raise ValueError("the warp-specialised FP8 kernel needs a CUDA sm_90 (Hopper) device")
+    if not (isinstance(prefix_len, int) and 0 <= prefix_len <= k.shape[2] and math.isfinite(prefix_bias)):
+        raise ValueError(f"prefix_len must be in [0, {k.shape[2]}] and prefix_bias finite, got "
+                         f"{prefix_len!r}, {prefix_bias!r}")
     with torch.cuda.device(q.device):
-        return run_in_int32_chunks(q, k, v, block_map, lambda q, k, v, bm: launch_ws(q, k, v, bm, scale, config))
+        return run_in_int32_chunks(q, k, v, block_map, lambda q, k, v, bm: launch_ws(q, k, v, bm, scale, config,
+                                                                                      prefix_len, prefix_bias))
 
 
 __all__ = ["block_sparse_attention_ws", "available", "supports", "DEFAULT_CONFIG", "BLOCK"]
