@@ -39,7 +39,7 @@ import torch
 from ..kernels import pooling
 from .plan import Plan
 from .routing import match_step, step_sigma
-from .signature import ModelInfo
+from .signature import ModelInfo, entry_token_order
 from .state import FEATURE_REUSE_META_VERSION, FeatureReuseState
 
 META_KEY = "feature_reuse"
@@ -217,9 +217,26 @@ class FeatureReuse:
             regions = select_regions(scores, grid, cfg.region, cfg.downsample_share,
                                      keep_first_frame=cfg.keep_first_frame)
             if regions.numel():
-                layout = pooling.build_layout(grid, cfg.region, cfg.pool, regions, device=device)
+                layout = pooling.build_layout(grid, cfg.region, cfg.pool, regions, device=device,
+                                              order=self._compact_order(grid, regions))
         self._layouts[key] = layout
         return layout
+
+    def _compact_order(self, grid, regions: torch.Tensor):
+        """The entry's :class:`~chorus.kernels.tile_order.RegionTileOrder` when its tiles are this
+        config's regions and hold every region to pool (then the layout is built in that order and
+        self-attention runs on the compact sequence), else None (attention on the expanded grid)."""
+        from ..kernels.tile_order import RegionTileOrder
+
+        try:
+            order = entry_token_order(self.plan.entry_meta["signature"])
+        except (KeyError, TypeError, ValueError):
+            return None
+        if not isinstance(order, RegionTileOrder) or order.region != self.config.region or order.grid != tuple(grid):
+            return None
+        if not bool(torch.isin(regions.cpu(), order.tile_regions).all()):
+            return None
+        return order
 
     # -- the call ----------------------------------------------------------------------------------
     def block(self, block_fn, x: torch.Tensor, *, layer: int, sigma, grid, per_token: dict | None = None

@@ -61,9 +61,8 @@ class Retrieval:
                 order = entry_token_order(self.entry_meta["signature"])
             except (AttributeError, KeyError, TypeError, ValueError) as exc:
                 raise ValueError(f"a hit's entry has an unreadable token order ({exc})") from None
-            if order is not None:  # never run a tile-order map on raster tokens (retrieval misses first)
-                raise ValueError(f"a hit needs a raster-order entry; this one is in token order {order.name} "
-                                 "(this version runs attention in raster order only)")
+            if order is not None and self.resample_to is not None:  # (retrieval misses first)
+                raise ValueError(f"a hit in token order {order.name} cannot be resampled (raster order only)")
         def fix(name, value):
             object.__setattr__(self, name, value)
 

@@ -20,6 +20,9 @@ class MassRecorder:
     run separately, add to one key). Maps are kept bit-packed on the CPU (a 14B 480p request: ~52 MB).
     With ``keep_mass=True`` the averaged mass is kept too (float32, for benchmarks and tests).
 
+    ``token_order``: the name of the token order the calls were recorded in (None = raster); one per
+    recorder (a call in another order raises ``ValueError``).
+
     A recorder that missed calls (an error, or a plan demoted after sparse steps ran) is marked
     ``incomplete`` with a reason; :meth:`block_maps` then raises ``ValueError`` so no partial entry is
     ever written.
@@ -34,6 +37,7 @@ class MassRecorder:
         self.grid: tuple[int, int, int] | None = None
         self.num_heads: int | None = None
         self.block_size: int | None = None
+        self.token_order: str | None = None
         self.incomplete_reason: str | None = None
         self._bad = None  # device bool: some recorded mass was NaN, inf or negative
         self._first_sigma: dict[int, float] = {}  # expert -> the first step it recorded
@@ -58,7 +62,8 @@ class MassRecorder:
             return self._first_sigma.setdefault(int(expert), canonical) == canonical
 
     def add(self, expert: int, sigma: float, layer: int, mass: torch.Tensor, *, grid, top_p: float,
-            k_min: int, keep_first_frame_blocks: int = 0, block_size: int = 128) -> torch.Tensor:
+            k_min: int, keep_first_frame_blocks: int = 0, block_size: int = 128,
+            token_order: str | None = None) -> torch.Tensor:
         """Record one call's mass ``[B, H, Qb, Kb]``; returns the selected bool map ``[H, Qb, Kb]``."""
         if mass.dim() != 4:
             raise ValueError(f"mass must be [B, H, Qb, Kb], got shape {tuple(mass.shape)}")
@@ -73,8 +78,12 @@ class MassRecorder:
             grid = tuple(int(g) for g in grid)
             if self.grid is None:
                 self.grid, self.num_heads, self.block_size = grid, int(mass.shape[1]), int(block_size)
+                self.token_order = token_order
             elif grid != self.grid or int(mass.shape[1]) != self.num_heads:
                 raise ValueError(f"recorded grid/heads changed within a request: {self.grid}/{self.num_heads} -> {grid}/{mass.shape[1]}")
+            elif token_order != self.token_order:
+                raise ValueError(f"recorded token order changed within a request: {self.token_order} -> {token_order} "
+                                 "(the experts' models are patched with different feature-reuse settings?)")
             self._bad = bad if self._bad is None else (self._bad | bad)
             key = (int(expert), self.schedule.canonical(sigma), int(layer))
             if key in self._packed:

@@ -129,7 +129,7 @@ def build_signature(plan: Plan) -> dict:
         "latent_shape": list(plan.latent_shape) if plan.latent_shape else None,
         "token_grid": list(rec.grid),
         "block_size": rec.block_size,
-        "token_order": TOKEN_ORDER,  # raster: this version records (and runs) raster order only
+        "token_order": rec.token_order or TOKEN_ORDER,  # the order the recording ran in (None: raster)
         "step_sigmas": [round(s, 6) for s in rec.step_sigmas()],
         "head_groups": 1,
     }

@@ -17,12 +17,13 @@ import torch
 
 from .. import kernels
 from ..kernels.codec import pack_bits_on_device, unpack_bits_on_device
+from ..kernels.pooling import compact_query_map
 from .config import SparseConfig
 from .guidance import biased_dense_or_plain
 from .plan import Plan
 from .recorder import MassRecorder
 from .routing import match_step, step_sigma
-from .signature import ModelInfo
+from .signature import ModelInfo, entry_token_order, region_order_for, token_order_name
 from .verify import ANCHORS_META_KEY, ExpertCheck, anchors_cover, recall_terms, verify_head_index
 
 
@@ -79,13 +80,18 @@ class ChorusAttention:
         config: :class:`SparseConfig`.
         model_info: :class:`ModelInfo` of this model (``wan_model_info``); an unsupported model runs
             dense, with a message in ``plan.stats.messages``.
+        record_region: None (a miss records in raster order), or feature reuse's region ``(rt, rh, rw)``
+            of one block's tokens: a miss records in that :class:`~chorus.kernels.tile_order.RegionTileOrder`
+            (the entry's ``token_order``), so that a hit with feature reuse can run self-attention on the
+            compact sequence. A hit always runs in its entry's order (exact: attention is
+            permutation-equivariant; the kernels take the order fused into their loads where they can).
 
     Per sampler run: :meth:`begin_run` (optional ``sample_sigmas`` of the run; registers the expert,
     checks the schedule against a hit's entry) and :meth:`end_run` (drops device copies of maps).
     ``self_attention`` begins a run by itself when the host did not.
     """
 
-    def __init__(self, plan: Plan, config: SparseConfig, model_info: ModelInfo):
+    def __init__(self, plan: Plan, config: SparseConfig, model_info: ModelInfo, record_region=None):
         if not isinstance(plan, Plan):
             raise ValueError(f"plan must be a chorus Plan, got {type(plan).__name__}")
         if not isinstance(config, SparseConfig):
@@ -95,6 +101,7 @@ class ChorusAttention:
         self.plan = plan
         self.config = config
         self.model_info = model_info
+        self.record_region = None if record_region is None else tuple(int(r) for r in record_region)
         self.expert: int | None = None
         self.sample_sigmas: list[float] | None = None
         self._running = False
@@ -177,6 +184,7 @@ class ChorusAttention:
         """
         start = time.perf_counter()
         try:
+            # the first frame is the prefix of every order the engine runs (kernels/tile_order.py)
             prefix_len = _first_frame_tokens(grid, q) if first_frame_bias else 0
             if prefix_len:
                 dense_fn = biased_dense_or_plain(dense_fn, prefix_len, float(first_frame_bias), self.plan.note)
@@ -192,9 +200,46 @@ class ChorusAttention:
         finally:
             self.plan.stats.attention_seconds += time.perf_counter() - start
 
-    def _check(self, q, k, v, layer, grid) -> tuple[int, int, int]:
+    def compact_self_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout, layer: int,
+                               sigma: float, dense_fn, cond_rows=None, first_frame_bias: float = 0.0) -> torch.Tensor:
+        """Self-attention of a feature-reuse block that runs on the compact sequence (issue 17): the
+        queries stay compact, the keys are at full length in the layout's token order.
+
+        ``q``: ``[B, H, L', D]``, the compact sequence of ``layout`` (a
+        :class:`~chorus.kernels.pooling.RegionLayout` built in a token order: ``layout.order``);
+        ``k, v``: ``[B, H, L, D]``, the compact keys / values expanded to the order's positions
+        (``index_select(2, layout.key_index)``: each pooled key repeated over the tokens it stands
+        for, so every key carries its tokens' attention mass). The map is the run's map in that order
+        (a hit of an entry recorded in it) turned into the compact queries' by
+        :func:`~chorus.kernels.pooling.compact_query_map` (kept tiles: their own rows; blocks of cells:
+        the union of their regions' rows). ``first_frame_bias`` as in :meth:`self_attention` (frame 0
+        is the prefix of the order). Returns ``[B, H, L', D]``. Not a hit in that order, or anything
+        unexpected: ``dense_fn(q, k, v)`` (the host's attention of the compact queries over the
+        expanded keys), with a note; never raises.
+        """
+        start = time.perf_counter()
+        try:
+            prefix_len = layout.order.first_frame_tokens if first_frame_bias else 0
+            if prefix_len:
+                dense_fn = biased_dense_or_plain(dense_fn, prefix_len, float(first_frame_bias), self.plan.note)
+            if not self._running:
+                self.begin_run()
+            if self.expert is None or not self.plan.is_hit:
+                self.plan.stats.dense_calls += 1
+                return dense_fn(q, k, v)
+            return self._sparse(q, k, v, layer, sigma, layout.grid, dense_fn, prefix_len, float(first_frame_bias),
+                                cond_rows, layout=layout)
+        finally:
+            self.plan.stats.attention_seconds += time.perf_counter() - start
+
+    def _check(self, q, k, v, layer, grid, layout=None) -> tuple[int, int, int]:
         if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
             raise _Fallback("q/k/v are not tensors")
+        if layout is not None:  # compact queries over full-length keys
+            if q.dim() != 4 or q.shape[2] != layout.compact_length or q.shape[:2] != k.shape[:2]:
+                raise _Fallback(f"compact queries {tuple(q.shape)} do not fit the layout's {layout.compact_length} "
+                                f"tokens and keys {tuple(k.shape)}")
+            q = k
         if q.dim() != 4 or q.shape != k.shape or q.shape[:3] != v.shape[:3]:
             raise _Fallback(f"unexpected q/k/v shapes {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
         try:
@@ -217,24 +262,35 @@ class ChorusAttention:
             sigma = sigma.reshape(-1)[0].item()
         return step_sigma(float(sigma), self.sample_sigmas)
 
-    def _sparse(self, q, k, v, layer, sigma, grid, dense_fn, prefix_len=0, prefix_bias=0.0, cond_rows=None):
+    def _sparse(self, q, k, v, layer, sigma, grid, dense_fn, prefix_len=0, prefix_bias=0.0, cond_rows=None,
+                layout=None):
         plan, cfg = self.plan, self.config
         check = None
         try:
-            grid = self._check(q, k, v, layer, grid)
+            grid = self._check(q, k, v, layer, grid, layout)
             s = self._sigma(sigma)
             step = match_step(s, self._entry_steps)
             if step is None:
                 raise _Fallback(f"sigma {s:.4g} is not a step of the entry's schedule")
             if self._verify_moved_on(step) and not plan.is_hit:  # demoted by a late verdict: this call too
                 return self._dense_and_record(q, k, v, layer, sigma, grid, dense_fn, cond_rows)
-            block_map, kept = self._device_map(step, int(layer), q)
-            check = self._verify(q, k, int(layer), step, s, grid, block_map, cond_rows)
-            # rows_checked: the k_min >= 1 floor keeps a block in every row, so the kernel API skips
-            # the one validation that would sync the host with the GPU
+            block_map, kept = self._device_map(step, int(layer), k)
+            order = self.token_order(grid)
+            if layout is None:
+                check = self._verify(q, k, int(layer), step, s, grid, block_map, cond_rows)
+            else:  # (no verification estimate from a compact call: the check reads full-grid calls)
+                if order is None or order.name != layout.order.name or order.grid != layout.order.grid:
+                    raise _Fallback(f"the compact sequence is in token order {layout.order.name}, this run's maps in "
+                                    f"{'raster' if order is None else order.name}")
+                block_map = compact_query_map(block_map, layout.query_sources)
+                kept = block_map.sum() if block_map.device.type == "cuda" else int(block_map.sum())
+                order = None  # q/k/v are in the order already
+            # rows_checked: the k_min >= 1 floor keeps a block in every row (of the compact map too: a
+            # compact row has at least one source row), so the kernel API skips the one validation
+            # that would sync the host with the GPU
             out = kernels.block_sparse_attention(q, k, v, block_map, block_size=cfg.block_size, backend=cfg.backend,
                                                  prefix_len=prefix_len, prefix_bias=prefix_bias if prefix_len else 0.0,
-                                                 rows_checked=True)
+                                                 rows_checked=True, token_perm=order)
         except Exception as exc:  # noqa: BLE001 - never crash sampling: dense for this call
             why = str(exc) if isinstance(exc, _Fallback) else f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             plan.note(f"sparse attention not used for a call ({why}); dense attention instead")
@@ -294,7 +350,7 @@ class ChorusAttention:
                 with torch.no_grad():
                     check.estimates[layer] = recall_terms(
                         qs, ks, block_map, heads=verify_head_index(q.shape[1], cfg.verify_heads),
-                        sample_rows=cfg.verify_rows, block_size=cfg.block_size)
+                        sample_rows=cfg.verify_rows, block_size=cfg.block_size, token_perm=self.token_order(grid))
             return check
         except Exception as exc:  # noqa: BLE001 - verification never breaks sampling
             why = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
@@ -403,19 +459,31 @@ class ChorusAttention:
         qs, ks = self._cond_subset(q, k, cond_rows)
         if qs is None:
             return  # negative conditioning only: the positive rows carry the mask
+        order = self.token_order(grid)
         with torch.no_grad():
-            mass = kernels.block_mass(qs, ks, block_size=cfg.block_size, sample_rows=cfg.sample_rows)
+            mass = kernels.block_mass(qs, ks, block_size=cfg.block_size, sample_rows=cfg.sample_rows,
+                                      token_perm=order)
             if int(layer) in cfg.verify_layers and recorder.is_first_step(self.expert, sigma):
                 if cfg.sample_rows is not None:  # (sample_rows None: every call is exact already)
                     heads = torch.tensor(verify_head_index(qs.shape[1], cfg.verify_heads), device=qs.device)
                     exact = kernels.block_mass(qs.index_select(1, heads), ks.index_select(1, heads),
-                                               block_size=cfg.block_size, sample_rows=None)
+                                               block_size=cfg.block_size, sample_rows=None, token_perm=order)
                     mass = mass.index_copy(1, heads, exact.to(mass.dtype))
                 self.plan.state.entry_extras[ANCHORS_META_KEY] = {"layers": list(cfg.verify_layers),
                                                                   "heads": int(cfg.verify_heads)}
             first_frame = kernels.first_frame_blocks(grid[1] * grid[2], cfg.block_size)
             recorder.add(self.expert, sigma, int(layer), mass, grid=grid, top_p=cfg.top_p, k_min=cfg.k_min,
-                         keep_first_frame_blocks=first_frame, block_size=cfg.block_size)
+                         keep_first_frame_blocks=first_frame, block_size=cfg.block_size,
+                         token_order=None if order is None else token_order_name(order))
+
+    def token_order(self, grid):
+        """The token order this model's attention runs in for ``grid``: a hit's entry order, a miss's
+        ``record_region`` order (None = raster). Raises ``ValueError`` for an unreadable entry order."""
+        if self.plan.is_hit:
+            return entry_token_order(self.plan.entry_meta["signature"])
+        if self.record_region is None:
+            return None
+        return region_order_for(grid, self.record_region, self.config.block_size)
 
     def _prefetch(self, device) -> None:
         """Copy this expert's bit-packed entry maps to ``device`` at once (pinned, non-blocking), at the

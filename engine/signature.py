@@ -8,8 +8,10 @@ A signature is a plain JSON-able dict (stored in ``meta["signature"]`` of an ent
 
 ``token_order`` is the order of the tokens the entry's blocks were cut from: ``"thw"``
 (:data:`TOKEN_ORDER`, raster: Wan's frame-major order after the 1x2x2 patchify; an entry without
-the field is raster too) or the name of a :class:`chorus.kernels.tile_order.TileOrder` of the
-entry's token grid and block size (e.g. ``"tile2x8x8-f8x16-s"``; :func:`entry_token_order`).
+the field is raster too), the name of a :class:`chorus.kernels.tile_order.TileOrder` of the
+entry's token grid and block size (e.g. ``"tile2x8x8-f8x16-s"``) or of a
+:class:`~chorus.kernels.tile_order.RegionTileOrder` (``"regions2x8x8"``: what a request with feature
+reuse records, so that a hit can run self-attention on the compact sequence; :func:`entry_token_order`).
 
 ``experts`` lists the weights fingerprints of the models that sampled the request, in the order
 they first sampled (Wan 2.2 A14B: high-noise expert first). ``step_sigmas`` is the sigma at the
@@ -148,26 +150,47 @@ def token_grid(latent_shape, patch_size=PATCH_SIZE) -> tuple[int, int, int]:
 
 def token_order_name(order) -> str:
     """What a signature records for an order: :data:`TOKEN_ORDER` for raster (None), else the
-    ``TileOrder``'s name."""
+    order's name."""
     return TOKEN_ORDER if order is None else order.name
 
 
+def region_order_for(grid, region, block_size: int):
+    """The :class:`~chorus.kernels.tile_order.RegionTileOrder` of a grid whose tiles are feature
+    reuse's ``region`` (``rt * rh * rw == block_size``), or None when the region is not one block."""
+    from ..kernels.tile_order import cached_region_order
+
+    region = tuple(int(r) for r in region)
+    if len(region) != 3 or math.prod(region) != int(block_size):
+        return None
+    return cached_region_order(tuple(int(g) for g in grid), region, int(block_size))
+
+
 def entry_token_order(entry_signature: dict):
-    """The order an entry's blocks are in: None (raster: ``"thw"``, ``"raster"`` or no field) or the
-    :class:`~chorus.kernels.tile_order.TileOrder` of the entry's token grid and block size whose name
-    the entry records. Raises ``ValueError`` for any other value (an order this code cannot rebuild
-    is never guessed: the entry is unusable rather than misread)."""
+    """The order an entry's blocks are in: None (raster: ``"thw"``, ``"raster"`` or no field), or the
+    :class:`~chorus.kernels.tile_order.TileOrder` / :class:`~chorus.kernels.tile_order.RegionTileOrder`
+    of the entry's token grid and block size whose name the entry records. Raises ``ValueError`` for
+    any other value (an order this code cannot rebuild is never guessed: the entry is unusable rather
+    than misread)."""
     from ..kernels.tile_order import cached_tile_order
 
     name = entry_signature.get("token_order", TOKEN_ORDER)
     if isinstance(name, str) and name in RASTER_ORDER_NAMES:
         return None
-    if not isinstance(name, str) or not name.startswith("tile"):
+    if not isinstance(name, str) or not name.startswith(("tile", "regions")):
         raise ValueError(f"unknown token order {name!r}")
     grid = tuple(int(g) for g in entry_signature["token_grid"])
     block_size = int(entry_signature["block_size"])
     if len(grid) != 3 or min(grid) < 1 or math.prod(grid) > MAX_ORDER_TOKENS or block_size < 1:
         raise ValueError(f"token grid {grid} / block size {block_size} of a tile-order entry is out of range")
+    if name.startswith("regions"):
+        try:
+            region = tuple(int(r) for r in name[len("regions"):].split("x"))
+        except ValueError:
+            raise ValueError(f"unknown token order {name!r}") from None
+        order = region_order_for(grid, region, block_size) if len(region) == 3 and min(region) >= 1 else None
+        if order is None or order.name != name:
+            raise ValueError(f"token order {name!r} does not fit block size {block_size}")
+        return order
     for serpentine in (True, False):
         order = cached_tile_order(grid, block_size, serpentine)
         if order.name == name:
@@ -182,11 +205,10 @@ def latent_compatibility(entry_signature: dict, latent_shape) -> tuple[str, str]
     Returns ``("same", "")``, ``("resample", why)`` (same channels and aspect, another token grid:
     masks are resampled in 3D block coordinates) or ``("incompatible", why)``.
 
-    Token order (:func:`entry_token_order`): raster entries (``"thw"``, ``"raster"``, no field) are
-    served; a tile-order entry is incompatible, i.e. a miss, never misread: this version records
-    and runs attention in raster order only (tile order measured no fewer blocks at equal recall,
-    docs/BENCHMARKS.md, "Tile token order"; ``chorus.kernels.tile_order.convert_map`` would carry
-    its maps to raster order, nearly dense); an order that cannot be rebuilt is incompatible too.
+    Token order (:func:`entry_token_order`): an entry in any order this version rebuilds is served
+    in its own order (the engine runs attention on the tokens in that order: exact); resampling to
+    another grid works in raster order only, so a tile- or region-order entry of another grid is
+    incompatible (a miss, never misread), as is an order that cannot be rebuilt.
     """
     from ..kernels import aspect_matches
 
@@ -194,13 +216,13 @@ def latent_compatibility(entry_signature: dict, latent_shape) -> tuple[str, str]
         if int(entry_signature.get("format", -1)) != SIGNATURE_FORMAT:
             return "incompatible", f"entry signature format {entry_signature.get('format')!r} is not {SIGNATURE_FORMAT}"
         order = entry_token_order(entry_signature)
-        if order is not None:
-            return "incompatible", (f"entry in token order {order.name}: this version runs attention in raster "
-                                    f"order only")
         shape = tuple(int(s) for s in latent_shape)[-4:]
         e_shape = tuple(int(s) for s in entry_signature["latent_shape"])
         if shape == e_shape:
             return "same", ""
+        if order is not None:
+            return "incompatible", (f"entry in token order {order.name} for latent {list(e_shape)}: its maps are "
+                                    "resampled to other grids in raster order only")
         if shape[0] != e_shape[0]:
             return "incompatible", f"latent has {shape[0]} channels, entry {e_shape[0]} (another model family)"
         src, dst = tuple(entry_signature["token_grid"]), token_grid(shape)

@@ -86,14 +86,15 @@ def verify_head_index(num_heads: int, count: int) -> list[int]:
 
 
 def recall_terms(q: torch.Tensor, k: torch.Tensor, block_map: torch.Tensor, *, heads, sample_rows: int | None,
-                 block_size: int, backend: str = "auto") -> torch.Tensor:
+                 block_size: int, backend: str = "auto", token_perm=None) -> torch.Tensor:
     """Per head, the recall of ``block_map`` and the best recall at its density: a float32 ``[2, h]``
     tensor on q's device (``[0]`` recall, ``[1]`` best; not read here, so no host sync).
 
     ``q, k``: ``[B, H, L, D]``; ``block_map``: bool ``[1 or B, H, Qb, Kb]`` (the map the call computes);
     ``heads``: head indices to use (None = all; ``h`` = their number); ``sample_rows``: query rows per
     block (None = exact). *Recall* of a head: the mean over its query blocks and batch rows of the
-    block's attention mass (averaged over the block's sampled rows) in kept blocks. *Best*: the same
+    block's attention mass (averaged over the block's sampled rows) in kept blocks (``token_perm``: the
+    token order ``block_map`` is in, as :func:`chorus.kernels.block_mass` takes it; None = raster). *Best*: the same
     for the map that keeps, in every row, as many blocks as ``block_map`` but those with the most of
     the same sampled mass: what any map that sparse can keep, so ``recall <= best``. With sampled rows
     ``best`` is biased up (the top blocks of a noisy mass include the ones the noise favoured; the bias
@@ -104,7 +105,8 @@ def recall_terms(q: torch.Tensor, k: torch.Tensor, block_map: torch.Tensor, *, h
         idx = torch.as_tensor(list(heads), dtype=torch.long, device=q.device)
         q, k = q.index_select(1, idx), k.index_select(1, idx)
         block_map = block_map.index_select(1, idx.to(block_map.device))
-    mass = kernels.block_mass(q, k, block_size=block_size, sample_rows=sample_rows, backend=backend)
+    mass = kernels.block_mass(q, k, block_size=block_size, sample_rows=sample_rows, backend=backend,
+                              token_perm=token_perm)
     kept = block_map.to(device=mass.device)
     recall = (mass * kept.to(mass.dtype)).sum(-1)                                   # [B, h, Qb]
     count = kept.sum(-1, dtype=torch.int64).expand(mass.shape[:-1])

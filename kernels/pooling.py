@@ -8,8 +8,15 @@ Tokens follow Wan's frame-major order after the 1x2x2 patchify: token ``(t, h, w
 - A region that is downsampled is cut into *cells* of ``pool = (pt, ph, pw)`` tokens (``pool``
   divides ``region``); each cell becomes one pooled token (the mean of its tokens).
 - :class:`RegionLayout` describes one choice of downsampled regions: the *compact* sequence holds
-  the kept (full-resolution) tokens in their original order, then one token per cell. It carries
-  the index tensors to go between the two sequences.
+  the kept (full-resolution) tokens in their original order (or in a token order's, see below),
+  then one token per cell. It carries the index tensors to go between the two sequences.
+- *Compact self-attention* (a layout built with a :class:`~chorus.kernels.tile_order.RegionTileOrder`
+  whose tiles are the regions, ``order=``): the kept tokens sit in that order, so every kept tile is
+  one whole block of the compact sequence too, and a block-sparse map in that order serves the
+  compact queries directly: :func:`compact_query_map` gives each compact query block the key blocks
+  of the blocks its tokens come from (a kept tile: its own row; a block of cells: the union of
+  their regions' rows). Keys stay at full length in the order (``key_index``: each pooled key counts
+  as the tokens it stands for, so the attention mass is the full-grid computation's exactly).
 
 Functions (``x`` is ``[B, L, ...]``, float; indices are int64 on ``x``'s device):
 
@@ -124,10 +131,15 @@ class RegionLayout:
 
     Attributes (int64 tensors on one device):
         grid, region, pool: the geometry; ``regions``: sorted ids of the downsampled regions.
-        keep_index ``[Lk]``: original indices of the kept tokens (ascending).
+        keep_index ``[Lk]``: original indices of the kept tokens (ascending, or in ``order``).
         cell_index ``[Nc, P]``: original indices of each cell's tokens.
         expand_index ``[L]``: compact position of every original token.
         rep_index ``[L']``: one original token per compact token (kept token / cell's first member).
+        order: None, or the token order the layout was built in (compact self-attention), with
+        ``key_index`` ``[L]`` (the compact position of the token at each position of the order: the
+        full-length keys in that order are ``x_compact.index_select(dim, key_index)``) and
+        ``query_sources`` bool ``[ceil(L'/bs), ceil(L/bs)]`` (the order's blocks each compact block's
+        tokens come from; ``bs`` = the order's block size).
     ``length`` = L, ``compact_length`` = L' = Lk + Nc.
     """
 
@@ -139,6 +151,9 @@ class RegionLayout:
     cell_index: torch.Tensor
     expand_index: torch.Tensor
     rep_index: torch.Tensor
+    order: object = None
+    key_index: torch.Tensor | None = None
+    query_sources: torch.Tensor | None = None
 
     @property
     def length(self) -> int:
@@ -157,18 +172,24 @@ class RegionLayout:
         return int(self.cell_index.numel())
 
     def to(self, device) -> "RegionLayout":
+        move = (lambda t: None if t is None else t.to(device))  # noqa: E731
         return RegionLayout(self.grid, self.region, self.pool,
                             *(t.to(device) for t in (self.regions, self.keep_index, self.cell_index,
-                                                     self.expand_index, self.rep_index)))
+                                                     self.expand_index, self.rep_index)),
+                            order=self.order, key_index=move(self.key_index), query_sources=move(self.query_sources))
 
     def __deepcopy__(self, memo):
         return self
 
 
-def build_layout(grid, region, pool, regions, device=None) -> RegionLayout:
+def build_layout(grid, region, pool, regions, device=None, order=None) -> RegionLayout:
     """:class:`RegionLayout` downsampling the complete regions ``regions`` (ids in raster order).
 
-    Raises ``ValueError`` for bad geometry or a region id outside ``[0, R)``. Duplicates are ignored.
+    ``order``: None (kept tokens in raster order), or a token order of this grid (``perm`` /
+    ``inverse`` / ``block_size``, e.g. a :class:`~chorus.kernels.tile_order.RegionTileOrder`): kept
+    tokens in that order, plus the compact self-attention indices (``key_index``, ``query_sources``).
+    Raises ``ValueError`` for bad geometry, a region id outside ``[0, R)`` or an order of another
+    length. Duplicates are ignored.
     """
     grid, region, pool = check_geometry(grid, region, pool)
     cells = region_cells(grid, region, pool, device=device)
@@ -179,13 +200,40 @@ def build_layout(grid, region, pool, regions, device=None) -> RegionLayout:
     cell_index = cells[regions].reshape(-1, cells.shape[-1])
     pooled = torch.zeros(length, dtype=torch.bool, device=cells.device)
     pooled[cell_index.reshape(-1)] = True
-    keep_index = torch.nonzero(~pooled).reshape(-1)
+    if order is None:
+        keep_index = torch.nonzero(~pooled).reshape(-1)
+    else:
+        if int(order.perm.numel()) != length:
+            raise ValueError(f"token order of {order.perm.numel()} tokens for a grid of {length}")
+        perm = order.perm.to(cells.device)
+        keep_index = perm[~pooled[perm]]  # kept tokens, in the order's positions
     expand_index = torch.empty(length, dtype=torch.int64, device=cells.device)
     expand_index[keep_index] = torch.arange(keep_index.numel(), device=cells.device)
     cell_pos = keep_index.numel() + torch.arange(cell_index.shape[0], device=cells.device)
     expand_index[cell_index] = cell_pos[:, None].expand_as(cell_index)
     rep_index = torch.cat([keep_index, cell_index[:, 0]])
-    return RegionLayout(grid, region, pool, regions, keep_index, cell_index, expand_index, rep_index)
+    if order is None:
+        return RegionLayout(grid, region, pool, regions, keep_index, cell_index, expand_index, rep_index)
+    bs = int(order.block_size)
+    position = order.inverse.to(cells.device)  # order position of every raster token
+    key_index = torch.empty_like(expand_index)
+    key_index[position] = expand_index
+    sources = torch.zeros(-(-rep_index.numel() // bs), -(-length // bs), dtype=torch.bool, device=cells.device)
+    sources[expand_index // bs, position // bs] = True
+    return RegionLayout(grid, region, pool, regions, keep_index, cell_index, expand_index, rep_index,
+                        order=order, key_index=key_index, query_sources=sources)
+
+
+def compact_query_map(block_map: torch.Tensor, query_sources: torch.Tensor) -> torch.Tensor:
+    """The block map of the compact queries: bool ``[..., Qc, Kb]`` from a map ``[..., Qb, Kb]`` in the
+    layout's order and its ``query_sources`` ``[Qc, Qb]``: compact query block ``i`` keeps every key
+    block that any of its source blocks keeps (exactly the source's row for a kept tile). One matmul
+    on the map's device, no host sync. Raises ``ValueError`` on mismatched block counts."""
+    if block_map.dim() < 2 or query_sources.dim() != 2 or block_map.shape[-2] != query_sources.shape[1]:
+        raise ValueError(f"map {tuple(block_map.shape)} and query sources {tuple(query_sources.shape)} do not fit")
+    dtype = torch.float16 if block_map.is_cuda else torch.float32  # counts of sources: > 0 is all that matters
+    sources = query_sources.to(block_map.device, dtype)
+    return torch.matmul(sources, block_map.to(dtype)) > 0
 
 
 def _check_x(x: torch.Tensor, layout: RegionLayout, length: int, what: str) -> None:

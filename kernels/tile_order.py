@@ -32,6 +32,20 @@ place where the kernel API gathers q/k/v into tile order and scatters the output
 :func:`convert_map` carries a block map between two orders of one grid, conservatively (every
 token pair a kept source block pair covers is covered by a kept destination pair);
 :func:`convert_mass` carries block mass (rows keep their sums).
+
+:class:`RegionTileOrder` is the *region-aligned* tile order that feature reuse's compact attention
+needs: its tiles are exactly feature reuse's complete regions (``region`` tokens from the grid's
+origin, :mod:`chorus.kernels.pooling`) and each is exactly one block, on any grid:
+
+1. frame 0's ``H * W`` tokens first (raster): the prefix, as above;
+2. then as many *rim* tokens (tokens in no tile, raster order) as bring the prefix to a whole
+   number of blocks (``P0`` blocks);
+3. then the tiles: the complete regions that do not hold frame 0, in region id order, each as one
+   run of ``block_size`` tokens (raster inside the region): tile ``i`` is block ``P0 + i``;
+4. then the remaining rim tokens (raster; the last block may be partial).
+
+Regions holding frame 0 (feature reuse never pools them) are rim. A grid whose rim is too small to
+pad the prefix gives up its last tiles to the rim. Its name is ``"regions{rt}x{rh}x{rw}"``.
 """
 
 from __future__ import annotations
@@ -174,6 +188,95 @@ def cached_tile_order(grid: tuple, block_size: int = 128, serpentine: bool = Tru
     return TileOrder(tuple(int(g) for g in grid), int(block_size), serpentine=serpentine)
 
 
+@dataclass(frozen=True)
+class RegionTileOrder:
+    """The region-aligned tile order of one token grid (module docstring, last part).
+
+    Args: ``grid`` ``(T, H, W)``; ``region`` ``(rt, rh, rw)`` with ``rt * rh * rw == block_size``
+    (feature reuse's region, default 2 x 8 x 8 = 128 tokens); ``block_size``.
+
+    Attributes (computed): ``perm`` / ``inverse`` int64 ``[L]`` as :class:`TileOrder`'s;
+    ``tile_regions`` int64 ``[F]`` (the complete-region id of tile ``i``, ascending);
+    ``first_tile_block`` ``P0`` (tile ``i`` is block ``P0 + i``); ``name``; ``length``;
+    ``first_frame_tokens``. Raises ``ValueError`` for a bad grid, region or block size.
+    """
+
+    grid: tuple
+    region: tuple = (2, 8, 8)
+    block_size: int = 128
+    perm: torch.Tensor = field(init=False, repr=False, compare=False)
+    inverse: torch.Tensor = field(init=False, repr=False, compare=False)
+    tile_regions: torch.Tensor = field(init=False, repr=False, compare=False)
+    first_tile_block: int = field(init=False, compare=False)
+    _on_device: dict = field(init=False, repr=False, compare=False, default_factory=dict)
+
+    def __post_init__(self):
+        grid = positive_triple(self.grid, "grid")
+        region = positive_triple(self.region, "region")
+        bs = self.block_size
+        if isinstance(bs, bool) or not isinstance(bs, int) or bs < 1:
+            raise ValueError(f"block_size must be a positive int, got {bs!r}")
+        if math.prod(region) != bs:
+            raise ValueError(f"region {region} must hold block_size={bs} tokens, holds {math.prod(region)}")
+        T, H, W = grid
+        rt, rh, rw = region
+        nt, nh, nw = T // rt, H // rh, W // rw
+        tok = torch.arange(T * H * W, dtype=torch.int64).view(T, H, W)
+        regions = tok[: nt * rt, : nh * rh, : nw * rw].reshape(nt, rt, nh, rh, nw, rw)
+        regions = regions.permute(0, 2, 4, 1, 3, 5).reshape(nt * nh * nw, bs)  # [R, tokens], raster inside
+        ids = torch.arange(nt * nh * nw, dtype=torch.int64)
+        tiles = ids[ids // (nh * nw) >= 1]  # regions of the first region slab hold frame 0: rim
+        prefix = H * W
+        need = (-prefix) % bs
+
+        def rim_of(tile_ids):
+            in_tile = torch.zeros(T * H * W, dtype=torch.bool)
+            in_tile[regions[tile_ids].reshape(-1)] = True
+            in_tile[:prefix] = True  # frame 0 is the prefix, not rim
+            return torch.nonzero(~in_tile).reshape(-1)
+
+        rim = rim_of(tiles)
+        while rim.numel() < need and tiles.numel():  # a grid that is all tiles: give the last ones up
+            tiles = tiles[:-1]
+            rim = rim_of(tiles)
+        fix = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
+        fix("grid", grid)
+        fix("region", region)
+        perm = torch.cat([torch.arange(prefix, dtype=torch.int64), rim[:need], regions[tiles].reshape(-1),
+                          rim[need:]])
+        inverse = torch.empty_like(perm)
+        inverse[perm] = torch.arange(perm.numel(), dtype=torch.int64)
+        fix("perm", perm)
+        fix("inverse", inverse)
+        fix("tile_regions", tiles)
+        fix("first_tile_block", (prefix + min(need, rim.numel())) // bs)
+
+    @property
+    def length(self) -> int:
+        return self.grid[0] * self.grid[1] * self.grid[2]
+
+    @property
+    def first_frame_tokens(self) -> int:
+        return self.grid[1] * self.grid[2]
+
+    @property
+    def name(self) -> str:
+        return "regions{}x{}x{}".format(*self.region)
+
+    indices = TileOrder.indices
+    to_tile = TileOrder.to_tile
+    to_raster = TileOrder.to_raster
+
+
+ORDER_TYPES = (TileOrder, RegionTileOrder)
+
+
+@functools.lru_cache(maxsize=32)
+def cached_region_order(grid: tuple, region: tuple = (2, 8, 8), block_size: int = 128) -> RegionTileOrder:
+    """The :class:`RegionTileOrder` of ``(grid, region, block_size)``, built once per process."""
+    return RegionTileOrder(tuple(int(g) for g in grid), tuple(int(r) for r in region), int(block_size))
+
+
 def _tile_permutation(grid, tile, first, serpentine: bool) -> torch.Tensor:
     """``perm`` of the module docstring: a stable sort of raster tokens by (slab, tile row, tile)."""
     T, H, W = grid
@@ -207,14 +310,15 @@ def _check_token_dim(x, dim: int, length: int) -> None:
 
 # -- the one gather / scatter of the kernel API -------------------------------------------------
 def resolve_token_perm(token_perm, length: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(perm, inverse)`` int64 ``[length]`` on ``device`` from a :class:`TileOrder` or a perm tensor.
+    """``(perm, inverse)`` int64 ``[length]`` on ``device`` from a :class:`TileOrder`, a
+    :class:`RegionTileOrder` or a perm tensor.
 
     A tensor must be a 1-D integer permutation of ``range(length)`` (checked: one host read).
     Raises ``ValueError`` otherwise, or for an order of another length.
     """
-    if isinstance(token_perm, TileOrder):
+    if isinstance(token_perm, ORDER_TYPES):
         if token_perm.length != length:
-            raise ValueError(f"token_perm is a TileOrder of {token_perm.length} tokens ({token_perm.grid}), "
+            raise ValueError(f"token_perm is a {type(token_perm).__name__} of {token_perm.length} tokens ({token_perm.grid}), "
                              f"the call has {length}")
         return token_perm.indices(device)
     if not isinstance(token_perm, torch.Tensor):
@@ -251,19 +355,19 @@ def to_raster_order(inverse: torch.Tensor, out: torch.Tensor, dim: int = -2) -> 
 def _order_of(order, grid, block_size):
     if order is None or order == RASTER:
         return None
-    if isinstance(order, TileOrder):
+    if isinstance(order, ORDER_TYPES):
         if grid is not None and order.grid != grid:
             raise ValueError(f"orders of different grids: {order.grid} vs {grid}")
         if order.block_size != block_size:
-            raise ValueError(f"a TileOrder built for block size {order.block_size} used with {block_size}")
+            raise ValueError(f"a {type(order).__name__} built for block size {order.block_size} used with {block_size}")
         return order
-    raise ValueError(f"an order is 'raster' (or None) or a TileOrder, got {order!r}")
+    raise ValueError(f"an order is 'raster' (or None), a TileOrder or a RegionTileOrder, got {order!r}")
 
 
 def block_overlap(src_order, dst_order, *, grid=None, block_size: int = 128) -> torch.Tensor:
     """Token counts float64 ``[Qb, Qb]``: ``[i, j]`` = tokens in destination block ``i`` and source
     block ``j`` (orders: ``"raster"``/None or :class:`TileOrder`; ``grid`` needed when both are raster)."""
-    grids = {o.grid for o in (src_order, dst_order) if isinstance(o, TileOrder)}
+    grids = {o.grid for o in (src_order, dst_order) if isinstance(o, ORDER_TYPES)}
     if len(grids) > 1:
         raise ValueError(f"orders of different grids: {sorted(grids)}")
     grid = positive_triple(grid, "grid") if grid is not None else (grids.pop() if grids else None)

@@ -27,6 +27,11 @@ a :class:`Forward` in a copy of that call's ``transformer_options``. Per attenti
 - self-attention runs, in this fixed order: expand (compacted block) -> first-frame bias + sparse (a
   hit) or dense (+ recording on a miss), through ``ChorusAttention``; or, without the sparse sampler,
   a biased dense call (``biased_dense_or_plain``) -> compact. So the bias is applied exactly once.
+  A compacted block whose layout is in the hit's region order (feature reuse + an entry recorded with
+  feature reuse, ``RegionTileOrder``) skips expand and compact: its compact queries attend to the keys
+  expanded in that order (``ChorusAttention.compact_self_attention``);
+- a sparse sampler configured together with feature reuse (share > 0, regions of one block's tokens,
+  frame 0 never pooled) records a miss in that region order, so the entry it writes serves such hits.
 
 A Chorus patch that is not the one of the current forward (e.g. an old one another pack's override
 chained before the model was re-patched) passes every call through. Objects stored in
@@ -250,6 +255,10 @@ class ChorusPatch:
             return out
         layout = options.get(LAYOUT_KEY)
         if layout is not None and q.shape[1] == v.shape[1] == layout.compact_length and layout.length == ctx.tokens:
+            if layout.order is not None and self.attention is not None:
+                # compact self-attention: compact queries over the keys expanded in the layout's order
+                full_kv = tuple(t.index_select(1, layout.key_index) for t in (k, v))
+                return self._self_attention(func, (q,) + full_kv + tuple(args[3:]), kwargs, ctx, options, layout)
             full = tuple(pooling.expand_tokens(t, layout) for t in (q, k, v))  # expand
             out = self._self_attention(func, full + tuple(args[3:]), kwargs, ctx, options)
             return pooling.compact_rows(out, layout)  # compact
@@ -257,8 +266,10 @@ class ChorusPatch:
             return self._self_attention(func, args, kwargs, ctx, options)
         return self._pass(func, args, kwargs)
 
-    def _self_attention(self, func, args, kwargs, ctx: Forward, options):
-        """(bias +) sparse or dense (+ recording) on the full grid; q/k/v ``[B, L, H*D]``."""
+    def _self_attention(self, func, args, kwargs, ctx: Forward, options, layout=None):
+        """(bias +) sparse or dense (+ recording) on the full grid; q/k/v ``[B, L, H*D]``. With a
+        ``layout`` (a compacted block's, built in a token order): q ``[B, L', H*D]`` compact, k/v at
+        full length in that order (``ChorusAttention.compact_self_attention``)."""
         attention, guidance = self.attention, self.guidance
         if ctx.disabled_reason is not None:
             if attention is not None or guidance is not None:
@@ -285,7 +296,7 @@ class ChorusPatch:
                 bias = 0.0
 
         def to_bhld(t):
-            return t.view(batch, length, heads, head_dim).transpose(1, 2)
+            return t.view(batch, t.shape[1], heads, head_dim).transpose(1, 2)
 
         def dense_fn(*_):
             return self._pass(func, args, kwargs).view(batch, length, heads, head_dim).transpose(1, 2)
@@ -298,9 +309,14 @@ class ChorusPatch:
                 self.note("no sigma in transformer_options; dense attention")
                 attention.plan.stats.fallback_calls += 1
                 return self._pass(func, args, kwargs)
-            out = attention.self_attention(to_bhld(q), to_bhld(k), to_bhld(v), layer=int(layer), sigma=sigma,
-                                           grid=ctx.grid, dense_fn=dense_fn, cond_rows=ctx.cond_rows(batch),
-                                           first_frame_bias=bias)
+            if layout is not None:
+                out = attention.compact_self_attention(to_bhld(q), to_bhld(k), to_bhld(v), layout=layout,
+                                                       layer=int(layer), sigma=sigma, dense_fn=dense_fn,
+                                                       cond_rows=ctx.cond_rows(batch), first_frame_bias=bias)
+            else:
+                out = attention.self_attention(to_bhld(q), to_bhld(k), to_bhld(v), layer=int(layer), sigma=sigma,
+                                               grid=ctx.grid, dense_fn=dense_fn, cond_rows=ctx.cond_rows(batch),
+                                               first_frame_bias=bias)
             return out.transpose(1, 2).reshape(batch, length, width)
         if bias:
             out = biased_dense_or_plain(dense_fn, ctx.grid[1] * ctx.grid[2], bias, self.note)(
@@ -442,7 +458,7 @@ def configure(model, plan: Plan | None, *, sparse=KEEP, feature_reuse=KEEP, guid
             mismatch = plan.model_mismatch(info)
             if mismatch is not None:  # say so now, in the node's UI text, not only after sampling
                 plan.demote(mismatch)
-            attention = ChorusAttention(plan, sparse_config, info)
+            attention = ChorusAttention(plan, sparse_config, info, record_region=_record_region(sparse_config, fr_config))
         if fr_config is not None:
             fr = FeatureReuse(plan, fr_config, info)
     if boost is not None and old is not None and boost is old.guidance and boost.plan is not None \
@@ -457,6 +473,15 @@ def configure(model, plan: Plan | None, *, sparse=KEEP, feature_reuse=KEEP, guid
                         attention=attention, feature_reuse=fr, guidance=boost, previous_override=previous)
     _install(patched, patch)
     return patched, (None if patch.is_empty else patch), info
+
+
+def _record_region(sparse_config, fr_config):
+    """Feature reuse's region when a miss should record in its region order (see the module
+    docstring), else None (raster)."""
+    if fr_config is None or fr_config.downsample_share <= 0 or not fr_config.keep_first_frame:
+        return None
+    region = tuple(fr_config.region)
+    return region if region[0] * region[1] * region[2] == sparse_config.block_size else None
 
 
 def _install(patched, patch: ChorusPatch) -> None:

@@ -1,7 +1,8 @@
-"""Token order in signatures, retrieval and the plan (issue 17, part 2): an entry records its order
-(raster ``"thw"``: tile order measured no fewer blocks at equal recall, so this version records and
-runs raster only); entries without the field are raster; a tile-order entry, or an order that
-cannot be rebuilt, is a miss, never misread."""
+"""Token order in signatures, retrieval, the plan and the runtime (issue 17, part 2): an entry records
+the order its blocks were cut from (raster ``"thw"`` by default; entries without the field are raster;
+``"regions..."`` when the request ran feature reuse, ``RegionTileOrder``); a hit runs in its entry's
+order, exactly; an order that cannot be rebuilt, or a tile-order entry of another grid, is a miss,
+never misread."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 from chorus.cache_store import Workspace
 from chorus.engine import ModelInfo, Plan, build_signature, latent_compatibility, retrieve_plan
 from chorus.engine.signature import TOKEN_ORDER, entry_token_order, token_order_name
-from chorus.kernels.tile_order import TileOrder, cached_tile_order
+from chorus.kernels.tile_order import RegionTileOrder, TileOrder, cached_region_order, cached_tile_order
 
 BS = 32
 GRID = (3, 5, 7)
@@ -29,7 +30,7 @@ def signature(order=TOKEN_ORDER, grid=GRID, latent=LATENT):
     return sig
 
 
-def test_entry_token_order_reads_raster_and_tile_and_refuses_the_rest():
+def test_entry_token_order_reads_raster_tile_and_region_orders_and_refuses_the_rest():
     assert TOKEN_ORDER == "thw"
     assert entry_token_order(signature("thw")) is None
     assert entry_token_order(signature("raster")) is None
@@ -38,9 +39,11 @@ def test_entry_token_order_reads_raster_and_tile_and_refuses_the_rest():
     assert entry_token_order(signature(tile.name)) == tile
     plain = TileOrder(GRID, BS, serpentine=False)
     assert entry_token_order(signature(plain.name)) == plain
-    for bad in ("hwt", "tile9x9x9", 3, ["thw"], {"a": 1}):
+    regions = entry_token_order(signature("regions2x4x4", grid=RGRID))
+    assert isinstance(regions, RegionTileOrder) and regions is cached_region_order(RGRID, (2, 4, 4), BS)
+    for bad in ("hwt", "tile9x9x9", "regions2x8x8", "regions2x4", "regionsaxbxc", 3, ["thw"], {"a": 1}):
         with pytest.raises(ValueError):
-            entry_token_order(signature(bad))
+            entry_token_order(signature(bad))  # (regions2x8x8 holds 128 tokens, not a 32-token block)
     with pytest.raises(ValueError, match="out of range"):  # a hostile grid is not allocated
         entry_token_order(signature(tile.name, grid=(10**6, 10**4, 10**4)))
     assert token_order_name(None) == "thw" and token_order_name(tile) == tile.name
@@ -52,8 +55,9 @@ def test_latent_compatibility_by_order():
     assert latent_compatibility(signature(None), LATENT)[0] == "same"
     assert latent_compatibility(signature("raster"), LATENT)[0] == "same"
     assert latent_compatibility(signature("thw"), (16, 3, 20, 28))[0] == "resample"
-    verdict, why = latent_compatibility(signature(tile), LATENT)
-    assert verdict == "incompatible" and "raster order only" in why
+    assert latent_compatibility(signature(tile), LATENT)[0] == "same"  # served in its own order
+    verdict, why = latent_compatibility(signature(tile), (16, 3, 20, 28))
+    assert verdict == "incompatible" and "raster order only" in why  # no resampling of tile orders
     verdict, why = latent_compatibility(signature("zigzag"), LATENT)
     assert verdict == "incompatible" and "unknown token order" in why
     assert latent_compatibility(signature({"a": 1}), LATENT)[0] == "incompatible"
@@ -68,8 +72,8 @@ def _ws_with(path, order_name):
 
 
 @pytest.mark.parametrize("order_name,hit", [(None, True), ("thw", True), ("raster", True),
-                                            ("tile", False), ("tile1x2x3", False)])
-def test_retrieval_serves_raster_entries_and_misses_the_others(tmp_path, order_name, hit):
+                                            ("tile", True), ("tile1x2x3", False), ("zigzag", False)])
+def test_retrieval_serves_every_rebuildable_order_and_misses_the_others(tmp_path, order_name, hit):
     if order_name == "tile":
         order_name = TileOrder(GRID, BS).name
     ws, emb = _ws_with(tmp_path / "ws", order_name)
@@ -79,18 +83,85 @@ def test_retrieval_serves_raster_entries_and_misses_the_others(tmp_path, order_n
         assert "token order" in plan.message
 
 
-def test_a_hit_plan_refuses_a_tile_order_entry():
+def test_a_hit_plan_takes_a_tile_order_entry_but_never_resamples_it():
     masks = {(0, 0, 0, 0): torch.ones(2, QB, QB, dtype=torch.bool)}
-    with pytest.raises(ValueError, match="raster-order entry"):
-        Plan("hit", entry_id=1, similarity=1.0, masks=masks,
-             entry_meta={"signature": signature(TileOrder(GRID, BS).name)})
+    tile = signature(TileOrder(GRID, BS).name)
+    assert Plan("hit", entry_id=1, similarity=1.0, masks=masks, entry_meta={"signature": tile}).is_hit
+    with pytest.raises(ValueError, match="cannot be resampled"):
+        Plan("hit", entry_id=1, similarity=1.0, masks=masks, entry_meta={"signature": tile}, resample_to=(3, 10, 14))
     with pytest.raises(ValueError, match="unreadable token order"):
         Plan("hit", entry_id=1, similarity=1.0, masks=masks, entry_meta={"signature": signature("zigzag")})
     assert Plan("hit", entry_id=1, similarity=1.0, masks=masks, entry_meta={"signature": signature(None)}).is_hit
 
 
-def test_new_entries_record_raster():
+def test_new_entries_record_raster_or_the_recorders_order():
     plan = Plan.miss("test", latent_shape=LATENT)
     plan.register_expert(ModelInfo("wan", "wan2.2-a14b-i2v", 2, 2, 64, 36, "fp"))
-    plan.recorder.add(0, 1.0, 0, torch.full((1, 2, QB, QB), 1.0 / QB), grid=GRID, top_p=0.9, k_min=1, block_size=BS)
+    mass = torch.full((1, 2, QB, QB), 1.0 / QB)
+    plan.recorder.add(0, 1.0, 0, mass, grid=GRID, top_p=0.9, k_min=1, block_size=BS)
     assert build_signature(plan)["token_order"] == "thw"
+    plan = Plan.miss("test", latent_shape=LATENT)
+    plan.register_expert(ModelInfo("wan", "wan2.2-a14b-i2v", 2, 2, 64, 36, "fp"))
+    plan.recorder.add(0, 1.0, 0, mass, grid=GRID, top_p=0.9, k_min=1, block_size=BS, token_order="regions2x4x4")
+    assert build_signature(plan)["token_order"] == "regions2x4x4"
+    with pytest.raises(ValueError, match="token order changed"):
+        plan.recorder.add(0, 1.0, 1, mass, grid=GRID, top_p=0.9, k_min=1, block_size=BS)
+
+
+# -- the runtime: a region-order request records and runs in that order ---------------------------
+RGRID = (5, 8, 8)  # regions 2x4x4 = one 32-token block; frame 0 = 2 blocks; slab 1 = 4 tiles
+INFO = ModelInfo("wan", "wan2.2-a14b-i2v", 2, 2, 64, 36, "fp")
+
+
+def _qkv(seed=0, length=5 * 8 * 8):
+    gen = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(1, 2, length, 32, generator=gen) for _ in range(3))
+
+
+def _dense(q, k, v):
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+
+def test_a_miss_with_record_region_records_block_mass_in_the_region_order():
+    from chorus import kernels
+    from chorus.engine import ChorusAttention, SparseConfig
+
+    order = cached_region_order(RGRID, (2, 4, 4), BS)
+    cfg = SparseConfig(block_size=BS, sample_rows=None, backend="reference", verify_threshold=0.0)
+    q, k, v = _qkv()
+    plan = Plan.miss("test", latent_shape=(16, 5, 16, 16), keep_mass=True)
+    handle = ChorusAttention(plan, cfg, INFO, record_region=(2, 4, 4))
+    out = handle.self_attention(q, k, v, layer=0, sigma=1.0, grid=RGRID, dense_fn=_dense)
+    assert torch.equal(out, _dense(q, k, v))  # a miss returns the host's dense result
+    mass = plan.recorder.masses()[(0, 0, 0, 0)]
+    want = kernels.block_mass(q, k, block_size=BS, sample_rows=None, token_perm=order)[0]
+    torch.testing.assert_close(mass, want)
+    raster = kernels.block_mass(q, k, block_size=BS, sample_rows=None)[0]
+    assert not torch.allclose(mass, raster)  # really another order
+    assert build_signature(plan)["token_order"] == order.name == "regions2x4x4"
+
+
+def test_a_hit_runs_in_its_entrys_order_exactly():
+    from chorus import kernels
+    from chorus.engine import ChorusAttention, SparseConfig
+
+    order = cached_region_order(RGRID, (2, 4, 4), BS)
+    nb = order.length // BS
+    gen = torch.Generator().manual_seed(3)
+    stored = torch.rand(2, nb, nb, generator=gen) < 0.4
+    stored |= torch.eye(nb, dtype=torch.bool)
+    sig = signature(order.name, grid=RGRID, latent=(16, 5, 16, 16))
+    sig["step_sigmas"] = [1.0]
+    plan = Plan("hit", entry_id=1, similarity=1.0, masks={(0, 0, 0, 0): stored},
+                entry_meta={"signature": sig}, latent_shape=(16, 5, 16, 16))
+    cfg = SparseConfig(block_size=BS, k_min=1, backend="reference", verify_threshold=0.0)
+    handle = ChorusAttention(plan, cfg, INFO)
+    q, k, v = _qkv(seed=1)
+    out = handle.self_attention(q, k, v, layer=0, sigma=1.0, grid=RGRID, dense_fn=_dense)
+    assert plan.stats.sparse_calls == 1 and plan.stats.fallback_calls == 0, plan.stats.messages
+    qt, kt, vt = (order.to_tile(t) for t in (q, k, v))
+    want = order.to_raster(kernels.block_sparse_attention(qt, kt, vt, stored[None], block_size=BS,
+                                                          backend="reference"))
+    torch.testing.assert_close(out, want)
+    raster = kernels.block_sparse_attention(q, k, v, stored[None], block_size=BS, backend="reference")
+    assert not torch.allclose(out, raster, atol=1e-4)

@@ -71,10 +71,13 @@ def _sample(m, latent):
                                seed=0)
 
 
-def _hit_from(miss: Plan) -> Plan:
+def _hit_from(miss: Plan, token_order=None) -> Plan:
     """A hit on the miss's own entry, with every block kept (sparse attention = dense), carrying the
-    miss's region scores the way commit_plan writes them (request_meta -> entry meta)."""
+    miss's region scores the way commit_plan writes them (request_meta -> entry meta); ``token_order``
+    relabels the entry's order (full maps are the same in every order)."""
     sig = build_signature(miss)
+    if token_order is not None:
+        sig["token_order"] = token_order
     keys = miss.recorder.block_maps().keys()
     qb = -(-GRID[0] * GRID[1] * GRID[2] // BS)
     masks = {k: torch.ones(2, qb, qb, dtype=torch.bool) for k in keys}
@@ -369,3 +372,25 @@ def test_per_frame_modulation_and_a_failing_block_fall_back_safely(nodes):
     assert handle.full_blocks_reason and handle.config.downsample_share == 0.5
     assert handle.layout_for(0.5, grid, x.device) is None
     handle.end_run()
+
+
+def test_a_miss_with_feature_reuse_records_in_region_order_and_its_hit_attends_on_the_compact_sequence(
+        nodes, model, recorded):
+    """The sparse sampler configured with feature reuse records the miss in the region order
+    (``regions2x8x8``: each tile one of feature reuse's regions and one block); a hit of that entry runs
+    the downsampled blocks' self-attention on the compact sequence (compact queries: fewer query blocks
+    per call) and matches the expanded full-grid computation of the same maps (an entry relabelled raster)."""
+    latent, dense, miss, _ = recorded
+    assert build_signature(miss)["token_order"] == "regions2x8x8"
+    outs, plans = {}, {}
+    for label, order in (("compact", None), ("expanded", "thw")):
+        hit = _hit_from(miss, token_order=order)
+        outs[label] = _sample(_patch(nodes, model, hit, fr_config=FeatureReuseConfig()), latent)
+        plans[label] = hit
+        assert hit.stats.sparse_calls == 2 * LAYERS and hit.stats.fallback_calls == 0, hit.stats.messages
+    qb = 1280 // BS
+    # per step: layer 0 in full (qb x qb per head), layers 1-2 on the compact sequence: 2 regions pooled
+    # of 128 tokens each -> 16 cells each: 1280 - 256 + 32 = 1056 tokens = 9 query blocks
+    assert plans["expanded"].stats.blocks_total == 2 * LAYERS * 2 * qb * qb
+    assert plans["compact"].stats.blocks_total == 2 * (2 * qb * qb + 2 * (2 * 9 * qb))
+    torch.testing.assert_close(outs["compact"], outs["expanded"], atol=2e-4, rtol=1e-3)

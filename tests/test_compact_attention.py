@@ -1,0 +1,153 @@
+"""Compact self-attention of feature reuse (issue 17, part 2): the region-aligned tile order
+(``RegionTileOrder``: every tile is one of feature reuse's regions and exactly one block), a layout
+built in it (kept tokens in that order: every kept tile stays one whole block of the compact
+sequence), the compact query map, and ``ChorusAttention.compact_self_attention`` against the
+full-grid computation (exact on the kept tiles' rows, the union of the sources' rows for cells)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from chorus import kernels
+from chorus.engine import ChorusAttention, ModelInfo, Plan, SparseConfig
+from chorus.engine.feature_reuse import select_regions
+from chorus.kernels import pooling
+from chorus.kernels.reference import dense_attention_oracle
+from chorus.kernels.tile_order import RegionTileOrder, cached_region_order
+
+# awkward grids: ragged rims, an odd frame count, token counts not multiples of the block
+GRIDS = [((5, 8, 8), (2, 4, 4)), ((7, 9, 13), (2, 4, 4)), ((6, 12, 10), (2, 4, 4)), ((5, 16, 16), (2, 8, 8)),
+         ((3, 17, 19), (1, 4, 8))]
+
+
+@pytest.mark.parametrize("grid,region", GRIDS)
+def test_region_order_is_a_permutation_with_each_tile_one_block(grid, region):
+    bs = region[0] * region[1] * region[2]
+    order = RegionTileOrder(grid, region, bs)
+    length = grid[0] * grid[1] * grid[2]
+    assert torch.equal(order.perm.sort().values, torch.arange(length))
+    assert torch.equal(order.perm[order.inverse], torch.arange(length))
+    assert torch.equal(order.perm[: grid[1] * grid[2]], torch.arange(grid[1] * grid[2]))  # frame 0 = the prefix
+    cells = pooling.region_cells(grid, region, (1, 1, 1))  # [R, tokens, 1]: each region's tokens
+    p0 = order.first_tile_block
+    assert p0 * bs >= grid[1] * grid[2]
+    for i, r in enumerate(order.tile_regions.tolist()):
+        block = order.perm[(p0 + i) * bs:(p0 + i + 1) * bs]
+        assert torch.equal(block.sort().values, cells[r, :, 0].sort().values)  # tile i is block P0 + i
+    frames = pooling.region_frames(grid, region)
+    assert bool((frames[order.tile_regions] > 0).all())  # regions holding frame 0 are never tiles
+    assert order.name == "regions{}x{}x{}".format(*region)
+    with pytest.raises(ValueError, match="must hold"):
+        RegionTileOrder(grid, region, bs * 2)
+
+
+def _layout(grid, region, share=0.5, seed=0, order=None):
+    counts = pooling.region_counts(grid, region)
+    scores = torch.rand(counts[0] * counts[1] * counts[2], generator=torch.Generator().manual_seed(seed))
+    regions = select_regions(scores, grid, region, share)
+    return pooling.build_layout(grid, region, (1, 2, 2), regions, order=order), regions
+
+
+@pytest.mark.parametrize("grid,region", GRIDS[:4])
+def test_a_layout_in_the_order_keeps_tiles_whole_and_pools_exactly_as_before(grid, region):
+    bs = region[0] * region[1] * region[2]
+    order = cached_region_order(grid, region, bs)
+    plain, regions = _layout(grid, region)
+    ordered, _ = _layout(grid, region, order=order)
+    assert regions.numel() > 0
+    x = torch.randn(2, order.length, 5, generator=torch.Generator().manual_seed(1))
+    # the same compact tokens, kept ones permuted: pooling and unpooling are unchanged
+    pos = order.inverse[plain.keep_index]
+    assert torch.equal(ordered.keep_index, plain.keep_index[pos.argsort()])
+    y_plain, y_ordered = pooling.pool_tokens(x, plain), pooling.pool_tokens(x, ordered)
+    n = plain.keep_index.numel()
+    torch.testing.assert_close(y_ordered[:, n:], y_plain[:, n:])
+    upd = torch.randn_like(y_ordered)
+    torch.testing.assert_close(pooling.unpool_residual(x, y_ordered, y_ordered + upd, ordered),
+                               pooling.unpool_residual(x, y_plain, y_plain + upd[:, torch.cat(
+                                   [pos.argsort().argsort(), torch.arange(n, y_plain.shape[1])])], plain))
+    # keys in the order: each pooled key repeated over its tokens' positions
+    full = order.to_tile(pooling.expand_tokens(y_ordered, ordered, dim=1), dim=1)
+    torch.testing.assert_close(y_ordered.index_select(1, ordered.key_index), full)
+    # every kept tile is one whole block of the compact sequence, with that tile's block as its only source
+    src = ordered.query_sources
+    p0 = order.first_tile_block
+    kept_tiles = [i for i, r in enumerate(order.tile_regions.tolist()) if r not in set(regions.tolist())]
+    for rank, i in enumerate(kept_tiles):
+        row = p0 + rank
+        assert src[row].nonzero().flatten().tolist() == [p0 + i]
+    assert bool(src.any(1).all())  # every compact block has a source
+
+
+def test_compact_query_map_is_the_union_of_the_sources_rows():
+    gen = torch.Generator().manual_seed(2)
+    block_map = torch.rand(3, 7, 7, generator=gen) < 0.3
+    sources = torch.rand(5, 7, generator=gen) < 0.35
+    sources[:, 0] |= ~sources.any(1)
+    got = pooling.compact_query_map(block_map, sources)
+    want = torch.stack([torch.stack([block_map[h][sources[i]].any(0) for i in range(5)]) for h in range(3)])
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="do not fit"):
+        pooling.compact_query_map(block_map, sources[:, :6])
+
+
+INFO = ModelInfo("wan", "wan2.2-a14b-i2v", 2, 2, 64, 36, "fp")
+
+
+@pytest.mark.parametrize("grid,region", [((5, 8, 8), (2, 4, 4)), ((7, 9, 13), (2, 4, 4))])
+@pytest.mark.parametrize("bias", [0.0, 0.7])
+def test_compact_self_attention_matches_the_full_grid_computation(grid, region, bias):
+    bs = region[0] * region[1] * region[2]
+    order = cached_region_order(grid, region, bs)
+    layout, regions = _layout(grid, region, share=0.5, seed=3, order=order)
+    nb = -(-order.length // bs)
+    gen = torch.Generator().manual_seed(4)
+    stored = (torch.rand(2, nb, nb, generator=gen) < 0.35) | torch.eye(nb, dtype=torch.bool)
+    sig = {"format": 1, "family": "wan", "variant": "wan2.2-a14b-i2v", "experts": ["fp"], "num_layers": 2,
+           "num_heads": 2, "latent_shape": [16, grid[0], 2 * grid[1], 2 * grid[2]], "token_grid": list(grid),
+           "block_size": bs, "token_order": order.name, "step_sigmas": [1.0], "head_groups": 1}
+    plan = Plan("hit", entry_id=1, similarity=1.0, masks={(0, 0, 1, 0): stored}, entry_meta={"signature": sig},
+                latent_shape=tuple(sig["latent_shape"]))
+    handle = ChorusAttention(plan, SparseConfig(block_size=bs, k_min=1, backend="reference", verify_threshold=0.0),
+                             INFO)
+    q, k, v = (torch.randn(1, 2, layout.compact_length, 32, generator=gen) for _ in range(3))
+    k_full, v_full = (t.index_select(2, layout.key_index) for t in (k, v))
+    out = handle.compact_self_attention(q, k_full, v_full, layout=layout, layer=1, sigma=1.0, first_frame_bias=bias,
+                                        dense_fn=lambda *a: pytest.fail("fell back to dense"))
+    assert plan.stats.sparse_calls == 1 and plan.stats.fallback_calls == 0, plan.stats.messages
+    prefix = grid[1] * grid[2] if bias else 0
+    # the oracle: fp64 attention of the compact queries over the full-length keys with the compact map
+    cmap = pooling.compact_query_map(stored[None], layout.query_sources)
+    oracle = dense_attention_oracle(q, k_full, v_full, cmap, bs, prefix_len=prefix, prefix_bias=bias)
+    torch.testing.assert_close(out.double(), oracle, atol=2e-5, rtol=1e-4)
+    # kept tiles' rows: exactly the full-grid computation (queries in the order, the entry's own map)
+    q_full = q.index_select(2, layout.key_index)  # every compact query at its tokens' positions
+    full = dense_attention_oracle(q_full, k_full, v_full, stored[None], bs, prefix_len=prefix, prefix_bias=bias)
+    p0 = order.first_tile_block
+    kept_tiles = [i for i, r in enumerate(order.tile_regions.tolist()) if r not in set(regions.tolist())]
+    for rank, i in enumerate(kept_tiles):
+        rows = slice((p0 + rank) * bs, (p0 + rank + 1) * bs)
+        torch.testing.assert_close(out[:, :, rows].double(), full[:, :, (p0 + i) * bs:(p0 + i + 1) * bs],
+                                   atol=2e-5, rtol=1e-4)
+    # the kernel computed fewer blocks than the full grid would
+    assert plan.stats.blocks_computed < int(stored.sum())
+
+
+def test_compact_self_attention_falls_back_to_dense_when_the_orders_differ():
+    grid, region, bs = (5, 8, 8), (2, 4, 4), 32
+    order = cached_region_order(grid, region, bs)
+    layout, _ = _layout(grid, region, order=order)
+    nb = -(-order.length // bs)
+    sig = {"format": 1, "family": "wan", "variant": "wan2.2-a14b-i2v", "experts": ["fp"], "num_layers": 2,
+           "num_heads": 2, "latent_shape": [16, 5, 16, 16], "token_grid": list(grid), "block_size": bs,
+           "token_order": "thw", "step_sigmas": [1.0], "head_groups": 1}
+    plan = Plan("hit", entry_id=1, similarity=1.0, masks={(0, 0, 0, 0): torch.ones(2, nb, nb, dtype=torch.bool)},
+                entry_meta={"signature": sig}, latent_shape=(16, 5, 16, 16))
+    handle = ChorusAttention(plan, SparseConfig(block_size=bs, k_min=1, backend="reference"), INFO)
+    q = torch.randn(1, 2, layout.compact_length, 32)
+    k = torch.randn(1, 2, order.length, 32)
+    out = handle.compact_self_attention(q, k, k, layout=layout, layer=0, sigma=1.0,
+                                        dense_fn=lambda q, k, v: torch.zeros_like(q))
+    assert torch.equal(out, torch.zeros_like(q)) and plan.stats.fallback_calls == 1
+    assert any("token order" in m for m in plan.stats.messages)
