@@ -23,8 +23,9 @@ permutation ``[L]``, self-attention only: ``Lq == Lk == L``) runs an operation o
 that order: q/k/v are given in raster order, blocks (of the map, of the mass, ``prefix_len``) count
 positions of the permuted sequence, the output comes back in raster order. Every backend gathers
 and scatters through :func:`~chorus.kernels.tile_order.to_tile_order` /
-:func:`~chorus.kernels.tile_order.to_raster_order` (``index_select``; the one place a fused
-kernel replaces).
+:func:`~chorus.kernels.tile_order.to_raster_order` (``index_select``), except the Triton kernels
+(``triton_fp8_ws``, ``triton_fp8``, ``triton_bf16``), which take the order fused into their loads
+and output store.
 """
 
 from __future__ import annotations
@@ -264,7 +265,7 @@ def _compiled_flex():
 def _run_attention(chosen: Backend, q, k, v, block_map, block_size, scale, prefix_len, prefix_bias, perm=None):
     """One backend's call; ``perm`` = ``(perm, inverse)`` or None: the Triton kernels take the order
     fused into their loads and output store, the others gather into it and scatter back."""
-    if perm is not None and chosen not in (Backend.TRITON_FP8, Backend.TRITON_BF16):
+    if perm is not None and chosen not in (Backend.TRITON_FP8, Backend.TRITON_BF16, Backend.TRITON_FP8_WS):
         q, k, v = to_tile_order(perm[0], q, k, v)
         return to_raster_order(perm[1], _run_attention(chosen, q, k, v, block_map, block_size, scale, prefix_len,
                                                        prefix_bias))
@@ -280,7 +281,8 @@ def _run_attention(chosen: Backend, q, k, v, block_map, block_size, scale, prefi
     block_map = block_map if block_map.device == q.device else block_map.to(q.device)
     if chosen == Backend.TRITON_FP8_WS:
         return _triton_module().block_sparse_attention_ws(q, k, v, block_map, scale=scale, prefix_len=prefix_len,
-                                                          prefix_bias=prefix_bias)
+                                                          prefix_bias=prefix_bias,
+                                                          token_perm=None if perm is None else perm[0])
     return _triton_module().block_sparse_attention_triton(
         q, k, v, block_map, block_size=block_size, scale=scale, fp8=chosen == Backend.TRITON_FP8,
         prefix_len=prefix_len, prefix_bias=prefix_bias, token_perm=None if perm is None else perm[0])

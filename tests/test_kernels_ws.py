@@ -44,17 +44,18 @@ def test_the_engine_and_the_node_offer_it():
     assert SparseConfig(backend="triton_fp8_ws").backend == "triton_fp8_ws"
 
 
-@pytest.mark.parametrize("head_dim,schedule,has_bias", [
-    (128, "serial", False), (128, "overlap", False), (128, "pingpong", False), (64, "serial", False),
-    (64, "overlap", False), (64, "pingpong", False), (128, "serial", True), (64, "pingpong", True)])
-def test_kernel_compiles_for_sm90_with_fp8_wgmma_and_no_shuffles(head_dim, schedule, has_bias):
+@pytest.mark.parametrize("head_dim,schedule,has_bias,has_perm", [
+    (128, "serial", False, False), (128, "overlap", False, False), (128, "pingpong", False, False),
+    (64, "serial", False, False), (64, "overlap", False, False), (64, "pingpong", False, False),
+    (128, "serial", True, True), (64, "pingpong", True, False)])
+def test_kernel_compiles_for_sm90_with_fp8_wgmma_and_no_shuffles(head_dim, schedule, has_bias, has_perm):
     from chorus.kernels.triton import _attention_ws
 
     if _attention_ws.available():
         pytest.fail(f"this Triton has no Gluon Hopper API: {_attention_ws.available()}")
     from benchmarks.kernels.aot_check import compile_ws
 
-    kernel = compile_ws(head_dim, schedule, tail=True, has_bias=has_bias)
+    kernel = compile_ws(head_dim, schedule, tail=True, has_bias=has_bias, has_perm=has_perm)
     ptx = kernel.asm["ptx"]
     mmas = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k32\.f32\.e4m3\.e4m3", ptx))
     assert mmas == {"128"} if head_dim == 128 else mmas == {"128", "64"}, mmas  # QK^T: N = 128 keys; PV: N = D

@@ -125,6 +125,34 @@ def test_prefix_bias_matches_oracle_and_the_triton_kernel(length, prefix_len, pr
                        block_sparse_attention_ws(q, k, v, bm, SCALE))  # a zero bias is the unbiased kernel
 
 
+@pytest.mark.parametrize("length", [4097, 32760])
+def test_a_token_order_is_fused_into_the_pre_pass_and_the_output_store(length):
+    from chorus.kernels.triton._attention_ws import block_sparse_attention_ws
+
+    q, k, v = cuda_bf16_qkv(1, 3, length, 128, seed=length + 5)
+    perm = torch.randperm(length, device="cuda", generator=torch.Generator(device="cuda").manual_seed(9))
+    bm = _random_map(1, 3, length, 0.3, seed=7)
+    out = block_sparse_attention_ws(q, k, v, bm, SCALE, token_perm=perm)
+    qt, kt, vt = (t[:, :, perm] for t in (q, k, v))
+    _check(out[:, :, perm], qt, kt, vt, bm)  # the oracle of the permuted sequence, back in input order
+    ref = block_sparse_attention_ws(qt, kt, vt, bm, SCALE)
+    cos = torch.nn.functional.cosine_similarity(out[:, :, perm].double().flatten(), ref.double().flatten(), dim=0)
+    assert cos.item() > 0.9999, cos.item()
+
+
+def test_the_public_api_runs_a_region_order_on_it():
+    import chorus.kernels as K
+    from chorus.kernels.tile_order import RegionTileOrder
+
+    order = RegionTileOrder((21, 30, 52))  # 480p's grid: 32 760 tokens
+    q, k, v = cuda_bf16_qkv(1, 2, order.length, 128, seed=21)
+    bm = _random_map(1, 2, order.length, 0.2, seed=8)
+    out = K.block_sparse_attention(q, k, v, bm, block_size=128, token_perm=order, backend="triton_fp8_ws",
+                                   prefix_len=30 * 52, prefix_bias=0.4)
+    qt, kt, vt = (order.to_tile(t) for t in (q, k, v))
+    _check(order.to_tile(out), qt, kt, vt, bm, 30 * 52, 0.4)
+
+
 def test_public_api_auto_takes_it_with_and_without_a_prefix_bias():
     import chorus.kernels as K
     from chorus.kernels import api

@@ -60,11 +60,15 @@ A14B = dict(dim=5120, ffn_dim=13824, num_heads=40, num_layers=40, in_dim=36, out
             freq_dim=256)
 TINY = dict(dim=256, ffn_dim=512, num_heads=2, num_layers=2, in_dim=36, out_dim=16, text_dim=4096, freq_dim=256)
 TEXT_TOKENS = 512
-HIT_DENSITY = {"hit15": 0.15, "hit5": 0.05, "hitfr": 0.15, "hitver": 0.15}
+HIT_DENSITY = {"hit15": 0.15, "hit5": 0.05, "hitfr": 0.15, "hitver": 0.15, "hit15_raster": 0.15,
+               "hitfr_raster": 0.15}
+# *_raster: the same request on an entry in raster order (what a miss without feature reuse records; a
+# miss with it records the region order, in which hitfr's downsampled blocks attend on the compact sequence)
+RASTER_VARIANTS = ("hit15_raster", "hitfr_raster")
 # hitver: hit15 with self-verification on; 0.01 passes on random weights (a map keeps about its density
 # of near-uniform attention), so the request does the verification work and stays a hit: its overhead
 VERIFY_THRESHOLD_PASSING = 0.01
-HIT_VARIANTS = ("hit15", "hit5", "hitfr", "hitver")
+HIT_VARIANTS = ("hit15", "hit5", "hitfr", "hitver") + RASTER_VARIANTS
 
 
 def import_comfy(comfy_dir: Path, cpu: bool):
@@ -213,12 +217,14 @@ def sample_request(high, low, latent, positive, negative, seed: int, *, steps=4,
                      "disable")[0]
 
 
-def structured_maps(grid, heads: int, density: float, layers: int, device) -> dict:
+def structured_maps(grid, heads: int, density: float, layers: int, device, order=None) -> dict:
     """One structured map per layer (``benchmarks.e2e.run.structured_map``: per head the key blocks
-    nearest in 3D with head-specific anisotropy, exactly ``density`` of them per row)."""
+    nearest in 3D with head-specific anisotropy, exactly ``density`` of them per row), cut in the
+    entry's token ``order`` (None = raster)."""
     from benchmarks.e2e.run import structured_map
 
-    return {layer: structured_map(grid, heads, density, 128, device, seed=100 + layer).cpu() for layer in range(layers)}
+    return {layer: structured_map(grid, heads, density, 128, device, seed=100 + layer, order=order).cpu()
+            for layer in range(layers)}
 
 
 def run(args) -> dict:
@@ -231,6 +237,7 @@ def run(args) -> dict:
     from chorus import kernels
     from chorus.cache_store import Workspace, resolve_workspace
     from chorus.engine import token_grid
+    from chorus.engine.signature import entry_token_order
     from chorus.nodes.cache_write import ChorusCacheWrite
     from chorus.nodes.feature_reuse import ChorusFeatureReuse
     from chorus.nodes.mask_retrieve import ChorusMaskRetrieve
@@ -308,6 +315,7 @@ def run(args) -> dict:
                        "finite": bool(torch.isfinite(out["samples"]).all())}
                 if plan is not None:
                     row.update(plan_kind=plan.kind, density=plan.stats.density, sparse_calls=plan.stats.sparse_calls,
+                               blocks_computed=plan.stats.blocks_computed, blocks_total=plan.stats.blocks_total,
                                fallback_calls=plan.stats.fallback_calls, messages=plan.stats.messages[:5])
                 results["runs"].append(row)
                 print(json.dumps(row), flush=True)
@@ -334,23 +342,29 @@ def run(args) -> dict:
                 if name not in args.variants or entry_plan is None:
                     continue
                 density = HIT_DENSITY[name]
-                ws = Workspace.open(resolve_workspace(f"{ws_hit}_{int(density * 100)}"))
+                hit_ws = f"{ws_hit}_{int(density * 100)}" + ("_raster" if name in RASTER_VARIANTS else "")
+                ws = Workspace.open(resolve_workspace(hit_ws))
                 if len(ws) == 0:
                     src = Workspace.open(resolve_workspace(ws_miss))
                     eid = src.search(entry_plan.embedding, k=1)[0][0]
                     masks, meta = src.load(eid, packed=True, touch=False)
-                    per_layer = structured_maps(grid, shape["num_heads"], density, shape["num_layers"], device)
+                    meta = dict(meta, signature=dict(meta["signature"]))
+                    if name in RASTER_VARIANTS:
+                        meta["signature"]["token_order"] = "thw"
+                    order = entry_token_order(meta["signature"])
+                    per_layer = structured_maps(grid, shape["num_heads"], density, shape["num_layers"], device, order)
                     ws.add(entry_plan.embedding, {key: per_layer[key[2]] for key in masks}, meta)
+                    results.setdefault("entry_orders", {})[hit_ws] = meta["signature"].get("token_order")
                 per_backend = name in ("hit15", "hit5")
                 for backend in [b for b in args.hit_backends if b != "auto"] if per_backend else []:
-                    plan_b, _ = retrieve(f"{ws_hit}_{int(density * 100)}")
+                    plan_b, _ = retrieve(hit_ws)
                     if timed(f"{name}@{backend}", patched(plan_b, backend=backend), plan_b) is not None:
                         results["runs"][-1]["backend"] = backend
                 if per_backend and "auto" not in args.hit_backends:
                     continue  # the plain (auto) row below runs only when asked for
-                plan, t_ret = retrieve(f"{ws_hit}_{int(density * 100)}")
+                plan, t_ret = retrieve(hit_ws)
                 assert plan.is_hit, plan.message
-                models = patched(plan, fr_share=0.25 if name == "hitfr" else None,
+                models = patched(plan, fr_share=0.25 if name in ("hitfr", "hitfr_raster") else None,
                                  verify=VERIFY_THRESHOLD_PASSING if name == "hitver" else None)
                 if timed(name, models, plan) is None:
                     continue
@@ -360,7 +374,7 @@ def run(args) -> dict:
                 if name == "hit15" and device.type == "cuda":
                     results["runs"][-1]["kernel_alone_ms"] = kernel_alone_ms(plan, grid, shape, kernels)
                 if args.compile and name == "hit15" and res in args.compile_res:
-                    plan_c, _ = retrieve(f"{ws_hit}_{int(density * 100)}")
+                    plan_c, _ = retrieve(hit_ws)
                     timed("hit15+compile", patched(plan_c, compile_models=True), plan_c)
             if args.compile and "dense" in args.variants and res in args.compile_res:
                 timed("dense+compile", patched(None, compile_models=True))

@@ -69,15 +69,17 @@ class PackedBits:
         return ((bits.unsqueeze(-1) >> shifts) & 1).flatten(-2)[..., : self.shape[-1]].bool().reshape(self.shape)
 
 
-def structured_map(grid, heads: int, density: float, block_size: int, device, seed: int) -> torch.Tensor:
+def structured_map(grid, heads: int, density: float, block_size: int, device, seed: int, order=None) -> torch.Tensor:
     """Bool ``[H, Qb, Kb]``: per head, each query block keeps the ``round(density * Kb)`` key blocks
     nearest to it in 3D (block centroids in (t, h, w) token units, head-specific anisotropy, e.g.
-    temporal heads that reach other frames at the same place), always including itself."""
+    temporal heads that reach other frames at the same place), always including itself. ``order``: the
+    token order the blocks are cut from (a ``chorus.kernels.tile_order`` order; None = raster)."""
     t, h, w = grid
     L = t * h * w
     nb = -(-L // block_size)
     idx = torch.arange(L, device=device)
-    coords = torch.stack([idx // (h * w), (idx // w) % h, idx % w], -1).float()
+    tok = idx if order is None else order.perm.to(device)  # the raster token at each position
+    coords = torch.stack([tok // (h * w), (tok // w) % h, tok % w], -1).float()
     blk = torch.zeros(nb, 3, device=device).index_add_(0, idx // block_size, coords)
     blk /= torch.bincount(idx // block_size, minlength=nb).float()[:, None]
     gen = torch.Generator(device=device).manual_seed(seed)

@@ -58,7 +58,8 @@ def compile_attn(fp8=True, use_tma=False, block_m=128, block_n=128, head_dim=128
     return triton.compile(src, target=TARGET, options=dict(num_warps=num_warps, num_stages=num_stages))
 
 
-def compile_ws(head_dim=128, schedule="serial", stages=3, tail=True, ablate=0, fma_quarters=0, has_bias=False):
+def compile_ws(head_dim=128, schedule="serial", stages=3, tail=True, ablate=0, fma_quarters=0, has_bias=False,
+               has_perm=False):
     """The warp-specialised Gluon kernel (``chorus.kernels.triton._attention_ws``) compiled for sm_90."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -80,11 +81,12 @@ def compile_ws(head_dim=128, schedule="serial", stages=3, tail=True, ablate=0, f
             sig[name] = "*fp32"
         elif name == "prefix_bias":
             sig[name] = "fp32"
-        elif name in ("kv_num", "kv_idx", "sched"):
+        elif name in ("kv_num", "kv_idx", "sched", "token_perm"):
             sig[name] = "*i32"
         else:
             sig[name] = "i32"
-    consts = dict(HEAD_DIM=head_dim, STAGES=stages, Q_STAGES=2, TAIL_K=tail, HAS_BIAS=has_bias, P_SHIFT=A.P_SHIFT_LOG2,
+    consts = dict(HEAD_DIM=head_dim, STAGES=stages, Q_STAGES=2, TAIL_K=tail, HAS_BIAS=has_bias, HAS_PERM=has_perm,
+                  P_SHIFT=A.P_SHIFT_LOG2,
                   SCHEDULE=schedule, ABLATE=ablate, FMA_QUARTERS=fma_quarters)
     sig.update({c: "constexpr" for c in consts})
     src = GluonASTSource(fn=kernel, signature=sig, constexprs=consts)

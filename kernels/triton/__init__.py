@@ -75,12 +75,13 @@ if not _op_exists("block_sparse_attention_triton"):
 if not _op_exists("block_sparse_attention_ws"):
     @torch.library.custom_op("chorus::block_sparse_attention_ws", mutates_args=())
     def _bsa_ws_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_map: torch.Tensor,
-                   scale: float, prefix_len: int = 0, prefix_bias: float = 0.0) -> torch.Tensor:
+                   scale: float, prefix_len: int = 0, prefix_bias: float = 0.0,
+                   token_perm: torch.Tensor | None = None) -> torch.Tensor:
         return _attention_ws.block_sparse_attention_ws(q, k, v, block_map, scale, prefix_len=prefix_len,
-                                                       prefix_bias=prefix_bias)
+                                                       prefix_bias=prefix_bias, token_perm=token_perm)
 
     @_bsa_ws_op.register_fake
-    def _bsa_ws_fake(q, k, v, block_map, scale, prefix_len=0, prefix_bias=0.0):
+    def _bsa_ws_fake(q, k, v, block_map, scale, prefix_len=0, prefix_bias=0.0, token_perm=None):
         return output_like(q)
 
 if not _op_exists("block_mass_triton"):
@@ -140,14 +141,15 @@ def ws_call_unsupported(head_dim: int, block_size: int) -> str | None:
 
 
 def block_sparse_attention_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_map: torch.Tensor, *,
-                              scale: float | None = None, prefix_len: int = 0,
-                              prefix_bias: float = 0.0) -> torch.Tensor:
+                              scale: float | None = None, prefix_len: int = 0, prefix_bias: float = 0.0,
+                              token_perm: torch.Tensor | None = None) -> torch.Tensor:
     """The warp-specialised FP8 kernel (contract: :mod:`._attention_ws`; block size 128), as the custom
-    op ``torch.ops.chorus.block_sparse_attention_ws``; ``prefix_len`` / ``prefix_bias`` as in
-    :func:`block_sparse_attention_triton`. Output layout as :func:`block_sparse_attention_triton`'s.
-    Raises ``ValueError`` outside the contract."""
+    op ``torch.ops.chorus.block_sparse_attention_ws``; ``prefix_len`` / ``prefix_bias`` / ``token_perm``
+    (fused into the pre-pass and the output store) as in :func:`block_sparse_attention_triton`. Output
+    layout as :func:`block_sparse_attention_triton`'s. Raises ``ValueError`` outside the contract."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    return torch.ops.chorus.block_sparse_attention_ws(q, k, v, block_map, scale, int(prefix_len), float(prefix_bias))
+    return torch.ops.chorus.block_sparse_attention_ws(q, k, v, block_map, scale, int(prefix_len), float(prefix_bias),
+                                                      token_perm)
 
 
 def block_mass_triton(q: torch.Tensor, k: torch.Tensor, *, block_size: int = 128, sample_rows: int | None = None,

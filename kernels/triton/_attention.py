@@ -344,7 +344,7 @@ def _validate(q, k, v, block_map, block_size):
         raise ValueError(f"block_map is on {block_map.device}, q on {q.device}")
 
 
-def _check_perm(token_perm, q, k):
+def check_perm(token_perm, q, k):
     """``token_perm`` as int32 ``[L]`` on q's device (None stays None); ``ValueError`` unless it is a
     1-D integer tensor of length ``Lq == Lk``. Its values are not read here (no host sync): the kernels
     clamp them into ``[0, L)``, so a tensor that is not a permutation gives wrong output, never an
@@ -367,7 +367,7 @@ def prepare_attention(q, k, v, block_map, block_size: int, scale: float, fp8: bo
     (positions of the permuted order when ``token_perm`` is given: see
     :func:`block_sparse_attention_triton_impl`)."""
     _validate(q, k, v, block_map, block_size)
-    token_perm = _check_perm(token_perm, q, k)
+    token_perm = check_perm(token_perm, q, k)
     if not (isinstance(prefix_len, int) and 0 <= prefix_len <= k.shape[2] and math.isfinite(prefix_bias)):
         raise ValueError(f"prefix_len must be in [0, {k.shape[2]}] and prefix_bias finite, got "
                          f"{prefix_len!r}, {prefix_bias!r}")
@@ -532,7 +532,7 @@ def run_in_int32_chunks(q, k, v, block_map, launch) -> torch.Tensor:
 
 def _run_chunks(q, k, v, block_map, block_size, scale, fp8, config, prefix_len, prefix_bias, token_perm=None):
     _validate(q, k, v, block_map, block_size)
-    token_perm = _check_perm(token_perm, q, k)
+    token_perm = check_perm(token_perm, q, k)
     return run_in_int32_chunks(q, k, v, block_map, lambda q, k, v, bm: launch_attention(prepare_attention(
         q, k, v, bm, block_size, scale, fp8, config, prefix_len, prefix_bias, token_perm)))
 

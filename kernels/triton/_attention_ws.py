@@ -52,7 +52,7 @@ import math
 
 import torch
 
-from ._attention import P_SHIFT_LOG2, _validate, lpt_block_lists, output_like, run_in_int32_chunks
+from ._attention import P_SHIFT_LOG2, _validate, check_perm, lpt_block_lists, output_like, run_in_int32_chunks
 from ._quant import LOG2E, quantize_qkv_fp8
 
 try:  # Gluon ships inside recent Tritons; without it this backend reports itself unavailable
@@ -233,10 +233,10 @@ if gluon is not None:
     @gluon.jit
     def _consumer(o_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
                   q_scale, k_scale, v_scale, sched, kv_num, kv_idx, H, Lq, Lk, num_kv_blocks, q_blocks, num_tiles,
-                  n_q_scale, n_k_scale, prefix_len, prefix_bias, s_ob, s_oh, s_ol, s_nb, s_nh, s_ib, s_ih, s_iq,
-                  HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, Q_STAGES: gl.constexpr, CONSUMER: gl.constexpr,
+                  n_q_scale, n_k_scale, prefix_len, prefix_bias, token_perm, s_ob, s_oh, s_ol, s_nb, s_nh, s_ib, s_ih,
+                  s_iq, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, Q_STAGES: gl.constexpr, CONSUMER: gl.constexpr,
                   TAIL_K: gl.constexpr, HAS_BIAS: gl.constexpr, P_SHIFT: gl.constexpr, SCHEDULE: gl.constexpr,
-                  ABLATE: gl.constexpr, FMA_QUARTERS: gl.constexpr):
+                  ABLATE: gl.constexpr, FMA_QUARTERS: gl.constexpr, HAS_PERM: gl.constexpr):
         ROWS: gl.constexpr = _ROWS
         # wgmma accumulator layouts (M = 64 rows over 4 warps; K = 32 for 8-bit operands) and the
         # register layout of P as the A operand of P @ V
@@ -345,7 +345,10 @@ if gluon is not None:
             out = acc * gl.convert_layout(1.0 / l_safe, row_o)[:, None]
             out = out * gl.load(v_scale + bh * HEAD_DIM + offs_d)[None, :]
             rows = qblk * _BLOCK + CONSUMER * ROWS + gl.arange(0, ROWS, layout=row_o)
-            o_ptrs = o_ptr + b * s_ob + h * s_oh + rows[:, None] * s_ol + offs_d[None, :]
+            dst = rows
+            if HAS_PERM:  # sequence position -> the input row it came from (the pre-pass gathered by it)
+                dst = gl.minimum(gl.maximum(gl.load(token_perm + rows, mask=rows < Lq, other=0), 0), Lq - 1)
+            o_ptrs = o_ptr + b * s_ob + h * s_oh + dst[:, None] * s_ol + offs_d[None, :]
             gl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=(rows < Lq)[:, None])
         if SCHEDULE == "pingpong":
             if CONSUMER == 0:
@@ -354,10 +357,10 @@ if gluon is not None:
     @gluon.jit
     def _bsa_ws_kernel(q_desc, k_desc, v_desc, O, q_scale, k_scale, v_scale, kv_num, kv_idx, sched,
                        H, Lq, Lk, lpad_q, lpad_k, num_kv_blocks, q_blocks, num_tiles, n_q_scale, n_k_scale,
-                       prefix_len, prefix_bias, s_ob, s_oh, s_ol, s_nb, s_nh, s_ib, s_ih, s_iq,
+                       prefix_len, prefix_bias, token_perm, s_ob, s_oh, s_ol, s_nb, s_nh, s_ib, s_ih, s_iq,
                        HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, Q_STAGES: gl.constexpr,
                        TAIL_K: gl.constexpr, HAS_BIAS: gl.constexpr, P_SHIFT: gl.constexpr, SCHEDULE: gl.constexpr,
-                       ABLATE: gl.constexpr, FMA_QUARTERS: gl.constexpr):
+                       ABLATE: gl.constexpr, FMA_QUARTERS: gl.constexpr, HAS_PERM: gl.constexpr):
         q_smem = gl.allocate_shared_memory(gl.float8e4nv, [Q_STAGES, _BLOCK, HEAD_DIM], q_desc.layout)
         k_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, _BLOCK, HEAD_DIM], k_desc.layout)
         v_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, HEAD_DIM, _BLOCK], v_desc.layout)
@@ -379,14 +382,14 @@ if gluon is not None:
                          HEAD_DIM, STAGES, Q_STAGES)),
             (_consumer, (O, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
                          q_scale, k_scale, v_scale, sched, kv_num, kv_idx, H, Lq, Lk, num_kv_blocks, q_blocks,
-                         num_tiles, n_q_scale, n_k_scale, prefix_len, prefix_bias, s_ob, s_oh, s_ol, s_nb, s_nh, s_ib,
-                         s_ih, s_iq, HEAD_DIM, STAGES, Q_STAGES, 0, TAIL_K, HAS_BIAS, P_SHIFT, SCHEDULE, ABLATE,
-                         FMA_QUARTERS)),
+                         num_tiles, n_q_scale, n_k_scale, prefix_len, prefix_bias, token_perm, s_ob, s_oh, s_ol, s_nb,
+                         s_nh, s_ib, s_ih, s_iq, HEAD_DIM, STAGES, Q_STAGES, 0, TAIL_K, HAS_BIAS, P_SHIFT, SCHEDULE,
+                         ABLATE, FMA_QUARTERS, HAS_PERM)),
             (_consumer, (O, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
                          q_scale, k_scale, v_scale, sched, kv_num, kv_idx, H, Lq, Lk, num_kv_blocks, q_blocks,
-                         num_tiles, n_q_scale, n_k_scale, prefix_len, prefix_bias, s_ob, s_oh, s_ol, s_nb, s_nh, s_ib,
-                         s_ih, s_iq, HEAD_DIM, STAGES, Q_STAGES, 1, TAIL_K, HAS_BIAS, P_SHIFT, SCHEDULE, ABLATE,
-                         FMA_QUARTERS)),
+                         num_tiles, n_q_scale, n_k_scale, prefix_len, prefix_bias, token_perm, s_ob, s_oh, s_ol, s_nb,
+                         s_nh, s_ib, s_ih, s_iq, HEAD_DIM, STAGES, Q_STAGES, 1, TAIL_K, HAS_BIAS, P_SHIFT, SCHEDULE,
+                         ABLATE, FMA_QUARTERS, HAS_PERM)),
         ], [4, 4], [_REGS, _REGS])
 
 
@@ -398,9 +401,10 @@ def shared_layouts(head_dim: int):
 
 
 def launch_ws(q, k, v, block_map, scale: float, config: dict | None = None, prefix_len: int = 0,
-              prefix_bias: float = 0.0) -> torch.Tensor:
+              prefix_bias: float = 0.0, token_perm: torch.Tensor | None = None) -> torch.Tensor:
     """Pre-pass + block lists + the warp-specialised kernel, for one int32-safe chunk
-    (``prefix_bias`` in natural-log units; a zero bias or length compiles the unbiased kernel)."""
+    (``prefix_bias`` in natural-log units; a zero bias or length compiles the unbiased kernel;
+    ``token_perm`` int32 ``[L]`` on q's device or None)."""
     cfg = dict(DEFAULT_CONFIG, **(config or {}))
     if cfg["schedule"] not in SCHEDULES or int(cfg["stages"]) < 2 or int(cfg["q_stages"]) < 1 \
             or int(cfg["fma_quarters"]) not in (0, 1, 2):
@@ -409,7 +413,8 @@ def launch_ws(q, k, v, block_map, scale: float, config: dict | None = None, pref
     batch, heads, q_len, head_dim = q.shape
     kv_len = k.shape[2]
     has_bias = prefix_len > 0 and prefix_bias != 0.0
-    q8, k8, v8t, q_scale, k_scale, v_scale = quantize_qkv_fp8(q, k, v, scale, v_key_order="wgmma")
+    q8, k8, v8t, q_scale, k_scale, v_scale = quantize_qkv_fp8(q, k, v, scale, v_key_order="wgmma",
+                                                              token_perm=token_perm)
     lpad_q, lpad_k = q8.shape[2], k8.shape[2]
     kv_num, kv_idx, sched, map_strides = lpt_block_lists(block_map)
     num_q_blocks, num_kv_blocks = block_map.shape[2:]
@@ -424,17 +429,23 @@ def launch_ws(q, k, v, block_map, scale: float, config: dict | None = None, pref
         q_desc, k_desc, v_desc, out, q_scale, k_scale, v_scale, kv_num, kv_idx, sched,
         heads, q_len, kv_len, lpad_q, lpad_k, num_kv_blocks, num_q_blocks, num_tiles,
         q_scale.shape[-1], k_scale.shape[-1], int(prefix_len) if has_bias else 0,
-        float(prefix_bias) * LOG2E if has_bias else 0.0, out.stride(0), out.stride(1), out.stride(2), *map_strides,
+        float(prefix_bias) * LOG2E if has_bias else 0.0, k_scale if token_perm is None else token_perm,
+        out.stride(0), out.stride(1), out.stride(2), *map_strides,
         HEAD_DIM=head_dim, STAGES=int(cfg["stages"]), Q_STAGES=int(cfg["q_stages"]),
         TAIL_K=kv_len % BLOCK != 0, HAS_BIAS=has_bias, P_SHIFT=P_SHIFT_LOG2, SCHEDULE=cfg["schedule"],
-        ABLATE=int(cfg.get("ablate", 0)), FMA_QUARTERS=int(cfg["fma_quarters"]), num_warps=4)
+        ABLATE=int(cfg.get("ablate", 0)), FMA_QUARTERS=int(cfg["fma_quarters"]), HAS_PERM=token_perm is not None,
+        num_warps=4)
     return out
 
 
 def block_sparse_attention_ws(q, k, v, block_map, scale: float, config: dict | None = None, prefix_len: int = 0,
-                              prefix_bias: float = 0.0) -> torch.Tensor:
+                              prefix_bias: float = 0.0, token_perm: torch.Tensor | None = None) -> torch.Tensor:
     """The warp-specialised FP8 kernel on a CUDA sm_90 device (module docstring: the contract).
     ``prefix_bias`` (natural-log units) is added to the scaled logits of keys ``[0, prefix_len)``.
+    ``token_perm`` (``Lq == Lk == L``; int32/int64 ``[L]``, a permutation): attention runs on the
+    tokens in that order (position ``i`` = input row ``token_perm[i]``; ``block_map`` and
+    ``prefix_len`` in that order), fused into the pre-pass's loads and the output store; the output
+    is in the input order.
     ``ValueError`` for inputs outside the contract (the caller's auto chain then takes the next
     backend); inputs whose offsets overflow int32 run in (batch, head) chunks."""
     _validate(q, k, v, block_map, BLOCK)
@@ -446,9 +457,11 @@ def block_sparse_attention_ws(q, k, v, block_map, scale: float, config: dict | N
     if not (isinstance(prefix_len, int) and 0 <= prefix_len <= k.shape[2] and math.isfinite(prefix_bias)):
         raise ValueError(f"prefix_len must be in [0, {k.shape[2]}] and prefix_bias finite, got "
                          f"{prefix_len!r}, {prefix_bias!r}")
+    token_perm = check_perm(token_perm, q, k)
     with torch.cuda.device(q.device):
         return run_in_int32_chunks(q, k, v, block_map, lambda q, k, v, bm: launch_ws(q, k, v, bm, scale, config,
-                                                                                      prefix_len, prefix_bias))
+                                                                                      prefix_len, prefix_bias,
+                                                                                      token_perm))
 
 
 __all__ = ["block_sparse_attention_ws", "available", "supports", "DEFAULT_CONFIG", "BLOCK"]
