@@ -17,7 +17,7 @@ import torch
 
 from .. import kernels
 from ..kernels.codec import pack_bits_on_device, unpack_bits_on_device
-from ..kernels.pooling import compact_query_map
+from ..kernels.pooling import compact_block_map
 from .config import SparseConfig
 from .guidance import biased_dense_or_plain
 from .plan import Plan
@@ -202,20 +202,20 @@ class ChorusAttention:
 
     def compact_self_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout, layer: int,
                                sigma: float, dense_fn, cond_rows=None, first_frame_bias: float = 0.0) -> torch.Tensor:
-        """Self-attention of a feature-reuse block that runs on the compact sequence (issue 17): the
-        queries stay compact, the keys are at full length in the layout's token order.
+        """Self-attention of a feature-reuse block that runs on the compact sequence (issue 17).
 
-        ``q``: ``[B, H, L', D]``, the compact sequence of ``layout`` (a
-        :class:`~chorus.kernels.pooling.RegionLayout` built in a token order: ``layout.order``);
-        ``k, v``: ``[B, H, L, D]``, the compact keys / values expanded to the order's positions
-        (``index_select(2, layout.key_index)``: each pooled key repeated over the tokens it stands
-        for, so every key carries its tokens' attention mass). The map is the run's map in that order
-        (a hit of an entry recorded in it) turned into the compact queries' by
-        :func:`~chorus.kernels.pooling.compact_query_map` (kept tiles: their own rows; blocks of cells:
-        the union of their regions' rows). ``first_frame_bias`` as in :meth:`self_attention` (frame 0
-        is the prefix of the order). Returns ``[B, H, L', D]``. Not a hit in that order, or anything
-        unexpected: ``dense_fn(q, k, v)`` (the host's attention of the compact queries over the
-        expanded keys), with a note; never raises.
+        ``q, k, v``: ``[B, H, L', D]``, the compact sequence of ``layout`` (a
+        :class:`~chorus.kernels.pooling.RegionLayout` built in a token order, ``layout.order``: the
+        kept tokens in that order, then the cells). The map is the run's map in that order (a hit of
+        an entry recorded in it) carried to the compact sequence by
+        :func:`~chorus.kernels.pooling.compact_block_map` (pairs of kept tiles: their own entry; blocks
+        of cells: the union over their regions); each cell's key gets ``log(P)`` added to its logits
+        (the kernels' suffix bias), so it weighs as the ``P`` tokens it stands for: the attention of
+        the full grid with every cell's key repeated over its tokens, on fewer blocks.
+        ``first_frame_bias`` as in :meth:`self_attention` (frame 0 is the prefix of the order). Returns
+        ``[B, H, L', D]``. Not a hit in that order, or anything unexpected: ``dense_fn(q, k, v)`` (the
+        host's attention on the compact sequence; cells then weigh as one token each), with a note;
+        never raises.
         """
         start = time.perf_counter()
         try:
@@ -235,19 +235,19 @@ class ChorusAttention:
     def _check(self, q, k, v, layer, grid, layout=None) -> tuple[int, int, int]:
         if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
             raise _Fallback("q/k/v are not tensors")
-        if layout is not None:  # compact queries over full-length keys
-            if q.dim() != 4 or q.shape[2] != layout.compact_length or q.shape[:2] != k.shape[:2]:
-                raise _Fallback(f"compact queries {tuple(q.shape)} do not fit the layout's {layout.compact_length} "
-                                f"tokens and keys {tuple(k.shape)}")
-            q = k
         if q.dim() != 4 or q.shape != k.shape or q.shape[:3] != v.shape[:3]:
             raise _Fallback(f"unexpected q/k/v shapes {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+        tokens = q.shape[2]
+        if layout is not None:  # the compact sequence of a full grid
+            if tokens != layout.compact_length:
+                raise _Fallback(f"{tokens} tokens in a compact call, the layout has {layout.compact_length}")
+            tokens = layout.length
         try:
             grid = tuple(int(g) for g in grid)
         except (TypeError, ValueError):
             raise _Fallback(f"bad token grid {grid!r}") from None
-        if len(grid) != 3 or grid[0] * grid[1] * grid[2] != q.shape[2]:
-            raise _Fallback(f"token grid {grid} does not hold the {q.shape[2]} tokens of this call "
+        if len(grid) != 3 or grid[0] * grid[1] * grid[2] != tokens:
+            raise _Fallback(f"token grid {grid} does not hold the {tokens} tokens of this call "
                             "(extra reference / concatenated tokens?)")
         if not (0 <= int(layer) < max(self.model_info.num_layers, 1)):
             raise _Fallback(f"layer index {layer} outside the model's {self.model_info.num_layers} layers")
@@ -274,23 +274,26 @@ class ChorusAttention:
                 raise _Fallback(f"sigma {s:.4g} is not a step of the entry's schedule")
             if self._verify_moved_on(step) and not plan.is_hit:  # demoted by a late verdict: this call too
                 return self._dense_and_record(q, k, v, layer, sigma, grid, dense_fn, cond_rows)
-            block_map, kept = self._device_map(step, int(layer), k)
+            block_map, kept = self._device_map(step, int(layer), q, None if layout is None else layout.length)
             order = self.token_order(grid)
+            suffix_len, suffix_bias = 0, 0.0
             if layout is None:
                 check = self._verify(q, k, int(layer), step, s, grid, block_map, cond_rows)
             else:  # (no verification estimate from a compact call: the check reads full-grid calls)
                 if order is None or order.name != layout.order.name or order.grid != layout.order.grid:
                     raise _Fallback(f"the compact sequence is in token order {layout.order.name}, this run's maps in "
                                     f"{'raster' if order is None else order.name}")
-                block_map = compact_query_map(block_map, layout.query_sources)
+                block_map = compact_block_map(block_map, layout.block_sources)
                 kept = block_map.sum() if block_map.device.type == "cuda" else int(block_map.sum())
+                suffix_len, suffix_bias = layout.num_cells, math.log(layout.cell_size)
                 order = None  # q/k/v are in the order already
             # rows_checked: the k_min >= 1 floor keeps a block in every row (of the compact map too: a
             # compact row has at least one source row), so the kernel API skips the one validation
             # that would sync the host with the GPU
             out = kernels.block_sparse_attention(q, k, v, block_map, block_size=cfg.block_size, backend=cfg.backend,
                                                  prefix_len=prefix_len, prefix_bias=prefix_bias if prefix_len else 0.0,
-                                                 rows_checked=True, token_perm=order)
+                                                 rows_checked=True, token_perm=order, suffix_len=suffix_len,
+                                                 suffix_bias=suffix_bias)
         except Exception as exc:  # noqa: BLE001 - never crash sampling: dense for this call
             why = str(exc) if isinstance(exc, _Fallback) else f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             plan.note(f"sparse attention not used for a call ({why}); dense attention instead")
@@ -522,9 +525,10 @@ class ChorusAttention:
         except KeyError:
             raise _Fallback(f"the entry has no mask for expert {self.expert}, step {step}, layer {layer}") from None
 
-    def _device_map(self, step: int, layer: int, q: torch.Tensor):
+    def _device_map(self, step: int, layer: int, q: torch.Tensor, length: int | None = None):
         """Final map for (this expert, step, layer) on q's device: ``(bool [1, H, Qb, Kb], kept)`` with
         ``kept`` the number of kept blocks (a device scalar on CUDA, read only at :meth:`end_run`).
+        ``length``: the grid's token count when ``q`` is not at full length (a compact call), else q's.
 
         stored map (resampled) | k_min floor | visit-refresh extra pairs. No host sync: the entry's
         maps reach the device once per run (:meth:`_prefetch`), the floor and the refresh are device
@@ -543,7 +547,7 @@ class ChorusAttention:
         stored = self._stored_on_device(step, layer, q)
         if stored.dim() == 4 and stored.shape[0] == 1:
             stored = stored[0]
-        heads, length = q.shape[1], q.shape[2]
+        heads, length = q.shape[1], q.shape[2] if length is None else int(length)
         qb = -(-length // cfg.block_size)
         if stored.dim() != 3 or tuple(stored.shape[-2:]) != (qb, qb) or stored.shape[0] not in (1, heads):
             raise _Fallback(f"entry mask {tuple(stored.shape)} does not fit {heads} heads x {qb} blocks")

@@ -215,19 +215,20 @@ def _check_block_size(block_size) -> None:
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
 
 
-def _check_prefix(prefix_len, prefix_bias, kv_len: int) -> tuple[int, float]:
+def _check_prefix(prefix_len, prefix_bias, kv_len: int, what: str = "prefix") -> tuple[int, float]:
     if isinstance(prefix_len, bool) or not isinstance(prefix_len, int) or not 0 <= prefix_len <= kv_len:
-        raise ValueError(f"prefix_len must be an int in [0, {kv_len}] (the key count), got {prefix_len!r}")
+        raise ValueError(f"{what}_len must be an int in [0, {kv_len}] (the key count), got {prefix_len!r}")
     if isinstance(prefix_bias, bool) or not isinstance(prefix_bias, (int, float)) or not math.isfinite(prefix_bias) \
             or abs(prefix_bias) > MAX_PREFIX_BIAS:
-        raise ValueError(f"prefix_bias must be a finite number in [-{MAX_PREFIX_BIAS:g}, {MAX_PREFIX_BIAS:g}], "
+        raise ValueError(f"{what}_bias must be a finite number in [-{MAX_PREFIX_BIAS:g}, {MAX_PREFIX_BIAS:g}], "
                          f"got {prefix_bias!r}")
     if prefix_len == 0 or prefix_bias == 0:
         return 0, 0.0
     return prefix_len, float(prefix_bias)
 
 
-def _flex_attention(q, k, v, block_map, block_size, scale, prefix_len=0, prefix_bias=0.0):
+def _flex_attention(q, k, v, block_map, block_size, scale, prefix_len=0, prefix_bias=0.0, suffix_len=0,
+                    suffix_bias=0.0):
     from torch.nn.attention.flex_attention import flex_attention
 
     from .codec import to_flex_block_mask
@@ -240,13 +241,16 @@ def _flex_attention(q, k, v, block_map, block_size, scale, prefix_len=0, prefix_
     if q.device.type == "cuda":
         fn = _compiled_flex()
     score_mod = None
-    if prefix_len:
+    if prefix_len or suffix_len:
         # captured tensors (not Python numbers): a new bias value does not recompile the kernel
         limit = torch.tensor(prefix_len, device=q.device, dtype=torch.int32)
         bias = torch.tensor(prefix_bias, device=q.device, dtype=torch.float32)
+        start = torch.tensor(k.shape[-2] - suffix_len, device=q.device, dtype=torch.int32)
+        tail_bias = torch.tensor(suffix_bias, device=q.device, dtype=torch.float32)
 
         def score_mod(score, b, h, q_idx, kv_idx):
-            return torch.where(kv_idx < limit, score + bias, score)
+            score = torch.where(kv_idx < limit, score + bias, score)
+            return torch.where(kv_idx >= start, score + tail_bias, score)
     return fn(q, k, v, block_mask=block_mask, scale=scale, score_mod=score_mod)
 
 
@@ -262,18 +266,19 @@ def _compiled_flex():
     return _COMPILED_FLEX
 
 
-def _run_attention(chosen: Backend, q, k, v, block_map, block_size, scale, prefix_len, prefix_bias, perm=None):
+def _run_attention(chosen: Backend, q, k, v, block_map, block_size, scale, prefix_len, prefix_bias, perm=None,
+                   suffix_len=0, suffix_bias=0.0):
     """One backend's call; ``perm`` = ``(perm, inverse)`` or None: the Triton kernels take the order
     fused into their loads and output store, the others gather into it and scatter back."""
     if perm is not None and chosen not in (Backend.TRITON_FP8, Backend.TRITON_BF16, Backend.TRITON_FP8_WS):
         q, k, v = to_tile_order(perm[0], q, k, v)
         return to_raster_order(perm[1], _run_attention(chosen, q, k, v, block_map, block_size, scale, prefix_len,
-                                                       prefix_bias))
+                                                       prefix_bias, None, suffix_len, suffix_bias))
     if chosen == Backend.REFERENCE:
         return reference.block_sparse_attention_reference(q, k, v, block_map, block_size, scale, prefix_len,
-                                                          prefix_bias)
+                                                          prefix_bias, suffix_len, suffix_bias)
     if chosen == Backend.FLEX:
-        return _flex_attention(q, k, v, block_map, block_size, scale, prefix_len, prefix_bias)
+        return _flex_attention(q, k, v, block_map, block_size, scale, prefix_len, prefix_bias, suffix_len, suffix_bias)
     if chosen == Backend.FA4_BF16:
         from .fa4 import block_sparse_attention_fa4  # noqa: PLC0415
 
@@ -282,10 +287,12 @@ def _run_attention(chosen: Backend, q, k, v, block_map, block_size, scale, prefi
     if chosen == Backend.TRITON_FP8_WS:
         return _triton_module().block_sparse_attention_ws(q, k, v, block_map, scale=scale, prefix_len=prefix_len,
                                                           prefix_bias=prefix_bias,
-                                                          token_perm=None if perm is None else perm[0])
+                                                          token_perm=None if perm is None else perm[0],
+                                                          suffix_len=suffix_len, suffix_bias=suffix_bias)
     return _triton_module().block_sparse_attention_triton(
         q, k, v, block_map, block_size=block_size, scale=scale, fp8=chosen == Backend.TRITON_FP8,
-        prefix_len=prefix_len, prefix_bias=prefix_bias, token_perm=None if perm is None else perm[0])
+        prefix_len=prefix_len, prefix_bias=prefix_bias, token_perm=None if perm is None else perm[0],
+        suffix_len=suffix_len, suffix_bias=suffix_bias)
 
 
 def _token_perm(token_perm, q, k):
@@ -299,7 +306,8 @@ def _token_perm(token_perm, q, k):
 
 def block_sparse_attention(q, k, v, block_map, *, block_size: int = 128, scale: float | None = None,
                            backend: str = "auto", prefix_len: int = 0, prefix_bias: float = 0.0,
-                           rows_checked: bool = False, token_perm=None) -> torch.Tensor:
+                           rows_checked: bool = False, token_perm=None, suffix_len: int = 0,
+                           suffix_bias: float = 0.0) -> torch.Tensor:
     """Block-sparse attention: query block ``i`` attends only to key blocks ``j`` with
     ``block_map[..., i, j]``.
 
@@ -314,6 +322,9 @@ def block_sparse_attention(q, k, v, block_map, *, block_size: int = 128, scale: 
             to the scaled logits of keys ``[0, prefix_len)`` for every query (Wan's first latent frame:
             the image of an I2V request; guidance). Only keys the map keeps take part, as always.
             ``prefix_len == 0`` or ``prefix_bias == 0`` runs exactly the unbiased computation.
+        suffix_len, suffix_bias: the same for the last ``suffix_len`` keys ``[Lk - suffix_len, Lk)``: with
+            ``log(n)`` a key counts as ``n`` copies of itself (feature reuse's pooled cells at the end
+            of the compact sequence). Not with ``token_perm``.
         rows_checked: the caller guarantees that every row of the map keeps at least one block (e.g.
             a ``k_min >= 1`` floor was applied): the empty-row check, the only validation that reads the
             map's values (one host-device sync), is skipped. A map with an empty row then gives
@@ -328,7 +339,7 @@ def block_sparse_attention(q, k, v, block_map, *, block_size: int = 128, scale: 
 
     Raises:
         ValueError: mismatched shapes, a map of the wrong block grid, an empty row, bad backend name,
-            a prefix outside ``[0, Lk]`` or a non-finite / too large bias, a bad ``token_perm``.
+            a prefix or suffix outside ``[0, Lk]`` or a non-finite / too large bias, a bad ``token_perm``.
         BackendUnavailableError: an explicit backend that cannot run on these inputs.
     """
     _check_qkv(q, k, v)
@@ -336,16 +347,19 @@ def block_sparse_attention(q, k, v, block_map, *, block_size: int = 128, scale: 
     validate_block_map(block_map, q.shape[0], q.shape[1], q.shape[2], k.shape[2], block_size,
                        check_rows=not rows_checked)
     prefix_len, prefix_bias = _check_prefix(prefix_len, prefix_bias, k.shape[2])
+    suffix_len, suffix_bias = _check_prefix(suffix_len, suffix_bias, k.shape[2], "suffix")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     perm = _token_perm(token_perm, q, k)
+    if perm is not None and suffix_len:
+        raise ValueError("a suffix bias with token_perm is not supported (the suffix is of the compact sequence)")
     explicit = _parse_backend(backend) != Backend.AUTO
     chosen = resolve_backend(backend, q, "attention")
     while True:
         call_backend = chosen
         try:
-            call_backend = _for_call_options(chosen, explicit, q, block_size, prefix_len)
+            call_backend = _for_call_options(chosen, explicit, q, block_size, prefix_len or suffix_len)
             return _run_attention(call_backend, q, k, v, block_map, block_size, scale, prefix_len, prefix_bias,
-                                  perm)
+                                  perm, suffix_len, suffix_bias)
         except Exception as exc:  # noqa: BLE001 - auto walks down its chain, explicit re-raises
             if explicit or call_backend == Backend.REFERENCE:
                 raise

@@ -64,11 +64,12 @@ def fa4_unavailable(q: torch.Tensor) -> str | None:
 
 
 def check_call(block_size: int, prefix_len: int) -> str | None:
-    """Reason this call's options are outside the backend, or None."""
+    """Reason this call's options are outside the backend, or None (``prefix_len``: the length of any
+    key bias, prefix or suffix)."""
     if block_size not in SUPPORTED_BLOCK_SIZES:
         return f"fa4_bf16 needs block size 64 or 128 (FA4's sm_90 tile matches the key block), got {block_size}"
     if prefix_len:
-        return "fa4_bf16 has no key prefix bias (guidance boost); triton_bf16 / triton_fp8 have it"
+        return "fa4_bf16 has no key prefix / suffix bias (guidance boost, compact attention); the Triton backends have it"
     return None
 
 

@@ -13,10 +13,11 @@ Tokens follow Wan's frame-major order after the 1x2x2 patchify: token ``(t, h, w
 - *Compact self-attention* (a layout built with a :class:`~chorus.kernels.tile_order.RegionTileOrder`
   whose tiles are the regions, ``order=``): the kept tokens sit in that order, so every kept tile is
   one whole block of the compact sequence too, and a block-sparse map in that order serves the
-  compact queries directly: :func:`compact_query_map` gives each compact query block the key blocks
-  of the blocks its tokens come from (a kept tile: its own row; a block of cells: the union of
-  their regions' rows). Keys stay at full length in the order (``key_index``: each pooled key counts
-  as the tokens it stands for, so the attention mass is the full-grid computation's exactly).
+  compact sequence directly: :func:`compact_block_map` keeps a compact block pair when any pair of
+  the blocks their tokens come from is kept (kept tiles: their own entry; a block of cells: the union
+  over their regions). Each cell's key stands for its ``P`` tokens: with ``log(P)`` added to its
+  logits (the kernels' ``suffix_bias``: cells are the end of the compact sequence) it weighs exactly
+  as its ``P`` copies would, so the attention mass is that of the full-grid computation.
 
 Functions (``x`` is ``[B, L, ...]``, float; indices are int64 on ``x``'s device):
 
@@ -136,9 +137,7 @@ class RegionLayout:
         expand_index ``[L]``: compact position of every original token.
         rep_index ``[L']``: one original token per compact token (kept token / cell's first member).
         order: None, or the token order the layout was built in (compact self-attention), with
-        ``key_index`` ``[L]`` (the compact position of the token at each position of the order: the
-        full-length keys in that order are ``x_compact.index_select(dim, key_index)``) and
-        ``query_sources`` bool ``[ceil(L'/bs), ceil(L/bs)]`` (the order's blocks each compact block's
+        ``block_sources`` bool ``[ceil(L'/bs), ceil(L/bs)]`` (the order's blocks each compact block's
         tokens come from; ``bs`` = the order's block size).
     ``length`` = L, ``compact_length`` = L' = Lk + Nc.
     """
@@ -152,8 +151,7 @@ class RegionLayout:
     expand_index: torch.Tensor
     rep_index: torch.Tensor
     order: object = None
-    key_index: torch.Tensor | None = None
-    query_sources: torch.Tensor | None = None
+    block_sources: torch.Tensor | None = None
 
     @property
     def length(self) -> int:
@@ -162,6 +160,11 @@ class RegionLayout:
     @property
     def compact_length(self) -> int:
         return int(self.rep_index.numel())
+
+    @property
+    def cell_size(self) -> int:
+        """Tokens per cell (``P``)."""
+        return int(self.pool[0] * self.pool[1] * self.pool[2])
 
     @property
     def num_cells(self) -> int:
@@ -176,7 +179,7 @@ class RegionLayout:
         return RegionLayout(self.grid, self.region, self.pool,
                             *(t.to(device) for t in (self.regions, self.keep_index, self.cell_index,
                                                      self.expand_index, self.rep_index)),
-                            order=self.order, key_index=move(self.key_index), query_sources=move(self.query_sources))
+                            order=self.order, block_sources=move(self.block_sources))
 
     def __deepcopy__(self, memo):
         return self
@@ -187,7 +190,7 @@ def build_layout(grid, region, pool, regions, device=None, order=None) -> Region
 
     ``order``: None (kept tokens in raster order), or a token order of this grid (``perm`` /
     ``inverse`` / ``block_size``, e.g. a :class:`~chorus.kernels.tile_order.RegionTileOrder`): kept
-    tokens in that order, plus the compact self-attention indices (``key_index``, ``query_sources``).
+    tokens in that order, plus the compact self-attention block sources (``block_sources``).
     Raises ``ValueError`` for bad geometry, a region id outside ``[0, R)`` or an order of another
     length. Duplicates are ignored.
     """
@@ -197,7 +200,10 @@ def build_layout(grid, region, pool, regions, device=None, order=None) -> Region
     if regions.numel() and (int(regions.min()) < 0 or int(regions.max()) >= cells.shape[0]):
         raise ValueError(f"region ids must be in [0, {cells.shape[0]}), got {regions.tolist()[:8]}...")
     length = grid[0] * grid[1] * grid[2]
-    cell_index = cells[regions].reshape(-1, cells.shape[-1])
+    # cells in region id order; in a token order, grouped by place (regions close in (h, w), then t, are
+    # neighbours), so that a block of cells draws on few and similar blocks of the map
+    cell_regions = regions if order is None else regions[_locality_order(regions, region_counts(grid, region))]
+    cell_index = cells[cell_regions].reshape(-1, cells.shape[-1])
     pooled = torch.zeros(length, dtype=torch.bool, device=cells.device)
     pooled[cell_index.reshape(-1)] = True
     if order is None:
@@ -216,24 +222,34 @@ def build_layout(grid, region, pool, regions, device=None, order=None) -> Region
         return RegionLayout(grid, region, pool, regions, keep_index, cell_index, expand_index, rep_index)
     bs = int(order.block_size)
     position = order.inverse.to(cells.device)  # order position of every raster token
-    key_index = torch.empty_like(expand_index)
-    key_index[position] = expand_index
     sources = torch.zeros(-(-rep_index.numel() // bs), -(-length // bs), dtype=torch.bool, device=cells.device)
     sources[expand_index // bs, position // bs] = True
     return RegionLayout(grid, region, pool, regions, keep_index, cell_index, expand_index, rep_index,
-                        order=order, key_index=key_index, query_sources=sources)
+                        order=order, block_sources=sources)
 
 
-def compact_query_map(block_map: torch.Tensor, query_sources: torch.Tensor) -> torch.Tensor:
-    """The block map of the compact queries: bool ``[..., Qc, Kb]`` from a map ``[..., Qb, Kb]`` in the
-    layout's order and its ``query_sources`` ``[Qc, Qb]``: compact query block ``i`` keeps every key
-    block that any of its source blocks keeps (exactly the source's row for a kept tile). One matmul
-    on the map's device, no host sync. Raises ``ValueError`` on mismatched block counts."""
-    if block_map.dim() < 2 or query_sources.dim() != 2 or block_map.shape[-2] != query_sources.shape[1]:
-        raise ValueError(f"map {tuple(block_map.shape)} and query sources {tuple(query_sources.shape)} do not fit")
-    dtype = torch.float16 if block_map.is_cuda else torch.float32  # counts of sources: > 0 is all that matters
-    sources = query_sources.to(block_map.device, dtype)
-    return torch.matmul(sources, block_map.to(dtype)) > 0
+def _locality_order(regions: torch.Tensor, counts) -> torch.Tensor:
+    """A permutation of ``regions`` (ids, raster over ``counts`` = regions along t, h, w): by the
+    Morton (Z-order) index of their (h, w) place, then t."""
+    nt, nh, nw = counts
+    t, h, w = regions // (nh * nw), (regions // nw) % nh, regions % nw
+    morton = torch.zeros_like(regions)
+    for bit in range(16):
+        morton |= ((h >> bit) & 1) << (2 * bit + 1) | ((w >> bit) & 1) << (2 * bit)
+    return torch.argsort(morton * max(nt, 1) + t, stable=True)
+
+
+def compact_block_map(block_map: torch.Tensor, block_sources: torch.Tensor) -> torch.Tensor:
+    """The self-attention map of the compact sequence: bool ``[..., C, C]`` from a map ``[..., Qb, Qb]``
+    in the layout's order and its ``block_sources`` ``[C, Qb]``: compact pair ``(i, j)`` is kept when
+    any pair of their source blocks is (exactly the source pair for two kept tiles). Two matmuls on
+    the map's device, no host sync. Raises ``ValueError`` on mismatched block counts."""
+    if block_map.dim() < 2 or block_sources.dim() != 2 or tuple(block_map.shape[-2:]) != (block_sources.shape[1],) * 2:
+        raise ValueError(f"map {tuple(block_map.shape)} and block sources {tuple(block_sources.shape)} do not fit")
+    dtype = torch.float16 if block_map.is_cuda else torch.float32  # counts of source pairs: > 0 is all that matters
+    sources = block_sources.to(block_map.device, dtype)
+    rows = (torch.matmul(sources, block_map.to(dtype)) > 0).to(dtype)
+    return torch.matmul(rows, sources.transpose(0, 1)) > 0
 
 
 def _check_x(x: torch.Tensor, layout: RegionLayout, length: int, what: str) -> None:

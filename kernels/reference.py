@@ -10,7 +10,9 @@ Shapes: q ``[B, H, Lq, D]``, k/v ``[B, H, Lk, D]``; a block map is bool
   in fp32, one query block at a time (memory O(B*H*bs*Lk)), result cast to q's dtype.
 - :func:`block_mass_reference` computes exact or row-sampled block attention mass in fp32.
 
-Prefix bias (all attention functions here): ``prefix_bias`` is added to the logits (after the
+Key biases (all attention functions here; ``suffix_bias`` on the last ``suffix_len`` keys likewise:
+the weight of keys that each stand for several tokens, feature reuse's pooled cells on the compact
+sequence): ``prefix_bias`` is added to the logits (after the
 softmax scale, natural-log units) of the keys ``[0, prefix_len)`` for every query; with Wan's
 ``(t, h, w)`` token order those are the first latent frame (the image of an I2V request), so a
 positive bias multiplies their softmax weights by ``exp(prefix_bias)`` before renormalisation.
@@ -39,15 +41,20 @@ def sample_row_offsets(rows_in_block: int, sample_rows: int | None, device=None)
     return torch.linspace(0, rows_in_block - 1, sample_rows, device=device).round().long().unique()
 
 
-def add_prefix_bias(scores: torch.Tensor, prefix_len: int, prefix_bias: float) -> torch.Tensor:
-    """``scores [..., Lk]`` with ``prefix_bias`` added to the first ``prefix_len`` keys (in place)."""
+def add_prefix_bias(scores: torch.Tensor, prefix_len: int, prefix_bias: float, suffix_len: int = 0,
+                    suffix_bias: float = 0.0) -> torch.Tensor:
+    """``scores [..., Lk]`` with ``prefix_bias`` added to the first ``prefix_len`` keys and
+    ``suffix_bias`` to the last ``suffix_len`` keys (in place)."""
     if prefix_len > 0 and prefix_bias != 0.0:
         scores[..., :prefix_len] += prefix_bias
+    if suffix_len > 0 and suffix_bias != 0.0:
+        scores[..., scores.shape[-1] - suffix_len:] += suffix_bias
     return scores
 
 
 def dense_attention_oracle(q, k, v, block_map=None, block_size: int = 128, scale: float | None = None,
-                           prefix_len: int = 0, prefix_bias: float = 0.0):
+                           prefix_len: int = 0, prefix_bias: float = 0.0, suffix_len: int = 0,
+                           suffix_bias: float = 0.0):
     """fp64 dense attention, optionally restricted by a block map and with a prefix bias (module
     docstring); returns fp64 ``[B, H, Lq, D]``.
 
@@ -55,7 +62,8 @@ def dense_attention_oracle(q, k, v, block_map=None, block_size: int = 128, scale
     """
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     q64, k64, v64 = q.double(), k.double(), v.double()
-    scores = add_prefix_bias(torch.matmul(q64, k64.transpose(-1, -2)) * scale, prefix_len, prefix_bias)
+    scores = add_prefix_bias(torch.matmul(q64, k64.transpose(-1, -2)) * scale, prefix_len, prefix_bias, suffix_len,
+                             suffix_bias)
     if block_map is not None:
         mask = expand_block_map(block_map.to(q.device), q.shape[-2], k.shape[-2], block_size)
         scores = scores.masked_fill(~mask, float("-inf"))
@@ -63,10 +71,12 @@ def dense_attention_oracle(q, k, v, block_map=None, block_size: int = 128, scale
 
 
 def masked_attention_eager(q, k, v, block_map=None, block_size: int = 128, scale: float | None = None,
-                           prefix_len: int = 0, prefix_bias: float = 0.0):
+                           prefix_len: int = 0, prefix_bias: float = 0.0, suffix_len: int = 0,
+                           suffix_bias: float = 0.0):
     """The same computation done naively in the inputs' dtype (the error yardstick for tolerances)."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    scores = add_prefix_bias(torch.matmul(q, k.transpose(-1, -2)) * scale, prefix_len, prefix_bias)
+    scores = add_prefix_bias(torch.matmul(q, k.transpose(-1, -2)) * scale, prefix_len, prefix_bias, suffix_len,
+                             suffix_bias)
     if block_map is not None:
         mask = expand_block_map(block_map.to(q.device), q.shape[-2], k.shape[-2], block_size)
         scores = scores.masked_fill(~mask, float("-inf"))
@@ -74,9 +84,9 @@ def masked_attention_eager(q, k, v, block_map=None, block_size: int = 128, scale
 
 
 def block_sparse_attention_reference(q, k, v, block_map, block_size: int, scale: float, prefix_len: int = 0,
-                                     prefix_bias: float = 0.0):
-    """``reference`` backend: fp32 masked attention per query block, with an optional prefix bias;
-    returns q's dtype."""
+                                     prefix_bias: float = 0.0, suffix_len: int = 0, suffix_bias: float = 0.0):
+    """``reference`` backend: fp32 masked attention per query block, with optional prefix / suffix
+    biases; returns q's dtype."""
     batch, heads, q_len, head_dim = q.shape
     kv_len = k.shape[-2]
     out = torch.empty_like(q)
@@ -87,7 +97,7 @@ def block_sparse_attention_reference(q, k, v, block_map, block_size: int, scale:
     for qb in range(block_map.shape[-2]):
         start, stop = qb * block_size, min((qb + 1) * block_size, q_len)
         scores = torch.matmul(q[:, :, start:stop].float(), k32) * scale  # [B, H, bs, Lk]
-        add_prefix_bias(scores, prefix_len, prefix_bias)
+        add_prefix_bias(scores, prefix_len, prefix_bias, suffix_len, suffix_bias)
         keep = block_map[:, :, qb][..., col_block]  # [B|1, H|1, Lk]
         scores = scores.masked_fill(~keep.unsqueeze(-2), float("-inf"))
         out[:, :, start:stop] = torch.matmul(torch.softmax(scores, dim=-1), v32).to(q.dtype)

@@ -28,8 +28,8 @@ a :class:`Forward` in a copy of that call's ``transformer_options``. Per attenti
   hit) or dense (+ recording on a miss), through ``ChorusAttention``; or, without the sparse sampler,
   a biased dense call (``biased_dense_or_plain``) -> compact. So the bias is applied exactly once.
   A compacted block whose layout is in the hit's region order (feature reuse + an entry recorded with
-  feature reuse, ``RegionTileOrder``) skips expand and compact: its compact queries attend to the keys
-  expanded in that order (``ChorusAttention.compact_self_attention``);
+  feature reuse, ``RegionTileOrder``) skips expand and compact: it attends on the compact sequence,
+  each cell's key weighted as its tokens (``ChorusAttention.compact_self_attention``);
 - a sparse sampler configured together with feature reuse (share > 0, regions of one block's tokens,
   frame 0 never pooled) records a miss in that region order, so the entry it writes serves such hits.
 
@@ -255,10 +255,8 @@ class ChorusPatch:
             return out
         layout = options.get(LAYOUT_KEY)
         if layout is not None and q.shape[1] == v.shape[1] == layout.compact_length and layout.length == ctx.tokens:
-            if layout.order is not None and self.attention is not None:
-                # compact self-attention: compact queries over the keys expanded in the layout's order
-                full_kv = tuple(t.index_select(1, layout.key_index) for t in (k, v))
-                return self._self_attention(func, (q,) + full_kv + tuple(args[3:]), kwargs, ctx, options, layout)
+            if layout.order is not None and self.attention is not None:  # self-attention on the compact sequence
+                return self._self_attention(func, args, kwargs, ctx, options, layout)
             full = tuple(pooling.expand_tokens(t, layout) for t in (q, k, v))  # expand
             out = self._self_attention(func, full + tuple(args[3:]), kwargs, ctx, options)
             return pooling.compact_rows(out, layout)  # compact
@@ -268,8 +266,8 @@ class ChorusPatch:
 
     def _self_attention(self, func, args, kwargs, ctx: Forward, options, layout=None):
         """(bias +) sparse or dense (+ recording) on the full grid; q/k/v ``[B, L, H*D]``. With a
-        ``layout`` (a compacted block's, built in a token order): q ``[B, L', H*D]`` compact, k/v at
-        full length in that order (``ChorusAttention.compact_self_attention``)."""
+        ``layout`` (a compacted block's, built in a token order): q/k/v ``[B, L', H*D]``, the compact
+        sequence (``ChorusAttention.compact_self_attention``)."""
         attention, guidance = self.attention, self.guidance
         if ctx.disabled_reason is not None:
             if attention is not None or guidance is not None:

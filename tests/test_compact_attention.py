@@ -1,8 +1,9 @@
 """Compact self-attention of feature reuse (issue 17, part 2): the region-aligned tile order
 (``RegionTileOrder``: every tile is one of feature reuse's regions and exactly one block), a layout
 built in it (kept tokens in that order: every kept tile stays one whole block of the compact
-sequence), the compact query map, and ``ChorusAttention.compact_self_attention`` against the
-full-grid computation (exact on the kept tiles' rows, the union of the sources' rows for cells)."""
+sequence), the compact block map, and ``ChorusAttention.compact_self_attention`` against the fp64
+oracle of the full-grid computation it stands for: every cell's key repeated over its tokens' places
+in the order, the token mask the compact map implies."""
 
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ from chorus import kernels
 from chorus.engine import ChorusAttention, ModelInfo, Plan, SparseConfig
 from chorus.engine.feature_reuse import select_regions
 from chorus.kernels import pooling
-from chorus.kernels.reference import dense_attention_oracle
 from chorus.kernels.tile_order import RegionTileOrder, cached_region_order
 
 # awkward grids: ragged rims, an odd frame count, token counts not multiples of the block
@@ -57,39 +57,42 @@ def test_a_layout_in_the_order_keeps_tiles_whole_and_pools_exactly_as_before(gri
     ordered, _ = _layout(grid, region, order=order)
     assert regions.numel() > 0
     x = torch.randn(2, order.length, 5, generator=torch.Generator().manual_seed(1))
-    # the same compact tokens, kept ones permuted: pooling and unpooling are unchanged
+    # the same compact tokens, kept ones in the order: pooling and unpooling are unchanged
     pos = order.inverse[plain.keep_index]
     assert torch.equal(ordered.keep_index, plain.keep_index[pos.argsort()])
+    assert torch.equal(ordered.cell_index.sort(0).values, plain.cell_index.sort(0).values)
     y_plain, y_ordered = pooling.pool_tokens(x, plain), pooling.pool_tokens(x, ordered)
-    n = plain.keep_index.numel()
-    torch.testing.assert_close(y_ordered[:, n:], y_plain[:, n:])
-    upd = torch.randn_like(y_ordered)
-    torch.testing.assert_close(pooling.unpool_residual(x, y_ordered, y_ordered + upd, ordered),
-                               pooling.unpool_residual(x, y_plain, y_plain + upd[:, torch.cat(
-                                   [pos.argsort().argsort(), torch.arange(n, y_plain.shape[1])])], plain))
-    # keys in the order: each pooled key repeated over its tokens' positions
-    full = order.to_tile(pooling.expand_tokens(y_ordered, ordered, dim=1), dim=1)
-    torch.testing.assert_close(y_ordered.index_select(1, ordered.key_index), full)
+    # compact position in the plain layout of each compact token of the ordered one (same tokens, same cells)
+    where = plain.expand_index[ordered.rep_index]
+    torch.testing.assert_close(y_ordered, y_plain[:, where])
+    upd = torch.randn_like(y_plain)
+    torch.testing.assert_close(pooling.unpool_residual(x, y_ordered, (y_plain + upd)[:, where], ordered),
+                               pooling.unpool_residual(x, y_plain, y_plain + upd, plain))
     # every kept tile is one whole block of the compact sequence, with that tile's block as its only source
-    src = ordered.query_sources
+    src = ordered.block_sources
     p0 = order.first_tile_block
     kept_tiles = [i for i, r in enumerate(order.tile_regions.tolist()) if r not in set(regions.tolist())]
     for rank, i in enumerate(kept_tiles):
         row = p0 + rank
         assert src[row].nonzero().flatten().tolist() == [p0 + i]
     assert bool(src.any(1).all())  # every compact block has a source
+    assert ordered.cell_size == 4 and ordered.num_cells * 4 == ordered.pooled_tokens
 
 
-def test_compact_query_map_is_the_union_of_the_sources_rows():
+def test_compact_block_map_is_the_union_over_the_source_pairs():
     gen = torch.Generator().manual_seed(2)
-    block_map = torch.rand(3, 7, 7, generator=gen) < 0.3
-    sources = torch.rand(5, 7, generator=gen) < 0.35
+    block_map = torch.rand(3, 7, 7, generator=gen) < 0.2
+    sources = torch.rand(5, 7, generator=gen) < 0.3
     sources[:, 0] |= ~sources.any(1)
-    got = pooling.compact_query_map(block_map, sources)
-    want = torch.stack([torch.stack([block_map[h][sources[i]].any(0) for i in range(5)]) for h in range(3)])
+    got = pooling.compact_block_map(block_map, sources)
+    want = torch.zeros(3, 5, 5, dtype=torch.bool)
+    for h in range(3):
+        for i in range(5):
+            for j in range(5):
+                want[h, i, j] = bool(block_map[h][sources[i]][:, sources[j]].any())
     assert torch.equal(got, want)
     with pytest.raises(ValueError, match="do not fit"):
-        pooling.compact_query_map(block_map, sources[:, :6])
+        pooling.compact_block_map(block_map, sources[:, :6])
 
 
 INFO = ModelInfo("wan", "wan2.2-a14b-i2v", 2, 2, 64, 36, "fp")
@@ -112,25 +115,27 @@ def test_compact_self_attention_matches_the_full_grid_computation(grid, region, 
     handle = ChorusAttention(plan, SparseConfig(block_size=bs, k_min=1, backend="reference", verify_threshold=0.0),
                              INFO)
     q, k, v = (torch.randn(1, 2, layout.compact_length, 32, generator=gen) for _ in range(3))
-    k_full, v_full = (t.index_select(2, layout.key_index) for t in (k, v))
-    out = handle.compact_self_attention(q, k_full, v_full, layout=layout, layer=1, sigma=1.0, first_frame_bias=bias,
+    out = handle.compact_self_attention(q, k, v, layout=layout, layer=1, sigma=1.0, first_frame_bias=bias,
                                         dense_fn=lambda *a: pytest.fail("fell back to dense"))
     assert plan.stats.sparse_calls == 1 and plan.stats.fallback_calls == 0, plan.stats.messages
-    prefix = grid[1] * grid[2] if bias else 0
-    # the oracle: fp64 attention of the compact queries over the full-length keys with the compact map
-    cmap = pooling.compact_query_map(stored[None], layout.query_sources)
-    oracle = dense_attention_oracle(q, k_full, v_full, cmap, bs, prefix_len=prefix, prefix_bias=bias)
+    # the oracle: the compact queries over the full grid's keys in the order, each cell's key repeated
+    # over its tokens, with the token mask the compact map implies; fp64
+    cmap = pooling.compact_block_map(stored[None], layout.block_sources)[0]  # [H, C, C]
+    key_pos = layout.expand_index[order.perm]  # compact position of the token at each place of the order
+    k_full, v_full = (t.index_select(2, key_pos).double() for t in (k, v))
+    rows = torch.arange(layout.compact_length) // bs
+    mask = cmap[:, rows][:, :, key_pos // bs]  # [H, L', L]
+    scores = (q.double() @ k_full.transpose(-1, -2)) / 32 ** 0.5
+    if bias:
+        scores[..., : grid[1] * grid[2]] += bias
+    scores = scores.masked_fill(~mask[None], float("-inf"))
+    oracle = torch.softmax(scores, -1) @ v_full
     torch.testing.assert_close(out.double(), oracle, atol=2e-5, rtol=1e-4)
-    # kept tiles' rows: exactly the full-grid computation (queries in the order, the entry's own map)
-    q_full = q.index_select(2, layout.key_index)  # every compact query at its tokens' positions
-    full = dense_attention_oracle(q_full, k_full, v_full, stored[None], bs, prefix_len=prefix, prefix_bias=bias)
-    p0 = order.first_tile_block
-    kept_tiles = [i for i, r in enumerate(order.tile_regions.tolist()) if r not in set(regions.tolist())]
-    for rank, i in enumerate(kept_tiles):
-        rows = slice((p0 + rank) * bs, (p0 + rank + 1) * bs)
-        torch.testing.assert_close(out[:, :, rows].double(), full[:, :, (p0 + i) * bs:(p0 + i + 1) * bs],
-                                   atol=2e-5, rtol=1e-4)
-    # the kernel computed fewer blocks than the full grid would
+    # the same computation without the cells' weight differs: the suffix bias acts
+    plain = kernels.block_sparse_attention(q, k, v, cmap[None], block_size=bs, backend="reference",
+                                           prefix_len=grid[1] * grid[2] if bias else 0, prefix_bias=bias)
+    assert not torch.allclose(plain.double(), oracle, atol=1e-3)
+    # and fewer blocks than the full grid would compute
     assert plan.stats.blocks_computed < int(stored.sum())
 
 
@@ -146,8 +151,7 @@ def test_compact_self_attention_falls_back_to_dense_when_the_orders_differ():
                 entry_meta={"signature": sig}, latent_shape=(16, 5, 16, 16))
     handle = ChorusAttention(plan, SparseConfig(block_size=bs, k_min=1, backend="reference"), INFO)
     q = torch.randn(1, 2, layout.compact_length, 32)
-    k = torch.randn(1, 2, order.length, 32)
-    out = handle.compact_self_attention(q, k, k, layout=layout, layer=0, sigma=1.0,
+    out = handle.compact_self_attention(q, q, q, layout=layout, layer=0, sigma=1.0,
                                         dense_fn=lambda q, k, v: torch.zeros_like(q))
     assert torch.equal(out, torch.zeros_like(q)) and plan.stats.fallback_calls == 1
     assert any("token order" in m for m in plan.stats.messages)

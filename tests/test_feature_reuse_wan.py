@@ -378,8 +378,9 @@ def test_a_miss_with_feature_reuse_records_in_region_order_and_its_hit_attends_o
         nodes, model, recorded):
     """The sparse sampler configured with feature reuse records the miss in the region order
     (``regions2x8x8``: each tile one of feature reuse's regions and one block); a hit of that entry runs
-    the downsampled blocks' self-attention on the compact sequence (compact queries: fewer query blocks
-    per call) and matches the expanded full-grid computation of the same maps (an entry relabelled raster)."""
+    the downsampled blocks' self-attention on the compact sequence (fewer query and key blocks per call,
+    each cell's key weighted as its 8 tokens) and matches the expanded full-grid computation of the same
+    (full) maps, an entry relabelled raster."""
     latent, dense, miss, _ = recorded
     assert build_signature(miss)["token_order"] == "regions2x8x8"
     outs, plans = {}, {}
@@ -390,7 +391,7 @@ def test_a_miss_with_feature_reuse_records_in_region_order_and_its_hit_attends_o
         assert hit.stats.sparse_calls == 2 * LAYERS and hit.stats.fallback_calls == 0, hit.stats.messages
     qb = 1280 // BS
     # per step: layer 0 in full (qb x qb per head), layers 1-2 on the compact sequence: 2 regions pooled
-    # of 128 tokens each -> 16 cells each: 1280 - 256 + 32 = 1056 tokens = 9 query blocks
+    # of 128 tokens each -> 16 cells each: 1280 - 256 + 32 = 1056 tokens = 9 x 9 blocks
     assert plans["expanded"].stats.blocks_total == 2 * LAYERS * 2 * qb * qb
-    assert plans["compact"].stats.blocks_total == 2 * (2 * qb * qb + 2 * (2 * 9 * qb))
+    assert plans["compact"].stats.blocks_total == 2 * (2 * qb * qb + 2 * (2 * 9 * 9))
     torch.testing.assert_close(outs["compact"], outs["expanded"], atol=2e-4, rtol=1e-3)

@@ -10,6 +10,7 @@ this kernel, torch.compile)."""
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -36,7 +37,7 @@ def _random_map(batch, heads, length, density, seed):
     return bm
 
 
-def _check(out, q, k, v, bm, prefix_len=0, prefix_bias=0.0):
+def _check(out, q, k, v, bm, prefix_len=0, prefix_bias=0.0, suffix_len=0, suffix_bias=0.0):
     from chorus.kernels.reference import dense_attention_oracle
     from chorus.kernels.triton.emulation import error_stats, sage_fp8_attention_emulation
 
@@ -45,10 +46,10 @@ def _check(out, q, k, v, bm, prefix_len=0, prefix_bias=0.0):
     rows = torch.cat([torch.arange(b * 128, min((b + 1) * 128, q.shape[2]), device="cuda") for b in blocks])
     sub_map = bm[:, :, blocks]
     q_sub = q[:, :, rows]
-    oracle = dense_attention_oracle(q_sub, k, v, sub_map, 128, prefix_len=prefix_len, prefix_bias=prefix_bias)
+    biases = dict(prefix_len=prefix_len, prefix_bias=prefix_bias, suffix_len=suffix_len, suffix_bias=suffix_bias)
+    oracle = dense_attention_oracle(q_sub, k, v, sub_map, 128, **biases)
     ours = error_stats(out[:, :, rows], oracle)
-    sage = error_stats(sage_fp8_attention_emulation(q_sub, k, v, sub_map, 128, prefix_len=prefix_len,
-                                                    prefix_bias=prefix_bias), oracle)
+    sage = error_stats(sage_fp8_attention_emulation(q_sub, k, v, sub_map, 128, **biases), oracle)
     assert torch.isfinite(out).all()
     assert ours["rel_l1"] <= 2 * sage["rel_l1"], (ours, sage)
     assert 1 - ours["cosine"] <= 2 * (1 - sage["cosine"]), (ours, sage)
@@ -151,6 +152,24 @@ def test_the_public_api_runs_a_region_order_on_it():
                                    prefix_len=30 * 52, prefix_bias=0.4)
     qt, kt, vt = (order.to_tile(t) for t in (q, k, v))
     _check(order.to_tile(out), qt, kt, vt, bm, 30 * 52, 0.4)
+
+
+@pytest.mark.parametrize("q_len,kv_len,suffix_len", [(4097, 4097, 300), (3000, 3000, 2000), (61600, 61600, 2000)])
+@pytest.mark.parametrize("backend", ["triton_fp8_ws", "triton_fp8"])
+def test_a_suffix_bias_matches_the_oracle(q_len, kv_len, suffix_len, backend):
+    """Feature reuse's compact sequence: its last keys (the pooled cells) weighted log(8), with and
+    without the first frame's prefix bias; both FP8 kernels within the FP8 bounds of the fp64 oracle."""
+    import chorus.kernels as K
+
+    q, k, v = cuda_bf16_qkv(1, 3, q_len, 128, seed=q_len + suffix_len)
+    bm = _random_map(1, 3, q_len, 0.3, seed=suffix_len)
+    for prefix_len, prefix_bias in ((0, 0.0), (1000, 0.4)):
+        biases = dict(prefix_len=prefix_len, prefix_bias=prefix_bias, suffix_len=suffix_len, suffix_bias=math.log(8))
+        out = K.block_sparse_attention(q, k, v, bm, block_size=128, backend=backend, **biases)
+        _check(out, q, k, v, bm, **biases)
+        plain = K.block_sparse_attention(q, k, v, bm, block_size=128, backend=backend, prefix_len=prefix_len,
+                                         prefix_bias=prefix_bias)
+        assert not torch.equal(out, plain)  # the suffix weight acted
 
 
 def test_public_api_auto_takes_it_with_and_without_a_prefix_bias():

@@ -33,7 +33,7 @@ def attn_signature(fp8: bool, dtype: str, use_tma: bool, block_m: int, block_n: 
         q = k = v = f"*{ed}"
     pointers = {"Q": q, "K": k, "V": v, "O": f"*{dtype}", "q_scale": "*fp32", "k_scale": "*fp32", "v_scale": "*fp32",
                 "kv_num": "*i32", "kv_idx": "*i32", "sched": "*i32", "token_perm": "*i32"}
-    floats = {"qk_scale", "prefix_bias"}
+    floats = {"qk_scale", "prefix_bias", "suffix_bias"}
     sig = {}
     for name, param in zip(A._bsa_fwd_kernel.arg_names, A._bsa_fwd_kernel.params):
         if param.is_constexpr:
@@ -59,7 +59,7 @@ def compile_attn(fp8=True, use_tma=False, block_m=128, block_n=128, head_dim=128
 
 
 def compile_ws(head_dim=128, schedule="serial", stages=3, tail=True, ablate=0, fma_quarters=0, has_bias=False,
-               has_perm=False):
+               has_perm=False, has_suffix=False):
     """The warp-specialised Gluon kernel (``chorus.kernels.triton._attention_ws``) compiled for sm_90."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -79,13 +79,14 @@ def compile_ws(head_dim=128, schedule="serial", stages=3, tail=True, ablate=0, f
             sig[name] = "*bf16"
         elif name in ("q_scale", "k_scale", "v_scale"):
             sig[name] = "*fp32"
-        elif name == "prefix_bias":
+        elif name in ("prefix_bias", "suffix_bias"):
             sig[name] = "fp32"
         elif name in ("kv_num", "kv_idx", "sched", "token_perm"):
             sig[name] = "*i32"
         else:
             sig[name] = "i32"
-    consts = dict(HEAD_DIM=head_dim, STAGES=stages, Q_STAGES=2, TAIL_K=tail, HAS_BIAS=has_bias, HAS_PERM=has_perm,
+    consts = dict(HEAD_DIM=head_dim, STAGES=stages, Q_STAGES=2, TAIL_K=tail, HAS_BIAS=has_bias or has_suffix, HAS_PERM=has_perm,
+                  HAS_SUFFIX=has_suffix,
                   P_SHIFT=A.P_SHIFT_LOG2,
                   SCHEDULE=schedule, ABLATE=ablate, FMA_QUARTERS=fma_quarters)
     sig.update({c: "constexpr" for c in consts})

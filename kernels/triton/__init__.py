@@ -64,24 +64,29 @@ if not _op_exists("block_sparse_attention_triton"):
     @torch.library.custom_op("chorus::block_sparse_attention_triton", mutates_args=())
     def _bsa_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_map: torch.Tensor, block_size: int,
                 scale: float, fp8: bool, prefix_len: int = 0, prefix_bias: float = 0.0,
-                token_perm: torch.Tensor | None = None) -> torch.Tensor:
+                token_perm: torch.Tensor | None = None, suffix_len: int = 0, suffix_bias: float = 0.0) -> torch.Tensor:
         return block_sparse_attention_triton_impl(q, k, v, block_map, block_size, scale, fp8,
-                                                  prefix_len=prefix_len, prefix_bias=prefix_bias, token_perm=token_perm)
+                                                  prefix_len=prefix_len, prefix_bias=prefix_bias, token_perm=token_perm,
+                                                  suffix_len=suffix_len, suffix_bias=suffix_bias)
 
     @_bsa_op.register_fake
-    def _bsa_fake(q, k, v, block_map, block_size, scale, fp8, prefix_len=0, prefix_bias=0.0, token_perm=None):
+    def _bsa_fake(q, k, v, block_map, block_size, scale, fp8, prefix_len=0, prefix_bias=0.0, token_perm=None,
+                  suffix_len=0, suffix_bias=0.0):
         return output_like(q)
 
 if not _op_exists("block_sparse_attention_ws"):
     @torch.library.custom_op("chorus::block_sparse_attention_ws", mutates_args=())
     def _bsa_ws_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_map: torch.Tensor,
                    scale: float, prefix_len: int = 0, prefix_bias: float = 0.0,
-                   token_perm: torch.Tensor | None = None) -> torch.Tensor:
+                   token_perm: torch.Tensor | None = None, suffix_len: int = 0,
+                   suffix_bias: float = 0.0) -> torch.Tensor:
         return _attention_ws.block_sparse_attention_ws(q, k, v, block_map, scale, prefix_len=prefix_len,
-                                                       prefix_bias=prefix_bias, token_perm=token_perm)
+                                                       prefix_bias=prefix_bias, token_perm=token_perm,
+                                                       suffix_len=suffix_len, suffix_bias=suffix_bias)
 
     @_bsa_ws_op.register_fake
-    def _bsa_ws_fake(q, k, v, block_map, scale, prefix_len=0, prefix_bias=0.0, token_perm=None):
+    def _bsa_ws_fake(q, k, v, block_map, scale, prefix_len=0, prefix_bias=0.0, token_perm=None, suffix_len=0,
+                     suffix_bias=0.0):
         return output_like(q)
 
 if not _op_exists("block_mass_triton"):
@@ -98,7 +103,8 @@ if not _op_exists("block_mass_triton"):
 def block_sparse_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_map: torch.Tensor, *,
                                   block_size: int = 128, scale: float | None = None, fp8: bool = True,
                                   prefix_len: int = 0, prefix_bias: float = 0.0,
-                                  token_perm: torch.Tensor | None = None) -> torch.Tensor:
+                                  token_perm: torch.Tensor | None = None, suffix_len: int = 0,
+                                  suffix_bias: float = 0.0) -> torch.Tensor:
     """Block-sparse forward attention (FP8 e4m3 when ``fp8``, else the inputs' 16-bit dtype).
 
     Args:
@@ -108,7 +114,8 @@ def block_sparse_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
         scale: softmax scale, default ``1/sqrt(D)``.
         fp8: FP8 Q/K (per-128-token scales, K smoothed) and FP8 P/V (per-channel V scale).
         prefix_len, prefix_bias: ``prefix_bias`` (natural-log units) added to the scaled logits of keys
-            ``[0, prefix_len)`` (see :func:`chorus.kernels.block_sparse_attention`).
+            ``[0, prefix_len)`` (see :func:`chorus.kernels.block_sparse_attention`); ``suffix_len`` /
+            ``suffix_bias`` the same for the last ``suffix_len`` keys.
         token_perm: None, or (``Lq == Lk == L``) an int32/int64 ``[L]`` permutation: attention runs on
             the sequence in that order (position ``i`` = input row ``token_perm[i]``; ``block_map`` is in
             that order) and the output is returned in the input order; fused into the FP8 pre-pass and
@@ -120,7 +127,8 @@ def block_sparse_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     """
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     return torch.ops.chorus.block_sparse_attention_triton(q, k, v, block_map, int(block_size), scale, bool(fp8),
-                                                          int(prefix_len), float(prefix_bias), token_perm)
+                                                          int(prefix_len), float(prefix_bias), token_perm,
+                                                          int(suffix_len), float(suffix_bias))
 
 
 def ws_unavailable(q: torch.Tensor) -> str | None:
@@ -142,14 +150,16 @@ def ws_call_unsupported(head_dim: int, block_size: int) -> str | None:
 
 def block_sparse_attention_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_map: torch.Tensor, *,
                               scale: float | None = None, prefix_len: int = 0, prefix_bias: float = 0.0,
-                              token_perm: torch.Tensor | None = None) -> torch.Tensor:
+                              token_perm: torch.Tensor | None = None, suffix_len: int = 0,
+                              suffix_bias: float = 0.0) -> torch.Tensor:
     """The warp-specialised FP8 kernel (contract: :mod:`._attention_ws`; block size 128), as the custom
-    op ``torch.ops.chorus.block_sparse_attention_ws``; ``prefix_len`` / ``prefix_bias`` / ``token_perm``
+    op ``torch.ops.chorus.block_sparse_attention_ws``; ``prefix_len`` / ``prefix_bias`` / ``token_perm`` /
+    ``suffix_len`` / ``suffix_bias``
     (fused into the pre-pass and the output store) as in :func:`block_sparse_attention_triton`. Output
     layout as :func:`block_sparse_attention_triton`'s. Raises ``ValueError`` outside the contract."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     return torch.ops.chorus.block_sparse_attention_ws(q, k, v, block_map, scale, int(prefix_len), float(prefix_bias),
-                                                      token_perm)
+                                                      token_perm, int(suffix_len), float(suffix_bias))
 
 
 def block_mass_triton(q: torch.Tensor, k: torch.Tensor, *, block_size: int = 128, sample_rows: int | None = None,

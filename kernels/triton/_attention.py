@@ -85,7 +85,7 @@ def _compress_map_kernel(block_map, kv_num, kv_idx, Kb, CHUNK: tl.constexpr):
 
 @triton.jit
 def _attn_tiles(acc, l_i, m_i, q, sq, qk_scale, K, V, k_scale_row, idx_row, b, h, it_lo, it_hi, Lk,
-                prefix_len, prefix_bias, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl,
+                prefix_len, prefix_bias, suffix_start, suffix_bias, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl,
                 HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr, KV_SUB: tl.constexpr,
                 FP8: tl.constexpr, USE_TMA: tl.constexpr, MASK_KEYS: tl.constexpr, MASK_LOADS: tl.constexpr,
                 P_SHIFT: tl.constexpr, SCALE_TILE: tl.constexpr, INTERPRET: tl.constexpr,
@@ -114,8 +114,9 @@ def _attn_tiles(acc, l_i, m_i, q, sq, qk_scale, K, V, k_scale_row, idx_row, b, h
             s = qk_scale
         if MASK_KEYS:
             qk = tl.where((offs_n < Lk)[None, :], qk, float("-inf"))
-        if HAS_BIAS:  # prefix bias (log2 units): scale first, then the row's logits are final
-            qk = qk * s + tl.where(offs_n < prefix_len, prefix_bias, 0.0)[None, :]
+        if HAS_BIAS:  # prefix / suffix biases (log2 units): scale first, then the row's logits are final
+            qk = qk * s + (tl.where(offs_n < prefix_len, prefix_bias, 0.0)
+                           + tl.where(offs_n >= suffix_start, suffix_bias, 0.0))[None, :]
             s = 1.0
         if ABLATE == 1:  # benchmark only: no softmax (measures the exp/max/rescale cost)
             p = qk * s
@@ -161,7 +162,7 @@ def _attn_tiles(acc, l_i, m_i, q, sq, qk_scale, K, V, k_scale_row, idx_row, b, h
 
 @triton.jit
 def _bsa_tile(pid, bh, Q, K, V, O, q_scale, k_scale, v_scale, kv_num, kv_idx, sched, token_perm,
-              H, Lq, Lk, num_kv_blocks, n_q_scale, n_k_scale, qk_scale, q_mult, prefix_len, prefix_bias,
+              H, Lq, Lk, num_kv_blocks, n_q_scale, n_k_scale, qk_scale, q_mult, prefix_len, prefix_bias, suffix_start, suffix_bias,
               s_qb, s_qh, s_ql, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl, s_ob, s_oh, s_ol,
               s_nb, s_nh, s_ib, s_ih, s_iq,
               HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr,
@@ -217,12 +218,12 @@ def _bsa_tile(pid, bh, Q, K, V, O, q_scale, k_scale, v_scale, kv_num, kv_idx, sc
         last = tl.load(idx_row + tl.maximum(n_kv - 1, 0))
         n_main = n_kv - ((n_kv > 0) & (last == num_kv_blocks - 1)).to(tl.int32)
     acc, l_i, m_i = _attn_tiles(acc, l_i, m_i, q, sq, qk_scale, K, V, k_scale_row, idx_row, b, h,
-                                0, n_main * KV_SUB, Lk, prefix_len, prefix_bias, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl,
+                                0, n_main * KV_SUB, Lk, prefix_len, prefix_bias, suffix_start, suffix_bias, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl,
                                 HEAD_DIM, BLOCK_N, BS, KV_SUB, FP8, USE_TMA, False, False, P_SHIFT, SCALE_TILE,
                                 INTERPRET, ABLATE, WARP_SPEC, HAS_BIAS)
     if TAIL_K:
         acc, l_i, m_i = _attn_tiles(acc, l_i, m_i, q, sq, qk_scale, K, V, k_scale_row, idx_row, b, h,
-                                    n_main * KV_SUB, n_kv * KV_SUB, Lk, prefix_len, prefix_bias,
+                                    n_main * KV_SUB, n_kv * KV_SUB, Lk, prefix_len, prefix_bias, suffix_start, suffix_bias,
                                     s_kb, s_kh, s_kl, s_vb, s_vh, s_vl,
                                     HEAD_DIM, BLOCK_N, BS, KV_SUB, FP8, USE_TMA, True, MASK_LOADS, P_SHIFT,
                                     SCALE_TILE, INTERPRET, ABLATE, False, HAS_BIAS)
@@ -240,7 +241,7 @@ def _bsa_tile(pid, bh, Q, K, V, O, q_scale, k_scale, v_scale, kv_num, kv_idx, sc
 
 @triton.jit
 def _bsa_fwd_kernel(Q, K, V, O, q_scale, k_scale, v_scale, kv_num, kv_idx, sched, token_perm,
-                    H, Lq, Lk, num_kv_blocks, n_q_scale, n_k_scale, qk_scale, q_mult, prefix_len, prefix_bias,
+                    H, Lq, Lk, num_kv_blocks, n_q_scale, n_k_scale, qk_scale, q_mult, prefix_len, prefix_bias, suffix_start, suffix_bias,
                     s_qb, s_qh, s_ql, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl, s_ob, s_oh, s_ol,
                     s_nb, s_nh, s_ib, s_ih, s_iq, tiles_per_bh, num_tiles,
                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr,
@@ -254,13 +255,13 @@ def _bsa_fwd_kernel(Q, K, V, O, q_scale, k_scale, v_scale, kv_num, kv_idx, sched
         for tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
             _bsa_tile(tile % tiles_per_bh, tile // tiles_per_bh, Q, K, V, O, q_scale, k_scale, v_scale, kv_num,
                       kv_idx, sched, token_perm, H, Lq, Lk, num_kv_blocks, n_q_scale, n_k_scale, qk_scale, q_mult,
-                      prefix_len, prefix_bias, s_qb, s_qh, s_ql, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl, s_ob, s_oh,
+                      prefix_len, prefix_bias, suffix_start, suffix_bias, s_qb, s_qh, s_ql, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl, s_ob, s_oh,
                       s_ol, s_nb, s_nh, s_ib, s_ih, s_iq, HEAD_DIM, BLOCK_M, BLOCK_N, BS, FP8, USE_TMA, TAIL_K,
                       EVEN_Q, P_SHIFT, SCALE_TILE, INTERPRET, ABLATE, WARP_SPEC, HAS_BIAS, Q_RAW, HAS_PERM)
     else:
         _bsa_tile(tl.program_id(0), tl.program_id(1), Q, K, V, O, q_scale, k_scale, v_scale, kv_num, kv_idx,
                   sched, token_perm, H, Lq, Lk, num_kv_blocks, n_q_scale, n_k_scale, qk_scale, q_mult, prefix_len,
-                  prefix_bias, s_qb, s_qh, s_ql, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl, s_ob, s_oh, s_ol, s_nb, s_nh,
+                  prefix_bias, suffix_start, suffix_bias, s_qb, s_qh, s_ql, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl, s_ob, s_oh, s_ol, s_nb, s_nh,
                   s_ib, s_ih, s_iq, HEAD_DIM, BLOCK_M, BLOCK_N, BS, FP8, USE_TMA, TAIL_K, EVEN_Q, P_SHIFT,
                   SCALE_TILE, INTERPRET, ABLATE, WARP_SPEC, HAS_BIAS, Q_RAW, HAS_PERM)
 
@@ -360,18 +361,17 @@ def check_perm(token_perm, q, k):
 
 
 def prepare_attention(q, k, v, block_map, block_size: int, scale: float, fp8: bool, config: dict | None = None,
-                      prefix_len: int = 0, prefix_bias: float = 0.0, token_perm: torch.Tensor | None = None):
+                      prefix_len: int = 0, prefix_bias: float = 0.0, token_perm: torch.Tensor | None = None,
+                      suffix_len: int = 0, suffix_bias: float = 0.0):
     """Validate, build the block index and (FP8) quantise; returns the launch arguments as a dict.
     Split from :func:`launch_attention` so the benchmark can time the stages separately.
     ``prefix_bias`` (natural-log units) is added to the scaled logits of keys ``[0, prefix_len)``
     (positions of the permuted order when ``token_perm`` is given: see
-    :func:`block_sparse_attention_triton_impl`)."""
+    :func:`block_sparse_attention_triton_impl`), ``suffix_bias`` to those of keys ``[Lk - suffix_len, Lk)``."""
     _validate(q, k, v, block_map, block_size)
     token_perm = check_perm(token_perm, q, k)
-    if not (isinstance(prefix_len, int) and 0 <= prefix_len <= k.shape[2] and math.isfinite(prefix_bias)):
-        raise ValueError(f"prefix_len must be in [0, {k.shape[2]}] and prefix_bias finite, got "
-                         f"{prefix_len!r}, {prefix_bias!r}")
-    has_bias = prefix_len > 0 and prefix_bias != 0.0
+    suffix_start = check_key_biases(prefix_len, prefix_bias, suffix_len, suffix_bias, k.shape[2])
+    has_bias = (prefix_len > 0 and prefix_bias != 0.0) or suffix_start < k.shape[2]
     if config is None:
         config = DEFAULT_CONFIGS["fp8" if fp8 else "bf16"]
     batch, heads, q_len, head_dim = q.shape
@@ -408,7 +408,8 @@ def prepare_attention(q, k, v, block_map, block_size: int, scale: float, fp8: bo
                 n_k_scale=n_k_scale, qk_scale=qk_scale, config=config, has_bias=has_bias, q_raw=q_raw,
                 q_mult=float(scale * LOG2E), token_perm=token_perm,
                 prefix_len=int(prefix_len) if has_bias else 0,
-                prefix_bias_log2=float(prefix_bias) * LOG2E if has_bias else 0.0)
+                prefix_bias_log2=float(prefix_bias) * LOG2E if has_bias else 0.0, suffix_start=suffix_start,
+                suffix_bias_log2=float(suffix_bias) * LOG2E if suffix_start < kv_len else 0.0)
 
 
 def launch_attention(prep: dict, ablate: int = 0) -> torch.Tensor:
@@ -446,7 +447,8 @@ def launch_attention(prep: dict, ablate: int = 0) -> torch.Tensor:
         q_arg, k_arg, v_arg, out, prep["q_scale"], prep["k_scale"], prep["v_scale"], prep["kv_num"],
         prep["kv_idx"], prep["sched"], prep["kv_num"] if prep["token_perm"] is None else prep["token_perm"],
         heads, q_len, prep["kv_len"], prep["num_kv_blocks"], prep["n_q_scale"],
-        prep["n_k_scale"], prep["qk_scale"], prep["q_mult"], prep["prefix_len"], prep["prefix_bias_log2"], *strides,
+        prep["n_k_scale"], prep["qk_scale"], prep["q_mult"], prep["prefix_len"], prep["prefix_bias_log2"],
+        prep["suffix_start"], prep["suffix_bias_log2"], *strides,
         out.stride(0), out.stride(1), out.stride(2),
         *prep["map_strides"], tiles_per_bh, num_tiles,
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BS=block_size, FP8=fp8, USE_TMA=prep["use_tma"],
@@ -500,7 +502,8 @@ def _map_view(block_map: torch.Tensor, b0: int, b1: int, h0: int, h1: int) -> to
 
 def block_sparse_attention_triton_impl(q, k, v, block_map, block_size: int, scale: float, fp8: bool,
                                        config: dict | None = None, prefix_len: int = 0,
-                                       prefix_bias: float = 0.0, token_perm: torch.Tensor | None = None) -> torch.Tensor:
+                                       prefix_bias: float = 0.0, token_perm: torch.Tensor | None = None,
+                                       suffix_len: int = 0, suffix_bias: float = 0.0) -> torch.Tensor:
     """Validate, prepare and launch (no torch.library wrapping); ``config`` overrides tile settings.
     Inputs whose offsets would overflow int32 run in (batch, head) chunks (:func:`int32_chunks`).
 
@@ -509,11 +512,14 @@ def block_sparse_attention_triton_impl(q, k, v, block_map, block_size: int, scal
     ``token_perm[i]`` -- ``block_map`` is read in that order (e.g. 3D tiles) -- and the output comes
     back in the input order. FP8: the reorder is fused into the pre-pass loads and the kernel's
     output store (no extra pass); bf16: q, k, v are gathered once each, the store is fused.
-    ``block_map`` and ``prefix_len`` refer to positions of the reordered sequence."""
+    ``block_map`` and ``prefix_len`` refer to positions of the reordered sequence. ``suffix_bias`` is
+    added to the scaled logits of the last ``suffix_len`` keys."""
+    args = (q, k, v, block_map, block_size, scale, fp8, config, prefix_len, prefix_bias, token_perm, suffix_len,
+            suffix_bias)
     if q.device.type == "cuda":
         with torch.cuda.device(q.device):  # Triton launches on the current device
-            return _run_chunks(q, k, v, block_map, block_size, scale, fp8, config, prefix_len, prefix_bias, token_perm)
-    return _run_chunks(q, k, v, block_map, block_size, scale, fp8, config, prefix_len, prefix_bias, token_perm)
+            return _run_chunks(*args)
+    return _run_chunks(*args)
 
 
 def run_in_int32_chunks(q, k, v, block_map, launch) -> torch.Tensor:
@@ -530,11 +536,21 @@ def run_in_int32_chunks(q, k, v, block_map, launch) -> torch.Tensor:
     return out
 
 
-def _run_chunks(q, k, v, block_map, block_size, scale, fp8, config, prefix_len, prefix_bias, token_perm=None):
+def _run_chunks(q, k, v, block_map, block_size, scale, fp8, config, prefix_len, prefix_bias, token_perm=None,
+                suffix_len=0, suffix_bias=0.0):
     _validate(q, k, v, block_map, block_size)
     token_perm = check_perm(token_perm, q, k)
     return run_in_int32_chunks(q, k, v, block_map, lambda q, k, v, bm: launch_attention(prepare_attention(
-        q, k, v, bm, block_size, scale, fp8, config, prefix_len, prefix_bias, token_perm)))
+        q, k, v, bm, block_size, scale, fp8, config, prefix_len, prefix_bias, token_perm, suffix_len, suffix_bias)))
+
+
+def check_key_biases(prefix_len, prefix_bias, suffix_len, suffix_bias, kv_len: int) -> int:
+    """Validate the key biases of a call; returns the first key of the suffix (``kv_len`` when there is
+    none). ``ValueError`` for lengths outside ``[0, kv_len]`` or non-finite biases."""
+    for name, length, bias in (("prefix", prefix_len, prefix_bias), ("suffix", suffix_len, suffix_bias)):
+        if not (isinstance(length, int) and 0 <= length <= kv_len and math.isfinite(bias)):
+            raise ValueError(f"{name}_len must be in [0, {kv_len}] and {name}_bias finite, got {length!r}, {bias!r}")
+    return kv_len - suffix_len if suffix_len > 0 and suffix_bias != 0.0 else kv_len
 
 
 def default_scale(head_dim: int) -> float:

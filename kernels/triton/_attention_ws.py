@@ -48,11 +48,10 @@ which ``auto`` logs once before moving to ``triton_fp8``.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from ._attention import P_SHIFT_LOG2, _validate, check_perm, lpt_block_lists, output_like, run_in_int32_chunks
+from ._attention import (P_SHIFT_LOG2, _validate, check_key_biases, check_perm, lpt_block_lists, output_like,
+                         run_in_int32_chunks)
 from ._quant import LOG2E, quantize_qkv_fp8
 
 try:  # Gluon ships inside recent Tritons; without it this backend reports itself unavailable
@@ -188,23 +187,31 @@ if gluon is not None:
         return gl.convert_layout(y, layout, assert_trivial=True)
 
     @gluon.jit
-    def _softmax_block(s, m_i, l_i, sc, kb, offs_n, Lk, num_kv_blocks, prefix_len, prefix_bias, TAIL_K: gl.constexpr,
-                       HAS_BIAS: gl.constexpr, P_SHIFT: gl.constexpr, ABLATE: gl.constexpr,
+    def _softmax_block(s, m_i, l_i, sc, kb, offs_n, Lk, num_kv_blocks, prefix_len, prefix_bias, suffix_start,
+                       suffix_bias, TAIL_K: gl.constexpr,
+                       HAS_BIAS: gl.constexpr, HAS_SUFFIX: gl.constexpr, P_SHIFT: gl.constexpr, ABLATE: gl.constexpr,
                        FMA_QUARTERS: gl.constexpr):
         """Online softmax over key block ``kb``'s wgmma output ``s`` (``sc`` = sq * sk > 0, folded in after
         the row max): returns ``(P, m, l, alpha)`` with ``P = exp2(s * sc - m + P_SHIFT)`` in fp32 (row
         maximum 2^P_SHIFT, inside e4m3), the new row max / sum and ``alpha`` = the old accumulator's
-        rescale factor. Keys past ``Lk`` in the partial last block get -inf. ``HAS_BIAS``: keys
+        rescale factor. Keys past ``Lk`` in the partial last block get -inf. ``HAS_BIAS`` (``HAS_SUFFIX``): keys
         ``< prefix_len`` get ``prefix_bias`` (log2 units) added to their scaled logit, as ``prefix_bias / sc``
-        added to ``s`` on the blocks that hold such keys only (the others run the unbiased code). ABLATE
+        added to ``s`` on the blocks that hold such keys only (the others run the unbiased code), and keys
+        ``>= suffix_start`` ``suffix_bias`` likewise. ABLATE
         (benchmark only, results meaningless): 1 leaves the exp2 out, 2 the whole softmax."""
         if TAIL_K:
             if kb == num_kv_blocks - 1:
                 s = gl.where((kb * _BLOCK + offs_n < Lk)[None, :], s, float("-inf"))
         if HAS_BIAS:
-            biased_keys = prefix_len - kb * _BLOCK
+            biased_keys = prefix_len - kb * _BLOCK  # keys of this block in the prefix: [0, biased_keys)
             if biased_keys > 0:
                 s = gl.where((offs_n < biased_keys)[None, :], s + prefix_bias / sc, s)
+            if HAS_SUFFIX:
+                tail_from = suffix_start - kb * _BLOCK  # ... in the suffix: [tail_from, BLOCK)
+                if tail_from <= 0:  # a whole block of the suffix
+                    s = s + suffix_bias / sc
+                elif tail_from < _BLOCK:
+                    s = gl.where((offs_n >= tail_from)[None, :], s + suffix_bias / sc, s)
         if ABLATE == 2:
             return s * sc, m_i, l_i, gl.full_like(m_i, 1.0)
         m_new = gl.maximum(m_i, gl.max(s, axis=1) * sc)
@@ -233,10 +240,11 @@ if gluon is not None:
     @gluon.jit
     def _consumer(o_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
                   q_scale, k_scale, v_scale, sched, kv_num, kv_idx, H, Lq, Lk, num_kv_blocks, q_blocks, num_tiles,
-                  n_q_scale, n_k_scale, prefix_len, prefix_bias, token_perm, s_ob, s_oh, s_ol, s_nb, s_nh, s_ib, s_ih,
+                  n_q_scale, n_k_scale, prefix_len, prefix_bias, suffix_start, suffix_bias, token_perm, s_ob, s_oh, s_ol, s_nb, s_nh, s_ib, s_ih,
                   s_iq, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, Q_STAGES: gl.constexpr, CONSUMER: gl.constexpr,
                   TAIL_K: gl.constexpr, HAS_BIAS: gl.constexpr, P_SHIFT: gl.constexpr, SCHEDULE: gl.constexpr,
-                  ABLATE: gl.constexpr, FMA_QUARTERS: gl.constexpr, HAS_PERM: gl.constexpr):
+                  ABLATE: gl.constexpr, FMA_QUARTERS: gl.constexpr, HAS_PERM: gl.constexpr,
+                  HAS_SUFFIX: gl.constexpr):
         ROWS: gl.constexpr = _ROWS
         # wgmma accumulator layouts (M = 64 rows over 4 warps; K = 32 for 8-bit operands) and the
         # register layout of P as the A operand of P @ V
@@ -284,7 +292,8 @@ if gluon is not None:
                     s = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
                     s = warpgroup_mma_wait(num_outstanding=0, deps=[s])
                     p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, sc, kb, offs_n, Lk, num_kv_blocks, prefix_len,
-                                                        prefix_bias, TAIL_K, HAS_BIAS, P_SHIFT, ABLATE, FMA_QUARTERS)
+                                                        prefix_bias, suffix_start, suffix_bias, TAIL_K, HAS_BIAS,
+                                                        HAS_SUFFIX, P_SHIFT, ABLATE, FMA_QUARTERS)
                     p8 = _p_operand(p, p_layout)
                     mbarrier.wait(v_ready.index(st), (kctr // STAGES) & 1)
                     prev = st
@@ -298,7 +307,8 @@ if gluon is not None:
                     acc = warpgroup_mma(p8, v_smem.index(prev).permute((1, 0)), acc, is_async=True)
                     s = warpgroup_mma_wait(num_outstanding=1, deps=[s])  # Q @ K^T done; P @ V may run on
                     p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, sc, kb, offs_n, Lk, num_kv_blocks, prefix_len,
-                                                        prefix_bias, TAIL_K, HAS_BIAS, P_SHIFT, ABLATE, FMA_QUARTERS)
+                                                        prefix_bias, suffix_start, suffix_bias, TAIL_K, HAS_BIAS,
+                                                        HAS_SUFFIX, P_SHIFT, ABLATE, FMA_QUARTERS)
                     acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
                     mbarrier.arrive(kv_empty.index(prev), count=1)
                     acc = acc * gl.convert_layout(alpha, row_o)[:, None]
@@ -326,7 +336,8 @@ if gluon is not None:
                     _turn_pass(CONSUMER)
                 s = warpgroup_mma_wait(num_outstanding=0, deps=[s])
                 p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, sc, kb, offs_n, Lk, num_kv_blocks, prefix_len,
-                                                    prefix_bias, TAIL_K, HAS_BIAS, P_SHIFT, ABLATE, FMA_QUARTERS)
+                                                    prefix_bias, suffix_start, suffix_bias, TAIL_K, HAS_BIAS,
+                                                    HAS_SUFFIX, P_SHIFT, ABLATE, FMA_QUARTERS)
                 acc = acc * gl.convert_layout(alpha, row_o)[:, None]
                 p8 = _p_operand(p, p_layout)
                 mbarrier.wait(v_ready.index(st), ph)
@@ -357,10 +368,11 @@ if gluon is not None:
     @gluon.jit
     def _bsa_ws_kernel(q_desc, k_desc, v_desc, O, q_scale, k_scale, v_scale, kv_num, kv_idx, sched,
                        H, Lq, Lk, lpad_q, lpad_k, num_kv_blocks, q_blocks, num_tiles, n_q_scale, n_k_scale,
-                       prefix_len, prefix_bias, token_perm, s_ob, s_oh, s_ol, s_nb, s_nh, s_ib, s_ih, s_iq,
+                       prefix_len, prefix_bias, suffix_start, suffix_bias, token_perm, s_ob, s_oh, s_ol, s_nb, s_nh, s_ib, s_ih, s_iq,
                        HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, Q_STAGES: gl.constexpr,
                        TAIL_K: gl.constexpr, HAS_BIAS: gl.constexpr, P_SHIFT: gl.constexpr, SCHEDULE: gl.constexpr,
-                       ABLATE: gl.constexpr, FMA_QUARTERS: gl.constexpr, HAS_PERM: gl.constexpr):
+                       ABLATE: gl.constexpr, FMA_QUARTERS: gl.constexpr, HAS_PERM: gl.constexpr,
+                       HAS_SUFFIX: gl.constexpr):
         q_smem = gl.allocate_shared_memory(gl.float8e4nv, [Q_STAGES, _BLOCK, HEAD_DIM], q_desc.layout)
         k_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, _BLOCK, HEAD_DIM], k_desc.layout)
         v_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, HEAD_DIM, _BLOCK], v_desc.layout)
@@ -382,14 +394,16 @@ if gluon is not None:
                          HEAD_DIM, STAGES, Q_STAGES)),
             (_consumer, (O, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
                          q_scale, k_scale, v_scale, sched, kv_num, kv_idx, H, Lq, Lk, num_kv_blocks, q_blocks,
-                         num_tiles, n_q_scale, n_k_scale, prefix_len, prefix_bias, token_perm, s_ob, s_oh, s_ol, s_nb,
+                         num_tiles, n_q_scale, n_k_scale, prefix_len, prefix_bias, suffix_start, suffix_bias,
+                         token_perm, s_ob, s_oh, s_ol, s_nb,
                          s_nh, s_ib, s_ih, s_iq, HEAD_DIM, STAGES, Q_STAGES, 0, TAIL_K, HAS_BIAS, P_SHIFT, SCHEDULE,
-                         ABLATE, FMA_QUARTERS, HAS_PERM)),
+                         ABLATE, FMA_QUARTERS, HAS_PERM, HAS_SUFFIX)),
             (_consumer, (O, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
                          q_scale, k_scale, v_scale, sched, kv_num, kv_idx, H, Lq, Lk, num_kv_blocks, q_blocks,
-                         num_tiles, n_q_scale, n_k_scale, prefix_len, prefix_bias, token_perm, s_ob, s_oh, s_ol, s_nb,
+                         num_tiles, n_q_scale, n_k_scale, prefix_len, prefix_bias, suffix_start, suffix_bias,
+                         token_perm, s_ob, s_oh, s_ol, s_nb,
                          s_nh, s_ib, s_ih, s_iq, HEAD_DIM, STAGES, Q_STAGES, 1, TAIL_K, HAS_BIAS, P_SHIFT, SCHEDULE,
-                         ABLATE, FMA_QUARTERS, HAS_PERM)),
+                         ABLATE, FMA_QUARTERS, HAS_PERM, HAS_SUFFIX)),
         ], [4, 4], [_REGS, _REGS])
 
 
@@ -401,7 +415,8 @@ def shared_layouts(head_dim: int):
 
 
 def launch_ws(q, k, v, block_map, scale: float, config: dict | None = None, prefix_len: int = 0,
-              prefix_bias: float = 0.0, token_perm: torch.Tensor | None = None) -> torch.Tensor:
+              prefix_bias: float = 0.0, token_perm: torch.Tensor | None = None, suffix_len: int = 0,
+              suffix_bias: float = 0.0) -> torch.Tensor:
     """Pre-pass + block lists + the warp-specialised kernel, for one int32-safe chunk
     (``prefix_bias`` in natural-log units; a zero bias or length compiles the unbiased kernel;
     ``token_perm`` int32 ``[L]`` on q's device or None)."""
@@ -412,7 +427,8 @@ def launch_ws(q, k, v, block_map, scale: float, config: dict | None = None, pref
                          "q_stages >= 1, fma_quarters 0 / 1 / 2")
     batch, heads, q_len, head_dim = q.shape
     kv_len = k.shape[2]
-    has_bias = prefix_len > 0 and prefix_bias != 0.0
+    suffix_start = check_key_biases(prefix_len, prefix_bias, suffix_len, suffix_bias, kv_len)
+    has_bias = (prefix_len > 0 and prefix_bias != 0.0) or suffix_start < kv_len
     q8, k8, v8t, q_scale, k_scale, v_scale = quantize_qkv_fp8(q, k, v, scale, v_key_order="wgmma",
                                                               token_perm=token_perm)
     lpad_q, lpad_k = q8.shape[2], k8.shape[2]
@@ -429,20 +445,22 @@ def launch_ws(q, k, v, block_map, scale: float, config: dict | None = None, pref
         q_desc, k_desc, v_desc, out, q_scale, k_scale, v_scale, kv_num, kv_idx, sched,
         heads, q_len, kv_len, lpad_q, lpad_k, num_kv_blocks, num_q_blocks, num_tiles,
         q_scale.shape[-1], k_scale.shape[-1], int(prefix_len) if has_bias else 0,
-        float(prefix_bias) * LOG2E if has_bias else 0.0, k_scale if token_perm is None else token_perm,
+        float(prefix_bias) * LOG2E if has_bias else 0.0, suffix_start,
+        float(suffix_bias) * LOG2E if suffix_start < kv_len else 0.0, k_scale if token_perm is None else token_perm,
         out.stride(0), out.stride(1), out.stride(2), *map_strides,
         HEAD_DIM=head_dim, STAGES=int(cfg["stages"]), Q_STAGES=int(cfg["q_stages"]),
         TAIL_K=kv_len % BLOCK != 0, HAS_BIAS=has_bias, P_SHIFT=P_SHIFT_LOG2, SCHEDULE=cfg["schedule"],
         ABLATE=int(cfg.get("ablate", 0)), FMA_QUARTERS=int(cfg["fma_quarters"]), HAS_PERM=token_perm is not None,
-        num_warps=4)
+        HAS_SUFFIX=suffix_start < kv_len, num_warps=4)
     return out
 
 
 def block_sparse_attention_ws(q, k, v, block_map, scale: float, config: dict | None = None, prefix_len: int = 0,
-                              prefix_bias: float = 0.0, token_perm: torch.Tensor | None = None) -> torch.Tensor:
+                              prefix_bias: float = 0.0, token_perm: torch.Tensor | None = None, suffix_len: int = 0,
+                              suffix_bias: float = 0.0) -> torch.Tensor:
     """The warp-specialised FP8 kernel on a CUDA sm_90 device (module docstring: the contract).
-    ``prefix_bias`` (natural-log units) is added to the scaled logits of keys ``[0, prefix_len)``.
-    ``token_perm`` (``Lq == Lk == L``; int32/int64 ``[L]``, a permutation): attention runs on the
+    ``prefix_bias`` (natural-log units) is added to the scaled logits of keys ``[0, prefix_len)``,
+    ``suffix_bias`` to those of the last ``suffix_len`` keys. ``token_perm`` (``Lq == Lk == L``; int32/int64 ``[L]``, a permutation): attention runs on the
     tokens in that order (position ``i`` = input row ``token_perm[i]``; ``block_map`` and
     ``prefix_len`` in that order), fused into the pre-pass's loads and the output store; the output
     is in the input order.
@@ -454,14 +472,13 @@ def block_sparse_attention_ws(q, k, v, block_map, scale: float, config: dict | N
         raise ValueError(why)
     if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:
         raise ValueError("the warp-specialised FP8 kernel needs a CUDA sm_90 (Hopper) device")
-    if not (isinstance(prefix_len, int) and 0 <= prefix_len <= k.shape[2] and math.isfinite(prefix_bias)):
-        raise ValueError(f"prefix_len must be in [0, {k.shape[2]}] and prefix_bias finite, got "
-                         f"{prefix_len!r}, {prefix_bias!r}")
+    check_key_biases(prefix_len, prefix_bias, suffix_len, suffix_bias, k.shape[2])
     token_perm = check_perm(token_perm, q, k)
     with torch.cuda.device(q.device):
         return run_in_int32_chunks(q, k, v, block_map, lambda q, k, v, bm: launch_ws(q, k, v, bm, scale, config,
                                                                                       prefix_len, prefix_bias,
-                                                                                      token_perm))
+                                                                                      token_perm, suffix_len,
+                                                                                      suffix_bias))
 
 
 __all__ = ["block_sparse_attention_ws", "available", "supports", "DEFAULT_CONFIG", "BLOCK"]

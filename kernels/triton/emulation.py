@@ -37,9 +37,10 @@ def _quant_blocks(x: torch.Tensor, block: int) -> torch.Tensor:
 
 
 def sage_fp8_attention_emulation(q, k, v, block_map=None, block_size: int = 128, scale: float | None = None,
-                                 quant_block: int = 128, prefix_len: int = 0, prefix_bias: float = 0.0) -> torch.Tensor:
+                                 quant_block: int = 128, prefix_len: int = 0, prefix_bias: float = 0.0,
+                                 suffix_len: int = 0, suffix_bias: float = 0.0) -> torch.Tensor:
     """SageAttention-style FP8 attention in fp64 (see module docstring); ``prefix_bias`` is added to
-    the (quantised) logits of keys ``[0, prefix_len)``."""
+    the (quantised) logits of keys ``[0, prefix_len)``, ``suffix_bias`` to the last ``suffix_len``."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     q64, k64, v64 = q.double(), k.double(), v.double()
     k64 = k64 - k64.mean(dim=2, keepdim=True)
@@ -48,6 +49,8 @@ def sage_fp8_attention_emulation(q, k, v, block_map=None, block_size: int = 128,
     scores = qq @ kq.transpose(-1, -2)
     if prefix_len > 0:
         scores[..., :prefix_len] += prefix_bias
+    if suffix_len > 0:
+        scores[..., k.shape[2] - suffix_len:] += suffix_bias
     if block_map is not None:
         rows = torch.arange(q.shape[2], device=q.device) // block_size
         cols = torch.arange(k.shape[2], device=q.device) // block_size
