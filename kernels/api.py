@@ -173,15 +173,16 @@ def _demote_auto(key_op: str, q: torch.Tensor, failed: Backend, exc: Exception) 
     return candidate
 
 
-def _for_call_options(chosen: Backend, explicit: bool, q, block_size: int, prefix_len: int) -> Backend:
+def _for_call_options(chosen: Backend, explicit: bool, q, block_size: int, prefix_len: int,
+                      suffix_len: int = 0) -> Backend:
     """``chosen``, or (auto) the next backend of the chain when this call's options are outside it;
     an explicit backend raises :class:`BackendUnavailableError` instead."""
     if chosen == Backend.FA4_BF16:
         from .fa4 import check_call  # noqa: PLC0415
 
-        reason = check_call(block_size, prefix_len)
+        reason = check_call(block_size, prefix_len or suffix_len)
     elif chosen == Backend.TRITON_FP8_WS:
-        reason = _triton_module().ws_call_unsupported(q.shape[-1], block_size)
+        reason = _triton_module().ws_call_unsupported(q.shape[-1], block_size, suffix_len > 0)
     else:
         return chosen
     if reason is None:
@@ -357,7 +358,7 @@ def block_sparse_attention(q, k, v, block_map, *, block_size: int = 128, scale: 
     while True:
         call_backend = chosen
         try:
-            call_backend = _for_call_options(chosen, explicit, q, block_size, prefix_len or suffix_len)
+            call_backend = _for_call_options(chosen, explicit, q, block_size, prefix_len, suffix_len)
             return _run_attention(call_backend, q, k, v, block_map, block_size, scale, prefix_len, prefix_bias,
                                   perm, suffix_len, suffix_bias)
         except Exception as exc:  # noqa: BLE001 - auto walks down its chain, explicit re-raises

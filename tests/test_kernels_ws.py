@@ -35,6 +35,11 @@ def test_calls_it_cannot_take_go_down_the_chain_or_raise_when_explicit():
 
     assert "head dim 96" in ws_call_unsupported(96, 128)
     assert ws_call_unsupported(128, 128) is None
+    # a suffix key bias (compact attention) goes to triton_fp8 until the GPU test of it has run
+    assert "suffix" in ws_call_unsupported(128, 128, suffix=True)
+    assert api._for_call_options(ws, False, q, 128, 0, 2000) != ws
+    with pytest.raises(api.BackendUnavailableError, match="suffix"):
+        api._for_call_options(ws, True, q, 128, 0, 2000)
 
 
 def test_the_engine_and_the_node_offer_it():
@@ -44,18 +49,18 @@ def test_the_engine_and_the_node_offer_it():
     assert SparseConfig(backend="triton_fp8_ws").backend == "triton_fp8_ws"
 
 
-@pytest.mark.parametrize("head_dim,schedule,has_bias,has_perm", [
-    (128, "serial", False, False), (128, "overlap", False, False), (128, "pingpong", False, False),
-    (64, "serial", False, False), (64, "overlap", False, False), (64, "pingpong", False, False),
-    (128, "serial", True, True), (64, "pingpong", True, False)])
-def test_kernel_compiles_for_sm90_with_fp8_wgmma_and_no_shuffles(head_dim, schedule, has_bias, has_perm):
+@pytest.mark.parametrize("head_dim,schedule,has_bias,has_perm,has_suffix", [
+    (128, "serial", False, False, False), (128, "overlap", False, False, False), (128, "pingpong", False, False, False),
+    (64, "serial", False, False, False), (64, "overlap", False, False, False), (64, "pingpong", False, False, False),
+    (128, "serial", True, True, False), (64, "pingpong", True, False, False), (128, "serial", True, False, True)])
+def test_kernel_compiles_for_sm90_with_fp8_wgmma_and_no_shuffles(head_dim, schedule, has_bias, has_perm, has_suffix):
     from chorus.kernels.triton import _attention_ws
 
     if _attention_ws.available():
         pytest.fail(f"this Triton has no Gluon Hopper API: {_attention_ws.available()}")
     from benchmarks.kernels.aot_check import compile_ws
 
-    kernel = compile_ws(head_dim, schedule, tail=True, has_bias=has_bias, has_perm=has_perm)
+    kernel = compile_ws(head_dim, schedule, tail=True, has_bias=has_bias, has_perm=has_perm, has_suffix=has_suffix)
     ptx = kernel.asm["ptx"]
     mmas = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k32\.f32\.e4m3\.e4m3", ptx))
     assert mmas == {"128"} if head_dim == 128 else mmas == {"128", "64"}, mmas  # QK^T: N = 128 keys; PV: N = D

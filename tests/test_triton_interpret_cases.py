@@ -52,9 +52,9 @@ def random_map(batch, heads, q_len, kv_len, bs, density, seed):
     return keep
 
 
-def check_16bit(out, q, k, v, bm, bs, prefix_len=0, prefix_bias=0.0):
-    oracle = dense_attention_oracle(q, k, v, bm, bs, prefix_len=prefix_len, prefix_bias=prefix_bias)
-    eager = masked_attention_eager(q, k, v, bm, bs, prefix_len=prefix_len, prefix_bias=prefix_bias).double()
+def check_16bit(out, q, k, v, bm, bs, prefix_len=0, prefix_bias=0.0, **suffix):
+    oracle = dense_attention_oracle(q, k, v, bm, bs, prefix_len=prefix_len, prefix_bias=prefix_bias, **suffix)
+    eager = masked_attention_eager(q, k, v, bm, bs, prefix_len=prefix_len, prefix_bias=prefix_bias, **suffix).double()
     err = (out.double() - oracle).abs().max().item()
     err_eager = (eager - oracle).abs().max().item()
     floor = 4 * torch.finfo(q.dtype).eps * oracle.abs().max().item()
@@ -63,11 +63,11 @@ def check_16bit(out, q, k, v, bm, bs, prefix_len=0, prefix_bias=0.0):
     assert err <= 2 * err_eager + floor, f"error {err:.3e} > 2 x eager {err_eager:.3e} + {floor:.1e}"
 
 
-def check_fp8(out, q, k, v, bm, bs, prefix_len=0, prefix_bias=0.0):
-    oracle = dense_attention_oracle(q, k, v, bm, bs, prefix_len=prefix_len, prefix_bias=prefix_bias)
+def check_fp8(out, q, k, v, bm, bs, prefix_len=0, prefix_bias=0.0, **suffix):
+    oracle = dense_attention_oracle(q, k, v, bm, bs, prefix_len=prefix_len, prefix_bias=prefix_bias, **suffix)
     ours = error_stats(out, oracle)
     sage = error_stats(sage_fp8_attention_emulation(q, k, v, bm, bs, prefix_len=prefix_len,
-                                                    prefix_bias=prefix_bias), oracle)
+                                                    prefix_bias=prefix_bias, **suffix), oracle)
     assert out.dtype == q.dtype and torch.isfinite(out).all()
     assert ours["rel_l1"] <= 2 * sage["rel_l1"], (ours, sage)
     assert 1 - ours["cosine"] <= 2 * (1 - sage["cosine"]), (ours, sage)
@@ -121,6 +121,24 @@ def test_prefix_bias_matches_oracle(fp8, length, prefix_len, bs):
     plain = block_sparse_attention_triton(q, k, v, bm, block_size=bs, fp8=fp8)
     if prefix_len < length:  # (a bias on every key cancels in the softmax)
         assert (out.float() - plain.float()).abs().max() > 0.02
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("length,suffix_len,bs", [(300, 100, 64), (300, 40, 64), (97, 97, 32)])
+def test_suffix_bias_matches_oracle(fp8, length, suffix_len, bs):
+    """The pooled cells' weight (log 8 on the last keys of the compact sequence), from inside a block,
+    on whole blocks, and with the first-frame prefix bias at once."""
+    q, k, v = make_inputs(1, 2, length, 64, torch.bfloat16, seed=length + suffix_len)
+    bm = random_map(1, 2, length, length, bs, 0.4, seed=6)
+    bm[..., 0] = True
+    for prefix_len, prefix_bias in ((0, 0.0), (70, 0.5)):
+        biases = dict(prefix_len=prefix_len, prefix_bias=prefix_bias, suffix_len=suffix_len, suffix_bias=math.log(8))
+        out = block_sparse_attention_triton(q, k, v, bm, block_size=bs, fp8=fp8, **biases)
+        (check_fp8 if fp8 else check_16bit)(out, q, k, v, bm, bs, **biases)
+        plain = block_sparse_attention_triton(q, k, v, bm, block_size=bs, fp8=fp8, prefix_len=prefix_len,
+                                              prefix_bias=prefix_bias)
+        if suffix_len < length:
+            assert (out.float() - plain.float()).abs().max() > 0.02
 
 
 @pytest.mark.parametrize("grid,region,pool,channels", [((3, 6, 10), (2, 2, 4), (1, 2, 2), 1100),
