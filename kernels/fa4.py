@@ -69,7 +69,8 @@ def check_call(block_size: int, prefix_len: int) -> str | None:
     if block_size not in SUPPORTED_BLOCK_SIZES:
         return f"fa4_bf16 needs block size 64 or 128 (FA4's sm_90 tile matches the key block), got {block_size}"
     if prefix_len:
-        return "fa4_bf16 has no key prefix bias (guidance boost) or suffix bias (compact attention); the Triton backends have them"
+        return ("fa4_bf16 has no key prefix bias (guidance boost) or suffix bias (compact attention); "
+                "the Triton backends have them")
     return None
 
 

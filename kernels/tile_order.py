@@ -97,8 +97,39 @@ def choose_tile(grid, block_size: int = 128) -> tuple[tuple[int, int, int], tupl
     return (tt, th, tw), (1, fh, fw)
 
 
+class _OrderOfGrid:
+    """What every token order of a grid offers (its dataclass sets ``grid``, ``perm``, ``inverse`` and
+    an ``_on_device`` dict)."""
+
+    @property
+    def length(self) -> int:
+        return self.grid[0] * self.grid[1] * self.grid[2]
+
+    @property
+    def first_frame_tokens(self) -> int:
+        return self.grid[1] * self.grid[2]
+
+    def indices(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(perm, inverse)`` on ``device`` (copied once per device and kept)."""
+        key = str(torch.device(device))
+        found = self._on_device.get(key)
+        if found is None:
+            found = self._on_device[key] = (self.perm.to(device), self.inverse.to(device))
+        return found
+
+    def to_tile(self, x: torch.Tensor, dim: int = -2) -> torch.Tensor:
+        """``x`` with its raster token dim ``dim`` (size ``L``) in this order: ``out[p] = x[perm[p]]``."""
+        _check_token_dim(x, dim, self.length)
+        return x.index_select(dim, self.indices(x.device)[0])
+
+    def to_raster(self, x: torch.Tensor, dim: int = -2) -> torch.Tensor:
+        """Inverse of :meth:`to_tile`: ``out[n] = x[inverse[n]]``."""
+        _check_token_dim(x, dim, self.length)
+        return x.index_select(dim, self.indices(x.device)[1])
+
+
 @dataclass(frozen=True)
-class TileOrder:
+class TileOrder(_OrderOfGrid):
     """The tile order of one token grid (module docstring: slabs, tiles, tokens, blocks).
 
     Args:
@@ -149,36 +180,10 @@ class TileOrder:
         fix("inverse", inverse)
 
     @property
-    def length(self) -> int:
-        return self.grid[0] * self.grid[1] * self.grid[2]
-
-    @property
-    def first_frame_tokens(self) -> int:
-        return self.grid[1] * self.grid[2]
-
-    @property
     def name(self) -> str:
         tt, th, tw = self.tile
         _, fh, fw = self.first_tile
         return f"tile{tt}x{th}x{tw}-f{fh}x{fw}" + ("-s" if self.serpentine else "")
-
-    def indices(self, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(perm, inverse)`` on ``device`` (copied once per device and kept)."""
-        key = str(torch.device(device))
-        found = self._on_device.get(key)
-        if found is None:
-            found = self._on_device[key] = (self.perm.to(device), self.inverse.to(device))
-        return found
-
-    def to_tile(self, x: torch.Tensor, dim: int = -2) -> torch.Tensor:
-        """``x`` with its raster token dim ``dim`` (size ``L``) in tile order: ``out[p] = x[perm[p]]``."""
-        _check_token_dim(x, dim, self.length)
-        return x.index_select(dim, self.indices(x.device)[0])
-
-    def to_raster(self, x: torch.Tensor, dim: int = -2) -> torch.Tensor:
-        """Inverse of :meth:`to_tile`: ``out[n] = x[inverse[n]]``."""
-        _check_token_dim(x, dim, self.length)
-        return x.index_select(dim, self.indices(x.device)[1])
 
 
 @functools.lru_cache(maxsize=32)
@@ -189,7 +194,7 @@ def cached_tile_order(grid: tuple, block_size: int = 128, serpentine: bool = Tru
 
 
 @dataclass(frozen=True)
-class RegionTileOrder:
+class RegionTileOrder(_OrderOfGrid):
     """The region-aligned tile order of one token grid (module docstring, last part).
 
     Args: ``grid`` ``(T, H, W)``; ``region`` ``(rt, rh, rw)`` with ``rt * rh * rw == block_size``
@@ -252,20 +257,8 @@ class RegionTileOrder:
         fix("first_tile_block", (prefix + min(need, rim.numel())) // bs)
 
     @property
-    def length(self) -> int:
-        return self.grid[0] * self.grid[1] * self.grid[2]
-
-    @property
-    def first_frame_tokens(self) -> int:
-        return self.grid[1] * self.grid[2]
-
-    @property
     def name(self) -> str:
         return "regions{}x{}x{}".format(*self.region)
-
-    indices = TileOrder.indices
-    to_tile = TileOrder.to_tile
-    to_raster = TileOrder.to_raster
 
 
 ORDER_TYPES = (TileOrder, RegionTileOrder)
@@ -318,7 +311,8 @@ def resolve_token_perm(token_perm, length: int, device) -> tuple[torch.Tensor, t
     """
     if isinstance(token_perm, ORDER_TYPES):
         if token_perm.length != length:
-            raise ValueError(f"token_perm is a {type(token_perm).__name__} of {token_perm.length} tokens ({token_perm.grid}), "
+            raise ValueError(f"token_perm is a {type(token_perm).__name__} of {token_perm.length} tokens "
+                             f"({token_perm.grid}), "
                              f"the call has {length}")
         return token_perm.indices(device)
     if not isinstance(token_perm, torch.Tensor):

@@ -22,7 +22,8 @@ token grid comes from ``engine.token_grid`` of the latent's shape; both go, with
 a :class:`Forward` in a copy of that call's ``transformer_options``. Per attention call (the override):
 
 - self-attention = q, k and v lengths equal the grid's token count (one test; inside a feature-reuse
-  compacted block, the compact length, expanded back first); everything else with another k length
+  compacted block, the compact length: expanded back first, or run on the compact sequence, below);
+  everything else with another k length
   is cross-attention (text, CLIP image tokens), which gets guidance's gain;
 - self-attention runs, in this fixed order: expand (compacted block) -> first-frame bias + sparse (a
   hit) or dense (+ recording on a miss), through ``ChorusAttention``; or, without the sparse sampler,
@@ -456,7 +457,8 @@ def configure(model, plan: Plan | None, *, sparse=KEEP, feature_reuse=KEEP, guid
             mismatch = plan.model_mismatch(info)
             if mismatch is not None:  # say so now, in the node's UI text, not only after sampling
                 plan.demote(mismatch)
-            attention = ChorusAttention(plan, sparse_config, info, record_region=_record_region(sparse_config, fr_config))
+            attention = ChorusAttention(plan, sparse_config, info,
+                                        record_region=_record_region(sparse_config, fr_config))
         if fr_config is not None:
             fr = FeatureReuse(plan, fr_config, info)
     if boost is not None and old is not None and boost is old.guidance and boost.plan is not None \

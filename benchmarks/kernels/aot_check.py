@@ -85,8 +85,8 @@ def compile_ws(head_dim=128, schedule="serial", stages=3, tail=True, ablate=0, f
             sig[name] = "*i32"
         else:
             sig[name] = "i32"
-    consts = dict(HEAD_DIM=head_dim, STAGES=stages, Q_STAGES=2, TAIL_K=tail, HAS_BIAS=has_bias or has_suffix, HAS_PERM=has_perm,
-                  HAS_SUFFIX=has_suffix,
+    consts = dict(HEAD_DIM=head_dim, STAGES=stages, Q_STAGES=2, TAIL_K=tail, HAS_BIAS=has_bias or has_suffix,
+                  HAS_PERM=has_perm, HAS_SUFFIX=has_suffix,
                   P_SHIFT=A.P_SHIFT_LOG2,
                   SCHEDULE=schedule, ABLATE=ablate, FMA_QUARTERS=fma_quarters)
     sig.update({c: "constexpr" for c in consts})

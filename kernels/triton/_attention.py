@@ -162,7 +162,8 @@ def _attn_tiles(acc, l_i, m_i, q, sq, qk_scale, K, V, k_scale_row, idx_row, b, h
 
 @triton.jit
 def _bsa_tile(pid, bh, Q, K, V, O, q_scale, k_scale, v_scale, kv_num, kv_idx, sched, token_perm,
-              H, Lq, Lk, num_kv_blocks, n_q_scale, n_k_scale, qk_scale, q_mult, prefix_len, prefix_bias, suffix_start, suffix_bias,
+              H, Lq, Lk, num_kv_blocks, n_q_scale, n_k_scale, qk_scale, q_mult, prefix_len, prefix_bias, suffix_start,
+              suffix_bias,
               s_qb, s_qh, s_ql, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl, s_ob, s_oh, s_ol,
               s_nb, s_nh, s_ib, s_ih, s_iq,
               HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr,
@@ -218,12 +219,14 @@ def _bsa_tile(pid, bh, Q, K, V, O, q_scale, k_scale, v_scale, kv_num, kv_idx, sc
         last = tl.load(idx_row + tl.maximum(n_kv - 1, 0))
         n_main = n_kv - ((n_kv > 0) & (last == num_kv_blocks - 1)).to(tl.int32)
     acc, l_i, m_i = _attn_tiles(acc, l_i, m_i, q, sq, qk_scale, K, V, k_scale_row, idx_row, b, h,
-                                0, n_main * KV_SUB, Lk, prefix_len, prefix_bias, suffix_start, suffix_bias, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl,
+                                0, n_main * KV_SUB, Lk, prefix_len, prefix_bias, suffix_start, suffix_bias, s_kb,
+                                s_kh, s_kl, s_vb, s_vh, s_vl,
                                 HEAD_DIM, BLOCK_N, BS, KV_SUB, FP8, USE_TMA, False, False, P_SHIFT, SCALE_TILE,
                                 INTERPRET, ABLATE, WARP_SPEC, HAS_BIAS)
     if TAIL_K:
         acc, l_i, m_i = _attn_tiles(acc, l_i, m_i, q, sq, qk_scale, K, V, k_scale_row, idx_row, b, h,
-                                    n_main * KV_SUB, n_kv * KV_SUB, Lk, prefix_len, prefix_bias, suffix_start, suffix_bias,
+                                    n_main * KV_SUB, n_kv * KV_SUB, Lk, prefix_len, prefix_bias, suffix_start,
+                                    suffix_bias,
                                     s_kb, s_kh, s_kl, s_vb, s_vh, s_vl,
                                     HEAD_DIM, BLOCK_N, BS, KV_SUB, FP8, USE_TMA, True, MASK_LOADS, P_SHIFT,
                                     SCALE_TILE, INTERPRET, ABLATE, False, HAS_BIAS)
@@ -241,7 +244,8 @@ def _bsa_tile(pid, bh, Q, K, V, O, q_scale, k_scale, v_scale, kv_num, kv_idx, sc
 
 @triton.jit
 def _bsa_fwd_kernel(Q, K, V, O, q_scale, k_scale, v_scale, kv_num, kv_idx, sched, token_perm,
-                    H, Lq, Lk, num_kv_blocks, n_q_scale, n_k_scale, qk_scale, q_mult, prefix_len, prefix_bias, suffix_start, suffix_bias,
+                    H, Lq, Lk, num_kv_blocks, n_q_scale, n_k_scale, qk_scale, q_mult, prefix_len, prefix_bias,
+                    suffix_start, suffix_bias,
                     s_qb, s_qh, s_ql, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl, s_ob, s_oh, s_ol,
                     s_nb, s_nh, s_ib, s_ih, s_iq, tiles_per_bh, num_tiles,
                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr,
@@ -255,13 +259,15 @@ def _bsa_fwd_kernel(Q, K, V, O, q_scale, k_scale, v_scale, kv_num, kv_idx, sched
         for tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
             _bsa_tile(tile % tiles_per_bh, tile // tiles_per_bh, Q, K, V, O, q_scale, k_scale, v_scale, kv_num,
                       kv_idx, sched, token_perm, H, Lq, Lk, num_kv_blocks, n_q_scale, n_k_scale, qk_scale, q_mult,
-                      prefix_len, prefix_bias, suffix_start, suffix_bias, s_qb, s_qh, s_ql, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl, s_ob, s_oh,
+                      prefix_len, prefix_bias, suffix_start, suffix_bias, s_qb, s_qh, s_ql, s_kb, s_kh, s_kl, s_vb,
+                      s_vh, s_vl, s_ob, s_oh,
                       s_ol, s_nb, s_nh, s_ib, s_ih, s_iq, HEAD_DIM, BLOCK_M, BLOCK_N, BS, FP8, USE_TMA, TAIL_K,
                       EVEN_Q, P_SHIFT, SCALE_TILE, INTERPRET, ABLATE, WARP_SPEC, HAS_BIAS, Q_RAW, HAS_PERM)
     else:
         _bsa_tile(tl.program_id(0), tl.program_id(1), Q, K, V, O, q_scale, k_scale, v_scale, kv_num, kv_idx,
                   sched, token_perm, H, Lq, Lk, num_kv_blocks, n_q_scale, n_k_scale, qk_scale, q_mult, prefix_len,
-                  prefix_bias, suffix_start, suffix_bias, s_qb, s_qh, s_ql, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl, s_ob, s_oh, s_ol, s_nb, s_nh,
+                  prefix_bias, suffix_start, suffix_bias, s_qb, s_qh, s_ql, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl, s_ob,
+                  s_oh, s_ol, s_nb, s_nh,
                   s_ib, s_ih, s_iq, HEAD_DIM, BLOCK_M, BLOCK_N, BS, FP8, USE_TMA, TAIL_K, EVEN_Q, P_SHIFT,
                   SCALE_TILE, INTERPRET, ABLATE, WARP_SPEC, HAS_BIAS, Q_RAW, HAS_PERM)
 
@@ -352,7 +358,8 @@ def check_perm(token_perm, q, k):
     out-of-bounds access."""
     if token_perm is None:
         return None
-    if not isinstance(token_perm, torch.Tensor) or token_perm.dim() != 1 or token_perm.dtype not in (torch.int32, torch.int64):
+    if not isinstance(token_perm, torch.Tensor) or token_perm.dim() != 1 or token_perm.dtype not in (torch.int32,
+    torch.int64):
         raise ValueError("token_perm must be a 1-D int32/int64 tensor")
     if q.shape[2] != k.shape[2] or token_perm.shape[0] != q.shape[2]:
         raise ValueError(f"token_perm of length {token_perm.shape[0]} needs Lq == Lk == it; got Lq={q.shape[2]}, "

@@ -245,7 +245,8 @@ if gluon is not None:
     @gluon.jit
     def _consumer(o_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
                   q_scale, k_scale, v_scale, sched, kv_num, kv_idx, H, Lq, Lk, num_kv_blocks, q_blocks, num_tiles,
-                  n_q_scale, n_k_scale, prefix_len, prefix_bias, suffix_start, suffix_bias, token_perm, s_ob, s_oh, s_ol, s_nb, s_nh, s_ib, s_ih,
+                  n_q_scale, n_k_scale, prefix_len, prefix_bias, suffix_start, suffix_bias, token_perm, s_ob, s_oh,
+                  s_ol, s_nb, s_nh, s_ib, s_ih,
                   s_iq, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, Q_STAGES: gl.constexpr, CONSUMER: gl.constexpr,
                   TAIL_K: gl.constexpr, HAS_BIAS: gl.constexpr, P_SHIFT: gl.constexpr, SCHEDULE: gl.constexpr,
                   ABLATE: gl.constexpr, FMA_QUARTERS: gl.constexpr, HAS_PERM: gl.constexpr,
@@ -373,7 +374,8 @@ if gluon is not None:
     @gluon.jit
     def _bsa_ws_kernel(q_desc, k_desc, v_desc, O, q_scale, k_scale, v_scale, kv_num, kv_idx, sched,
                        H, Lq, Lk, lpad_q, lpad_k, num_kv_blocks, q_blocks, num_tiles, n_q_scale, n_k_scale,
-                       prefix_len, prefix_bias, suffix_start, suffix_bias, token_perm, s_ob, s_oh, s_ol, s_nb, s_nh, s_ib, s_ih, s_iq,
+                       prefix_len, prefix_bias, suffix_start, suffix_bias, token_perm, s_ob, s_oh, s_ol, s_nb, s_nh,
+                       s_ib, s_ih, s_iq,
                        HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, Q_STAGES: gl.constexpr,
                        TAIL_K: gl.constexpr, HAS_BIAS: gl.constexpr, P_SHIFT: gl.constexpr, SCHEDULE: gl.constexpr,
                        ABLATE: gl.constexpr, FMA_QUARTERS: gl.constexpr, HAS_PERM: gl.constexpr,
@@ -465,7 +467,8 @@ def block_sparse_attention_ws(q, k, v, block_map, scale: float, config: dict | N
                               suffix_bias: float = 0.0) -> torch.Tensor:
     """The warp-specialised FP8 kernel on a CUDA sm_90 device (module docstring: the contract).
     ``prefix_bias`` (natural-log units) is added to the scaled logits of keys ``[0, prefix_len)``,
-    ``suffix_bias`` to those of the last ``suffix_len`` keys. ``token_perm`` (``Lq == Lk == L``; int32/int64 ``[L]``, a permutation): attention runs on the
+    ``suffix_bias`` to those of the last ``suffix_len`` keys. ``token_perm`` (``Lq == Lk == L``; int32/int64 ``[L]``,
+    a permutation): attention runs on the
     tokens in that order (position ``i`` = input row ``token_perm[i]``; ``block_map`` and
     ``prefix_len`` in that order), fused into the pre-pass's loads and the output store; the output
     is in the input order.
