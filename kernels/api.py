@@ -387,16 +387,15 @@ def block_mass(q, k, *, block_size: int = 128, sample_rows: int | None = None, s
         raise ValueError(f"sample_rows must be a positive int or None, got {sample_rows!r}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     perm = _token_perm(token_perm, q, k)
-    if perm is not None:
-        q, k = to_tile_order(perm[0], q, k)
     explicit = _parse_backend(backend) != Backend.AUTO
     chosen = resolve_backend(backend, q, "block_mass")
     while True:
         try:
             if chosen == Backend.REFERENCE:
-                return reference.block_mass_reference(q, k, block_size, sample_rows, scale)
+                qo, ko = (q, k) if perm is None else to_tile_order(perm[0], q, k)
+                return reference.block_mass_reference(qo, ko, block_size, sample_rows, scale)
             return _triton_module().block_mass_triton(q, k, block_size=block_size, sample_rows=sample_rows,
-                                                      scale=scale)
+                                                      scale=scale, token_perm=None if perm is None else perm[0])
         except Exception as exc:  # noqa: BLE001
             if explicit or chosen == Backend.REFERENCE:
                 raise

@@ -112,6 +112,10 @@ def test_block_mass_matches_reference(length, sample_rows):
     want = block_mass_reference(q, k, 128, sample_rows, 1 / math.sqrt(128))
     assert (got - want).abs().max().item() <= 1e-4
     assert torch.allclose(got.sum(-1), torch.ones_like(got.sum(-1)), atol=1e-4)
+    perm = torch.randperm(length, device=q.device)  # a token order fused into the loads (region-order recording)
+    got = block_mass_triton(q, k, block_size=128, sample_rows=sample_rows, token_perm=perm)
+    want = block_mass_reference(q[:, :, perm], k[:, :, perm], 128, sample_rows, 1 / math.sqrt(128))
+    assert (got - want).abs().max().item() <= 1e-4
 
 
 def test_torch_compile_module_calling_the_ops():

@@ -218,6 +218,18 @@ def test_block_mass_matches_reference(length, bs, sample_rows):
     assert torch.allclose(got.sum(-1), torch.ones_like(got.sum(-1)), atol=1e-5)
 
 
+@pytest.mark.parametrize("length,bs,sample_rows", [(300, 64, 8), (97, 32, None)])
+def test_block_mass_in_a_token_order_matches_the_reordered_reference(length, bs, sample_rows):
+    """A miss with feature reuse records in the region order: the order fused into the kernel's loads."""
+    q, k, _ = make_inputs(1, 2, length, 64, torch.bfloat16, seed=length + 3)
+    perm = torch.randperm(length, generator=torch.Generator().manual_seed(4))
+    got = block_mass_triton(q, k, block_size=bs, sample_rows=sample_rows, scale=0.125, token_perm=perm)
+    want = block_mass_reference(q[:, :, perm], k[:, :, perm], bs, sample_rows, 0.125)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    plain = block_mass_triton(q, k, block_size=bs, sample_rows=sample_rows, scale=0.125)
+    assert not torch.allclose(got, plain, atol=1e-3)
+
+
 def test_bad_inputs_raise_value_error():
     q, k, v = make_inputs(1, 2, 100, 64, torch.bfloat16, seed=0)
     good = torch.ones(1, 2, 4, 4, dtype=torch.bool)

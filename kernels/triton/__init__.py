@@ -91,11 +91,13 @@ if not _op_exists("block_sparse_attention_ws"):
 
 if not _op_exists("block_mass_triton"):
     @torch.library.custom_op("chorus::block_mass_triton", mutates_args=())
-    def _mass_op(q: torch.Tensor, k: torch.Tensor, block_size: int, sample_rows: int, scale: float) -> torch.Tensor:
-        return block_mass_triton_impl(q, k, block_size, sample_rows if sample_rows > 0 else None, scale)
+    def _mass_op(q: torch.Tensor, k: torch.Tensor, block_size: int, sample_rows: int, scale: float,
+                 token_perm: torch.Tensor | None = None) -> torch.Tensor:
+        return block_mass_triton_impl(q, k, block_size, sample_rows if sample_rows > 0 else None, scale,
+                                      token_perm=token_perm)
 
     @_mass_op.register_fake
-    def _mass_fake(q, k, block_size, sample_rows, scale):
+    def _mass_fake(q, k, block_size, sample_rows, scale, token_perm=None):
         qb, kb = -(-q.shape[2] // block_size), -(-k.shape[2] // block_size)
         return q.new_empty((q.shape[0], q.shape[1], qb, kb), dtype=torch.float32)
 
@@ -163,10 +165,11 @@ def block_sparse_attention_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def block_mass_triton(q: torch.Tensor, k: torch.Tensor, *, block_size: int = 128, sample_rows: int | None = None,
-                      scale: float | None = None) -> torch.Tensor:
+                      scale: float | None = None, token_perm: torch.Tensor | None = None) -> torch.Tensor:
     """Block attention mass, float32 ``[B, H, Qb, Kb]`` (see :mod:`._block_mass`); ``sample_rows``
-    rows per query block as :func:`chorus.kernels.reference.sample_row_offsets` picks them, or all."""
+    rows per query block as :func:`chorus.kernels.reference.sample_row_offsets` picks them, or all;
+    ``token_perm``: the mass of the sequence in that order (fused into the loads)."""
     if sample_rows is not None and (not isinstance(sample_rows, int) or sample_rows < 1):
         raise ValueError(f"sample_rows must be a positive int or None, got {sample_rows!r}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    return torch.ops.chorus.block_mass_triton(q, k, int(block_size), int(sample_rows or 0), scale)
+    return torch.ops.chorus.block_mass_triton(q, k, int(block_size), int(sample_rows or 0), scale, token_perm)

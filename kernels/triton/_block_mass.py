@@ -25,8 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._attention import int32_chunks, interpreter_upcast
-from ._quant import LOG2E
+from ._attention import check_perm, int32_chunks, interpreter_upcast
+from ._quant import LOG2E, source_rows
 
 MASS_ROWS = 128  # rows per program (tensor-core M)
 
@@ -40,19 +40,21 @@ def _qk(q, k, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _block_lse(q, k_base, s_kl, start_kb, Lk, qk_scale, offs_n0, offs_d, BLOCK_N: tl.constexpr,
-               KV_SUB: tl.constexpr, MASK: tl.constexpr, INTERPRET: tl.constexpr, R: tl.constexpr):
+def _block_lse(q, k_base, s_kl, start_kb, Lk, qk_scale, offs_n0, offs_d, token_perm, BLOCK_N: tl.constexpr,
+               KV_SUB: tl.constexpr, MASK: tl.constexpr, INTERPRET: tl.constexpr, R: tl.constexpr,
+               HAS_PERM: tl.constexpr):
     """log2 of each row's sum of exp2(S) over one key block (online over its BLOCK_N sub-tiles)."""
     m_b = tl.full([R], -1.0e30, dtype=tl.float32)
     l_b = tl.zeros([R], dtype=tl.float32)
     for sub in tl.static_range(KV_SUB):
         offs_n = start_kb + sub * BLOCK_N + offs_n0
+        src_n = source_rows(token_perm, offs_n, Lk, HAS_PERM)  # HAS_PERM: position -> the input row
         if MASK:
-            k = tl.load(k_base + offs_n[:, None] * s_kl + offs_d[None, :], mask=(offs_n < Lk)[:, None], other=0.0)
+            k = tl.load(k_base + src_n[:, None] * s_kl + offs_d[None, :], mask=(offs_n < Lk)[:, None], other=0.0)
             qk = _qk(q, k, INTERPRET) * qk_scale
             qk = tl.where((offs_n < Lk)[None, :], qk, float("-inf"))
         else:
-            k = tl.load(k_base + offs_n[:, None] * s_kl + offs_d[None, :])
+            k = tl.load(k_base + src_n[:, None] * s_kl + offs_d[None, :])
             qk = _qk(q, k, INTERPRET) * qk_scale
         m_new = tl.maximum(m_b, tl.max(qk, 1))
         l_b = l_b * tl.math.exp2(m_b - m_new) + tl.sum(tl.math.exp2(qk - m_new[:, None]), 1)
@@ -61,21 +63,22 @@ def _block_lse(q, k_base, s_kl, start_kb, Lk, qk_scale, offs_n0, offs_d, BLOCK_N
 
 
 @triton.jit
-def _key_block(q, k_base, s_kl, kb, scratch, r, m_i, l_i, Lk, qk_scale, offs_n0, offs_d, BS: tl.constexpr,
-               BLOCK_N: tl.constexpr, KV_SUB: tl.constexpr, MASK: tl.constexpr, INTERPRET: tl.constexpr,
-               R: tl.constexpr):
+def _key_block(q, k_base, s_kl, kb, scratch, r, m_i, l_i, Lk, qk_scale, offs_n0, offs_d, token_perm,
+               BS: tl.constexpr, BLOCK_N: tl.constexpr, KV_SUB: tl.constexpr, MASK: tl.constexpr, INTERPRET: tl.constexpr,
+               R: tl.constexpr, HAS_PERM: tl.constexpr):
     """One key block: its per-row log2-sum-exp to the scratch buffer, and into the rows' running total."""
-    lse_b = _block_lse(q, k_base, s_kl, kb * BS, Lk, qk_scale, offs_n0, offs_d, BLOCK_N, KV_SUB, MASK, INTERPRET, R)
+    lse_b = _block_lse(q, k_base, s_kl, kb * BS, Lk, qk_scale, offs_n0, offs_d, token_perm, BLOCK_N, KV_SUB, MASK,
+                       INTERPRET, R, HAS_PERM)
     tl.store(scratch + kb * R + r, lse_b)
     m_new = tl.maximum(m_i, lse_b)
     return m_new, l_i * tl.math.exp2(m_i - m_new) + tl.math.exp2(lse_b - m_new)
 
 
 @triton.jit
-def _block_mass_kernel(Q, K, Out, Scratch, row_off, H, Lq, Lk, num_q_blocks, num_kv_blocks, n_tiles, qk_scale,
-                       s_qb, s_qh, s_ql, s_kb, s_kh, s_kl, s_ob, s_oh, s_oq,
+def _block_mass_kernel(Q, K, Out, Scratch, row_off, token_perm, H, Lq, Lk, num_q_blocks, num_kv_blocks, n_tiles,
+                       qk_scale, s_qb, s_qh, s_ql, s_kb, s_kh, s_kl, s_ob, s_oh, s_oq,
                        HEAD_DIM: tl.constexpr, BS: tl.constexpr, S: tl.constexpr, G: tl.constexpr,
-                       BLOCK_N: tl.constexpr, TAIL_K: tl.constexpr, INTERPRET: tl.constexpr):
+                       BLOCK_N: tl.constexpr, TAIL_K: tl.constexpr, INTERPRET: tl.constexpr, HAS_PERM: tl.constexpr):
     R: tl.constexpr = G * S
     KV_SUB: tl.constexpr = BS // BLOCK_N
     tile = tl.program_id(0)
@@ -86,7 +89,7 @@ def _block_mass_kernel(Q, K, Out, Scratch, row_off, H, Lq, Lk, num_q_blocks, num
     qblk = tile * G + r // S
     off = tl.load(row_off + qblk * S + r % S, mask=qblk < num_q_blocks, other=-1)
     valid = off >= 0
-    rows = qblk * BS + off
+    rows = source_rows(token_perm, tl.where(valid, qblk * BS + off, 0), Lq, HAS_PERM)
     offs_d = tl.arange(0, HEAD_DIM)
     offs_n0 = tl.arange(0, BLOCK_N)
     q = tl.load(Q + b * s_qb + h * s_qh + rows[:, None] * s_ql + offs_d[None, :], mask=valid[:, None], other=0.0)
@@ -101,11 +104,11 @@ def _block_mass_kernel(Q, K, Out, Scratch, row_off, H, Lq, Lk, num_q_blocks, num
     m_i = tl.full([R], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([R], dtype=tl.float32)
     for kb in range(0, n_main):
-        m_i, l_i = _key_block(q, k_base, s_kl, kb, scratch, r, m_i, l_i, Lk, qk_scale, offs_n0, offs_d, BS,
-                              BLOCK_N, KV_SUB, False, INTERPRET, R)
+        m_i, l_i = _key_block(q, k_base, s_kl, kb, scratch, r, m_i, l_i, Lk, qk_scale, offs_n0, offs_d, token_perm,
+                              BS, BLOCK_N, KV_SUB, False, INTERPRET, R, HAS_PERM)
     if TAIL_K:  # the partial last key block: keys past Lk masked
         m_i, l_i = _key_block(q, k_base, s_kl, num_kv_blocks - 1, scratch, r, m_i, l_i, Lk, qk_scale, offs_n0,
-                              offs_d, BS, BLOCK_N, KV_SUB, True, INTERPRET, R)
+                              offs_d, token_perm, BS, BLOCK_N, KV_SUB, True, INTERPRET, R, HAS_PERM)
     lse = m_i + tl.math.log2(l_i)
 
     # probability mass per (query block, key block): mean over the block's sampled rows
@@ -143,8 +146,11 @@ def _row_offset_table(q_len: int, block_size: int, sample_rows, device) -> tuple
 
 
 def block_mass_triton_impl(q: torch.Tensor, k: torch.Tensor, block_size: int, sample_rows, scale: float,
-                           block_n: int = 64, num_warps: int = 8, num_stages: int = 3) -> torch.Tensor:
-    """Launch the block-mass kernel; see the module docstring for the contract."""
+                           block_n: int = 64, num_warps: int = 8, num_stages: int = 3,
+                           token_perm: torch.Tensor | None = None) -> torch.Tensor:
+    """Launch the block-mass kernel; see the module docstring for the contract. ``token_perm``
+    (``Lq == Lk == L``; int32/int64 ``[L]``, a permutation): the mass of the sequence in that order
+    (position ``i`` = input row ``token_perm[i]``), fused into the q / k loads."""
     if q.dim() != 4 or k.dim() != 4 or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
         raise ValueError(f"q/k must be [B, H, L, D] with matching B, H, D; got {tuple(q.shape)}, {tuple(k.shape)}")
     if q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype:
@@ -157,6 +163,7 @@ def block_mass_triton_impl(q: torch.Tensor, k: torch.Tensor, block_size: int, sa
         raise ValueError(f"sample_rows must be a positive int or None, got {sample_rows!r}")
     if q.stride(-1) != 1 or k.stride(-1) != 1:
         raise ValueError("q, k need unit stride on the head dim")
+    token_perm = check_perm(token_perm, q, k)
     batch, heads, q_len, head_dim = q.shape
     kv_len = k.shape[2]
     num_q_blocks, num_kv_blocks = -(-q_len // block_size), -(-kv_len // block_size)
@@ -168,20 +175,22 @@ def block_mass_triton_impl(q: torch.Tensor, k: torch.Tensor, block_size: int, sa
     grid = (n_tiles, batch * heads)
     if q.device.type == "cuda" and q.device.index is not None and q.device.index != torch.cuda.current_device():
         with torch.cuda.device(q.device):  # Triton launches on the current device
-            return block_mass_triton_impl(q, k, block_size, sample_rows, scale, block_n, num_warps, num_stages)
+            return block_mass_triton_impl(q, k, block_size, sample_rows, scale, block_n, num_warps, num_stages,
+                                          token_perm)
     # per (b, h): the output block grid and the scratch of per-row key-block partial sums
     chunks = int32_chunks((q, k), max(num_q_blocks * num_kv_blocks, n_tiles * groups * width * num_kv_blocks))
     if len(chunks) > 1:  # offsets past int32: run (batch, head) chunks
         for b0, b1, h0, h1 in chunks:
             out[b0:b1, h0:h1] = block_mass_triton_impl(q[b0:b1, h0:h1], k[b0:b1, h0:h1], block_size, sample_rows,
-                                                       scale, block_n, num_warps, num_stages)
+                                                       scale, block_n, num_warps, num_stages, token_perm)
         return out
     scratch = torch.empty(batch * heads * n_tiles * groups * width * num_kv_blocks, dtype=torch.float32,
                           device=q.device)
     _block_mass_kernel[grid](
-        q, k, out, scratch, table, heads, q_len, kv_len, num_q_blocks, num_kv_blocks, n_tiles, float(scale * LOG2E),
+        q, k, out, scratch, table, table if token_perm is None else token_perm, heads, q_len, kv_len, num_q_blocks,
+        num_kv_blocks, n_tiles, float(scale * LOG2E),
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
-        HEAD_DIM=head_dim, BS=block_size, S=width, G=groups, BLOCK_N=block_n, TAIL_K=kv_len % block_size != 0, INTERPRET=interpreter_upcast(q),
-        num_warps=num_warps, num_stages=num_stages)
+        HEAD_DIM=head_dim, BS=block_size, S=width, G=groups, BLOCK_N=block_n, TAIL_K=kv_len % block_size != 0,
+        INTERPRET=interpreter_upcast(q), HAS_PERM=token_perm is not None, num_warps=num_warps, num_stages=num_stages)
     return out
