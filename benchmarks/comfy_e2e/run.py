@@ -26,7 +26,9 @@ What runs (everything side by side in one process, one GPU):
   density -- random weights have near-uniform attention, so recorded maps say nothing about speed --
   written to a workspace of its own; ``ChorusMaskRetrieve`` finds it, ``ChorusSparseSampler`` patches both
   models; the similarity threshold is the node's default); ``hitfr`` (hit15 + ``ChorusFeatureReuse``
-  at ``downsample_share`` 0.25 with the region scores the miss recorded). ``--compile``: ``dense`` and
+  at ``downsample_share`` 0.25, ``--fr-share``, with the region scores the miss recorded; the miss runs
+  feature reuse at the same share, so its entry is in the region order: ``*_raster`` rows are the same
+  requests on that entry relabelled raster). ``--compile``: ``dense`` and
   ``hit15`` again on models passed through ComfyUI's ``TorchCompileModel`` node (inductor).
 * Timing: each variant runs one warm-up step (high expert, step 0 -> 1: Triton and cuDNN compile there),
   then one timed request (``torch.cuda.synchronize`` + wall clock around both KSamplerAdvanced calls).
@@ -328,7 +330,7 @@ def run(args) -> dict:
             if any(v in args.variants for v in ("miss",) + HIT_VARIANTS):
                 plan, t_ret = retrieve(ws_miss)
                 assert not plan.is_hit, plan.message
-                h_m, l_m = patched(plan, fr_share=0.25)
+                h_m, l_m = patched(plan, fr_share=args.fr_share)
                 sampled = timed("miss", (h_m, l_m), plan)
                 if sampled is not None:
                     t0 = time.perf_counter()
@@ -364,7 +366,7 @@ def run(args) -> dict:
                     continue  # the plain (auto) row below runs only when asked for
                 plan, t_ret = retrieve(hit_ws)
                 assert plan.is_hit, plan.message
-                models = patched(plan, fr_share=0.25 if name in ("hitfr", "hitfr_raster") else None,
+                models = patched(plan, fr_share=args.fr_share if name in ("hitfr", "hitfr_raster") else None,
                                  verify=VERIFY_THRESHOLD_PASSING if name == "hitver" else None)
                 if timed(name, models, plan) is None:
                     continue
@@ -456,6 +458,8 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=0, help="layers per expert (default: the model's 40)")
     p.add_argument("--tiny", action="store_true", help="toy sizes on the CPU (tests)")
     p.add_argument("--time-budget", type=float, default=1e9, help="seconds; later variants are skipped past it")
+    p.add_argument("--fr-share", type=float, default=0.25,
+                   help="ChorusFeatureReuse downsample_share of the miss and the hitfr rows (the node's default 0.25)")
     args = p.parse_args(argv)
     if args.tiny:
         args.res = ["tiny"]
