@@ -216,16 +216,17 @@ def _check_block_size(block_size) -> None:
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
 
 
-def _check_prefix(prefix_len, prefix_bias, kv_len: int, what: str = "prefix") -> tuple[int, float]:
-    if isinstance(prefix_len, bool) or not isinstance(prefix_len, int) or not 0 <= prefix_len <= kv_len:
-        raise ValueError(f"{what}_len must be an int in [0, {kv_len}] (the key count), got {prefix_len!r}")
-    if isinstance(prefix_bias, bool) or not isinstance(prefix_bias, (int, float)) or not math.isfinite(prefix_bias) \
-            or abs(prefix_bias) > MAX_PREFIX_BIAS:
+def _check_key_bias(length, bias, kv_len: int, what: str) -> tuple[int, float]:
+    """A key bias (``what``: "prefix" or "suffix") validated; ``(0, 0.0)`` when it does nothing."""
+    if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= kv_len:
+        raise ValueError(f"{what}_len must be an int in [0, {kv_len}] (the key count), got {length!r}")
+    if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias) \
+            or abs(bias) > MAX_PREFIX_BIAS:
         raise ValueError(f"{what}_bias must be a finite number in [-{MAX_PREFIX_BIAS:g}, {MAX_PREFIX_BIAS:g}], "
-                         f"got {prefix_bias!r}")
-    if prefix_len == 0 or prefix_bias == 0:
+                         f"got {bias!r}")
+    if length == 0 or bias == 0:
         return 0, 0.0
-    return prefix_len, float(prefix_bias)
+    return length, float(bias)
 
 
 def _flex_attention(q, k, v, block_map, block_size, scale, prefix_len=0, prefix_bias=0.0, suffix_len=0,
@@ -347,8 +348,8 @@ def block_sparse_attention(q, k, v, block_map, *, block_size: int = 128, scale: 
     _check_block_size(block_size)
     validate_block_map(block_map, q.shape[0], q.shape[1], q.shape[2], k.shape[2], block_size,
                        check_rows=not rows_checked)
-    prefix_len, prefix_bias = _check_prefix(prefix_len, prefix_bias, k.shape[2])
-    suffix_len, suffix_bias = _check_prefix(suffix_len, suffix_bias, k.shape[2], "suffix")
+    prefix_len, prefix_bias = _check_key_bias(prefix_len, prefix_bias, k.shape[2], "prefix")
+    suffix_len, suffix_bias = _check_key_bias(suffix_len, suffix_bias, k.shape[2], "suffix")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     perm = _token_perm(token_perm, q, k)
     if perm is not None and suffix_len:

@@ -56,7 +56,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .pooling import positive_triple
+from .pooling import positive_triple, region_cells, region_frames
 
 RASTER = "raster"
 
@@ -224,13 +224,8 @@ class RegionTileOrder(_OrderOfGrid):
         if math.prod(region) != bs:
             raise ValueError(f"region {region} must hold block_size={bs} tokens, holds {math.prod(region)}")
         T, H, W = grid
-        rt, rh, rw = region
-        nt, nh, nw = T // rt, H // rh, W // rw
-        tok = torch.arange(T * H * W, dtype=torch.int64).view(T, H, W)
-        regions = tok[: nt * rt, : nh * rh, : nw * rw].reshape(nt, rt, nh, rh, nw, rw)
-        regions = regions.permute(0, 2, 4, 1, 3, 5).reshape(nt * nh * nw, bs)  # [R, tokens], raster inside
-        ids = torch.arange(nt * nh * nw, dtype=torch.int64)
-        tiles = ids[ids // (nh * nw) >= 1]  # regions of the first region slab hold frame 0: rim
+        regions = region_cells(grid, region, region)[:, 0]  # [R, tokens]: one cell per region, raster inside
+        tiles = torch.nonzero(region_frames(grid, region) > 0).reshape(-1)  # regions holding frame 0: rim
         prefix = H * W
         need = (-prefix) % bs
 
