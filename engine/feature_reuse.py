@@ -241,7 +241,8 @@ class FeatureReuse:
     # -- the call ----------------------------------------------------------------------------------
     def block(self, block_fn, x: torch.Tensor, *, layer: int, sigma, grid, per_token: dict | None = None
               ) -> torch.Tensor:
-        """One block call: ``[B, L, C] -> [B, L, C]``.
+        """One block call: ``[B, L, C] -> [B, L, C]`` (a reduced call's output is row-major whatever
+        ``x``'s strides).
 
         ``block_fn(x, per_token, layout)``: the host's block on ``x`` with ``per_token`` (same keys as
         given, compacted on a reduced call) and the layout (None = full sequence). ``sigma``: float or
@@ -281,6 +282,10 @@ class FeatureReuse:
                 inputs_c = {name: (t if rule == "none" else t.index_select(1, keep))
                             for name, (t, rule) in (per_token or {}).items()}
             else:
+                # a channel-strided stream (ComfyUI's WanModel hands its blocks a transposed view of the
+                # patch embedding) is copied row-major once: the fused pooling kernels read rows of
+                # channels, and the unpooled output, row-major, carries that layout to later blocks
+                x = x.contiguous()
                 x_c = pooling.pool_tokens(x, layout)
                 inputs_c = self._compact_inputs(per_token, layout)
         except Exception as exc:  # noqa: BLE001

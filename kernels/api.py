@@ -182,7 +182,7 @@ def _for_call_options(chosen: Backend, explicit: bool, q, block_size: int, prefi
 
         reason = check_call(block_size, prefix_len or suffix_len)
     elif chosen == Backend.TRITON_FP8_WS:
-        reason = _triton_module().ws_call_unsupported(q.shape[-1], block_size, suffix_len > 0)
+        reason = _triton_module().ws_call_unsupported(q.shape[-1], block_size)
     else:
         return chosen
     if reason is None:

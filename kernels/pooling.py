@@ -330,7 +330,7 @@ def unpool_residual_torch(x: torch.Tensor, x_compact: torch.Tensor, y_compact: t
                           layout: RegionLayout) -> torch.Tensor:
     """:func:`unpool_residual` in torch ops (any device and shape; the fused kernel's reference)."""
     n_keep = layout.keep_index.numel()
-    out = torch.empty_like(x)
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)  # row-major, as the fused kernel's
     # kept tokens: exactly the block output
     out.index_copy_(1, layout.keep_index, y_compact[:, :n_keep].to(x.dtype))
     if layout.num_cells:

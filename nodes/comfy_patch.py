@@ -13,7 +13,12 @@ replaces it; the order of the nodes does not matter), then (re)installs with Com
 - one ``OUTER_SAMPLE`` and one ``DIFFUSION_MODEL`` wrapper under the key ``"chorus_ii"`` (the old
   per-node keys ``"chorus_ii_feature_reuse"`` / ``"chorus_ii_guidance"`` are removed);
 - with feature reuse, ``patches_replace["dit"][("double_block", i)]`` = a :class:`ChorusBlock` per block
-  (a patch already at the key is chained and receives the compacted arguments);
+  (a patch already at the key is chained and receives the compacted arguments); with the sparse
+  sampler alone, one at block 0. Every ChorusBlock hands its block a row-major residual stream:
+  ComfyUI's WanModel passes the patch embedding's ``transpose(1, 2)`` view (channel stride = L) on
+  to its blocks, so without this each block's three layer norms copy the stream and its elementwise
+  ops run strided (~12% of a 720p hit's GPU time; docs/BENCHMARKS.md). The values are unchanged;
+  every later block inherits the layout;
 - with ``cfg_strength > 0``, a :class:`CfgCorrection` post-CFG function (an earlier one replaced).
 
 Per sampler run (``OUTER_SAMPLE``): every part's ``begin_run(sigmas)``, and every reset in ``finally``.
@@ -325,9 +330,10 @@ class ChorusPatch:
 
 
 class ChorusBlock:
-    """``patches_replace["dit"][("double_block", layer)]`` of a patch with feature reuse: the block
-    through :meth:`FeatureReuse.block` (a compacted call carries its layout in ``LAYOUT_KEY`` so the
-    override expands self-attention to the full grid); ``previous`` = a non-Chorus patch chained."""
+    """``patches_replace["dit"][("double_block", layer)]`` of a Chorus patch: the residual stream made
+    row-major (a copy only when it is not: see the module docstring), then, with feature reuse, the
+    block through :meth:`FeatureReuse.block` (a compacted call carries its layout in ``LAYOUT_KEY``
+    for the attention override); ``previous`` = a non-Chorus patch chained."""
 
     def __init__(self, patch: ChorusPatch, layer: int, previous=None):
         self.patch, self.layer, self.previous = patch, layer, previous
@@ -341,10 +347,13 @@ class ChorusBlock:
         return extra["original_block"](args)
 
     def __call__(self, args, extra):
+        x = args.get("img")
+        if isinstance(x, torch.Tensor) and x.dim() == 3 and not x.is_contiguous():
+            x = x.contiguous()
+            args = dict(args, img=x)
         options = args.get("transformer_options") or {}
         ctx = options.get(FORWARD_KEY)
         handle = self.patch.feature_reuse
-        x = args.get("img")
         if (handle is None or ctx is None or ctx.patch is not self.patch or ctx.disabled_reason is not None
                 or not isinstance(x, torch.Tensor) or x.dim() != 3):
             return self._run(args, extra)
@@ -515,9 +524,11 @@ def _install(patched, patch: ChorusPatch) -> None:
         options[OVERRIDE] = patch
         patched.add_wrapper_with_key(wrapper_types[0], WRAPPER_KEY, patch.outer_sample)
         patched.add_wrapper_with_key(wrapper_types[1], WRAPPER_KEY, patch.diffusion_model)
-        if patch.feature_reuse is not None:
+        block_layers = (range(patch.model_info.num_layers) if patch.feature_reuse is not None
+                        else range(1) if patch.attention is not None else ())
+        if block_layers:
             dit = options.setdefault("patches_replace", {}).setdefault("dit", {})
-            for layer in range(patch.model_info.num_layers):
+            for layer in block_layers:
                 dit[("double_block", layer)] = ChorusBlock(patch, layer, dit.get(("double_block", layer)))
         if patch.guidance is not None and patch.guidance.cfg_strength:
             post_cfg.append(CfgCorrection(patch.guidance))

@@ -15,15 +15,18 @@ INFO = ModelInfo("wan", "wan2.2-a14b-i2v", 2, 2, 32, 36, "fp-test")
 SIGMAS = [1.0, 0.5, 0.0]
 
 
-def _run(plan, share=0.25):
+def _run(plan, share=0.25, channel_strided=False):
     """Two steps of a 2-layer toy 'model': self-attention through ChorusAttention, the block through
-    FeatureReuse (what the ComfyUI nodes do per block)."""
+    FeatureReuse (what the ComfyUI nodes do per block). ``channel_strided``: the stream starts as a
+    transposed view, as ComfyUI's WanModel hands it to its blocks."""
     attn = ChorusAttention(plan, SparseConfig(block_size=32, k_min=1), INFO)
     fr = FeatureReuse(plan, FeatureReuseConfig(downsample_share=share, region=(2, 4, 4)), INFO)
     attn.begin_run(SIGMAS)
     fr.begin_run(SIGMAS)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(1, 256, 64, generator=g)
+    if channel_strided:
+        x = x.transpose(1, 2).contiguous().transpose(1, 2)
     for sigma in SIGMAS[:-1]:
         for layer in range(2):
             def block_fn(h, per_token, layout, layer=layer, sigma=sigma):
@@ -56,3 +59,19 @@ def test_scores_are_written_with_the_entry_and_found_on_a_hit(tmp_path):
     assert state.blocks_reduced == 2 and state.blocks_full == 2  # layer 0 always full; layer 1 reduced
     assert state.acted_at(1.0) and state.acted_at(0.5)
     assert hit.stats.fallback_calls == 0
+
+
+def test_a_channel_strided_stream_gives_the_same_row_major_output(tmp_path):
+    ws = Workspace.open(tmp_path / "ws")
+    emb = np.random.default_rng(1).standard_normal(16).astype(np.float32)
+    miss = retrieve_plan(ws, emb, LATENT, similarity_threshold=0.9)
+    _run(miss)
+    commit_plan(ws, miss)
+    outs = []
+    for strided in (False, True):
+        hit = retrieve_plan(ws, emb, LATENT, similarity_threshold=0.9)
+        assert hit.is_hit
+        outs.append(_run(hit, channel_strided=strided))
+        assert feature_state(hit).blocks_reduced == 2
+    assert outs[1].is_contiguous()  # the reduced block's output is row-major
+    torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0)

@@ -35,11 +35,9 @@ def test_calls_it_cannot_take_go_down_the_chain_or_raise_when_explicit():
 
     assert "head dim 96" in ws_call_unsupported(96, 128)
     assert ws_call_unsupported(128, 128) is None
-    # a suffix key bias (compact attention) goes to triton_fp8 until the GPU test of it has run
-    assert "suffix" in ws_call_unsupported(128, 128, suffix=True)
-    assert api._for_call_options(ws, False, q, 128, 0, 2000) != ws
-    with pytest.raises(api.BackendUnavailableError, match="suffix"):
-        api._for_call_options(ws, True, q, 128, 0, 2000)
+    # a suffix key bias (feature reuse's compact attention) runs in the kernel too
+    assert api._for_call_options(ws, False, q, 128, 0, 2000) == ws
+    assert api._for_call_options(ws, True, q, 128, 300, 2000) == ws
 
 
 def test_the_engine_and_the_node_offer_it():

@@ -137,8 +137,9 @@ def test_a_token_order_is_fused_into_the_pre_pass_and_the_output_store(length):
     qt, kt, vt = (t[:, :, perm] for t in (q, k, v))
     _check(out[:, :, perm], qt, kt, vt, bm)  # the oracle of the permuted sequence, back in input order
     ref = block_sparse_attention_ws(qt, kt, vt, bm, SCALE)
+    # the same computation (the K smoothing rows too are taken in the permuted order)
     cos = torch.nn.functional.cosine_similarity(out[:, :, perm].double().flatten(), ref.double().flatten(), dim=0)
-    assert cos.item() > 0.9999, cos.item()
+    assert cos.item() > 0.99999, cos.item()
 
 
 def test_the_public_api_runs_a_region_order_on_it():
@@ -162,9 +163,7 @@ def test_a_suffix_bias_matches_the_oracle(q_len, suffix_len, backend):
     import chorus.kernels as K
     from chorus.kernels.triton._attention_ws import block_sparse_attention_ws
 
-    def attend(**biases):  # the ws kernel directly: the public API sends suffix calls to triton_fp8 until this passes
-        if backend == "triton_fp8_ws":
-            return block_sparse_attention_ws(q, k, v, bm, SCALE, **biases)
+    def attend(**biases):
         return K.block_sparse_attention(q, k, v, bm, block_size=128, backend=backend, **biases)
 
     q, k, v = cuda_bf16_qkv(1, 3, q_len, 128, seed=q_len + suffix_len)

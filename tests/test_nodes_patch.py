@@ -351,3 +351,24 @@ def test_a_compiled_forward_is_not_recompiled_for_each_sigma(cp, nodes, model):
     assert counter.frame_count == frames_after_first, \
         f"new sigmas compiled {counter.frame_count - frames_after_first} more frames"
     torch._dynamo.reset()
+
+
+def test_the_sparse_sampler_alone_hands_block_0_a_row_major_stream(cp, nodes, model):
+    """WanModel passes its blocks the patch embedding's transposed view; the one ChorusBlock of a
+    sparse-only patch (block 0) makes it row-major, values unchanged: a miss samples the unpatched
+    model's output bit for bit."""
+    plan = _miss()
+    m = nodes["sparse"](model, plan)
+    dit = m.model_options["transformer_options"]["patches_replace"]["dit"]
+    assert list(dit) == [("double_block", 0)] and isinstance(dit[("double_block", 0)], cp.ChorusBlock)
+    seen = []
+
+    def original_block(args):
+        seen.append(args["img"].is_contiguous())
+        return {"img": args["img"]}
+
+    x = torch.randn(1, 8, 6).transpose(1, 2)
+    out = dit[("double_block", 0)]({"img": x, "transformer_options": {}}, {"original_block": original_block})
+    assert seen == [True] and torch.equal(out["img"], x)
+    assert torch.equal(_sample(m), _sample(model))
+    assert plan.stats.recorded_calls == 2 * LAYERS

@@ -323,6 +323,9 @@ def test_token_perm_runs_the_reordered_sequence(fp8, q_in_kernel, length, bs, la
     assert out.shape == q.shape
     qp, kp, vp = (t[:, :, perm] for t in (q, k, v))
     (check_fp8 if fp8 else check_16bit)(out[:, :, perm], qp, kp, vp, bm, bs)
+    # exactly the call on the reordered sequence (FP8: K's smoothing rows are taken in that order too)
+    plain = block_sparse_attention_triton_impl(qp, kp, vp, bm, bs, 1 / math.sqrt(64), fp8, config=config)
+    torch.testing.assert_close(out[:, :, perm], plain, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("length,bs", [(300, 64), (97, 32), (256, 128)])

@@ -1,8 +1,9 @@
 """The benchmark of record: Chorus II inside ComfyUI's own ``WanModel``, driven through the nodes.
 
 ``python -m benchmarks.comfy_e2e.run --comfyui DIR --out OUT [--res 480p 720p] [--weights bf16 fp8]
-[--variants dense miss hit15 hit5 hitfr] [--compile] [--layers 40]`` (``--tiny``: the same code at toy
-sizes on the CPU, for tests).
+[--variants dense miss hit15 hit5 hitfr] [--compile] [--layers 40] [--profile]`` (``--tiny``: the same
+code at toy sizes on the CPU, for tests; ``--profile``: one more step of each variant under
+``torch.profiler``, its top kernels by GPU time in the JSON).
 
 What runs (everything side by side in one process, one GPU):
 
@@ -319,8 +320,12 @@ def run(args) -> dict:
                     row.update(plan_kind=plan.kind, density=plan.stats.density, sparse_calls=plan.stats.sparse_calls,
                                blocks_computed=plan.stats.blocks_computed, blocks_total=plan.stats.blocks_total,
                                fallback_calls=plan.stats.fallback_calls, messages=plan.stats.messages[:5])
+                if args.profile and device.type == "cuda" and name != "miss" and "compile" not in name:
+                    # (not the miss: one more step would record into the entry it is about to write)
+                    row["profile_step0"] = profile_step(lambda: sample_request(h_m, l_m, latent, positive, negative,
+                                                                               11, end_step=1))
                 results["runs"].append(row)
-                print(json.dumps(row), flush=True)
+                print(json.dumps({k: v for k, v in row.items() if k != "profile_step0"}), flush=True)
                 save(results, args.out)
                 return out
 
@@ -426,6 +431,30 @@ def kernel_alone_ms(plan, grid, shape, kernels, reps: int = 10) -> dict:
     return out
 
 
+def profile_step(step, top: int = 25) -> dict:
+    """One sampling step (the high expert's step 0 -> 1, after the timed request) under
+    ``torch.profiler`` (CUDA activity only): total GPU time and the ``top`` kernels by GPU time,
+    ``name -> [ms, calls]`` (names cut at 100 characters). Where a request's time goes, not a timing
+    of record (the profiler adds its own overhead)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    kernels = {}
+    for event in prof.key_averages():
+        us = getattr(event, "self_device_time_total", None)
+        if us is None:
+            us = getattr(event, "self_cuda_time_total", 0.0)
+        if us > 0:
+            name = event.key[:100]
+            ms, calls = kernels.get(name, (0.0, 0))
+            kernels[name] = (ms + us / 1000.0, calls + event.count)
+    ranked = sorted(kernels.items(), key=lambda kv: -kv[1][0])
+    return {"gpu_ms_total": sum(ms for ms, _ in kernels.values()),
+            "kernels": {name: [round(ms, 3), calls] for name, (ms, calls) in ranked[:top]}}
+
+
 def table(results: dict) -> str:
     rows = results["runs"]
     lines = ["| weights | res | variant | request s | vs dense | attention ms/layer | density | peak GiB |",
@@ -458,6 +487,8 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=0, help="layers per expert (default: the model's 40)")
     p.add_argument("--tiny", action="store_true", help="toy sizes on the CPU (tests)")
     p.add_argument("--time-budget", type=float, default=1e9, help="seconds; later variants are skipped past it")
+    p.add_argument("--profile", action="store_true",
+                   help="also one step of each variant under torch.profiler: its top kernels by GPU time")
     p.add_argument("--fr-share", type=float, default=0.25,
                    help="ChorusFeatureReuse downsample_share of the miss and the hitfr rows (the node's default 0.25)")
     args = p.parse_args(argv)

@@ -155,7 +155,7 @@ def _make_ours_fp8_ws(schedule: str):
             from chorus.kernels.triton import _attention_ws as ws
         except Exception as exc:  # noqa: BLE001
             return None, f"chorus.kernels.triton._attention_ws failed to import: {_err(exc)}"
-        reason = _needs_cuda(q, "the warp-specialised FP8 kernel") or ws.supports(q.shape[-1], block_size, False)
+        reason = _needs_cuda(q, "the warp-specialised FP8 kernel") or ws.supports(q.shape[-1], block_size)
         if reason:
             return None, reason
         if torch.cuda.get_device_capability(q.device)[0] != 9:

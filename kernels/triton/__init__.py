@@ -144,10 +144,9 @@ def ws_unavailable(q: torch.Tensor) -> str | None:
     return _attention_ws.supports(q.shape[-1], _attention_ws.BLOCK)
 
 
-def ws_call_unsupported(head_dim: int, block_size: int, suffix: bool = False) -> str | None:
-    """Why the warp-specialised kernel cannot run a call with these options (block size, head dim, a
-    suffix key bias), or None."""
-    return _attention_ws.supports(head_dim, block_size, suffix)
+def ws_call_unsupported(head_dim: int, block_size: int) -> str | None:
+    """Why the warp-specialised kernel cannot run a call of this geometry (block size, head dim), or None."""
+    return _attention_ws.supports(head_dim, block_size)
 
 
 def block_sparse_attention_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_map: torch.Tensor, *,

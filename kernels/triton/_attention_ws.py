@@ -77,19 +77,15 @@ def available() -> str | None:
     return _IMPORT_ERROR
 
 
-def supports(head_dim: int, block_size: int, suffix: bool = False) -> str | None:
-    """None when a call with these options can run here, else why not (for auto's routing). A suffix key
-    bias (``HAS_SUFFIX``, feature reuse's compact attention) is built and compiled for sm_90 in CI but
-    not yet checked on a GPU (``tests/test_kernels_ws_gpu.py::test_a_suffix_bias_matches_the_oracle``),
-    so such calls go to ``triton_fp8`` (checked under the interpreter) until it is."""
+def supports(head_dim: int, block_size: int) -> str | None:
+    """None when a call of this geometry can run here (any prefix / suffix key bias and token order
+    do), else why not (for auto's routing)."""
     if _IMPORT_ERROR:
         return f"Gluon is not importable ({_IMPORT_ERROR})"
     if block_size != BLOCK:
         return f"block size {block_size} (the warp-specialised kernel runs 128-token blocks)"
     if head_dim not in (64, 128):
         return f"head dim {head_dim} (64 or 128)"
-    if suffix:
-        return "a suffix key bias (built, not yet checked on a GPU: triton_fp8 takes these calls)"
     return None
 
 
@@ -475,7 +471,7 @@ def block_sparse_attention_ws(q, k, v, block_map, scale: float, config: dict | N
     ``ValueError`` for inputs outside the contract (the caller's auto chain then takes the next
     backend); inputs whose offsets overflow int32 run in (batch, head) chunks."""
     _validate(q, k, v, block_map, BLOCK)
-    why = supports(q.shape[3], BLOCK)  # (a suffix bias runs here: the public API routes it elsewhere, see supports)
+    why = supports(q.shape[3], BLOCK)
     if why:
         raise ValueError(why)
     if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:

@@ -166,9 +166,14 @@ def smoothing_rows(length: int, device=None) -> torch.Tensor:
     return torch.linspace(0, length - 1, SMOOTH_ROWS, device=device).round().long()
 
 
-def smoothing_vector(k: torch.Tensor) -> torch.Tensor:
-    """fp32 ``[B, H, D]``: the channel mean of K's :func:`smoothing_rows`."""
-    return k.index_select(2, smoothing_rows(k.shape[2], k.device)).float().mean(dim=2)
+def smoothing_vector(k: torch.Tensor, token_perm: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 ``[B, H, D]``: the channel mean of K's :func:`smoothing_rows` -- of the sequence in the
+    order ``token_perm`` (position -> input row) when given, so a call with a fused token order is
+    exactly the call on the reordered sequence."""
+    rows = smoothing_rows(k.shape[2], k.device)
+    if token_perm is not None:
+        rows = token_perm.index_select(0, rows).long().clamp_(0, k.shape[2] - 1)
+    return k.index_select(2, rows).float().mean(dim=2)
 
 
 def padded_len(length: int) -> int:
@@ -212,7 +217,7 @@ def quantize_qkv_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     _v_stats_kernel[(n_chunks, batch * heads)](
         v, v_part, heads, kv_len, n_chunks, v.stride(0), v.stride(1), v.stride(2),
         HEAD_DIM=head_dim, TILE=QUANT_TILE, CHUNK=STATS_CHUNK, num_warps=8)
-    k_mean = smoothing_vector(k).contiguous()
+    k_mean = smoothing_vector(k, token_perm).contiguous()
     v_amax = v_part.amax(1).view(batch, heads, head_dim)
     tiles = max(lpad_q, lpad_k) if quantize_q else lpad_k
     _quant_kernel[(tiles // QUANT_TILE, batch * heads)](
