@@ -39,7 +39,7 @@ import torch
 from ..kernels import pooling
 from .plan import Plan
 from .routing import match_step, step_sigma
-from .signature import ModelInfo, entry_token_order
+from .signature import ModelInfo
 from .state import FEATURE_REUSE_META_VERSION, FeatureReuseState
 
 META_KEY = "feature_reuse"
@@ -228,10 +228,7 @@ class FeatureReuse:
         self-attention runs on the compact sequence), else None (attention on the expanded grid)."""
         from ..kernels.tile_order import RegionTileOrder
 
-        try:
-            order = entry_token_order(self.plan.entry_meta["signature"])
-        except (KeyError, TypeError, ValueError):
-            return None
+        order = self.plan.entry_order
         if not isinstance(order, RegionTileOrder) or order.region != self.config.region or order.grid != tuple(grid):
             return None
         if not bool(torch.isin(regions.cpu(), order.tile_regions).all()):

@@ -50,6 +50,8 @@ class Retrieval:
     similarity_threshold: float | None = None
     request_meta: Mapping = field(default_factory=dict)
     workspace: Any = field(default=None, repr=False)
+    # a hit's token order (None: raster), read from its entry's signature once, here
+    entry_order: Any = field(default=None, init=False, repr=False)
 
     def __post_init__(self):
         if self.kind not in ("hit", "miss"):
@@ -63,6 +65,8 @@ class Retrieval:
                 raise ValueError(f"a hit's entry has an unreadable token order ({exc})") from None
             if order is not None and self.resample_to is not None:  # (retrieval misses first)
                 raise ValueError(f"a hit in token order {order.name} cannot be resampled (raster order only)")
+            object.__setattr__(self, "entry_order", order)
+
         def fix(name, value):
             object.__setattr__(self, name, value)
 
@@ -187,6 +191,12 @@ class Plan:
     @property
     def entry_meta(self) -> Mapping | None:
         return self.retrieval.entry_meta
+
+    @property
+    def entry_order(self):
+        """A hit's token order (a :class:`~chorus.kernels.tile_order.TileOrder` /
+        ``RegionTileOrder``; None: raster or a miss), from its entry's signature."""
+        return self.retrieval.entry_order
 
     @property
     def embedding(self):

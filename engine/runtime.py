@@ -23,7 +23,7 @@ from .guidance import biased_dense_or_plain
 from .plan import Plan
 from .recorder import MassRecorder
 from .routing import match_step, step_sigma
-from .signature import ModelInfo, entry_token_order, region_order_for, token_order_name
+from .signature import ModelInfo, region_order_for, token_order_name
 from .verify import ANCHORS_META_KEY, ExpertCheck, anchors_cover, recall_terms, verify_head_index
 
 
@@ -481,9 +481,9 @@ class ChorusAttention:
 
     def token_order(self, grid):
         """The token order this model's attention runs in for ``grid``: a hit's entry order, a miss's
-        ``record_region`` order (None = raster). Raises ``ValueError`` for an unreadable entry order."""
+        ``record_region`` order (None = raster; a hit's order was read when its plan was made)."""
         if self.plan.is_hit:
-            return entry_token_order(self.plan.entry_meta["signature"])
+            return self.plan.entry_order
         if self.record_region is None:
             return None
         return region_order_for(grid, self.record_region, self.config.block_size)
