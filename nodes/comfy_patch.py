@@ -17,7 +17,7 @@ replaces it; the order of the nodes does not matter), then (re)installs with Com
   sampler alone, one at block 0. Every ChorusBlock hands its block a row-major residual stream:
   ComfyUI's WanModel passes the patch embedding's ``transpose(1, 2)`` view (channel stride = L) on
   to its blocks, so without this each block's three layer norms copy the stream and its elementwise
-  ops run strided (~12% of a 720p hit's GPU time; docs/BENCHMARKS.md). The values are unchanged;
+  ops run strided (8% of a 720p hit's GPU time per step; docs/BENCHMARKS.md, run 15). The values are unchanged;
   every later block inherits the layout;
 - with ``cfg_strength > 0``, a :class:`CfgCorrection` post-CFG function (an earlier one replaced).
 
