@@ -278,7 +278,7 @@ class ChorusAttention:
             order = self.token_order(grid)
             suffix_len, suffix_bias = 0, 0.0
             if layout is None:
-                check = self._verify(q, k, int(layer), step, s, grid, block_map, cond_rows)
+                check = self._verify(q, k, int(layer), step, s, grid, block_map, cond_rows, order)
             else:  # (no verification estimate from a compact call: the check reads full-grid calls)
                 if order is None or order.name != layout.order.name or order.grid != layout.order.grid:
                     raise _Fallback(f"the compact sequence is in token order {layout.order.name}, this run's maps in "
@@ -313,9 +313,10 @@ class ChorusAttention:
         return out
 
     # -- self-verifying hits (engine/verify.py) ------------------------------------------------------
-    def _verify(self, q, k, layer, step, sigma, grid, block_map, cond_rows):
+    def _verify(self, q, k, layer, step, sigma, grid, block_map, cond_rows, order=None):
         """At the first step of this expert: record this call ahead (first expert) and add the
-        estimate of a checked layer. Returns the pending :class:`ExpertCheck` or None. Never raises."""
+        estimate of a checked layer (``order``: the token order the run's maps are in; None = raster).
+        Returns the pending :class:`ExpertCheck` or None. Never raises."""
         plan, cfg = self.plan, self.config
         if cfg.verify_threshold <= 0:
             return None
@@ -353,7 +354,7 @@ class ChorusAttention:
                 with torch.no_grad():
                     check.estimates[layer] = recall_terms(
                         qs, ks, block_map, heads=verify_head_index(q.shape[1], cfg.verify_heads),
-                        sample_rows=cfg.verify_rows, block_size=cfg.block_size, token_perm=self.token_order(grid))
+                        sample_rows=cfg.verify_rows, block_size=cfg.block_size, token_perm=order)
             return check
         except Exception as exc:  # noqa: BLE001 - verification never breaks sampling
             why = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"

@@ -211,7 +211,7 @@ def build_layout(grid, region, pool, regions, device=None, order=None) -> Region
     else:
         if int(order.perm.numel()) != length:
             raise ValueError(f"token order of {order.perm.numel()} tokens for a grid of {length}")
-        perm = order.perm.to(cells.device)
+        perm, position = order.indices(cells.device)  # position: the order position of every raster token
         keep_index = perm[~pooled[perm]]  # kept tokens, in the order's positions
     expand_index = torch.empty(length, dtype=torch.int64, device=cells.device)
     expand_index[keep_index] = torch.arange(keep_index.numel(), device=cells.device)
@@ -221,7 +221,6 @@ def build_layout(grid, region, pool, regions, device=None, order=None) -> Region
     if order is None:
         return RegionLayout(grid, region, pool, regions, keep_index, cell_index, expand_index, rep_index)
     bs = int(order.block_size)
-    position = order.inverse.to(cells.device)  # order position of every raster token
     sources = torch.zeros(-(-rep_index.numel() // bs), -(-length // bs), dtype=torch.bool, device=cells.device)
     sources[expand_index // bs, position // bs] = True
     return RegionLayout(grid, region, pool, regions, keep_index, cell_index, expand_index, rep_index,

@@ -41,7 +41,7 @@ def sample_row_offsets(rows_in_block: int, sample_rows: int | None, device=None)
     return torch.linspace(0, rows_in_block - 1, sample_rows, device=device).round().long().unique()
 
 
-def add_prefix_bias(scores: torch.Tensor, prefix_len: int, prefix_bias: float, suffix_len: int = 0,
+def add_key_biases(scores: torch.Tensor, prefix_len: int, prefix_bias: float, suffix_len: int = 0,
                     suffix_bias: float = 0.0) -> torch.Tensor:
     """``scores [..., Lk]`` with ``prefix_bias`` added to the first ``prefix_len`` keys and
     ``suffix_bias`` to the last ``suffix_len`` keys (in place)."""
@@ -62,7 +62,7 @@ def dense_attention_oracle(q, k, v, block_map=None, block_size: int = 128, scale
     """
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     q64, k64, v64 = q.double(), k.double(), v.double()
-    scores = add_prefix_bias(torch.matmul(q64, k64.transpose(-1, -2)) * scale, prefix_len, prefix_bias, suffix_len,
+    scores = add_key_biases(torch.matmul(q64, k64.transpose(-1, -2)) * scale, prefix_len, prefix_bias, suffix_len,
                              suffix_bias)
     if block_map is not None:
         mask = expand_block_map(block_map.to(q.device), q.shape[-2], k.shape[-2], block_size)
@@ -75,7 +75,7 @@ def masked_attention_eager(q, k, v, block_map=None, block_size: int = 128, scale
                            suffix_bias: float = 0.0):
     """The same computation done naively in the inputs' dtype (the error yardstick for tolerances)."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    scores = add_prefix_bias(torch.matmul(q, k.transpose(-1, -2)) * scale, prefix_len, prefix_bias, suffix_len,
+    scores = add_key_biases(torch.matmul(q, k.transpose(-1, -2)) * scale, prefix_len, prefix_bias, suffix_len,
                              suffix_bias)
     if block_map is not None:
         mask = expand_block_map(block_map.to(q.device), q.shape[-2], k.shape[-2], block_size)
@@ -97,7 +97,7 @@ def block_sparse_attention_reference(q, k, v, block_map, block_size: int, scale:
     for qb in range(block_map.shape[-2]):
         start, stop = qb * block_size, min((qb + 1) * block_size, q_len)
         scores = torch.matmul(q[:, :, start:stop].float(), k32) * scale  # [B, H, bs, Lk]
-        add_prefix_bias(scores, prefix_len, prefix_bias, suffix_len, suffix_bias)
+        add_key_biases(scores, prefix_len, prefix_bias, suffix_len, suffix_bias)
         keep = block_map[:, :, qb][..., col_block]  # [B|1, H|1, Lk]
         scores = scores.masked_fill(~keep.unsqueeze(-2), float("-inf"))
         out[:, :, start:stop] = torch.matmul(torch.softmax(scores, dim=-1), v32).to(q.dtype)

@@ -307,8 +307,7 @@ def resolve_token_perm(token_perm, length: int, device) -> tuple[torch.Tensor, t
     if isinstance(token_perm, ORDER_TYPES):
         if token_perm.length != length:
             raise ValueError(f"token_perm is a {type(token_perm).__name__} of {token_perm.length} tokens "
-                             f"({token_perm.grid}), "
-                             f"the call has {length}")
+                             f"({token_perm.grid}), the call has {length}")
         return token_perm.indices(device)
     if not isinstance(token_perm, torch.Tensor):
         raise ValueError(f"token_perm must be a TileOrder or an int64 tensor, got {type(token_perm).__name__}")

@@ -467,7 +467,7 @@ def configure(model, plan: Plan | None, *, sparse=KEEP, feature_reuse=KEEP, guid
             if mismatch is not None:  # say so now, in the node's UI text, not only after sampling
                 plan.demote(mismatch)
             attention = ChorusAttention(plan, sparse_config, info,
-                                        record_region=_record_region(sparse_config, fr_config))
+                                        record_region=_record_region(fr_config))
         if fr_config is not None:
             fr = FeatureReuse(plan, fr_config, info)
     if boost is not None and old is not None and boost is old.guidance and boost.plan is not None \
@@ -484,13 +484,13 @@ def configure(model, plan: Plan | None, *, sparse=KEEP, feature_reuse=KEEP, guid
     return patched, (None if patch.is_empty else patch), info
 
 
-def _record_region(sparse_config, fr_config):
+def _record_region(fr_config):
     """Feature reuse's region when a miss should record in its region order (see the module
-    docstring), else None (raster)."""
+    docstring), else None (raster). A region that is not one block's tokens records raster too
+    (``engine.signature.region_order_for`` decides)."""
     if fr_config is None or fr_config.downsample_share <= 0 or not fr_config.keep_first_frame:
         return None
-    region = tuple(fr_config.region)
-    return region if region[0] * region[1] * region[2] == sparse_config.block_size else None
+    return tuple(fr_config.region)
 
 
 def _install(patched, patch: ChorusPatch) -> None:

@@ -20,6 +20,8 @@ import math
 
 import torch
 
+from ..reference import add_key_biases
+
 E4M3_MAX = 448.0
 _FP8 = torch.float8_e4m3fn
 
@@ -47,10 +49,7 @@ def sage_fp8_attention_emulation(q, k, v, block_map=None, block_size: int = 128,
     qq = _quant_blocks(q64 * scale, quant_block)
     kq = _quant_blocks(k64, quant_block)
     scores = qq @ kq.transpose(-1, -2)
-    if prefix_len > 0:
-        scores[..., :prefix_len] += prefix_bias
-    if suffix_len > 0:
-        scores[..., k.shape[2] - suffix_len:] += suffix_bias
+    add_key_biases(scores, prefix_len, prefix_bias, suffix_len, suffix_bias)
     if block_map is not None:
         rows = torch.arange(q.shape[2], device=q.device) // block_size
         cols = torch.arange(k.shape[2], device=q.device) // block_size
