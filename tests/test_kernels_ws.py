@@ -50,7 +50,8 @@ def test_the_engine_and_the_node_offer_it():
 @pytest.mark.parametrize("head_dim,schedule,has_bias,has_perm,has_suffix", [
     (128, "serial", False, False, False), (128, "overlap", False, False, False), (128, "pingpong", False, False, False),
     (64, "serial", False, False, False), (64, "overlap", False, False, False), (64, "pingpong", False, False, False),
-    (128, "serial", True, True, False), (64, "pingpong", True, False, False), (128, "serial", True, False, True)])
+    (128, "serial", True, True, False), (64, "pingpong", True, False, False), (128, "serial", True, False, True),
+    (64, "serial", True, True, True)])
 def test_kernel_compiles_for_sm90_with_fp8_wgmma_and_no_shuffles(head_dim, schedule, has_bias, has_perm, has_suffix):
     from chorus.kernels.triton import _attention_ws
 

@@ -10,7 +10,8 @@ a structured map of the given density cut in that order (``benchmarks.e2e.run.st
 compact map (``kernels.pooling.compact_block_map``), and ``triton.testing.do_bench`` medians of whole
 calls of ``chorus.kernels.block_sparse_attention`` on random bf16 q/k/v in ComfyUI's ``[B, L, H, D]``
 memory (40 heads x 128): the full grid, the compact sequence with the cells' ``log P`` suffix bias, and
-the same without it (what the bias costs). Prints one line per case and backend; ``--out FILE`` writes
+the same without it (what the bias costs); ``--ws-configs`` adds the warp-specialised kernel under
+each named config. Prints one line per case and backend; ``--out FILE`` writes
 JSON.
 """
 
@@ -38,7 +39,7 @@ def bhld(t):
     return t.transpose(1, 2)
 
 
-def run_case(grid, share: float, density: float, heads: int, backends) -> list[dict]:
+def run_case(grid, share: float, density: float, heads: int, backends, ws_configs=None) -> list[dict]:
     order = cached_region_order(grid, REGION, 128)
     counts = pooling.region_counts(grid, REGION)
     scores = torch.rand(counts[0] * counts[1] * counts[2], generator=torch.Generator().manual_seed(0))
@@ -52,8 +53,13 @@ def run_case(grid, share: float, density: float, heads: int, backends) -> list[d
     qc, kc, vc = (torch.randn(1, short, heads, 128, device="cuda", generator=gen).bfloat16() for _ in range(3))
     bias = dict(suffix_len=layout.num_cells, suffix_bias=math.log(layout.cell_size))
     rows = []
-    for backend in backends:
+    ws_configs = ws_configs or {}
+    for backend in list(backends) + [f"ws:{name}" for name in ws_configs]:
         def call(qq, kk, vv, bm, **extra):
+            if backend.startswith("ws:"):  # the warp-specialised kernel itself, with one config
+                from chorus.kernels.triton._attention_ws import block_sparse_attention_ws
+                cfg = ws_configs[backend[3:]]
+                return lambda: block_sparse_attention_ws(bhld(qq), bhld(kk), bhld(vv), bm, 128 ** -0.5, cfg, **extra)
             return lambda: kernels.block_sparse_attention(bhld(qq), bhld(kk), bhld(vv), bm, block_size=128,
                                                           backend=backend, rows_checked=True, **extra)
         try:
@@ -82,6 +88,8 @@ def main(argv=None):
     ap.add_argument("--density", type=float, default=0.15)
     ap.add_argument("--heads", type=int, default=40)
     ap.add_argument("--backends", nargs="+", default=["auto", "triton_fp8"])
+    ap.add_argument("--ws-configs", default="{}",
+                    help="JSON name -> triton_fp8_ws config overrides, each timed as backend ws:<name>")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -89,7 +97,8 @@ def main(argv=None):
     rows = []
     for res in args.res:
         for share in args.shares:
-            rows += run_case(WAN_GRIDS[RES[res]], share, args.density, args.heads, args.backends)
+            rows += run_case(WAN_GRIDS[RES[res]], share, args.density, args.heads, args.backends,
+                             json.loads(args.ws_configs))
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"command": "python -m benchmarks.kernels.compact_attention", "rows": rows}, f, indent=1)

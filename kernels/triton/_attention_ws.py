@@ -26,7 +26,8 @@ issuing their GEMMs (FlashAttention-3's ping-pong: each consumer waits on its ow
 barrier, ``bar.sync`` over both warpgroups' 256 threads, and hands the turn over with ``bar.arrive``
 on the other's; ids ``TURN_BARRIERS``, clear of the ids Triton gives its partitions). ``FMA_QUARTERS``
 (0 by default; 1 or 2): that share of each row's exp2 runs on the FMA pipes instead of the MUFU
-(FlashAttention-4's split, :func:`_exp2_split`). All but the defaults are the benchmark's levers
+(FlashAttention-4's split, :func:`_exp2_split`). ``FOLD_BIAS`` (on by default): a key block wholly
+inside the prefix / suffix takes its bias in the per-row terms of the softmax, not per element. All but the defaults are the benchmark's levers
 (``docs/BENCHMARKS.md``, "third run": overlap and ping-pong slower here, a quarter split +3% on a
 full map and level where hits run; ping-pong on named barriers: +1% on a full map, -2% / level at
 15% / 5%, "fourth run").
@@ -69,7 +70,7 @@ CONSUMER_ROWS = 64  # query rows per consumer warpgroup (one wgmma M tile of 4 w
 CONSUMER_REGS = 240  # registers per consumer thread (setmaxnreg); the producer keeps the rest
 SCHEDULES = ("serial", "overlap", "pingpong")
 TURN_BARRIERS = (8, 9)  # ping-pong: the consumers' named hardware barriers (Triton's partitions use ids 0-3)
-DEFAULT_CONFIG = dict(stages=3, q_stages=2, schedule="serial", fma_quarters=0)
+DEFAULT_CONFIG = dict(stages=3, q_stages=2, schedule="serial", fma_quarters=0, fold_bias=True)
 
 
 def available() -> str | None:
@@ -191,32 +192,46 @@ if gluon is not None:
     def _softmax_block(s, m_i, l_i, sc, kb, offs_n, Lk, num_kv_blocks, prefix_len, prefix_bias, suffix_start,
                        suffix_bias, TAIL_K: gl.constexpr,
                        HAS_BIAS: gl.constexpr, HAS_SUFFIX: gl.constexpr, P_SHIFT: gl.constexpr, ABLATE: gl.constexpr,
-                       FMA_QUARTERS: gl.constexpr):
+                       FMA_QUARTERS: gl.constexpr, FOLD_BIAS: gl.constexpr):
         """Online softmax over key block ``kb``'s wgmma output ``s`` (``sc`` = sq * sk > 0, folded in after
         the row max): returns ``(P, m, l, alpha)`` with ``P = exp2(s * sc - m + P_SHIFT)`` in fp32 (row
         maximum 2^P_SHIFT, inside e4m3), the new row max / sum and ``alpha`` = the old accumulator's
         rescale factor. Keys past ``Lk`` in the partial last block get -inf. ``HAS_BIAS`` (``HAS_SUFFIX``): keys
-        ``< prefix_len`` get ``prefix_bias`` (log2 units) added to their scaled logit, as ``prefix_bias / sc``
-        added to ``s`` on the blocks that hold such keys only (the others run the unbiased code), and keys
-        ``>= suffix_start`` ``suffix_bias`` likewise. ABLATE
+        ``< prefix_len`` get ``prefix_bias`` (log2 units) added to their scaled logit, and keys
+        ``>= suffix_start`` ``suffix_bias``: on a block wholly inside the prefix / suffix (``FOLD_BIAS``) as
+        one per-row term in the row maximum and the shift, on the one block an edge crosses as
+        ``bias / sc`` added to those elements of ``s``; blocks outside both run the unbiased code. ABLATE
         (benchmark only, results meaningless): 1 leaves the exp2 out, 2 the whole softmax."""
         if TAIL_K:
             if kb == num_kv_blocks - 1:
                 s = gl.where((kb * _BLOCK + offs_n < Lk)[None, :], s, float("-inf"))
         if HAS_BIAS:
+            # FOLD_BIAS: a block wholly inside the prefix (suffix) adds its bias to the row terms (the row
+            # max and the shift: per row, not per element); a block the prefix / suffix edge crosses adds
+            # it per element
+            blk_bias = prefix_bias * 0.0  # log2 units, this block's uniform bias
             biased_keys = prefix_len - kb * _BLOCK  # keys of this block in the prefix: [0, biased_keys)
-            if biased_keys > 0:
+            if FOLD_BIAS and biased_keys >= _BLOCK:
+                blk_bias = blk_bias + prefix_bias
+            elif biased_keys > 0:
                 s = gl.where((offs_n < biased_keys)[None, :], s + prefix_bias / sc, s)
             if HAS_SUFFIX:
                 tail_from = suffix_start - kb * _BLOCK  # ... in the suffix: [tail_from, BLOCK)
                 if tail_from <= 0:  # a whole block of the suffix
-                    s = s + suffix_bias / sc
+                    if FOLD_BIAS:
+                        blk_bias = blk_bias + suffix_bias
+                    else:
+                        s = s + suffix_bias / sc
                 elif tail_from < _BLOCK:
                     s = gl.where((offs_n >= tail_from)[None, :], s + suffix_bias / sc, s)
         if ABLATE == 2:
             return s * sc, m_i, l_i, gl.full_like(m_i, 1.0)
-        m_new = gl.maximum(m_i, gl.max(s, axis=1) * sc)
-        p = s * sc - (m_new - P_SHIFT)[:, None]
+        if HAS_BIAS:  # exp2(s * sc + b - m + shift), the block's uniform b in the row terms
+            m_new = gl.maximum(m_i, gl.max(s, axis=1) * sc + blk_bias)
+            p = s * sc - (m_new - P_SHIFT - blk_bias)[:, None]
+        else:
+            m_new = gl.maximum(m_i, gl.max(s, axis=1) * sc)
+            p = s * sc - (m_new - P_SHIFT)[:, None]
         if ABLATE == 0:
             p = _exp2_split(p, FMA_QUARTERS)
         alpha = gl.exp2(m_i - m_new)
@@ -246,7 +261,7 @@ if gluon is not None:
                   s_iq, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, Q_STAGES: gl.constexpr, CONSUMER: gl.constexpr,
                   TAIL_K: gl.constexpr, HAS_BIAS: gl.constexpr, P_SHIFT: gl.constexpr, SCHEDULE: gl.constexpr,
                   ABLATE: gl.constexpr, FMA_QUARTERS: gl.constexpr, HAS_PERM: gl.constexpr,
-                  HAS_SUFFIX: gl.constexpr):
+                  HAS_SUFFIX: gl.constexpr, FOLD_BIAS: gl.constexpr):
         ROWS: gl.constexpr = _ROWS
         # wgmma accumulator layouts (M = 64 rows over 4 warps; K = 32 for 8-bit operands) and the
         # register layout of P as the A operand of P @ V
@@ -295,7 +310,7 @@ if gluon is not None:
                     s = warpgroup_mma_wait(num_outstanding=0, deps=[s])
                     p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, sc, kb, offs_n, Lk, num_kv_blocks, prefix_len,
                                                         prefix_bias, suffix_start, suffix_bias, TAIL_K, HAS_BIAS,
-                                                        HAS_SUFFIX, P_SHIFT, ABLATE, FMA_QUARTERS)
+                                                        HAS_SUFFIX, P_SHIFT, ABLATE, FMA_QUARTERS, FOLD_BIAS)
                     p8 = _p_operand(p, p_layout)
                     mbarrier.wait(v_ready.index(st), (kctr // STAGES) & 1)
                     prev = st
@@ -310,7 +325,7 @@ if gluon is not None:
                     s = warpgroup_mma_wait(num_outstanding=1, deps=[s])  # Q @ K^T done; P @ V may run on
                     p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, sc, kb, offs_n, Lk, num_kv_blocks, prefix_len,
                                                         prefix_bias, suffix_start, suffix_bias, TAIL_K, HAS_BIAS,
-                                                        HAS_SUFFIX, P_SHIFT, ABLATE, FMA_QUARTERS)
+                                                        HAS_SUFFIX, P_SHIFT, ABLATE, FMA_QUARTERS, FOLD_BIAS)
                     acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
                     mbarrier.arrive(kv_empty.index(prev), count=1)
                     acc = acc * gl.convert_layout(alpha, row_o)[:, None]
@@ -339,7 +354,7 @@ if gluon is not None:
                 s = warpgroup_mma_wait(num_outstanding=0, deps=[s])
                 p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, sc, kb, offs_n, Lk, num_kv_blocks, prefix_len,
                                                     prefix_bias, suffix_start, suffix_bias, TAIL_K, HAS_BIAS,
-                                                    HAS_SUFFIX, P_SHIFT, ABLATE, FMA_QUARTERS)
+                                                    HAS_SUFFIX, P_SHIFT, ABLATE, FMA_QUARTERS, FOLD_BIAS)
                 acc = acc * gl.convert_layout(alpha, row_o)[:, None]
                 p8 = _p_operand(p, p_layout)
                 mbarrier.wait(v_ready.index(st), ph)
@@ -375,7 +390,7 @@ if gluon is not None:
                        HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, Q_STAGES: gl.constexpr,
                        TAIL_K: gl.constexpr, HAS_BIAS: gl.constexpr, P_SHIFT: gl.constexpr, SCHEDULE: gl.constexpr,
                        ABLATE: gl.constexpr, FMA_QUARTERS: gl.constexpr, HAS_PERM: gl.constexpr,
-                       HAS_SUFFIX: gl.constexpr):
+                       HAS_SUFFIX: gl.constexpr, FOLD_BIAS: gl.constexpr):
         q_smem = gl.allocate_shared_memory(gl.float8e4nv, [Q_STAGES, _BLOCK, HEAD_DIM], q_desc.layout)
         k_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, _BLOCK, HEAD_DIM], k_desc.layout)
         v_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, HEAD_DIM, _BLOCK], v_desc.layout)
@@ -400,13 +415,13 @@ if gluon is not None:
                          num_tiles, n_q_scale, n_k_scale, prefix_len, prefix_bias, suffix_start, suffix_bias,
                          token_perm, s_ob, s_oh, s_ol, s_nb,
                          s_nh, s_ib, s_ih, s_iq, HEAD_DIM, STAGES, Q_STAGES, 0, TAIL_K, HAS_BIAS, P_SHIFT, SCHEDULE,
-                         ABLATE, FMA_QUARTERS, HAS_PERM, HAS_SUFFIX)),
+                         ABLATE, FMA_QUARTERS, HAS_PERM, HAS_SUFFIX, FOLD_BIAS)),
             (_consumer, (O, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
                          q_scale, k_scale, v_scale, sched, kv_num, kv_idx, H, Lq, Lk, num_kv_blocks, q_blocks,
                          num_tiles, n_q_scale, n_k_scale, prefix_len, prefix_bias, suffix_start, suffix_bias,
                          token_perm, s_ob, s_oh, s_ol, s_nb,
                          s_nh, s_ib, s_ih, s_iq, HEAD_DIM, STAGES, Q_STAGES, 1, TAIL_K, HAS_BIAS, P_SHIFT, SCHEDULE,
-                         ABLATE, FMA_QUARTERS, HAS_PERM, HAS_SUFFIX)),
+                         ABLATE, FMA_QUARTERS, HAS_PERM, HAS_SUFFIX, FOLD_BIAS)),
         ], [4, 4], [_REGS, _REGS])
 
 
@@ -454,7 +469,7 @@ def launch_ws(q, k, v, block_map, scale: float, config: dict | None = None, pref
         HEAD_DIM=head_dim, STAGES=int(cfg["stages"]), Q_STAGES=int(cfg["q_stages"]),
         TAIL_K=kv_len % BLOCK != 0, HAS_BIAS=has_bias, P_SHIFT=P_SHIFT_LOG2, SCHEDULE=cfg["schedule"],
         ABLATE=int(cfg.get("ablate", 0)), FMA_QUARTERS=int(cfg["fma_quarters"]), HAS_PERM=token_perm is not None,
-        HAS_SUFFIX=suffix_start < kv_len, num_warps=4)
+        HAS_SUFFIX=suffix_start < kv_len, FOLD_BIAS=bool(cfg["fold_bias"]), num_warps=4)
     return out
 
 
