@@ -1,7 +1,9 @@
 """The plan of one request: the immutable retrieval result plus the request's state.
 
 - :class:`Retrieval` (frozen): what retrieval decided — a hit (reuse an entry's masks) or a miss
-  (dense + record) — with the request's embedding, latent shape, metadata and threshold.
+  (dense + record) — with the request's embedding, latent shape, metadata and threshold. A hit whose
+  entry was made for other weights than a model it meets is replaced, before any sparse call, by
+  the retrieval of a candidate made for them (``Plan.serve_model``), or demoted.
 - :class:`~chorus.engine.state.RequestState` (``plan.state``): what changes while the request
   samples (stats, recorder, experts, refresh, feature-reuse state, entry extras, commit result).
 - :class:`Plan`: the object passed between nodes / hosts; read-only properties over both, and the
@@ -22,7 +24,7 @@ import torch
 
 from .. import kernels
 from .recorder import MassRecorder
-from .signature import ModelInfo, entry_token_order, token_grid
+from .signature import ModelInfo, entry_token_order, model_mismatch, token_grid
 from .state import PlanStats, RequestState
 
 log = logging.getLogger("chorus.engine")
@@ -50,6 +52,9 @@ class Retrieval:
     similarity_threshold: float | None = None
     request_meta: Mapping = field(default_factory=dict)
     workspace: Any = field(default=None, repr=False)
+    # a hit's other search results at or above the threshold, ``((entry_id, similarity), ...)`` best
+    # first: where :meth:`Plan.serve_model` looks when the entry was made for another model
+    alternatives: tuple = ()
     # a hit's token order (None: raster), read from its entry's signature once, here
     entry_order: Any = field(default=None, init=False, repr=False)
 
@@ -78,6 +83,7 @@ class Retrieval:
             fix("resample_to", tuple(int(g) for g in self.resample_to))
         if self.similarity_threshold is not None:
             fix("similarity_threshold", float(self.similarity_threshold))
+        fix("alternatives", tuple((entry_id, float(sim)) for entry_id, sim in (self.alternatives or ())))
         fix("masks", types.MappingProxyType(dict(self.masks or {})))
         fix("request_meta", types.MappingProxyType(dict(self.request_meta or {})))
 
@@ -113,12 +119,13 @@ class Plan:
     def __init__(self, kind: str, *, message: str = "", embedding=None, latent_shape=None,
                  request_meta: dict | None = None, entry_id=None, similarity: float | None = None,
                  masks: dict | None = None, entry_meta: dict | None = None, resample_to=None,
-                 workspace=None, similarity_threshold: float | None = None, keep_mass: bool = False,
-                 record: bool = True):
+                 workspace=None, similarity_threshold: float | None = None, alternatives=(),
+                 keep_mass: bool = False, record: bool = True):
         retrieval = Retrieval(kind, message=message, entry_id=entry_id, similarity=similarity, masks=masks or {},
                               entry_meta=entry_meta, embedding=embedding, latent_shape=latent_shape,
                               resample_to=resample_to, similarity_threshold=similarity_threshold,
-                              request_meta=request_meta or {}, workspace=workspace)
+                              request_meta=request_meta or {}, workspace=workspace,
+                              alternatives=tuple(alternatives))
         self._init(retrieval, keep_mass=keep_mass, record=record)
 
     def _init(self, retrieval: Retrieval, *, keep_mass: bool, record: bool) -> None:
@@ -317,28 +324,52 @@ class Plan:
             else:
                 self.experts.append(info)
                 index = len(self.experts) - 1
-            if self.is_hit:
-                reason = self.model_mismatch(info)
-                if reason is None:
-                    return list(self.entry_meta["signature"].get("experts", [])).index(info.fingerprint)
-                self.demote(reason)
+            if self.is_hit and self.serve_model(info) is None:
+                return list(self.entry_meta["signature"].get("experts", [])).index(info.fingerprint)
             return index
 
     def model_mismatch(self, info: ModelInfo) -> str | None:
         """Why a hit's entry cannot serve this model (variant, geometry, weights), or None."""
         if not self.is_hit:
             return None
-        sig = self.entry_meta["signature"]
-        try:
-            if sig.get("variant") != info.variant:
-                return f"entry made for {sig.get('variant')}, this model is {info.variant}"
-            if int(sig.get("num_layers", -1)) != info.num_layers or int(sig.get("num_heads", -1)) != info.num_heads:
-                return "entry made for a model with other layer/head counts"
-            if not isinstance(sig.get("experts"), list) or info.fingerprint not in sig["experts"]:
-                return f"plan made for another model (weights fingerprint {info.fingerprint} not in the entry)"
-        except (TypeError, ValueError, AttributeError) as exc:  # a hostile or damaged signature
-            return f"entry signature unreadable ({type(exc).__name__}: {exc})"
-        return None
+        return model_mismatch(self.entry_meta["signature"], info)
+
+    def serve_model(self, info: ModelInfo) -> str | None:
+        """Make a hit serve this model, or demote it; returns the demotion reason, or None.
+
+        Retrieval does not know the models (the embedding is the request's), so the best entry can
+        be one made for other weights: the same prompt sampled with another LoRA, or another
+        strength, has an equal embedding. Before the request's first sparse call, a hit whose entry
+        does not serve ``info`` moves to the most similar of retrieval's other candidates that serves
+        it and every model this plan served so far (:func:`~chorus.engine.retrieval.retrieval_for_models`,
+        once per model); when none does, or sparse calls already ran, the plan is demoted.
+        """
+        with self.state.lock:
+            if not self.is_hit:
+                return None
+            served = self.state.served_models
+            reason = self.model_mismatch(info)
+            if reason is None:
+                if all(m.fingerprint != info.fingerprint for m in served):
+                    served.append(info)
+                return None
+            if self.state.stats.sparse_calls == 0 and self.retrieval.alternatives:
+                from .retrieval import retrieval_for_models  # retrieval builds plans: imported when used
+
+                moved, why = retrieval_for_models(self.retrieval, [*served, info])
+                if moved is not None:
+                    old = self.retrieval.entry_id
+                    object.__setattr__(self, "retrieval", moved)
+                    self.state.resampled.clear()
+                    self.state.stats.similarity = moved.similarity
+                    served.append(info)
+                    self.note(f"hit moved from entry {old} ({reason}) to entry {moved.entry_id}, similarity "
+                              f"{moved.similarity:.3f}, made for this model")
+                    return None
+                if why:
+                    reason += f"; no other candidate serves it ({why})"
+            self.demote(reason)
+            return reason
 
     def refresh_state(self, refresh_steps: int):
         """The request's ``VisitRefresh`` for this R (shared by all experts)."""

@@ -13,12 +13,12 @@ import time
 import numpy as np
 import torch
 
-from .plan import Plan
-from .signature import SIGNATURE_FORMAT, TOKEN_ORDER, latent_compatibility, token_grid
+from .plan import Plan, Retrieval
+from .signature import SIGNATURE_FORMAT, TOKEN_ORDER, latent_compatibility, model_mismatch, token_grid
 
 log = logging.getLogger("chorus.engine")
 
-SEARCH_CANDIDATES = 4
+SEARCH_CANDIDATES = 8  # also the candidates a hit can move to when it meets another model
 
 
 def retrieve_plan(workspace, embedding, latent_shape, *, similarity_threshold: float = 0.9,
@@ -37,7 +37,9 @@ def _retrieve_plan(workspace, embedding, latent_shape, *, similarity_threshold: 
     ``embedding``: 1-D float vector (the store normalises it). ``latent_shape``: ``[C, T, H, W]`` or
     ``[B, C, T, H, W]``. The best ``candidates`` entries by similarity are tried in order; an entry
     is used when its similarity >= ``similarity_threshold`` and its latent is compatible (same grid,
-    or another grid of the same aspect: masks resampled). Unreadable entries are skipped with a
+    or another grid of the same aspect: masks resampled); a hit keeps the candidates ranked after it
+    at or above the threshold (``Retrieval.alternatives``: where it moves when it meets a model its
+    entry was not made for, :meth:`Plan.serve_model`). Unreadable entries are skipped with a
     message. Never raises for a store problem: returns a miss that says what happened.
     Raises ``ValueError`` for a threshold outside [0, 1] or a bad latent shape.
     """
@@ -57,31 +59,66 @@ def _retrieve_plan(workspace, embedding, latent_shape, *, similarity_threshold: 
     if not found:
         return Plan.miss("miss: the workspace has no entries yet", **common)
     reasons = []
-    for entry_id, similarity in found:
+    for i, (entry_id, similarity) in enumerate(found):
         similarity = float(similarity)
         if similarity < similarity_threshold:
             reasons.append(f"best remaining similarity {similarity:.3f} < threshold {similarity_threshold:.3f}")
             break
-        try:
-            masks, meta = _load(workspace, entry_id)
-            signature = meta["signature"]
-        except Exception as exc:  # noqa: BLE001 - corrupt entry: the store quarantines it; go on
-            reasons.append(f"entry {entry_id} unreadable ({type(exc).__name__}: {exc})")
-            continue
-        verdict, why = latent_compatibility(signature, latent)
-        if verdict == "incompatible":
-            reasons.append(f"entry {entry_id} (similarity {similarity:.3f}) incompatible: {why}")
-            continue
-        if not masks:
-            reasons.append(f"entry {entry_id} holds no masks")
-            continue
-        message = f"hit: entry {entry_id}, similarity {similarity:.3f}"
-        if verdict == "resample":
-            message += f" ({why})"
-        return Plan("hit", message=message, entry_id=entry_id, similarity=similarity, masks=masks,
-                    entry_meta=meta, resample_to=grid if verdict == "resample" else None, **common)
+        alternatives = tuple((e, float(s)) for e, s in found[i + 1:] if float(s) >= similarity_threshold)
+        hit, why = _hit(workspace, entry_id, similarity, grid, latent, common, alternatives)
+        if hit is not None:
+            return Plan.from_retrieval(hit)
+        reasons.append(why)
     best = float(found[0][1])
     return Plan.miss(f"miss (best similarity {best:.3f}): " + "; ".join(reasons), **common)
+
+
+def _hit(workspace, entry_id, similarity: float, grid, latent, common: dict, alternatives=(), models=()):
+    """``(Retrieval, "")`` of a hit on this entry, or ``(None, why not)``: unreadable, incompatible
+    latent, no masks, or (``models``: ModelInfo) made for another of them."""
+    try:
+        masks, meta = _load(workspace, entry_id)
+        signature = meta["signature"]
+    except Exception as exc:  # noqa: BLE001 - corrupt entry: the store quarantines it; go on
+        return None, f"entry {entry_id} unreadable ({type(exc).__name__}: {exc})"
+    verdict, why = latent_compatibility(signature, latent)
+    if verdict == "incompatible":
+        return None, f"entry {entry_id} (similarity {similarity:.3f}) incompatible: {why}"
+    if not masks:
+        return None, f"entry {entry_id} holds no masks"
+    for info in models:
+        mismatch = model_mismatch(signature, info)
+        if mismatch is not None:
+            return None, f"entry {entry_id}: {mismatch}"
+    message = f"hit: entry {entry_id}, similarity {similarity:.3f}"
+    if verdict == "resample":
+        message += f" ({why})"
+    try:
+        return Retrieval("hit", message=message, entry_id=entry_id, similarity=similarity, masks=masks,
+                         entry_meta=meta, resample_to=grid if verdict == "resample" else None,
+                         alternatives=alternatives, **common), ""
+    except ValueError as exc:  # e.g. an order that cannot be resampled: not this entry
+        return None, f"entry {entry_id}: {exc}"
+
+
+def retrieval_for_models(retrieval: Retrieval, models) -> tuple[Retrieval | None, str]:
+    """The hit on the most similar of ``retrieval.alternatives`` whose entry serves every model of
+    ``models`` (:class:`ModelInfo`), with the alternatives after it, or ``(None, why not)``. Loads
+    candidates from ``retrieval.workspace`` in order (an entry is ~5 MB, tens of ms). Never raises
+    for a store problem (that candidate is skipped)."""
+    grid = token_grid(retrieval.latent_shape)
+    common = dict(embedding=retrieval.embedding, latent_shape=retrieval.latent_shape,
+                  request_meta=dict(retrieval.request_meta), workspace=retrieval.workspace,
+                  similarity_threshold=retrieval.similarity_threshold)
+    reasons = []
+    candidates = list(retrieval.alternatives)
+    for i, (entry_id, similarity) in enumerate(candidates):
+        hit, why = _hit(retrieval.workspace, entry_id, similarity, grid, retrieval.latent_shape, common,
+                        tuple(candidates[i + 1:]), models)
+        if hit is not None:
+            return hit, ""
+        reasons.append(why)
+    return None, "; ".join(reasons)
 
 
 def _load(workspace, entry_id):

@@ -199,6 +199,24 @@ def entry_token_order(entry_signature: dict):
                      f"and block size {block_size}")
 
 
+def model_mismatch(entry_signature, info: ModelInfo) -> str | None:
+    """Why an entry (its signature) cannot serve this model, or None: another variant, other layer /
+    head counts, or weights whose fingerprint is not among the entry's experts. A damaged signature
+    is a reason too (never raises)."""
+    try:
+        if entry_signature.get("variant") != info.variant:
+            return f"entry made for {entry_signature.get('variant')}, this model is {info.variant}"
+        if int(entry_signature.get("num_layers", -1)) != info.num_layers \
+                or int(entry_signature.get("num_heads", -1)) != info.num_heads:
+            return "entry made for a model with other layer/head counts"
+        experts = entry_signature.get("experts")
+        if not isinstance(experts, list) or info.fingerprint not in experts:
+            return f"plan made for another model (weights fingerprint {info.fingerprint} not in the entry)"
+    except (TypeError, ValueError, AttributeError) as exc:  # a hostile or damaged signature
+        return f"entry signature unreadable ({type(exc).__name__}: {exc})"
+    return None
+
+
 def latent_compatibility(entry_signature: dict, latent_shape) -> tuple[str, str]:
     """Can an entry's masks serve a latent of this shape?
 

@@ -148,6 +148,7 @@ class RequestState:
     stats: PlanStats = field(default_factory=PlanStats)
     recorder: MassRecorder | None = None
     experts: list = field(default_factory=list)
+    served_models: list = field(default_factory=list)  # ModelInfo of the models a hit was checked to serve
     demoted_reason: str | None = None
     refresh: dict = field(default_factory=dict)
     resampled: dict = field(default_factory=dict)

@@ -463,9 +463,7 @@ def configure(model, plan: Plan | None, *, sparse=KEEP, feature_reuse=KEEP, guid
     attention = fr = None
     if plan is not None and info.supported:
         if sparse_config is not None:
-            mismatch = plan.model_mismatch(info)
-            if mismatch is not None:  # say so now, in the node's UI text, not only after sampling
-                plan.demote(mismatch)
+            plan.serve_model(info)  # another model's entry: move to one made for this model, or demote, now
             attention = ChorusAttention(plan, sparse_config, info,
                                         record_region=_record_region(fr_config))
         if fr_config is not None:

@@ -4,6 +4,7 @@ and the retrieval/commit round trip through a real cache_store Workspace."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import numpy as np
 import pytest
@@ -253,6 +254,59 @@ def test_workspace_round_trip_resample_and_corruption(tmp_path):
         path.write_bytes(bytes(data))
     broken = retrieve_plan(ws, emb, LATENT)
     assert not broken.is_hit and "unreadable" in broken.message
+
+
+def _write_entry(ws, emb, *infos, sigmas=SIGMAS):
+    """A miss recorded by these models (one run each, the schedule split between them) and written."""
+    plan = Plan.miss("recording", embedding=emb, latent_shape=LATENT)
+    cut = len(sigmas) // len(infos)
+    for i, info in enumerate(infos):
+        part = sigmas[i * cut: len(sigmas) if i == len(infos) - 1 else (i + 1) * cut + 1]
+        run_steps(ChorusAttention(plan, CFG, info), sigmas=part)
+    assert commit_plan(ws, plan).startswith("wrote entry"), plan.committed
+    return len(ws)
+
+
+def test_a_hit_on_another_models_entry_moves_to_the_entry_made_for_this_model(tmp_path):
+    """The same prompt sampled with another LoRA (strength) has an equal embedding: retrieval ranks
+    the older entry first, made for other weights. The plan moves, before its first sparse call, to
+    the candidate made for the model it meets (for A14B: for both experts); with none, it demotes."""
+    ws = Workspace.open(tmp_path / "ws")
+    emb = np.random.default_rng(3).standard_normal(24).astype(np.float32)
+    lora = dataclasses.replace(INFO, fingerprint="fp-high-lora")
+    lora_low = dataclasses.replace(INFO_LOW, fingerprint="fp-low-lora")
+    base_id = _write_entry(ws, emb, INFO, INFO_LOW)
+    lora_id = _write_entry(ws, emb, lora, lora_low)
+    mixed_id = _write_entry(ws, emb, lora, INFO_LOW)  # the LoRA on the high-noise expert only
+
+    plan = retrieve_plan(ws, emb, LATENT)
+    assert plan.is_hit and plan.entry_id == base_id  # ties rank the older entry first
+    assert [e for e, _ in plan.retrieval.alternatives] == [lora_id, mixed_id]
+    run_steps(ChorusAttention(plan, CFG, lora), sigmas=SIGMAS[:3])
+    run_steps(ChorusAttention(plan, CFG, lora_low), sigmas=SIGMAS[2:])
+    assert plan.is_hit and plan.entry_id == lora_id, plan.message
+    assert plan.stats.sparse_calls == 6 and plan.stats.dense_calls == 0
+    assert any(f"hit moved from entry {base_id}" in m for m in plan.stats.messages), plan.stats.messages
+    assert [e.fingerprint for e in plan.experts] == ["fp-high-lora", "fp-low-lora"]
+    assert commit_plan(ws, plan).startswith(f"hit: updated stats of entry {lora_id}")
+
+    # both experts met before sampling (ComfyUI patches each model first): the entry made for both
+    plan = retrieve_plan(ws, emb, LATENT)
+    assert plan.serve_model(lora) is None and plan.entry_id == lora_id
+    assert plan.serve_model(INFO_LOW) is None and plan.entry_id == mixed_id
+    assert plan.serve_model(lora) is None and plan.entry_id == mixed_id  # already served: stays
+
+    # no candidate made for this model: demoted (dense + recording), with every candidate's reason
+    other = dataclasses.replace(INFO, fingerprint="fp-other")
+    plan = retrieve_plan(ws, emb, LATENT)
+    reason = plan.serve_model(other)
+    assert not plan.is_hit and reason and "no other candidate serves it" in reason and plan.recorder is not None
+    # a model met after sparse calls ran cannot move the plan: demoted, nothing written
+    plan = retrieve_plan(ws, emb, LATENT)
+    run_steps(ChorusAttention(plan, CFG, INFO), sigmas=SIGMAS[:3])
+    assert plan.is_hit and plan.entry_id == base_id and plan.stats.sparse_calls == 4
+    run_steps(ChorusAttention(plan, CFG, lora_low), sigmas=SIGMAS[2:])
+    assert not plan.is_hit and "another model" in plan.message
 
 
 def test_plan_is_an_immutable_retrieval_plus_one_request_state(tmp_path):
