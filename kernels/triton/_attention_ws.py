@@ -26,8 +26,8 @@ issuing their GEMMs (FlashAttention-3's ping-pong: each consumer waits on its ow
 barrier, ``bar.sync`` over both warpgroups' 256 threads, and hands the turn over with ``bar.arrive``
 on the other's; ids ``TURN_BARRIERS``, clear of the ids Triton gives its partitions). ``FMA_QUARTERS``
 (0 by default; 1 or 2): that share of each row's exp2 runs on the FMA pipes instead of the MUFU
-(FlashAttention-4's split, :func:`_exp2_split`). ``FOLD_BIAS`` (on by default): a key block wholly
-inside the prefix / suffix takes its bias in the per-row terms of the softmax, not per element. All but the defaults are the benchmark's levers
+(FlashAttention-4's split, :func:`_exp2_split`). A key block wholly inside the prefix / suffix takes
+its bias in the per-row terms of the softmax, not per element. All but the defaults are the benchmark's levers
 (``docs/BENCHMARKS.md``, "third run": overlap and ping-pong slower here, a quarter split +3% on a
 full map and level where hits run; ping-pong on named barriers: +1% on a full map, -2% / level at
 15% / 5%, "fourth run").
@@ -70,7 +70,7 @@ CONSUMER_ROWS = 64  # query rows per consumer warpgroup (one wgmma M tile of 4 w
 CONSUMER_REGS = 240  # registers per consumer thread (setmaxnreg); the producer keeps the rest
 SCHEDULES = ("serial", "overlap", "pingpong")
 TURN_BARRIERS = (8, 9)  # ping-pong: the consumers' named hardware barriers (Triton's partitions use ids 0-3)
-DEFAULT_CONFIG = dict(stages=3, q_stages=2, schedule="serial", fma_quarters=0, fold_bias=True)
+DEFAULT_CONFIG = dict(stages=3, q_stages=2, schedule="serial", fma_quarters=0)
 
 
 def available() -> str | None:
@@ -189,46 +189,48 @@ if gluon is not None:
         return gl.convert_layout(y, layout, assert_trivial=True)
 
     @gluon.jit
-    def _softmax_block(s, m_i, l_i, sc, kb, offs_n, Lk, num_kv_blocks, prefix_len, prefix_bias, suffix_start,
-                       suffix_bias, TAIL_K: gl.constexpr,
-                       HAS_BIAS: gl.constexpr, HAS_SUFFIX: gl.constexpr, P_SHIFT: gl.constexpr, ABLATE: gl.constexpr,
-                       FMA_QUARTERS: gl.constexpr, FOLD_BIAS: gl.constexpr):
+    def _key_block_bias(kb, prefix_len, prefix_bias, suffix_start, suffix_bias, HAS_SUFFIX: gl.constexpr):
+        """Key block ``kb``'s share of the prefix / suffix biases (log2 units), from its index alone (so it
+        is computed while the block's ``Q @ K^T`` runs): ``(whole, pre_keys, tail_from, edge)`` with
+        ``whole`` = the bias of every key of the block (blocks wholly inside the prefix and / or the
+        suffix), the block's prefix keys ``[0, pre_keys)`` and suffix keys ``[tail_from, BLOCK)``, and
+        ``edge`` = whether the prefix or suffix ends inside the block (then per-key biases apply)."""
+        pre_keys = prefix_len - kb * _BLOCK
+        whole = gl.where(pre_keys >= _BLOCK, prefix_bias, 0.0)
+        edge = (pre_keys > 0) & (pre_keys < _BLOCK)
+        tail_from = suffix_start - kb * _BLOCK
+        if HAS_SUFFIX:
+            whole = whole + gl.where(tail_from <= 0, suffix_bias, 0.0)
+            edge = edge | ((tail_from > 0) & (tail_from < _BLOCK))
+        return whole, pre_keys, tail_from, edge
+
+    @gluon.jit
+    def _softmax_block(s, m_i, l_i, sc, kb, offs_n, Lk, num_kv_blocks, whole, pre_keys, tail_from, edge, prefix_bias,
+                       suffix_bias, TAIL_K: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_SUFFIX: gl.constexpr,
+                       P_SHIFT: gl.constexpr, ABLATE: gl.constexpr, FMA_QUARTERS: gl.constexpr):
         """Online softmax over key block ``kb``'s wgmma output ``s`` (``sc`` = sq * sk > 0, folded in after
         the row max): returns ``(P, m, l, alpha)`` with ``P = exp2(s * sc - m + P_SHIFT)`` in fp32 (row
         maximum 2^P_SHIFT, inside e4m3), the new row max / sum and ``alpha`` = the old accumulator's
         rescale factor. Keys past ``Lk`` in the partial last block get -inf. ``HAS_BIAS`` (``HAS_SUFFIX``): keys
         ``< prefix_len`` get ``prefix_bias`` (log2 units) added to their scaled logit, and keys
-        ``>= suffix_start`` ``suffix_bias``: on a block wholly inside the prefix / suffix (``FOLD_BIAS``) as
-        one per-row term in the row maximum and the shift, on the one block an edge crosses as
-        ``bias / sc`` added to those elements of ``s``; blocks outside both run the unbiased code. ABLATE
+        ``>= suffix_start`` ``suffix_bias`` (:func:`_key_block_bias` gives this block's share): a block
+        wholly inside the prefix / suffix takes it as one per-row term in the row maximum and the shift,
+        the one block an edge crosses also as ``bias / sc`` added to those elements of ``s``. ABLATE
         (benchmark only, results meaningless): 1 leaves the exp2 out, 2 the whole softmax."""
         if TAIL_K:
             if kb == num_kv_blocks - 1:
                 s = gl.where((kb * _BLOCK + offs_n < Lk)[None, :], s, float("-inf"))
         if HAS_BIAS:
-            # FOLD_BIAS: a block wholly inside the prefix (suffix) adds its bias to the row terms (the row
-            # max and the shift: per row, not per element); a block the prefix / suffix edge crosses adds
-            # it per element
-            blk_bias = prefix_bias * 0.0  # log2 units, this block's uniform bias
-            biased_keys = prefix_len - kb * _BLOCK  # keys of this block in the prefix: [0, biased_keys)
-            if FOLD_BIAS and biased_keys >= _BLOCK:
-                blk_bias = blk_bias + prefix_bias
-            elif biased_keys > 0:
-                s = gl.where((offs_n < biased_keys)[None, :], s + prefix_bias / sc, s)
-            if HAS_SUFFIX:
-                tail_from = suffix_start - kb * _BLOCK  # ... in the suffix: [tail_from, BLOCK)
-                if tail_from <= 0:  # a whole block of the suffix
-                    if FOLD_BIAS:
-                        blk_bias = blk_bias + suffix_bias
-                    else:
-                        s = s + suffix_bias / sc
-                elif tail_from < _BLOCK:
-                    s = gl.where((offs_n >= tail_from)[None, :], s + suffix_bias / sc, s)
+            if edge:  # per key: the prefix's last (partial) block, the suffix's first
+                keys = gl.where((offs_n < pre_keys) & (pre_keys < _BLOCK), prefix_bias, 0.0)
+                if HAS_SUFFIX:
+                    keys = keys + gl.where((offs_n >= tail_from) & (tail_from > 0), suffix_bias, 0.0)
+                s = s + (keys / sc)[None, :]
         if ABLATE == 2:
             return s * sc, m_i, l_i, gl.full_like(m_i, 1.0)
         if HAS_BIAS:  # exp2(s * sc + b - m + shift), the block's uniform b in the row terms
-            m_new = gl.maximum(m_i, gl.max(s, axis=1) * sc + blk_bias)
-            p = s * sc - (m_new - P_SHIFT - blk_bias)[:, None]
+            m_new = gl.maximum(m_i, gl.max(s, axis=1) * sc + whole)
+            p = s * sc - (m_new - P_SHIFT - whole)[:, None]
         else:
             m_new = gl.maximum(m_i, gl.max(s, axis=1) * sc)
             p = s * sc - (m_new - P_SHIFT)[:, None]
@@ -261,7 +263,7 @@ if gluon is not None:
                   s_iq, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, Q_STAGES: gl.constexpr, CONSUMER: gl.constexpr,
                   TAIL_K: gl.constexpr, HAS_BIAS: gl.constexpr, P_SHIFT: gl.constexpr, SCHEDULE: gl.constexpr,
                   ABLATE: gl.constexpr, FMA_QUARTERS: gl.constexpr, HAS_PERM: gl.constexpr,
-                  HAS_SUFFIX: gl.constexpr, FOLD_BIAS: gl.constexpr):
+                  HAS_SUFFIX: gl.constexpr):
         ROWS: gl.constexpr = _ROWS
         # wgmma accumulator layouts (M = 64 rows over 4 warps; K = 32 for 8-bit operands) and the
         # register layout of P as the A operand of P @ V
@@ -304,13 +306,15 @@ if gluon is not None:
                 if n_kv > 0:  # block 0: no P @ V in flight yet
                     kb = gl.load(idx_row)
                     sc = sq * gl.load(k_scale_row + kb)
+                    whole, pre_keys, tail_from, edge = _key_block_bias(kb, prefix_len, prefix_bias, suffix_start,
+                                                                       suffix_bias, HAS_SUFFIX)
                     st = kctr % STAGES
                     mbarrier.wait(k_ready.index(st), (kctr // STAGES) & 1)
                     s = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
                     s = warpgroup_mma_wait(num_outstanding=0, deps=[s])
-                    p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, sc, kb, offs_n, Lk, num_kv_blocks, prefix_len,
-                                                        prefix_bias, suffix_start, suffix_bias, TAIL_K, HAS_BIAS,
-                                                        HAS_SUFFIX, P_SHIFT, ABLATE, FMA_QUARTERS, FOLD_BIAS)
+                    p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, sc, kb, offs_n, Lk, num_kv_blocks, whole, pre_keys,
+                                                        tail_from, edge, prefix_bias, suffix_bias, TAIL_K, HAS_BIAS,
+                                                        HAS_SUFFIX, P_SHIFT, ABLATE, FMA_QUARTERS)
                     p8 = _p_operand(p, p_layout)
                     mbarrier.wait(v_ready.index(st), (kctr // STAGES) & 1)
                     prev = st
@@ -318,14 +322,16 @@ if gluon is not None:
                 for j in range(1, n_kv):
                     kb = gl.load(idx_row + j)
                     sc = sq * gl.load(k_scale_row + kb)
+                    whole, pre_keys, tail_from, edge = _key_block_bias(kb, prefix_len, prefix_bias, suffix_start,
+                                                                       suffix_bias, HAS_SUFFIX)
                     st = kctr % STAGES
                     mbarrier.wait(k_ready.index(st), (kctr // STAGES) & 1)
                     s = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
                     acc = warpgroup_mma(p8, v_smem.index(prev).permute((1, 0)), acc, is_async=True)
                     s = warpgroup_mma_wait(num_outstanding=1, deps=[s])  # Q @ K^T done; P @ V may run on
-                    p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, sc, kb, offs_n, Lk, num_kv_blocks, prefix_len,
-                                                        prefix_bias, suffix_start, suffix_bias, TAIL_K, HAS_BIAS,
-                                                        HAS_SUFFIX, P_SHIFT, ABLATE, FMA_QUARTERS, FOLD_BIAS)
+                    p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, sc, kb, offs_n, Lk, num_kv_blocks, whole, pre_keys,
+                                                        tail_from, edge, prefix_bias, suffix_bias, TAIL_K, HAS_BIAS,
+                                                        HAS_SUFFIX, P_SHIFT, ABLATE, FMA_QUARTERS)
                     acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
                     mbarrier.arrive(kv_empty.index(prev), count=1)
                     acc = acc * gl.convert_layout(alpha, row_o)[:, None]
@@ -343,6 +349,8 @@ if gluon is not None:
                 # warpgroups take turns issuing each GEMM (named barriers), FlashAttention-3's ping-pong
                 kb = gl.load(idx_row + j)
                 sc = sq * gl.load(k_scale_row + kb)
+                whole, pre_keys, tail_from, edge = _key_block_bias(kb, prefix_len, prefix_bias, suffix_start,
+                                                                   suffix_bias, HAS_SUFFIX)
                 st = kctr % STAGES
                 ph = (kctr // STAGES) & 1
                 mbarrier.wait(k_ready.index(st), ph)
@@ -352,9 +360,9 @@ if gluon is not None:
                 if SCHEDULE == "pingpong":
                     _turn_pass(CONSUMER)
                 s = warpgroup_mma_wait(num_outstanding=0, deps=[s])
-                p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, sc, kb, offs_n, Lk, num_kv_blocks, prefix_len,
-                                                    prefix_bias, suffix_start, suffix_bias, TAIL_K, HAS_BIAS,
-                                                    HAS_SUFFIX, P_SHIFT, ABLATE, FMA_QUARTERS, FOLD_BIAS)
+                p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, sc, kb, offs_n, Lk, num_kv_blocks, whole, pre_keys, tail_from,
+                                                    edge, prefix_bias, suffix_bias, TAIL_K, HAS_BIAS, HAS_SUFFIX,
+                                                    P_SHIFT, ABLATE, FMA_QUARTERS)
                 acc = acc * gl.convert_layout(alpha, row_o)[:, None]
                 p8 = _p_operand(p, p_layout)
                 mbarrier.wait(v_ready.index(st), ph)
@@ -390,7 +398,7 @@ if gluon is not None:
                        HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, Q_STAGES: gl.constexpr,
                        TAIL_K: gl.constexpr, HAS_BIAS: gl.constexpr, P_SHIFT: gl.constexpr, SCHEDULE: gl.constexpr,
                        ABLATE: gl.constexpr, FMA_QUARTERS: gl.constexpr, HAS_PERM: gl.constexpr,
-                       HAS_SUFFIX: gl.constexpr, FOLD_BIAS: gl.constexpr):
+                       HAS_SUFFIX: gl.constexpr):
         q_smem = gl.allocate_shared_memory(gl.float8e4nv, [Q_STAGES, _BLOCK, HEAD_DIM], q_desc.layout)
         k_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, _BLOCK, HEAD_DIM], k_desc.layout)
         v_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, HEAD_DIM, _BLOCK], v_desc.layout)
@@ -415,13 +423,13 @@ if gluon is not None:
                          num_tiles, n_q_scale, n_k_scale, prefix_len, prefix_bias, suffix_start, suffix_bias,
                          token_perm, s_ob, s_oh, s_ol, s_nb,
                          s_nh, s_ib, s_ih, s_iq, HEAD_DIM, STAGES, Q_STAGES, 0, TAIL_K, HAS_BIAS, P_SHIFT, SCHEDULE,
-                         ABLATE, FMA_QUARTERS, HAS_PERM, HAS_SUFFIX, FOLD_BIAS)),
+                         ABLATE, FMA_QUARTERS, HAS_PERM, HAS_SUFFIX)),
             (_consumer, (O, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
                          q_scale, k_scale, v_scale, sched, kv_num, kv_idx, H, Lq, Lk, num_kv_blocks, q_blocks,
                          num_tiles, n_q_scale, n_k_scale, prefix_len, prefix_bias, suffix_start, suffix_bias,
                          token_perm, s_ob, s_oh, s_ol, s_nb,
                          s_nh, s_ib, s_ih, s_iq, HEAD_DIM, STAGES, Q_STAGES, 1, TAIL_K, HAS_BIAS, P_SHIFT, SCHEDULE,
-                         ABLATE, FMA_QUARTERS, HAS_PERM, HAS_SUFFIX, FOLD_BIAS)),
+                         ABLATE, FMA_QUARTERS, HAS_PERM, HAS_SUFFIX)),
         ], [4, 4], [_REGS, _REGS])
 
 
@@ -469,7 +477,7 @@ def launch_ws(q, k, v, block_map, scale: float, config: dict | None = None, pref
         HEAD_DIM=head_dim, STAGES=int(cfg["stages"]), Q_STAGES=int(cfg["q_stages"]),
         TAIL_K=kv_len % BLOCK != 0, HAS_BIAS=has_bias, P_SHIFT=P_SHIFT_LOG2, SCHEDULE=cfg["schedule"],
         ABLATE=int(cfg.get("ablate", 0)), FMA_QUARTERS=int(cfg["fma_quarters"]), HAS_PERM=token_perm is not None,
-        HAS_SUFFIX=suffix_start < kv_len, FOLD_BIAS=bool(cfg["fold_bias"]), num_warps=4)
+        HAS_SUFFIX=suffix_start < kv_len, num_warps=4)
     return out
 
 
