@@ -24,7 +24,7 @@ import torch
 
 from .. import kernels
 from .recorder import MassRecorder
-from .signature import ModelInfo, entry_token_order, model_mismatch, token_grid
+from .signature import ModelInfo, entry_token_order, model_mismatch, run_mismatch, token_grid
 from .state import PlanStats, RequestState
 
 log = logging.getLogger("chorus.engine")
@@ -306,12 +306,14 @@ class Plan:
                                                    f"({reason})")
         self.note(f"plan demoted to dense: {reason}")
 
-    def register_expert(self, info: ModelInfo) -> int | None:
-        """Expert index of a model in this request (order of first sampling).
+    def register_expert(self, info: ModelInfo, *, run_starts=None, block_size: int | None = None) -> int | None:
+        """Expert index of a model in this request (order of first sampling), at the start of one of
+        its sampler runs (``run_starts``: the sigmas the run's steps start at; ``block_size``: the
+        sparse sampler's, when it runs one).
 
-        On a hit the model must be one of the entry's experts (same fingerprint and geometry);
-        otherwise the plan is demoted and the index is the model's position among this request's
-        models. Returns None for an unsupported model (the caller runs it dense).
+        On a hit the entry must serve the model and the run (:meth:`serve_model`); otherwise the plan
+        is demoted and the index is the model's position among this request's models. Returns None
+        for an unsupported model (the caller runs it dense).
         """
         with self.state.lock:
             if not info.supported:
@@ -324,7 +326,7 @@ class Plan:
             else:
                 self.experts.append(info)
                 index = len(self.experts) - 1
-            if self.is_hit and self.serve_model(info) is None:
+            if self.is_hit and self.serve_model(info, run_starts=run_starts, block_size=block_size) is None:
                 return list(self.entry_meta["signature"].get("experts", [])).index(info.fingerprint)
             return index
 
@@ -334,21 +336,24 @@ class Plan:
             return None
         return model_mismatch(self.entry_meta["signature"], info)
 
-    def serve_model(self, info: ModelInfo) -> str | None:
-        """Make a hit serve this model, or demote it; returns the demotion reason, or None.
+    def serve_model(self, info: ModelInfo, *, run_starts=None, block_size: int | None = None) -> str | None:
+        """Make a hit serve this model (and, given ``run_starts`` / ``block_size``, this sampler run), or
+        demote it; returns the demotion reason, or None.
 
-        Retrieval does not know the models (the embedding is the request's), so the best entry can
-        be one made for other weights: the same prompt sampled with another LoRA, or another
-        strength, has an equal embedding. Before the request's first sparse call, a hit whose entry
-        does not serve ``info`` moves to the most similar of retrieval's other candidates that serves
-        it and every model this plan served so far (:func:`~chorus.engine.retrieval.retrieval_for_models`,
-        once per model); when none does, or sparse calls already ran, the plan is demoted.
+        Retrieval sees neither the models nor the sampler (the embedding is the request's), so the
+        best entry can be one made for other weights or another schedule: the same prompt sampled with
+        another LoRA, strength or step count has an equal embedding. Before the request's first sparse
+        call, a hit whose entry does not serve them moves to the most similar of retrieval's other
+        candidates that serves them and every model this plan served so far
+        (:func:`~chorus.engine.retrieval.retrieval_for_models`); when none does, or sparse calls
+        already ran, the plan is demoted.
         """
         with self.state.lock:
             if not self.is_hit:
                 return None
             served = self.state.served_models
-            reason = self.model_mismatch(info)
+            signature = self.entry_meta["signature"]
+            reason = model_mismatch(signature, info) or run_mismatch(signature, run_starts, block_size)
             if reason is None:
                 if all(m.fingerprint != info.fingerprint for m in served):
                     served.append(info)
@@ -356,7 +361,8 @@ class Plan:
             if self.state.stats.sparse_calls == 0 and self.retrieval.alternatives:
                 from .retrieval import retrieval_for_models  # retrieval builds plans: imported when used
 
-                moved, why = retrieval_for_models(self.retrieval, [*served, info])
+                moved, why = retrieval_for_models(self.retrieval, [*served, info], run_starts=run_starts,
+                                                  block_size=block_size)
                 if moved is not None:
                     old = self.retrieval.entry_id
                     object.__setattr__(self, "retrieval", moved)
@@ -364,7 +370,7 @@ class Plan:
                     self.state.stats.similarity = moved.similarity
                     served.append(info)
                     self.note(f"hit moved from entry {old} ({reason}) to entry {moved.entry_id}, similarity "
-                              f"{moved.similarity:.3f}, made for this model")
+                              f"{moved.similarity:.3f}, made for this model and schedule")
                     return None
                 if why:
                     reason += f"; no other candidate serves it ({why})"

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from .plan import Plan, Retrieval
-from .signature import SIGNATURE_FORMAT, TOKEN_ORDER, latent_compatibility, model_mismatch, token_grid
+from .signature import SIGNATURE_FORMAT, TOKEN_ORDER, latent_compatibility, model_mismatch, run_mismatch, token_grid
 
 log = logging.getLogger("chorus.engine")
 
@@ -73,9 +73,11 @@ def _retrieve_plan(workspace, embedding, latent_shape, *, similarity_threshold: 
     return Plan.miss(f"miss (best similarity {best:.3f}): " + "; ".join(reasons), **common)
 
 
-def _hit(workspace, entry_id, similarity: float, grid, latent, common: dict, alternatives=(), models=()):
+def _hit(workspace, entry_id, similarity: float, grid, latent, common: dict, alternatives=(), models=(),
+         run_starts=None, block_size=None):
     """``(Retrieval, "")`` of a hit on this entry, or ``(None, why not)``: unreadable, incompatible
-    latent, no masks, or (``models``: ModelInfo) made for another of them."""
+    latent, no masks, made for another of ``models`` (ModelInfo), or not for this sampler run
+    (``run_starts`` / ``block_size``, :func:`~chorus.engine.signature.run_mismatch`)."""
     try:
         masks, meta = _load(workspace, entry_id)
         signature = meta["signature"]
@@ -86,8 +88,8 @@ def _hit(workspace, entry_id, similarity: float, grid, latent, common: dict, alt
         return None, f"entry {entry_id} (similarity {similarity:.3f}) incompatible: {why}"
     if not masks:
         return None, f"entry {entry_id} holds no masks"
-    for info in models:
-        mismatch = model_mismatch(signature, info)
+    for mismatch in [model_mismatch(signature, info) for info in models] + [
+            run_mismatch(signature, run_starts, block_size)]:
         if mismatch is not None:
             return None, f"entry {entry_id}: {mismatch}"
     message = f"hit: entry {entry_id}, similarity {similarity:.3f}"
@@ -101,11 +103,13 @@ def _hit(workspace, entry_id, similarity: float, grid, latent, common: dict, alt
         return None, f"entry {entry_id}: {exc}"
 
 
-def retrieval_for_models(retrieval: Retrieval, models) -> tuple[Retrieval | None, str]:
+def retrieval_for_models(retrieval: Retrieval, models, *, run_starts=None, block_size=None
+                         ) -> tuple[Retrieval | None, str]:
     """The hit on the most similar of ``retrieval.alternatives`` whose entry serves every model of
-    ``models`` (:class:`ModelInfo`), with the alternatives after it, or ``(None, why not)``. Loads
-    candidates from ``retrieval.workspace`` in order (an entry is ~5 MB, tens of ms). Never raises
-    for a store problem (that candidate is skipped)."""
+    ``models`` (:class:`ModelInfo`) and the sampler run (``run_starts``: the sigmas its steps start
+    at; ``block_size``), with the alternatives after it, or ``(None, why not)``. Loads candidates from
+    ``retrieval.workspace`` in order (an entry is ~5 MB, tens of ms). Never raises for a store
+    problem (that candidate is skipped)."""
     grid = token_grid(retrieval.latent_shape)
     common = dict(embedding=retrieval.embedding, latent_shape=retrieval.latent_shape,
                   request_meta=dict(retrieval.request_meta), workspace=retrieval.workspace,
@@ -114,7 +118,7 @@ def retrieval_for_models(retrieval: Retrieval, models) -> tuple[Retrieval | None
     candidates = list(retrieval.alternatives)
     for i, (entry_id, similarity) in enumerate(candidates):
         hit, why = _hit(retrieval.workspace, entry_id, similarity, grid, retrieval.latent_shape, common,
-                        tuple(candidates[i + 1:]), models)
+                        tuple(candidates[i + 1:]), models, run_starts, block_size)
         if hit is not None:
             return hit, ""
         reasons.append(why)

@@ -131,18 +131,11 @@ class ChorusAttention:
         self._reset_run_state()
         self._running = True
         plan.stats.runs += 1
-        self.expert = plan.register_expert(self.model_info)
-        if self.expert is not None and plan.is_hit:
-            entry_bs = plan.entry_meta["signature"].get("block_size")
-            if entry_bs != self.config.block_size:
-                plan.demote(f"entry block size {entry_bs} differs from {self.config.block_size}")
-        if self.expert is not None and plan.is_hit and sig:
-            starts = sig[:-1] if len(sig) > 1 else sig
-            schedule = plan.step_sigmas
-            missing = [s for s in starts if match_step(s, schedule) is None]
-            if missing:
-                plan.demote(f"step schedule differs from the entry's (sigma {missing[0]:.4g} not in "
-                            f"{[round(s, 4) for s in schedule]})")
+        starts = (sig[:-1] if len(sig) > 1 else sig) if sig else None  # the sigmas the run's steps start at
+        # a hit's entry must serve this model, block size and schedule: else it moves to a candidate
+        # that does (before the request's first sparse call) or is demoted (Plan.serve_model)
+        self.expert = plan.register_expert(self.model_info, run_starts=starts, block_size=self.config.block_size)
+        self._entry_steps = list(plan.step_sigmas) if plan.is_hit else []  # of the entry it serves now
 
     def end_run(self) -> None:
         """End a sampler run: count the blocks computed (one host sync per run), decide a verification

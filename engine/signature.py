@@ -217,6 +217,26 @@ def model_mismatch(entry_signature, info: ModelInfo) -> str | None:
     return None
 
 
+def run_mismatch(entry_signature, run_starts=None, block_size: int | None = None) -> str | None:
+    """Why an entry (its signature) cannot serve a sampler run, or None: another block size, or a step
+    of the run (``run_starts``: the sigmas its steps start at) that is not one of the entry's steps
+    (matched by value, :func:`~chorus.engine.routing.match_step`). Never raises."""
+    from .routing import match_step
+
+    try:
+        if block_size is not None and entry_signature.get("block_size") != block_size:
+            return f"entry block size {entry_signature.get('block_size')} differs from {block_size}"
+        if run_starts:
+            schedule = [float(s) for s in entry_signature.get("step_sigmas", [])]
+            missing = [s for s in run_starts if match_step(s, schedule) is None]
+            if missing:
+                return (f"step schedule differs from the entry's (sigma {missing[0]:.4g} not in "
+                        f"{[round(s, 4) for s in schedule]})")
+    except (TypeError, ValueError, AttributeError) as exc:  # a hostile or damaged signature
+        return f"entry signature unreadable ({type(exc).__name__}: {exc})"
+    return None
+
+
 def latent_compatibility(entry_signature: dict, latent_shape) -> tuple[str, str]:
     """Can an entry's masks serve a latent of this shape?
 

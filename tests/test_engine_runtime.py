@@ -268,9 +268,10 @@ def _write_entry(ws, emb, *infos, sigmas=SIGMAS):
 
 
 def test_a_hit_on_another_models_entry_moves_to_the_entry_made_for_this_model(tmp_path):
-    """The same prompt sampled with another LoRA (strength) has an equal embedding: retrieval ranks
-    the older entry first, made for other weights. The plan moves, before its first sparse call, to
-    the candidate made for the model it meets (for A14B: for both experts); with none, it demotes."""
+    """The same prompt sampled with another LoRA (strength) or step count has an equal embedding:
+    retrieval ranks the older entry first, made for other weights or steps. The plan moves, before its
+    first sparse call, to the candidate made for the model (for A14B: both experts) and schedule it
+    meets; with none, it demotes."""
     ws = Workspace.open(tmp_path / "ws")
     emb = np.random.default_rng(3).standard_normal(24).astype(np.float32)
     lora = dataclasses.replace(INFO, fingerprint="fp-high-lora")
@@ -307,6 +308,20 @@ def test_a_hit_on_another_models_entry_moves_to_the_entry_made_for_this_model(tm
     assert plan.is_hit and plan.entry_id == base_id and plan.stats.sparse_calls == 4
     run_steps(ChorusAttention(plan, CFG, lora_low), sigmas=SIGMAS[2:])
     assert not plan.is_hit and "another model" in plan.message
+
+    # the same for the sampler's schedule (another step count on the same prompt): the first run's
+    # steps decide, before any sparse call
+    steps5 = [1.0, 0.8, 0.6, 0.3, 0.0]
+    five_id = _write_entry(ws, emb, INFO, INFO_LOW, sigmas=steps5)
+    plan = retrieve_plan(ws, emb, LATENT)
+    assert plan.entry_id == base_id
+    run_steps(ChorusAttention(plan, CFG, INFO), sigmas=steps5[:3])
+    run_steps(ChorusAttention(plan, CFG, INFO_LOW), sigmas=steps5[2:])
+    assert plan.is_hit and plan.entry_id == five_id and plan.stats.sparse_calls == 8, plan.message
+    assert any("step schedule differs" in m and f"to entry {five_id}" in m for m in plan.stats.messages)
+    plan = retrieve_plan(ws, emb, LATENT)  # a schedule no entry has: demoted, every candidate's reason
+    run_steps(ChorusAttention(plan, CFG, INFO), sigmas=[1.0, 0.9, 0.0])
+    assert not plan.is_hit and "schedule differs" in plan.message and "no other candidate" in plan.message
 
 
 def test_plan_is_an_immutable_retrieval_plus_one_request_state(tmp_path):
