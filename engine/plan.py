@@ -2,8 +2,8 @@
 
 - :class:`Retrieval` (frozen): what retrieval decided — a hit (reuse an entry's masks) or a miss
   (dense + record) — with the request's embedding, latent shape, metadata and threshold. A hit whose
-  entry was made for other weights than a model it meets is replaced, before any sparse call, by
-  the retrieval of a candidate made for them (``Plan.serve_model``), or demoted.
+  entry was made for other weights or another sampler schedule than it meets is replaced, before any
+  sparse call, by the retrieval of a candidate made for them (``Plan.serve_model``), or demoted.
 - :class:`~chorus.engine.state.RequestState` (``plan.state``): what changes while the request
   samples (stats, recorder, experts, refresh, feature-reuse state, entry extras, commit result).
 - :class:`Plan`: the object passed between nodes / hosts; read-only properties over both, and the
@@ -53,7 +53,7 @@ class Retrieval:
     request_meta: Mapping = field(default_factory=dict)
     workspace: Any = field(default=None, repr=False)
     # a hit's other search results at or above the threshold, ``((entry_id, similarity), ...)`` best
-    # first: where :meth:`Plan.serve_model` looks when the entry was made for another model
+    # first: where :meth:`Plan.serve_model` looks when the entry was made for another model or schedule
     alternatives: tuple = ()
     # a hit's token order (None: raster), read from its entry's signature once, here
     entry_order: Any = field(default=None, init=False, repr=False)
@@ -330,12 +330,6 @@ class Plan:
                 return list(self.entry_meta["signature"].get("experts", [])).index(info.fingerprint)
             return index
 
-    def model_mismatch(self, info: ModelInfo) -> str | None:
-        """Why a hit's entry cannot serve this model (variant, geometry, weights), or None."""
-        if not self.is_hit:
-            return None
-        return model_mismatch(self.entry_meta["signature"], info)
-
     def serve_model(self, info: ModelInfo, *, run_starts=None, block_size: int | None = None) -> str | None:
         """Make a hit serve this model (and, given ``run_starts`` / ``block_size``, this sampler run), or
         demote it; returns the demotion reason, or None.
@@ -368,7 +362,8 @@ class Plan:
                     object.__setattr__(self, "retrieval", moved)
                     self.state.resampled.clear()
                     self.state.stats.similarity = moved.similarity
-                    served.append(info)
+                    if all(m.fingerprint != info.fingerprint for m in served):
+                        served.append(info)
                     self.note(f"hit moved from entry {old} ({reason}) to entry {moved.entry_id}, similarity "
                               f"{moved.similarity:.3f}, made for this model and schedule")
                     return None

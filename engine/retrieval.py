@@ -18,7 +18,7 @@ from .signature import SIGNATURE_FORMAT, TOKEN_ORDER, latent_compatibility, mode
 
 log = logging.getLogger("chorus.engine")
 
-SEARCH_CANDIDATES = 8  # also the candidates a hit can move to when it meets another model
+SEARCH_CANDIDATES = 8  # also the candidates a hit can move to when it meets another model or schedule
 
 
 def retrieve_plan(workspace, embedding, latent_shape, *, similarity_threshold: float = 0.9,
@@ -38,8 +38,8 @@ def _retrieve_plan(workspace, embedding, latent_shape, *, similarity_threshold: 
     ``[B, C, T, H, W]``. The best ``candidates`` entries by similarity are tried in order; an entry
     is used when its similarity >= ``similarity_threshold`` and its latent is compatible (same grid,
     or another grid of the same aspect: masks resampled); a hit keeps the candidates ranked after it
-    at or above the threshold (``Retrieval.alternatives``: where it moves when it meets a model its
-    entry was not made for, :meth:`Plan.serve_model`). Unreadable entries are skipped with a
+    at or above the threshold (``Retrieval.alternatives``: where it moves when it meets a model or
+    schedule its entry was not made for, :meth:`Plan.serve_model`). Unreadable entries are skipped with a
     message. Never raises for a store problem: returns a miss that says what happened.
     Raises ``ValueError`` for a threshold outside [0, 1] or a bad latent shape.
     """
