@@ -261,6 +261,18 @@ class Plan:
         return self.recorder.step_sigmas() if self.recorder is not None else []
 
     @property
+    def sampler_sigmas(self) -> list[float]:
+        """A hit's entry's sampler schedule (the sigmas its runs' steps started at; its ``step_sigmas``
+        when it recorded every step): what a sampler run must match (``signature.run_mismatch``)."""
+        if not self.is_hit:
+            return []
+        try:
+            sig = self.entry_meta["signature"]
+            return [float(s) for s in sig.get("sampler_sigmas", sig.get("step_sigmas", []))]
+        except (TypeError, ValueError, AttributeError):
+            return []
+
+    @property
     def token_grid(self):
         if self.resample_to is not None:
             return self.resample_to

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from .plan import Plan, Retrieval
+from .routing import match_step
 from .signature import SIGNATURE_FORMAT, TOKEN_ORDER, latent_compatibility, model_mismatch, run_mismatch, token_grid
 
 log = logging.getLogger("chorus.engine")
@@ -160,7 +161,9 @@ def build_signature(plan: Plan) -> dict:
     if rec.grid is None or not plan.experts:
         raise ValueError("nothing recorded")
     first = plan.experts[0]
-    return {
+    steps = rec.step_sigmas()
+    sampler = plan.state.sampler_steps.steps()
+    signature = {
         "format": SIGNATURE_FORMAT,
         "family": first.family,
         "variant": first.variant,
@@ -171,9 +174,14 @@ def build_signature(plan: Plan) -> dict:
         "token_grid": list(rec.grid),
         "block_size": rec.block_size,
         "token_order": rec.token_order or TOKEN_ORDER,  # the order the recording ran in (None: raster)
-        "step_sigmas": [round(s, 6) for s in rec.step_sigmas()],
+        "step_sigmas": [round(s, 6) for s in steps],
         "head_groups": 1,
     }
+    if any(match_step(s, steps) is None for s in sampler):
+        # the sampler had steps the model was not called at (a step cache such as EasyCache skipped
+        # them): a hit needs this schedule, and runs those steps dense
+        signature["sampler_sigmas"] = [round(s, 6) for s in sampler]
+    return signature
 
 
 def commit_plan(workspace, plan: Plan) -> str:

@@ -132,6 +132,10 @@ class ChorusAttention:
         self._running = True
         plan.stats.runs += 1
         starts = (sig[:-1] if len(sig) > 1 else sig) if sig else None  # the sigmas the run's steps start at
+        if starts:
+            with plan.state.lock:
+                for s in starts:
+                    plan.state.sampler_steps.canonical(s)
         # a hit's entry must serve this model, block size and schedule: else it moves to a candidate
         # that does (before the request's first sparse call) or is demoted (Plan.serve_model)
         self.expert = plan.register_expert(self.model_info, run_starts=starts, block_size=self.config.block_size)
@@ -264,6 +268,9 @@ class ChorusAttention:
             s = self._sigma(sigma)
             step = match_step(s, self._entry_steps)
             if step is None:
+                if match_step(s, plan.sampler_sigmas) is not None:  # the entry's schedule, a step it skipped
+                    raise _Fallback(f"no map for the step at sigma {s:.4g} (the entry's request did not run the "
+                                    "model there, e.g. EasyCache skipped it)")
                 raise _Fallback(f"sigma {s:.4g} is not a step of the entry's schedule")
             if self._verify_moved_on(step) and not plan.is_hit:  # demoted by a late verdict: this call too
                 return self._dense_and_record(q, k, v, layer, sigma, grid, dense_fn, cond_rows)

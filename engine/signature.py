@@ -15,7 +15,10 @@ reuse records, so that a hit can run self-attention on the compact sequence; :fu
 
 ``experts`` lists the weights fingerprints of the models that sampled the request, in the order
 they first sampled (Wan 2.2 A14B: high-noise expert first). ``step_sigmas`` is the sigma at the
-start of every step of the whole request (descending), so a step is identified by its sigma.
+start of every step of the whole request the model ran at (descending), so a step is identified by
+its sigma. ``sampler_sigmas`` (only when the request's sampler had steps the model was not called
+at, e.g. EasyCache skipped them) is the sampler's whole schedule: a hit must match it
+(:func:`run_mismatch`), and runs the steps without maps dense.
 """
 
 from __future__ import annotations
@@ -219,15 +222,17 @@ def model_mismatch(entry_signature, info: ModelInfo) -> str | None:
 
 def run_mismatch(entry_signature, run_starts=None, block_size: int | None = None) -> str | None:
     """Why an entry (its signature) cannot serve a sampler run, or None: another block size, or a step
-    of the run (``run_starts``: the sigmas its steps start at) that is not one of the entry's steps
-    (matched by value, :func:`~chorus.engine.routing.match_step`). Never raises."""
+    of the run (``run_starts``: the sigmas its steps start at) that is not one of the entry's sampler
+    steps (matched by value, :func:`~chorus.engine.routing.match_step`): its ``sampler_sigmas`` when
+    its request skipped some (a step cache such as EasyCache; those steps then run dense), else its
+    ``step_sigmas``. Never raises."""
     from .routing import match_step
 
     try:
         if block_size is not None and entry_signature.get("block_size") != block_size:
             return f"entry block size {entry_signature.get('block_size')} differs from {block_size}"
         if run_starts:
-            schedule = [float(s) for s in entry_signature.get("step_sigmas", [])]
+            schedule = [float(s) for s in entry_signature.get("sampler_sigmas", entry_signature.get("step_sigmas", []))]
             missing = [s for s in run_starts if match_step(s, schedule) is None]
             if missing:
                 return (f"step schedule differs from the entry's (sigma {missing[0]:.4g} not in "

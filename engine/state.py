@@ -7,7 +7,10 @@ is attached to a plan: hosts and engine parts read and write these declared fiel
 
 - ``stats`` (:class:`PlanStats`, the UI messages included), ``noted`` (messages already logged);
 - ``recorder`` (a miss's :class:`~chorus.engine.recorder.MassRecorder`, or None);
-- ``experts`` (``ModelInfo`` of the models that sampled, in order), ``demoted_reason``;
+- ``experts`` (``ModelInfo`` of the models that sampled, in order), ``demoted_reason``,
+  ``served_models`` (those a hit's entry was checked to serve), ``sampler_steps`` (the sigmas every
+  sampler run's steps start at: the request's schedule, also where a step cache such as EasyCache
+  skipped the model);
 - ``refresh`` (one ``kernels.VisitRefresh`` per refresh period), ``resampled`` (transformed maps);
 - ``feature_reuse`` (:class:`FeatureReuseState`), ``entry_extras`` (fields a new entry's metadata
   gets on top of the request's own, e.g. feature reuse's region scores: ``commit_plan`` merges them);
@@ -25,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .recorder import MassRecorder
+from .routing import SigmaSchedule
 
 FEATURE_REUSE_META_VERSION = 1
 
@@ -149,6 +153,7 @@ class RequestState:
     recorder: MassRecorder | None = None
     experts: list = field(default_factory=list)
     served_models: list = field(default_factory=list)  # ModelInfo of the models a hit was checked to serve
+    sampler_steps: SigmaSchedule = field(default_factory=SigmaSchedule)  # where the sampler runs' steps start
     demoted_reason: str | None = None
     refresh: dict = field(default_factory=dict)
     resampled: dict = field(default_factory=dict)

@@ -324,6 +324,44 @@ def test_a_hit_on_another_models_entry_moves_to_the_entry_made_for_this_model(tm
     assert not plan.is_hit and "schedule differs" in plan.message and "no other candidate" in plan.message
 
 
+def _run_some_steps(handle, sigmas, steps, layers=2):
+    """A sampler run over ``sigmas`` whose model is called at the step indices ``steps`` only (what a
+    step cache such as ComfyUI's EasyCache does: it skips the model on the others)."""
+    handle.begin_run(sigmas)
+    for i in steps:
+        for layer in range(layers):
+            q, k, v = qkv(10 * i + layer)
+            handle.self_attention(q, k, v, layer=layer, sigma=sigmas[i], grid=GRID, dense_fn=sdpa)
+    handle.end_run()
+
+
+def test_an_entry_of_a_request_that_skipped_steps_serves_its_schedule(tmp_path):
+    """EasyCache skips the model on some steps: the miss records fewer steps than its sampler ran. The
+    entry keeps the sampler's schedule (``sampler_sigmas``), so a request with that schedule hits
+    (sparse where maps exist, dense on a skipped step the model is called at) instead of being
+    demoted; another schedule still is."""
+    ws = Workspace.open(tmp_path / "ws")
+    emb = np.random.default_rng(5).standard_normal(24).astype(np.float32)
+    miss = Plan.miss("recording", embedding=emb, latent_shape=LATENT)
+    _run_some_steps(ChorusAttention(miss, CFG, INFO), SIGMAS, steps=(0, 2))  # step 1 skipped
+    assert commit_plan(ws, miss).startswith("wrote entry")
+    _, meta = ws.load(1, touch=False)
+    assert meta["signature"]["step_sigmas"] == [1.0, 0.5] and meta["signature"]["sampler_sigmas"] == [1.0, 0.75, 0.5]
+
+    hit = retrieve_plan(ws, emb, LATENT)
+    _run_some_steps(ChorusAttention(hit, CFG, INFO), SIGMAS, steps=(0, 1, 2))
+    assert hit.is_hit and hit.stats.sparse_calls == 4 and hit.stats.fallback_calls == 2, hit.stats
+    assert any("no map for the step at sigma 0.75" in m for m in hit.stats.messages), hit.stats.messages
+    other = retrieve_plan(ws, emb, LATENT)
+    _run_some_steps(ChorusAttention(other, CFG, INFO), [1.0, 0.6, 0.0], steps=(0, 1))
+    assert not other.is_hit and "schedule differs" in other.message
+    # a request that ran every step writes no sampler_sigmas: its signature is as before
+    full = Plan.miss("recording", embedding=emb + 1, latent_shape=LATENT)
+    run_steps(ChorusAttention(full, CFG, INFO))
+    commit_plan(ws, full)
+    assert "sampler_sigmas" not in ws.load(2, touch=False)[1]["signature"]
+
+
 def test_plan_is_an_immutable_retrieval_plus_one_request_state(tmp_path):
     """The retrieval result cannot change; everything that does is a declared field of plan.state."""
     import dataclasses
