@@ -205,6 +205,35 @@ def test_two_workers_see_each_others_commits_within_1s(url, tmp_path):
         b.close()
 
 
+def test_a_hit_moves_to_the_entry_another_worker_wrote_for_its_model(url, tmp_path):
+    """Two workers write entries of one prompt for two models (without and with a LoRA: another
+    weights fingerprint); the embeddings are equal, so retrieval on a third worker ranks the older
+    entry first. A hit for the second model moves to the entry written for it (``Plan.serve_model``
+    over the fleet store), before any sparse call; a third model finds none and is demoted."""
+    import dataclasses
+
+    from chorus.engine import retrieve_plan
+
+    a, b, c = (_open(url, tmp_path, host) for host in "abc")
+    try:
+        emb = sh.embedding(7)
+        base_model = sh.model_info()
+        lora_model = dataclasses.replace(base_model, fingerprint="fp-with-lora")
+        base = a.add(emb, sh.entry_masks(7), _meta(7))
+        lora = b.add(emb, sh.entry_masks(7), {**_meta(7), "signature": sh.signature(experts=["fp-with-lora"])})
+        _wait_until(lambda: len(c) == 2, 5.0, "both entries on the third worker")
+        plan = retrieve_plan(c, emb, sh.LATENT)
+        assert plan.is_hit and plan.entry_id == base and [e for e, _ in plan.retrieval.alternatives] == [lora]
+        assert plan.serve_model(lora_model) is None and plan.is_hit and plan.entry_id == lora
+        assert plan.serve_model(base_model) is not None and not plan.is_hit  # no entry serves both
+        other = retrieve_plan(c, emb, sh.LATENT)
+        assert other.serve_model(dataclasses.replace(base_model, fingerprint="fp-other")) is not None
+        assert not other.is_hit and "no other candidate serves it" in other.message
+    finally:
+        for store in (a, b, c):
+            store.close()
+
+
 def test_concurrent_misses_written_once_fleet_wide(url, tmp_path):
     """4 processes add the same 8 requests behind a barrier (add_unique): each written once."""
     import multiprocessing
