@@ -26,11 +26,12 @@ issuing their GEMMs (FlashAttention-3's ping-pong: each consumer waits on its ow
 barrier, ``bar.sync`` over both warpgroups' 256 threads, and hands the turn over with ``bar.arrive``
 on the other's; ids ``TURN_BARRIERS``, clear of the ids Triton gives its partitions). ``FMA_QUARTERS``
 (0 by default; 1 or 2): that share of each row's exp2 runs on the FMA pipes instead of the MUFU
-(FlashAttention-4's split, :func:`_exp2_split`). A key block wholly inside the prefix / suffix takes
-its bias in the per-row terms of the softmax, not per element. All but the defaults are the benchmark's levers
+(FlashAttention-4's split, :func:`_exp2_split`). All but the defaults are the benchmark's levers
 (``docs/BENCHMARKS.md``, "third run": overlap and ping-pong slower here, a quarter split +3% on a
 full map and level where hits run; ping-pong on named barriers: +1% on a full map, -2% / level at
-15% / 5%, "fourth run").
+15% / 5%, "fourth run"). A key block wholly inside the prefix / suffix takes its bias in the
+softmax's per-row terms, computed from the block index before its ``Q @ K^T`` is waited for
+(:func:`_key_block_bias`; "fifth run": the suffix bias costs nothing measurable).
 
 Contract (checked by :func:`block_sparse_attention_ws`): q ``[B, H, Lq, D]``, k/v ``[B, H, Lk, D]``
 fp16/bf16 on one sm_90 device, unit stride on D (ComfyUI's ``[B, L, H, D]`` views work), D in
@@ -360,9 +361,9 @@ if gluon is not None:
                 if SCHEDULE == "pingpong":
                     _turn_pass(CONSUMER)
                 s = warpgroup_mma_wait(num_outstanding=0, deps=[s])
-                p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, sc, kb, offs_n, Lk, num_kv_blocks, whole, pre_keys, tail_from,
-                                                    edge, prefix_bias, suffix_bias, TAIL_K, HAS_BIAS, HAS_SUFFIX,
-                                                    P_SHIFT, ABLATE, FMA_QUARTERS)
+                p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, sc, kb, offs_n, Lk, num_kv_blocks, whole, pre_keys,
+                                                    tail_from, edge, prefix_bias, suffix_bias, TAIL_K, HAS_BIAS,
+                                                    HAS_SUFFIX, P_SHIFT, ABLATE, FMA_QUARTERS)
                 acc = acc * gl.convert_layout(alpha, row_o)[:, None]
                 p8 = _p_operand(p, p_layout)
                 mbarrier.wait(v_ready.index(st), ph)
