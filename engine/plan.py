@@ -24,7 +24,7 @@ import torch
 
 from .. import kernels
 from .recorder import MassRecorder
-from .signature import ModelInfo, entry_token_order, model_mismatch, run_mismatch, token_grid
+from .signature import ModelInfo, entry_sampler_sigmas, entry_token_order, model_mismatch, run_mismatch, token_grid
 from .state import PlanStats, RequestState
 
 log = logging.getLogger("chorus.engine")
@@ -267,8 +267,7 @@ class Plan:
         if not self.is_hit:
             return []
         try:
-            sig = self.entry_meta["signature"]
-            return [float(s) for s in sig.get("sampler_sigmas", sig.get("step_sigmas", []))]
+            return entry_sampler_sigmas(self.entry_meta["signature"])
         except (TypeError, ValueError, AttributeError):
             return []
 
@@ -325,9 +324,12 @@ class Plan:
 
         On a hit the entry must serve the model and the run (:meth:`serve_model`); otherwise the plan
         is demoted and the index is the model's position among this request's models. Returns None
-        for an unsupported model (the caller runs it dense).
+        for an unsupported model (the caller runs it dense). The run's starts join
+        ``state.sampler_steps`` (what a new entry records as its sampler schedule).
         """
         with self.state.lock:
+            for s in run_starts or ():
+                self.state.sampler_steps.canonical(s)
             if not info.supported:
                 self.note(f"unsupported model: {info.reason}; dense attention")
                 return None
@@ -360,29 +362,26 @@ class Plan:
             served = self.state.served_models
             signature = self.entry_meta["signature"]
             reason = model_mismatch(signature, info) or run_mismatch(signature, run_starts, block_size)
-            if reason is None:
-                if all(m.fingerprint != info.fingerprint for m in served):
-                    served.append(info)
-                return None
-            if self.state.stats.sparse_calls == 0 and self.retrieval.alternatives:
-                from .retrieval import retrieval_for_models  # retrieval builds plans: imported when used
+            if reason is not None:
+                moved, why = None, ""
+                if self.state.stats.sparse_calls == 0 and self.retrieval.alternatives:
+                    from .retrieval import retrieval_for_models  # retrieval builds plans: imported when used
 
-                moved, why = retrieval_for_models(self.retrieval, [*served, info], run_starts=run_starts,
-                                                  block_size=block_size)
-                if moved is not None:
-                    old = self.retrieval.entry_id
-                    object.__setattr__(self, "retrieval", moved)
-                    self.state.resampled.clear()
-                    self.state.stats.similarity = moved.similarity
-                    if all(m.fingerprint != info.fingerprint for m in served):
-                        served.append(info)
-                    self.note(f"hit moved from entry {old} ({reason}) to entry {moved.entry_id}, similarity "
-                              f"{moved.similarity:.3f}, made for this model and schedule")
-                    return None
-                if why:
-                    reason += f"; no other candidate serves it ({why})"
-            self.demote(reason)
-            return reason
+                    moved, why = retrieval_for_models(self.retrieval, [*served, info], run_starts=run_starts,
+                                                      block_size=block_size)
+                if moved is None:
+                    reason += f"; no other candidate serves it ({why})" if why else ""
+                    self.demote(reason)
+                    return reason
+                old = self.retrieval.entry_id
+                object.__setattr__(self, "retrieval", moved)
+                self.state.resampled.clear()
+                self.state.stats.similarity = moved.similarity
+                self.note(f"hit moved from entry {old} ({reason}) to entry {moved.entry_id}, similarity "
+                          f"{moved.similarity:.3f}, made for this model and schedule")
+            if all(m.fingerprint != info.fingerprint for m in served):
+                served.append(info)
+            return None
 
     def refresh_state(self, refresh_steps: int):
         """The request's ``VisitRefresh`` for this R (shared by all experts)."""

@@ -132,10 +132,6 @@ class ChorusAttention:
         self._running = True
         plan.stats.runs += 1
         starts = (sig[:-1] if len(sig) > 1 else sig) if sig else None  # the sigmas the run's steps start at
-        if starts:
-            with plan.state.lock:
-                for s in starts:
-                    plan.state.sampler_steps.canonical(s)
         # a hit's entry must serve this model, block size and schedule: else it moves to a candidate
         # that does (before the request's first sparse call) or is demoted (Plan.serve_model)
         self.expert = plan.register_expert(self.model_info, run_starts=starts, block_size=self.config.block_size)

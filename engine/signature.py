@@ -29,6 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .routing import match_step
+
 SIGNATURE_FORMAT = 1
 TOKEN_ORDER = "thw"  # the raster default: Wan's frame-major order after the 1x2x2 patchify
 RASTER_ORDER_NAMES = (TOKEN_ORDER, "raster")
@@ -220,19 +222,23 @@ def model_mismatch(entry_signature, info: ModelInfo) -> str | None:
     return None
 
 
+def entry_sampler_sigmas(entry_signature) -> list[float]:
+    """The sampler schedule an entry serves: its ``sampler_sigmas`` when its request skipped steps (a
+    step cache such as EasyCache), else its ``step_sigmas``. Raises ``TypeError`` / ``ValueError`` /
+    ``AttributeError`` for a damaged signature."""
+    return [float(s) for s in entry_signature.get("sampler_sigmas", entry_signature.get("step_sigmas", []))]
+
+
 def run_mismatch(entry_signature, run_starts=None, block_size: int | None = None) -> str | None:
     """Why an entry (its signature) cannot serve a sampler run, or None: another block size, or a step
     of the run (``run_starts``: the sigmas its steps start at) that is not one of the entry's sampler
-    steps (matched by value, :func:`~chorus.engine.routing.match_step`): its ``sampler_sigmas`` when
-    its request skipped some (a step cache such as EasyCache; those steps then run dense), else its
-    ``step_sigmas``. Never raises."""
-    from .routing import match_step
-
+    steps (matched by value, :func:`~chorus.engine.routing.match_step`; :func:`entry_sampler_sigmas`:
+    a step the entry's request skipped then runs dense). Never raises."""
     try:
         if block_size is not None and entry_signature.get("block_size") != block_size:
             return f"entry block size {entry_signature.get('block_size')} differs from {block_size}"
         if run_starts:
-            schedule = [float(s) for s in entry_signature.get("sampler_sigmas", entry_signature.get("step_sigmas", []))]
+            schedule = entry_sampler_sigmas(entry_signature)
             missing = [s for s in run_starts if match_step(s, schedule) is None]
             if missing:
                 return (f"step schedule differs from the entry's (sigma {missing[0]:.4g} not in "
