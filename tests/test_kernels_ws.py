@@ -47,22 +47,30 @@ def test_the_engine_and_the_node_offer_it():
     assert SparseConfig(backend="triton_fp8_ws").backend == "triton_fp8_ws"
 
 
-@pytest.mark.parametrize("head_dim,schedule,has_bias,has_perm,has_suffix", [
-    (128, "serial", False, False, False), (128, "overlap", False, False, False), (128, "pingpong", False, False, False),
-    (64, "serial", False, False, False), (64, "overlap", False, False, False), (64, "pingpong", False, False, False),
-    (128, "serial", True, True, False), (64, "pingpong", True, False, False), (128, "serial", True, False, True),
-    (64, "serial", True, True, True)])
-def test_kernel_compiles_for_sm90_with_fp8_wgmma_and_no_shuffles(head_dim, schedule, has_bias, has_perm, has_suffix):
+@pytest.mark.parametrize("head_dim,schedule,has_bias,has_perm,has_suffix,p_bits,v_block", [
+    (128, "serial", False, False, False, 1, False), (128, "overlap", False, False, False, 1, False),
+    (128, "pingpong", False, False, False, 1, False), (64, "serial", False, False, False, 1, False),
+    (64, "overlap", False, False, False, 1, False), (64, "pingpong", False, False, False, 1, False),
+    (128, "serial", True, True, False, 1, False), (64, "pingpong", True, False, False, 1, False),
+    (128, "serial", True, False, True, 1, False), (64, "serial", True, True, True, 1, False),
+    (128, "serial", False, False, False, 0, False), (128, "overlap", True, False, False, 0, False),
+    (128, "serial", False, False, False, 2, True), (64, "overlap", True, False, True, 1, True)])
+def test_kernel_compiles_for_sm90_with_fp8_wgmma_and_no_shuffles(head_dim, schedule, has_bias, has_perm, has_suffix,
+                                                                  p_bits, v_block):
     from chorus.kernels.triton import _attention_ws
 
     if _attention_ws.available():
         pytest.fail(f"this Triton has no Gluon Hopper API: {_attention_ws.available()}")
     from benchmarks.kernels.aot_check import compile_ws
 
-    kernel = compile_ws(head_dim, schedule, tail=True, has_bias=has_bias, has_perm=has_perm, has_suffix=has_suffix)
+    kernel = compile_ws(head_dim, schedule, tail=True, has_bias=has_bias, has_perm=has_perm, has_suffix=has_suffix,
+                        p_bits=p_bits, v_block=v_block)
     ptx = kernel.asm["ptx"]
     mmas = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k32\.f32\.e4m3\.e4m3", ptx))
-    assert mmas == {"128"} if head_dim == 128 else mmas == {"128", "64"}, mmas  # QK^T: N = 128 keys; PV: N = D
+    # QK^T: N = 128 keys; PV: N = D; with P's bits from the FFMA the row sums: N = 8 (P8 @ ones)
+    assert mmas == {"128", str(head_dim)} | ({"8"} if p_bits else set()), mmas
+    exp2 = len(re.findall(r"ex2\.approx", ptx))
+    assert exp2 <= 8 if p_bits else exp2 >= 64, exp2  # P without the MUFU: exp2 only for each row's rescale
     assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+240", ptx)  # the consumer warpgroups
     # P reaches P @ V in its registers: the only cross-lane index shuffle left broadcasts the warp id
     assert ptx.count("shfl.sync.idx") <= 1

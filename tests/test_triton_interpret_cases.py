@@ -208,6 +208,33 @@ def test_fp8_prepass_wgmma_key_order_permutes_v_within_16_keys():
         quantize_qkv_fp8(q, k, v, 0.125, v_key_order="tiles")
 
 
+def test_fp8_prepass_block_v_scales_read_v_once_and_match_torch():
+    """``v_scaling="block"`` (the warp-specialised kernel's): one power-of-two V scale per 128-key
+    tile, ``v_scale`` = its exponent; Q and K are the per-channel pass's, V / 2^e within e4m3."""
+    from chorus.kernels.triton._quant import quantize_qkv_fp8, quantize_reference, wgmma_key_order_torch
+
+    q, k, v = make_inputs(1, 2, 300, 64, torch.bfloat16, seed=13)
+    v = v * torch.linspace(0.01, 30.0, 300)[None, None, :, None].to(v.dtype)  # tiles of very unequal range
+    got = quantize_qkv_fp8(q, k, v, 0.125, v_key_order="wgmma", v_scaling="block")
+    want = quantize_reference(q, k, v, 0.125, v_key_order="wgmma", v_scaling="block")
+    channel = quantize_qkv_fp8(q, k, v, 0.125, v_key_order="wgmma")
+    assert got[5].shape == (1, 2, 3) and torch.equal(got[5], want[5])
+    assert torch.equal(got[5], torch.round(got[5]))  # integer exponents: the scales are powers of two
+    for t in range(3):
+        amax = v.float()[:, :, t * 128:(t + 1) * 128].abs().amax(dim=(-1, -2))
+        assert (amax <= 448.0 * torch.exp2(got[5][..., t])).all() and (amax > 224.0 * torch.exp2(got[5][..., t])).all()
+    assert (got[2].float() - want[2].float()).abs().max().item() <= 32.0
+    for a, b in zip(got[:2] + got[3:5], channel[:2] + channel[3:5]):  # Q, K and their scales unchanged
+        assert torch.equal(a.float(), b.float())
+    decoded = got[2].float().view(1, 2, 64, 3, 128) * torch.exp2(got[5])[:, :, None, :, None]
+    cols = wgmma_key_order_torch(torch.arange(384))
+    natural = decoded.view(1, 2, 64, 384)[..., cols][..., :300]
+    rel = (natural.transpose(-1, -2) - v.float()).abs() / v.float().abs().clamp_min(1e-3)
+    assert rel.median().item() < 0.04  # e4m3's 3 mantissa bits, whatever the tile's range
+    with pytest.raises(ValueError, match="v_scaling"):
+        quantize_qkv_fp8(q, k, v, 0.125, v_scaling="token")
+
+
 @pytest.mark.parametrize("length,bs,sample_rows", [(97, 32, None), (300, 64, 5), (300, 128, 16), (128, 128, 200)])
 def test_block_mass_matches_reference(length, bs, sample_rows):
     q, k, _ = make_inputs(1, 2, length, 64, torch.bfloat16, seed=length)

@@ -59,7 +59,7 @@ def compile_attn(fp8=True, use_tma=False, block_m=128, block_n=128, head_dim=128
 
 
 def compile_ws(head_dim=128, schedule="serial", stages=3, tail=True, ablate=0, fma_quarters=0, has_bias=False,
-               has_perm=False, has_suffix=False):
+               has_perm=False, has_suffix=False, p_bits=1, v_block=False):
     """The warp-specialised Gluon kernel (``chorus.kernels.triton._attention_ws``) compiled for sm_90."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -88,7 +88,7 @@ def compile_ws(head_dim=128, schedule="serial", stages=3, tail=True, ablate=0, f
     consts = dict(HEAD_DIM=head_dim, STAGES=stages, Q_STAGES=2, TAIL_K=tail, HAS_BIAS=has_bias or has_suffix,
                   HAS_PERM=has_perm, HAS_SUFFIX=has_suffix,
                   P_SHIFT=A.P_SHIFT_LOG2,
-                  SCHEDULE=schedule, ABLATE=ablate, FMA_QUARTERS=fma_quarters)
+                  SCHEDULE=schedule, ABLATE=ablate, FMA_QUARTERS=fma_quarters, P_BITS=p_bits, V_BLOCK=v_block)
     sig.update({c: "constexpr" for c in consts})
     src = GluonASTSource(fn=kernel, signature=sig, constexprs=consts)
     return triton.compile(src, target=TARGET, options=dict(num_warps=4))

@@ -10,7 +10,7 @@ Each config is a dict of ``chorus.kernels.triton._attention_ws.DEFAULT_CONFIG`` 
 its output is meaningless and its cosine says so). Inputs: 1 x 40 heads x L x 128, unit Gaussians in
 bf16, the benchmark's structured maps (``masks.structured_block_map``); times are
 ``triton.testing.do_bench`` medians of whole calls (pre-pass included); TFLOP/s count kept blocks.
-Prints one line per (size, density, config) and the pre-pass alone per size. ``--prefix-frames F``
+Prints one line per (size, density, config) and the pre-pass alone per size (both V scalings). ``--prefix-frames F``
 adds ChorusGuidanceBoost's first-frame bias (``--prefix-bias``, natural log) to every call of both
 kernels, over the first F frames' tokens of the Wan grid.
 """
@@ -54,8 +54,10 @@ def main():
         _, grid_h, grid_w = grid_for(length)
         bias = dict(prefix_len=args.prefix_frames * grid_h * grid_w, prefix_bias=args.prefix_bias) \
             if args.prefix_frames else {}
-        t_pre = do_bench(lambda: (quantize_qkv_fp8(q, k, v, scale), compress_block_map(full)), return_mode="median")
-        print(f"[{length}] pre-pass {t_pre:.3f} ms", flush=True)
+        for v_scaling in ("channel", "block"):  # V read twice (per-channel scales) / once (per-tile)
+            t_pre = do_bench(lambda: (quantize_qkv_fp8(q, k, v, scale, v_key_order="wgmma", v_scaling=v_scaling),
+                                      compress_block_map(full)), return_mode="median")
+            print(f"[{length}] pre-pass, v_scaling={v_scaling}: {t_pre:.3f} ms", flush=True)
         for density in densities:
             bm = structured_block_map(length, heads, density, 128, device="cuda")
             flops = 4 * bm.sum().item() * 128 * 128 * dim

@@ -13,10 +13,21 @@ on sm_90:
   stage; mbarriers hand stages over (``ready``: the TMA bytes landed; ``empty``: both consumers'
   wgmmas that read the stage retired);
 - per consumer and key block: ``S = Q8 @ K8^T`` (FP8 wgmma, fp32 accumulation) scaled by
-  ``sq * sk``, online softmax in log2 units with ``P = exp2(S - m + 8)`` (row maximum 256, inside
-  e4m3), ``P`` cast to e4m3 in registers and ``O += P8 @ V8`` (FP8 wgmma, V^T stage K-major); P goes
-  from the accumulator to the A-operand layout without moving data (:func:`_p_operand`: the pre-pass
-  stores V^T's keys in the matching order).
+  ``sq * sk``, online softmax in log2 units with ``P = 2^(S - m + 8)`` (row maximum 256, inside
+  e4m3) and ``O += P8 @ V8`` (FP8 wgmma, V^T stage K-major); P goes from the accumulator to the
+  A-operand layout without moving data (:func:`_p_operand`: the pre-pass stores V^T's keys in the
+  matching order).
+- ``P_BITS`` (compile time; config ``p_bits``, 1 by default): P's e4m3 bytes come straight from the
+  softmax's FFMA, no exp2 and no fp32 -> e4m3 conversion: ``k = round(8 x + 56)`` is the byte of
+  ``2^(k // 8 - 7) * (1 + (k % 8) / 8)``, exp2 with the mantissa linear between powers of two
+  (:func:`_softmax_block`); the row sums, which must be those of exactly these P, come from a second
+  wgmma ``P8 @ ones`` (N = 8) per block, accumulated in fp32 registers. Measured +17% over the exp2
+  path (``p_bits`` 0) on a full map and at 15% density (943-951 / 871-886 TFLOP/s at 720p), error
+  within the FP8 bounds of the oracle (``docs/BENCHMARKS.md``, "2026-12-02"). ``p_bits`` 2 keeps the
+  row term's fraction (one FADD more, slower, closer to the exp2 path); 0 is the exp2 path.
+- ``V_BLOCK`` (config ``v_scaling="block"``, off): per-tile power-of-two V scales from the
+  single-read pre-pass, each tile's exponent folded into its block's row terms and divided out of its
+  row sums (measured: 1-3% slower in the kernel than the 0.3 ms it saves at 720p).
 
 ``SCHEDULE`` (compile time): ``"serial"`` (the default, measured fastest) runs each block's two
 GEMMs and softmax in order and lets the two warpgroups overlap each other through the warp
@@ -26,7 +37,8 @@ issuing their GEMMs (FlashAttention-3's ping-pong: each consumer waits on its ow
 barrier, ``bar.sync`` over both warpgroups' 256 threads, and hands the turn over with ``bar.arrive``
 on the other's; ids ``TURN_BARRIERS``, clear of the ids Triton gives its partitions). ``FMA_QUARTERS``
 (0 by default; 1 or 2): that share of each row's exp2 runs on the FMA pipes instead of the MUFU
-(FlashAttention-4's split, :func:`_exp2_split`). All but the defaults are the benchmark's levers
+(FlashAttention-4's split, :func:`_exp2_split`; with ``p_bits`` 0 only). All but the defaults are the
+benchmark's levers
 (``docs/BENCHMARKS.md``, "third run": overlap and ping-pong slower here, a quarter split +3% on a
 full map and level where hits run; ping-pong on named barriers: +1% on a full map, -2% / level at
 15% / 5%, "fourth run"). A key block wholly inside the prefix / suffix takes its bias in the
@@ -59,7 +71,8 @@ from ._quant import LOG2E, quantize_qkv_fp8
 try:  # Gluon ships inside recent Tritons; without it this backend reports itself unavailable
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                   warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     _IMPORT_ERROR = None
 except Exception as exc:  # noqa: BLE001
@@ -71,7 +84,7 @@ CONSUMER_ROWS = 64  # query rows per consumer warpgroup (one wgmma M tile of 4 w
 CONSUMER_REGS = 240  # registers per consumer thread (setmaxnreg); the producer keeps the rest
 SCHEDULES = ("serial", "overlap", "pingpong")
 TURN_BARRIERS = (8, 9)  # ping-pong: the consumers' named hardware barriers (Triton's partitions use ids 0-3)
-DEFAULT_CONFIG = dict(stages=3, q_stages=2, schedule="serial", fma_quarters=0)
+DEFAULT_CONFIG = dict(stages=3, q_stages=2, schedule="serial", fma_quarters=0, p_bits=1, v_scaling="channel")
 
 
 def available() -> str | None:
@@ -96,6 +109,8 @@ if gluon is not None:
     _ROWS = gl.constexpr(CONSUMER_ROWS)
     _REGS = gl.constexpr(CONSUMER_REGS)
     _TURN0 = gl.constexpr(TURN_BARRIERS[0])
+    P_BITS_OFFSET = gl.constexpr(-0.5)  # k's rounding offset: centres the linear mantissa's error (CPU model)
+    _ONES = gl.constexpr(8)  # columns of the row-sum GEMM (P8 @ ones): wgmma's smallest N
 
     @gluon.jit
     def _tile_of(t, sched, kv_num, kv_idx, H, q_blocks, s_nb, s_nh, s_ib, s_ih, s_iq):
@@ -206,13 +221,17 @@ if gluon is not None:
         return whole, pre_keys, tail_from, edge
 
     @gluon.jit
-    def _softmax_block(s, m_i, l_i, sc, kb, offs_n, Lk, num_kv_blocks, whole, pre_keys, tail_from, edge, prefix_bias,
-                       suffix_bias, TAIL_K: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_SUFFIX: gl.constexpr,
-                       P_SHIFT: gl.constexpr, ABLATE: gl.constexpr, FMA_QUARTERS: gl.constexpr):
+    def _softmax_block(s, m_i, l_i, sc, kb, offs_n, Lk, num_kv_blocks, whole, v_exp, pre_keys, tail_from, edge,
+                       prefix_bias, suffix_bias, TAIL_K: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_SUFFIX: gl.constexpr,
+                       P_SHIFT: gl.constexpr, ABLATE: gl.constexpr, FMA_QUARTERS: gl.constexpr,
+                       P_BITS: gl.constexpr, V_BLOCK: gl.constexpr):
         """Online softmax over key block ``kb``'s wgmma output ``s`` (``sc`` = sq * sk > 0, folded in after
-        the row max): returns ``(P, m, l, alpha)`` with ``P = exp2(s * sc - m + P_SHIFT)`` in fp32 (row
-        maximum 2^P_SHIFT, inside e4m3), the new row max / sum and ``alpha`` = the old accumulator's
-        rescale factor. Keys past ``Lk`` in the partial last block get -inf. ``HAS_BIAS`` (``HAS_SUFFIX``): keys
+        the row max): returns ``(P, m, l, alpha)`` with ``P = exp2(s * sc - m + P_SHIFT)`` (row maximum
+        2^P_SHIFT, inside e4m3), the new row max / sum and ``alpha`` = the old accumulator's rescale
+        factor. ``P_BITS`` 0: P in fp32 from the exp2, ``l`` updated here; 1 / 2: P as e4m3 straight from
+        the FFMA's bits (see the comment below) and ``l`` returned as given (the consumer sums P on the
+        tensor cores). ``V_BLOCK``: the block's V exponent ``v_exp`` joins the row terms like a key bias
+        and leaves the row sum. Keys past ``Lk`` in the partial last block get -inf. ``HAS_BIAS`` (``HAS_SUFFIX``): keys
         ``< prefix_len`` get ``prefix_bias`` (log2 units) added to their scaled logit, and keys
         ``>= suffix_start`` ``suffix_bias`` (:func:`_key_block_bias` gives this block's share): a block
         wholly inside the prefix / suffix takes it as one per-row term in the row maximum and the shift,
@@ -229,16 +248,42 @@ if gluon is not None:
                 s = s + (keys / sc)[None, :]
         if ABLATE == 2:
             return s * sc, m_i, l_i, gl.full_like(m_i, 1.0)
-        if HAS_BIAS:  # exp2(s * sc + b - m + shift), the block's uniform b in the row terms
-            m_new = gl.maximum(m_i, gl.max(s, axis=1) * sc + whole)
-            p = s * sc - (m_new - P_SHIFT - whole)[:, None]
+        if HAS_BIAS or V_BLOCK:  # exp2(s * sc + b - m + shift), the block's uniform b in the row terms
+            if HAS_BIAS and V_BLOCK:
+                b_blk = whole + v_exp
+            elif HAS_BIAS:
+                b_blk = whole
+            else:
+                b_blk = v_exp
+            m_new = gl.maximum(m_i, gl.max(s, axis=1) * sc + b_blk)
+            shift = P_SHIFT + b_blk - m_new
         else:
             m_new = gl.maximum(m_i, gl.max(s, axis=1) * sc)
-            p = s * sc - (m_new - P_SHIFT)[:, None]
-        if ABLATE == 0:
-            p = _exp2_split(p, FMA_QUARTERS)
+            shift = P_SHIFT - m_new
         alpha = gl.exp2(m_i - m_new)
-        return p, m_new, l_i * alpha + gl.sum(p, axis=1), alpha
+        if P_BITS == 0:
+            p = s * sc + shift[:, None]
+            if ABLATE == 0:
+                p = _exp2_split(p, FMA_QUARTERS)
+            if V_BLOCK:  # the row sum without the block's V scale 2^v_exp that P carries
+                l_new = l_i * alpha + gl.sum(p, axis=1) * gl.exp2(-v_exp)
+            else:
+                l_new = l_i * alpha + gl.sum(p, axis=1)
+        else:
+            # P's e4m3 byte read off an fp32 bit pattern: k = round(8 x + 56 + P_BITS_OFFSET) is the byte of
+            # 2^(k // 8 - 7) * (1 + (k % 8) / 8), i.e. exp2(x) with the mantissa linear between powers of
+            # two; x <= P_SHIFT = 8 keeps k <= 120 (256), k < 0 is clamped to 0. Adding 1.5 * 2^23 leaves k
+            # in the low bits (P_BITS 1: inside the FFMA, which rounds the row term to an integer too; 2:
+            # a separate add after it). The row sum is left to the tensor cores (P8 @ ones in the
+            # consumer), so it is exactly the sum of the P that multiplies V.
+            if P_BITS == 1:
+                y = s * (sc * 8.0) + (shift * 8.0 + (56.0 + P_BITS_OFFSET + 12582912.0))[:, None]
+            else:
+                y = (s * (sc * 8.0) + (shift * 8.0 + (56.0 + P_BITS_OFFSET))[:, None]) + 12582912.0
+            y = gl.maximum(y, 12582912.0)
+            p = y.to(gl.int32, bitcast=True).to(gl.int8).to(gl.float8e4nv, bitcast=True)
+            l_new = l_i
+        return p, m_new, l_new, alpha
 
     @gluon.jit
     def _p_operand(p, p_layout: gl.constexpr):
@@ -251,20 +296,20 @@ if gluon is not None:
         is unchanged (measured: +3% on a full map against Triton's shuffle-based conversion)."""
         ROWS: gl.constexpr = p.shape[0]
         N: gl.constexpr = p.shape[1]
-        p8 = gl.reshape(p.to(gl.float8e4nv), [ROWS, N // 16, 2, 4, 2])
+        p8 = gl.reshape(p.to(gl.float8e4nv) if p.dtype != gl.float8e4nv else p, [ROWS, N // 16, 2, 4, 2])
         p8 = gl.permute(p8, [0, 1, 3, 2, 4])
         p8 = gl.reshape(p8, [ROWS, N])
         return gl.convert_layout(p8, p_layout, assert_trivial=True)
 
     @gluon.jit
-    def _consumer(o_ptr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
+    def _consumer(o_ptr, q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
                   q_scale, k_scale, v_scale, sched, kv_num, kv_idx, H, Lq, Lk, num_kv_blocks, q_blocks, num_tiles,
                   n_q_scale, n_k_scale, prefix_len, prefix_bias, suffix_start, suffix_bias, token_perm, s_ob, s_oh,
                   s_ol, s_nb, s_nh, s_ib, s_ih,
                   s_iq, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, Q_STAGES: gl.constexpr, CONSUMER: gl.constexpr,
                   TAIL_K: gl.constexpr, HAS_BIAS: gl.constexpr, P_SHIFT: gl.constexpr, SCHEDULE: gl.constexpr,
                   ABLATE: gl.constexpr, FMA_QUARTERS: gl.constexpr, HAS_PERM: gl.constexpr,
-                  HAS_SUFFIX: gl.constexpr):
+                  HAS_SUFFIX: gl.constexpr, P_BITS: gl.constexpr, V_BLOCK: gl.constexpr):
         ROWS: gl.constexpr = _ROWS
         # wgmma accumulator layouts (M = 64 rows over 4 warps; K = 32 for 8-bit operands) and the
         # register layout of P as the A operand of P @ V
@@ -273,12 +318,17 @@ if gluon is not None:
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, HEAD_DIM, 32])
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
+        l_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, _ONES, 32])
+        pl_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=l_layout, k_width=4)
+        row_l: gl.constexpr = gl.SliceLayout(1, l_layout)
         row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
         row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
         col_o: gl.constexpr = gl.SliceLayout(0, o_layout)
         offs_n = gl.arange(0, _BLOCK, layout=gl.SliceLayout(0, s_layout))
         offs_d = gl.arange(0, HEAD_DIM, layout=col_o)
         s_zero = gl.zeros([ROWS, _BLOCK], gl.float32, layout=s_layout)
+        l_zero = gl.zeros([ROWS, _ONES], gl.float32, layout=l_layout)
 
         kctr = 0  # key blocks consumed so far (all tiles): stage = kctr % STAGES, parity = (kctr // STAGES) & 1
         qt = 0
@@ -297,6 +347,7 @@ if gluon is not None:
             m_i = gl.full([ROWS], -1.0e30, gl.float32, layout=row_s)  # finite: no NaN from a masked row
             l_i = gl.zeros([ROWS], gl.float32, layout=row_s)
             acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
+            l_acc = gl.zeros([ROWS, _ONES], gl.float32, layout=l_layout)  # P_BITS: the row sums, every column
             j0 = 0  # first block of the one-block loop below (the overlap schedule consumes them all)
             if SCHEDULE == "overlap":
                 # block j's Q @ K^T is issued before block j-1's P @ V is waited for, so a warpgroup's
@@ -304,45 +355,73 @@ if gluon is not None:
                 # block j-1 is carried in registers across the step
                 p8 = gl.zeros([ROWS, _BLOCK], gl.float8e4nv, layout=p_layout)
                 prev = 0
+                v_exp_prev = 0.0
                 if n_kv > 0:  # block 0: no P @ V in flight yet
                     kb = gl.load(idx_row)
                     sc = sq * gl.load(k_scale_row + kb)
+                    v_exp = 0.0
+                    if V_BLOCK:  # the key block's V scale 2^v_exp (pre-pass v_scaling="block")
+                        v_exp = gl.load(v_scale + bh * n_k_scale + kb)
                     whole, pre_keys, tail_from, edge = _key_block_bias(kb, prefix_len, prefix_bias, suffix_start,
                                                                        suffix_bias, HAS_SUFFIX)
                     st = kctr % STAGES
                     mbarrier.wait(k_ready.index(st), (kctr // STAGES) & 1)
                     s = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
                     s = warpgroup_mma_wait(num_outstanding=0, deps=[s])
-                    p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, sc, kb, offs_n, Lk, num_kv_blocks, whole, pre_keys,
+                    p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, sc, kb, offs_n, Lk, num_kv_blocks, whole, v_exp, pre_keys,
                                                         tail_from, edge, prefix_bias, suffix_bias, TAIL_K, HAS_BIAS,
-                                                        HAS_SUFFIX, P_SHIFT, ABLATE, FMA_QUARTERS)
+                                                        HAS_SUFFIX, P_SHIFT, ABLATE, FMA_QUARTERS, P_BITS, V_BLOCK)
                     p8 = _p_operand(p, p_layout)
                     mbarrier.wait(v_ready.index(st), (kctr // STAGES) & 1)
                     prev = st
+                    v_exp_prev = v_exp
                     kctr += 1
                 for j in range(1, n_kv):
                     kb = gl.load(idx_row + j)
                     sc = sq * gl.load(k_scale_row + kb)
+                    v_exp = 0.0
+                    if V_BLOCK:  # the key block's V scale 2^v_exp (pre-pass v_scaling="block")
+                        v_exp = gl.load(v_scale + bh * n_k_scale + kb)
                     whole, pre_keys, tail_from, edge = _key_block_bias(kb, prefix_len, prefix_bias, suffix_start,
                                                                        suffix_bias, HAS_SUFFIX)
                     st = kctr % STAGES
                     mbarrier.wait(k_ready.index(st), (kctr // STAGES) & 1)
                     s = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
                     acc = warpgroup_mma(p8, v_smem.index(prev).permute((1, 0)), acc, is_async=True)
-                    s = warpgroup_mma_wait(num_outstanding=1, deps=[s])  # Q @ K^T done; P @ V may run on
-                    p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, sc, kb, offs_n, Lk, num_kv_blocks, whole, pre_keys,
+                    if P_BITS != 0:
+                        l_blk = warpgroup_mma(gl.convert_layout(p8, pl_layout, assert_trivial=True),
+                                              ones_smem.permute((1, 0)), l_zero, use_acc=False, is_async=True)
+                        s = warpgroup_mma_wait(num_outstanding=2, deps=[s])
+                    else:
+                        s = warpgroup_mma_wait(num_outstanding=1, deps=[s])  # Q @ K^T done; P @ V may run on
+                    p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, sc, kb, offs_n, Lk, num_kv_blocks, whole, v_exp, pre_keys,
                                                         tail_from, edge, prefix_bias, suffix_bias, TAIL_K, HAS_BIAS,
-                                                        HAS_SUFFIX, P_SHIFT, ABLATE, FMA_QUARTERS)
-                    acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+                                                        HAS_SUFFIX, P_SHIFT, ABLATE, FMA_QUARTERS, P_BITS, V_BLOCK)
+                    if P_BITS != 0:
+                        acc, l_blk = warpgroup_mma_wait(num_outstanding=0, deps=[acc, l_blk])
+                        if V_BLOCK:
+                            l_blk = l_blk * gl.exp2(-v_exp_prev)
+                        l_acc = (l_acc + l_blk) * gl.convert_layout(alpha, row_l)[:, None]
+                    else:
+                        acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
                     mbarrier.arrive(kv_empty.index(prev), count=1)
                     acc = acc * gl.convert_layout(alpha, row_o)[:, None]
                     p8 = _p_operand(p, p_layout)
                     mbarrier.wait(v_ready.index(st), (kctr // STAGES) & 1)
                     prev = st
+                    v_exp_prev = v_exp
                     kctr += 1
                 if n_kv > 0:
                     acc = warpgroup_mma(p8, v_smem.index(prev).permute((1, 0)), acc, is_async=True)
-                    acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+                    if P_BITS != 0:
+                        l_blk = warpgroup_mma(gl.convert_layout(p8, pl_layout, assert_trivial=True),
+                                              ones_smem.permute((1, 0)), l_zero, use_acc=False, is_async=True)
+                        acc, l_blk = warpgroup_mma_wait(num_outstanding=0, deps=[acc, l_blk])
+                        if V_BLOCK:
+                            l_blk = l_blk * gl.exp2(-v_exp_prev)
+                        l_acc = l_acc + l_blk
+                    else:
+                        acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
                     mbarrier.arrive(kv_empty.index(prev), count=1)
                 j0 = n_kv
             for j in range(j0, n_kv):
@@ -350,6 +429,9 @@ if gluon is not None:
                 # warpgroups take turns issuing each GEMM (named barriers), FlashAttention-3's ping-pong
                 kb = gl.load(idx_row + j)
                 sc = sq * gl.load(k_scale_row + kb)
+                v_exp = 0.0
+                if V_BLOCK:  # the key block's V scale 2^v_exp (pre-pass v_scaling="block")
+                    v_exp = gl.load(v_scale + bh * n_k_scale + kb)
                 whole, pre_keys, tail_from, edge = _key_block_bias(kb, prefix_len, prefix_bias, suffix_start,
                                                                    suffix_bias, HAS_SUFFIX)
                 st = kctr % STAGES
@@ -361,26 +443,40 @@ if gluon is not None:
                 if SCHEDULE == "pingpong":
                     _turn_pass(CONSUMER)
                 s = warpgroup_mma_wait(num_outstanding=0, deps=[s])
-                p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, sc, kb, offs_n, Lk, num_kv_blocks, whole, pre_keys,
+                p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, sc, kb, offs_n, Lk, num_kv_blocks, whole, v_exp, pre_keys,
                                                     tail_from, edge, prefix_bias, suffix_bias, TAIL_K, HAS_BIAS,
-                                                    HAS_SUFFIX, P_SHIFT, ABLATE, FMA_QUARTERS)
+                                                    HAS_SUFFIX, P_SHIFT, ABLATE, FMA_QUARTERS, P_BITS, V_BLOCK)
                 acc = acc * gl.convert_layout(alpha, row_o)[:, None]
                 p8 = _p_operand(p, p_layout)
                 mbarrier.wait(v_ready.index(st), ph)
                 if SCHEDULE == "pingpong":
                     _turn_wait(CONSUMER)
                 acc = warpgroup_mma(p8, v_smem.index(st).permute((1, 0)), acc, is_async=True)
+                if P_BITS != 0:
+                    l_blk = warpgroup_mma(gl.convert_layout(p8, pl_layout, assert_trivial=True),
+                                          ones_smem.permute((1, 0)), l_zero, use_acc=False, is_async=True)
                 if SCHEDULE == "pingpong":
                     _turn_pass(CONSUMER)
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+                if P_BITS != 0:
+                    acc, l_blk = warpgroup_mma_wait(num_outstanding=0, deps=[acc, l_blk])
+                    # the running sum in fp32 registers: an FP8 wgmma's accumulator keeps fewer mantissa
+                    # bits, too few for a sum of positive terms over thousands of keys
+                    if V_BLOCK:
+                        l_blk = l_blk * gl.exp2(-v_exp)
+                    l_acc = l_acc * gl.convert_layout(alpha, row_l)[:, None] + l_blk
+                else:
+                    acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
                 mbarrier.arrive(kv_empty.index(st), count=1)
                 kctr += 1
             mbarrier.arrive(q_empty.index(qs), count=1)  # this consumer's Q rows are no longer read
             qt += 1
 
+            if P_BITS != 0:
+                l_i = gl.convert_layout(gl.max(l_acc, axis=1), row_s)
             l_safe = gl.where(l_i > 0, l_i, 1.0)
             out = acc * gl.convert_layout(1.0 / l_safe, row_o)[:, None]
-            out = out * gl.load(v_scale + bh * HEAD_DIM + offs_d)[None, :]
+            if not V_BLOCK:  # per-channel V scales (with V_BLOCK P carried each block's)
+                out = out * gl.load(v_scale + bh * HEAD_DIM + offs_d)[None, :]
             rows = qblk * _BLOCK + CONSUMER * ROWS + gl.arange(0, ROWS, layout=row_o)
             dst = rows
             if HAS_PERM:  # sequence position -> the input row it came from (the pre-pass gathered by it)
@@ -399,7 +495,13 @@ if gluon is not None:
                        HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, Q_STAGES: gl.constexpr,
                        TAIL_K: gl.constexpr, HAS_BIAS: gl.constexpr, P_SHIFT: gl.constexpr, SCHEDULE: gl.constexpr,
                        ABLATE: gl.constexpr, FMA_QUARTERS: gl.constexpr, HAS_PERM: gl.constexpr,
-                       HAS_SUFFIX: gl.constexpr):
+                       HAS_SUFFIX: gl.constexpr, P_BITS: gl.constexpr, V_BLOCK: gl.constexpr):
+        # the B operand of the row-sum GEMM (P_BITS): e4m3 ones (byte 0x38), any swizzle holds them
+        ones_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_ONES, _BLOCK], gl.float8e4nv)
+        ones_regs: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+        ones = gl.full([_ONES, _BLOCK], 0x38, gl.int8, layout=ones_regs).to(gl.float8e4nv, bitcast=True)
+        ones_smem = gl.allocate_shared_memory(gl.float8e4nv, [_ONES, _BLOCK], ones_layout, ones)
+        fence_async_shared()
         q_smem = gl.allocate_shared_memory(gl.float8e4nv, [Q_STAGES, _BLOCK, HEAD_DIM], q_desc.layout)
         k_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, _BLOCK, HEAD_DIM], k_desc.layout)
         v_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, HEAD_DIM, _BLOCK], v_desc.layout)
@@ -419,18 +521,18 @@ if gluon is not None:
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
                          sched, kv_num, kv_idx, H, q_blocks, num_tiles, lpad_q, lpad_k, s_nb, s_nh, s_ib, s_ih, s_iq,
                          HEAD_DIM, STAGES, Q_STAGES)),
-            (_consumer, (O, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
+            (_consumer, (O, q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
                          q_scale, k_scale, v_scale, sched, kv_num, kv_idx, H, Lq, Lk, num_kv_blocks, q_blocks,
                          num_tiles, n_q_scale, n_k_scale, prefix_len, prefix_bias, suffix_start, suffix_bias,
                          token_perm, s_ob, s_oh, s_ol, s_nb,
                          s_nh, s_ib, s_ih, s_iq, HEAD_DIM, STAGES, Q_STAGES, 0, TAIL_K, HAS_BIAS, P_SHIFT, SCHEDULE,
-                         ABLATE, FMA_QUARTERS, HAS_PERM, HAS_SUFFIX)),
-            (_consumer, (O, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
+                         ABLATE, FMA_QUARTERS, HAS_PERM, HAS_SUFFIX, P_BITS, V_BLOCK)),
+            (_consumer, (O, q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
                          q_scale, k_scale, v_scale, sched, kv_num, kv_idx, H, Lq, Lk, num_kv_blocks, q_blocks,
                          num_tiles, n_q_scale, n_k_scale, prefix_len, prefix_bias, suffix_start, suffix_bias,
                          token_perm, s_ob, s_oh, s_ol, s_nb,
                          s_nh, s_ib, s_ih, s_iq, HEAD_DIM, STAGES, Q_STAGES, 1, TAIL_K, HAS_BIAS, P_SHIFT, SCHEDULE,
-                         ABLATE, FMA_QUARTERS, HAS_PERM, HAS_SUFFIX)),
+                         ABLATE, FMA_QUARTERS, HAS_PERM, HAS_SUFFIX, P_BITS, V_BLOCK)),
         ], [4, 4], [_REGS, _REGS])
 
 
@@ -449,15 +551,17 @@ def launch_ws(q, k, v, block_map, scale: float, config: dict | None = None, pref
     ``token_perm`` int32 ``[L]`` on q's device or None)."""
     cfg = dict(DEFAULT_CONFIG, **(config or {}))
     if cfg["schedule"] not in SCHEDULES or int(cfg["stages"]) < 2 or int(cfg["q_stages"]) < 1 \
-            or int(cfg["fma_quarters"]) not in (0, 1, 2):
+            or int(cfg["fma_quarters"]) not in (0, 1, 2) or int(cfg["p_bits"]) not in (0, 1, 2) \
+            or (int(cfg["p_bits"]) and int(cfg["fma_quarters"])) or cfg["v_scaling"] not in ("channel", "block"):
         raise ValueError(f"bad warp-specialised kernel config {cfg}: schedule one of {SCHEDULES}, stages >= 2, "
-                         "q_stages >= 1, fma_quarters 0 / 1 / 2")
+                         "q_stages >= 1, p_bits 0 / 1 / 2, fma_quarters 0 / 1 / 2 (an exp2 split: p_bits 0 only), "
+                         "v_scaling channel / block")
     batch, heads, q_len, head_dim = q.shape
     kv_len = k.shape[2]
     suffix_start = check_key_biases(prefix_len, prefix_bias, suffix_len, suffix_bias, kv_len)
     has_bias = (prefix_len > 0 and prefix_bias != 0.0) or suffix_start < kv_len
     q8, k8, v8t, q_scale, k_scale, v_scale = quantize_qkv_fp8(q, k, v, scale, v_key_order="wgmma",
-                                                              token_perm=token_perm)
+                                                              token_perm=token_perm, v_scaling=cfg["v_scaling"])
     lpad_q, lpad_k = q8.shape[2], k8.shape[2]
     kv_num, kv_idx, sched, map_strides = lpt_block_lists(block_map)
     num_q_blocks, num_kv_blocks = block_map.shape[2:]
@@ -478,7 +582,8 @@ def launch_ws(q, k, v, block_map, scale: float, config: dict | None = None, pref
         HEAD_DIM=head_dim, STAGES=int(cfg["stages"]), Q_STAGES=int(cfg["q_stages"]),
         TAIL_K=kv_len % BLOCK != 0, HAS_BIAS=has_bias, P_SHIFT=P_SHIFT_LOG2, SCHEDULE=cfg["schedule"],
         ABLATE=int(cfg.get("ablate", 0)), FMA_QUARTERS=int(cfg["fma_quarters"]), HAS_PERM=token_perm is not None,
-        HAS_SUFFIX=suffix_start < kv_len, num_warps=4)
+        HAS_SUFFIX=suffix_start < kv_len, P_BITS=int(cfg["p_bits"]), V_BLOCK=cfg["v_scaling"] == "block",
+        num_warps=4)
     return out
 
 
