@@ -172,3 +172,19 @@ def test_uniform_rows_maps_keep_one_count_and_the_forced_blocks(length, density)
     # the cuDNN fixed-count peer accepts only such maps (and lengths that are multiples of 128)
     assert masks.grid_for(32768) == masks.WAN_GRIDS[32760] and masks.grid_for(75648) == masks.WAN_GRIDS[75600]
     assert masks.grid_for(300) == (1, 1, 300)
+
+
+def test_the_peers_plot_redraws_a_saved_run_without_a_gpu(tmp_path):
+    """``bench_block_sparse.py --plot-from``: the committed peers JSON of the H200 run gives a PNG."""
+    import json
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    saved = root / "benchmarks/kernels/results/h200_2026-12-02d_peers.json"
+    assert any(r["ran"] and r["peer"] == "ours_fp8_ws" for r in json.loads(saved.read_text())["peers"])
+    subprocess.run([sys.executable, str(root / "benchmarks/kernels/bench_block_sparse.py"), "--out", str(tmp_path),
+                    "--plot-from", str(saved)], check=True, cwd=root, timeout=300)
+    png = tmp_path / "bench_block_sparse_peers.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000

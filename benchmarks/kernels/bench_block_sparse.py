@@ -12,8 +12,9 @@ JSON's ``peers`` table holds name, ran, the exact reason when it did not, ms, TF
 peers, kept-block FLOPs for sparse ones) and the cosine against an fp32 reference on 4 heads.
 
 Times are ``triton.testing.do_bench`` medians (L2 flushed between runs); TFLOP/s count only kept
-blocks (4 * kept query-key pairs * D * heads, partial blocks exact). Writes ``bench_block_sparse.json``
-and ``bench_block_sparse.png`` into ``--out``.
+blocks (4 * kept query-key pairs * D * heads, partial blocks exact). Writes ``bench_block_sparse.json``,
+``bench_block_sparse.png`` (time vs density) and ``bench_block_sparse_peers.png`` (the peers' TFLOP/s
+against the FP8 bars; ``--plot-from JSON`` redraws it from a saved run, no GPU needed) into ``--out``.
 
 Usage: ``python benchmarks/kernels/bench_block_sparse.py --out /tmp/bench [--sweep] [--sizes 32760,75600]
 [--peers-only] [--peers NAME,...]``
@@ -373,6 +374,47 @@ def plot(results: dict, path: str) -> None:
     fig.savefig(path, dpi=90)
 
 
+# the issue's bars for our FP8 kernel (TFLOP/s on kept blocks): (tokens, map) -> bar
+FP8_BARS = {(75600, "full"): 950, (32760, "full"): 900, (75600, "0.15"): 900, (75600, "0.05"): 800}
+
+
+def plot_peers(results: dict, path: str) -> None:
+    """TFLOP/s of every peer that ran, per map and length (the ``peers`` table), with the FP8 bars."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in results["peers"] if r["ran"]]
+    sizes = sorted({r["tokens"] for r in rows})
+    maps = ["full", "0.15", "0.05"]
+    names = list(dict.fromkeys(r["peer"] for r in rows))
+    fig, axes = plt.subplots(1, len(sizes), figsize=(6 * len(sizes), 4.2), squeeze=False)
+    width = 0.8 / max(1, len(names))
+    for ax, tokens in zip(axes[0], sizes):
+        for i, name in enumerate(names):
+            ys = []
+            for m in maps:
+                hit = [r for r in rows if r["tokens"] == tokens and r["peer"] == name
+                       and (r["map"] == m or (not r["sparse"] and m == "full"))]
+                ys.append(hit[0]["tflops"] if hit else 0.0)
+            ax.bar([j + i * width for j in range(len(maps))], ys, width, label=name)
+        for j, m in enumerate(maps):
+            bar = FP8_BARS.get((tokens, m))
+            if bar:
+                ax.hlines(bar, j - width / 2, j + 0.8 - width / 2, colors="k", linestyles="--", lw=1)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(maps))], ["full map (dense peers: dense)", "15%", "5%"])
+        ax.set_ylabel("TFLOP/s on kept blocks (dashed: the FP8 bar)")
+        ax.set_title(f"1x40x{tokens}x128")
+        ax.grid(alpha=0.3, axis="y")
+        ax.set_ylim(0, 1.3 * max([r["tflops"] for r in rows] + list(FP8_BARS.values())))
+        ax.legend(fontsize=8, ncol=2, loc="upper right")
+    fig.suptitle(f"Block-sparse attention peers, whole calls ({results['gpu']}, torch {results['torch']}, "
+                 f"triton {results['triton']})", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=".")
@@ -390,7 +432,12 @@ def main():
     ap.add_argument("--uniform-rows", action="store_true",
                     help="peer maps keep the same number of key blocks in every row (for fixed-count kernels; "
                          "use with --sizes 32768,75648, multiples of 128)")
+    ap.add_argument("--plot-from", help="only draw the peers plot of this bench_block_sparse.json into --out")
     args = ap.parse_args()
+    if args.plot_from:
+        with open(args.plot_from) as f:
+            plot_peers(json.load(f), os.path.join(args.out, "bench_block_sparse_peers.png"))
+        return
     args.peers = [x for x in args.peers.split(",") if x]
     args.peer_densities = [float(x) for x in args.peer_densities.split(",") if x]
     args.densities = [float(x) for x in args.densities.split(",") if x]
@@ -406,6 +453,8 @@ def main():
             json.dump(results, f, indent=1)
     if any(row.get("densities") for row in results["sizes"]):
         plot(results, os.path.join(args.out, "bench_block_sparse.png"))
+    if any(r["ran"] for r in results.get("peers", [])):
+        plot_peers(results, os.path.join(args.out, "bench_block_sparse_peers.png"))
     log("done")
 
 
