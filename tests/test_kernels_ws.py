@@ -77,3 +77,15 @@ def test_kernel_compiles_for_sm90_with_fp8_wgmma_and_no_shuffles(head_dim, sched
     assert kernel.metadata.shared <= 228 * 1024
     if schedule == "pingpong":  # the turns are named barriers over both consumer warpgroups (256 threads)
         assert len(re.findall(r"bar\.sync \S+, 256;", ptx)) >= 2 and re.search(r"bar\.arrive \S+, 256;", ptx)
+
+
+@pytest.mark.parametrize("config", [{"p_bits": 3}, {"fma_quarters": 1}, {"ablate": 1}, {"v_scaling": "tile"},
+                                    {"stages": 1}, {"schedule": "ring"}])
+def test_a_config_outside_the_levers_is_a_clear_error(config):
+    """Options that contradict each other (an exp2 split or the no-exp2 ablation with P's bits from the
+    FFMA, where no exp2 is left) or do not exist raise before anything is launched."""
+    from chorus.kernels.triton._attention_ws import launch_ws
+
+    x = torch.zeros(1, 1, 128, 128)
+    with pytest.raises(ValueError, match="bad warp-specialised kernel config"):
+        launch_ws(x, x, x, torch.ones(1, 1, 1, 1, dtype=torch.bool), 0.1, config)

@@ -3,11 +3,12 @@
 Usage (on an sm_90 GPU)::
 
     python benchmarks/kernels/ws_levers.py --sizes 75600,32760 --densities 1.0,0.15,0.05 \\
-        --configs '{"serial": {}, "overlap": {"schedule": "overlap"}, "noexp": {"ablate": 1}}'
+        --configs '{"serial": {}, "overlap": {"schedule": "overlap"}, "noexp": {"p_bits": 0, "ablate": 1}}'
 
 Each config is a dict of ``chorus.kernels.triton._attention_ws.DEFAULT_CONFIG`` overrides (``schedule``,
-``stages``, ``q_stages``; ``ablate`` 1 / 2 leaves the exp2 / the whole softmax out, benchmark only:
-its output is meaningless and its cosine says so). Inputs: 1 x 40 heads x L x 128, unit Gaussians in
+``stages``, ``q_stages``, ``p_bits``, ``v_scaling``; ``ablate`` 1 / 2 leaves the exp2 (with ``p_bits``
+0: the default has none) / the whole softmax out, benchmark only: its output is meaningless and its
+cosine says so). Inputs: 1 x 40 heads x L x 128, unit Gaussians in
 bf16, the benchmark's structured maps (``masks.structured_block_map``); times are
 ``triton.testing.do_bench`` medians of whole calls (pre-pass included); TFLOP/s count kept blocks.
 Prints one line per (size, density, config) and the pre-pass alone per size (both V scalings). ``--prefix-frames F``

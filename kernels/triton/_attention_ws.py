@@ -552,9 +552,10 @@ def launch_ws(q, k, v, block_map, scale: float, config: dict | None = None, pref
     cfg = dict(DEFAULT_CONFIG, **(config or {}))
     if cfg["schedule"] not in SCHEDULES or int(cfg["stages"]) < 2 or int(cfg["q_stages"]) < 1 \
             or int(cfg["fma_quarters"]) not in (0, 1, 2) or int(cfg["p_bits"]) not in (0, 1, 2) \
-            or (int(cfg["p_bits"]) and int(cfg["fma_quarters"])) or cfg["v_scaling"] not in ("channel", "block"):
+            or (int(cfg["p_bits"]) and (int(cfg["fma_quarters"]) or int(cfg.get("ablate", 0)) == 1)) \
+            or cfg["v_scaling"] not in ("channel", "block"):
         raise ValueError(f"bad warp-specialised kernel config {cfg}: schedule one of {SCHEDULES}, stages >= 2, "
-                         "q_stages >= 1, p_bits 0 / 1 / 2, fma_quarters 0 / 1 / 2 (an exp2 split: p_bits 0 only), "
+                         "q_stages >= 1, p_bits 0 / 1 / 2, fma_quarters 0 / 1 / 2 and ablate 1 (the exp2's: p_bits 0 only), "
                          "v_scaling channel / block")
     batch, heads, q_len, head_dim = q.shape
     kv_len = k.shape[2]
