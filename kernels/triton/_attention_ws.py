@@ -221,6 +221,28 @@ if gluon is not None:
         return whole, pre_keys, tail_from, edge
 
     @gluon.jit
+    def _block_v_exp(v_scale, bh, n_k_scale, kb, V_BLOCK: gl.constexpr):
+        """Key block ``kb``'s V exponent (its V scale is ``2^v_exp``; pre-pass ``v_scaling="block"``), else 0."""
+        v_exp = 0.0
+        if V_BLOCK:
+            v_exp = gl.load(v_scale + bh * n_k_scale + kb)
+        return v_exp
+
+    @gluon.jit
+    def _row_sums_issue(p8, ones_smem, l_zero, pl_layout: gl.constexpr):
+        """Issue the block's row sums ``P8 @ ones`` (N = 8, every column the sum; async, fresh
+        accumulator: the running sum stays in fp32 registers, see :func:`_row_sums_unscaled`)."""
+        return warpgroup_mma(gl.convert_layout(p8, pl_layout, assert_trivial=True), ones_smem.permute((1, 0)),
+                             l_zero, use_acc=False, is_async=True)
+
+    @gluon.jit
+    def _row_sums_unscaled(l_blk, v_exp, V_BLOCK: gl.constexpr):
+        """A block's waited row sums without its V scale, which P carries under ``V_BLOCK``."""
+        if V_BLOCK:
+            l_blk = l_blk * gl.exp2(-v_exp)
+        return l_blk
+
+    @gluon.jit
     def _softmax_block(s, m_i, l_i, sc, kb, offs_n, Lk, num_kv_blocks, whole, v_exp, pre_keys, tail_from, edge,
                        prefix_bias, suffix_bias, TAIL_K: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_SUFFIX: gl.constexpr,
                        P_SHIFT: gl.constexpr, ABLATE: gl.constexpr, FMA_QUARTERS: gl.constexpr,
@@ -359,9 +381,7 @@ if gluon is not None:
                 if n_kv > 0:  # block 0: no P @ V in flight yet
                     kb = gl.load(idx_row)
                     sc = sq * gl.load(k_scale_row + kb)
-                    v_exp = 0.0
-                    if V_BLOCK:  # the key block's V scale 2^v_exp (pre-pass v_scaling="block")
-                        v_exp = gl.load(v_scale + bh * n_k_scale + kb)
+                    v_exp = _block_v_exp(v_scale, bh, n_k_scale, kb, V_BLOCK)
                     whole, pre_keys, tail_from, edge = _key_block_bias(kb, prefix_len, prefix_bias, suffix_start,
                                                                        suffix_bias, HAS_SUFFIX)
                     st = kctr % STAGES
@@ -379,9 +399,7 @@ if gluon is not None:
                 for j in range(1, n_kv):
                     kb = gl.load(idx_row + j)
                     sc = sq * gl.load(k_scale_row + kb)
-                    v_exp = 0.0
-                    if V_BLOCK:  # the key block's V scale 2^v_exp (pre-pass v_scaling="block")
-                        v_exp = gl.load(v_scale + bh * n_k_scale + kb)
+                    v_exp = _block_v_exp(v_scale, bh, n_k_scale, kb, V_BLOCK)
                     whole, pre_keys, tail_from, edge = _key_block_bias(kb, prefix_len, prefix_bias, suffix_start,
                                                                        suffix_bias, HAS_SUFFIX)
                     st = kctr % STAGES
@@ -389,8 +407,7 @@ if gluon is not None:
                     s = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
                     acc = warpgroup_mma(p8, v_smem.index(prev).permute((1, 0)), acc, is_async=True)
                     if P_BITS != 0:
-                        l_blk = warpgroup_mma(gl.convert_layout(p8, pl_layout, assert_trivial=True),
-                                              ones_smem.permute((1, 0)), l_zero, use_acc=False, is_async=True)
+                        l_blk = _row_sums_issue(p8, ones_smem, l_zero, pl_layout)
                         s = warpgroup_mma_wait(num_outstanding=2, deps=[s])
                     else:
                         s = warpgroup_mma_wait(num_outstanding=1, deps=[s])  # Q @ K^T done; P @ V may run on
@@ -399,8 +416,7 @@ if gluon is not None:
                                                         HAS_SUFFIX, P_SHIFT, ABLATE, FMA_QUARTERS, P_BITS, V_BLOCK)
                     if P_BITS != 0:
                         acc, l_blk = warpgroup_mma_wait(num_outstanding=0, deps=[acc, l_blk])
-                        if V_BLOCK:
-                            l_blk = l_blk * gl.exp2(-v_exp_prev)
+                        l_blk = _row_sums_unscaled(l_blk, v_exp_prev, V_BLOCK)
                         l_acc = (l_acc + l_blk) * gl.convert_layout(alpha, row_l)[:, None]
                     else:
                         acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
@@ -414,11 +430,9 @@ if gluon is not None:
                 if n_kv > 0:
                     acc = warpgroup_mma(p8, v_smem.index(prev).permute((1, 0)), acc, is_async=True)
                     if P_BITS != 0:
-                        l_blk = warpgroup_mma(gl.convert_layout(p8, pl_layout, assert_trivial=True),
-                                              ones_smem.permute((1, 0)), l_zero, use_acc=False, is_async=True)
+                        l_blk = _row_sums_issue(p8, ones_smem, l_zero, pl_layout)
                         acc, l_blk = warpgroup_mma_wait(num_outstanding=0, deps=[acc, l_blk])
-                        if V_BLOCK:
-                            l_blk = l_blk * gl.exp2(-v_exp_prev)
+                        l_blk = _row_sums_unscaled(l_blk, v_exp_prev, V_BLOCK)
                         l_acc = l_acc + l_blk
                     else:
                         acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
@@ -429,9 +443,7 @@ if gluon is not None:
                 # warpgroups take turns issuing each GEMM (named barriers), FlashAttention-3's ping-pong
                 kb = gl.load(idx_row + j)
                 sc = sq * gl.load(k_scale_row + kb)
-                v_exp = 0.0
-                if V_BLOCK:  # the key block's V scale 2^v_exp (pre-pass v_scaling="block")
-                    v_exp = gl.load(v_scale + bh * n_k_scale + kb)
+                v_exp = _block_v_exp(v_scale, bh, n_k_scale, kb, V_BLOCK)
                 whole, pre_keys, tail_from, edge = _key_block_bias(kb, prefix_len, prefix_bias, suffix_start,
                                                                    suffix_bias, HAS_SUFFIX)
                 st = kctr % STAGES
@@ -453,16 +465,14 @@ if gluon is not None:
                     _turn_wait(CONSUMER)
                 acc = warpgroup_mma(p8, v_smem.index(st).permute((1, 0)), acc, is_async=True)
                 if P_BITS != 0:
-                    l_blk = warpgroup_mma(gl.convert_layout(p8, pl_layout, assert_trivial=True),
-                                          ones_smem.permute((1, 0)), l_zero, use_acc=False, is_async=True)
+                    l_blk = _row_sums_issue(p8, ones_smem, l_zero, pl_layout)
                 if SCHEDULE == "pingpong":
                     _turn_pass(CONSUMER)
                 if P_BITS != 0:
                     acc, l_blk = warpgroup_mma_wait(num_outstanding=0, deps=[acc, l_blk])
                     # the running sum in fp32 registers: an FP8 wgmma's accumulator keeps fewer mantissa
                     # bits, too few for a sum of positive terms over thousands of keys
-                    if V_BLOCK:
-                        l_blk = l_blk * gl.exp2(-v_exp)
+                    l_blk = _row_sums_unscaled(l_blk, v_exp, V_BLOCK)
                     l_acc = l_acc * gl.convert_layout(alpha, row_l)[:, None] + l_blk
                 else:
                     acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
