@@ -47,16 +47,17 @@ def test_the_engine_and_the_node_offer_it():
     assert SparseConfig(backend="triton_fp8_ws").backend == "triton_fp8_ws"
 
 
-@pytest.mark.parametrize("head_dim,schedule,has_bias,has_perm,has_suffix,p_bits,v_block", [
-    (128, "serial", False, False, False, 1, False), (128, "overlap", False, False, False, 1, False),
-    (128, "pingpong", False, False, False, 1, False), (64, "serial", False, False, False, 1, False),
-    (64, "overlap", False, False, False, 1, False), (64, "pingpong", False, False, False, 1, False),
-    (128, "serial", True, True, False, 1, False), (64, "pingpong", True, False, False, 1, False),
-    (128, "serial", True, False, True, 1, False), (64, "serial", True, True, True, 1, False),
-    (128, "serial", False, False, False, 0, False), (128, "overlap", True, False, False, 0, False),
-    (128, "serial", False, False, False, 2, True), (64, "overlap", True, False, True, 1, True)])
+@pytest.mark.parametrize("head_dim,schedule,has_bias,has_perm,has_suffix,p_bits,v_block,p_sat", [
+    (128, "serial", False, False, False, 1, False, True), (128, "overlap", False, False, False, 1, False, True),
+    (128, "pingpong", False, False, False, 1, False, True), (64, "serial", False, False, False, 1, False, True),
+    (64, "overlap", False, False, False, 1, False, True), (64, "pingpong", False, False, False, 1, False, True),
+    (128, "serial", True, True, False, 1, False, True), (64, "pingpong", True, False, False, 1, False, True),
+    (128, "serial", True, False, True, 1, False, True), (64, "serial", True, True, True, 1, False, True),
+    (128, "serial", False, False, False, 0, False, False), (128, "overlap", True, False, False, 0, False, False),
+    (128, "serial", False, False, False, 2, True, False), (64, "overlap", True, False, True, 1, True, True),
+    (128, "serial", False, False, False, 1, False, False)])
 def test_kernel_compiles_for_sm90_with_fp8_wgmma_and_no_shuffles(head_dim, schedule, has_bias, has_perm, has_suffix,
-                                                                  p_bits, v_block):
+                                                                  p_bits, v_block, p_sat):
     from chorus.kernels.triton import _attention_ws
 
     if _attention_ws.available():
@@ -64,13 +65,16 @@ def test_kernel_compiles_for_sm90_with_fp8_wgmma_and_no_shuffles(head_dim, sched
     from benchmarks.kernels.aot_check import compile_ws
 
     kernel = compile_ws(head_dim, schedule, tail=True, has_bias=has_bias, has_perm=has_perm, has_suffix=has_suffix,
-                        p_bits=p_bits, v_block=v_block)
+                        p_bits=p_bits, v_block=v_block, p_sat=p_sat)
     ptx = kernel.asm["ptx"]
     mmas = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k32\.f32\.e4m3\.e4m3", ptx))
     # QK^T: N = 128 keys; PV: N = D; with P's bits from the FFMA the row sums: N = 8 (P8 @ ones)
     assert mmas == {"128", str(head_dim)} | ({"8"} if p_bits else set()), mmas
     exp2 = len(re.findall(r"ex2\.approx", ptx))
     assert exp2 <= 8 if p_bits else exp2 >= 64, exp2  # P without the MUFU: exp2 only for each row's rescale
+    # P's bits clamped at 0 by the FFMA's saturation (p_clamp "sat"): one saturating FMA per element of S
+    saturating = len(re.findall(r"fma\.rn\.sat\.f32", ptx))
+    assert saturating >= 64 if (p_bits and p_sat) else saturating == 0, saturating
     assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+240", ptx)  # the consumer warpgroups
     # P reaches P @ V in its registers: the only cross-lane index shuffle left broadcasts the warp id
     assert ptx.count("shfl.sync.idx") <= 1
@@ -80,6 +84,7 @@ def test_kernel_compiles_for_sm90_with_fp8_wgmma_and_no_shuffles(head_dim, sched
 
 
 @pytest.mark.parametrize("config", [{"p_bits": 3}, {"fma_quarters": 1}, {"ablate": 1}, {"v_scaling": "tile"},
+                                    {"p_clamp": "min"}, {"o_store": "tma"},
                                     {"stages": 1}, {"schedule": "ring"}])
 def test_a_config_outside_the_levers_is_a_clear_error(config):
     """Options that contradict each other (an exp2 split or the no-exp2 ablation with P's bits from the

@@ -77,7 +77,9 @@ SCHEDULES = {"serial": {}, "overlap": {"schedule": "overlap"}, "pingpong": {"sch
              "fma_quarter": {"p_bits": 0, "fma_quarters": 1}, "fma_half": {"p_bits": 0, "fma_quarters": 2},
              "p_bits2": {"p_bits": 2}, "v_block": {"v_scaling": "block"},
              "v_block_overlap": {"v_scaling": "block", "schedule": "overlap"},
-             "v_block_exp2": {"v_scaling": "block", "p_bits": 0}}
+             "v_block_exp2": {"v_scaling": "block", "p_bits": 0},
+             "clamp_max": {"p_clamp": "max"}, "clamp_max_p_bits2": {"p_clamp": "max", "p_bits": 2},
+             "o_regs": {"o_store": "regs"}}
 
 
 @pytest.mark.parametrize("length,dim", [(1000, 128), (4097, 128), (4097, 64), (32760, 128)])

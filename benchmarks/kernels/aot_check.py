@@ -59,7 +59,7 @@ def compile_attn(fp8=True, use_tma=False, block_m=128, block_n=128, head_dim=128
 
 
 def compile_ws(head_dim=128, schedule="serial", stages=3, tail=True, ablate=0, fma_quarters=0, has_bias=False,
-               has_perm=False, has_suffix=False, p_bits=1, v_block=False):
+               has_perm=False, has_suffix=False, p_bits=1, v_block=False, p_sat=True, o_vec=True):
     """The warp-specialised Gluon kernel (``chorus.kernels.triton._attention_ws``) compiled for sm_90."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -88,9 +88,12 @@ def compile_ws(head_dim=128, schedule="serial", stages=3, tail=True, ablate=0, f
     consts = dict(HEAD_DIM=head_dim, STAGES=stages, Q_STAGES=2, TAIL_K=tail, HAS_BIAS=has_bias or has_suffix,
                   HAS_PERM=has_perm, HAS_SUFFIX=has_suffix,
                   P_SHIFT=A.P_SHIFT_LOG2,
-                  SCHEDULE=schedule, ABLATE=ablate, FMA_QUARTERS=fma_quarters, P_BITS=p_bits, V_BLOCK=v_block)
+                  SCHEDULE=schedule, ABLATE=ablate, FMA_QUARTERS=fma_quarters, P_BITS=p_bits, V_BLOCK=v_block,
+                  P_SAT=p_sat and p_bits != 0, O_VEC=o_vec)
     sig.update({c: "constexpr" for c in consts})
-    src = GluonASTSource(fn=kernel, signature=sig, constexprs=consts)
+    # 16-byte divisibility of the output pointer and strides, as the launcher's specialisation gives them
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig) if n in ("O", "s_ob", "s_oh", "s_ol")}
+    src = GluonASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
     return triton.compile(src, target=TARGET, options=dict(num_warps=4))
 
 

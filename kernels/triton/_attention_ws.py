@@ -25,6 +25,15 @@ on sm_90:
   path (``p_bits`` 0) on a full map and at 15% density (943-951 / 871-886 TFLOP/s at 720p), error
   within the FP8 bounds of the oracle (``docs/BENCHMARKS.md``, "2026-12-02"). ``p_bits`` 2 keeps the
   row term's fraction (one FADD more, slower, closer to the exp2 path); 0 is the exp2 path.
+- ``P_SAT`` (config ``p_clamp``, ``"sat"`` by default; with ``p_bits`` 1 / 2): the clamp of ``k`` at 0
+  is the FFMA's own saturation (``fma.rn.sat`` of ``k / 128``, then ``128 u + 1.5 * 2^23``: two FMA-pipe
+  ops per element) instead of a max on the ALU pipe, which the row maximum and the byte packing keep
+  busy; the row term keeps its fraction, as under ``p_bits`` 2. Measured +1-2% over ``"max"`` and
+  closer to the exp2 path (``docs/BENCHMARKS.md``, "2026-12-02, second session").
+- ``O_VEC`` (config ``o_store``, ``"vec"`` by default): the output tile goes through one layout
+  conversion (shared memory) to 8 consecutive channels per thread, stored 16 bytes at a time with a
+  warp over whole rows, instead of the accumulator layout's 4-byte stores (``"regs"``). Measured: the
+  stores cost 4% of a 5%-density call at 720p (ablation), ``"vec"`` +2% there.
 - ``V_BLOCK`` (config ``v_scaling="block"``, off): per-tile power-of-two V scales from the
   single-read pre-pass, each tile's exponent folded into its block's row terms and divided out of its
   row sums (measured: 1-3% slower in the kernel than the 0.3 ms it saves at 720p).
@@ -84,7 +93,8 @@ CONSUMER_ROWS = 64  # query rows per consumer warpgroup (one wgmma M tile of 4 w
 CONSUMER_REGS = 240  # registers per consumer thread (setmaxnreg); the producer keeps the rest
 SCHEDULES = ("serial", "overlap", "pingpong")
 TURN_BARRIERS = (8, 9)  # ping-pong: the consumers' named hardware barriers (Triton's partitions use ids 0-3)
-DEFAULT_CONFIG = dict(stages=3, q_stages=2, schedule="serial", fma_quarters=0, p_bits=1, v_scaling="channel")
+DEFAULT_CONFIG = dict(stages=3, q_stages=2, schedule="serial", fma_quarters=0, p_bits=1, v_scaling="channel",
+                      p_clamp="sat", o_store="vec")
 
 
 def available() -> str | None:
@@ -205,6 +215,14 @@ if gluon is not None:
         return gl.convert_layout(y, layout, assert_trivial=True)
 
     @gluon.jit
+    def _fma_sat(x, a, b):
+        """``min(max(x * a + b, 0), 1)`` in one FFMA (PTX ``fma.rn.sat``; NaN gives 0): ``a`` a scalar,
+        ``b`` of ``x``'s shape."""
+        a_full = gl.full_like(x, 0.0) + a
+        return gl.inline_asm_elementwise("fma.rn.sat.f32 $0, $1, $2, $3;", "=f,f,f,f", [x, a_full, b],
+                                         dtype=gl.float32, is_pure=True, pack=1)
+
+    @gluon.jit
     def _key_block_bias(kb, prefix_len, prefix_bias, suffix_start, suffix_bias, HAS_SUFFIX: gl.constexpr):
         """Key block ``kb``'s share of the prefix / suffix biases (log2 units), from its index alone (so it
         is computed while the block's ``Q @ K^T`` runs): ``(whole, pre_keys, tail_from, edge)`` with
@@ -246,7 +264,7 @@ if gluon is not None:
     def _softmax_block(s, m_i, l_i, sc, kb, offs_n, Lk, num_kv_blocks, whole, v_exp, pre_keys, tail_from, edge,
                        prefix_bias, suffix_bias, TAIL_K: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_SUFFIX: gl.constexpr,
                        P_SHIFT: gl.constexpr, ABLATE: gl.constexpr, FMA_QUARTERS: gl.constexpr,
-                       P_BITS: gl.constexpr, V_BLOCK: gl.constexpr):
+                       P_BITS: gl.constexpr, V_BLOCK: gl.constexpr, P_SAT: gl.constexpr):
         """Online softmax over key block ``kb``'s wgmma output ``s`` (``sc`` = sq * sk > 0, folded in after
         the row max): returns ``(P, m, l, alpha)`` with ``P = exp2(s * sc - m + P_SHIFT)`` (row maximum
         2^P_SHIFT, inside e4m3), the new row max / sum and ``alpha`` = the old accumulator's rescale
@@ -258,7 +276,8 @@ if gluon is not None:
         ``>= suffix_start`` ``suffix_bias`` (:func:`_key_block_bias` gives this block's share): a block
         wholly inside the prefix / suffix takes it as one per-row term in the row maximum and the shift,
         the one block an edge crosses also as ``bias / sc`` added to those elements of ``s``. ABLATE
-        (benchmark only, results meaningless): 1 leaves the exp2 out, 2 the whole softmax."""
+        (benchmark only, results meaningless): 1 leaves the exp2 out, 2 the whole softmax (3: the consumer
+        stores no output, 4: its epilogue loads no per-channel V scales; both in :func:`_consumer`)."""
         if TAIL_K:
             if kb == num_kv_blocks - 1:
                 s = gl.where((kb * _BLOCK + offs_n < Lk)[None, :], s, float("-inf"))
@@ -269,7 +288,10 @@ if gluon is not None:
                     keys = keys + gl.where((offs_n >= tail_from) & (tail_from > 0), suffix_bias, 0.0)
                 s = s + (keys / sc)[None, :]
         if ABLATE == 2:
-            return s * sc, m_i, l_i, gl.full_like(m_i, 1.0)
+            p = s * sc
+            if P_BITS != 0:  # P as the FFMA path returns it: e4m3
+                p = p.to(gl.float8e4nv)
+            return p, m_i, l_i, gl.full_like(m_i, 1.0)
         if HAS_BIAS or V_BLOCK:  # exp2(s * sc + b - m + shift), the block's uniform b in the row terms
             if HAS_BIAS and V_BLOCK:
                 b_blk = whole + v_exp
@@ -296,13 +318,19 @@ if gluon is not None:
             # 2^(k // 8 - 7) * (1 + (k % 8) / 8), i.e. exp2(x) with the mantissa linear between powers of
             # two; x <= P_SHIFT = 8 keeps k <= 120 (256), k < 0 is clamped to 0. Adding 1.5 * 2^23 leaves k
             # in the low bits (P_BITS 1: inside the FFMA, which rounds the row term to an integer too; 2:
-            # a separate add after it). The row sum is left to the tensor cores (P8 @ ones in the
-            # consumer), so it is exactly the sum of the P that multiplies V.
-            if P_BITS == 1:
-                y = s * (sc * 8.0) + (shift * 8.0 + (56.0 + P_BITS_OFFSET + 12582912.0))[:, None]
-            else:
-                y = (s * (sc * 8.0) + (shift * 8.0 + (56.0 + P_BITS_OFFSET))[:, None]) + 12582912.0
-            y = gl.maximum(y, 12582912.0)
+            # a separate add after it; P_SAT: after the saturating FFMA, both alike). The row sum is left
+            # to the tensor cores (P8 @ ones in the consumer), so it is exactly the sum of the P that
+            # multiplies V.
+            if not P_SAT:
+                if P_BITS == 1:
+                    y = s * (sc * 8.0) + (shift * 8.0 + (56.0 + P_BITS_OFFSET + 12582912.0))[:, None]
+                else:
+                    y = (s * (sc * 8.0) + (shift * 8.0 + (56.0 + P_BITS_OFFSET))[:, None]) + 12582912.0
+                y = gl.maximum(y, 12582912.0)
+            else:  # k / 128 saturated to [0, 1] by the FFMA (the clamp on the FMA pipe, not the ALU's max)
+                u = _fma_sat(s, sc * (8.0 / 128.0),
+                             gl.full_like(s, 0.0) + (shift * (8.0 / 128.0) + (56.0 + P_BITS_OFFSET) / 128.0)[:, None])
+                y = u * 128.0 + 12582912.0
             p = y.to(gl.int32, bitcast=True).to(gl.int8).to(gl.float8e4nv, bitcast=True)
             l_new = l_i
         return p, m_new, l_new, alpha
@@ -331,7 +359,8 @@ if gluon is not None:
                   s_iq, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, Q_STAGES: gl.constexpr, CONSUMER: gl.constexpr,
                   TAIL_K: gl.constexpr, HAS_BIAS: gl.constexpr, P_SHIFT: gl.constexpr, SCHEDULE: gl.constexpr,
                   ABLATE: gl.constexpr, FMA_QUARTERS: gl.constexpr, HAS_PERM: gl.constexpr,
-                  HAS_SUFFIX: gl.constexpr, P_BITS: gl.constexpr, V_BLOCK: gl.constexpr):
+                  HAS_SUFFIX: gl.constexpr, P_BITS: gl.constexpr, V_BLOCK: gl.constexpr, P_SAT: gl.constexpr,
+                  O_VEC: gl.constexpr):
         ROWS: gl.constexpr = _ROWS
         # wgmma accumulator layouts (M = 64 rows over 4 warps; K = 32 for 8-bit operands) and the
         # register layout of P as the A operand of P @ V
@@ -343,6 +372,8 @@ if gluon is not None:
         l_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, _ONES, 32])
         pl_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=l_layout, k_width=4)
+        # O_VEC: the output tile with 8 consecutive 16-bit channels per thread, a warp over whole rows
+        store_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // HEAD_DIM, HEAD_DIM // 8], [4, 1], [1, 0])
         row_l: gl.constexpr = gl.SliceLayout(1, l_layout)
         row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
         row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
@@ -390,7 +421,7 @@ if gluon is not None:
                     s = warpgroup_mma_wait(num_outstanding=0, deps=[s])
                     p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, sc, kb, offs_n, Lk, num_kv_blocks, whole, v_exp, pre_keys,
                                                         tail_from, edge, prefix_bias, suffix_bias, TAIL_K, HAS_BIAS,
-                                                        HAS_SUFFIX, P_SHIFT, ABLATE, FMA_QUARTERS, P_BITS, V_BLOCK)
+                                                        HAS_SUFFIX, P_SHIFT, ABLATE, FMA_QUARTERS, P_BITS, V_BLOCK, P_SAT)
                     p8 = _p_operand(p, p_layout)
                     mbarrier.wait(v_ready.index(st), (kctr // STAGES) & 1)
                     prev = st
@@ -413,7 +444,7 @@ if gluon is not None:
                         s = warpgroup_mma_wait(num_outstanding=1, deps=[s])  # Q @ K^T done; P @ V may run on
                     p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, sc, kb, offs_n, Lk, num_kv_blocks, whole, v_exp, pre_keys,
                                                         tail_from, edge, prefix_bias, suffix_bias, TAIL_K, HAS_BIAS,
-                                                        HAS_SUFFIX, P_SHIFT, ABLATE, FMA_QUARTERS, P_BITS, V_BLOCK)
+                                                        HAS_SUFFIX, P_SHIFT, ABLATE, FMA_QUARTERS, P_BITS, V_BLOCK, P_SAT)
                     if P_BITS != 0:
                         acc, l_blk = warpgroup_mma_wait(num_outstanding=0, deps=[acc, l_blk])
                         l_blk = _row_sums_unscaled(l_blk, v_exp_prev, V_BLOCK)
@@ -457,7 +488,7 @@ if gluon is not None:
                 s = warpgroup_mma_wait(num_outstanding=0, deps=[s])
                 p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, sc, kb, offs_n, Lk, num_kv_blocks, whole, v_exp, pre_keys,
                                                     tail_from, edge, prefix_bias, suffix_bias, TAIL_K, HAS_BIAS,
-                                                    HAS_SUFFIX, P_SHIFT, ABLATE, FMA_QUARTERS, P_BITS, V_BLOCK)
+                                                    HAS_SUFFIX, P_SHIFT, ABLATE, FMA_QUARTERS, P_BITS, V_BLOCK, P_SAT)
                 acc = acc * gl.convert_layout(alpha, row_o)[:, None]
                 p8 = _p_operand(p, p_layout)
                 mbarrier.wait(v_ready.index(st), ph)
@@ -485,14 +516,24 @@ if gluon is not None:
                 l_i = gl.convert_layout(gl.max(l_acc, axis=1), row_s)
             l_safe = gl.where(l_i > 0, l_i, 1.0)
             out = acc * gl.convert_layout(1.0 / l_safe, row_o)[:, None]
-            if not V_BLOCK:  # per-channel V scales (with V_BLOCK P carried each block's)
+            if not V_BLOCK and ABLATE != 4:  # per-channel V scales (with V_BLOCK P carried each block's)
                 out = out * gl.load(v_scale + bh * HEAD_DIM + offs_d)[None, :]
-            rows = qblk * _BLOCK + CONSUMER * ROWS + gl.arange(0, ROWS, layout=row_o)
+            out = out.to(o_ptr.dtype.element_ty)
+            if O_VEC:  # 16 bytes per thread and store (whole rows per warp) instead of the accumulator's 4
+                out = gl.convert_layout(out, store_layout)
+                rows = qblk * _BLOCK + CONSUMER * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, store_layout))
+                cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, store_layout))
+            else:
+                rows = qblk * _BLOCK + CONSUMER * ROWS + gl.arange(0, ROWS, layout=row_o)
+                cols = offs_d
             dst = rows
             if HAS_PERM:  # sequence position -> the input row it came from (the pre-pass gathered by it)
                 dst = gl.minimum(gl.maximum(gl.load(token_perm + rows, mask=rows < Lq, other=0), 0), Lq - 1)
-            o_ptrs = o_ptr + b * s_ob + h * s_oh + dst[:, None] * s_ol + offs_d[None, :]
-            gl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=(rows < Lq)[:, None])
+            o_ptrs = o_ptr + b * s_ob + h * s_oh + dst[:, None] * s_ol + cols[None, :]
+            o_mask = rows < Lq
+            if ABLATE == 3:  # benchmark only: no output stored (a mask the compiler cannot fold)
+                o_mask = o_mask & (Lq < 0)
+            gl.store(o_ptrs, out, mask=o_mask[:, None])
         if SCHEDULE == "pingpong":
             if CONSUMER == 0:
                 _turn_wait(CONSUMER)  # consumer 1's last hand-over: no arrival left pending at exit
@@ -505,7 +546,8 @@ if gluon is not None:
                        HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, Q_STAGES: gl.constexpr,
                        TAIL_K: gl.constexpr, HAS_BIAS: gl.constexpr, P_SHIFT: gl.constexpr, SCHEDULE: gl.constexpr,
                        ABLATE: gl.constexpr, FMA_QUARTERS: gl.constexpr, HAS_PERM: gl.constexpr,
-                       HAS_SUFFIX: gl.constexpr, P_BITS: gl.constexpr, V_BLOCK: gl.constexpr):
+                       HAS_SUFFIX: gl.constexpr, P_BITS: gl.constexpr, V_BLOCK: gl.constexpr, P_SAT: gl.constexpr,
+                       O_VEC: gl.constexpr):
         # the B operand of the row-sum GEMM (P_BITS): e4m3 ones (byte 0x38), any swizzle holds them
         ones_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_ONES, _BLOCK], gl.float8e4nv)
         ones_regs: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
@@ -536,13 +578,13 @@ if gluon is not None:
                          num_tiles, n_q_scale, n_k_scale, prefix_len, prefix_bias, suffix_start, suffix_bias,
                          token_perm, s_ob, s_oh, s_ol, s_nb,
                          s_nh, s_ib, s_ih, s_iq, HEAD_DIM, STAGES, Q_STAGES, 0, TAIL_K, HAS_BIAS, P_SHIFT, SCHEDULE,
-                         ABLATE, FMA_QUARTERS, HAS_PERM, HAS_SUFFIX, P_BITS, V_BLOCK)),
+                         ABLATE, FMA_QUARTERS, HAS_PERM, HAS_SUFFIX, P_BITS, V_BLOCK, P_SAT, O_VEC)),
             (_consumer, (O, q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
                          q_scale, k_scale, v_scale, sched, kv_num, kv_idx, H, Lq, Lk, num_kv_blocks, q_blocks,
                          num_tiles, n_q_scale, n_k_scale, prefix_len, prefix_bias, suffix_start, suffix_bias,
                          token_perm, s_ob, s_oh, s_ol, s_nb,
                          s_nh, s_ib, s_ih, s_iq, HEAD_DIM, STAGES, Q_STAGES, 1, TAIL_K, HAS_BIAS, P_SHIFT, SCHEDULE,
-                         ABLATE, FMA_QUARTERS, HAS_PERM, HAS_SUFFIX, P_BITS, V_BLOCK)),
+                         ABLATE, FMA_QUARTERS, HAS_PERM, HAS_SUFFIX, P_BITS, V_BLOCK, P_SAT, O_VEC)),
         ], [4, 4], [_REGS, _REGS])
 
 
@@ -563,10 +605,11 @@ def launch_ws(q, k, v, block_map, scale: float, config: dict | None = None, pref
     if cfg["schedule"] not in SCHEDULES or int(cfg["stages"]) < 2 or int(cfg["q_stages"]) < 1 \
             or int(cfg["fma_quarters"]) not in (0, 1, 2) or int(cfg["p_bits"]) not in (0, 1, 2) \
             or (int(cfg["p_bits"]) and (int(cfg["fma_quarters"]) or int(cfg.get("ablate", 0)) == 1)) \
-            or cfg["v_scaling"] not in ("channel", "block"):
+            or cfg["v_scaling"] not in ("channel", "block") or cfg["p_clamp"] not in ("max", "sat") \
+            or cfg["o_store"] not in ("regs", "vec"):
         raise ValueError(f"bad warp-specialised kernel config {cfg}: schedule one of {SCHEDULES}, stages >= 2, "
                          "q_stages >= 1, p_bits 0 / 1 / 2, fma_quarters 0 / 1 / 2 and ablate 1 (the exp2's: p_bits 0 only), "
-                         "v_scaling channel / block")
+                         "v_scaling channel / block, p_clamp max / sat, o_store regs / vec")
     batch, heads, q_len, head_dim = q.shape
     kv_len = k.shape[2]
     suffix_start = check_key_biases(prefix_len, prefix_bias, suffix_len, suffix_bias, kv_len)
@@ -594,7 +637,8 @@ def launch_ws(q, k, v, block_map, scale: float, config: dict | None = None, pref
         TAIL_K=kv_len % BLOCK != 0, HAS_BIAS=has_bias, P_SHIFT=P_SHIFT_LOG2, SCHEDULE=cfg["schedule"],
         ABLATE=int(cfg.get("ablate", 0)), FMA_QUARTERS=int(cfg["fma_quarters"]), HAS_PERM=token_perm is not None,
         HAS_SUFFIX=suffix_start < kv_len, P_BITS=int(cfg["p_bits"]), V_BLOCK=cfg["v_scaling"] == "block",
-        num_warps=4)
+        P_SAT=cfg["p_clamp"] == "sat" and int(cfg["p_bits"]) != 0,
+        O_VEC=cfg["o_store"] == "vec", num_warps=4)
     return out
 
 
