@@ -239,12 +239,20 @@ if gluon is not None:
         return whole, pre_keys, tail_from, edge
 
     @gluon.jit
-    def _block_v_exp(v_scale, bh, n_k_scale, kb, V_BLOCK: gl.constexpr):
-        """Key block ``kb``'s V exponent (its V scale is ``2^v_exp``; pre-pass ``v_scaling="block"``), else 0."""
+    def _block_terms(idx_row, j, sq, k_scale_row, v_scale, bh, n_k_scale, prefix_len, prefix_bias, suffix_start,
+                     suffix_bias, HAS_SUFFIX: gl.constexpr, V_BLOCK: gl.constexpr):
+        """What the softmax of the tile's ``j``-th kept key block needs besides its ``S``, loaded / computed
+        before ``S`` is waited for: ``(kb, sc, v_exp, whole, pre_keys, tail_from, edge)`` = the block's
+        index, ``sq * sk``, its V exponent (its V scale is ``2^v_exp`` under the pre-pass's
+        ``v_scaling="block"``, else 0) and its share of the key biases (:func:`_key_block_bias`)."""
+        kb = gl.load(idx_row + j)
+        sc = sq * gl.load(k_scale_row + kb)
         v_exp = 0.0
         if V_BLOCK:
             v_exp = gl.load(v_scale + bh * n_k_scale + kb)
-        return v_exp
+        whole, pre_keys, tail_from, edge = _key_block_bias(kb, prefix_len, prefix_bias, suffix_start, suffix_bias,
+                                                           HAS_SUFFIX)
+        return kb, sc, v_exp, whole, pre_keys, tail_from, edge
 
     @gluon.jit
     def _row_sums_issue(p8, ones_smem, l_zero, pl_layout: gl.constexpr):
@@ -410,11 +418,9 @@ if gluon is not None:
                 prev = 0
                 v_exp_prev = 0.0
                 if n_kv > 0:  # block 0: no P @ V in flight yet
-                    kb = gl.load(idx_row)
-                    sc = sq * gl.load(k_scale_row + kb)
-                    v_exp = _block_v_exp(v_scale, bh, n_k_scale, kb, V_BLOCK)
-                    whole, pre_keys, tail_from, edge = _key_block_bias(kb, prefix_len, prefix_bias, suffix_start,
-                                                                       suffix_bias, HAS_SUFFIX)
+                    kb, sc, v_exp, whole, pre_keys, tail_from, edge = _block_terms(
+                        idx_row, 0, sq, k_scale_row, v_scale, bh, n_k_scale, prefix_len, prefix_bias, suffix_start,
+                        suffix_bias, HAS_SUFFIX, V_BLOCK)
                     st = kctr % STAGES
                     mbarrier.wait(k_ready.index(st), (kctr // STAGES) & 1)
                     s = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
@@ -428,11 +434,9 @@ if gluon is not None:
                     v_exp_prev = v_exp
                     kctr += 1
                 for j in range(1, n_kv):
-                    kb = gl.load(idx_row + j)
-                    sc = sq * gl.load(k_scale_row + kb)
-                    v_exp = _block_v_exp(v_scale, bh, n_k_scale, kb, V_BLOCK)
-                    whole, pre_keys, tail_from, edge = _key_block_bias(kb, prefix_len, prefix_bias, suffix_start,
-                                                                       suffix_bias, HAS_SUFFIX)
+                    kb, sc, v_exp, whole, pre_keys, tail_from, edge = _block_terms(
+                        idx_row, j, sq, k_scale_row, v_scale, bh, n_k_scale, prefix_len, prefix_bias, suffix_start,
+                        suffix_bias, HAS_SUFFIX, V_BLOCK)
                     st = kctr % STAGES
                     mbarrier.wait(k_ready.index(st), (kctr // STAGES) & 1)
                     s = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
@@ -472,11 +476,9 @@ if gluon is not None:
             for j in range(j0, n_kv):
                 # one key block per step: Q @ K^T, softmax, P @ V; with SCHEDULE "pingpong" the two
                 # warpgroups take turns issuing each GEMM (named barriers), FlashAttention-3's ping-pong
-                kb = gl.load(idx_row + j)
-                sc = sq * gl.load(k_scale_row + kb)
-                v_exp = _block_v_exp(v_scale, bh, n_k_scale, kb, V_BLOCK)
-                whole, pre_keys, tail_from, edge = _key_block_bias(kb, prefix_len, prefix_bias, suffix_start,
-                                                                   suffix_bias, HAS_SUFFIX)
+                kb, sc, v_exp, whole, pre_keys, tail_from, edge = _block_terms(
+                    idx_row, j, sq, k_scale_row, v_scale, bh, n_k_scale, prefix_len, prefix_bias, suffix_start,
+                    suffix_bias, HAS_SUFFIX, V_BLOCK)
                 st = kctr % STAGES
                 ph = (kctr // STAGES) & 1
                 mbarrier.wait(k_ready.index(st), ph)

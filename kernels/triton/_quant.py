@@ -119,11 +119,12 @@ def source_rows(token_perm, rows, length, HAS_PERM: tl.constexpr):
 
 
 @triton.jit
-def _quant_kernel(Q, K, V, q8, k8, v8t, q_scale, k_scale, k_smooth, v_amax, token_perm,
+def _quant_kernel(Q, K, V, q8, k8, v8t, q_scale, k_scale, k_smooth, v_stats, token_perm,
                   H, Lq, Lk, Lpad_q, Lpad_k, q_mult,
                   s_qb, s_qh, s_ql, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl,
                   HEAD_DIM: tl.constexpr, TILE: tl.constexpr, INTERPRET: tl.constexpr, QUANT_Q: tl.constexpr,
                   HAS_PERM: tl.constexpr, V_WGMMA_ORDER: tl.constexpr, V_BLOCK_SCALE: tl.constexpr):
+    # v_stats: V's per-channel absmax [B*H, D] (read), or with V_BLOCK_SCALE each tile's exponent [B*H, tiles] (written)
     tile = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -162,13 +163,13 @@ def _quant_kernel(Q, K, V, q8, k8, v8t, q_scale, k_scale, k_smooth, v_amax, toke
             v_valid = valid
             v_src = src
         y = tl.load(V + b * s_vb + h * s_vh + v_src[:, None] * s_vl + offs_d[None, :], mask=v_valid, other=0.0)
-        if V_BLOCK_SCALE:  # one power-of-two scale for the tile: 2^e >= absmax / 448, e stored (v_amax)
+        if V_BLOCK_SCALE:  # one power-of-two scale for the tile: 2^e >= absmax / 448, e stored
             tmax = tl.max(tl.max(tl.abs(y.to(tl.float32)), axis=1), axis=0)
             e = tl.where(tmax > 0, tl.math.ceil(tl.math.log2(tl.maximum(tmax, 1e-30) / 448.0)), 0.0)
             y = tl.minimum(tl.maximum(y.to(tl.float32) * tl.math.exp2(-e), -448.0), 448.0)
-            tl.store(v_amax + bh * n_kt + tile, e)
+            tl.store(v_stats + bh * n_kt + tile, e)
         else:
-            vmax = tl.load(v_amax + bh * HEAD_DIM + offs_d)
+            vmax = tl.load(v_stats + bh * HEAD_DIM + offs_d)
             vscale = tl.where(vmax > 0, vmax / 448.0, 1.0)
             y = tl.minimum(tl.maximum(y.to(tl.float32) / vscale[None, :], -448.0), 448.0)
         if INTERPRET:
@@ -240,19 +241,19 @@ def quantize_qkv_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
                else None)
     k_scale = torch.empty(batch, heads, lpad_k // QUANT_TILE, device=dev, dtype=torch.float32)
     if v_scaling == "block":
-        v_amax = torch.empty(batch, heads, lpad_k // QUANT_TILE, device=dev, dtype=torch.float32)  # exponents
+        v_stats = torch.empty(batch, heads, lpad_k // QUANT_TILE, device=dev, dtype=torch.float32)  # exponents
     else:
         n_chunks = triton.cdiv(kv_len, STATS_CHUNK)
         v_part = torch.empty(batch * heads, n_chunks, head_dim, device=dev, dtype=torch.float32)
         _v_stats_kernel[(n_chunks, batch * heads)](
             v, v_part, heads, kv_len, n_chunks, v.stride(0), v.stride(1), v.stride(2),
             HEAD_DIM=head_dim, TILE=QUANT_TILE, CHUNK=STATS_CHUNK, num_warps=8)
-        v_amax = v_part.amax(1).view(batch, heads, head_dim)
+        v_stats = v_part.amax(1).view(batch, heads, head_dim)  # per-channel absmax
     k_mean = smoothing_vector(k, token_perm).contiguous()
     tiles = max(lpad_q, lpad_k) if quantize_q else lpad_k
     _quant_kernel[(tiles // QUANT_TILE, batch * heads)](
         q, k, v, k8 if q8 is None else q8, k8, v8t, k_scale if q_scale is None else q_scale, k_scale, k_mean,
-        v_amax, k_scale if token_perm is None else token_perm,
+        v_stats, k_scale if token_perm is None else token_perm,
         heads, q_len, kv_len, lpad_q, lpad_k, float(scale * LOG2E),
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
@@ -260,8 +261,8 @@ def quantize_qkv_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
         QUANT_Q=bool(quantize_q), HAS_PERM=token_perm is not None, V_WGMMA_ORDER=v_key_order == "wgmma",
         V_BLOCK_SCALE=v_scaling == "block", num_warps=8)
     if v_scaling == "block":
-        return q8, k8, v8t, q_scale, k_scale, v_amax
-    v_scale = torch.where(v_amax > 0, v_amax / FP8_MAX, torch.ones_like(v_amax))
+        return q8, k8, v8t, q_scale, k_scale, v_stats
+    v_scale = torch.where(v_stats > 0, v_stats / FP8_MAX, torch.ones_like(v_stats))
     return q8, k8, v8t, q_scale, k_scale, v_scale
 
 
