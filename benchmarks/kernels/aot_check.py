@@ -89,7 +89,7 @@ def compile_ws(head_dim=128, schedule="serial", stages=3, tail=True, ablate=0, f
                   HAS_PERM=has_perm, HAS_SUFFIX=has_suffix,
                   P_SHIFT=A.P_SHIFT_LOG2,
                   SCHEDULE=schedule, ABLATE=ablate, FMA_QUARTERS=fma_quarters, P_BITS=p_bits, V_BLOCK=v_block,
-                  P_SAT=p_sat and p_bits != 0, O_VEC=o_vec)
+                  P_SAT=p_sat, O_VEC=o_vec)
     sig.update({c: "constexpr" for c in consts})
     # 16-byte divisibility of the output pointer and strides, as the launcher's specialisation gives them
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig) if n in ("O", "s_ob", "s_oh", "s_ol")}

@@ -215,12 +215,13 @@ if gluon is not None:
         return gl.convert_layout(y, layout, assert_trivial=True)
 
     @gluon.jit
-    def _fma_sat(x, a, b):
-        """``min(max(x * a + b, 0), 1)`` in one FFMA (PTX ``fma.rn.sat``; NaN gives 0): ``a`` a scalar,
-        ``b`` of ``x``'s shape."""
-        a_full = gl.full_like(x, 0.0) + a
-        return gl.inline_asm_elementwise("fma.rn.sat.f32 $0, $1, $2, $3;", "=f,f,f,f", [x, a_full, b],
-                                         dtype=gl.float32, is_pure=True, pack=1)
+    def _fma_sat(x, a, b_rows):
+        """``min(max(x * a + b_rows[:, None], 0), 1)`` in one FFMA per element (PTX ``fma.rn.sat``; NaN
+        gives 0): ``x`` ``[R, N]``, ``a`` a scalar, ``b_rows`` ``[R]`` in ``x``'s row layout."""
+        zero = gl.full_like(x, 0.0)
+        return gl.inline_asm_elementwise("fma.rn.sat.f32 $0, $1, $2, $3;", "=f,f,f,f",
+                                         [x, zero + a, zero + b_rows[:, None]], dtype=gl.float32, is_pure=True,
+                                         pack=1)
 
     @gluon.jit
     def _key_block_bias(kb, prefix_len, prefix_bias, suffix_start, suffix_bias, HAS_SUFFIX: gl.constexpr):
@@ -336,8 +337,7 @@ if gluon is not None:
                     y = (s * (sc * 8.0) + (shift * 8.0 + (56.0 + P_BITS_OFFSET))[:, None]) + 12582912.0
                 y = gl.maximum(y, 12582912.0)
             else:  # k / 128 saturated to [0, 1] by the FFMA (the clamp on the FMA pipe, not the ALU's max)
-                u = _fma_sat(s, sc * (8.0 / 128.0),
-                             gl.full_like(s, 0.0) + (shift * (8.0 / 128.0) + (56.0 + P_BITS_OFFSET) / 128.0)[:, None])
+                u = _fma_sat(s, sc * (8.0 / 128.0), shift * (8.0 / 128.0) + (56.0 + P_BITS_OFFSET) / 128.0)
                 y = u * 128.0 + 12582912.0
             p = y.to(gl.int32, bitcast=True).to(gl.int8).to(gl.float8e4nv, bitcast=True)
             l_new = l_i
@@ -380,8 +380,10 @@ if gluon is not None:
         l_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, _ONES, 32])
         pl_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=l_layout, k_width=4)
-        # O_VEC: the output tile with 8 consecutive 16-bit channels per thread, a warp over whole rows
-        store_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // HEAD_DIM, HEAD_DIM // 8], [4, 1], [1, 0])
+        # the output tile's store layout: O_VEC 8 consecutive 16-bit channels per thread, a warp over whole
+        # rows; else the accumulator's own
+        vec_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // HEAD_DIM, HEAD_DIM // 8], [4, 1], [1, 0])
+        out_layout: gl.constexpr = vec_layout if O_VEC else o_layout
         row_l: gl.constexpr = gl.SliceLayout(1, l_layout)
         row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
         row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
@@ -520,14 +522,10 @@ if gluon is not None:
             out = acc * gl.convert_layout(1.0 / l_safe, row_o)[:, None]
             if not V_BLOCK and ABLATE != 4:  # per-channel V scales (with V_BLOCK P carried each block's)
                 out = out * gl.load(v_scale + bh * HEAD_DIM + offs_d)[None, :]
-            out = out.to(o_ptr.dtype.element_ty)
-            if O_VEC:  # 16 bytes per thread and store (whole rows per warp) instead of the accumulator's 4
-                out = gl.convert_layout(out, store_layout)
-                rows = qblk * _BLOCK + CONSUMER * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, store_layout))
-                cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, store_layout))
-            else:
-                rows = qblk * _BLOCK + CONSUMER * ROWS + gl.arange(0, ROWS, layout=row_o)
-                cols = offs_d
+            # O_VEC: 16 bytes per thread and store (whole rows per warp) instead of the accumulator's 4
+            out = gl.convert_layout(out.to(o_ptr.dtype.element_ty), out_layout)
+            rows = qblk * _BLOCK + CONSUMER * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, out_layout))
+            cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, out_layout))
             dst = rows
             if HAS_PERM:  # sequence position -> the input row it came from (the pre-pass gathered by it)
                 dst = gl.minimum(gl.maximum(gl.load(token_perm + rows, mask=rows < Lq, other=0), 0), Lq - 1)
@@ -639,8 +637,7 @@ def launch_ws(q, k, v, block_map, scale: float, config: dict | None = None, pref
         TAIL_K=kv_len % BLOCK != 0, HAS_BIAS=has_bias, P_SHIFT=P_SHIFT_LOG2, SCHEDULE=cfg["schedule"],
         ABLATE=int(cfg.get("ablate", 0)), FMA_QUARTERS=int(cfg["fma_quarters"]), HAS_PERM=token_perm is not None,
         HAS_SUFFIX=suffix_start < kv_len, P_BITS=int(cfg["p_bits"]), V_BLOCK=cfg["v_scaling"] == "block",
-        P_SAT=cfg["p_clamp"] == "sat" and int(cfg["p_bits"]) != 0,
-        O_VEC=cfg["o_store"] == "vec", num_warps=4)
+        P_SAT=cfg["p_clamp"] == "sat", O_VEC=cfg["o_store"] == "vec", num_warps=4)
     return out
 
 
