@@ -76,15 +76,46 @@ def test_kernel_compiles_for_sm90_with_fp8_wgmma_and_no_shuffles(head_dim, sched
     saturating = len(re.findall(r"fma\.rn\.sat\.f32", ptx))
     assert saturating >= 64 if (p_bits and p_sat) else saturating == 0, saturating
     assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+240", ptx)  # the consumer warpgroups
-    # P reaches P @ V in its registers: the only cross-lane index shuffle left broadcasts the warp id
-    assert ptx.count("shfl.sync.idx") <= 1
+    # P reaches P @ V in its registers: the only cross-lane index shuffles left broadcast lane 0's warp id
+    # (for the partitions, the TMA output stores' and Q stores' issuing lanes), none moves data
+    sources = re.findall(r"shfl\.sync\.idx\.b32\s+%r\d+, (%r\d+), 0, 31, -1;", ptx)
+    assert len(sources) == ptx.count("shfl.sync.idx") <= 4, sources
     assert kernel.metadata.shared <= 228 * 1024
     if schedule == "pingpong":  # the turns are named barriers over both consumer warpgroups (256 threads)
         assert len(re.findall(r"bar\.sync \S+, 256;", ptx)) >= 2 and re.search(r"bar\.arrive \S+, 256;", ptx)
 
 
+@pytest.mark.parametrize("head_dim,schedule,o_tma,q_kernel", [
+    (128, "serial", True, False), (128, "serial", False, True), (128, "serial", True, True),
+    (64, "overlap", True, True), (128, "pingpong", False, True)])
+def test_tma_store_and_q_quantised_in_the_kernel_compile_for_sm90(head_dim, schedule, o_tma, q_kernel):
+    """``o_store="tma"``: each consumer stores its output rows with one TMA store (4-D: any output strides)
+    through its shared buffer, waited for before the buffer is rewritten; ``q_quant="kernel"``: the
+    producer loads Q's bf16 rows by TMA and each consumer converts its 64 rows to e4m3 itself (per-row
+    scales, saturating conversion), so the pre-pass reads only K and V. Both fit the shared memory and
+    spill nothing."""
+    from chorus.kernels.triton import _attention_ws
+
+    if _attention_ws.available():
+        pytest.fail(f"this Triton has no Gluon Hopper API: {_attention_ws.available()}")
+    from benchmarks.kernels.aot_check import compile_ws, summarize
+
+    kernel = compile_ws(head_dim, schedule, tail=True, o_tma=o_tma, q_kernel=q_kernel)
+    ptx = kernel.asm["ptx"]
+    stores = len(re.findall(r"cp\.async\.bulk\.tensor\.4d\.global\.shared::cta", ptx))
+    assert stores == (2 if o_tma else 0), stores  # one per consumer
+    assert ("cp.async.bulk.wait_group.read" in ptx) == o_tma
+    q_loads = len(re.findall(r"cp\.async\.bulk\.tensor\.4d\.shared::(?:cta|cluster)\.global", ptx))
+    assert q_loads == (1 if q_kernel else 0), q_loads  # the producer's Q load
+    converts = len(re.findall(r"cvt\.rn\.satfinite\.e4m3x2\.f32", ptx))
+    assert converts >= (2 * head_dim // 4 if q_kernel else 0), converts  # 64 rows x D / 128 threads / 2 per cvt
+    assert kernel.metadata.shared <= 227 * 1024
+    assert " stack=0" in summarize(kernel, sass=False)  # no spills (cuobjdump's resource usage)
+    assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+240", ptx)
+
+
 @pytest.mark.parametrize("config", [{"p_bits": 3}, {"fma_quarters": 1}, {"ablate": 1}, {"v_scaling": "tile"},
-                                    {"p_clamp": "min"}, {"o_store": "tma"},
+                                    {"p_clamp": "min"}, {"o_store": "stmatrix"}, {"q_quant": "fp8"},
                                     {"stages": 1}, {"schedule": "ring"}])
 def test_a_config_outside_the_levers_is_a_clear_error(config):
     """Options that contradict each other (an exp2 split or the no-exp2 ablation with P's bits from the

@@ -59,27 +59,40 @@ def compile_attn(fp8=True, use_tma=False, block_m=128, block_n=128, head_dim=128
 
 
 def compile_ws(head_dim=128, schedule="serial", stages=3, tail=True, ablate=0, fma_quarters=0, has_bias=False,
-               has_perm=False, has_suffix=False, p_bits=1, v_block=False, p_sat=True, o_vec=True):
-    """The warp-specialised Gluon kernel (``chorus.kernels.triton._attention_ws``) compiled for sm_90."""
+               has_perm=False, has_suffix=False, p_bits=1, v_block=False, p_sat=True, o_vec=True, o_tma=None,
+               q_kernel=None):
+    """The warp-specialised Gluon kernel (``chorus.kernels.triton._attention_ws``) compiled for sm_90.
+    ``o_tma`` / ``q_kernel`` (the TMA output store, Q quantised in the kernel) default to what the launcher
+    compiles: on, except with a token order (``has_perm``)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from chorus.kernels.triton import _attention_ws as W
 
+    o_tma = not has_perm if o_tma is None else o_tma
+    q_kernel = not has_perm if q_kernel is None else q_kernel
     qk_layout, vt_layout = W.shared_layouts(head_dim)
     kernel = W._bsa_ws_kernel
     sig = {}
     for name, param in zip(kernel.arg_names, kernel.params):
         if param.is_constexpr:
             continue
-        if name in ("q_desc", "k_desc"):
+        if name == "q_desc" and q_kernel:
+            block = [1, 1, W.BLOCK, head_dim]
+            q_layout = W.gl.NVMMASharedLayout.get_default_for(block, W.gl.bfloat16)
+            sig[name] = f"tensordesc<bf16[{', '.join(map(str, block))}],{q_layout!r}>"
+        elif name in ("q_desc", "k_desc"):
             sig[name] = f"tensordesc<fp8e4nv[{W.BLOCK}, {head_dim}],{qk_layout!r}>"
         elif name == "v_desc":
             sig[name] = f"tensordesc<fp8e4nv[{head_dim}, {W.BLOCK}],{vt_layout!r}>"
         elif name == "O":
             sig[name] = "*bf16"
+        elif name == "o_desc":
+            block = [1, 1, W.CONSUMER_ROWS, head_dim]
+            o_layout = W.gl.NVMMASharedLayout.get_default_for(block, W.gl.bfloat16)
+            sig[name] = f"tensordesc<bf16[{', '.join(map(str, block))}],{o_layout!r}>"
         elif name in ("q_scale", "k_scale", "v_scale"):
             sig[name] = "*fp32"
-        elif name in ("prefix_bias", "suffix_bias"):
+        elif name in ("prefix_bias", "suffix_bias", "q_mult"):
             sig[name] = "fp32"
         elif name in ("kv_num", "kv_idx", "sched", "token_perm"):
             sig[name] = "*i32"
@@ -89,7 +102,7 @@ def compile_ws(head_dim=128, schedule="serial", stages=3, tail=True, ablate=0, f
                   HAS_PERM=has_perm, HAS_SUFFIX=has_suffix,
                   P_SHIFT=A.P_SHIFT_LOG2,
                   SCHEDULE=schedule, ABLATE=ablate, FMA_QUARTERS=fma_quarters, P_BITS=p_bits, V_BLOCK=v_block,
-                  P_SAT=p_sat, O_VEC=o_vec)
+                  P_SAT=p_sat, O_VEC=o_vec, O_TMA=o_tma, Q_KERNEL=q_kernel)
     sig.update({c: "constexpr" for c in consts})
     # 16-byte divisibility of the output pointer and strides, as the launcher's specialisation gives them
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig) if n in ("O", "s_ob", "s_oh", "s_ol")}

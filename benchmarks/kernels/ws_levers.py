@@ -6,14 +6,15 @@ Usage (on an sm_90 GPU)::
         --configs '{"serial": {}, "overlap": {"schedule": "overlap"}, "noexp": {"p_bits": 0, "ablate": 1}}'
 
 Each config is a dict of ``chorus.kernels.triton._attention_ws.DEFAULT_CONFIG`` overrides (``schedule``,
-``stages``, ``q_stages``, ``p_bits``, ``v_scaling``, ``p_clamp``, ``o_store``; ``ablate`` 1 / 2 leaves the exp2
+``stages``, ``q_stages``, ``p_bits``, ``v_scaling``, ``p_clamp``, ``o_store``, ``q_quant``; ``ablate`` 1 / 2 leaves the exp2
 (with ``p_bits`` 0: the default has none) / the whole softmax out, 3 the output stores, 4 the epilogue's
 per-channel V scales; benchmark only: the output is meaningless and its cosine says so; on the first
 density only). Inputs: 1 x 40 heads x L x 128, unit Gaussians in
 bf16, the benchmark's structured maps (``masks.structured_block_map``); times are
 ``triton.testing.do_bench`` medians of whole calls (pre-pass included), with ``--rounds R`` the median of R
 such timings taken with the configs in turn; TFLOP/s count kept blocks.
-Prints one line per (size, density, config), the pre-pass alone per size (both V scalings) and the
+Prints one line per (size, density, config), the pre-pass alone per size (both V scalings, with and
+without Q) and the
 block lists' build alone per map. ``--prefix-frames F``
 adds ChorusGuidanceBoost's first-frame bias (``--prefix-bias``, natural log) to every call of both
 kernels, over the first F frames' tokens of the Wan grid.
@@ -61,9 +62,12 @@ def main():
         bias = dict(prefix_len=args.prefix_frames * grid_h * grid_w, prefix_bias=args.prefix_bias) \
             if args.prefix_frames else {}
         for v_scaling in ("channel", "block"):  # V read twice (per-channel scales) / once (per-tile)
-            t_pre = do_bench(lambda: (quantize_qkv_fp8(q, k, v, scale, v_key_order="wgmma", v_scaling=v_scaling),
-                                      compress_block_map(full)), return_mode="median")
-            print(f"[{length}] pre-pass, v_scaling={v_scaling}: {t_pre:.3f} ms", flush=True)
+            for quantize_q in (True, False):  # Q in the pass (q_quant "prepass") / left to the kernel ("kernel")
+                t_pre = do_bench(lambda: (quantize_qkv_fp8(q, k, v, scale, v_key_order="wgmma", v_scaling=v_scaling,
+                                                           quantize_q=quantize_q),
+                                          compress_block_map(full)), return_mode="median")
+                print(f"[{length}] pre-pass, v_scaling={v_scaling}, quantize_q={quantize_q}: {t_pre:.3f} ms",
+                      flush=True)
         for density in densities:
             bm = structured_block_map(length, heads, density, 128, device="cuda")
             flops = 4 * bm.sum().item() * 128 * 128 * dim

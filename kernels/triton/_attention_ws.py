@@ -8,7 +8,8 @@ on sm_90:
 - persistent: one CTA per SM walks the 128-row query tiles in (batch, head)-major, longest-row-first
   order, so the tiles in flight share a head's K/V in L2 and the long rows start first;
 - three partitions: a producer (4 warps at 24 registers) issuing the TMA loads of Q (double-buffered
-  across tiles) and of each kept key block's K and V^T into a ring of ``STAGES`` shared-memory
+  across tiles; the input's own bf16 / fp16 rows by default, see ``Q_KERNEL``) and of each kept key
+  block's K and V^T into a ring of ``STAGES`` shared-memory
   stages, and two consumer warpgroups (240 registers) that each own 64 query rows and share every
   stage; mbarriers hand stages over (``ready``: the TMA bytes landed; ``empty``: both consumers'
   wgmmas that read the stage retired);
@@ -30,10 +31,21 @@ on sm_90:
   ops per element) instead of a max on the ALU pipe, which the row maximum and the byte packing keep
   busy; the row term keeps its fraction, as under ``p_bits`` 2. Measured +1-2% over ``"max"`` and
   closer to the exp2 path (``docs/BENCHMARKS.md``, "2026-12-02, second session").
-- ``O_VEC`` (config ``o_store``, ``"vec"`` by default): the output tile goes through one layout
-  conversion (shared memory) to 8 consecutive channels per thread, stored 16 bytes at a time with a
-  warp over whole rows, instead of the accumulator layout's 4-byte stores (``"regs"``). Measured: the
-  stores cost 4% of a 5%-density call at 720p (ablation), ``"vec"`` +2% there.
+- ``O_TMA`` (config ``o_store``, ``"tma"`` by default): each consumer writes its 64 output rows into its
+  own shared buffer and issues one TMA store (a 4-D descriptor of the output, so ComfyUI's
+  ``[B, L, H, D]`` memory works and rows past ``Lq`` are clipped by the descriptor), which runs on while
+  the next tile starts; the buffer is rewritten only after ``store_wait``. ``O_VEC`` (``"vec"``; also what
+  a token order uses, whose rows scatter): one layout conversion to 8 consecutive channels per thread,
+  stored 16 bytes at a time; ``"regs"``: the accumulator layout's 4-byte stores. Measured: the stores
+  cost 4% of a 5%-density call at 720p (ablation), ``"vec"`` +2% there, ``"tma"`` level to +4% more.
+- ``Q_KERNEL`` (config ``q_quant``, ``"kernel"`` by default; ``"prepass"`` and any token order take Q from
+  the pre-pass): the producer loads Q's input rows (a 4-D descriptor: any strides, rows past ``Lq``
+  zero-filled) and each consumer converts its 64 rows to e4m3 once per tile, with one scale
+  ``absmax * softmax_scale * log2(e) / 448`` for them (the pre-pass's Q tiles have one per 128 rows), into
+  a shared buffer of its own; the Q stage is released as soon as the rows are in registers. The
+  pre-pass then reads only K and V (0.92 instead of 1.18 ms at 720p). Measured: +1-6% at 5% density, -2
+  to +2% at 15%, -1% on a full map (the in-kernel conversion costs about 1% of the kernel's time, cause
+  not isolated).
 - ``V_BLOCK`` (config ``v_scaling="block"``, off): per-tile power-of-two V scales from the
   single-read pre-pass, each tile's exponent folded into its block's row terms and divided out of its
   row sums (measured: 1-3% slower in the kernel than the 0.3 ms it saves at 720p).
@@ -75,7 +87,7 @@ import torch
 
 from ._attention import (P_SHIFT_LOG2, _validate, check_key_biases, check_perm, lpt_block_lists, output_like,
                          run_in_int32_chunks)
-from ._quant import LOG2E, quantize_qkv_fp8
+from ._quant import LOG2E, padded_len, quantize_qkv_fp8
 
 try:  # Gluon ships inside recent Tritons; without it this backend reports itself unavailable
     from triton.experimental import gluon
@@ -94,7 +106,7 @@ CONSUMER_REGS = 240  # registers per consumer thread (setmaxnreg); the producer 
 SCHEDULES = ("serial", "overlap", "pingpong")
 TURN_BARRIERS = (8, 9)  # ping-pong: the consumers' named hardware barriers (Triton's partitions use ids 0-3)
 DEFAULT_CONFIG = dict(stages=3, q_stages=2, schedule="serial", fma_quarters=0, p_bits=1, v_scaling="channel",
-                      p_clamp="sat", o_store="vec")
+                      p_clamp="sat", o_store="tma", q_quant="kernel")
 
 
 def available() -> str | None:
@@ -138,7 +150,7 @@ if gluon is not None:
     def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
                   sched, kv_num, kv_idx, H, q_blocks, num_tiles, lpad_q, lpad_k,
                   s_nb, s_nh, s_ib, s_ih, s_iq,
-                  HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, Q_STAGES: gl.constexpr):
+                  HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, Q_STAGES: gl.constexpr, Q_KERNEL: gl.constexpr):
         # Waits on "empty" barriers start at parity 1: a fresh barrier counts as having completed
         # the phase before its first, so the first STAGES (Q_STAGES) loads do not wait.
         kctr = 0
@@ -149,8 +161,11 @@ if gluon is not None:
             qs = qt % Q_STAGES
             mbarrier.wait(q_empty.index(qs), ((qt // Q_STAGES) & 1) ^ 1)
             mbarrier.expect(q_ready.index(qs), q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [bh * lpad_q + qblk * _BLOCK, 0], q_ready.index(qs),
-                                            q_smem.index(qs))
+            if Q_KERNEL:  # the input's own bf16 / fp16 rows (past Lq: zeros)
+                tma.async_copy_global_to_shared(q_desc, [b, h, qblk * _BLOCK, 0], q_ready.index(qs), q_smem.index(qs))
+            else:
+                tma.async_copy_global_to_shared(q_desc, [bh * lpad_q + qblk * _BLOCK, 0], q_ready.index(qs),
+                                                q_smem.index(qs))
             qt += 1
             for j in range(n_kv):
                 kb = gl.load(idx_row + j)  # issued before the wait: its latency hides behind it
@@ -360,15 +375,16 @@ if gluon is not None:
         return gl.convert_layout(p8, p_layout, assert_trivial=True)
 
     @gluon.jit
-    def _consumer(o_ptr, q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
-                  q_scale, k_scale, v_scale, sched, kv_num, kv_idx, H, Lq, Lk, num_kv_blocks, q_blocks, num_tiles,
+    def _consumer(o_ptr, o_desc, o_smem, q_smem, q8_smem, q_mult, k_smem, v_smem, ones_smem, q_ready, q_empty,
+                  k_ready, v_ready, kv_empty, q_scale, k_scale, v_scale, sched, kv_num, kv_idx, H, Lq, Lk,
+                  num_kv_blocks, q_blocks, num_tiles,
                   n_q_scale, n_k_scale, prefix_len, prefix_bias, suffix_start, suffix_bias, token_perm, s_ob, s_oh,
                   s_ol, s_nb, s_nh, s_ib, s_ih,
                   s_iq, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, Q_STAGES: gl.constexpr, CONSUMER: gl.constexpr,
                   TAIL_K: gl.constexpr, HAS_BIAS: gl.constexpr, P_SHIFT: gl.constexpr, SCHEDULE: gl.constexpr,
                   ABLATE: gl.constexpr, FMA_QUARTERS: gl.constexpr, HAS_PERM: gl.constexpr,
                   HAS_SUFFIX: gl.constexpr, P_BITS: gl.constexpr, V_BLOCK: gl.constexpr, P_SAT: gl.constexpr,
-                  O_VEC: gl.constexpr):
+                  O_VEC: gl.constexpr, O_TMA: gl.constexpr, Q_KERNEL: gl.constexpr):
         ROWS: gl.constexpr = _ROWS
         # wgmma accumulator layouts (M = 64 rows over 4 warps; K = 32 for 8-bit operands) and the
         # register layout of P as the A operand of P @ V
@@ -401,11 +417,24 @@ if gluon is not None:
         for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
             b, h, bh, qblk, n_kv, idx_row = _tile_of(t, sched, kv_num, kv_idx, H, q_blocks, s_nb, s_nh, s_ib, s_ih,
                                                      s_iq)
-            sq = gl.load(q_scale + bh * n_q_scale + qblk)
             k_scale_row = k_scale + bh * n_k_scale
             qs = qt % Q_STAGES
-            mbarrier.wait(q_ready.index(qs), (qt // Q_STAGES) & 1)
-            q = q_smem.index(qs).slice(CONSUMER * ROWS, ROWS, dim=0)
+            if Q_KERNEL:
+                mbarrier.wait(q_ready.index(qs), (qt // Q_STAGES) & 1)
+                # this consumer's 64 rows to e4m3 with one scale: q * q_mult / sq, sq = absmax * q_mult / 448
+                # (1 if all zero); the stage is free once the rows are in registers
+                xq = q_smem.index(qs).reshape([_BLOCK, HEAD_DIM]).slice(CONSUMER * ROWS, ROWS, dim=0).load(o_layout)
+                mbarrier.arrive(q_empty.index(qs), count=1)
+                xq = xq.to(gl.float32)
+                amax = gl.max(gl.max(gl.abs(xq), axis=1), axis=0)
+                q8_smem.store((xq * gl.where(amax > 0, 448.0 / amax, 1.0)).to(gl.float8e4nv))
+                fence_async_shared()
+                sq = gl.where(amax > 0, amax * (q_mult / 448.0), 1.0)
+                q = q8_smem
+            else:
+                sq = gl.load(q_scale + bh * n_q_scale + qblk)
+                mbarrier.wait(q_ready.index(qs), (qt // Q_STAGES) & 1)
+                q = q_smem.index(qs).slice(CONSUMER * ROWS, ROWS, dim=0)
 
             m_i = gl.full([ROWS], -1.0e30, gl.float32, layout=row_s)  # finite: no NaN from a masked row
             l_i = gl.zeros([ROWS], gl.float32, layout=row_s)
@@ -513,7 +542,8 @@ if gluon is not None:
                     acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
                 mbarrier.arrive(kv_empty.index(st), count=1)
                 kctr += 1
-            mbarrier.arrive(q_empty.index(qs), count=1)  # this consumer's Q rows are no longer read
+            if not Q_KERNEL:
+                mbarrier.arrive(q_empty.index(qs), count=1)  # this consumer's Q rows are no longer read
             qt += 1
 
             if P_BITS != 0:
@@ -522,24 +552,35 @@ if gluon is not None:
             out = acc * gl.convert_layout(1.0 / l_safe, row_o)[:, None]
             if not V_BLOCK and ABLATE != 4:  # per-channel V scales (with V_BLOCK P carried each block's)
                 out = out * gl.load(v_scale + bh * HEAD_DIM + offs_d)[None, :]
-            # O_VEC: 16 bytes per thread and store (whole rows per warp) instead of the accumulator's 4
-            out = gl.convert_layout(out.to(o_ptr.dtype.element_ty), out_layout)
-            rows = qblk * _BLOCK + CONSUMER * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, out_layout))
-            cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, out_layout))
-            dst = rows
-            if HAS_PERM:  # sequence position -> the input row it came from (the pre-pass gathered by it)
-                dst = gl.minimum(gl.maximum(gl.load(token_perm + rows, mask=rows < Lq, other=0), 0), Lq - 1)
-            o_ptrs = o_ptr + b * s_ob + h * s_oh + dst[:, None] * s_ol + cols[None, :]
-            o_mask = rows < Lq
-            if ABLATE == 3:  # benchmark only: no output stored (a mask the compiler cannot fold)
-                o_mask = o_mask & (Lq < 0)
-            gl.store(o_ptrs, out, mask=o_mask[:, None])
+            if O_TMA:
+                # the tile through this consumer's shared buffer and one TMA store, which runs on while
+                # the next tile starts (rows past Lq fall outside the descriptor and are not written);
+                # the buffer is rewritten only once the previous tile's store has read it
+                tma.store_wait(0)
+                o_smem.reshape([ROWS, HEAD_DIM]).store(out.to(o_ptr.dtype.element_ty))
+                fence_async_shared()
+                tma.async_copy_shared_to_global(o_desc, [b, h, qblk * _BLOCK + CONSUMER * ROWS, 0], o_smem)
+            else:
+                # O_VEC: 16 bytes per thread and store (whole rows per warp) instead of the accumulator's 4
+                out = gl.convert_layout(out.to(o_ptr.dtype.element_ty), out_layout)
+                rows = qblk * _BLOCK + CONSUMER * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, out_layout))
+                cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, out_layout))
+                dst = rows
+                if HAS_PERM:  # sequence position -> the input row it came from (the pre-pass gathered by it)
+                    dst = gl.minimum(gl.maximum(gl.load(token_perm + rows, mask=rows < Lq, other=0), 0), Lq - 1)
+                o_ptrs = o_ptr + b * s_ob + h * s_oh + dst[:, None] * s_ol + cols[None, :]
+                o_mask = rows < Lq
+                if ABLATE == 3:  # benchmark only: no output stored (a mask the compiler cannot fold)
+                    o_mask = o_mask & (Lq < 0)
+                gl.store(o_ptrs, out, mask=o_mask[:, None])
+        if O_TMA:
+            tma.store_wait(0)  # the last tile's store has left shared memory before the CTA exits
         if SCHEDULE == "pingpong":
             if CONSUMER == 0:
                 _turn_wait(CONSUMER)  # consumer 1's last hand-over: no arrival left pending at exit
 
     @gluon.jit
-    def _bsa_ws_kernel(q_desc, k_desc, v_desc, O, q_scale, k_scale, v_scale, kv_num, kv_idx, sched,
+    def _bsa_ws_kernel(q_desc, k_desc, v_desc, O, o_desc, q_mult, q_scale, k_scale, v_scale, kv_num, kv_idx, sched,
                        H, Lq, Lk, lpad_q, lpad_k, num_kv_blocks, q_blocks, num_tiles, n_q_scale, n_k_scale,
                        prefix_len, prefix_bias, suffix_start, suffix_bias, token_perm, s_ob, s_oh, s_ol, s_nb, s_nh,
                        s_ib, s_ih, s_iq,
@@ -547,16 +588,32 @@ if gluon is not None:
                        TAIL_K: gl.constexpr, HAS_BIAS: gl.constexpr, P_SHIFT: gl.constexpr, SCHEDULE: gl.constexpr,
                        ABLATE: gl.constexpr, FMA_QUARTERS: gl.constexpr, HAS_PERM: gl.constexpr,
                        HAS_SUFFIX: gl.constexpr, P_BITS: gl.constexpr, V_BLOCK: gl.constexpr, P_SAT: gl.constexpr,
-                       O_VEC: gl.constexpr):
+                       O_VEC: gl.constexpr, O_TMA: gl.constexpr, Q_KERNEL: gl.constexpr):
         # the B operand of the row-sum GEMM (P_BITS): e4m3 ones (byte 0x38), any swizzle holds them
         ones_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_ONES, _BLOCK], gl.float8e4nv)
         ones_regs: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
         ones = gl.full([_ONES, _BLOCK], 0x38, gl.int8, layout=ones_regs).to(gl.float8e4nv, bitcast=True)
         ones_smem = gl.allocate_shared_memory(gl.float8e4nv, [_ONES, _BLOCK], ones_layout, ones)
         fence_async_shared()
-        q_smem = gl.allocate_shared_memory(gl.float8e4nv, [Q_STAGES, _BLOCK, HEAD_DIM], q_desc.layout)
+        if Q_KERNEL:  # Q's input rows [1, 1, 128, D] per stage, and each consumer's e4m3 copy of its 64
+            q_smem = gl.allocate_shared_memory(q_desc.block_type.element_ty, [Q_STAGES] + q_desc.block_type.shape,
+                                               q_desc.layout)
+            q8_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_ROWS, HEAD_DIM], gl.float8e4nv)
+            q8_smem0 = gl.allocate_shared_memory(gl.float8e4nv, [_ROWS, HEAD_DIM], q8_layout)
+            q8_smem1 = gl.allocate_shared_memory(gl.float8e4nv, [_ROWS, HEAD_DIM], q8_layout)
+        else:  # the pre-pass's e4m3 tiles (q8_smem*: never used)
+            q_smem = gl.allocate_shared_memory(gl.float8e4nv, [Q_STAGES, _BLOCK, HEAD_DIM], q_desc.layout)
+            q8_smem0 = gl.allocate_shared_memory(gl.float8e4nv, [1, 16], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+            q8_smem1 = q8_smem0
         k_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, _BLOCK, HEAD_DIM], k_desc.layout)
         v_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, HEAD_DIM, _BLOCK], v_desc.layout)
+        if O_TMA:  # each consumer's staging buffer of its output rows, [1, 1, 64, D]
+            o_smem0 = gl.allocate_shared_memory(O.dtype.element_ty, o_desc.block_type.shape, o_desc.layout)
+            o_smem1 = gl.allocate_shared_memory(O.dtype.element_ty, o_desc.block_type.shape, o_desc.layout)
+        else:  # never used
+            o_smem0 = gl.allocate_shared_memory(O.dtype.element_ty, [1, 1, 1, 8],
+                                                gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0]))
+            o_smem1 = o_smem0
         q_ready = gl.allocate_shared_memory(gl.int64, [Q_STAGES, 1], mbarrier.MBarrierLayout())
         q_empty = gl.allocate_shared_memory(gl.int64, [Q_STAGES, 1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -572,19 +629,23 @@ if gluon is not None:
         gl.warp_specialize([
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
                          sched, kv_num, kv_idx, H, q_blocks, num_tiles, lpad_q, lpad_k, s_nb, s_nh, s_ib, s_ih, s_iq,
-                         HEAD_DIM, STAGES, Q_STAGES)),
-            (_consumer, (O, q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
-                         q_scale, k_scale, v_scale, sched, kv_num, kv_idx, H, Lq, Lk, num_kv_blocks, q_blocks,
-                         num_tiles, n_q_scale, n_k_scale, prefix_len, prefix_bias, suffix_start, suffix_bias,
+                         HEAD_DIM, STAGES, Q_STAGES, Q_KERNEL)),
+            (_consumer, (O, o_desc, o_smem0, q_smem, q8_smem0, q_mult, k_smem, v_smem, ones_smem, q_ready,
+                         q_empty, k_ready, v_ready, kv_empty, q_scale, k_scale, v_scale, sched, kv_num, kv_idx, H,
+                         Lq, Lk, num_kv_blocks, q_blocks, num_tiles, n_q_scale, n_k_scale, prefix_len, prefix_bias,
+                         suffix_start, suffix_bias,
                          token_perm, s_ob, s_oh, s_ol, s_nb,
                          s_nh, s_ib, s_ih, s_iq, HEAD_DIM, STAGES, Q_STAGES, 0, TAIL_K, HAS_BIAS, P_SHIFT, SCHEDULE,
-                         ABLATE, FMA_QUARTERS, HAS_PERM, HAS_SUFFIX, P_BITS, V_BLOCK, P_SAT, O_VEC)),
-            (_consumer, (O, q_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
-                         q_scale, k_scale, v_scale, sched, kv_num, kv_idx, H, Lq, Lk, num_kv_blocks, q_blocks,
-                         num_tiles, n_q_scale, n_k_scale, prefix_len, prefix_bias, suffix_start, suffix_bias,
+                         ABLATE, FMA_QUARTERS, HAS_PERM, HAS_SUFFIX, P_BITS, V_BLOCK, P_SAT, O_VEC, O_TMA,
+                         Q_KERNEL)),
+            (_consumer, (O, o_desc, o_smem1, q_smem, q8_smem1, q_mult, k_smem, v_smem, ones_smem, q_ready,
+                         q_empty, k_ready, v_ready, kv_empty, q_scale, k_scale, v_scale, sched, kv_num, kv_idx, H,
+                         Lq, Lk, num_kv_blocks, q_blocks, num_tiles, n_q_scale, n_k_scale, prefix_len, prefix_bias,
+                         suffix_start, suffix_bias,
                          token_perm, s_ob, s_oh, s_ol, s_nb,
                          s_nh, s_ib, s_ih, s_iq, HEAD_DIM, STAGES, Q_STAGES, 1, TAIL_K, HAS_BIAS, P_SHIFT, SCHEDULE,
-                         ABLATE, FMA_QUARTERS, HAS_PERM, HAS_SUFFIX, P_BITS, V_BLOCK, P_SAT, O_VEC)),
+                         ABLATE, FMA_QUARTERS, HAS_PERM, HAS_SUFFIX, P_BITS, V_BLOCK, P_SAT, O_VEC, O_TMA,
+                         Q_KERNEL)),
         ], [4, 4], [_REGS, _REGS])
 
 
@@ -593,6 +654,18 @@ def shared_layouts(head_dim: int):
     qk = gl.NVMMASharedLayout.get_default_for([BLOCK, head_dim], gl.float8e4nv)
     vt = gl.NVMMASharedLayout.get_default_for([head_dim, BLOCK], gl.float8e4nv)
     return qk, vt
+
+
+def _gl_dtype(dtype: torch.dtype):
+    return gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+
+
+def output_descriptor(out: torch.Tensor):
+    """TMA descriptor of the output ``[B, H, L, D]`` (any strides with unit stride on D, 16-byte aligned:
+    ComfyUI's ``[B, L, H, D]`` memory too) in blocks of one consumer's rows, ``[1, 1, 64, D]``."""
+    block = [1, 1, CONSUMER_ROWS, out.shape[3]]
+    layout = gl.NVMMASharedLayout.get_default_for(block, _gl_dtype(out.dtype))
+    return TensorDescriptor(out, list(out.shape), list(out.stride()), block, layout)
 
 
 def launch_ws(q, k, v, block_map, scale: float, config: dict | None = None, prefix_len: int = 0,
@@ -606,28 +679,39 @@ def launch_ws(q, k, v, block_map, scale: float, config: dict | None = None, pref
             or int(cfg["fma_quarters"]) not in (0, 1, 2) or int(cfg["p_bits"]) not in (0, 1, 2) \
             or (int(cfg["p_bits"]) and (int(cfg["fma_quarters"]) or int(cfg.get("ablate", 0)) == 1)) \
             or cfg["v_scaling"] not in ("channel", "block") or cfg["p_clamp"] not in ("max", "sat") \
-            or cfg["o_store"] not in ("regs", "vec"):
+            or cfg["o_store"] not in ("regs", "vec", "tma") or cfg["q_quant"] not in ("prepass", "kernel"):
         raise ValueError(f"bad warp-specialised kernel config {cfg}: schedule one of {SCHEDULES}, stages >= 2, "
                          "q_stages >= 1, p_bits 0 / 1 / 2, fma_quarters 0 / 1 / 2 and ablate 1 (the exp2's: p_bits 0 only), "
-                         "v_scaling channel / block, p_clamp max / sat, o_store regs / vec")
+                         "v_scaling channel / block, p_clamp max / sat, o_store regs / vec / tma, "
+                         "q_quant prepass / kernel")
     batch, heads, q_len, head_dim = q.shape
     kv_len = k.shape[2]
     suffix_start = check_key_biases(prefix_len, prefix_bias, suffix_len, suffix_bias, kv_len)
     has_bias = (prefix_len > 0 and prefix_bias != 0.0) or suffix_start < kv_len
-    q8, k8, v8t, q_scale, k_scale, v_scale = quantize_qkv_fp8(q, k, v, scale, v_key_order="wgmma",
-                                                              token_perm=token_perm, v_scaling=cfg["v_scaling"])
-    lpad_q, lpad_k = q8.shape[2], k8.shape[2]
+    q_kernel = cfg["q_quant"] == "kernel" and token_perm is None  # a token order gathers Q: the pre-pass does it
+    q8, k8, v8t, q_scale, k_scale, v_scale = quantize_qkv_fp8(q, k, v, scale, quantize_q=not q_kernel,
+                                                              v_key_order="wgmma", token_perm=token_perm,
+                                                              v_scaling=cfg["v_scaling"])
+    lpad_q, lpad_k = padded_len(q_len), k8.shape[2]
     kv_num, kv_idx, sched, map_strides = lpt_block_lists(block_map)
     num_q_blocks, num_kv_blocks = block_map.shape[2:]
     qk_layout, vt_layout = shared_layouts(head_dim)
-    q_desc = TensorDescriptor.from_tensor(q8.view(-1, head_dim), [BLOCK, head_dim], qk_layout)
+    if q_kernel:  # the input's rows, [1, 1, 128, D] blocks of [B, H, L, D] (any strides, unit on D)
+        q_block = [1, 1, BLOCK, head_dim]
+        q_desc = TensorDescriptor(q, list(q.shape), list(q.stride()), q_block,
+                                  gl.NVMMASharedLayout.get_default_for(q_block, _gl_dtype(q.dtype)))
+        q_scale = k_scale  # not read
+    else:
+        q_desc = TensorDescriptor.from_tensor(q8.view(-1, head_dim), [BLOCK, head_dim], qk_layout)
     k_desc = TensorDescriptor.from_tensor(k8.view(-1, head_dim), [BLOCK, head_dim], qk_layout)
     v_desc = TensorDescriptor.from_tensor(v8t.view(-1, lpad_k), [head_dim, BLOCK], vt_layout)
     out = output_like(q)
+    o_tma = cfg["o_store"] == "tma" and token_perm is None  # a token order scatters rows: 16-byte stores
+    o_desc = output_descriptor(out)
     num_tiles = batch * heads * num_q_blocks
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     _bsa_ws_kernel[(min(num_tiles, sms),)](
-        q_desc, k_desc, v_desc, out, q_scale, k_scale, v_scale, kv_num, kv_idx, sched,
+        q_desc, k_desc, v_desc, out, o_desc, float(scale * LOG2E), q_scale, k_scale, v_scale, kv_num, kv_idx, sched,
         heads, q_len, kv_len, lpad_q, lpad_k, num_kv_blocks, num_q_blocks, num_tiles,
         q_scale.shape[-1], k_scale.shape[-1], int(prefix_len) if has_bias else 0,
         float(prefix_bias) * LOG2E if has_bias else 0.0, suffix_start,
@@ -637,7 +721,8 @@ def launch_ws(q, k, v, block_map, scale: float, config: dict | None = None, pref
         TAIL_K=kv_len % BLOCK != 0, HAS_BIAS=has_bias, P_SHIFT=P_SHIFT_LOG2, SCHEDULE=cfg["schedule"],
         ABLATE=int(cfg.get("ablate", 0)), FMA_QUARTERS=int(cfg["fma_quarters"]), HAS_PERM=token_perm is not None,
         HAS_SUFFIX=suffix_start < kv_len, P_BITS=int(cfg["p_bits"]), V_BLOCK=cfg["v_scaling"] == "block",
-        P_SAT=cfg["p_clamp"] == "sat", O_VEC=cfg["o_store"] == "vec", num_warps=4)
+        P_SAT=cfg["p_clamp"] == "sat", O_VEC=cfg["o_store"] != "regs", O_TMA=o_tma, Q_KERNEL=q_kernel,
+        num_warps=4)
     return out
 
 
