@@ -107,6 +107,9 @@ def test_tma_store_and_q_quantised_in_the_kernel_compile_for_sm90(head_dim, sche
     assert ("cp.async.bulk.wait_group.read" in ptx) == o_tma
     q_loads = len(re.findall(r"cp\.async\.bulk\.tensor\.4d\.shared::(?:cta|cluster)\.global", ptx))
     assert q_loads == (1 if q_kernel else 0), q_loads  # the producer's Q load
+    if q_kernel:  # the consumer's e4m3 rows: every warp's stores fenced and joined before its first wgmma
+        before = ptx[:ptx.index("wgmma.mma_async")]
+        assert "bar.sync" in before[before.rindex("fence.proxy.async.shared::cta"):]
     converts = len(re.findall(r"cvt\.rn\.satfinite\.e4m3x2\.f32", ptx))
     assert converts >= (2 * head_dim // 4 if q_kernel else 0), converts  # 64 rows x D / 128 threads / 2 per cvt
     assert kernel.metadata.shared <= 227 * 1024

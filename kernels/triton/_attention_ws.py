@@ -44,8 +44,8 @@ on sm_90:
   ``absmax * softmax_scale * log2(e) / 448`` for them (the pre-pass's Q tiles have one per 128 rows), into
   a shared buffer of its own; the Q stage is released as soon as the rows are in registers. The
   pre-pass then reads only K and V (0.92 instead of 1.18 ms at 720p). Measured: +1-6% at 5% density, -2
-  to +2% at 15%, -1% on a full map (the in-kernel conversion costs about 1% of the kernel's time, cause
-  not isolated).
+  to +2% at 15%, -0.3 to -1.6% on a full map (the in-kernel conversion costs up to ~1% of the kernel's
+  time, cause not isolated).
 - ``V_BLOCK`` (config ``v_scaling="block"``, off): per-tile power-of-two V scales from the
   single-read pre-pass, each tile's exponent folded into its block's row terms and divided out of its
   row sums (measured: 1-3% slower in the kernel than the 0.3 ms it saves at 720p).
@@ -95,6 +95,7 @@ try:  # Gluon ships inside recent Tritons; without it this backend reports itsel
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                    warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    _cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier  # Triton 3.8 / 3.6 spelling
     _IMPORT_ERROR = None
 except Exception as exc:  # noqa: BLE001
     gluon = None
@@ -429,6 +430,7 @@ if gluon is not None:
                 amax = gl.max(gl.max(gl.abs(xq), axis=1), axis=0)
                 q8_smem.store((xq * gl.where(amax > 0, 448.0 / amax, 1.0)).to(gl.float8e4nv))
                 fence_async_shared()
+                _cta_barrier()  # every warp's rows are written before the warpgroup's wgmma reads them
                 sq = gl.where(amax > 0, amax * (q_mult / 448.0), 1.0)
                 q = q8_smem
             else:
