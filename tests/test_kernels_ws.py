@@ -117,6 +117,19 @@ def test_tma_store_and_q_quantised_in_the_kernel_compile_for_sm90(head_dim, sche
     assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+240", ptx)
 
 
+def test_q_goes_to_the_kernel_only_where_a_tma_descriptor_can_address_it():
+    """``q_quant="kernel"`` loads Q's input rows by TMA: 16-byte aligned base and strides. Any other q
+    (a view with a 264-byte row stride, an odd start) takes the pre-pass's Q, which reads any strides."""
+    from chorus.kernels.triton._attention_ws import tma_compatible
+
+    x = torch.zeros(1, 64, 4, 132, dtype=torch.bfloat16)
+    assert tma_compatible(x[..., :128].transpose(1, 2).contiguous())
+    assert tma_compatible(torch.zeros(1, 64, 4, 128, dtype=torch.bfloat16).transpose(1, 2))  # ComfyUI's layout
+    assert not tma_compatible(x[..., :128])  # rows 264 bytes apart
+    assert not tma_compatible(x.view(-1)[1:1 + 4 * 64 * 128].view(1, 4, 64, 128))  # base off by 2 bytes
+    assert not tma_compatible(x[..., :128].transpose(2, 3))  # D not the contiguous axis
+
+
 @pytest.mark.parametrize("config", [{"p_bits": 3}, {"fma_quarters": 1}, {"ablate": 1}, {"v_scaling": "tile"},
                                     {"p_clamp": "min"}, {"o_store": "stmatrix"}, {"q_quant": "fp8"},
                                     {"stages": 1}, {"schedule": "ring"}])

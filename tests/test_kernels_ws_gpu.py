@@ -110,6 +110,22 @@ def test_ws_comfy_layout_broadcast_map_batch2(schedule):
         _check(out[b:b + 1], q[b:b + 1], k[b:b + 1], v[b:b + 1], bm)
 
 
+def test_a_q_no_tma_descriptor_can_address_takes_the_pre_pass_q():
+    """q with a 264-byte row stride (a slice of wider rows): Q from the pre-pass, the same result as
+    the contiguous copy under ``q_quant="prepass"``."""
+    from chorus.kernels.triton._attention_ws import block_sparse_attention_ws
+
+    q, k, v = cuda_bf16_qkv(1, 2, 3000, 128, seed=13)
+    wide = torch.zeros(1, 2, 3000, 132, dtype=q.dtype, device=q.device)
+    wide[..., :128] = q
+    bm = _random_map(1, 2, 3000, 0.3, seed=4)
+    out = block_sparse_attention_ws(q, k, v, bm, SCALE)
+    sliced = block_sparse_attention_ws(wide[..., :128], k, v, bm, SCALE)
+    _check(sliced, q, k, v, bm)
+    assert torch.equal(sliced, block_sparse_attention_ws(q, k, v, bm, SCALE, {"q_quant": "prepass"}))
+    assert not torch.equal(sliced, out)  # the default took Q into the kernel
+
+
 def test_ws_agrees_with_triton_fp8_and_empty_rows_are_zero():
     from chorus.kernels.triton import block_sparse_attention_triton
     from chorus.kernels.triton._attention_ws import block_sparse_attention_ws

@@ -658,6 +658,12 @@ def shared_layouts(head_dim: int):
     return qk, vt
 
 
+def tma_compatible(x: torch.Tensor) -> bool:
+    """Whether a TMA descriptor can address ``x`` as it is: 16-byte aligned base and strides, unit last stride."""
+    size = x.element_size()
+    return x.stride(-1) == 1 and x.data_ptr() % 16 == 0 and all(st * size % 16 == 0 for st in x.stride()[:-1])
+
+
 def _gl_dtype(dtype: torch.dtype):
     return gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
 
@@ -690,7 +696,8 @@ def launch_ws(q, k, v, block_map, scale: float, config: dict | None = None, pref
     kv_len = k.shape[2]
     suffix_start = check_key_biases(prefix_len, prefix_bias, suffix_len, suffix_bias, kv_len)
     has_bias = (prefix_len > 0 and prefix_bias != 0.0) or suffix_start < kv_len
-    q_kernel = cfg["q_quant"] == "kernel" and token_perm is None  # a token order gathers Q: the pre-pass does it
+    # a token order gathers Q's rows, and a TMA descriptor needs 16-byte aligned strides: else the pre-pass's Q
+    q_kernel = cfg["q_quant"] == "kernel" and token_perm is None and tma_compatible(q)
     q8, k8, v8t, q_scale, k_scale, v_scale = quantize_qkv_fp8(q, k, v, scale, quantize_q=not q_kernel,
                                                               v_key_order="wgmma", token_perm=token_perm,
                                                               v_scaling=cfg["v_scaling"])
