@@ -2,8 +2,9 @@
 the ``triton_fp8_ws`` backend.
 
 The numerics of the FP8 path of :mod:`._attention` (the same pre-pass of :mod:`._quant`, the same
-block lists, the same scales: the two agree to fp32 rounding), laid out the way FlashAttention-3 runs
-on sm_90:
+block lists, the same K / V scales; with ``q_quant="prepass"`` and ``p_bits`` 0 the two agree to fp32
+rounding, the defaults round P and Q's scale their own way, within the same FP8 bounds), laid out the
+way FlashAttention-3 runs on sm_90:
 
 - persistent: one CTA per SM walks the 128-row query tiles in (batch, head)-major, longest-row-first
   order, so the tiles in flight share a head's K/V in L2 and the long rows start first;
