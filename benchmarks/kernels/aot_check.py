@@ -14,6 +14,7 @@ import re
 import subprocess
 import tempfile
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -71,15 +72,18 @@ def compile_ws(head_dim=128, schedule="serial", stages=3, tail=True, ablate=0, f
     o_tma = not has_perm if o_tma is None else o_tma
     q_kernel = not has_perm if q_kernel is None else q_kernel
     qk_layout, vt_layout = W.shared_layouts(head_dim)
+
+    def rows_desc_type(rows):  # the launcher's rows_descriptor of a bf16 [B, H, L, D] tensor
+        block, layout = W.rows_block(rows, head_dim, torch.bfloat16)
+        return f"tensordesc<bf16[{', '.join(map(str, block))}],{layout!r}>"
+
     kernel = W._bsa_ws_kernel
     sig = {}
     for name, param in zip(kernel.arg_names, kernel.params):
         if param.is_constexpr:
             continue
         if name == "q_desc" and q_kernel:
-            block = [1, 1, W.BLOCK, head_dim]
-            q_layout = W.gl.NVMMASharedLayout.get_default_for(block, W.gl.bfloat16)
-            sig[name] = f"tensordesc<bf16[{', '.join(map(str, block))}],{q_layout!r}>"
+            sig[name] = rows_desc_type(W.BLOCK)
         elif name in ("q_desc", "k_desc"):
             sig[name] = f"tensordesc<fp8e4nv[{W.BLOCK}, {head_dim}],{qk_layout!r}>"
         elif name == "v_desc":
@@ -87,9 +91,7 @@ def compile_ws(head_dim=128, schedule="serial", stages=3, tail=True, ablate=0, f
         elif name == "O":
             sig[name] = "*bf16"
         elif name == "o_desc":
-            block = [1, 1, W.CONSUMER_ROWS, head_dim]
-            o_layout = W.gl.NVMMASharedLayout.get_default_for(block, W.gl.bfloat16)
-            sig[name] = f"tensordesc<bf16[{', '.join(map(str, block))}],{o_layout!r}>"
+            sig[name] = rows_desc_type(W.CONSUMER_ROWS)
         elif name in ("q_scale", "k_scale", "v_scale"):
             sig[name] = "*fp32"
         elif name in ("prefix_bias", "suffix_bias", "q_mult"):

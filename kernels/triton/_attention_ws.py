@@ -665,16 +665,20 @@ def tma_compatible(x: torch.Tensor) -> bool:
     return x.stride(-1) == 1 and x.data_ptr() % 16 == 0 and all(st * size % 16 == 0 for st in x.stride()[:-1])
 
 
-def _gl_dtype(dtype: torch.dtype):
-    return gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+def rows_block(rows: int, head_dim: int, dtype: torch.dtype):
+    """Block shape ``[1, 1, rows, D]`` and NVMMA shared layout of a TMA descriptor over a bf16 / fp16
+    ``[B, H, L, D]`` tensor: Q's input rows (``rows`` 128, ``q_quant="kernel"``) and the output (64, one
+    consumer's rows, ``o_store="tma"``)."""
+    block = [1, 1, rows, head_dim]
+    return block, gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
 
 
-def output_descriptor(out: torch.Tensor):
-    """TMA descriptor of the output ``[B, H, L, D]`` (any strides with unit stride on D, 16-byte aligned:
-    ComfyUI's ``[B, L, H, D]`` memory too) in blocks of one consumer's rows, ``[1, 1, 64, D]``."""
-    block = [1, 1, CONSUMER_ROWS, out.shape[3]]
-    layout = gl.NVMMASharedLayout.get_default_for(block, _gl_dtype(out.dtype))
-    return TensorDescriptor(out, list(out.shape), list(out.stride()), block, layout)
+def rows_descriptor(x: torch.Tensor, rows: int):
+    """TMA descriptor of ``x`` ``[B, H, L, D]`` as it is (any 16-byte aligned strides with unit stride on D:
+    ComfyUI's ``[B, L, H, D]`` memory too; see :func:`tma_compatible`) in :func:`rows_block` blocks; rows
+    past ``L`` are zeros on load and dropped on store."""
+    block, layout = rows_block(rows, x.shape[3], x.dtype)
+    return TensorDescriptor(x, list(x.shape), list(x.stride()), block, layout)
 
 
 def launch_ws(q, k, v, block_map, scale: float, config: dict | None = None, prefix_len: int = 0,
@@ -706,10 +710,8 @@ def launch_ws(q, k, v, block_map, scale: float, config: dict | None = None, pref
     kv_num, kv_idx, sched, map_strides = lpt_block_lists(block_map)
     num_q_blocks, num_kv_blocks = block_map.shape[2:]
     qk_layout, vt_layout = shared_layouts(head_dim)
-    if q_kernel:  # the input's rows, [1, 1, 128, D] blocks of [B, H, L, D] (any strides, unit on D)
-        q_block = [1, 1, BLOCK, head_dim]
-        q_desc = TensorDescriptor(q, list(q.shape), list(q.stride()), q_block,
-                                  gl.NVMMASharedLayout.get_default_for(q_block, _gl_dtype(q.dtype)))
+    if q_kernel:  # the input's own rows
+        q_desc = rows_descriptor(q, BLOCK)
         q_scale = k_scale  # not read
     else:
         q_desc = TensorDescriptor.from_tensor(q8.view(-1, head_dim), [BLOCK, head_dim], qk_layout)
@@ -717,7 +719,7 @@ def launch_ws(q, k, v, block_map, scale: float, config: dict | None = None, pref
     v_desc = TensorDescriptor.from_tensor(v8t.view(-1, lpad_k), [head_dim, BLOCK], vt_layout)
     out = output_like(q)
     o_tma = cfg["o_store"] == "tma" and token_perm is None  # a token order scatters rows: 16-byte stores
-    o_desc = output_descriptor(out)
+    o_desc = rows_descriptor(out, CONSUMER_ROWS)
     num_tiles = batch * heads * num_q_blocks
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     _bsa_ws_kernel[(min(num_tiles, sms),)](
