@@ -112,6 +112,35 @@ def compile_ws(head_dim=128, schedule="serial", stages=3, tail=True, ablate=0, f
     return triton.compile(src, target=TARGET, options=dict(num_warps=4))
 
 
+def sass_of(kernel) -> str:
+    """The kernel's SASS (``cuobjdump --dump-sass`` of Triton's bundled copy)."""
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(kernel.asm["cubin"])
+        tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+        return subprocess.run([tool, "--dump-sass", path], capture_output=True, text=True).stdout
+
+
+def key_block_loop_ops(sass: str) -> dict:
+    """Opcode counts (``FFMA``, ``FMNMX``, ``FSEL`` ...) of the innermost loop that issues a wgmma
+    (``QGMMA``/``HGMMA``): the first consumer's key-block loop, what runs once per kept key block and
+    thread; ``{"total": n}`` holds its instruction count."""
+    ins = [(int(m.group(1), 16), m.group(2).strip())
+           for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*?)\s*;", sass)]
+    index = {addr: i for i, (addr, _) in enumerate(ins)}
+    for end, (_, text) in enumerate(ins):
+        target = re.search(r"BRA 0x([0-9a-f]+)", text)
+        start = index.get(int(target.group(1), 16), end) if target else end
+        if start < end and any(re.search(r"[QH]GMMA", t) for _, t in ins[start:end]):
+            ops: dict = {"total": end - start + 1}
+            for _, t in ins[start:end + 1]:
+                op = re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0]
+                ops[op] = ops.get(op, 0) + 1
+            return ops
+    return {"total": 0}
+
+
 def summarize(kernel, sass: bool):
     ptx = kernel.asm["ptx"]
     mma = sorted(set(re.findall(r"wgmma\.mma_async\.[a-z0-9.]+", ptx)))
@@ -122,13 +151,13 @@ def summarize(kernel, sass: bool):
             f.write(kernel.asm["cubin"])
         tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
         res = subprocess.run([tool, "--dump-resource-usage", path], capture_output=True, text=True).stdout
-        m = re.search(r"REG:(\d+) STACK:(\d+)", res)
-        line += f" regs={m.group(1)} stack={m.group(2)}" if m else ""
-        if sass:
-            out = subprocess.run([tool, "--dump-sass", path], capture_output=True, text=True).stdout
-            ops = {k: len(re.findall(k, out)) for k in ["QGMMA", "HGMMA", "UTMALDG", "LDG.E.128", "LDGSTS", "MUFU.EX2",
-                                                          "SHFL.IDX"]}
-            line += f" sass={ops}"
+    m = re.search(r"REG:(\d+) STACK:(\d+)", res)
+    line += f" regs={m.group(1)} stack={m.group(2)}" if m else ""
+    if sass:
+        out = sass_of(kernel)
+        ops = {k: len(re.findall(k, out)) for k in ["QGMMA", "HGMMA", "UTMALDG", "LDG.E.128", "LDGSTS", "MUFU.EX2",
+                                                      "SHFL.IDX"]}
+        line += f" sass={ops} key_block_loop={key_block_loop_ops(out)}"
     return line
 
 

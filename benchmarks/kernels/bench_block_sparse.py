@@ -11,8 +11,11 @@ FlashAttention-4) on the same inputs at a full map and 15% / 5% density (dense p
 JSON's ``peers`` table holds name, ran, the exact reason when it did not, ms, TFLOP/s (dense FLOPs for dense
 peers, kept-block FLOPs for sparse ones) and the cosine against an fp32 reference on 4 heads.
 
-Times are ``triton.testing.do_bench`` medians (L2 flushed between runs); TFLOP/s count only kept
-blocks (4 * kept query-key pairs * D * heads, partial blocks exact). Writes ``bench_block_sparse.json``,
+Times are ``triton.testing.do_bench`` medians (L2 flushed between runs); the peers table times every
+peer ``--rounds`` times (3), the peers in turn, and reports the median with each round's ms and the
+GPU's SM clock / power while it ran (``gpu_state.py``: the H200 runs these kernels at its power limit,
+where its clock moves between calls); TFLOP/s count only kept blocks (4 * kept query-key pairs * D *
+heads, partial blocks exact). Writes ``bench_block_sparse.json``,
 ``bench_block_sparse.png`` (time vs density) and ``bench_block_sparse_peers.png`` (the peers' TFLOP/s
 against the FP8 bars; ``--plot-from JSON`` redraws it from a saved run, no GPU needed) into ``--out``.
 
@@ -27,6 +30,7 @@ import json
 import math
 import os
 import platform
+import statistics
 import sys
 import time
 
@@ -36,6 +40,7 @@ import triton
 from triton.testing import do_bench
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_state import GpuSampler  # noqa: E402
 from masks import kept_flops, structured_block_map  # noqa: E402
 from peers import PEERS, cosine, make_peer, reference_subset  # noqa: E402
 
@@ -93,7 +98,10 @@ def reference_heads(heads: int) -> list[int]:
 
 def run_peers(length: int, q, k, v, args, results: dict) -> None:
     """Every peer of the registry on these inputs: sparse peers at each ``--peer-densities`` map (1.0 =
-    full map), dense peers once; appends rows to ``results["peers"]``. Nothing a peer does stops the run."""
+    full map), dense peers once; appends rows to ``results["peers"]``. Nothing a peer does stops the run.
+    Each peer is built, run once (compile, cosine) and then timed ``--rounds`` times, the peers in turn
+    (so a drift of the GPU's clock between timings hits them all alike; the median is reported, with
+    every round's ms and the GPU's SM clock / power / limit reasons while it ran, ``gpu_state.py``)."""
     heads, dim, bs = q.shape[1], q.shape[3], 128
     dense_flops = 4.0 * heads * dim * length * length
     ref_heads = reference_heads(heads)
@@ -108,6 +116,7 @@ def run_peers(length: int, q, k, v, args, results: dict) -> None:
         return refs[density]
 
     table = results.setdefault("peers", [])
+    timed = []  # (entry, fn, est_ms, flops) of the peers that ran once
     for peer in PEERS:
         if args.peers and peer.name not in args.peers:
             continue
@@ -131,22 +140,43 @@ def run_peers(length: int, q, k, v, args, results: dict) -> None:
                     est = (time.time() - t0) * 1e3
                     entry["cos_vs_fp32_ref"] = cosine(out[:, ref_heads], reference(density, bm))
                     del out
-                    ms = bench_peer(fn, est)
                     flops = kept_flops(bm, length, length, dim, bs, heads=heads) if peer.sparse else dense_flops
-                    entry.update(ran=True, ms=ms, tflops=flops / ms / 1e9)
+                    timed.append((entry, fn, est, flops))
                 except Exception as exc:  # noqa: BLE001 - a failing peer is a row of the table, not the end of the run
                     entry["reason"] = f"run failed: {type(exc).__name__}: {str(exc).strip()[:600]}"
                 if peer.name.startswith("cudnn_fp8") and entry["cos_vs_fp32_ref"] is not None:
                     entry["cos_ok"] = entry["cos_vs_fp32_ref"] >= 0.99  # issue 14: the FP8 peer must reach 0.99
             fn = None
-            torch.cuda.empty_cache()
             table.append(entry)
-            if entry["ran"]:
-                log(f"[{length}] peer {peer.name:24s} {entry['map']:>5s}: {entry['ms']:9.2f} ms "
-                    f"({entry['tflops']:4.0f} TFLOP/s, {entry['flops_counted']}), cosine vs fp32 {entry['cos_vs_fp32_ref']:.5f}")
-            else:
+            if not timed or timed[-1][0] is not entry:
+                torch.cuda.empty_cache()
                 log(f"[{length}] peer {peer.name:24s} {entry['map']:>5s}: not run: {entry['reason']}")
     refs.clear()
+    sampler = GpuSampler()
+    for _ in range(args.rounds):  # the peers in turn
+        for entry, fn, est, _flops in timed:
+            try:
+                with sampler.window() as w:
+                    ms = bench_peer(fn, est)
+                entry.setdefault("rounds_ms", []).append(ms)
+                entry.setdefault("gpu_states", []).append(w.summary())
+            except Exception as exc:  # noqa: BLE001
+                entry["reason"] = f"run failed: {type(exc).__name__}: {str(exc).strip()[:600]}"
+    for entry, fn, est, flops in timed:
+        if entry.get("rounds_ms") and not entry["reason"]:
+            ms = statistics.median(entry["rounds_ms"])
+            clocks = [g["sm_mhz"] for g in entry["gpu_states"] if g.get("available")]
+            entry.update(ran=True, ms=ms, tflops=flops / ms / 1e9,
+                         sm_mhz=statistics.median(clocks) if clocks else None)
+            state = f", SM {entry['sm_mhz']:.0f} MHz" if clocks else ""
+            spread = (f", rounds {min(entry['rounds_ms']):.2f}-{max(entry['rounds_ms']):.2f}"
+                      if len(entry["rounds_ms"]) > 1 else "")
+            log(f"[{length}] peer {entry['peer']:24s} {entry['map']:>5s}: {entry['ms']:9.2f} ms "
+                f"({entry['tflops']:4.0f} TFLOP/s, {entry['flops_counted']}{spread}{state}), cosine vs fp32 "
+                f"{entry['cos_vs_fp32_ref']:.5f}")
+        else:
+            log(f"[{length}] peer {entry['peer']:24s} {entry['map']:>5s}: not run: {entry['reason']}")
+    timed.clear()
     torch.cuda.empty_cache()
 
 
@@ -429,6 +459,7 @@ def main():
     ap.add_argument("--peers-only", action="store_true", help="run only the peers table (no sweep, densities, stages)")
     ap.add_argument("--peers", default="", help="comma list of peer names (default: every peer of peers.PEERS)")
     ap.add_argument("--peer-densities", default="1.0,0.15,0.05", help="maps for sparse peers (1.0 = full map)")
+    ap.add_argument("--rounds", type=int, default=3, help="times each peer is timed, the peers in turn (median)")
     ap.add_argument("--uniform-rows", action="store_true",
                     help="peer maps keep the same number of key blocks in every row (for fixed-count kernels; "
                          "use with --sizes 32768,75648, multiples of 128)")

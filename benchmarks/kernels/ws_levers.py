@@ -17,12 +17,16 @@ Prints one line per (size, density, config), the pre-pass alone per size (both V
 without Q) and the
 block lists' build alone per map. ``--prefix-frames F``
 adds ChorusGuidanceBoost's first-frame bias (``--prefix-bias``, natural log) to every call of both
-kernels, over the first F frames' tokens of the Wan grid.
+kernels, over the first F frames' tokens of the Wan grid. ``--baseline FILE`` adds another version of
+``_attention_ws.py`` (e.g. ``git show HEAD:kernels/triton/_attention_ws.py > FILE``), loaded beside the
+current one (same pre-pass and block lists), as the config ``baseline`` (its default config), timed in
+turn with the others.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -40,6 +44,16 @@ from chorus.kernels.triton._attention_ws import block_sparse_attention_ws  # noq
 from chorus.kernels.triton._quant import quantize_qkv_fp8  # noqa: E402
 
 
+def load_baseline(path: str):
+    """Another version of ``_attention_ws.py`` as a module of ``chorus.kernels.triton`` (its relative
+    imports resolve to the current pre-pass and block lists)."""
+    spec = importlib.util.spec_from_file_location("chorus.kernels.triton._attention_ws_baseline", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module.block_sparse_attention_ws
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default="75600,32760")
@@ -49,8 +63,13 @@ def main():
     ap.add_argument("--rounds", type=int, default=1, help="times each config is timed, in turn with the others (median)")
     ap.add_argument("--prefix-frames", type=int, default=0, help="first-frame bias over this many frames (0: none)")
     ap.add_argument("--prefix-bias", type=float, default=0.0953, help="natural log; default log(1.1), the node's")
+    ap.add_argument("--baseline", help="another _attention_ws.py, timed as config 'baseline' (its defaults)")
     args = ap.parse_args()
     configs = json.loads(args.configs)
+    kernels = {name: block_sparse_attention_ws for name in configs}
+    if args.baseline:
+        configs = {"baseline": {}, **configs}
+        kernels["baseline"] = load_baseline(args.baseline)
     densities = [float(x) for x in args.densities.split(",")]
     heads, dim = args.heads, 128
     scale = dim ** -0.5
@@ -82,7 +101,7 @@ def main():
                 if cfg.get("ablate") and density != densities[0]:
                     continue  # ablations on the first map only
                 try:
-                    out = block_sparse_attention_ws(q, k, v, bm, scale, cfg, **bias)
+                    out = kernels[name](q, k, v, bm, scale, cfg, **bias)
                     cos = torch.nn.functional.cosine_similarity(out.double().flatten(), ref.double().flatten(),
                                                                 dim=0).item()
                     runs[name] = (cfg, cos, [])
@@ -90,7 +109,7 @@ def main():
                     print(f"[{length}] d={density} {name} FAILED {type(exc).__name__}: {str(exc)[:300]}", flush=True)
             for _ in range(args.rounds):  # configs in turn, so a clock drift hits them all alike
                 for name, (cfg, _cos, times) in runs.items():
-                    times.append(do_bench(lambda: block_sparse_attention_ws(q, k, v, bm, scale, cfg, **bias),
+                    times.append(do_bench(lambda: kernels[name](q, k, v, bm, scale, cfg, **bias),
                                           return_mode="median"))
             for name, (cfg, cos, times) in runs.items():
                 t = statistics.median(times)
