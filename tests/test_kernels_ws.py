@@ -85,6 +85,23 @@ def test_kernel_compiles_for_sm90_with_fp8_wgmma_and_no_shuffles(head_dim, sched
         assert len(re.findall(r"bar\.sync \S+, 256;", ptx)) >= 2 and re.search(r"bar\.arrive \S+, 256;", ptx)
 
 
+@pytest.mark.parametrize("schedule,p_bits", [("serial", 1), ("pingpong", 1), ("serial", 0)])
+def test_the_key_block_loop_runs_three_gemms_and_no_exp2_per_element(schedule, p_bits):
+    """The loop every kept key block takes (``aot_check.key_block_loop_ops`` on the SASS): per k-step of 32
+    the three wgmmas (Q @ K^T, P @ V and, with P's bits from the FFMA, the row sums P8 @ ones), and the
+    MUFU only for the rows' rescale (2 per thread) unless P comes from the exp2 (``p_bits`` 0: one per
+    element). Built for a length with a partial last key block, as Wan's are."""
+    from chorus.kernels.triton import _attention_ws
+
+    if _attention_ws.available():
+        pytest.fail(f"this Triton has no Gluon Hopper API: {_attention_ws.available()}")
+    from benchmarks.kernels.aot_check import compile_ws, key_block_loop_ops, sass_of
+
+    ops = key_block_loop_ops(sass_of(compile_ws(128, schedule, tail=True, p_bits=p_bits, p_sat=bool(p_bits))))
+    assert ops.get("QGMMA", 0) == (12 if p_bits else 8), ops
+    assert ops.get("MUFU", 0) <= 2 if p_bits else ops.get("MUFU", 0) >= 64, ops
+
+
 @pytest.mark.parametrize("head_dim,schedule,o_tma,q_kernel", [
     (128, "serial", True, False), (128, "serial", False, True), (128, "serial", True, True),
     (64, "overlap", True, True), (128, "pingpong", False, True)])

@@ -110,6 +110,23 @@ def test_ws_comfy_layout_broadcast_map_batch2(schedule):
         _check(out[b:b + 1], q[b:b + 1], k[b:b + 1], v[b:b + 1], bm)
 
 
+@pytest.mark.parametrize("schedule", ["v_block", "v_block_overlap", "v_block_exp2"])
+def test_per_tile_v_scales_across_tiles_of_very_unequal_range(schedule):
+    """V tiles spanning 2^-20 .. 2^20 (and one all-zero tile) under per-tile V scales: the accumulator
+    moves between the tiles' units block by block, P and its row sums never see them (folded into P's
+    row terms instead, the small tiles' P underflowed and the row sums lost their probability: outside
+    the bound, 2026-12-02); within the FP8 bounds of the oracle and finite everywhere."""
+    from chorus.kernels.triton._attention_ws import block_sparse_attention_ws
+
+    q, k, v = cuda_bf16_qkv(1, 3, 4097, 128, seed=23)
+    ramp = torch.exp2(torch.linspace(-20.0, 20.0, 4097, device="cuda"))
+    ramp[128 * 5:128 * 6] = 0.0
+    v = (v.float() * ramp[None, None, :, None]).to(v.dtype)
+    bm = _random_map(1, 3, 4097, 0.3, seed=12)
+    out = block_sparse_attention_ws(q, k, v, bm, SCALE, SCHEDULES[schedule])
+    _check(out, q, k, v, bm)
+
+
 def test_a_q_no_tma_descriptor_can_address_takes_the_pre_pass_q():
     """q with a 264-byte row stride (a slice of wider rows): Q from the pre-pass, the same result as
     the contiguous copy under ``q_quant="prepass"``."""

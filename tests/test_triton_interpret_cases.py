@@ -235,6 +235,25 @@ def test_fp8_prepass_block_v_scales_read_v_once_and_match_torch():
         quantize_qkv_fp8(q, k, v, 0.125, v_scaling="token")
 
 
+def test_fp8_prepass_block_v_exponents_stay_within_the_limit():
+    """A tile of tiny V (1e-30) and one of huge V (1e30) get exponents -V_EXP_LIMIT / +V_EXP_LIMIT (the
+    warp-specialised kernel's accumulator moves between tiles' units by 2^(difference), which must stay
+    finite); the tiles in range keep their own."""
+    from chorus.kernels.triton._quant import V_EXP_LIMIT, quantize_qkv_fp8, quantize_reference
+
+    q, k, v = make_inputs(1, 1, 384, 64, torch.bfloat16, seed=3)
+    v = v.float()
+    v[:, :, :128] *= 1e-30
+    v[:, :, 256:] *= 1e30
+    v = v.to(torch.bfloat16)
+    got = quantize_qkv_fp8(q, k, v, 0.125, v_key_order="wgmma", v_scaling="block")
+    want = quantize_reference(q, k, v, 0.125, v_key_order="wgmma", v_scaling="block")
+    assert torch.equal(got[5], want[5])
+    assert got[5][0, 0, 0].item() == -V_EXP_LIMIT and got[5][0, 0, 2].item() == V_EXP_LIMIT
+    assert -V_EXP_LIMIT < got[5][0, 0, 1].item() < V_EXP_LIMIT
+    assert torch.isfinite(got[2].float()).all()
+
+
 @pytest.mark.parametrize("length,bs,sample_rows", [(97, 32, None), (300, 64, 5), (300, 128, 16), (128, 128, 200)])
 def test_block_mass_matches_reference(length, bs, sample_rows):
     q, k, _ = make_inputs(1, 2, length, 64, torch.bfloat16, seed=length)
@@ -430,3 +449,21 @@ def test_api_tile_order_on_triton_matches_reference(backend):
     qp, kp, vp = (t[:, :, perm] for t in (q, k, v))
     check_16bit(ref[:, :, perm], qp, kp, vp, bm, 32)
     (check_fp8 if backend == "triton_fp8" else check_16bit)(out[:, :, perm], qp, kp, vp, bm, 32)
+
+
+@pytest.mark.parametrize("shape,density", [((1, 3, 591, 591), 0.05), ((1, 1, 591, 591), 1.0), ((2, 2, 37, 3), 0.5),
+                                           ((1, 2, 1100, 1500), 0.1), ((1, 1, 5, 5), 0.0)])
+def test_block_lists_and_their_lpt_order_match_torch(shape, density):
+    """``lpt_block_lists``: per map row the kept key blocks in ascending order and their count, and per
+    map (b, h) the query blocks by count, most first, ties in block order (torch's stable argsort);
+    partial chunks, broadcast dims, empty rows."""
+    from chorus.kernels.triton._attention import lpt_block_lists
+
+    gen = torch.Generator().manual_seed(sum(shape))
+    bm = torch.rand(*shape, generator=gen) < density
+    kv_num, kv_idx, sched, _ = lpt_block_lists(bm)
+    assert torch.equal(kv_num.long(), bm.sum(-1))
+    for row in zip(*[i.flatten() for i in torch.meshgrid(*[torch.arange(n) for n in shape[:3]], indexing="ij")]):
+        n = int(kv_num[row])
+        assert torch.equal(kv_idx[row][:n].long(), torch.nonzero(bm[row]).flatten())
+    assert torch.equal(sched.long(), torch.argsort(bm.sum(-1), dim=-1, descending=True, stable=True))

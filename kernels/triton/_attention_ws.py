@@ -47,9 +47,16 @@ way FlashAttention-3 runs on sm_90:
   pre-pass then reads only K and V (0.92 instead of 1.18 ms at 720p). Measured: +1-6% at 5% density, -2
   to +2% at 15%, -0.3 to -1.6% on a full map (the in-kernel conversion costs up to ~1% of the kernel's
   time, cause not isolated).
-- ``V_BLOCK`` (config ``v_scaling="block"``, off): per-tile power-of-two V scales from the
-  single-read pre-pass, each tile's exponent folded into its block's row terms and divided out of its
-  row sums (measured: 1-3% slower in the kernel than the 0.3 ms it saves at 720p).
+- ``V_BLOCK`` (config ``v_scaling="block"``, off): per-tile power-of-two V scales ``2^e`` from the
+  single-read pre-pass (V read once: 0.92 -> 0.66 ms at 720p). The accumulator is kept in the units of
+  the V tile it last accumulated: before block j's ``P @ V8`` it is rescaled by ``alpha * 2^(e_{j-1} -
+  e_j)`` (:func:`_acc_rescale`, the softmax's own per-row rescale times one scalar), and the epilogue
+  multiplies by ``2^e_last``; P, the row maximum and the row sums never see V's scale. Measured
+  against the default: -4 to -5% on a full map, -2 to -3% at 15%, level at 5% (720p; +5-6% at 480p,
+  5%), so off.
+  (A first form folded ``e`` into P's row terms and divided it out of the row sums: with P's e4m3 bits
+  the row sums then lost the probability of the blocks whose V tile is far smaller than the row's
+  largest, whose P underflowed; wrong on tiles of very unequal range.)
 
 ``SCHEDULE`` (compile time): ``"serial"`` (the default, measured fastest) runs each block's two
 GEMMs and softmax in order and lets the two warpgroups overlap each other through the warp
@@ -275,29 +282,31 @@ if gluon is not None:
     @gluon.jit
     def _row_sums_issue(p8, ones_smem, l_zero, pl_layout: gl.constexpr):
         """Issue the block's row sums ``P8 @ ones`` (N = 8, every column the sum; async, fresh
-        accumulator: the running sum stays in fp32 registers, see :func:`_row_sums_unscaled`)."""
+        accumulator: the running sum stays in fp32 registers)."""
         return warpgroup_mma(gl.convert_layout(p8, pl_layout, assert_trivial=True), ones_smem.permute((1, 0)),
                              l_zero, use_acc=False, is_async=True)
 
     @gluon.jit
-    def _row_sums_unscaled(l_blk, v_exp, V_BLOCK: gl.constexpr):
-        """A block's waited row sums without its V scale, which P carries under ``V_BLOCK``."""
+    def _acc_rescale(alpha, v_exp_acc, v_exp, V_BLOCK: gl.constexpr):
+        """The accumulator's per-row factor before block ``P @ V8`` accumulates: the softmax's ``alpha``,
+        and under ``V_BLOCK`` the move from the units of the V tile last accumulated (``2^v_exp_acc``) to
+        this block's (``2^v_exp``), so P and its row sums never carry V's scale (the pre-pass keeps the
+        exponents within +-47: the factor stays finite, 0 * factor is 0)."""
         if V_BLOCK:
-            l_blk = l_blk * gl.exp2(-v_exp)
-        return l_blk
+            alpha = alpha * gl.exp2(v_exp_acc - v_exp)
+        return alpha
 
     @gluon.jit
-    def _softmax_block(s, m_i, l_i, sc, kb, offs_n, Lk, num_kv_blocks, whole, v_exp, pre_keys, tail_from, edge,
+    def _softmax_block(s, m_i, l_i, sc, kb, offs_n, Lk, num_kv_blocks, whole, pre_keys, tail_from, edge,
                        prefix_bias, suffix_bias, TAIL_K: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_SUFFIX: gl.constexpr,
                        P_SHIFT: gl.constexpr, ABLATE: gl.constexpr, FMA_QUARTERS: gl.constexpr,
-                       P_BITS: gl.constexpr, V_BLOCK: gl.constexpr, P_SAT: gl.constexpr):
+                       P_BITS: gl.constexpr, P_SAT: gl.constexpr):
         """Online softmax over key block ``kb``'s wgmma output ``s`` (``sc`` = sq * sk > 0, folded in after
         the row max): returns ``(P, m, l, alpha)`` with ``P = exp2(s * sc - m + P_SHIFT)`` (row maximum
         2^P_SHIFT, inside e4m3), the new row max / sum and ``alpha`` = the old accumulator's rescale
         factor. ``P_BITS`` 0: P in fp32 from the exp2, ``l`` updated here; 1 / 2: P as e4m3 straight from
         the FFMA's bits (see the comment below) and ``l`` returned as given (the consumer sums P on the
-        tensor cores). ``V_BLOCK``: the block's V exponent ``v_exp`` joins the row terms like a key bias
-        and leaves the row sum. Keys past ``Lk`` in the partial last block get -inf. ``HAS_BIAS`` (``HAS_SUFFIX``): keys
+        tensor cores). Keys past ``Lk`` in the partial last block get -inf. ``HAS_BIAS`` (``HAS_SUFFIX``): keys
         ``< prefix_len`` get ``prefix_bias`` (log2 units) added to their scaled logit, and keys
         ``>= suffix_start`` ``suffix_bias`` (:func:`_key_block_bias` gives this block's share): a block
         wholly inside the prefix / suffix takes it as one per-row term in the row maximum and the shift,
@@ -318,15 +327,9 @@ if gluon is not None:
             if P_BITS != 0:  # P as the FFMA path returns it: e4m3
                 p = p.to(gl.float8e4nv)
             return p, m_i, l_i, gl.full_like(m_i, 1.0)
-        if HAS_BIAS or V_BLOCK:  # exp2(s * sc + b - m + shift), the block's uniform b in the row terms
-            if HAS_BIAS and V_BLOCK:
-                b_blk = whole + v_exp
-            elif HAS_BIAS:
-                b_blk = whole
-            else:
-                b_blk = v_exp
-            m_new = gl.maximum(m_i, gl.max(s, axis=1) * sc + b_blk)
-            shift = P_SHIFT + b_blk - m_new
+        if HAS_BIAS:  # exp2(s * sc + b - m + shift), the block's uniform bias b in the row terms
+            m_new = gl.maximum(m_i, gl.max(s, axis=1) * sc + whole)
+            shift = P_SHIFT + whole - m_new
         else:
             m_new = gl.maximum(m_i, gl.max(s, axis=1) * sc)
             shift = P_SHIFT - m_new
@@ -335,10 +338,7 @@ if gluon is not None:
             p = s * sc + shift[:, None]
             if ABLATE == 0:
                 p = _exp2_split(p, FMA_QUARTERS)
-            if V_BLOCK:  # the row sum without the block's V scale 2^v_exp that P carries
-                l_new = l_i * alpha + gl.sum(p, axis=1) * gl.exp2(-v_exp)
-            else:
-                l_new = l_i * alpha + gl.sum(p, axis=1)
+            l_new = l_i * alpha + gl.sum(p, axis=1)
         else:
             # P's e4m3 byte read off an fp32 bit pattern: k = round(8 x + 56 + P_BITS_OFFSET) is the byte of
             # 2^(k // 8 - 7) * (1 + (k % 8) / 8), i.e. exp2(x) with the mantissa linear between powers of
@@ -443,6 +443,7 @@ if gluon is not None:
             l_i = gl.zeros([ROWS], gl.float32, layout=row_s)
             acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
             l_acc = gl.zeros([ROWS, _ONES], gl.float32, layout=l_layout)  # P_BITS: the row sums, every column
+            v_exp_acc = 0.0  # V_BLOCK: acc is in units of the V tile 2^v_exp_acc (the last one accumulated)
             j0 = 0  # first block of the one-block loop below (the overlap schedule consumes them all)
             if SCHEDULE == "overlap":
                 # block j's Q @ K^T is issued before block j-1's P @ V is waited for, so a warpgroup's
@@ -450,7 +451,6 @@ if gluon is not None:
                 # block j-1 is carried in registers across the step
                 p8 = gl.zeros([ROWS, _BLOCK], gl.float8e4nv, layout=p_layout)
                 prev = 0
-                v_exp_prev = 0.0
                 if n_kv > 0:  # block 0: no P @ V in flight yet
                     kb, sc, v_exp, whole, pre_keys, tail_from, edge = _block_terms(
                         idx_row, 0, sq, k_scale_row, v_scale, bh, n_k_scale, prefix_len, prefix_bias, suffix_start,
@@ -459,13 +459,13 @@ if gluon is not None:
                     mbarrier.wait(k_ready.index(st), (kctr // STAGES) & 1)
                     s = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
                     s = warpgroup_mma_wait(num_outstanding=0, deps=[s])
-                    p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, sc, kb, offs_n, Lk, num_kv_blocks, whole, v_exp, pre_keys,
+                    p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, sc, kb, offs_n, Lk, num_kv_blocks, whole, pre_keys,
                                                         tail_from, edge, prefix_bias, suffix_bias, TAIL_K, HAS_BIAS,
-                                                        HAS_SUFFIX, P_SHIFT, ABLATE, FMA_QUARTERS, P_BITS, V_BLOCK, P_SAT)
+                                                        HAS_SUFFIX, P_SHIFT, ABLATE, FMA_QUARTERS, P_BITS, P_SAT)
                     p8 = _p_operand(p, p_layout)
                     mbarrier.wait(v_ready.index(st), (kctr // STAGES) & 1)
                     prev = st
-                    v_exp_prev = v_exp
+                    v_exp_acc = v_exp
                     kctr += 1
                 for j in range(1, n_kv):
                     kb, sc, v_exp, whole, pre_keys, tail_from, edge = _block_terms(
@@ -480,28 +480,26 @@ if gluon is not None:
                         s = warpgroup_mma_wait(num_outstanding=2, deps=[s])
                     else:
                         s = warpgroup_mma_wait(num_outstanding=1, deps=[s])  # Q @ K^T done; P @ V may run on
-                    p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, sc, kb, offs_n, Lk, num_kv_blocks, whole, v_exp, pre_keys,
+                    p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, sc, kb, offs_n, Lk, num_kv_blocks, whole, pre_keys,
                                                         tail_from, edge, prefix_bias, suffix_bias, TAIL_K, HAS_BIAS,
-                                                        HAS_SUFFIX, P_SHIFT, ABLATE, FMA_QUARTERS, P_BITS, V_BLOCK, P_SAT)
+                                                        HAS_SUFFIX, P_SHIFT, ABLATE, FMA_QUARTERS, P_BITS, P_SAT)
                     if P_BITS != 0:
                         acc, l_blk = warpgroup_mma_wait(num_outstanding=0, deps=[acc, l_blk])
-                        l_blk = _row_sums_unscaled(l_blk, v_exp_prev, V_BLOCK)
                         l_acc = (l_acc + l_blk) * gl.convert_layout(alpha, row_l)[:, None]
                     else:
                         acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
                     mbarrier.arrive(kv_empty.index(prev), count=1)
-                    acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+                    acc = acc * gl.convert_layout(_acc_rescale(alpha, v_exp_acc, v_exp, V_BLOCK), row_o)[:, None]
                     p8 = _p_operand(p, p_layout)
                     mbarrier.wait(v_ready.index(st), (kctr // STAGES) & 1)
                     prev = st
-                    v_exp_prev = v_exp
+                    v_exp_acc = v_exp
                     kctr += 1
                 if n_kv > 0:
                     acc = warpgroup_mma(p8, v_smem.index(prev).permute((1, 0)), acc, is_async=True)
                     if P_BITS != 0:
                         l_blk = _row_sums_issue(p8, ones_smem, l_zero, pl_layout)
                         acc, l_blk = warpgroup_mma_wait(num_outstanding=0, deps=[acc, l_blk])
-                        l_blk = _row_sums_unscaled(l_blk, v_exp_prev, V_BLOCK)
                         l_acc = l_acc + l_blk
                     else:
                         acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
@@ -522,10 +520,11 @@ if gluon is not None:
                 if SCHEDULE == "pingpong":
                     _turn_pass(CONSUMER)
                 s = warpgroup_mma_wait(num_outstanding=0, deps=[s])
-                p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, sc, kb, offs_n, Lk, num_kv_blocks, whole, v_exp, pre_keys,
+                p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, sc, kb, offs_n, Lk, num_kv_blocks, whole, pre_keys,
                                                     tail_from, edge, prefix_bias, suffix_bias, TAIL_K, HAS_BIAS,
-                                                    HAS_SUFFIX, P_SHIFT, ABLATE, FMA_QUARTERS, P_BITS, V_BLOCK, P_SAT)
-                acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+                                                    HAS_SUFFIX, P_SHIFT, ABLATE, FMA_QUARTERS, P_BITS, P_SAT)
+                acc = acc * gl.convert_layout(_acc_rescale(alpha, v_exp_acc, v_exp, V_BLOCK), row_o)[:, None]
+                v_exp_acc = v_exp
                 p8 = _p_operand(p, p_layout)
                 mbarrier.wait(v_ready.index(st), ph)
                 if SCHEDULE == "pingpong":
@@ -539,7 +538,6 @@ if gluon is not None:
                     acc, l_blk = warpgroup_mma_wait(num_outstanding=0, deps=[acc, l_blk])
                     # the running sum in fp32 registers: an FP8 wgmma's accumulator keeps fewer mantissa
                     # bits, too few for a sum of positive terms over thousands of keys
-                    l_blk = _row_sums_unscaled(l_blk, v_exp, V_BLOCK)
                     l_acc = l_acc * gl.convert_layout(alpha, row_l)[:, None] + l_blk
                 else:
                     acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
@@ -552,9 +550,12 @@ if gluon is not None:
             if P_BITS != 0:
                 l_i = gl.convert_layout(gl.max(l_acc, axis=1), row_s)
             l_safe = gl.where(l_i > 0, l_i, 1.0)
-            out = acc * gl.convert_layout(1.0 / l_safe, row_o)[:, None]
-            if not V_BLOCK and ABLATE != 4:  # per-channel V scales (with V_BLOCK P carried each block's)
-                out = out * gl.load(v_scale + bh * HEAD_DIM + offs_d)[None, :]
+            if V_BLOCK:  # back from the last V tile's units
+                out = acc * gl.convert_layout(gl.exp2(v_exp_acc) / l_safe, row_o)[:, None]
+            else:
+                out = acc * gl.convert_layout(1.0 / l_safe, row_o)[:, None]
+                if ABLATE != 4:  # per-channel V scales
+                    out = out * gl.load(v_scale + bh * HEAD_DIM + offs_d)[None, :]
             if O_TMA:
                 # the tile through this consumer's shared buffer and one TMA store, which runs on while
                 # the next tile starts (rows past Lq fall outside the descriptor and are not written);

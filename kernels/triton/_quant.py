@@ -43,6 +43,12 @@ import triton.language as tl
 QUANT_TILE = 128  # tokens per Q/K scale (the attention kernel's tiles divide this)
 STATS_CHUNK = 2048  # tokens per program of the stats kernel
 SMOOTH_ROWS = 128  # K rows whose channel mean is the smoothing vector
+# per-tile V exponents (v_scaling="block") are kept within +-V_EXP_LIMIT: the warp-specialised kernel
+# moves its fp32 accumulator (|acc| <= 256 * 448 * 2^17 keys < 2^34) between two tiles' units by
+# 2^(e_a - e_b), which stays below fp32's 2^128 for |e_a - e_b| <= 94. Tiles with absmax under
+# 448 * 2^-48 (1.6e-12) are quantised at 2^-47 (e4m3's smallest step there is 2^-56).
+V_EXP_LIMIT = 47
+_V_EXP_LIMIT = tl.constexpr(float(V_EXP_LIMIT))
 FP8_MAX = 448.0
 LOG2E = 1.4426950408889634
 
@@ -166,6 +172,7 @@ def _quant_kernel(Q, K, V, q8, k8, v8t, q_scale, k_scale, k_smooth, v_stats, tok
         if V_BLOCK_SCALE:  # one power-of-two scale for the tile: 2^e >= absmax / 448, e stored
             tmax = tl.max(tl.max(tl.abs(y.to(tl.float32)), axis=1), axis=0)
             e = tl.where(tmax > 0, tl.math.ceil(tl.math.log2(tl.maximum(tmax, 1e-30) / 448.0)), 0.0)
+            e = tl.minimum(tl.maximum(e, -_V_EXP_LIMIT), _V_EXP_LIMIT)
             y = tl.minimum(tl.maximum(y.to(tl.float32) * tl.math.exp2(-e), -448.0), 448.0)
             tl.store(v_stats + bh * n_kt + tile, e)
         else:
@@ -217,9 +224,9 @@ def quantize_qkv_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     kernel).
     ``v_scaling``: ``"channel"`` (``v_scale`` fp32 ``[B, H, D]``, one scale per channel over the whole
     sequence: V is read twice, by the stats kernel first) or ``"block"`` (one power-of-two scale per
-    128-key tile, ``2^e >= absmax / 448``; ``v_scale`` is then ``e`` itself, fp32 ``[B, H, Lpad_k / 128]``,
-    and V is read once: the pass reads each input once; the warp-specialised kernel folds ``e`` into
-    the block's softmax terms).
+    128-key tile, ``2^e >= absmax / 448`` with ``e`` clamped to ``+-V_EXP_LIMIT``; ``v_scale`` is then ``e``
+    itself, fp32 ``[B, H, Lpad_k / 128]``, and V is read once: the pass reads each input once; the
+    warp-specialised kernel folds ``2^e`` into its accumulator's per-block rescale).
     """
     if v_key_order not in ("natural", "wgmma"):
         raise ValueError(f"v_key_order must be 'natural' or 'wgmma', got {v_key_order!r}")
@@ -288,6 +295,7 @@ def quantize_reference(q, k, v, scale: float, v_key_order: str = "natural", v_sc
         vt = vp.view(batch, heads, lpad_k // QUANT_TILE, QUANT_TILE, head_dim)
         tmax = vt.abs().amax(dim=(-1, -2))
         vs = torch.where(tmax > 0, torch.ceil(torch.log2(tmax.clamp_min(1e-30) / FP8_MAX)), torch.zeros_like(tmax))
+        vs = vs.clamp(-V_EXP_LIMIT, V_EXP_LIMIT)
         v8 = (vt * torch.exp2(-vs)[..., None, None]).clamp(-FP8_MAX, FP8_MAX).view_as(vp)
     else:
         vmax = v.float().abs().amax(dim=2)
@@ -303,4 +311,4 @@ def quantize_reference(q, k, v, scale: float, v_key_order: str = "natural", v_sc
 
 
 __all__ = ["quantize_qkv_fp8", "quantize_q_tile", "wgmma_key_order_torch", "quantize_reference", "padded_len", "smoothing_rows", "smoothing_vector",
-           "QUANT_TILE", "FP8_MAX", "LOG2E", "SMOOTH_ROWS"]
+           "QUANT_TILE", "FP8_MAX", "LOG2E", "SMOOTH_ROWS", "V_EXP_LIMIT"]
