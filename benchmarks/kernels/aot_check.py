@@ -112,14 +112,19 @@ def compile_ws(head_dim=128, schedule="serial", stages=3, tail=True, ablate=0, f
     return triton.compile(src, target=TARGET, options=dict(num_warps=4))
 
 
-def sass_of(kernel) -> str:
-    """The kernel's SASS (``cuobjdump --dump-sass`` of Triton's bundled copy)."""
+def cuobjdump(kernel, flag: str) -> str:
+    """Triton's bundled ``cuobjdump FLAG`` on the kernel's cubin (``--dump-sass``, ``--dump-resource-usage``)."""
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "k.cubin")
         with open(path, "wb") as f:
             f.write(kernel.asm["cubin"])
         tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-        return subprocess.run([tool, "--dump-sass", path], capture_output=True, text=True).stdout
+        return subprocess.run([tool, flag, path], capture_output=True, text=True).stdout
+
+
+def sass_of(kernel) -> str:
+    """The kernel's SASS."""
+    return cuobjdump(kernel, "--dump-sass")
 
 
 def key_block_loop_ops(sass: str) -> dict:
@@ -145,13 +150,7 @@ def summarize(kernel, sass: bool):
     ptx = kernel.asm["ptx"]
     mma = sorted(set(re.findall(r"wgmma\.mma_async\.[a-z0-9.]+", ptx)))
     line = f"smem={kernel.metadata.shared} wgmma={mma[:3]}"
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "k.cubin")
-        with open(path, "wb") as f:
-            f.write(kernel.asm["cubin"])
-        tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-        res = subprocess.run([tool, "--dump-resource-usage", path], capture_output=True, text=True).stdout
-    m = re.search(r"REG:(\d+) STACK:(\d+)", res)
+    m = re.search(r"REG:(\d+) STACK:(\d+)", cuobjdump(kernel, "--dump-resource-usage"))
     line += f" regs={m.group(1)} stack={m.group(2)}" if m else ""
     if sass:
         out = sass_of(kernel)

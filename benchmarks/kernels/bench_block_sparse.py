@@ -148,7 +148,7 @@ def run_peers(length: int, q, k, v, args, results: dict) -> None:
                     entry["cos_ok"] = entry["cos_vs_fp32_ref"] >= 0.99  # issue 14: the FP8 peer must reach 0.99
             fn = None
             table.append(entry)
-            if not timed or timed[-1][0] is not entry:
+            if entry["reason"]:  # not run: a peer that ran once is timed below
                 torch.cuda.empty_cache()
                 log(f"[{length}] peer {peer.name:24s} {entry['map']:>5s}: not run: {entry['reason']}")
     refs.clear()

@@ -33,7 +33,6 @@ _THERMAL = 0x20 | 0x40  # software / hardware thermal slowdown
 class _Window:
     def __init__(self):
         self.samples: list[tuple[float, float, float, int]] = []  # (sm MHz, power W, temp C, reasons)
-        self.available = False
         self.error = ""
 
     def summary(self) -> dict:
@@ -106,4 +105,3 @@ class GpuSampler:
         finally:
             stop.set()
             thread.join()
-            win.available = bool(win.samples)

@@ -32,6 +32,7 @@ import torch
 from triton.testing import do_bench
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_block_sparse import bench_peer  # noqa: E402
 from gpu_state import GpuSampler  # noqa: E402
 from masks import kept_flops, structured_block_map  # noqa: E402
 
@@ -49,14 +50,14 @@ def inputs(kind: str, length: int, heads: int, dim: int = 128):
 
 
 def time_peers_way(fn) -> float:
-    """``bench_block_sparse.bench_peer``: one call's host-clock estimate sets warm-up and repetitions."""
+    """The peers table's: one call's host-clock estimate sets ``bench_block_sparse.bench_peer``'s warm-up
+    and repetitions."""
     fn()
     torch.cuda.synchronize()
     t0 = time.time()
     fn()
     torch.cuda.synchronize()
-    est = (time.time() - t0) * 1e3
-    return float(do_bench(fn, warmup=max(1, int(est)), rep=max(30, int(3 * est)), return_mode="median"))
+    return bench_peer(fn, (time.time() - t0) * 1e3)
 
 
 def time_levers_way(fn) -> float:
