@@ -567,20 +567,32 @@ class ChorusAttention:
         return None if entry is None else unpack_bits_on_device(entry[0], entry[2])
 
     def _dense_and_record(self, q, k, v, layer, sigma, grid, dense_fn, cond_rows):
-        plan = self.plan
         out = dense_fn(q, k, v)
+        self.record_dense_call(q, k, layer=layer, sigma=sigma, grid=grid, cond_rows=cond_rows)
+        return out
+
+    def count_fallback(self, calls: int = 1) -> None:
+        """Count ``calls`` self-attention calls the host answered with dense attention for a reason of its own."""
+        self.plan.stats.fallback_calls += int(calls)
+
+    def record_dense_call(self, q: torch.Tensor, k: torch.Tensor, *, layer: int, sigma, grid, cond_rows=None) -> None:
+        """Count one dense self-attention call (computed by the host, e.g. inside a compiled graph) and,
+        on a miss that records, record its block mass (``q, k``: ``[B, H, L, D]``; arguments as
+        :meth:`self_attention`). Never raises: a failed recording marks the request unwritable, with a note."""
+        plan = self.plan
+        if not self._running:
+            self.begin_run()
         plan.stats.dense_calls += 1
         recorder = plan.recorder
-        if recorder is None or recorder.incomplete_reason is not None:
-            return out
+        if recorder is None or recorder.incomplete_reason is not None or self.expert is None:
+            return
         try:
-            grid = self._check(q, k, v, layer, grid)
+            grid = self._check(q, k, k, layer, grid)
             if self._cond_subset(q, k, cond_rows)[0] is None:
-                return out  # negative conditioning only: the positive rows carry the mask
+                return  # negative conditioning only: the positive rows carry the mask
             self._record_into(recorder, q, k, layer, self._sigma(sigma), grid, cond_rows)
             plan.stats.recorded_calls += 1
         except Exception as exc:  # noqa: BLE001 - the dense output stands; no partial entry is written
             why = str(exc) if isinstance(exc, _Fallback) else f"{type(exc).__name__}: {exc}"
             recorder.mark_incomplete(why)
             plan.note(f"recording stopped ({why}); this request will not be written to the cache")
-        return out

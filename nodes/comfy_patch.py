@@ -1,48 +1,46 @@
 """One Chorus patch per ComfyUI model: the object ChorusSparseSampler, ChorusFeatureReuse and
-ChorusGuidanceBoost all configure.
+ChorusGuidanceBoost all configure, and the hooks that run it.
 
-A :class:`ChorusPatch` holds the request's plan, the model's ``ModelInfo`` and up to three parts
-(the engine's ``ChorusAttention`` from a ``SparseConfig``, ``FeatureReuse`` from a
-``FeatureReuseConfig``, ``GuidanceBoost``). It lives under ONE key, ``transformer_options["chorus_ii"]``,
-of a ``model.clone()``; :func:`configure` (what every node calls) reads the model's patch, if any,
-and returns a clone with a new patch = the old parts + the node's part (configuring a part again
-replaces it; the order of the nodes does not matter), then (re)installs with ComfyUI's supported hooks:
+A :class:`ChorusPatch` holds the request's plan, the model's ``ModelInfo`` and up to three parts (the
+engine's ``ChorusAttention``, ``FeatureReuse``, ``GuidanceBoost``). It lives under one key,
+``transformer_options["chorus_ii"]``, of a ``model.clone()``; :func:`configure` (what every node calls)
+returns a clone whose patch is the old parts + the node's part, and (re)installs ComfyUI's supported
+hooks:
 
-- ``optimized_attention_override`` = the patch itself (an override already set by another node is
-  chained: everything Chorus does not handle, and every dense call, goes through it);
-- one ``OUTER_SAMPLE`` and one ``DIFFUSION_MODEL`` wrapper under the key ``"chorus_ii"`` (the old
-  per-node keys ``"chorus_ii_feature_reuse"`` / ``"chorus_ii_guidance"`` are removed);
-- with feature reuse, ``patches_replace["dit"][("double_block", i)]`` = a :class:`ChorusBlock` per block
-  (a patch already at the key is chained and receives the compacted arguments); with the sparse
-  sampler alone, one at block 0. Every ChorusBlock hands its block a row-major residual stream:
-  ComfyUI's WanModel passes the patch embedding's ``transpose(1, 2)`` view (channel stride = L) on
-  to its blocks, so without this each block's three layer norms copy the stream and its elementwise
-  ops run strided (8% of a 720p hit's GPU time per step; docs/BENCHMARKS.md, run 15). The values are unchanged;
-  every later block inherits the layout;
-- with ``cfg_strength > 0``, a :class:`CfgCorrection` post-CFG function (an earlier one replaced).
+- ``optimized_attention_override`` = a :class:`ChorusOverride` (one object per chained override, the
+  same for every request, so a compiled model is not recompiled for a new patch); an override another
+  node set is chained: every call Chorus does not handle goes through it;
+- one ``OUTER_SAMPLE`` wrapper (the patch's sampler run: every part's ``begin_run`` / ``end_run``) and
+  one ``DIFFUSION_MODEL`` wrapper (:func:`diffusion_model_wrapper`, module level), both under the key
+  ``"chorus_ii"``;
+- ``patches_replace["dit"][("double_block", i)]`` = a :class:`ChorusBlock` on every block with feature
+  reuse, on block 0 with the sparse sampler alone (it hands the blocks a row-major residual stream:
+  ComfyUI's WanModel passes its patch embedding's ``transpose(1, 2)`` view to the blocks, whose three
+  layer norms would each copy it: 8% of a 720p hit's GPU time per step, docs/BENCHMARKS.md, run 15);
+- with ``cfg_strength > 0``, a :class:`CfgCorrection` post-CFG function.
 
-Per sampler run (``OUTER_SAMPLE``): every part's ``begin_run(sigmas)``, and every reset in ``finally``.
-Per diffusion-model forward (``DIFFUSION_MODEL``): the sigma is read once (one ``.item()``) and the
-token grid comes from ``engine.token_grid`` of the latent's shape; both go, with a layer counter, into
-a :class:`Forward` in a copy of that call's ``transformer_options``. Per attention call (the override):
+Per forward, the DIFFUSION_MODEL wrapper runs on the host side of the graph (``torch.compiler.disable``:
+under ``TorchCompileModel`` one graph break at the top of the model, none inside a block): it reads
+the sigma once, the token grid from the latent (``engine.token_grid``), and makes the forward's
+:class:`~chorus.engine.attend.ForwardContext` current; the options copy the model sees carries only
+constants for the traced code: :data:`MODE_KEY` (``"attend"``: self-attention through
+``torch.ops.chorus.attend``; ``"record"``: the host's own dense attention, then
+``torch.ops.chorus.record_mass``; absent: every call passes), :data:`TOKENS_KEY` (the grid's token
+count: self-attention is the call whose q, k and v have that length) and :data:`GAIN_KEY` (guidance's
+cross-attention gain, or absent). Everything that changes between steps and requests (the plan, maps,
+refresh, recorder, verification, counters, notes) is read when the ops run: see
+:mod:`chorus.engine.attend`.
 
-- self-attention = q, k and v lengths equal the grid's token count (one test; inside a feature-reuse
-  compacted block, the compact length: expanded back first, or run on the compact sequence, below);
-  everything else with another k length
-  is cross-attention (text, CLIP image tokens), which gets guidance's gain;
-- self-attention runs, in this fixed order: expand (compacted block) -> first-frame bias + sparse (a
-  hit) or dense (+ recording on a miss), through ``ChorusAttention``; or, without the sparse sampler,
-  a biased dense call (``biased_dense_or_plain``) -> compact. So the bias is applied exactly once.
-  A compacted block whose layout is in the hit's region order (feature reuse + an entry recorded with
-  feature reuse, ``RegionTileOrder``) skips expand and compact: it attends on the compact sequence,
-  each cell's key weighted as its tokens (``ChorusAttention.compact_self_attention``);
-- a sparse sampler configured together with feature reuse (share > 0, regions of one block's tokens,
-  frame 0 never pooled) records a miss in that region order, so the entry it writes serves such hits.
+Feature reuse's blocks (a :class:`ChorusBlock` with a ``FeatureReuse`` part) run on the host side
+(``torch.compiler.disable``): their compact sequences change with the step's redundant regions. Their
+self-attention calls carry the block's ``RegionLayout`` under :data:`LAYOUT_KEY`: expanded to the
+full grid, attended, compacted; or, for a hit recorded in the region order, attended on the compact
+sequence itself (``ChorusAttention.compact_self_attention``). A sparse sampler configured together
+with feature reuse records a miss in that region order.
 
-A Chorus patch that is not the one of the current forward (e.g. an old one another pack's override
-chained before the model was re-patched) passes every call through. Objects stored in
-``model_options`` return themselves from ``__deepcopy__`` (``clone()`` deep-copies ``model_options``).
-Anything unexpected gives a note in the plan and dense attention / a full block, never a failed prompt.
+Objects stored in ``model_options`` return themselves from ``__deepcopy__`` (``clone()`` deep-copies
+``model_options``). Anything unexpected gives a note in the plan and dense attention / a full block,
+never a failed prompt.
 """
 
 from __future__ import annotations
@@ -52,8 +50,9 @@ import logging
 import torch
 
 from ..engine import ChorusAttention, ModelInfo, Plan, token_grid
+from ..engine import attend as engine_attend
 from ..engine.feature_reuse import FeatureReuse
-from ..engine.guidance import GuidanceBoost, biased_dense_or_plain
+from ..engine.guidance import GuidanceBoost
 from ..kernels import pooling
 from .comfy_adapter import comfy_model_info
 
@@ -61,48 +60,46 @@ log = logging.getLogger("chorus.nodes")
 
 PATCH_KEY = "chorus_ii"            # transformer_options: the model's ChorusPatch
 WRAPPER_KEY = "chorus_ii"          # the keyed OUTER_SAMPLE / DIFFUSION_MODEL wrappers
-FORWARD_KEY = "chorus_ii_forward"  # a forward's transformer_options copy: its Forward
-LAYOUT_KEY = "chorus_ii_layout"    # a compacted block call's transformer_options copy: its RegionLayout
+FORWARD_KEY = "chorus_ii_forward"  # a forward's options copy: its Forward (host-side code only)
+MODE_KEY = "chorus_ii_mode"        # a forward's options copy: "attend" | "record" (absent: pass)
+TOKENS_KEY = "chorus_ii_tokens"    # a forward's options copy: the token grid's length
+GAIN_KEY = "chorus_ii_gain"        # a forward's options copy: guidance's cross-attention gain
+REUSE_KEY = "chorus_ii_feature_reuse"  # a forward's options copy: True when its blocks run feature reuse
+LAYOUT_KEY = "chorus_ii_layout"    # a compacted block call's options copy: its RegionLayout
+FORWARD_KEYS = (FORWARD_KEY, MODE_KEY, TOKENS_KEY, GAIN_KEY, REUSE_KEY, LAYOUT_KEY)
 OVERRIDE = "optimized_attention_override"
-LEGACY_OPTION_KEYS = ("chorus_ii_attention", "chorus_ii_guidance_boost")  # before one patch per model
-LEGACY_WRAPPER_KEYS = ("chorus_ii_feature_reuse", "chorus_ii_guidance")
 CLIP_IMAGE_TOKENS = 257
 KEEP = object()  # configure(): leave that part as it is
 
 
 class Forward:
-    """One diffusion-model call: the patch that owns it, token grid, sigma (read once), layer counter,
-    and why Chorus stays out of it (None: it does not)."""
+    """One diffusion-model call, as the host-side code sees it: the patch that owns it, the engine's
+    :class:`~chorus.engine.attend.ForwardContext` (grid, sigma, layer counter, why Chorus stays out),
+    and the lengths of its cross-attention contexts."""
 
-    def __init__(self, patch: "ChorusPatch", grid, sigma: float | None, disabled_reason: str | None,
-                 context_lengths=frozenset(), cond_or_uncond=None):
+    def __init__(self, patch: "ChorusPatch", context: engine_attend.ForwardContext, context_lengths=frozenset()):
         self.patch = patch
-        self.grid = grid
-        self.tokens = grid[0] * grid[1] * grid[2]
-        self.sigma = sigma
-        self.disabled_reason = disabled_reason
+        self.context = context
         self.context_lengths = frozenset(context_lengths)
-        self.cond_or_uncond = cond_or_uncond
-        self.layer_counter = 0
-        self._cond_rows: dict[int, torch.Tensor | None] = {}
 
     def __deepcopy__(self, memo):
         return self
 
-    def next_layer(self) -> int:
-        layer = self.layer_counter
-        self.layer_counter += 1
-        return layer
+    @property
+    def grid(self):
+        return self.context.grid
 
-    def cond_rows(self, batch: int):
-        """Bool ``[batch]`` marking positive-conditioning rows (from ``cond_or_uncond``), or None."""
-        if batch not in self._cond_rows:
-            rows = None
-            cond = self.cond_or_uncond
-            if cond and batch % len(cond) == 0:
-                rows = torch.tensor([c == 0 for c in cond], dtype=torch.bool).repeat_interleave(batch // len(cond))
-            self._cond_rows[batch] = rows
-        return self._cond_rows[batch]
+    @property
+    def tokens(self) -> int:
+        return self.context.tokens
+
+    @property
+    def sigma(self):
+        return self.context.sigma
+
+    @property
+    def disabled_reason(self):
+        return self.context.disabled_reason
 
 
 class ChorusPatch:
@@ -166,6 +163,7 @@ class ChorusPatch:
                     self.guidance.sample_sigmas = None
             return executor(*args, **kwargs)
         finally:
+            engine_attend.activate(None)
             for part in started:
                 try:
                     part.end_run()
@@ -178,35 +176,16 @@ class ChorusPatch:
                 log.info("Chorus II run: %s; %s%s", self.plan.message, self.plan.stats.summary(),
                          f"; {self.feature_reuse.state.summary()}" if self.feature_reuse is not None else "")
 
-    # -- DIFFUSION_MODEL: one forward ----------------------------------------------------------------
-    def diffusion_model(self, executor, *args, **kwargs):
-        """DIFFUSION_MODEL wrapper (Wan args: x, timestep, context, clip_fea, time_dim_concat,
-        transformer_options, ...): the per-forward :class:`Forward` into a copy of the options."""
-        where, options = self._forward_options(args, kwargs)
-        if where is None:
-            return executor(*args, **kwargs)
-        if where == "kw":
-            kwargs["transformer_options"] = options
-        else:
-            args = args[:where] + (options,) + args[where + 1:]
-        return executor(*args, **kwargs)
-
-    # Under TorchCompileModel the model forward around this wrapper is compiled: reading sigma and
-    # building the Forward run eagerly, so dynamo never sees sigma as a Python float (it specialised
-    # on its value and recompiled the model at every step) and only passes the options dict through.
-    @torch.compiler.disable
-    def _forward_options(self, args, kwargs):
-        """``(where, options)``: where the call's transformer_options are (``"kw"`` or an arg index) and
-        a copy of them holding this forward's :class:`Forward`; ``(None, None)`` when this call is not a
-        Wan video forward (the options are then left as they are)."""
-        where, options = _find_transformer_options(args, kwargs)
-        x = args[0] if args else kwargs.get("x")
-        if where is None or not isinstance(x, torch.Tensor) or x.dim() != 5:
-            return None, None
+    # -- one forward, host side ----------------------------------------------------------------------
+    def begin_forward(self, x: torch.Tensor, args, kwargs, options: dict) -> dict | None:
+        """The options copy for one Wan video forward (see the module docstring), with its context made
+        current; None when this call is not a Wan video forward (its options are left as they are)."""
+        if not isinstance(x, torch.Tensor) or x.dim() != 5:
+            return None
         try:
             grid = token_grid(x.shape)
         except ValueError:
-            return None, None
+            return None
         tokens = grid[0] * grid[1] * grid[2]
         context = args[2] if len(args) > 2 else kwargs.get("context")
         clip_fea = args[3] if len(args) > 3 and not isinstance(args[3], dict) else kwargs.get("clip_fea")
@@ -230,113 +209,214 @@ class ChorusPatch:
             sigma = float(sigmas.reshape(-1)[0].item())  # the one host sync of the forward
         elif isinstance(sigmas, (int, float)):
             sigma = float(sigmas)
-        options = dict(options)
-        options[FORWARD_KEY] = Forward(self, grid, sigma, reason, context_lengths, options.get("cond_or_uncond"))
-        return where, options
+        ctx = engine_attend.ForwardContext(self.attention, self.guidance, grid, sigma,
+                                           options.get("cond_or_uncond"), self.note, reason)
+        engine_attend.activate(ctx)
+        options = {key: value for key, value in options.items() if key not in FORWARD_KEYS}
+        options[FORWARD_KEY] = Forward(self, ctx, context_lengths)
+        options[TOKENS_KEY] = tokens
+        gain = ctx.cross_attention_gain()
+        if gain is not None:
+            options[GAIN_KEY] = gain
+        if reason is not None:
+            if self.attention is not None or self.guidance is not None:
+                self.note(f"{reason}; dense attention")
+                if self.attention is not None:
+                    self.attention.count_fallback(self.model_info.num_layers)  # the forward's self-attention calls
+            return options
+        mode = None
+        if self.attention is not None:
+            mode = "attend" if self.plan.is_hit else "record"
+        elif ctx.first_frame_bias():
+            mode = "attend"
+        if mode is not None:
+            options[MODE_KEY] = mode
+        if self.feature_reuse is not None:
+            options[REUSE_KEY] = True
+        return options
 
-    # -- the attention override ----------------------------------------------------------------------
-    def _pass(self, func, args, kwargs):
-        if self.previous_override is not None:
-            return self.previous_override(func, *args, **kwargs)
-        return func(*args, **kwargs)
-
-    # Under torch.compile (ComfyUI's TorchCompileModel compiles the diffusion model, this override
-    # inside it) the override runs eagerly: dynamo tracing the plan's Python state (maps, refresh,
-    # recorder) took minutes and its guards on the unpacked maps failed, so hits fell back to dense.
-    @torch.compiler.disable
-    def __call__(self, func, *args, **kwargs):
-        options = kwargs.get("transformer_options") or {}
-        ctx = options.get(FORWARD_KEY)
-        if ctx is None or ctx.patch is not self or len(args) < 3:
-            return self._pass(func, args, kwargs)
+    # -- feature reuse's compacted block calls (host side) ---------------------------------------------
+    def layout_self_attention(self, func, args, kwargs, ctx: Forward, layout):
+        """A self-attention call of a feature-reuse block on its compact sequence (q/k/v ``[B, L', H*D]``):
+        on the compact sequence itself (a hit in the layout's region order), or expanded to the grid,
+        attended and compacted."""
         q, k, v = args[:3]
-        if (not all(isinstance(t, torch.Tensor) and t.dim() == 3 for t in (q, k, v))
-                or kwargs.get("mask") is not None or kwargs.get("skip_reshape") or kwargs.get("skip_output_reshape")):
-            return self._pass(func, args, kwargs)  # a layout we do not handle
-        if k.shape[1] != q.shape[1]:  # cross-attention: text, CLIP image tokens
-            out = self._pass(func, args, kwargs)
-            guidance = self.guidance
-            if guidance is not None and guidance.strength and ctx.sigma is not None and isinstance(out, torch.Tensor):
-                return guidance.cross_attention(out, ctx.sigma)
-            return out
-        layout = options.get(LAYOUT_KEY)
-        if layout is not None and q.shape[1] == v.shape[1] == layout.compact_length and layout.length == ctx.tokens:
-            if layout.order is not None and self.attention is not None:  # self-attention on the compact sequence
-                return self._self_attention(func, args, kwargs, ctx, options, layout)
-            full = tuple(pooling.expand_tokens(t, layout) for t in (q, k, v))  # expand
-            out = self._self_attention(func, full + tuple(args[3:]), kwargs, ctx, options)
-            return pooling.compact_rows(out, layout)  # compact
-        if q.shape[1] == v.shape[1] == ctx.tokens:
-            return self._self_attention(func, args, kwargs, ctx, options)
-        return self._pass(func, args, kwargs)
-
-    def _self_attention(self, func, args, kwargs, ctx: Forward, options, layout=None):
-        """(bias +) sparse or dense (+ recording) on the full grid; q/k/v ``[B, L, H*D]``. With a
-        ``layout`` (a compacted block's, built in a token order): q/k/v ``[B, L', H*D]``, the compact
-        sequence (``ChorusAttention.compact_self_attention``)."""
-        attention, guidance = self.attention, self.guidance
-        if ctx.disabled_reason is not None:
-            if attention is not None or guidance is not None:
-                self.note(f"{ctx.disabled_reason}; dense attention")
-                if attention is not None:
-                    attention.plan.stats.fallback_calls += 1
-            return self._pass(func, args, kwargs)
-        q, k, v = args[:3]
-        heads = kwargs.get("heads", args[3] if len(args) > 3 else None)
+        heads = _heads(args, kwargs)
+        attention = self.attention
         batch, length, width = q.shape
-        if not heads or width % int(heads):
+        if heads is None or width % heads:
             self.note(f"q width {width} is not a multiple of {heads} heads; dense attention")
             if attention is not None:
-                attention.plan.stats.fallback_calls += 1
-            return self._pass(func, args, kwargs)
-        heads = int(heads)
-        head_dim = width // heads
-        sigma = ctx.sigma
-        bias = 0.0
-        if guidance is not None and guidance.image_strength and sigma is not None:
-            try:
-                bias = float(guidance.first_frame_bias(sigma))
-            except Exception:  # noqa: BLE001 - guidance must never break attention
-                bias = 0.0
-
-        def to_bhld(t):
-            return t.view(batch, t.shape[1], heads, head_dim).transpose(1, 2)
-
-        def dense_fn(*_):
-            return self._pass(func, args, kwargs).view(batch, length, heads, head_dim).transpose(1, 2)
-
-        if attention is not None:
-            layer = options.get("block_index")  # newer ComfyUI; else the per-forward counter
-            counted = ctx.next_layer()
-            layer = counted if layer is None else layer
-            if sigma is None:
-                self.note("no sigma in transformer_options; dense attention")
-                attention.plan.stats.fallback_calls += 1
-                return self._pass(func, args, kwargs)
-            if layout is not None:
-                out = attention.compact_self_attention(to_bhld(q), to_bhld(k), to_bhld(v), layout=layout,
-                                                       layer=int(layer), sigma=sigma, dense_fn=dense_fn,
-                                                       cond_rows=ctx.cond_rows(batch), first_frame_bias=bias)
-            else:
-                out = attention.self_attention(to_bhld(q), to_bhld(k), to_bhld(v), layer=int(layer), sigma=sigma,
-                                               grid=ctx.grid, dense_fn=dense_fn, cond_rows=ctx.cond_rows(batch),
-                                               first_frame_bias=bias)
+                attention.count_fallback()
+            return _pass(self.previous_override, func, args, kwargs)
+        if layout.order is not None and attention is not None:
+            context = ctx.context
+            layer = context.next_layer(_layer_hint(kwargs))
+            out = attention.compact_self_attention(
+                *(_per_head(t, heads) for t in (q, k, v)), layout=layout, layer=layer, sigma=context.sigma,
+                dense_fn=lambda *_: _per_head(_pass(self.previous_override, func, args, kwargs), heads),
+                cond_rows=context.cond_rows(batch), first_frame_bias=context.first_frame_bias())
             return out.transpose(1, 2).reshape(batch, length, width)
-        if bias:
-            out = biased_dense_or_plain(dense_fn, ctx.grid[1] * ctx.grid[2], bias, self.note)(
-                to_bhld(q), to_bhld(k), to_bhld(v))
-            return out.transpose(1, 2).reshape(batch, length, width)
-        return self._pass(func, args, kwargs)
+        full = [pooling.expand_tokens(t, layout) for t in (q, k, v)]
+        if attention is None and not ctx.context.first_frame_bias():
+            out = _pass(self.previous_override, func, tuple(full) + tuple(args[3:]), kwargs)
+        else:
+            out = ctx.context.self_attention(*(_per_head(t, heads) for t in full), _layer_hint(kwargs))
+            out = out.transpose(1, 2).reshape(batch, full[0].shape[1], width)
+        return pooling.compact_rows(out, layout)
+
+
+def _heads(args, kwargs) -> int | None:
+    heads = kwargs.get("heads", args[3] if len(args) > 3 else None)
+    return int(heads) if isinstance(heads, int) and not isinstance(heads, bool) and heads > 0 else None
+
+
+def _layer_hint(kwargs) -> int:
+    """The block index ComfyUI >= 0.4 puts in transformer_options (-1 when absent)."""
+    index = (kwargs.get("transformer_options") or {}).get("block_index")
+    return index if isinstance(index, int) and not isinstance(index, bool) and index >= 0 else -1
+
+
+def _per_head(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """``[B, L, H*D]`` viewed as ``[B, H, L, D]`` (no copy)."""
+    batch, length, width = t.shape
+    return t.view(batch, length, heads, width // heads).transpose(1, 2)
+
+
+def _pass(previous, func, args, kwargs):
+    """The call as if Chorus were not there: through the chained override, else the host's attention,
+    with the options of this forward's Chorus keys removed (an older Chorus override further down the
+    chain then passes it on too)."""
+    options = kwargs.get("transformer_options")
+    if isinstance(options, dict) and MODE_KEY in options:
+        kwargs = dict(kwargs)
+        kwargs["transformer_options"] = {key: value for key, value in options.items() if key not in FORWARD_KEYS}
+    if previous is not None:
+        return previous(func, *args, **kwargs)
+    return func(*args, **kwargs)
+
+
+@torch.compiler.disable
+def _begin_forward(args, kwargs):
+    """``(args, kwargs)`` of one DIFFUSION_MODEL call with the options copy of
+    :meth:`ChorusPatch.begin_forward` in place; unchanged when the call is not a Chorus-patched Wan
+    video forward. Host side: dynamo never traces it (the sigma read would specialise the graph)."""
+    where, options = _find_transformer_options(args, kwargs)
+    if where is None:
+        return args, kwargs
+    patch = options.get(PATCH_KEY)
+    if not isinstance(patch, ChorusPatch):
+        return args, kwargs
+    x = args[0] if args else kwargs.get("x")
+    new = patch.begin_forward(x, args, kwargs, options)
+    if new is None:
+        return args, kwargs
+    if where == "kw":
+        kwargs = dict(kwargs, transformer_options=new)
+    else:
+        args = args[:where] + (new,) + args[where + 1:]
+    return args, kwargs
+
+
+def diffusion_model_wrapper(executor, *args, **kwargs):
+    """The DIFFUSION_MODEL wrapper of every Chorus-patched model (Wan args: x, timestep, context,
+    clip_fea, time_dim_concat, transformer_options, ...): one module-level function, so a compiled
+    model's guards see the same wrapper for every request."""
+    args, kwargs = _begin_forward(tuple(args), kwargs)
+    return executor(*args, **kwargs)
+
+
+class ChorusOverride:
+    """The attention override of Chorus-patched models (``optimized_attention_override``): one object
+    per chained override (:meth:`chaining`), the same for every request.
+
+    It only translates ComfyUI's call (q, k, v ``[B, L, H*D]``, ``heads``) by the forward's constants
+    (module docstring): self-attention (q, k and v as long as the grid) to ``torch.ops.chorus.attend``,
+    or, on a recording miss, to the host's attention and ``torch.ops.chorus.record_mass``; cross-attention
+    to the host's attention, times guidance's gain; a feature-reuse block's compacted call to
+    :meth:`ChorusPatch.layout_self_attention`; everything else (another layout, a mask, no Chorus
+    forward) to ``previous`` or the host's attention unchanged."""
+
+    _by_previous: dict = {}
+
+    def __init__(self, previous=None):
+        self.previous = previous
+
+    @classmethod
+    def chaining(cls, previous) -> "ChorusOverride":
+        """The override that chains ``previous`` (None: the host's attention), made once per process."""
+        found = cls._by_previous.get(id(previous))
+        if found is None or found.previous is not previous:
+            found = cls._by_previous[id(previous)] = cls(previous)
+        return found
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __repr__(self) -> str:
+        return f"ChorusOverride(previous={self.previous!r})"
+
+    def __call__(self, func, *args, **kwargs):
+        options = kwargs.get("transformer_options")
+        if not isinstance(options, dict) or len(args) < 3:
+            return _pass(self.previous, func, args, kwargs)
+        layout = options.get(LAYOUT_KEY)
+        if layout is not None:  # inside feature reuse's block, on the host side
+            forward = options.get(FORWARD_KEY)
+            q, k, v = args[:3]
+            if (isinstance(forward, Forward) and _plain_layout(q, k, v, kwargs) and q.shape[1] == v.shape[1]
+                    == k.shape[1] == layout.compact_length and layout.length == forward.tokens):
+                return forward.patch.layout_self_attention(func, args, kwargs, forward, layout)
+            return _pass(self.previous, func, args, kwargs)
+        mode = options.get(MODE_KEY)
+        tokens = options.get(TOKENS_KEY)
+        q, k, v = args[:3]
+        if tokens is None or not _plain_layout(q, k, v, kwargs):
+            return _pass(self.previous, func, args, kwargs)
+        if k.shape[1] != q.shape[1]:  # cross-attention: text, CLIP image tokens
+            out = _pass(self.previous, func, args, kwargs)
+            gain = options.get(GAIN_KEY)
+            return out if gain is None else out * gain
+        heads = _heads(args, kwargs)
+        if (mode is None or q.shape[1] != tokens or v.shape[1] != tokens or heads is None
+                or q.shape[2] % heads):
+            return _pass(self.previous, func, args, kwargs)
+        batch, length, width = q.shape
+        hint = _layer_hint(kwargs)
+        if mode == "record":
+            out = _pass(self.previous, func, args, kwargs)
+            engine_attend.record_mass(_per_head(q, heads), _per_head(k, heads), hint)
+            return out
+        out = engine_attend.attend(_per_head(q, heads), _per_head(k, heads), _per_head(v, heads), hint)
+        return out.transpose(1, 2).reshape(batch, length, width)
+
+
+def _plain_layout(q, k, v, kwargs) -> bool:
+    """q, k, v are ``[B, L, H*D]`` tensors without a mask or a pre-shaped layout."""
+    return (all(isinstance(t, torch.Tensor) and t.dim() == 3 for t in (q, k, v))
+            and kwargs.get("mask") is None and not kwargs.get("skip_reshape") and not kwargs.get("skip_output_reshape"))
 
 
 class ChorusBlock:
-    """``patches_replace["dit"][("double_block", layer)]`` of a Chorus patch: the residual stream made
-    row-major (a copy only when it is not: see the module docstring), then, with feature reuse, the
-    block through :meth:`FeatureReuse.block` (a compacted call carries its layout in ``LAYOUT_KEY``
-    for the attention override); ``previous`` = a non-Chorus patch chained."""
+    """``patches_replace["dit"][("double_block", layer)]`` of Chorus-patched models: the residual stream
+    made row-major (a copy only when it is not: see the module docstring), then, in a forward with
+    feature reuse, the block through the forward's patch's :meth:`FeatureReuse.block` on the host side
+    (a compacted call carries its layout in ``LAYOUT_KEY`` for the attention override); ``previous`` =
+    a non-Chorus block patch chained. One object per (layer, previous) (:meth:`at`), the same for every
+    request, so a compiled model's guards see the same block patch."""
 
-    def __init__(self, patch: ChorusPatch, layer: int, previous=None):
-        self.patch, self.layer, self.previous = patch, layer, previous
+    _instances: dict = {}
+
+    def __init__(self, layer: int, previous=None):
+        self.layer, self.previous = layer, previous
+
+    @classmethod
+    def at(cls, layer: int, previous=None) -> "ChorusBlock":
+        key = (int(layer), id(previous))
+        found = cls._instances.get(key)
+        if found is None or found.previous is not previous:
+            found = cls._instances[key] = cls(int(layer), previous)
+        return found
 
     def __deepcopy__(self, memo):
         return self
@@ -349,13 +429,19 @@ class ChorusBlock:
     def __call__(self, args, extra):
         x = args.get("img")
         if isinstance(x, torch.Tensor) and x.dim() == 3 and not x.is_contiguous():
-            x = x.contiguous()
-            args = dict(args, img=x)
+            args = dict(args, img=x.contiguous())
+        options = args.get("transformer_options") or {}
+        if options.get(REUSE_KEY):
+            return self._feature_reuse(args, extra)
+        return self._run(args, extra)
+
+    @torch.compiler.disable
+    def _feature_reuse(self, args, extra):
+        x = args.get("img")
         options = args.get("transformer_options") or {}
         ctx = options.get(FORWARD_KEY)
-        handle = self.patch.feature_reuse
-        if (handle is None or ctx is None or ctx.patch is not self.patch or ctx.disabled_reason is not None
-                or not isinstance(x, torch.Tensor) or x.dim() != 3):
+        handle = ctx.patch.feature_reuse if isinstance(ctx, Forward) else None
+        if (handle is None or ctx.disabled_reason is not None or not isinstance(x, torch.Tensor) or x.dim() != 3):
             return self._run(args, extra)
         pe = args.get("pe")
         if not isinstance(pe, torch.Tensor) or pe.dim() < 3 or pe.shape[1] != x.shape[1] or pe.shape[-2:] != (2, 2):
@@ -473,9 +559,10 @@ def configure(model, plan: Plan | None, *, sparse=KEEP, feature_reuse=KEEP, guid
         boost = GuidanceBoost(plan, boost.strength, boost.image_strength, boost.cfg_strength)  # follow the plan
     options = patched.model_options.setdefault("transformer_options", {})
     previous = options.get(OVERRIDE)
-    if isinstance(previous, ChorusPatch):
-        previous = previous.previous_override  # re-patching replaces the Chorus patch, never stacks
-    # else: None, or another pack's override (one that chains an older Chorus patch: that one passes through)
+    if isinstance(previous, ChorusOverride):
+        previous = previous.previous  # re-patching replaces the Chorus override, never stacks
+    # else: None, or another pack's override (one that chains an older Chorus override: that one passes
+    # through, as its forward's keys are removed before a call goes down the chain)
     patch = ChorusPatch(plan if plan is not None else (boost.plan if boost is not None else None), info,
                         attention=attention, feature_reuse=fr, guidance=boost, previous_override=previous)
     _install(patched, patch)
@@ -496,13 +583,10 @@ def _install(patched, patch: ChorusPatch) -> None:
 
     options = patched.model_options["transformer_options"]
     previous = patch.previous_override
-    for key in LEGACY_OPTION_KEYS:
-        options.pop(key, None)
     wrappers_mp = comfy.patcher_extension.WrappersMP
     wrapper_types = (wrappers_mp.OUTER_SAMPLE, wrappers_mp.DIFFUSION_MODEL)
     for wrapper_type in wrapper_types:
-        for key in (WRAPPER_KEY,) + LEGACY_WRAPPER_KEYS:
-            patched.remove_wrappers_with_key(wrapper_type, key)
+        patched.remove_wrappers_with_key(wrapper_type, WRAPPER_KEY)
     post_cfg = [fn for fn in patched.model_options.get("sampler_post_cfg_function", [])
                 if not isinstance(fn, CfgCorrection)]
     dit = (options.get("patches_replace") or {}).get("dit") or {}
@@ -519,15 +603,15 @@ def _install(patched, patch: ChorusPatch) -> None:
             options[OVERRIDE] = previous
     else:
         options[PATCH_KEY] = patch
-        options[OVERRIDE] = patch
+        options[OVERRIDE] = ChorusOverride.chaining(previous)
         patched.add_wrapper_with_key(wrapper_types[0], WRAPPER_KEY, patch.outer_sample)
-        patched.add_wrapper_with_key(wrapper_types[1], WRAPPER_KEY, patch.diffusion_model)
+        patched.add_wrapper_with_key(wrapper_types[1], WRAPPER_KEY, diffusion_model_wrapper)
         block_layers = (range(patch.model_info.num_layers) if patch.feature_reuse is not None
                         else range(1) if patch.attention is not None else ())
         if block_layers:
             dit = options.setdefault("patches_replace", {}).setdefault("dit", {})
             for layer in block_layers:
-                dit[("double_block", layer)] = ChorusBlock(patch, layer, dit.get(("double_block", layer)))
+                dit[("double_block", layer)] = ChorusBlock.at(layer, dit.get(("double_block", layer)))
         if patch.guidance is not None and patch.guidance.cfg_strength:
             post_cfg.append(CfgCorrection(patch.guidance))
     if post_cfg or "sampler_post_cfg_function" in patched.model_options:

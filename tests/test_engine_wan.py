@@ -229,7 +229,8 @@ def test_override_chains_previous_and_leaves_cross_attention_alone(adapter, expe
     # re-patching replaces the Chorus patch instead of stacking a second one
     model, _, _ = adapter.patch_model(model, plan, CONFIG)
     override = model.model_options["transformer_options"]["optimized_attention_override"]
-    assert override is adapter.patch.get_patch(model) and override.previous_override is previous
+    assert isinstance(override, adapter.patch.ChorusOverride) and override.previous is previous
+    assert adapter.patch.get_patch(model).previous_override is previous
     assert "optimized_attention_override" not in experts[0].model_options["transformer_options"]
     _sample(model, steps=2)
     tokens = GRID[0] * GRID[1] * GRID[2]
@@ -246,17 +247,23 @@ def test_block_index_from_transformer_options_wins(adapter):
 
     info = ModelInfo("wan", "wan2.2-a14b-i2v", 4, 2, 128, 36, "fp")
     plan = Plan.miss("test", latent_shape=LATENT)
-    override = adapter.patch.ChorusPatch(plan, info, attention=ChorusAttention(plan, CONFIG, info))
-    ctx = adapter.patch.Forward(override, GRID, 0.5, None, cond_or_uncond=[0])
+    from chorus.engine import attend
+
+    cp = adapter.patch
+    attention = ChorusAttention(plan, CONFIG, info)
     tokens = GRID[0] * GRID[1] * GRID[2]
     q = torch.randn(1, tokens, 256)
 
     def func(q, k, v, heads, **kw):
         return q
 
-    for layer in (3, 1):
-        opts = {adapter.patch.FORWARD_KEY: ctx, "block_index": layer}
-        override(func, q, q, q, heads=2, transformer_options=opts)
+    attend.activate(attend.ForwardContext(attention, None, GRID, 0.5, [0], plan.note))
+    try:
+        for layer in (3, 1):
+            opts = {cp.MODE_KEY: "record", cp.TOKENS_KEY: tokens, "block_index": layer}
+            cp.ChorusOverride.chaining(None)(func, q, q, q, heads=2, transformer_options=opts)
+    finally:
+        attend.activate(None)
     assert sorted(k[2] for k in plan.recorder.block_maps()) == [1, 3]
 
 

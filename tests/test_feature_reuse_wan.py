@@ -272,11 +272,13 @@ def test_first_frame_bias_is_applied_exactly_once_in_any_node_order(nodes, model
 
 def test_guidance_survives_a_failing_biased_attention_call(nodes, model, recorded, monkeypatch):
     """If the biased dense call raises (out of memory where SDPA has no fused masked kernel), the
-    guidance override runs the host's own attention: the result equals no image guidance at all."""
+    call runs plain dense attention (PyTorch SDPA): the result is no image guidance at all, up to the
+    rounding between SDPA and the host's CPU attention, far below what the bias changes."""
     import chorus.engine.guidance as guidance_module
 
     latent, dense, miss, _ = recorded
     _, _, gb_node = nodes
+    guided = _sample(gb_node.patch_guidance(model, _hit_from(miss), 0.0, 2.0)[0], latent)
 
     def broken(*args, **kwargs):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory (test)")
@@ -284,7 +286,8 @@ def test_guidance_survives_a_failing_biased_attention_call(nodes, model, recorde
     monkeypatch.setattr(guidance_module, "first_frame_biased_attention", broken)
     hit = _hit_from(miss)
     out = _sample(gb_node.patch_guidance(model, hit, 0.0, 2.0)[0], latent)
-    assert torch.equal(out, dense)
+    bias_effect = float((guided - dense).abs().mean())
+    assert float((out - dense).abs().mean()) < 0.01 * bias_effect, (float((out - dense).abs().mean()), bias_effect)
     assert any("first-frame bias not applied" in m for m in hit.stats.messages), hit.stats.messages
 
 
@@ -346,7 +349,8 @@ def test_per_frame_modulation_and_a_failing_block_fall_back_safely(nodes):
 
     def call(options):
         opts = dict(options, sigmas=torch.tensor([0.5]))
-        opts[comfy_patch.FORWARD_KEY] = comfy_patch.Forward(patch, grid, 0.5, None)  # what the wrapper puts there
+        if comfy_patch.PATCH_KEY in opts:  # what the patch's DIFFUSION_MODEL wrapper does in a sampler run
+            opts = patch.begin_forward(x, (x, t, context), {}, opts)
         with torch.no_grad():
             return dm(x, t, context, transformer_options=opts)
 
@@ -362,9 +366,8 @@ def test_per_frame_modulation_and_a_failing_block_fall_back_safely(nodes):
             raise RuntimeError("this patch needs the full sequence")
         return extra["original_block"](args)
 
-    opts = dict(ti2v.model_options["transformer_options"])
-    opts["patches_replace"] = {"dit": {("double_block", i): comfy_patch.ChorusBlock(patch, i, broken)
-                                       for i in range(2)}}
+    opts = dict(patched.model_options["transformer_options"])
+    opts["patches_replace"] = {"dit": {("double_block", i): comfy_patch.ChorusBlock.at(i, broken) for i in range(2)}}
     out = call(opts)
     torch.testing.assert_close(out, full, rtol=1e-5, atol=1e-5)
     assert any("failed on the compact sequence" in m for m in hit.stats.messages)

@@ -3,8 +3,8 @@ ComfyUI's tiny ``WanModel`` (CPU, random weights).
 
 Covers: the three nodes in every order give one ``ChorusPatch`` under one key with one override, one
 wrapper of each kind, one block patch per block and one post-CFG function; re-patching replaces a part
-and keeps hooks of other packs chained; strength 0 removes guidance; the old per-node keys are
-removed; per forward the token grid is computed once and every part gets the sigma as a float; an
+and keeps hooks of other packs chained; strength 0 removes guidance;
+per forward the token grid is computed once and every part gets the sigma as a float; an
 older Chorus patch left inside another pack's override chain passes through (nothing is recorded
 twice); the A14B pair gets two patches sharing one plan; a node with another plan moves every part
 to it.
@@ -90,7 +90,8 @@ def test_three_nodes_in_any_order_make_one_patch(cp, nodes, model):
             m = nodes[name](m, plan)
         opts = m.model_options["transformer_options"]
         patch = opts[cp.PATCH_KEY]
-        assert isinstance(patch, cp.ChorusPatch) and opts[OVERRIDE] is patch and cp.get_patch(m) is patch, order
+        assert isinstance(patch, cp.ChorusPatch) and cp.get_patch(m) is patch, order
+        assert isinstance(opts[OVERRIDE], cp.ChorusOverride) and opts[OVERRIDE].previous is None
         assert patch.plan is plan and patch.attention.plan is plan and patch.feature_reuse.plan is plan
         assert patch.guidance.plan is plan and patch.previous_override is None
         assert patch.attention.config.k_min == 2 and patch.feature_reuse.config.downsample_share == 0.3
@@ -98,10 +99,9 @@ def test_three_nodes_in_any_order_make_one_patch(cp, nodes, model):
         assert all(w == {cp.WRAPPER_KEY: 1} for w in _chorus_wrappers(m).values()), (order, _chorus_wrappers(m))
         dit = opts["patches_replace"]["dit"]
         assert sorted(dit) == [("double_block", i) for i in range(LAYERS)]
-        assert all(isinstance(b, cp.ChorusBlock) and b.patch is patch and b.previous is None for b in dit.values())
+        assert all(isinstance(b, cp.ChorusBlock) and b.previous is None for b in dit.values())
         post = m.model_options["sampler_post_cfg_function"]
         assert len(post) == 1 and isinstance(post[0], cp.CfgCorrection) and post[0].boost is patch.guidance
-        assert not any(k in opts for k in cp.LEGACY_OPTION_KEYS)
         assert [k for k in opts if "chorus" in k] == [cp.PATCH_KEY]
     from chorus.nodes.guidance_boost import ChorusGuidanceBoost
 
@@ -112,8 +112,8 @@ def test_three_nodes_in_any_order_make_one_patch(cp, nodes, model):
     assert not any(_chorus_wrappers(model).values())
     # clone() deep-copies model_options: the patch objects come through as themselves
     clone = m.clone()
-    assert cp.get_patch(clone) is patch and clone.model_options["transformer_options"][OVERRIDE] is patch
-    for obj in (patch, dit[("double_block", 0)], post[0]):
+    assert cp.get_patch(clone) is patch and clone.model_options["transformer_options"][OVERRIDE] is opts[OVERRIDE]
+    for obj in (patch, opts[OVERRIDE], dit[("double_block", 0)], post[0]):
         assert copy.deepcopy(obj) is obj
 
 
@@ -127,17 +127,11 @@ def test_repatching_replaces_parts_and_keeps_other_packs_hooks(cp, nodes, model)
     def foreign_post_cfg(args):
         return args["denoised"]
 
-    import comfy.patcher_extension as pe
-
     base = model.clone()
     opts = base.model_options["transformer_options"]
     opts[OVERRIDE] = foreign_override
     opts["patches_replace"] = {"dit": {("double_block", 0): foreign_block}}
     base.model_options["sampler_post_cfg_function"] = [foreign_post_cfg]
-    # what the per-node patches of earlier versions left on a model
-    opts["chorus_ii_guidance_boost"] = object()
-    base.add_wrapper_with_key(pe.WrappersMP.DIFFUSION_MODEL, "chorus_ii_guidance", lambda ex, *a, **k: ex(*a, **k))
-    base.add_wrapper_with_key(pe.WrappersMP.OUTER_SAMPLE, "chorus_ii_feature_reuse", lambda ex, *a, **k: ex(*a, **k))
 
     plan = _miss()
     m = nodes["sparse"](base, plan)
@@ -148,7 +142,8 @@ def test_repatching_replaces_parts_and_keeps_other_packs_hooks(cp, nodes, model)
     m = nodes["fr"](m, plan, share=0.5)
     patch = cp.get_patch(m)
     opts = m.model_options["transformer_options"]
-    assert opts[OVERRIDE] is patch and patch.previous_override is foreign_override
+    assert isinstance(opts[OVERRIDE], cp.ChorusOverride) and opts[OVERRIDE].previous is foreign_override
+    assert patch.previous_override is foreign_override
     assert patch.attention.config.k_min == 3 and patch.feature_reuse.config.downsample_share == 0.5
     assert (patch.guidance.strength, patch.guidance.image_strength, patch.guidance.cfg_strength) == (1.0, 0.0, 0.2)
     dit = opts["patches_replace"]["dit"]
@@ -156,7 +151,6 @@ def test_repatching_replaces_parts_and_keeps_other_packs_hooks(cp, nodes, model)
     post = m.model_options["sampler_post_cfg_function"]
     assert post[0] is foreign_post_cfg and len(post) == 2 and isinstance(post[1], cp.CfgCorrection)
     assert all(w == {cp.WRAPPER_KEY: 1} for w in _chorus_wrappers(m).values()), _chorus_wrappers(m)
-    assert "chorus_ii_guidance_boost" not in opts
 
     # strength 0 removes the guidance part (and its post-CFG function); the other parts stay
     off = nodes["guidance"](m, plan, s=0.0, i=0.0, c=0.0)
@@ -179,11 +173,11 @@ def test_one_grid_and_one_float_sigma_per_forward(cp, nodes, model, monkeypatch)
     grids, sigmas = [], []
     real_grid = cp.token_grid
     monkeypatch.setattr(cp, "token_grid", lambda shape: grids.append(tuple(shape)) or real_grid(shape))
-    for cls, name in ((ChorusAttention, "self_attention"), (FeatureReuse, "block"), (GuidanceBoost, "cross_attention")):
+    for cls, name in ((ChorusAttention, "record_dense_call"), (FeatureReuse, "block"), (GuidanceBoost, "reuse_acted")):
         real = getattr(cls, name)
 
         def spy(self, *args, _real=real, _name=name, **kwargs):
-            sigmas.append((_name, kwargs.get("sigma", args[1] if len(args) > 1 else None)))
+            sigmas.append((_name, kwargs.get("sigma", args[0] if _name == "reuse_acted" else None)))
             return _real(self, *args, **kwargs)
 
         monkeypatch.setattr(cls, name, spy)
@@ -192,15 +186,16 @@ def test_one_grid_and_one_float_sigma_per_forward(cp, nodes, model, monkeypatch)
     _sample(m, steps=2)
     assert len(grids) == 2  # one forward per step at cfg 1
     names = {n for n, _ in sigmas}
-    assert names == {"self_attention", "block", "cross_attention"}, names
+    assert names == {"record_dense_call", "block", "reuse_acted"}, names
     assert all(type(s) is float for _, s in sigmas), {type(s) for _, s in sigmas}
     assert plan.stats.recorded_calls == 2 * LAYERS
 
 
 def test_an_older_chorus_patch_inside_another_packs_chain_passes_through(cp, nodes, model):
-    """Sparse sampler, then another pack's override that chains it, then feature reuse: the new patch
-    chains the other pack's override; the old Chorus patch inside it passes every call through, so
-    nothing is recorded twice."""
+    """Sparse sampler, then another pack's override that chains its Chorus override, then feature
+    reuse: the new patch's override chains the other pack's; the old Chorus override inside it passes
+    every call through (the forward's Chorus keys are removed on the way down), so nothing is recorded
+    twice."""
     seen = []
 
     class Foreign:
@@ -216,13 +211,13 @@ def test_an_older_chorus_patch_inside_another_packs_chain_passes_through(cp, nod
 
     plan = _miss()
     m1 = nodes["sparse"](model, plan)
-    old = cp.get_patch(m1)
+    old = m1.model_options["transformer_options"][OVERRIDE]
     m2 = m1.clone()
     m2.model_options["transformer_options"][OVERRIDE] = Foreign(old)
     m3 = nodes["fr"](m2, plan)
     new = cp.get_patch(m3)
-    assert new is not old and isinstance(new.previous_override, Foreign)
-    assert new.previous_override.inner is old
+    assert isinstance(new.previous_override, Foreign) and new.previous_override.inner is old
+    assert m3.model_options["transformer_options"][OVERRIDE].previous is new.previous_override
     _sample(m3, steps=2)
     assert seen and plan.stats.recorded_calls == 2 * LAYERS and plan.stats.dense_calls == 2 * LAYERS
 
@@ -276,8 +271,7 @@ def test_a_latent_as_long_as_the_text_context_runs_dense_with_a_note(cp, nodes, 
     plan = Plan.miss("test miss", latent_shape=latent.shape[1:], embedding=np.ones(4, np.float32))
     m = nodes["guidance"](nodes["fr"](nodes["sparse"](model, plan), plan), None, s=0.0, i=2.0, c=0.0)
     assert torch.equal(sample(m), sample(model))
-    # per block, self-attention and the text cross-attention both look like 512 x 512 calls
-    assert plan.stats.recorded_calls == 0 and plan.stats.fallback_calls == 2 * LAYERS
+    assert plan.stats.recorded_calls == 0 and plan.stats.fallback_calls == LAYERS  # every self-attention call
     assert any("cannot be told apart" in msg for msg in plan.stats.messages), plan.stats.messages
     assert cp.get_patch(m).guidance.biased_calls == 0
 
@@ -318,8 +312,9 @@ def test_a_run_that_cannot_start_goes_dense_and_every_reset_runs_when_sampling_f
 
 def test_a_compiled_forward_is_not_recompiled_for_each_sigma(cp, nodes, model):
     """Under torch.compile (TorchCompileModel compiles the model forward around the DIFFUSION_MODEL
-    wrapper) the sigma read and the Forward are built eagerly: a new sigma value at every step must
-    not make dynamo recompile the forward (it did when sigma was a Python float in the traced frame)."""
+    wrapper) the sigma read and the forward's context are made on the host side: a new sigma value at
+    every step must not make dynamo recompile the forward (it did when sigma was a Python float in the
+    traced frame)."""
     import torch._dynamo
     import torch._dynamo.testing
 
@@ -336,8 +331,8 @@ def test_a_compiled_forward_is_not_recompiled_for_each_sigma(cp, nodes, model):
         return x * 2.0
 
     def forward(x, sigmas):
-        opts = {"sigmas": sigmas, "sample_sigmas": torch.tensor([1.0, 0.5, 0.0])}
-        return patch.diffusion_model(executor, x, sigmas, None, None, None, opts)
+        opts = {"sigmas": sigmas, "sample_sigmas": torch.tensor([1.0, 0.5, 0.0]), cp.PATCH_KEY: patch}
+        return cp.diffusion_model_wrapper(executor, x, sigmas, None, None, None, opts)
 
     torch._dynamo.reset()
     counter = torch._dynamo.testing.CompileCounter()

@@ -1,0 +1,216 @@
+"""One engine entry per attention call, callable from inside a compiled model.
+
+A host (the ComfyUI patch, the diffusers adapter) makes one :class:`ForwardContext` per model
+forward, on the host side of the graph, and makes it current (:func:`activate`); every
+self-attention call of that forward then goes through two ``torch.library`` custom ops:
+
+- ``torch.ops.chorus.attend(q, k, v, layer_hint) -> out``: the call's whole Chorus work (sparse
+  attention with the run's map, or the dense fallback, the first-frame bias, verification, the
+  counters and notes) on the current context;
+- ``torch.ops.chorus.record_mass(q, k, layer_hint) -> ()``: a miss's recording of one call whose
+  output the host's own dense attention computed.
+
+Both are opaque to ``torch.compile`` with shape-only fake implementations, and their arguments are
+tensors and one int that is constant per call site, so dynamo traces a transformer block through
+them without a graph break and recompiles for neither a new sigma, step, expert nor request:
+everything that changes lives in the context, read when the op runs. The layer of a call is
+``layer_hint`` when the host knows it (ComfyUI >= 0.4 passes ``block_index``), else the context's
+counter, advanced by every op call in program order.
+
+Shapes: q/k/v ``[B, H, L, D]`` (any strides: ComfyUI's ``[B, L, H*D]`` viewed per head works);
+``attend`` returns ``[B, H, L, D]`` in q's dtype with ``torch.empty_like(q)``'s strides. Neither op
+raises for anything a request can bring: an unusable call is answered with dense attention
+(PyTorch SDPA, the first-frame bias included) and a note in the plan.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from . import guidance as guidance_module
+
+__all__ = ["ForwardContext", "activate", "current", "attend", "record_mass"]
+
+
+def _sdpa(q, k, v):
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+
+class ForwardContext:
+    """Everything one model forward's self-attention calls need, made by the host before the forward.
+
+    Args:
+        attention: the model's :class:`~chorus.engine.runtime.ChorusAttention`, or None (guidance only).
+        guidance: the model's :class:`~chorus.engine.guidance.GuidanceBoost`, or None.
+        grid: token grid ``(T', H', W')`` of the forward's latent.
+        sigma: the forward's sigma (a float, read once by the host), or None when it had none.
+        cond_or_uncond: ComfyUI's list (0 = positive conditioning per batch chunk) or None (all rows
+            positive).
+        note: ``note(message)``, the plan's (or the patch's) once-per-request message sink.
+        disabled_reason: why Chorus stays out of this forward (every call dense, one note), or None.
+    """
+
+    def __init__(self, attention, guidance, grid, sigma: float | None, cond_or_uncond=None, note=None,
+                 disabled_reason: str | None = None):
+        self.attention = attention
+        self.guidance = guidance
+        self.grid = tuple(int(g) for g in grid)
+        self.tokens = self.grid[0] * self.grid[1] * self.grid[2]
+        self.sigma = sigma
+        self.cond_or_uncond = cond_or_uncond
+        self.note = note or (lambda message: None)
+        self.disabled_reason = disabled_reason
+        self.layer_counter = 0
+        self._cond_rows: dict[int, torch.Tensor | None] = {}
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def next_layer(self, hint: int = -1) -> int:
+        """The layer of the next self-attention call: ``hint`` when >= 0, else the counter (which
+        advances either way, so a hint on some calls keeps the others' count right)."""
+        counted = self.layer_counter
+        self.layer_counter += 1
+        return int(hint) if hint >= 0 else counted
+
+    def cond_rows(self, batch: int):
+        """Bool ``[batch]`` marking positive-conditioning rows (from ``cond_or_uncond``), or None."""
+        if batch not in self._cond_rows:
+            rows = None
+            cond = self.cond_or_uncond
+            if cond and batch % len(cond) == 0:
+                rows = torch.tensor([c == 0 for c in cond], dtype=torch.bool).repeat_interleave(batch // len(cond))
+            self._cond_rows[batch] = rows
+        return self._cond_rows[batch]
+
+    def first_frame_bias(self) -> float:
+        """Guidance's first-frame logit bias for this forward's calls (0.0: none). Never raises."""
+        guidance = self.guidance
+        if guidance is None or not guidance.image_strength or self.sigma is None:
+            return 0.0
+        try:
+            return float(guidance.first_frame_bias(self.sigma))
+        except Exception:  # noqa: BLE001 - guidance must never break attention
+            return 0.0
+
+    def cross_attention_gain(self) -> float | None:
+        """Guidance's text gain for this forward's cross-attention outputs (also in a forward Chorus
+        otherwise stays out of: no self-attention is involved), or None. Counts the forward as boosted.
+        Never raises."""
+        guidance = self.guidance
+        if guidance is None or not guidance.strength or self.sigma is None:
+            return None
+        try:
+            if not guidance.reuse_acted(self.sigma):
+                return None
+            guidance.boosted_calls += 1
+            return float(guidance.gain)
+        except Exception:  # noqa: BLE001
+            return None
+
+    # -- the calls -------------------------------------------------------------------------------
+    def self_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_hint: int = -1) -> torch.Tensor:
+        """``[B, H, L, D]`` attention of one self-attention call of this forward (see the module
+        docstring); dense with a note when the call does not fit the context."""
+        attention = self.attention
+        layer = self.next_layer(layer_hint)
+        bias = self.first_frame_bias()
+        prefix = self.grid[1] * self.grid[2] if q.shape[-2] == self.tokens else 0
+        if self.disabled_reason is not None or q.shape[-2] != self.tokens:
+            reason = self.disabled_reason or (f"a self-attention call of {q.shape[-2]} tokens in a forward of "
+                                              f"{self.tokens}")
+            return self._dense(q, k, v, 0.0, prefix, f"{reason}; dense attention", count=attention is not None)
+        if attention is None:
+            return self._dense(q, k, v, bias, prefix)
+        if self.sigma is None:
+            return self._dense(q, k, v, bias, prefix, "no sigma in this forward; dense attention", count=True)
+        return attention.self_attention(q, k, v, layer=layer, sigma=self.sigma, grid=self.grid, dense_fn=_sdpa,
+                                        cond_rows=self.cond_rows(q.shape[0]), first_frame_bias=bias)
+
+    def record(self, q: torch.Tensor, k: torch.Tensor, layer_hint: int = -1) -> None:
+        """Record one dense call's block mass (a miss) into the plan's recorder; never raises."""
+        layer = self.next_layer(layer_hint)
+        attention = self.attention
+        if attention is None or self.disabled_reason is not None or self.sigma is None:
+            return
+        attention.record_dense_call(q, k, layer=layer, sigma=self.sigma, grid=self.grid,
+                                    cond_rows=self.cond_rows(q.shape[0]))
+
+    def _dense(self, q, k, v, bias: float, prefix: int, message: str | None = None, count: bool = False):
+        if message is not None:
+            self.note(message)
+        if count and self.attention is not None:
+            self.attention.count_fallback()
+        if bias and prefix:
+            try:
+                return guidance_module.first_frame_biased_attention(q, k, v, prefix, bias)
+            except Exception as exc:  # noqa: BLE001 - guidance must never fail a forward
+                self.note(f"first-frame bias not applied to a dense call ({type(exc).__name__}); plain dense attention")
+        return _sdpa(q, k, v)
+
+
+_CURRENT = threading.local()
+
+
+def activate(context: ForwardContext | None) -> None:
+    """Make ``context`` the one this thread's attention ops run on (None: none). A host calls this on
+    its own side of the graph at the start of every forward it handles."""
+    _CURRENT.context = context
+
+
+def current() -> ForwardContext | None:
+    """This thread's current :class:`ForwardContext`, or None."""
+    return getattr(_CURRENT, "context", None)
+
+
+def _like(q: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out`` in q's dtype with ``torch.empty_like(q)``'s strides (what the fake promises)."""
+    expected = torch.empty_like(q)
+    if out.dtype == q.dtype and out.shape == q.shape and out.stride() == expected.stride():
+        return out
+    return expected.copy_(out)
+
+
+def _op_exists(name: str) -> bool:
+    try:
+        getattr(torch.ops.chorus, name)
+        return True
+    except (AttributeError, RuntimeError):
+        return False
+
+
+# ComfyUI imports the pack under its folder name while tests import ``chorus``: register once.
+if not _op_exists("attend"):
+    @torch.library.custom_op("chorus::attend", mutates_args=())
+    def _attend_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_hint: int) -> torch.Tensor:
+        context = current()
+        if context is None:  # a call outside any Chorus forward: plain attention
+            return _like(q, _sdpa(q, k, v))
+        return _like(q, context.self_attention(q, k, v, layer_hint))
+
+    @_attend_op.register_fake
+    def _attend_fake(q, k, v, layer_hint):
+        return torch.empty_like(q)
+
+if not _op_exists("record_mass"):
+    @torch.library.custom_op("chorus::record_mass", mutates_args=())
+    def _record_op(q: torch.Tensor, k: torch.Tensor, layer_hint: int) -> None:
+        context = current()
+        if context is not None:
+            context.record(q, k, layer_hint)
+
+    @_record_op.register_fake
+    def _record_fake(q, k, layer_hint):
+        return None
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_hint: int = -1) -> torch.Tensor:
+    """Self-attention ``[B, H, L, D]`` on the current context (``torch.ops.chorus.attend``)."""
+    return torch.ops.chorus.attend(q, k, v, int(layer_hint))
+
+
+def record_mass(q: torch.Tensor, k: torch.Tensor, layer_hint: int = -1) -> None:
+    """Record a dense call's block mass on the current context (``torch.ops.chorus.record_mass``)."""
+    torch.ops.chorus.record_mass(q, k, int(layer_hint))
