@@ -7,8 +7,10 @@ self-attention call of that forward then goes through two ``torch.library`` cust
 - ``torch.ops.chorus.attend(q, k, v, layer_hint) -> out``: the call's whole Chorus work (sparse
   attention with the run's map, or the dense fallback, the first-frame bias, verification, the
   counters and notes) on the current context;
-- ``torch.ops.chorus.record_mass(q, k, layer_hint) -> ()``: a miss's recording of one call whose
-  output the host's own dense attention computed.
+- ``torch.ops.chorus.record_mass(q, k, layer_hint, token) -> ()``: a miss's recording of one call whose
+  output the host's own dense attention computed;
+- ``torch.ops.chorus.record_block(x, y, layer, token) -> ()``: a miss's feature-reuse region scores of
+  one block the host ran in full (its input and output residual stream ``[B, L, C]``).
 
 Both are opaque to ``torch.compile`` with shape-only fake implementations, and their arguments are
 tensors and one int that is constant per call site, so dynamo traces a transformer block through
@@ -31,7 +33,7 @@ import torch
 
 from . import guidance as guidance_module
 
-__all__ = ["ForwardContext", "activate", "current", "attend", "record_mass"]
+__all__ = ["ForwardContext", "activate", "current", "attend", "record_mass", "record_block"]
 
 
 def _sdpa(q, k, v):
@@ -50,12 +52,14 @@ class ForwardContext:
             positive).
         note: ``note(message)``, the plan's (or the patch's) once-per-request message sink.
         disabled_reason: why Chorus stays out of this forward (every call dense, one note), or None.
+        feature_reuse: the model's :class:`~chorus.engine.feature_reuse.FeatureReuse`, or None.
     """
 
     def __init__(self, attention, guidance, grid, sigma: float | None, cond_or_uncond=None, note=None,
-                 disabled_reason: str | None = None):
+                 disabled_reason: str | None = None, feature_reuse=None):
         self.attention = attention
         self.guidance = guidance
+        self.feature_reuse = feature_reuse
         self.grid = tuple(int(g) for g in grid)
         self.tokens = self.grid[0] * self.grid[1] * self.grid[2]
         self.sigma = sigma
@@ -138,6 +142,12 @@ class ForwardContext:
         attention.record_dense_call(q, k, layer=layer, sigma=self.sigma, grid=self.grid,
                                     cond_rows=self.cond_rows(q.shape[0]))
 
+    def record_block(self, x: torch.Tensor, y: torch.Tensor, layer: int) -> None:
+        """Record a miss's region scores of one full block call (input ``x``, output ``y``); never raises."""
+        if self.feature_reuse is None or self.disabled_reason is not None or self.sigma is None:
+            return
+        self.feature_reuse.record_block(x, y, layer=layer, sigma=self.sigma, grid=self.grid)
+
     def _dense(self, q, k, v, bias: float, prefix: int, message: str | None = None, count: bool = False):
         if message is not None:
             self.note(message)
@@ -181,9 +191,13 @@ def _op_exists(name: str) -> bool:
         return False
 
 
+# The kernels read ComfyUI's [B, L, H*D] memory through per-head views: a compiler must hand the ops
+# their inputs with the strides eager code has (no copy into another layout).
+_EXACT_STRIDES = tuple(t for t in (getattr(torch.Tag, "needs_exact_strides", None),) if t is not None)
+
 # ComfyUI imports the pack under its folder name while tests import ``chorus``: register once.
 if not _op_exists("attend"):
-    @torch.library.custom_op("chorus::attend", mutates_args=())
+    @torch.library.custom_op("chorus::attend", mutates_args=(), tags=_EXACT_STRIDES)
     def _attend_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_hint: int) -> torch.Tensor:
         context = current()
         if context is None:  # a call outside any Chorus forward: plain attention
@@ -194,15 +208,32 @@ if not _op_exists("attend"):
     def _attend_fake(q, k, v, layer_hint):
         return torch.empty_like(q)
 
+# An op without outputs is dead code to a compiler: the recording ops mutate a one-element counter (the
+# number of calls recorded in this process), which keeps every call in the graph, in program order.
+_RECORD_TOKEN = torch.zeros(1, dtype=torch.int64)
+
 if not _op_exists("record_mass"):
-    @torch.library.custom_op("chorus::record_mass", mutates_args=())
-    def _record_op(q: torch.Tensor, k: torch.Tensor, layer_hint: int) -> None:
+    @torch.library.custom_op("chorus::record_mass", mutates_args=("token",), tags=_EXACT_STRIDES)
+    def _record_op(q: torch.Tensor, k: torch.Tensor, layer_hint: int, token: torch.Tensor) -> None:
+        token.add_(1)
         context = current()
         if context is not None:
             context.record(q, k, layer_hint)
 
     @_record_op.register_fake
-    def _record_fake(q, k, layer_hint):
+    def _record_fake(q, k, layer_hint, token):
+        return None
+
+if not _op_exists("record_block"):
+    @torch.library.custom_op("chorus::record_block", mutates_args=("token",))
+    def _record_block_op(x: torch.Tensor, y: torch.Tensor, layer: int, token: torch.Tensor) -> None:
+        token.add_(1)
+        context = current()
+        if context is not None:
+            context.record_block(x, y, layer)
+
+    @_record_block_op.register_fake
+    def _record_block_fake(x, y, layer, token):
         return None
 
 
@@ -213,4 +244,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_hint: int = 
 
 def record_mass(q: torch.Tensor, k: torch.Tensor, layer_hint: int = -1) -> None:
     """Record a dense call's block mass on the current context (``torch.ops.chorus.record_mass``)."""
-    torch.ops.chorus.record_mass(q, k, int(layer_hint))
+    torch.ops.chorus.record_mass(q, k, int(layer_hint), _RECORD_TOKEN)
+
+
+def record_block(x: torch.Tensor, y: torch.Tensor, layer: int) -> None:
+    """Record a full block call's region scores on the current context (``torch.ops.chorus.record_block``)."""
+    torch.ops.chorus.record_block(x, y, int(layer), _RECORD_TOKEN)

@@ -324,6 +324,32 @@ class FeatureReuse:
 
     def _full_and_record(self, block_fn, x, inputs, layer, sigma, grid):
         y = block_fn(x, inputs, None)
+        self._record_scores(x, y, layer, sigma, grid)
+        return y
+
+    def record_block(self, x: torch.Tensor, y: torch.Tensor, *, layer: int, sigma, grid) -> None:
+        """A miss's block call that the host ran in full (e.g. inside a compiled graph): record its
+        region scores from its input ``x`` and output ``y`` (``[B, L, C]``; arguments as :meth:`block`).
+        Does nothing on a hit or for an unsupported model; never raises."""
+        try:
+            if not self._running:
+                self.begin_run()
+            if self.expert is None or self.plan.is_hit:
+                return
+            if isinstance(sigma, torch.Tensor):
+                sigma = sigma.reshape(-1)[0].item()
+            sigma = step_sigma(float(sigma), self.sample_sigmas)
+            grid = tuple(int(g) for g in grid)
+            if x.dim() != 3 or y.shape != x.shape or grid[0] * grid[1] * grid[2] != x.shape[1]:
+                self.plan.note(f"feature reuse: token grid {grid} does not hold the {x.shape[1]} tokens of a block "
+                               "call; no region scores from it")
+                return
+        except Exception as exc:  # noqa: BLE001
+            self.plan.note(f"feature reuse: recording region scores failed ({type(exc).__name__}: {exc})")
+            return
+        self._record_scores(x, y, layer, sigma, grid)
+
+    def _record_scores(self, x, y, layer, sigma, grid) -> None:
         try:
             if int(layer) >= self.config.full_layers:
                 # a strided channel subset (<= RECORD_CHANNELS) estimates the detail share: a 14B
@@ -336,5 +362,4 @@ class FeatureReuse:
                     self.state.record(self.expert, sigma, grid, self.config.region, self.config.pool, 1.0 - detail)
         except Exception as exc:  # noqa: BLE001 - the block output stands
             self.plan.note(f"feature reuse: recording region scores failed ({type(exc).__name__}: {exc})")
-        return y
 

@@ -31,10 +31,12 @@ cross-attention gain, or absent). Everything that changes between steps and requ
 refresh, recorder, verification, counters, notes) is read when the ops run: see
 :mod:`chorus.engine.attend`.
 
-Feature reuse's blocks (a :class:`ChorusBlock` with a ``FeatureReuse`` part) run on the host side
-(``torch.compiler.disable``): their compact sequences change with the step's redundant regions. Their
-self-attention calls carry the block's ``RegionLayout`` under :data:`LAYOUT_KEY`: expanded to the
-full grid, attended, compacted; or, for a hit recorded in the region order, attended on the compact
+Feature reuse on a miss stays in the graph: each block runs in full and
+``torch.ops.chorus.record_block`` records its region scores from the block's input and output. On a
+hit (:data:`REUSE_KEY` ``"reduce"``) a :class:`ChorusBlock` runs its block on the host side
+(``torch.compiler.disable``): the compact sequence follows the step's redundant regions. Its
+self-attention calls carry the block's ``RegionLayout`` under :data:`LAYOUT_KEY`: expanded to the full
+grid, attended, compacted; or, for a hit recorded in the region order, attended on the compact
 sequence itself (``ChorusAttention.compact_self_attention``). A sparse sampler configured together
 with feature reuse records a miss in that region order.
 
@@ -64,7 +66,7 @@ FORWARD_KEY = "chorus_ii_forward"  # a forward's options copy: its Forward (host
 MODE_KEY = "chorus_ii_mode"        # a forward's options copy: "attend" | "record" (absent: pass)
 TOKENS_KEY = "chorus_ii_tokens"    # a forward's options copy: the token grid's length
 GAIN_KEY = "chorus_ii_gain"        # a forward's options copy: guidance's cross-attention gain
-REUSE_KEY = "chorus_ii_feature_reuse"  # a forward's options copy: True when its blocks run feature reuse
+REUSE_KEY = "chorus_ii_feature_reuse"  # a forward's options copy: "reduce" (a hit) | "record" (a miss)
 LAYOUT_KEY = "chorus_ii_layout"    # a compacted block call's options copy: its RegionLayout
 FORWARD_KEYS = (FORWARD_KEY, MODE_KEY, TOKENS_KEY, GAIN_KEY, REUSE_KEY, LAYOUT_KEY)
 OVERRIDE = "optimized_attention_override"
@@ -210,7 +212,7 @@ class ChorusPatch:
         elif isinstance(sigmas, (int, float)):
             sigma = float(sigmas)
         ctx = engine_attend.ForwardContext(self.attention, self.guidance, grid, sigma,
-                                           options.get("cond_or_uncond"), self.note, reason)
+                                           options.get("cond_or_uncond"), self.note, reason, self.feature_reuse)
         engine_attend.activate(ctx)
         options = {key: value for key, value in options.items() if key not in FORWARD_KEYS}
         options[FORWARD_KEY] = Forward(self, ctx, context_lengths)
@@ -231,8 +233,8 @@ class ChorusPatch:
             mode = "attend"
         if mode is not None:
             options[MODE_KEY] = mode
-        if self.feature_reuse is not None:
-            options[REUSE_KEY] = True
+        if self.feature_reuse is not None and self.plan is not None:
+            options[REUSE_KEY] = "reduce" if self.plan.is_hit else "record"
         return options
 
     # -- feature reuse's compacted block calls (host side) ---------------------------------------------
@@ -431,9 +433,13 @@ class ChorusBlock:
         if isinstance(x, torch.Tensor) and x.dim() == 3 and not x.is_contiguous():
             args = dict(args, img=x.contiguous())
         options = args.get("transformer_options") or {}
-        if options.get(REUSE_KEY):
+        reuse = options.get(REUSE_KEY)
+        if reuse == "reduce":
             return self._feature_reuse(args, extra)
-        return self._run(args, extra)
+        out = self._run(args, extra)
+        if reuse == "record" and isinstance(out, dict) and isinstance(out.get("img"), torch.Tensor):
+            engine_attend.record_block(args["img"], out["img"], self.layer)
+        return out
 
     @torch.compiler.disable
     def _feature_reuse(self, args, extra):

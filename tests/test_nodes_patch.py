@@ -173,7 +173,7 @@ def test_one_grid_and_one_float_sigma_per_forward(cp, nodes, model, monkeypatch)
     grids, sigmas = [], []
     real_grid = cp.token_grid
     monkeypatch.setattr(cp, "token_grid", lambda shape: grids.append(tuple(shape)) or real_grid(shape))
-    for cls, name in ((ChorusAttention, "record_dense_call"), (FeatureReuse, "block"), (GuidanceBoost, "reuse_acted")):
+    for cls, name in ((ChorusAttention, "record_dense_call"), (FeatureReuse, "record_block"), (GuidanceBoost, "reuse_acted")):
         real = getattr(cls, name)
 
         def spy(self, *args, _real=real, _name=name, **kwargs):
@@ -186,7 +186,7 @@ def test_one_grid_and_one_float_sigma_per_forward(cp, nodes, model, monkeypatch)
     _sample(m, steps=2)
     assert len(grids) == 2  # one forward per step at cfg 1
     names = {n for n, _ in sigmas}
-    assert names == {"record_dense_call", "block", "reuse_acted"}, names
+    assert names == {"record_dense_call", "record_block", "reuse_acted"}, names
     assert all(type(s) is float for _, s in sigmas), {type(s) for _, s in sigmas}
     assert plan.stats.recorded_calls == 2 * LAYERS
 

@@ -29,15 +29,21 @@ What runs (everything side by side in one process, one GPU):
   models; the similarity threshold is the node's default); ``hitfr`` (hit15 + ``ChorusFeatureReuse``
   at ``downsample_share`` 0.25, ``--fr-share``, with the region scores the miss recorded; the miss runs
   feature reuse at the same share, so its entry is in the region order: ``*_raster`` rows are the same
-  requests on that entry relabelled raster). ``--compile``: ``dense`` and
-  ``hit15`` again on models passed through ComfyUI's ``TorchCompileModel`` node (inductor).
+  requests on that entry relabelled raster). ``--compile``: each of ``dense``, ``miss``, ``hit15`` and
+  ``hitfr`` asked for runs again on models passed through ComfyUI's ``TorchCompileModel`` node
+  (inductor; rows ``*+compile``); their warm-up is a whole request, whose time (compilation included)
+  is the row's ``first_request_s``.
 * Timing: each variant runs one warm-up step (high expert, step 0 -> 1: Triton and cuDNN compile there),
   then one timed request (``torch.cuda.synchronize`` + wall clock around both KSamplerAdvanced calls).
   Per-layer self-attention time: an outermost attention override (ComfyUI's chaining mechanism) puts
   CUDA events around every self-attention call of the high-noise expert in the timed request (2 steps
-  x 40 layers; no host sync is added). ``kernel alone``: ``chorus.kernels.block_sparse_attention`` on random q/k/v in ComfyUI's
-  layout with the map layer 0 of the hit used (entry map + k_min floor), timed the same way; the hit's
-  per-layer time over it is what the integration costs per call. Retrieval and cache-write times are
+  x 40 layers; no host sync is added). Under compile that override would be traced into the graph,
+  so compiled Chorus rows time each ``torch.ops.chorus.attend`` call from the inside (CUDA events
+  around the op's work, which runs eagerly in the compiled graph; ``attn_ms_*`` of those rows).
+  ``kernel alone``: ``chorus.kernels.block_sparse_attention`` with ``backend="auto"`` (the backend a
+  hit runs; its name is in the row) on random q/k/v in ComfyUI's layout with the map of layer 0 the
+  hit used (entry map + k_min floor), timed the same way; the hit's per-layer time over it is what
+  the integration costs per call. Retrieval and cache-write times are
   reported separately (they run on the CPU before / after sampling).
 
 Writes ``OUT/comfy_e2e.json`` (every number) and prints a table. Nothing is downloaded.
@@ -198,6 +204,44 @@ class AttentionTimer:
         return [s.elapsed_time(e) for s, e in self.events]
 
 
+class OpTimer:
+    """CUDA events around the work of every ``torch.ops.chorus.attend`` call of the request it is
+    active for (``ForwardContext.self_attention`` runs eagerly inside a compiled graph), the high
+    expert's calls only when ``experts`` says so. No host sync is added."""
+
+    def __init__(self):
+        self.events: list = []
+        self._real = None
+
+    def __enter__(self):
+        from chorus.engine.attend import ForwardContext
+
+        real = self._real = ForwardContext.self_attention
+        timer = self
+
+        def timed(context, q, *args, **kwargs):
+            if not q.is_cuda or context.attention is None or context.attention.expert != 0:
+                return real(context, q, *args, **kwargs)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = real(context, q, *args, **kwargs)
+            end.record()
+            timer.events.append((start, end))
+            return out
+
+        ForwardContext.self_attention = timed
+        return self
+
+    def __exit__(self, *exc):
+        from chorus.engine.attend import ForwardContext
+
+        ForwardContext.self_attention = self._real
+
+    def per_call_ms(self) -> list[float]:
+        torch.cuda.synchronize()
+        return [s.elapsed_time(e) for s, e in self.events]
+
+
 def with_timer(model):
     m = model.clone()
     opts = m.model_options.setdefault("transformer_options", {})
@@ -292,22 +336,43 @@ def run(args) -> dict:
                     models.append(m)
                 return models
 
-            def timed(name, models, plan=None):
+            def timed(name, models, plan=None, again=None):
+                """One row: a warm-up, then one timed request. ``again()`` (compiled rows): the
+                ``(models, plan)`` of a second request, the timed one, after a whole first request
+                as the warm-up (both experts compile in it: its time is ``first_request_s``)."""
                 if time.perf_counter() - t_start > args.time_budget:
                     print(f"skipping {weights}/{res}/{name}: past the time budget", flush=True)
                     return None
                 h_m, l_m = models
-                sample_request(h_m, l_m, latent, positive, negative, 11, end_step=1)  # warm-up step
-                # under torch.compile no timer: dynamo would trace its CUDA events into the graph
-                h_t, timer = (h_m, None) if "compile" in name else with_timer(h_m)
+                compiled = again is not None
+                first_request_s = None
+                if compiled:
+                    if device.type == "cuda":
+                        torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    sample_request(h_m, l_m, latent, positive, negative, 11)
+                    if device.type == "cuda":
+                        torch.cuda.synchronize()
+                    first_request_s = time.perf_counter() - t0
+                    (h_m, l_m), plan = again()
+                else:
+                    sample_request(h_m, l_m, latent, positive, negative, 11, end_step=1)  # warm-up step
+                # under torch.compile the override timer would be traced into the graph: time the op instead
+                op_timer = OpTimer() if compiled and plan is not None and device.type == "cuda" else None
+                h_t, timer = (h_m, None) if compiled else with_timer(h_m)
                 if device.type == "cuda":
                     torch.cuda.synchronize()
                     torch.cuda.reset_peak_memory_stats()
                 t0 = time.perf_counter()
-                out = sample_request(h_t, l_m, latent, positive, negative, 11)
+                if op_timer is not None:
+                    with op_timer:
+                        out = sample_request(h_t, l_m, latent, positive, negative, 11)
+                else:
+                    out = sample_request(h_t, l_m, latent, positive, negative, 11)
                 if device.type == "cuda":
                     torch.cuda.synchronize()
                 seconds = time.perf_counter() - t0
+                timer = timer or op_timer
                 per_call = timer.per_call_ms() if device.type == "cuda" and timer is not None else []
                 row = {"weights": weights, "res": res, "variant": name, "tokens": grid[0] * grid[1] * grid[2],
                        "seconds": seconds, "attn_ms_per_layer": float(np.mean(per_call)) if per_call else None,
@@ -315,7 +380,8 @@ def run(args) -> dict:
                        "attn_ms_first_call": per_call[0] if per_call else None,
                        "attn_calls_timed": len(per_call),
                        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
-                       "finite": bool(torch.isfinite(out["samples"]).all())}
+                       "finite": bool(torch.isfinite(out["samples"]).all()),
+                       "first_request_s": first_request_s}
                 if plan is not None:
                     row.update(plan_kind=plan.kind, density=plan.stats.density, sparse_calls=plan.stats.sparse_calls,
                                blocks_computed=plan.stats.blocks_computed, blocks_total=plan.stats.blocks_total,
@@ -328,6 +394,26 @@ def run(args) -> dict:
                 print(json.dumps({k: v for k, v in row.items() if k != "profile_step0"}), flush=True)
                 save(results, args.out)
                 return out
+
+            compiling = args.compile and res in args.compile_res
+            fresh = iter(range(10 ** 6))
+
+            def compiled_request(variant):
+                """``(models, plan)`` of one compiled request of ``variant`` (a new plan each time: a miss
+                on a workspace of its own that nothing is written to, a hit retrieved again)."""
+                if variant == "dense":
+                    return patched(None, compile_models=True), None
+                if variant == "miss":
+                    plan = retrieve(f"{ws_miss}_compiled_{next(fresh)}")[0]
+                    return patched(plan, fr_share=args.fr_share, compile_models=True), plan
+                plan = retrieve(f"{ws_hit}_{int(HIT_DENSITY[variant] * 100)}")[0]
+                assert plan.is_hit, plan.message
+                share = args.fr_share if variant == "hitfr" else None
+                return patched(plan, fr_share=share, compile_models=True), plan
+
+            def timed_compiled(variant):
+                models, plan = compiled_request(variant)
+                return timed(f"{variant}+compile", models, plan, again=lambda: compiled_request(variant))
 
             if "dense" in args.variants:
                 timed("dense", (high, low))
@@ -380,11 +466,12 @@ def run(args) -> dict:
                     results["runs"][-1]["verification"] = {str(e): dict(v) for e, v in plan.stats.verification.items()}
                 if name == "hit15" and device.type == "cuda":
                     results["runs"][-1]["kernel_alone_ms"] = kernel_alone_ms(plan, grid, shape, kernels)
-                if args.compile and name == "hit15" and res in args.compile_res:
-                    plan_c, _ = retrieve(hit_ws)
-                    timed("hit15+compile", patched(plan_c, compile_models=True), plan_c)
-            if args.compile and "dense" in args.variants and res in args.compile_res:
-                timed("dense+compile", patched(None, compile_models=True))
+                if compiling and name in ("hit15", "hitfr"):
+                    timed_compiled(name)
+            if compiling and "miss" in args.variants and entry_plan is not None:
+                timed_compiled("miss")
+            if compiling and "dense" in args.variants:
+                timed_compiled("dense")
         del high, low, experts
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -400,8 +487,10 @@ def save(results: dict, out_dir) -> None:
 
 
 def kernel_alone_ms(plan, grid, shape, kernels, reps: int = 10) -> dict:
-    """The Triton kernel by itself (pre-pass + index + attention) on random q/k/v in ComfyUI's layout
-    with the map the hit computes for layer 0 of step 0 (entry map + k_min floor)."""
+    """The kernel a hit runs by itself: ``block_sparse_attention(backend="auto")`` (``"auto"``: its
+    median ms; ``"backend"``: what auto resolved to) on random q/k/v in ComfyUI's layout with the map
+    the hit computes for layer 0 of step 0 (entry map + k_min floor); also the portable Triton FP8
+    kernel whole and in its two parts (pre-pass + index, attention)."""
     from chorus.engine.runtime import floor_k_min
 
     t, h, w = grid
@@ -418,7 +507,10 @@ def kernel_alone_ms(plan, grid, shape, kernels, reps: int = 10) -> dict:
     scale = 1.0 / math.sqrt(dim)
     prep = prepare_attention(*qkv, block_map, 128, scale, True)
     out = {}
-    for name in ("triton_fp8", "prepass_and_index", "attention_kernel"):
+    from chorus.kernels.api import resolve_backend
+
+    out["backend"] = resolve_backend("auto", qkv[0]).value
+    for name in ("auto", "triton_fp8", "prepass_and_index", "attention_kernel"):
         def call():
             if name == "prepass_and_index":
                 return prepare_attention(*qkv, block_map, 128, scale, True)
@@ -482,7 +574,8 @@ def main(argv=None) -> int:
     p.add_argument("--hit-backends", nargs="+", default=["auto"],
                    help="sparse-attention backends the hit15 / hit5 variants run with (rows 'hit15@NAME'; "
                         "'auto' = the node's default row 'hit15')")
-    p.add_argument("--compile", action="store_true", help="also dense and hit15 under TorchCompileModel")
+    p.add_argument("--compile", action="store_true",
+                   help="also dense, miss, hit15 and hitfr (those asked for) under TorchCompileModel")
     p.add_argument("--compile-res", nargs="+", default=["480p", "720p", "tiny"], help="resolutions --compile applies to")
     p.add_argument("--layers", type=int, default=0, help="layers per expert (default: the model's 40)")
     p.add_argument("--tiny", action="store_true", help="toy sizes on the CPU (tests)")

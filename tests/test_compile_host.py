@@ -1,0 +1,194 @@
+"""Chorus under ComfyUI's ``TorchCompileModel`` (``comfy_api.torch_helpers.set_torch_compile_wrapper``,
+what the node calls) on ComfyUI's tiny ``WanModel``: counted, not assumed.
+
+Two requests of the Wan 2.2 A14B shape (two experts, KSamplerAdvanced-style high 0-2 / low 2-4 of 4
+steps) on compiled models: from ``torch._dynamo``'s counters and the graphs the backend receives,
+every self-attention call of a forward is inside one graph with its block (``torch.ops.chorus.attend``
+once per layer, no graph break inside a transformer block), and the second request compiles nothing
+(no new graph, no recompile: steps, sigmas, experts and requests of the same shape reuse the first
+request's graphs). A compiled miss records every call and writes its entry, with feature reuse's
+region scores recorded inside the graph too; a compiled hit matches the eager hit; a hit with feature
+reuse (its reduced blocks run on the host side) and guidance works compiled.
+
+The backend is ``aot_eager`` (dynamo + AOTAutograd with the ops' fake implementations, no code
+generation: what breaks or recompiles is decided by dynamo, whatever backend follows). ComfyUI on a
+GPU attends with ``attention_pytorch`` (SDPA); on a CPU without flags it picks ``attention_sub_quad``,
+which reads free memory through psutil -- a graph break dynamo cannot avoid, also for a dense model
+-- so these tests give the Wan blocks ComfyUI's GPU attention function.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from host import tiny_wan as tiny  # tests/host (pytest pythonpath)
+
+SKIP_REASON = tiny.import_comfy()
+pytestmark = pytest.mark.skipif(SKIP_REASON is not None, reason=f"ComfyUI not available: {SKIP_REASON}")
+
+LATENT = torch.zeros(1, 16, 3, 16, 16)  # grid (3, 8, 8) = 192 tokens: 2 blocks of 128
+# feature reuse pools complete 2x8x8 regions past frame 0: grid (5, 8, 8) has one
+LATENT_FR = torch.zeros(1, 16, 5, 16, 16)
+LAYERS = tiny.TINY_LAYERS
+
+
+class CountingBackend:
+    """A ``torch.compile`` backend that keeps every FX graph it is given and runs it with aot_eager."""
+
+    def __init__(self):
+        self.graphs = []
+
+    def __call__(self, gm, example_inputs):
+        from torch._dynamo.backends.debugging import aot_eager
+
+        self.graphs.append(gm)
+        return aot_eager(gm, example_inputs)
+
+    def op_counts(self, name: str) -> list[int]:
+        """Per graph, how many calls of ``torch.ops.chorus.<name>`` it holds."""
+        target = getattr(torch.ops.chorus, name).default
+        counts = []
+        for gm in self.graphs:
+            counts.append(sum(1 for node in gm.graph.nodes if node.op == "call_function"
+                              and node.target in (target, getattr(torch.ops.chorus, name))))
+        return counts
+
+
+@pytest.fixture()
+def host_attention(monkeypatch):
+    import comfy.ldm.modules.attention as attention
+    import comfy.ldm.wan.model as wan
+
+    monkeypatch.setattr(wan, "optimized_attention", attention.attention_pytorch)
+
+
+@pytest.fixture(scope="module")
+def experts():
+    return [tiny.load_tiny_wan(tiny.tiny_wan_state_dict(seed=s)) for s in (0, 1)]
+
+
+@pytest.fixture()
+def nodes(tmp_path, monkeypatch):
+    monkeypatch.setenv("CHORUS_CACHE_DIR", str(tmp_path / "cache"))
+    import chorus.nodes as nodes_pkg
+
+    return nodes_pkg
+
+
+@pytest.fixture()
+def dynamo():
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    yield counters
+    torch._dynamo.reset()
+
+
+def _compiled(model, backend):
+    from comfy_api.torch_helpers import set_torch_compile_wrapper
+
+    m = model.clone()
+    set_torch_compile_wrapper(m, backend=backend)
+    return m
+
+
+def _request(high, low, seed=0, latent=LATENT):
+    """KSamplerAdvanced high (steps 0-2 of 4, leftover noise) then low (2-4, no added noise)."""
+    import comfy.sample
+
+    positive, negative = tiny.random_conditioning(3), tiny.random_conditioning(103)
+    noise = comfy.sample.prepare_noise(latent, seed)
+    mid = comfy.sample.sample(high, noise, 4, 1.0, "euler", "simple", positive, negative, latent, start_step=0,
+                              last_step=2, force_full_denoise=False, disable_pbar=True, seed=seed)
+    return comfy.sample.sample(low, torch.zeros_like(latent), 4, 1.0, "euler", "simple", positive, negative, mid,
+                               start_step=2, last_step=10000, force_full_denoise=True, disable_noise=True,
+                               disable_pbar=True, seed=seed)
+
+
+def _retrieve(nodes, image, latent=LATENT):
+    return nodes.ChorusMaskRetrieve.execute(latent={"samples": latent}, workspace="compiled", similarity_threshold=0.9,
+                                            start_image=image, positive=tiny.random_conditioning(3),
+                                            prompt="a red fox").args[0]
+
+
+def _patch(nodes, experts, plan, backend=None, feature_reuse=None):
+    models = []
+    for model in experts:
+        if backend is not None:
+            model = _compiled(model, backend)
+        model = nodes.ChorusSparseSampler.execute(model=model, plan=plan, top_p=0.9, k_min=1, refresh_steps=0,
+                                                  backend="auto").args[0]
+        if feature_reuse is not None:
+            model = nodes.ChorusFeatureReuse.execute(model=model, plan=plan, downsample_share=feature_reuse).args[0]
+        models.append(model)
+    return models
+
+
+def _graph_break_reasons(counters) -> list[str]:
+    return [reason.splitlines()[0] + " " + reason for reason in counters["graph_break"]]
+
+
+IMAGE = torch.rand(1, 32, 32, 3, generator=torch.Generator().manual_seed(0))
+
+
+def test_compiled_miss_records_then_two_compiled_hits_compile_once(nodes, experts, host_attention, dynamo):
+    backend = CountingBackend()
+    miss = _retrieve(nodes, IMAGE)
+    assert not miss.is_hit
+    out = _request(*_patch(nodes, experts, miss, backend))
+    assert torch.isfinite(out).all()
+    assert miss.stats.recorded_calls == 4 * LAYERS and miss.stats.dense_calls == 4 * LAYERS
+    assert miss.stats.fallback_calls == 0, miss.stats.messages
+    written = nodes.ChorusCacheWrite.execute(latent={"samples": out}, plan=miss).args[0]
+    assert written.startswith("wrote entry 1") and f"recorded {4 * LAYERS}" in written, written
+    # the miss's graphs record every layer: one record_mass per layer, inside the graph of its block
+    assert max(backend.op_counts("record_mass")) == LAYERS, backend.op_counts("record_mass")
+
+    eager_hit = _retrieve(nodes, IMAGE)
+    assert eager_hit.is_hit
+    eager_out = _request(*_patch(nodes, experts, eager_hit))
+
+    outputs, graphs_after = [], []
+    for request in range(2):
+        plan = _retrieve(nodes, IMAGE)
+        assert plan.is_hit and plan.entry_id == 1
+        outputs.append(_request(*_patch(nodes, experts, plan, backend)))
+        assert plan.stats.sparse_calls == 4 * LAYERS and plan.stats.fallback_calls == 0, plan.stats.summary()
+        assert plan.stats.dense_calls == 0
+        graphs_after.append((len(backend.graphs), dict(dynamo["stats"]), sum(dynamo["recompiles"].values())))
+    # every self-attention call of a forward is in one graph with its block: one attend per layer
+    attend = backend.op_counts("attend")
+    assert max(attend) == LAYERS and all(c in (0, LAYERS) for c in attend), attend
+    # the only graph breaks are the host side of each forward (torch.compiler.disable'd), none in a block
+    reasons = _graph_break_reasons(dynamo)
+    assert reasons and all("_begin_forward" in r for r in reasons), reasons
+    # the second hit request compiled nothing: no new graph, no recompile
+    assert graphs_after[1] == graphs_after[0], graphs_after
+    torch.testing.assert_close(outputs[1], outputs[0], rtol=0, atol=0)
+    torch.testing.assert_close(outputs[0], eager_out, rtol=1e-4, atol=1e-4)
+
+
+def test_compiled_miss_records_region_scores_and_a_feature_reuse_hit_works(nodes, experts, host_attention, dynamo):
+    backend = CountingBackend()
+    miss = _retrieve(nodes, IMAGE, LATENT_FR)
+    _request(*_patch(nodes, experts, miss, backend, feature_reuse=1.0), latent=LATENT_FR)
+    assert nodes.ChorusCacheWrite.execute(latent={"samples": LATENT_FR}, plan=miss).args[0].startswith("wrote entry")
+    # a compiled miss keeps its blocks in the graph: one record_block per layer (region scores) and one
+    # record_mass per layer (block mass), no graph break inside a block
+    assert max(backend.op_counts("record_block")) == LAYERS and max(backend.op_counts("record_mass")) == LAYERS
+    assert all("_begin_forward" in r for r in _graph_break_reasons(dynamo)), _graph_break_reasons(dynamo)
+    plan = _retrieve(nodes, IMAGE, LATENT_FR)
+    assert plan.is_hit
+    models = [nodes.ChorusGuidanceBoost.execute(model=m, plan=plan, strength=0.5, image_strength=0.5,
+                                                cfg_strength=0.0).args[0]
+              for m in _patch(nodes, experts, plan, backend, feature_reuse=1.0)]
+    out = _request(*models, latent=LATENT_FR)
+    assert torch.isfinite(out).all()
+    assert plan.stats.fallback_calls == 0, plan.stats.messages
+    assert plan.stats.sparse_calls == 4 * LAYERS
+    assert plan.state.feature_reuse.blocks_reduced > 0, (plan.state.feature_reuse.summary(), plan.stats.messages, miss.stats.messages)
+    assert np.isfinite(plan.stats.density)
