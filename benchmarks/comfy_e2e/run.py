@@ -549,8 +549,8 @@ def profile_step(step, top: int = 25) -> dict:
 
 def table(results: dict) -> str:
     rows = results["runs"]
-    lines = ["| weights | res | variant | request s | vs dense | attention ms/layer | density | peak GiB |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| weights | res | variant | request s | vs dense | first request s | attention ms/layer | density | peak GiB |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         base = next((x for x in rows if x["weights"] == r["weights"] and x["res"] == r["res"]
                      and x["variant"] == ("dense+compile" if "compile" in r["variant"] else "dense")), None)
@@ -558,8 +558,9 @@ def table(results: dict) -> str:
         attn = f"{r['attn_ms_per_layer']:.2f}" if r.get("attn_ms_per_layer") is not None else "-"
         dens = f"{r['density']:.1%}" if r.get("density") is not None else "-"
         peak = f"{r['peak_gib']:.1f}" if r.get("peak_gib") is not None else "-"
-        lines.append(f"| {r['weights']} | {r['res']} | {r['variant']} | {r['seconds']:.2f} | {ratio} | {attn} | "
-                     f"{dens} | {peak} |")
+        first = f"{r['first_request_s']:.1f}" if r.get("first_request_s") is not None else "-"
+        lines.append(f"| {r['weights']} | {r['res']} | {r['variant']} | {r['seconds']:.2f} | {ratio} | {first} | "
+                     f"{attn} | {dens} | {peak} |")
     return "\n".join(lines)
 
 
