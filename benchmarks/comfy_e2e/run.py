@@ -487,8 +487,8 @@ def save(results: dict, out_dir) -> None:
 
 
 def kernel_alone_ms(plan, grid, shape, kernels, reps: int = 10) -> dict:
-    """The kernel a hit runs by itself: ``block_sparse_attention(backend="auto")`` (``"auto"``: its
-    median ms; ``"backend"``: what auto resolved to) on random q/k/v in ComfyUI's layout with the map
+    """The kernel a hit runs by itself: ``block_sparse_attention(backend="auto")`` in the entry's
+    token order, as the hit runs it (``"auto"``: its median ms; ``"backend"``: what auto resolved to) on random q/k/v in ComfyUI's layout with the map
     the hit computes for layer 0 of step 0 (entry map + k_min floor); also the portable Triton FP8
     kernel whole and in its two parts (pre-pass + index, attention)."""
     from chorus.engine.runtime import floor_k_min
@@ -516,7 +516,8 @@ def kernel_alone_ms(plan, grid, shape, kernels, reps: int = 10) -> dict:
                 return prepare_attention(*qkv, block_map, 128, scale, True)
             if name == "attention_kernel":
                 return launch_attention(prep)
-            o = kernels.block_sparse_attention(*qkv, block_map, backend=name, rows_checked=True)
+            o = kernels.block_sparse_attention(*qkv, block_map, backend=name, rows_checked=True,
+                                               token_perm=plan.entry_order if name == "auto" else None)
             return o.transpose(1, 2).reshape(1, length, heads * dim)
         out[name] = cuda_median_ms(call, reps, warmup=2)
     out["density"] = float(block_map.float().mean())
