@@ -9,7 +9,11 @@ and returns a clone with a new patch = the old parts + the node's part (configur
 replaces it; the order of the nodes does not matter), then (re)installs with ComfyUI's supported hooks:
 
 - ``optimized_attention_override`` = the patch itself (an override already set by another node is
-  chained: everything Chorus does not handle, and every dense call, goes through it);
+  chained: everything Chorus does not handle, and every dense call, goes through it; a recognised
+  sparse override such as ComfyUI's Model Sparse Attention node is skipped by Chorus's own dense calls,
+  and where it has put itself on top the patch takes the top back in each forward:
+  ``nodes/override_stack.py``). Calls are read in ComfyUI 0.3.64's and 0.38.x's conventions
+  (``nodes/comfy_call.py``: q/k/v containers taken once, ``scale`` honoured);
 - one ``OUTER_SAMPLE`` and one ``DIFFUSION_MODEL`` wrapper under the key ``"chorus_ii"`` (the old
   per-node keys ``"chorus_ii_feature_reuse"`` / ``"chorus_ii_guidance"`` are removed);
 - with feature reuse, ``patches_replace["dit"][("double_block", i)]`` = a :class:`ChorusBlock` per block
@@ -55,6 +59,7 @@ from ..engine import ChorusAttention, ModelInfo, Plan, token_grid
 from ..engine.feature_reuse import FeatureReuse
 from ..engine.guidance import GuidanceBoost, biased_dense_or_plain
 from ..kernels import pooling
+from . import comfy_call, host_report, override_stack
 from .comfy_adapter import comfy_model_info
 
 log = logging.getLogger("chorus.nodes")
@@ -75,8 +80,9 @@ class Forward:
     and why Chorus stays out of it (None: it does not)."""
 
     def __init__(self, patch: "ChorusPatch", grid, sigma: float | None, disabled_reason: str | None,
-                 context_lengths=frozenset(), cond_or_uncond=None):
+                 context_lengths=frozenset(), cond_or_uncond=None, route=None):
         self.patch = patch
+        self.route = route  # issue 33: override_stack.Route of this forward (None: the patch's own chain)
         self.grid = grid
         self.tokens = grid[0] * grid[1] * grid[2]
         self.sigma = sigma
@@ -147,6 +153,13 @@ class ChorusPatch:
         schedule = sigmas.detach().float().cpu() if isinstance(sigmas, torch.Tensor) else sigmas
         started = []
         self._run_failed = None
+        # --- issue 33: another sparse override on this run's model (nodes/override_stack.py) ---
+        guider = getattr(executor, "class_obj", None)
+        stack_line = override_stack.run_note(getattr(guider, "model_options", None),
+                                             getattr(guider, "model_patcher", None), self)
+        if stack_line is not None:
+            self.note(stack_line)
+        # --- end issue 33 ---
         try:
             for part in (self.attention, self.feature_reuse):
                 if part is None:
@@ -164,7 +177,11 @@ class ChorusPatch:
                                                                        else schedule)])
                 except (TypeError, ValueError):
                     self.guidance.sample_sigmas = None
-            return executor(*args, **kwargs)
+            try:
+                return executor(*args, **kwargs)
+            except BaseException as exc:  # issue 33: one line naming ComfyUI's version if Chorus code failed
+                host_report.report_failure(exc)
+                raise
         finally:
             for part in started:
                 try:
@@ -210,7 +227,7 @@ class ChorusPatch:
         tokens = grid[0] * grid[1] * grid[2]
         context = args[2] if len(args) > 2 else kwargs.get("context")
         clip_fea = args[3] if len(args) > 3 and not isinstance(args[3], dict) else kwargs.get("clip_fea")
-        time_dim_concat = args[4] if len(args) > 4 and not isinstance(args[4], dict) else kwargs.get("time_dim_concat")
+        extra_tokens = comfy_call.extra_token_input(args, kwargs)  # issue 33: + 0.38's context_latents
         context_lengths = set()
         if isinstance(context, torch.Tensor) and context.dim() == 3:
             context_lengths.add(int(context.shape[1]))
@@ -219,8 +236,8 @@ class ChorusPatch:
         reason = None
         if self._run_failed is not None:
             reason = self._run_failed
-        elif time_dim_concat is not None or "reference_latent" in kwargs:
-            reason = "extra concatenated/reference tokens in this model call"
+        elif extra_tokens is not None:
+            reason = f"extra tokens in this model call ({extra_tokens})"
         elif tokens in context_lengths:
             reason = (f"the latent has {tokens} tokens, as many as a cross-attention context: self- and "
                       "cross-attention cannot be told apart")
@@ -230,12 +247,23 @@ class ChorusPatch:
             sigma = float(sigmas.reshape(-1)[0].item())  # the one host sync of the forward
         elif isinstance(sigmas, (int, float)):
             sigma = float(sigmas)
+        route = override_stack.forward_route(self, options)  # issue 33: Chorus on top of a foreign sparse override
         options = dict(options)
-        options[FORWARD_KEY] = Forward(self, grid, sigma, reason, context_lengths, options.get("cond_or_uncond"))
+        if route.top is not None:
+            options[OVERRIDE] = route.top  # issue 33
+        options[FORWARD_KEY] = Forward(self, grid, sigma, reason, context_lengths, options.get("cond_or_uncond"),
+                                       route=route)
         return where, options
 
     # -- the attention override ----------------------------------------------------------------------
-    def _pass(self, func, args, kwargs):
+    def _pass(self, func, args, kwargs, own=False):
+        """Hand a call on: ``own`` = Chorus's own dense call (a miss, a hit's fallback), else a call
+        Chorus declines. In a Chorus forward, along that forward's ``override_stack.Route``."""
+        # --- issue 33: route through the forward's override stack ---
+        ctx = (kwargs.get("transformer_options") or {}).get(FORWARD_KEY)
+        if ctx is not None and ctx.patch is self and ctx.route is not None:
+            return override_stack.route_call(ctx.route, func, args, kwargs, own=own, forward_key=FORWARD_KEY)
+        # --- end issue 33 ---
         if self.previous_override is not None:
             return self.previous_override(func, *args, **kwargs)
         return func(*args, **kwargs)
@@ -245,13 +273,18 @@ class ChorusPatch:
     # recorder) took minutes and its guards on the unpacked maps failed, so hits fell back to dense.
     @torch.compiler.disable
     def __call__(self, func, *args, **kwargs):
+        # --- issue 33: both calling conventions (nodes/comfy_call.py): q/k/v containers taken once ---
+        call = comfy_call.read_call(args, kwargs)
+        if call is None:
+            return self._pass(func, args, kwargs)
+        args = call.args  # plain tensors from here on, to func and any chained override alike
+        # --- end issue 33 ---
         options = kwargs.get("transformer_options") or {}
         ctx = options.get(FORWARD_KEY)
-        if ctx is None or ctx.patch is not self or len(args) < 3:
+        if ctx is None or ctx.patch is not self:
             return self._pass(func, args, kwargs)
         q, k, v = args[:3]
-        if (not all(isinstance(t, torch.Tensor) and t.dim() == 3 for t in (q, k, v))
-                or kwargs.get("mask") is not None or kwargs.get("skip_reshape") or kwargs.get("skip_output_reshape")):
+        if comfy_call.layout_refusal(call) is not None:  # issue 33 (also a positional mask)
             return self._pass(func, args, kwargs)  # a layout we do not handle
         if k.shape[1] != q.shape[1]:  # cross-attention: text, CLIP image tokens
             out = self._pass(func, args, kwargs)
@@ -282,15 +315,19 @@ class ChorusPatch:
                     attention.plan.stats.fallback_calls += 1
             return self._pass(func, args, kwargs)
         q, k, v = args[:3]
-        heads = kwargs.get("heads", args[3] if len(args) > 3 else None)
+        # --- issue 33: heads, enable_gqa, low_precision_attention, unknown kwargs; scale honoured ---
+        call = comfy_call.read_call(args, kwargs)
+        refusal = comfy_call.sparse_refusal(call)
         batch, length, width = q.shape
-        if not heads or width % int(heads):
-            self.note(f"q width {width} is not a multiple of {heads} heads; dense attention")
+        if refusal is not None:
+            self.note(f"{refusal}; dense attention")
             if attention is not None:
                 attention.plan.stats.fallback_calls += 1
             return self._pass(func, args, kwargs)
-        heads = int(heads)
+        heads = int(call.heads)
         head_dim = width // heads
+        q = comfy_call.scaled_query(q, call.scale, head_dim)
+        # --- end issue 33 ---
         sigma = ctx.sigma
         bias = 0.0
         if guidance is not None and guidance.image_strength and sigma is not None:
@@ -302,8 +339,9 @@ class ChorusPatch:
         def to_bhld(t):
             return t.view(batch, t.shape[1], heads, head_dim).transpose(1, 2)
 
-        def dense_fn(*_):
-            return self._pass(func, args, kwargs).view(batch, length, heads, head_dim).transpose(1, 2)
+        def dense_fn(*_):  # issue 33: own=... (Chorus's own dense call skips a foreign sparse override)
+            return self._pass(func, args, kwargs, own=attention is not None).view(
+                batch, length, heads, head_dim).transpose(1, 2)
 
         if attention is not None:
             layer = options.get("block_index")  # newer ComfyUI; else the per-forward counter
@@ -479,6 +517,11 @@ def configure(model, plan: Plan | None, *, sparse=KEEP, feature_reuse=KEEP, guid
     patch = ChorusPatch(plan if plan is not None else (boost.plan if boost is not None else None), info,
                         attention=attention, feature_reuse=fr, guidance=boost, previous_override=previous)
     _install(patched, patch)
+    # --- issue 33: a foreign sparse override below this patch (nodes/override_stack.py) ---
+    stack_line = None if patch.is_empty else override_stack.patch_note(previous, patch.attention is not None)
+    if stack_line is not None:
+        patch.note(stack_line)
+    # --- end issue 33 ---
     return patched, (None if patch.is_empty else patch), info
 
 
@@ -545,4 +588,5 @@ def describe(patch: ChorusPatch | None) -> str:
         parts.append("feature reuse")
     if patch.guidance is not None:
         parts.append("guidance")
-    return "Chorus patch: " + " + ".join(parts)
+    stack_line = override_stack.patch_note(patch.previous_override, patch.attention is not None)  # issue 33
+    return "Chorus patch: " + " + ".join(parts) + (f" | {stack_line}" if stack_line else "")
