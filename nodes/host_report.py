@@ -6,7 +6,7 @@ then re-raises) logs ONE error line naming ComfyUI's version, torch's, the inner
 error passed through and where it was raised, e.g.::
 
     Chorus II: sampling failed on ComfyUI 0.38.1 (torch 2.14.1); first failing Chorus call
-    nodes/comfy_patch.py:318 ChorusPatch._self_attention; raised at comfy/ldm/modules/attention.py:512
+    nodes/comfy_call.py:185 dense_call; raised at /opt/ComfyUI/comfy/ldm/modules/attention.py:512
     attention_pytorch: TypeError: ... -- if the same graph runs without the Chorus nodes, report this
     line (docs/INSTALL.md, "Newer ComfyUI")
 
