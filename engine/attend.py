@@ -10,7 +10,9 @@ self-attention call of that forward then goes through two ``torch.library`` cust
 - ``torch.ops.chorus.record_mass(q, k, layer_hint, token) -> ()``: a miss's recording of one call whose
   output the host's own dense attention computed;
 - ``torch.ops.chorus.record_block(x, y, layer, token) -> ()``: a miss's feature-reuse region scores of
-  one block the host ran in full (its input and output residual stream ``[B, L, C]``).
+  one block the host ran in full (its input and output residual stream ``[B, L, C]``);
+- ``torch.ops.chorus.refuse(q, reason, layer_hint, token) -> ()``: a self-attention call the host
+  answers densely because Chorus must not take it (a note and a fallback count).
 
 Both are opaque to ``torch.compile`` with shape-only fake implementations, and their arguments are
 tensors and one int that is constant per call site, so dynamo traces a transformer block through
@@ -33,7 +35,7 @@ import torch
 
 from . import guidance as guidance_module
 
-__all__ = ["ForwardContext", "activate", "current", "attend", "record_mass", "record_block"]
+__all__ = ["ForwardContext", "activate", "current", "attend", "record_mass", "record_block", "refuse"]
 
 
 def _sdpa(q, k, v):
@@ -99,6 +101,16 @@ class ForwardContext:
         except Exception:  # noqa: BLE001 - guidance must never break attention
             return 0.0
 
+    def biases_first_frame(self) -> bool:
+        """Whether guidance biases this forward's self-attention toward the first frame (counts nothing)."""
+        guidance = self.guidance
+        if guidance is None or not guidance.image_strength or self.sigma is None:
+            return False
+        try:
+            return bool(guidance.reuse_acted(self.sigma))
+        except Exception:  # noqa: BLE001
+            return False
+
     def cross_attention_gain(self) -> float | None:
         """Guidance's text gain for this forward's cross-attention outputs (also in a forward Chorus
         otherwise stays out of: no self-attention is involved), or None. Counts the forward as boosted.
@@ -132,6 +144,14 @@ class ForwardContext:
             return self._dense(q, k, v, bias, prefix, "no sigma in this forward; dense attention", count=True)
         return attention.self_attention(q, k, v, layer=layer, sigma=self.sigma, grid=self.grid, dense_fn=_sdpa,
                                         cond_rows=self.cond_rows(q.shape[0]), first_frame_bias=bias)
+
+    def refuse(self, reason: str, layer_hint: int = -1) -> None:
+        """A self-attention call the host answers with its own dense attention because Chorus must not
+        take it (``reason``, e.g. grouped-query attention): one note, counted as a fallback."""
+        self.next_layer(layer_hint)
+        self.note(f"{reason}; dense attention")
+        if self.attention is not None:
+            self.attention.count_fallback()
 
     def record(self, q: torch.Tensor, k: torch.Tensor, layer_hint: int = -1) -> None:
         """Record one dense call's block mass (a miss) into the plan's recorder; never raises."""
@@ -223,6 +243,18 @@ if not _op_exists("record_mass"):
     def _record_fake(q, k, layer_hint, token):
         return None
 
+if not _op_exists("refuse"):
+    @torch.library.custom_op("chorus::refuse", mutates_args=("token",))
+    def _refuse_op(q: torch.Tensor, reason: str, layer_hint: int, token: torch.Tensor) -> None:
+        token.add_(1)
+        context = current()
+        if context is not None:
+            context.refuse(reason, layer_hint)
+
+    @_refuse_op.register_fake
+    def _refuse_fake(q, reason, layer_hint, token):
+        return None
+
 if not _op_exists("record_block"):
     @torch.library.custom_op("chorus::record_block", mutates_args=("token",))
     def _record_block_op(x: torch.Tensor, y: torch.Tensor, layer: int, token: torch.Tensor) -> None:
@@ -249,3 +281,9 @@ def record_mass(q: torch.Tensor, k: torch.Tensor, layer_hint: int = -1) -> None:
 def record_block(x: torch.Tensor, y: torch.Tensor, layer: int) -> None:
     """Record a full block call's region scores on the current context (``torch.ops.chorus.record_block``)."""
     torch.ops.chorus.record_block(x, y, int(layer), _RECORD_TOKEN)
+
+
+def refuse(q: torch.Tensor, reason: str, layer_hint: int = -1) -> None:
+    """Note a self-attention call the host answers densely because Chorus must not take it
+    (``torch.ops.chorus.refuse``; ``q`` only orders the call among the others)."""
+    torch.ops.chorus.refuse(q, str(reason), int(layer_hint), _RECORD_TOKEN)

@@ -9,7 +9,11 @@ hooks:
 
 - ``optimized_attention_override`` = a :class:`ChorusOverride` (one object per chained override, the
   same for every request, so a compiled model is not recompiled for a new patch); an override another
-  node set is chained: every call Chorus does not handle goes through it;
+  node set is chained: every call Chorus does not handle goes through it. A recognised sparse override
+  (ComfyUI's Model Sparse Attention node) is skipped by Chorus's own dense calls, and where it has put
+  itself on top, Chorus takes the top back in each forward (``nodes/override_stack.py``). Calls are
+  read in ComfyUI 0.3.64's and 0.38.x's conventions (``nodes/comfy_call.py``: q/k/v containers taken
+  once, ``scale`` honoured);
 - one ``OUTER_SAMPLE`` wrapper (the patch's sampler run: every part's ``begin_run`` / ``end_run``) and
   one ``DIFFUSION_MODEL`` wrapper (:func:`diffusion_model_wrapper`, module level), both under the key
   ``"chorus_ii"``;
@@ -56,6 +60,7 @@ from ..engine import attend as engine_attend
 from ..engine.feature_reuse import FeatureReuse
 from ..engine.guidance import GuidanceBoost
 from ..kernels import pooling
+from . import comfy_call, host_report, override_stack
 from .comfy_adapter import comfy_model_info
 
 log = logging.getLogger("chorus.nodes")
@@ -68,7 +73,9 @@ TOKENS_KEY = "chorus_ii_tokens"    # a forward's options copy: the token grid's 
 GAIN_KEY = "chorus_ii_gain"        # a forward's options copy: guidance's cross-attention gain
 REUSE_KEY = "chorus_ii_feature_reuse"  # a forward's options copy: "reduce" (a hit) | "record" (a miss)
 LAYOUT_KEY = "chorus_ii_layout"    # a compacted block call's options copy: its RegionLayout
-FORWARD_KEYS = (FORWARD_KEY, MODE_KEY, TOKENS_KEY, GAIN_KEY, REUSE_KEY, LAYOUT_KEY)
+DENSE_KEY = "chorus_ii_dense"      # a forward's options copy: (chain,) for Chorus's own dense calls, when it
+                                   # is not the override's own chain (a foreign sparse override skipped)
+FORWARD_KEYS = (FORWARD_KEY, MODE_KEY, TOKENS_KEY, GAIN_KEY, REUSE_KEY, LAYOUT_KEY, DENSE_KEY)
 OVERRIDE = "optimized_attention_override"
 CLIP_IMAGE_TOKENS = 257
 KEEP = object()  # configure(): leave that part as it is
@@ -146,6 +153,12 @@ class ChorusPatch:
         schedule = sigmas.detach().float().cpu() if isinstance(sigmas, torch.Tensor) else sigmas
         started = []
         self._run_failed = None
+        guider = getattr(executor, "class_obj", None)  # another sparse override on this run's model
+        stack_line = override_stack.run_note(getattr(guider, "model_options", None),
+                                             getattr(guider, "model_patcher", None),
+                                             ChorusOverride.chaining(self.previous_override), self.attention is not None)
+        if stack_line is not None:
+            self.note(stack_line)
         try:
             for part in (self.attention, self.feature_reuse):
                 if part is None:
@@ -163,7 +176,11 @@ class ChorusPatch:
                                                                        else schedule)])
                 except (TypeError, ValueError):
                     self.guidance.sample_sigmas = None
-            return executor(*args, **kwargs)
+            try:
+                return executor(*args, **kwargs)
+            except BaseException as exc:  # one line naming ComfyUI's version when Chorus code failed
+                host_report.report_failure(exc)
+                raise
         finally:
             engine_attend.activate(None)
             for part in started:
@@ -191,7 +208,7 @@ class ChorusPatch:
         tokens = grid[0] * grid[1] * grid[2]
         context = args[2] if len(args) > 2 else kwargs.get("context")
         clip_fea = args[3] if len(args) > 3 and not isinstance(args[3], dict) else kwargs.get("clip_fea")
-        time_dim_concat = args[4] if len(args) > 4 and not isinstance(args[4], dict) else kwargs.get("time_dim_concat")
+        extra_tokens = comfy_call.extra_token_input(args, kwargs)
         context_lengths = set()
         if isinstance(context, torch.Tensor) and context.dim() == 3:
             context_lengths.add(int(context.shape[1]))
@@ -200,8 +217,8 @@ class ChorusPatch:
         reason = None
         if self._run_failed is not None:
             reason = self._run_failed
-        elif time_dim_concat is not None or "reference_latent" in kwargs:
-            reason = "extra concatenated/reference tokens in this model call"
+        elif extra_tokens is not None:
+            reason = f"extra tokens in this model call ({extra_tokens})"
         elif tokens in context_lengths:
             reason = (f"the latent has {tokens} tokens, as many as a cross-attention context: self- and "
                       "cross-attention cannot be told apart")
@@ -214,7 +231,12 @@ class ChorusPatch:
         ctx = engine_attend.ForwardContext(self.attention, self.guidance, grid, sigma,
                                            options.get("cond_or_uncond"), self.note, reason, self.feature_reuse)
         engine_attend.activate(ctx)
+        route = override_stack.forward_route(self.previous_override, options.get(OVERRIDE))
         options = {key: value for key, value in options.items() if key not in FORWARD_KEYS}
+        if route.top:  # a foreign sparse override put itself on top: Chorus takes the top back
+            options[OVERRIDE] = ChorusOverride.chaining(route.passing)
+        if route.dense is not route.passing:
+            options[DENSE_KEY] = (route.dense,)
         options[FORWARD_KEY] = Forward(self, ctx, context_lengths)
         options[TOKENS_KEY] = tokens
         gain = ctx.cross_attention_gain()
@@ -238,21 +260,21 @@ class ChorusPatch:
         return options
 
     # -- feature reuse's compacted block calls (host side) ---------------------------------------------
-    def layout_self_attention(self, func, args, kwargs, ctx: Forward, layout):
-        """A self-attention call of a feature-reuse block on its compact sequence (q/k/v ``[B, L', H*D]``):
-        on the compact sequence itself (a hit in the layout's region order), or expanded to the grid,
-        attended and compacted."""
+    def layout_self_attention(self, func, call, ctx: Forward, layout):
+        """A self-attention call of a feature-reuse block on its compact sequence (``call``: the
+        override's :class:`comfy_call.AttentionCall`, q/k/v ``[B, L', H*D]``): on the compact sequence
+        itself (a hit in the layout's region order), or expanded to the grid, attended and compacted."""
+        args, kwargs = call.args, call.kwargs
         q, k, v = args[:3]
-        heads = _heads(args, kwargs)
-        attention = self.attention
+        attention, context = self.attention, ctx.context
         batch, length, width = q.shape
-        if heads is None or width % heads:
-            self.note(f"q width {width} is not a multiple of {heads} heads; dense attention")
-            if attention is not None:
-                attention.count_fallback()
+        refusal = comfy_call.sparse_refusal(call)
+        if refusal is not None:
+            context.refuse(refusal, _layer_hint(kwargs))
             return _pass(self.previous_override, func, args, kwargs)
+        heads = int(call.heads)
+        q = comfy_call.scaled_query(q, call.scale, width // heads)
         if layout.order is not None and attention is not None:
-            context = ctx.context
             layer = context.next_layer(_layer_hint(kwargs))
             out = attention.compact_self_attention(
                 *(_per_head(t, heads) for t in (q, k, v)), layout=layout, layer=layer, sigma=context.sigma,
@@ -260,17 +282,12 @@ class ChorusPatch:
                 cond_rows=context.cond_rows(batch), first_frame_bias=context.first_frame_bias())
             return out.transpose(1, 2).reshape(batch, length, width)
         full = [pooling.expand_tokens(t, layout) for t in (q, k, v)]
-        if attention is None and not ctx.context.first_frame_bias():
+        if attention is None and not context.biases_first_frame():
             out = _pass(self.previous_override, func, tuple(full) + tuple(args[3:]), kwargs)
         else:
-            out = ctx.context.self_attention(*(_per_head(t, heads) for t in full), _layer_hint(kwargs))
+            out = context.self_attention(*(_per_head(t, heads) for t in full), _layer_hint(kwargs))
             out = out.transpose(1, 2).reshape(batch, full[0].shape[1], width)
         return pooling.compact_rows(out, layout)
-
-
-def _heads(args, kwargs) -> int | None:
-    heads = kwargs.get("heads", args[3] if len(args) > 3 else None)
-    return int(heads) if isinstance(heads, int) and not isinstance(heads, bool) and heads > 0 else None
 
 
 def _layer_hint(kwargs) -> int:
@@ -286,16 +303,15 @@ def _per_head(t: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def _pass(previous, func, args, kwargs):
-    """The call as if Chorus were not there: through the chained override, else the host's attention,
-    with the options of this forward's Chorus keys removed (an older Chorus override further down the
-    chain then passes it on too)."""
+    """The call as if Chorus were not there: through the chained override, else the host's attention
+    (:func:`comfy_call.dense_call`), with this forward's Chorus keys removed from its options (an older
+    Chorus override further down the chain, or the one a foreign override chains back to, passes it on)."""
     options = kwargs.get("transformer_options")
     if isinstance(options, dict) and MODE_KEY in options:
-        kwargs = dict(kwargs)
-        kwargs["transformer_options"] = {key: value for key, value in options.items() if key not in FORWARD_KEYS}
-    if previous is not None:
-        return previous(func, *args, **kwargs)
-    return func(*args, **kwargs)
+        options = {key: value for key, value in options.items() if key not in FORWARD_KEYS}
+    else:
+        options = None
+    return comfy_call.dense_call(func, previous, args, kwargs, options)
 
 
 @torch.compiler.disable
@@ -332,12 +348,14 @@ class ChorusOverride:
     """The attention override of Chorus-patched models (``optimized_attention_override``): one object
     per chained override (:meth:`chaining`), the same for every request.
 
-    It only translates ComfyUI's call (q, k, v ``[B, L, H*D]``, ``heads``) by the forward's constants
-    (module docstring): self-attention (q, k and v as long as the grid) to ``torch.ops.chorus.attend``,
-    or, on a recording miss, to the host's attention and ``torch.ops.chorus.record_mass``; cross-attention
-    to the host's attention, times guidance's gain; a feature-reuse block's compacted call to
-    :meth:`ChorusPatch.layout_self_attention`; everything else (another layout, a mask, no Chorus
-    forward) to ``previous`` or the host's attention unchanged."""
+    It only translates ComfyUI's call (read in either calling convention by :func:`comfy_call.read_call`:
+    q, k, v ``[B, L, H*D]``, ``heads``, ``scale``) by the forward's constants (module docstring):
+    self-attention (q, k and v as long as the grid) to ``torch.ops.chorus.attend``, or, on a recording
+    miss, to the host's attention and ``torch.ops.chorus.record_mass``; a self-attention call Chorus
+    must not take (:func:`comfy_call.sparse_refusal`) to the host's attention, noted by
+    ``torch.ops.chorus.refuse``; cross-attention to the host's attention, times guidance's gain; a
+    feature-reuse block's compacted call to :meth:`ChorusPatch.layout_self_attention`; everything else
+    (another layout, a mask, no Chorus forward) to ``previous`` or the host's attention unchanged."""
 
     _by_previous: dict = {}
 
@@ -352,6 +370,11 @@ class ChorusOverride:
             found = cls._by_previous[id(previous)] = cls(previous)
         return found
 
+    @property
+    def previous_override(self):
+        """The override this one chains (what ``nodes/override_stack.py`` walks)."""
+        return self.previous
+
     def __deepcopy__(self, memo):
         return self
 
@@ -359,44 +382,54 @@ class ChorusOverride:
         return f"ChorusOverride(previous={self.previous!r})"
 
     def __call__(self, func, *args, **kwargs):
-        options = kwargs.get("transformer_options")
-        if not isinstance(options, dict) or len(args) < 3:
+        call = comfy_call.read_call(args, kwargs)
+        if call is None:
             return _pass(self.previous, func, args, kwargs)
+        args = call.args  # plain tensors from here on, to func and any chained override alike
+        options = kwargs.get("transformer_options")
+        if not isinstance(options, dict) or comfy_call.layout_refusal(call) is not None:
+            return _pass(self.previous, func, args, kwargs)
+        q, k, v = args[:3]
         layout = options.get(LAYOUT_KEY)
         if layout is not None:  # inside feature reuse's block, on the host side
             forward = options.get(FORWARD_KEY)
-            q, k, v = args[:3]
-            if (isinstance(forward, Forward) and _plain_layout(q, k, v, kwargs) and q.shape[1] == v.shape[1]
-                    == k.shape[1] == layout.compact_length and layout.length == forward.tokens):
-                return forward.patch.layout_self_attention(func, args, kwargs, forward, layout)
+            if (isinstance(forward, Forward) and q.shape[1] == v.shape[1] == k.shape[1] == layout.compact_length
+                    and layout.length == forward.tokens):
+                return forward.patch.layout_self_attention(func, call, forward, layout)
             return _pass(self.previous, func, args, kwargs)
-        mode = options.get(MODE_KEY)
         tokens = options.get(TOKENS_KEY)
-        q, k, v = args[:3]
-        if tokens is None or not _plain_layout(q, k, v, kwargs):
+        if tokens is None:
             return _pass(self.previous, func, args, kwargs)
         if k.shape[1] != q.shape[1]:  # cross-attention: text, CLIP image tokens
             out = _pass(self.previous, func, args, kwargs)
             gain = options.get(GAIN_KEY)
             return out if gain is None else out * gain
-        heads = _heads(args, kwargs)
-        if (mode is None or q.shape[1] != tokens or v.shape[1] != tokens or heads is None
-                or q.shape[2] % heads):
+        mode = options.get(MODE_KEY)
+        if mode is None or q.shape[1] != tokens or v.shape[1] != tokens:
             return _pass(self.previous, func, args, kwargs)
-        batch, length, width = q.shape
         hint = _layer_hint(kwargs)
+        refusal = comfy_call.sparse_refusal(call)
+        if refusal is not None:
+            engine_attend.refuse(q, refusal, hint)
+            return _pass(_dense_chain(options, self.previous), func, args, kwargs)
+        heads = int(call.heads)
+        size = q.shape[2] // heads
         if mode == "record":
-            out = _pass(self.previous, func, args, kwargs)
-            engine_attend.record_mass(_per_head(q, heads), _per_head(k, heads), hint)
+            out = _pass(_dense_chain(options, self.previous), func, args, kwargs)
+            engine_attend.record_mass(_per_head(comfy_call.scaled_query(q, call.scale, size), heads),
+                                      _per_head(k, heads), hint)
             return out
-        out = engine_attend.attend(_per_head(q, heads), _per_head(k, heads), _per_head(v, heads), hint)
+        batch, length, width = q.shape
+        out = engine_attend.attend(_per_head(comfy_call.scaled_query(q, call.scale, size), heads),
+                                   _per_head(k, heads), _per_head(v, heads), hint)
         return out.transpose(1, 2).reshape(batch, length, width)
 
 
-def _plain_layout(q, k, v, kwargs) -> bool:
-    """q, k, v are ``[B, L, H*D]`` tensors without a mask or a pre-shaped layout."""
-    return (all(isinstance(t, torch.Tensor) and t.dim() == 3 for t in (q, k, v))
-            and kwargs.get("mask") is None and not kwargs.get("skip_reshape") and not kwargs.get("skip_output_reshape"))
+def _dense_chain(options: dict, previous):
+    """Where Chorus's own dense calls of this forward go: the forward's chain without a foreign sparse
+    override (:data:`DENSE_KEY`), else the override's own chain."""
+    dense = options.get(DENSE_KEY)
+    return previous if dense is None else dense[0]
 
 
 class ChorusBlock:
@@ -572,6 +605,9 @@ def configure(model, plan: Plan | None, *, sparse=KEEP, feature_reuse=KEEP, guid
     patch = ChorusPatch(plan if plan is not None else (boost.plan if boost is not None else None), info,
                         attention=attention, feature_reuse=fr, guidance=boost, previous_override=previous)
     _install(patched, patch)
+    stack_line = None if patch.is_empty else override_stack.patch_note(previous, patch.attention is not None)
+    if stack_line is not None:  # a foreign sparse override below this patch
+        patch.note(stack_line)
     return patched, (None if patch.is_empty else patch), info
 
 
@@ -635,4 +671,5 @@ def describe(patch: ChorusPatch | None) -> str:
         parts.append("feature reuse")
     if patch.guidance is not None:
         parts.append("guidance")
-    return "Chorus patch: " + " + ".join(parts)
+    stack_line = override_stack.patch_note(patch.previous_override, patch.attention is not None)
+    return "Chorus patch: " + " + ".join(parts) + (f" | {stack_line}" if stack_line else "")

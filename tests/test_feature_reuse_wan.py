@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from host import tiny_wan as tiny  # tests/host (pytest pythonpath)
+from testing import full_map_hit
 
 SKIP_REASON = tiny.import_comfy()
 pytestmark = pytest.mark.skipif(SKIP_REASON is not None, reason=f"ComfyUI not available: {SKIP_REASON}")
@@ -72,18 +73,8 @@ def _sample(m, latent):
 
 
 def _hit_from(miss: Plan, token_order=None) -> Plan:
-    """A hit on the miss's own entry, with every block kept (sparse attention = dense), carrying the
-    miss's region scores the way commit_plan writes them (request_meta -> entry meta); ``token_order``
-    relabels the entry's order (full maps are the same in every order)."""
-    sig = build_signature(miss)
-    if token_order is not None:
-        sig["token_order"] = token_order
-    keys = miss.recorder.block_maps().keys()
-    qb = -(-GRID[0] * GRID[1] * GRID[2] // BS)
-    masks = {k: torch.ones(2, qb, qb, dtype=torch.bool) for k in keys}
-    meta = {"signature": sig, "feature_reuse": miss.request_meta["feature_reuse"]}
-    return Plan("hit", entry_id=1, similarity=1.0, masks=masks, entry_meta=meta, latent_shape=LATENT[1:],
-                embedding=np.ones(4, np.float32))
+    """A hit on the miss's own entry, every block kept (``testing.full_map_hit``)."""
+    return full_map_hit(miss, token_order)
 
 
 def _seam_and_deviation(out, dense, regions):

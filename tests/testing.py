@@ -64,3 +64,25 @@ def tiny_diffusers_wan(num_layers: int = 2, dtype=torch.float32, seed: int = 0):
         text_dim=64, freq_dim=32, ffn_dim=128, num_layers=num_layers, cross_attn_norm=True,
         qk_norm="rms_norm_across_heads", eps=1e-6, image_dim=None, rope_max_seq_len=1024)
     return model.to(dtype).eval()
+
+
+def full_map_hit(miss, token_order=None):
+    """A hit on a recorded miss's own entry with every block kept (sparse attention computes dense
+    attention), carrying the miss's feature-reuse region scores the way ``commit_plan`` writes them;
+    ``token_order`` relabels the entry's order (full maps are the same in every order)."""
+    import numpy as np
+
+    from chorus.engine import Plan, build_signature
+
+    sig = build_signature(miss)
+    if token_order is not None:
+        sig["token_order"] = token_order
+    grid, block = sig["token_grid"], sig["block_size"]
+    blocks = num_blocks(grid[0] * grid[1] * grid[2], block)
+    masks = {key: torch.ones(sig["num_heads"], blocks, blocks, dtype=torch.bool)
+             for key in miss.recorder.block_maps()}
+    meta = {"signature": sig}
+    if "feature_reuse" in miss.request_meta:
+        meta["feature_reuse"] = miss.request_meta["feature_reuse"]
+    return Plan("hit", entry_id=1, similarity=1.0, masks=masks, entry_meta=meta, latent_shape=miss.latent_shape,
+                embedding=np.ones(4, np.float32))
