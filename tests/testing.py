@@ -96,7 +96,8 @@ def check_pooled_tail(out, q, k, v, block_map, *, fp8: bool, label: str, block_s
     per_block, start = [], 0
     for b in blocks:
         n = min((b + 1) * block_size, q.shape[2]) - b * block_size
-        per_block.append((b, round(error_stats(got[:, :, start:start + n], oracle[:, :, start:start + n])["rel_l1"], 5)))
+        rel = error_stats(got[:, :, start:start + n], oracle[:, :, start:start + n])["rel_l1"]
+        per_block.append((b, round(rel, 5)))
         start += n
     info = dict(label=label, ours=ours, ours_vs_map_only_oracle=vs_plain["rel_l1"], tail_moves_oracle=tail_share,
                 per_query_block_rel_l1=per_block)
