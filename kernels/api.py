@@ -11,7 +11,7 @@ Backends (:class:`Backend`): ``auto`` | ``triton_fp8_ws`` | ``triton_fp8`` | ``t
   (other CUDA GPUs) -> flex -> reference, logs its choice once, and if a chosen fast backend raises
   at run time it logs that once and moves down the chain. A call whose options a backend lacks
   (triton_fp8_ws with another block size or head dim, fa4_bf16 with a prefix bias or another block
-  size) runs on the next backend of the chain, that call only.
+  size, flex and fa4_bf16 with ``pooled_tail``) runs on the next backend of the chain, that call only.
 - An explicit backend never falls back: if it cannot run on these inputs it raises
   :class:`BackendUnavailableError` naming the reason.
 
@@ -63,6 +63,7 @@ _AUTO_CHAIN = (Backend.TRITON_FP8_WS, Backend.TRITON_FP8, Backend.FA4_BF16, Back
                Backend.REFERENCE)
 _SM90_ONLY = (Backend.TRITON_FP8_WS, Backend.TRITON_FP8, Backend.FA4_BF16)  # auto: Hopper only (measured there)
 _ATTENTION_ONLY = (Backend.TRITON_FP8_WS, Backend.FA4_BF16, Backend.FLEX)
+_NO_POOLED_TAIL = (Backend.FA4_BF16, Backend.FLEX)  # auto sends a pooled_tail call past these
 _auto_choice: dict[tuple, Backend] = {}
 _auto_logged: set[tuple] = set()
 
@@ -174,9 +175,15 @@ def _demote_auto(key_op: str, q: torch.Tensor, failed: Backend, exc: Exception) 
 
 
 def _for_call_options(chosen: Backend, explicit: bool, q, block_size: int, prefix_len: int,
-                      suffix_len: int = 0) -> Backend:
+                      suffix_len: int = 0, pooled_tail: bool = False) -> Backend:
     """``chosen``, or (auto) the next backend of the chain when this call's options are outside it;
     an explicit backend raises :class:`BackendUnavailableError` instead."""
+    if pooled_tail and chosen in _NO_POOLED_TAIL:
+        reason = f"{chosen.value} has no pooled tail (pooled_tail=True)"
+        if explicit:
+            raise BackendUnavailableError(f"backend={chosen.value!r} cannot run this call: {reason}")
+        return _for_call_options(_next_in_chain("attention", q, chosen) or Backend.REFERENCE, explicit, q,
+                                 block_size, prefix_len, suffix_len, pooled_tail)
     if chosen == Backend.FA4_BF16:
         from .fa4 import check_call  # noqa: PLC0415
 
@@ -269,16 +276,16 @@ def _compiled_flex():
 
 
 def _run_attention(chosen: Backend, q, k, v, block_map, block_size, scale, prefix_len, prefix_bias, perm=None,
-                   suffix_len=0, suffix_bias=0.0):
+                   suffix_len=0, suffix_bias=0.0, pooled_tail=False):
     """One backend's call; ``perm`` = ``(perm, inverse)`` or None: the Triton kernels take the order
     fused into their loads and output store, the others gather into it and scatter back."""
     if perm is not None and chosen not in (Backend.TRITON_FP8, Backend.TRITON_BF16, Backend.TRITON_FP8_WS):
         q, k, v = to_tile_order(perm[0], q, k, v)
         return to_raster_order(perm[1], _run_attention(chosen, q, k, v, block_map, block_size, scale, prefix_len,
-                                                       prefix_bias, None, suffix_len, suffix_bias))
+                                                       prefix_bias, None, suffix_len, suffix_bias, pooled_tail))
     if chosen == Backend.REFERENCE:
         return reference.block_sparse_attention_reference(q, k, v, block_map, block_size, scale, prefix_len,
-                                                          prefix_bias, suffix_len, suffix_bias)
+                                                          prefix_bias, suffix_len, suffix_bias, pooled_tail)
     if chosen == Backend.FLEX:
         return _flex_attention(q, k, v, block_map, block_size, scale, prefix_len, prefix_bias, suffix_len, suffix_bias)
     if chosen == Backend.FA4_BF16:
@@ -290,11 +297,12 @@ def _run_attention(chosen: Backend, q, k, v, block_map, block_size, scale, prefi
         return _triton_module().block_sparse_attention_ws(q, k, v, block_map, scale=scale, prefix_len=prefix_len,
                                                           prefix_bias=prefix_bias,
                                                           token_perm=None if perm is None else perm[0],
-                                                          suffix_len=suffix_len, suffix_bias=suffix_bias)
+                                                          suffix_len=suffix_len, suffix_bias=suffix_bias,
+                                                          pooled_tail=pooled_tail)
     return _triton_module().block_sparse_attention_triton(
         q, k, v, block_map, block_size=block_size, scale=scale, fp8=chosen == Backend.TRITON_FP8,
         prefix_len=prefix_len, prefix_bias=prefix_bias, token_perm=None if perm is None else perm[0],
-        suffix_len=suffix_len, suffix_bias=suffix_bias)
+        suffix_len=suffix_len, suffix_bias=suffix_bias, pooled_tail=pooled_tail)
 
 
 def _token_perm(token_perm, q, k):
@@ -309,7 +317,7 @@ def _token_perm(token_perm, q, k):
 def block_sparse_attention(q, k, v, block_map, *, block_size: int = 128, scale: float | None = None,
                            backend: str = "auto", prefix_len: int = 0, prefix_bias: float = 0.0,
                            rows_checked: bool = False, token_perm=None, suffix_len: int = 0,
-                           suffix_bias: float = 0.0) -> torch.Tensor:
+                           suffix_bias: float = 0.0, pooled_tail: bool = False) -> torch.Tensor:
     """Block-sparse attention: query block ``i`` attends only to key blocks ``j`` with
     ``block_map[..., i, j]``.
 
@@ -335,16 +343,31 @@ def block_sparse_attention(q, k, v, block_map, *, block_size: int = 128, scale: 
             ``perm[p]`` = raster index of position ``p``): q/k/v stay in raster order, ``block_map``
             and ``prefix_len`` refer to the permuted order (a ``TileOrder`` keeps frame 0 as the
             prefix), the output is returned in raster order. Exact: attention is permutation-equivariant.
+        pooled_tail: keep what the map skips. For every query row ``i`` (query block ``I``) and every key
+            block ``j`` that ``block_map`` does not keep for ``(I, head)``, one extra term enters row ``i``'s
+            softmax: logit ``scale * q_i . kbar_j + w_j``, value ``vbar_j``, where ``kbar_j`` / ``vbar_j`` are
+            the means of this call's K / V over block ``j``'s real tokens (a partial last block: its real
+            tokens only) and ``w_j = log(sum over block j's tokens t of exp(bias_t))`` with ``bias_t`` the
+            key bias of token ``t`` (``prefix_bias`` / ``suffix_bias`` where they apply, else 0), i.e.
+            ``log(n_j)`` without biases: the block counts as its ``n_j`` tokens, each at the block's mean key.
+            Each row uses its own ``q_i``. Kept blocks are attended exactly as without the tail; a row that
+            keeps every block has no tail term. With ``token_perm`` the blocks are those of the permuted
+            order. Backends: reference, triton_fp8_ws, triton_fp8, triton_bf16 (not flex, fa4_bf16:
+            ``auto`` sends such a call to the next backend of its chain, an explicit one raises).
 
     Returns:
         ``[B, H, Lq, D]`` in q's dtype (raster order).
 
     Raises:
         ValueError: mismatched shapes, a map of the wrong block grid, an empty row, bad backend name,
-            a prefix or suffix outside ``[0, Lk]`` or a non-finite / too large bias, a bad ``token_perm``.
-        BackendUnavailableError: an explicit backend that cannot run on these inputs.
+            a prefix or suffix outside ``[0, Lk]`` or a non-finite / too large bias, a bad ``token_perm``,
+            a ``pooled_tail`` that is not a bool.
+        BackendUnavailableError: an explicit backend that cannot run on these inputs (or this call's
+            options: e.g. ``pooled_tail`` on flex).
     """
     _check_qkv(q, k, v)
+    if not isinstance(pooled_tail, bool):
+        raise ValueError(f"pooled_tail must be a bool, got {pooled_tail!r}")
     _check_block_size(block_size)
     validate_block_map(block_map, q.shape[0], q.shape[1], q.shape[2], k.shape[2], block_size,
                        check_rows=not rows_checked)
@@ -359,9 +382,9 @@ def block_sparse_attention(q, k, v, block_map, *, block_size: int = 128, scale: 
     while True:
         call_backend = chosen
         try:
-            call_backend = _for_call_options(chosen, explicit, q, block_size, prefix_len, suffix_len)
+            call_backend = _for_call_options(chosen, explicit, q, block_size, prefix_len, suffix_len, pooled_tail)
             return _run_attention(call_backend, q, k, v, block_map, block_size, scale, prefix_len, prefix_bias,
-                                  perm, suffix_len, suffix_bias)
+                                  perm, suffix_len, suffix_bias, pooled_tail)
         except Exception as exc:  # noqa: BLE001 - auto walks down its chain, explicit re-raises
             if explicit or call_backend == Backend.REFERENCE:
                 raise

@@ -10,6 +10,13 @@ Shapes: q ``[B, H, Lq, D]``, k/v ``[B, H, Lk, D]``; a block map is bool
   in fp32, one query block at a time (memory O(B*H*bs*Lk)), result cast to q's dtype.
 - :func:`block_mass_reference` computes exact or row-sampled block attention mass in fp32.
 
+Pooled tail (``pooled_tail=True``, every attention function here): for each query row ``i`` (query
+block ``I``) and each key block ``j`` the map does not keep for ``(I, head)``, one extra term enters row
+``i``'s softmax: logit ``scale * q_i . kbar_j + w_j``, value ``vbar_j``, with ``kbar_j`` / ``vbar_j`` the
+means of K / V over block ``j``'s real tokens (:func:`pooled_key_blocks`) and ``w_j = log(sum_t
+exp(bias_t))`` over those tokens (:func:`pooled_log_weights`: ``log(n_j)`` without key biases). A row
+that keeps every block has no tail term; kept blocks are attended exactly as without the tail.
+
 Key biases (all attention functions here; ``suffix_bias`` on the last ``suffix_len`` keys likewise:
 the weight of keys that each stand for several tokens, feature reuse's pooled cells on the compact
 sequence): ``prefix_bias`` is added to the logits (after the
@@ -52,41 +59,86 @@ def add_key_biases(scores: torch.Tensor, prefix_len: int, prefix_bias: float, su
     return scores
 
 
-def dense_attention_oracle(q, k, v, block_map=None, block_size: int = 128, scale: float | None = None,
-                           prefix_len: int = 0, prefix_bias: float = 0.0, suffix_len: int = 0,
-                           suffix_bias: float = 0.0):
-    """fp64 dense attention, optionally restricted by a block map and with a prefix bias (module
-    docstring); returns fp64 ``[B, H, Lq, D]``.
+def pooled_key_blocks(k: torch.Tensor, v: torch.Tensor, block_size: int):
+    """Per key block, the means of K and V over its real tokens (a partial last block: its real tokens
+    only): ``(kbar, vbar)``, each ``[B, H, Kb, D]`` in k's dtype (sums accumulated by torch)."""
+    batch, heads, kv_len, head_dim = k.shape
+    blocks = -(-kv_len // block_size)
+    pad = blocks * block_size - kv_len
+    counts = torch.full((blocks, 1), float(block_size), dtype=k.dtype, device=k.device)
+    counts[-1] = kv_len - (blocks - 1) * block_size
 
-    Rows whose token mask keeps no key would be NaN; callers validate maps before use.
-    """
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    q64, k64, v64 = q.double(), k.double(), v.double()
-    scores = add_key_biases(torch.matmul(q64, k64.transpose(-1, -2)) * scale, prefix_len, prefix_bias, suffix_len,
-                             suffix_bias)
+    def means(x):
+        x = torch.nn.functional.pad(x, (0, 0, 0, pad)).view(batch, heads, blocks, block_size, head_dim)
+        return x.sum(dim=3) / counts
+
+    return means(k), means(v)
+
+
+def pooled_log_weights(kv_len: int, block_size: int, prefix_len: int = 0, prefix_bias: float = 0.0,
+                       suffix_len: int = 0, suffix_bias: float = 0.0, dtype=torch.float64, device=None):
+    """``w [Kb]``: per key block, ``log(sum over its real tokens t of exp(bias_t))`` with ``bias_t`` the key
+    bias of token t (``prefix_bias`` on keys ``[0, prefix_len)`` plus ``suffix_bias`` on the last
+    ``suffix_len``; 0 elsewhere): ``log(n_j)`` without biases. The pooled tail's weight of block j."""
+    blocks = -(-kv_len // block_size)
+    bias = add_key_biases(torch.zeros(kv_len, dtype=dtype, device=device), prefix_len, prefix_bias, suffix_len,
+                          suffix_bias)
+    padded = torch.nn.functional.pad(bias, (0, blocks * block_size - kv_len), value=float("-inf"))
+    return torch.logsumexp(padded.view(blocks, block_size), dim=1)
+
+
+def _pooled_terms(q, k, v, block_map, block_size, scale, biases):
+    """The pooled tail of query rows ``q`` (module docstring), in q's dtype: ``(logits [B, H, Lq, Kb],
+    vbar [B, H, Kb, D])``, logits ``-inf`` where the map keeps the block."""
+    kbar, vbar = pooled_key_blocks(k, v, block_size)
+    weights = pooled_log_weights(k.shape[-2], block_size, **biases, dtype=q.dtype, device=q.device)
+    logits = torch.matmul(q, kbar.transpose(-1, -2)) * scale + weights
+    rows = torch.arange(q.shape[-2], device=q.device) // block_size
+    kept = block_map.to(q.device)[..., rows, :]
+    return logits.masked_fill(kept, float("-inf")), vbar
+
+
+def _attend(q, k, v, block_map, block_size, scale, biases, pooled_tail):
+    """Masked softmax attention of ``q`` over ``k, v`` in q's dtype (with the pooled tail when asked)."""
+    scores = add_key_biases(torch.matmul(q, k.transpose(-1, -2)) * scale, **biases)
     if block_map is not None:
         mask = expand_block_map(block_map.to(q.device), q.shape[-2], k.shape[-2], block_size)
         scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1), v64)
+    if not pooled_tail or block_map is None:  # a full map skips nothing: no tail
+        return torch.matmul(torch.softmax(scores, dim=-1), v)
+    logits, vbar = _pooled_terms(q, k, v, block_map, block_size, scale, biases)
+    probs = torch.softmax(torch.cat([scores, logits], dim=-1), dim=-1)
+    kv_len = k.shape[-2]
+    return torch.matmul(probs[..., :kv_len], v) + torch.matmul(probs[..., kv_len:], vbar)
+
+
+def dense_attention_oracle(q, k, v, block_map=None, block_size: int = 128, scale: float | None = None,
+                           prefix_len: int = 0, prefix_bias: float = 0.0, suffix_len: int = 0,
+                           suffix_bias: float = 0.0, pooled_tail: bool = False):
+    """fp64 dense attention, optionally restricted by a block map, with the key biases and the pooled
+    tail (module docstring); returns fp64 ``[B, H, Lq, D]``.
+
+    Rows whose token mask keeps no key would be NaN (without the tail); callers validate maps before use.
+    """
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    biases = dict(prefix_len=prefix_len, prefix_bias=prefix_bias, suffix_len=suffix_len, suffix_bias=suffix_bias)
+    return _attend(q.double(), k.double(), v.double(), block_map, block_size, scale, biases, pooled_tail)
 
 
 def masked_attention_eager(q, k, v, block_map=None, block_size: int = 128, scale: float | None = None,
                            prefix_len: int = 0, prefix_bias: float = 0.0, suffix_len: int = 0,
-                           suffix_bias: float = 0.0):
+                           suffix_bias: float = 0.0, pooled_tail: bool = False):
     """The same computation done naively in the inputs' dtype (the error yardstick for tolerances)."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    scores = add_key_biases(torch.matmul(q, k.transpose(-1, -2)) * scale, prefix_len, prefix_bias, suffix_len,
-                             suffix_bias)
-    if block_map is not None:
-        mask = expand_block_map(block_map.to(q.device), q.shape[-2], k.shape[-2], block_size)
-        scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1), v)
+    biases = dict(prefix_len=prefix_len, prefix_bias=prefix_bias, suffix_len=suffix_len, suffix_bias=suffix_bias)
+    return _attend(q, k, v, block_map, block_size, scale, biases, pooled_tail)
 
 
 def block_sparse_attention_reference(q, k, v, block_map, block_size: int, scale: float, prefix_len: int = 0,
-                                     prefix_bias: float = 0.0, suffix_len: int = 0, suffix_bias: float = 0.0):
+                                     prefix_bias: float = 0.0, suffix_len: int = 0, suffix_bias: float = 0.0,
+                                     pooled_tail: bool = False):
     """``reference`` backend: fp32 masked attention per query block, with optional prefix / suffix
-    biases; returns q's dtype."""
+    biases and the pooled tail (module docstring); returns q's dtype."""
     batch, heads, q_len, head_dim = q.shape
     kv_len = k.shape[-2]
     out = torch.empty_like(q)
@@ -94,12 +146,22 @@ def block_sparse_attention_reference(q, k, v, block_map, block_size: int, scale:
     v32 = v.float()
     col_block = torch.arange(kv_len, device=q.device) // block_size
     block_map = block_map.to(q.device)
+    if pooled_tail:
+        kbar, vbar = pooled_key_blocks(k.float(), v32, block_size)
+        weights = pooled_log_weights(kv_len, block_size, prefix_len, prefix_bias, suffix_len, suffix_bias,
+                                     dtype=torch.float32, device=q.device)
+        v32 = torch.cat([v32.expand(batch, heads, -1, -1), vbar], dim=2)  # the pooled values after the keys
     for qb in range(block_map.shape[-2]):
         start, stop = qb * block_size, min((qb + 1) * block_size, q_len)
-        scores = torch.matmul(q[:, :, start:stop].float(), k32) * scale  # [B, H, bs, Lk]
+        rows = q[:, :, start:stop].float()
+        scores = torch.matmul(rows, k32) * scale  # [B, H, bs, Lk]
         add_key_biases(scores, prefix_len, prefix_bias, suffix_len, suffix_bias)
         keep = block_map[:, :, qb][..., col_block]  # [B|1, H|1, Lk]
         scores = scores.masked_fill(~keep.unsqueeze(-2), float("-inf"))
+        if pooled_tail:
+            pooled = (torch.matmul(rows, kbar.transpose(-1, -2)) * scale + weights).masked_fill(
+                block_map[:, :, qb].unsqueeze(-2), float("-inf"))  # [B, H, bs, Kb]
+            scores = torch.cat([scores, pooled], dim=-1)
         out[:, :, start:stop] = torch.matmul(torch.softmax(scores, dim=-1), v32).to(q.dtype)
     return out
 

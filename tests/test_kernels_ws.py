@@ -158,3 +158,89 @@ def test_a_config_outside_the_levers_is_a_clear_error(config):
     x = torch.zeros(1, 1, 128, 128)
     with pytest.raises(ValueError, match="bad warp-specialised kernel config"):
         launch_ws(x, x, x, torch.ones(1, 1, 1, 1, dtype=torch.bool), 0.1, config)
+
+
+@pytest.mark.parametrize("head_dim,schedule,options", [
+    (128, "serial", {}), (128, "overlap", {}), (128, "pingpong", {}), (64, "serial", {}),
+    (128, "serial", dict(p_bits=0, p_sat=False)), (128, "serial", dict(v_block=True)),
+    (128, "serial", dict(has_perm=True, has_bias=True)), (64, "overlap", dict(has_bias=True, has_suffix=True))])
+def test_kernel_with_the_pooled_tail_compiles_for_sm90(head_dim, schedule, options):
+    """``HAS_TAIL`` (the pooled tail): every schedule and option builds, spills nothing, fits the shared
+    memory, prefetches each tile's row of the bias table into L1 once per consumer, and a kept key block
+    runs the same loop as without the tail (the pooled tiles' weights load and add sit in a branch only
+    pooled tiles take)."""
+    from chorus.kernels.triton import _attention_ws
+
+    if _attention_ws.available():
+        pytest.fail(f"this Triton has no Gluon Hopper API: {_attention_ws.available()}")
+    from benchmarks.kernels.aot_check import compile_ws, key_block_loop_ops, sass_of, summarize
+
+    kernel = compile_ws(head_dim, schedule, tail=True, has_tail=True, **options)
+    ptx = kernel.asm["ptx"]
+    assert ptx.count("prefetch.global.L1") == 2, ptx.count("prefetch.global.L1")  # one per consumer
+    # no spills on the default schedule; the overlap lever spills 56 bytes with the tail under Triton 3.6
+    stack = int(re.search(r"stack=(\d+)", summarize(kernel, sass=False)).group(1))
+    assert stack == 0 if schedule != "overlap" else stack <= 64, stack
+    assert kernel.metadata.shared <= 227 * 1024
+    if schedule == "serial":
+        kept = key_block_loop_ops(sass_of(kernel), kept_blocks_only=True)
+        plain = key_block_loop_ops(sass_of(compile_ws(head_dim, schedule, tail=True, **options)))
+        for op in ("QGMMA", "FFMA", "FMUL", "FMNMX", "PRMT", "MUFU", "LDG"):  # nothing per element
+            assert kept.get(op, 0) == plain.get(op, 0), (op, kept, plain)
+        # a few scalar ops per block: is it pooled, and (with key biases) no whole-block bias if so
+        assert kept.get("FSEL", 0) <= plain.get("FSEL", 0) + 2 and kept["total"] <= plain["total"] + 16, (kept, plain)
+        assert "prefetch" not in compile_ws(head_dim, schedule, tail=True, **options).asm["ptx"]
+
+
+def test_pooled_tail_calls_stay_on_it_and_its_op_has_a_fake():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from chorus.kernels import api
+
+    q = torch.zeros(1, 1, 8, 128)
+    ws = api.Backend.TRITON_FP8_WS
+    assert api._for_call_options(ws, True, q, 128, 0, 0, True) == ws
+    assert api._for_call_options(ws, False, q, 64, 0, 0, True) != ws  # (another block size goes down the chain)
+    import chorus.kernels.triton  # noqa: F401 (registers the ops)
+
+    with FakeTensorMode() as mode:
+        qf = mode.from_tensor(torch.zeros(1, 2, 300, 128, dtype=torch.bfloat16))
+        bm = mode.from_tensor(torch.ones(1, 1, 3, 3, dtype=torch.bool))
+        out = torch.ops.chorus.block_sparse_attention_ws(qf, qf, qf, bm, 0.1, 0, 0.0, None, 0, 0.0, True)
+        assert out.shape == qf.shape and out.dtype == qf.dtype
+
+
+@pytest.mark.parametrize("fp8,use_tma", [(True, True), (True, False), (False, True), (False, False)])
+def test_the_triton_kernel_and_the_tail_s_own_kernels_compile_for_sm90(fp8, use_tma):
+    """The interpreter runs the pooled tail's Triton code on the CPU; this compiles it for sm_90 as the GPU
+    does: the attention kernel with ``HAS_TAIL`` (FP8: the pooled rows through K / V's own descriptors;
+    16-bit: pointer loads from their own buffers), the pre-pass with the pooled sums, the 16-bit sums, the
+    means' finalisation (FP8 both V scalings, 16-bit), the block lists with the tail."""
+    from benchmarks.kernels.aot_check import compile_attn, compile_jit, summarize
+    from chorus.kernels.triton import _attention as A
+    from chorus.kernels.triton import _quant as Q
+
+    kernel = compile_attn(fp8=fp8, use_tma=use_tma, block_m=64 if fp8 else 128, num_warps=4 if fp8 else 8,
+                          num_stages=3 if fp8 else 2, tail=True, has_tail=True)
+    # the TMA configs (every call whose tensors a descriptor can address: FP8 always) spill nothing; the
+    # pointer fallback spills with the tail's loop (16-24 bytes under Triton 3.8, 112 under 3.6 for FP8)
+    if use_tma:
+        assert " stack=0" in summarize(kernel, sass=False)
+    if not (fp8 and use_tma):
+        return
+    fp32 = "*fp32"
+    compile_jit(Q._quant_kernel, dict(Q="*bf16", K="*bf16", V="*bf16", q8="*fp8e4nv", k8="*fp8e4nv", v8t="*fp8e4nv",
+                                      q_scale=fp32, k_scale=fp32, k_smooth=fp32, v_stats=fp32, token_perm="*i32",
+                                      pool_sums=fp32, q_mult="fp32"),
+                dict(HEAD_DIM=128, TILE=128, INTERPRET=False, QUANT_Q=False, HAS_PERM=True, V_WGMMA_ORDER=True,
+                     V_BLOCK_SCALE=False, POOL_CHUNK=64), num_warps=8)
+    compile_jit(Q._kv_block_sums_kernel, dict(K="*bf16", V="*bf16", pool_sums=fp32, token_perm="*i32"),
+                dict(HEAD_DIM=128, TILE=128, POOL_CHUNK=128, HAS_PERM=False), num_warps=8)
+    for out_type, is_fp8, v_block in (("*fp8e4nv", True, False), ("*fp8e4nv", True, True), ("*bf16", False, False)):
+        compile_jit(Q._pooled_finalize_kernel, dict(pool_sums=fp32, k_out=out_type, v_out=out_type, k_scale=fp32,
+                                                    v_stats=fp32),
+                    dict(HEAD_DIM=128, TILE=128, BS=256, POOL_CHUNK=128, FP8=is_fp8, INTERPRET=False,
+                         V_WGMMA_ORDER=is_fp8, V_BLOCK_SCALE=v_block), num_warps=8)
+    compile_jit(A._compress_map_kernel, dict(block_map="*u8", kv_num="*i32", kv_idx="*i32", tail_num="*i32",
+                                             tail_bias=fp32, prefix_bias="fp32", suffix_bias="fp32"),
+                dict(CHUNK=1024, TAIL=True, TAIL_TILE=128))

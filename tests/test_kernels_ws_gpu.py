@@ -8,7 +8,8 @@ single-read pre-pass), ComfyUI's [B, L, H, D] memory with a broadcast map and ba
 rows that keep no block, the prefix bias (ChorusGuidanceBoost's first-frame weight, Wan's frame sizes
 as prefixes, not multiples of 128), agreement with the Triton FP8 kernel (same pre-pass, same scales,
 with and without the bias), and the public API (auto's choice on sm_90, a prefix-bias call taken by
-this kernel, torch.compile)."""
+this kernel, torch.compile); the pooled tail (``-k tail``: every config, structured maps at Wan lengths,
+spread and sharp attention, key biases, layouts, token order, per-tile V scales, the API)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import os
 import pytest
 import torch
 
-from testing import cuda_bf16_qkv
+from testing import check_pooled_tail, cuda_bf16_qkv
 
 pytestmark = [
     pytest.mark.gpu,
@@ -281,3 +282,137 @@ def test_torch_compile_of_a_module_calling_it():
     eager = attend(q, k, v, bm)
     compiled = torch.compile(attend, fullgraph=False)(q, k, v, bm)
     assert torch.equal(eager, compiled)
+
+
+# ---- the pooled tail (pooled_tail=True); `pytest tests/test_triton_gpu.py tests/test_kernels_ws_gpu.py -k tail`
+# (the pre-pass's pooled rows and the block lists / bias table alone: test_triton_gpu.py's tail parts 1 and 2).
+
+def _structured(length, heads, density):
+    from benchmarks.kernels.masks import grid_for, structured_block_map
+
+    grid = None if length in (32760, 75600) else grid_for(length)
+    return structured_block_map(length, heads, density, 128, device="cuda", grid=grid)
+
+
+TAIL_CONFIGS = sorted(SCHEDULES)
+
+
+@pytest.mark.parametrize("schedule", TAIL_CONFIGS)
+@pytest.mark.parametrize("length,dim,density", [(4097, 128, 0.3), (1000, 64, 0.03)])
+def test_tail_ws_every_config_matches_oracle(schedule, length, dim, density):
+    from chorus.kernels.triton._attention_ws import block_sparse_attention_ws
+
+    q, k, v = cuda_bf16_qkv(1, 4, length, dim, seed=length + dim + 1)
+    bm = _random_map(1, 4, length, density, seed=length + 1)
+    bm[:, 1, 0] = True  # a row that keeps every block
+    out = block_sparse_attention_ws(q, k, v, bm, dim ** -0.5, SCHEDULES[schedule], pooled_tail=True)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    check_pooled_tail(out, q, k, v, bm, fp8=True, label=f"ws {schedule} L={length} D={dim} density={density}")
+    plain = block_sparse_attention_ws(q, k, v, bm, dim ** -0.5, SCHEDULES[schedule])
+    tol = 2 * torch.finfo(q.dtype).eps * plain[:, 1, :128].float().abs().max().item()
+    torch.testing.assert_close(out[:, 1, :128].float(), plain[:, 1, :128].float(), rtol=0, atol=tol,
+                               msg=f"ws {schedule}: a row that keeps every block changed with the tail")
+
+
+@pytest.mark.parametrize("length,dim", [(1000, 128), (4097, 64), (32760, 128), (75600, 128)])
+@pytest.mark.parametrize("density", [0.03, 0.15, 0.5, 1.0])
+@pytest.mark.parametrize("sharp", [False, True])
+def test_tail_ws_structured_maps_match_oracle(length, dim, density, sharp):
+    """The default config on structured maps at Wan lengths, spread (unit Gaussian q) and sharp (q x 4)
+    attention; a full map lists no pooled tile and gives what the call without the tail gives."""
+    from chorus.kernels.triton._attention_ws import block_sparse_attention_ws
+
+    q, k, v = cuda_bf16_qkv(1, 4, length, dim, seed=length + dim + 2 * int(sharp))
+    if sharp:
+        q = (q.float() * 4).to(q.dtype)
+    bm = _structured(length, 4, density)
+    out = block_sparse_attention_ws(q, k, v, bm, dim ** -0.5, pooled_tail=True)
+    check_pooled_tail(out, q, k, v, bm, fp8=True, cos_floor=0.99 if sharp else 0.998,
+                      label=f"ws default L={length} D={dim} density={density} sharp={sharp}")
+    if density >= 1.0:
+        plain = block_sparse_attention_ws(q, k, v, bm, dim ** -0.5)
+        tol = 2 * torch.finfo(q.dtype).eps * plain.float().abs().max().item()
+        torch.testing.assert_close(out.float(), plain.float(), rtol=0, atol=tol,
+                                   msg="ws: a full map changed with the tail")
+
+
+def test_tail_ws_agrees_with_triton_fp8_and_rows_that_keep_nothing():
+    """Same pre-pass, lists and table: with P from the exp2 and Q from the pre-pass the two FP8 kernels agree
+    to fp32 rounding with the tail too (a disagreement with both in bounds points at the Gluon kernel's use
+    of the lists / table); a row that keeps nothing attends to its pooled terms only."""
+    from chorus.kernels.triton import block_sparse_attention_triton
+    from chorus.kernels.triton._attention_ws import block_sparse_attention_ws
+
+    q, k, v = cuda_bf16_qkv(1, 3, 3000, 128, seed=41)
+    bm = _random_map(1, 3, 3000, 0.2, seed=6)
+    bm[:, 2, 4] = False
+    ref = block_sparse_attention_triton(q, k, v, bm, block_size=128, fp8=True, pooled_tail=True)
+    check_pooled_tail(ref, q, k, v, bm, fp8=True, label="triton_fp8 reference of the agreement test")
+    for name in ("serial", "q_prepass_exp2", "exp2_overlap", "pingpong", "v_block"):
+        out = block_sparse_attention_ws(q, k, v, bm, SCALE, SCHEDULES[name], pooled_tail=True)
+        cos = torch.nn.functional.cosine_similarity(out.double().flatten(), ref.double().flatten(), dim=0).item()
+        floor = _agreement_floor(SCHEDULES[name])
+        assert cos > floor, f"ws {name} vs triton_fp8 with the tail: cosine {cos:.6f} <= {floor}"
+        rows = slice(4 * 128, 5 * 128)
+        check_pooled_tail(out[:, :, rows], q[:, :, rows], k, v, bm[:, :, 4:5], fp8=True,
+                          label=f"ws {name}: the rows of a query block that keeps nothing (head 2)")
+
+
+@pytest.mark.parametrize("length,prefix_len,suffix_len", [(4097, 300, 0), (32760, 30 * 52, 2000), (7277, 3600, 500)])
+def test_tail_ws_with_key_biases_matches_oracle(length, prefix_len, suffix_len):
+    """The first-frame prefix and the suffix weight enter the pooled blocks' weights (table) and stay off the
+    pooled tiles' keys (every pooled tile lies past the last key, where a suffix bias would otherwise apply)."""
+    from chorus.kernels.triton._attention_ws import block_sparse_attention_ws
+
+    q, k, v = cuda_bf16_qkv(1, 3, length, 128, seed=length + prefix_len)
+    bm = _random_map(1, 3, length, 0.2, seed=prefix_len)
+    biases = dict(prefix_len=prefix_len, prefix_bias=0.9, suffix_len=suffix_len, suffix_bias=math.log(8))
+    for name in ("serial", "pingpong", "q_prepass_exp2"):
+        out = block_sparse_attention_ws(q, k, v, bm, SCALE, SCHEDULES[name], pooled_tail=True, **biases)
+        check_pooled_tail(out, q, k, v, bm, fp8=True, label=f"ws {name} biases L={length}", **biases)
+
+
+def test_tail_ws_layouts_token_order_and_unequal_v_tiles():
+    """ComfyUI's [B, L, H, D] memory with a broadcast map and batch 2; a token order (the pre-pass's fused
+    gather: pooled blocks of the permuted order); V tiles spanning 2^-20..2^20 under per-tile V scales (the
+    pooled tiles get their own exponents)."""
+    from chorus.kernels.triton._attention_ws import block_sparse_attention_ws
+
+    q, k, v = cuda_bf16_qkv(2, 3, 2000, 128, seed=7, comfy_layout=True)
+    bm = _random_map(1, 1, 2000, 0.3, seed=3)
+    out = block_sparse_attention_ws(q, k, v, bm, SCALE, pooled_tail=True)
+    for b in range(2):
+        check_pooled_tail(out[b:b + 1], q[b:b + 1], k[b:b + 1], v[b:b + 1], bm, fp8=True,
+                          label=f"ws comfy layout batch row {b}")
+    q, k, v = cuda_bf16_qkv(1, 3, 4097, 128, seed=19)
+    perm = torch.randperm(4097, device="cuda", generator=torch.Generator(device="cuda").manual_seed(9))
+    bm = _random_map(1, 3, 4097, 0.3, seed=7)
+    out = block_sparse_attention_ws(q, k, v, bm, SCALE, token_perm=perm, pooled_tail=True)
+    qt, kt, vt = (t[:, :, perm] for t in (q, k, v))
+    check_pooled_tail(out[:, :, perm], qt, kt, vt, bm, fp8=True, label="ws token order")
+    ramp = torch.exp2(torch.linspace(-20.0, 20.0, 4097, device="cuda"))
+    v = (v.float() * ramp[None, None, :, None]).to(v.dtype)
+    for name in ("v_block", "v_block_overlap"):
+        out = block_sparse_attention_ws(q, k, v, bm, SCALE, SCHEDULES[name], pooled_tail=True)
+        check_pooled_tail(out, q, k, v, bm, fp8=True, label=f"ws {name} unequal V tiles")
+
+
+def test_tail_public_api_auto_takes_it_and_compiles():
+    import chorus.kernels as K
+    from chorus.kernels import api
+
+    q, k, v = cuda_bf16_qkv(1, 2, 2000, 128, seed=23)
+    bm = _random_map(1, 2, 2000, 0.3, seed=2)
+    assert api._for_call_options(api.resolve_backend("auto", q), False, q, 128, 0, 0, True) == api.Backend.TRITON_FP8_WS
+    out = K.block_sparse_attention(q, k, v, bm, block_size=128, pooled_tail=True)
+    want = K.block_sparse_attention(q, k, v, bm, block_size=128, pooled_tail=True, backend="triton_fp8_ws")
+    assert torch.equal(out, want)
+    check_pooled_tail(out, q, k, v, bm, fp8=True, label="public API auto")
+    with pytest.raises(api.BackendUnavailableError, match="no pooled tail"):
+        K.block_sparse_attention(q, k, v, bm, block_size=128, pooled_tail=True, backend="flex")
+
+    def attend(q, k, v, bm):
+        return K.block_sparse_attention(q * 1.0, k, v, bm, block_size=128, backend="triton_fp8_ws",
+                                        rows_checked=True, pooled_tail=True, prefix_len=100, prefix_bias=0.5)
+
+    assert torch.equal(attend(q, k, v, bm), torch.compile(attend, fullgraph=False)(q, k, v, bm))

@@ -18,6 +18,8 @@ import os
 import pytest
 import torch
 
+from testing import check_pooled_tail
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
@@ -284,3 +286,168 @@ def test_tile_order_and_q_in_kernel_match_oracle(grid, q_in_kernel):
             eager = masked_attention_eager(qp[:, :, rows], kp, vp, bm[:, :, blocks], bs).double()
             floor = 4 * torch.finfo(torch.bfloat16).eps * oracle.abs().max().item()
             assert (got.double() - oracle).abs().max() <= 2 * (eager - oracle).abs().max() + floor
+
+
+# ---- the pooled tail (pooled_tail=True); `pytest tests/test_triton_gpu.py tests/test_kernels_ws_gpu.py -k tail`.
+# Parts, so a failure names what is wrong: 1 the pre-pass's pooled rows (means), 2 the block lists and bias
+# table, 3 the kernels against the oracle (check_pooled_tail says whether the tail was ignored, one query
+# block is off, or all is), 4 what the tail must leave alone (rows that keep every block, full maps).
+
+TAIL_SIZES = [(1000, 128), (4097, 64), (32760, 128), (75600, 128)]
+
+
+@pytest.mark.parametrize("length,v_key_order,v_scaling", [(32760, "natural", "channel"), (75600, "wgmma", "channel"),
+                                                          (4097, "wgmma", "block")])
+def test_tail_part1_prepass_pooled_rows_match_torch(length, v_key_order, v_scaling):
+    from chorus.kernels.triton._quant import quantize_qkv_fp8, quantize_reference
+
+    if not _fp8_capable():
+        pytest.skip("FP8 needs sm_89+")
+    q, k, v = make_inputs(4, length, 128, seed=length + 3)
+    got = quantize_qkv_fp8(q, k, v, 128 ** -0.5, v_key_order=v_key_order, v_scaling=v_scaling, pool_block=128)
+    want = quantize_reference(q, k, v, 128 ** -0.5, v_key_order=v_key_order, v_scaling=v_scaling, pool_block=128)
+    lpad = -(-length // 128) * 128
+    for name, a, b in zip(("q8", "k8", "v8t", "q_scale", "k_scale", "v_scale"), got, want):
+        assert a.shape == b.shape, (name, a.shape, b.shape)
+        if a.dtype == torch.float32:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"part 1 (pooled means): {name}")
+        else:  # e4m3: one step apart where fp32 rounds differently
+            diff = (a.float() - b.float()).abs()
+            assert diff.max().item() <= 32.0 and (diff > 0).float().mean().item() < 0.01, f"part 1: {name}"
+    pooled_k = got[1][:, :, lpad:].float() * got[4][:, :, lpad // 128:].repeat_interleave(128, -1)[..., None]
+    want_k = want[1][:, :, lpad:].float() * want[4][:, :, lpad // 128:].repeat_interleave(128, -1)[..., None]
+    assert (pooled_k - want_k).abs().max().item() <= 0.07 * want_k.abs().max().item(), "part 1: pooled K values"
+
+
+@pytest.mark.parametrize("length,density,pool_first", [(75600, 0.05, 591), (32760, 0.15, 0), (1000, 0.5, 8)])
+def test_tail_part2_block_lists_and_bias_table_match_torch(length, density, pool_first):
+    """The lists both kernels walk (pool_first 0: the Triton kernel's; Lpad / 128: the warp-specialised one's)
+    and the bias table, against torch, with first-frame and suffix biases."""
+    import math as _math
+
+    from chorus.kernels.reference import pooled_log_weights
+    from chorus.kernels.triton._attention import lpt_block_lists, tail_spec
+
+    bm = structured_map(length, 4, density)
+    bm[:, 1, 0] = True  # a row that keeps every block
+    bm[:, 2, 3] = False  # a row that keeps nothing
+    prefix_len, prefix_bias, suffix_len, suffix_bias = min(3600, length // 3), 0.7, 500, -0.4
+    kv_num, kv_idx, sched, strides, lists = lpt_block_lists(bm, tail_spec(
+        length, 128, pool_first, prefix_len, prefix_bias, length - suffix_len, suffix_bias))
+    kb = bm.shape[-1]
+    tiles = -(-kb // 128)
+    w = pooled_log_weights(length, 128, prefix_len, prefix_bias, suffix_len, suffix_bias, device="cuda") / _math.log(2)
+    want_bias = torch.full((*bm.shape[:3], tiles * 128), float("-inf"), dtype=torch.float64, device="cuda")
+    want_bias[..., :kb] = torch.where(bm, float("-inf"), w)
+    torch.testing.assert_close(lists.bias.double(), want_bias, rtol=1e-5, atol=1e-5, msg="part 2: bias table")
+    skipped = torch.nn.functional.pad(~bm, (0, tiles * 128 - kb)).view(*bm.shape[:3], tiles, 128).any(-1)
+    assert torch.equal(kv_num.long(), bm.sum(-1)), "part 2: kept counts"
+    assert torch.equal(lists.tail_num.long(), skipped.sum(-1)), "part 2: pooled tile counts"
+    order = torch.arange(kb, device="cuda").expand_as(bm)
+    kept_sorted = torch.sort(torch.where(bm, order, kb + order), dim=-1).values  # kept blocks first, ascending
+    pos = torch.arange(kb + tiles, device="cuda")
+    listed = torch.where(pos < kv_num[..., None], kv_idx, -1)[..., :kb]
+    assert torch.equal(listed.long(), torch.where(pos[:kb] < kv_num[..., None], kept_sorted, -1)), "part 2: kept lists"
+    tile_ids = torch.arange(tiles, device="cuda").expand_as(skipped)
+    tiles_sorted = torch.sort(torch.where(skipped, tile_ids, tiles + tile_ids), dim=-1).values + pool_first
+    for m in range(tiles):  # the m-th pooled entry of each row that lists one
+        has = lists.tail_num > m
+        got = kv_idx.gather(-1, (kv_num + m).clamp(max=kb + tiles - 1).long()[..., None])[..., 0]
+        assert torch.equal(got[has], tiles_sorted[..., m].int()[has]), f"part 2: pooled entry {m}"
+    cost = bm.sum(-1) + skipped.sum(-1)
+    assert torch.equal(sched.long(), torch.argsort(cost, dim=-1, descending=True, stable=True)), "part 2: LPT order"
+
+
+@pytest.mark.parametrize("length,dim", TAIL_SIZES)
+@pytest.mark.parametrize("density", [0.03, 0.15, 0.5])
+@pytest.mark.parametrize("sharp", [False, True])
+def test_tail_part3_kernels_match_oracle(length, dim, density, sharp):
+    """Both Triton paths with the tail on structured maps, spread (unit Gaussian q) and sharp (q x 4)
+    attention; part 4 on the same call: a row that keeps every block is what the call without the tail gives."""
+    from chorus.kernels.triton import block_sparse_attention_triton
+
+    q, k, v = make_inputs(4, length, dim, seed=length + dim + int(sharp))
+    if sharp:
+        q = (q.float() * 4).to(q.dtype)
+    bm = structured_map(length, 4, density)
+    bm[:, 1, 0] = True
+    for fp8 in (False, True) if _fp8_capable() else (False,):
+        out = block_sparse_attention_triton(q, k, v, bm, block_size=128, fp8=fp8, pooled_tail=True)
+        # (sharp rows average fewer keys: e4m3's rounding shows more; the 2 x emulation bounds hold either way)
+        check_pooled_tail(out, q, k, v, bm, fp8=fp8, cos_floor=0.99 if sharp else 0.998,
+                          label=f"part 3 triton fp8={fp8} L={length} D={dim} density={density} sharp={sharp}")
+        plain = block_sparse_attention_triton(q, k, v, bm, block_size=128, fp8=fp8)
+        tol = 2 * torch.finfo(q.dtype).eps * plain[:, 1, :128].float().abs().max().item()
+        torch.testing.assert_close(out[:, 1, :128].float(), plain[:, 1, :128].float(), rtol=0, atol=tol,
+                                   msg="part 4: a row that keeps every block changed with the tail")
+
+
+def test_tail_part4_full_map_and_its_rows_are_untouched():
+    from chorus.kernels.triton import block_sparse_attention_triton
+
+    q, k, v = make_inputs(4, 4097, 128, seed=77)
+    full = torch.ones(1, 1, 33, 33, dtype=torch.bool, device="cuda")
+    for fp8 in (False, True) if _fp8_capable() else (False,):
+        out = block_sparse_attention_triton(q, k, v, full, block_size=128, fp8=fp8, pooled_tail=True)
+        plain = block_sparse_attention_triton(q, k, v, full, block_size=128, fp8=fp8)
+        tol = 2 * torch.finfo(q.dtype).eps * plain.float().abs().max().item()
+        torch.testing.assert_close(out.float(), plain.float(), rtol=0, atol=tol, msg=f"part 4: full map fp8={fp8}")
+
+
+@pytest.mark.parametrize("length,grid_hw", [(32760, 1560), (75600, 3600)])
+def test_tail_part3_with_first_frame_bias_and_suffix(length, grid_hw):
+    from chorus.kernels.triton import block_sparse_attention_triton
+
+    q, k, v = make_inputs(4, length, 128, seed=length + 5)
+    bm = structured_map(length, 4, 0.15)
+    biases = dict(prefix_len=grid_hw, prefix_bias=math.log(1.5), suffix_len=2000, suffix_bias=math.log(8))
+    for fp8 in (False, True) if _fp8_capable() else (False,):
+        out = block_sparse_attention_triton(q, k, v, bm, block_size=128, fp8=fp8, pooled_tail=True, **biases)
+        check_pooled_tail(out, q, k, v, bm, fp8=fp8, label=f"part 3 biases fp8={fp8} L={length}", **biases)
+
+
+@pytest.mark.parametrize("grid,q_in_kernel", [((21, 30, 52), True), ((3, 7, 11), False)])
+def test_tail_part3_in_a_tile_order(grid, q_in_kernel):
+    from chorus.kernels.tile_order import TileOrder
+    from chorus.kernels.triton._attention import DEFAULT_CONFIGS, block_sparse_attention_triton_impl
+
+    order = TileOrder(grid, block_size=128)
+    length = order.length
+    q, k, v = make_inputs(4, length, 128, seed=length + 9)
+    q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))  # ComfyUI's memory
+    perm = order.perm.cuda()
+    nb = -(-length // 128)
+    bm = structured_map(length, 4, 0.15) if length == 32760 else torch.rand(1, 4, nb, nb, device="cuda") < 0.3
+    bm[..., torch.arange(nb), torch.arange(nb)] = True
+    qp, kp, vp = (t[:, :, perm] for t in (q, k, v))
+    for fp8 in (False, True) if _fp8_capable() else (False,):
+        config = dict(DEFAULT_CONFIGS["fp8" if fp8 else "bf16"], q_in_kernel=q_in_kernel)
+        out = block_sparse_attention_triton_impl(q, k, v, bm, 128, 128 ** -0.5, fp8, config=config, token_perm=perm,
+                                                 pooled_tail=True)
+        check_pooled_tail(out[:, :, perm], qp, kp, vp, bm, fp8=fp8, label=f"part 3 tile order fp8={fp8} {grid}")
+
+
+def test_tail_part3_rows_that_keep_nothing_and_torch_compile():
+    """A row with no kept block attends to its pooled terms only (``rows_checked`` callers); the op with the
+    tail compiles inside a module."""
+    import chorus.kernels as K
+    from chorus.kernels.triton import block_sparse_attention_triton
+
+    q, k, v = make_inputs(2, 3000, 128, seed=31)
+    bm = torch.rand(1, 2, 24, 24, device="cuda") < 0.2
+    bm[..., torch.arange(24), torch.arange(24)] = True
+    bm[:, :, 5] = False
+    for fp8 in (False, True) if _fp8_capable() else (False,):
+        out = block_sparse_attention_triton(q, k, v, bm, block_size=128, fp8=fp8, pooled_tail=True)
+        check_pooled_tail(out, q, k, v, bm, fp8=fp8, label=f"part 3 empty row fp8={fp8}")
+        one = bm[:, :, 5:6]
+        check_pooled_tail(out[:, :, 5 * 128:6 * 128], q[:, :, 5 * 128:6 * 128], k, v, one, fp8=fp8,
+                          label=f"part 3 the empty row itself fp8={fp8}")
+
+    def attend(q, k, v, bm):
+        return K.block_sparse_attention(q * 1.0, k, v, bm, block_size=128, backend="triton_bf16", rows_checked=True,
+                                        pooled_tail=True)
+
+    bm[:, :, 5, 5] = True
+    eager = attend(q, k, v, bm)
+    assert torch.equal(torch.compile(attend, fullgraph=False)(q, k, v, bm), eager)

@@ -52,9 +52,9 @@ def random_map(batch, heads, q_len, kv_len, bs, density, seed):
     return keep
 
 
-def check_16bit(out, q, k, v, bm, bs, prefix_len=0, prefix_bias=0.0, **suffix):
-    oracle = dense_attention_oracle(q, k, v, bm, bs, prefix_len=prefix_len, prefix_bias=prefix_bias, **suffix)
-    eager = masked_attention_eager(q, k, v, bm, bs, prefix_len=prefix_len, prefix_bias=prefix_bias, **suffix).double()
+def check_16bit(out, q, k, v, bm, bs, prefix_len=0, prefix_bias=0.0, **options):
+    oracle = dense_attention_oracle(q, k, v, bm, bs, prefix_len=prefix_len, prefix_bias=prefix_bias, **options)
+    eager = masked_attention_eager(q, k, v, bm, bs, prefix_len=prefix_len, prefix_bias=prefix_bias, **options).double()
     err = (out.double() - oracle).abs().max().item()
     err_eager = (eager - oracle).abs().max().item()
     floor = 4 * torch.finfo(q.dtype).eps * oracle.abs().max().item()
@@ -63,11 +63,11 @@ def check_16bit(out, q, k, v, bm, bs, prefix_len=0, prefix_bias=0.0, **suffix):
     assert err <= 2 * err_eager + floor, f"error {err:.3e} > 2 x eager {err_eager:.3e} + {floor:.1e}"
 
 
-def check_fp8(out, q, k, v, bm, bs, prefix_len=0, prefix_bias=0.0, **suffix):
-    oracle = dense_attention_oracle(q, k, v, bm, bs, prefix_len=prefix_len, prefix_bias=prefix_bias, **suffix)
+def check_fp8(out, q, k, v, bm, bs, prefix_len=0, prefix_bias=0.0, **options):
+    oracle = dense_attention_oracle(q, k, v, bm, bs, prefix_len=prefix_len, prefix_bias=prefix_bias, **options)
     ours = error_stats(out, oracle)
     sage = error_stats(sage_fp8_attention_emulation(q, k, v, bm, bs, prefix_len=prefix_len,
-                                                    prefix_bias=prefix_bias, **suffix), oracle)
+                                                    prefix_bias=prefix_bias, **options), oracle)
     assert out.dtype == q.dtype and torch.isfinite(out).all()
     assert ours["rel_l1"] <= 2 * sage["rel_l1"], (ours, sage)
     assert 1 - ours["cosine"] <= 2 * (1 - sage["cosine"]), (ours, sage)
@@ -467,3 +467,234 @@ def test_block_lists_and_their_lpt_order_match_torch(shape, density):
         n = int(kv_num[row])
         assert torch.equal(kv_idx[row][:n].long(), torch.nonzero(bm[row]).flatten())
     assert torch.equal(sched.long(), torch.argsort(bm.sum(-1), dim=-1, descending=True, stable=True))
+
+
+# ---- the pooled tail (pooled_tail=True): every key block a row skips enters its softmax as one pooled term
+
+TAIL_CASES = [  # (fp8, batch, heads, q_len, kv_len, block_size, map broadcast)
+    (False, 1, 2, 300, 300, 64, False), (True, 1, 2, 300, 300, 64, False),  # partial last block, 64-key tiles
+    (True, 1, 2, 97, 97, 32, False),      # 4 blocks, the last of 1 key
+    (False, 2, 2, 300, 300, 128, True), (True, 2, 2, 300, 300, 128, True),  # batch 2 with a broadcast map
+    (True, 1, 1, 600, 600, 256, False),   # blocks of two 128-key tiles
+    (False, 1, 2, 150, 260, 64, False),   # cross-attention lengths
+]
+
+
+def _tail_map(batch, heads, q_len, kv_len, bs, seed):
+    bm = random_map(batch, heads, q_len, kv_len, bs, 0.3, seed)
+    bm[..., 0, :] = True  # a row that keeps every block (no tail term)
+    return bm
+
+
+@pytest.mark.parametrize("fp8,batch,heads,q_len,kv_len,bs,broadcast", TAIL_CASES)
+def test_pooled_tail_matches_oracle(fp8, batch, heads, q_len, kv_len, bs, broadcast):
+    """The tail against the fp64 oracle: bf16 within 2 x eager bf16's error, FP8 within the FP8 bounds;
+    the tail acts (the output moves away from the map-only oracle)."""
+    q, k, v = make_inputs(batch, heads, q_len, 64, torch.bfloat16, seed=q_len + bs, kv_len=kv_len)
+    bm = _tail_map(1 if broadcast else batch, 1 if broadcast else heads, q_len, kv_len, bs, seed=bs)
+    out = block_sparse_attention_triton(q, k, v, bm, block_size=bs, fp8=fp8, pooled_tail=True)
+    (check_fp8 if fp8 else check_16bit)(out, q, k, v, bm, bs, pooled_tail=True)
+    plain = dense_attention_oracle(q, k, v, bm, bs)
+    assert (out.double() - plain).abs().max() > 0.05
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_pooled_tail_with_key_biases_matches_oracle(fp8):
+    """The key biases enter each pooled block's weight (log-sum-exp of its keys' biases), prefix and suffix
+    overlapping inside one block."""
+    q, k, v = make_inputs(1, 2, 300, 64, torch.bfloat16, seed=41)
+    bm = _tail_map(1, 2, 300, 300, 64, seed=7)
+    biases = dict(prefix_len=150, prefix_bias=1.3, suffix_len=170, suffix_bias=math.log(8))
+    out = block_sparse_attention_triton(q, k, v, bm, block_size=64, fp8=fp8, pooled_tail=True, **biases)
+    (check_fp8 if fp8 else check_16bit)(out, q, k, v, bm, 64, pooled_tail=True, **biases)
+    unbiased_tail = dense_attention_oracle(q, k, v, bm, 64, pooled_tail=True)
+    assert (out.double() - unbiased_tail).abs().max() > 0.05
+
+
+@pytest.mark.parametrize("fp8,q_in_kernel", [(False, False), (True, False), (True, True)])
+def test_pooled_tail_in_a_token_order_is_the_reordered_call(fp8, q_in_kernel):
+    """With ``token_perm`` the pooled blocks are those of the permuted order (FP8: the pre-pass's fused
+    gather; bf16: the gathered copies): exactly the tail call on the reordered inputs."""
+    from chorus.kernels.triton._attention import DEFAULT_CONFIGS, block_sparse_attention_triton_impl
+
+    q, k, v = make_inputs(1, 2, 300, 64, torch.bfloat16, seed=43, layout="blhd")
+    perm = torch.randperm(300, generator=torch.Generator().manual_seed(3))
+    bm = _tail_map(1, 2, 300, 300, 64, seed=9)
+    config = dict(DEFAULT_CONFIGS["fp8" if fp8 else "bf16"], q_in_kernel=q_in_kernel)
+    out = block_sparse_attention_triton_impl(q, k, v, bm, 64, 0.125, fp8, config=config, token_perm=perm,
+                                             pooled_tail=True)
+    qp, kp, vp = (t[:, :, perm] for t in (q, k, v))
+    (check_fp8 if fp8 else check_16bit)(out[:, :, perm], qp, kp, vp, bm, 64, scale=0.125, pooled_tail=True)
+    plain = block_sparse_attention_triton_impl(qp, kp, vp, bm, 64, 0.125, fp8, config=config, pooled_tail=True)
+    torch.testing.assert_close(out[:, :, perm], plain, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("fp8", [True])
+def test_pooled_tail_on_the_persistent_grid_and_rows_that_keep_nothing(fp8):
+    """The persistent launch walks the tiles with their pooled blocks counted; a row that keeps no block
+    attends to its pooled terms only (the oracle's value: the public API rejects such maps unless
+    ``rows_checked``)."""
+    from chorus.kernels.triton._attention import DEFAULT_CONFIGS, block_sparse_attention_triton_impl
+
+    q, k, v = make_inputs(2, 2, 300, 64, torch.bfloat16, seed=47, layout="blhd")
+    bm = _tail_map(2, 2, 300, 300, 64, seed=11)
+    bm[1, 0, 2] = False  # a row that keeps nothing
+    config = dict(DEFAULT_CONFIGS["fp8" if fp8 else "bf16"], persistent=True)
+    out = block_sparse_attention_triton_impl(q, k, v, bm, 64, 0.125, fp8, config=config, pooled_tail=True)
+    (check_fp8 if fp8 else check_16bit)(out, q, k, v, bm, 64, scale=0.125, pooled_tail=True)
+    plain = block_sparse_attention_triton_impl(q, k, v, bm, 64, 0.125, fp8, pooled_tail=True)
+    assert torch.equal(out, plain)
+
+
+@pytest.mark.parametrize("fp8", [True])
+def test_pooled_tail_in_int32_chunks_matches_one_launch(fp8, monkeypatch):
+    """(batch, head) chunks count the pooled rows too and build each chunk's lists and bias table."""
+    from chorus.kernels.triton import _attention
+
+    q, k, v = make_inputs(2, 3, 150, 64, torch.bfloat16, seed=53)
+    bm = random_map(2, 3, 150, 150, 64, 0.4, seed=3)
+    want = block_sparse_attention_triton(q, k, v, bm, block_size=64, fp8=fp8, pooled_tail=True)
+    monkeypatch.setattr(_attention, "INT32_LIMIT", (256 + 128) * 64)  # one (b, h) with its pooled rows
+    assert torch.equal(block_sparse_attention_triton(q, k, v, bm, block_size=64, fp8=fp8, pooled_tail=True), want)
+
+
+@pytest.mark.parametrize("v_key_order,v_scaling", [("natural", "channel"), ("wgmma", "channel"), ("wgmma", "block")])
+@pytest.mark.parametrize("length,bs", [(300, 128), (300, 64), (600, 256)])
+def test_fp8_prepass_writes_the_pooled_rows(v_key_order, v_scaling, length, bs):
+    """The pre-pass's pooled rows (block means of smoothed K and of V after ``Lpad_k``, quantised with their
+    own K tile scale and V's scaling, in V's key order) against the torch twin; the real rows unchanged."""
+    from chorus.kernels.triton._quant import quantize_qkv_fp8, quantize_reference, tail_rows
+
+    q, k, v = make_inputs(1, 2, length, 64, torch.bfloat16, seed=length + bs)
+    got = quantize_qkv_fp8(q, k, v, 0.125, v_key_order=v_key_order, v_scaling=v_scaling, pool_block=bs)
+    want = quantize_reference(q, k, v, 0.125, v_key_order=v_key_order, v_scaling=v_scaling, pool_block=bs)
+    plain = quantize_qkv_fp8(q, k, v, 0.125, v_key_order=v_key_order, v_scaling=v_scaling)
+    lpad = plain[1].shape[2]
+    assert got[1].shape[2] == lpad + tail_rows(length, bs) and got[2].shape[-1] == got[1].shape[2]
+    for name, a, b in zip(("q8", "k8", "v8t", "q_scale", "k_scale", "v_scale"), got, want):
+        assert a.shape == b.shape, name
+        diff = (a.float() - b.float()).abs()
+        tol = 1e-5 * max(1.0, b.float().abs().max().item()) if a.dtype == torch.float32 else 32.0
+        assert diff.max().item() <= tol, (name, diff.max().item())
+        if a.dtype != torch.float32:
+            assert (diff > 0).float().mean().item() < 0.01, name
+    assert torch.equal(got[1][:, :, :lpad].view(torch.uint8), plain[1].view(torch.uint8))
+    assert torch.equal(got[2][..., :lpad].view(torch.uint8), plain[2].view(torch.uint8))
+    blocks = -(-length // bs)
+    assert got[1][:, :, lpad + blocks:].float().abs().max() == 0  # past the last block: zeros
+
+
+@pytest.mark.parametrize("length,bs,layout", [(300, 64, "blhd"), (97, 32, "bhld"), (600, 256, "bhld")])
+def test_16bit_pooled_keys_and_values_are_block_means(length, bs, layout):
+    from chorus.kernels.reference import pooled_key_blocks
+    from chorus.kernels.triton._quant import pooled_kv_16bit, tail_rows
+
+    _, k, v = make_inputs(1, 2, length, 64, torch.bfloat16, seed=length, layout=layout)
+    kp, vp = pooled_kv_16bit(k, v, bs)
+    kbar, vbar = pooled_key_blocks(k.double(), v.double(), bs)
+    blocks = kbar.shape[2]
+    assert kp.shape == (1, 2, tail_rows(length, bs), 64) and kp.dtype == torch.bfloat16
+    for got, want in ((kp, kbar), (vp, vbar)):
+        err = (got[:, :, :blocks].double() - want).abs().max().item()
+        assert err <= torch.finfo(torch.bfloat16).eps * want.abs().max().item(), err
+        assert got[:, :, blocks:].abs().max() == 0
+
+
+@pytest.mark.parametrize("shape,density,kv_len,bs", [((1, 3, 20, 300), 0.1, 38400, 128), ((2, 2, 37, 3), 0.5, 300, 128),
+                                                      ((1, 1, 5, 5), 1.0, 600, 128), ((1, 2, 9, 10), 0.3, 300, 32)])
+def test_tail_block_lists_and_bias_table_match_torch(shape, density, kv_len, bs):
+    """``lpt_block_lists`` with the tail: after each row's kept blocks, ``pool_first + p`` for every pooled
+    tile ``p`` (128 blocks) holding a block the row skips; the bias table = the block's weight in log2 units
+    (:func:`~chorus.kernels.reference.pooled_log_weights`, prefix and suffix biases) where skipped, -inf where
+    kept and past the last block; the LPT order counts the pooled tiles."""
+    from chorus.kernels.reference import pooled_log_weights
+    from chorus.kernels.triton._attention import lpt_block_lists, tail_spec
+
+    gen = torch.Generator().manual_seed(sum(shape))
+    bm = torch.rand(*shape, generator=gen) < density
+    prefix_len, prefix_bias, suffix_len, suffix_bias = 200, 0.8, 150, -0.5
+    tail = tail_spec(kv_len, bs, 77, prefix_len, prefix_bias, kv_len - suffix_len, suffix_bias)
+    kv_num, kv_idx, sched, strides, lists = lpt_block_lists(bm, tail)
+    kb = shape[3]
+    tiles = -(-kb // 128)
+    assert lists.tiles == tiles and kv_idx.shape[-1] == kb + tiles and strides[-1] == kb + tiles
+    weights = pooled_log_weights(kv_len, bs, prefix_len, prefix_bias, suffix_len, suffix_bias) / math.log(2)
+    want_bias = torch.full((*shape[:3], tiles * 128), float("-inf"), dtype=torch.float64)
+    want_bias[..., :kb] = torch.where(bm, float("-inf"), weights[:kb])
+    torch.testing.assert_close(lists.bias.double(), want_bias, rtol=1e-6, atol=1e-6)
+    skipped_tiles = torch.nn.functional.pad(~bm, (0, tiles * 128 - kb)).view(*shape[:3], tiles, 128).any(-1)
+    assert torch.equal(kv_num.long(), bm.sum(-1)) and torch.equal(lists.tail_num.long(), skipped_tiles.sum(-1))
+    for row in zip(*[i.flatten() for i in torch.meshgrid(*[torch.arange(n) for n in shape[:3]], indexing="ij")]):
+        n, m = int(kv_num[row]), int(lists.tail_num[row])
+        assert torch.equal(kv_idx[row][:n].long(), torch.nonzero(bm[row]).flatten())
+        assert torch.equal(kv_idx[row][n:n + m].long(), 77 + torch.nonzero(skipped_tiles[row]).flatten())
+    cost = bm.sum(-1) + skipped_tiles.sum(-1)
+    assert torch.equal(sched.long(), torch.argsort(cost, dim=-1, descending=True, stable=True))
+
+
+def test_tail_op_traces_with_fake_tensors():
+    q, k, v = make_inputs(1, 2, 64, 64, torch.bfloat16, seed=1)
+    bm = torch.tensor([[True, False], [False, True]]).view(1, 1, 2, 2)
+    torch.library.opcheck(torch.ops.chorus.block_sparse_attention_triton,
+                          (q, k, v, bm, 32, 0.125, False, 0, 0.0, None, 0, 0.0, True),
+                          test_utils=("test_schema", "test_faketensor"))
+
+    def fn(q, k, v, bm):
+        return block_sparse_attention_triton(q, k, v, bm, block_size=32, fp8=True, pooled_tail=True)
+
+    out = torch.compile(fn, backend="aot_eager", fullgraph=True)(q, k, v, bm)
+    assert torch.equal(out, fn(q, k, v, bm))
+
+
+@pytest.mark.parametrize("v_scaling", ["channel", "block"])
+@pytest.mark.parametrize("length,biases", [(600, dict(prefix_len=200, prefix_bias=0.9, suffix_len=150,
+                                                      suffix_bias=math.log(8)))])
+def test_warp_specialised_tail_inputs_walked_like_the_kernel_give_the_oracle(v_scaling, length, biases):
+    """What ``launch_ws`` hands the Gluon kernel with the tail (its pre-pass with V in the wgmma key order
+    and the pooled rows, its block lists with pooled tile ``p`` listed as key block ``Lpad / 128 + p``, the
+    bias table), consumed in torch the way the kernel does per tile -- K rows / scale of block ``kb``, V^T
+    columns ``kb * 128 + wgmma order``, the table's ``bias / sc`` added to ``S`` on pooled tiles only, the
+    prefix / suffix biases on the others, the partial last block masked -- is the tail's attention within
+    the FP8 bounds of the oracle (the Gluon kernel itself: ``test_kernels_ws_gpu.py``)."""
+    from chorus.kernels.triton._attention import lpt_block_lists, tail_spec
+    from chorus.kernels.triton._quant import LOG2E, padded_len, quantize_qkv_fp8, wgmma_key_order_torch
+
+    q, k, v = make_inputs(1, 2, length, 64, torch.bfloat16, seed=length + len(biases))
+    bm = _tail_map(1, 2, length, length, 128, seed=13)
+    scale = 0.125
+    prefix_len, prefix_bias = biases.get("prefix_len", 0), biases.get("prefix_bias", 0.0)
+    suffix_start = length - biases.get("suffix_len", 0)
+    suffix_bias = biases.get("suffix_bias", 0.0)
+    _, k8, v8t, _, k_scale, v_scale = quantize_qkv_fp8(q, k, v, scale, quantize_q=False, v_key_order="wgmma",
+                                                       v_scaling=v_scaling, pool_block=128)
+    pool_first = padded_len(length) // 128
+    kv_num, kv_idx, sched, strides, lists = lpt_block_lists(
+        bm, tail_spec(length, 128, pool_first, prefix_len, prefix_bias, suffix_start, suffix_bias))
+    key_bias = torch.zeros(padded_len(length))
+    key_bias[:prefix_len] += prefix_bias
+    key_bias[suffix_start:length] += suffix_bias
+    cols = wgmma_key_order_torch(torch.arange(128))
+    out = torch.empty(1, 2, length, 64, dtype=torch.float64)
+    for h in range(2):
+        v_unit = torch.ones(64) if v_scaling == "block" else v_scale[0, h]  # per-channel scale, or 2^e per tile
+        for qb in range(bm.shape[2]):
+            rows = slice(qb * 128, min((qb + 1) * 128, length))
+            s_parts, v_parts = [], []
+            n = int(kv_num[0, h, qb]) + int(lists.tail_num[0, h, qb])
+            for kb in kv_idx[0, h, qb, :n].tolist():
+                sk = k_scale[0, h, kb]
+                s_blk = q[0, h, rows].float() * (scale * LOG2E) @ (k8[0, h, kb * 128:(kb + 1) * 128].float() * sk).T
+                if kb >= pool_first:  # a pooled tile: its keys' terms from the bias table
+                    p = kb - pool_first
+                    s_blk = s_blk + lists.bias[0, h, qb, p * 128:(p + 1) * 128]
+                else:
+                    s_blk = s_blk + key_bias[kb * 128:(kb + 1) * 128] * LOG2E
+                    s_blk[:, (kb * 128 + torch.arange(128)) >= length] = float("-inf")
+                vt = v8t[0, h, :, kb * 128:(kb + 1) * 128].float()[:, cols]  # key n at column wgmma_order(n)
+                v_exp = v_scale[0, h, kb] if v_scaling == "block" else 0.0
+                s_parts.append(s_blk)
+                v_parts.append(vt.T * v_unit * 2.0 ** v_exp)
+            probs = torch.softmax(torch.cat(s_parts, 1).double() / LOG2E, dim=1)
+            out[0, h, rows] = probs @ torch.cat(v_parts).double()
+    check_fp8(out.to(q.dtype), q, k, v, bm, 128, scale=scale, pooled_tail=True, **biases)
+    assert torch.equal(sched.long(), torch.argsort(kv_num + lists.tail_num, dim=-1, descending=True, stable=True))

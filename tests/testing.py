@@ -40,12 +40,15 @@ def random_block_map(batch, heads, q_len, kv_len, block_size, density=0.5, seed=
     return keep
 
 
-def assert_matches_oracle(out, q, k, v, block_map, block_size, factor=2.0, prefix_len=0, prefix_bias=0.0):
+def assert_matches_oracle(out, q, k, v, block_map, block_size, factor=2.0, prefix_len=0, prefix_bias=0.0,
+                          **options):
     """Error of ``out`` vs the fp64 oracle is at most ``factor`` x the error of eager attention at
-    the inputs' dtype (plus a small absolute floor of a few output ulps for exact-in-fp32 paths)."""
-    oracle = dense_attention_oracle(q, k, v, block_map, block_size, prefix_len=prefix_len, prefix_bias=prefix_bias)
+    the inputs' dtype (plus a small absolute floor of a few output ulps for exact-in-fp32 paths);
+    ``options``: the oracle's other keywords (``suffix_len``, ``suffix_bias``, ``pooled_tail``)."""
+    oracle = dense_attention_oracle(q, k, v, block_map, block_size, prefix_len=prefix_len, prefix_bias=prefix_bias,
+                                    **options)
     eager = masked_attention_eager(q, k, v, block_map, block_size, prefix_len=prefix_len,
-                                   prefix_bias=prefix_bias).double()
+                                   prefix_bias=prefix_bias, **options).double()
     err = (out.double() - oracle).abs().max().item()
     err_eager = (eager - oracle).abs().max().item()
     floor = 4 * torch.finfo(q.dtype).eps * oracle.abs().max().item()
@@ -86,3 +89,58 @@ def full_map_hit(miss, token_order=None):
         meta["feature_reuse"] = miss.request_meta["feature_reuse"]
     return Plan("hit", entry_id=1, similarity=1.0, masks=masks, entry_meta=meta, latent_shape=miss.latent_shape,
                 embedding=np.ones(4, np.float32))
+
+
+def query_block_rows(q_len: int, num_q_blocks: int, block_size: int = 128, device="cuda"):
+    """``(blocks, rows)``: the first, middle and last (partial) query block and their token rows -- what the
+    GPU tests check against the oracle, so 75 600-token cases stay cheap."""
+    blocks = sorted({0, num_q_blocks // 2, num_q_blocks - 1})
+    rows = torch.cat([torch.arange(b * block_size, min((b + 1) * block_size, q_len), device=device) for b in blocks])
+    return blocks, rows
+
+
+def check_pooled_tail(out, q, k, v, block_map, *, fp8: bool, label: str, block_size: int = 128,
+                      cos_floor: float = 0.998, **biases) -> dict:
+    """A ``pooled_tail=True`` output on whole query blocks (first, middle, last) against the fp64 oracle with
+    the tail: bf16 max error <= 2 x eager bf16's (+ 4 ulp); FP8 relative L1 and cosine deficit <= 2 x the
+    SageAttention-style emulation's (with the tail) and cosine >= ``cos_floor``. Prints, and a failure
+    reports, the error against the oracle *without* the tail and per query block, so a failure reads as
+    "the tail was ignored" (close to the map-only oracle: block lists / bias table / ``HAS_TAIL``), "one
+    query block is wrong" or "everything is off" (the kernel)."""
+    from chorus.kernels.triton.emulation import error_stats, sage_fp8_attention_emulation
+
+    blocks, rows = query_block_rows(q.shape[2], block_map.shape[2], block_size, q.device)
+    sub_map, q_sub, got = block_map[:, :, blocks], q[:, :, rows], out[:, :, rows]
+    oracle = dense_attention_oracle(q_sub, k, v, sub_map, block_size, pooled_tail=True, **biases)
+    plain = dense_attention_oracle(q_sub, k, v, sub_map, block_size, **biases)
+    ours, vs_plain = error_stats(got, oracle), error_stats(got, plain)
+    tail_share = error_stats(plain, oracle)["rel_l1"]  # how far the tail moves the exact answer
+    per_block, start = [], 0
+    for b in blocks:
+        n = min((b + 1) * block_size, q.shape[2]) - b * block_size
+        rel = error_stats(got[:, :, start:start + n], oracle[:, :, start:start + n])["rel_l1"]
+        per_block.append((b, round(rel, 5)))
+        start += n
+    info = dict(label=label, ours=ours, ours_vs_map_only_oracle=vs_plain["rel_l1"], tail_moves_oracle=tail_share,
+                per_query_block_rel_l1=per_block)
+    assert torch.isfinite(out).all(), f"{label}: non-finite output {info}"
+    if fp8:
+        sage = error_stats(sage_fp8_attention_emulation(q_sub, k, v, sub_map, block_size, pooled_tail=True, **biases),
+                           oracle)
+        info["emulation"] = sage
+        print(f"pooled tail {info}")
+        ok = ours["rel_l1"] <= 2 * sage["rel_l1"] and 1 - ours["cosine"] <= 2 * (1 - sage["cosine"]) \
+            and ours["cosine"] >= cos_floor
+    else:
+        eager = masked_attention_eager(q_sub, k, v, sub_map, block_size, pooled_tail=True, **biases).double()
+        err, err_eager = (got.double() - oracle).abs().max().item(), (eager - oracle).abs().max().item()
+        info.update(max_err=err, eager_max_err=err_eager)
+        print(f"pooled tail {info}")
+        ok = err <= 2 * err_eager + 4 * torch.finfo(q.dtype).eps * oracle.abs().max().item()
+    if not ok:
+        hint = ("closer to the map-only oracle than to the tail's: the tail was ignored or mis-weighted (block lists, "
+                "bias table, HAS_TAIL)" if vs_plain["rel_l1"] < ours["rel_l1"] else
+                "off on some query blocks only (per_query_block_rel_l1)" if max(e for _, e in per_block) > 3 * min(
+                    e for _, e in per_block) + 1e-3 else "off everywhere (pooled means / scales or the kernel)")
+        raise AssertionError(f"{label}: outside the bound, {hint}: {info}")
+    return info

@@ -33,7 +33,10 @@ def attn_signature(fp8: bool, dtype: str, use_tma: bool, block_m: int, block_n: 
     else:
         q = k = v = f"*{ed}"
     pointers = {"Q": q, "K": k, "V": v, "O": f"*{dtype}", "q_scale": "*fp32", "k_scale": "*fp32", "v_scale": "*fp32",
-                "kv_num": "*i32", "kv_idx": "*i32", "sched": "*i32", "token_perm": "*i32"}
+                "kv_num": "*i32", "kv_idx": "*i32", "sched": "*i32", "token_perm": "*i32", "tail_num": "*i32",
+                "tail_bias": "*fp32",
+                # the pooled tail's keys / values: FP8 the pre-pass's copies (K's, V's type), 16-bit own buffers
+                "Kp": k if fp8 else f"*{ed}", "Vp": v if fp8 else f"*{ed}"}
     floats = {"qk_scale", "prefix_bias", "suffix_bias"}
     sig = {}
     for name, param in zip(A._bsa_fwd_kernel.arg_names, A._bsa_fwd_kernel.params):
@@ -44,10 +47,14 @@ def attn_signature(fp8: bool, dtype: str, use_tma: bool, block_m: int, block_n: 
 
 
 def compile_attn(fp8=True, use_tma=False, block_m=128, block_n=128, head_dim=128, num_warps=8, num_stages=3,
-                 tail=False, dtype="bf16", ablate=0, ws=False):
+                 tail=False, dtype="bf16", ablate=0, ws=False, has_tail=False):
+    """The portable Triton kernel compiled for sm_90 (``tail``: a partial last key block; ``has_tail``: the
+    pooled tail)."""
     sig = attn_signature(fp8, dtype, use_tma, block_m, block_n, head_dim, ws)
     consts = dict(HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BS=128, FP8=fp8, USE_TMA=use_tma,
-                  TAIL_K=tail, EVEN_Q=not tail, P_SHIFT=A.P_SHIFT_LOG2, SCALE_TILE=128, INTERPRET=False, ABLATE=ablate, WARP_SPEC=ws, HAS_BIAS=False)
+                  TAIL_K=tail, EVEN_Q=not tail, P_SHIFT=A.P_SHIFT_LOG2, SCALE_TILE=128, INTERPRET=False, ABLATE=ablate,
+                  WARP_SPEC=ws, HAS_BIAS=False, HAS_TAIL=has_tail, POOL_TMA=has_tail and fp8 and use_tma,
+                  POOL_TILE=A.TAIL_TILE)
     consts.update({n: False for n, p in zip(A._bsa_fwd_kernel.arg_names, A._bsa_fwd_kernel.params)
                    if p.is_constexpr and n not in consts})  # later compile-time switches, off
     for c in consts:
@@ -59,12 +66,21 @@ def compile_attn(fp8=True, use_tma=False, block_m=128, block_n=128, head_dim=128
     return triton.compile(src, target=TARGET, options=dict(num_warps=num_warps, num_stages=num_stages))
 
 
+def compile_jit(fn, types: dict, constexprs: dict, num_warps: int = 4):
+    """Any Triton kernel of ours compiled for sm_90: ``types`` maps parameters to Triton type strings
+    (``"*bf16"``, ``"fp32"`` ...; the others are ``i32``), ``constexprs`` gives the compile-time ones."""
+    sig = {name: ("constexpr" if param.is_constexpr else types.get(name, "i32"))
+           for name, param in zip(fn.arg_names, fn.params)}
+    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs), target=TARGET,
+                          options=dict(num_warps=num_warps))
+
+
 def compile_ws(head_dim=128, schedule="serial", stages=3, tail=True, ablate=0, fma_quarters=0, has_bias=False,
                has_perm=False, has_suffix=False, p_bits=1, v_block=False, p_sat=True, o_vec=True, o_tma=None,
-               q_kernel=None):
+               q_kernel=None, has_tail=False):
     """The warp-specialised Gluon kernel (``chorus.kernels.triton._attention_ws``) compiled for sm_90.
     ``o_tma`` / ``q_kernel`` (the TMA output store, Q quantised in the kernel) default to what the launcher
-    compiles: on, except with a token order (``has_perm``)."""
+    compiles: on, except with a token order (``has_perm``); ``has_tail``: the pooled tail."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from chorus.kernels.triton import _attention_ws as W
@@ -92,11 +108,11 @@ def compile_ws(head_dim=128, schedule="serial", stages=3, tail=True, ablate=0, f
             sig[name] = "*bf16"
         elif name == "o_desc":
             sig[name] = rows_desc_type(W.CONSUMER_ROWS)
-        elif name in ("q_scale", "k_scale", "v_scale"):
+        elif name in ("q_scale", "k_scale", "v_scale", "tail_bias"):
             sig[name] = "*fp32"
         elif name in ("prefix_bias", "suffix_bias", "q_mult"):
             sig[name] = "fp32"
-        elif name in ("kv_num", "kv_idx", "sched", "token_perm"):
+        elif name in ("kv_num", "kv_idx", "sched", "token_perm", "tail_num"):
             sig[name] = "*i32"
         else:
             sig[name] = "i32"
@@ -104,10 +120,12 @@ def compile_ws(head_dim=128, schedule="serial", stages=3, tail=True, ablate=0, f
                   HAS_PERM=has_perm, HAS_SUFFIX=has_suffix,
                   P_SHIFT=A.P_SHIFT_LOG2,
                   SCHEDULE=schedule, ABLATE=ablate, FMA_QUARTERS=fma_quarters, P_BITS=p_bits, V_BLOCK=v_block,
-                  P_SAT=p_sat, O_VEC=o_vec, O_TMA=o_tma, Q_KERNEL=q_kernel)
+                  P_SAT=p_sat, O_VEC=o_vec, O_TMA=o_tma, Q_KERNEL=q_kernel, HAS_TAIL=has_tail)
     sig.update({c: "constexpr" for c in consts})
-    # 16-byte divisibility of the output pointer and strides, as the launcher's specialisation gives them
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig) if n in ("O", "s_ob", "s_oh", "s_ol")}
+    # 16-byte divisibility of the output pointer and strides and of the pooled tail's bias table and its row
+    # width (a multiple of 128), as the launcher's specialisation gives them
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig)
+             if n in ("O", "s_ob", "s_oh", "s_ol", "tail_bias", "tail_width")}
     src = GluonASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
     return triton.compile(src, target=TARGET, options=dict(num_warps=4))
 
@@ -127,10 +145,12 @@ def sass_of(kernel) -> str:
     return cuobjdump(kernel, "--dump-sass")
 
 
-def key_block_loop_ops(sass: str) -> dict:
+def key_block_loop_ops(sass: str, kept_blocks_only: bool = False) -> dict:
     """Opcode counts (``FFMA``, ``FMNMX``, ``FSEL`` ...) of the innermost loop that issues a wgmma
     (``QGMMA``/``HGMMA``): the first consumer's key-block loop, what runs once per kept key block and
-    thread; ``{"total": n}`` holds its instruction count."""
+    thread; ``{"total": n}`` holds its instruction count. ``kept_blocks_only``: leave out the instructions
+    a forward branch inside the loop skips when they load from global memory (``LDG``: the pooled tail's
+    weights, loaded on its pooled tiles only), i.e. count what a kept key block runs."""
     ins = [(int(m.group(1), 16), m.group(2).strip())
            for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*?)\s*;", sass)]
     index = {addr: i for i, (addr, _) in enumerate(ins)}
@@ -138,10 +158,19 @@ def key_block_loop_ops(sass: str) -> dict:
         target = re.search(r"BRA 0x([0-9a-f]+)", text)
         start = index.get(int(target.group(1), 16), end) if target else end
         if start < end and any(re.search(r"[QH]GMMA", t) for _, t in ins[start:end]):
-            ops: dict = {"total": end - start + 1}
-            for _, t in ins[start:end + 1]:
-                op = re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0]
-                ops[op] = ops.get(op, 0) + 1
+            loop = ins[start:end + 1]
+            skipped: set = set()
+            for addr, t in loop if kept_blocks_only else ():
+                jump = re.search(r"@!?P\d BRA 0x([0-9a-f]+)", t)
+                if jump and addr < int(jump.group(1), 16) <= loop[-1][0]:
+                    body = [(a, x) for a, x in loop if addr < a < int(jump.group(1), 16)]
+                    if any("LDG" in x for _, x in body):
+                        skipped.update(a for a, _ in body)
+            ops: dict = {"total": len(loop) - len(skipped)}
+            for addr, t in loop:
+                if addr not in skipped:
+                    op = re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0]
+                    ops[op] = ops.get(op, 0) + 1
             return ops
     return {"total": 0}
 

@@ -3,8 +3,9 @@
 Public entry points (called by :mod:`chorus.kernels.api` for backends ``triton_fp8``/``triton_bf16``):
 
 - :func:`block_sparse_attention_triton` ``(q, k, v, block_map, *, block_size, scale, fp8, prefix_len,
-  prefix_bias) -> Tensor``
-- :func:`block_sparse_attention_ws` ``(q, k, v, block_map, *, scale, prefix_len, prefix_bias) -> Tensor``:
+  prefix_bias, token_perm, suffix_len, suffix_bias, pooled_tail) -> Tensor``
+- :func:`block_sparse_attention_ws` ``(q, k, v, block_map, *, scale, prefix_len, prefix_bias, token_perm,
+  suffix_len, suffix_bias, pooled_tail) -> Tensor``:
   the warp-specialised Gluon FP8 kernel of :mod:`._attention_ws` (backend ``triton_fp8_ws``; sm_90,
   block size 128), :func:`ws_unavailable` ``(q) -> reason | None`` and :func:`ws_call_unsupported`
 - :func:`block_mass_triton` ``(q, k, *, block_size, sample_rows, scale) -> float32 [B, H, Qb, Kb]``
@@ -64,14 +65,16 @@ if not _op_exists("block_sparse_attention_triton"):
     @torch.library.custom_op("chorus::block_sparse_attention_triton", mutates_args=())
     def _bsa_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_map: torch.Tensor, block_size: int,
                 scale: float, fp8: bool, prefix_len: int = 0, prefix_bias: float = 0.0,
-                token_perm: torch.Tensor | None = None, suffix_len: int = 0, suffix_bias: float = 0.0) -> torch.Tensor:
+                token_perm: torch.Tensor | None = None, suffix_len: int = 0, suffix_bias: float = 0.0,
+                pooled_tail: bool = False) -> torch.Tensor:
         return block_sparse_attention_triton_impl(q, k, v, block_map, block_size, scale, fp8,
                                                   prefix_len=prefix_len, prefix_bias=prefix_bias, token_perm=token_perm,
-                                                  suffix_len=suffix_len, suffix_bias=suffix_bias)
+                                                  suffix_len=suffix_len, suffix_bias=suffix_bias,
+                                                  pooled_tail=pooled_tail)
 
     @_bsa_op.register_fake
     def _bsa_fake(q, k, v, block_map, block_size, scale, fp8, prefix_len=0, prefix_bias=0.0, token_perm=None,
-                  suffix_len=0, suffix_bias=0.0):
+                  suffix_len=0, suffix_bias=0.0, pooled_tail=False):
         return output_like(q)
 
 if not _op_exists("block_sparse_attention_ws"):
@@ -79,14 +82,15 @@ if not _op_exists("block_sparse_attention_ws"):
     def _bsa_ws_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_map: torch.Tensor,
                    scale: float, prefix_len: int = 0, prefix_bias: float = 0.0,
                    token_perm: torch.Tensor | None = None, suffix_len: int = 0,
-                   suffix_bias: float = 0.0) -> torch.Tensor:
+                   suffix_bias: float = 0.0, pooled_tail: bool = False) -> torch.Tensor:
         return _attention_ws.block_sparse_attention_ws(q, k, v, block_map, scale, prefix_len=prefix_len,
                                                        prefix_bias=prefix_bias, token_perm=token_perm,
-                                                       suffix_len=suffix_len, suffix_bias=suffix_bias)
+                                                       suffix_len=suffix_len, suffix_bias=suffix_bias,
+                                                       pooled_tail=pooled_tail)
 
     @_bsa_ws_op.register_fake
     def _bsa_ws_fake(q, k, v, block_map, scale, prefix_len=0, prefix_bias=0.0, token_perm=None, suffix_len=0,
-                     suffix_bias=0.0):
+                     suffix_bias=0.0, pooled_tail=False):
         return output_like(q)
 
 if not _op_exists("block_mass_triton"):
@@ -106,7 +110,7 @@ def block_sparse_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
                                   block_size: int = 128, scale: float | None = None, fp8: bool = True,
                                   prefix_len: int = 0, prefix_bias: float = 0.0,
                                   token_perm: torch.Tensor | None = None, suffix_len: int = 0,
-                                  suffix_bias: float = 0.0) -> torch.Tensor:
+                                  suffix_bias: float = 0.0, pooled_tail: bool = False) -> torch.Tensor:
     """Block-sparse forward attention (FP8 e4m3 when ``fp8``, else the inputs' 16-bit dtype).
 
     Args:
@@ -122,15 +126,20 @@ def block_sparse_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
             the sequence in that order (position ``i`` = input row ``token_perm[i]``; ``block_map`` is in
             that order) and the output is returned in the input order; fused into the FP8 pre-pass and
             the output store; ``prefix_len`` then counts positions of that order.
+        pooled_tail: every key block a row's map skips enters that row's softmax as one pooled term (its
+            mean key with weight ``log`` of its key count plus the biases' log-sum-exp, its mean value; see
+            :func:`chorus.kernels.block_sparse_attention`): the pooled keys are extra key blocks after the
+            real ones (FP8: written by the pre-pass, which reads K and V anyway; 16-bit: one extra read).
 
     Returns ``[B, H, Lq, D]`` in q's dtype, in ``[B, Lq, H, D]`` memory when q is such a
     head-transposed view (:func:`._attention.output_like`), else contiguous. Raises ``ValueError`` on bad shapes/dtypes/maps.
-    A map row with no kept block gives zeros (the public API rejects such maps first).
+    A map row with no kept block gives zeros, or with ``pooled_tail`` the pooled terms' average (the public
+    API rejects such maps first).
     """
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     return torch.ops.chorus.block_sparse_attention_triton(q, k, v, block_map, int(block_size), scale, bool(fp8),
                                                           int(prefix_len), float(prefix_bias), token_perm,
-                                                          int(suffix_len), float(suffix_bias))
+                                                          int(suffix_len), float(suffix_bias), bool(pooled_tail))
 
 
 def ws_unavailable(q: torch.Tensor) -> str | None:
@@ -152,15 +161,16 @@ def ws_call_unsupported(head_dim: int, block_size: int) -> str | None:
 def block_sparse_attention_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_map: torch.Tensor, *,
                               scale: float | None = None, prefix_len: int = 0, prefix_bias: float = 0.0,
                               token_perm: torch.Tensor | None = None, suffix_len: int = 0,
-                              suffix_bias: float = 0.0) -> torch.Tensor:
+                              suffix_bias: float = 0.0, pooled_tail: bool = False) -> torch.Tensor:
     """The warp-specialised FP8 kernel (contract: :mod:`._attention_ws`; block size 128), as the custom
     op ``torch.ops.chorus.block_sparse_attention_ws``; ``prefix_len`` / ``prefix_bias`` / ``token_perm`` /
-    ``suffix_len`` / ``suffix_bias``
-    (fused into the pre-pass and the output store) as in :func:`block_sparse_attention_triton`. Output
-    layout as :func:`block_sparse_attention_triton`'s. Raises ``ValueError`` outside the contract."""
+    ``suffix_len`` / ``suffix_bias`` (fused into the pre-pass and the output store) and ``pooled_tail`` as in
+    :func:`block_sparse_attention_triton`. Output layout as :func:`block_sparse_attention_triton`'s. Raises
+    ``ValueError`` outside the contract."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     return torch.ops.chorus.block_sparse_attention_ws(q, k, v, block_map, scale, int(prefix_len), float(prefix_bias),
-                                                      token_perm, int(suffix_len), float(suffix_bias))
+                                                      token_perm, int(suffix_len), float(suffix_bias),
+                                                      bool(pooled_tail))
 
 
 def block_mass_triton(q: torch.Tensor, k: torch.Tensor, *, block_size: int = 128, sample_rows: int | None = None,

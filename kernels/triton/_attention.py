@@ -30,11 +30,26 @@ How it runs:
    bias in log2 units is added to the scaled ``S`` of keys ``< prefix_len`` before the row maximum,
    so the FP8 ``P`` keeps its 2^8 headroom; K smoothing is still exact (it shifts each row by a
    constant, the bias does not depend on the query).
+6. Pooled tail (``HAS_TAIL``, a compile-time switch; ``pooled_tail=True``): every key block a row's map
+   skips enters its softmax as one term, the block's mean key with weight ``w_j`` = log of its key count
+   (plus the key biases' log-sum-exp) and its mean value (semantics: :func:`chorus.kernels.block_sparse_attention`).
+   The pooled keys are extra key blocks: FP8, the pre-pass writes each block's mean of smoothed K / of V
+   (quantised like the keys, one K scale per 128 pooled keys) as rows after ``Lpad_k`` of its copies
+   (:func:`._quant.quantize_qkv_fp8`, ``pool_block``), from sums taken while it has K and V in registers;
+   16-bit, :func:`._quant.pooled_kv_16bit` writes them (one extra read of K and V). The block lists
+   (:func:`lpt_block_lists` with ``tail``) append to each row the pooled tiles (128 pooled keys each) that
+   hold a block it skips, and a bias table ``[Bm, Hm, Qb, ceil(Kb / 128) * 128]`` (fp32, log2 units) holds
+   each pooled key's ``w_j * log2(e)`` where the row skips block ``j``, ``-inf`` where it keeps it or past
+   the last block -- built by the same device kernel from the map, no host sync. The kernel walks the
+   listed pooled tiles after the kept blocks (the row maximum is then finite) with the table's row added
+   to the scaled logits, the rest of the loop unchanged; the LPT order counts them. Each row scores the
+   pooled keys with its own ``q_i`` (ComfyUI's sol_attn scores them with the query block's mean query).
 The last key block (when partial) is processed after the unmasked main loop with a key mask.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 
@@ -42,7 +57,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._quant import LOG2E, QUANT_TILE, source_rows, quantize_q_tile, quantize_qkv_fp8, round_e4m3
+from ._quant import (LOG2E, QUANT_TILE, padded_len, pooled_kv_16bit, quantize_q_tile, quantize_qkv_fp8, round_e4m3,
+                     source_rows, tail_rows)
 
 P_SHIFT_LOG2 = 8.0  # P is scaled by 2**8 before the e4m3 cast (see module docstring)
 
@@ -70,17 +86,53 @@ def tma_available() -> bool:
 
 
 @triton.jit
-def _compress_map_kernel(block_map, kv_num, kv_idx, Kb, CHUNK: tl.constexpr):
-    """One program per map row: kv_idx[row, :n] = ascending kept block ids, kv_num[row] = n."""
+def pooled_log2_weight(blocks, Lk, BS, prefix_len, prefix_bias, suffix_start, suffix_bias):
+    """The pooled tail's weight of key blocks ``blocks`` in log2 units: ``log2(sum over the block's real keys
+    t of exp(bias_t))`` with ``prefix_bias`` on keys ``< prefix_len`` and ``suffix_bias`` on keys ``>=
+    suffix_start`` (natural-log units; both on the keys of both), from the four key counts; ``-inf`` for
+    blocks past the last."""
+    lo = blocks * BS
+    hi = lo + tl.minimum(tl.maximum(Lk - lo, 0), BS)
+    pre_end = tl.minimum(hi, prefix_len)
+    suf_start = tl.maximum(lo, suffix_start)
+    n_pre = tl.maximum(pre_end - lo, 0).to(tl.float32)
+    n_suf = tl.maximum(hi - suf_start, 0).to(tl.float32)
+    n_both = tl.maximum(pre_end - suf_start, 0).to(tl.float32)
+    n_none = (hi - lo).to(tl.float32) - n_pre - n_suf + n_both
+    total = (n_none + (n_pre - n_both) * tl.exp(prefix_bias) + (n_suf - n_both) * tl.exp(suffix_bias)
+             + n_both * tl.exp(prefix_bias + suffix_bias))
+    return tl.where(total > 0, tl.math.log2(tl.maximum(total, 1e-30)), float("-inf"))
+
+
+@triton.jit
+def _compress_map_kernel(block_map, kv_num, kv_idx, Kb, row_width, tail_num, tail_bias, tail_tiles, pool_first,
+                         Lk, BS, prefix_len, prefix_bias, suffix_start, suffix_bias,
+                         CHUNK: tl.constexpr, TAIL: tl.constexpr, TAIL_TILE: tl.constexpr):
+    """One program per map row: kv_idx[row, :n] = ascending kept block ids, kv_num[row] = n (rows
+    ``row_width`` apart). TAIL (the pooled tail): then ``kv_idx[row, n:n + m]`` = ``pool_first + p`` for the
+    ``m`` = tail_num[row] tiles ``p`` of ``TAIL_TILE`` key blocks that hold a block the row skips, and the
+    row's bias table ``tail_bias[row, :tail_tiles * TAIL_TILE]`` (fp32, log2 units) = the block's
+    :func:`pooled_log2_weight` where the row skips it, ``-inf`` where it keeps it and past the last block."""
     row = tl.program_id(0)
     count = 0
     for start in range(0, Kb, CHUNK):
         cols = start + tl.arange(0, CHUNK)
         keep = tl.load(block_map + row * Kb + cols, mask=cols < Kb, other=0) != 0
         pos = count + tl.cumsum(keep.to(tl.int32), axis=0) - 1
-        tl.store(kv_idx + row * Kb + pos, cols, mask=keep)
+        tl.store(kv_idx + row * row_width + pos, cols, mask=keep)
         count += tl.sum(keep.to(tl.int32), axis=0)
     tl.store(kv_num + row, count)
+    if TAIL:
+        n_tail = 0
+        for p in range(0, tail_tiles):
+            cols = p * TAIL_TILE + tl.arange(0, TAIL_TILE)
+            skipped = (tl.load(block_map + row * Kb + cols, mask=cols < Kb, other=1) == 0) & (cols < Kb)
+            weight = pooled_log2_weight(cols, Lk, BS, prefix_len, prefix_bias, suffix_start, suffix_bias)
+            tl.store(tail_bias + row * tail_tiles * TAIL_TILE + cols, tl.where(skipped, weight, float("-inf")))
+            listed = tl.max(skipped.to(tl.int32), axis=0)
+            tl.store(kv_idx + row * row_width + count + n_tail, pool_first + p, mask=listed > 0)
+            n_tail += listed
+        tl.store(tail_num + row, n_tail)
 
 
 @triton.jit
@@ -89,12 +141,18 @@ def _attn_tiles(acc, l_i, m_i, q, sq, qk_scale, K, V, k_scale_row, idx_row, b, h
                 HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr, KV_SUB: tl.constexpr,
                 FP8: tl.constexpr, USE_TMA: tl.constexpr, MASK_KEYS: tl.constexpr, MASK_LOADS: tl.constexpr,
                 P_SHIFT: tl.constexpr, SCALE_TILE: tl.constexpr, INTERPRET: tl.constexpr,
-                ABLATE: tl.constexpr, WARP_SPEC: tl.constexpr, HAS_BIAS: tl.constexpr):
+                ABLATE: tl.constexpr, WARP_SPEC: tl.constexpr, HAS_BIAS: tl.constexpr,
+                bias_row=None, pool_row0=0, POOLED: tl.constexpr = False):
+    # POOLED: the listed entries are pooled tiles p of BS (= TAIL_TILE) pooled keys, at rows pool_row0 + p * BS of
+    # K / V; each key's logit term (log2 units, -inf where the row keeps its block) is bias_row[p * BS + n]
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     for it in tl.range(it_lo, it_hi, warp_specialize=WARP_SPEC):
         kb = tl.load(idx_row + it // KV_SUB)
         start_n = kb * BS + (it % KV_SUB) * BLOCK_N
+        if POOLED:
+            pooled_bias = tl.load(bias_row + start_n + offs_n0)
+            start_n += pool_row0
         offs_n = start_n + offs_n0
         if USE_TMA:
             k = K.load([b, h, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
@@ -117,6 +175,9 @@ def _attn_tiles(acc, l_i, m_i, q, sq, qk_scale, K, V, k_scale_row, idx_row, b, h
         if HAS_BIAS:  # prefix / suffix biases (log2 units): scale first, then the row's logits are final
             qk = qk * s + (tl.where(offs_n < prefix_len, prefix_bias, 0.0)
                            + tl.where(offs_n >= suffix_start, suffix_bias, 0.0))[None, :]
+            s = 1.0
+        if POOLED:  # the pooled keys' weights (and -inf for the blocks the row keeps)
+            qk = qk * s + pooled_bias[None, :]
             s = 1.0
         if ABLATE == 1:  # benchmark only: no softmax (measures the exp/max/rescale cost)
             p = qk * s
@@ -166,11 +227,13 @@ def _bsa_tile(pid, bh, Q, K, V, O, q_scale, k_scale, v_scale, kv_num, kv_idx, sc
               suffix_bias,
               s_qb, s_qh, s_ql, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl, s_ob, s_oh, s_ol,
               s_nb, s_nh, s_ib, s_ih, s_iq,
+              Kp, Vp, tail_num, tail_bias, tail_width, pool_row0, s_pkb, s_pkh, s_pkl, s_pvb, s_pvh, s_pvl,
               HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr,
               FP8: tl.constexpr, USE_TMA: tl.constexpr, TAIL_K: tl.constexpr, EVEN_Q: tl.constexpr,
               P_SHIFT: tl.constexpr, SCALE_TILE: tl.constexpr, INTERPRET: tl.constexpr,
               ABLATE: tl.constexpr, WARP_SPEC: tl.constexpr, HAS_BIAS: tl.constexpr,
-              Q_RAW: tl.constexpr, HAS_PERM: tl.constexpr):
+              Q_RAW: tl.constexpr, HAS_PERM: tl.constexpr, HAS_TAIL: tl.constexpr, POOL_TMA: tl.constexpr,
+              POOL_TILE: tl.constexpr):
     """One query tile: row tile ``pid`` (in the LPT order of ``sched``) of (batch, head) ``bh``."""
     TPB: tl.constexpr = BS // BLOCK_M
     KV_SUB: tl.constexpr = BS // BLOCK_N
@@ -224,12 +287,24 @@ def _bsa_tile(pid, bh, Q, K, V, O, q_scale, k_scale, v_scale, kv_num, kv_idx, sc
                                 HEAD_DIM, BLOCK_N, BS, KV_SUB, FP8, USE_TMA, False, False, P_SHIFT, SCALE_TILE,
                                 INTERPRET, ABLATE, WARP_SPEC, HAS_BIAS)
     if TAIL_K:
+        it_last = n_kv * KV_SUB
+        if KV_SUB > 1:  # the last block's sub-tiles that hold keys (past them: no K rows, no K scale to read)
+            it_last = n_main * KV_SUB + (n_kv - n_main) * tl.cdiv(Lk - (num_kv_blocks - 1) * BS, BLOCK_N)
         acc, l_i, m_i = _attn_tiles(acc, l_i, m_i, q, sq, qk_scale, K, V, k_scale_row, idx_row, b, h,
-                                    n_main * KV_SUB, n_kv * KV_SUB, Lk, prefix_len, prefix_bias, suffix_start,
+                                    n_main * KV_SUB, it_last, Lk, prefix_len, prefix_bias, suffix_start,
                                     suffix_bias,
                                     s_kb, s_kh, s_kl, s_vb, s_vh, s_vl,
                                     HEAD_DIM, BLOCK_N, BS, KV_SUB, FP8, USE_TMA, True, MASK_LOADS, P_SHIFT,
                                     SCALE_TILE, INTERPRET, ABLATE, False, HAS_BIAS)
+    if HAS_TAIL:  # the pooled tiles listed after the kept blocks (their K / V rows: Kp / Vp from pool_row0 on)
+        n_tail = tl.load(tail_num + row_base + qblk)
+        bias_row = tail_bias + (row_base + qblk) * tail_width
+        acc, l_i, m_i = _attn_tiles(acc, l_i, m_i, q, sq, qk_scale, Kp, Vp, k_scale_row, idx_row + n_kv, b, h,
+                                    0, n_tail * (POOL_TILE // BLOCK_N), Lk, prefix_len, prefix_bias, suffix_start,
+                                    suffix_bias, s_pkb, s_pkh, s_pkl, s_pvb, s_pvh, s_pvl,
+                                    HEAD_DIM, BLOCK_N, POOL_TILE, POOL_TILE // BLOCK_N, FP8, POOL_TMA, False,
+                                    False, P_SHIFT, SCALE_TILE, INTERPRET, ABLATE, False, False, bias_row, pool_row0,
+                                    True)
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     out = acc / l_safe[:, None]
@@ -248,11 +323,13 @@ def _bsa_fwd_kernel(Q, K, V, O, q_scale, k_scale, v_scale, kv_num, kv_idx, sched
                     suffix_start, suffix_bias,
                     s_qb, s_qh, s_ql, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl, s_ob, s_oh, s_ol,
                     s_nb, s_nh, s_ib, s_ih, s_iq, tiles_per_bh, num_tiles,
+                    Kp, Vp, tail_num, tail_bias, tail_width, pool_row0, s_pkb, s_pkh, s_pkl, s_pvb, s_pvh, s_pvl,
                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr,
                     FP8: tl.constexpr, USE_TMA: tl.constexpr, TAIL_K: tl.constexpr, EVEN_Q: tl.constexpr,
                     P_SHIFT: tl.constexpr, SCALE_TILE: tl.constexpr, INTERPRET: tl.constexpr,
                     ABLATE: tl.constexpr, WARP_SPEC: tl.constexpr, HAS_BIAS: tl.constexpr,
-                    Q_RAW: tl.constexpr, HAS_PERM: tl.constexpr, PERSISTENT: tl.constexpr):
+                    Q_RAW: tl.constexpr, HAS_PERM: tl.constexpr, PERSISTENT: tl.constexpr,
+                    HAS_TAIL: tl.constexpr = False, POOL_TMA: tl.constexpr = False, POOL_TILE: tl.constexpr = 128):
     # PERSISTENT: a fixed grid of programs walks the tiles in (batch, head)-major, LPT-within-head
     # order, so the tiles in flight at any time share a head's K/V in L2; else one program per tile.
     if PERSISTENT:
@@ -261,15 +338,18 @@ def _bsa_fwd_kernel(Q, K, V, O, q_scale, k_scale, v_scale, kv_num, kv_idx, sched
                       kv_idx, sched, token_perm, H, Lq, Lk, num_kv_blocks, n_q_scale, n_k_scale, qk_scale, q_mult,
                       prefix_len, prefix_bias, suffix_start, suffix_bias, s_qb, s_qh, s_ql, s_kb, s_kh, s_kl, s_vb,
                       s_vh, s_vl, s_ob, s_oh,
-                      s_ol, s_nb, s_nh, s_ib, s_ih, s_iq, HEAD_DIM, BLOCK_M, BLOCK_N, BS, FP8, USE_TMA, TAIL_K,
-                      EVEN_Q, P_SHIFT, SCALE_TILE, INTERPRET, ABLATE, WARP_SPEC, HAS_BIAS, Q_RAW, HAS_PERM)
+                      s_ol, s_nb, s_nh, s_ib, s_ih, s_iq, Kp, Vp, tail_num, tail_bias, tail_width, pool_row0, s_pkb,
+                      s_pkh, s_pkl, s_pvb, s_pvh, s_pvl, HEAD_DIM, BLOCK_M, BLOCK_N, BS, FP8, USE_TMA, TAIL_K,
+                      EVEN_Q, P_SHIFT, SCALE_TILE, INTERPRET, ABLATE, WARP_SPEC, HAS_BIAS, Q_RAW, HAS_PERM, HAS_TAIL,
+                      POOL_TMA, POOL_TILE)
     else:
         _bsa_tile(tl.program_id(0), tl.program_id(1), Q, K, V, O, q_scale, k_scale, v_scale, kv_num, kv_idx,
                   sched, token_perm, H, Lq, Lk, num_kv_blocks, n_q_scale, n_k_scale, qk_scale, q_mult, prefix_len,
                   prefix_bias, suffix_start, suffix_bias, s_qb, s_qh, s_ql, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl, s_ob,
                   s_oh, s_ol, s_nb, s_nh,
-                  s_ib, s_ih, s_iq, HEAD_DIM, BLOCK_M, BLOCK_N, BS, FP8, USE_TMA, TAIL_K, EVEN_Q, P_SHIFT,
-                  SCALE_TILE, INTERPRET, ABLATE, WARP_SPEC, HAS_BIAS, Q_RAW, HAS_PERM)
+                  s_ib, s_ih, s_iq, Kp, Vp, tail_num, tail_bias, tail_width, pool_row0, s_pkb, s_pkh, s_pkl, s_pvb,
+                  s_pvh, s_pvl, HEAD_DIM, BLOCK_M, BLOCK_N, BS, FP8, USE_TMA, TAIL_K, EVEN_Q, P_SHIFT,
+                  SCALE_TILE, INTERPRET, ABLATE, WARP_SPEC, HAS_BIAS, Q_RAW, HAS_PERM, HAS_TAIL, POOL_TMA, POOL_TILE)
 
 
 def interpreter_upcast(t: torch.Tensor) -> bool:
@@ -292,32 +372,71 @@ def output_like(q: torch.Tensor) -> torch.Tensor:
     return torch.empty(q.shape, dtype=q.dtype, device=q.device)
 
 
-def compress_block_map(block_map: torch.Tensor):
+TAIL_TILE = 128  # pooled keys per tile of the pooled tail (the kernels' key-block size)
+
+
+@dataclasses.dataclass(frozen=True)
+class TailLists:
+    """The pooled tail's share of the block lists (:func:`lpt_block_lists`): ``tail_num`` int32 ``[Bm, Hm,
+    Qb]`` = pooled tiles listed after the row's kept blocks, ``bias`` fp32 ``[Bm, Hm, Qb, tiles * 128]`` =
+    each pooled key's logit term in log2 units (``-inf`` where the row keeps the block or past the last
+    one), ``tiles`` = ``ceil(Kb / 128)``."""
+
+    tail_num: torch.Tensor
+    bias: torch.Tensor
+    tiles: int
+
+
+def tail_tiles(num_kv_blocks: int) -> int:
+    """Tiles of ``TAIL_TILE`` pooled keys the pooled tail adds for ``num_kv_blocks`` key blocks."""
+    return -(-num_kv_blocks // TAIL_TILE)
+
+
+def compress_block_map(block_map: torch.Tensor, tail: dict | None = None):
     """bool ``[Bm, Hm, Qb, Kb]`` -> ``(kv_num int32 [Bm, Hm, Qb], kv_idx int32 [Bm, Hm, Qb, Kb])`` on the
     map's device; ``kv_idx[..., :kv_num]`` lists the kept key blocks in ascending order (the rest of
-    each row is unspecified)."""
+    each row is unspecified). ``tail`` (the pooled tail; keys ``pool_first``, ``kv_len``, ``block_size``,
+    ``prefix_len``, ``prefix_bias``, ``suffix_start``, ``suffix_bias``, biases in natural-log units):
+    ``kv_idx`` is ``Kb + ceil(Kb / 128)`` wide, each row lists after its kept blocks ``pool_first + p``
+    for the pooled tiles ``p`` it needs, and a :class:`TailLists` comes third."""
     bm = block_map.contiguous()
     rows = bm.shape[0] * bm.shape[1] * bm.shape[2]
     kb = bm.shape[3]
+    tiles = tail_tiles(kb) if tail else 0
     kv_num = torch.empty(bm.shape[:3], dtype=torch.int32, device=bm.device)
-    kv_idx = torch.empty(bm.shape, dtype=torch.int32, device=bm.device)  # entries past kv_num are never read
+    # entries past kv_num (+ tail_num) are never read
+    kv_idx = torch.empty(*bm.shape[:3], kb + tiles, dtype=torch.int32, device=bm.device)
     chunk = min(1024, triton.next_power_of_2(kb))
-    _compress_map_kernel[(rows,)](bm.view(torch.uint8), kv_num, kv_idx, kb, CHUNK=chunk, num_warps=4)
+    if tail:
+        tail_num = torch.empty_like(kv_num)
+        bias = torch.empty(*bm.shape[:3], tiles * TAIL_TILE, dtype=torch.float32, device=bm.device)
+        _compress_map_kernel[(rows,)](
+            bm.view(torch.uint8), kv_num, kv_idx, kb, kb + tiles, tail_num, bias, tiles, int(tail["pool_first"]),
+            int(tail["kv_len"]), int(tail["block_size"]), int(tail["prefix_len"]), float(tail["prefix_bias"]),
+            int(tail["suffix_start"]), float(tail["suffix_bias"]), CHUNK=chunk, TAIL=True, TAIL_TILE=TAIL_TILE,
+            num_warps=4)
+        return kv_num, kv_idx, TailLists(tail_num, bias, tiles)
+    _compress_map_kernel[(rows,)](bm.view(torch.uint8), kv_num, kv_idx, kb, kb, kv_num, kv_num, 0, 0, 0, 0, 0, 0.0,
+                                  0, 0.0, CHUNK=chunk, TAIL=False, TAIL_TILE=TAIL_TILE, num_warps=4)
     return kv_num, kv_idx
 
 
-def lpt_block_lists(block_map: torch.Tensor):
+def lpt_block_lists(block_map: torch.Tensor, tail: dict | None = None):
     """What the attention kernels walk: ``(kv_num, kv_idx, sched, strides)`` -- the block lists of
     :func:`compress_block_map`, ``sched`` int32 ``[Bm, Hm, Qb]`` = query blocks longest row first (a
-    stable device argsort of ``kv_num``), and the element strides ``(s_nb, s_nh, s_ib, s_ih, s_iq)`` of
-    ``kv_num`` / ``sched`` and ``kv_idx``, 0 on broadcast (size-1) map dims."""
-    kv_num, kv_idx = compress_block_map(block_map)
-    sched = torch.argsort(kv_num, dim=-1, descending=True, stable=True).to(torch.int32)
-    bm_b, bm_h, num_q_blocks, num_kv_blocks = block_map.shape
+    stable device argsort of ``kv_num``, plus ``tail_num`` with the tail: pooled tiles cost what key
+    blocks cost), and the element strides ``(s_nb, s_nh, s_ib, s_ih, s_iq)`` of ``kv_num`` / ``sched`` and
+    ``kv_idx``, 0 on broadcast (size-1) map dims. With ``tail`` (see :func:`compress_block_map`) a fifth
+    item, the :class:`TailLists`; ``(b * s_nb + h * s_nh + q_block)`` is also the row of its bias table."""
+    lists = compress_block_map(block_map, tail)
+    kv_num, kv_idx = lists[:2]
+    cost = kv_num if tail is None else kv_num + lists[2].tail_num
+    sched = torch.argsort(cost, dim=-1, descending=True, stable=True).to(torch.int32)
+    bm_b, bm_h, num_q_blocks, _ = block_map.shape
+    width = kv_idx.shape[-1]
     strides = (bm_h * num_q_blocks if bm_b > 1 else 0, num_q_blocks if bm_h > 1 else 0,
-               bm_h * num_q_blocks * num_kv_blocks if bm_b > 1 else 0,
-               num_q_blocks * num_kv_blocks if bm_h > 1 else 0, num_kv_blocks)
-    return kv_num, kv_idx, sched, strides
+               bm_h * num_q_blocks * width if bm_b > 1 else 0, num_q_blocks * width if bm_h > 1 else 0, width)
+    return (kv_num, kv_idx, sched, strides) if tail is None else (kv_num, kv_idx, sched, strides, lists[2])
 
 
 def _validate(q, k, v, block_map, block_size):
@@ -367,14 +486,26 @@ def check_perm(token_perm, q, k):
     return token_perm.to(device=q.device, dtype=torch.int32).contiguous()
 
 
+def tail_spec(kv_len: int, block_size: int, pool_first: int, prefix_len: int, prefix_bias: float,
+              suffix_start: int, suffix_bias: float) -> dict:
+    """The pooled tail's arguments of :func:`lpt_block_lists` (biases in natural-log units; a zero bias or
+    length is no bias; ``suffix_start`` = ``kv_len`` when there is no suffix bias)."""
+    prefix_on = prefix_len > 0 and prefix_bias != 0.0
+    return dict(pool_first=pool_first, kv_len=kv_len, block_size=block_size, prefix_len=prefix_len if prefix_on else 0,
+                prefix_bias=prefix_bias if prefix_on else 0.0, suffix_start=suffix_start,
+                suffix_bias=suffix_bias if suffix_start < kv_len else 0.0)
+
+
 def prepare_attention(q, k, v, block_map, block_size: int, scale: float, fp8: bool, config: dict | None = None,
                       prefix_len: int = 0, prefix_bias: float = 0.0, token_perm: torch.Tensor | None = None,
-                      suffix_len: int = 0, suffix_bias: float = 0.0):
+                      suffix_len: int = 0, suffix_bias: float = 0.0, pooled_tail: bool = False):
     """Validate, build the block index and (FP8) quantise; returns the launch arguments as a dict.
     Split from :func:`launch_attention` so the benchmark can time the stages separately.
     ``prefix_bias`` (natural-log units) is added to the scaled logits of keys ``[0, prefix_len)``
     (positions of the permuted order when ``token_perm`` is given: see
-    :func:`block_sparse_attention_triton_impl`), ``suffix_bias`` to those of keys ``[Lk - suffix_len, Lk)``."""
+    :func:`block_sparse_attention_triton_impl`), ``suffix_bias`` to those of keys ``[Lk - suffix_len, Lk)``.
+    ``pooled_tail``: the pooled keys and values (FP8: rows of the pre-pass's copies after ``Lpad_k``; 16-bit:
+    their own buffers) and the tail's block lists and bias table."""
     _validate(q, k, v, block_map, block_size)
     token_perm = check_perm(token_perm, q, k)
     suffix_start = check_key_biases(prefix_len, prefix_bias, suffix_len, suffix_bias, k.shape[2])
@@ -388,15 +519,21 @@ def prepare_attention(q, k, v, block_map, block_size: int, scale: float, fp8: bo
     use_tma = bool(config.get("use_tma", False)) and tma_available() and not interpreter_upcast(q)
     num_q_blocks, num_kv_blocks = block_map.shape[2], block_map.shape[3]
 
-    kv_num, kv_idx, sched, map_strides = lpt_block_lists(block_map)
+    tail = None
+    if pooled_tail:
+        tail = tail_spec(kv_len, block_size, 0, prefix_len, prefix_bias, suffix_start, suffix_bias)
+        kv_num, kv_idx, sched, map_strides, tail = lpt_block_lists(block_map, tail)
+    else:
+        kv_num, kv_idx, sched, map_strides = lpt_block_lists(block_map)
     q_raw = bool(fp8 and config.get("q_in_kernel", False))
     if fp8:
-        q_in, k_in, v_in, q_scale, k_scale, v_scale = quantize_qkv_fp8(q, k, v, scale, quantize_q=not q_raw,
-                                                                       token_perm=token_perm)
+        q_in, k_in, v_in, q_scale, k_scale, v_scale = quantize_qkv_fp8(
+            q, k, v, scale, quantize_q=not q_raw, token_perm=token_perm, pool_block=block_size if pooled_tail else None)
         if q_raw:
             q_in, q_scale = q, k_scale  # Q quantised by the attention kernel (q_scale unused)
         n_q_scale, n_k_scale = (0 if q_raw else q_scale.shape[-1]), k_scale.shape[-1]
         qk_scale = 1.0
+        k_pool, v_pool, pool_row0 = k_in, v_in, padded_len(kv_len)  # the pooled rows follow the padded keys
     else:
         q_in, k_in, v_in = q, k, v
         if token_perm is not None:  # the 16-bit path has no pre-pass to fuse the reorder into: one gather each
@@ -405,6 +542,8 @@ def prepare_attention(q, k, v, block_map, block_size: int, scale: float, fp8: bo
         q_scale = k_scale = v_scale = kv_num  # unused placeholders
         n_q_scale = n_k_scale = 0
         qk_scale = float(scale * LOG2E)
+        k_pool, v_pool = pooled_kv_16bit(k_in, v_in, block_size) if pooled_tail else (k_in, v_in)
+        pool_row0 = 0
     # TMA needs 16-byte aligned base addresses and strides; odd views fall back to pointer loads
     use_tma = use_tma and all(t.data_ptr() % 16 == 0 and all((st * t.element_size()) % 16 == 0 for st in t.stride()[:-1])
                               for t in (q_in, k_in, v_in))
@@ -416,7 +555,8 @@ def prepare_attention(q, k, v, block_map, block_size: int, scale: float, fp8: bo
                 q_mult=float(scale * LOG2E), token_perm=token_perm,
                 prefix_len=int(prefix_len) if has_bias else 0,
                 prefix_bias_log2=float(prefix_bias) * LOG2E if has_bias else 0.0, suffix_start=suffix_start,
-                suffix_bias_log2=float(suffix_bias) * LOG2E if suffix_start < kv_len else 0.0)
+                suffix_bias_log2=float(suffix_bias) * LOG2E if suffix_start < kv_len else 0.0,
+                tail=tail, k_pool=k_pool, v_pool=v_pool, pool_row0=pool_row0)
 
 
 def launch_attention(prep: dict, ablate: int = 0) -> torch.Tensor:
@@ -450,6 +590,15 @@ def launch_attention(prep: dict, ablate: int = 0) -> torch.Tensor:
         grid = (tiles_per_bh, batch * heads)
     # optional register cap (e.g. 168 lets three 128-thread CTAs share an SM's 64K registers)
     extra = {"maxnreg": config["maxnreg"]} if config.get("maxnreg") and not interpreter_upcast(q) else {}
+    tail = prep["tail"]
+    if tail is None:  # (placeholders: never read)
+        pool_args = (k_arg, v_arg, prep["kv_num"], prep["k_scale"], 0, 0) + strides[3:]
+    elif fp8:  # the pooled rows of the pre-pass's copies: the same tensors (descriptors)
+        pool_args = (k_arg, v_arg, tail.tail_num, tail.bias, tail.bias.shape[-1], prep["pool_row0"]) + strides[3:]
+    else:
+        k_pool, v_pool = prep["k_pool"], prep["v_pool"]
+        pool_args = (k_pool, v_pool, tail.tail_num, tail.bias, tail.bias.shape[-1], 0, *k_pool.stride()[:3],
+                     *v_pool.stride()[:3])
     _bsa_fwd_kernel[grid](
         q_arg, k_arg, v_arg, out, prep["q_scale"], prep["k_scale"], prep["v_scale"], prep["kv_num"],
         prep["kv_idx"], prep["sched"], prep["kv_num"] if prep["token_perm"] is None else prep["token_perm"],
@@ -457,7 +606,8 @@ def launch_attention(prep: dict, ablate: int = 0) -> torch.Tensor:
         prep["n_k_scale"], prep["qk_scale"], prep["q_mult"], prep["prefix_len"], prep["prefix_bias_log2"],
         prep["suffix_start"], prep["suffix_bias_log2"], *strides,
         out.stride(0), out.stride(1), out.stride(2),
-        *prep["map_strides"], tiles_per_bh, num_tiles,
+        *prep["map_strides"], tiles_per_bh, num_tiles, *pool_args,
+        HAS_TAIL=tail is not None, POOL_TMA=tail is not None and fp8 and prep["use_tma"], POOL_TILE=TAIL_TILE,
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BS=block_size, FP8=fp8, USE_TMA=prep["use_tma"],
         TAIL_K=prep["kv_len"] % block_size != 0, EVEN_Q=q_len % block_m == 0, P_SHIFT=P_SHIFT_LOG2,
         SCALE_TILE=QUANT_TILE, INTERPRET=interpreter_upcast(q), ABLATE=ablate,
@@ -510,7 +660,8 @@ def _map_view(block_map: torch.Tensor, b0: int, b1: int, h0: int, h1: int) -> to
 def block_sparse_attention_triton_impl(q, k, v, block_map, block_size: int, scale: float, fp8: bool,
                                        config: dict | None = None, prefix_len: int = 0,
                                        prefix_bias: float = 0.0, token_perm: torch.Tensor | None = None,
-                                       suffix_len: int = 0, suffix_bias: float = 0.0) -> torch.Tensor:
+                                       suffix_len: int = 0, suffix_bias: float = 0.0,
+                                       pooled_tail: bool = False) -> torch.Tensor:
     """Validate, prepare and launch (no torch.library wrapping); ``config`` overrides tile settings.
     Inputs whose offsets would overflow int32 run in (batch, head) chunks (:func:`int32_chunks`).
 
@@ -520,19 +671,22 @@ def block_sparse_attention_triton_impl(q, k, v, block_map, block_size: int, scal
     back in the input order. FP8: the reorder is fused into the pre-pass loads and the kernel's
     output store (no extra pass); bf16: q, k, v are gathered once each, the store is fused.
     ``block_map`` and ``prefix_len`` refer to positions of the reordered sequence. ``suffix_bias`` is
-    added to the scaled logits of the last ``suffix_len`` keys."""
+    added to the scaled logits of the last ``suffix_len`` keys. ``pooled_tail``: every key block a row's
+    map skips enters its softmax as one pooled term (:func:`chorus.kernels.block_sparse_attention`); a row
+    that keeps no block then attends to the pooled terms only."""
     args = (q, k, v, block_map, block_size, scale, fp8, config, prefix_len, prefix_bias, token_perm, suffix_len,
-            suffix_bias)
+            suffix_bias, pooled_tail)
     if q.device.type == "cuda":
         with torch.cuda.device(q.device):  # Triton launches on the current device
             return _run_chunks(*args)
     return _run_chunks(*args)
 
 
-def run_in_int32_chunks(q, k, v, block_map, launch) -> torch.Tensor:
+def run_in_int32_chunks(q, k, v, block_map, launch, extra_rows: int = 0) -> torch.Tensor:
     """``launch(q, k, v, block_map)`` once, or once per (batch, head) chunk of :func:`int32_chunks` (the
-    FP8 copies and the output take ``L`` padded to 128 per (b, h)) written into one output."""
-    padded = -(-max(q.shape[2], k.shape[2]) // 128) * 128
+    FP8 copies and the output take ``L`` padded to 128 per (b, h), plus ``extra_rows``: the pooled tail's)
+    written into one output."""
+    padded = -(-max(q.shape[2], k.shape[2]) // 128) * 128 + extra_rows
     chunks = int32_chunks((q, k, v), padded * q.shape[3])
     if len(chunks) == 1:
         return launch(q, k, v, block_map)
@@ -544,11 +698,12 @@ def run_in_int32_chunks(q, k, v, block_map, launch) -> torch.Tensor:
 
 
 def _run_chunks(q, k, v, block_map, block_size, scale, fp8, config, prefix_len, prefix_bias, token_perm=None,
-                suffix_len=0, suffix_bias=0.0):
+                suffix_len=0, suffix_bias=0.0, pooled_tail=False):
     _validate(q, k, v, block_map, block_size)
     token_perm = check_perm(token_perm, q, k)
     return run_in_int32_chunks(q, k, v, block_map, lambda q, k, v, bm: launch_attention(prepare_attention(
-        q, k, v, bm, block_size, scale, fp8, config, prefix_len, prefix_bias, token_perm, suffix_len, suffix_bias)))
+        q, k, v, bm, block_size, scale, fp8, config, prefix_len, prefix_bias, token_perm, suffix_len, suffix_bias,
+        pooled_tail)), tail_rows(k.shape[2], block_size) if pooled_tail else 0)
 
 
 def check_key_biases(prefix_len, prefix_bias, suffix_len, suffix_bias, kv_len: int) -> int:

@@ -58,6 +58,18 @@ way FlashAttention-3 runs on sm_90:
   the row sums then lost the probability of the blocks whose V tile is far smaller than the row's
   largest, whose P underflowed; wrong on tiles of very unequal range.)
 
+- ``HAS_TAIL`` (compile time; ``pooled_tail=True``): the pooled tail as extra key blocks (semantics:
+  :func:`chorus.kernels.block_sparse_attention`; layout: :mod:`._attention`, "Pooled tail"). The pre-pass
+  appends each 128-key block's mean of smoothed K and of V (V in the wgmma key order, its scaling) as rows
+  ``Lpad_k + j`` of its copies; each tile's block list ends with the pooled tiles ``Lpad_k / 128 + p`` that
+  hold a block its map row skips, and the producer loads them like any key block; on a pooled tile the
+  consumer adds the bias table's row (``w_j * log2(e)``, ``-inf`` where the row keeps block ``j``) as
+  ``bias / sc`` to ``S`` before the row maximum (``-inf``: P's saturating byte is 0) and leaves the prefix /
+  suffix biases off it (they are in the table's weights). The load and add sit in a branch only pooled tiles
+  take (a kept block runs the loop it runs without the tail: ``tests/test_kernels_ws.py`` reads the
+  SASS), and each tile's table row is prefetched into L1 once (``prefetch.global.L1``) so that branch does
+  not wait on memory. Without ``HAS_TAIL`` the kernel is compiled as before (its sm_90 SASS unchanged).
+
 ``SCHEDULE`` (compile time): ``"serial"`` (the default, measured fastest) runs each block's two
 GEMMs and softmax in order and lets the two warpgroups overlap each other through the warp
 schedulers; ``"overlap"`` issues block j's ``Q @ K^T`` before waiting for block j-1's ``P @ V``
@@ -78,10 +90,10 @@ Contract (checked by :func:`block_sparse_attention_ws`): q ``[B, H, Lq, D]``, k/
 fp16/bf16 on one sm_90 device, unit stride on D (ComfyUI's ``[B, L, H, D]`` views work), D in
 {64, 128}; block size 128 (the quantisation tile); block_map bool ``[B or 1, H or 1, ceil(Lq/128),
 ceil(Lk/128)]``. Partial last blocks are handled (keys past ``Lk`` get logit -inf, rows past ``Lq``
-are not stored); a row that keeps no block yields zeros. Optional prefix bias (``HAS_BIAS``, compile
-time): ``prefix_bias`` added to the scaled logits of keys ``[0, prefix_len)`` (ChorusGuidanceBoost's
-first-frame weight), applied only on the key blocks that hold such keys. Returns ``[B, H, Lq, D]`` in
-q's dtype.
+are not stored); a row that keeps no block yields zeros (with the pooled tail: its pooled terms'
+average). Optional prefix bias (``HAS_BIAS``, compile time): ``prefix_bias`` added to the scaled logits
+of keys ``[0, prefix_len)`` (ChorusGuidanceBoost's first-frame weight), applied only on the key blocks
+that hold such keys. Optional pooled tail (``HAS_TAIL``, above). Returns ``[B, H, Lq, D]`` in q's dtype.
 
 Gluon is an experimental Triton API (built and tested with Triton 3.6 and 3.8): :func:`available`
 says whether this Triton has it; the tests compile the kernel for sm_90 on the CPU, so an API change
@@ -94,8 +106,8 @@ from __future__ import annotations
 import torch
 
 from ._attention import (P_SHIFT_LOG2, _validate, check_key_biases, check_perm, lpt_block_lists, output_like,
-                         run_in_int32_chunks)
-from ._quant import LOG2E, padded_len, quantize_qkv_fp8
+                         run_in_int32_chunks, tail_spec)
+from ._quant import LOG2E, padded_len, quantize_qkv_fp8, tail_rows
 
 try:  # Gluon ships inside recent Tritons; without it this backend reports itself unavailable
     from triton.experimental import gluon
@@ -144,29 +156,34 @@ if gluon is not None:
     _ONES = gl.constexpr(8)  # columns of the row-sum GEMM (P8 @ ones): wgmma's smallest N
 
     @gluon.jit
-    def _tile_of(t, sched, kv_num, kv_idx, H, q_blocks, s_nb, s_nh, s_ib, s_ih, s_iq):
-        """Tile ``t`` of the persistent walk -> (b, h, bh, query block, kept count, block list row)."""
+    def _tile_of(t, sched, kv_num, kv_idx, H, q_blocks, s_nb, s_nh, s_ib, s_ih, s_iq, tail_num,
+                 HAS_TAIL: gl.constexpr):
+        """Tile ``t`` of the persistent walk -> (b, h, bh, query block, listed count, block list row, map row):
+        with ``HAS_TAIL`` the count includes the pooled tiles listed after the kept blocks."""
         bh = t // q_blocks
         b = bh // H
         h = bh % H
         row_base = b * s_nb + h * s_nh
         qblk = gl.load(sched + row_base + t % q_blocks)
         n_kv = gl.load(kv_num + row_base + qblk)
+        if HAS_TAIL:
+            n_kv += gl.load(tail_num + row_base + qblk)
         idx_row = kv_idx + b * s_ib + h * s_ih + qblk * s_iq
-        return b, h, bh, qblk, n_kv, idx_row
+        return b, h, bh, qblk, n_kv, idx_row, row_base + qblk
 
     @gluon.jit
     def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
                   sched, kv_num, kv_idx, H, q_blocks, num_tiles, lpad_q, lpad_k,
-                  s_nb, s_nh, s_ib, s_ih, s_iq,
-                  HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, Q_STAGES: gl.constexpr, Q_KERNEL: gl.constexpr):
+                  s_nb, s_nh, s_ib, s_ih, s_iq, tail_num,
+                  HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, Q_STAGES: gl.constexpr, Q_KERNEL: gl.constexpr,
+                  HAS_TAIL: gl.constexpr):
         # Waits on "empty" barriers start at parity 1: a fresh barrier counts as having completed
         # the phase before its first, so the first STAGES (Q_STAGES) loads do not wait.
         kctr = 0
         qt = 0
         for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-            b, h, bh, qblk, n_kv, idx_row = _tile_of(t, sched, kv_num, kv_idx, H, q_blocks, s_nb, s_nh, s_ib, s_ih,
-                                                     s_iq)
+            b, h, bh, qblk, n_kv, idx_row, _ = _tile_of(t, sched, kv_num, kv_idx, H, q_blocks, s_nb, s_nh, s_ib,
+                                                        s_ih, s_iq, tail_num, HAS_TAIL)
             qs = qt % Q_STAGES
             mbarrier.wait(q_empty.index(qs), ((qt // Q_STAGES) & 1) ^ 1)
             mbarrier.expect(q_ready.index(qs), q_desc.block_type.nbytes)
@@ -239,6 +256,16 @@ if gluon is not None:
         return gl.convert_layout(y, layout, assert_trivial=True)
 
     @gluon.jit
+    def _prefetch_row(row, width):
+        """Bring ``row[:width]`` (fp32; the pooled tail's bias-table row of the tile) into L1 with PTX
+        ``prefetch.global.L1``, one 128-byte line per address (offsets clamped into the row), so the pooled
+        tiles' loads of it later in the tile hit L1 instead of waiting for L2 / memory after ``Q @ K^T``."""
+        lines: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        ptrs = row + gl.minimum(gl.arange(0, 32, layout=lines) * 32, width - 1)
+        gl.inline_asm_elementwise("prefetch.global.L1 [$1];\n mov.u32 $0, 0;", "=r,l", [ptrs], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+
+    @gluon.jit
     def _fma_sat(x, a, b_rows):
         """``min(max(x * a + b_rows[:, None], 0), 1)`` in one FFMA per element (PTX ``fma.rn.sat``; NaN
         gives 0): ``x`` ``[R, N]``, ``a`` a scalar, ``b_rows`` ``[R]`` in ``x``'s row layout."""
@@ -265,11 +292,14 @@ if gluon is not None:
 
     @gluon.jit
     def _block_terms(idx_row, j, sq, k_scale_row, v_scale, bh, n_k_scale, prefix_len, prefix_bias, suffix_start,
-                     suffix_bias, HAS_SUFFIX: gl.constexpr, V_BLOCK: gl.constexpr):
-        """What the softmax of the tile's ``j``-th kept key block needs besides its ``S``, loaded / computed
-        before ``S`` is waited for: ``(kb, sc, v_exp, whole, pre_keys, tail_from, edge)`` = the block's
+                     suffix_bias, pool_first, HAS_SUFFIX: gl.constexpr, V_BLOCK: gl.constexpr,
+                     HAS_TAIL: gl.constexpr):
+        """What the softmax of the tile's ``j``-th listed key block needs besides its ``S``, loaded / computed
+        before ``S`` is waited for: ``(kb, sc, v_exp, whole, pre_keys, tail_from, edge, pooled)`` = the block's
         index, ``sq * sk``, its V exponent (its V scale is ``2^v_exp`` under the pre-pass's
-        ``v_scaling="block"``, else 0) and its share of the key biases (:func:`_key_block_bias`)."""
+        ``v_scaling="block"``, else 0), its share of the key biases (:func:`_key_block_bias`) and, with
+        ``HAS_TAIL``, whether it is a tile of pooled keys (``kb >= pool_first``: its weights, key biases
+        included, come from the tail's bias table instead)."""
         kb = gl.load(idx_row + j)
         sc = sq * gl.load(k_scale_row + kb)
         v_exp = 0.0
@@ -277,7 +307,11 @@ if gluon is not None:
             v_exp = gl.load(v_scale + bh * n_k_scale + kb)
         whole, pre_keys, tail_from, edge = _key_block_bias(kb, prefix_len, prefix_bias, suffix_start, suffix_bias,
                                                            HAS_SUFFIX)
-        return kb, sc, v_exp, whole, pre_keys, tail_from, edge
+        pooled = False
+        if HAS_TAIL:
+            pooled = kb >= pool_first
+            whole = gl.where(pooled, 0.0, whole)  # (past the keys a suffix would cover every pooled tile)
+        return kb, sc, v_exp, whole, pre_keys, tail_from, edge, pooled
 
     @gluon.jit
     def _row_sums_issue(p8, ones_smem, l_zero, pl_layout: gl.constexpr):
@@ -298,9 +332,10 @@ if gluon is not None:
 
     @gluon.jit
     def _softmax_block(s, m_i, l_i, sc, kb, offs_n, Lk, num_kv_blocks, whole, pre_keys, tail_from, edge,
-                       prefix_bias, suffix_bias, TAIL_K: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_SUFFIX: gl.constexpr,
+                       prefix_bias, suffix_bias, pooled, tail_row, pool_first, TAIL_K: gl.constexpr,
+                       HAS_BIAS: gl.constexpr, HAS_SUFFIX: gl.constexpr,
                        P_SHIFT: gl.constexpr, ABLATE: gl.constexpr, FMA_QUARTERS: gl.constexpr,
-                       P_BITS: gl.constexpr, P_SAT: gl.constexpr):
+                       P_BITS: gl.constexpr, P_SAT: gl.constexpr, HAS_TAIL: gl.constexpr):
         """Online softmax over key block ``kb``'s wgmma output ``s`` (``sc`` = sq * sk > 0, folded in after
         the row max): returns ``(P, m, l, alpha)`` with ``P = exp2(s * sc - m + P_SHIFT)`` (row maximum
         2^P_SHIFT, inside e4m3), the new row max / sum and ``alpha`` = the old accumulator's rescale
@@ -312,10 +347,18 @@ if gluon is not None:
         wholly inside the prefix / suffix takes it as one per-row term in the row maximum and the shift,
         the one block an edge crosses also as ``bias / sc`` added to those elements of ``s``. ABLATE
         (benchmark only, results meaningless): 1 leaves the exp2 out, 2 the whole softmax (3: the consumer
-        stores no output, 4: its epilogue loads no per-channel V scales; both in :func:`_consumer`)."""
+        stores no output, 4: its epilogue loads no per-channel V scales; both in :func:`_consumer`).
+        ``HAS_TAIL``: on a tile of pooled keys (``pooled``), each key's term from the tile's row of the bias
+        table (``tail_row``: log2 units, ``-inf`` where the row keeps the block or past the last) enters as
+        ``bias / sc`` added to ``s`` before the row maximum (``-inf``: P's byte saturates to 0, the row
+        maximum ignores it)."""
         if TAIL_K:
             if kb == num_kv_blocks - 1:
                 s = gl.where((kb * _BLOCK + offs_n < Lk)[None, :], s, float("-inf"))
+        if HAS_TAIL:
+            if pooled:
+                weights = gl.load(tail_row + (kb - pool_first) * _BLOCK + offs_n)
+                s = s + (weights * (1.0 / sc))[None, :]
         if HAS_BIAS:
             if edge:  # per key: the prefix's last (partial) block, the suffix's first
                 keys = gl.where((offs_n < pre_keys) & (pre_keys < _BLOCK), prefix_bias, 0.0)
@@ -382,11 +425,12 @@ if gluon is not None:
                   num_kv_blocks, q_blocks, num_tiles,
                   n_q_scale, n_k_scale, prefix_len, prefix_bias, suffix_start, suffix_bias, token_perm, s_ob, s_oh,
                   s_ol, s_nb, s_nh, s_ib, s_ih,
-                  s_iq, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, Q_STAGES: gl.constexpr, CONSUMER: gl.constexpr,
+                  s_iq, tail_num, tail_bias, tail_width, pool_first,
+                  HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, Q_STAGES: gl.constexpr, CONSUMER: gl.constexpr,
                   TAIL_K: gl.constexpr, HAS_BIAS: gl.constexpr, P_SHIFT: gl.constexpr, SCHEDULE: gl.constexpr,
                   ABLATE: gl.constexpr, FMA_QUARTERS: gl.constexpr, HAS_PERM: gl.constexpr,
                   HAS_SUFFIX: gl.constexpr, P_BITS: gl.constexpr, V_BLOCK: gl.constexpr, P_SAT: gl.constexpr,
-                  O_VEC: gl.constexpr, O_TMA: gl.constexpr, Q_KERNEL: gl.constexpr):
+                  O_VEC: gl.constexpr, O_TMA: gl.constexpr, Q_KERNEL: gl.constexpr, HAS_TAIL: gl.constexpr):
         ROWS: gl.constexpr = _ROWS
         # wgmma accumulator layouts (M = 64 rows over 4 warps; K = 32 for 8-bit operands) and the
         # register layout of P as the A operand of P @ V
@@ -417,9 +461,12 @@ if gluon is not None:
             if CONSUMER == 1:
                 _turn_pass(CONSUMER)  # consumer 0 takes the first turn
         for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-            b, h, bh, qblk, n_kv, idx_row = _tile_of(t, sched, kv_num, kv_idx, H, q_blocks, s_nb, s_nh, s_ib, s_ih,
-                                                     s_iq)
+            b, h, bh, qblk, n_kv, idx_row, map_row = _tile_of(t, sched, kv_num, kv_idx, H, q_blocks, s_nb, s_nh,
+                                                              s_ib, s_ih, s_iq, tail_num, HAS_TAIL)
             k_scale_row = k_scale + bh * n_k_scale
+            tail_row = tail_bias + map_row * tail_width  # (HAS_TAIL: this query block's row of the bias table)
+            if HAS_TAIL:
+                _prefetch_row(tail_row, tail_width)
             qs = qt % Q_STAGES
             if Q_KERNEL:
                 mbarrier.wait(q_ready.index(qs), (qt // Q_STAGES) & 1)
@@ -452,25 +499,26 @@ if gluon is not None:
                 p8 = gl.zeros([ROWS, _BLOCK], gl.float8e4nv, layout=p_layout)
                 prev = 0
                 if n_kv > 0:  # block 0: no P @ V in flight yet
-                    kb, sc, v_exp, whole, pre_keys, tail_from, edge = _block_terms(
+                    kb, sc, v_exp, whole, pre_keys, tail_from, edge, pooled = _block_terms(
                         idx_row, 0, sq, k_scale_row, v_scale, bh, n_k_scale, prefix_len, prefix_bias, suffix_start,
-                        suffix_bias, HAS_SUFFIX, V_BLOCK)
+                        suffix_bias, pool_first, HAS_SUFFIX, V_BLOCK, HAS_TAIL)
                     st = kctr % STAGES
                     mbarrier.wait(k_ready.index(st), (kctr // STAGES) & 1)
                     s = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
                     s = warpgroup_mma_wait(num_outstanding=0, deps=[s])
                     p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, sc, kb, offs_n, Lk, num_kv_blocks, whole, pre_keys,
-                                                        tail_from, edge, prefix_bias, suffix_bias, TAIL_K, HAS_BIAS,
-                                                        HAS_SUFFIX, P_SHIFT, ABLATE, FMA_QUARTERS, P_BITS, P_SAT)
+                                                        tail_from, edge, prefix_bias, suffix_bias, pooled, tail_row,
+                                                        pool_first, TAIL_K, HAS_BIAS, HAS_SUFFIX, P_SHIFT, ABLATE,
+                                                        FMA_QUARTERS, P_BITS, P_SAT, HAS_TAIL)
                     p8 = _p_operand(p, p_layout)
                     mbarrier.wait(v_ready.index(st), (kctr // STAGES) & 1)
                     prev = st
                     v_exp_acc = v_exp
                     kctr += 1
                 for j in range(1, n_kv):
-                    kb, sc, v_exp, whole, pre_keys, tail_from, edge = _block_terms(
+                    kb, sc, v_exp, whole, pre_keys, tail_from, edge, pooled = _block_terms(
                         idx_row, j, sq, k_scale_row, v_scale, bh, n_k_scale, prefix_len, prefix_bias, suffix_start,
-                        suffix_bias, HAS_SUFFIX, V_BLOCK)
+                        suffix_bias, pool_first, HAS_SUFFIX, V_BLOCK, HAS_TAIL)
                     st = kctr % STAGES
                     mbarrier.wait(k_ready.index(st), (kctr // STAGES) & 1)
                     s = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
@@ -481,8 +529,9 @@ if gluon is not None:
                     else:
                         s = warpgroup_mma_wait(num_outstanding=1, deps=[s])  # Q @ K^T done; P @ V may run on
                     p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, sc, kb, offs_n, Lk, num_kv_blocks, whole, pre_keys,
-                                                        tail_from, edge, prefix_bias, suffix_bias, TAIL_K, HAS_BIAS,
-                                                        HAS_SUFFIX, P_SHIFT, ABLATE, FMA_QUARTERS, P_BITS, P_SAT)
+                                                        tail_from, edge, prefix_bias, suffix_bias, pooled, tail_row,
+                                                        pool_first, TAIL_K, HAS_BIAS, HAS_SUFFIX, P_SHIFT, ABLATE,
+                                                        FMA_QUARTERS, P_BITS, P_SAT, HAS_TAIL)
                     if P_BITS != 0:
                         acc, l_blk = warpgroup_mma_wait(num_outstanding=0, deps=[acc, l_blk])
                         l_acc = (l_acc + l_blk) * gl.convert_layout(alpha, row_l)[:, None]
@@ -508,9 +557,9 @@ if gluon is not None:
             for j in range(j0, n_kv):
                 # one key block per step: Q @ K^T, softmax, P @ V; with SCHEDULE "pingpong" the two
                 # warpgroups take turns issuing each GEMM (named barriers), FlashAttention-3's ping-pong
-                kb, sc, v_exp, whole, pre_keys, tail_from, edge = _block_terms(
+                kb, sc, v_exp, whole, pre_keys, tail_from, edge, pooled = _block_terms(
                     idx_row, j, sq, k_scale_row, v_scale, bh, n_k_scale, prefix_len, prefix_bias, suffix_start,
-                    suffix_bias, HAS_SUFFIX, V_BLOCK)
+                    suffix_bias, pool_first, HAS_SUFFIX, V_BLOCK, HAS_TAIL)
                 st = kctr % STAGES
                 ph = (kctr // STAGES) & 1
                 mbarrier.wait(k_ready.index(st), ph)
@@ -521,8 +570,9 @@ if gluon is not None:
                     _turn_pass(CONSUMER)
                 s = warpgroup_mma_wait(num_outstanding=0, deps=[s])
                 p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, sc, kb, offs_n, Lk, num_kv_blocks, whole, pre_keys,
-                                                    tail_from, edge, prefix_bias, suffix_bias, TAIL_K, HAS_BIAS,
-                                                    HAS_SUFFIX, P_SHIFT, ABLATE, FMA_QUARTERS, P_BITS, P_SAT)
+                                                    tail_from, edge, prefix_bias, suffix_bias, pooled, tail_row,
+                                                    pool_first, TAIL_K, HAS_BIAS, HAS_SUFFIX, P_SHIFT, ABLATE,
+                                                    FMA_QUARTERS, P_BITS, P_SAT, HAS_TAIL)
                 acc = acc * gl.convert_layout(_acc_rescale(alpha, v_exp_acc, v_exp, V_BLOCK), row_o)[:, None]
                 v_exp_acc = v_exp
                 p8 = _p_operand(p, p_layout)
@@ -587,12 +637,12 @@ if gluon is not None:
     def _bsa_ws_kernel(q_desc, k_desc, v_desc, O, o_desc, q_mult, q_scale, k_scale, v_scale, kv_num, kv_idx, sched,
                        H, Lq, Lk, lpad_q, lpad_k, num_kv_blocks, q_blocks, num_tiles, n_q_scale, n_k_scale,
                        prefix_len, prefix_bias, suffix_start, suffix_bias, token_perm, s_ob, s_oh, s_ol, s_nb, s_nh,
-                       s_ib, s_ih, s_iq,
+                       s_ib, s_ih, s_iq, tail_num, tail_bias, tail_width, pool_first,
                        HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, Q_STAGES: gl.constexpr,
                        TAIL_K: gl.constexpr, HAS_BIAS: gl.constexpr, P_SHIFT: gl.constexpr, SCHEDULE: gl.constexpr,
                        ABLATE: gl.constexpr, FMA_QUARTERS: gl.constexpr, HAS_PERM: gl.constexpr,
                        HAS_SUFFIX: gl.constexpr, P_BITS: gl.constexpr, V_BLOCK: gl.constexpr, P_SAT: gl.constexpr,
-                       O_VEC: gl.constexpr, O_TMA: gl.constexpr, Q_KERNEL: gl.constexpr):
+                       O_VEC: gl.constexpr, O_TMA: gl.constexpr, Q_KERNEL: gl.constexpr, HAS_TAIL: gl.constexpr):
         # the B operand of the row-sum GEMM (P_BITS): e4m3 ones (byte 0x38), any swizzle holds them
         ones_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_ONES, _BLOCK], gl.float8e4nv)
         ones_regs: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
@@ -633,23 +683,23 @@ if gluon is not None:
         gl.warp_specialize([
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
                          sched, kv_num, kv_idx, H, q_blocks, num_tiles, lpad_q, lpad_k, s_nb, s_nh, s_ib, s_ih, s_iq,
-                         HEAD_DIM, STAGES, Q_STAGES, Q_KERNEL)),
+                         tail_num, HEAD_DIM, STAGES, Q_STAGES, Q_KERNEL, HAS_TAIL)),
             (_consumer, (O, o_desc, o_smem0, q_smem, q8_smem0, q_mult, k_smem, v_smem, ones_smem, q_ready,
                          q_empty, k_ready, v_ready, kv_empty, q_scale, k_scale, v_scale, sched, kv_num, kv_idx, H,
                          Lq, Lk, num_kv_blocks, q_blocks, num_tiles, n_q_scale, n_k_scale, prefix_len, prefix_bias,
                          suffix_start, suffix_bias,
                          token_perm, s_ob, s_oh, s_ol, s_nb,
-                         s_nh, s_ib, s_ih, s_iq, HEAD_DIM, STAGES, Q_STAGES, 0, TAIL_K, HAS_BIAS, P_SHIFT, SCHEDULE,
-                         ABLATE, FMA_QUARTERS, HAS_PERM, HAS_SUFFIX, P_BITS, V_BLOCK, P_SAT, O_VEC, O_TMA,
-                         Q_KERNEL)),
+                         s_nh, s_ib, s_ih, s_iq, tail_num, tail_bias, tail_width, pool_first, HEAD_DIM, STAGES,
+                         Q_STAGES, 0, TAIL_K, HAS_BIAS, P_SHIFT, SCHEDULE, ABLATE, FMA_QUARTERS, HAS_PERM,
+                         HAS_SUFFIX, P_BITS, V_BLOCK, P_SAT, O_VEC, O_TMA, Q_KERNEL, HAS_TAIL)),
             (_consumer, (O, o_desc, o_smem1, q_smem, q8_smem1, q_mult, k_smem, v_smem, ones_smem, q_ready,
                          q_empty, k_ready, v_ready, kv_empty, q_scale, k_scale, v_scale, sched, kv_num, kv_idx, H,
                          Lq, Lk, num_kv_blocks, q_blocks, num_tiles, n_q_scale, n_k_scale, prefix_len, prefix_bias,
                          suffix_start, suffix_bias,
                          token_perm, s_ob, s_oh, s_ol, s_nb,
-                         s_nh, s_ib, s_ih, s_iq, HEAD_DIM, STAGES, Q_STAGES, 1, TAIL_K, HAS_BIAS, P_SHIFT, SCHEDULE,
-                         ABLATE, FMA_QUARTERS, HAS_PERM, HAS_SUFFIX, P_BITS, V_BLOCK, P_SAT, O_VEC, O_TMA,
-                         Q_KERNEL)),
+                         s_nh, s_ib, s_ih, s_iq, tail_num, tail_bias, tail_width, pool_first, HEAD_DIM, STAGES,
+                         Q_STAGES, 1, TAIL_K, HAS_BIAS, P_SHIFT, SCHEDULE, ABLATE, FMA_QUARTERS, HAS_PERM,
+                         HAS_SUFFIX, P_BITS, V_BLOCK, P_SAT, O_VEC, O_TMA, Q_KERNEL, HAS_TAIL)),
         ], [4, 4], [_REGS, _REGS])
 
 
@@ -684,10 +734,11 @@ def rows_descriptor(x: torch.Tensor, rows: int):
 
 def launch_ws(q, k, v, block_map, scale: float, config: dict | None = None, prefix_len: int = 0,
               prefix_bias: float = 0.0, token_perm: torch.Tensor | None = None, suffix_len: int = 0,
-              suffix_bias: float = 0.0) -> torch.Tensor:
+              suffix_bias: float = 0.0, pooled_tail: bool = False) -> torch.Tensor:
     """Pre-pass + block lists + the warp-specialised kernel, for one int32-safe chunk
     (``prefix_bias`` in natural-log units; a zero bias or length compiles the unbiased kernel;
-    ``token_perm`` int32 ``[L]`` on q's device or None)."""
+    ``token_perm`` int32 ``[L]`` on q's device or None; ``pooled_tail``: the pre-pass appends the pooled
+    keys, the block lists their tiles, and the kernel is compiled with ``HAS_TAIL``)."""
     cfg = dict(DEFAULT_CONFIG, **(config or {}))
     if cfg["schedule"] not in SCHEDULES or int(cfg["stages"]) < 2 or int(cfg["q_stages"]) < 1 \
             or int(cfg["fma_quarters"]) not in (0, 1, 2) or int(cfg["p_bits"]) not in (0, 1, 2) \
@@ -706,10 +757,17 @@ def launch_ws(q, k, v, block_map, scale: float, config: dict | None = None, pref
     q_kernel = cfg["q_quant"] == "kernel" and token_perm is None and tma_compatible(q)
     q8, k8, v8t, q_scale, k_scale, v_scale = quantize_qkv_fp8(q, k, v, scale, quantize_q=not q_kernel,
                                                               v_key_order="wgmma", token_perm=token_perm,
-                                                              v_scaling=cfg["v_scaling"])
-    lpad_q, lpad_k = padded_len(q_len), k8.shape[2]
-    kv_num, kv_idx, sched, map_strides = lpt_block_lists(block_map)
+                                                              v_scaling=cfg["v_scaling"],
+                                                              pool_block=BLOCK if pooled_tail else None)
+    lpad_q, lpad_k = padded_len(q_len), k8.shape[2]  # (lpad_k: rows per (b, h) of k8, the pooled ones included)
     num_q_blocks, num_kv_blocks = block_map.shape[2:]
+    if pooled_tail:  # pooled tile p is key block padded_len(Lk) / 128 + p of k8 / v8t
+        kv_num, kv_idx, sched, map_strides, tail = lpt_block_lists(block_map, tail_spec(
+            kv_len, BLOCK, padded_len(kv_len) // BLOCK, prefix_len, prefix_bias, suffix_start, suffix_bias))
+        tail_args = (tail.tail_num, tail.bias, tail.bias.shape[-1], padded_len(kv_len) // BLOCK)
+    else:
+        kv_num, kv_idx, sched, map_strides = lpt_block_lists(block_map)
+        tail_args = (kv_num, k_scale, 0, 0)  # (never read)
     qk_layout, vt_layout = shared_layouts(head_dim)
     if q_kernel:  # the input's own rows
         q_desc = rows_descriptor(q, BLOCK)
@@ -729,26 +787,27 @@ def launch_ws(q, k, v, block_map, scale: float, config: dict | None = None, pref
         q_scale.shape[-1], k_scale.shape[-1], int(prefix_len) if has_bias else 0,
         float(prefix_bias) * LOG2E if has_bias else 0.0, suffix_start,
         float(suffix_bias) * LOG2E if suffix_start < kv_len else 0.0, k_scale if token_perm is None else token_perm,
-        out.stride(0), out.stride(1), out.stride(2), *map_strides,
+        out.stride(0), out.stride(1), out.stride(2), *map_strides, *tail_args,
         HEAD_DIM=head_dim, STAGES=int(cfg["stages"]), Q_STAGES=int(cfg["q_stages"]),
         TAIL_K=kv_len % BLOCK != 0, HAS_BIAS=has_bias, P_SHIFT=P_SHIFT_LOG2, SCHEDULE=cfg["schedule"],
         ABLATE=int(cfg.get("ablate", 0)), FMA_QUARTERS=int(cfg["fma_quarters"]), HAS_PERM=token_perm is not None,
         HAS_SUFFIX=suffix_start < kv_len, P_BITS=int(cfg["p_bits"]), V_BLOCK=cfg["v_scaling"] == "block",
         P_SAT=cfg["p_clamp"] == "sat", O_VEC=cfg["o_store"] != "regs", O_TMA=o_tma, Q_KERNEL=q_kernel,
-        num_warps=4)
+        HAS_TAIL=bool(pooled_tail), num_warps=4)
     return out
 
 
 def block_sparse_attention_ws(q, k, v, block_map, scale: float, config: dict | None = None, prefix_len: int = 0,
                               prefix_bias: float = 0.0, token_perm: torch.Tensor | None = None, suffix_len: int = 0,
-                              suffix_bias: float = 0.0) -> torch.Tensor:
+                              suffix_bias: float = 0.0, pooled_tail: bool = False) -> torch.Tensor:
     """The warp-specialised FP8 kernel on a CUDA sm_90 device (module docstring: the contract).
     ``prefix_bias`` (natural-log units) is added to the scaled logits of keys ``[0, prefix_len)``,
     ``suffix_bias`` to those of the last ``suffix_len`` keys. ``token_perm`` (``Lq == Lk == L``; int32/int64 ``[L]``,
     a permutation): attention runs on the
     tokens in that order (position ``i`` = input row ``token_perm[i]``; ``block_map`` and
     ``prefix_len`` in that order), fused into the pre-pass's loads and the output store; the output
-    is in the input order.
+    is in the input order. ``pooled_tail``: every key block a row's map skips enters its softmax as one
+    pooled term (module docstring, "Pooled tail").
     ``ValueError`` for inputs outside the contract (the caller's auto chain then takes the next
     backend); inputs whose offsets overflow int32 run in (batch, head) chunks."""
     _validate(q, k, v, block_map, BLOCK)
@@ -760,10 +819,10 @@ def block_sparse_attention_ws(q, k, v, block_map, scale: float, config: dict | N
     check_key_biases(prefix_len, prefix_bias, suffix_len, suffix_bias, k.shape[2])
     token_perm = check_perm(token_perm, q, k)
     with torch.cuda.device(q.device):
-        return run_in_int32_chunks(q, k, v, block_map, lambda q, k, v, bm: launch_ws(q, k, v, bm, scale, config,
-                                                                                      prefix_len, prefix_bias,
-                                                                                      token_perm, suffix_len,
-                                                                                      suffix_bias))
+        return run_in_int32_chunks(
+            q, k, v, block_map, lambda q, k, v, bm: launch_ws(q, k, v, bm, scale, config, prefix_len, prefix_bias,
+                                                              token_perm, suffix_len, suffix_bias, pooled_tail),
+            tail_rows(k.shape[2], BLOCK) if pooled_tail else 0)
 
 
 __all__ = ["block_sparse_attention_ws", "available", "supports", "DEFAULT_CONFIG", "BLOCK"]

@@ -18,6 +18,9 @@ kernel only ever sees 16-byte aligned strides and never needs a load mask):
   fp32 ``[B, H, D]``, stored *transposed* because Hopper's FP8 wgmma needs both operands K-major: in
   ``P @ V`` the reduction axis is the token axis, so V must be token-contiguous.
 
+With ``pool_block`` (the pooled tail) the K and V copies get one more row (V^T column) per key block after
+``Lpad_k``: the block's mean of smoothed K / of V, quantised like the keys (see :func:`quantize_qkv_fp8`).
+
 Options: Q may be left to the attention kernel (``quantize_q=False``: it quantises each query tile
 on load with :func:`quantize_q_tile`, so this pass reads only K and V), and a token permutation may be
 fused into the loads (``token_perm``: the copies are written in that order; 3D-tile token order).
@@ -29,7 +32,9 @@ Launches: the smoothing vector (a gather of the sampled K rows and their mean), 
 torch reduction: no atomics, so the result is bitwise reproducible), and the quantise kernel (one
 program per 128-token tile and (b, h)). Memory traffic: Q and K read once, V twice (its per-channel
 scale needs the whole sequence first), the three FP8 copies written once; with ``v_scaling="block"``
-(per-tile V scales) there is no stats kernel and every input is read once.
+(per-tile V scales) there is no stats kernel and every input is read once. The pooled tail adds one
+small launch (the block means from per-chunk sums the quantise kernel writes: ``2 * Kb * D`` fp32 per
+(b, h)).
 """
 
 from __future__ import annotations
@@ -125,20 +130,37 @@ def source_rows(token_perm, rows, length, HAS_PERM: tl.constexpr):
 
 
 @triton.jit
-def _quant_kernel(Q, K, V, q8, k8, v8t, q_scale, k_scale, k_smooth, v_stats, token_perm,
-                  H, Lq, Lk, Lpad_q, Lpad_k, q_mult,
-                  s_qb, s_qh, s_ql, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl,
-                  HEAD_DIM: tl.constexpr, TILE: tl.constexpr, INTERPRET: tl.constexpr, QUANT_Q: tl.constexpr,
-                  HAS_PERM: tl.constexpr, V_WGMMA_ORDER: tl.constexpr, V_BLOCK_SCALE: tl.constexpr):
-    # v_stats: V's per-channel absmax [B*H, D] (read), or with V_BLOCK_SCALE each tile's exponent [B*H, tiles] (written)
+def block_sums(x, sums, chunk0, HEAD_DIM: tl.constexpr, TILE: tl.constexpr, CHUNK: tl.constexpr):
+    """Store the sums of each ``CHUNK`` consecutive rows of ``x`` (fp32 ``[TILE, D]``) as rows ``chunk0 ..
+    chunk0 + TILE / CHUNK - 1`` of ``sums`` (fp32, ``D`` per row): the pooled tail's block sums."""
+    part = tl.sum(tl.reshape(x, [TILE // CHUNK, CHUNK, HEAD_DIM]), axis=1)
+    idx = chunk0 + tl.arange(0, TILE // CHUNK)
+    tl.store(sums + idx[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :], part)
+
+
+@triton.jit
+def _program_tile(H, HEAD_DIM: tl.constexpr, TILE: tl.constexpr):
+    """A program of a ``(tiles, B * H)`` grid: ``(tile, bh, b, h, channel offsets, the tile's token rows)``."""
     tile = tl.program_id(0)
     bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    offs_d = tl.arange(0, HEAD_DIM)
-    rows = tile * TILE + tl.arange(0, TILE)
+    return tile, bh, bh // H, bh % H, tl.arange(0, HEAD_DIM), tile * TILE + tl.arange(0, TILE)
+
+
+@triton.jit
+def _quant_kernel(Q, K, V, q8, k8, v8t, q_scale, k_scale, k_smooth, v_stats, token_perm, pool_sums,
+                  H, Lq, Lk, Lpad_q, Lpad_k, Lrow_k, q_mult,
+                  s_qb, s_qh, s_ql, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl,
+                  HEAD_DIM: tl.constexpr, TILE: tl.constexpr, INTERPRET: tl.constexpr, QUANT_Q: tl.constexpr,
+                  HAS_PERM: tl.constexpr, V_WGMMA_ORDER: tl.constexpr, V_BLOCK_SCALE: tl.constexpr,
+                  POOL_CHUNK: tl.constexpr):
+    # v_stats: V's per-channel absmax [B*H, D] (read), or with V_BLOCK_SCALE each tile's exponent [B*H, tiles] (written)
+    # Lrow_k: rows of k8 / v8t per (b, h) (Lpad_k, plus the pooled tail's rows); POOL_CHUNK > 0: the sums of
+    # each POOL_CHUNK keys of smoothed K and of V into pool_sums [B*H, 2, Lpad_k / POOL_CHUNK, D]
+    tile, bh, b, h, offs_d, rows = _program_tile(H, HEAD_DIM, TILE)
     n_qt = Lpad_q // TILE
     n_kt = Lpad_k // TILE
+    n_kt_row = Lrow_k // TILE
+    n_chunks = Lpad_k // tl.maximum(POOL_CHUNK, 1)
     if QUANT_Q and tile < n_qt:
         valid = (rows < Lq)[:, None]
         src = source_rows(token_perm, rows, Lq, HAS_PERM)
@@ -152,13 +174,12 @@ def _quant_kernel(Q, K, V, q8, k8, v8t, q_scale, k_scale, k_smooth, v_stats, tok
         src = source_rows(token_perm, rows, Lk, HAS_PERM)
         x = tl.load(K + b * s_kb + h * s_kh + src[:, None] * s_kl + offs_d[None, :], mask=valid, other=0.0)
         x = tl.where(valid, x.to(tl.float32) - mean[None, :], 0.0)
-        amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
-        scale = tl.where(amax > 0, amax / 448.0, 1.0)
-        x = tl.minimum(tl.maximum(x / scale, -448.0), 448.0)
-        if INTERPRET:
-            x = round_e4m3(x)
-        tl.store(k8 + bh * Lpad_k * HEAD_DIM + rows[:, None] * HEAD_DIM + offs_d[None, :], x.to(k8.dtype.element_ty))
-        tl.store(k_scale + bh * n_kt + tile, scale)
+        if POOL_CHUNK > 0:
+            block_sums(x, pool_sums + bh * 2 * n_chunks * HEAD_DIM, tile * (TILE // POOL_CHUNK), HEAD_DIM, TILE,
+                       POOL_CHUNK)
+        x, scale = quantize_k_tile(x, INTERPRET)
+        tl.store(k8 + bh * Lrow_k * HEAD_DIM + rows[:, None] * HEAD_DIM + offs_d[None, :], x.to(k8.dtype.element_ty))
+        tl.store(k_scale + bh * n_kt_row + tile, scale)
         if V_WGMMA_ORDER:
             # gather the keys in the wgmma order on load, so the transposed store stays contiguous
             # (scattering the store's columns instead makes it byte-wise: +0.2 ms at 720p)
@@ -169,21 +190,114 @@ def _quant_kernel(Q, K, V, q8, k8, v8t, q_scale, k_scale, k_smooth, v_stats, tok
             v_valid = valid
             v_src = src
         y = tl.load(V + b * s_vb + h * s_vh + v_src[:, None] * s_vl + offs_d[None, :], mask=v_valid, other=0.0)
-        if V_BLOCK_SCALE:  # one power-of-two scale for the tile: 2^e >= absmax / 448, e stored
-            tmax = tl.max(tl.max(tl.abs(y.to(tl.float32)), axis=1), axis=0)
-            e = tl.where(tmax > 0, tl.math.ceil(tl.math.log2(tl.maximum(tmax, 1e-30) / 448.0)), 0.0)
-            e = tl.minimum(tl.maximum(e, -_V_EXP_LIMIT), _V_EXP_LIMIT)
-            y = tl.minimum(tl.maximum(y.to(tl.float32) * tl.math.exp2(-e), -448.0), 448.0)
-            tl.store(v_stats + bh * n_kt + tile, e)
-        else:
-            vmax = tl.load(v_stats + bh * HEAD_DIM + offs_d)
-            vscale = tl.where(vmax > 0, vmax / 448.0, 1.0)
-            y = tl.minimum(tl.maximum(y.to(tl.float32) / vscale[None, :], -448.0), 448.0)
+        if POOL_CHUNK > 0:  # (the wgmma order permutes keys within 16: each chunk's set of keys is the same)
+            block_sums(y.to(tl.float32), pool_sums + (bh * 2 + 1) * n_chunks * HEAD_DIM, tile * (TILE // POOL_CHUNK),
+                       HEAD_DIM, TILE, POOL_CHUNK)
+        y, e = scale_v_tile(y.to(tl.float32), v_stats + bh * HEAD_DIM, V_BLOCK_SCALE)
+        if V_BLOCK_SCALE:
+            tl.store(v_stats + bh * n_kt_row + tile, e)
         if INTERPRET:
             y = round_e4m3(y)
         # transposed store: v8t[bh, d, col]; column col holds key col, or in the wgmma key order the key
         # wgmma_key_of_column(col) (see quantize_qkv_fp8)
-        tl.store(v8t + bh * HEAD_DIM * Lpad_k + offs_d[None, :] * Lpad_k + rows[:, None], y.to(v8t.dtype.element_ty))
+        tl.store(v8t + bh * HEAD_DIM * Lrow_k + offs_d[None, :] * Lrow_k + rows[:, None], y.to(v8t.dtype.element_ty))
+
+
+@triton.jit
+def scale_v_tile(y, v_absmax, V_BLOCK_SCALE: tl.constexpr):
+    """A V tile (fp32 ``[TILE, D]``) in e4m3 units: ``(y / scale clamped to +-448, e)``. ``V_BLOCK_SCALE``:
+    one power-of-two scale for the tile, ``2^e >= absmax / 448`` (``e`` clamped to +-V_EXP_LIMIT); else the
+    per-channel scale ``absmax_d / 448`` from ``v_absmax`` (``[D]``; ``e`` 0)."""
+    if V_BLOCK_SCALE:
+        tmax = tl.max(tl.max(tl.abs(y), axis=1), axis=0)
+        e = tl.where(tmax > 0, tl.math.ceil(tl.math.log2(tl.maximum(tmax, 1e-30) / 448.0)), 0.0)
+        e = tl.minimum(tl.maximum(e, -_V_EXP_LIMIT), _V_EXP_LIMIT)
+        y = tl.minimum(tl.maximum(y * tl.math.exp2(-e), -448.0), 448.0)
+    else:
+        vmax = tl.load(v_absmax + tl.arange(0, y.shape[1]))
+        vscale = tl.where(vmax > 0, vmax / 448.0, 1.0)
+        y = tl.minimum(tl.maximum(y / vscale[None, :], -448.0), 448.0)
+        e = 0.0
+    return y, e
+
+
+@triton.jit
+def quantize_k_tile(x, INTERPRET: tl.constexpr):
+    """A K tile (fp32 ``[TILE, D]``, smoothed) to e4m3 with one absmax scale: ``(x / scale, scale)``."""
+    amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
+    scale = tl.where(amax > 0, amax / 448.0, 1.0)
+    x = tl.minimum(tl.maximum(x / scale, -448.0), 448.0)
+    if INTERPRET:
+        x = round_e4m3(x)
+    return x, scale
+
+
+@triton.jit
+def _kv_block_sums_kernel(K, V, pool_sums, token_perm, H, Lk, n_chunks, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl,
+                          HEAD_DIM: tl.constexpr, TILE: tl.constexpr, POOL_CHUNK: tl.constexpr,
+                          HAS_PERM: tl.constexpr):
+    """The 16-bit path's pooled-tail sums (the FP8 pre-pass fuses them): per ``TILE`` keys of one (b, h),
+    the sums of each ``POOL_CHUNK`` keys of K and V into ``pool_sums [B*H, 2, n_chunks, D]``."""
+    tile, bh, b, h, offs_d, rows = _program_tile(H, HEAD_DIM, TILE)
+    valid = (rows < Lk)[:, None]
+    src = source_rows(token_perm, rows, Lk, HAS_PERM)
+    x = tl.load(K + b * s_kb + h * s_kh + src[:, None] * s_kl + offs_d[None, :], mask=valid, other=0.0)
+    block_sums(x.to(tl.float32), pool_sums + bh * 2 * n_chunks * HEAD_DIM, tile * (TILE // POOL_CHUNK), HEAD_DIM,
+               TILE, POOL_CHUNK)
+    y = tl.load(V + b * s_vb + h * s_vh + src[:, None] * s_vl + offs_d[None, :], mask=valid, other=0.0)
+    block_sums(y.to(tl.float32), pool_sums + (bh * 2 + 1) * n_chunks * HEAD_DIM, tile * (TILE // POOL_CHUNK),
+               HEAD_DIM, TILE, POOL_CHUNK)
+
+
+@triton.jit
+def _pooled_means(pool_sums, bh, which, blocks, n_chunks, Lk, BS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  POOL_CHUNK: tl.constexpr):
+    """Means over the real keys of key blocks ``blocks`` (``[N]``; blocks past the last give 0) from the
+    chunk sums (``which`` 0: K, 1: V): fp32 ``[N, D]``."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    base = pool_sums + (bh * 2 + which) * n_chunks * HEAD_DIM
+    total = tl.zeros([blocks.shape[0], HEAD_DIM], dtype=tl.float32)
+    for c in tl.static_range(BS // POOL_CHUNK):
+        idx = blocks * (BS // POOL_CHUNK) + c
+        total += tl.load(base + idx[:, None] * HEAD_DIM + offs_d[None, :], mask=(idx < n_chunks)[:, None], other=0.0)
+    count = tl.minimum(tl.maximum(Lk - blocks * BS, 0), BS)
+    return total / tl.maximum(count, 1).to(tl.float32)[:, None]
+
+
+@triton.jit
+def _pooled_finalize_kernel(pool_sums, k_out, v_out, k_scale, v_stats, H, Lk, n_chunks, Lrow_k, row0,
+                            HEAD_DIM: tl.constexpr, TILE: tl.constexpr, BS: tl.constexpr, POOL_CHUNK: tl.constexpr,
+                            FP8: tl.constexpr, INTERPRET: tl.constexpr, V_WGMMA_ORDER: tl.constexpr,
+                            V_BLOCK_SCALE: tl.constexpr):
+    """One ``TILE`` of pooled keys of one (b, h): key block ``tile * TILE + r``'s means of K and V as row
+    ``row0 + tile * TILE + r`` of ``k_out`` / ``v_out`` (FP8: ``k8`` rows with the tile's K scale at
+    ``k_scale[bh, row0 / TILE + tile]``, ``v8t`` columns in the pre-pass's V scaling and key order; else
+    ``[B*H, Lrow_k, D]`` buffers in their dtype). Blocks past the last are zeros."""
+    tile = tl.program_id(0)
+    bh = tl.program_id(1)
+    offs_d = tl.arange(0, HEAD_DIM)
+    r = tl.arange(0, TILE)
+    rows = row0 + tile * TILE + r
+    kbar = _pooled_means(pool_sums, bh, 0, tile * TILE + r, n_chunks, Lk, BS, HEAD_DIM, POOL_CHUNK)
+    v_keys = r
+    if V_WGMMA_ORDER:  # column r holds pooled key wgmma_key_of_column(r), as in the pre-pass
+        v_keys = wgmma_key_of_column(r)
+    vbar = _pooled_means(pool_sums, bh, 1, tile * TILE + v_keys, n_chunks, Lk, BS, HEAD_DIM, POOL_CHUNK)
+    if FP8:
+        kbar, scale = quantize_k_tile(kbar, INTERPRET)
+        tl.store(k_scale + bh * (Lrow_k // TILE) + row0 // TILE + tile, scale)
+        vbar, e = scale_v_tile(vbar, v_stats + bh * HEAD_DIM, V_BLOCK_SCALE)
+        if V_BLOCK_SCALE:
+            tl.store(v_stats + bh * (Lrow_k // TILE) + row0 // TILE + tile, e)
+        if INTERPRET:
+            vbar = round_e4m3(vbar)
+        tl.store(v_out + bh * HEAD_DIM * Lrow_k + offs_d[None, :] * Lrow_k + rows[:, None],
+                 vbar.to(v_out.dtype.element_ty))
+    else:
+        tl.store(v_out + bh * Lrow_k * HEAD_DIM + rows[:, None] * HEAD_DIM + offs_d[None, :],
+                 vbar.to(v_out.dtype.element_ty))
+    tl.store(k_out + bh * Lrow_k * HEAD_DIM + rows[:, None] * HEAD_DIM + offs_d[None, :],
+             kbar.to(k_out.dtype.element_ty))
 
 
 def smoothing_rows(length: int, device=None) -> torch.Tensor:
@@ -208,8 +322,47 @@ def padded_len(length: int) -> int:
     return -(-length // QUANT_TILE) * QUANT_TILE
 
 
+def tail_rows(kv_len: int, block_size: int) -> int:
+    """Rows of pooled keys the pooled tail appends: one per key block, padded to whole 128-row tiles
+    (``ceil(Kb / 128) * 128``, ``Kb = ceil(kv_len / block_size)``)."""
+    blocks = -(-kv_len // block_size)
+    return -(-blocks // QUANT_TILE) * QUANT_TILE
+
+
+def _pool_chunk(block_size: int) -> int:
+    if block_size < 16 or block_size & (block_size - 1):
+        raise ValueError(f"the pooled tail needs a power-of-two block size >= 16, got {block_size}")
+    return min(block_size, QUANT_TILE)
+
+
+def pooled_kv_16bit(k: torch.Tensor, v: torch.Tensor, block_size: int):
+    """The pooled tail's keys and values for the 16-bit path: ``(kp, vp)``, k's dtype ``[B, H, R, D]``
+    with ``R = tail_rows(Lk, block_size)``: row ``j`` = the means of K / V over key block ``j``'s real
+    keys (zeros past the last block). Two launches (sums, means); K and V are read once, any strides."""
+    batch, heads, kv_len, head_dim = k.shape
+    chunk = _pool_chunk(block_size)
+    rows = tail_rows(kv_len, block_size)
+    lpad = padded_len(kv_len)
+    sums = torch.empty(batch * heads, 2, lpad // chunk, head_dim, device=k.device, dtype=torch.float32)
+    _kv_block_sums_kernel[(lpad // QUANT_TILE, batch * heads)](
+        k, v, sums, sums, heads, kv_len, lpad // chunk, k.stride(0), k.stride(1), k.stride(2), v.stride(0),
+        v.stride(1), v.stride(2), HEAD_DIM=head_dim, TILE=QUANT_TILE, POOL_CHUNK=chunk, HAS_PERM=False, num_warps=8)
+    kp = torch.empty(batch, heads, rows, head_dim, device=k.device, dtype=k.dtype)
+    vp = torch.empty_like(kp)
+    _pooled_finalize_kernel[(rows // QUANT_TILE, batch * heads)](
+        sums, kp, vp, sums, sums, heads, kv_len, lpad // chunk, rows, 0, HEAD_DIM=head_dim, TILE=QUANT_TILE,
+        BS=block_size, POOL_CHUNK=chunk, FP8=False, INTERPRET=_interpreting(k), V_WGMMA_ORDER=False,
+        V_BLOCK_SCALE=False, num_warps=8)
+    return kp, vp
+
+
+def _interpreting(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def quantize_qkv_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *, quantize_q: bool = True,
-                     token_perm: torch.Tensor | None = None, v_key_order: str = "natural", v_scaling: str = "channel"):
+                     token_perm: torch.Tensor | None = None, v_key_order: str = "natural", v_scaling: str = "channel",
+                     pool_block: int | None = None):
     """Run the fused pre-pass; returns ``(q8, k8, v8t, q_scale, k_scale, v_scale)`` (see module doc).
 
     ``scale`` is the softmax scale; ``q_scale`` already includes ``scale * log2(e)``.
@@ -227,6 +380,13 @@ def quantize_qkv_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     128-key tile, ``2^e >= absmax / 448`` with ``e`` clamped to ``+-V_EXP_LIMIT``; ``v_scale`` is then ``e``
     itself, fp32 ``[B, H, Lpad_k / 128]``, and V is read once: the pass reads each input once; the
     warp-specialised kernel folds ``2^e`` into its accumulator's per-block rescale).
+    ``pool_block`` (the pooled tail's key block size, a power of two >= 16, or None): ``k8`` / ``v8t`` get
+    :func:`tail_rows` more rows / columns after ``Lpad_k``: position ``Lpad_k + j`` holds the mean over key
+    block ``j``'s real keys (in this call's token order) of smoothed K / of V, zeros past the last block,
+    quantised like the real keys (one K scale per 128 pooled keys appended to ``k_scale``; V in the call's
+    ``v_scaling``, the block exponents appended to ``v_scale``, and key order). The means come from
+    per-chunk sums the quantise kernel writes while it has K and V in registers (no extra read), then one
+    small launch averages and quantises them.
     """
     if v_key_order not in ("natural", "wgmma"):
         raise ValueError(f"v_key_order must be 'natural' or 'wgmma', got {v_key_order!r}")
@@ -235,6 +395,8 @@ def quantize_qkv_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     batch, heads, q_len, head_dim = q.shape
     kv_len = k.shape[2]
     lpad_q, lpad_k = padded_len(q_len), padded_len(kv_len)
+    chunk = 0 if pool_block is None else _pool_chunk(pool_block)
+    lrow_k = lpad_k + (0 if pool_block is None else tail_rows(kv_len, pool_block))  # rows of k8 / v8t per (b, h)
     dev = q.device
     fp8 = torch.float8_e4m3fn
     if token_perm is not None and (q_len != kv_len or token_perm.shape != (q_len,) or token_perm.dtype != torch.int32
@@ -242,13 +404,15 @@ def quantize_qkv_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
         raise ValueError(f"token_perm must be int32 [{q_len}] on {dev} with Lq == Lk; got "
                          f"{token_perm.dtype} {tuple(token_perm.shape)} on {token_perm.device}, Lk={kv_len}")
     q8 = torch.empty(batch, heads, lpad_q, head_dim, device=dev, dtype=fp8) if quantize_q else None
-    k8 = torch.empty(batch, heads, lpad_k, head_dim, device=dev, dtype=fp8)
-    v8t = torch.empty(batch, heads, head_dim, lpad_k, device=dev, dtype=fp8)
+    k8 = torch.empty(batch, heads, lrow_k, head_dim, device=dev, dtype=fp8)
+    v8t = torch.empty(batch, heads, head_dim, lrow_k, device=dev, dtype=fp8)
     q_scale = (torch.empty(batch, heads, lpad_q // QUANT_TILE, device=dev, dtype=torch.float32) if quantize_q
                else None)
-    k_scale = torch.empty(batch, heads, lpad_k // QUANT_TILE, device=dev, dtype=torch.float32)
+    k_scale = torch.empty(batch, heads, lrow_k // QUANT_TILE, device=dev, dtype=torch.float32)
+    pool_sums = (k_scale if not chunk else
+                 torch.empty(batch * heads, 2, lpad_k // chunk, head_dim, device=dev, dtype=torch.float32))
     if v_scaling == "block":
-        v_stats = torch.empty(batch, heads, lpad_k // QUANT_TILE, device=dev, dtype=torch.float32)  # exponents
+        v_stats = torch.empty(batch, heads, lrow_k // QUANT_TILE, device=dev, dtype=torch.float32)  # exponents
     else:
         n_chunks = triton.cdiv(kv_len, STATS_CHUNK)
         v_part = torch.empty(batch * heads, n_chunks, head_dim, device=dev, dtype=torch.float32)
@@ -260,27 +424,36 @@ def quantize_qkv_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     tiles = max(lpad_q, lpad_k) if quantize_q else lpad_k
     _quant_kernel[(tiles // QUANT_TILE, batch * heads)](
         q, k, v, k8 if q8 is None else q8, k8, v8t, k_scale if q_scale is None else q_scale, k_scale, k_mean,
-        v_stats, k_scale if token_perm is None else token_perm,
-        heads, q_len, kv_len, lpad_q, lpad_k, float(scale * LOG2E),
+        v_stats, k_scale if token_perm is None else token_perm, pool_sums,
+        heads, q_len, kv_len, lpad_q, lpad_k, lrow_k, float(scale * LOG2E),
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
-        HEAD_DIM=head_dim, TILE=QUANT_TILE, INTERPRET=q.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1",
+        HEAD_DIM=head_dim, TILE=QUANT_TILE, INTERPRET=_interpreting(q),
         QUANT_Q=bool(quantize_q), HAS_PERM=token_perm is not None, V_WGMMA_ORDER=v_key_order == "wgmma",
-        V_BLOCK_SCALE=v_scaling == "block", num_warps=8)
+        V_BLOCK_SCALE=v_scaling == "block", POOL_CHUNK=chunk, num_warps=8)
+    if chunk:
+        _pooled_finalize_kernel[((lrow_k - lpad_k) // QUANT_TILE, batch * heads)](
+            pool_sums, k8, v8t, k_scale, v_stats, heads, kv_len, lpad_k // chunk, lrow_k, lpad_k, HEAD_DIM=head_dim,
+            TILE=QUANT_TILE, BS=pool_block, POOL_CHUNK=chunk, FP8=True, INTERPRET=_interpreting(q),
+            V_WGMMA_ORDER=v_key_order == "wgmma", V_BLOCK_SCALE=v_scaling == "block", num_warps=8)
     if v_scaling == "block":
         return q8, k8, v8t, q_scale, k_scale, v_stats
     v_scale = torch.where(v_stats > 0, v_stats / FP8_MAX, torch.ones_like(v_stats))
     return q8, k8, v8t, q_scale, k_scale, v_scale
 
 
-def quantize_reference(q, k, v, scale: float, v_key_order: str = "natural", v_scaling: str = "channel"):
+def quantize_reference(q, k, v, scale: float, v_key_order: str = "natural", v_scaling: str = "channel",
+                       pool_block: int | None = None):
     """Plain-torch twin of :func:`quantize_qkv_fp8` (fp32 math, same scales and layout) for tests."""
     batch, heads, q_len, head_dim = q.shape
     kv_len = k.shape[2]
     lpad_q, lpad_k = padded_len(q_len), padded_len(kv_len)
 
+    def pad_rows(x, rows):
+        return torch.nn.functional.pad(x, (0, 0, 0, rows - x.shape[2]))
+
     def tiles(x, lpad):
-        x = torch.nn.functional.pad(x, (0, 0, 0, lpad - x.shape[2]))
+        x = pad_rows(x, lpad)
         xt = x.view(batch, heads, lpad // QUANT_TILE, QUANT_TILE, head_dim)
         amax = xt.abs().amax(dim=(-1, -2))
         s = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
@@ -288,11 +461,21 @@ def quantize_reference(q, k, v, scale: float, v_key_order: str = "natural", v_sc
 
     qf = q.float() * (scale * LOG2E)
     kf = k.float() - smoothing_vector(k)[:, :, None, :]
+    vf = v.float()
+    lrow_k = lpad_k
+    if pool_block is not None:  # the pooled tail's rows after the padded keys: block means, zeros past the last
+        from ..reference import pooled_key_blocks  # noqa: PLC0415
+
+        rows = tail_rows(kv_len, pool_block)
+        kbar, vbar = pooled_key_blocks(kf, vf, pool_block)
+        kf = torch.cat([pad_rows(kf, lpad_k), pad_rows(kbar, rows)], dim=2)
+        vf = torch.cat([pad_rows(vf, lpad_k), pad_rows(vbar, rows)], dim=2)
+        lrow_k += rows
     q8, qs = tiles(qf, lpad_q)
-    k8, ks = tiles(kf, lpad_k)
+    k8, ks = tiles(kf, lrow_k)
     if v_scaling == "block":
-        vp = torch.nn.functional.pad(v.float(), (0, 0, 0, lpad_k - kv_len))
-        vt = vp.view(batch, heads, lpad_k // QUANT_TILE, QUANT_TILE, head_dim)
+        vp = pad_rows(vf, lrow_k)
+        vt = vp.view(batch, heads, lrow_k // QUANT_TILE, QUANT_TILE, head_dim)
         tmax = vt.abs().amax(dim=(-1, -2))
         vs = torch.where(tmax > 0, torch.ceil(torch.log2(tmax.clamp_min(1e-30) / FP8_MAX)), torch.zeros_like(tmax))
         vs = vs.clamp(-V_EXP_LIMIT, V_EXP_LIMIT)
@@ -300,15 +483,15 @@ def quantize_reference(q, k, v, scale: float, v_key_order: str = "natural", v_sc
     else:
         vmax = v.float().abs().amax(dim=2)
         vs = torch.where(vmax > 0, vmax / FP8_MAX, torch.ones_like(vmax))
-        v8 = torch.nn.functional.pad((v.float() / vs[:, :, None, :]).clamp(-FP8_MAX, FP8_MAX),
-                                     (0, 0, 0, lpad_k - kv_len))
+        v8 = pad_rows((vf / vs[:, :, None, :]).clamp(-FP8_MAX, FP8_MAX), lrow_k)
     fp8 = torch.float8_e4m3fn
     v8t = v8.transpose(-1, -2).contiguous()
     if v_key_order == "wgmma":
-        cols = wgmma_key_order_torch(torch.arange(lpad_k, device=v8t.device))
+        cols = wgmma_key_order_torch(torch.arange(lrow_k, device=v8t.device))
         v8t = torch.empty_like(v8t).index_copy_(-1, cols, v8t)
     return q8.to(fp8), k8.to(fp8), v8t.to(fp8), qs, ks, vs
 
 
-__all__ = ["quantize_qkv_fp8", "quantize_q_tile", "wgmma_key_order_torch", "quantize_reference", "padded_len", "smoothing_rows", "smoothing_vector",
-           "QUANT_TILE", "FP8_MAX", "LOG2E", "SMOOTH_ROWS", "V_EXP_LIMIT"]
+__all__ = ["quantize_qkv_fp8", "quantize_q_tile", "wgmma_key_order_torch", "quantize_reference", "padded_len",
+           "tail_rows", "pooled_kv_16bit", "smoothing_rows", "smoothing_vector", "QUANT_TILE", "FP8_MAX", "LOG2E",
+           "SMOOTH_ROWS", "V_EXP_LIMIT"]

@@ -1,0 +1,143 @@
+"""What the pooled tail costs: ``block_sparse_attention(..., backend="auto")`` (``triton_fp8_ws`` on an H200)
+with and without ``pooled_tail`` at Wan 14B shapes (1 x 40 heads x L x 128 bf16, L = 75 600 (720p) and
+32 760 (480p)), on the structured maps of ``masks.py`` at 5 / 10 / 15 / 25% density.
+
+Whole calls as the engine makes them (``rows_checked=True``: pre-pass, block lists, kernel), timed with
+``triton.testing.do_bench`` (L2 flushed; median) ``--rounds`` times, every variant in turn within a round
+(so a drift of the GPU's clock hits all alike), the median over rounds reported with each round's ms and
+the SM clock / power while it ran (``gpu_state.py``). The tail's cost in % per density is
+``(tail - plain) / plain``; beside it, the share of key blocks the tail adds (pooled tiles listed / kept
+blocks, from the block lists) -- what the cost would be if a pooled tile cost what a kept block costs --
+and the two fixed stages alone: the pre-pass with and without the pooled rows, the block lists with and
+without the tail's entries and bias table.
+
+Usage (from the pack root, on the GPU): ``python -m benchmarks.kernels.bench_tail --out /tmp/tail``
+(about 1.5 minutes on an H200); ``--backends auto,triton_fp8`` adds backends. Writes ``bench_tail.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+
+import torch
+import triton
+from triton.testing import do_bench
+
+import chorus.kernels as K
+from benchmarks.kernels.gpu_state import GpuSampler
+from benchmarks.kernels.masks import structured_block_map
+from chorus.kernels import api
+from chorus.kernels.triton._attention import lpt_block_lists, tail_spec
+from chorus.kernels.triton._quant import padded_len, quantize_qkv_fp8
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def timed(fn, est_ms: float) -> float:
+    return float(do_bench(fn, warmup=max(5, int(2 * est_ms)), rep=max(100, int(10 * est_ms)), return_mode="median"))
+
+
+def run_size(length: int, args, results: dict) -> None:
+    heads, dim, bs = args.heads, 128, 128
+    gen = torch.Generator(device="cuda").manual_seed(length)
+    q, k, v = (torch.randn(1, heads, length, dim, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
+    scale = dim ** -0.5
+    chosen = api.resolve_backend("auto", q).value
+    variants = []  # (entry, fn)
+    for density in args.densities:
+        bm = structured_block_map(length, heads, density, bs, device="cuda")
+        kv_num, _, _, _, lists = lpt_block_lists(bm, tail_spec(length, bs, padded_len(length) // bs, 0, 0.0, length,
+                                                               0.0))
+        added = lists.tail_num.double().sum().item() / kv_num.double().sum().item()
+        for backend in args.backends:
+            for tail in (False, True):
+                entry = {"tokens": length, "density": density, "measured_density": bm.double().mean().item(),
+                         "backend": backend, "ran_on": chosen if backend == "auto" else backend, "pooled_tail": tail,
+                         "added_blocks_share": added}
+                fn = (lambda bm=bm, backend=backend, tail=tail: K.block_sparse_attention(
+                    q, k, v, bm, block_size=bs, scale=scale, backend=backend, rows_checked=True, pooled_tail=tail))
+                variants.append((entry, fn))
+        last_map = bm
+    # the fixed stages alone (at the last density's map): pre-pass with / without the pooled rows, block lists
+    stages = {
+        "prepass": lambda: quantize_qkv_fp8(q, k, v, scale, quantize_q=False, v_key_order="wgmma"),
+        "prepass_with_pooled_rows": lambda: quantize_qkv_fp8(q, k, v, scale, quantize_q=False, v_key_order="wgmma",
+                                                             pool_block=bs),
+        "block_lists": lambda: lpt_block_lists(last_map),
+        "block_lists_with_tail": lambda: lpt_block_lists(last_map, tail_spec(length, bs, padded_len(length) // bs, 0,
+                                                                             0.0, length, 0.0)),
+    }
+    for name, fn in stages.items():
+        variants.append(({"tokens": length, "stage": name, "density": args.densities[-1]}, fn))
+    for entry, fn in variants:  # first call: compile, and an estimate for the timing budget
+        fn()
+        torch.cuda.synchronize()
+        entry["est_ms"] = timed(fn, 1.0) if "stage" in entry else float(do_bench(fn, warmup=1, rep=20))
+    sampler = GpuSampler()
+    for _ in range(args.rounds):
+        for entry, fn in variants:
+            with sampler.window() as window:
+                entry.setdefault("rounds_ms", []).append(timed(fn, entry["est_ms"]))
+            entry.setdefault("gpu_states", []).append(window.summary())
+    for entry, _ in variants:
+        entry["ms"] = statistics.median(entry["rounds_ms"])
+        clocks = [g["sm_mhz"] for g in entry["gpu_states"] if g.get("available")]
+        entry["sm_mhz"] = statistics.median(clocks) if clocks else None
+    rows = [e for e, _ in variants]
+    results["runs"].extend(rows)
+    for backend in args.backends:
+        for density in args.densities:
+            plain = next(e for e in rows if e.get("backend") == backend and e["density"] == density
+                         and not e["pooled_tail"])
+            tail = next(e for e in rows if e.get("backend") == backend and e["density"] == density and e["pooled_tail"])
+            cost = 100.0 * (tail["ms"] - plain["ms"]) / plain["ms"]
+            results["cost"].append({"tokens": length, "backend": backend, "ran_on": plain["ran_on"],
+                                    "density": density, "plain_ms": plain["ms"], "tail_ms": tail["ms"],
+                                    "tail_cost_pct": cost, "added_blocks_pct": 100.0 * plain["added_blocks_share"]})
+            log(f"[{length}] {backend} ({plain['ran_on']}) density {density:.2f}: plain {plain['ms']:.3f} ms, tail "
+                f"{tail['ms']:.3f} ms: {cost:+.1f}% (pooled tiles add {100 * plain['added_blocks_share']:.1f}% blocks; "
+                f"rounds plain {min(plain['rounds_ms']):.3f}-{max(plain['rounds_ms']):.3f}, tail "
+                f"{min(tail['rounds_ms']):.3f}-{max(tail['rounds_ms']):.3f})")
+    for entry in rows:
+        if "stage" in entry:
+            log(f"[{length}] stage {entry['stage']}: {entry['ms']:.3f} ms")
+    del q, k, v
+    torch.cuda.empty_cache()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--sizes", default="75600,32760")
+    ap.add_argument("--heads", type=int, default=40)
+    ap.add_argument("--densities", default="0.05,0.10,0.15,0.25")
+    ap.add_argument("--backends", default="auto")
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args(argv)
+    args.densities = [float(x) for x in args.densities.split(",") if x]
+    args.backends = [x for x in args.backends.split(",") if x]
+    results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+               "python": platform.python_version(), "argv": sys.argv, "runs": [], "cost": []}
+    log(f"GPU {results['gpu']}, torch {torch.__version__}, triton {triton.__version__}")
+    for length in [int(x) for x in args.sizes.split(",") if x]:
+        run_size(length, args, results)
+    log("\n| tokens | backend (ran on) | density | plain ms | tail ms | tail cost | pooled tiles / kept blocks |")
+    log("|---|---|---|---|---|---|---|")
+    for c in results["cost"]:
+        log(f"| {c['tokens']} | {c['backend']} ({c['ran_on']}) | {c['density']:.2f} | {c['plain_ms']:.3f} | "
+            f"{c['tail_ms']:.3f} | {c['tail_cost_pct']:+.1f}% | {c['added_blocks_pct']:.1f}% |")
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "bench_tail.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
