@@ -55,15 +55,26 @@ def log(msg: str) -> None:
     print(msg, flush=True)
 
 
-def source_qkv(grid, heads: int, call, device):
-    """q, k, v bf16 ``[1, H, L, 128]`` of one self-attention call ``(expert, step, layer)`` of the astronaut
-    request of the structured source (scale folded into q)."""
+def astronaut(image_npy: str | None = None):
+    """scikit-image's astronaut picture (uint8 ``[512, 512, 3]``), or the same array saved with
+    ``numpy.save`` (``--image-npy``: for a machine without scikit-image)."""
+    if image_npy:
+        import numpy as np
+
+        return np.load(image_npy)
     from skimage import data
 
+    return data.astronaut()
+
+
+def source_qkv(grid, heads: int, call, device, image_npy: str | None = None):
+    """q, k, v bf16 ``[1, H, L, 128]`` of one self-attention call ``(expert, step, layer)`` of the astronaut
+    request of the structured source (scale folded into q)."""
     from benchmarks.quality.source import SOURCE_LABEL, Request, RequestAttention, SourceConfig, build_model
 
     cfg = SourceConfig(grid=tuple(grid), heads=heads, layers=call[2] + 1)
-    attention = RequestAttention(build_model(cfg), Request("astronaut", data.astronaut()[::2, ::2] / 255.0, "", seed=1))
+    image = astronaut(image_npy)[::2, ::2] / 255.0
+    attention = RequestAttention(build_model(cfg), Request("astronaut", image, "", seed=1))
     q, k, v = attention.qkv(*call)
     return [t.to(device=device, dtype=torch.bfloat16).contiguous() for t in (q, k, v)], SOURCE_LABEL
 
@@ -303,6 +314,8 @@ def main(argv=None) -> int:
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--call", nargs=3, type=int, default=[0, 0, 0], help="expert step layer of the source")
     ap.add_argument("--sharpen", type=float, default=3.0, help="q scale of the sharp head set")
+    ap.add_argument("--image-npy", default=None,
+                    help="the astronaut picture as a numpy .npy file (where scikit-image is not installed)")
     ap.add_argument("--densities", default="0.05,0.10,0.15,0.25")
     ap.add_argument("--backends", default="", help="comma list (default: reference on CPU, "
                                                    f"{','.join(GPU_BACKENDS)} on CUDA)")
@@ -314,7 +327,7 @@ def main(argv=None) -> int:
     backends = [b for b in args.backends.split(",") if b] or (list(GPU_BACKENDS) if device.type == "cuda"
                                                             else ["reference"])
     t0 = time.time()
-    (q, k, v), label = source_qkv(args.grid, args.heads, tuple(args.call), device)
+    (q, k, v), label = source_qkv(args.grid, args.heads, tuple(args.call), device, args.image_npy)
     sol, how = load_sol(device)
     results = {"source": f"{label}; request 'astronaut', call (expert, step, layer) {tuple(args.call)}",
                "grid": args.grid, "tokens": q.shape[2], "heads": args.heads, "head_dim": q.shape[3],
