@@ -41,6 +41,12 @@ class SparseConfig:
       the miss within 10% of a dense run on the H200 and loses 0.0003 of mask recall against exact
       mass (docs/BENCHMARKS.md, "End to end", miss rows).
     - ``block_size``: tokens per block (q and kv), 128 by default.
+    - ``pooled_tail``: on a hit, every key block a query block's map skips still enters each of its
+      rows' softmax as one pooled term (the block's mean key, weighted by its token count, with its mean
+      value, from the current call's K and V: ``kernels.block_sparse_attention(pooled_tail=True)``).
+      Off by default: measured on the H200 (docs/BENCHMARKS.md, "Pooled tail") it lowers the error of
+      the 16-bit path at every density, but the FP8 path's own error then dominates at 15% and above,
+      and it costs +8% of the kernel at 15% density, +26% at 5% (720p).
     - ``verify_threshold`` in [0, 1]: self-verifying hits (``chorus.engine.verify``). At the first step
       of each expert of a hit, the share of attention mass the reused map keeps (its *recall*) and the
       share the best map with the same number of kept blocks per row would keep (*best*) are estimated
@@ -68,6 +74,7 @@ class SparseConfig:
     backend: str = "auto"
     sample_rows: int | None = 8
     block_size: int = 128
+    pooled_tail: bool = False
     verify_threshold: float = DEFAULT_VERIFY_THRESHOLD
     verify_layers: tuple = (0, 1, 2, 3)
     verify_heads: int = 4
@@ -84,6 +91,8 @@ class SparseConfig:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.sample_rows is not None and (not isinstance(self.sample_rows, int) or self.sample_rows < 1):
             raise ValueError(f"sample_rows must be None or an int >= 1, got {self.sample_rows!r}")
+        if not isinstance(self.pooled_tail, bool):
+            raise ValueError(f"pooled_tail must be a bool, got {self.pooled_tail!r}")
         if not isinstance(self.block_size, int) or self.block_size < 16 or self.block_size % 16:
             raise ValueError(f"block_size must be a positive multiple of 16, got {self.block_size!r}")
         thr = self.verify_threshold

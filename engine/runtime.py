@@ -289,7 +289,7 @@ class ChorusAttention:
             out = kernels.block_sparse_attention(q, k, v, block_map, block_size=cfg.block_size, backend=cfg.backend,
                                                  prefix_len=prefix_len, prefix_bias=prefix_bias if prefix_len else 0.0,
                                                  rows_checked=True, token_perm=order, suffix_len=suffix_len,
-                                                 suffix_bias=suffix_bias)
+                                                 suffix_bias=suffix_bias, pooled_tail=cfg.pooled_tail)
         except Exception as exc:  # noqa: BLE001 - never crash sampling: dense for this call
             why = str(exc) if isinstance(exc, _Fallback) else f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             plan.note(f"sparse attention not used for a call ({why}); dense attention instead")
@@ -299,6 +299,7 @@ class ChorusAttention:
             return dense_fn(q, k, v)
         batch = q.shape[0]
         plan.stats.sparse_calls += 1
+        plan.stats.tail_calls += int(cfg.pooled_tail)
         plan.stats.blocks_total += batch * block_map.shape[1] * block_map.shape[2] * block_map.shape[3]
         if isinstance(kept, int):
             plan.stats.blocks_computed += batch * kept

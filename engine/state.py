@@ -44,6 +44,7 @@ class PlanStats:
     dense_calls: int = 0
     recorded_calls: int = 0
     fallback_calls: int = 0
+    tail_calls: int = 0  # sparse calls with the pooled tail (SparseConfig.pooled_tail)
     blocks_total: int = 0
     blocks_computed: int = 0
     attention_seconds: float = 0.0
@@ -67,6 +68,8 @@ class PlanStats:
             parts.append(f"density {self.density:.1%} ({self.blocks_computed}/{self.blocks_total} blocks)")
         parts.append(f"calls sparse {self.sparse_calls}, dense {self.dense_calls} (recorded {self.recorded_calls}), "
                      f"fallback {self.fallback_calls}")
+        if self.tail_calls:
+            parts.append(f"pooled tail on {self.tail_calls} sparse calls")
         parts.append(f"attention {self.attention_seconds * 1e3:.1f} ms")
         for expert, v in sorted(self.verification.items()):
             if v.get("ratio") is None:

@@ -53,6 +53,10 @@ class ChorusSparseSampler(io.ComfyNode):
                                        "FlashAttention-4's block-sparse kernel in bf16 (optional flash-attn-4; "
                                        "1.3-1.5x Triton bf16 on an H200, slower than FP8 at 720p). An explicit "
                                        "choice that cannot run falls back to dense attention with a message."),
+                io.Boolean.Input("pooled_tail", default=False, optional=True,
+                                 tooltip="On a hit, every key block the mask skips still enters the softmax as one "
+                                         "pooled term (its mean key and value): closer to dense attention, more "
+                                         "so with a 16-bit backend; costs ~8% of the kernel at 15% density."),
                 io.Float.Input("verify_threshold", default=DEFAULT_VERIFY_THRESHOLD, min=0.0, max=1.0, step=0.01,
                                optional=True,
                                tooltip="Self-verifying hits: at the first step of each expert, the share of "
@@ -73,13 +77,13 @@ class ChorusSparseSampler(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, plan, top_p=0.9, k_min=4, refresh_steps=0, backend="auto",
-                verify_threshold=DEFAULT_VERIFY_THRESHOLD) -> io.NodeOutput:
+                verify_threshold=DEFAULT_VERIFY_THRESHOLD, pooled_tail=False) -> io.NodeOutput:
         if not isinstance(plan, Plan):
             msg = f"not patched: the plan input is not a Chorus plan ({type(plan).__name__}); dense attention"
             return io.NodeOutput(model, ui=ui_text(msg))
         try:
             config = SparseConfig(top_p=float(top_p), k_min=int(k_min), refresh_steps=int(refresh_steps),
-                                  backend=str(backend),
+                                  backend=str(backend), pooled_tail=bool(pooled_tail),
                                   verify_threshold=float(DEFAULT_VERIFY_THRESHOLD if verify_threshold is None
                                                          else verify_threshold))
         except ValueError as exc:
@@ -89,6 +93,8 @@ class ChorusSparseSampler(io.ComfyNode):
         patched, attention, message = patch_model(model, plan, config)
         if plan.is_hit:
             mode = "HIT: sparse attention with entry %s (similarity %.3f)" % (plan.entry_id, plan.similarity)
+            if config.pooled_tail:
+                mode += ", pooled tail on"
         elif plan.demoted_reason:
             mode = f"MISS ({plan.demoted_reason}): dense attention + recording"
         else:

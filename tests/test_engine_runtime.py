@@ -119,6 +119,23 @@ def test_sparse_hit_equals_masked_oracle_and_counts_blocks():
     assert plan.stats.blocks_computed == 2 * int(band.sum()) and plan.stats.blocks_total == 2 * QB * QB
 
 
+def test_a_hit_with_the_pooled_tail_equals_the_oracle_with_the_tail():
+    """SparseConfig(pooled_tail=True) reaches the kernel: the hit equals the fp64 oracle with the pooled
+    tail (every skipped block one softmax term per row), not the map-only oracle, and is counted."""
+    band = torch.eye(QB, dtype=torch.bool) | torch.eye(QB, dtype=torch.bool).roll(1, 1)
+    plan = hit_plan({(0, 2, 0, 0): band.expand(2, QB, QB).clone()})
+    handle = ChorusAttention(plan, SparseConfig(top_p=0.9, k_min=1, block_size=BS, pooled_tail=True), INFO)
+    handle.begin_run(SIGMAS)
+    q, k, v = qkv(4)
+    out = handle.self_attention(q, k, v, layer=0, sigma=0.5, grid=GRID, dense_fn=sdpa).double()
+    tail = dense_attention_oracle(q, k, v, block_map=band[None, None], block_size=BS, pooled_tail=True)
+    plain = dense_attention_oracle(q, k, v, block_map=band[None, None], block_size=BS)
+    err_dense_eager = (sdpa(q, k, v).double() - dense_attention_oracle(q, k, v)).abs().max().item()
+    assert (out - tail).abs().max().item() <= 2 * err_dense_eager + 1e-6
+    assert (out - plain).abs().max().item() > 1e-3  # the tail acted
+    assert plan.stats.tail_calls == 1 and plan.stats.sparse_calls == 1 and "pooled tail on 1" in plan.stats.summary()
+
+
 def test_k_min_floor_adds_blocks_nearest_the_diagonal():
     m = torch.zeros(1, 6, 6, dtype=torch.bool)
     m[0, :, 0] = True

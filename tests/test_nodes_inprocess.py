@@ -111,7 +111,7 @@ def test_schemas_match_the_node_contract(nodes):
     assert math.isnan(nodes.ChorusMaskRetrieve.fingerprint_inputs()) and math.isnan(nodes.ChorusCacheWrite.fingerprint_inputs())
     defaults = {i.id: getattr(i, "default", None) for i in ids["ChorusSparseSampler"].inputs}
     assert defaults == {"model": None, "plan": None, "top_p": 0.9, "k_min": 4, "refresh_steps": 0, "backend": "auto",
-                        "verify_threshold": 0.0}
+                        "verify_threshold": 0.0, "pooled_tail": False}
     assert [i.id for i in ids["ChorusFeatureReuse"].inputs] == ["model", "plan", "downsample_share"]
     guidance = {i.id: getattr(i, "default", None) for i in ids["ChorusGuidanceBoost"].inputs}
     assert guidance == {"model": None, "plan": None, "strength": 0.5, "image_strength": 0.5, "cfg_strength": 0.0}
