@@ -40,14 +40,19 @@ TOMBSTONE_REBUILD_SHARE = 0.2
 
 
 def normalise(vectors) -> np.ndarray:
-    """float32 ``[n, d]`` rows scaled to unit L2 norm; a zero or non-finite row raises ``ValueError``."""
+    """float32 ``[n, d]`` rows scaled to unit L2 norm; a zero or non-finite row raises ``ValueError``.
+
+    The norms are taken in float64, so rows of tiny (subnormal) or huge finite float32 values
+    still normalise to their direction instead of underflowing to a zero norm or overflowing to
+    an infinite one."""
     x = np.array(vectors, dtype=np.float32, copy=True, ndmin=2)
     if not np.isfinite(x).all():
         raise ValueError("embedding holds NaN or inf")
-    norms = np.linalg.norm(x, axis=1, keepdims=True)
+    wide = x.astype(np.float64)
+    norms = np.sqrt(np.einsum("ij,ij->i", wide, wide))[:, None]
     if (norms == 0).any():
         raise ValueError("embedding has zero norm")
-    return np.ascontiguousarray(x / norms)
+    return np.ascontiguousarray((wide / norms).astype(np.float32))
 
 
 class _Partition:
