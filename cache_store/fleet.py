@@ -104,8 +104,8 @@ from .limits import check_limits, eviction_caps, over_caps, prune_targets
 from .pg_errors import first_line, translate
 from .protocol import MissingDriverError
 from .redaction import RedactingFilter, redact
-from .rows import (DIGEST_CHARS, MAX_EMBEDDING_DIM, SIG_KEY_CHARS, check_dim, check_embedding, check_entry_matches_row,
-                   finite_number, is_digest, is_sig_key, row_meta)
+from .rows import (DIGEST_CHARS, MAX_EMBEDDING_DIM, QUIET_FLOATS, SIG_KEY_CHARS, check_dim, check_embedding,
+                   check_entry_matches_row, finite_number, is_digest, is_sig_key, row_meta)
 from .signature import signature_key
 from .workspace import DEFAULT_MAX_BYTES, MAX_ENTRY_FILE_BYTES, CorruptEntryError, encode_new_entry
 
@@ -599,7 +599,7 @@ class FleetStore:
             set_aside = set(self._set_aside)
         good, bad = [], []
         if dim is not None:
-            with conn.cursor(binary=True) as cur:
+            with conn.cursor(binary=True) as cur, np.errstate(**QUIET_FLOATS):
                 cur.execute(f"SELECT {_row_columns(embedding=True)} FROM chorus_entries e WHERE e.workspace = %(ws)s "
                             "ORDER BY e.id", {"ws": self.workspace, **_emb_params(dim)})
                 while True:
@@ -724,7 +724,7 @@ class FleetStore:
         workspace row's embedding dimension. A row that fails :func:`_check_row` is quarantined."""
         bad = []
         gone = []
-        with self._mutex:
+        with self._mutex, np.errstate(**QUIET_FLOATS):
             for seq, op, entry_id, row in changes:
                 seq, entry_id = int(seq), int(entry_id)
                 if seq <= self._seq:

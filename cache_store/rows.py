@@ -17,8 +17,8 @@ it is written, so that a row passes exactly when a local ``add`` would have acce
 
 Every check raises ``ValueError`` (or returns a marker) and never costs more than the bytes it is
 given; the callers bound those bytes before fetching them (the fleet in SQL, see ``fleet.py``).
-Tested in ``tests/test_fleet_store.py::test_hostile_rows_never_stop_an_open_a_feed_or_a_listing``
-and ``tests/test_cache_hardening.py``.
+Tested in ``tests/test_fleet_hostile.py::test_hostile_rows_never_stop_an_open_a_feed_or_a_listing``
+and ``tests/test_cache_hardening.py::test_rows_edited_in_sqlite_never_stop_an_open_or_a_listing``.
 """
 
 from __future__ import annotations
@@ -30,10 +30,11 @@ import re
 import numpy as np
 
 from .entry_format import MAX_META_BYTES, EntryFormatError, loads_bounded
-from .index import normalise
+from .index import NORM_SAFE, normalise
 from .signature import signature_key
 
 MAX_EMBEDDING_DIM = 16384  # 64 KiB per embedding; the default embedder has 512
+QUIET_FLOATS = dict(over="ignore", under="ignore", invalid="ignore")  # np.errstate(**QUIET_FLOATS)
 DIGEST_CHARS = 64  # a sha256 in hex
 SIG_KEY_CHARS = 32  # signature.signature_key
 _DIGEST = re.compile(r"[0-9a-f]{%d}" % DIGEST_CHARS)
@@ -49,7 +50,9 @@ def check_dim(dim) -> int:
 
 def check_embedding(vector, dim: int | None = None) -> np.ndarray:
     """``vector`` (array-like, or a row's raw float32 bytes) as a float32 ``[d]`` array after the
-    checks of the module docstring (``d == dim`` when ``dim`` is given). Raises ``ValueError``."""
+    checks of the module docstring (``d == dim`` when ``dim`` is given). Raises ``ValueError``.
+    Costs one dot product for a sound vector; callers checking many rows wrap the loop in
+    :data:`QUIET_FLOATS` (an overflowing row would otherwise print numpy's RuntimeWarning)."""
     if isinstance(vector, (bytes, bytearray, memoryview)):
         raw = memoryview(vector)
         if raw.nbytes % 4:
@@ -57,10 +60,13 @@ def check_embedding(vector, dim: int | None = None) -> np.ndarray:
         vec = np.frombuffer(raw, dtype=np.float32)
     else:
         vec = np.asarray(vector, dtype=np.float32).reshape(-1)
-    if dim is not None and vec.size != dim:
+    if dim is None:
+        check_dim(vec.size)
+    elif vec.size != dim:  # (``dim`` itself was checked by the caller, once)
         raise ValueError(f"embedding has dim {vec.size}, this workspace holds dim {dim}")
-    check_dim(vec.size)
-    normalise(vec)  # NaN/inf or a zero norm raise
+    energy = float(np.dot(vec, vec))  # within this range the values are finite and the norm is sound
+    if not NORM_SAFE[0] ** 2 < energy < NORM_SAFE[1] ** 2:
+        normalise(vec)  # the careful way: NaN/inf or a zero norm raise, tiny or huge values normalise
     return vec
 
 
@@ -75,8 +81,8 @@ def is_sig_key(value) -> bool:
 
 
 def finite_number(value) -> bool:
-    """Whether ``value`` is a finite real number (not a bool): row counters and timestamps."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+    """Whether ``value`` is a finite int or float (not a bool): row counters and timestamps."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def row_meta(meta_json, nbytes: int | None = None) -> dict:

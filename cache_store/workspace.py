@@ -95,7 +95,7 @@ from .errors import StoreBusyError, StoreError, StoreReadOnlyError, UnsafeLayout
 from .index import DEFAULT_APPROX_THRESHOLD, PartitionedIndex, normalise
 from .limits import check_limits, eviction_caps, over_caps, prune_targets
 from .paths import check_not_in_pack
-from .rows import check_embedding, row_meta
+from .rows import QUIET_FLOATS, check_embedding, row_meta
 from .signature import signature_key
 
 LOG = logging.getLogger(__name__)
@@ -160,7 +160,8 @@ def encode_new_entry(embedding, masks: dict, meta: dict) -> NewEntry:
     if not json_depth_ok(meta):
         raise ValueError("meta is nested deeper than 64 levels; the store cannot keep it")
     sig_key = signature_key(meta["signature"])
-    emb = check_embedding(embedding)
+    with np.errstate(**QUIET_FLOATS):
+        emb = check_embedding(embedding)
     now = time.time()
     meta = dict(meta)
     meta.setdefault("created", now)
@@ -582,18 +583,19 @@ class Workspace:
         """Index rows ``(id, sig_key, embedding bytes)``; a row whose embedding fails the row
         checks (``rows.check_embedding``: e.g. a database edited by hand) is set aside, logged."""
         groups: dict[str, tuple[list, list]] = {}
-        for entry_id, key, blob in rows:
-            if entry_id in self._set_aside:
-                continue
-            try:
-                vec = check_embedding(blob, index.dim)
-            except (ValueError, TypeError) as exc:
-                LOG.error("entry %d of %s is left out of the index: %s", entry_id, self.path, exc)
-                self._set_aside.add(int(entry_id))
-                continue
-            ids, vecs = groups.setdefault(key, ([], []))
-            ids.append(entry_id)
-            vecs.append(vec)
+        with np.errstate(**QUIET_FLOATS):
+            for entry_id, key, blob in rows:
+                if entry_id in self._set_aside:
+                    continue
+                try:
+                    vec = check_embedding(blob, index.dim)
+                except (ValueError, TypeError) as exc:
+                    LOG.error("entry %d of %s is left out of the index: %s", entry_id, self.path, exc)
+                    self._set_aside.add(int(entry_id))
+                    continue
+                ids, vecs = groups.setdefault(key, ([], []))
+                ids.append(entry_id)
+                vecs.append(vec)
         for key, (ids, vecs) in groups.items():
             index.add(key, np.array(ids, dtype=np.int64), np.stack(vecs))
 
