@@ -385,6 +385,7 @@ class FleetStore:
         self._set_aside: set[int] = set()  # damaged rows this handle could not quarantine (read-only or busy)
         self._pending_hits: dict[int, int] = {}  # hits of load(touch=True) not counted yet (write connection busy)
         self._dim: int | None = None
+        self._bad_dim_logged = None  # the invalid dimension last logged (_workspace_dim)
         self._seq = -1  # last change applied; -1: never loaded
         self._closed = False
         self._stop = threading.Event()
@@ -552,7 +553,7 @@ class FleetStore:
             return result
         except psycopg.Error as exc:
             error, drop = translate(exc, workspace=self.workspace, timeout=self.timeout, secrets=self._secrets,
-                                    deadline_fired=deadline if guard.fired else None)
+                                    deadline_fired=deadline if guard.fired else None, reading=slot.read_only)
             if drop:
                 slot.close()
                 if isinstance(error, StoreUnavailableError):
@@ -584,7 +585,9 @@ class FleetStore:
         try:
             return check_dim(raw)
         except ValueError as exc:
-            LOG.error("fleet workspace %s: its row states %s; nothing is indexed", self.workspace, exc)
+            if self._bad_dim_logged != raw:  # once per value, not at every poll of the feed
+                self._bad_dim_logged = raw
+                LOG.error("fleet workspace %s: its row states %s; nothing is indexed", self.workspace, exc)
             return None
 
     def _full_load(self, conn) -> None:
@@ -1105,7 +1108,8 @@ class FleetStore:
             result = self._entry_problem(row, dim, packed, announced)
         if isinstance(result, str):
             self._quarantine(entry_id, result)
-            raise CorruptEntryError(f"entry {entry_id}: {result} (quarantined)")
+            raise CorruptEntryError(f"entry {entry_id}: {result} " +
+                                    ("(read-only: not quarantined)" if self.readonly else "(quarantined)"))
         return result
 
     def _count_hit(self, entry_id: int) -> None:

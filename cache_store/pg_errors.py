@@ -38,13 +38,14 @@ def first_line(exc) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
-def translate(exc, *, workspace: str, timeout: float, secrets=(), deadline_fired: float | None = None
-              ) -> tuple[StoreError, bool]:
+def translate(exc, *, workspace: str, timeout: float, secrets=(), deadline_fired: float | None = None,
+              reading: bool = False) -> tuple[StoreError, bool]:
     """``(the store error to raise for exc, whether the connection must be dropped)``.
 
     ``exc``: a ``psycopg.Error``; ``workspace``: named in the message; ``timeout``: the store's
     time bound (for lock timeouts); ``deadline_fired``: the seconds of the client-side deadline
-    when it shut the socket (the server stopped answering), else None."""
+    when it shut the socket (the server stopped answering), else None; ``reading``: the call only
+    read (a lock it waited for was another worker's lock on a table, not the write lock)."""
     import psycopg
 
     code = getattr(exc, "sqlstate", None) or ""
@@ -62,7 +63,8 @@ def translate(exc, *, workspace: str, timeout: float, secrets=(), deadline_fired
         return StoreReadOnlyError(f"PostgreSQL is read-only (SQLSTATE 25006: {detail}): a standby, or "
                                   f"default_transaction_read_only is on; nothing was written to {where}"), True
     if code == "55P03":
-        return StoreBusyError(f"{where}: another worker held the write lock past the time bound ({timeout:g} s); "
+        lock = "a lock on the fleet tables" if reading else "the write lock"
+        return StoreBusyError(f"{where}: another worker held {lock} past the time bound ({timeout:g} s); "
                               "nothing was changed"), False
     if code in ("40001", "40P01"):
         return StoreBusyError(f"{where}: a concurrent transaction conflicted with this one (SQLSTATE {code}: "

@@ -4,8 +4,8 @@
 for want of the host (no ComfyUI checkout, ComfyUI not importable, no workflow templates package) into
 a failure, so CI never passes while silently skipping the host tests.
 
-``pg`` (the session's throwaway PostgreSQL cluster of ``tests/fleet_pg.py``; skips with the reason
-where it cannot start) and ``url`` (a fresh database on it, per test) serve
+``pg`` (a throwaway PostgreSQL cluster of ``tests/fleet_pg.py``, per test module; skips with the
+reason where it cannot start) and ``url`` (a fresh database on it, per test) serve
 ``tests/test_fleet_store.py`` and ``tests/test_fleet_hostile.py``.
 """
 
@@ -31,8 +31,10 @@ def pytest_runtest_makereport(item, call):
         report.longrepr = f"host test skipped although CI has a ComfyUI checkout (CHORUS_REQUIRE_HOST=1): {reason}"
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def pg():
+    """Module-scoped: another module (``tests/test_fleet_serving.py``) stops the process-wide
+    cluster when it is done, so each module asks for a running one."""
     import fleet_pg
 
     cluster = fleet_pg.require()

@@ -198,6 +198,27 @@ def test_the_feed_never_moves_past_the_workspace_sequence_number(url, tmp_path, 
         b.close()
 
 
+def test_an_invalid_workspace_dimension_hides_entries_without_quarantining_them(url, tmp_path, pg, caplog):
+    """The workspace row's dimension set out of range (by hand or by a compromised worker): the
+    workers index nothing (one log line each, not one per poll), quarantine nothing and refuse
+    writes; set back, every entry returns."""
+    db = url.rsplit("/", 1)[1]
+    a, b = _worker(url, tmp_path, "a"), _worker(url, tmp_path, "b")
+    try:
+        ids = [_add(a, i) for i in range(3)]
+        pg.sql("UPDATE chorus_workspaces SET dim = 70000 WHERE name = 'w'", db)
+        _wait(lambda: len(a) == len(b) == 0, "both workers reloaded")
+        time.sleep(2 * fleet_mod.POLL_S)  # a few polls of the feed
+        assert caplog.text.count("states embedding dimension must be an int") == 2 and a.quarantined() == []
+        with pytest.raises(ValueError, match="this workspace holds dim 70000"):
+            _add(a, 5)
+        pg.sql("UPDATE chorus_workspaces SET dim = %s WHERE name = 'w'", db, (sh.EMB_DIM,))
+        _wait(lambda: sorted(a._known) == sorted(b._known) == ids, "every entry back")
+    finally:
+        a.close()
+        b.close()
+
+
 # -- limits ----------------------------------------------------------------------------------
 
 BAD_LIMITS = [-1, math.nan, math.inf, 1.5, 2**70, "3", True]
