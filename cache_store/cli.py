@@ -148,9 +148,9 @@ def main(argv=None) -> int:
         return int(exc.code or 0)
     where = ""
     try:
-        _check_limits_confirmed(args)
         root = _cli_root(args)
         where = _describe(args, root)
+        _check_limits_confirmed(args)
         with _open(args, root) as ws:
             code, result, text = _run(args, ws)
     except Exception as exc:  # noqa: BLE001 - every error is one line, exit 2 (exit 1 means damage found)
