@@ -6,15 +6,24 @@ HELP = """
 
 commands:
   demo    the README's demo: similar and unrelated I2V requests through the engine on a tiny random Wan (CPU)
-  cache   inspect and maintain a mask cache workspace: stats, list, verify, prune, rebuild-index
-          (stats and list are read-only; `cache -h` says which cache root is used)
+  cache   inspect and maintain a mask cache workspace: stats, list, verify, prune, rebuild-index, init
+          (stats, list and verify without --repair are read-only; `cache -h` says which cache root is used)
 
 The pack also installs the `chorus` command (pip's console script): `chorus cache stats` is
 `python -m chorus cache stats`."""
 
 
 def main(argv=None) -> int:
+    """Run a command; whatever it writes to stderr (argparse's errors echo mistyped arguments, which
+    may be a URL holding a password) is redacted (``cache_store/redaction.py``)."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    from .cache_store.redaction import redacting_stderr
+
+    with redacting_stderr(argv):
+        return _dispatch(argv)
+
+
+def _dispatch(argv: list) -> int:
     usage = "usage: python -m chorus {demo,cache} [options]   (add -h to a command for its options)"
     if not argv:
         print(f"error: no command given ({usage})", file=sys.stderr)
@@ -31,7 +40,7 @@ def main(argv=None) -> int:
         from .demo.run import main as demo_main
 
         return demo_main(rest)
-    print(f"error: unknown command {command!r} ({usage})", file=sys.stderr)
+    print(f"error: unknown command {command!r} ({usage})", file=sys.stderr)  # redacted on its way out
     return 2
 
 

@@ -77,6 +77,7 @@ def bench_entries(url, tmp: Path, cache_dir: Path, n: int) -> dict:
     from chorus.cache_store.fleet import FleetStore
     from chorus.cache_store.entry_format import read_meta
     from chorus.cache_store.signature import signature_key
+    from chorus.cache_store.workspace import NewEntry
 
     out = {}
     store = FleetStore.open(url, "entries", local_path=tmp / "w1" / "entries")
@@ -90,7 +91,8 @@ def bench_entries(url, tmp: Path, cache_dir: Path, n: int) -> dict:
             for _ in range(n):
                 emb = rng.normal(size=DIM).astype(np.float32)
                 t = time.perf_counter()
-                entry_id, _ = store._call(store._add_tx, emb, sig, digest, data, json.dumps(meta), time.time(), None)
+                new = NewEntry(sig, emb, data, digest, json.dumps(meta), time.time())
+                entry_id, _ = store._call(store._add_tx, new, None)
                 commits.append(time.perf_counter() - t)
                 ids.append(entry_id)
             # the entry bytes inside the rows do not embed these random embeddings: fetch/ sha only here,
@@ -98,13 +100,14 @@ def bench_entries(url, tmp: Path, cache_dir: Path, n: int) -> dict:
             fetches = []
             for entry_id in ids:
                 t = time.perf_counter()
-                row = store._call(store._fetch, entry_id)
+                row, _ = store._call(store._fetch, entry_id, read=True)
                 fetches.append(time.perf_counter() - t)
-                assert row[1] == digest
+                assert row.sha256 == digest
             from chorus.cache_store.entry_format import decode_entry
 
             masks, emb, meta2 = decode_entry(data, packed=True)
-            real = store._call(store._add_tx, emb.numpy(), sig, digest, data, json.dumps(meta), time.time(), None)[0]
+            real = store._call(store._add_tx, NewEntry(sig, emb.numpy(), data, digest, json.dumps(meta), time.time()),
+                               None)[0]
             via_pg, via_tier = [], []
             for _ in range(n):
                 store._tier_drop(real)

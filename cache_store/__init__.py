@@ -19,11 +19,13 @@ _LAZY = {
     "PackedMap": ".entry_format",
     "CacheStore": ".protocol",
     "open_store": ".protocol",
-    "StoreUnavailableError": ".protocol",
+    "StoreUnavailableError": ".errors",
     "FleetStore": ".fleet",
     "StoreError": ".errors",
     "StoreBusyError": ".errors",
     "UnsafeLayoutError": ".errors",
+    "StoreFullError": ".errors",
+    "StoreReadOnlyError": ".errors",
 }
 
 __all__ = [
@@ -38,6 +40,8 @@ __all__ = [
     "StoreError",
     "StoreBusyError",
     "UnsafeLayoutError",
+    "StoreFullError",
+    "StoreReadOnlyError",
     "resolve_workspace",
     "validate_workspace_name",
     "default_cache_root",

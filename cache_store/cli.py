@@ -1,18 +1,37 @@
-"""Command line: ``python -m chorus cache {stats,list,verify,prune,rebuild-index} --workspace NAME``.
+"""Command line: ``python -m chorus cache {stats,list,verify,prune,rebuild-index,init} --workspace NAME``.
 
 ``--workspace`` is a workspace *name* (never a folder), validated and resolved under the cache
 root: ``--root DIR``, or ``--comfyui DIR`` meaning ``DIR/user/chorus`` (where ComfyUI keeps the
 cache), else the rules of :func:`chorus.cache_store.default_cache_root` (from a shell, without
 ``CHORUS_CACHE_DIR``, that is ``~/.cache/chorus``, not ComfyUI's folder: ``--help`` and every error
 say which root was used). ``--path DIR`` opens a workspace directory directly instead.
-``stats`` and ``list`` are read-only: they create, write, move and delete nothing; every command
-refuses a folder that is not a workspace (nothing is created there). ``--url postgresql://...`` (default: ``CHORUS_CACHE_URL``, unless ``--path``)
-works on the fleet store's workspace instead (this host's local tier under ``--root``). Output
-is human-readable, or JSON with ``--json``. Exit status: 0 on success, 1 when ``verify`` finds
-(and quarantines) damage or the index is inconsistent (entries evicted by a worker while verify
-ran are listed, not damage), 2 on any error: bad arguments, a folder that is not a workspace, a
-permission, disk or SQLite error, a store busy past ``--timeout`` (default 30 s), an unreachable
-fleet store; an error is one line on stderr starting ``error:``, never a traceback. Long work (verify, rebuild-index) shows a tqdm progress bar on stderr.
+``--url postgresql://...`` (default: ``CHORUS_CACHE_URL``, unless ``--path``) works on the fleet
+store's workspace instead (this host's local tier under the root).
+
+What each command may change:
+
+* ``stats``, ``list`` and ``verify`` (without ``--repair``) are read-only: they create, write, move
+  and delete nothing, neither on this host nor in PostgreSQL (read-only handles; the fleet's
+  sessions are read-only too), and a workspace (or fleet database) that does not exist is an
+  error that creates nothing;
+* ``verify --repair`` also quarantines damaged entries and removes orphan and temporary files;
+  ``prune`` evicts; ``rebuild-index`` rewrites the index; none of them creates a workspace;
+* ``init`` creates the workspace (with ``--url``: the fleet tables if missing, then the
+  workspace's row) and is the only command that does.
+
+Limits (``prune --max-entries / --max-bytes``, ``list --limit``) go through
+:mod:`~chorus.cache_store.limits`: a negative, non-integral or absurd number is an error that
+deletes nothing, and a limit of 0 (keep nothing: every entry is deleted) needs ``--delete-all``.
+
+Output is human-readable, or JSON with ``--json``. Exit status: 0 on success, 1 when ``verify``
+finds damage (quarantined with ``--repair``) or the index is inconsistent (entries evicted by a
+worker while verify ran are listed, not damage), 2 on any error: bad arguments, a folder that is
+not a workspace, a permission, disk or SQLite error, a store busy past ``--timeout`` (default
+30 s), an unreachable fleet store; an error is one line on stderr starting ``error:``, never a
+traceback, and never holds a password: argparse's own messages (which echo mistyped arguments,
+e.g. a URL given where a command was expected) and every error line pass through
+:func:`~chorus.cache_store.redaction.redact`. Long work (verify, rebuild-index) shows a tqdm
+progress bar on stderr.
 """
 
 from __future__ import annotations
@@ -23,9 +42,11 @@ import sys
 import time
 from pathlib import Path
 
+from .limits import parse_limit
 from .paths import ENV_ROOT, cache_root_source, resolve_workspace
+from .redaction import redact, url_passwords
 
-READ_ONLY_ACTIONS = ("stats", "list")
+READ_ONLY_ACTIONS = ("stats", "list", "verify")  # verify without --repair
 CLI_TIMEOUT = 30.0  # seconds maintenance waits for busy workers (a prompt's calls wait at most CHORUS_CACHE_TIMEOUT)
 
 
@@ -41,23 +62,37 @@ def _root_epilog() -> str:
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse with errors as one line ``error: ...`` (exit 2) instead of usage + message."""
+    """argparse with errors as one line ``error: ...`` (exit 2) instead of usage + message, redacted
+    (argparse echoes the arguments it refuses, which may be a URL holding a password)."""
+
+    secrets: list = []
 
     def error(self, message):
-        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+        self.exit(2, redact(f"error: {message} (see {self.prog} --help)\n", self.secrets))
+
+
+def _limit(name: str):
+    """An argparse ``type``: a limit as :func:`limits.parse_limit` reads it."""
+    def convert(text):
+        try:
+            return parse_limit(text, name)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    convert.__name__ = name
+    return convert
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="python -m chorus cache", description="Inspect and maintain a Chorus mask cache workspace.",
                                      epilog=_root_epilog())
     sub = parser.add_subparsers(dest="action", required=True)
-    for name, help_text in [("stats", "counts, bytes, index kinds, quarantine"),
-                            ("list", "one line per entry"),
-                            ("verify", "check every entry's checksum; quarantine damage; exit 1 if any"),
+    for name, help_text in [("stats", "counts, bytes, index kinds, quarantine (read-only)"),
+                            ("list", "one line per entry (read-only)"),
+                            ("verify", "check every entry; exit 1 on damage (read-only; --repair quarantines it)"),
                             ("prune", "evict entries (LRU/LFU) down to the limits"),
-                            ("rebuild-index", "rebuild the faiss index from the entries")]:
-        p = sub.add_parser(name, help=help_text, description=help_text + (" (read-only)" if name in READ_ONLY_ACTIONS else ""),
-                           epilog=_root_epilog())
+                            ("rebuild-index", "rebuild the faiss index from the entries"),
+                            ("init", "create the workspace (with --url: the fleet tables too, if missing)")]:
+        p = sub.add_parser(name, help=help_text, description=help_text, epilog=_root_epilog())
         where = p.add_mutually_exclusive_group()
         where.add_argument("--workspace", default="default",
                            help="workspace NAME under the cache root (validated; not a folder: use --path)")
@@ -72,11 +107,25 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--url", default=None, help="fleet store: postgresql://... (default: CHORUS_CACHE_URL; "
                                                    "put the password in a pgpass file or PGPASSWORD, not here)")
         if name == "prune":
-            p.add_argument("--max-entries", type=int, default=None, help="keep at most this many entries")
-            p.add_argument("--max-bytes", type=int, default=None, help="keep at most this many bytes")
+            p.add_argument("--max-entries", type=_limit("--max-entries"), default=None,
+                           help="keep at most this many entries (default: the workspace's limits)")
+            p.add_argument("--max-bytes", type=_limit("--max-bytes"), default=None,
+                           help="keep at most this many bytes (default: the workspace's limits)")
+            p.add_argument("--delete-all", action="store_true",
+                           help="confirm a limit of 0: every entry of the workspace is deleted")
+        if name == "verify":
+            p.add_argument("--repair", action="store_true",
+                           help="quarantine damaged entries and remove orphan and temporary files (else read-only)")
         if name == "list":
-            p.add_argument("--limit", type=int, default=0, help="show at most this many entries (0: all)")
+            p.add_argument("--limit", type=_limit("--limit"), default=0, help="show at most this many entries (0: all)")
     return parser
+
+
+def _fmt_time(t) -> str:
+    try:
+        return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
+    except (TypeError, ValueError, OverflowError, OSError):
+        return f"{'?':19}"
 
 
 def _fmt_bytes(n: int) -> str:
@@ -89,7 +138,10 @@ def _fmt_bytes(n: int) -> str:
 
 def main(argv=None) -> int:
     """Run the cache command line with ``argv`` (without the leading ``cache``); return the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    secrets = url_passwords(argv)  # redacted wherever they reappear (argparse echoes arguments)
     parser = _parser()
+    _Parser.secrets = secrets
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:
@@ -98,32 +150,57 @@ def main(argv=None) -> int:
     try:
         root = _cli_root(args)
         where = _describe(args, root)
-        from .protocol import cache_url
-
-        if args.path and args.url:
-            raise ValueError("--path names a one-host workspace directory; with --url use --workspace")
-        url = None if args.path else cache_url(args.url)
-        if url is not None:  # the fleet store (PostgreSQL); this host's local tier under the root
-            from .fleet import FleetStore
-
-            ws = FleetStore.open(url, args.workspace, local_path=_resolve(args.workspace, root), listen=False)
-        else:
-            path = Path(args.path).expanduser().absolute() if args.path else _resolve(args.workspace, root)
-            if not path.exists():
-                raise ValueError(f"workspace {path} does not exist")
-            from .workspace import Workspace  # torch/faiss are imported only once the arguments are good
-
-            ws = Workspace.open(path, create=False, readonly=args.action in READ_ONLY_ACTIONS, timeout=args.timeout)
-        with ws:
+        _check_limits_confirmed(args)
+        with _open(args, root) as ws:
             code, result, text = _run(args, ws)
     except Exception as exc:  # noqa: BLE001 - every error is one line, exit 2 (exit 1 means damage found)
         message = " ".join((str(exc) or type(exc).__name__).split())
         if not isinstance(exc, (ValueError, OSError)):
             message = f"{type(exc).__name__}: {message}"
-        print(f"error: {message}" + (f" [{where}]" if where else ""), file=sys.stderr)
+        print(redact(f"error: {message}" + (f" [{where}]" if where else ""), secrets), file=sys.stderr)
         return 2
     print(json.dumps(result, indent=2, default=str) if args.json else text)
     return code
+
+
+def _read_only(args) -> bool:
+    return args.action in READ_ONLY_ACTIONS and not getattr(args, "repair", False)
+
+
+def _check_limits_confirmed(args) -> None:
+    """A prune limit of 0 deletes every entry: only with ``--delete-all``."""
+    if args.action != "prune" or args.delete_all:
+        return
+    for flag, value in (("--max-entries", args.max_entries), ("--max-bytes", args.max_bytes)):
+        if value == 0:
+            raise ValueError(f"{flag} 0 keeps no entry: every entry of the workspace would be deleted; add "
+                             "--delete-all to confirm (nothing was deleted)")
+
+
+def _open(args, root):
+    """The store the command works on: read-only for read-only commands, never created except by
+    ``init`` (module docstring)."""
+    from .protocol import cache_url
+
+    if args.path and args.url:
+        raise ValueError("--path names a one-host workspace directory; with --url use --workspace")
+    url = None if args.path else cache_url(args.url)
+    create, readonly = args.action == "init", _read_only(args)
+    if url is not None:  # the fleet store (PostgreSQL); this host's local tier under the root
+        from .fleet import FleetStore
+
+        return FleetStore.open(url, args.workspace, local_path=_resolve(args.workspace, root), listen=False,
+                               create=create, readonly=readonly, timeout=args.timeout)
+    path = Path(args.path).expanduser().absolute() if args.path else _resolve(args.workspace, root)
+    if not create and not path.exists():
+        raise ValueError(f"workspace {path} does not exist; nothing was created (python -m chorus cache init "
+                         "creates one)")
+    if create and path.is_dir() and not (path / "chorus.sqlite3").exists() and any(path.iterdir()):
+        raise ValueError(f"{path} is a folder with other files and is not a Chorus cache workspace; init creates a "
+                         "workspace only in a new or empty folder (nothing was created there)")
+    from .workspace import Workspace  # torch/faiss are imported only once the arguments are good
+
+    return Workspace.open(path, create=create, readonly=readonly, timeout=args.timeout)
 
 
 def _cli_root(args):
@@ -161,7 +238,10 @@ def _resolve(name, root):
 def _run(args, ws):
     """Run the action on an open store: ``(exit code, JSON result, text)``."""
     code = 0
-    if args.action == "stats":
+    if args.action == "init":
+        result = ws.stats()
+        text = f"workspace {result['path']} is ready: {result['entries']} entries"
+    elif args.action == "stats":
         result = ws.stats()
         text = (f"workspace {result['path']}\n  entries: {result['entries']} ({_fmt_bytes(result['bytes'])}), "
                 f"hits: {result['hits']}, signatures: {result['signatures']}, dim: {result['dim']}\n"
@@ -175,14 +255,15 @@ def _run(args, ws):
         lines = [f"{'id':>8}  {'signature':12}  {'size':>10}  {'hits':>5}  last used            prompt"]
         for e in result:
             prompt = str(e["meta"].get("prompt", ""))[:40].replace("\n", " ")
-            lines.append(f"{e['id']:>8}  {e['sig_key'][:12]:12}  {_fmt_bytes(e['nbytes']):>10}  {e['hits']:>5}  "
-                         f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(e['last_used']))}  {prompt}")
+            lines.append(f"{e['id']:>8}  {str(e['sig_key'])[:12]:12}  {_fmt_bytes(e['nbytes']):>10}  {e['hits']:>5}  "
+                         f"{_fmt_time(e['last_used'])}  {prompt}")
         text = "\n".join(lines)
     elif args.action == "verify":
         result = ws.verify(progress=True)
         code = 0 if result["ok"] and result["index_consistent"] else 1
+        repaired = "quarantined" if args.repair else "not quarantined: run verify --repair"
         text = (f"checked {result['checked']} entries: " +
-                ("no damage" if result["ok"] else f"{len(result['damaged'])} damaged (quarantined)") +
+                ("no damage" if result["ok"] else f"{len(result['damaged'])} damaged ({repaired})") +
                 f"; index consistent: {result['index_consistent']}; removed {result['orphans_removed']} orphan "
                 f"and {result['temp_files_removed']} temporary files")
         for d in result["damaged"]:
@@ -190,7 +271,7 @@ def _run(args, ws):
         if result.get("evicted"):
             text += (f"\n  {len(result['evicted'])} entries were evicted or removed by a worker while verify ran "
                      "(not damage)")
-        if result.get("cleanup_skipped"):
+        if result.get("cleanup_skipped") and args.repair:
             text += f"\n  orphan cleanup skipped: {result['cleanup_skipped']}"
         for stray in result.get("stray", []):
             text += f"\n  left alone (not made by the store): {stray}"

@@ -13,6 +13,15 @@ made, with the message:
 * :class:`UnsafeLayoutError`: a path the store would read, write, move or delete is a symbolic
   link, is not the kind of file the store makes (a FIFO, a device, a directory where a file
   belongs), or would lead outside the workspace. The store refuses to use it.
+* :class:`StoreUnavailableError` (also a ``ConnectionError``): the fleet's server could not be
+  reached or did not answer in time.
+* :class:`StoreFullError`: the store's disk is full (PostgreSQL's SQLSTATE 53100); nothing was
+  written. (A one-host workspace raises the disk's own ``OSError``, ``ENOSPC``.)
+* :class:`StoreReadOnlyError`: the store refuses writes: a handle opened read-only, or a
+  PostgreSQL server that is read-only (a standby, ``default_transaction_read_only``; SQLSTATE
+  25006); nothing was written.
+
+How PostgreSQL's own errors map onto these (by SQLSTATE): ``pg_errors.py``.
 
 Time bound: :func:`store_timeout` is how long a store call may wait for another process: the
 ``timeout`` a caller passes, else env ``CHORUS_CACHE_TIMEOUT`` (seconds), else
@@ -38,6 +47,19 @@ class StoreBusyError(StoreError, TimeoutError):
 
 class UnsafeLayoutError(StoreError):
     """A store path is a link, a non-regular file or leads outside the workspace; it is not used."""
+
+
+class StoreUnavailableError(StoreError, ConnectionError):
+    """The store's server could not be reached or did not answer in time. The message never holds
+    credentials."""
+
+
+class StoreFullError(StoreError):
+    """The store's disk is full; the call wrote nothing."""
+
+
+class StoreReadOnlyError(StoreError):
+    """The store refuses writes (a read-only handle or a read-only server); the call wrote nothing."""
 
 
 def store_timeout(timeout=None) -> float:

@@ -37,16 +37,28 @@ HNSW_M = 32
 HNSW_EF_CONSTRUCTION = 80
 HNSW_EF_SEARCH = 128
 TOMBSTONE_REBUILD_SHARE = 0.2
+NORM_SAFE = (1e-15, 1e15)  # float32 norms outside this range are taken again in float64 (normalise)
 
 
 def normalise(vectors) -> np.ndarray:
-    """float32 ``[n, d]`` rows scaled to unit L2 norm; a zero or non-finite row raises ``ValueError``."""
+    """float32 ``[n, d]`` rows scaled to unit L2 norm; a zero or non-finite row raises ``ValueError``.
+
+    Rows whose float32 norm is tiny or huge (where squares under- or overflow float32, e.g. 48
+    values of 1e-45) are normalised in float64, so they keep their direction instead of having
+    a zero or infinite norm; other rows exactly as in float32."""
     x = np.array(vectors, dtype=np.float32, copy=True, ndmin=2)
     if not np.isfinite(x).all():
         raise ValueError("embedding holds NaN or inf")
-    norms = np.linalg.norm(x, axis=1, keepdims=True)
-    if (norms == 0).any():
-        raise ValueError("embedding has zero norm")
+    with np.errstate(over="ignore", under="ignore"):  # such rows are taken again below
+        norms = np.linalg.norm(x, axis=1, keepdims=True)
+    careful = ~((norms > NORM_SAFE[0]) & (norms < NORM_SAFE[1]))[:, 0]
+    if careful.any():
+        wide = x[careful].astype(np.float64)
+        wide_norms = np.sqrt(np.einsum("ij,ij->i", wide, wide))[:, None]
+        if (wide_norms == 0).any():
+            raise ValueError("embedding has zero norm")
+        x[careful] = (wide / wide_norms).astype(np.float32)
+        norms[careful] = 1.0
     return np.ascontiguousarray(x / norms)
 
 

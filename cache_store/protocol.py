@@ -41,7 +41,7 @@ from __future__ import annotations
 import os
 from typing import Protocol, runtime_checkable
 
-from .errors import StoreError
+from .errors import StoreUnavailableError  # noqa: F401 - also importable from here, as before
 
 URL_ENV = "CHORUS_CACHE_URL"
 
@@ -49,12 +49,6 @@ URL_ENV = "CHORUS_CACHE_URL"
 class MissingDriverError(ImportError, ValueError):
     """The fleet store was asked for but psycopg 3 is not installed (a ``ValueError`` too, so that
     a node answers with a miss and a message instead of failing the prompt)."""
-
-
-class StoreUnavailableError(StoreError, ConnectionError):
-    """The store's server could not be reached or did not answer in time (a
-    :class:`~chorus.cache_store.errors.StoreError`, so an ``OSError``). The message never holds
-    credentials."""
 
 
 @runtime_checkable

@@ -90,10 +90,12 @@ from filelock import FileLock
 from filelock import Timeout as FileLockTimeout
 
 from .entry_format import (MAX_ENTRY_RAW_BYTES, MAX_HEADER_BYTES, EntryFormatError, decode_entry, encode_entry,
-                           json_depth_ok, loads_bounded)
-from .errors import StoreBusyError, StoreError, UnsafeLayoutError, store_timeout
+                           json_depth_ok)
+from .errors import StoreBusyError, StoreError, StoreReadOnlyError, UnsafeLayoutError, store_timeout
 from .index import DEFAULT_APPROX_THRESHOLD, PartitionedIndex, normalise
+from .limits import check_limits, eviction_caps, over_caps, prune_targets
 from .paths import check_not_in_pack
+from .rows import QUIET_FLOATS, check_embedding, row_meta
 from .signature import signature_key
 
 LOG = logging.getLogger(__name__)
@@ -103,7 +105,6 @@ LOCK_NAME = "write.lock"
 ENTRY_DIR = "entries"
 QUARANTINE_DIR = "quarantine"
 DEFAULT_MAX_BYTES = 20 << 30
-EVICTION_POLICIES = ("lru", "lfu")
 MAX_ENTRY_FILE_BYTES = MAX_ENTRY_RAW_BYTES + MAX_HEADER_BYTES + (1 << 20)  # an entry file never exceeds this
 MAX_INDEX_FILE_BYTES = 16 << 30
 ENTRY_NAME_RE = re.compile(r"[0-9a-f]{32}\.safetensors")  # names the store gives entry files (fullmatch)
@@ -134,25 +135,12 @@ CREATE TABLE IF NOT EXISTS quarantine(
 """
 
 
-def check_limits(max_bytes, max_entries, eviction) -> None:
-    """``ValueError`` unless each given limit is valid (None = unchanged): ``max_bytes`` a positive
-    int, ``max_entries`` an int >= 0 (0 = no entry cap), ``eviction`` one of :data:`EVICTION_POLICIES`.
-    Both stores' ``set_limits`` check with this."""
-    if max_bytes is not None and (not isinstance(max_bytes, int) or max_bytes < 1):
-        raise ValueError(f"max_bytes must be a positive int, got {max_bytes!r}")
-    if max_entries is not None and (not isinstance(max_entries, int) or max_entries < 0):
-        raise ValueError(f"max_entries must be an int >= 0, got {max_entries!r}")
-    if eviction is not None and eviction not in EVICTION_POLICIES:
-        raise ValueError(f"eviction must be one of {EVICTION_POLICIES}, got {eviction!r}")
-
-
-
 @dataclass(frozen=True)
 class NewEntry:
     """A new entry, checked and encoded: what every store writes (see :func:`encode_new_entry`)."""
 
     sig_key: str
-    embedding: np.ndarray  # float32, L2-normalised
+    embedding: np.ndarray  # float32 [dim], as given (rows.check_embedding)
     data: bytes            # the entry file's bytes
     digest: str            # sha256 of ``data``
     meta_json: str
@@ -163,7 +151,8 @@ def encode_new_entry(embedding, masks: dict, meta: dict) -> NewEntry:
     """Check and encode a new entry once, the same way for every store (one-host and fleet).
 
     Raises ``ValueError`` for metadata without a ``"signature"`` dict or nested deeper than 64 levels,
-    a NaN/inf/zero embedding, masks the entry format refuses, and an entry larger than the
+    an embedding ``rows.check_embedding`` refuses (NaN/inf/zero, more than ``MAX_EMBEDDING_DIM``
+    values: the checks every row read back passes too), masks the entry format refuses, and an entry larger than the
     ``MAX_ENTRY_FILE_BYTES`` a store ever reads back (so nothing is written that could not be loaded).
     ``meta`` gets ``"created"`` when it has none (the caller's dict is not modified)."""
     if not isinstance(meta, dict) or not isinstance(meta.get("signature"), dict):
@@ -171,8 +160,8 @@ def encode_new_entry(embedding, masks: dict, meta: dict) -> NewEntry:
     if not json_depth_ok(meta):
         raise ValueError("meta is nested deeper than 64 levels; the store cannot keep it")
     sig_key = signature_key(meta["signature"])
-    emb = np.asarray(embedding, dtype=np.float32).reshape(-1)
-    normalise(emb)  # raises on NaN/inf/zero
+    with np.errstate(**QUIET_FLOATS):
+        emb = check_embedding(embedding)
     now = time.time()
     meta = dict(meta)
     meta.setdefault("created", now)
@@ -382,7 +371,7 @@ class Workspace:
     def _writer_db(self):
         """The write connection (opened on first use); caller holds ``_wmutex``."""
         if self.readonly:
-            raise StoreError(f"workspace {self.path} was opened read-only")
+            raise StoreReadOnlyError(f"workspace {self.path} was opened read-only; nothing was written")
         if self._wdb is None:
             self._wdb = sqlite3.connect(str(self.path / DB_NAME), timeout=self.timeout, isolation_level=None,
                                         check_same_thread=False)
@@ -495,7 +484,7 @@ class Workspace:
         waited for at most what is left of the time bound (or ``timeout``); set SQLite's busy
         timeout to the rest."""
         if self.readonly:
-            raise StoreError(f"workspace {self.path} was opened read-only")
+            raise StoreReadOnlyError(f"workspace {self.path} was opened read-only; nothing was written")
         timeout = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
         if not self._wmutex.acquire(timeout=timeout):
@@ -532,28 +521,38 @@ class Workspace:
     def _generation(self, db=None) -> int:
         return int(self._get("generation", 0, db))
 
+    def _stored_limits(self, db=None) -> dict:
+        """The limits as stored (settings are text: digit strings become ints, anything else is
+        left for :func:`limits.check_limits` to refuse)."""
+        raw = {key: self._get(key, default, db) for key, default in
+               (("max_bytes", DEFAULT_MAX_BYTES), ("max_entries", 0), ("eviction", "lru"))}
+        return {key: int(value) if key != "eviction" and str(value).isdigit() else value for key, value in raw.items()}
+
     @_store_call
     def limits(self, db=None) -> dict:
-        return {
-            "max_bytes": int(self._get("max_bytes", DEFAULT_MAX_BYTES, db)),
-            "max_entries": int(self._get("max_entries", 0, db)) or None,
-            "eviction": self._get("eviction", "lru", db),
-        }
+        """The stored limits: ``max_bytes``, ``max_entries`` (None: no entry cap), ``eviction``.
+        Raises ``ValueError`` for a setting that is not a valid limit."""
+        valid = check_limits(**self._stored_limits(db))
+        return {"max_bytes": valid["max_bytes"], "max_entries": valid["max_entries"] or None,
+                "eviction": valid["eviction"]}
+
+    def _limits_or_reason(self) -> dict:
+        try:
+            return self.limits()
+        except ValueError as exc:  # stats still answer for a workspace whose settings were edited badly
+            return {"invalid": str(exc)}
 
     @_store_call
     def set_limits(self, *, max_bytes: int | None = None, max_entries: int | None = None,
                    eviction: str | None = None) -> None:
         """Store the size cap (``max_entries=0`` means no entry cap) and eviction policy."""
-        check_limits(max_bytes, max_entries, eviction)
+        valid = check_limits(max_bytes, max_entries, eviction)
         with self._writing() as db:
             db.execute("BEGIN IMMEDIATE")
             try:
-                if max_bytes is not None:
-                    self._set(db, "max_bytes", max_bytes)
-                if max_entries is not None:
-                    self._set(db, "max_entries", max_entries)
-                if eviction is not None:
-                    self._set(db, "eviction", eviction)
+                for key, value in valid.items():
+                    if value is not None:
+                        self._set(db, key, value)
                 db.execute("COMMIT")
             except BaseException:
                 if db.in_transaction:
@@ -581,13 +580,22 @@ class Workspace:
         return rows
 
     def _add_rows_to_index(self, index: PartitionedIndex, rows) -> None:
+        """Index rows ``(id, sig_key, embedding bytes)``; a row whose embedding fails the row
+        checks (``rows.check_embedding``: e.g. a database edited by hand) is set aside, logged."""
         groups: dict[str, tuple[list, list]] = {}
-        for entry_id, key, blob in rows:
-            if entry_id in self._set_aside:
-                continue
-            ids, vecs = groups.setdefault(key, ([], []))
-            ids.append(entry_id)
-            vecs.append(np.frombuffer(blob, dtype=np.float32))
+        with np.errstate(**QUIET_FLOATS):
+            for entry_id, key, blob in rows:
+                if entry_id in self._set_aside:
+                    continue
+                try:
+                    vec = check_embedding(blob, index.dim)
+                except (ValueError, TypeError) as exc:
+                    LOG.error("entry %d of %s is left out of the index: %s", entry_id, self.path, exc)
+                    self._set_aside.add(int(entry_id))
+                    continue
+                ids, vecs = groups.setdefault(key, ([], []))
+                ids.append(entry_id)
+                vecs.append(vec)
         for key, (ids, vecs) in groups.items():
             index.add(key, np.array(ids, dtype=np.int64), np.stack(vecs))
 
@@ -912,30 +920,41 @@ class Workspace:
         return db.execute(f"SELECT id, nbytes FROM entries WHERE id != ? ORDER BY {order} LIMIT ?",
                           (protect if protect is not None else -1, count)).fetchall()
 
-    def _evict_locked(self, db, protect=None, max_bytes=None, max_entries=None) -> list[int]:
-        limits = self.limits(db)
-        max_bytes = limits["max_bytes"] if max_bytes is None else max_bytes
-        max_entries = limits["max_entries"] if max_entries is None else max_entries
+    def _evict_locked(self, db, protect=None, max_bytes=None, max_entries=None, *, strict: bool = False) -> list[int]:
+        """Evict down to the caps (:func:`limits.eviction_caps`: the prune targets given, else the
+        stored limits). Limits that are not valid evict nothing: ``ValueError`` when ``strict``
+        (``prune``), else logged (the eviction after a write)."""
+        try:
+            cap_bytes, cap_entries, policy = eviction_caps(self._stored_limits(db), max_bytes, max_entries)
+        except ValueError as exc:
+            if strict:
+                raise
+            LOG.error("workspace %s: %s", self.path, exc)
+            return []
         count, total = db.execute("SELECT COUNT(*), COALESCE(SUM(nbytes), 0) FROM entries").fetchone()
-        if total <= max_bytes and (not max_entries or count <= max_entries):
+        if not over_caps(count, total, cap_bytes, cap_entries):
             return []
         victims = []
-        for entry_id, nbytes in self._victims(db, count, limits["eviction"], protect):
-            if total <= max_bytes and (not max_entries or count <= max_entries):
+        for entry_id, nbytes in self._victims(db, count, policy, protect):
+            if not over_caps(count, total, cap_bytes, cap_entries):
                 break
             victims.append(entry_id)
             total -= nbytes
             count -= 1
         if victims:
-            LOG.info("evicting %d entries (%s) from %s", len(victims), limits["eviction"], self.path)
+            LOG.info("evicting %d entries (%s) from %s", len(victims), policy, self.path)
         return self._delete_locked(db, victims)
 
     @_store_call
     def prune(self, *, max_bytes: int | None = None, max_entries: int | None = None) -> list[int]:
-        """Evict (by the workspace policy) down to the given or stored limits; returns removed ids."""
+        """Evict (by the workspace policy) until at most ``max_bytes`` bytes and ``max_entries``
+        entries are left (each ``None``: the stored limit; 0 keeps nothing); returns removed ids.
+        Raises ``ValueError`` (having deleted nothing) for a negative, NaN, infinite, non-integral
+        or absurd target (:mod:`~chorus.cache_store.limits`)."""
+        prune_targets(max_bytes, max_entries)
         with self._writing() as db:
             self._sync_index()
-            removed = self._evict_locked(db, max_bytes=max_bytes, max_entries=max_entries)
+            removed = self._evict_locked(db, max_bytes=max_bytes, max_entries=max_entries, strict=True)
             self._maybe_save_index()
             return removed
 
@@ -968,7 +987,8 @@ class Workspace:
         """Quarantine and return the CorruptEntryError to raise; raise _EntryGone if the row went."""
         if not self._quarantine(entry_id, file, reason):
             raise _EntryGone(entry_id)
-        return CorruptEntryError(f"entry {entry_id}: {reason} (quarantined)")
+        return CorruptEntryError(f"entry {entry_id}: {reason} " +
+                                 ("(read-only: not quarantined)" if self.readonly else "(quarantined)"))
 
     def _read_checked(self, entry_id: int, row) -> bytes:
         """The entry's bytes after the checks of the module docstring (kind, size, sha256)."""
@@ -1063,13 +1083,6 @@ class Workspace:
             self._pending_hits[int(entry_id)] = self._pending_hits.get(int(entry_id), 0) + 1
         self._flush_hits()
 
-    def _meta(self, meta_json: str):
-        try:
-            meta = loads_bounded(meta_json, "row metadata")
-        except EntryFormatError as exc:
-            return {"unreadable": str(exc)}
-        return meta if isinstance(meta, dict) else {"unreadable": "row metadata is not an object"}
-
     @_store_call
     def entries(self) -> list[dict]:
         """One dict per entry (id, sig_key, nbytes, hits, created, last_used, meta), in id order."""
@@ -1077,7 +1090,7 @@ class Workspace:
             rows = self._rdb.execute(
                 "SELECT id, sig_key, nbytes, hits, created, last_used, meta_json FROM entries ORDER BY id").fetchall()
         return [{"id": r[0], "sig_key": r[1], "nbytes": r[2], "hits": r[3], "created": r[4],
-                 "last_used": r[5], "meta": self._meta(r[6])} for r in rows]
+                 "last_used": r[5], "meta": row_meta(r[6])} for r in rows]
 
     @_store_call
     def quarantined(self) -> list[dict]:
@@ -1102,7 +1115,7 @@ class Workspace:
                 "signatures": signatures,
                 "dim": int(dim) if dim is not None else None,
                 "generation": self._generation(),
-                "limits": self.limits(),
+                "limits": self._limits_or_reason(),
                 "index": self._index.kinds() if self._index is not None else {},
                 "indexed": len(self._index) if self._index is not None else 0,
                 "quarantined": self.quarantined(),
@@ -1178,7 +1191,9 @@ class Workspace:
             except CorruptEntryError as exc:
                 damaged.append({"id": entry_id, "file": file, "reason": str(exc)})
         cleaned = {"temp_files_removed": 0, "orphans_removed": 0, "stray": []}
-        if not self.readonly:
+        if self.readonly:
+            cleaned["cleanup_skipped"] = "read-only: damaged entries are not quarantined, orphans are not removed"
+        else:
             try:
                 with self._writing() as db:
                     known = {r[0] for r in db.execute("SELECT file FROM entries")}

@@ -6,7 +6,8 @@ import json
 
 from comfy_api.latest import io
 
-from .common import CATEGORY, open_workspace, ui_text
+from ..cache_store.limits import limit_value
+from .common import CATEGORY, node_text, open_workspace, ui_text
 
 ACTIONS = ("stats", "verify", "prune", "rebuild-index")
 
@@ -39,20 +40,25 @@ class ChorusCacheMaintenance(io.ComfyNode):
 
     @classmethod
     def execute(cls, workspace="default", action="stats", max_entries=0) -> io.NodeOutput:
+        """Run ``action``; any bad input (an unknown action, a ``max_entries`` that
+        ``cache_store.limits`` refuses: negative, NaN, infinite, non-integral, absurd, not a number)
+        is reported before the workspace is opened, so nothing is created or deleted."""
         try:
+            if not isinstance(action, str) or action not in ACTIONS:
+                raise ValueError(f"unknown action {action!r}; one of {ACTIONS}")
+            keep = (limit_value(max_entries, "max_entries") or None) if action == "prune" else None
             ws = open_workspace(workspace)
             if action == "stats":
                 result = ws.stats()
             elif action == "verify":
                 result = ws.verify()
             elif action == "prune":
-                removed = ws.prune(max_entries=int(max_entries) or None)
+                removed = ws.prune(max_entries=keep)
                 result = {"removed": list(removed), "entries": len(ws)}
-            elif action == "rebuild-index":
-                result = ws.rebuild_index()
             else:
-                raise ValueError(f"unknown action {action!r}; one of {ACTIONS}")
+                result = ws.rebuild_index()
             report = f"{action} {workspace}: " + json.dumps(result, default=str, sort_keys=True)
         except Exception as exc:  # noqa: BLE001 - maintenance reports, never fails the prompt
             report = f"{action} {workspace} failed: {type(exc).__name__}: {exc}"
+        report = node_text(report)
         return io.NodeOutput(report, ui=ui_text(report))

@@ -5,7 +5,7 @@ from __future__ import annotations
 from comfy_api.latest import io
 
 from ..engine import Plan, commit_plan
-from .common import CATEGORY, ChorusPlan, ui_text
+from .common import CATEGORY, ChorusPlan, node_text, ui_text
 
 
 class ChorusCacheWrite(io.ComfyNode):
@@ -41,5 +41,5 @@ class ChorusCacheWrite(io.ComfyNode):
             info = commit_plan(plan.workspace, plan)
         stats = plan.stats.summary()
         notes = "; ".join(plan.stats.messages[:5])
-        text = f"{info} | {stats}" + (f" | notes: {notes}" if notes else "")
+        text = node_text(f"{info} | {stats}" + (f" | notes: {notes}" if notes else ""))
         return io.NodeOutput(text, ui=ui_text(text))

@@ -1,15 +1,21 @@
-"""Shared pieces of the Chorus II nodes: the CHORUS_PLAN type, workspaces, UI text."""
+"""Shared pieces of the Chorus II nodes: the CHORUS_PLAN type, workspaces, input checks, UI text."""
 
 from __future__ import annotations
 
 import logging
+import math
+import numbers
 import threading
 
 from comfy_api.latest import io
 
 from ..cache_store import Workspace, resolve_workspace
+from ..cache_store.redaction import RedactingFilter, redact
 
 log = logging.getLogger("chorus.nodes")
+log.addFilter(RedactingFilter())
+
+MAX_INT_INPUT = 1 << 53  # past this an INT input is absurd for every Chorus setting
 
 CATEGORY = "Chorus II"
 ChorusPlan = io.Custom("CHORUS_PLAN")
@@ -36,6 +42,54 @@ def open_workspace(name: str) -> Workspace:
         return ws
 
 
+def boolean_input(value, name: str) -> bool:
+    """A node's boolean input, whatever was wired to it: a bool (or a 0 / 1 int); anything else raises
+    ``ValueError`` naming ``name`` (the node turns it into its message and dense attention)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, numbers.Integral) and int(value) in (0, 1):
+        return bool(int(value))
+    raise ValueError(f"{name} must be a boolean, got {type(value).__name__}")
+
+
+def number_input(value, name: str, *, integer: bool = False):
+    """A node's numeric input as a float (or, with ``integer``, an int), whatever was wired to it:
+    ComfyUI range-checks only literal widget values, so a linked or API-queued input may be of
+    any type. Raises ``ValueError`` (one message naming ``name``) for bools, strings, None,
+    tensors and other non-numbers, NaN, infinities, non-integral values where an int is needed
+    and ints past ``MAX_INT_INPUT``; the node turns it into its message and dense attention.
+    Ranges are checked by the node's own config (``SparseConfig`` ...)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a number, got {type(value).__name__}")
+    if isinstance(value, numbers.Integral):
+        number = int(value)
+        if abs(number) > MAX_INT_INPUT:
+            raise ValueError(f"{name} is out of range ({number})")
+        return number if integer else float(number)
+    number = float(value)
+    if not math.isfinite(number):
+        raise ValueError(f"{name} must be a finite number, got {number}")
+    if not integer:
+        return number
+    if number != math.floor(number) or abs(number) > MAX_INT_INPUT:
+        raise ValueError(f"{name} must be a whole number, got {number}")
+    return int(number)
+
+
+def model_input_problem(model) -> str | None:
+    """Why ``model`` cannot be patched (it is not a ComfyUI MODEL: no ``clone()`` and
+    ``model_options`` dict), or None. The patching nodes then return it unchanged with the message."""
+    if callable(getattr(model, "clone", None)) and isinstance(getattr(model, "model_options", None), dict):
+        return None
+    return f"the model input is not a ComfyUI MODEL ({type(model).__name__})"
+
+
+def node_text(text: str) -> str:
+    """A node's message as shown and output: credentials removed (``cache_store.redaction``)."""
+    return redact(text)
+
+
 def ui_text(*lines: str) -> dict:
-    """UI payload shown under a node and stored in ``/history`` outputs (``{"text": [...]}``)."""
-    return {"text": [line for line in lines if line]}
+    """UI payload shown under a node and stored in ``/history`` outputs (``{"text": [...]}``),
+    redacted (:func:`node_text`)."""
+    return {"text": [node_text(line) for line in lines if line]}

@@ -19,7 +19,7 @@ from comfy_api.latest import io
 from ..engine import Plan
 from ..engine.feature_reuse import FeatureReuseConfig
 from .comfy_patch import configure, describe, get_patch
-from .common import CATEGORY, ChorusPlan, ui_text
+from .common import CATEGORY, ChorusPlan, model_input_problem, number_input, ui_text
 
 
 def patch_feature_reuse(model, plan: Plan, config: FeatureReuseConfig):
@@ -56,11 +56,14 @@ class ChorusFeatureReuse(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, plan, downsample_share=0.25) -> io.NodeOutput:
+        problem = model_input_problem(model)
+        if problem is not None:
+            return io.NodeOutput(model, ui=ui_text(f"not patched: {problem}"))
         if not isinstance(plan, Plan):
             return io.NodeOutput(model, ui=ui_text(
                 f"not patched: the plan input is not a Chorus plan ({type(plan).__name__})"))
         try:
-            config = FeatureReuseConfig(downsample_share=float(downsample_share))
+            config = FeatureReuseConfig(downsample_share=number_input(downsample_share, "downsample_share"))
         except ValueError as exc:
             plan.note(f"feature reuse not patched: {exc}")
             return io.NodeOutput(model, ui=ui_text(f"not patched: {exc}"))

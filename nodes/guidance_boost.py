@@ -19,7 +19,7 @@ from ..engine import Plan
 from ..engine.guidance import (CFG_GAIN_PER_STRENGTH, GAIN_PER_STRENGTH, IMAGE_GAIN_PER_STRENGTH, MAX_STRENGTH,
                                GuidanceBoost)
 from .comfy_patch import configure, describe, get_patch
-from .common import CATEGORY, ChorusPlan, ui_text
+from .common import CATEGORY, ChorusPlan, model_input_problem, number_input, ui_text
 
 
 def patch_guidance(model, plan: Plan | None, strength: float, image_strength: float, cfg_strength: float = 0.0):
@@ -82,12 +82,16 @@ class ChorusGuidanceBoost(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, plan=None, strength=0.5, image_strength=0.5, cfg_strength=0.0) -> io.NodeOutput:
+        problem = model_input_problem(model)
+        if problem is not None:
+            return io.NodeOutput(model, ui=ui_text(f"not patched: {problem}"))
         if plan is not None and not isinstance(plan, Plan):
             return io.NodeOutput(model, ui=ui_text(
                 f"not patched: the plan input is not a Chorus plan ({type(plan).__name__})"))
         try:
-            patched, boost, message = patch_guidance(model, plan, float(strength), float(image_strength),
-                                                     float(cfg_strength))
+            patched, boost, message = patch_guidance(model, plan, number_input(strength, "strength"),
+                                                     number_input(image_strength, "image_strength"),
+                                                     number_input(cfg_strength, "cfg_strength"))
         except (TypeError, ValueError) as exc:
             return io.NodeOutput(model, ui=ui_text(f"not patched: {exc}"))
         if boost is None:

@@ -9,7 +9,7 @@ from comfy_api.latest import io
 
 from ..cache_store.embedders import ComfyGraphEmbedder
 from ..engine import Plan, mask_heatmap, placeholder, retrieve_plan
-from .common import CATEGORY, ChorusPlan, open_workspace, ui_text
+from .common import CATEGORY, ChorusPlan, node_text, number_input, open_workspace, ui_text
 
 TEXT_WEIGHT = 0.5
 EMBEDDER = ComfyGraphEmbedder(text_weight=TEXT_WEIGHT)
@@ -31,7 +31,8 @@ def request_embedding(positive=None, start_image=None, prompt=None, clip_vision_
     Raises ``ValueError`` when neither part is given.
     """
     image = start_image if isinstance(start_image, torch.Tensor) else None
-    conditioning = positive if positive else None
+    empty = positive is None or (isinstance(positive, (list, tuple, str)) and not positive)
+    conditioning = None if empty else positive  # a tensor is passed on (never truth-tested): the embedder checks it
     return EMBEDDER.embed(image=image, text=prompt or None, conditioning=conditioning,
                           clip_vision_output=clip_vision_output)
 
@@ -100,6 +101,15 @@ class ChorusMaskRetrieve(io.ComfyNode):
             plan = Plan.miss(f"miss: the latent must be a video latent [B, C, T, H, W], got {shape}; "
                              "dense attention, nothing will be written", record=False)
             return cls._out(plan)
+        if prompt is not None and not isinstance(prompt, str):
+            plan = Plan.miss(f"miss: the prompt input must be text, got {type(prompt).__name__}; dense attention, "
+                             "nothing will be written", latent_shape=shape, record=False)
+            return cls._out(plan)
+        try:
+            similarity_threshold = number_input(similarity_threshold, "similarity_threshold")
+        except ValueError as exc:
+            plan = Plan.miss(f"miss: {exc}; dense attention, nothing will be written", latent_shape=shape, record=False)
+            return cls._out(plan)
         meta = {"prompt": (prompt or "")[:2000], "image_hash": _image_hash(start_image),
                 "embedder": EMBEDDER.name, "text_weight": TEXT_WEIGHT,
                 "image_source": "clip_vision" if clip_vision_output is not None else
@@ -138,4 +148,5 @@ class ChorusMaskRetrieve(io.ComfyNode):
         else:
             message = plan.message
             info = "MISS" + (message[4:] if message.lower().startswith("miss") else f": {message}")
+        info = node_text(info)
         return io.NodeOutput(plan, preview, info, ui=ui_text(info))

@@ -10,7 +10,7 @@ from comfy_api.latest import io
 from ..engine import BACKENDS, Plan, SparseConfig
 from ..engine.config import DEFAULT_VERIFY_THRESHOLD
 from .comfy_patch import configure, describe, get_patch
-from .common import CATEGORY, ChorusPlan, ui_text
+from .common import CATEGORY, ChorusPlan, boolean_input, model_input_problem, number_input, ui_text
 
 
 def patch_model(model, plan: Plan, config: SparseConfig):
@@ -78,14 +78,18 @@ class ChorusSparseSampler(io.ComfyNode):
     @classmethod
     def execute(cls, model, plan, top_p=0.9, k_min=4, refresh_steps=0, backend="auto",
                 verify_threshold=DEFAULT_VERIFY_THRESHOLD, pooled_tail=False) -> io.NodeOutput:
+        problem = model_input_problem(model)
+        if problem is not None:
+            return io.NodeOutput(model, ui=ui_text(f"not patched: {problem}"))
         if not isinstance(plan, Plan):
             msg = f"not patched: the plan input is not a Chorus plan ({type(plan).__name__}); dense attention"
             return io.NodeOutput(model, ui=ui_text(msg))
         try:
-            config = SparseConfig(top_p=float(top_p), k_min=int(k_min), refresh_steps=int(refresh_steps),
-                                  backend=str(backend), pooled_tail=bool(pooled_tail),
-                                  verify_threshold=float(DEFAULT_VERIFY_THRESHOLD if verify_threshold is None
-                                                         else verify_threshold))
+            config = SparseConfig(top_p=number_input(top_p, "top_p"), k_min=number_input(k_min, "k_min", integer=True),
+                                  refresh_steps=number_input(refresh_steps, "refresh_steps", integer=True),
+                                  backend=str(backend), pooled_tail=boolean_input(pooled_tail, "pooled_tail"),
+                                  verify_threshold=number_input(DEFAULT_VERIFY_THRESHOLD if verify_threshold is None
+                                                                else verify_threshold, "verify_threshold"))
         except ValueError as exc:
             msg = f"not patched: {exc}; dense attention"
             plan.note(msg)

@@ -37,8 +37,12 @@ def test_cli_commands(tmp_path):
     data = bytearray(victim_file.read_bytes())
     data[len(data) // 2] ^= 0x40
     victim_file.write_bytes(bytes(data))
-    out = _cli("verify", "--workspace", "proj", root=root)
-    assert out.returncode == 1 and f"entry {ids[1]}" in out.stdout, out.stdout + out.stderr
+    before = tree_snapshot(root)
+    out = _cli("verify", "--workspace", "proj", root=root)  # read-only: reports, quarantines nothing
+    assert out.returncode == 1 and f"entry {ids[1]}" in out.stdout and "verify --repair" in out.stdout, out.stdout
+    assert tree_snapshot(root) == before
+    out = _cli("verify", "--repair", "--workspace", "proj", root=root)
+    assert out.returncode == 1 and f"entry {ids[1]}" in out.stdout and "(quarantined)" in out.stdout, out.stdout
     assert _cli("verify", "--workspace", "proj", root=root).returncode == 0  # quarantined: clean again
 
     for f in (root / "proj").glob("index.g*.safetensors"):

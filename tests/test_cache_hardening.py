@@ -399,6 +399,32 @@ def test_deep_json_is_quarantined_and_refused_by_add(tmp_path):
         assert len(ws) == 2 and len(list((path / "entries").iterdir())) == 2
 
 
+def test_rows_edited_in_sqlite_never_stop_an_open_or_a_listing(tmp_path, caplog):
+    """Rows are checked like new entries (``rows.py``): an embedding edited to zeros, to NaN or
+    to another size is left out of the index (logged) while the workspace opens and searches;
+    48 x 1e-45 is a valid direction (normalised in float64), as for an add; metadata nested
+    100 000 deep reads as unreadable in the listing."""
+    import numpy as np
+
+    path = tmp_path / "ws"
+    ids = _filled(path)
+    tiny = np.full(48, 1e-45, np.float32)
+    with sqlite3.connect(path / "chorus.sqlite3") as db:
+        for entry_id, blob in ((ids[0], bytes(4 * 48)), (ids[1], np.full(48, np.nan, np.float32).tobytes()),
+                               (ids[2], b"\0" * 8)):
+            db.execute("UPDATE entries SET embedding = ? WHERE id = ?", (blob, entry_id))
+        db.execute("UPDATE entries SET meta_json = ? WHERE id = ?", ("[" * 100_000 + "]" * 100_000, ids[3]))
+        db.execute("DELETE FROM settings WHERE key = 'generation'")  # no saved index matches: rebuilt from rows
+    for index_file in path.glob("index.g*.safetensors"):
+        index_file.unlink()
+    with Workspace.open(path) as ws:
+        assert ws.search(embedding(3))[0][0] == ids[3] and ws.stats()["indexed"] == 1
+        assert "nested too deeply" in {e["id"]: e for e in ws.entries()}[ids[3]]["meta"]["unreadable"]
+        assert caplog.text.count("is left out of the index") == 3
+        new = ws.add(tiny, small_masks(9), {"signature": SIGNATURE})
+        assert ws.search(tiny)[0] == (new, pytest.approx(1.0, abs=1e-5))
+
+
 # -- 4. verify beside a busy worker; evicted is not damaged ------------------------------------------
 def test_verify_beside_an_evicting_worker_reports_no_false_damage(tmp_path):
     """A worker adds 12 entries, prunes to 2, and again, in a loop; verify runs over and over meanwhile:

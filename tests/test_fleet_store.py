@@ -1,7 +1,7 @@
 """The fleet store (``cache_store/fleet.py``) against a real PostgreSQL server (``tests/fleet_pg.py``:
 a throwaway cluster started once per session; skipped with the reason where it cannot start).
 
-Each test gets a fresh database. "Workers" here are :class:`FleetStore` handles with their own
+Each test gets a fresh database (the ``pg`` and ``url`` fixtures of ``conftest.py``). "Workers" here are :class:`FleetStore` handles with their own
 local roots (two hosts); ``tests/test_fleet_serving.py`` does the same through ComfyUI servers.
 """
 
@@ -34,18 +34,6 @@ from chorus.cache_store.errors import StoreError  # noqa: E402
 from chorus.cache_store.protocol import open_store  # noqa: E402
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "OPERATIONS.md"
-
-
-@pytest.fixture(scope="session")
-def pg():
-    cluster = fleet_pg.require()
-    yield cluster
-    fleet_pg.stop()
-
-
-@pytest.fixture
-def url(pg):
-    return pg.url(pg.new_database())
 
 
 def _open(url, tmp_path, host="a", workspace="w", **kw):
@@ -338,26 +326,28 @@ def test_damaged_and_hostile_rows_are_quarantined(url, tmp_path, pg, caplog):
         forged = encode_entry(sh.embedding(99), other, _meta(0))  # a valid entry, another embedding
         garbage = b"\x08\x00\x00\x00\x00\x00\x00\x00{}" + os.urandom(64)
         wrong_sig = encode_entry(sh.embedding(3), other, {"signature": sh.signature(block_size=64)})
-        tampering = [
-            (ids[0], "UPDATE chorus_entries SET data = substring(data from 1 for 100) WHERE id=%s", ()),  # stale sha
-            (ids[1], "UPDATE chorus_entries SET data = %s, sha256 = %s WHERE id=%s",
-             (garbage, hashlib.sha256(garbage).hexdigest())),
-            (ids[2], "UPDATE chorus_entries SET data = %s, sha256 = %s WHERE id=%s",
-             (forged, hashlib.sha256(forged).hexdigest())),
-            (ids[3], "UPDATE chorus_entries SET data = %s, sha256 = %s WHERE id=%s",
-             (wrong_sig, hashlib.sha256(wrong_sig).hexdigest())),
-        ]
-        for entry_id, statement, params in tampering:
-            pg.sql(statement, db, (*params, entry_id))
-        c = _open(url, tmp_path, "c")  # loaded after the tampering: knows the forged sha256s
-        for store, entry_id in [(b, ids[0]), (b, ids[1]), (c, ids[2]), (c, ids[3])]:
+        # data cut short (its nbytes and sha256 stale: refused by the size guard before a byte is
+        # fetched), and garbage with its own sha256 and size (the sha256 the change announced differs)
+        pg.sql("UPDATE chorus_entries SET data = substring(data from 1 for 100) WHERE id=%s", db, (ids[0],))
+        pg.sql("UPDATE chorus_entries SET data = %s, sha256 = %s, nbytes = %s WHERE id=%s", db,
+               (garbage, hashlib.sha256(garbage).hexdigest(), len(garbage), ids[1]))
+        for entry_id in ids[:2]:
             with pytest.raises(CorruptEntryError):
-                store.load(entry_id)
+                b.load(entry_id)
+        # valid entries with consistent sha256 and size, but another embedding or signature than their row
+        for entry_id, data in ((ids[2], forged), (ids[3], wrong_sig)):
+            pg.sql("UPDATE chorus_entries SET data = %s, sha256 = %s, nbytes = %s WHERE id=%s", db,
+                   (data, hashlib.sha256(data).hexdigest(), len(data), entry_id))
+        c = _open(url, tmp_path, "c")  # loaded after the tampering: knows the forged sha256s
+        for entry_id in ids[2:4]:
+            with pytest.raises(CorruptEntryError):
+                c.load(entry_id)
         # a hostile row appended with its change: an embedding of the wrong size never reaches an index
         with fleet_pg.connect(url) as conn:
             bad_id = conn.execute(
                 "INSERT INTO chorus_entries(workspace, sig_key, sha256, nbytes, embedding, meta_json, data, created, "
-                "last_used) VALUES('w', 'x', 'y', 1, %s, '{}', 'z', 0, 0) RETURNING id", (b"\x00" * 7,)).fetchone()[0]
+                "last_used) VALUES('w', %s, %s, 1, %s, '{}', 'z', 0, 0) RETURNING id", ("a" * 32, "b" * 64, b"\x00" * 7)
+            ).fetchone()[0]
             seq = conn.execute("UPDATE chorus_workspaces SET seq = seq + 1 WHERE name='w' RETURNING seq").fetchone()[0]
             conn.execute("INSERT INTO chorus_changes VALUES('w', %s, 'a', %s, 0)", (seq, bad_id))
             conn.execute("SELECT pg_notify('chorus_changes', 'w')")
@@ -370,7 +360,7 @@ def test_damaged_and_hostile_rows_are_quarantined(url, tmp_path, pg, caplog):
         report = a.verify()
         assert not report["ok"] and [d["id"] for d in report["damaged"]] == [ids[4]] and report["index_consistent"]
         reasons = {q["id"]: q["reason"] for q in b.quarantined()}
-        assert "sha256 mismatch" in reasons[ids[0]] and "differs from the one its change announced" in reasons[ids[1]]
+        assert "row data has 100 bytes" in reasons[ids[0]] and "differs from the one its change announced" in reasons[ids[1]]
         assert "embedding does not match" in reasons[ids[2]] and "signature does not match" in reasons[ids[3]]
         assert "embedding" in reasons[bad_id], reasons
         c.close()
@@ -459,8 +449,9 @@ def test_bounded_wait_when_the_server_stops_answering(url, tmp_path, pg):
     try:
         entry_id = store.add(sh.embedding(0), sh.entry_masks(0), _meta(0))
         store._tier_drop(entry_id)
-        backend = store._call(lambda conn: conn.execute("SELECT pg_backend_pid()").fetchone()[0])
-        frozen = [backend, pg.postmaster_pid()]  # its backend and the postmaster (no new connection either)
+        backends = [store._call(lambda conn: conn.execute("SELECT pg_backend_pid()").fetchone()[0], read=read)
+                    for read in (False, True)]  # its write and read connections
+        frozen = [*backends, pg.postmaster_pid()]  # its backends and the postmaster (no new connection either)
         for pid in frozen:
             os.kill(pid, signal.SIGSTOP)
         try:

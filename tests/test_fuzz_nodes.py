@@ -17,7 +17,13 @@ conditioning, and fuzzed sampler settings, on a workspace that fills up as the c
 cases hit). Sampling never raises; the write either says "wrote entry N" or why nothing was
 written; entries written stay loadable.
 
-Around both: nothing is written outside the cache root (snapshot of its parent), every directory
+Part 3, inputs of any type (beyond what ComfyUI's UI sends: a linked or API-queued input is not
+range-checked): every node's ``execute`` with some inputs replaced by None, bools, huge and negative
+ints, NaN/inf, strings, bytes, lists, dicts, tensors, numpy scalars, other objects. Each returns its
+message; a patching node that refuses an input returns the model it was given, unpatched (dense
+attention); nothing raises.
+
+Around all: nothing is written outside the cache root (snapshot of its parent), every directory
 the nodes created under the root has a valid workspace name, and ``verify`` of each workspace is
 clean at the end. Case counts are printed (FuzzReport warning). Skips with a visible reason without
 a ComfyUI checkout.
@@ -26,7 +32,10 @@ a ComfyUI checkout.
 from __future__ import annotations
 
 import math
+from decimal import Decimal
+from fractions import Fraction
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -39,6 +48,7 @@ pytestmark = [pytest.mark.host, pytest.mark.skipif(SKIP is not None, reason=f"Co
 
 GRAPH_CASES = 150
 SAMPLING_CASES = 16
+ANY_TYPE_CASES = 300
 
 NAMES = ["../x", "..", ".", "/abs", "/etc/passwd", "a/b", "a\\b", "a\x00b", "", " ", "~", "~root", "default",
          "-x", ".hidden", "x" * 65, "x" * 64, "é", "\U0001d518", "CON", "fuzz", "fuzz.2", "_x", "a\nb",
@@ -340,3 +350,86 @@ def test_symlinked_workspace_leading_outside_is_refused(tmp_path, monkeypatch):
     report = ChorusCacheMaintenance.execute(workspace="evil", action="verify", max_entries=0).result[0]
     assert "failed" in report and "outside the cache root" in report, report
     assert list(outside.iterdir()) == []
+
+
+ANY = st.one_of(
+    st.none(), st.booleans(), st.integers(-10, 10),
+    st.integers(min_value=2**53, max_value=2**1000), st.integers(min_value=-(2**1000), max_value=-(2**53)),
+    st.floats(allow_nan=True, allow_infinity=True), st.sampled_from([math.nan, math.inf, -math.inf, -1.0, 1e308]),
+    st.text(max_size=12), st.binary(max_size=8), st.lists(st.integers(), max_size=3),
+    st.dictionaries(st.text(max_size=3), st.integers(), max_size=2), st.tuples(st.integers()),
+    st.sampled_from([object(), torch.zeros(()), torch.ones(3), torch.full((2, 2), math.nan), np.float64("nan"),
+                     np.int64(-1), np.float32(0.5), complex(1, 1), Decimal("0.5"), Fraction(1, 3), ..., type]),
+)
+PATCHING = ("ChorusSparseSampler", "ChorusFeatureReuse", "ChorusGuidanceBoost")
+
+
+def test_fuzz_node_inputs_of_any_type(env, record_property):
+    """Part 3 (module docstring): hypothesis draws a node, then each of its inputs from a good value
+    or from ``ANY``."""
+    from chorus.engine import Plan
+    from chorus.nodes.cache_maintenance import ChorusCacheMaintenance
+    from chorus.nodes.cache_write import ChorusCacheWrite
+    from chorus.nodes.comfy_patch import get_patch
+    from chorus.nodes.feature_reuse import ChorusFeatureReuse
+    from chorus.nodes.guidance_boost import ChorusGuidanceBoost
+    from chorus.nodes.mask_retrieve import ChorusMaskRetrieve
+    from chorus.nodes.sparse_sampler import ChorusSparseSampler
+
+    base, root, model = env
+    before = sh.snapshot(base, skip=root)
+    model_state = _options_fingerprint(model)
+    latent = {"samples": torch.zeros(1, 16, 2, 4, 4)}
+    positive = sh.tiny.random_conditioning(100)
+    plans = [ChorusMaskRetrieve.execute(latent=latent, workspace="fuzz", positive=positive).result[0],
+             ChorusMaskRetrieve.execute(latent=latent, workspace="anytype",
+                                        positive=sh.tiny.random_conditioning(7)).result[0]]
+    nodes = {  # node -> (class, good inputs)
+        "ChorusMaskRetrieve": (ChorusMaskRetrieve, {"latent": latent, "workspace": "anytype", "similarity_threshold": 0.9,
+                                                    "start_image": None, "positive": positive, "prompt": "",
+                                                    "clip_vision_output": None}),
+        "ChorusSparseSampler": (ChorusSparseSampler, {"model": model, "plan": plans[0], "top_p": 0.9, "k_min": 4,
+                                                      "refresh_steps": 0, "backend": "auto", "verify_threshold": 0.0}),
+        "ChorusFeatureReuse": (ChorusFeatureReuse, {"model": model, "plan": plans[0], "downsample_share": 0.25}),
+        "ChorusGuidanceBoost": (ChorusGuidanceBoost, {"model": model, "plan": plans[0], "strength": 0.5,
+                                                      "image_strength": 0.5, "cfg_strength": 0.0}),
+        "ChorusCacheWrite": (ChorusCacheWrite, {"latent": latent, "plan": plans[1]}),
+        "ChorusCacheMaintenance": (ChorusCacheMaintenance, {"workspace": "anytype", "action": "stats",
+                                                            "max_entries": 0}),
+    }
+    counts: dict[str, int] = {}
+
+    @settings(max_examples=ANY_TYPE_CASES, deadline=None, derandomize=True, database=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(data=st.data(), name=st.sampled_from(sorted(nodes)))
+    def case(data, name):
+        cls, good = nodes[name]
+        names = sorted(good)
+        hostile = data.draw(st.sets(st.sampled_from(names), min_size=1), label="hostile inputs")
+        inputs = {key: data.draw(ANY, label=key) if key in hostile else good[key] for key in names}
+        out = cls.execute(**inputs)
+        text = " ".join(out.ui["text"]) if out.ui else ""
+        assert text, (name, inputs)
+        outcome = "message"
+        if name == "ChorusMaskRetrieve":
+            assert isinstance(out.result[0], Plan) and out.result[2].startswith(("HIT", "MISS"))
+        elif name in PATCHING:
+            returned = out.result[0]
+            if returned is inputs["model"]:
+                outcome = "unpatched"  # the model as given: dense attention
+            else:
+                assert get_patch(returned) is not None and "not patched" not in text, (name, text)
+                outcome = "patched"
+            if "not patched" in text:
+                assert returned is inputs["model"], (name, text)
+        else:
+            assert isinstance(out.result[0], str) and out.result[0], (name, out.result)
+        counts[f"{name}/{outcome}"] = counts.get(f"{name}/{outcome}", 0) + 1
+        assert _options_fingerprint(model) == model_state, "the input model was modified"
+
+    case()
+    for ws in _check_root(base, root, before):
+        ws.close()
+    sh.report(record_property, "node inputs of any type", counts)
+    assert all(any(key.startswith(name + "/") for key in counts) for name in nodes), counts
+    assert all(counts.get(f"{name}/unpatched") for name in PATCHING), counts

@@ -323,7 +323,7 @@ def test_full_disk_is_a_message_not_a_failed_request(tmp_path, monkeypatch, phas
 
 
 def test_backup_procedure_of_operations_md(tmp_path):
-    """docs/OPERATIONS.md backup: SQLite online backup, then copy entries/, then ``verify --path``:
+    """docs/OPERATIONS.md backup: SQLite online backup, then copy entries/, then ``verify --repair --path``:
     entries written after the snapshot become orphans in the copy and are removed; every entry of
     the snapshot loads from the backup."""
     import shutil
@@ -342,7 +342,7 @@ def test_backup_procedure_of_operations_md(tmp_path):
         live.close()
         ws.add(sh.embedding(9), sh.entry_masks(9), {"signature": sh.signature()})  # after the snapshot
         shutil.copytree(src / "entries", dst / "entries", dirs_exist_ok=True)
-    done = sh.chorus_cli("cache", "verify", "--path", str(dst), "--json")
+    done = sh.chorus_cli("cache", "verify", "--repair", "--path", str(dst), "--json")
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads(done.stdout)
     assert report["ok"] and report["checked"] == 3 and report["orphans_removed"] == 1, report
