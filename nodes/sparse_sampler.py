@@ -53,10 +53,6 @@ class ChorusSparseSampler(io.ComfyNode):
                                        "FlashAttention-4's block-sparse kernel in bf16 (optional flash-attn-4; "
                                        "1.3-1.5x Triton bf16 on an H200, slower than FP8 at 720p). An explicit "
                                        "choice that cannot run falls back to dense attention with a message."),
-                io.Boolean.Input("pooled_tail", default=False, optional=True,
-                                 tooltip="On a hit, every key block the mask skips still enters the softmax as one "
-                                         "pooled term (its mean key and value): closer to dense attention, more "
-                                         "so with a 16-bit backend; costs ~8% of the kernel at 15% density."),
                 io.Float.Input("verify_threshold", default=DEFAULT_VERIFY_THRESHOLD, min=0.0, max=1.0, step=0.01,
                                optional=True,
                                tooltip="Self-verifying hits: at the first step of each expert, the share of "
@@ -71,6 +67,10 @@ class ChorusSparseSampler(io.ComfyNode):
                                        "entries recorded since the recorder keeps exact mass where the check "
                                        "looks; older entries say so and may be demoted and rewritten; "
                                        "re-measure on your model first)."),
+                io.Boolean.Input("pooled_tail", default=False, optional=True,
+                                 tooltip="On a hit, every key block the mask skips still enters the softmax as one "
+                                         "pooled term (its mean key and value): closer to dense attention, more "
+                                         "so with a 16-bit backend; costs ~8% of the kernel at 15% density."),
             ],
             outputs=[io.Model.Output(display_name="model")],
         )

@@ -92,7 +92,7 @@ NODE_SPECS: dict[str, dict] = {
     ),
     "ChorusSparseSampler": dict(
         sockets=[("model", "MODEL"), ("plan", "CHORUS_PLAN")],
-        widgets=["top_p", "k_min", "refresh_steps", "backend", "verify_threshold"],
+        widgets=["top_p", "k_min", "refresh_steps", "backend", "verify_threshold", "pooled_tail"],
         outputs=[("model", "MODEL")],
     ),
     "ChorusFeatureReuse": dict(
@@ -127,7 +127,8 @@ NEGATIVE_PROMPT = (
 
 # Chorus defaults (the node contract): similarity threshold 0.9, top_p 0.9, k_min 4, refresh off.
 CHORUS_RETRIEVE = {"workspace": "default", "similarity_threshold": 0.9, "prompt": ""}
-CHORUS_SPARSE = {"top_p": 0.9, "k_min": 4, "refresh_steps": 0, "backend": "auto", "verify_threshold": 0.0}
+CHORUS_SPARSE = {"top_p": 0.9, "k_min": 4, "refresh_steps": 0, "backend": "auto", "verify_threshold": 0.0,
+                 "pooled_tail": False}
 
 
 @dataclass
