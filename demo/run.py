@@ -49,7 +49,7 @@ import torch.nn.functional as F
 from ..cache_store import Workspace
 from ..cache_store.embedders import HashEmbedder
 from ..engine import BACKENDS, ChorusAttention, SparseConfig, commit_plan, mask_heatmap, retrieve_plan, wan_model_info
-from ..engine.signature import token_grid
+from ..engine.model_info import token_grid
 from ..hosts.diffusers import patch_diffusers_wan
 from ..kernels.reference import expand_block_map
 

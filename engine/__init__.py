@@ -13,8 +13,8 @@ from .recorder import MassRecorder
 from .retrieval import build_signature, commit_plan, retrieve_plan
 from .routing import SigmaSchedule, match_step, step_sigma
 from .runtime import ChorusAttention
-from .signature import (SUPPORTED_VARIANTS, ModelInfo, latent_compatibility, token_grid, wan_model_info,
-                        weights_fingerprint)
+from .compat import latent_compatibility
+from .model_info import SUPPORTED_VARIANTS, ModelInfo, token_grid, wan_model_info, weights_fingerprint
 from .state import RequestState
 
 __all__ = [

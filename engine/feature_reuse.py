@@ -39,7 +39,7 @@ import torch
 from ..kernels import pooling
 from .plan import Plan
 from .routing import match_step, sigma_schedule, sigma_value, step_sigma
-from .signature import ModelInfo
+from .model_info import ModelInfo
 from .state import FEATURE_REUSE_META_VERSION, FeatureReuseState
 
 META_KEY = "feature_reuse"

@@ -25,7 +25,8 @@ import numpy as np
 
 from .. import kernels
 from .recorder import MassRecorder
-from .signature import ModelInfo, entry_sampler_sigmas, entry_token_order, model_mismatch, run_mismatch, token_grid
+from .compat import entry_sampler_sigmas, entry_token_order, model_mismatch, run_mismatch
+from .model_info import ModelInfo, token_grid
 from .state import PlanStats, RequestState
 
 log = logging.getLogger("chorus.engine")
@@ -293,7 +294,7 @@ class Plan:
     @property
     def sampler_sigmas(self) -> list[float]:
         """A hit's entry's sampler schedule (the sigmas its runs' steps started at; its ``step_sigmas``
-        when it recorded every step): what a sampler run must match (``signature.run_mismatch``)."""
+        when it recorded every step): what a sampler run must match (``compat.run_mismatch``)."""
         if not self.is_hit:
             return []
         try:

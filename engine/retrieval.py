@@ -15,7 +15,8 @@ import torch
 
 from .plan import Plan, Retrieval
 from .routing import match_step
-from .signature import SIGNATURE_FORMAT, TOKEN_ORDER, latent_compatibility, model_mismatch, run_mismatch, token_grid
+from .compat import SIGNATURE_FORMAT, TOKEN_ORDER, latent_compatibility, model_mismatch, run_mismatch
+from .model_info import token_grid
 
 log = logging.getLogger("chorus.engine")
 
@@ -83,7 +84,7 @@ class CandidateLoader:
     def hit(self, entry_id, similarity: float, others=(), models=(), run_starts=None, block_size=None):
         """``(Retrieval, "")`` of a hit on this entry (``others``: its candidates), or ``(None, why not)``:
         unreadable, incompatible latent, no masks, made for another of ``models`` (ModelInfo), or not
-        for this sampler run (``run_starts`` / ``block_size``, :func:`~chorus.engine.signature.run_mismatch`)."""
+        for this sampler run (``run_starts`` / ``block_size``, :func:`~chorus.engine.compat.run_mismatch`)."""
         try:
             masks, meta = _load(self._workspace, entry_id)
             signature = meta["signature"]
@@ -150,7 +151,7 @@ def _pin_packed(masks: dict) -> dict:
 
 
 def build_signature(plan: Plan) -> dict:
-    """The signature written with a new entry (see ``signature.py``). Raises ``ValueError`` if the
+    """The signature written with a new entry (see ``compat.py``). Raises ``ValueError`` if the
     plan has not recorded anything."""
     rec = plan.recorder
     if rec is None:

@@ -29,7 +29,8 @@ from .config import SparseConfig
 from .maps import RunMaps, floor_k_min
 from .plan import Plan
 from .routing import match_step, sigma_schedule, sigma_value, step_sigma
-from .signature import ModelInfo, region_order_for, token_order_name
+from .compat import region_order_for, token_order_name
+from .model_info import ModelInfo
 from .verify import ANCHORS_META_KEY, Verifier, verify_head_index
 
 __all__ = ["ChorusAttention", "ExpertRun", "attend", "floor_k_min"]

@@ -444,7 +444,7 @@ def configure(model, plan: Plan | None, *, sparse=KEEP, feature_reuse=KEEP, guid
 def _record_region(fr_config):
     """Feature reuse's region when a miss should record in its region order (see the module
     docstring), else None (raster). A region that is not one block's tokens records raster too
-    (``engine.signature.region_order_for`` decides)."""
+    (``engine.compat.region_order_for`` decides)."""
     if fr_config is None or fr_config.downsample_share <= 0 or not fr_config.keep_first_frame:
         return None
     return tuple(fr_config.region)

@@ -12,7 +12,7 @@ import torch
 
 from chorus.cache_store import Workspace
 from chorus.engine import ModelInfo, Plan, build_signature, latent_compatibility, retrieve_plan
-from chorus.engine.signature import TOKEN_ORDER, entry_token_order, token_order_name
+from chorus.engine.compat import TOKEN_ORDER, entry_token_order, token_order_name
 from chorus.kernels.tile_order import RegionTileOrder, TileOrder, cached_region_order, cached_tile_order
 
 BS = 32

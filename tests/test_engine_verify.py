@@ -254,7 +254,7 @@ def _source_run(handle, model, image, seed):
 
 
 def _source_info(model):
-    from chorus.engine.signature import ModelInfo
+    from chorus.engine.model_info import ModelInfo
 
     return ModelInfo("wan", "wan2.2-a14b-i2v", 2, 4, model.cfg.head_dim, 36, "fp-high")
 

@@ -284,7 +284,7 @@ def run(args) -> dict:
     from chorus import kernels
     from chorus.cache_store import Workspace, resolve_workspace
     from chorus.engine import token_grid
-    from chorus.engine.signature import entry_token_order
+    from chorus.engine.compat import entry_token_order
     from chorus.nodes.cache_write import ChorusCacheWrite
     from chorus.nodes.feature_reuse import ChorusFeatureReuse
     from chorus.nodes.mask_retrieve import ChorusMaskRetrieve
