@@ -88,7 +88,8 @@ class AttnCall:
         token's q/k/v, so each pooled key counts as the tokens it stands for); ``layout`` None."""
         layout = self.layout
         # expanded on [B, L, H, D]: the full tensors keep the token-major layout the host's views have
-        full = [pooling.expand_tokens(t.transpose(1, 2), layout, dim=1).transpose(1, 2) for t in (self.q, self.k, self.v)]
+        full = [pooling.expand_tokens(t.transpose(1, 2), layout, dim=1).transpose(1, 2)
+                for t in (self.q, self.k, self.v)]
         return replace(self, q=full[0], k=full[1], v=full[2], layout=None)
 
     def compact(self, out: torch.Tensor) -> torch.Tensor:

@@ -101,8 +101,9 @@ class ChorusAttention:
         sig = sigma_schedule(sample_sigmas)
         if sample_sigmas is not None and sig is None:
             plan.note(f"ignoring a sampler schedule with non-finite or no values: {sample_sigmas}")
-        if self.run is not None:
-            self.run.finish()
+        previous, self.run = self.run, None
+        if previous is not None:
+            previous.finish()
         plan.stats.runs += 1
         starts = (sig[:-1] if len(sig) > 1 else sig) if sig else None  # the sigmas the run's steps start at
         expert = plan.serve_run(self.model_info, run_starts=starts, block_size=self.config.block_size)

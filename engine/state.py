@@ -10,9 +10,9 @@ these declared fields only.
 - ``stats`` (:class:`PlanStats`, the UI messages included), ``noted`` (messages already logged);
 - ``recorder`` (a miss's :class:`~chorus.engine.recorder.MassRecorder`, or None);
 - ``experts`` (``ModelInfo`` of the models that sampled, in order), ``demoted_reason``,
-  ``models`` (those patched with the plan or sampled: what a hit's entry must serve), ``sampler_steps`` (the sigmas every
-  sampler run's steps start at: the request's schedule, also where a step cache such as EasyCache
-  skipped the model);
+  ``models`` (those patched with the plan or sampled: what a hit's entry must serve),
+  ``sampler_steps`` (the sigmas every sampler run's steps start at: the request's schedule, also
+  where a step cache such as EasyCache skipped the model);
 - ``refresh`` (one ``kernels.VisitRefresh`` per refresh period), ``resampled`` (transformed maps);
 - ``feature_reuse`` (:class:`FeatureReuseState`), ``entry_extras`` (fields a new entry's metadata
   gets on top of the request's own, e.g. feature reuse's region scores: ``commit_plan`` merges them);

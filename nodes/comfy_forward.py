@@ -37,22 +37,6 @@ class Forward:
     def __deepcopy__(self, memo):
         return self
 
-    @property
-    def grid(self):
-        return self.context.grid
-
-    @property
-    def tokens(self) -> int:
-        return self.context.tokens
-
-    @property
-    def sigma(self):
-        return self.context.sigma
-
-    @property
-    def disabled_reason(self):
-        return self.context.disabled_reason
-
 
 class ChorusBlock:
     """``patches_replace["dit"][("double_block", layer)]`` of Chorus-patched models: the residual stream
@@ -103,9 +87,10 @@ class ChorusBlock:
     def _feature_reuse(self, args, extra):
         x = args.get("img")
         options = args.get("transformer_options") or {}
-        ctx = options.get(FORWARD_KEY)
-        handle = ctx.patch.feature_reuse if isinstance(ctx, Forward) else None
-        if (handle is None or ctx.disabled_reason is not None or not isinstance(x, torch.Tensor) or x.dim() != 3):
+        forward = options.get(FORWARD_KEY)
+        handle = forward.patch.feature_reuse if isinstance(forward, Forward) else None
+        if handle is None or forward.context.disabled_reason is not None or not isinstance(x, torch.Tensor) \
+                or x.dim() != 3:
             return self._run(args, extra)
         pe = args.get("pe")
         if not isinstance(pe, torch.Tensor) or pe.dim() < 3 or pe.shape[1] != x.shape[1] or pe.shape[-2:] != (2, 2):
@@ -125,7 +110,7 @@ class ChorusBlock:
             if "vec" in inputs:
                 call["vec"] = inputs["vec"]
             if layout is not None:
-                if layout.compact_length in ctx.context_lengths:
+                if layout.compact_length in forward.context_lengths:
                     raise ValueError(f"the compact sequence ({layout.compact_length} tokens) is as long as a "
                                      "cross-attention context")
                 opts = dict(options)
@@ -133,7 +118,8 @@ class ChorusBlock:
                 call["transformer_options"] = opts
             return self._run(call, extra)["img"]
 
-        return {"img": handle.block(block_fn, x, layer=self.layer, sigma=ctx.sigma, grid=ctx.grid,
+        context = forward.context
+        return {"img": handle.block(block_fn, x, layer=self.layer, sigma=context.sigma, grid=context.grid,
                                     per_token=per_token)}
 
 

@@ -417,8 +417,9 @@ def configure(model, plan: Plan | None, *, sparse=KEEP, feature_reuse=KEEP, guid
 
     attention = fr = None
     if plan is not None and info.supported:
+        if sparse_config is not None or fr_config is not None:
+            plan.expect_model(info)  # the sampler runs' check wants an entry made for this model too
         if sparse_config is not None:
-            plan.expect_model(info)  # its sampler runs' check wants an entry made for this model too
             attention = ChorusAttention(plan, sparse_config, info,
                                         record_region=_record_region(fr_config))
         if fr_config is not None:

@@ -325,7 +325,7 @@ def test_a_compiled_forward_is_not_recompiled_for_each_sigma(cp, nodes, model):
 
     @torch.compiler.disable  # (in ComfyUI only the eager override reads the Forward)
     def record(options):
-        seen.append(options[cp.FORWARD_KEY].sigma)
+        seen.append(options[cp.FORWARD_KEY].context.sigma)
 
     def executor(x, timestep, context, clip_fea, time_dim_concat, transformer_options):
         record(transformer_options)

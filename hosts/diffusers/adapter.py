@@ -79,7 +79,8 @@ class ChorusWanSelfAttnProcessor:
             return self.original(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb, **kwargs)
         bias = self.guidance.first_frame_bias(st.sigma) if self.guidance is not None else 0.0
         grid = st.grid
-        if self.handle is None and not (bias and grid is not None and grid[0] * grid[1] * grid[2] == hidden_states.shape[1]):
+        biased = bool(bias) and grid is not None and grid[0] * grid[1] * grid[2] == hidden_states.shape[1]
+        if self.handle is None and not biased:
             return self.original(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb, **kwargs)
         if getattr(attn, "fused_projections", False):
             query, key, value = attn.to_qkv(hidden_states).chunk(3, dim=-1)
