@@ -103,7 +103,7 @@ class RunMaps:
     def __init__(self, plan, config, expert: int):
         self.plan, self.config, self.expert = plan, config, expert
         self._maps: dict = {}       # (step, layer) -> (bit-packed map, kept, Kb) of the current step
-        self._maps_step: int | None = None
+        self.step: int | None = None  # the entry step whose maps are on the device (the run's current one)
         self._device_bits: dict | None = None  # (step, layer) -> the entry's bit-packed map on the device
 
     def _prefetch(self, device) -> None:
@@ -155,9 +155,9 @@ class RunMaps:
         and uncond run separately), so the refresh records each map once. Raises :class:`Fallback`
         for a key the entry lacks or a map that does not fit the call.
         """
-        if self._maps_step != step:  # keep only the current step's maps on the device
+        if self.step != step:  # keep only the current step's maps on the device
             self._maps.clear()
-            self._maps_step = step
+            self.step = step
         key = (step, layer)
         if key in self._maps:
             packed, kept, num_kv = self._maps[key]

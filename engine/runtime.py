@@ -122,6 +122,11 @@ class ChorusAttention:
         if self.run is not None:
             self.run.flush_stats()
 
+    @property
+    def current_step(self) -> int | None:
+        """The entry step a hit's run computes now (the last sparse call's), or None."""
+        return None if self.run is None else self.run.maps.step
+
     def used_map(self, step: int, layer: int) -> torch.Tensor | None:
         """The bool map ``[1, H, Qb, Kb]`` this run computes for (step, layer) (stored map + floor +
         refresh), or None when the current step has not reached that layer (diagnostics, tests)."""
