@@ -48,8 +48,9 @@ import torch.nn.functional as F
 
 from ..cache_store import Workspace
 from ..cache_store.embedders import HashEmbedder
-from ..engine import BACKENDS, ChorusAttention, SparseConfig, commit_plan, mask_heatmap, retrieve_plan, wan_model_info
-from ..engine.signature import token_grid
+from ..engine import (BACKENDS, AttnCall, ChorusAttention, SparseConfig, commit_plan, mask_heatmap, retrieve_plan,
+                      wan_model_info)
+from ..engine.model_info import token_grid
 from ..hosts.diffusers import patch_diffusers_wan
 from ..kernels.reference import expand_block_map
 
@@ -359,20 +360,24 @@ class DenseErrorProbe:
         self.handle, self.errors, self.random_errors = handle, errors, random_errors
         self.gen = torch.Generator().manual_seed(seed)
 
-    def self_attention(self, q, k, v, *, dense_fn, **kwargs):
-        out = self.handle.self_attention(q, k, v, dense_fn=dense_fn, **kwargs)
+    def attend(self, call: AttnCall):
+        out = self.handle.attend(call)
         if self.handle.plan.is_hit:
-            ref = dense_fn(q, k, v).float()
+            q, k, v = call.q, call.k, call.v
+            ref = (call.dense_fn or F.scaled_dot_product_attention)(q, k, v).float()
             norm = ref.norm().clamp_min(1e-30)
             self.errors.append(float((out.float() - ref).norm() / norm))
             # The map this call used (stored map + k_min floor + refresh), at the run's current step.
-            used = self.handle.used_map(self.handle._maps_step, int(kwargs["layer"]))
+            used = self.handle.used_map(self.handle.current_step, int(call.layer))
             if used is not None:
                 rand = self._random_like(used)
                 token_mask = expand_block_map(rand, q.shape[-2], k.shape[-2], self.handle.config.block_size)
                 other = F.scaled_dot_product_attention(q, k, v, attn_mask=token_mask)
                 self.random_errors.append(float((other.float() - ref).norm() / norm))
         return out
+
+    def self_attention(self, q, k, v, **kwargs):
+        return self.attend(AttnCall(q, k, v, **kwargs))
 
     def _random_like(self, block_map: torch.Tensor) -> torch.Tensor:
         """Random bool map with the same number of kept blocks in every row as ``block_map``, diagonal kept."""

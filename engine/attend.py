@@ -33,17 +33,17 @@ import threading
 
 import torch
 
-from . import guidance as guidance_module
+from .call import AttnCall, sdpa
+from .runtime import attend as engine_attend
 
-__all__ = ["ForwardContext", "activate", "current", "attend", "record_mass", "record_block", "refuse"]
-
-
-def _sdpa(q, k, v):
-    return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+__all__ = ["ForwardContext", "begin_forward", "activate", "current", "attend", "record_mass", "record_block", "refuse"]
 
 
 class ForwardContext:
-    """Everything one model forward's self-attention calls need, made by the host before the forward.
+    """Everything one model forward's self-attention calls need, made by the host before the forward
+    (:func:`begin_forward`). It turns each call into an :class:`~chorus.engine.call.AttnCall` (layer,
+    sigma, grid, cond rows, guidance's first-frame bias) for the engine's one entry
+    (:func:`chorus.engine.runtime.attend`).
 
     Args:
         attention: the model's :class:`~chorus.engine.runtime.ChorusAttention`, or None (guidance only).
@@ -92,66 +92,33 @@ class ForwardContext:
         return self._cond_rows[batch]
 
     def first_frame_bias(self) -> float:
-        """Guidance's first-frame logit bias for this forward's calls (0.0: none). Never raises."""
+        """Guidance's first-frame logit bias for this forward's calls (0.0: none)."""
         guidance = self.guidance
         if guidance is None or not guidance.image_strength or self.sigma is None:
             return 0.0
-        try:
-            return float(guidance.first_frame_bias(self.sigma))
-        except Exception:  # noqa: BLE001 - guidance must never break attention
-            return 0.0
-
-    def biases_first_frame(self) -> bool:
-        """Whether guidance biases this forward's self-attention toward the first frame (counts nothing)."""
-        guidance = self.guidance
-        if guidance is None or not guidance.image_strength or self.sigma is None:
-            return False
-        try:
-            return bool(guidance.reuse_acted(self.sigma))
-        except Exception:  # noqa: BLE001
-            return False
+        return float(guidance.first_frame_bias(self.sigma))
 
     def cross_attention_gain(self) -> float | None:
         """Guidance's text gain for this forward's cross-attention outputs (also in a forward Chorus
-        otherwise stays out of: no self-attention is involved), or None. Counts the forward as boosted.
-        Never raises."""
+        otherwise stays out of: no self-attention is involved), or None. Counts the forward as boosted."""
         guidance = self.guidance
-        if guidance is None or not guidance.strength or self.sigma is None:
+        if guidance is None or not guidance.strength or self.sigma is None or not guidance.reuse_acted(self.sigma):
             return None
-        try:
-            if not guidance.reuse_acted(self.sigma):
-                return None
-            guidance.boosted_calls += 1
-            return float(guidance.gain)
-        except Exception:  # noqa: BLE001
-            return None
+        guidance.boosted_calls += 1
+        return float(guidance.gain)
 
     # -- the calls -------------------------------------------------------------------------------
-    def self_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_hint: int = -1) -> torch.Tensor:
-        """``[B, H, L, D]`` attention of one self-attention call of this forward (see the module
-        docstring); dense with a note when the call does not fit the context."""
-        attention = self.attention
+    def self_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_hint: int = -1, *,
+                       layout=None, dense_fn=None) -> torch.Tensor:
+        """``[B, H, L, D]`` attention of one self-attention call of this forward (the engine's entry,
+        :func:`chorus.engine.runtime.attend`). ``layout``: a feature-reuse block's ``RegionLayout`` when
+        q/k/v are its compact sequence; ``dense_fn``: the host's dense attention (None: SDPA)."""
         layer = self.next_layer(layer_hint)
-        bias = self.first_frame_bias()
-        prefix = self.grid[1] * self.grid[2] if q.shape[-2] == self.tokens else 0
-        if self.disabled_reason is not None or q.shape[-2] != self.tokens:
-            reason = self.disabled_reason or (f"a self-attention call of {q.shape[-2]} tokens in a forward of "
-                                              f"{self.tokens}")
-            return self._dense(q, k, v, 0.0, prefix, f"{reason}; dense attention", count=attention is not None)
-        if attention is None:
-            return self._dense(q, k, v, bias, prefix)
-        if self.sigma is None:
-            return self._dense(q, k, v, bias, prefix, "no sigma in this forward; dense attention", count=True)
-        return attention.self_attention(q, k, v, layer=layer, sigma=self.sigma, grid=self.grid, dense_fn=_sdpa,
-                                        cond_rows=self.cond_rows(q.shape[0]), first_frame_bias=bias)
-
-    def refuse(self, reason: str, layer_hint: int = -1) -> None:
-        """A self-attention call the host answers with its own dense attention because Chorus must not
-        take it (``reason``, e.g. grouped-query attention): one note, counted as a fallback."""
-        self.next_layer(layer_hint)
-        self.note(f"{reason}; dense attention")
-        if self.attention is not None:
-            self.attention.count_fallback()
+        if self.disabled_reason is not None:
+            return AttnCall(q, k, v, layer, self.sigma, self.grid, dense_fn=dense_fn).dense(self.note)
+        call = AttnCall(q, k, v, layer, self.sigma, self.grid, cond_rows=self.cond_rows(q.shape[0]), layout=layout,
+                        first_frame_bias=self.first_frame_bias(), dense_fn=dense_fn)
+        return engine_attend(call, self.attention, self.note)
 
     def record(self, q: torch.Tensor, k: torch.Tensor, layer_hint: int = -1) -> None:
         """Record one dense call's block mass (a miss) into the plan's recorder; never raises."""
@@ -159,8 +126,7 @@ class ForwardContext:
         attention = self.attention
         if attention is None or self.disabled_reason is not None or self.sigma is None:
             return
-        attention.record_dense_call(q, k, layer=layer, sigma=self.sigma, grid=self.grid,
-                                    cond_rows=self.cond_rows(q.shape[0]))
+        attention.record(AttnCall(q, k, k, layer, self.sigma, self.grid, cond_rows=self.cond_rows(q.shape[0])))
 
     def record_block(self, x: torch.Tensor, y: torch.Tensor, layer: int) -> None:
         """Record a miss's region scores of one full block call (input ``x``, output ``y``); never raises."""
@@ -168,17 +134,27 @@ class ForwardContext:
             return
         self.feature_reuse.record_block(x, y, layer=layer, sigma=self.sigma, grid=self.grid)
 
-    def _dense(self, q, k, v, bias: float, prefix: int, message: str | None = None, count: bool = False):
-        if message is not None:
-            self.note(message)
-        if count and self.attention is not None:
-            self.attention.count_fallback()
-        if bias and prefix:
-            try:
-                return guidance_module.first_frame_biased_attention(q, k, v, prefix, bias)
-            except Exception as exc:  # noqa: BLE001 - guidance must never fail a forward
-                self.note(f"first-frame bias not applied to a dense call ({type(exc).__name__}); plain dense attention")
-        return _sdpa(q, k, v)
+    def refuse(self, reason: str, layer_hint: int = -1) -> None:
+        """A self-attention call the host answers with its own dense attention because Chorus must not
+        take it (``reason``, e.g. grouped-query attention): one note, counted as a fallback."""
+        self.next_layer(layer_hint)
+        self.note(f"{reason}; dense attention")
+        if self.attention is not None:
+            self.attention.skip_calls(1)
+
+
+def begin_forward(attention, guidance, grid, sigma: float | None, cond_or_uncond=None, note=None,
+                  disabled_reason: str | None = None, feature_reuse=None) -> ForwardContext:
+    """The :class:`ForwardContext` of one model forward (arguments as there), made current
+    (:func:`activate`). A forward Chorus stays out of (``disabled_reason``) is noted, and its
+    self-attention calls (one per layer; they run the host's attention) counted as fallbacks."""
+    context = ForwardContext(attention, guidance, grid, sigma, cond_or_uncond, note, disabled_reason, feature_reuse)
+    activate(context)
+    if disabled_reason is not None and (attention is not None or guidance is not None):
+        context.note(f"{disabled_reason}; dense attention")
+        if attention is not None:
+            attention.skip_calls(attention.model_info.num_layers)
+    return context
 
 
 _CURRENT = threading.local()
@@ -220,7 +196,7 @@ if not _op_exists("attend"):
     def _attend_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_hint: int) -> torch.Tensor:
         context = current()
         if context is None:  # a call outside any Chorus forward: plain attention
-            return _like(q, _sdpa(q, k, v))
+            return _like(q, sdpa(q, k, v))
         return _like(q, context.self_attention(q, k, v, layer_hint))
 
     @_attend_op.register_fake

@@ -38,8 +38,8 @@ import torch
 
 from ..kernels import pooling
 from .plan import Plan
-from .routing import match_step, step_sigma
-from .signature import ModelInfo
+from .routing import match_step, sigma_schedule, sigma_value, step_sigma
+from .model_info import ModelInfo
 from .state import FEATURE_REUSE_META_VERSION, FeatureReuseState
 
 META_KEY = "feature_reuse"
@@ -151,15 +151,13 @@ class FeatureReuse:
         return self
 
     def begin_run(self, sample_sigmas=None) -> None:
-        sig = None
-        if sample_sigmas is not None:
-            vals = sample_sigmas.tolist() if hasattr(sample_sigmas, "tolist") else list(sample_sigmas)
-            sig = [float(s) for s in vals] if vals and all(math.isfinite(float(s)) for s in vals) else None
-        self.sample_sigmas = sig
+        """Start a sampler run (``sample_sigmas``: its schedule or None): the plan serves this model
+        (:meth:`Plan.serve_run`)."""
+        self.sample_sigmas = sigma_schedule(sample_sigmas)
         self._layouts.clear()
         self._compacted.clear()
         self._running = True
-        self.expert = self.plan.register_expert(self.model_info)
+        self.expert = self.plan.serve_run(self.model_info)
 
     def end_run(self) -> None:
         request = self.plan.state
@@ -253,9 +251,7 @@ class FeatureReuse:
                 self.begin_run()
             if self.expert is None:
                 return block_fn(x, full_inputs, None)
-            if isinstance(sigma, torch.Tensor):
-                sigma = sigma.reshape(-1)[0].item()
-            sigma = step_sigma(float(sigma), self.sample_sigmas)
+            sigma = step_sigma(sigma_value(sigma), self.sample_sigmas)
             grid = tuple(int(g) for g in grid)
             if x.dim() != 3 or grid[0] * grid[1] * grid[2] != x.shape[1]:
                 plan.note(f"feature reuse: token grid {grid} does not hold the {x.shape[1]} tokens of a block "
@@ -336,9 +332,7 @@ class FeatureReuse:
                 self.begin_run()
             if self.expert is None or self.plan.is_hit:
                 return
-            if isinstance(sigma, torch.Tensor):
-                sigma = sigma.reshape(-1)[0].item()
-            sigma = step_sigma(float(sigma), self.sample_sigmas)
+            sigma = step_sigma(sigma_value(sigma), self.sample_sigmas)
             grid = tuple(int(g) for g in grid)
             if x.dim() != 3 or y.shape != x.shape or grid[0] * grid[1] * grid[2] != x.shape[1]:
                 self.plan.note(f"feature reuse: token grid {grid} does not hold the {x.shape[1]} tokens of a block "

@@ -42,7 +42,7 @@ import math
 import torch
 
 from .plan import Plan
-from .routing import match_step, step_sigma
+from .routing import match_step, sigma_schedule, sigma_value, step_sigma
 
 GAIN_PER_STRENGTH = 0.2
 IMAGE_GAIN_PER_STRENGTH = 0.2
@@ -96,8 +96,8 @@ class GuidanceBoost:
     ``plan``: the request's :class:`Plan` or None. ``strength`` (text: cross-attention gain),
     ``image_strength`` (first-frame logit bias in self-attention) and ``cfg_strength`` (CFG-style
     correction where cfg > 1), each in [0, MAX_STRENGTH]; bad values raise ``ValueError``.
-    ``sample_sigmas`` (set per sampler run by the host): the run's schedule, so intermediate sigmas
-    of multi-evaluation samplers map to their step.
+    ``sample_sigmas`` (per sampler run, :meth:`begin_run`): the run's schedule, so intermediate
+    sigmas of multi-evaluation samplers map to their step.
     """
 
     def __init__(self, plan: Plan | None, strength: float = 0.5, image_strength: float = 0.5,
@@ -115,6 +115,13 @@ class GuidanceBoost:
 
     def __deepcopy__(self, memo):
         return self
+
+    def begin_run(self, sample_sigmas=None) -> None:
+        """Start a sampler run with this schedule (a tensor, list or None)."""
+        self.sample_sigmas = sigma_schedule(sample_sigmas)
+
+    def end_run(self) -> None:
+        self.sample_sigmas = None
 
     @property
     def is_off(self) -> bool:
@@ -137,9 +144,7 @@ class GuidanceBoost:
         if not self.plan.is_hit:
             return False
         try:
-            if isinstance(sigma, torch.Tensor):
-                sigma = sigma.reshape(-1)[0].item()
-            s = step_sigma(float(sigma), self.sample_sigmas)
+            s = step_sigma(sigma_value(sigma), self.sample_sigmas)
             return match_step(s, self.plan.step_sigmas) is not None
         except Exception:  # noqa: BLE001 - no step identity: no boost
             return False
@@ -156,7 +161,8 @@ class GuidanceBoost:
         return out * self.gain
 
     def first_frame_bias(self, sigma) -> float:
-        """The self-attention logit bias toward the first frame's keys at ``sigma`` (0.0: none)."""
+        """The self-attention logit bias toward the first frame's keys at ``sigma`` (0.0: none; also
+        for a sigma without a step identity). Never raises."""
         if self.image_strength == 0.0 or not self.reuse_acted(sigma):
             return 0.0
         self.biased_calls += 1

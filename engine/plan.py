@@ -1,15 +1,17 @@
-"""The plan of one request: the immutable retrieval result plus the request's state.
+"""The plan of one request (a request as a session): the frozen retrieval result plus the request's state.
 
 - :class:`Retrieval` (frozen): what retrieval decided — a hit (reuse an entry's masks) or a miss
-  (dense + record) — with the request's embedding, latent shape, metadata and threshold. A hit whose
-  entry was made for other weights or another sampler schedule than it meets is replaced, before any
-  sparse call, by the retrieval of a candidate made for them (``Plan.serve_model``), or demoted.
+  (dense + record) — with the request's embedding, latent shape, metadata and threshold, and a hit's
+  other :class:`Candidate` entries. It holds no store: retrieval gives the plan a ``reselect``
+  callable bound to its store, the only way a plan reaches an entry it was not made with.
 - :class:`~chorus.engine.state.RequestState` (``plan.state``): what changes while the request
-  samples (stats, recorder, experts, refresh, feature-reuse state, entry extras, commit result).
+  samples (the retrieval it serves now, stats, recorder, experts, refresh, feature-reuse state,
+  entry extras, commit result).
 - :class:`Plan`: the object passed between nodes / hosts; read-only properties over both, and the
-  methods the patched models call (``note``, ``demote``, ``register_expert``, ``stored_map``,
-  ``refresh_state``). Attributes cannot be set on it: per-request state is a declared field of
-  ``plan.state``.
+  methods the patched models call. :meth:`Plan.serve_run`, at the start of every sampler run of a
+  model, is the one place where a hit may move to another candidate or be demoted for a model or
+  schedule it does not serve (a note says why); verification's demotion (``engine/verify.py``) and
+  :meth:`Plan.demote` are the other ways a hit ends. Attributes cannot be set on a plan.
 """
 
 from __future__ import annotations
@@ -17,20 +19,26 @@ from __future__ import annotations
 import logging
 import types
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, NamedTuple
 
 import numpy as np
-import torch
 
 from .. import kernels
 from .recorder import MassRecorder
-from .signature import ModelInfo, entry_sampler_sigmas, entry_token_order, model_mismatch, run_mismatch, token_grid
+from .compat import entry_sampler_sigmas, entry_token_order, model_mismatch, run_mismatch
+from .model_info import ModelInfo, token_grid
 from .state import PlanStats, RequestState
 
 log = logging.getLogger("chorus.engine")
 
-__all__ = ["Plan", "PlanStats", "RequestState", "Retrieval"]
+__all__ = ["Candidate", "Plan", "PlanStats", "RequestState", "Retrieval"]
 
+
+class Candidate(NamedTuple):
+    """Another search result of a hit's retrieval, at or above its threshold (best first)."""
+
+    entry_id: Any
+    similarity: float
 
 
 @dataclass(frozen=True, eq=False)
@@ -38,7 +46,11 @@ class Retrieval:
     """The retrieval result of one request, immutable once made (see :class:`Plan` for the fields).
 
     ``masks`` and ``request_meta`` are read-only mappings (``request_meta`` as the caller gave it;
-    what feature reuse adds for a new entry is ``RequestState.entry_extras``)."""
+    what feature reuse adds for a new entry is ``RequestState.entry_extras``). ``candidates``: a hit's
+    other search results at or above the threshold, best first (where :meth:`Plan.serve_run` looks
+    when the entry was made for another model or schedule). ``workspace_name``: the store the request
+    was retrieved from, by the name its host opened it under (``ChorusCacheWrite`` commits there), or
+    None."""
 
     kind: str
     message: str = ""
@@ -51,10 +63,8 @@ class Retrieval:
     resample_to: tuple | None = None
     similarity_threshold: float | None = None
     request_meta: Mapping = field(default_factory=dict)
-    workspace: Any = field(default=None, repr=False)
-    # a hit's other search results at or above the threshold, ``((entry_id, similarity), ...)`` best
-    # first: where :meth:`Plan.serve_model` looks when the entry was made for another model or schedule
-    alternatives: tuple = ()
+    workspace_name: str | None = None
+    candidates: tuple = ()
     # a hit's token order (None: raster), read from its entry's signature once, here
     entry_order: Any = field(default=None, init=False, repr=False)
 
@@ -63,6 +73,10 @@ class Retrieval:
             raise ValueError(f"plan kind must be 'hit' or 'miss', got {self.kind!r}")
         if self.kind == "hit" and (not self.masks or self.entry_meta is None or "signature" not in self.entry_meta):
             raise ValueError("a hit needs masks and entry_meta with a signature")
+
+        def fix(name, value):  # normalising the fields of a frozen dataclass as it is made
+            object.__setattr__(self, name, value)
+
         if self.kind == "hit":
             try:
                 order = entry_token_order(self.entry_meta["signature"])
@@ -70,11 +84,7 @@ class Retrieval:
                 raise ValueError(f"a hit's entry has an unreadable token order ({exc})") from None
             if order is not None and self.resample_to is not None:  # (retrieval misses first)
                 raise ValueError(f"a hit in token order {order.name} cannot be resampled (raster order only)")
-            object.__setattr__(self, "entry_order", order)
-
-        def fix(name, value):
-            object.__setattr__(self, name, value)
-
+            fix("entry_order", order)
         if self.embedding is not None:
             fix("embedding", np.asarray(self.embedding, dtype=np.float32).reshape(-1))
         if self.latent_shape is not None:
@@ -83,17 +93,28 @@ class Retrieval:
             fix("resample_to", tuple(int(g) for g in self.resample_to))
         if self.similarity_threshold is not None:
             fix("similarity_threshold", float(self.similarity_threshold))
-        fix("alternatives", tuple((entry_id, float(sim)) for entry_id, sim in (self.alternatives or ())))
+        fix("candidates", tuple(Candidate(entry_id, float(sim)) for entry_id, sim in (self.candidates or ())))
         fix("masks", types.MappingProxyType(dict(self.masks or {})))
         fix("request_meta", types.MappingProxyType(dict(self.request_meta or {})))
 
     def __deepcopy__(self, memo):
         return self
 
+    @property
+    def signature(self) -> Mapping | None:
+        """A hit's entry signature (None: a miss)."""
+        return self.entry_meta["signature"] if self.kind == "hit" else None
+
+
+# reselect(candidates, models, run_starts=, block_size=) -> (Retrieval or None, why not): retrieval's
+# loader of the first candidate whose entry serves every model and the run (engine/retrieval.py)
+Reselect = Callable[..., "tuple[Retrieval | None, str]"]
+
 
 class Plan:
-    """What a request does with self-attention: ``plan.retrieval`` (:class:`Retrieval`, immutable)
-    plus ``plan.state`` (:class:`~chorus.engine.state.RequestState`, per request).
+    """What a request does with self-attention: ``plan.retrieval`` (:class:`Retrieval`, immutable; the
+    one the request serves now, ``plan.state.retrieval``) plus ``plan.state``
+    (:class:`~chorus.engine.state.RequestState`, per request).
 
     - ``kind``: ``"hit"`` or ``"miss"`` (a demoted hit is a miss); ``message`` says why.
     - hit: ``entry_id``, ``similarity``, ``masks`` = ``{(expert, step, layer, head_group): bool
@@ -104,35 +125,36 @@ class Plan:
     - both: ``embedding`` (float32 numpy, L2-normalised by the store), ``latent_shape`` ``[C, T, H, W]``,
       ``request_meta`` (the request's free-form fields merged with ``state.entry_extras``: what a new
       entry's metadata gets), ``similarity_threshold`` (the one retrieval used, or None),
-      ``stats`` (:class:`PlanStats`), ``experts`` (ModelInfo of the models that sampled, in order).
+      ``workspace_name``, ``stats`` (:class:`PlanStats`), ``experts`` (ModelInfo of the models that
+      sampled, in order).
 
     ``Plan("hit", ...)`` / ``Plan.miss(message, ...)`` take the :class:`Retrieval` fields as keywords
-    (plus ``keep_mass`` / ``record`` for the recorder); ``Plan.from_retrieval(r)`` takes one.
-    ``copy.deepcopy(plan)`` returns the plan itself: hosts deep-copy model options (ComfyUI's
-    ``clone()``), while every patched model of a request must share one plan. Setting an attribute
-    on a plan raises ``AttributeError``.
+    (plus ``keep_mass`` / ``record`` for the recorder, ``reselect`` for the candidates);
+    ``Plan.from_retrieval(r)`` takes one. ``copy.deepcopy(plan)`` returns the plan itself: hosts
+    deep-copy model options (ComfyUI's ``clone()``), while every patched model of a request must share
+    one plan. Setting an attribute on a plan raises ``AttributeError``.
     """
 
-    __slots__ = ("retrieval", "state")
+    __slots__ = ("state", "_reselect")
     MAX_MESSAGES = 20
 
     def __init__(self, kind: str, *, message: str = "", embedding=None, latent_shape=None,
                  request_meta: dict | None = None, entry_id=None, similarity: float | None = None,
                  masks: dict | None = None, entry_meta: dict | None = None, resample_to=None,
-                 workspace=None, similarity_threshold: float | None = None, alternatives=(),
-                 keep_mass: bool = False, record: bool = True):
+                 workspace_name: str | None = None, similarity_threshold: float | None = None, candidates=(),
+                 reselect: Reselect | None = None, keep_mass: bool = False, record: bool = True):
         retrieval = Retrieval(kind, message=message, entry_id=entry_id, similarity=similarity, masks=masks or {},
                               entry_meta=entry_meta, embedding=embedding, latent_shape=latent_shape,
                               resample_to=resample_to, similarity_threshold=similarity_threshold,
-                              request_meta=request_meta or {}, workspace=workspace,
-                              alternatives=tuple(alternatives))
-        self._init(retrieval, keep_mass=keep_mass, record=record)
+                              request_meta=request_meta or {}, workspace_name=workspace_name,
+                              candidates=tuple(candidates))
+        self._init(retrieval, reselect=reselect, keep_mass=keep_mass, record=record)
 
-    def _init(self, retrieval: Retrieval, *, keep_mass: bool, record: bool) -> None:
+    def _init(self, retrieval: Retrieval, *, reselect, keep_mass: bool, record: bool) -> None:
         recorder = MassRecorder(keep_mass=keep_mass) if retrieval.kind == "miss" and record else None
-        object.__setattr__(self, "retrieval", retrieval)
-        object.__setattr__(self, "state", RequestState(stats=PlanStats(similarity=retrieval.similarity),
-                                                       recorder=recorder))
+        state = RequestState(retrieval=retrieval, stats=PlanStats(similarity=retrieval.similarity), recorder=recorder)
+        object.__setattr__(self, "state", state)  # the slots are set once, here (__setattr__ refuses)
+        object.__setattr__(self, "_reselect", reselect)
 
     # -- construction helpers ------------------------------------------------------------------
     @classmethod
@@ -140,11 +162,14 @@ class Plan:
         return cls("miss", message=message, **kwargs)
 
     @classmethod
-    def from_retrieval(cls, retrieval: Retrieval, *, keep_mass: bool = False, record: bool = True) -> "Plan":
+    def from_retrieval(cls, retrieval: Retrieval, *, reselect: Reselect | None = None, keep_mass: bool = False,
+                       record: bool = True) -> "Plan":
+        """A plan of ``retrieval``; ``reselect``: retrieval's loader of its candidates (None: a hit made
+        for another model or schedule is demoted, never moved)."""
         if not isinstance(retrieval, Retrieval):
             raise ValueError(f"retrieval must be a Retrieval, got {type(retrieval).__name__}")
         plan = cls.__new__(cls)
-        plan._init(retrieval, keep_mass=keep_mass, record=record)
+        plan._init(retrieval, reselect=reselect, keep_mass=keep_mass, record=record)
         return plan
 
     def __setattr__(self, name, value):
@@ -168,6 +193,12 @@ class Plan:
         return f"Plan({self.kind}: {who})"
 
     # -- read-only views ---------------------------------------------------------------------------
+    @property
+    def retrieval(self) -> Retrieval:
+        """The retrieval the request serves now (the one retrieval made, or the candidate a sampler
+        run moved it to)."""
+        return self.state.retrieval
+
     @property
     def kind(self) -> str:
         return "miss" if self.state.demoted_reason is not None else self.retrieval.kind
@@ -222,8 +253,8 @@ class Plan:
         return self.retrieval.similarity_threshold
 
     @property
-    def workspace(self):
-        return self.retrieval.workspace
+    def workspace_name(self) -> str | None:
+        return self.retrieval.workspace_name
 
     @property
     def request_meta(self) -> dict:
@@ -263,7 +294,7 @@ class Plan:
     @property
     def sampler_sigmas(self) -> list[float]:
         """A hit's entry's sampler schedule (the sigmas its runs' steps started at; its ``step_sigmas``
-        when it recorded every step): what a sampler run must match (``signature.run_mismatch``)."""
+        when it recorded every step): what a sampler run must match (``compat.run_mismatch``)."""
         if not self.is_hit:
             return []
         try:
@@ -317,71 +348,67 @@ class Plan:
                                                    f"({reason})")
         self.note(f"plan demoted to dense: {reason}")
 
-    def register_expert(self, info: ModelInfo, *, run_starts=None, block_size: int | None = None) -> int | None:
-        """Expert index of a model in this request (order of first sampling), at the start of one of
-        its sampler runs (``run_starts``: the sigmas the run's steps start at; ``block_size``: the
-        sparse sampler's, when it runs one).
+    def mismatch(self, info: ModelInfo) -> str | None:
+        """Why the entry this hit serves now was not made for this model, or None (a miss, or it was).
+        A query: the sampler run decides (:meth:`serve_run`)."""
+        return model_mismatch(self.entry_meta["signature"], info) if self.is_hit else None
 
-        On a hit the entry must serve the model and the run (:meth:`serve_model`); otherwise the plan
-        is demoted and the index is the model's position among this request's models. Returns None
-        for an unsupported model (the caller runs it dense). The run's starts join
-        ``state.sampler_steps`` (what a new entry records as its sampler schedule).
+    def expect_model(self, info: ModelInfo) -> None:
+        """A model patched with this plan (patch time; Wan 2.2 A14B patches both experts before either
+        samples): every sampler run's check (:meth:`serve_run`) then wants an entry made for it too.
+        Moves and loads nothing."""
+        if info.supported:
+            with self.state.lock:
+                _add_model(self.state.models, info)
+
+    def serve_run(self, info: ModelInfo, *, run_starts=None, block_size: int | None = None) -> int | None:
+        """At the start of a sampler run of one model: the expert index of the model in this request
+        (the order models first sampled; a hit: the index in its entry), or None for an unsupported
+        model (the caller runs it dense). ``run_starts``: the sigmas the run's steps start at (they join
+        ``state.sampler_steps``, what a new entry records as its sampler schedule); ``block_size``: the
+        sparse sampler's, when it runs one.
+
+        The one place where a hit may change entry: retrieval sees neither the models nor the sampler
+        (the embedding is the request's), so the best entry can be one made for other weights or
+        another schedule (the same prompt sampled with another LoRA, strength or step count has an
+        equal embedding). When the entry does not serve every model met so far (:meth:`expect_model`
+        and earlier runs) and this run, then before the request's first sparse call the hit moves to
+        the most similar candidate that does (retrieval's ``reselect`` loads them, outside the plan's
+        lock), with a note saying why; when none does, or sparse calls already ran, it is demoted.
         """
-        with self.state.lock:
+        state = self.state
+        with state.lock:
             for s in run_starts or ():
-                self.state.sampler_steps.canonical(s)
+                state.sampler_steps.canonical(s)
             if not info.supported:
                 self.note(f"unsupported model: {info.reason}; dense attention")
                 return None
-            for i, known in enumerate(self.experts):
-                if known.fingerprint == info.fingerprint:
-                    index = i
-                    break
-            else:
-                self.experts.append(info)
-                index = len(self.experts) - 1
-            if self.is_hit and self.serve_model(info, run_starts=run_starts, block_size=block_size) is None:
-                return list(self.entry_meta["signature"].get("experts", [])).index(info.fingerprint)
-            return index
-
-    def serve_model(self, info: ModelInfo, *, run_starts=None, block_size: int | None = None) -> str | None:
-        """Make a hit serve this model (and, given ``run_starts`` / ``block_size``, this sampler run), or
-        demote it; returns the demotion reason, or None.
-
-        Retrieval sees neither the models nor the sampler (the embedding is the request's), so the
-        best entry can be one made for other weights or another schedule: the same prompt sampled with
-        another LoRA, strength or step count has an equal embedding. Before the request's first sparse
-        call, a hit whose entry does not serve them moves to the most similar of retrieval's other
-        candidates that serves them and every model this plan served so far
-        (:func:`~chorus.engine.retrieval.retrieval_for_models`); when none does, or sparse calls
-        already ran, the plan is demoted.
-        """
-        with self.state.lock:
-            if not self.is_hit:
-                return None
-            served = self.state.served_models
-            signature = self.entry_meta["signature"]
-            reason = model_mismatch(signature, info) or run_mismatch(signature, run_starts, block_size)
-            if reason is not None:
-                moved, why = None, ""
-                if self.state.stats.sparse_calls == 0 and self.retrieval.alternatives:
-                    from .retrieval import retrieval_for_models  # retrieval builds plans: imported when used
-
-                    moved, why = retrieval_for_models(self.retrieval, [*served, info], run_starts=run_starts,
-                                                      block_size=block_size)
-                if moved is None:
-                    reason += f"; no other candidate serves it ({why})" if why else ""
+            index = _add_model(state.experts, info)
+            _add_model(state.models, info)
+        while True:
+            with state.lock:
+                if not self.is_hit:
+                    return index
+                current = state.retrieval
+                models = list(state.models)
+                reason = _serves(current.signature, models, run_starts, block_size)
+                if reason is None:
+                    return list(current.signature.get("experts", [])).index(info.fingerprint)
+                if state.stats.sparse_calls or not current.candidates or self._reselect is None:
                     self.demote(reason)
-                    return reason
-                old = self.retrieval.entry_id
-                object.__setattr__(self, "retrieval", moved)
-                self.state.resampled.clear()
-                self.state.stats.similarity = moved.similarity
-                self.note(f"hit moved from entry {old} ({reason}) to entry {moved.entry_id}, similarity "
-                          f"{moved.similarity:.3f}, made for this model and schedule")
-            if all(m.fingerprint != info.fingerprint for m in served):
-                served.append(info)
-            return None
+                    return index
+            moved, why = self._reselect(current.candidates, models, run_starts=run_starts, block_size=block_size)
+            with state.lock:
+                if state.retrieval is not current or state.stats.sparse_calls or not self.is_hit:
+                    continue  # decided meanwhile (another thread): check what is there now
+                if moved is None:
+                    self.demote(reason + (f"; no other candidate serves it ({why})" if why else ""))
+                    return index
+                state.retrieval = moved
+                state.resampled.clear()
+                state.stats.similarity = moved.similarity
+                self.note(f"hit moved from entry {current.entry_id} ({reason}) to entry {moved.entry_id}, "
+                          f"similarity {moved.similarity:.3f}, made for this model and schedule")
 
     def refresh_state(self, refresh_steps: int):
         """The request's ``VisitRefresh`` for this R (shared by all experts)."""
@@ -391,46 +418,21 @@ class Plan:
                 refresh[refresh_steps] = kernels.VisitRefresh(refresh_steps)
             return refresh[refresh_steps]
 
-    def stored_map(self, expert: int, step: int, layer: int, *, block_size: int, top_p: float,
-                   k_min: int, device=None) -> torch.Tensor:
-        """Bool ``[H, Qb, Kb]`` for a key (on ``device``, default CPU), resampled to ``resample_to``.
 
-        Entries store bool maps (possibly bit-packed, ``cache_store.PackedMap``: unpacked on
-        ``device``); an entry that stores float block *mass* instead is turned into a map here with
-        ``select_blocks(top_p, k_min)`` (density chosen at retrieval time). Transformed maps are
-        cached on the CPU for the request. Raises ``KeyError`` when the entry has no map for the key,
-        ``ValueError`` on a bad map.
-        """
-        key = (expert, step, layer, 0)
-        resampled = self.state.resampled
-        with self.state.lock:
-            stored = self.masks[key]
-            cache_key = (key, top_p, k_min, block_size)
-            if cache_key in resampled:
-                return resampled[cache_key].to(device) if device is not None else resampled[cache_key]
-            if hasattr(stored, "unpack") and not isinstance(stored, torch.Tensor):  # cache_store PackedMap
-                stored = stored.unpack(device) if device is not None else stored.unpack()
-            if not isinstance(stored, torch.Tensor):
-                raise ValueError(f"entry map {key} is not a tensor")
-            block_map = stored
-            if block_map.dim() == 4 and block_map.shape[0] == 1:
-                block_map = block_map[0]
-            if block_map.dim() == 2:
-                block_map = block_map[None]
-            if block_map.dim() != 3:
-                raise ValueError(f"entry map {key} must be [H, Qb, Kb], got {tuple(stored.shape)}")
-            transformed = False
-            if block_map.dtype != torch.bool:
-                if not block_map.is_floating_point():
-                    raise ValueError(f"entry map {key} has dtype {block_map.dtype}, expected bool or float mass")
-                block_map = kernels.select_blocks(block_map.float()[None], top_p=top_p,
-                                                  k_min=min(k_min, block_map.shape[-1]))[0]
-                transformed = True
-            if self.resample_to is not None:
-                src = tuple(self.entry_meta["signature"]["token_grid"])
-                block_map = kernels.resample_block_map(block_map.cpu()[None], src, self.resample_to,
-                                                       block_size=block_size)[0]
-                transformed = True
-            if transformed:
-                resampled[cache_key] = block_map.cpu()
-            return block_map.to(device) if device is not None else block_map
+def _add_model(models: list, info: ModelInfo) -> int:
+    """The index of ``info``'s fingerprint in ``models``, appended when new."""
+    for i, known in enumerate(models):
+        if known.fingerprint == info.fingerprint:
+            return i
+    models.append(info)
+    return len(models) - 1
+
+
+def _serves(signature, models, run_starts, block_size) -> str | None:
+    """Why an entry (its signature) does not serve every model of ``models`` and the sampler run, or
+    None."""
+    for info in models:
+        reason = model_mismatch(signature, info)
+        if reason is not None:
+            return reason
+    return run_mismatch(signature, run_starts, block_size)

@@ -15,7 +15,8 @@ import torch
 
 from .plan import Plan, Retrieval
 from .routing import match_step
-from .signature import SIGNATURE_FORMAT, TOKEN_ORDER, latent_compatibility, model_mismatch, run_mismatch, token_grid
+from .compat import SIGNATURE_FORMAT, TOKEN_ORDER, latent_compatibility, model_mismatch, run_mismatch
+from .model_info import token_grid
 
 log = logging.getLogger("chorus.engine")
 
@@ -23,25 +24,21 @@ SEARCH_CANDIDATES = 8  # also the candidates a hit can move to when it meets ano
 
 
 def retrieve_plan(workspace, embedding, latent_shape, *, similarity_threshold: float = 0.9,
-                  request_meta: dict | None = None, candidates: int = SEARCH_CANDIDATES) -> Plan:
-    """See :func:`_retrieve_plan`. The plan carries ``similarity_threshold`` (a retrieval field) so
-    that :func:`commit_plan` writes a miss only if no entry that would serve it was written meanwhile
-    (e.g. by another worker that missed on the same request at the same time)."""
-    return _retrieve_plan(workspace, embedding, latent_shape, similarity_threshold=similarity_threshold,
-                          request_meta=request_meta, candidates=candidates)
-
-
-def _retrieve_plan(workspace, embedding, latent_shape, *, similarity_threshold: float = 0.9,
-                   request_meta: dict | None = None, candidates: int = SEARCH_CANDIDATES) -> Plan:
-    """Search ``workspace`` for the most similar compatible entry and return a :class:`Plan`.
+                  request_meta: dict | None = None, candidates: int = SEARCH_CANDIDATES,
+                  workspace_name: str | None = None) -> Plan:
+    """Search ``workspace`` (a store) for the most similar compatible entry and return a :class:`Plan`.
 
     ``embedding``: 1-D float vector (the store normalises it). ``latent_shape``: ``[C, T, H, W]`` or
     ``[B, C, T, H, W]``. The best ``candidates`` entries by similarity are tried in order; an entry
     is used when its similarity >= ``similarity_threshold`` and its latent is compatible (same grid,
     or another grid of the same aspect: masks resampled); a hit keeps the candidates ranked after it
-    at or above the threshold (``Retrieval.alternatives``: where it moves when it meets a model or
-    schedule its entry was not made for, :meth:`Plan.serve_model`). Unreadable entries are skipped with a
-    message. Never raises for a store problem: returns a miss that says what happened.
+    at or above the threshold (``Retrieval.candidates``) and a loader of them bound to ``workspace``
+    (the plan's ``reselect``: where :meth:`Plan.serve_run` moves a hit that meets a model or schedule
+    its entry was not made for). Unreadable entries are skipped with a message. The plan carries
+    ``similarity_threshold`` so that :func:`commit_plan` writes a miss only if no entry that would
+    serve it was written meanwhile (e.g. by another worker that missed on the same request at the
+    same time), and ``workspace_name`` (the host's name of the store, or None) as given.
+    Never raises for a store problem: returns a miss that says what happened.
     Raises ``ValueError`` for a threshold outside [0, 1] or a bad latent shape.
     """
     if not (0.0 <= float(similarity_threshold) <= 1.0):
@@ -51,7 +48,7 @@ def _retrieve_plan(workspace, embedding, latent_shape, *, similarity_threshold: 
     emb = np.asarray(embedding, dtype=np.float32).reshape(-1)
     if emb.size == 0 or not np.isfinite(emb).all():
         raise ValueError("embedding must be a non-empty finite vector")
-    common = dict(embedding=emb, latent_shape=latent, request_meta=request_meta, workspace=workspace,
+    common = dict(embedding=emb, latent_shape=latent, request_meta=request_meta, workspace_name=workspace_name,
                   similarity_threshold=float(similarity_threshold))
     try:
         found = workspace.search(emb, k=candidates) if len(workspace) else []
@@ -59,71 +56,72 @@ def _retrieve_plan(workspace, embedding, latent_shape, *, similarity_threshold: 
         return Plan.miss(f"miss: search failed ({type(exc).__name__}: {exc})", **common)
     if not found:
         return Plan.miss("miss: the workspace has no entries yet", **common)
+    loader = CandidateLoader(workspace, grid, latent, common)
     reasons = []
     for i, (entry_id, similarity) in enumerate(found):
         similarity = float(similarity)
         if similarity < similarity_threshold:
             reasons.append(f"best remaining similarity {similarity:.3f} < threshold {similarity_threshold:.3f}")
             break
-        alternatives = tuple((e, float(s)) for e, s in found[i + 1:] if float(s) >= similarity_threshold)
-        hit, why = _hit(workspace, entry_id, similarity, grid, latent, common, alternatives)
+        others = tuple((e, float(s)) for e, s in found[i + 1:] if float(s) >= similarity_threshold)
+        hit, why = loader.hit(entry_id, similarity, others)
         if hit is not None:
-            return Plan.from_retrieval(hit)
+            return Plan.from_retrieval(hit, reselect=loader.reselect)
         reasons.append(why)
     best = float(found[0][1])
     return Plan.miss(f"miss (best similarity {best:.3f}): " + "; ".join(reasons), **common)
 
 
-def _hit(workspace, entry_id, similarity: float, grid, latent, common: dict, alternatives=(), models=(),
-         run_starts=None, block_size=None):
-    """``(Retrieval, "")`` of a hit on this entry, or ``(None, why not)``: unreadable, incompatible
-    latent, no masks, made for another of ``models`` (ModelInfo), or not for this sampler run
-    (``run_starts`` / ``block_size``, :func:`~chorus.engine.signature.run_mismatch`)."""
-    try:
-        masks, meta = _load(workspace, entry_id)
-        signature = meta["signature"]
-    except Exception as exc:  # noqa: BLE001 - corrupt entry: the store quarantines it; go on
-        return None, f"entry {entry_id} unreadable ({type(exc).__name__}: {exc})"
-    verdict, why = latent_compatibility(signature, latent)
-    if verdict == "incompatible":
-        return None, f"entry {entry_id} (similarity {similarity:.3f}) incompatible: {why}"
-    if not masks:
-        return None, f"entry {entry_id} holds no masks"
-    for mismatch in [model_mismatch(signature, info) for info in models] + [
-            run_mismatch(signature, run_starts, block_size)]:
-        if mismatch is not None:
-            return None, f"entry {entry_id}: {mismatch}"
-    message = f"hit: entry {entry_id}, similarity {similarity:.3f}"
-    if verdict == "resample":
-        message += f" ({why})"
-    try:
-        return Retrieval("hit", message=message, entry_id=entry_id, similarity=similarity, masks=masks,
-                         entry_meta=meta, resample_to=grid if verdict == "resample" else None,
-                         alternatives=alternatives, **common), ""
-    except ValueError as exc:  # e.g. an order that cannot be resampled: not this entry
-        return None, f"entry {entry_id}: {exc}"
+class CandidateLoader:
+    """A retrieval's access to its store's entries, bound by :func:`retrieve_plan`: loads one candidate
+    as a hit (:meth:`hit`), or the first of a list that serves given models and a sampler run
+    (:meth:`reselect`, what a plan calls at the start of a sampler run; an entry is ~5 MB, tens of
+    ms). Never raises for a store problem (that candidate is skipped, with its reason)."""
 
+    def __init__(self, workspace, grid, latent, common: dict):
+        self._workspace, self._grid, self._latent, self._common = workspace, grid, latent, dict(common)
 
-def retrieval_for_models(retrieval: Retrieval, models, *, run_starts=None, block_size=None
-                         ) -> tuple[Retrieval | None, str]:
-    """The hit on the most similar of ``retrieval.alternatives`` whose entry serves every model of
-    ``models`` (:class:`ModelInfo`) and the sampler run (``run_starts``: the sigmas its steps start
-    at; ``block_size``), with the alternatives after it, or ``(None, why not)``. Loads candidates from
-    ``retrieval.workspace`` in order (an entry is ~5 MB, tens of ms). Never raises for a store
-    problem (that candidate is skipped)."""
-    grid = token_grid(retrieval.latent_shape)
-    common = dict(embedding=retrieval.embedding, latent_shape=retrieval.latent_shape,
-                  request_meta=dict(retrieval.request_meta), workspace=retrieval.workspace,
-                  similarity_threshold=retrieval.similarity_threshold)
-    reasons = []
-    candidates = list(retrieval.alternatives)
-    for i, (entry_id, similarity) in enumerate(candidates):
-        hit, why = _hit(retrieval.workspace, entry_id, similarity, grid, retrieval.latent_shape, common,
-                        tuple(candidates[i + 1:]), models, run_starts, block_size)
-        if hit is not None:
-            return hit, ""
-        reasons.append(why)
-    return None, "; ".join(reasons)
+    def hit(self, entry_id, similarity: float, others=(), models=(), run_starts=None, block_size=None):
+        """``(Retrieval, "")`` of a hit on this entry (``others``: its candidates), or ``(None, why not)``:
+        unreadable, incompatible latent, no masks, made for another of ``models`` (ModelInfo), or not
+        for this sampler run (``run_starts`` / ``block_size``, :func:`~chorus.engine.compat.run_mismatch`)."""
+        try:
+            masks, meta = _load(self._workspace, entry_id)
+            signature = meta["signature"]
+        except Exception as exc:  # noqa: BLE001 - corrupt entry: the store quarantines it; go on
+            return None, f"entry {entry_id} unreadable ({type(exc).__name__}: {exc})"
+        verdict, why = latent_compatibility(signature, self._latent)
+        if verdict == "incompatible":
+            return None, f"entry {entry_id} (similarity {similarity:.3f}) incompatible: {why}"
+        if not masks:
+            return None, f"entry {entry_id} holds no masks"
+        for mismatch in [model_mismatch(signature, info) for info in models] + [
+                run_mismatch(signature, run_starts, block_size)]:
+            if mismatch is not None:
+                return None, f"entry {entry_id}: {mismatch}"
+        message = f"hit: entry {entry_id}, similarity {similarity:.3f}"
+        if verdict == "resample":
+            message += f" ({why})"
+        try:
+            return Retrieval("hit", message=message, entry_id=entry_id, similarity=similarity, masks=masks,
+                             entry_meta=meta, resample_to=self._grid if verdict == "resample" else None,
+                             candidates=others, **self._common), ""
+        except ValueError as exc:  # e.g. an order that cannot be resampled: not this entry
+            return None, f"entry {entry_id}: {exc}"
+
+    def reselect(self, candidates, models, *, run_starts=None, block_size=None) -> tuple[Retrieval | None, str]:
+        """The hit on the most similar of ``candidates`` (``(entry_id, similarity)``, best first) whose
+        entry serves every model of ``models`` (:class:`ModelInfo`) and the sampler run (``run_starts``:
+        the sigmas its steps start at; ``block_size``), with the candidates after it, or ``(None, why
+        not)``."""
+        reasons = []
+        candidates = list(candidates)
+        for i, (entry_id, similarity) in enumerate(candidates):
+            hit, why = self.hit(entry_id, similarity, tuple(candidates[i + 1:]), models, run_starts, block_size)
+            if hit is not None:
+                return hit, ""
+            reasons.append(why)
+        return None, "; ".join(reasons)
 
 
 def _load(workspace, entry_id):
@@ -153,7 +151,7 @@ def _pin_packed(masks: dict) -> dict:
 
 
 def build_signature(plan: Plan) -> dict:
-    """The signature written with a new entry (see ``signature.py``). Raises ``ValueError`` if the
+    """The signature written with a new entry (see ``compat.py``). Raises ``ValueError`` if the
     plan has not recorded anything."""
     rec = plan.recorder
     if rec is None:

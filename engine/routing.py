@@ -23,6 +23,33 @@ def sigmas_close(a: float, b: float) -> bool:
     return abs(a - b) <= ATOL + RTOL * abs(b)
 
 
+def sigma_value(sigma) -> float:
+    """A sigma as a finite float: a number, or the first element of a tensor (one host read).
+    Raises ``ValueError`` for an empty tensor or a non-finite value."""
+    if hasattr(sigma, "reshape") and hasattr(sigma, "numel"):
+        if sigma.numel() == 0:
+            raise ValueError("empty sigma tensor")
+        sigma = sigma.reshape(-1)[0].item()
+    sigma = float(sigma)
+    if not math.isfinite(sigma):
+        raise ValueError(f"sigma must be finite, got {sigma}")
+    return sigma
+
+
+def sigma_schedule(sample_sigmas) -> list[float] | None:
+    """A sampler run's schedule as a list of floats, the one normalisation every host and engine
+    part uses: a tensor, list or tuple of numbers -> ``[float, ...]``; None, an empty schedule, a
+    non-number or a non-finite value -> None (no schedule: each sigma names its own step)."""
+    if sample_sigmas is None:
+        return None
+    try:
+        values = sample_sigmas.tolist() if hasattr(sample_sigmas, "tolist") else list(sample_sigmas)
+        values = [float(s) for s in (values if isinstance(values, list) else [values])]
+    except (TypeError, ValueError):
+        return None
+    return values if values and all(math.isfinite(s) for s in values) else None
+
+
 def step_sigma(sigma: float, sample_sigmas: Sequence[float] | None) -> float:
     """The sigma at the start of the step that ``sigma`` is evaluated in.
 

@@ -1,16 +1,18 @@
 """The per-request state of a plan, declared in one place.
 
-A :class:`~chorus.engine.plan.Plan` is the immutable retrieval result (``plan.retrieval``) plus one
-:class:`RequestState` (``plan.state``): everything that changes while the request samples and is
-committed. Every patched model of the request (Wan 2.2 A14B: both experts) shares it. Nothing else
-is attached to a plan: hosts and engine parts read and write these declared fields only.
+A :class:`~chorus.engine.plan.Plan` is one :class:`RequestState` (``plan.state``): everything that
+changes while the request samples and is committed. Every patched model of the request (Wan 2.2 A14B:
+both experts) shares it. Nothing else is attached to a plan: hosts and engine parts read and write
+these declared fields only.
 
+- ``retrieval`` (the frozen :class:`~chorus.engine.plan.Retrieval` the request serves now: the one
+  retrieval made, or the candidate a sampler run moved it to, ``Plan.serve_run``);
 - ``stats`` (:class:`PlanStats`, the UI messages included), ``noted`` (messages already logged);
 - ``recorder`` (a miss's :class:`~chorus.engine.recorder.MassRecorder`, or None);
 - ``experts`` (``ModelInfo`` of the models that sampled, in order), ``demoted_reason``,
-  ``served_models`` (those a hit's entry was checked to serve), ``sampler_steps`` (the sigmas every
-  sampler run's steps start at: the request's schedule, also where a step cache such as EasyCache
-  skipped the model);
+  ``models`` (those patched with the plan or sampled: what a hit's entry must serve),
+  ``sampler_steps`` (the sigmas every sampler run's steps start at: the request's schedule, also
+  where a step cache such as EasyCache skipped the model);
 - ``refresh`` (one ``kernels.VisitRefresh`` per refresh period), ``resampled`` (transformed maps);
 - ``feature_reuse`` (:class:`FeatureReuseState`), ``entry_extras`` (fields a new entry's metadata
   gets on top of the request's own, e.g. feature reuse's region scores: ``commit_plan`` merges them);
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -152,10 +155,11 @@ class RequestState:
     Made by :class:`~chorus.engine.plan.Plan`; ``copy.deepcopy`` returns the object itself (hosts
     deep-copy model options, while every patched model of a request shares one state)."""
 
+    retrieval: Any = None
     stats: PlanStats = field(default_factory=PlanStats)
     recorder: MassRecorder | None = None
     experts: list = field(default_factory=list)
-    served_models: list = field(default_factory=list)  # ModelInfo of the models a hit was checked to serve
+    models: list = field(default_factory=list)  # ModelInfo of the models patched with the plan or sampled
     sampler_steps: SigmaSchedule = field(default_factory=SigmaSchedule)  # where the sampler runs' steps start
     demoted_reason: str | None = None
     refresh: dict = field(default_factory=dict)

@@ -27,8 +27,8 @@ map that keeps, in every query-block row, as many blocks as it does but those wi
   without them notes it), and the check stays off by default until real weights say where genuine
   hits' ratios fall (``DEFAULT_VERIFY_THRESHOLD``).
 
-How ``ChorusAttention`` uses it (``SparseConfig.verify_*``; the plan's request-wide record is
-:class:`ExpertCheck` in ``plan.state.verification``):
+How a hit's run uses it (:class:`Verifier`, one per expert run; ``SparseConfig.verify_*``; the plan's
+request-wide record is :class:`ExpertCheck` in ``plan.state.verification``):
 
 * At the first step of each expert of a hit, every checked layer (``verify_layers``) adds its
   ``[recall, best]`` terms on ``verify_heads`` evenly spaced heads with ``verify_rows`` rows per
@@ -54,11 +54,13 @@ How ``ChorusAttention`` uses it (``SparseConfig.verify_*``; the plan's request-w
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
 
 from .. import kernels
+from .recorder import MassRecorder
 
 
 ANCHORS_META_KEY = "verify_anchors"  # entry metadata: where the recorder's mass was exact (layers, heads)
@@ -171,3 +173,159 @@ class ExpertCheck:
                 "best": sum(b for _, b in vals) / n if n else None,
                 "min_ratio": min(fit_ratio(r, b) for r, b in vals) if n else None,
                 **({"reason": self.reason} if self.reason else {})}
+
+
+class Verifier:
+    """The verification of one expert's sampler run of a hit (the module docstring says what it does).
+
+    ``plan``: the request's plan; ``config``: the model's ``SparseConfig``; ``expert``: the run's
+    expert; ``num_layers``: the model's; ``record_into(recorder, call, sigma, grid)``: the run's
+    recording of one call (how the first expert's calls are recorded ahead). Never raises.
+    """
+
+    def __init__(self, plan, config, expert: int, num_layers: int, record_into):
+        self.plan, self.config, self.expert = plan, config, expert
+        self.num_layers = num_layers
+        self.record_into = record_into
+
+    def observe(self, call, step: int, sigma: float, grid, block_map, order=None) -> ExpertCheck | None:
+        """At the first step of this expert: record ``call`` ahead (first expert) and add the estimate
+        of a checked layer (``block_map``: the map the call computes; ``order``: the token order the
+        run's maps are in, None = raster). Returns the pending :class:`ExpertCheck` or None."""
+        plan, cfg = self.plan, self.config
+        if cfg.verify_threshold <= 0:
+            return None
+        state = plan.state
+        layer = int(call.layer)
+        try:
+            with state.lock:
+                check = state.verification.get(self.expert)
+                if check is None:
+                    check = self._start(step)
+                    if check is None:
+                        return None
+            if check.verdict is not None or check.step != step:
+                return None
+            recorder = state.verify_recorder if check.records else None
+            if recorder is not None and recorder.incomplete_reason is None:
+                try:
+                    self.record_into(recorder, call, sigma, grid)
+                    state.verify_covered += 1
+                except Exception as exc:  # noqa: BLE001
+                    recorder.mark_incomplete(f"recording ahead failed ({type(exc).__name__}: {exc})")
+            if layer in check.layers and layer not in check.estimates:
+                qs, ks = call.positive_rows(keep_all=True)
+                with torch.no_grad():
+                    check.estimates[layer] = recall_terms(
+                        qs, ks, block_map, heads=verify_head_index(call.q.shape[1], cfg.verify_heads),
+                        sample_rows=cfg.verify_rows, block_size=cfg.block_size, token_perm=order)
+            return check
+        except Exception as exc:  # noqa: BLE001 - verification never breaks sampling
+            why = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            plan.note(f"hit verification gave no verdict for expert {self.expert} ({why})")
+            check = state.verification.get(self.expert)
+            if check is not None and check.verdict is None:
+                check.verdict, check.reason, check.estimates = "no verdict", why, {}
+                self._publish(check)
+                self._drop_record_ahead(check)
+            return None
+
+    def _start(self, step: int) -> ExpertCheck | None:
+        """This expert's check, made at its first sparse call (under the plan's lock)."""
+        plan, cfg, state = self.plan, self.config, self.plan.state
+        layers = tuple(l for l in cfg.verify_layers if l < self.num_layers)
+        if not layers:
+            check = state.verification[self.expert] = ExpertCheck(step, (), verdict="no verdict",
+                                                                  reason="no checked layer in the model")
+            self._publish(check)
+            return None
+        first = not state.verification and plan.stats.sparse_calls == 0
+        check = state.verification[self.expert] = ExpertCheck(step, layers, records=first)
+        if first and not anchors_cover(plan.entry_meta, layers, cfg.verify_heads):
+            plan.note("hit verification: the entry was recorded without exact mass where this check "
+                      "looks (no verification anchors for these layers / heads), so its fit ratio is "
+                      "held down by the recording's row sampling and a fitting hit may be demoted "
+                      "(the request then writes an entry that has them)")
+        if first and plan.embedding is not None:  # a demoted request could be written
+            state.verify_recorder, state.verify_covered = MassRecorder(), 0
+        return check
+
+    def after_call(self, check: ExpertCheck | None, layer: int) -> None:
+        """After a sparse call that :meth:`observe` saw: decide once the last checked layer ran."""
+        if check is not None and int(layer) >= check.layers[-1]:
+            self.decide(check)
+
+    def moved_on(self, step: int) -> bool:
+        """Decide this expert's check if it is still pending at a later step (its last checked layer
+        never ran sparse, e.g. a fallback); True when a verdict was taken now."""
+        check = self.plan.state.verification.get(self.expert)
+        if check is None or check.verdict is not None or check.step == step:
+            return False
+        self.decide(check)
+        return True
+
+    def decide_pending(self) -> None:
+        """At the end of the run: decide a check still pending."""
+        check = self.plan.state.verification.get(self.expert)
+        if check is not None and check.verdict is None:
+            self.decide(check)
+
+    def fell_back(self, why: str) -> None:
+        """A call of the run fell back to dense: the record-ahead did not record it."""
+        recorder = self.plan.state.verify_recorder
+        if recorder is not None:
+            recorder.mark_incomplete(f"a call fell back during verification ({why})")
+
+    def decide(self, check: ExpertCheck) -> None:
+        """The verdict of a pending check: reads its estimates (the one host sync of the check: one
+        stacked copy), demotes the plan when the fit ratio (recall / best recall at the same density,
+        over the checked layers and heads) is below the threshold."""
+        plan, cfg = self.plan, self.config
+        state = plan.state
+        if check.verdict is not None:
+            return
+        try:
+            layers = sorted(check.estimates)
+            terms = (torch.stack([check.estimates[l].float().reshape(2, -1).mean(-1) for l in layers]).cpu().tolist()
+                     if layers else [])
+            check.values = {layer: (float(r), float(b)) for layer, (r, b) in zip(layers, terms)}
+            check.estimates = {}
+            vals = [v for pair in check.values.values() for v in pair]
+            if not vals or not all(math.isfinite(v) for v in vals):  # none, or NaN / inf
+                check.verdict, check.reason = "no verdict", "no estimate" if not vals else "non-finite estimate"
+                plan.note(f"hit verification gave no verdict for expert {self.expert} ({check.reason})")
+                self._publish(check)
+                self._drop_record_ahead(check)
+                return
+            ratio = check.ratio
+            check.verdict = "pass" if ratio >= cfg.verify_threshold else "fail"
+            self._publish(check)
+            if check.verdict == "pass":
+                self._drop_record_ahead(check)
+                return
+            recorder = state.verify_recorder if check.records else None
+            if recorder is not None and state.verify_covered != plan.stats.sparse_calls:
+                recorder = None  # some sparse call was not recorded ahead: nothing can be written
+            self._drop_record_ahead(check)
+            if recorder is not None:
+                plan.stats.recorded_calls += state.verify_covered  # the calls recorded ahead
+            summary = check.summary()
+            plan.demote(f"hit verification failed for expert {self.expert}: the reused maps keep an estimated "
+                        f"{summary['recall']:.3f} of the attention mass where maps as sparse could keep "
+                        f"{summary['best']:.3f} (fit ratio {ratio:.3f} < verify_threshold {cfg.verify_threshold:g}) "
+                        f"on layers {sorted(check.values)} at step {check.step}", recorder=recorder)
+            if plan.recorder is not None and plan.recorder.incomplete_reason is not None:
+                plan.note("hit verification failed after other steps ran sparse: the rest of the request runs "
+                          "dense; nothing will be written to the cache")
+        except Exception as exc:  # noqa: BLE001
+            check.verdict, check.reason = "no verdict", f"{type(exc).__name__}: {exc}"
+            plan.note(f"hit verification gave no verdict for expert {self.expert} ({check.reason})")
+            self._publish(check)
+            self._drop_record_ahead(check)
+
+    def _publish(self, check: ExpertCheck) -> None:
+        self.plan.stats.verification[self.expert] = {**check.summary(), "threshold": self.config.verify_threshold}
+
+    def _drop_record_ahead(self, check: ExpertCheck) -> None:
+        if check.records:
+            self.plan.state.verify_recorder = None

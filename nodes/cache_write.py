@@ -5,7 +5,7 @@ from __future__ import annotations
 from comfy_api.latest import io
 
 from ..engine import Plan, commit_plan
-from .common import CATEGORY, ChorusPlan, node_text, ui_text
+from .common import CATEGORY, ChorusPlan, node_text, open_workspace, ui_text
 
 
 class ChorusCacheWrite(io.ComfyNode):
@@ -35,10 +35,13 @@ class ChorusCacheWrite(io.ComfyNode):
         if not isinstance(plan, Plan):
             info = f"not written: the plan input is not a Chorus plan ({type(plan).__name__})"
             return io.NodeOutput(info, ui=ui_text(info))
-        if plan.workspace is None:
+        if plan.workspace_name is None:
             info = f"not written: no workspace ({plan.message})"
         else:
-            info = commit_plan(plan.workspace, plan)
+            try:
+                info = commit_plan(open_workspace(plan.workspace_name), plan)
+            except (ValueError, OSError) as exc:
+                info = f"not written: workspace {plan.workspace_name!r} unusable ({exc})"
         stats = plan.stats.summary()
         notes = "; ".join(plan.stats.messages[:5])
         text = node_text(f"{info} | {stats}" + (f" | notes: {notes}" if notes else ""))

@@ -2,51 +2,29 @@
 ChorusGuidanceBoost all configure, and the hooks that run it.
 
 A :class:`ChorusPatch` holds the request's plan, the model's ``ModelInfo`` and up to three parts (the
-engine's ``ChorusAttention``, ``FeatureReuse``, ``GuidanceBoost``). It lives under one key,
-``transformer_options["chorus_ii"]``, of a ``model.clone()``; :func:`configure` (what every node calls)
-returns a clone whose patch is the old parts + the node's part, and (re)installs ComfyUI's supported
-hooks:
+engine's ``ChorusAttention``, ``FeatureReuse``, ``GuidanceBoost``) under ``transformer_options["chorus_ii"]``
+of a ``model.clone()``. :func:`configure` (what every node calls) returns a clone whose patch is the
+old parts + the node's part and (re)installs ComfyUI's supported hooks: the one
+``optimized_attention_override`` (a :class:`ChorusOverride`, the same object for every request,
+chaining another node's override), one ``OUTER_SAMPLE`` wrapper (:meth:`ChorusPatch.outer_sample`: each
+part's ``begin_run`` / ``end_run``) and one ``DIFFUSION_MODEL`` wrapper (:func:`diffusion_model_wrapper`)
+under the key ``"chorus_ii"``, the block patches (``nodes/comfy_forward.py``: every block with feature
+reuse, block 0 with the sparse sampler alone) and, with ``cfg_strength > 0``, a :class:`CfgCorrection`.
+Calls are read in ComfyUI 0.3.64's and 0.38.x's conventions (``nodes/comfy_call.py``: q/k/v containers
+taken once, ``scale`` honoured); a recognised sparse override (ComfyUI's Model Sparse Attention node) is
+skipped by Chorus's own dense calls, and where it has put itself on top, Chorus takes the top back in
+each forward (``nodes/override_stack.py``).
 
-- ``optimized_attention_override`` = a :class:`ChorusOverride` (one object per chained override, the
-  same for every request, so a compiled model is not recompiled for a new patch); an override another
-  node set is chained: every call Chorus does not handle goes through it. A recognised sparse override
-  (ComfyUI's Model Sparse Attention node) is skipped by Chorus's own dense calls, and where it has put
-  itself on top, Chorus takes the top back in each forward (``nodes/override_stack.py``). Calls are
-  read in ComfyUI 0.3.64's and 0.38.x's conventions (``nodes/comfy_call.py``: q/k/v containers taken
-  once, ``scale`` honoured);
-- one ``OUTER_SAMPLE`` wrapper (the patch's sampler run: every part's ``begin_run`` / ``end_run``) and
-  one ``DIFFUSION_MODEL`` wrapper (:func:`diffusion_model_wrapper`, module level), both under the key
-  ``"chorus_ii"``;
-- ``patches_replace["dit"][("double_block", i)]`` = a :class:`ChorusBlock` on every block with feature
-  reuse, on block 0 with the sparse sampler alone (it hands the blocks a row-major residual stream:
-  ComfyUI's WanModel passes its patch embedding's ``transpose(1, 2)`` view to the blocks, whose three
-  layer norms would each copy it: 8% of a 720p hit's GPU time per step, docs/BENCHMARKS.md, run 15);
-- with ``cfg_strength > 0``, a :class:`CfgCorrection` post-CFG function.
-
-Per forward, the DIFFUSION_MODEL wrapper runs on the host side of the graph (``torch.compiler.disable``:
+Per forward the DIFFUSION_MODEL wrapper runs on the host side of the graph (``torch.compiler.disable``:
 under ``TorchCompileModel`` one graph break at the top of the model, none inside a block): it reads
-the sigma once, the token grid from the latent (``engine.token_grid``), and makes the forward's
-:class:`~chorus.engine.attend.ForwardContext` current; the options copy the model sees carries only
-constants for the traced code: :data:`MODE_KEY` (``"attend"``: self-attention through
-``torch.ops.chorus.attend``; ``"record"``: the host's own dense attention, then
-``torch.ops.chorus.record_mass``; absent: every call passes), :data:`TOKENS_KEY` (the grid's token
-count: self-attention is the call whose q, k and v have that length) and :data:`GAIN_KEY` (guidance's
-cross-attention gain, or absent). Everything that changes between steps and requests (the plan, maps,
-refresh, recorder, verification, counters, notes) is read when the ops run: see
-:mod:`chorus.engine.attend`.
-
-Feature reuse on a miss stays in the graph: each block runs in full and
-``torch.ops.chorus.record_block`` records its region scores from the block's input and output. On a
-hit (:data:`REUSE_KEY` ``"reduce"``) a :class:`ChorusBlock` runs its block on the host side
-(``torch.compiler.disable``): the compact sequence follows the step's redundant regions. Its
-self-attention calls carry the block's ``RegionLayout`` under :data:`LAYOUT_KEY`: expanded to the full
-grid, attended, compacted; or, for a hit recorded in the region order, attended on the compact
-sequence itself (``ChorusAttention.compact_self_attention``). A sparse sampler configured together
-with feature reuse records a miss in that region order.
-
-Objects stored in ``model_options`` return themselves from ``__deepcopy__`` (``clone()`` deep-copies
-``model_options``). Anything unexpected gives a note in the plan and dense attention / a full block,
-never a failed prompt.
+the sigma once and the token grid from the latent, makes the forward's
+:class:`~chorus.engine.attend.ForwardContext` current, and hands the model an options copy with
+constants only (``nodes/comfy_forward.py``). The override translates each attention call by them:
+self-attention to ``torch.ops.chorus.attend`` (or, on a recording miss, the host's attention +
+``torch.ops.chorus.record_mass``), cross-attention to the host's attention times guidance's gain.
+Everything that changes between steps and requests is read when the ops run (``engine/attend.py``).
+Objects stored in ``model_options`` return themselves from ``__deepcopy__``. Anything unexpected
+gives a note in the plan and dense attention / a full block, never a failed prompt.
 """
 
 from __future__ import annotations
@@ -59,56 +37,19 @@ from ..engine import ChorusAttention, ModelInfo, Plan, token_grid
 from ..engine import attend as engine_attend
 from ..engine.feature_reuse import FeatureReuse
 from ..engine.guidance import GuidanceBoost
-from ..kernels import pooling
 from . import comfy_call, host_report, override_stack
 from .comfy_adapter import comfy_model_info
+from .comfy_forward import DENSE_KEY, FORWARD_KEY, FORWARD_KEYS, GAIN_KEY, MODE_KEY, REUSE_KEY, TOKENS_KEY, \
+    ChorusBlock, Forward
+from .comfy_override import ChorusOverride
 
 log = logging.getLogger("chorus.nodes")
 
 PATCH_KEY = "chorus_ii"            # transformer_options: the model's ChorusPatch
 WRAPPER_KEY = "chorus_ii"          # the keyed OUTER_SAMPLE / DIFFUSION_MODEL wrappers
-FORWARD_KEY = "chorus_ii_forward"  # a forward's options copy: its Forward (host-side code only)
-MODE_KEY = "chorus_ii_mode"        # a forward's options copy: "attend" | "record" (absent: pass)
-TOKENS_KEY = "chorus_ii_tokens"    # a forward's options copy: the token grid's length
-GAIN_KEY = "chorus_ii_gain"        # a forward's options copy: guidance's cross-attention gain
-REUSE_KEY = "chorus_ii_feature_reuse"  # a forward's options copy: "reduce" (a hit) | "record" (a miss)
-LAYOUT_KEY = "chorus_ii_layout"    # a compacted block call's options copy: its RegionLayout
-DENSE_KEY = "chorus_ii_dense"      # a forward's options copy: (chain,) for Chorus's own dense calls, when it
-                                   # is not the override's own chain (a foreign sparse override skipped)
-FORWARD_KEYS = (FORWARD_KEY, MODE_KEY, TOKENS_KEY, GAIN_KEY, REUSE_KEY, LAYOUT_KEY, DENSE_KEY)
 OVERRIDE = "optimized_attention_override"
 CLIP_IMAGE_TOKENS = 257
 KEEP = object()  # configure(): leave that part as it is
-
-
-class Forward:
-    """One diffusion-model call, as the host-side code sees it: the patch that owns it, the engine's
-    :class:`~chorus.engine.attend.ForwardContext` (grid, sigma, layer counter, why Chorus stays out),
-    and the lengths of its cross-attention contexts."""
-
-    def __init__(self, patch: "ChorusPatch", context: engine_attend.ForwardContext, context_lengths=frozenset()):
-        self.patch = patch
-        self.context = context
-        self.context_lengths = frozenset(context_lengths)
-
-    def __deepcopy__(self, memo):
-        return self
-
-    @property
-    def grid(self):
-        return self.context.grid
-
-    @property
-    def tokens(self) -> int:
-        return self.context.tokens
-
-    @property
-    def sigma(self):
-        return self.context.sigma
-
-    @property
-    def disabled_reason(self):
-        return self.context.disabled_reason
 
 
 class ChorusPatch:
@@ -148,9 +89,8 @@ class ChorusPatch:
 
     # -- OUTER_SAMPLE: one sampler run ---------------------------------------------------------------
     def outer_sample(self, executor, *args, **kwargs):
-        """OUTER_SAMPLE wrapper (args: noise, latent_image, sampler, sigmas, ...)."""
+        """OUTER_SAMPLE wrapper (args: noise, latent_image, sampler, sigmas, ...): every part's run."""
         sigmas = args[3] if len(args) > 3 else kwargs.get("sigmas")
-        schedule = sigmas.detach().float().cpu() if isinstance(sigmas, torch.Tensor) else sigmas
         started = []
         self._run_failed = None
         guider = getattr(executor, "class_obj", None)  # another sparse override on this run's model
@@ -160,22 +100,15 @@ class ChorusPatch:
         if stack_line is not None:
             self.note(stack_line)
         try:
-            for part in (self.attention, self.feature_reuse):
+            for part in (self.attention, self.feature_reuse, self.guidance):
                 if part is None:
                     continue
                 started.append(part)
                 try:
-                    part.begin_run(schedule)
+                    part.begin_run(sigmas)
                 except Exception as exc:  # noqa: BLE001 - never fail the prompt: the run goes plain
                     self._run_failed = f"could not start the Chorus run ({type(exc).__name__}: {exc})"
                     self.note(f"{self._run_failed}; dense attention, full blocks")
-            if self.guidance is not None:
-                try:
-                    self.guidance.sample_sigmas = (None if schedule is None else
-                                                   [float(s) for s in (schedule.tolist() if hasattr(schedule, "tolist")
-                                                                       else schedule)])
-                except (TypeError, ValueError):
-                    self.guidance.sample_sigmas = None
             try:
                 return executor(*args, **kwargs)
             except BaseException as exc:  # one line naming ComfyUI's version when Chorus code failed
@@ -188,8 +121,6 @@ class ChorusPatch:
                     part.end_run()
                 except Exception as exc:  # noqa: BLE001
                     self.note(f"ending the Chorus run failed ({type(exc).__name__}: {exc})")
-            if self.guidance is not None:
-                self.guidance.sample_sigmas = None
             self._run_failed = None
             if self.plan is not None:
                 log.info("Chorus II run: %s; %s%s", self.plan.message, self.plan.stats.summary(),
@@ -228,9 +159,8 @@ class ChorusPatch:
             sigma = float(sigmas.reshape(-1)[0].item())  # the one host sync of the forward
         elif isinstance(sigmas, (int, float)):
             sigma = float(sigmas)
-        ctx = engine_attend.ForwardContext(self.attention, self.guidance, grid, sigma,
-                                           options.get("cond_or_uncond"), self.note, reason, self.feature_reuse)
-        engine_attend.activate(ctx)
+        ctx = engine_attend.begin_forward(self.attention, self.guidance, grid, sigma, options.get("cond_or_uncond"),
+                                          self.note, reason, self.feature_reuse)
         route = override_stack.forward_route(self.previous_override, options.get(OVERRIDE))
         options = {key: value for key, value in options.items() if key not in FORWARD_KEYS}
         if route.top:  # a foreign sparse override put itself on top: Chorus takes the top back
@@ -243,10 +173,6 @@ class ChorusPatch:
         if gain is not None:
             options[GAIN_KEY] = gain
         if reason is not None:
-            if self.attention is not None or self.guidance is not None:
-                self.note(f"{reason}; dense attention")
-                if self.attention is not None:
-                    self.attention.count_fallback(self.model_info.num_layers)  # the forward's self-attention calls
             return options
         mode = None
         if self.attention is not None:
@@ -258,61 +184,6 @@ class ChorusPatch:
         if self.feature_reuse is not None and self.plan is not None:
             options[REUSE_KEY] = "reduce" if self.plan.is_hit else "record"
         return options
-
-    # -- feature reuse's compacted block calls (host side) ---------------------------------------------
-    def layout_self_attention(self, func, call, ctx: Forward, layout):
-        """A self-attention call of a feature-reuse block on its compact sequence (``call``: the
-        override's :class:`comfy_call.AttentionCall`, q/k/v ``[B, L', H*D]``): on the compact sequence
-        itself (a hit in the layout's region order), or expanded to the grid, attended and compacted."""
-        args, kwargs = call.args, call.kwargs
-        q, k, v = args[:3]
-        attention, context = self.attention, ctx.context
-        batch, length, width = q.shape
-        refusal = comfy_call.sparse_refusal(call)
-        if refusal is not None:
-            context.refuse(refusal, _layer_hint(kwargs))
-            return _pass(self.previous_override, func, args, kwargs)
-        heads = int(call.heads)
-        q = comfy_call.scaled_query(q, call.scale, width // heads)
-        if layout.order is not None and attention is not None:
-            layer = context.next_layer(_layer_hint(kwargs))
-            out = attention.compact_self_attention(
-                *(_per_head(t, heads) for t in (q, k, v)), layout=layout, layer=layer, sigma=context.sigma,
-                dense_fn=lambda *_: _per_head(_pass(self.previous_override, func, args, kwargs), heads),
-                cond_rows=context.cond_rows(batch), first_frame_bias=context.first_frame_bias())
-            return out.transpose(1, 2).reshape(batch, length, width)
-        full = [pooling.expand_tokens(t, layout) for t in (q, k, v)]
-        if attention is None and not context.biases_first_frame():
-            out = _pass(self.previous_override, func, tuple(full) + tuple(args[3:]), kwargs)
-        else:
-            out = context.self_attention(*(_per_head(t, heads) for t in full), _layer_hint(kwargs))
-            out = out.transpose(1, 2).reshape(batch, full[0].shape[1], width)
-        return pooling.compact_rows(out, layout)
-
-
-def _layer_hint(kwargs) -> int:
-    """The block index ComfyUI >= 0.4 puts in transformer_options (-1 when absent)."""
-    index = (kwargs.get("transformer_options") or {}).get("block_index")
-    return index if isinstance(index, int) and not isinstance(index, bool) and index >= 0 else -1
-
-
-def _per_head(t: torch.Tensor, heads: int) -> torch.Tensor:
-    """``[B, L, H*D]`` viewed as ``[B, H, L, D]`` (no copy)."""
-    batch, length, width = t.shape
-    return t.view(batch, length, heads, width // heads).transpose(1, 2)
-
-
-def _pass(previous, func, args, kwargs):
-    """The call as if Chorus were not there: through the chained override, else the host's attention
-    (:func:`comfy_call.dense_call`), with this forward's Chorus keys removed from its options (an older
-    Chorus override further down the chain, or the one a foreign override chains back to, passes it on)."""
-    options = kwargs.get("transformer_options")
-    if isinstance(options, dict) and MODE_KEY in options:
-        options = {key: value for key, value in options.items() if key not in FORWARD_KEYS}
-    else:
-        options = None
-    return comfy_call.dense_call(func, previous, args, kwargs, options)
-
 
 @torch.compiler.disable
 def _begin_forward(args, kwargs):
@@ -344,174 +215,6 @@ def diffusion_model_wrapper(executor, *args, **kwargs):
     return executor(*args, **kwargs)
 
 
-class ChorusOverride:
-    """The attention override of Chorus-patched models (``optimized_attention_override``): one object
-    per chained override (:meth:`chaining`), the same for every request.
-
-    It only translates ComfyUI's call (read in either calling convention by :func:`comfy_call.read_call`:
-    q, k, v ``[B, L, H*D]``, ``heads``, ``scale``) by the forward's constants (module docstring):
-    self-attention (q, k and v as long as the grid) to ``torch.ops.chorus.attend``, or, on a recording
-    miss, to the host's attention and ``torch.ops.chorus.record_mass``; a self-attention call Chorus
-    must not take (:func:`comfy_call.sparse_refusal`) to the host's attention, noted by
-    ``torch.ops.chorus.refuse``; cross-attention to the host's attention, times guidance's gain; a
-    feature-reuse block's compacted call to :meth:`ChorusPatch.layout_self_attention`; everything else
-    (another layout, a mask, no Chorus forward) to ``previous`` or the host's attention unchanged."""
-
-    _by_previous: dict = {}
-
-    def __init__(self, previous=None):
-        self.previous = previous
-
-    @classmethod
-    def chaining(cls, previous) -> "ChorusOverride":
-        """The override that chains ``previous`` (None: the host's attention), made once per process."""
-        found = cls._by_previous.get(id(previous))
-        if found is None or found.previous is not previous:
-            found = cls._by_previous[id(previous)] = cls(previous)
-        return found
-
-    @property
-    def previous_override(self):
-        """The override this one chains (what ``nodes/override_stack.py`` walks)."""
-        return self.previous
-
-    def __deepcopy__(self, memo):
-        return self
-
-    def __repr__(self) -> str:
-        return f"ChorusOverride(previous={self.previous!r})"
-
-    def __call__(self, func, *args, **kwargs):
-        call = comfy_call.read_call(args, kwargs)
-        if call is None:
-            return _pass(self.previous, func, args, kwargs)
-        args = call.args  # plain tensors from here on, to func and any chained override alike
-        options = kwargs.get("transformer_options")
-        if not isinstance(options, dict) or comfy_call.layout_refusal(call) is not None:
-            return _pass(self.previous, func, args, kwargs)
-        q, k, v = args[:3]
-        layout = options.get(LAYOUT_KEY)
-        if layout is not None:  # inside feature reuse's block, on the host side
-            forward = options.get(FORWARD_KEY)
-            if (isinstance(forward, Forward) and q.shape[1] == v.shape[1] == k.shape[1] == layout.compact_length
-                    and layout.length == forward.tokens):
-                return forward.patch.layout_self_attention(func, call, forward, layout)
-            return _pass(self.previous, func, args, kwargs)
-        tokens = options.get(TOKENS_KEY)
-        if tokens is None:
-            return _pass(self.previous, func, args, kwargs)
-        if k.shape[1] != q.shape[1]:  # cross-attention: text, CLIP image tokens
-            out = _pass(self.previous, func, args, kwargs)
-            gain = options.get(GAIN_KEY)
-            return out if gain is None else out * gain
-        mode = options.get(MODE_KEY)
-        if mode is None or q.shape[1] != tokens or v.shape[1] != tokens:
-            return _pass(self.previous, func, args, kwargs)
-        hint = _layer_hint(kwargs)
-        refusal = comfy_call.sparse_refusal(call)
-        if refusal is not None:
-            engine_attend.refuse(q, refusal, hint)
-            return _pass(_dense_chain(options, self.previous), func, args, kwargs)
-        heads = int(call.heads)
-        size = q.shape[2] // heads
-        if mode == "record":
-            out = _pass(_dense_chain(options, self.previous), func, args, kwargs)
-            engine_attend.record_mass(_per_head(comfy_call.scaled_query(q, call.scale, size), heads),
-                                      _per_head(k, heads), hint)
-            return out
-        batch, length, width = q.shape
-        out = engine_attend.attend(_per_head(comfy_call.scaled_query(q, call.scale, size), heads),
-                                   _per_head(k, heads), _per_head(v, heads), hint)
-        return out.transpose(1, 2).reshape(batch, length, width)
-
-
-def _dense_chain(options: dict, previous):
-    """Where Chorus's own dense calls of this forward go: the forward's chain without a foreign sparse
-    override (:data:`DENSE_KEY`), else the override's own chain."""
-    dense = options.get(DENSE_KEY)
-    return previous if dense is None else dense[0]
-
-
-class ChorusBlock:
-    """``patches_replace["dit"][("double_block", layer)]`` of Chorus-patched models: the residual stream
-    made row-major (a copy only when it is not: see the module docstring), then, in a forward with
-    feature reuse, the block through the forward's patch's :meth:`FeatureReuse.block` on the host side
-    (a compacted call carries its layout in ``LAYOUT_KEY`` for the attention override); ``previous`` =
-    a non-Chorus block patch chained. One object per (layer, previous) (:meth:`at`), the same for every
-    request, so a compiled model's guards see the same block patch."""
-
-    _instances: dict = {}
-
-    def __init__(self, layer: int, previous=None):
-        self.layer, self.previous = layer, previous
-
-    @classmethod
-    def at(cls, layer: int, previous=None) -> "ChorusBlock":
-        key = (int(layer), id(previous))
-        found = cls._instances.get(key)
-        if found is None or found.previous is not previous:
-            found = cls._instances[key] = cls(int(layer), previous)
-        return found
-
-    def __deepcopy__(self, memo):
-        return self
-
-    def _run(self, args, extra):
-        if self.previous is not None:
-            return self.previous(args, extra)
-        return extra["original_block"](args)
-
-    def __call__(self, args, extra):
-        x = args.get("img")
-        if isinstance(x, torch.Tensor) and x.dim() == 3 and not x.is_contiguous():
-            args = dict(args, img=x.contiguous())
-        options = args.get("transformer_options") or {}
-        reuse = options.get(REUSE_KEY)
-        if reuse == "reduce":
-            return self._feature_reuse(args, extra)
-        out = self._run(args, extra)
-        if reuse == "record" and isinstance(out, dict) and isinstance(out.get("img"), torch.Tensor):
-            engine_attend.record_block(args["img"], out["img"], self.layer)
-        return out
-
-    @torch.compiler.disable
-    def _feature_reuse(self, args, extra):
-        x = args.get("img")
-        options = args.get("transformer_options") or {}
-        ctx = options.get(FORWARD_KEY)
-        handle = ctx.patch.feature_reuse if isinstance(ctx, Forward) else None
-        if (handle is None or ctx.disabled_reason is not None or not isinstance(x, torch.Tensor) or x.dim() != 3):
-            return self._run(args, extra)
-        pe = args.get("pe")
-        if not isinstance(pe, torch.Tensor) or pe.dim() < 3 or pe.shape[1] != x.shape[1] or pe.shape[-2:] != (2, 2):
-            handle.plan.note("feature reuse: unexpected RoPE layout in the block arguments; blocks run in full")
-            return self._run(args, extra)
-        per_token = {"pe": (pe, "rotation")}
-        vec_tok = _per_token_vec(args.get("vec"), x.shape[1])
-        if vec_tok is not None:
-            per_token["vec"] = (vec_tok, "mean")
-
-        def block_fn(x_in, inputs, layout):
-            if layout is None and x_in is x:
-                return self._run(args, extra)["img"]
-            call = dict(args)
-            call["img"] = x_in
-            call["pe"] = inputs["pe"]
-            if "vec" in inputs:
-                call["vec"] = inputs["vec"]
-            if layout is not None:
-                if layout.compact_length in ctx.context_lengths:
-                    raise ValueError(f"the compact sequence ({layout.compact_length} tokens) is as long as a "
-                                     "cross-attention context")
-                opts = dict(options)
-                opts[LAYOUT_KEY] = layout
-                call["transformer_options"] = opts
-            return self._run(call, extra)["img"]
-
-        return {"img": handle.block(block_fn, x, layer=self.layer, sigma=ctx.sigma, grid=ctx.grid,
-                                    per_token=per_token)}
-
-
 class CfgCorrection:
     """ComfyUI post-CFG function applying :meth:`GuidanceBoost.cfg_correction` (never raises)."""
 
@@ -528,17 +231,6 @@ class CfgCorrection:
                                              args.get("cond_scale"), args.get("sigma"))
         except Exception:  # noqa: BLE001 - guidance must never fail a prompt
             return denoised
-
-
-def _per_token_vec(vec, length: int):
-    """Wan time modulation ``[B, Tt, 6, C]`` as per-token ``[B, L, 6, C]`` (ComfyUI's ``repeat_e``), or
-    None when it is one vector per sample (``Tt == 1``: nothing to compact)."""
-    if not isinstance(vec, torch.Tensor) or vec.dim() != 4 or vec.shape[1] == 1:
-        return None
-    repeats = length // vec.shape[1]
-    if repeats * vec.shape[1] == length:
-        return torch.repeat_interleave(vec, repeats, dim=1)
-    return torch.repeat_interleave(vec, repeats + 1, dim=1)[:, :length]
 
 
 def _find_transformer_options(args, kwargs):
@@ -587,8 +279,9 @@ def configure(model, plan: Plan | None, *, sparse=KEEP, feature_reuse=KEEP, guid
 
     attention = fr = None
     if plan is not None and info.supported:
+        if sparse_config is not None or fr_config is not None:
+            plan.expect_model(info)  # the sampler runs' check wants an entry made for this model too
         if sparse_config is not None:
-            plan.serve_model(info)  # another model's entry: move to one made for this model, or demote, now
             attention = ChorusAttention(plan, sparse_config, info,
                                         record_region=_record_region(fr_config))
         if fr_config is not None:
@@ -614,7 +307,7 @@ def configure(model, plan: Plan | None, *, sparse=KEEP, feature_reuse=KEEP, guid
 def _record_region(fr_config):
     """Feature reuse's region when a miss should record in its region order (see the module
     docstring), else None (raster). A region that is not one block's tokens records raster too
-    (``engine.signature.region_order_for`` decides)."""
+    (``engine.compat.region_order_for`` decides)."""
     if fr_config is None or fr_config.downsample_share <= 0 or not fr_config.keep_first_frame:
         return None
     return tuple(fr_config.region)

@@ -127,10 +127,11 @@ class ChorusMaskRetrieve(io.ComfyNode):
                              "written", embedding=embedding, latent_shape=shape, request_meta=meta, record=False)
             return cls._out(plan)
         try:
-            plan = retrieve_plan(ws, embedding, shape, similarity_threshold=similarity_threshold, request_meta=meta)
+            plan = retrieve_plan(ws, embedding, shape, similarity_threshold=similarity_threshold, request_meta=meta,
+                                 workspace_name=workspace)
         except ValueError as exc:
             plan = Plan.miss(f"miss: {exc}", embedding=embedding, latent_shape=shape, request_meta=meta,
-                             workspace=ws)
+                             workspace_name=workspace)
         return cls._out(plan)
 
     @classmethod

@@ -95,7 +95,11 @@ class ChorusSparseSampler(io.ComfyNode):
             plan.note(msg)
             return io.NodeOutput(model, ui=ui_text(msg))
         patched, attention, message = patch_model(model, plan, config)
-        if plan.is_hit:
+        mismatch = plan.mismatch(attention.model_info) if attention is not None else None
+        if mismatch is not None:  # the sampler run decides: another candidate made for the model, or dense
+            mode = (f"HIT on entry {plan.entry_id}, but {mismatch}: at sampling it moves to a candidate made for "
+                    "this model, or runs dense attention + recording")
+        elif plan.is_hit:
             mode = "HIT: sparse attention with entry %s (similarity %.3f)" % (plan.entry_id, plan.similarity)
             if config.pooled_tail:
                 mode += ", pooled tail on"

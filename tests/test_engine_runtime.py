@@ -299,7 +299,7 @@ def test_a_hit_on_another_models_entry_moves_to_the_entry_made_for_this_model(tm
 
     plan = retrieve_plan(ws, emb, LATENT)
     assert plan.is_hit and plan.entry_id == base_id  # ties rank the older entry first
-    assert [e for e, _ in plan.retrieval.alternatives] == [lora_id, mixed_id]
+    assert [e for e, _ in plan.retrieval.candidates] == [lora_id, mixed_id]
     run_steps(ChorusAttention(plan, CFG, lora), sigmas=SIGMAS[:3])
     run_steps(ChorusAttention(plan, CFG, lora_low), sigmas=SIGMAS[2:])
     assert plan.is_hit and plan.entry_id == lora_id, plan.message
@@ -308,16 +308,21 @@ def test_a_hit_on_another_models_entry_moves_to_the_entry_made_for_this_model(tm
     assert [e.fingerprint for e in plan.experts] == ["fp-high-lora", "fp-low-lora"]
     assert commit_plan(ws, plan).startswith(f"hit: updated stats of entry {lora_id}")
 
-    # both experts met before sampling (ComfyUI patches each model first): the entry made for both
+    # both experts met before sampling (ComfyUI patches each model first): nothing moves at patch time;
+    # the first sampler run moves to the entry made for both
     plan = retrieve_plan(ws, emb, LATENT)
-    assert plan.serve_model(lora) is None and plan.entry_id == lora_id
-    assert plan.serve_model(INFO_LOW) is None and plan.entry_id == mixed_id
-    assert plan.serve_model(lora) is None and plan.entry_id == mixed_id  # already served: stays
+    plan.expect_model(lora)
+    plan.expect_model(INFO_LOW)
+    assert plan.entry_id == base_id and "another model" in plan.mismatch(lora) and plan.mismatch(INFO) is None
+    assert plan.serve_run(lora) == 0 and plan.entry_id == mixed_id
+    assert plan.serve_run(INFO_LOW) == 1 and plan.entry_id == mixed_id  # already served: stays
+    assert sum("hit moved" in m for m in plan.stats.messages) == 1
 
     # no candidate made for this model: demoted (dense + recording), with every candidate's reason
     other = dataclasses.replace(INFO, fingerprint="fp-other")
     plan = retrieve_plan(ws, emb, LATENT)
-    reason = plan.serve_model(other)
+    plan.serve_run(other)
+    reason = plan.demoted_reason
     assert not plan.is_hit and reason and "no other candidate serves it" in reason and plan.recorder is not None
     # a model met after sparse calls ran cannot move the plan: demoted, nothing written
     plan = retrieve_plan(ws, emb, LATENT)

@@ -12,7 +12,7 @@ import torch
 
 from chorus.cache_store import Workspace
 from chorus.engine import ModelInfo, Plan, build_signature, latent_compatibility, retrieve_plan
-from chorus.engine.signature import TOKEN_ORDER, entry_token_order, token_order_name
+from chorus.engine.compat import TOKEN_ORDER, entry_token_order, token_order_name
 from chorus.kernels.tile_order import RegionTileOrder, TileOrder, cached_region_order, cached_tile_order
 
 BS = 32
@@ -96,12 +96,12 @@ def test_a_hit_plan_takes_a_tile_order_entry_but_never_resamples_it():
 
 def test_new_entries_record_raster_or_the_recorders_order():
     plan = Plan.miss("test", latent_shape=LATENT)
-    plan.register_expert(ModelInfo("wan", "wan2.2-a14b-i2v", 2, 2, 64, 36, "fp"))
+    plan.serve_run(ModelInfo("wan", "wan2.2-a14b-i2v", 2, 2, 64, 36, "fp"))
     mass = torch.full((1, 2, QB, QB), 1.0 / QB)
     plan.recorder.add(0, 1.0, 0, mass, grid=GRID, top_p=0.9, k_min=1, block_size=BS)
     assert build_signature(plan)["token_order"] == "thw"
     plan = Plan.miss("test", latent_shape=LATENT)
-    plan.register_expert(ModelInfo("wan", "wan2.2-a14b-i2v", 2, 2, 64, 36, "fp"))
+    plan.serve_run(ModelInfo("wan", "wan2.2-a14b-i2v", 2, 2, 64, 36, "fp"))
     plan.recorder.add(0, 1.0, 0, mass, grid=GRID, top_p=0.9, k_min=1, block_size=BS, token_order="regions2x4x4")
     assert build_signature(plan)["token_order"] == "regions2x4x4"
     with pytest.raises(ValueError, match="token order changed"):

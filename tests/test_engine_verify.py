@@ -159,7 +159,7 @@ def test_a_failing_estimate_gives_no_verdict_never_an_exception(monkeypatch, fai
             raise RuntimeError("kernel exploded")
         return torch.full((2, 1), float("nan"))
 
-    monkeypatch.setattr("chorus.engine.runtime.recall_terms", broken)
+    monkeypatch.setattr("chorus.engine.verify.recall_terms", broken)
     hit = hit_plan(_wrong(_recorded()), embedding=EMB)
     run_steps(ChorusAttention(hit, VCFG, INFO))
     assert hit.is_hit and hit.stats.sparse_calls == 6 and hit.stats.fallback_calls == 0
@@ -254,7 +254,7 @@ def _source_run(handle, model, image, seed):
 
 
 def _source_info(model):
-    from chorus.engine.signature import ModelInfo
+    from chorus.engine.model_info import ModelInfo
 
     return ModelInfo("wan", "wan2.2-a14b-i2v", 2, 4, model.cfg.head_dim, 36, "fp-high")
 

@@ -7,7 +7,7 @@ from chorus.cache_store import Workspace
 from chorus.engine import SparseConfig, commit_plan, retrieve_plan
 from chorus.engine.feature_reuse import FeatureReuse, FeatureReuseConfig, feature_state
 from chorus.engine.runtime import ChorusAttention
-from chorus.engine.signature import ModelInfo
+from chorus.engine.model_info import ModelInfo
 
 GRID = (4, 8, 8)
 LATENT = (16, 4, 16, 16)

@@ -8,7 +8,7 @@ import torch
 from chorus.engine.feature_reuse import (FeatureReuse, FeatureReuseConfig, compact_per_token, feature_state,
                                          select_regions)
 from chorus.engine.plan import Plan
-from chorus.engine.signature import ModelInfo
+from chorus.engine.model_info import ModelInfo
 from chorus.kernels import pooling
 
 # awkward grids: ragged rims in every dim, token counts not multiples of 128

@@ -196,7 +196,7 @@ def test_two_workers_see_each_others_commits_within_1s(url, tmp_path):
 def test_a_hit_moves_to_the_entry_another_worker_wrote_for_its_model(url, tmp_path):
     """Two workers write entries of one prompt for two models (without and with a LoRA: another
     weights fingerprint); the embeddings are equal, so retrieval on a third worker ranks the older
-    entry first. A hit for the second model moves to the entry written for it (``Plan.serve_model``
+    entry first. A hit for the second model moves to the entry written for it (``Plan.serve_run``
     over the fleet store), before any sparse call; a third model finds none and is demoted."""
     import dataclasses
 
@@ -211,11 +211,12 @@ def test_a_hit_moves_to_the_entry_another_worker_wrote_for_its_model(url, tmp_pa
         lora = b.add(emb, sh.entry_masks(7), {**_meta(7), "signature": sh.signature(experts=["fp-with-lora"])})
         _wait_until(lambda: len(c) == 2, 5.0, "both entries on the third worker")
         plan = retrieve_plan(c, emb, sh.LATENT)
-        assert plan.is_hit and plan.entry_id == base and [e for e, _ in plan.retrieval.alternatives] == [lora]
-        assert plan.serve_model(lora_model) is None and plan.is_hit and plan.entry_id == lora
-        assert plan.serve_model(base_model) is not None and not plan.is_hit  # no entry serves both
+        assert plan.is_hit and plan.entry_id == base and [e for e, _ in plan.retrieval.candidates] == [lora]
+        assert plan.serve_run(lora_model) == 0 and plan.is_hit and plan.entry_id == lora
+        plan.serve_run(base_model)
+        assert plan.demoted_reason is not None and not plan.is_hit  # no entry serves both
         other = retrieve_plan(c, emb, sh.LATENT)
-        assert other.serve_model(dataclasses.replace(base_model, fingerprint="fp-other")) is not None
+        other.serve_run(dataclasses.replace(base_model, fingerprint="fp-other"))
         assert not other.is_hit and "no other candidate serves it" in other.message
     finally:
         for store in (a, b, c):

@@ -198,7 +198,7 @@ def test_fuzz_node_inputs(env, record_property):
         plan, preview, info = out.result
         assert isinstance(plan, Plan) and isinstance(info, str) and info.startswith(("HIT", "MISS"))
         assert isinstance(preview, torch.Tensor) and preview.dim() == 4 and torch.isfinite(preview).all()
-        kind = "hit" if plan.is_hit else ("miss-ws" if plan.workspace is not None else "miss-nows")
+        kind = "hit" if plan.is_hit else ("miss-ws" if plan.workspace_name is not None else "miss-nows")
         patched = ChorusSparseSampler.execute(model=model, plan=plan, top_p=top_p, k_min=k_min,
                                               refresh_steps=refresh, backend=backend).result[0]
         reused = ChorusFeatureReuse.execute(model=patched, plan=plan, downsample_share=share).result[0]
@@ -346,7 +346,7 @@ def test_symlinked_workspace_leading_outside_is_refused(tmp_path, monkeypatch):
     plan, _, info = ChorusMaskRetrieve.execute(latent={"samples": torch.zeros(1, 16, 2, 4, 4)}, workspace="evil",
                                                similarity_threshold=0.9,
                                                positive=sh.tiny.random_conditioning(1)).result
-    assert info.startswith("MISS") and "outside the cache root" in info and plan.workspace is None, info
+    assert info.startswith("MISS") and "outside the cache root" in info and plan.workspace_name is None, info
     report = ChorusCacheMaintenance.execute(workspace="evil", action="verify", max_entries=0).result[0]
     assert "failed" in report and "outside the cache root" in report, report
     assert list(outside.iterdir()) == []

@@ -103,7 +103,7 @@ def test_engine_applies_the_bias_on_the_sparse_path_and_in_dense_calls():
     """ChorusAttention with a first-frame bias: a hit's sparse call equals the biased block-sparse
     oracle; a miss's dense call (the host's dense_fn replaced) equals the biased dense oracle."""
     from chorus.engine import ChorusAttention, SparseConfig
-    from chorus.engine.signature import ModelInfo
+    from chorus.engine.model_info import ModelInfo
 
     grid, bs = (3, 5, 20), 64  # 300 tokens, first frame 100 tokens (ends inside block 1)
     q, k, v = make_qkv(batch=1, heads=2, q_len=300, seed=9)
@@ -137,7 +137,7 @@ def test_a_failing_biased_dense_call_falls_back_to_plain_dense(monkeypatch):
     runs without the bias, with a note, and sampling goes on."""
     import chorus.engine.guidance as guidance_module
     from chorus.engine import ChorusAttention, SparseConfig
-    from chorus.engine.signature import ModelInfo
+    from chorus.engine.model_info import ModelInfo
 
     def broken(*args, **kwargs):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory (test)")

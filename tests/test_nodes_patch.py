@@ -173,11 +173,12 @@ def test_one_grid_and_one_float_sigma_per_forward(cp, nodes, model, monkeypatch)
     grids, sigmas = [], []
     real_grid = cp.token_grid
     monkeypatch.setattr(cp, "token_grid", lambda shape: grids.append(tuple(shape)) or real_grid(shape))
-    for cls, name in ((ChorusAttention, "record_dense_call"), (FeatureReuse, "record_block"), (GuidanceBoost, "reuse_acted")):
+    for cls, name in ((ChorusAttention, "record"), (FeatureReuse, "record_block"), (GuidanceBoost, "reuse_acted")):
         real = getattr(cls, name)
 
         def spy(self, *args, _real=real, _name=name, **kwargs):
-            sigmas.append((_name, kwargs.get("sigma", args[0] if _name == "reuse_acted" else None)))
+            sigma = {"record": lambda: args[0].sigma, "reuse_acted": lambda: args[0]}.get(_name, lambda: None)()
+            sigmas.append((_name, kwargs.get("sigma", sigma)))
             return _real(self, *args, **kwargs)
 
         monkeypatch.setattr(cls, name, spy)
@@ -186,7 +187,7 @@ def test_one_grid_and_one_float_sigma_per_forward(cp, nodes, model, monkeypatch)
     _sample(m, steps=2)
     assert len(grids) == 2  # one forward per step at cfg 1
     names = {n for n, _ in sigmas}
-    assert names == {"record_dense_call", "record_block", "reuse_acted"}, names
+    assert names == {"record", "record_block", "reuse_acted"}, names
     assert all(type(s) is float for _, s in sigmas), {type(s) for _, s in sigmas}
     assert plan.stats.recorded_calls == 2 * LAYERS
 
@@ -306,7 +307,7 @@ def test_a_run_that_cannot_start_goes_dense_and_every_reset_runs_when_sampling_f
     assert fpatch.previous_override is failing
     with pytest.raises(KeyError, match="another pack failed"):
         _sample(failing_model, steps=1)
-    assert not fpatch.attention._running and fpatch.attention.expert is None
+    assert fpatch.attention.run is None and fpatch.attention.expert is None
     assert not fpatch.feature_reuse._running and fpatch.guidance.sample_sigmas is None
 
 
@@ -324,7 +325,7 @@ def test_a_compiled_forward_is_not_recompiled_for_each_sigma(cp, nodes, model):
 
     @torch.compiler.disable  # (in ComfyUI only the eager override reads the Forward)
     def record(options):
-        seen.append(options[cp.FORWARD_KEY].sigma)
+        seen.append(options[cp.FORWARD_KEY].context.sigma)
 
     def executor(x, timestep, context, clip_fea, time_dim_concat, transformer_options):
         record(transformer_options)

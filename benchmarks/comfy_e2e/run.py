@@ -284,7 +284,7 @@ def run(args) -> dict:
     from chorus import kernels
     from chorus.cache_store import Workspace, resolve_workspace
     from chorus.engine import token_grid
-    from chorus.engine.signature import entry_token_order
+    from chorus.engine.compat import entry_token_order
     from chorus.nodes.cache_write import ChorusCacheWrite
     from chorus.nodes.feature_reuse import ChorusFeatureReuse
     from chorus.nodes.mask_retrieve import ChorusMaskRetrieve
@@ -491,11 +491,11 @@ def kernel_alone_ms(plan, grid, shape, kernels, reps: int = 10) -> dict:
     token order, as the hit runs it (``"auto"``: its median ms; ``"backend"``: what auto resolved to) on random q/k/v in ComfyUI's layout with the map
     the hit computes for layer 0 of step 0 (entry map + k_min floor); also the portable Triton FP8
     kernel whole and in its two parts (pre-pass + index, attention)."""
-    from chorus.engine.runtime import floor_k_min
+    from chorus.engine.maps import floor_k_min, stored_map
 
     t, h, w = grid
     length, heads, dim = t * h * w, shape["num_heads"], shape["dim"] // shape["num_heads"]
-    stored = plan.stored_map(0, 0, 0, block_size=128, top_p=0.9, k_min=4, device="cuda")
+    stored = stored_map(plan, 0, 0, 0, block_size=128, top_p=0.9, k_min=4, device="cuda")
     block_map = floor_k_min(stored, 4)[None]
     gen = torch.Generator(device="cuda").manual_seed(0)
     qkv = [torch.randn(1, length, heads * dim, device="cuda", dtype=torch.bfloat16, generator=gen)

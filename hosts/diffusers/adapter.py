@@ -2,7 +2,8 @@
 
 ``patch_diffusers_wan(transformer, handle)`` installs, on every block's ``attn1`` (self-attention),
 a processor that computes q/k/v exactly as diffusers' ``WanAttnProcessor`` does (projections,
-RMS norms, rotary embedding) and hands them to ``handle.self_attention``; cross-attention
+RMS norms, rotary embedding) and hands them, as one :class:`~chorus.engine.call.AttnCall`, to the
+engine's entry (:func:`chorus.engine.runtime.attend`, i.e. ``handle.attend``); cross-attention
 (``attn2``) keeps its processor. A forward pre-hook on the transformer reads, per call, the token
 grid from ``hidden_states`` ``[B, C, T, H, W]`` (``T/pt, H/ph, W/pw``) and the sigma from
 ``timestep`` (flow-matching timesteps are ``1000 * sigma``; for per-token timesteps, Wan 2.2 TI2V,
@@ -22,11 +23,15 @@ reverse order of installing them.
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
+import logging
 
-from ...engine.guidance import GuidanceBoost, first_frame_biased_attention
-from ...engine.runtime import ChorusAttention
+import torch
+
+from ...engine.call import AttnCall
+from ...engine.guidance import GuidanceBoost
+from ...engine.runtime import ChorusAttention, attend
+
+log = logging.getLogger("chorus.hosts")
 
 
 def _rotary(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor) -> torch.Tensor:
@@ -38,10 +43,6 @@ def _rotary(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor) -
     out[..., 0::2] = x1 * cos - x2 * sin
     out[..., 1::2] = x1 * sin + x2 * cos
     return out.type_as(x)
-
-
-def _sdpa(q, k, v):
-    return F.scaled_dot_product_attention(q, k, v)
 
 
 class _CallState:
@@ -64,23 +65,22 @@ class ChorusWanSelfAttnProcessor:
         self.handle, self.layer, self.state, self.original = handle, layer, state, original
         self.guidance = guidance
 
-    def _first_frame_bias(self) -> float:
-        if self.guidance is None or self.state.sigma is None:
-            return 0.0
-        try:
-            return float(self.guidance.first_frame_bias(self.state.sigma))
-        except Exception:  # noqa: BLE001 - guidance must never break attention
-            return 0.0
+    def _note(self, message: str) -> None:
+        plan = self.handle.plan if self.handle is not None else getattr(self.guidance, "plan", None)
+        if plan is not None:
+            plan.note(message)
+        else:
+            log.warning("Chorus II: %s", message)
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None,
                  **kwargs):
         st = self.state
         if encoder_hidden_states is not None or attention_mask is not None or st.sigma is None:
             return self.original(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb, **kwargs)
-        bias = self._first_frame_bias()
+        bias = self.guidance.first_frame_bias(st.sigma) if self.guidance is not None else 0.0
         grid = st.grid
-        prefix = grid[1] * grid[2] if grid is not None and grid[0] * grid[1] * grid[2] == hidden_states.shape[1] else 0
-        if self.handle is None and not (bias and prefix):
+        biased = bool(bias) and grid is not None and grid[0] * grid[1] * grid[2] == hidden_states.shape[1]
+        if self.handle is None and not biased:
             return self.original(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb, **kwargs)
         if getattr(attn, "fused_projections", False):
             query, key, value = attn.to_qkv(hidden_states).chunk(3, dim=-1)
@@ -93,18 +93,10 @@ class ChorusWanSelfAttnProcessor:
             query = _rotary(query, *rotary_emb)
             key = _rotary(key, *rotary_emb)
         q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # [B, H, L, D]
-        if self.handle is None:
-            try:
-                out = first_frame_biased_attention(q, k, v, prefix, bias)
-            except Exception:  # noqa: BLE001 - never fail a forward: diffusers' own processor, no bias
-                return self.original(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb, **kwargs)
-        else:
-            cond_rows = torch.full((q.shape[0],), st.cond, dtype=torch.bool)
-            out = self.handle.self_attention(q, k, v, layer=self.layer, sigma=st.sigma, grid=st.grid,
-                                             cond_rows=cond_rows, dense_fn=_sdpa, first_frame_bias=bias)
-        out = out.transpose(1, 2).flatten(2, 3).type_as(query)
-        out = attn.to_out[0](out)
-        return attn.to_out[1](out)
+        call = AttnCall(q, k, v, layer=self.layer, sigma=st.sigma, grid=st.grid, first_frame_bias=bias,
+                        cond_rows=torch.full((q.shape[0],), st.cond, dtype=torch.bool))
+        out = attend(call, self.handle, self._note).transpose(1, 2).flatten(2, 3).type_as(query)
+        return attn.to_out[1](attn.to_out[0](out))
 
 
 class DiffusersPatch:

@@ -1,4 +1,4 @@
-"""Model identity, token geometry and the compatibility signature of a cache entry.
+"""The compatibility signature of a cache entry: what it is, and why an entry cannot serve a request.
 
 A signature is a plain JSON-able dict (stored in ``meta["signature"]`` of an entry):
 
@@ -19,138 +19,21 @@ start of every step of the whole request the model ran at (descending), so a ste
 its sigma. ``sampler_sigmas`` (only when the request's sampler had steps the model was not called
 at, e.g. EasyCache skipped them) is the sampler's whole schedule: a hit must match it
 (:func:`run_mismatch`), and runs the steps without maps dense.
+
+The model side (``ModelInfo``, weights fingerprint, token grid) is ``model_info.py``.
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
-from dataclasses import dataclass
 
-import torch
-
+from .model_info import ModelInfo, token_grid
 from .routing import match_step
 
 SIGNATURE_FORMAT = 1
 TOKEN_ORDER = "thw"  # the raster default: Wan's frame-major order after the 1x2x2 patchify
 RASTER_ORDER_NAMES = (TOKEN_ORDER, "raster")
 MAX_ORDER_TOKENS = 1 << 22  # a tile order is rebuilt from an entry's grid only up to this many tokens
-PATCH_SIZE = (1, 2, 2)
-
-SUPPORTED_VARIANTS = ("wan2.1-i2v", "wan2.2-ti2v-5b", "wan2.2-a14b-i2v")
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """What the engine needs to know about one diffusion model (one expert).
-
-    ``variant`` is one of :data:`SUPPORTED_VARIANTS`, or a descriptive name when ``supported`` is
-    False (then ``reason`` says why). ``fingerprint`` is a short hex string that changes when the
-    weights (or the weight patches applied on top, e.g. LoRAs) change.
-    """
-
-    family: str
-    variant: str
-    num_layers: int
-    num_heads: int
-    head_dim: int
-    in_dim: int
-    fingerprint: str
-    supported: bool = True
-    reason: str = ""
-
-
-def _sample_values(t: torch.Tensor, count: int = 64) -> bytes:
-    if t.device.type == "meta" or t.numel() == 0:
-        return b"meta"
-    flat = t.detach().reshape(-1)
-    stride = max(1, flat.numel() // count)
-    vals = flat[::stride][:count].to(device="cpu", dtype=torch.float32)
-    return vals.numpy().tobytes()
-
-
-def weights_fingerprint(module: torch.nn.Module, extra: str = "", max_tensors: int = 8,
-                        exclude: frozenset | set = frozenset()) -> str:
-    """Cheap, stable fingerprint of a module's weights: 16 hex chars.
-
-    Hashes every parameter's name and shape (the architecture) plus up to 64 strided values of up to
-    ``max_tensors`` parameters chosen evenly among those outside attention / feed-forward linears
-    (patch embedding, modulation, norms, head: tensors weight patches such as LoRAs rarely touch, so
-    the value does not depend on whether a host has applied its patches yet). Parameters named in
-    ``exclude`` (e.g. the keys a host patches in place when it loads the model) are never sampled;
-    callers pass a description of such patches in ``extra``. Costs well under a millisecond per tensor.
-    """
-    h = hashlib.sha256()
-    h.update(type(module).__name__.encode())
-    named = list(module.named_parameters())
-    for name, p in named:
-        h.update(f"{name}:{tuple(p.shape)};".encode())
-    candidates = [(n, p) for n, p in named if n not in exclude]
-    untouched = [(n, p) for n, p in candidates if not any(s in n for s in ("attn", "ffn", "lora"))] or candidates
-    if untouched:
-        step = max(1, len(untouched) // max_tensors)
-        for name, p in untouched[::step][:max_tensors]:
-            h.update(name.encode())
-            h.update(_sample_values(p))
-    h.update(extra.encode())
-    return h.hexdigest()[:16]
-
-
-def wan_model_info(module: torch.nn.Module, *, fingerprint_extra: str = "",
-                   fingerprint_exclude: frozenset | set = frozenset()) -> ModelInfo:
-    """Identify a Wan diffusion model: ComfyUI's ``WanModel`` or diffusers' ``WanTransformer3DModel``.
-
-    Supported: Wan 2.1 I2V (in_dim 36 with a CLIP image projection), Wan 2.2 TI2V 5B (48 latent
-    channels), Wan 2.2 A14B I2V (in_dim 36, no image projection; one ModelInfo per expert). Any other
-    module gives ``supported=False`` with a reason (never raises for a module of another kind).
-    """
-    name = type(module).__name__
-    fp = (weights_fingerprint(module, extra=fingerprint_extra, exclude=fingerprint_exclude)
-          if isinstance(module, torch.nn.Module) else "")
-    if name == "WanModel" and hasattr(module, "in_dim"):  # ComfyUI comfy.ldm.wan.model.WanModel
-        num_layers, num_heads = int(module.num_layers), int(module.num_heads)
-        head_dim = int(module.dim) // num_heads
-        in_dim, out_dim = int(module.in_dim), int(module.out_dim)
-        has_img = getattr(module, "img_emb", None) is not None
-        extra_inputs = getattr(module, "ref_conv", None) is not None
-    elif name == "WanTransformer3DModel" and hasattr(module, "config"):  # diffusers
-        cfg = module.config
-        num_layers, num_heads = int(cfg.num_layers), int(cfg.num_attention_heads)
-        head_dim = int(cfg.attention_head_dim)
-        in_dim, out_dim = int(cfg.in_channels), int(cfg.out_channels)
-        has_img = getattr(cfg, "image_dim", None) is not None
-        extra_inputs = False
-    else:
-        return ModelInfo("unknown", name, 0, 0, 0, 0, fp, False,
-                         f"{name} is not a Wan diffusion model (Chorus II supports Wan 2.1 I2V, Wan 2.2 TI2V 5B, Wan 2.2 A14B I2V)")
-    if extra_inputs:
-        variant, reason = "wan-reference-latent", "Wan models with a reference-latent input are not supported"
-    elif in_dim == 48 and out_dim == 48:
-        variant, reason = "wan2.2-ti2v-5b", ""
-    elif in_dim == 36 and has_img:
-        variant, reason = "wan2.1-i2v", ""
-    elif in_dim == 36:
-        variant, reason = "wan2.2-a14b-i2v", ""
-    else:
-        variant = f"wan-in{in_dim}-out{out_dim}"
-        reason = f"Wan model with in_dim={in_dim}, out_dim={out_dim} (text-to-video or a control variant) is not supported"
-    return ModelInfo("wan", variant, num_layers, num_heads, head_dim, in_dim, fp, not reason, reason)
-
-
-def token_grid(latent_shape, patch_size=PATCH_SIZE) -> tuple[int, int, int]:
-    """Token grid ``(T', H', W')`` of a latent ``[C, T, H, W]`` or ``[B, C, T, H, W]``.
-
-    ``T' = ceil(T / pt)``, ``H' = ceil(H / ph)``, ``W' = ceil(W / pw)`` (ComfyUI pads to the patch).
-    Raises ``ValueError`` for anything that is not a 4- or 5-dim shape of positive ints.
-    """
-    shape = tuple(int(s) for s in latent_shape)
-    if len(shape) == 5:
-        shape = shape[1:]
-    if len(shape) != 4 or min(shape) < 1:
-        raise ValueError(f"latent shape must be [C, T, H, W] or [B, C, T, H, W] with positive sizes, got {tuple(latent_shape)}")
-    _, t, h, w = shape
-    pt, ph, pw = patch_size
-    return (math.ceil(t / pt), math.ceil(h / ph), math.ceil(w / pw))
 
 
 def token_order_name(order) -> str:

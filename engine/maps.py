@@ -1,0 +1,189 @@
+"""The block maps a hit computes with: the entry's stored map, made the run's map on the device.
+
+Per (expert, step, layer) of a hit: the stored map (unpacked; an entry storing float mass selects
+blocks with ``top_p`` / ``k_min``; resampled to the request's token grid when the entry's grid
+differs with the same aspect) | the ``k_min`` floor (:func:`floor_k_min`) | the visit refresh's extra
+pairs (``kernels.VisitRefresh``, request-wide). :class:`RunMaps` builds each map once per sampler run
+without a host sync and keeps only the current step's maps on the device.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import kernels
+from ..kernels.codec import pack_bits_on_device, unpack_bits_on_device
+from .call import Fallback
+
+__all__ = ["floor_k_min", "stored_map", "RunMaps"]
+
+_NEAR_TABLES: dict = {}
+
+
+def _nearest_blocks(num_q: int, num_kv: int, k: int, device) -> torch.Tensor:
+    """Bool ``[Qb, Kb]``: for each query block row, its ``k`` key blocks nearest to the diagonal position
+    ``j ~ i * Kb / Qb`` (ties to the lower index); cached per geometry and device."""
+    key = (num_q, num_kv, k, str(device))
+    table = _NEAR_TABLES.get(key)
+    if table is None:
+        centre = torch.arange(num_q, dtype=torch.float64)[:, None] * (num_kv / num_q)
+        dist = (torch.arange(num_kv, dtype=torch.float64)[None, :] - centre).abs()
+        rank = torch.argsort(torch.argsort(dist, dim=-1, stable=True), dim=-1)
+        table = _NEAR_TABLES[key] = (rank < k).to(device)
+    return table
+
+
+def floor_k_min(block_map: torch.Tensor, k_min: int) -> torch.Tensor:
+    """Give every row of a bool map ``[..., Qb, Kb]`` at least ``min(k_min, Kb)`` kept blocks.
+
+    Rows below the floor gain the ``k_min`` key blocks nearest to their diagonal position
+    (``j ~ i * Kb / Qb``; a reused map has no mass left to rank by, and local blocks are the ones
+    video attention needs most). Rows already at the floor are unchanged. Runs on the map's device
+    without a host sync (a few elementwise kernels; the nearest-block table is built once per grid).
+    """
+    num_q, num_kv = block_map.shape[-2:]
+    k = min(int(k_min), num_kv)
+    if k <= 0:
+        return block_map
+    short = block_map.sum(-1, dtype=torch.int32) < k
+    return block_map | (_nearest_blocks(num_q, num_kv, k, block_map.device) & short[..., None])
+
+
+def stored_map(plan, expert: int, step: int, layer: int, *, block_size: int, top_p: float, k_min: int,
+               device=None) -> torch.Tensor:
+    """Bool ``[H, Qb, Kb]`` of a hit's entry for a key (on ``device``, default CPU), resampled to the
+    plan's ``resample_to``.
+
+    Entries store bool maps (possibly bit-packed, ``cache_store.PackedMap``: unpacked on ``device``);
+    an entry that stores float block *mass* instead is turned into a map here with
+    ``select_blocks(top_p, k_min)`` (density chosen at retrieval time). Transformed maps are cached on
+    the CPU for the request (``plan.state.resampled``). Raises ``KeyError`` when the entry has no map
+    for the key, ``ValueError`` on a bad map.
+    """
+    key = (expert, step, layer, 0)
+    state = plan.state
+    with state.lock:
+        stored = plan.masks[key]
+        cache_key = (key, top_p, k_min, block_size)
+        if cache_key in state.resampled:
+            cached = state.resampled[cache_key]
+            return cached.to(device) if device is not None else cached
+        if hasattr(stored, "unpack") and not isinstance(stored, torch.Tensor):  # cache_store PackedMap
+            stored = stored.unpack(device) if device is not None else stored.unpack()
+        if not isinstance(stored, torch.Tensor):
+            raise ValueError(f"entry map {key} is not a tensor")
+        block_map = stored
+        if block_map.dim() == 4 and block_map.shape[0] == 1:
+            block_map = block_map[0]
+        if block_map.dim() == 2:
+            block_map = block_map[None]
+        if block_map.dim() != 3:
+            raise ValueError(f"entry map {key} must be [H, Qb, Kb], got {tuple(stored.shape)}")
+        transformed = False
+        if block_map.dtype != torch.bool:
+            if not block_map.is_floating_point():
+                raise ValueError(f"entry map {key} has dtype {block_map.dtype}, expected bool or float mass")
+            block_map = kernels.select_blocks(block_map.float()[None], top_p=top_p,
+                                              k_min=min(k_min, block_map.shape[-1]))[0]
+            transformed = True
+        if plan.resample_to is not None:
+            src = tuple(plan.entry_meta["signature"]["token_grid"])
+            block_map = kernels.resample_block_map(block_map.cpu()[None], src, plan.resample_to,
+                                                   block_size=block_size)[0]
+            transformed = True
+        if transformed:
+            state.resampled[cache_key] = block_map.cpu()
+        return block_map.to(device) if device is not None else block_map
+
+
+class RunMaps:
+    """The maps one expert's sampler run computes with (``plan``: a hit; ``config``: the model's
+    ``SparseConfig``). One per run: device copies live as long as the run."""
+
+    def __init__(self, plan, config, expert: int):
+        self.plan, self.config, self.expert = plan, config, expert
+        self._maps: dict = {}       # (step, layer) -> (bit-packed map, kept, Kb) of the current step
+        self.step: int | None = None  # the entry step whose maps are on the device (the run's current one)
+        self._device_bits: dict | None = None  # (step, layer) -> the entry's bit-packed map on the device
+
+    def _prefetch(self, device) -> None:
+        """Copy this expert's bit-packed entry maps to ``device`` at once (pinned, non-blocking), at the
+        first sparse call of a run: later calls never copy from the host (a pageable host -> device copy
+        waits for the GPU). Retrieval has already pinned them (``retrieval._pin_packed``), so this call
+        only enqueues the copy. Maps that need a host-side transform (resampling, stored mass) and plain
+        tensors are left to :func:`stored_map`."""
+        self._device_bits = {}
+        plan = self.plan
+        if plan.resample_to is not None or device.type != "cuda":
+            return
+        for key, stored in plan.masks.items():
+            if key[0] != self.expert or key[3] != 0 or isinstance(stored, torch.Tensor):
+                continue
+            bits = getattr(stored, "bits", None)
+            shape = getattr(stored, "shape", None)
+            if not isinstance(bits, torch.Tensor) or bits.dtype != torch.uint8 or shape is None:
+                continue
+            try:
+                host = bits if bits.is_pinned() else bits.pin_memory()
+            except RuntimeError:  # no pinned memory here: a plain copy, still only once per run
+                host = bits
+            self._device_bits[(int(key[1]), int(key[2]))] = (host.to(device, non_blocking=True), tuple(shape))
+
+    def _stored_on_device(self, step: int, layer: int, q: torch.Tensor) -> torch.Tensor:
+        cfg = self.config
+        if self._device_bits is None:
+            self._prefetch(q.device)
+        found = self._device_bits.get((step, layer))
+        if found is not None:
+            bits, shape = found
+            return unpack_bits_on_device(bits, shape[-1]).reshape(shape)
+        try:
+            return stored_map(self.plan, self.expert, step, layer, block_size=cfg.block_size, top_p=cfg.top_p,
+                              k_min=cfg.k_min, device=q.device)
+        except KeyError:
+            raise Fallback(f"the entry has no mask for expert {self.expert}, step {step}, layer {layer}") from None
+
+    def map_for(self, step: int, layer: int, q: torch.Tensor, length: int | None = None):
+        """Final map for (this expert, step, layer) on q's device: ``(bool [1, H, Qb, Kb], kept)`` with
+        ``kept`` the number of kept blocks (a device scalar on CUDA, read only when the run ends).
+        ``length``: the grid's token count when ``q`` is not at full length (a compact call), else q's.
+
+        stored map (resampled) | k_min floor | visit-refresh extra pairs. No host sync: the entry's
+        maps reach the device once per run (:meth:`_prefetch`), the floor and the refresh are device
+        ops. Built once per (step, layer) and run: the current step's maps stay on the device
+        bit-packed (a 720p 14B step's 40 maps take ~70 MB) for a second call of the same step (cond
+        and uncond run separately), so the refresh records each map once. Raises :class:`Fallback`
+        for a key the entry lacks or a map that does not fit the call.
+        """
+        if self.step != step:  # keep only the current step's maps on the device
+            self._maps.clear()
+            self.step = step
+        key = (step, layer)
+        if key in self._maps:
+            packed, kept, num_kv = self._maps[key]
+            return unpack_bits_on_device(packed, num_kv), kept
+        cfg = self.config
+        stored = self._stored_on_device(step, layer, q)
+        if stored.dim() == 4 and stored.shape[0] == 1:
+            stored = stored[0]
+        heads, length = q.shape[1], q.shape[2] if length is None else int(length)
+        qb = -(-length // cfg.block_size)
+        if stored.dim() != 3 or tuple(stored.shape[-2:]) != (qb, qb) or stored.shape[0] not in (1, heads):
+            raise Fallback(f"entry mask {tuple(stored.shape)} does not fit {heads} heads x {qb} blocks")
+        block_map = floor_k_min(stored.to(q.device), cfg.k_min)
+        if block_map.shape[0] == 1 and heads > 1:
+            block_map = block_map.expand(heads, qb, qb).clone()
+        if cfg.refresh_steps > 0:
+            refresh = self.plan.refresh_state(cfg.refresh_steps)
+            block_map = block_map | refresh.extra_pairs(layer, block_map, step)
+            refresh.record(layer, block_map, step)
+        block_map = block_map[None]
+        kept = block_map.sum() if block_map.device.type == "cuda" else int(block_map.sum())
+        self._maps[key] = (pack_bits_on_device(block_map), kept, block_map.shape[-1])
+        return block_map, kept
+
+    def used_map(self, step: int, layer: int) -> torch.Tensor | None:
+        """The bool map ``[1, H, Qb, Kb]`` this run computes for (step, layer), or None when the
+        current step has not reached that layer."""
+        entry = self._maps.get((step, layer))
+        return None if entry is None else unpack_bits_on_device(entry[0], entry[2])

@@ -1,0 +1,156 @@
+"""The attention override of Chorus-patched models: the traced translation of ComfyUI's attention
+calls into the engine's custom ops (``engine/attend.py``).
+
+:class:`ChorusOverride` is ``transformer_options["optimized_attention_override"]`` of every
+Chorus-patched model (``nodes/comfy_patch.py`` installs it): one object per chained override, the same
+for every request, so ``TorchCompileModel`` traces it once. It reads a call through
+``nodes/comfy_call.py`` (both of ComfyUI's calling conventions) and the forward's constants
+(``nodes/comfy_forward.py``) only; everything that changes is read by the ops when they run. A
+feature-reuse block's compacted call (host side) goes to :func:`layout_self_attention`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..engine import attend as engine_attend
+from . import comfy_call
+from .comfy_forward import DENSE_KEY, FORWARD_KEY, FORWARD_KEYS, GAIN_KEY, LAYOUT_KEY, MODE_KEY, TOKENS_KEY, Forward
+
+
+class ChorusOverride:
+    """The attention override of Chorus-patched models (``optimized_attention_override``): one object
+    per chained override (:meth:`chaining`), the same for every request.
+
+    It only translates ComfyUI's call (read in either calling convention by :func:`comfy_call.read_call`:
+    q, k, v ``[B, L, H*D]``, ``heads``, ``scale``) by the forward's constants (module docstring):
+    self-attention (q, k and v as long as the grid) to ``torch.ops.chorus.attend``, or, on a recording
+    miss, to the host's attention and ``torch.ops.chorus.record_mass``; a self-attention call Chorus
+    must not take (:func:`comfy_call.sparse_refusal`) to the host's attention, noted by
+    ``torch.ops.chorus.refuse``; cross-attention to the host's attention, times guidance's gain; a
+    feature-reuse block's compacted call to :func:`layout_self_attention`; everything else
+    (another layout, a mask, no Chorus forward) to ``previous`` or the host's attention unchanged."""
+
+    _by_previous: dict = {}
+
+    def __init__(self, previous=None):
+        self.previous = previous
+
+    @classmethod
+    def chaining(cls, previous) -> "ChorusOverride":
+        """The override that chains ``previous`` (None: the host's attention), made once per process."""
+        found = cls._by_previous.get(id(previous))
+        if found is None or found.previous is not previous:
+            found = cls._by_previous[id(previous)] = cls(previous)
+        return found
+
+    @property
+    def previous_override(self):
+        """The override this one chains (what ``nodes/override_stack.py`` walks)."""
+        return self.previous
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __repr__(self) -> str:
+        return f"ChorusOverride(previous={self.previous!r})"
+
+    def __call__(self, func, *args, **kwargs):
+        call = comfy_call.read_call(args, kwargs)
+        if call is None:
+            return _pass(self.previous, func, args, kwargs)
+        args = call.args  # plain tensors from here on, to func and any chained override alike
+        options = kwargs.get("transformer_options")
+        if not isinstance(options, dict) or comfy_call.layout_refusal(call) is not None:
+            return _pass(self.previous, func, args, kwargs)
+        q, k, v = args[:3]
+        layout = options.get(LAYOUT_KEY)
+        if layout is not None:  # inside feature reuse's block, on the host side
+            forward = options.get(FORWARD_KEY)
+            if (isinstance(forward, Forward) and q.shape[1] == v.shape[1] == k.shape[1] == layout.compact_length
+                    and layout.length == forward.context.tokens):
+                return layout_self_attention(forward.patch.previous_override, func, call, forward, layout)
+            return _pass(self.previous, func, args, kwargs)
+        tokens = options.get(TOKENS_KEY)
+        if tokens is None:
+            return _pass(self.previous, func, args, kwargs)
+        if k.shape[1] != q.shape[1]:  # cross-attention: text, CLIP image tokens
+            out = _pass(self.previous, func, args, kwargs)
+            gain = options.get(GAIN_KEY)
+            return out if gain is None else out * gain
+        mode = options.get(MODE_KEY)
+        if mode is None or q.shape[1] != tokens or v.shape[1] != tokens:
+            return _pass(self.previous, func, args, kwargs)
+        hint = _layer_hint(kwargs)
+        refusal = comfy_call.sparse_refusal(call)
+        if refusal is not None:
+            engine_attend.refuse(q, refusal, hint)
+            return _pass(_dense_chain(options, self.previous), func, args, kwargs)
+        heads = int(call.heads)
+        size = q.shape[2] // heads
+        if mode == "record":
+            out = _pass(_dense_chain(options, self.previous), func, args, kwargs)
+            engine_attend.record_mass(_per_head(comfy_call.scaled_query(q, call.scale, size), heads),
+                                      _per_head(k, heads), hint)
+            return out
+        batch, length, width = q.shape
+        out = engine_attend.attend(_per_head(comfy_call.scaled_query(q, call.scale, size), heads),
+                                   _per_head(k, heads), _per_head(v, heads), hint)
+        return out.transpose(1, 2).reshape(batch, length, width)
+
+
+def _dense_chain(options: dict, previous):
+    """Where Chorus's own dense calls of this forward go: the forward's chain without a foreign sparse
+    override (:data:`DENSE_KEY`), else the override's own chain."""
+    dense = options.get(DENSE_KEY)
+    return previous if dense is None else dense[0]
+
+
+def layout_self_attention(previous, func, call, forward: Forward, layout):
+    """A self-attention call of a feature-reuse block on its compact sequence (host side; ``call``: the
+    override's :class:`comfy_call.AttentionCall`, q/k/v ``[B, L', H*D]``), handed to the engine (which
+    expands it to the grid or attends on the compact sequence itself) with the host's attention
+    (``previous`` or ``func``) as its dense call."""
+    args, kwargs = call.args, call.kwargs
+    refusal = comfy_call.sparse_refusal(call)
+    if refusal is not None:
+        forward.context.refuse(refusal, _layer_hint(kwargs))
+        return _pass(previous, func, args, kwargs)
+    q, k, v = args[:3]
+    batch, length, width = q.shape
+    heads = int(call.heads)
+    # q at the default scale (the engine's): the host's dense call then runs at it too
+    q = comfy_call.scaled_query(q, call.scale, width // heads)
+    dense_kwargs = {key: value for key, value in kwargs.items() if key != "scale"}
+
+    def host_dense(*qkv):
+        flat = tuple(t.transpose(1, 2).reshape(t.shape[0], t.shape[2], width) for t in qkv)
+        return _per_head(_pass(previous, func, flat + tuple(args[3:]), dense_kwargs), heads)
+
+    out = forward.context.self_attention(*(_per_head(t, heads) for t in (q, k, v)), _layer_hint(kwargs),
+                                         layout=layout, dense_fn=host_dense)
+    return out.transpose(1, 2).reshape(batch, length, width)
+
+
+def _layer_hint(kwargs) -> int:
+    """The block index ComfyUI >= 0.4 puts in transformer_options (-1 when absent)."""
+    index = (kwargs.get("transformer_options") or {}).get("block_index")
+    return index if isinstance(index, int) and not isinstance(index, bool) and index >= 0 else -1
+
+
+def _per_head(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """``[B, L, H*D]`` viewed as ``[B, H, L, D]`` (no copy)."""
+    batch, length, width = t.shape
+    return t.view(batch, length, heads, width // heads).transpose(1, 2)
+
+
+def _pass(previous, func, args, kwargs):
+    """The call as if Chorus were not there: through the chained override, else the host's attention
+    (:func:`comfy_call.dense_call`), with this forward's Chorus keys removed from its options (an older
+    Chorus override further down the chain, or the one a foreign override chains back to, passes it on)."""
+    options = kwargs.get("transformer_options")
+    if isinstance(options, dict) and MODE_KEY in options:
+        options = {key: value for key, value in options.items() if key not in FORWARD_KEYS}
+    else:
+        options = None
+    return comfy_call.dense_call(func, previous, args, kwargs, options)
