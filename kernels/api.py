@@ -67,7 +67,6 @@ _SM90_ONLY = (Backend.TRITON_FP8_WS, Backend.TRITON_FP8, Backend.FA4_BF16)  # au
 _ATTENTION_ONLY = (Backend.TRITON_FP8_WS, Backend.FA4_BF16, Backend.FLEX)
 _NO_POOLED_TAIL = (Backend.FA4_BF16, Backend.FLEX)  # auto sends a pooled_tail call past these
 _auto_choice: dict[tuple, Backend] = {}
-_auto_logged: set[tuple] = set()
 
 
 def _parse_backend(backend) -> Backend:
