@@ -24,6 +24,7 @@ Triton is missing (the API reports that as the reason the backend cannot run). C
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 
@@ -32,6 +33,8 @@ import torch
 from . import _attention_ws
 from ._attention import block_sparse_attention_triton_impl, compress_block_map, output_like
 from ._block_mass import block_mass_triton_impl
+
+LOG = logging.getLogger(__name__)
 
 __all__ = ["block_sparse_attention_triton", "block_sparse_attention_ws", "ws_unavailable", "ws_call_unsupported",
            "block_mass_triton", "triton_available", "compress_block_map"]
@@ -164,7 +167,7 @@ _PROBED: dict[tuple, str | None] = {}
 
 def build_probe(key: tuple, run) -> str | None:
     """Run ``run()`` (a kernel build and launch on a tiny input) once per ``key``: None when it
-    returns, else the reason it raised (remembered for ``key``). An out-of-memory error says nothing
+    returns, else the reason it raised (remembered for ``key``, logged once as a warning). An out-of-memory error says nothing
     about the build: it is neither a reason nor remembered."""
     if key not in _PROBED:
         try:
@@ -174,6 +177,7 @@ def build_probe(key: tuple, run) -> str | None:
         except Exception as exc:  # noqa: BLE001 - any build or launch failure makes the kernel unavailable
             first_line = str(exc).splitlines()[0] if str(exc) else ""
             _PROBED[key] = f"the warp-specialised kernel does not build or run here ({type(exc).__name__}: {first_line})"
+            LOG.warning("chorus: %s", _PROBED[key])
         else:
             _PROBED[key] = None
     return _PROBED[key]
