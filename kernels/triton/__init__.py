@@ -10,6 +10,7 @@ Public entry points (called by :mod:`chorus.kernels.api` for backends ``triton_f
   block size 128), :func:`ws_unavailable` ``(q) -> reason | None`` and :func:`ws_call_unsupported`
 - :func:`block_mass_triton` ``(q, k, *, block_size, sample_rows, scale) -> float32 [B, H, Qb, Kb]``
 - :func:`triton_available` ``() -> (bool, reason)``
+- :func:`build_probe` ``(key, run) -> reason | None``: one build-and-launch check per key (auto's resolution)
 
 Feature reuse's fused pool / unpool kernels live in :mod:`._pooling` (called by
 :mod:`chorus.kernels.pooling` on CUDA tensors).
@@ -36,7 +37,7 @@ from ._block_mass import block_mass_triton_impl
 
 LOG = logging.getLogger(__name__)
 
-__all__ = ["block_sparse_attention_triton", "block_sparse_attention_ws", "ws_unavailable", "ws_call_unsupported",
+__all__ = ["block_sparse_attention_triton", "block_sparse_attention_ws", "ws_unavailable", "ws_call_unsupported", "build_probe",
            "block_mass_triton", "triton_available", "compress_block_map"]
 
 
