@@ -1,9 +1,12 @@
-"""Compile the Triton kernels for sm_90 without a GPU and report registers, spills and MMA kinds.
+"""Compile the Triton kernels for sm_90 without a GPU and read what came out (the tests' sm_90 builds).
 
-Usage: ``python benchmarks/kernels/aot_check.py [--sass]``. Needs only Triton (its bundled ptxas and
-cuobjdump); useful before spending GPU time. Prints one line per variant: the Triton kernel's tile
-configurations, then the warp-specialised Gluon kernel's schedules (:func:`compile_ws`; its registers
-are the launch's 168, the consumer warpgroups raise theirs to 240 with ``setmaxnreg``).
+Helpers for the tests: :func:`compile_attn` (the portable Triton kernel), :func:`compile_jit` (any Triton
+kernel of ours), :func:`compile_ws` (the warp-specialised Gluon kernel), :func:`sass_of`,
+:func:`key_block_loop_ops` (opcode counts of the key-block loop), :func:`summarize`. Needs only Triton (its
+bundled ptxas and cuobjdump). Also a report: ``python tests/aot_check.py [--sass]`` (from the pack root,
+with the pack importable as ``chorus``) prints one line per variant: the Triton kernel's tile
+configurations, then the warp-specialised kernel with and without a token order (its registers are the
+launch's 168, the consumer warpgroups raise theirs to 240 with ``setmaxnreg``).
 """
 
 from __future__ import annotations
@@ -75,59 +78,14 @@ def compile_jit(fn, types: dict, constexprs: dict, num_warps: int = 4):
                           options=dict(num_warps=num_warps))
 
 
-def compile_ws(head_dim=128, schedule="serial", stages=3, tail=True, ablate=0, fma_quarters=0, has_bias=False,
-               has_perm=False, has_suffix=False, p_bits=1, v_block=False, p_sat=True, o_vec=True, o_tma=None,
-               q_kernel=None, has_tail=False):
-    """The warp-specialised Gluon kernel (``chorus.kernels.triton._attention_ws``) compiled for sm_90.
-    ``o_tma`` / ``q_kernel`` (the TMA output store, Q quantised in the kernel) default to what the launcher
-    compiles: on, except with a token order (``has_perm``); ``has_tail``: the pooled tail."""
-    from triton.experimental.gluon._runtime import GluonASTSource
-
+def compile_ws(head_dim=128, tail=True, has_bias=False, has_perm=False, has_suffix=False, q_kernel=None,
+               has_tail=False, stages=3):
+    """The warp-specialised Gluon kernel compiled for sm_90 as the launcher builds it for such a call
+    (:func:`chorus.kernels.triton._attention_ws.compile_sm90`; ``tail``: a partial last key block)."""
     from chorus.kernels.triton import _attention_ws as W
 
-    o_tma = not has_perm if o_tma is None else o_tma
-    q_kernel = not has_perm if q_kernel is None else q_kernel
-    qk_layout, vt_layout = W.shared_layouts(head_dim)
-
-    def rows_desc_type(rows):  # the launcher's rows_descriptor of a bf16 [B, H, L, D] tensor
-        block, layout = W.rows_block(rows, head_dim, torch.bfloat16)
-        return f"tensordesc<bf16[{', '.join(map(str, block))}],{layout!r}>"
-
-    kernel = W._bsa_ws_kernel
-    sig = {}
-    for name, param in zip(kernel.arg_names, kernel.params):
-        if param.is_constexpr:
-            continue
-        if name == "q_desc" and q_kernel:
-            sig[name] = rows_desc_type(W.BLOCK)
-        elif name in ("q_desc", "k_desc"):
-            sig[name] = f"tensordesc<fp8e4nv[{W.BLOCK}, {head_dim}],{qk_layout!r}>"
-        elif name == "v_desc":
-            sig[name] = f"tensordesc<fp8e4nv[{head_dim}, {W.BLOCK}],{vt_layout!r}>"
-        elif name == "O":
-            sig[name] = "*bf16"
-        elif name == "o_desc":
-            sig[name] = rows_desc_type(W.CONSUMER_ROWS)
-        elif name in ("q_scale", "k_scale", "v_scale", "tail_bias"):
-            sig[name] = "*fp32"
-        elif name in ("prefix_bias", "suffix_bias", "q_mult"):
-            sig[name] = "fp32"
-        elif name in ("kv_num", "kv_idx", "sched", "token_perm", "tail_num"):
-            sig[name] = "*i32"
-        else:
-            sig[name] = "i32"
-    consts = dict(HEAD_DIM=head_dim, STAGES=stages, Q_STAGES=2, TAIL_K=tail, HAS_BIAS=has_bias or has_suffix,
-                  HAS_PERM=has_perm, HAS_SUFFIX=has_suffix,
-                  P_SHIFT=A.P_SHIFT_LOG2,
-                  SCHEDULE=schedule, ABLATE=ablate, FMA_QUARTERS=fma_quarters, P_BITS=p_bits, V_BLOCK=v_block,
-                  P_SAT=p_sat, O_VEC=o_vec, O_TMA=o_tma, Q_KERNEL=q_kernel, HAS_TAIL=has_tail)
-    sig.update({c: "constexpr" for c in consts})
-    # 16-byte divisibility of the output pointer and strides and of the pooled tail's bias table and its row
-    # width (a multiple of 128), as the launcher's specialisation gives them
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig)
-             if n in ("O", "s_ob", "s_oh", "s_ol", "tail_bias", "tail_width")}
-    src = GluonASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
-    return triton.compile(src, target=TARGET, options=dict(num_warps=4))
+    return W.compile_sm90(head_dim, W.WsConfig(stages=stages), tail_k=tail, has_bias=has_bias, has_suffix=has_suffix,
+                          has_perm=has_perm, q_kernel=q_kernel, has_tail=has_tail)
 
 
 def cuobjdump(kernel, flag: str) -> str:
@@ -204,12 +162,12 @@ def main():
                         msg = f"FAILED {type(exc).__name__}: {str(exc)[:300]}"
                     print(f"fp8={fp8} tma={use_tma} BLOCK_N={block_n} stages={stages}: {msg}", flush=True)
     for head_dim in (128, 64):
-        for schedule in ("serial", "overlap", "pingpong"):
+        for has_perm in (False, True):
             try:
-                msg = summarize(compile_ws(head_dim, schedule), args.sass)
+                msg = summarize(compile_ws(head_dim, has_perm=has_perm), args.sass)
             except Exception as exc:  # noqa: BLE001
                 msg = f"FAILED {type(exc).__name__}: {str(exc)[:300]}"
-            print(f"warp-specialised D={head_dim} schedule={schedule}: {msg}", flush=True)
+            print(f"warp-specialised D={head_dim} token order={has_perm}: {msg}", flush=True)
 
 
 if __name__ == "__main__":
