@@ -5,7 +5,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-BACKENDS = ("auto", "triton_fp8_ws", "triton_fp8", "triton_bf16", "fa4_bf16", "flex", "reference")
+from ..kernels.api import Backend
+
+BACKENDS = tuple(backend.value for backend in Backend)  # the node's choices, in the kernel API's order
 # The verdict is RELATIVE (engine/verify.py): the estimated recall of the reused map divided by the best recall
 # any map as sparse keeps on the same sampled mass (the "fit ratio"): ~1 for a map that fits the request, lower
 # for a map of another request, ~1 on near-uniform attention (random weights) whatever the map. The fit ratio

@@ -8,10 +8,12 @@ Backends (:class:`Backend`): ``auto`` | ``triton_fp8_ws`` | ``triton_fp8`` | ``t
 
 - ``auto`` resolves once per (device, dtype, head dim) along the chain
   triton_fp8_ws (sm_90) -> triton_fp8 (sm_90) -> fa4_bf16 (sm_90, where installed) -> triton_bf16
-  (other CUDA GPUs) -> flex -> reference, logs its choice once, and if a chosen fast backend raises
-  at run time it logs that once and moves down the chain. A call whose options a backend lacks
-  (triton_fp8_ws with another block size or head dim, fa4_bf16 with a prefix bias or another block
-  size, flex and fa4_bf16 with ``pooled_tail``) runs on the next backend of the chain, that call only.
+  (other CUDA GPUs) -> flex -> reference and logs its choice once. It walks the chain only while
+  resolving: the first backend that can run on this device, dtype and head dim (and, per call, the
+  first whose options cover the call: triton_fp8_ws with another block size or head dim, fa4_bf16
+  with a prefix bias or another block size, flex and fa4_bf16 with ``pooled_tail`` go to the next
+  backend of the chain, that call only). An error raised while a backend runs (an out-of-memory
+  included) propagates to the caller and changes no later choice; the engine runs that call dense.
 - An explicit backend never falls back: if it cannot run on these inputs it raises
   :class:`BackendUnavailableError` naming the reason.
 
@@ -65,7 +67,6 @@ _SM90_ONLY = (Backend.TRITON_FP8_WS, Backend.TRITON_FP8, Backend.FA4_BF16)  # au
 _ATTENTION_ONLY = (Backend.TRITON_FP8_WS, Backend.FA4_BF16, Backend.FLEX)
 _NO_POOLED_TAIL = (Backend.FA4_BF16, Backend.FLEX)  # auto sends a pooled_tail call past these
 _auto_choice: dict[tuple, Backend] = {}
-_auto_logged: set[tuple] = set()
 
 
 def _parse_backend(backend) -> Backend:
@@ -161,17 +162,6 @@ def _next_in_chain(key_op: str, q: torch.Tensor, after: Backend) -> Backend | No
     chain = _candidates(q, key_op)
     rest = chain[chain.index(after) + 1:] if after in chain else [Backend.REFERENCE]
     return next((b for b in rest if why_unavailable(b, q, key_op) is None), None)
-
-
-def _demote_auto(key_op: str, q: torch.Tensor, failed: Backend, exc: Exception) -> Backend:
-    key = (key_op, q.device.type, q.device.index, q.dtype, q.shape[-1])
-    candidate = _next_in_chain(key_op, q, failed)
-    if candidate is None:
-        raise exc
-    _auto_choice[key] = candidate
-    LOG.warning("chorus: %s backend %s failed (%s); auto falls back to %s", key_op, failed.value, exc,
-                candidate.value)
-    return candidate
 
 
 def _for_call_options(chosen: Backend, explicit: bool, q, block_size: int, prefix_len: int,
@@ -364,6 +354,8 @@ def block_sparse_attention(q, k, v, block_map, *, block_size: int = 128, scale: 
             a ``pooled_tail`` that is not a bool.
         BackendUnavailableError: an explicit backend that cannot run on these inputs (or this call's
             options: e.g. ``pooled_tail`` on flex).
+        Whatever the chosen backend raises while it runs (``torch.OutOfMemoryError``, a compile error)
+        propagates unchanged, with ``auto`` as with an explicit backend; no later call is affected.
     """
     _check_qkv(q, k, v)
     if not isinstance(pooled_tail, bool):
@@ -378,17 +370,10 @@ def block_sparse_attention(q, k, v, block_map, *, block_size: int = 128, scale: 
     if perm is not None and suffix_len:
         raise ValueError("a suffix bias with token_perm is not supported (the suffix is of the compact sequence)")
     explicit = _parse_backend(backend) != Backend.AUTO
-    chosen = resolve_backend(backend, q, "attention")
-    while True:
-        call_backend = chosen
-        try:
-            call_backend = _for_call_options(chosen, explicit, q, block_size, prefix_len, suffix_len, pooled_tail)
-            return _run_attention(call_backend, q, k, v, block_map, block_size, scale, prefix_len, prefix_bias,
-                                  perm, suffix_len, suffix_bias, pooled_tail)
-        except Exception as exc:  # noqa: BLE001 - auto walks down its chain, explicit re-raises
-            if explicit or call_backend == Backend.REFERENCE:
-                raise
-            chosen = _demote_auto("attention", q, call_backend, exc)
+    chosen = _for_call_options(resolve_backend(backend, q, "attention"), explicit, q, block_size, prefix_len,
+                               suffix_len, pooled_tail)
+    return _run_attention(chosen, q, k, v, block_map, block_size, scale, prefix_len, prefix_bias,
+                          perm, suffix_len, suffix_bias, pooled_tail)
 
 
 def block_mass(q, k, *, block_size: int = 128, sample_rows: int | None = None, scale: float | None = None,
@@ -404,6 +389,7 @@ def block_mass(q, k, *, block_size: int = 128, sample_rows: int | None = None, s
     Raises:
         ValueError: bad shapes, ``sample_rows < 1``, bad backend name, a bad ``token_perm``.
         BackendUnavailableError: an explicit backend that cannot run here (``flex`` has none).
+        Whatever the chosen backend raises while it runs propagates unchanged (no later call is affected).
     """
     _check_qkv(q, k)
     _check_block_size(block_size)
@@ -411,16 +397,8 @@ def block_mass(q, k, *, block_size: int = 128, sample_rows: int | None = None, s
         raise ValueError(f"sample_rows must be a positive int or None, got {sample_rows!r}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     perm = _token_perm(token_perm, q, k)
-    explicit = _parse_backend(backend) != Backend.AUTO
-    chosen = resolve_backend(backend, q, "block_mass")
-    while True:
-        try:
-            if chosen == Backend.REFERENCE:
-                qo, ko = (q, k) if perm is None else to_tile_order(perm[0], q, k)
-                return reference.block_mass_reference(qo, ko, block_size, sample_rows, scale)
-            return _triton_module().block_mass_triton(q, k, block_size=block_size, sample_rows=sample_rows,
-                                                      scale=scale, token_perm=None if perm is None else perm[0])
-        except Exception as exc:  # noqa: BLE001
-            if explicit or chosen == Backend.REFERENCE:
-                raise
-            chosen = _demote_auto("block_mass", q, chosen, exc)
+    if resolve_backend(backend, q, "block_mass") == Backend.REFERENCE:
+        qo, ko = (q, k) if perm is None else to_tile_order(perm[0], q, k)
+        return reference.block_mass_reference(qo, ko, block_size, sample_rows, scale)
+    return _triton_module().block_mass_triton(q, k, block_size=block_size, sample_rows=sample_rows,
+                                              scale=scale, token_perm=None if perm is None else perm[0])

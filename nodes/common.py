@@ -9,7 +9,7 @@ import threading
 
 from comfy_api.latest import io
 
-from ..cache_store import Workspace, resolve_workspace
+from ..cache_store import Workspace
 from ..cache_store.redaction import RedactingFilter, redact
 
 log = logging.getLogger("chorus.nodes")

@@ -51,8 +51,9 @@ class ChorusSparseSampler(io.ComfyNode):
                                        "(triton_fp8_ws) on Hopper, with Triton FP8 for the calls it cannot take, "
                                        "Triton bf16 on other CUDA GPUs, the reference on CPU. fa4_bf16: "
                                        "FlashAttention-4's block-sparse kernel in bf16 (optional flash-attn-4; "
-                                       "1.3-1.5x Triton bf16 on an H200, slower than FP8 at 720p). An explicit "
-                                       "choice that cannot run falls back to dense attention with a message."),
+                                       "1.3-1.5x Triton bf16 on an H200, slower than FP8 at 720p). Never a switch to "
+                                       "another kernel after a choice: a call the chosen kernel cannot take or "
+                                       "that fails runs dense attention, with a message."),
                 io.Float.Input("verify_threshold", default=DEFAULT_VERIFY_THRESHOLD, min=0.0, max=1.0, step=0.01,
                                optional=True,
                                tooltip="Self-verifying hits: at the first step of each expert, the share of "

@@ -190,6 +190,35 @@ def test_fallbacks_are_dense_and_noted_never_raised():
         assert plan2.stats.fallback_calls == 1 and "BackendUnavailableError" in plan2.stats.messages[0]
 
 
+def test_a_kernel_error_runs_that_call_dense_and_changes_no_later_choice(monkeypatch):
+    """An error while the kernel runs (an out-of-memory here) gives dense attention for that call with a
+    note; the next call runs the kernel again and ``auto`` resolves as before (no global demotion)."""
+    from chorus.kernels import api
+
+    band = torch.eye(QB, dtype=torch.bool) | torch.eye(QB, dtype=torch.bool).roll(1, 1)
+    plan = hit_plan({(0, 2, 0, 0): band.expand(2, QB, QB).clone()})
+    handle = ChorusAttention(plan, SparseConfig(top_p=0.9, k_min=1, block_size=BS), INFO)
+    handle.begin_run(SIGMAS)
+    q, k, v = qkv(4)
+    chosen_before = api.resolve_backend("auto", q)
+    run_attention = api._run_attention
+    failures = iter([True])
+
+    def out_of_memory_once(*args, **kwargs):
+        if next(failures, False):
+            raise torch.OutOfMemoryError("CUDA out of memory (test)")
+        return run_attention(*args, **kwargs)
+
+    monkeypatch.setattr(api, "_run_attention", out_of_memory_once)
+    first = handle.self_attention(q, k, v, layer=0, sigma=0.5, grid=GRID, dense_fn=sdpa)
+    torch.testing.assert_close(first, sdpa(q, k, v))
+    assert plan.stats.fallback_calls == 1 and "OutOfMemoryError" in plan.stats.messages[0]
+    second = handle.self_attention(q, k, v, layer=0, sigma=0.5, grid=GRID, dense_fn=sdpa)
+    oracle = dense_attention_oracle(q, k, v, block_map=band[None, None], block_size=BS)
+    assert (second.double() - oracle).abs().max().item() < 1e-4
+    assert plan.stats.sparse_calls == 1 and api.resolve_backend("auto", q) == chosen_before
+
+
 def test_hit_for_another_model_or_schedule_demotes_to_a_recording_miss():
     masks = {(0, s, l, 0): torch.ones(2, QB, QB, dtype=torch.bool) for s in range(3) for l in range(2)}
     plan = hit_plan(masks)

@@ -70,6 +70,31 @@ def test_sparse_output_differs_from_dense():
     torch.testing.assert_close(out.double(), blockwise, atol=1e-5, rtol=1e-5)
 
 
+def test_the_build_probe_answers_once_per_key_and_ignores_out_of_memory():
+    """auto's resolution asks the warp-specialised kernel to build and run once per key (on a Hopper
+    GPU): a failure is a remembered reason, success is remembered too, an out-of-memory is neither."""
+    triton_kernels = pytest.importorskip("chorus.kernels.triton")
+    calls = []
+
+    def broken():
+        calls.append("broken")
+        raise RuntimeError("PassManager::run failed\nmore lines")
+
+    def out_of_memory():
+        calls.append("oom")
+        raise torch.OutOfMemoryError("CUDA out of memory (test)")
+
+    key = ("test-probe", id(calls))
+    assert triton_kernels.build_probe(key + ("oom",), out_of_memory) is None
+    assert triton_kernels.build_probe(key + ("oom",), out_of_memory) is None
+    reason = triton_kernels.build_probe(key + ("broken",), broken)
+    assert reason is not None and "RuntimeError: PassManager::run failed" in reason and "more lines" not in reason
+    assert triton_kernels.build_probe(key + ("broken",), broken) == reason
+    assert triton_kernels.build_probe(key + ("fine",), lambda: calls.append("fine")) is None
+    assert triton_kernels.build_probe(key + ("fine",), broken) is None
+    assert calls == ["oom", "oom", "broken", "fine"]
+
+
 def test_auto_on_cpu_resolves_to_reference():
     q, k, v = make_qkv(q_len=64)
     assert K.resolve_backend("auto", q) == K.Backend.REFERENCE

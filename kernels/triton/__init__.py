@@ -10,6 +10,7 @@ Public entry points (called by :mod:`chorus.kernels.api` for backends ``triton_f
   block size 128), :func:`ws_unavailable` ``(q) -> reason | None`` and :func:`ws_call_unsupported`
 - :func:`block_mass_triton` ``(q, k, *, block_size, sample_rows, scale) -> float32 [B, H, Qb, Kb]``
 - :func:`triton_available` ``() -> (bool, reason)``
+- :func:`build_probe` ``(key, run) -> reason | None``: one build-and-launch check per key (auto's resolution)
 
 Feature reuse's fused pool / unpool kernels live in :mod:`._pooling` (called by
 :mod:`chorus.kernels.pooling` on CUDA tensors).
@@ -24,6 +25,7 @@ Triton is missing (the API reports that as the reason the backend cannot run). C
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 
@@ -33,7 +35,9 @@ from . import _attention_ws
 from ._attention import block_sparse_attention_triton_impl, compress_block_map, output_like
 from ._block_mass import block_mass_triton_impl
 
-__all__ = ["block_sparse_attention_triton", "block_sparse_attention_ws", "ws_unavailable", "ws_call_unsupported",
+LOG = logging.getLogger(__name__)
+
+__all__ = ["block_sparse_attention_triton", "block_sparse_attention_ws", "ws_unavailable", "ws_call_unsupported", "build_probe",
            "block_mass_triton", "triton_available", "compress_block_map"]
 
 
@@ -144,13 +148,47 @@ def block_sparse_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
 
 def ws_unavailable(q: torch.Tensor) -> str | None:
     """Reason the warp-specialised kernel (backend ``triton_fp8_ws``) cannot run on tensors like ``q``
-    (any call options aside: :func:`._attention_ws.supports`), or None."""
+    (any call options aside: :func:`._attention_ws.supports`), or None. On a Hopper GPU the first
+    question per (device, dtype, head dim) also builds and runs the kernel once on one block
+    (:func:`build_probe`): a Triton whose Gluon cannot build it is a reason found while resolving, so
+    ``auto`` takes the next backend from the start instead of failing at the first real call."""
     if q.device.type != "cuda":
         return f"triton_fp8_ws needs a CUDA tensor, got device {q.device} (Gluon has no CPU interpreter)"
     major, minor = torch.cuda.get_device_capability(q.device)
     if major != 9:
         return f"triton_fp8_ws is built for sm_90 (Hopper), this GPU is sm_{major}{minor}"
-    return _attention_ws.supports(q.shape[-1], _attention_ws.BLOCK)
+    reason = _attention_ws.supports(q.shape[-1], _attention_ws.BLOCK)
+    if reason is not None:
+        return reason
+    return build_probe(("ws", str(q.device), q.dtype, q.shape[-1]), lambda: _run_one_ws_block(q))
+
+
+_PROBED: dict[tuple, str | None] = {}
+
+
+def build_probe(key: tuple, run) -> str | None:
+    """Run ``run()`` (a kernel build and launch on a tiny input) once per ``key``: None when it
+    returns, else the reason it raised (remembered for ``key``, logged once as a warning). An out-of-memory error says nothing
+    about the build: it is neither a reason nor remembered."""
+    if key not in _PROBED:
+        try:
+            run()
+        except torch.OutOfMemoryError:
+            return None
+        except Exception as exc:  # noqa: BLE001 - any build or launch failure makes the kernel unavailable
+            first_line = str(exc).splitlines()[0] if str(exc) else ""
+            _PROBED[key] = f"the warp-specialised kernel does not build or run here ({type(exc).__name__}: {first_line})"
+            LOG.warning("chorus: %s", _PROBED[key])
+        else:
+            _PROBED[key] = None
+    return _PROBED[key]
+
+
+def _run_one_ws_block(q: torch.Tensor) -> None:
+    """One 128-token block of zeros like ``q`` through the warp-specialised kernel, synchronised."""
+    x = torch.zeros(1, 1, _attention_ws.BLOCK, q.shape[-1], device=q.device, dtype=q.dtype)
+    block_sparse_attention_ws(x, x, x, torch.ones(1, 1, 1, 1, dtype=torch.bool, device=q.device))
+    torch.cuda.synchronize(q.device)
 
 
 def ws_call_unsupported(head_dim: int, block_size: int) -> str | None:
