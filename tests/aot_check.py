@@ -17,7 +17,6 @@ import re
 import subprocess
 import tempfile
 
-import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -27,10 +26,10 @@ from chorus.kernels.triton import _attention as A
 TARGET = GPUTarget("cuda", 90, 32)
 
 
-def attn_signature(fp8: bool, dtype: str, use_tma: bool, block_m: int, block_n: int, head_dim: int, ws=False):
+def attn_signature(fp8: bool, dtype: str, use_tma: bool, block_m: int, block_n: int, head_dim: int):
     ed = "fp8e4nv" if fp8 else dtype
     if use_tma:
-        q = f"*{ed}" if ws else f"tensordesc<{ed}[1,1,{block_m},{head_dim}]>"
+        q = f"tensordesc<{ed}[1,1,{block_m},{head_dim}]>"
         k = f"tensordesc<{ed}[1,1,{block_n},{head_dim}]>"
         v = f"tensordesc<{ed}[1,1,{head_dim},{block_n}]>" if fp8 else f"tensordesc<{ed}[1,1,{block_n},{head_dim}]>"
     else:
@@ -50,13 +49,13 @@ def attn_signature(fp8: bool, dtype: str, use_tma: bool, block_m: int, block_n: 
 
 
 def compile_attn(fp8=True, use_tma=False, block_m=128, block_n=128, head_dim=128, num_warps=8, num_stages=3,
-                 tail=False, dtype="bf16", ablate=0, ws=False, has_tail=False):
+                 tail=False, dtype="bf16", has_tail=False):
     """The portable Triton kernel compiled for sm_90 (``tail``: a partial last key block; ``has_tail``: the
     pooled tail)."""
-    sig = attn_signature(fp8, dtype, use_tma, block_m, block_n, head_dim, ws)
+    sig = attn_signature(fp8, dtype, use_tma, block_m, block_n, head_dim)
     consts = dict(HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BS=128, FP8=fp8, USE_TMA=use_tma,
-                  TAIL_K=tail, EVEN_Q=not tail, P_SHIFT=A.P_SHIFT_LOG2, SCALE_TILE=128, INTERPRET=False, ABLATE=ablate,
-                  WARP_SPEC=ws, HAS_BIAS=False, HAS_TAIL=has_tail, POOL_TMA=has_tail and fp8 and use_tma,
+                  TAIL_K=tail, EVEN_Q=not tail, P_SHIFT=A.P_SHIFT_LOG2, SCALE_TILE=128, INTERPRET=False,
+                  HAS_BIAS=False, HAS_TAIL=has_tail, POOL_TMA=has_tail and fp8 and use_tma,
                   POOL_TILE=A.TAIL_TILE)
     consts.update({n: False for n, p in zip(A._bsa_fwd_kernel.arg_names, A._bsa_fwd_kernel.params)
                    if p.is_constexpr and n not in consts})  # later compile-time switches, off
