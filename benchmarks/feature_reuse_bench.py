@@ -1,7 +1,7 @@
 """Block-level measurement of feature reuse on a Wan-14B-shaped block (GPU; random weights).
 
 ``python -m benchmarks.feature_reuse_bench [--tokens 720p|480p] [--out results.json]`` (from the pack root) or
-:func:`measure_block` from another benchmark (``benchmarks/e2e`` may call it).
+:func:`measure_block` from another benchmark.
 
 One Wan DiT block as ComfyUI's ``WanAttentionBlock`` computes it (dim 5120, 40 heads x 128, FFN
 13 824, adaLN modulation, RMS-normed q/k with RoPE rotations, text cross-attention over 512 tokens,

@@ -354,13 +354,6 @@ def pool_rotations(rot: torch.Tensor, layout: RegionLayout) -> torch.Tensor:
     return (pooled / norm[..., None, None]).to(rot.dtype)
 
 
-def pool_cos_sin(cos: torch.Tensor, sin: torch.Tensor, layout: RegionLayout):
-    """Pool RoPE given as ``cos, sin`` ``[B or 1, L, ..., D]`` (diffusers layout); renormalised pairs."""
-    pc, ps = pool_tokens(cos.float(), layout), pool_tokens(sin.float(), layout)
-    norm = torch.sqrt(pc * pc + ps * ps).clamp_min(1e-12)
-    return (pc / norm).to(cos.dtype), (ps / norm).to(sin.dtype)
-
-
 def region_detail(x: torch.Tensor, grid, region, pool) -> torch.Tensor:
     """Float32 ``[R]``: per complete region, ``sum |x - cellmean(x)|^2 / sum |x|^2`` over ``x``'s
     batch, tokens and channels (``x`` ``[B, L, ...]``, ``L = T*H*W``). A region with no energy gives 0.

@@ -1,10 +1,11 @@
 """The triton_fp8_ws backend (the warp-specialised Gluon FP8 kernel) on the CPU: where auto takes it,
 which calls it sends on, what an explicit choice says, and that the kernel compiles for sm_90 with the
-installed Triton (every schedule, head dims 64 / 128, FP8 wgmmas, P handed to ``P @ V`` without a
-shuffle; the kernel itself asserts that conversion is trivial). Its numerics: test_kernels_ws_gpu.py."""
+installed Triton (every variant a call can select, head dims 64 / 128, FP8 wgmmas, P handed to ``P @ V``
+without a shuffle; the kernel itself asserts that conversion is trivial), and its configuration. Its numerics: test_kernels_ws_gpu.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -47,78 +48,67 @@ def test_the_engine_and_the_node_offer_it():
     assert SparseConfig(backend="triton_fp8_ws").backend == "triton_fp8_ws"
 
 
-@pytest.mark.parametrize("head_dim,schedule,has_bias,has_perm,has_suffix,p_bits,v_block,p_sat", [
-    (128, "serial", False, False, False, 1, False, True), (128, "overlap", False, False, False, 1, False, True),
-    (128, "pingpong", False, False, False, 1, False, True), (64, "serial", False, False, False, 1, False, True),
-    (64, "overlap", False, False, False, 1, False, True), (64, "pingpong", False, False, False, 1, False, True),
-    (128, "serial", True, True, False, 1, False, True), (64, "pingpong", True, False, False, 1, False, True),
-    (128, "serial", True, False, True, 1, False, True), (64, "serial", True, True, True, 1, False, True),
-    (128, "serial", False, False, False, 0, False, False), (128, "overlap", True, False, False, 0, False, False),
-    (128, "serial", False, False, False, 2, True, False), (64, "overlap", True, False, True, 1, True, True),
-    (128, "serial", False, False, False, 1, False, False)])
-def test_kernel_compiles_for_sm90_with_fp8_wgmma_and_no_shuffles(head_dim, schedule, has_bias, has_perm, has_suffix,
-                                                                  p_bits, v_block, p_sat):
+@pytest.mark.parametrize("head_dim,has_bias,has_perm,has_suffix", [
+    (128, False, False, False), (64, False, False, False), (128, True, True, False), (64, True, False, False),
+    (128, True, False, True), (64, True, True, True)])
+def test_kernel_compiles_for_sm90_with_fp8_wgmma_and_no_shuffles(head_dim, has_bias, has_perm, has_suffix):
     from chorus.kernels.triton import _attention_ws
 
     if _attention_ws.available():
         pytest.fail(f"this Triton has no Gluon Hopper API: {_attention_ws.available()}")
-    from benchmarks.kernels.aot_check import compile_ws
+    from aot_check import compile_ws
 
-    kernel = compile_ws(head_dim, schedule, tail=True, has_bias=has_bias, has_perm=has_perm, has_suffix=has_suffix,
-                        p_bits=p_bits, v_block=v_block, p_sat=p_sat)
+    kernel = compile_ws(head_dim, tail=True, has_bias=has_bias, has_perm=has_perm, has_suffix=has_suffix)
     ptx = kernel.asm["ptx"]
     mmas = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k32\.f32\.e4m3\.e4m3", ptx))
-    # QK^T: N = 128 keys; PV: N = D; with P's bits from the FFMA the row sums: N = 8 (P8 @ ones)
-    assert mmas == {"128", str(head_dim)} | ({"8"} if p_bits else set()), mmas
+    # QK^T: N = 128 keys; PV: N = D; the row sums of P's e4m3 bits: N = 8 (P8 @ ones)
+    assert mmas == {"128", str(head_dim), "8"}, mmas
     exp2 = len(re.findall(r"ex2\.approx", ptx))
-    assert exp2 <= 8 if p_bits else exp2 >= 64, exp2  # P without the MUFU: exp2 only for each row's rescale
-    # P's bits clamped at 0 by the FFMA's saturation (p_clamp "sat"): one saturating FMA per element of S
+    assert exp2 <= 8, exp2  # P without the MUFU: exp2 only for each row's rescale
+    # P's bits clamped at 0 by the FFMA's saturation: one saturating FMA per element of S
     saturating = len(re.findall(r"fma\.rn\.sat\.f32", ptx))
-    assert saturating >= 64 if (p_bits and p_sat) else saturating == 0, saturating
+    assert saturating >= 64, saturating
     assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+240", ptx)  # the consumer warpgroups
     # P reaches P @ V in its registers: the only cross-lane index shuffles left broadcast lane 0's warp id
     # (for the partitions, the TMA output stores' and Q stores' issuing lanes), none moves data
     sources = re.findall(r"shfl\.sync\.idx\.b32\s+%r\d+, (%r\d+), 0, 31, -1;", ptx)
     assert len(sources) == ptx.count("shfl.sync.idx") <= 4, sources
     assert kernel.metadata.shared <= 228 * 1024
-    if schedule == "pingpong":  # the turns are named barriers over both consumer warpgroups (256 threads)
-        assert len(re.findall(r"bar\.sync \S+, 256;", ptx)) >= 2 and re.search(r"bar\.arrive \S+, 256;", ptx)
 
 
-@pytest.mark.parametrize("schedule,p_bits", [("serial", 1), ("pingpong", 1), ("serial", 0)])
-def test_the_key_block_loop_runs_three_gemms_and_no_exp2_per_element(schedule, p_bits):
+def test_the_key_block_loop_runs_three_gemms_and_no_exp2_per_element():
     """The loop every kept key block takes (``aot_check.key_block_loop_ops`` on the SASS): per k-step of 32
-    the three wgmmas (Q @ K^T, P @ V and, with P's bits from the FFMA, the row sums P8 @ ones), and the
-    MUFU only for the rows' rescale (2 per thread) unless P comes from the exp2 (``p_bits`` 0: one per
-    element). Built for a length with a partial last key block, as Wan's are."""
+    the three wgmmas (Q @ K^T, P @ V and the row sums P8 @ ones), and the MUFU only for the rows' rescale
+    (2 per thread). Built for a length with a partial last key block, as Wan's are."""
     from chorus.kernels.triton import _attention_ws
 
     if _attention_ws.available():
         pytest.fail(f"this Triton has no Gluon Hopper API: {_attention_ws.available()}")
-    from benchmarks.kernels.aot_check import compile_ws, key_block_loop_ops, sass_of
+    from aot_check import compile_ws, key_block_loop_ops, sass_of
 
-    ops = key_block_loop_ops(sass_of(compile_ws(128, schedule, tail=True, p_bits=p_bits, p_sat=bool(p_bits))))
-    assert ops.get("QGMMA", 0) == (12 if p_bits else 8), ops
-    assert ops.get("MUFU", 0) <= 2 if p_bits else ops.get("MUFU", 0) >= 64, ops
+    ops = key_block_loop_ops(sass_of(compile_ws(128, tail=True)))
+    assert ops.get("QGMMA", 0) == 12, ops
+    assert ops.get("MUFU", 0) <= 2, ops
 
 
-@pytest.mark.parametrize("head_dim,schedule,o_tma,q_kernel", [
-    (128, "serial", True, False), (128, "serial", False, True), (128, "serial", True, True),
-    (64, "overlap", True, True), (128, "pingpong", False, True)])
-def test_tma_store_and_q_quantised_in_the_kernel_compile_for_sm90(head_dim, schedule, o_tma, q_kernel):
-    """``o_store="tma"``: each consumer stores its output rows with one TMA store (4-D: any output strides)
-    through its shared buffer, waited for before the buffer is rewritten; ``q_quant="kernel"``: the
-    producer loads Q's bf16 rows by TMA and each consumer converts its 64 rows to e4m3 itself (per-row
-    scales, saturating conversion), so the pre-pass reads only K and V. Both fit the shared memory and
-    spill nothing."""
+@pytest.mark.parametrize("head_dim,has_perm,q_kernel", [
+    (128, False, True), (128, False, False), (64, False, True), (128, True, False)])
+def test_tma_store_and_q_quantised_in_the_kernel_compile_for_sm90(head_dim, has_perm, q_kernel):
+    """Without a token order each consumer stores its output rows with one TMA store (4-D: any output
+    strides) through its shared buffer, waited for before the buffer is rewritten; a token order scatters
+    its rows with plain stores. Q from its input rows (``q_kernel``): the producer loads Q's bf16 rows by
+    TMA and each consumer converts its 64 rows to e4m3 itself (saturating conversion), so the pre-pass
+    reads only K and V; else the pre-pass's e4m3 Q. Every variant fits the shared memory and spills
+    nothing."""
     from chorus.kernels.triton import _attention_ws
 
     if _attention_ws.available():
         pytest.fail(f"this Triton has no Gluon Hopper API: {_attention_ws.available()}")
-    from benchmarks.kernels.aot_check import compile_ws, summarize
+    from aot_check import compile_ws, summarize
 
-    kernel = compile_ws(head_dim, schedule, tail=True, o_tma=o_tma, q_kernel=q_kernel)
+    kernel = compile_ws(head_dim, tail=True, has_perm=has_perm, q_kernel=q_kernel)
     ptx = kernel.asm["ptx"]
+    o_tma = not has_perm
     stores = len(re.findall(r"cp\.async\.bulk\.tensor\.4d\.global\.shared::cta", ptx))
     assert stores == (2 if o_tma else 0), stores  # one per consumer
     assert ("cp.async.bulk.wait_group.read" in ptx) == o_tma
@@ -147,49 +137,49 @@ def test_q_goes_to_the_kernel_only_where_a_tma_descriptor_can_address_it():
     assert not tma_compatible(x[..., :128].transpose(2, 3))  # D not the contiguous axis
 
 
-@pytest.mark.parametrize("config", [{"p_bits": 3}, {"fma_quarters": 1}, {"ablate": 1}, {"v_scaling": "tile"},
-                                    {"p_clamp": "min"}, {"o_store": "stmatrix"}, {"q_quant": "fp8"},
-                                    {"stages": 1}, {"schedule": "ring"}])
-def test_a_config_outside_the_levers_is_a_clear_error(config):
-    """Options that contradict each other (an exp2 split or the no-exp2 ablation with P's bits from the
-    FFMA, where no exp2 is left) or do not exist raise before anything is launched."""
-    from chorus.kernels.triton._attention_ws import launch_ws
+@pytest.mark.parametrize("fields", [{"stages": 1}, {"q_stages": 0}, {"stages": 2.5}, {"stages": True}])
+def test_a_config_outside_the_kernel_s_range_is_a_clear_error(fields):
+    """:class:`WsConfig` checks its fields when it is made; the launcher takes nothing else (a dict of
+    options is an error before anything is launched)."""
+    from chorus.kernels.triton._attention_ws import WsConfig, launch_ws
 
+    with pytest.raises(ValueError, match="WsConfig"):
+        WsConfig(**fields)
+    assert WsConfig() == WsConfig(stages=3, q_stages=2)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        WsConfig().stages = 2
     x = torch.zeros(1, 1, 128, 128)
-    with pytest.raises(ValueError, match="bad warp-specialised kernel config"):
-        launch_ws(x, x, x, torch.ones(1, 1, 1, 1, dtype=torch.bool), 0.1, config)
+    with pytest.raises(ValueError, match="config must be a WsConfig"):
+        launch_ws(x, x, x, torch.ones(1, 1, 1, 1, dtype=torch.bool), 0.1, {"stages": 2})
 
 
-@pytest.mark.parametrize("head_dim,schedule,options", [
-    (128, "serial", {}), (128, "overlap", {}), (128, "pingpong", {}), (64, "serial", {}),
-    (128, "serial", dict(p_bits=0, p_sat=False)), (128, "serial", dict(v_block=True)),
-    (128, "serial", dict(has_perm=True, has_bias=True)), (64, "overlap", dict(has_bias=True, has_suffix=True))])
-def test_kernel_with_the_pooled_tail_compiles_for_sm90(head_dim, schedule, options):
-    """``HAS_TAIL`` (the pooled tail): every schedule and option builds, spills nothing, fits the shared
-    memory, prefetches each tile's row of the bias table into L1 once per consumer, and a kept key block
-    runs the same loop as without the tail (the pooled tiles' weights load and add sit in a branch only
-    pooled tiles take)."""
+@pytest.mark.parametrize("head_dim,options", [
+    (128, {}), (64, {}), (128, dict(has_perm=True, has_bias=True)), (64, dict(has_bias=True, has_suffix=True)),
+    (128, dict(q_kernel=False))])
+def test_kernel_with_the_pooled_tail_compiles_for_sm90(head_dim, options):
+    """``HAS_TAIL`` (the pooled tail): every option builds, spills nothing, fits the shared memory,
+    prefetches each tile's row of the bias table into L1 once per consumer, and a kept key block runs the
+    same loop as without the tail (the pooled tiles' weights load and add sit in a branch only pooled
+    tiles take)."""
     from chorus.kernels.triton import _attention_ws
 
     if _attention_ws.available():
         pytest.fail(f"this Triton has no Gluon Hopper API: {_attention_ws.available()}")
-    from benchmarks.kernels.aot_check import compile_ws, key_block_loop_ops, sass_of, summarize
+    from aot_check import compile_ws, key_block_loop_ops, sass_of, summarize
 
-    kernel = compile_ws(head_dim, schedule, tail=True, has_tail=True, **options)
+    kernel = compile_ws(head_dim, tail=True, has_tail=True, **options)
     ptx = kernel.asm["ptx"]
     assert ptx.count("prefetch.global.L1") == 2, ptx.count("prefetch.global.L1")  # one per consumer
-    # no spills on the default schedule; the overlap lever spills 56 bytes with the tail under Triton 3.6
-    stack = int(re.search(r"stack=(\d+)", summarize(kernel, sass=False)).group(1))
-    assert stack == 0 if schedule != "overlap" else stack <= 64, stack
+    assert " stack=0" in summarize(kernel, sass=False)
     assert kernel.metadata.shared <= 227 * 1024
-    if schedule == "serial":
-        kept = key_block_loop_ops(sass_of(kernel), kept_blocks_only=True)
-        plain = key_block_loop_ops(sass_of(compile_ws(head_dim, schedule, tail=True, **options)))
-        for op in ("QGMMA", "FFMA", "FMUL", "FMNMX", "PRMT", "MUFU", "LDG"):  # nothing per element
-            assert kept.get(op, 0) == plain.get(op, 0), (op, kept, plain)
-        # a few scalar ops per block: is it pooled, and (with key biases) no whole-block bias if so
-        assert kept.get("FSEL", 0) <= plain.get("FSEL", 0) + 2 and kept["total"] <= plain["total"] + 16, (kept, plain)
-        assert "prefetch" not in compile_ws(head_dim, schedule, tail=True, **options).asm["ptx"]
+    plain_kernel = compile_ws(head_dim, tail=True, **options)
+    kept = key_block_loop_ops(sass_of(kernel), kept_blocks_only=True)
+    plain = key_block_loop_ops(sass_of(plain_kernel))
+    for op in ("QGMMA", "FFMA", "FMUL", "FMNMX", "PRMT", "MUFU", "LDG"):  # nothing per element
+        assert kept.get(op, 0) == plain.get(op, 0), (op, kept, plain)
+    # a few scalar ops per block: is it pooled, and (with key biases) no whole-block bias if so
+    assert kept.get("FSEL", 0) <= plain.get("FSEL", 0) + 2 and kept["total"] <= plain["total"] + 16, (kept, plain)
+    assert "prefetch" not in plain_kernel.asm["ptx"]
 
 
 def test_pooled_tail_calls_stay_on_it_and_its_op_has_a_fake():
@@ -215,8 +205,8 @@ def test_the_triton_kernel_and_the_tail_s_own_kernels_compile_for_sm90(fp8, use_
     """The interpreter runs the pooled tail's Triton code on the CPU; this compiles it for sm_90 as the GPU
     does: the attention kernel with ``HAS_TAIL`` (FP8: the pooled rows through K / V's own descriptors;
     16-bit: pointer loads from their own buffers), the pre-pass with the pooled sums, the 16-bit sums, the
-    means' finalisation (FP8 both V scalings, 16-bit), the block lists with the tail."""
-    from benchmarks.kernels.aot_check import compile_attn, compile_jit, summarize
+    means' finalisation (FP8, 16-bit), the block lists with the tail."""
+    from aot_check import compile_attn, compile_jit, summarize
     from chorus.kernels.triton import _attention as A
     from chorus.kernels.triton import _quant as Q
 
@@ -233,14 +223,14 @@ def test_the_triton_kernel_and_the_tail_s_own_kernels_compile_for_sm90(fp8, use_
                                       q_scale=fp32, k_scale=fp32, k_smooth=fp32, v_stats=fp32, token_perm="*i32",
                                       pool_sums=fp32, q_mult="fp32"),
                 dict(HEAD_DIM=128, TILE=128, INTERPRET=False, QUANT_Q=False, HAS_PERM=True, V_WGMMA_ORDER=True,
-                     V_BLOCK_SCALE=False, POOL_CHUNK=64), num_warps=8)
+                     POOL_CHUNK=64), num_warps=8)
     compile_jit(Q._kv_block_sums_kernel, dict(K="*bf16", V="*bf16", pool_sums=fp32, token_perm="*i32"),
                 dict(HEAD_DIM=128, TILE=128, POOL_CHUNK=128, HAS_PERM=False), num_warps=8)
-    for out_type, is_fp8, v_block in (("*fp8e4nv", True, False), ("*fp8e4nv", True, True), ("*bf16", False, False)):
+    for out_type, is_fp8 in (("*fp8e4nv", True), ("*bf16", False)):
         compile_jit(Q._pooled_finalize_kernel, dict(pool_sums=fp32, k_out=out_type, v_out=out_type, k_scale=fp32,
                                                     v_stats=fp32),
                     dict(HEAD_DIM=128, TILE=128, BS=256, POOL_CHUNK=128, FP8=is_fp8, INTERPRET=False,
-                         V_WGMMA_ORDER=is_fp8, V_BLOCK_SCALE=v_block), num_warps=8)
+                         V_WGMMA_ORDER=is_fp8), num_warps=8)
     compile_jit(A._compress_map_kernel, dict(block_map="*u8", kv_num="*i32", kv_idx="*i32", tail_num="*i32",
                                              tail_bias=fp32, prefix_bias="fp32", suffix_bias="fp32"),
                 dict(CHUNK=1024, TAIL=True, TAIL_TILE=128))

@@ -208,52 +208,6 @@ def test_fp8_prepass_wgmma_key_order_permutes_v_within_16_keys():
         quantize_qkv_fp8(q, k, v, 0.125, v_key_order="tiles")
 
 
-def test_fp8_prepass_block_v_scales_read_v_once_and_match_torch():
-    """``v_scaling="block"`` (the warp-specialised kernel's): one power-of-two V scale per 128-key
-    tile, ``v_scale`` = its exponent; Q and K are the per-channel pass's, V / 2^e within e4m3."""
-    from chorus.kernels.triton._quant import quantize_qkv_fp8, quantize_reference, wgmma_key_order_torch
-
-    q, k, v = make_inputs(1, 2, 300, 64, torch.bfloat16, seed=13)
-    v = v * torch.linspace(0.01, 30.0, 300)[None, None, :, None].to(v.dtype)  # tiles of very unequal range
-    got = quantize_qkv_fp8(q, k, v, 0.125, v_key_order="wgmma", v_scaling="block")
-    want = quantize_reference(q, k, v, 0.125, v_key_order="wgmma", v_scaling="block")
-    channel = quantize_qkv_fp8(q, k, v, 0.125, v_key_order="wgmma")
-    assert got[5].shape == (1, 2, 3) and torch.equal(got[5], want[5])
-    assert torch.equal(got[5], torch.round(got[5]))  # integer exponents: the scales are powers of two
-    for t in range(3):
-        amax = v.float()[:, :, t * 128:(t + 1) * 128].abs().amax(dim=(-1, -2))
-        assert (amax <= 448.0 * torch.exp2(got[5][..., t])).all() and (amax > 224.0 * torch.exp2(got[5][..., t])).all()
-    assert (got[2].float() - want[2].float()).abs().max().item() <= 32.0
-    for a, b in zip(got[:2] + got[3:5], channel[:2] + channel[3:5]):  # Q, K and their scales unchanged
-        assert torch.equal(a.float(), b.float())
-    decoded = got[2].float().view(1, 2, 64, 3, 128) * torch.exp2(got[5])[:, :, None, :, None]
-    cols = wgmma_key_order_torch(torch.arange(384))
-    natural = decoded.view(1, 2, 64, 384)[..., cols][..., :300]
-    rel = (natural.transpose(-1, -2) - v.float()).abs() / v.float().abs().clamp_min(1e-3)
-    assert rel.median().item() < 0.04  # e4m3's 3 mantissa bits, whatever the tile's range
-    with pytest.raises(ValueError, match="v_scaling"):
-        quantize_qkv_fp8(q, k, v, 0.125, v_scaling="token")
-
-
-def test_fp8_prepass_block_v_exponents_stay_within_the_limit():
-    """A tile of tiny V (1e-30) and one of huge V (1e30) get exponents -V_EXP_LIMIT / +V_EXP_LIMIT (the
-    warp-specialised kernel's accumulator moves between tiles' units by 2^(difference), which must stay
-    finite); the tiles in range keep their own."""
-    from chorus.kernels.triton._quant import V_EXP_LIMIT, quantize_qkv_fp8, quantize_reference
-
-    q, k, v = make_inputs(1, 1, 384, 64, torch.bfloat16, seed=3)
-    v = v.float()
-    v[:, :, :128] *= 1e-30
-    v[:, :, 256:] *= 1e30
-    v = v.to(torch.bfloat16)
-    got = quantize_qkv_fp8(q, k, v, 0.125, v_key_order="wgmma", v_scaling="block")
-    want = quantize_reference(q, k, v, 0.125, v_key_order="wgmma", v_scaling="block")
-    assert torch.equal(got[5], want[5])
-    assert got[5][0, 0, 0].item() == -V_EXP_LIMIT and got[5][0, 0, 2].item() == V_EXP_LIMIT
-    assert -V_EXP_LIMIT < got[5][0, 0, 1].item() < V_EXP_LIMIT
-    assert torch.isfinite(got[2].float()).all()
-
-
 @pytest.mark.parametrize("length,bs,sample_rows", [(97, 32, None), (300, 64, 5), (300, 128, 16), (128, 128, 200)])
 def test_block_mass_matches_reference(length, bs, sample_rows):
     q, k, _ = make_inputs(1, 2, length, 64, torch.bfloat16, seed=length)
@@ -558,17 +512,17 @@ def test_pooled_tail_in_int32_chunks_matches_one_launch(fp8, monkeypatch):
     assert torch.equal(block_sparse_attention_triton(q, k, v, bm, block_size=64, fp8=fp8, pooled_tail=True), want)
 
 
-@pytest.mark.parametrize("v_key_order,v_scaling", [("natural", "channel"), ("wgmma", "channel"), ("wgmma", "block")])
+@pytest.mark.parametrize("v_key_order", ["natural", "wgmma"])
 @pytest.mark.parametrize("length,bs", [(300, 128), (300, 64), (600, 256)])
-def test_fp8_prepass_writes_the_pooled_rows(v_key_order, v_scaling, length, bs):
+def test_fp8_prepass_writes_the_pooled_rows(v_key_order, length, bs):
     """The pre-pass's pooled rows (block means of smoothed K and of V after ``Lpad_k``, quantised with their
-    own K tile scale and V's scaling, in V's key order) against the torch twin; the real rows unchanged."""
+    own K tile scale and V's per-channel scales, in V's key order) against the torch twin; the real rows unchanged."""
     from chorus.kernels.triton._quant import quantize_qkv_fp8, quantize_reference, tail_rows
 
     q, k, v = make_inputs(1, 2, length, 64, torch.bfloat16, seed=length + bs)
-    got = quantize_qkv_fp8(q, k, v, 0.125, v_key_order=v_key_order, v_scaling=v_scaling, pool_block=bs)
-    want = quantize_reference(q, k, v, 0.125, v_key_order=v_key_order, v_scaling=v_scaling, pool_block=bs)
-    plain = quantize_qkv_fp8(q, k, v, 0.125, v_key_order=v_key_order, v_scaling=v_scaling)
+    got = quantize_qkv_fp8(q, k, v, 0.125, v_key_order=v_key_order, pool_block=bs)
+    want = quantize_reference(q, k, v, 0.125, v_key_order=v_key_order, pool_block=bs)
+    plain = quantize_qkv_fp8(q, k, v, 0.125, v_key_order=v_key_order)
     lpad = plain[1].shape[2]
     assert got[1].shape[2] == lpad + tail_rows(length, bs) and got[2].shape[-1] == got[1].shape[2]
     for name, a, b in zip(("q8", "k8", "v8t", "q_scale", "k_scale", "v_scale"), got, want):
@@ -646,10 +600,9 @@ def test_tail_op_traces_with_fake_tensors():
     assert torch.equal(out, fn(q, k, v, bm))
 
 
-@pytest.mark.parametrize("v_scaling", ["channel", "block"])
 @pytest.mark.parametrize("length,biases", [(600, dict(prefix_len=200, prefix_bias=0.9, suffix_len=150,
                                                       suffix_bias=math.log(8)))])
-def test_warp_specialised_tail_inputs_walked_like_the_kernel_give_the_oracle(v_scaling, length, biases):
+def test_warp_specialised_tail_inputs_walked_like_the_kernel_give_the_oracle(length, biases):
     """What ``launch_ws`` hands the Gluon kernel with the tail (its pre-pass with V in the wgmma key order
     and the pooled rows, its block lists with pooled tile ``p`` listed as key block ``Lpad / 128 + p``, the
     bias table), consumed in torch the way the kernel does per tile -- K rows / scale of block ``kb``, V^T
@@ -666,7 +619,7 @@ def test_warp_specialised_tail_inputs_walked_like_the_kernel_give_the_oracle(v_s
     suffix_start = length - biases.get("suffix_len", 0)
     suffix_bias = biases.get("suffix_bias", 0.0)
     _, k8, v8t, _, k_scale, v_scale = quantize_qkv_fp8(q, k, v, scale, quantize_q=False, v_key_order="wgmma",
-                                                       v_scaling=v_scaling, pool_block=128)
+                                                       pool_block=128)
     pool_first = padded_len(length) // 128
     kv_num, kv_idx, sched, strides, lists = lpt_block_lists(
         bm, tail_spec(length, 128, pool_first, prefix_len, prefix_bias, suffix_start, suffix_bias))
@@ -676,7 +629,7 @@ def test_warp_specialised_tail_inputs_walked_like_the_kernel_give_the_oracle(v_s
     cols = wgmma_key_order_torch(torch.arange(128))
     out = torch.empty(1, 2, length, 64, dtype=torch.float64)
     for h in range(2):
-        v_unit = torch.ones(64) if v_scaling == "block" else v_scale[0, h]  # per-channel scale, or 2^e per tile
+        v_unit = v_scale[0, h]  # per-channel scale
         for qb in range(bm.shape[2]):
             rows = slice(qb * 128, min((qb + 1) * 128, length))
             s_parts, v_parts = [], []
@@ -691,9 +644,8 @@ def test_warp_specialised_tail_inputs_walked_like_the_kernel_give_the_oracle(v_s
                     s_blk = s_blk + key_bias[kb * 128:(kb + 1) * 128] * LOG2E
                     s_blk[:, (kb * 128 + torch.arange(128)) >= length] = float("-inf")
                 vt = v8t[0, h, :, kb * 128:(kb + 1) * 128].float()[:, cols]  # key n at column wgmma_order(n)
-                v_exp = v_scale[0, h, kb] if v_scaling == "block" else 0.0
                 s_parts.append(s_blk)
-                v_parts.append(vt.T * v_unit * 2.0 ** v_exp)
+                v_parts.append(vt.T * v_unit)
             probs = torch.softmax(torch.cat(s_parts, 1).double() / LOG2E, dim=1)
             out[0, h, rows] = probs @ torch.cat(v_parts).double()
     check_fp8(out.to(q.dtype), q, k, v, bm, 128, scale=scale, pooled_tail=True, **biases)

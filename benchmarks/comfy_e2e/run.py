@@ -264,12 +264,37 @@ def sample_request(high, low, latent, positive, negative, seed: int, *, steps=4,
                      "disable")[0]
 
 
-def structured_maps(grid, heads: int, density: float, layers: int, device, order=None) -> dict:
-    """One structured map per layer (``benchmarks.e2e.run.structured_map``: per head the key blocks
-    nearest in 3D with head-specific anisotropy, exactly ``density`` of them per row), cut in the
-    entry's token ``order`` (None = raster)."""
-    from benchmarks.e2e.run import structured_map
+def structured_map(grid, heads: int, density: float, block_size: int, device, seed: int, order=None) -> torch.Tensor:
+    """Bool ``[H, Qb, Kb]``: per head, each query block keeps the ``round(density * Kb)`` key blocks
+    nearest to it in 3D (block centroids in (t, h, w) token units, head-specific anisotropy, e.g.
+    temporal heads that reach other frames at the same place), always including itself. ``order``: the
+    token order the blocks are cut from (a ``chorus.kernels.tile_order`` order; None = raster)."""
+    t, h, w = grid
+    L = t * h * w
+    nb = -(-L // block_size)
+    idx = torch.arange(L, device=device)
+    tok = idx if order is None else order.perm.to(device)  # the raster token at each position
+    coords = torch.stack([tok // (h * w), (tok // w) % h, tok % w], -1).float()
+    blk = torch.zeros(nb, 3, device=device).index_add_(0, idx // block_size, coords)
+    blk /= torch.bincount(idx // block_size, minlength=nb).float()[:, None]
+    gen = torch.Generator(device=device).manual_seed(seed)
+    weights = torch.rand(heads, 3, device=device, generator=gen) * torch.tensor([4.0, 1.0, 1.0], device=device) + 0.05
+    diff = (blk[:, None, :] - blk[None, :, :]) ** 2                      # [Qb, Kb, 3]
+    dist = torch.einsum("qkc,hc->hqk", diff, weights)
+    dist += 1e-3 * torch.rand(dist.shape, device=device, generator=gen)
+    keep = max(1, round(density * nb))
+    order = dist.topk(keep, dim=-1, largest=False).indices
+    out = torch.zeros(heads, nb, nb, dtype=torch.bool, device=device)
+    out.scatter_(-1, order, True)
+    diag = torch.arange(nb, device=device)
+    out[:, diag, diag] = True
+    return out
 
+
+def structured_maps(grid, heads: int, density: float, layers: int, device, order=None) -> dict:
+    """One structured map per layer (:func:`structured_map`: per head the key blocks nearest in 3D with
+    head-specific anisotropy, exactly ``density`` of them per row), cut in the entry's token ``order``
+    (None = raster)."""
     return {layer: structured_map(grid, heads, density, 128, device, seed=100 + layer, order=order).cpu()
             for layer in range(layers)}
 

@@ -289,9 +289,6 @@ def run_size(length: int, args, results: dict) -> None:
         "quant_ms": bench(lambda: attn.quantize_qkv_fp8(q, k, v, dim ** -0.5)),
         "prepare_ms": bench(lambda: attn.prepare_attention(q, k, v, full, bs, dim ** -0.5, True, best["fp8"])),
         "kernel_ms": bench(lambda: attn.launch_attention(prep), est / 2),
-        "kernel_no_softmax_ms": bench(lambda: attn.launch_attention(prep, ablate=1), est / 2),
-        "kernel_no_pv_ms": bench(lambda: attn.launch_attention(prep, ablate=2), est / 2),
-        "kernel_no_exp_ms": bench(lambda: attn.launch_attention(prep, ablate=3), est / 2),
     }
     row["fp8_stages_full"] = stages
     log(f"[{length}] fp8 stages (full map): " + ", ".join(f"{n} {t:.3f}" for n, t in stages.items()))

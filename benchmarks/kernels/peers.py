@@ -15,8 +15,7 @@ Peers (``PEERS``, in table order):
 - ``ours_fp8`` / ``ours_bf16``: ``chorus.kernels.block_sparse_attention`` (Triton), for the side-by-side rows.
 - ``ours_fp8_persistent``: our FP8 kernel with the persistent launch (the persistent-kernel lever).
 - ``ours_fp8_ws``: the ``triton_fp8_ws`` backend (the warp-specialised Gluon FP8 kernel,
-  ``chorus.kernels.triton._attention_ws``); ``ours_fp8_ws_overlap`` / ``ours_fp8_ws_pingpong``: the
-  same kernel with FlashAttention-3's intra-warpgroup overlap / ping-pong schedule (the levers).
+  ``chorus.kernels.triton._attention_ws``).
 - ``api_fa4_bf16``: the same API with ``backend="fa4_bf16"`` (FlashAttention-4's kernel, the block lists
   built from the map inside each call, as a hit runs it).
 - ``flex_compiled``: ``torch.compile(flex_attention)`` with a ``BlockMask`` from the same map (sparse).
@@ -147,25 +146,6 @@ def make_ours_fp8_persistent(q, k, v, block_map, block_size):
     bm = block_map.to(q.device)
     scale = 1.0 / math.sqrt(q.shape[-1])
     return (lambda: attn.block_sparse_attention_triton_impl(q, k, v, bm, block_size, scale, True, config)), ""
-
-
-def _make_ours_fp8_ws(schedule: str):
-    def make(q, k, v, block_map, block_size):
-        try:
-            from chorus.kernels.triton import _attention_ws as ws
-        except Exception as exc:  # noqa: BLE001
-            return None, f"chorus.kernels.triton._attention_ws failed to import: {_err(exc)}"
-        reason = _needs_cuda(q, "the warp-specialised FP8 kernel") or ws.supports(q.shape[-1], block_size)
-        if reason:
-            return None, reason
-        if torch.cuda.get_device_capability(q.device)[0] != 9:
-            return None, "the warp-specialised FP8 kernel is built for sm_90 (Hopper) only"
-        bm = block_map.to(q.device)
-        scale = 1.0 / math.sqrt(q.shape[-1])
-        config = dict(ws.DEFAULT_CONFIG, schedule=schedule)
-        return (lambda: ws.block_sparse_attention_ws(q, k, v, bm, scale, config)), ""
-
-    return make
 
 
 # --------------------------------------------------------------------------------------------- flex
@@ -624,10 +604,6 @@ PEERS: tuple[Peer, ...] = (
          "chorus Triton FP8, persistent launch (2 programs per SM over LPT-ordered tiles): a lever"),
     Peer("ours_fp8_ws", True, _make_api("triton_fp8_ws"),
          "chorus backend triton_fp8_ws: Gluon FP8, warp-specialised (TMA producer + 2 consumer warpgroups)"),
-    Peer("ours_fp8_ws_overlap", True, _make_ours_fp8_ws("overlap"),
-         "the same, next Q @ K^T issued before the previous P @ V is waited for (intra-warpgroup overlap)"),
-    Peer("ours_fp8_ws_pingpong", True, _make_ours_fp8_ws("pingpong"),
-         "the same, the two warpgroups taking turns issuing their GEMMs (ping-pong scheduling)"),
     Peer("api_fa4_bf16", True, _make_api("fa4_bf16"),
          "chorus.kernels backend fa4_bf16: FlashAttention-4 through our API (map -> block lists per call)"),
     Peer("flex_compiled", True, make_flex, "torch.compile(flex_attention), BlockMask from the map"),

@@ -140,14 +140,13 @@ def _attn_tiles(acc, l_i, m_i, q, sq, qk_scale, K, V, k_scale_row, idx_row, b, h
                 prefix_len, prefix_bias, suffix_start, suffix_bias, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl,
                 HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr, KV_SUB: tl.constexpr,
                 FP8: tl.constexpr, USE_TMA: tl.constexpr, MASK_KEYS: tl.constexpr, MASK_LOADS: tl.constexpr,
-                P_SHIFT: tl.constexpr, SCALE_TILE: tl.constexpr, INTERPRET: tl.constexpr,
-                ABLATE: tl.constexpr, WARP_SPEC: tl.constexpr, HAS_BIAS: tl.constexpr,
+                P_SHIFT: tl.constexpr, SCALE_TILE: tl.constexpr, INTERPRET: tl.constexpr, HAS_BIAS: tl.constexpr,
                 bias_row=None, pool_row0=0, POOLED: tl.constexpr = False):
     # POOLED: the listed entries are pooled tiles p of BS (= TAIL_TILE) pooled keys, at rows pool_row0 + p * BS of
     # K / V; each key's logit term (log2 units, -inf where the row keeps its block) is bias_row[p * BS + n]
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    for it in tl.range(it_lo, it_hi, warp_specialize=WARP_SPEC):
+    for it in tl.range(it_lo, it_hi):
         kb = tl.load(idx_row + it // KV_SUB)
         start_n = kb * BS + (it % KV_SUB) * BLOCK_N
         if POOLED:
@@ -179,24 +178,16 @@ def _attn_tiles(acc, l_i, m_i, q, sq, qk_scale, K, V, k_scale_row, idx_row, b, h
         if POOLED:  # the pooled keys' weights (and -inf for the blocks the row keeps)
             qk = qk * s + pooled_bias[None, :]
             s = 1.0
-        if ABLATE == 1:  # benchmark only: no softmax (measures the exp/max/rescale cost)
-            p = qk * s
-            m_new = m_i
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * s)
+        if FP8:
+            p = tl.math.exp2(qk * s - (m_new - P_SHIFT)[:, None])
         else:
-            m_new = tl.maximum(m_i, tl.max(qk, 1) * s)
-            if ABLATE == 3:  # benchmark only: everything but the exp2 (measures the MUFU cost)
-                p = qk * s - (m_new - P_SHIFT)[:, None]
-            elif FP8:
-                p = tl.math.exp2(qk * s - (m_new - P_SHIFT)[:, None])
-            else:
-                p = tl.math.exp2(qk * s - m_new[:, None])
-            alpha = tl.math.exp2(m_i - m_new)
-            l_i = l_i * alpha
-            acc = acc * alpha[:, None]
+            p = tl.math.exp2(qk * s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha
+        acc = acc * alpha[:, None]
         l_i = l_i + tl.sum(p, 1)
-        if ABLATE == 2:  # benchmark only: no P @ V (measures the V load + second GEMM)
-            pass
-        elif FP8:
+        if FP8:
             if USE_TMA:
                 vt = V.load([b, h, 0, start_n]).reshape(HEAD_DIM, BLOCK_N)
             else:
@@ -230,8 +221,7 @@ def _bsa_tile(pid, bh, Q, K, V, O, q_scale, k_scale, v_scale, kv_num, kv_idx, sc
               Kp, Vp, tail_num, tail_bias, tail_width, pool_row0, s_pkb, s_pkh, s_pkl, s_pvb, s_pvh, s_pvl,
               HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr,
               FP8: tl.constexpr, USE_TMA: tl.constexpr, TAIL_K: tl.constexpr, EVEN_Q: tl.constexpr,
-              P_SHIFT: tl.constexpr, SCALE_TILE: tl.constexpr, INTERPRET: tl.constexpr,
-              ABLATE: tl.constexpr, WARP_SPEC: tl.constexpr, HAS_BIAS: tl.constexpr,
+              P_SHIFT: tl.constexpr, SCALE_TILE: tl.constexpr, INTERPRET: tl.constexpr, HAS_BIAS: tl.constexpr,
               Q_RAW: tl.constexpr, HAS_PERM: tl.constexpr, HAS_TAIL: tl.constexpr, POOL_TMA: tl.constexpr,
               POOL_TILE: tl.constexpr):
     """One query tile: row tile ``pid`` (in the LPT order of ``sched``) of (batch, head) ``bh``."""
@@ -252,14 +242,14 @@ def _bsa_tile(pid, bh, Q, K, V, O, q_scale, k_scale, v_scale, kv_num, kv_idx, sc
     # HAS_PERM: sequence position i is input row token_perm[i] (K/V copies are already in that order)
     src_m = source_rows(token_perm, offs_m, Lq, HAS_PERM)
     if Q_RAW:  # 16-bit Q in the caller's memory, quantised here (FP8 only): the pre-pass skips Q
-        if USE_TMA and not WARP_SPEC and not HAS_PERM:
+        if USE_TMA and not HAS_PERM:
             q = Q.load([b, h, start_m, 0]).reshape(BLOCK_M, HEAD_DIM)
         else:
             q = tl.load(Q + b * s_qb + h * s_qh + src_m[:, None] * s_ql + offs_d[None, :],
                         mask=(offs_m < Lq)[:, None], other=0.0)
         q, sq = quantize_q_tile(q, q_mult, INTERPRET)
     else:
-        if USE_TMA and not WARP_SPEC:  # (warp specialisation splits Q by rows: pointer load then)
+        if USE_TMA:
             q = Q.load([b, h, start_m, 0]).reshape(BLOCK_M, HEAD_DIM)
         else:
             q_ptrs = Q + b * s_qb + h * s_qh + offs_m[:, None] * s_ql + offs_d[None, :]
@@ -285,7 +275,7 @@ def _bsa_tile(pid, bh, Q, K, V, O, q_scale, k_scale, v_scale, kv_num, kv_idx, sc
                                 0, n_main * KV_SUB, Lk, prefix_len, prefix_bias, suffix_start, suffix_bias, s_kb,
                                 s_kh, s_kl, s_vb, s_vh, s_vl,
                                 HEAD_DIM, BLOCK_N, BS, KV_SUB, FP8, USE_TMA, False, False, P_SHIFT, SCALE_TILE,
-                                INTERPRET, ABLATE, WARP_SPEC, HAS_BIAS)
+                                INTERPRET, HAS_BIAS)
     if TAIL_K:
         it_last = n_kv * KV_SUB
         if KV_SUB > 1:  # the last block's sub-tiles that hold keys (past them: no K rows, no K scale to read)
@@ -295,7 +285,7 @@ def _bsa_tile(pid, bh, Q, K, V, O, q_scale, k_scale, v_scale, kv_num, kv_idx, sc
                                     suffix_bias,
                                     s_kb, s_kh, s_kl, s_vb, s_vh, s_vl,
                                     HEAD_DIM, BLOCK_N, BS, KV_SUB, FP8, USE_TMA, True, MASK_LOADS, P_SHIFT,
-                                    SCALE_TILE, INTERPRET, ABLATE, False, HAS_BIAS)
+                                    SCALE_TILE, INTERPRET, HAS_BIAS)
     if HAS_TAIL:  # the pooled tiles listed after the kept blocks (their K / V rows: Kp / Vp from pool_row0 on)
         n_tail = tl.load(tail_num + row_base + qblk)
         bias_row = tail_bias + (row_base + qblk) * tail_width
@@ -303,7 +293,7 @@ def _bsa_tile(pid, bh, Q, K, V, O, q_scale, k_scale, v_scale, kv_num, kv_idx, sc
                                     0, n_tail * (POOL_TILE // BLOCK_N), Lk, prefix_len, prefix_bias, suffix_start,
                                     suffix_bias, s_pkb, s_pkh, s_pkl, s_pvb, s_pvh, s_pvl,
                                     HEAD_DIM, BLOCK_N, POOL_TILE, POOL_TILE // BLOCK_N, FP8, POOL_TMA, False,
-                                    False, P_SHIFT, SCALE_TILE, INTERPRET, ABLATE, False, False, bias_row, pool_row0,
+                                    False, P_SHIFT, SCALE_TILE, INTERPRET, False, bias_row, pool_row0,
                                     True)
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)
@@ -326,8 +316,7 @@ def _bsa_fwd_kernel(Q, K, V, O, q_scale, k_scale, v_scale, kv_num, kv_idx, sched
                     Kp, Vp, tail_num, tail_bias, tail_width, pool_row0, s_pkb, s_pkh, s_pkl, s_pvb, s_pvh, s_pvl,
                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr,
                     FP8: tl.constexpr, USE_TMA: tl.constexpr, TAIL_K: tl.constexpr, EVEN_Q: tl.constexpr,
-                    P_SHIFT: tl.constexpr, SCALE_TILE: tl.constexpr, INTERPRET: tl.constexpr,
-                    ABLATE: tl.constexpr, WARP_SPEC: tl.constexpr, HAS_BIAS: tl.constexpr,
+                    P_SHIFT: tl.constexpr, SCALE_TILE: tl.constexpr, INTERPRET: tl.constexpr, HAS_BIAS: tl.constexpr,
                     Q_RAW: tl.constexpr, HAS_PERM: tl.constexpr, PERSISTENT: tl.constexpr,
                     HAS_TAIL: tl.constexpr = False, POOL_TMA: tl.constexpr = False, POOL_TILE: tl.constexpr = 128):
     # PERSISTENT: a fixed grid of programs walks the tiles in (batch, head)-major, LPT-within-head
@@ -340,7 +329,7 @@ def _bsa_fwd_kernel(Q, K, V, O, q_scale, k_scale, v_scale, kv_num, kv_idx, sched
                       s_vh, s_vl, s_ob, s_oh,
                       s_ol, s_nb, s_nh, s_ib, s_ih, s_iq, Kp, Vp, tail_num, tail_bias, tail_width, pool_row0, s_pkb,
                       s_pkh, s_pkl, s_pvb, s_pvh, s_pvl, HEAD_DIM, BLOCK_M, BLOCK_N, BS, FP8, USE_TMA, TAIL_K,
-                      EVEN_Q, P_SHIFT, SCALE_TILE, INTERPRET, ABLATE, WARP_SPEC, HAS_BIAS, Q_RAW, HAS_PERM, HAS_TAIL,
+                      EVEN_Q, P_SHIFT, SCALE_TILE, INTERPRET, HAS_BIAS, Q_RAW, HAS_PERM, HAS_TAIL,
                       POOL_TMA, POOL_TILE)
     else:
         _bsa_tile(tl.program_id(0), tl.program_id(1), Q, K, V, O, q_scale, k_scale, v_scale, kv_num, kv_idx,
@@ -349,7 +338,7 @@ def _bsa_fwd_kernel(Q, K, V, O, q_scale, k_scale, v_scale, kv_num, kv_idx, sched
                   s_oh, s_ol, s_nb, s_nh,
                   s_ib, s_ih, s_iq, Kp, Vp, tail_num, tail_bias, tail_width, pool_row0, s_pkb, s_pkh, s_pkl, s_pvb,
                   s_pvh, s_pvl, HEAD_DIM, BLOCK_M, BLOCK_N, BS, FP8, USE_TMA, TAIL_K, EVEN_Q, P_SHIFT,
-                  SCALE_TILE, INTERPRET, ABLATE, WARP_SPEC, HAS_BIAS, Q_RAW, HAS_PERM, HAS_TAIL, POOL_TMA, POOL_TILE)
+                  SCALE_TILE, INTERPRET, HAS_BIAS, Q_RAW, HAS_PERM, HAS_TAIL, POOL_TMA, POOL_TILE)
 
 
 def interpreter_upcast(t: torch.Tensor) -> bool:
@@ -559,10 +548,8 @@ def prepare_attention(q, k, v, block_map, block_size: int, scale: float, fp8: bo
                 tail=tail, k_pool=k_pool, v_pool=v_pool, pool_row0=pool_row0)
 
 
-def launch_attention(prep: dict, ablate: int = 0) -> torch.Tensor:
-    """Run the attention kernel on prepared arguments (``ablate`` is a benchmark-only switch:
-    1 leaves the softmax out, 2 leaves ``P @ V`` out, 3 leaves only the exp2 out; results are then
-    meaningless)."""
+def launch_attention(prep: dict) -> torch.Tensor:
+    """Run the attention kernel on prepared arguments (:func:`prepare_attention`)."""
     q, q_in, k_in, v_in = prep["q"], prep["q_in"], prep["k_in"], prep["v_in"]
     batch, heads, q_len, head_dim = q.shape
     block_m, block_n, fp8, config = prep["block_m"], prep["block_n"], prep["fp8"], prep["config"]
@@ -573,7 +560,7 @@ def launch_attention(prep: dict, ablate: int = 0) -> torch.Tensor:
     if prep["use_tma"]:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
-        q_pointer = config.get("warp_spec") or (prep["q_raw"] and prep["token_perm"] is not None)
+        q_pointer = prep["q_raw"] and prep["token_perm"] is not None
         q_arg = q_in if q_pointer else TensorDescriptor.from_tensor(q_in, [1, 1, block_m, head_dim])
         k_arg = TensorDescriptor.from_tensor(k_in, [1, 1, block_n, head_dim])
         v_block = [1, 1, head_dim, block_n] if fp8 else [1, 1, block_n, head_dim]
@@ -610,8 +597,7 @@ def launch_attention(prep: dict, ablate: int = 0) -> torch.Tensor:
         HAS_TAIL=tail is not None, POOL_TMA=tail is not None and fp8 and prep["use_tma"], POOL_TILE=TAIL_TILE,
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BS=block_size, FP8=fp8, USE_TMA=prep["use_tma"],
         TAIL_K=prep["kv_len"] % block_size != 0, EVEN_Q=q_len % block_m == 0, P_SHIFT=P_SHIFT_LOG2,
-        SCALE_TILE=QUANT_TILE, INTERPRET=interpreter_upcast(q), ABLATE=ablate,
-        WARP_SPEC=bool(config.get("warp_spec", False)) and not interpreter_upcast(q), HAS_BIAS=prep["has_bias"],
+        SCALE_TILE=QUANT_TILE, INTERPRET=interpreter_upcast(q), HAS_BIAS=prep["has_bias"],
         Q_RAW=prep["q_raw"], HAS_PERM=prep["token_perm"] is not None, PERSISTENT=persistent,
         num_warps=config["num_warps"], num_stages=config["num_stages"], **extra)
     return out

@@ -31,8 +31,7 @@ Launches: the smoothing vector (a gather of the sampled K rows and their mean), 
 2048-token chunk: channel absmax of V, written as partials), their fixed-order reduction (a small
 torch reduction: no atomics, so the result is bitwise reproducible), and the quantise kernel (one
 program per 128-token tile and (b, h)). Memory traffic: Q and K read once, V twice (its per-channel
-scale needs the whole sequence first), the three FP8 copies written once; with ``v_scaling="block"``
-(per-tile V scales) there is no stats kernel and every input is read once. The pooled tail adds one
+scale needs the whole sequence first), the three FP8 copies written once. The pooled tail adds one
 small launch (the block means from per-chunk sums the quantise kernel writes: ``2 * Kb * D`` fp32 per
 (b, h)).
 """
@@ -48,12 +47,6 @@ import triton.language as tl
 QUANT_TILE = 128  # tokens per Q/K scale (the attention kernel's tiles divide this)
 STATS_CHUNK = 2048  # tokens per program of the stats kernel
 SMOOTH_ROWS = 128  # K rows whose channel mean is the smoothing vector
-# per-tile V exponents (v_scaling="block") are kept within +-V_EXP_LIMIT: the warp-specialised kernel
-# moves its fp32 accumulator (|acc| <= 256 * 448 * 2^17 keys < 2^34) between two tiles' units by
-# 2^(e_a - e_b), which stays below fp32's 2^128 for |e_a - e_b| <= 94. Tiles with absmax under
-# 448 * 2^-48 (1.6e-12) are quantised at 2^-47 (e4m3's smallest step there is 2^-56).
-V_EXP_LIMIT = 47
-_V_EXP_LIMIT = tl.constexpr(float(V_EXP_LIMIT))
 FP8_MAX = 448.0
 LOG2E = 1.4426950408889634
 
@@ -151,9 +144,8 @@ def _quant_kernel(Q, K, V, q8, k8, v8t, q_scale, k_scale, k_smooth, v_stats, tok
                   H, Lq, Lk, Lpad_q, Lpad_k, Lrow_k, q_mult,
                   s_qb, s_qh, s_ql, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl,
                   HEAD_DIM: tl.constexpr, TILE: tl.constexpr, INTERPRET: tl.constexpr, QUANT_Q: tl.constexpr,
-                  HAS_PERM: tl.constexpr, V_WGMMA_ORDER: tl.constexpr, V_BLOCK_SCALE: tl.constexpr,
-                  POOL_CHUNK: tl.constexpr):
-    # v_stats: V's per-channel absmax [B*H, D] (read), or with V_BLOCK_SCALE each tile's exponent [B*H, tiles] (written)
+                  HAS_PERM: tl.constexpr, V_WGMMA_ORDER: tl.constexpr, POOL_CHUNK: tl.constexpr):
+    # v_stats: V's per-channel absmax [B*H, D]
     # Lrow_k: rows of k8 / v8t per (b, h) (Lpad_k, plus the pooled tail's rows); POOL_CHUNK > 0: the sums of
     # each POOL_CHUNK keys of smoothed K and of V into pool_sums [B*H, 2, Lpad_k / POOL_CHUNK, D]
     tile, bh, b, h, offs_d, rows = _program_tile(H, HEAD_DIM, TILE)
@@ -193,9 +185,7 @@ def _quant_kernel(Q, K, V, q8, k8, v8t, q_scale, k_scale, k_smooth, v_stats, tok
         if POOL_CHUNK > 0:  # (the wgmma order permutes keys within 16: each chunk's set of keys is the same)
             block_sums(y.to(tl.float32), pool_sums + (bh * 2 + 1) * n_chunks * HEAD_DIM, tile * (TILE // POOL_CHUNK),
                        HEAD_DIM, TILE, POOL_CHUNK)
-        y, e = scale_v_tile(y.to(tl.float32), v_stats + bh * HEAD_DIM, V_BLOCK_SCALE)
-        if V_BLOCK_SCALE:
-            tl.store(v_stats + bh * n_kt_row + tile, e)
+        y = scale_v_tile(y.to(tl.float32), v_stats + bh * HEAD_DIM)
         if INTERPRET:
             y = round_e4m3(y)
         # transposed store: v8t[bh, d, col]; column col holds key col, or in the wgmma key order the key
@@ -204,21 +194,12 @@ def _quant_kernel(Q, K, V, q8, k8, v8t, q_scale, k_scale, k_smooth, v_stats, tok
 
 
 @triton.jit
-def scale_v_tile(y, v_absmax, V_BLOCK_SCALE: tl.constexpr):
-    """A V tile (fp32 ``[TILE, D]``) in e4m3 units: ``(y / scale clamped to +-448, e)``. ``V_BLOCK_SCALE``:
-    one power-of-two scale for the tile, ``2^e >= absmax / 448`` (``e`` clamped to +-V_EXP_LIMIT); else the
-    per-channel scale ``absmax_d / 448`` from ``v_absmax`` (``[D]``; ``e`` 0)."""
-    if V_BLOCK_SCALE:
-        tmax = tl.max(tl.max(tl.abs(y), axis=1), axis=0)
-        e = tl.where(tmax > 0, tl.math.ceil(tl.math.log2(tl.maximum(tmax, 1e-30) / 448.0)), 0.0)
-        e = tl.minimum(tl.maximum(e, -_V_EXP_LIMIT), _V_EXP_LIMIT)
-        y = tl.minimum(tl.maximum(y * tl.math.exp2(-e), -448.0), 448.0)
-    else:
-        vmax = tl.load(v_absmax + tl.arange(0, y.shape[1]))
-        vscale = tl.where(vmax > 0, vmax / 448.0, 1.0)
-        y = tl.minimum(tl.maximum(y / vscale[None, :], -448.0), 448.0)
-        e = 0.0
-    return y, e
+def scale_v_tile(y, v_absmax):
+    """A V tile (fp32 ``[TILE, D]``) in e4m3 units: ``y`` divided by the per-channel scale ``absmax_d / 448``
+    from ``v_absmax`` (``[D]``; 1 for an all-zero channel), clamped to +-448."""
+    vmax = tl.load(v_absmax + tl.arange(0, y.shape[1]))
+    vscale = tl.where(vmax > 0, vmax / 448.0, 1.0)
+    return tl.minimum(tl.maximum(y / vscale[None, :], -448.0), 448.0)
 
 
 @triton.jit
@@ -267,11 +248,10 @@ def _pooled_means(pool_sums, bh, which, blocks, n_chunks, Lk, BS: tl.constexpr, 
 @triton.jit
 def _pooled_finalize_kernel(pool_sums, k_out, v_out, k_scale, v_stats, H, Lk, n_chunks, Lrow_k, row0,
                             HEAD_DIM: tl.constexpr, TILE: tl.constexpr, BS: tl.constexpr, POOL_CHUNK: tl.constexpr,
-                            FP8: tl.constexpr, INTERPRET: tl.constexpr, V_WGMMA_ORDER: tl.constexpr,
-                            V_BLOCK_SCALE: tl.constexpr):
+                            FP8: tl.constexpr, INTERPRET: tl.constexpr, V_WGMMA_ORDER: tl.constexpr):
     """One ``TILE`` of pooled keys of one (b, h): key block ``tile * TILE + r``'s means of K and V as row
     ``row0 + tile * TILE + r`` of ``k_out`` / ``v_out`` (FP8: ``k8`` rows with the tile's K scale at
-    ``k_scale[bh, row0 / TILE + tile]``, ``v8t`` columns in the pre-pass's V scaling and key order; else
+    ``k_scale[bh, row0 / TILE + tile]``, ``v8t`` columns in the pre-pass's per-channel V scales and key order; else
     ``[B*H, Lrow_k, D]`` buffers in their dtype). Blocks past the last are zeros."""
     tile = tl.program_id(0)
     bh = tl.program_id(1)
@@ -286,9 +266,7 @@ def _pooled_finalize_kernel(pool_sums, k_out, v_out, k_scale, v_stats, H, Lk, n_
     if FP8:
         kbar, scale = quantize_k_tile(kbar, INTERPRET)
         tl.store(k_scale + bh * (Lrow_k // TILE) + row0 // TILE + tile, scale)
-        vbar, e = scale_v_tile(vbar, v_stats + bh * HEAD_DIM, V_BLOCK_SCALE)
-        if V_BLOCK_SCALE:
-            tl.store(v_stats + bh * (Lrow_k // TILE) + row0 // TILE + tile, e)
+        vbar = scale_v_tile(vbar, v_stats + bh * HEAD_DIM)
         if INTERPRET:
             vbar = round_e4m3(vbar)
         tl.store(v_out + bh * HEAD_DIM * Lrow_k + offs_d[None, :] * Lrow_k + rows[:, None],
@@ -351,8 +329,7 @@ def pooled_kv_16bit(k: torch.Tensor, v: torch.Tensor, block_size: int):
     vp = torch.empty_like(kp)
     _pooled_finalize_kernel[(rows // QUANT_TILE, batch * heads)](
         sums, kp, vp, sums, sums, heads, kv_len, lpad // chunk, rows, 0, HEAD_DIM=head_dim, TILE=QUANT_TILE,
-        BS=block_size, POOL_CHUNK=chunk, FP8=False, INTERPRET=_interpreting(k), V_WGMMA_ORDER=False,
-        V_BLOCK_SCALE=False, num_warps=8)
+        BS=block_size, POOL_CHUNK=chunk, FP8=False, INTERPRET=_interpreting(k), V_WGMMA_ORDER=False, num_warps=8)
     return kp, vp
 
 
@@ -361,7 +338,7 @@ def _interpreting(t: torch.Tensor) -> bool:
 
 
 def quantize_qkv_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *, quantize_q: bool = True,
-                     token_perm: torch.Tensor | None = None, v_key_order: str = "natural", v_scaling: str = "channel",
+                     token_perm: torch.Tensor | None = None, v_key_order: str = "natural",
                      pool_block: int | None = None):
     """Run the fused pre-pass; returns ``(q8, k8, v8t, q_scale, k_scale, v_scale)`` (see module doc).
 
@@ -374,24 +351,18 @@ def quantize_qkv_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     are clamped into ``[0, L)``; the caller passes a permutation.
     ``v_key_order``: ``"natural"`` (column ``j`` of ``v8t`` is key ``j``) or ``"wgmma"`` (key ``j`` sits at
     column :func:`wgmma_key_order_torch` ``(j)``, a permutation within each 16 keys, for the warp-specialised
-    kernel).
-    ``v_scaling``: ``"channel"`` (``v_scale`` fp32 ``[B, H, D]``, one scale per channel over the whole
-    sequence: V is read twice, by the stats kernel first) or ``"block"`` (one power-of-two scale per
-    128-key tile, ``2^e >= absmax / 448`` with ``e`` clamped to ``+-V_EXP_LIMIT``; ``v_scale`` is then ``e``
-    itself, fp32 ``[B, H, Lpad_k / 128]``, and V is read once: the pass reads each input once; the
-    warp-specialised kernel folds ``2^e`` into its accumulator's per-block rescale).
+    kernel). ``v_scale`` is fp32 ``[B, H, D]``, one scale per channel over the whole sequence (V is read
+    twice, by the stats kernel first).
     ``pool_block`` (the pooled tail's key block size, a power of two >= 16, or None): ``k8`` / ``v8t`` get
     :func:`tail_rows` more rows / columns after ``Lpad_k``: position ``Lpad_k + j`` holds the mean over key
     block ``j``'s real keys (in this call's token order) of smoothed K / of V, zeros past the last block,
-    quantised like the real keys (one K scale per 128 pooled keys appended to ``k_scale``; V in the call's
-    ``v_scaling``, the block exponents appended to ``v_scale``, and key order). The means come from
+    quantised like the real keys (one K scale per 128 pooled keys appended to ``k_scale``; V with the
+    per-channel scales, in the call's key order). The means come from
     per-chunk sums the quantise kernel writes while it has K and V in registers (no extra read), then one
     small launch averages and quantises them.
     """
     if v_key_order not in ("natural", "wgmma"):
         raise ValueError(f"v_key_order must be 'natural' or 'wgmma', got {v_key_order!r}")
-    if v_scaling not in ("channel", "block"):
-        raise ValueError(f"v_scaling must be 'channel' or 'block', got {v_scaling!r}")
     batch, heads, q_len, head_dim = q.shape
     kv_len = k.shape[2]
     lpad_q, lpad_k = padded_len(q_len), padded_len(kv_len)
@@ -411,15 +382,12 @@ def quantize_qkv_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     k_scale = torch.empty(batch, heads, lrow_k // QUANT_TILE, device=dev, dtype=torch.float32)
     pool_sums = (k_scale if not chunk else
                  torch.empty(batch * heads, 2, lpad_k // chunk, head_dim, device=dev, dtype=torch.float32))
-    if v_scaling == "block":
-        v_stats = torch.empty(batch, heads, lrow_k // QUANT_TILE, device=dev, dtype=torch.float32)  # exponents
-    else:
-        n_chunks = triton.cdiv(kv_len, STATS_CHUNK)
-        v_part = torch.empty(batch * heads, n_chunks, head_dim, device=dev, dtype=torch.float32)
-        _v_stats_kernel[(n_chunks, batch * heads)](
-            v, v_part, heads, kv_len, n_chunks, v.stride(0), v.stride(1), v.stride(2),
-            HEAD_DIM=head_dim, TILE=QUANT_TILE, CHUNK=STATS_CHUNK, num_warps=8)
-        v_stats = v_part.amax(1).view(batch, heads, head_dim)  # per-channel absmax
+    n_chunks = triton.cdiv(kv_len, STATS_CHUNK)
+    v_part = torch.empty(batch * heads, n_chunks, head_dim, device=dev, dtype=torch.float32)
+    _v_stats_kernel[(n_chunks, batch * heads)](
+        v, v_part, heads, kv_len, n_chunks, v.stride(0), v.stride(1), v.stride(2),
+        HEAD_DIM=head_dim, TILE=QUANT_TILE, CHUNK=STATS_CHUNK, num_warps=8)
+    v_stats = v_part.amax(1).view(batch, heads, head_dim)  # per-channel absmax
     k_mean = smoothing_vector(k, token_perm).contiguous()
     tiles = max(lpad_q, lpad_k) if quantize_q else lpad_k
     _quant_kernel[(tiles // QUANT_TILE, batch * heads)](
@@ -430,20 +398,17 @@ def quantize_qkv_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
         v.stride(0), v.stride(1), v.stride(2),
         HEAD_DIM=head_dim, TILE=QUANT_TILE, INTERPRET=_interpreting(q),
         QUANT_Q=bool(quantize_q), HAS_PERM=token_perm is not None, V_WGMMA_ORDER=v_key_order == "wgmma",
-        V_BLOCK_SCALE=v_scaling == "block", POOL_CHUNK=chunk, num_warps=8)
+        POOL_CHUNK=chunk, num_warps=8)
     if chunk:
         _pooled_finalize_kernel[((lrow_k - lpad_k) // QUANT_TILE, batch * heads)](
             pool_sums, k8, v8t, k_scale, v_stats, heads, kv_len, lpad_k // chunk, lrow_k, lpad_k, HEAD_DIM=head_dim,
             TILE=QUANT_TILE, BS=pool_block, POOL_CHUNK=chunk, FP8=True, INTERPRET=_interpreting(q),
-            V_WGMMA_ORDER=v_key_order == "wgmma", V_BLOCK_SCALE=v_scaling == "block", num_warps=8)
-    if v_scaling == "block":
-        return q8, k8, v8t, q_scale, k_scale, v_stats
+            V_WGMMA_ORDER=v_key_order == "wgmma", num_warps=8)
     v_scale = torch.where(v_stats > 0, v_stats / FP8_MAX, torch.ones_like(v_stats))
     return q8, k8, v8t, q_scale, k_scale, v_scale
 
 
-def quantize_reference(q, k, v, scale: float, v_key_order: str = "natural", v_scaling: str = "channel",
-                       pool_block: int | None = None):
+def quantize_reference(q, k, v, scale: float, v_key_order: str = "natural", pool_block: int | None = None):
     """Plain-torch twin of :func:`quantize_qkv_fp8` (fp32 math, same scales and layout) for tests."""
     batch, heads, q_len, head_dim = q.shape
     kv_len = k.shape[2]
@@ -473,17 +438,9 @@ def quantize_reference(q, k, v, scale: float, v_key_order: str = "natural", v_sc
         lrow_k += rows
     q8, qs = tiles(qf, lpad_q)
     k8, ks = tiles(kf, lrow_k)
-    if v_scaling == "block":
-        vp = pad_rows(vf, lrow_k)
-        vt = vp.view(batch, heads, lrow_k // QUANT_TILE, QUANT_TILE, head_dim)
-        tmax = vt.abs().amax(dim=(-1, -2))
-        vs = torch.where(tmax > 0, torch.ceil(torch.log2(tmax.clamp_min(1e-30) / FP8_MAX)), torch.zeros_like(tmax))
-        vs = vs.clamp(-V_EXP_LIMIT, V_EXP_LIMIT)
-        v8 = (vt * torch.exp2(-vs)[..., None, None]).clamp(-FP8_MAX, FP8_MAX).view_as(vp)
-    else:
-        vmax = v.float().abs().amax(dim=2)
-        vs = torch.where(vmax > 0, vmax / FP8_MAX, torch.ones_like(vmax))
-        v8 = pad_rows((vf / vs[:, :, None, :]).clamp(-FP8_MAX, FP8_MAX), lrow_k)
+    vmax = v.float().abs().amax(dim=2)
+    vs = torch.where(vmax > 0, vmax / FP8_MAX, torch.ones_like(vmax))
+    v8 = pad_rows((vf / vs[:, :, None, :]).clamp(-FP8_MAX, FP8_MAX), lrow_k)
     fp8 = torch.float8_e4m3fn
     v8t = v8.transpose(-1, -2).contiguous()
     if v_key_order == "wgmma":
@@ -494,4 +451,4 @@ def quantize_reference(q, k, v, scale: float, v_key_order: str = "natural", v_sc
 
 __all__ = ["quantize_qkv_fp8", "quantize_q_tile", "wgmma_key_order_torch", "quantize_reference", "padded_len",
            "tail_rows", "pooled_kv_16bit", "smoothing_rows", "smoothing_vector", "QUANT_TILE", "FP8_MAX", "LOG2E",
-           "SMOOTH_ROWS", "V_EXP_LIMIT"]
+           "SMOOTH_ROWS"]

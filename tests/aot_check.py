@@ -1,9 +1,12 @@
-"""Compile the Triton kernels for sm_90 without a GPU and report registers, spills and MMA kinds.
+"""Compile the Triton kernels for sm_90 without a GPU and read what came out (the tests' sm_90 builds).
 
-Usage: ``python benchmarks/kernels/aot_check.py [--sass]``. Needs only Triton (its bundled ptxas and
-cuobjdump); useful before spending GPU time. Prints one line per variant: the Triton kernel's tile
-configurations, then the warp-specialised Gluon kernel's schedules (:func:`compile_ws`; its registers
-are the launch's 168, the consumer warpgroups raise theirs to 240 with ``setmaxnreg``).
+Helpers for the tests: :func:`compile_attn` (the portable Triton kernel), :func:`compile_jit` (any Triton
+kernel of ours), :func:`compile_ws` (the warp-specialised Gluon kernel), :func:`sass_of`,
+:func:`key_block_loop_ops` (opcode counts of the key-block loop), :func:`summarize`. Needs only Triton (its
+bundled ptxas and cuobjdump). Also a report: ``python tests/aot_check.py [--sass]`` (from the pack root,
+with the pack importable as ``chorus``) prints one line per variant: the Triton kernel's tile
+configurations, then the warp-specialised kernel with and without a token order (its registers are the
+launch's 168, the consumer warpgroups raise theirs to 240 with ``setmaxnreg``).
 """
 
 from __future__ import annotations
@@ -14,7 +17,6 @@ import re
 import subprocess
 import tempfile
 
-import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -24,10 +26,10 @@ from chorus.kernels.triton import _attention as A
 TARGET = GPUTarget("cuda", 90, 32)
 
 
-def attn_signature(fp8: bool, dtype: str, use_tma: bool, block_m: int, block_n: int, head_dim: int, ws=False):
+def attn_signature(fp8: bool, dtype: str, use_tma: bool, block_m: int, block_n: int, head_dim: int):
     ed = "fp8e4nv" if fp8 else dtype
     if use_tma:
-        q = f"*{ed}" if ws else f"tensordesc<{ed}[1,1,{block_m},{head_dim}]>"
+        q = f"tensordesc<{ed}[1,1,{block_m},{head_dim}]>"
         k = f"tensordesc<{ed}[1,1,{block_n},{head_dim}]>"
         v = f"tensordesc<{ed}[1,1,{head_dim},{block_n}]>" if fp8 else f"tensordesc<{ed}[1,1,{block_n},{head_dim}]>"
     else:
@@ -47,13 +49,13 @@ def attn_signature(fp8: bool, dtype: str, use_tma: bool, block_m: int, block_n: 
 
 
 def compile_attn(fp8=True, use_tma=False, block_m=128, block_n=128, head_dim=128, num_warps=8, num_stages=3,
-                 tail=False, dtype="bf16", ablate=0, ws=False, has_tail=False):
+                 tail=False, dtype="bf16", has_tail=False):
     """The portable Triton kernel compiled for sm_90 (``tail``: a partial last key block; ``has_tail``: the
     pooled tail)."""
-    sig = attn_signature(fp8, dtype, use_tma, block_m, block_n, head_dim, ws)
+    sig = attn_signature(fp8, dtype, use_tma, block_m, block_n, head_dim)
     consts = dict(HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BS=128, FP8=fp8, USE_TMA=use_tma,
-                  TAIL_K=tail, EVEN_Q=not tail, P_SHIFT=A.P_SHIFT_LOG2, SCALE_TILE=128, INTERPRET=False, ABLATE=ablate,
-                  WARP_SPEC=ws, HAS_BIAS=False, HAS_TAIL=has_tail, POOL_TMA=has_tail and fp8 and use_tma,
+                  TAIL_K=tail, EVEN_Q=not tail, P_SHIFT=A.P_SHIFT_LOG2, SCALE_TILE=128, INTERPRET=False,
+                  HAS_BIAS=False, HAS_TAIL=has_tail, POOL_TMA=has_tail and fp8 and use_tma,
                   POOL_TILE=A.TAIL_TILE)
     consts.update({n: False for n, p in zip(A._bsa_fwd_kernel.arg_names, A._bsa_fwd_kernel.params)
                    if p.is_constexpr and n not in consts})  # later compile-time switches, off
@@ -75,59 +77,14 @@ def compile_jit(fn, types: dict, constexprs: dict, num_warps: int = 4):
                           options=dict(num_warps=num_warps))
 
 
-def compile_ws(head_dim=128, schedule="serial", stages=3, tail=True, ablate=0, fma_quarters=0, has_bias=False,
-               has_perm=False, has_suffix=False, p_bits=1, v_block=False, p_sat=True, o_vec=True, o_tma=None,
-               q_kernel=None, has_tail=False):
-    """The warp-specialised Gluon kernel (``chorus.kernels.triton._attention_ws``) compiled for sm_90.
-    ``o_tma`` / ``q_kernel`` (the TMA output store, Q quantised in the kernel) default to what the launcher
-    compiles: on, except with a token order (``has_perm``); ``has_tail``: the pooled tail."""
-    from triton.experimental.gluon._runtime import GluonASTSource
-
+def compile_ws(head_dim=128, tail=True, has_bias=False, has_perm=False, has_suffix=False, q_kernel=None,
+               has_tail=False, stages=3):
+    """The warp-specialised Gluon kernel compiled for sm_90 as the launcher builds it for such a call
+    (:func:`chorus.kernels.triton._attention_ws.compile_sm90`; ``tail``: a partial last key block)."""
     from chorus.kernels.triton import _attention_ws as W
 
-    o_tma = not has_perm if o_tma is None else o_tma
-    q_kernel = not has_perm if q_kernel is None else q_kernel
-    qk_layout, vt_layout = W.shared_layouts(head_dim)
-
-    def rows_desc_type(rows):  # the launcher's rows_descriptor of a bf16 [B, H, L, D] tensor
-        block, layout = W.rows_block(rows, head_dim, torch.bfloat16)
-        return f"tensordesc<bf16[{', '.join(map(str, block))}],{layout!r}>"
-
-    kernel = W._bsa_ws_kernel
-    sig = {}
-    for name, param in zip(kernel.arg_names, kernel.params):
-        if param.is_constexpr:
-            continue
-        if name == "q_desc" and q_kernel:
-            sig[name] = rows_desc_type(W.BLOCK)
-        elif name in ("q_desc", "k_desc"):
-            sig[name] = f"tensordesc<fp8e4nv[{W.BLOCK}, {head_dim}],{qk_layout!r}>"
-        elif name == "v_desc":
-            sig[name] = f"tensordesc<fp8e4nv[{head_dim}, {W.BLOCK}],{vt_layout!r}>"
-        elif name == "O":
-            sig[name] = "*bf16"
-        elif name == "o_desc":
-            sig[name] = rows_desc_type(W.CONSUMER_ROWS)
-        elif name in ("q_scale", "k_scale", "v_scale", "tail_bias"):
-            sig[name] = "*fp32"
-        elif name in ("prefix_bias", "suffix_bias", "q_mult"):
-            sig[name] = "fp32"
-        elif name in ("kv_num", "kv_idx", "sched", "token_perm", "tail_num"):
-            sig[name] = "*i32"
-        else:
-            sig[name] = "i32"
-    consts = dict(HEAD_DIM=head_dim, STAGES=stages, Q_STAGES=2, TAIL_K=tail, HAS_BIAS=has_bias or has_suffix,
-                  HAS_PERM=has_perm, HAS_SUFFIX=has_suffix,
-                  P_SHIFT=A.P_SHIFT_LOG2,
-                  SCHEDULE=schedule, ABLATE=ablate, FMA_QUARTERS=fma_quarters, P_BITS=p_bits, V_BLOCK=v_block,
-                  P_SAT=p_sat, O_VEC=o_vec, O_TMA=o_tma, Q_KERNEL=q_kernel, HAS_TAIL=has_tail)
-    sig.update({c: "constexpr" for c in consts})
-    # 16-byte divisibility of the output pointer and strides and of the pooled tail's bias table and its row
-    # width (a multiple of 128), as the launcher's specialisation gives them
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig)
-             if n in ("O", "s_ob", "s_oh", "s_ol", "tail_bias", "tail_width")}
-    src = GluonASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
-    return triton.compile(src, target=TARGET, options=dict(num_warps=4))
+    return W.compile_sm90(head_dim, W.WsConfig(stages=stages), tail_k=tail, has_bias=has_bias, has_suffix=has_suffix,
+                          has_perm=has_perm, q_kernel=q_kernel, has_tail=has_tail)
 
 
 def cuobjdump(kernel, flag: str) -> str:
@@ -204,12 +161,12 @@ def main():
                         msg = f"FAILED {type(exc).__name__}: {str(exc)[:300]}"
                     print(f"fp8={fp8} tma={use_tma} BLOCK_N={block_n} stages={stages}: {msg}", flush=True)
     for head_dim in (128, 64):
-        for schedule in ("serial", "overlap", "pingpong"):
+        for has_perm in (False, True):
             try:
-                msg = summarize(compile_ws(head_dim, schedule), args.sass)
+                msg = summarize(compile_ws(head_dim, has_perm=has_perm), args.sass)
             except Exception as exc:  # noqa: BLE001
                 msg = f"FAILED {type(exc).__name__}: {str(exc)[:300]}"
-            print(f"warp-specialised D={head_dim} schedule={schedule}: {msg}", flush=True)
+            print(f"warp-specialised D={head_dim} token order={has_perm}: {msg}", flush=True)
 
 
 if __name__ == "__main__":
