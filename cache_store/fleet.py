@@ -29,13 +29,10 @@ search for an entry that already serves the request (then nothing is written), i
 append the change, evict down to the fleet-wide cap (more changes), ``pg_notify``, commit. An
 entry is therefore visible whole or not at all, on every worker.
 
-Loads check the bytes' sha256 against the row (and against the sha256 the change feed
-announced), decode them with the shared codec, and check that the embedding and signature inside
-the entry match the row's. A row that fails is quarantined (the row moves to
-``chorus_quarantine`` with the reason, is dropped from every worker's index by an ``r`` change,
-one log line, and a load raises :class:`~chorus.cache_store.CorruptEntryError`) or, in a listing,
-left out with one log line; it never stops an open, the feed or a listing. What a compromised
-worker can still do: docs/OPERATIONS.md, "What a compromised worker can do".
+Loads check each row and its bytes (``fleet_schema.entry_problem``); a row that fails is
+quarantined fleet-wide (``fleet_maintenance.py``) and a load raises
+:class:`~chorus.cache_store.CorruptEntryError`; it never stops an open, the feed or a listing. What
+a compromised worker can still do: docs/OPERATIONS.md, "What a compromised worker can do".
 
 Bounded waits (the store contract of ``errors.py``): ``lock_timeout`` is the time bound
 (``CHORUS_CACHE_TIMEOUT``, 2 s by default), also the longest a call waits for another thread of
@@ -61,7 +58,6 @@ SQLSTATE mapping, reads beside writes), ``tests/test_fleet_serving.py`` (real Co
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 import time
@@ -71,17 +67,16 @@ import numpy as np
 
 from . import seams
 from .entries import CorruptEntryError, NewEntry, encode_new_entry
-from .entry_format import EntryFormatError, decode_entry
 from .errors import StoreBusyError, StoreError, store_timeout
 from .fleet_conn import CALL_DEADLINE_S, Connections
 from .fleet_feed import CHANNEL, FEED_DEADLINE_S, POLL_S, FleetFeed
 from .fleet_maintenance import FleetMaintenance
-from .fleet_schema import Row, check_row, emb_params, own_row, row_columns, setup
+from .fleet_schema import Row, check_row, decoded_entry, emb_params, entry_problem, own_row, row_columns, setup
 from .fleet_tier import TIER_DIR, LocalTier, tier_bytes_setting
 from .index import DEFAULT_APPROX_THRESHOLD, PartitionedIndex, normalise
 from .limits import check_limits
 from .redaction import RedactingFilter
-from .rows import check_entry_matches_row, row_meta
+from .rows import row_meta
 from .signature import signature_key
 
 LOG = logging.getLogger(__name__)
@@ -132,16 +127,6 @@ class FleetStore(FleetFeed, FleetMaintenance):
     def tier_bytes(self) -> int:
         """The local tier's byte cap."""
         return self.tier.max_bytes
-
-    @property
-    def connected(self) -> bool:
-        """Whether the last call reached PostgreSQL."""
-        return self._conns.connected
-
-    @property
-    def last_error(self) -> str | None:
-        """Why the last call did not reach PostgreSQL (redacted), or None."""
-        return self._conns.last_error
 
     # -- this worker's view -----------------------------------------------------------------
     @property
@@ -400,39 +385,16 @@ class FleetStore(FleetFeed, FleetMaintenance):
             return None, None
         return Row(*values[:-1]), self._workspace_dim(values[-1])
 
-    def _entry_problem(self, row: Row, dim: int | None, packed: bool, announced: str | None = None):
-        """The checks of a fetched row and its entry bytes, shared by :meth:`load` and
-        :meth:`verify`: ``(masks, meta)``, or a ``str`` saying why the row is damaged."""
-        if announced is not None and announced != row.sha256:
-            return "row sha256 differs from the one its change announced"
-        try:
-            check_row(row, dim, embedding=True)
-        except ValueError as exc:
-            return str(exc)
-        if hashlib.sha256(row.data).hexdigest() != row.sha256:
-            return "sha256 mismatch"
-        return self._decoded(row.data, packed, row.sig_key, row.embedding)
-
-    @staticmethod
-    def _decoded(data: bytes, packed: bool, sig_key: str, row_embedding: bytes | None):
-        """``(masks, meta)`` of entry bytes whose signature (and embedding) match the row's, or why not."""
-        try:
-            masks, emb, meta = decode_entry(data, packed=packed)
-            check_entry_matches_row(emb, meta, sig_key, row_embedding)
-        except (EntryFormatError, ValueError, TypeError, MemoryError, RecursionError) as exc:
-            return f"undecodable: {exc}"
-        return masks, meta
-
     def _checked_entry(self, row, dim, packed, *, announced=None, tier=None):
         """Check a fetched row (or ``tier=(entry_id, bytes, sig_key)`` read from the local tier,
         already matched to the row's sha256): ``(masks, meta)``, else quarantine and raise
         :class:`CorruptEntryError`."""
         if tier is not None:
             entry_id, data, sig_key = tier
-            result = self._decoded(data, packed, sig_key, None)
+            result = decoded_entry(data, packed, sig_key, None)
         else:
             entry_id = int(row.id)
-            result = self._entry_problem(row, dim, packed, announced)
+            result = entry_problem(row, dim, packed, announced)
         if isinstance(result, str):
             self._quarantine(entry_id, result)
             raise CorruptEntryError(f"entry {entry_id}: {result} " +

@@ -149,16 +149,11 @@ class FleetFeed:
         LOG.info("fleet workspace %s: approximate index of %d entries built in %.1f s", self.workspace,
                  len(built), time.monotonic() - t)
 
-    def _index_add(self, index: PartitionedIndex, rows) -> None:
-        groups: dict[str, tuple[list, list]] = {}
-        for entry_id, sig_key, _, _, vec in rows:
-            if entry_id in index.where:
-                continue
-            ids, vecs = groups.setdefault(sig_key, ([], []))
-            ids.append(entry_id)
-            vecs.append(vec)
-        for key, (ids, vecs) in groups.items():
-            index.add(key, np.array(ids, dtype=np.int64), np.stack(vecs))
+    @staticmethod
+    def _index_add(index: PartitionedIndex, rows) -> None:
+        """Index ``(id, sig_key, sha256, nbytes, vector)`` rows not indexed yet."""
+        index.add_rows((entry_id, sig_key, vec) for entry_id, sig_key, _, _, vec in rows
+                       if entry_id not in index.where)
 
     def _catch_up(self, conn) -> int:
         """Apply the change log after the last applied sequence number, up to the workspace's own

@@ -12,7 +12,7 @@ handle and logged; the next writable handle that reads it quarantines it.
 
 :class:`FleetMaintenance` is a part of :class:`~chorus.cache_store.fleet.FleetStore` (a mixin): it
 uses the handle's connections (``_conns``), change log and feed (``_log``, ``_catch_up``,
-``_apply``, ``sync``, ``_full_load``, ``wait_index``), entry checks (``_entry_problem``), index
+``_apply``, ``sync``, ``_full_load``, ``wait_index``), index
 state (``_mutex``, ``_index``, ``_known``, ``_set_aside``, ``_dim``) and local tier (``tier``).
 Tested in ``tests/test_fleet_store.py`` (fleet-wide LRU cap, quarantine, verify, SIGKILL at random
 moments) and ``tests/test_fleet_hostile.py`` (bad limits delete nothing, hostile rows).
@@ -29,7 +29,7 @@ from .entry_format import MAX_META_BYTES
 from .errors import StoreError
 from .fleet_conn import Slot
 from .fleet_feed import CHANNEL, FEED_DEADLINE_S
-from .fleet_schema import Row, emb_params, row_columns
+from .fleet_schema import Row, emb_params, entry_problem, row_columns
 from .limits import eviction_caps, over_caps, prune_targets
 from .redaction import RedactingFilter
 
@@ -184,7 +184,7 @@ class FleetMaintenance:
                         row = Row(*values)
                         checked += 1
                         live[int(row.id)] = row.sha256
-                        problem = self._entry_problem(row, dim, packed=True)
+                        problem = entry_problem(row, dim, packed=True)
                         if isinstance(problem, str):
                             bad.append((int(row.id), problem))
             return bad, checked, live

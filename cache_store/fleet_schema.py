@@ -13,22 +13,25 @@ row is checked like a file before its bytes are copied (:func:`row_columns`, :fu
 the same checks as a local entry in ``rows.py``): declared sizes against the columns' lengths in
 SQL (data, embedding, metadata, keys; a column that fails is never fetched), the embedding
 dimension from the workspace row, finite and normalisable embeddings, hex sha256 and signature
-keys (the local tier's file names), finite timestamps, metadata depth and size. Tested in
+keys (the local tier's file names), finite timestamps, metadata depth and size; a load and
+verify also check the bytes (:func:`entry_problem`: sha256, decoding, the embedding and
+signature inside the entry against the row's). Tested in
 ``tests/test_fleet_hostile.py`` (rows written straight into the tables) and
 ``tests/test_fleet_store.py`` (the least-privilege SQL of docs/OPERATIONS.md as written).
 """
 
 from __future__ import annotations
 
+import hashlib
 from typing import NamedTuple
 
 import numpy as np
 
 from .entries import DEFAULT_MAX_BYTES, MAX_ENTRY_FILE_BYTES
-from .entry_format import MAX_META_BYTES
+from .entry_format import MAX_META_BYTES, EntryFormatError, decode_entry
 from .fleet_conn import psycopg_module
-from .rows import (DIGEST_CHARS, MAX_EMBEDDING_DIM, SIG_KEY_CHARS, check_embedding, finite_number, is_digest,
-                   is_sig_key)
+from .rows import (DIGEST_CHARS, MAX_EMBEDDING_DIM, SIG_KEY_CHARS, check_embedding, check_entry_matches_row,
+                   finite_number, is_digest, is_sig_key)
 
 SCHEMA = [
     """CREATE TABLE IF NOT EXISTS chorus_workspaces(
@@ -180,3 +183,28 @@ def own_row(entry_id: int, new) -> Row:
     """The :class:`Row` of an entry this handle just wrote (``entries.NewEntry``)."""
     return Row(entry_id, new.sig_key, new.digest, len(new.data), len(new.data), new.embedding.nbytes,
                 new.created, new.created, 0, new.embedding.tobytes(), None, None, None)
+
+
+def entry_problem(row: Row, dim: int | None, packed: bool, announced: str | None = None):
+    """The checks of a fetched row and its entry bytes, shared by ``load`` and ``verify``:
+    ``(masks, meta)``, or a ``str`` saying why the row is damaged (``announced``: the sha256 the
+    change feed announced for it)."""
+    if announced is not None and announced != row.sha256:
+        return "row sha256 differs from the one its change announced"
+    try:
+        check_row(row, dim, embedding=True)
+    except ValueError as exc:
+        return str(exc)
+    if hashlib.sha256(row.data).hexdigest() != row.sha256:
+        return "sha256 mismatch"
+    return decoded_entry(row.data, packed, row.sig_key, row.embedding)
+
+
+def decoded_entry(data: bytes, packed: bool, sig_key: str, row_embedding: bytes | None):
+    """``(masks, meta)`` of entry bytes whose signature (and embedding) match the row's, or why not."""
+    try:
+        masks, emb, meta = decode_entry(data, packed=packed)
+        check_entry_matches_row(emb, meta, sig_key, row_embedding)
+    except (EntryFormatError, ValueError, TypeError, MemoryError, RecursionError) as exc:
+        return f"undecodable: {exc}"
+    return masks, meta

@@ -65,22 +65,17 @@ class WorkspaceIndex:
     def _add_rows_to_index(self, index: PartitionedIndex, rows) -> None:
         """Index rows ``(id, sig_key, embedding bytes)``; a row whose embedding fails the row
         checks (``rows.check_embedding``: e.g. a database edited by hand) is set aside, logged."""
-        groups: dict[str, tuple[list, list]] = {}
+        good = []
         with np.errstate(**QUIET_FLOATS):
             for entry_id, key, blob in rows:
                 if entry_id in self._set_aside:
                     continue
                 try:
-                    vec = check_embedding(blob, index.dim)
+                    good.append((entry_id, key, check_embedding(blob, index.dim)))
                 except (ValueError, TypeError) as exc:
                     LOG.error("entry %d of %s is left out of the index: %s", entry_id, self.path, exc)
                     self._set_aside.add(int(entry_id))
-                    continue
-                ids, vecs = groups.setdefault(key, ([], []))
-                ids.append(entry_id)
-                vecs.append(vec)
-        for key, (ids, vecs) in groups.items():
-            index.add(key, np.array(ids, dtype=np.int64), np.stack(vecs))
+        index.add_rows(good)
 
     def _index_file_cap(self, dim: int) -> int:
         """The most bytes a saved index of this workspace can take: per entry its vector, its id and
