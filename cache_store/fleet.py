@@ -167,7 +167,6 @@ class FleetStore(FleetFeed, FleetMaintenance):
         return self._conns.call(fn, *args, read=read, deadline=deadline)
 
     # -- opening ----------------------------------------------------------------------------
-    # -- opening ----------------------------------------------------------------------------
     @classmethod
     def open(cls, url: str, workspace: str, *, local_path, max_bytes: int | None = None,
              max_entries: int | None = None, eviction: str | None = None, listen: bool = True,
