@@ -158,7 +158,7 @@ def bench_entry(tmp, repeats, layers=40):
     t0 = time.perf_counter()
     entry_id = ws.add(np.ones(1024, np.float32), masks, {"signature": SIG})
     write = time.perf_counter() - t0
-    file = ws.entry_dir / ws._row(entry_id)[0]
+    file = ws.entry_path(entry_id)
     size = file.stat().st_size
 
     def load_packed():

@@ -25,7 +25,6 @@ import argparse
 import hashlib
 import json
 import platform
-import statistics
 import sys
 import tempfile
 import time
@@ -77,7 +76,7 @@ def bench_entries(url, tmp: Path, cache_dir: Path, n: int) -> dict:
     from chorus.cache_store.fleet import FleetStore
     from chorus.cache_store.entry_format import read_meta
     from chorus.cache_store.signature import signature_key
-    from chorus.cache_store.workspace import NewEntry
+    from chorus.cache_store.entries import NewEntry
 
     out = {}
     store = FleetStore.open(url, "entries", local_path=tmp / "w1" / "entries")
@@ -92,7 +91,7 @@ def bench_entries(url, tmp: Path, cache_dir: Path, n: int) -> dict:
                 emb = rng.normal(size=DIM).astype(np.float32)
                 t = time.perf_counter()
                 new = NewEntry(sig, emb, data, digest, json.dumps(meta), time.time())
-                entry_id, _ = store._call(store._add_tx, new, None)
+                entry_id, _ = store.add_entry(new, keep_local=False)
                 commits.append(time.perf_counter() - t)
                 ids.append(entry_id)
             # the entry bytes inside the rows do not embed these random embeddings: fetch/ sha only here,
@@ -100,17 +99,17 @@ def bench_entries(url, tmp: Path, cache_dir: Path, n: int) -> dict:
             fetches = []
             for entry_id in ids:
                 t = time.perf_counter()
-                row, _ = store._call(store._fetch, entry_id, read=True)
+                row, _ = store.fetch_row(entry_id)
                 fetches.append(time.perf_counter() - t)
                 assert row.sha256 == digest
             from chorus.cache_store.entry_format import decode_entry
 
             masks, emb, meta2 = decode_entry(data, packed=True)
-            real = store._call(store._add_tx, NewEntry(sig, emb.numpy(), data, digest, json.dumps(meta), time.time()),
-                               None)[0]
+            real = store.add_entry(NewEntry(sig, emb.numpy(), data, digest, json.dumps(meta), time.time()),
+                                   keep_local=False)[0]
             via_pg, via_tier = [], []
             for _ in range(n):
-                store._tier_drop(real)
+                store.tier.drop(real)
                 t = time.perf_counter()
                 store.load(real, packed=True, touch=False)
                 via_pg.append(time.perf_counter() - t)
@@ -134,7 +133,7 @@ def bench_large_objects(store, data: bytes, n: int):
     def setup(conn):
         conn.execute("CREATE TABLE IF NOT EXISTS bench_lo(id BIGSERIAL PRIMARY KEY, blob OID NOT NULL)")
 
-    store._call(setup)
+    store.with_connection(setup)
     commits, fetches, ids = [], [], []
     for _ in range(n):
         def tx(conn):
@@ -143,7 +142,7 @@ def bench_large_objects(store, data: bytes, n: int):
                                     (data,)).fetchone()[0]
 
         t = time.perf_counter()
-        ids.append(store._call(tx))
+        ids.append(store.with_connection(tx))
         commits.append(time.perf_counter() - t)
     for i in ids:
         def get(conn):
@@ -152,10 +151,10 @@ def bench_large_objects(store, data: bytes, n: int):
                 return bytes(cur.fetchone()[0])
 
         t = time.perf_counter()
-        got = store._call(get)
+        got = store.with_connection(get)
         fetches.append(time.perf_counter() - t)
         assert len(got) == len(data)
-    store._call(lambda conn: conn.execute("SELECT lo_unlink(blob) FROM bench_lo; DROP TABLE bench_lo"))
+    store.with_connection(lambda conn: conn.execute("SELECT lo_unlink(blob) FROM bench_lo; DROP TABLE bench_lo"))
     return commits, fetches
 
 
@@ -202,7 +201,7 @@ def bench_catch_up(url, tmp: Path, sizes, searches: int) -> dict:
         assert len(worker) == size
         worker.wait_index()
         built = time.perf_counter() - t
-        kinds = worker._index.kinds()
+        kinds = worker.index_kinds()
         result = {"serving_exact_after_s": round(opened, 2), "approximate_index_after_s": round(built, 2),
                   "index": {k[:8]: v["kind"] for k, v in kinds.items()}}
         if size == max(sizes):
@@ -240,7 +239,7 @@ def bench_feed(url, tmp: Path, reader, data, meta) -> dict:
         for _ in range(100):
             entry_id = writer.add(rng.normal(size=DIM).astype(np.float32), masks, meta)
             t = time.perf_counter()
-            while entry_id not in reader._known:
+            while entry_id not in reader:
                 time.sleep(0.0002)
             delays.append(time.perf_counter() - t)
     finally:

@@ -14,7 +14,7 @@ from .signature import canonical_signature, signature_key
 
 _LAZY = {
     "Workspace": ".workspace",
-    "CorruptEntryError": ".workspace",
+    "CorruptEntryError": ".entries",
     "EntryFormatError": ".entry_format",
     "PackedMap": ".entry_format",
     "CacheStore": ".protocol",

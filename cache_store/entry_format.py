@@ -457,16 +457,3 @@ def decode_entry(data: bytes, *, packed: bool = False, max_elements: int | None 
             raise EntryFormatError(f"map {key!r}: unknown encoding {str(encoding)[:40]!r}")
     return masks, embedding, meta
 
-
-def fsync_dir(path) -> None:
-    """fsync a directory so a rename inside it is durable (no-op where directories can't be opened)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

@@ -20,6 +20,8 @@ made, with the message:
 * :class:`StoreReadOnlyError`: the store refuses writes: a handle opened read-only, or a
   PostgreSQL server that is read-only (a standby, ``default_transaction_read_only``; SQLSTATE
   25006); nothing was written.
+* :class:`MissingDriverError` (an ``ImportError`` and a ``ValueError``): the fleet store was asked
+  for but psycopg 3 is not installed.
 
 How PostgreSQL's own errors map onto these (by SQLSTATE): ``pg_errors.py``.
 
@@ -60,6 +62,11 @@ class StoreFullError(StoreError):
 
 class StoreReadOnlyError(StoreError):
     """The store refuses writes (a read-only handle or a read-only server); the call wrote nothing."""
+
+
+class MissingDriverError(ImportError, ValueError):
+    """The fleet store was asked for but psycopg 3 is not installed (a ``ValueError`` too, so that
+    a node answers with a miss and a message instead of failing the prompt)."""
 
 
 def store_timeout(timeout=None) -> float:

@@ -166,6 +166,16 @@ class PartitionedIndex:
         for i in ids:
             self.where[int(i)] = sig_key
 
+
+    def add_rows(self, rows) -> None:
+        """Add ``(entry_id, sig_key, vector [dim])`` rows, one :meth:`add` per signature key."""
+        groups: dict[str, tuple[list, list]] = {}
+        for entry_id, sig_key, vec in rows:
+            ids, vecs = groups.setdefault(sig_key, ([], []))
+            ids.append(entry_id)
+            vecs.append(vec)
+        for key, (ids, vecs) in groups.items():
+            self.add(key, np.array(ids, dtype=np.int64), np.stack(vecs))
     def remove(self, ids) -> None:
         by_part: dict[str, list[int]] = {}
         for i in ids:

@@ -41,14 +41,9 @@ from __future__ import annotations
 import os
 from typing import Protocol, runtime_checkable
 
-from .errors import StoreUnavailableError  # noqa: F401 - also importable from here, as before
+from .errors import MissingDriverError, StoreUnavailableError  # noqa: F401 - also importable from here, as before
 
 URL_ENV = "CHORUS_CACHE_URL"
-
-
-class MissingDriverError(ImportError, ValueError):
-    """The fleet store was asked for but psycopg 3 is not installed (a ``ValueError`` too, so that
-    a node answers with a miss and a message instead of failing the prompt)."""
 
 
 @runtime_checkable

@@ -51,14 +51,13 @@ def writer(path: str, seeds, conn=None, crash_phase: str | None = None, mask_kwa
     """Child process: add one entry per seed (meta["seed"] lets the parent rebuild the masks), sending
     each committed id through ``conn``. With ``crash_phase``, SIGKILL itself at that write phase of
     the first entry."""
-    from chorus.cache_store import workspace as workspace_mod
-    from chorus.cache_store import Workspace
+    from chorus.cache_store import Workspace, seams
 
     if crash_phase is not None:
         def hook(phase):
             if phase == crash_phase:
                 os.kill(os.getpid(), signal.SIGKILL)
-        workspace_mod._crash_hook = hook
+        seams.workspace_phase = hook
     ws = Workspace.open(path)
     if conn is not None:
         conn.send(("ready", None))

@@ -17,7 +17,7 @@ def test_cli_commands(tmp_path):
     root = tmp_path / "root"
     with Workspace.open(root / "proj") as ws:
         ids = [ws.add(embedding(s), small_masks(s), {"signature": SIGNATURE, "prompt": f"prompt {s}"}) for s in range(6)]
-        victim_file = root / "proj" / "entries" / ws._row(ids[1])[0]
+        victim_file = ws.entry_path(ids[1])
 
     out = _cli("stats", "--workspace", "proj", "--json", root=root)
     assert out.returncode == 0, out.stderr

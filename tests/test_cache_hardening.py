@@ -463,7 +463,7 @@ def test_verify_tells_entries_evicted_during_the_run_from_damage(tmp_path, monke
     """Deterministic: right after verify lists the entries, another handle (its own SQLite connections
     and lock file descriptor, as another process) prunes most of them and adds two: verify reports the
     pruned ones as evicted, no damage, a consistent index, and quarantines nothing."""
-    from chorus.cache_store import workspace as workspace_mod
+    from chorus.cache_store import seams
 
     path = tmp_path / "ws"
     ids = _filled(path, n=8)
@@ -476,7 +476,7 @@ def test_verify_tells_entries_evicted_during_the_run_from_damage(tmp_path, monke
             other.add(embedding(50), small_masks(50), {"signature": SIGNATURE})
             other.add(embedding(51), small_masks(51), {"signature": SIGNATURE})
 
-    monkeypatch.setattr(workspace_mod, "_crash_hook", hook)
+    monkeypatch.setattr(seams, "workspace_phase", hook)
     with Workspace.open(path) as ws:
         report = ws.verify()
         assert sorted(report["evicted"]) == sorted(pruned) == ids[:6]
@@ -485,16 +485,23 @@ def test_verify_tells_entries_evicted_during_the_run_from_damage(tmp_path, monke
     other.close()
 
 
-def test_load_of_an_entry_evicted_meanwhile_is_a_key_error_not_damage(tmp_path):
+def test_load_of_an_entry_evicted_meanwhile_is_a_key_error_not_damage(tmp_path, monkeypatch):
+    from chorus.cache_store import seams
+
     path = tmp_path / "ws"
     ids = _filled(path)
     a, b = Workspace.open(path), Workspace.open(path)
-    row = a._row(ids[1])
-    b.remove(ids[1])  # another worker evicts it after handle a read its row
-    from chorus.cache_store.workspace import _EntryGone
+    removed = []
 
-    with pytest.raises(_EntryGone):
-        a._read_checked(ids[1], row)
+    def evict(phase):  # another worker evicts it after handle a read its row, before a reads the file
+        if phase == "row_read" and not removed:
+            removed.append(b.remove(ids[1]))
+
+    monkeypatch.setattr(seams, "workspace_phase", evict)
+    with pytest.raises(KeyError, match="evicted"):
+        a.load(ids[1])
+    assert removed == [True]
+    monkeypatch.setattr(seams, "workspace_phase", lambda phase: None)
     with pytest.raises(KeyError):
         a.load(ids[1])
     assert a.quarantined() == [] and a.verify()["ok"]

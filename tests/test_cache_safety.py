@@ -168,7 +168,7 @@ def test_corrupt_entry_is_quarantined_and_search_goes_on(tmp_path, how, caplog):
     with Workspace.open(path) as ws:
         ids = [ws.add(embedding(s), small_masks(s), {"signature": SIGNATURE, "seed": s}) for s in range(6)]
         victim = ids[2]
-        victim_file = path / "entries" / ws._row(victim)[0]
+        victim_file = ws.entry_path(victim)
         _corrupt(victim_file, how)
         assert ws.search(embedding(2), k=1)[0][0] == victim  # not detected until read
         with pytest.raises(CorruptEntryError):
@@ -191,7 +191,7 @@ def test_verify_finds_damage(tmp_path):
     with Workspace.open(path) as ws:
         ids = [ws.add(embedding(s), small_masks(s), {"signature": SIGNATURE}) for s in range(5)]
         for victim, how in ((ids[0], "flip_payload"), (ids[4], "truncate")):
-            _corrupt(path / "entries" / ws._row(victim)[0], how)
+            _corrupt(ws.entry_path(victim), how)
         (path / "entries" / f".tmp-123-{'ab' * 16}").write_bytes(b"partial")  # names the store makes
         (path / "entries" / f"{'cd' * 16}.safetensors").write_bytes(b"x")
         (path / "entries" / "orphan.safetensors").write_bytes(b"x")  # a name it never makes: left alone

@@ -252,7 +252,7 @@ def test_wan14b_entry_fits_16mb(tmp_path):
     assert 0.05 < density < 0.4
     with Workspace.open(tmp_path / "ws") as ws:
         entry_id = ws.add(np.ones(512, dtype=np.float32), masks, {"signature": SIGNATURE})
-        nbytes = (tmp_path / "ws" / "entries" / ws._row(entry_id)[0]).stat().st_size
+        nbytes = ws.entry_path(entry_id).stat().st_size
         assert nbytes <= 16 * 10**6, nbytes
         loaded, _ = ws.load(entry_id, packed=True)
         sample = [("high", 0, 0, 0), ("low", 3, 39, 0), ("high", 1, 17, 0)]

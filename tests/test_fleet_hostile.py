@@ -35,8 +35,7 @@ psycopg = pytest.importorskip("psycopg", reason="psycopg 3 is not installed (pip
 
 from chorus.cache_store import (StoreBusyError, StoreFullError, StoreReadOnlyError,  # noqa: E402
                                 StoreUnavailableError, Workspace)
-from chorus.cache_store import fleet as fleet_mod  # noqa: E402
-from chorus.cache_store import workspace as workspace_mod  # noqa: E402
+from chorus.cache_store import fleet_conn, fleet_feed, seams  # noqa: E402
 from chorus.cache_store.entry_format import encode_entry  # noqa: E402
 from chorus.cache_store.fleet import FleetStore  # noqa: E402
 from chorus.cache_store.pg_errors import translate  # noqa: E402
@@ -122,7 +121,7 @@ def test_hostile_rows_never_stop_an_open_a_feed_or_a_listing(url, tmp_path, capl
     print(f"opening beside hostile rows of 160 MiB and 64 MiB: peak {peak / MiB:.1f} MiB of Python allocations")
     assert peak < 24 * MiB, f"opening fetched hostile bytes: peak {peak / MiB:.0f} MiB of Python allocations"
     good = sorted(ids + [i for i, reason in at_open.items() if reason is None])
-    assert sorted(b._known) == good
+    assert b.known_ids() == good
     reasons = _quarantined(b)
     for entry_id, reason in at_open.items():
         if reason is not None:
@@ -138,12 +137,12 @@ def test_hostile_rows_never_stop_an_open_a_feed_or_a_listing(url, tmp_path, capl
     _wait(lambda: fed <= set(_quarantined(a)), "fed hostile rows quarantined")
     fresh = _add(a, 7)
     _wait(lambda: b.search(sh.embedding(7))[0][0] == fresh, "the feed still carries a legitimate entry")
-    assert sorted(b._known) == good + [fresh]  # a may or may not have reloaded and met the change-less valid row
-    assert set(ids + [fresh]) <= set(a._known) <= set(good + [fresh])
+    assert b.known_ids() == good + [fresh]  # a may or may not have reloaded and met the change-less valid row
+    assert set(ids + [fresh]) <= set(a.known_ids()) <= set(good + [fresh])
     # a listing: metadata nested 100 000 deep reads as unreadable, non-finite timestamps leave the row out
     deep = _insert(url, meta_json="[" * 100_000 + "]" * 100_000)
     _insert(url, created=math.inf)
-    _wait(lambda: deep in b._known, "the deep-metadata row (valid otherwise) indexed")
+    _wait(lambda: deep in b, "the deep-metadata row (valid otherwise) indexed")
     listing = {e["id"]: e for e in b.entries()}
     assert set(listing) == set(good + [fresh, deep]), sorted(listing)
     assert "nested too deeply" in listing[deep]["meta"]["unreadable"]
@@ -162,10 +161,10 @@ def test_a_first_change_row_of_another_size_does_not_set_the_dimension(url, tmp_
     try:
         hostile = _insert(url, embedding=np.ones(2, np.float32))
         _wait(lambda: hostile in _quarantined(a), "the hostile first row quarantined")
-        assert "no embedding dimension" in _quarantined(a)[hostile] and a._dim is None is b._dim
+        assert "no embedding dimension" in _quarantined(a)[hostile] and a.dim is None is b.dim
         entry = _add(a, 1)
         _wait(lambda: b.search(sh.embedding(1))[:1] == [(entry, pytest.approx(1.0, abs=1e-5))], "b indexes a's add")
-        assert a._dim == b._dim == sh.EMB_DIM and a.search(sh.embedding(1))[0][0] == entry
+        assert a.dim == b.dim == sh.EMB_DIM and a.search(sh.embedding(1))[0][0] == entry
         assert b.load(entry, touch=False)[1]["prompt"] == "request 1"
     finally:
         a.close()
@@ -182,8 +181,8 @@ def test_the_feed_never_moves_past_the_workspace_sequence_number(url, tmp_path, 
             conn.execute("SELECT pg_notify('chorus_changes', 'w')")
         ids += [_add(a, i) for i in range(2, 5)]
         workspace_seq = pg.sql("SELECT seq FROM chorus_workspaces WHERE name='w'", db)[0][0]
-        _wait(lambda: sorted(b._known) == ids, "b applies every later change")
-        assert a._seq == b._seq == workspace_seq < 1000, (a._seq, b._seq, workspace_seq)
+        _wait(lambda: b.known_ids() == ids, "b applies every later change")
+        assert a.feed_seq == b.feed_seq == workspace_seq < 1000, (a.feed_seq, b.feed_seq, workspace_seq)
         assert pg.sql("SELECT count(*) FROM chorus_changes WHERE seq > %s", db, (workspace_seq,)) == [(0,)]
         assert "change rows past its sequence number" in caplog.text  # the next writer deleted it
         # a change deleted from the log: a worker behind it reloads instead of skipping it
@@ -191,7 +190,7 @@ def test_the_feed_never_moves_past_the_workspace_sequence_number(url, tmp_path, 
         ids += [_add(a, i) for i in range(5, 8)]
         pg.sql("DELETE FROM chorus_changes WHERE workspace='w' AND seq = %s", db, (workspace_seq + 2,))
         c.sync()
-        assert sorted(c._known) == ids and "has a gap" in caplog.text
+        assert c.known_ids() == ids and "has a gap" in caplog.text
         c.close()
     finally:
         a.close()
@@ -208,12 +207,12 @@ def test_an_invalid_workspace_dimension_hides_entries_without_quarantining_them(
         ids = [_add(a, i) for i in range(3)]
         pg.sql("UPDATE chorus_workspaces SET dim = 70000 WHERE name = 'w'", db)
         _wait(lambda: len(a) == len(b) == 0, "both workers reloaded")
-        time.sleep(2 * fleet_mod.POLL_S)  # a few polls of the feed
+        time.sleep(2 * fleet_feed.POLL_S)  # a few polls of the feed
         assert caplog.text.count("states embedding dimension must be an int") == 2 and a.quarantined() == []
         with pytest.raises(ValueError, match="this workspace holds dim 70000"):
             _add(a, 5)
         pg.sql("UPDATE chorus_workspaces SET dim = %s WHERE name = 'w'", db, (sh.EMB_DIM,))
-        _wait(lambda: sorted(a._known) == sorted(b._known) == ids, "every entry back")
+        _wait(lambda: a.known_ids() == b.known_ids() == ids, "every entry back")
     finally:
         a.close()
         b.close()
@@ -279,7 +278,7 @@ def test_maintenance_node_with_bad_limits_deletes_nothing_fleet_wide(url, tmp_pa
 # -- PostgreSQL's errors by SQLSTATE ------------------------------------------------------------
 
 def _backend(store, read=False) -> int:
-    return store._call(lambda conn: conn.execute("SELECT pg_backend_pid()").fetchone()[0], read=read)
+    return store.with_connection(lambda conn: conn.execute("SELECT pg_backend_pid()").fetchone()[0], read=read)
 
 
 def _terminate(pg, db):
@@ -306,12 +305,12 @@ def test_postgres_errors_map_to_store_errors_by_sqlstate(url, tmp_path, pg, monk
             if phase == "before_commit":
                 raise psycopg.errors.DiskFull("could not extend file \"base/1/2\": No space left on device")
 
-        monkeypatch.setattr(fleet_mod, "_crash_hook", disk_full)
+        monkeypatch.setattr(seams, "fleet_phase", disk_full)
         plan = _record(retrieve_plan(store, sh.embedding(40), sh.LATENT))
         message = commit_plan(store, plan)
         assert message.startswith("not written: the store refused the entry (StoreFullError: PostgreSQL's disk is "
                                   "full (SQLSTATE 53100"), message
-        monkeypatch.setattr(fleet_mod, "_crash_hook", lambda phase: None)
+        monkeypatch.setattr(seams, "fleet_phase", lambda phase: None)
         assert [e["id"] for e in store.entries()] == [first] and _backend(store) == backend  # rolled back, kept
 
         # lock not available (55P03): another worker holds the workspace row past the time bound
@@ -324,8 +323,8 @@ def test_postgres_errors_map_to_store_errors_by_sqlstate(url, tmp_path, pg, monk
         assert len(store.entries()) == 1 and _backend(store) == backend
 
         # statement timeout (57014): a read waits on a table lock longer than statement_timeout
-        store._tier_drop(first)
-        monkeypatch.setattr(fleet_mod, "STATEMENT_TIMEOUT_MS", 300)
+        store.tier.drop(first)
+        monkeypatch.setattr(fleet_conn, "STATEMENT_TIMEOUT_MS", 300)
         slow = _worker(url, tmp_path, "s", listen=False, timeout=30)
         with fleet_pg.connect(url) as holder:
             with holder.transaction():
@@ -334,7 +333,7 @@ def test_postgres_errors_map_to_store_errors_by_sqlstate(url, tmp_path, pg, monk
                     slow.load(first, touch=False)
         assert slow.load(first, touch=False)[1]["prompt"] == "request 0"
         slow.close()
-        monkeypatch.setattr(fleet_mod, "STATEMENT_TIMEOUT_MS", 5000)
+        monkeypatch.setattr(fleet_conn, "STATEMENT_TIMEOUT_MS", 5000)
 
         # read-only (25006): the database turned read-only; the connection is dropped and reopened
         pg.sql(f'ALTER DATABASE "{db}" SET default_transaction_read_only = on')
@@ -385,13 +384,13 @@ def test_a_load_never_queues_behind_a_write_on_the_same_handle(kind, tmp_path, r
     transaction; a load (with its hit) and a search on the same handle return meanwhile, and the
     hit is counted once the writer is done."""
     if kind == "fleet":
-        store, module = _worker(request.getfixturevalue("url"), tmp_path, "a"), fleet_mod
+        store, phase_seam = _worker(request.getfixturevalue("url"), tmp_path, "a"), "fleet_phase"
     else:
-        store, module = Workspace.open(tmp_path / "ws"), workspace_mod
+        store, phase_seam = Workspace.open(tmp_path / "ws"), "workspace_phase"
     try:
         ids = [_add(store, i) for i in range(2)]
         if kind == "fleet":
-            store._tier_drop(ids[0])  # the load must fetch from PostgreSQL
+            store.tier.drop(ids[0])  # the load must fetch from PostgreSQL
         inside, release = threading.Event(), threading.Event()
 
         def hold(phase):
@@ -399,7 +398,7 @@ def test_a_load_never_queues_behind_a_write_on_the_same_handle(kind, tmp_path, r
                 inside.set()
                 release.wait(60)
 
-        monkeypatch.setattr(module, "_crash_hook", hold)
+        monkeypatch.setattr(seams, phase_seam, hold)
         writer = threading.Thread(target=lambda: _add(store, 5))
         writer.start()
         assert inside.wait(30)
@@ -414,7 +413,7 @@ def test_a_load_never_queues_behind_a_write_on_the_same_handle(kind, tmp_path, r
         reader.join(30)
         assert finished, "the load queued behind the write of another thread"
         assert got["found"] == ids[1] and torch.equal(got["masks"][(0, 0, 0, 0)], sh.entry_masks(0)[(0, 0, 0, 0)])
-        monkeypatch.setattr(module, "_crash_hook", lambda phase: None)
+        monkeypatch.setattr(seams, phase_seam, lambda phase: None)
         store.touch(ids[1])  # counts the hits kept pending meanwhile
         hits = {e["id"]: e["hits"] for e in store.entries()}
         assert hits[ids[0]] == 1 and hits[ids[1]] == 2, hits
@@ -457,7 +456,7 @@ def test_read_only_commands_create_nothing_anywhere(url, pg, tmp_path, capsys):
     pg.sql("UPDATE chorus_entries SET data = substring(data from 1 for 40), nbytes = 40 WHERE id = %s", db, (ids[1],))
     with Workspace.open(root / "local") as local:
         local_ids = [_add(local, i) for i in range(2)]
-        victim = root / "local" / "entries" / local._row(local_ids[0])[0]
+        victim = local.entry_path(local_ids[0])
     victim.write_bytes(victim.read_bytes()[:-10] + b"\0" * 10)
     empty_db = pg.new_database()
     tree, tables, bare = tree_snapshot(tmp_path), _tables(pg, db), _tables(pg, empty_db)
@@ -488,10 +487,10 @@ def test_read_only_commands_create_nothing_anywhere(url, pg, tmp_path, capsys):
         assert _tables(pg, db) == tables and _tables(pg, empty_db) == bare, f"{name} changed rows or tables"
     # the same through the API: a read-only handle reports the damaged row, quarantines nothing
     with FleetStore.open(url, "w", local_path=root / "w", readonly=True) as ro:
-        assert sorted(ro._known) == ids and ro.load(ids[0])[1]["prompt"] == "request 0"  # its hit not counted
+        assert ro.known_ids() == ids and ro.load(ids[0])[1]["prompt"] == "request 0"  # its hit not counted
         report = ro.verify()
         assert [d["id"] for d in report["damaged"]] == [ids[1]] and "cleanup_skipped" in report
-        assert sorted(ro._known) == [ids[0], ids[2]] and report["index_consistent"]  # set aside in this handle only
+        assert ro.known_ids() == [ids[0], ids[2]] and report["index_consistent"]  # set aside in this handle only
         with pytest.raises(StoreReadOnlyError):
             _add(ro, 9)
     assert tree_snapshot(tmp_path) == tree and _tables(pg, db) == tables

@@ -28,7 +28,7 @@ import serving_helpers as sh
 pytest.importorskip("psycopg", reason="psycopg 3 is not installed (pip install 'psycopg[binary]')")
 
 from chorus.cache_store import CacheStore, CorruptEntryError, StoreUnavailableError, Workspace  # noqa: E402
-from chorus.cache_store import fleet as fleet_mod  # noqa: E402
+from chorus.cache_store import fleet_conn, fleet_feed, seams  # noqa: E402
 from chorus.cache_store.fleet import FleetStore  # noqa: E402
 from chorus.cache_store.errors import StoreError  # noqa: E402
 from chorus.cache_store.protocol import open_store  # noqa: E402
@@ -175,13 +175,13 @@ def test_two_workers_see_each_others_commits_within_1s(url, tmp_path):
         assert a.remove(entry_id)
         _wait_until(lambda: entry_id not in {i for i, _ in b.search(sh.embedding(3), k=5)}, 1.0, "removal seen")
         # the listener's connection dies (as in a server-side disconnect); writes meanwhile are caught up
-        before = b._seq
+        before = b.feed_seq
         fleet_pg.cluster().sql("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = "
                                "'chorus-fleet-feed'")
         later = [a.add(sh.embedding(s), sh.entry_masks(s), _meta(s)) for s in range(10, 15)]
         _wait_until(lambda: all(b.search(sh.embedding(s))[0][0] == i for s, i in zip(range(10, 15), later)),
                     10.0, "catch-up after the listener reconnected")
-        assert b._seq == before + 5
+        assert b.feed_seq == before + 5
         c = _open(url, tmp_path, "c")  # started later
         try:
             assert len(c) == len(a) == len(b) == 7
@@ -265,7 +265,7 @@ def test_fleet_wide_cap_and_lru_across_workers(url, tmp_path):
             live_after.append(sorted(e["id"] for e in a.entries()))
         assert live_after == [[ids[0], ids[2], ids[3]], [ids[0], ids[3], ids[4]], [ids[3], ids[4], ids[5]]], (live_after, ids)
         live = live_after[-1]
-        _wait_until(lambda: sorted(b._known) == live and sorted(a._known) == live, 1.0, "evictions fed")
+        _wait_until(lambda: b.known_ids() == live and a.known_ids() == live, 1.0, "evictions fed")
         assert b.search(sh.embedding(1))[0][0] != ids[1]
         assert not list(a.tier_dir.glob(f"{ids[1]}-*"))  # the writer's tier file went with the entry
     finally:
@@ -313,6 +313,32 @@ def test_local_tier_is_bounded_lru_and_serves_hits_without_postgres(url, tmp_pat
 
 # -- damage and hostile rows ----------------------------------------------------------------
 
+def test_local_tier_refuses_links(url, tmp_path):
+    """A link in the local tier under an entry's file name, pointing at a file outside with the
+    entry's very bytes, is never read (as the workspace refuses links): the load fetches the entry
+    from PostgreSQL, the link is removed (its target untouched) and the tier keeps a regular file
+    again; a link in place of the tier folder is not used either."""
+    store = _open(url, tmp_path, "a", listen=False)
+    try:
+        entry_id = store.add(sh.embedding(0), sh.entry_masks(0), _meta(0))
+        tier_file = next(store.tier_dir.glob(f"{entry_id}-*"))
+        outside = tmp_path / "outside.safetensors"
+        outside.write_bytes(tier_file.read_bytes())
+        os.utime(outside, (1000, 1000))
+        tier_file.unlink()
+        tier_file.symlink_to(outside)
+        assert store.load(entry_id, touch=False)[1]["prompt"] == "request 0"
+        assert not tier_file.is_symlink() and tier_file.read_bytes() == outside.read_bytes()
+        assert outside.stat().st_mtime == 1000  # never opened nor refreshed through the link
+        elsewhere = tmp_path / "elsewhere"
+        store.tier_dir.rename(elsewhere)
+        store.tier_dir.symlink_to(elsewhere, target_is_directory=True)
+        os.utime(elsewhere / tier_file.name, (1000, 1000))
+        assert store.load(entry_id, touch=False)[1]["prompt"] == "request 0"
+        assert (elsewhere / tier_file.name).stat().st_mtime == 1000 and store.stats()["local_tier"]["files"] == 0
+    finally:
+        store.close()
+
 def test_damaged_and_hostile_rows_are_quarantined(url, tmp_path, pg, caplog):
     a, b = _open(url, tmp_path, "a"), _open(url, tmp_path, "b")
     db = url.rsplit("/", 1)[1]
@@ -354,7 +380,7 @@ def test_damaged_and_hostile_rows_are_quarantined(url, tmp_path, pg, caplog):
             conn.execute("SELECT pg_notify('chorus_changes', 'w')")
         _wait_until(lambda: {e["id"] for e in a.quarantined()} >= {*ids[:4], bad_id}, 5.0, "hostile row quarantined")
         for store in (a, b, c):
-            _wait_until(lambda: sorted(store._known) == ids[4:], 2.0, "quarantined rows left every index")
+            _wait_until(lambda: store.known_ids() == ids[4:], 2.0, "quarantined rows left every index")
             assert all(store.search(sh.embedding(i))[0][0] in ids[4:] for i in range(4))
         assert b.load(ids[5], touch=False)[1] == good[1]  # the others are untouched
         pg.sql("UPDATE chorus_entries SET data = substring(data from 1 for 50) WHERE id=%s", db, (ids[4],))
@@ -386,7 +412,7 @@ def test_server_sigkilled_mid_commit(url, tmp_path, pg, monkeypatch):
                 in_commit.set()
                 release.wait(20)
 
-        monkeypatch.setattr(fleet_mod, "_crash_hook", hook)
+        monkeypatch.setattr(seams, "fleet_phase", hook)
         outcome = {}
 
         def write():
@@ -403,7 +429,7 @@ def test_server_sigkilled_mid_commit(url, tmp_path, pg, monkeypatch):
         t.join(30)
         assert isinstance(outcome.get("error"), StoreUnavailableError), outcome
         pg.start()
-        monkeypatch.setattr(fleet_mod, "_crash_hook", lambda phase: None)
+        monkeypatch.setattr(seams, "fleet_phase", lambda phase: None)
         # the steady writer: entries of ~32 KB, the server killed at random moments 3 times
         committed, stop = {0: first}, threading.Event()
 
@@ -432,7 +458,7 @@ def test_server_sigkilled_mid_commit(url, tmp_path, pg, monkeypatch):
         for seed, entry_id in committed.items():
             assert rows.get(entry_id) == f"request {seed}", (seed, entry_id)  # reported committed: never lost
         assert "request 1" not in rows.values()  # the transaction killed mid-commit left nothing
-        _wait_until(lambda: set(b._known) == set(rows), 10.0, "the other worker reconnected and caught up")
+        _wait_until(lambda: set(b.known_ids()) == set(rows), 10.0, "the other worker reconnected and caught up")
         report = b.verify()
         assert report["ok"] and report["index_consistent"] and report["checked"] == len(rows), report
         for entry_id in rows:
@@ -449,8 +475,8 @@ def test_bounded_wait_when_the_server_stops_answering(url, tmp_path, pg):
     store = _open(url, tmp_path, "a", listen=False)
     try:
         entry_id = store.add(sh.embedding(0), sh.entry_masks(0), _meta(0))
-        store._tier_drop(entry_id)
-        backends = [store._call(lambda conn: conn.execute("SELECT pg_backend_pid()").fetchone()[0], read=read)
+        store.tier.drop(entry_id)
+        backends = [store.with_connection(lambda conn: conn.execute("SELECT pg_backend_pid()").fetchone()[0], read=read)
                     for read in (False, True)]  # its write and read connections
         frozen = [*backends, pg.postmaster_pid()]  # its backends and the postmaster (no new connection either)
         for pid in frozen:
@@ -463,7 +489,7 @@ def test_bounded_wait_when_the_server_stops_answering(url, tmp_path, pg):
         finally:
             for pid in frozen:
                 os.kill(pid, signal.SIGCONT)
-        assert elapsed < fleet_mod.CONNECT_TIMEOUT_S * 2 + 4, elapsed
+        assert elapsed < fleet_conn.CONNECT_TIMEOUT_S * 2 + 4, elapsed
         assert str(err.value).startswith("PostgreSQL"), err.value
         assert store.load(entry_id, touch=False)[1]["prompt"] == "request 0"
     finally:
@@ -570,7 +596,7 @@ def test_least_privilege_sql_of_operations_md(pg, tmp_path):
             assert a.prune() == [ids[1]] and a.remove(ids[3])
             assert a.verify()["ok"] and a.stats()["entries"] == 2 and b.stats()["entries"] == 0
             pg.sql("UPDATE chorus.chorus_entries SET data = 'x' WHERE id=%s", "chorus", (ids[2],))
-            a._tier_drop(ids[2])  # else the intact local copy serves it
+            a.tier.drop(ids[2])  # else the intact local copy serves it
             with pytest.raises(CorruptEntryError):
                 a.load(ids[2])  # the worker may quarantine
         finally:
@@ -615,7 +641,7 @@ def test_backup_and_restore_of_operations_md(url, pg, tmp_path):
         store.close()
     with FleetStore.open(f"postgresql://postgres@127.0.0.1:{pg.port}/{db}_restored", "w",
                          local_path=tmp_path / "r" / "w") as restored:
-        assert sorted(restored._known) == ids and restored.verify()["ok"]
+        assert restored.known_ids() == ids and restored.verify()["ok"]
         assert all(restored.load(i, touch=False)[1]["prompt"] == f"request {n}" for n, i in enumerate(ids))
         new = restored.add(sh.embedding(9), sh.entry_masks(9), _meta(9))  # the id sequence was restored too
         assert new > ids[-1]
@@ -679,8 +705,8 @@ def test_standby_failover_of_operations_md(tmp_path):
         assert sorted(e["id"] for e in a.entries()) == ids + [new]  # nothing reported committed was lost
         late = FleetStore.open(url, "w", local_path=tmp_path / "b" / "w")
         stores.append(late)
-        assert sorted(late._known) == ids + [new] and late.verify()["ok"]
-        _wait_until(lambda: sorted(a._known) == ids + [new], 10, "the first worker's feed reconnected")
+        assert late.known_ids() == ids + [new] and late.verify()["ok"]
+        _wait_until(lambda: a.known_ids() == ids + [new], 10, "the first worker's feed reconnected")
     finally:
         for store in stores:
             store.close()
@@ -695,26 +721,26 @@ def test_large_workspace_serves_exact_then_swaps_in_hnsw(url, tmp_path, monkeypa
     during the build (held open here until the changes are in)."""
     writer = _open(url, tmp_path, "a", listen=False)
     ids = [writer.add(sh.embedding(i), sh.entry_masks(i), _meta(i)) for i in range(60)]
-    release, real = threading.Event(), fleet_mod.PartitionedIndex
+    release, real = threading.Event(), fleet_feed.PartitionedIndex
 
     def held(dim, threshold, *args, **kwargs):  # the background build waits after its snapshot
         if threshold == 20:
             release.wait(30)
         return real(dim, threshold, *args, **kwargs)
 
-    monkeypatch.setattr(fleet_mod, "PartitionedIndex", held)
+    monkeypatch.setattr(fleet_feed, "PartitionedIndex", held)
     reader = _open(url, tmp_path, "b", approx_threshold=20)
     try:
-        assert [v["kind"] for v in reader._index.kinds().values()] == ["flat"] and reader.stats()["index_building"]
+        assert [v["kind"] for v in reader.index_kinds().values()] == ["flat"] and reader.stats()["index_building"]
         assert reader.search(sh.embedding(7))[0][0] == ids[7]
         ids += [writer.add(sh.embedding(i), sh.entry_masks(i), _meta(i)) for i in range(60, 65)]
         assert writer.remove(ids[3]) and writer.remove(ids[61])
         live = sorted(set(ids) - {ids[3], ids[61]})
-        _wait_until(lambda: sorted(reader._known) == live, 5.0, "feed applied to the exact index")
+        _wait_until(lambda: reader.known_ids() == live, 5.0, "feed applied to the exact index")
         release.set()
         assert reader.wait_index(60)
-        assert [v["kind"] for v in reader._index.kinds().values()] == ["hnsw"]
-        assert sorted(reader._index.where) == live
+        assert [v["kind"] for v in reader.index_kinds().values()] == ["hnsw"]
+        assert reader.index_ids() == live
         for n, entry_id in enumerate(ids):
             if entry_id in live:
                 assert reader.search(sh.embedding(n))[0][0] == entry_id

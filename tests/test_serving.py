@@ -299,8 +299,7 @@ def test_full_disk_is_a_message_not_a_failed_request(tmp_path, monkeypatch, phas
     no partial file and verifies clean; once space is back the next miss is written."""
     import errno
 
-    from chorus.cache_store import Workspace
-    from chorus.cache_store import workspace as workspace_mod
+    from chorus.cache_store import Workspace, seams
     from chorus.engine import commit_plan
 
     ws = Workspace.open(tmp_path / "ws")
@@ -310,13 +309,13 @@ def test_full_disk_is_a_message_not_a_failed_request(tmp_path, monkeypatch, phas
         if where == phase:
             raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(workspace_mod, "_crash_hook", full_disk)
+    monkeypatch.setattr(seams, "workspace_phase", full_disk)
     message = commit_plan(ws, _recorded_miss(ws, 2))
     assert message.startswith("not written") and "No space left on device" in message, message
-    assert len(ws) == 1 and [p.name for p in (tmp_path / "ws" / "entries").iterdir()] == [ws._row(1)[0]]
+    assert len(ws) == 1 and [p.name for p in (tmp_path / "ws" / "entries").iterdir()] == [ws.entry_path(1).name]
     report = ws.verify()
     assert report["ok"] and report["index_consistent"] and report["orphans_removed"] == 0, report
-    monkeypatch.setattr(workspace_mod, "_crash_hook", lambda where: None)
+    monkeypatch.setattr(seams, "workspace_phase", lambda where: None)
     assert commit_plan(ws, _recorded_miss(ws, 3)).startswith("wrote entry")
     assert len(ws) == 2 and ws.load(1, touch=False)[0]
     ws.close()
