@@ -200,6 +200,11 @@ class FleetStore(FleetFeed, FleetMaintenance):
                  " (read-only)" if readonly else "")
         return store
 
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` has run (a closed handle is opened anew, never reused)."""
+        return self._closed
+
     def close(self) -> None:
         """Count pending hits (within the time bound), stop the listener and close the
         connections (the local tier stays)."""

@@ -81,6 +81,9 @@ class CacheStore(Protocol):
 
     def close(self) -> None: ...
 
+    @property
+    def closed(self) -> bool: ...
+
 
 def cache_url(url: str | None = None) -> str | None:
     """The fleet store URL: ``url`` if given, else ``CHORUS_CACHE_URL``, else None (one-host store).

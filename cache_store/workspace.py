@@ -170,6 +170,11 @@ class Workspace(WorkspaceConnections, WorkspaceIndex, WorkspaceMaintenance):
             raise
         return ws
 
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` has run (a closed handle is opened anew, never reused)."""
+        return self._closed
+
     def close(self) -> None:
         """Save the index if it changed since the last save (skipped when the writers' lock stays
         busy past the time bound: the index is rebuildable), and close the database."""

@@ -37,7 +37,7 @@ def open_workspace(name: str) -> Workspace:
     key = store_key(name)
     with _WS_LOCK:
         ws = _WORKSPACES.get(key)
-        if ws is None or getattr(ws, "_closed", False):
+        if ws is None or ws.closed:
             ws = _WORKSPACES[key] = open_store(name)
         return ws
 

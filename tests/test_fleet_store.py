@@ -131,8 +131,10 @@ def test_protocol_both_stores(kind, tmp_path, request, monkeypatch):
         assert commit_plan(store, recorded).startswith("wrote entry")
         hit = retrieve_plan(store, sh.embedding(40), sh.LATENT, similarity_threshold=0.9)
         assert hit.is_hit and commit_plan(store, hit).startswith("hit: updated stats")
+        assert not store.closed
     finally:
         store.close()
+    assert store.closed
 
 
 def _record(plan):
