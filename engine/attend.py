@@ -33,6 +33,7 @@ import threading
 
 import torch
 
+from ..kernels.custom_ops import op_registered
 from .call import AttnCall, sdpa
 from .runtime import attend as engine_attend
 
@@ -178,20 +179,12 @@ def _like(q: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(q).copy_(out)
 
 
-def _op_exists(name: str) -> bool:
-    try:
-        getattr(torch.ops.chorus, name)
-        return True
-    except (AttributeError, RuntimeError):
-        return False
-
-
 # The kernels read ComfyUI's [B, L, H*D] memory through per-head views: a compiler must hand the ops
 # their inputs with the strides eager code has (no copy into another layout).
 _EXACT_STRIDES = tuple(t for t in (getattr(torch.Tag, "needs_exact_strides", None),) if t is not None)
 
 # ComfyUI imports the pack under its folder name while tests import ``chorus``: register once.
-if not _op_exists("attend"):
+if not op_registered("attend"):
     @torch.library.custom_op("chorus::attend", mutates_args=(), tags=_EXACT_STRIDES)
     def _attend_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_hint: int) -> torch.Tensor:
         context = current()
@@ -207,37 +200,38 @@ if not _op_exists("attend"):
 # number of calls recorded in this process), which keeps every call in the graph, in program order.
 _RECORD_TOKEN = torch.zeros(1, dtype=torch.int64)
 
-if not _op_exists("record_mass"):
+
+def _on_context(token: torch.Tensor, method: str, *args) -> None:
+    """The body of the recording ops: count the call on ``token``, then ``method(*args)`` on the current
+    forward's context (nothing outside a Chorus forward)."""
+    token.add_(1)
+    context = current()
+    if context is not None:
+        getattr(context, method)(*args)
+
+
+if not op_registered("record_mass"):
     @torch.library.custom_op("chorus::record_mass", mutates_args=("token",), tags=_EXACT_STRIDES)
     def _record_op(q: torch.Tensor, k: torch.Tensor, layer_hint: int, token: torch.Tensor) -> None:
-        token.add_(1)
-        context = current()
-        if context is not None:
-            context.record(q, k, layer_hint)
+        _on_context(token, "record", q, k, layer_hint)
 
     @_record_op.register_fake
     def _record_fake(q, k, layer_hint, token):
         return None
 
-if not _op_exists("refuse"):
+if not op_registered("refuse"):
     @torch.library.custom_op("chorus::refuse", mutates_args=("token",))
     def _refuse_op(q: torch.Tensor, reason: str, layer_hint: int, token: torch.Tensor) -> None:
-        token.add_(1)
-        context = current()
-        if context is not None:
-            context.refuse(reason, layer_hint)
+        _on_context(token, "refuse", reason, layer_hint)
 
     @_refuse_op.register_fake
     def _refuse_fake(q, reason, layer_hint, token):
         return None
 
-if not _op_exists("record_block"):
+if not op_registered("record_block"):
     @torch.library.custom_op("chorus::record_block", mutates_args=("token",))
     def _record_block_op(x: torch.Tensor, y: torch.Tensor, layer: int, token: torch.Tensor) -> None:
-        token.add_(1)
-        context = current()
-        if context is not None:
-            context.record_block(x, y, layer)
+        _on_context(token, "record_block", x, y, layer)
 
     @_record_block_op.register_fake
     def _record_block_fake(x, y, layer, token):

@@ -31,6 +31,8 @@ import math
 
 import torch
 
+from .custom_ops import op_registered
+
 SUPPORTED_BLOCK_SIZES = (64, 128)
 SUPPORTED_HEAD_DIMS = (64, 96, 128)
 SUPPORTED_MAJORS = (9, 10)  # sm_90 (measured), sm_100 / sm_103 (FA4's own target; not measured here)
@@ -92,16 +94,8 @@ def _fa4_impl(q, k, v, block_map, block_size: int, scale: float) -> torch.Tensor
     return out.transpose(1, 2)
 
 
-def _op_exists() -> bool:
-    try:
-        torch.ops.chorus.block_sparse_attention_fa4
-        return True
-    except (AttributeError, RuntimeError):
-        return False
-
-
 # registered once per process (ComfyUI and the tests may import the pack under two names)
-if not _op_exists():
+if not op_registered("block_sparse_attention_fa4"):
     @torch.library.custom_op("chorus::block_sparse_attention_fa4", mutates_args=())
     def _fa4_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_map: torch.Tensor, block_size: int,
                 scale: float) -> torch.Tensor:

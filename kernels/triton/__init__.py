@@ -31,6 +31,7 @@ import os
 
 import torch
 
+from ..custom_ops import op_registered
 from . import _attention_ws
 from ._attention import block_sparse_attention_triton_impl, compress_block_map, output_like
 from ._block_mass import block_mass_triton_impl
@@ -55,17 +56,9 @@ def triton_available() -> tuple[bool, str]:
     return True, ""
 
 
-def _op_exists(name: str) -> bool:
-    try:
-        getattr(torch.ops.chorus, name)
-        return True
-    except (AttributeError, RuntimeError):
-        return False
-
-
 # The pack may be imported twice in one process under different names (ComfyUI imports the folder
 # under its clone name; tests import ``chorus``): register the ops only once.
-if not _op_exists("block_sparse_attention_triton"):
+if not op_registered("block_sparse_attention_triton"):
     @torch.library.custom_op("chorus::block_sparse_attention_triton", mutates_args=())
     def _bsa_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_map: torch.Tensor, block_size: int,
                 scale: float, fp8: bool, prefix_len: int = 0, prefix_bias: float = 0.0,
@@ -81,7 +74,7 @@ if not _op_exists("block_sparse_attention_triton"):
                   suffix_len=0, suffix_bias=0.0, pooled_tail=False):
         return output_like(q)
 
-if not _op_exists("block_sparse_attention_ws"):
+if not op_registered("block_sparse_attention_ws"):
     @torch.library.custom_op("chorus::block_sparse_attention_ws", mutates_args=())
     def _bsa_ws_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_map: torch.Tensor,
                    scale: float, prefix_len: int = 0, prefix_bias: float = 0.0,
@@ -97,7 +90,7 @@ if not _op_exists("block_sparse_attention_ws"):
                      suffix_bias=0.0, pooled_tail=False):
         return output_like(q)
 
-if not _op_exists("block_mass_triton"):
+if not op_registered("block_mass_triton"):
     @torch.library.custom_op("chorus::block_mass_triton", mutates_args=())
     def _mass_op(q: torch.Tensor, k: torch.Tensor, block_size: int, sample_rows: int, scale: float,
                  token_perm: torch.Tensor | None = None) -> torch.Tensor:
