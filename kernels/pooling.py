@@ -73,7 +73,12 @@ def _fused_kernels(layout, *tensors):
 
 
 def _fused_failure(exc: Exception) -> None:
+    """A fused kernel raised: this call takes the torch path. An out-of-memory error says nothing about
+    the kernels (the next call tries them again); any other error (a Triton that cannot build them) turns
+    them off for the process, logged once."""
     global _fused_failed
+    if isinstance(exc, torch.OutOfMemoryError):
+        return
     _fused_failed = True
     LOG.warning("chorus: fused pooling kernels failed (%s: %s); using the torch implementation",
                 type(exc).__name__, exc)
@@ -266,7 +271,7 @@ def pool_tokens(x: torch.Tensor, layout: RegionLayout) -> torch.Tensor:
     if fused is not None:
         try:
             return fused.pool_tokens_triton(x, layout)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - the torch path below; see _fused_failure
             _fused_failure(exc)
     return pool_tokens_torch(x, layout)
 
@@ -320,7 +325,7 @@ def unpool_residual(x: torch.Tensor, x_compact: torch.Tensor, y_compact: torch.T
     if fused is not None:
         try:
             return fused.unpool_residual_triton(x, x_compact, y_compact, layout)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - the torch path below; see _fused_failure
             _fused_failure(exc)
     return unpool_residual_torch(x, x_compact, y_compact, layout)
 

@@ -49,6 +49,30 @@ def test_pool_and_unpool_match_reference(grid, region, pool, dtype):
     assert float((out.double() - ref_out).abs().max()) <= tol
 
 
+def test_a_fused_kernel_failure_takes_the_torch_path_and_only_a_real_failure_turns_them_off(monkeypatch):
+    """The fused pooling kernels (CUDA; stood in for by a failing module here): an out-of-memory error gives
+    the torch result for that call and the next call tries the kernels again; any other error gives the torch
+    result and turns them off for the process."""
+    grid, region, pool = GEOMETRIES[0]
+    layout = pooling.build_layout(grid, region, pool, _some_regions(grid, region, 1))
+    x = torch.randn(1, grid[0] * grid[1] * grid[2], 4, generator=torch.Generator().manual_seed(3))
+    want = pooling.pool_tokens_torch(x, layout)
+    errors = iter([torch.OutOfMemoryError("CUDA out of memory (test)"), RuntimeError("cannot build (test)")])
+    tried = []
+
+    class FailingKernels:
+        @staticmethod
+        def pool_tokens_triton(x, layout):
+            tried.append(1)
+            raise next(errors)
+
+    monkeypatch.setattr(pooling, "_fused_failed", False)  # the process-wide switch the lookup reads (CUDA only)
+    monkeypatch.setattr(pooling, "_fused_kernels", lambda layout, *t: None if pooling._fused_failed else FailingKernels)
+    for _ in range(3):
+        assert torch.equal(pooling.pool_tokens(x, layout), want)
+    assert len(tried) == 2  # out of memory: tried again; a build failure: not after it
+
+
 @pytest.mark.parametrize("grid,region,pool", GEOMETRIES)
 def test_expand_compact_round_trip_and_indices(grid, region, pool):
     L = grid[0] * grid[1] * grid[2]
