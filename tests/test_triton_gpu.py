@@ -12,6 +12,7 @@ the emulation gives 0.9970-0.9986, so 0.999 is not reachable by e4m3 P and V on 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 
@@ -255,7 +256,7 @@ def test_tile_order_and_q_in_kernel_match_oracle(grid, q_in_kernel):
     query blocks (first, middle, last); the bf16 path (gathers) to its bound."""
     from chorus.kernels.reference import dense_attention_oracle, masked_attention_eager
     from chorus.kernels.tile_order import TileOrder
-    from chorus.kernels.triton._attention import DEFAULT_CONFIGS, block_sparse_attention_triton_impl
+    from chorus.kernels.triton._attention import DEFAULT_TILES, block_sparse_attention_triton_impl
     from chorus.kernels.triton.emulation import error_stats, sage_fp8_attention_emulation
 
     heads, bs = 4, 128
@@ -273,7 +274,7 @@ def test_tile_order_and_q_in_kernel_match_oracle(grid, q_in_kernel):
     qp, kp, vp = (t[:, :, perm] for t in (q, k, v))
     oracle = dense_attention_oracle(qp[:, :, rows], kp, vp, bm[:, :, blocks], bs)
     for fp8 in (False, True) if _fp8_capable() else (False,):
-        config = dict(DEFAULT_CONFIGS["fp8" if fp8 else "bf16"], q_in_kernel=q_in_kernel)
+        config = dataclasses.replace(DEFAULT_TILES["fp8" if fp8 else "bf16"], q_in_kernel=q_in_kernel)
         out = block_sparse_attention_triton_impl(q, k, v, bm, bs, 128 ** -0.5, fp8, config=config, token_perm=perm)
         got = out[:, :, perm][:, :, rows]
         assert torch.isfinite(out).all()
@@ -408,7 +409,7 @@ def test_tail_part3_with_first_frame_bias_and_suffix(length, grid_hw):
 @pytest.mark.parametrize("grid,q_in_kernel", [((21, 30, 52), True), ((3, 7, 11), False)])
 def test_tail_part3_in_a_tile_order(grid, q_in_kernel):
     from chorus.kernels.tile_order import TileOrder
-    from chorus.kernels.triton._attention import DEFAULT_CONFIGS, block_sparse_attention_triton_impl
+    from chorus.kernels.triton._attention import DEFAULT_TILES, block_sparse_attention_triton_impl
 
     order = TileOrder(grid, block_size=128)
     length = order.length
@@ -420,7 +421,7 @@ def test_tail_part3_in_a_tile_order(grid, q_in_kernel):
     bm[..., torch.arange(nb), torch.arange(nb)] = True
     qp, kp, vp = (t[:, :, perm] for t in (q, k, v))
     for fp8 in (False, True) if _fp8_capable() else (False,):
-        config = dict(DEFAULT_CONFIGS["fp8" if fp8 else "bf16"], q_in_kernel=q_in_kernel)
+        config = dataclasses.replace(DEFAULT_TILES["fp8" if fp8 else "bf16"], q_in_kernel=q_in_kernel)
         out = block_sparse_attention_triton_impl(q, k, v, bm, 128, 128 ** -0.5, fp8, config=config, token_perm=perm,
                                                  pooled_tail=True)
         check_pooled_tail(out[:, :, perm], qp, kp, vp, bm, fp8=fp8, label=f"part 3 tile order fp8={fp8} {grid}")

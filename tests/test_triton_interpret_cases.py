@@ -17,6 +17,7 @@ Tolerances (all derived, none guessed):
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 
@@ -313,12 +314,12 @@ def test_token_perm_runs_the_reordered_sequence(fp8, q_in_kernel, length, bs, la
     """``token_perm``: the kernel computes attention of the reordered sequence with the map in that
     order and writes rows back in input order -- i.e. ``out[:, :, perm]`` is the attention of
     ``(q, k, v)[:, :, perm]``, held to the same bound as an unpermuted call."""
-    from chorus.kernels.triton._attention import DEFAULT_CONFIGS, block_sparse_attention_triton_impl
+    from chorus.kernels.triton._attention import DEFAULT_TILES, block_sparse_attention_triton_impl
 
     q, k, v = make_inputs(1, 2, length, 64, torch.bfloat16, seed=length + bs, layout=layout)
     perm = torch.randperm(length, generator=torch.Generator().manual_seed(bs))
     bm = random_map(1, 2, length, length, bs, 0.4, seed=length)
-    config = dict(DEFAULT_CONFIGS["fp8" if fp8 else "bf16"], q_in_kernel=q_in_kernel)
+    config = dataclasses.replace(DEFAULT_TILES["fp8" if fp8 else "bf16"], q_in_kernel=q_in_kernel)
     out = block_sparse_attention_triton_impl(q, k, v, bm, bs, 1 / math.sqrt(64), fp8, config=config, token_perm=perm)
     assert out.shape == q.shape
     qp, kp, vp = (t[:, :, perm] for t in (q, k, v))
@@ -332,11 +333,11 @@ def test_token_perm_runs_the_reordered_sequence(fp8, q_in_kernel, length, bs, la
 def test_fp8_q_quantised_in_the_kernel(length, bs):
     """Q quantised on load by the attention kernel (per query tile) instead of the pre-pass: the same
     FP8 error bound."""
-    from chorus.kernels.triton._attention import DEFAULT_CONFIGS, block_sparse_attention_triton_impl
+    from chorus.kernels.triton._attention import DEFAULT_TILES, block_sparse_attention_triton_impl
 
     q, k, v = make_inputs(1, 2, length, 64, torch.bfloat16, seed=3 * length, layout="blhd")
     bm = random_map(1, 2, length, length, bs, 0.5, seed=bs + 2)
-    config = dict(DEFAULT_CONFIGS["fp8"], q_in_kernel=True)
+    config = dataclasses.replace(DEFAULT_TILES["fp8"], q_in_kernel=True)
     out = block_sparse_attention_triton_impl(q, k, v, bm, bs, 1 / math.sqrt(64), True, config=config)
     check_fp8(out, q, k, v, bm, bs)
 
@@ -346,11 +347,11 @@ def test_fp8_q_quantised_in_the_kernel(length, bs):
 def test_persistent_grid_walks_every_tile(fp8, batch, heads, length, bs, broadcast):
     """The persistent launch (a fixed grid striding over (batch, head)-major tiles; 4 programs under the
     interpreter, fewer than the tiles) computes the same function as one program per tile."""
-    from chorus.kernels.triton._attention import DEFAULT_CONFIGS, block_sparse_attention_triton_impl
+    from chorus.kernels.triton._attention import DEFAULT_TILES, block_sparse_attention_triton_impl
 
     q, k, v = make_inputs(batch, heads, length, 64, torch.bfloat16, seed=length + bs, layout="blhd")
     bm = random_map(1 if broadcast else batch, 1 if broadcast else heads, length, length, bs, 0.4, seed=bs)
-    config = dict(DEFAULT_CONFIGS["fp8" if fp8 else "bf16"], persistent=True)
+    config = dataclasses.replace(DEFAULT_TILES["fp8" if fp8 else "bf16"], persistent=True)
     out = block_sparse_attention_triton_impl(q, k, v, bm, bs, 1 / math.sqrt(64), fp8, config=config)
     full = bm.expand(batch, heads, *bm.shape[-2:])
     (check_fp8 if fp8 else check_16bit)(out, q, k, v, full, bs)
@@ -469,12 +470,12 @@ def test_pooled_tail_with_key_biases_matches_oracle(fp8):
 def test_pooled_tail_in_a_token_order_is_the_reordered_call(fp8, q_in_kernel):
     """With ``token_perm`` the pooled blocks are those of the permuted order (FP8: the pre-pass's fused
     gather; bf16: the gathered copies): exactly the tail call on the reordered inputs."""
-    from chorus.kernels.triton._attention import DEFAULT_CONFIGS, block_sparse_attention_triton_impl
+    from chorus.kernels.triton._attention import DEFAULT_TILES, block_sparse_attention_triton_impl
 
     q, k, v = make_inputs(1, 2, 300, 64, torch.bfloat16, seed=43, layout="blhd")
     perm = torch.randperm(300, generator=torch.Generator().manual_seed(3))
     bm = _tail_map(1, 2, 300, 300, 64, seed=9)
-    config = dict(DEFAULT_CONFIGS["fp8" if fp8 else "bf16"], q_in_kernel=q_in_kernel)
+    config = dataclasses.replace(DEFAULT_TILES["fp8" if fp8 else "bf16"], q_in_kernel=q_in_kernel)
     out = block_sparse_attention_triton_impl(q, k, v, bm, 64, 0.125, fp8, config=config, token_perm=perm,
                                              pooled_tail=True)
     qp, kp, vp = (t[:, :, perm] for t in (q, k, v))
@@ -488,12 +489,12 @@ def test_pooled_tail_on_the_persistent_grid_and_rows_that_keep_nothing(fp8):
     """The persistent launch walks the tiles with their pooled blocks counted; a row that keeps no block
     attends to its pooled terms only (the oracle's value: the public API rejects such maps unless
     ``rows_checked``)."""
-    from chorus.kernels.triton._attention import DEFAULT_CONFIGS, block_sparse_attention_triton_impl
+    from chorus.kernels.triton._attention import DEFAULT_TILES, block_sparse_attention_triton_impl
 
     q, k, v = make_inputs(2, 2, 300, 64, torch.bfloat16, seed=47, layout="blhd")
     bm = _tail_map(2, 2, 300, 300, 64, seed=11)
     bm[1, 0, 2] = False  # a row that keeps nothing
-    config = dict(DEFAULT_CONFIGS["fp8" if fp8 else "bf16"], persistent=True)
+    config = dataclasses.replace(DEFAULT_TILES["fp8" if fp8 else "bf16"], persistent=True)
     out = block_sparse_attention_triton_impl(q, k, v, bm, 64, 0.125, fp8, config=config, pooled_tail=True)
     (check_fp8 if fp8 else check_16bit)(out, q, k, v, bm, 64, scale=0.125, pooled_tail=True)
     plain = block_sparse_attention_triton_impl(q, k, v, bm, 64, 0.125, fp8, pooled_tail=True)

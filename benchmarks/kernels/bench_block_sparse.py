@@ -26,6 +26,7 @@ Usage: ``python benchmarks/kernels/bench_block_sparse.py --out /tmp/bench [--swe
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -48,19 +49,19 @@ from chorus.kernels.triton import _attention as attn  # noqa: E402
 from chorus.kernels.triton import block_mass_triton  # noqa: E402
 
 SWEEP_FP8 = [
-    dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, use_tma=False),
-    dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, use_tma=True),
-    dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, use_tma=True),
-    dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3, use_tma=True),
-    dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3, use_tma=True, maxnreg=168),
-    dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=4, use_tma=True, maxnreg=168),
+    attn.TileConfig(block_m=128, block_n=128, num_warps=8, num_stages=3, use_tma=False),
+    attn.TileConfig(block_m=128, block_n=128, num_warps=8, num_stages=3, use_tma=True),
+    attn.TileConfig(block_m=128, block_n=64, num_warps=8, num_stages=3, use_tma=True),
+    attn.TileConfig(block_m=64, block_n=128, num_warps=4, num_stages=3, use_tma=True),
+    attn.TileConfig(block_m=64, block_n=128, num_warps=4, num_stages=3, use_tma=True, maxnreg=168),
+    attn.TileConfig(block_m=64, block_n=128, num_warps=4, num_stages=4, use_tma=True, maxnreg=168),
 ]
 SWEEP_BF16 = [
-    dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, use_tma=False),
-    dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2, use_tma=True),
-    dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, use_tma=True),
-    dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=2, use_tma=True),
-    dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3, use_tma=True),
+    attn.TileConfig(block_m=128, block_n=64, num_warps=8, num_stages=3, use_tma=False),
+    attn.TileConfig(block_m=128, block_n=128, num_warps=8, num_stages=2, use_tma=True),
+    attn.TileConfig(block_m=128, block_n=128, num_warps=8, num_stages=3, use_tma=True),
+    attn.TileConfig(block_m=64, block_n=128, num_warps=4, num_stages=2, use_tma=True),
+    attn.TileConfig(block_m=64, block_n=128, num_warps=4, num_stages=3, use_tma=True),
 ]
 # Wan token grids of the benchmark's lengths (81 frames): the tile-order lever uses their TileOrder
 GRIDS = {32760: (21, 30, 52), 75600: (21, 45, 80)}
@@ -180,7 +181,7 @@ def run_peers(length: int, q, k, v, args, results: dict) -> None:
     torch.cuda.empty_cache()
 
 
-def levers(length: int, q, k, v, full, cfg: dict, est: float) -> dict:
+def levers(length: int, q, k, v, full, cfg, est: float) -> dict:
     """Each lever measured alone, whole FP8 calls (index + pre-pass + kernel), full map and 15%:
     Q quantised in the pre-pass vs on load in the attention kernel (pre-pass reads K and V only); the
     persistent launch;
@@ -190,11 +191,11 @@ def levers(length: int, q, k, v, full, cfg: dict, est: float) -> dict:
     heads, dim, bs = q.shape[1], q.shape[3], 128
     scale = dim ** -0.5
     bm15 = structured_block_map(length, heads, 0.15, bs, device="cuda")
-    q_kernel = dict(cfg, q_in_kernel=True)
+    q_kernel = dataclasses.replace(cfg, q_in_kernel=True)
     out = {"prepass_qkv_ms": bench(lambda: attn.quantize_qkv_fp8(q, k, v, scale)),
            "prepass_kv_only_ms": bench(lambda: attn.quantize_qkv_fp8(q, k, v, scale, quantize_q=False))}
     for dname, bm, share in (("full", full, 1.0), ("d15", bm15, 0.15)):
-        for name, c in (("q_prepass", cfg), ("q_in_kernel", q_kernel), ("persistent", dict(cfg, persistent=True))):
+        for name, c in (("q_prepass", cfg), ("q_in_kernel", q_kernel), ("persistent", dataclasses.replace(cfg, persistent=True))):
             out[f"{name}_{dname}_ms"] = bench(
                 lambda: attn.block_sparse_attention_triton_impl(q, k, v, bm, bs, scale, True, c), est * share / 2)
     grid = GRIDS.get(length)
@@ -211,11 +212,6 @@ def levers(length: int, q, k, v, full, cfg: dict, est: float) -> dict:
             return to_raster_order(inverse, attn.block_sparse_attention_triton_impl(qt, kt, vt, bm15, bs, scale, True, cfg))
         out["tile_gather_scatter_d15_ms"] = bench(gathered, est * 0.15 / 2)
     return out
-
-
-def cfg_name(cfg: dict) -> str:
-    name = f"BM{cfg['BLOCK_M']}-BN{cfg['BLOCK_N']}-w{cfg['num_warps']}-s{cfg['num_stages']}-{'tma' if cfg['use_tma'] else 'ptr'}"
-    return name + (f"-r{cfg['maxnreg']}" if cfg.get("maxnreg") else "")
 
 
 def run_size(length: int, args, results: dict) -> None:
@@ -248,7 +244,7 @@ def run_size(length: int, args, results: dict) -> None:
 
     full = torch.ones(1, 1, -(-length // bs), -(-length // bs), dtype=torch.bool, device="cuda")
     # config sweep on the full map
-    best = {"fp8": attn.DEFAULT_CONFIGS["fp8"], "bf16": attn.DEFAULT_CONFIGS["bf16"]}
+    best = dict(attn.DEFAULT_TILES)
     if args.sweep:
         row["sweep"] = {}
         for path, cfgs in (("fp8", SWEEP_FP8), ("bf16", SWEEP_BF16)):
@@ -258,14 +254,14 @@ def run_size(length: int, args, results: dict) -> None:
                     prep = attn.prepare_attention(q, k, v, full, bs, dim ** -0.5, path == "fp8", cfg)
                     ms = bench(lambda: attn.launch_attention(prep), est / 2)
                 except Exception as exc:  # noqa: BLE001 - a config that does not compile is reported, not fatal
-                    log(f"[{length}] sweep {path} {cfg_name(cfg)} FAILED: {type(exc).__name__}: {str(exc)[:200]}")
-                    row["sweep"][f"{path}:{cfg_name(cfg)}"] = None
+                    log(f"[{length}] sweep {path} {cfg.name()} FAILED: {type(exc).__name__}: {str(exc)[:200]}")
+                    row["sweep"][f"{path}:{cfg.name()}"] = None
                     continue
-                row["sweep"][f"{path}:{cfg_name(cfg)}"] = ms
-                log(f"[{length}] sweep {path} {cfg_name(cfg)}: kernel {ms:.2f} ms ({dense_flops / ms / 1e9:.0f} TFLOP/s)")
+                row["sweep"][f"{path}:{cfg.name()}"] = ms
+                log(f"[{length}] sweep {path} {cfg.name()}: kernel {ms:.2f} ms ({dense_flops / ms / 1e9:.0f} TFLOP/s)")
                 if ms < best_ms:
                     best_ms, best[path] = ms, cfg
-        row["best_config"] = {p: cfg_name(c) for p, c in best.items()}
+        row["best_config"] = {p: c.name() for p, c in best.items()}
         results.setdefault("best_configs", {})[str(length)] = best
 
     def ours(bm, fp8):
@@ -334,9 +330,9 @@ def run_size(length: int, args, results: dict) -> None:
                 for cfg in SWEEP_FP8:
                     try:
                         prep_c = attn.prepare_attention(q, k, v, bm, bs, dim ** -0.5, True, cfg)
-                        entry["fp8_sweep_kernel_ms"][cfg_name(cfg)] = bench(lambda: attn.launch_attention(prep_c), est * density)
+                        entry["fp8_sweep_kernel_ms"][cfg.name()] = bench(lambda: attn.launch_attention(prep_c), est * density)
                     except Exception:  # noqa: BLE001
-                        entry["fp8_sweep_kernel_ms"][cfg_name(cfg)] = None
+                        entry["fp8_sweep_kernel_ms"][cfg.name()] = None
                 log(f"[{length}] density {density:.2f} fp8 kernel-only by config: " + ", ".join(
                     f"{n} {t:.2f}" for n, t in entry["fp8_sweep_kernel_ms"].items() if t))
         row["densities"].append(entry)

@@ -142,7 +142,7 @@ def make_ours_fp8_persistent(q, k, v, block_map, block_size):
         return None, reason
     from chorus.kernels.triton import _attention as attn
 
-    config = dict(attn.DEFAULT_CONFIGS["fp8"], persistent=True)
+    config = dataclasses.replace(attn.DEFAULT_TILES["fp8"], persistent=True)
     bm = block_map.to(q.device)
     scale = 1.0 / math.sqrt(q.shape[-1])
     return (lambda: attn.block_sparse_attention_triton_impl(q, k, v, bm, block_size, scale, True, config)), ""

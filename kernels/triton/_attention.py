@@ -62,12 +62,39 @@ from ._quant import (LOG2E, QUANT_TILE, padded_len, pooled_kv_16bit, quantize_q_
 
 P_SHIFT_LOG2 = 8.0  # P is scaled by 2**8 before the e4m3 cast (see module docstring)
 
-# Tile configuration per path; the benchmark sweeps alternatives (``config=`` argument).
-DEFAULT_CONFIGS = {
+@dataclasses.dataclass(frozen=True)
+class TileConfig:
+    """How the portable kernel is tiled and launched (``config=``; :data:`DEFAULT_TILES` per path).
+
+    ``block_m`` / ``block_n``: query rows / keys per tile (each capped at the block size); ``num_warps``,
+    ``num_stages``: Triton's; ``use_tma``: host TMA descriptors where Triton has them (pointer loads
+    otherwise). Options the defaults leave off, for the benchmark and the tests: ``q_in_kernel`` (FP8: Q
+    quantised per tile inside the kernel instead of by the pre-pass), ``persistent`` (a fixed grid of
+    ``persistent_ctas`` programs per SM walking the LPT-ordered tiles; the peers table's persistent row)
+    and ``maxnreg`` (a register cap per thread, 0 = none)."""
+
+    block_m: int
+    block_n: int = 128
+    num_warps: int = 4
+    num_stages: int = 3
+    use_tma: bool = True
+    q_in_kernel: bool = False
+    persistent: bool = False
+    persistent_ctas: int = 2
+    maxnreg: int = 0
+
+    def name(self) -> str:
+        """A short label (``BM64-BN128-w4-s3-tma``, ``-r168`` with a register cap)."""
+        label = (f"BM{self.block_m}-BN{self.block_n}-w{self.num_warps}-s{self.num_stages}-"
+                 f"{'tma' if self.use_tma else 'ptr'}")
+        return label + (f"-r{self.maxnreg}" if self.maxnreg else "")
+
+
+DEFAULT_TILES = {
     # 64-row tiles with one warpgroup: 2+ CTAs per SM overlap one CTA's softmax with another's MMAs
     # (measured best on the H200 at 32 760 and 75 600 tokens, full and sparse maps; see BENCHMARKS.md)
-    "fp8": dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3, use_tma=True),
-    "bf16": dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2, use_tma=True),
+    "fp8": TileConfig(block_m=64, block_n=128, num_warps=4, num_stages=3, use_tma=True),
+    "bf16": TileConfig(block_m=128, block_n=128, num_warps=8, num_stages=2, use_tma=True),
 }
 
 _TMA_AVAILABLE = None
@@ -485,7 +512,7 @@ def tail_spec(kv_len: int, block_size: int, pool_first: int, prefix_len: int, pr
                 suffix_bias=suffix_bias if suffix_start < kv_len else 0.0)
 
 
-def prepare_attention(q, k, v, block_map, block_size: int, scale: float, fp8: bool, config: dict | None = None,
+def prepare_attention(q, k, v, block_map, block_size: int, scale: float, fp8: bool, config: TileConfig | None = None,
                       prefix_len: int = 0, prefix_bias: float = 0.0, token_perm: torch.Tensor | None = None,
                       suffix_len: int = 0, suffix_bias: float = 0.0, pooled_tail: bool = False):
     """Validate, build the block index and (FP8) quantise; returns the launch arguments as a dict.
@@ -500,12 +527,14 @@ def prepare_attention(q, k, v, block_map, block_size: int, scale: float, fp8: bo
     suffix_start = check_key_biases(prefix_len, prefix_bias, suffix_len, suffix_bias, k.shape[2])
     has_bias = (prefix_len > 0 and prefix_bias != 0.0) or suffix_start < k.shape[2]
     if config is None:
-        config = DEFAULT_CONFIGS["fp8" if fp8 else "bf16"]
+        config = DEFAULT_TILES["fp8" if fp8 else "bf16"]
+    elif not isinstance(config, TileConfig):
+        raise ValueError(f"config must be a TileConfig, got {type(config).__name__}")
     batch, heads, q_len, head_dim = q.shape
     kv_len = k.shape[2]
-    block_m = min(block_size, config["BLOCK_M"])
-    block_n = min(block_size, config["BLOCK_N"])
-    use_tma = bool(config.get("use_tma", False)) and tma_available() and not interpreter_upcast(q)
+    block_m = min(block_size, config.block_m)
+    block_n = min(block_size, config.block_n)
+    use_tma = config.use_tma and tma_available() and not interpreter_upcast(q)
     num_q_blocks, num_kv_blocks = block_map.shape[2], block_map.shape[3]
 
     tail = None
@@ -514,7 +543,7 @@ def prepare_attention(q, k, v, block_map, block_size: int, scale: float, fp8: bo
         kv_num, kv_idx, sched, map_strides, tail = lpt_block_lists(block_map, tail)
     else:
         kv_num, kv_idx, sched, map_strides = lpt_block_lists(block_map)
-    q_raw = bool(fp8 and config.get("q_in_kernel", False))
+    q_raw = fp8 and config.q_in_kernel
     if fp8:
         q_in, k_in, v_in, q_scale, k_scale, v_scale = quantize_qkv_fp8(
             q, k, v, scale, quantize_q=not q_raw, token_perm=token_perm, pool_block=block_size if pooled_tail else None)
@@ -569,14 +598,14 @@ def launch_attention(prep: dict) -> torch.Tensor:
         q_arg, k_arg, v_arg = q_in, k_in, v_in
     tiles_per_bh = prep["num_q_blocks"] * (block_size // block_m)
     num_tiles = tiles_per_bh * batch * heads
-    persistent = bool(config.get("persistent"))
+    persistent = config.persistent
     if persistent:  # programs per SM from the config (2: what the 64-row tiles overlap at)
         sms = 2 if interpreter_upcast(q) else torch.cuda.get_device_properties(q.device).multi_processor_count
-        grid = (min(num_tiles, sms * int(config.get("persistent_ctas", 2))), 1)
+        grid = (min(num_tiles, sms * config.persistent_ctas), 1)
     else:
         grid = (tiles_per_bh, batch * heads)
     # optional register cap (e.g. 168 lets three 128-thread CTAs share an SM's 64K registers)
-    extra = {"maxnreg": config["maxnreg"]} if config.get("maxnreg") and not interpreter_upcast(q) else {}
+    extra = {"maxnreg": config.maxnreg} if config.maxnreg and not interpreter_upcast(q) else {}
     tail = prep["tail"]
     if tail is None:  # (placeholders: never read)
         pool_args = (k_arg, v_arg, prep["kv_num"], prep["k_scale"], 0, 0) + strides[3:]
@@ -599,7 +628,7 @@ def launch_attention(prep: dict) -> torch.Tensor:
         TAIL_K=prep["kv_len"] % block_size != 0, EVEN_Q=q_len % block_m == 0, P_SHIFT=P_SHIFT_LOG2,
         SCALE_TILE=QUANT_TILE, INTERPRET=interpreter_upcast(q), HAS_BIAS=prep["has_bias"],
         Q_RAW=prep["q_raw"], HAS_PERM=prep["token_perm"] is not None, PERSISTENT=persistent,
-        num_warps=config["num_warps"], num_stages=config["num_stages"], **extra)
+        num_warps=config.num_warps, num_stages=config.num_stages, **extra)
     return out
 
 
@@ -644,7 +673,7 @@ def _map_view(block_map: torch.Tensor, b0: int, b1: int, h0: int, h1: int) -> to
 
 
 def block_sparse_attention_triton_impl(q, k, v, block_map, block_size: int, scale: float, fp8: bool,
-                                       config: dict | None = None, prefix_len: int = 0,
+                                       config: TileConfig | None = None, prefix_len: int = 0,
                                        prefix_bias: float = 0.0, token_perm: torch.Tensor | None = None,
                                        suffix_len: int = 0, suffix_bias: float = 0.0,
                                        pooled_tail: bool = False) -> torch.Tensor:
