@@ -308,17 +308,16 @@ class ExpertRun:
             if call.layout is not None:
                 raise Fallback("a call on a compact sequence cannot be recorded")
             grid = call.check(self.model_info.num_layers, self.model_info.num_heads)
-            if call.positive_rows()[0] is None:
-                return  # negative conditioning only: the positive rows carry the mask
-            self.record_into(recorder, call, step_sigma(sigma_value(call.sigma), self.sample_sigmas), grid)
-            plan.stats.recorded_calls += 1
+            if self.record_into(recorder, call, step_sigma(sigma_value(call.sigma), self.sample_sigmas), grid):
+                plan.stats.recorded_calls += 1
         except Exception as exc:  # noqa: BLE001 - the dense output stands; no partial entry is written
             why = str(exc) if isinstance(exc, Fallback) else f"{type(exc).__name__}: {exc}"
             recorder.mark_incomplete(why)
             plan.note(f"recording stopped ({why}); this request will not be written to the cache")
 
-    def record_into(self, recorder, call: AttnCall, sigma: float, grid) -> None:
-        """Record the cond rows' block mass of one call into ``recorder`` (raises on error).
+    def record_into(self, recorder, call: AttnCall, sigma: float, grid) -> bool:
+        """Record the cond rows' block mass of one call into ``recorder`` (raises on error); False when the
+        call has no positive-conditioning row (nothing to record: the positive rows carry the mask).
 
         Verification anchors: at the first step of each expert, on the ``verify_layers`` and the
         ``verify_heads`` heads (exactly where a later hit of this entry checks how well it fits), the
@@ -328,7 +327,7 @@ class ExpertRun:
         cfg = self.config
         qs, ks = call.positive_rows()
         if qs is None:
-            return  # negative conditioning only: the positive rows carry the mask
+            return False
         layer = int(call.layer)
         order = self.attention.token_order(grid)
         with torch.no_grad():
@@ -347,3 +346,4 @@ class ExpertRun:
             recorder.add(self.expert, sigma, layer, mass, grid=grid, top_p=cfg.top_p, k_min=cfg.k_min,
                          keep_first_frame_blocks=first_frame, block_size=cfg.block_size,
                          token_order=None if order is None else token_order_name(order))
+        return True
