@@ -142,19 +142,18 @@ def block_sparse_attention_reference(q, k, v, block_map, block_size: int, scale:
     batch, heads, q_len, head_dim = q.shape
     kv_len = k.shape[-2]
     out = torch.empty_like(q)
-    k32 = k.float().transpose(-1, -2)
-    v32 = v.float()
+    k32, v32 = k.float(), v.float()
     col_block = torch.arange(kv_len, device=q.device) // block_size
     block_map = block_map.to(q.device)
     if pooled_tail:
-        kbar, vbar = pooled_key_blocks(k.float(), v32, block_size)
+        kbar, vbar = pooled_key_blocks(k32, v32, block_size)
         weights = pooled_log_weights(kv_len, block_size, prefix_len, prefix_bias, suffix_len, suffix_bias,
                                      dtype=torch.float32, device=q.device)
         v32 = torch.cat([v32.expand(batch, heads, -1, -1), vbar], dim=2)  # the pooled values after the keys
     for qb in range(block_map.shape[-2]):
         start, stop = qb * block_size, min((qb + 1) * block_size, q_len)
         rows = q[:, :, start:stop].float()
-        scores = torch.matmul(rows, k32) * scale  # [B, H, bs, Lk]
+        scores = torch.matmul(rows, k32.transpose(-1, -2)) * scale  # [B, H, bs, Lk]
         add_key_biases(scores, prefix_len, prefix_bias, suffix_len, suffix_bias)
         keep = block_map[:, :, qb][..., col_block]  # [B|1, H|1, Lk]
         scores = scores.masked_fill(~keep.unsqueeze(-2), float("-inf"))

@@ -85,13 +85,13 @@ def test_the_build_probe_answers_once_per_key_and_ignores_out_of_memory():
         raise torch.OutOfMemoryError("CUDA out of memory (test)")
 
     key = ("test-probe", id(calls))
-    assert triton_kernels.build_probe(key + ("oom",), out_of_memory) is None
-    assert triton_kernels.build_probe(key + ("oom",), out_of_memory) is None
-    reason = triton_kernels.build_probe(key + ("broken",), broken)
-    assert reason is not None and "RuntimeError: PassManager::run failed" in reason and "more lines" not in reason
-    assert triton_kernels.build_probe(key + ("broken",), broken) == reason
-    assert triton_kernels.build_probe(key + ("fine",), lambda: calls.append("fine")) is None
-    assert triton_kernels.build_probe(key + ("fine",), broken) is None
+    assert triton_kernels.build_probe(key + ("oom",), "the test kernel", out_of_memory) is None
+    assert triton_kernels.build_probe(key + ("oom",), "the test kernel", out_of_memory) is None
+    reason = triton_kernels.build_probe(key + ("broken",), "the test kernel", broken)
+    assert reason is not None and "the test kernel does not build or run here (RuntimeError: PassManager::run failed)" in reason and "more lines" not in reason
+    assert triton_kernels.build_probe(key + ("broken",), "the test kernel", broken) == reason
+    assert triton_kernels.build_probe(key + ("fine",), "the test kernel", lambda: calls.append("fine")) is None
+    assert triton_kernels.build_probe(key + ("fine",), "the test kernel", broken) is None
     assert calls == ["oom", "oom", "broken", "fine"]
 
 

@@ -10,7 +10,7 @@ Public entry points (called by :mod:`chorus.kernels.api` for backends ``triton_f
   block size 128), :func:`ws_unavailable` ``(q) -> reason | None`` and :func:`ws_call_unsupported`
 - :func:`block_mass_triton` ``(q, k, *, block_size, sample_rows, scale) -> float32 [B, H, Qb, Kb]``
 - :func:`triton_available` ``() -> (bool, reason)``
-- :func:`build_probe` ``(key, run) -> reason | None``: one build-and-launch check per key (auto's resolution)
+- :func:`build_probe` ``(key, kernel, run) -> reason | None``: one build-and-launch check per key (auto's resolution)
 
 Feature reuse's fused pool / unpool kernels live in :mod:`._pooling` (called by
 :mod:`chorus.kernels.pooling` on CUDA tensors).
@@ -153,16 +153,17 @@ def ws_unavailable(q: torch.Tensor) -> str | None:
     reason = _attention_ws.supports(q.shape[-1], _attention_ws.BLOCK)
     if reason is not None:
         return reason
-    return build_probe(("ws", str(q.device), q.dtype, q.shape[-1]), lambda: _run_one_ws_block(q))
+    return build_probe(("ws", str(q.device), q.dtype, q.shape[-1]), "the warp-specialised kernel",
+                       lambda: _run_one_ws_block(q))
 
 
 _PROBED: dict[tuple, str | None] = {}
 
 
-def build_probe(key: tuple, run) -> str | None:
-    """Run ``run()`` (a kernel build and launch on a tiny input) once per ``key``: None when it
-    returns, else the reason it raised (remembered for ``key``, logged once as a warning). An out-of-memory error says nothing
-    about the build: it is neither a reason nor remembered."""
+def build_probe(key: tuple, kernel: str, run) -> str | None:
+    """Run ``run()`` (a build and launch of ``kernel``, named in the reason, on a tiny input) once per
+    ``key``: None when it returns, else the reason it raised (remembered for ``key``, logged once as a
+    warning). An out-of-memory error says nothing about the build: it is neither a reason nor remembered."""
     if key not in _PROBED:
         try:
             run()
@@ -170,7 +171,7 @@ def build_probe(key: tuple, run) -> str | None:
             return None
         except Exception as exc:  # noqa: BLE001 - any build or launch failure makes the kernel unavailable
             first_line = str(exc).splitlines()[0] if str(exc) else ""
-            _PROBED[key] = f"the warp-specialised kernel does not build or run here ({type(exc).__name__}: {first_line})"
+            _PROBED[key] = f"{kernel} does not build or run here ({type(exc).__name__}: {first_line})"
             LOG.warning("chorus: %s", _PROBED[key])
         else:
             _PROBED[key] = None

@@ -51,14 +51,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from ._quant import (LOG2E, QUANT_TILE, padded_len, pooled_kv_16bit, quantize_q_tile, quantize_qkv_fp8, round_e4m3,
-                     source_rows, tail_rows)
+from ._quant import (LOG2E, QUANT_TILE, interpreter_upcast, padded_len, pooled_kv_16bit, quantize_q_tile,
+                     quantize_qkv_fp8, round_e4m3, source_rows, tail_rows)
 
 P_SHIFT_LOG2 = 8.0  # P is scaled by 2**8 before the e4m3 cast (see module docstring)
 
@@ -366,15 +365,6 @@ def _bsa_fwd_kernel(Q, K, V, O, q_scale, k_scale, v_scale, kv_num, kv_idx, sched
                   s_ib, s_ih, s_iq, Kp, Vp, tail_num, tail_bias, tail_width, pool_row0, s_pkb, s_pkh, s_pkl, s_pvb,
                   s_pvh, s_pvl, HEAD_DIM, BLOCK_M, BLOCK_N, BS, FP8, USE_TMA, TAIL_K, EVEN_Q, P_SHIFT,
                   SCALE_TILE, INTERPRET, HAS_BIAS, Q_RAW, HAS_PERM, HAS_TAIL, POOL_TMA, POOL_TILE)
-
-
-def interpreter_upcast(t: torch.Tensor) -> bool:
-    """True under ``TRITON_INTERPRET=1`` on CPU tensors. Two interpreter defects are worked around
-    then (Triton 3.8): its 16-bit ``tl.dot`` misreads bf16 bits, so 16-bit operands are upcast to fp32
-    first (products of 16-bit floats are exact in fp32, as on tensor cores); its fp32 -> e4m3 cast
-    mis-rounds values that carry into the next binade, so values are pre-rounded to the e4m3 grid
-    (round to nearest even) with exact fp32 arithmetic, making the cast exact."""
-    return t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def output_like(q: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._attention import check_perm, int32_chunks, interpreter_upcast
+from ._attention import check_perm, int32_chunks
+from ._quant import interpreter_upcast
 from ._quant import LOG2E, source_rows
 
 MASS_ROWS = 128  # rows per program (tensor-core M)

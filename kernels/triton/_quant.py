@@ -329,11 +329,16 @@ def pooled_kv_16bit(k: torch.Tensor, v: torch.Tensor, block_size: int):
     vp = torch.empty_like(kp)
     _pooled_finalize_kernel[(rows // QUANT_TILE, batch * heads)](
         sums, kp, vp, sums, sums, heads, kv_len, lpad // chunk, rows, 0, HEAD_DIM=head_dim, TILE=QUANT_TILE,
-        BS=block_size, POOL_CHUNK=chunk, FP8=False, INTERPRET=_interpreting(k), V_WGMMA_ORDER=False, num_warps=8)
+        BS=block_size, POOL_CHUNK=chunk, FP8=False, INTERPRET=interpreter_upcast(k), V_WGMMA_ORDER=False, num_warps=8)
     return kp, vp
 
 
-def _interpreting(t: torch.Tensor) -> bool:
+def interpreter_upcast(t: torch.Tensor) -> bool:
+    """True under ``TRITON_INTERPRET=1`` on CPU tensors. Two interpreter defects are worked around
+    then (Triton 3.8): its 16-bit ``tl.dot`` misreads bf16 bits, so 16-bit operands are upcast to fp32
+    first (products of 16-bit floats are exact in fp32, as on tensor cores); its fp32 -> e4m3 cast
+    mis-rounds values that carry into the next binade, so values are pre-rounded to the e4m3 grid
+    (round to nearest even) with exact fp32 arithmetic, making the cast exact."""
     return t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -396,13 +401,13 @@ def quantize_qkv_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
         heads, q_len, kv_len, lpad_q, lpad_k, lrow_k, float(scale * LOG2E),
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
-        HEAD_DIM=head_dim, TILE=QUANT_TILE, INTERPRET=_interpreting(q),
+        HEAD_DIM=head_dim, TILE=QUANT_TILE, INTERPRET=interpreter_upcast(q),
         QUANT_Q=bool(quantize_q), HAS_PERM=token_perm is not None, V_WGMMA_ORDER=v_key_order == "wgmma",
         POOL_CHUNK=chunk, num_warps=8)
     if chunk:
         _pooled_finalize_kernel[((lrow_k - lpad_k) // QUANT_TILE, batch * heads)](
             pool_sums, k8, v8t, k_scale, v_stats, heads, kv_len, lpad_k // chunk, lrow_k, lpad_k, HEAD_DIM=head_dim,
-            TILE=QUANT_TILE, BS=pool_block, POOL_CHUNK=chunk, FP8=True, INTERPRET=_interpreting(q),
+            TILE=QUANT_TILE, BS=pool_block, POOL_CHUNK=chunk, FP8=True, INTERPRET=interpreter_upcast(q),
             V_WGMMA_ORDER=v_key_order == "wgmma", num_warps=8)
     v_scale = torch.where(v_stats > 0, v_stats / FP8_MAX, torch.ones_like(v_stats))
     return q8, k8, v8t, q_scale, k_scale, v_scale
