@@ -44,7 +44,7 @@ from pathlib import Path
 
 from .limits import parse_limit
 from .paths import ENV_ROOT, cache_root_source, resolve_workspace
-from .redaction import redact, url_passwords
+from .redaction import redacting_stderr
 
 READ_ONLY_ACTIONS = ("stats", "list", "verify")  # verify without --repair
 CLI_TIMEOUT = 30.0  # seconds maintenance waits for busy workers (a prompt's calls wait at most CHORUS_CACHE_TIMEOUT)
@@ -62,13 +62,12 @@ def _root_epilog() -> str:
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse with errors as one line ``error: ...`` (exit 2) instead of usage + message, redacted
-    (argparse echoes the arguments it refuses, which may be a URL holding a password)."""
-
-    secrets: list = []
+    """argparse with errors as one line ``error: ...`` (exit 2) instead of usage + message (redacted
+    with all of stderr by :func:`main`: argparse echoes the arguments it refuses, which may be a URL
+    holding a password)."""
 
     def error(self, message):
-        self.exit(2, redact(f"error: {message} (see {self.prog} --help)\n", self.secrets))
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
 
 
 def _limit(name: str):
@@ -137,11 +136,16 @@ def _fmt_bytes(n: int) -> str:
 
 
 def main(argv=None) -> int:
-    """Run the cache command line with ``argv`` (without the leading ``cache``); return the exit code."""
+    """Run the cache command line with ``argv`` (without the leading ``cache``); return the exit code.
+    Everything it writes to stderr is redacted (``redaction.redacting_stderr``: the passwords of URLs
+    in ``argv`` too, wherever they reappear)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    secrets = url_passwords(argv)  # redacted wherever they reappear (argparse echoes arguments)
+    with redacting_stderr(argv):
+        return _main(argv)
+
+
+def _main(argv: list) -> int:
     parser = _parser()
-    _Parser.secrets = secrets
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:
@@ -157,7 +161,7 @@ def main(argv=None) -> int:
         message = " ".join((str(exc) or type(exc).__name__).split())
         if not isinstance(exc, (ValueError, OSError)):
             message = f"{type(exc).__name__}: {message}"
-        print(redact(f"error: {message}" + (f" [{where}]" if where else ""), secrets), file=sys.stderr)
+        print(f"error: {message}" + (f" [{where}]" if where else ""), file=sys.stderr)
         return 2
     print(json.dumps(result, indent=2, default=str) if args.json else text)
     return code

@@ -74,7 +74,7 @@ from .fleet_maintenance import FleetMaintenance
 from .fleet_schema import Row, check_row, decoded_entry, emb_params, entry_problem, own_row, row_columns, setup
 from .fleet_tier import TIER_DIR, LocalTier, tier_bytes_setting
 from .index import DEFAULT_APPROX_THRESHOLD, PartitionedIndex, normalise
-from .limits import check_limits
+from .limits import check_limits, stored_limits_shown
 from .redaction import RedactingFilter
 from .rows import row_meta
 from .signature import signature_key
@@ -305,6 +305,7 @@ class FleetStore(FleetFeed, FleetMaintenance):
 
     def remove(self, entry_id: int) -> bool:
         """Delete an entry fleet-wide; returns whether it existed."""
+        self._conns.check_writable()
         changes = self._conns.call(self._locked_tx, lambda conn: self._delete(conn, [entry_id]))
         return bool(changes)
 
@@ -314,15 +315,14 @@ class FleetStore(FleetFeed, FleetMaintenance):
         row = self._conns.call(lambda conn: conn.execute(
             "SELECT max_bytes, max_entries, eviction FROM chorus_workspaces WHERE name=%s",
             (self.workspace,)).fetchone(), read=True)
-        valid = check_limits(row[0], row[1], row[2])
-        return {"max_bytes": valid["max_bytes"], "max_entries": valid["max_entries"] or None,
-                "eviction": valid["eviction"]}
+        return stored_limits_shown(row[0], row[1], row[2])
 
     def set_limits(self, *, max_bytes: int | None = None, max_entries: int | None = None,
                    eviction: str | None = None) -> None:
         """Store the fleet-wide cap (``max_entries=0``: no entry cap) and the eviction policy; every
         worker applies it at its next write. ``ValueError`` for limits ``limits.check_limits``
         refuses."""
+        self._conns.check_writable()
         valid = check_limits(max_bytes, max_entries, eviction)
 
         def tx(conn):
@@ -493,9 +493,7 @@ class FleetStore(FleetFeed, FleetMaintenance):
         building = self._building is not None and self._building.is_alive()
         tier_files, tier_bytes = self.tier.usage()
         try:
-            valid = check_limits(ws[4], ws[5], ws[6])
-            limits = {"max_bytes": valid["max_bytes"], "max_entries": valid["max_entries"] or None,
-                      "eviction": valid["eviction"]}
+            limits = stored_limits_shown(ws[4], ws[5], ws[6])
         except ValueError as exc:  # stats still answer for a workspace row edited badly
             limits = {"invalid": str(exc)}
         return {

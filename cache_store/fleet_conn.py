@@ -180,8 +180,6 @@ class Connections:
         if self.closed:
             raise StoreUnavailableError("the fleet store is closed")
         slot = slot or (self.read if read else self.write)
-        if not slot.read_only:
-            self.check_writable()
         if not slot.lock.acquire(timeout=self.timeout if wait else 0):
             held = f"for the time bound ({self.timeout:g} s)" if wait else "this instant"
             raise StoreBusyError(f"fleet workspace {self.workspace}: another thread of this process kept its {slot.name} "

@@ -53,15 +53,18 @@ FLAT_ONLY = 1 << 62  # approx_threshold of the exact index a worker serves from 
 class FleetFeed:
     """The change-feed part of a fleet store handle (see the module docstring)."""
 
-    def _in_snapshot(self, conn, body):
-        """Run ``body(conn)`` in one consistent read-only snapshot (a REPEATABLE READ transaction)
-        unless ``conn`` is inside a transaction already (a writer's, which holds the workspace row
-        lock: nothing can change between its statements)."""
+    def _in_snapshot(self, conn, body, statement_timeout_ms: int | None = None):
+        """Run ``body(conn)`` in one consistent read-only snapshot (a REPEATABLE READ transaction, with
+        ``statement_timeout_ms`` for its statements when given) unless ``conn`` is inside a transaction
+        already (a writer's, which holds the workspace row lock: nothing can change between its
+        statements; its own statement timeout stays)."""
         psycopg = psycopg_module()
         if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
             return body(conn)
         with conn.transaction():
             conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
+            if statement_timeout_ms is not None:
+                conn.execute("SELECT set_config('statement_timeout', %s, true)", (str(statement_timeout_ms),))
             return body(conn)
 
     def _workspace_dim(self, raw) -> int | None:
@@ -79,10 +82,9 @@ class FleetFeed:
 
     def _full_load(self, conn) -> None:
         """Load every entry's embedding and the sequence number they match, from one snapshot."""
-        self._in_snapshot(conn, self._load_rows)
+        self._in_snapshot(conn, self._load_rows, FULL_LOAD_TIMEOUT_MS)
 
     def _load_rows(self, conn) -> None:
-        conn.execute("SELECT set_config('statement_timeout', %s, true)", (str(FULL_LOAD_TIMEOUT_MS),))
         row = conn.execute("SELECT seq, dim FROM chorus_workspaces WHERE name=%s", (self.workspace,)).fetchone()
         seq, dim = (int(row[0]), self._workspace_dim(row[1])) if row else (0, None)
         with self._mutex:

@@ -139,6 +139,7 @@ class FleetMaintenance:
         entries are left (each ``None``: the stored limit; 0 keeps nothing); trims the change log
         of changes older than a week; returns removed ids. Raises ``ValueError`` (having deleted
         nothing) for a negative, NaN, infinite, non-integral or absurd target (``limits.py``)."""
+        self._conns.check_writable()
         prune_targets(max_bytes, max_entries)
 
         def body(conn):
@@ -172,26 +173,24 @@ class FleetMaintenance:
 
         def scan(conn):
             bad, checked, live = [], 0, {}
-            with conn.transaction():
-                conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
-                dim = conn.execute("SELECT dim FROM chorus_workspaces WHERE name=%s", (self.workspace,)).fetchone()
-                dim = self._workspace_dim(dim[0]) if dim else None
-                with conn.cursor(name=f"chorus_verify_{uuid.uuid4().hex[:8]}", binary=True) as cur:
-                    cur.itersize = 16
-                    cur.execute(f"SELECT {row_columns(embedding=True, data=True)} FROM chorus_entries e "
-                                "WHERE e.workspace = %(ws)s ORDER BY e.id", {"ws": self.workspace, **emb_params(dim)})
-                    for values in cur:
-                        row = Row(*values)
-                        checked += 1
-                        live[int(row.id)] = row.sha256
-                        problem = entry_problem(row, dim, packed=True)
-                        if isinstance(problem, str):
-                            bad.append((int(row.id), problem))
+            dim = conn.execute("SELECT dim FROM chorus_workspaces WHERE name=%s", (self.workspace,)).fetchone()
+            dim = self._workspace_dim(dim[0]) if dim else None
+            with conn.cursor(name=f"chorus_verify_{uuid.uuid4().hex[:8]}", binary=True) as cur:
+                cur.itersize = 16
+                cur.execute(f"SELECT {row_columns(embedding=True, data=True)} FROM chorus_entries e "
+                            "WHERE e.workspace = %(ws)s ORDER BY e.id", {"ws": self.workspace, **emb_params(dim)})
+                for values in cur:
+                    row = Row(*values)
+                    checked += 1
+                    live[int(row.id)] = row.sha256
+                    problem = entry_problem(row, dim, packed=True)
+                    if isinstance(problem, str):
+                        bad.append((int(row.id), problem))
             return bad, checked, live
 
         scanner = Slot("verify", read_only=True)
         try:
-            bad, checked, live = self._conns.call(scan, deadline=3600, slot=scanner)
+            bad, checked, live = self._conns.call(self._in_snapshot, scan, deadline=3600, slot=scanner)
         finally:
             scanner.close()
         damaged = []

@@ -73,6 +73,15 @@ def check_limits(max_bytes=None, max_entries=None, eviction=None) -> dict:
     return out
 
 
+def stored_limits_shown(max_bytes, max_entries, eviction) -> dict:
+    """Stored limits as a store shows them (``limits()``, ``stats()["limits"]``): ``max_bytes``,
+    ``max_entries`` (None: no entry cap), ``eviction``. Raises ``ValueError`` for a setting that is
+    not a valid stored limit (:func:`check_limits`)."""
+    valid = check_limits(max_bytes, max_entries, eviction)
+    return {"max_bytes": valid["max_bytes"], "max_entries": valid["max_entries"] or None,
+            "eviction": valid["eviction"]}
+
+
 def prune_targets(max_bytes=None, max_entries=None) -> tuple[int | None, int | None]:
     """Validate the targets of one ``prune`` (each None = the stored limit; 0 keeps nothing)."""
     return (None if max_bytes is None else limit_value(max_bytes, "max_bytes"),

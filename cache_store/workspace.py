@@ -84,10 +84,10 @@ from .entries import MAX_ENTRY_FILE_BYTES, CorruptEntryError, EntryGone, encode_
 from .entry_format import EntryFormatError, decode_entry
 from .errors import StoreBusyError, StoreError, UnsafeLayoutError, store_timeout
 from .index import DEFAULT_APPROX_THRESHOLD, PartitionedIndex, normalise
-from .limits import check_limits
+from .limits import check_limits, stored_limits_shown
 from .paths import check_not_in_pack
 from .rows import row_meta
-from .safe_fs import atomic_write, read_regular_file
+from .safe_fs import atomic_write, read_regular_file, unlink
 from .signature import signature_key
 from .workspace_db import (DB_NAME, ENTRY_DIR, ENTRY_NAME_RE, LOCK_NAME, QUARANTINE_DIR, WorkspaceConnections,
                            read_generation, set_setting, setting, store_call, stored_limits)
@@ -212,12 +212,10 @@ class Workspace(WorkspaceConnections, WorkspaceIndex, WorkspaceMaintenance):
             return self._rdb.execute("SELECT COUNT(*) FROM entries").fetchone()[0]
 
     @store_call
-    def limits(self, db=None) -> dict:
+    def limits(self) -> dict:
         """The stored limits: ``max_bytes``, ``max_entries`` (None: no entry cap), ``eviction``.
         Raises ``ValueError`` for a setting that is not a valid limit."""
-        valid = check_limits(**stored_limits(db or self._rdb))
-        return {"max_bytes": valid["max_bytes"], "max_entries": valid["max_entries"] or None,
-                "eviction": valid["eviction"]}
+        return stored_limits_shown(**stored_limits(self._rdb))
 
     def _limits_or_reason(self) -> dict:
         try:
@@ -303,10 +301,7 @@ class Workspace(WorkspaceConnections, WorkspaceIndex, WorkspaceMaintenance):
             except BaseException:
                 if db.in_transaction:
                     db.execute("ROLLBACK")
-                try:
-                    os.unlink(file_name, dir_fd=self._entry_fd)
-                except OSError:
-                    pass
+                unlink(file_name, self._entry_fd)
                 raise
             seams.workspace_phase("committed")
             self._index_committed(generation, added=(entry_id, sig_key, emb))

@@ -31,7 +31,7 @@ import numpy as np
 from . import seams
 from .index import PartitionedIndex
 from .rows import QUIET_FLOATS, check_embedding
-from .safe_fs import atomic_write, read_regular_file
+from .safe_fs import atomic_write, read_regular_file, unlink
 from .workspace_db import read_generation, setting, store_call
 
 LOG = logging.getLogger(__name__)
@@ -99,10 +99,7 @@ class WorkspaceIndex:
             except (OSError, ValueError, MemoryError) as exc:
                 LOG.warning("ignoring %s index file %s: %s", "the" if self.readonly else "and deleting", name, exc)
                 if not self.readonly:
-                    try:  # files appear complete (rename), so this is never a write in progress
-                        os.unlink(name, dir_fd=self._dir_fd)
-                    except OSError:
-                        pass
+                    unlink(name, self._dir_fd)  # files appear complete (rename): never a write in progress
         return None
 
     def _sync_index(self, force_rebuild: bool = False) -> None:

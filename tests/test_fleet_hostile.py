@@ -493,6 +493,10 @@ def test_read_only_commands_create_nothing_anywhere(url, pg, tmp_path, capsys):
         assert ro.known_ids() == [ids[0], ids[2]] and report["index_consistent"]  # set aside in this handle only
         with pytest.raises(StoreReadOnlyError):
             _add(ro, 9)
+        for write in (lambda: ro.remove(ids[0]), lambda: ro.set_limits(max_entries=1),
+                      lambda: ro.prune(max_entries=0)):  # refused by the handle, not by PostgreSQL
+            with pytest.raises(StoreReadOnlyError, match="opened read-only"):
+                write()
     assert tree_snapshot(tmp_path) == tree and _tables(pg, db) == tables
     # --repair writes; init creates (and is the only command that does)
     assert _cli(capsys, "verify", "--repair", *fleet, "--workspace", "w")[0] == 1
