@@ -125,7 +125,7 @@ class Connections:
     ``url``: a PostgreSQL URL (``ValueError`` when it does not parse; the message does not repeat
     it). ``workspace`` names the workspace in messages; ``timeout`` is the store's time bound;
     ``readonly``: the write slot is a read-only session too and :meth:`check_writable` refuses.
-    ``connected`` / ``last_error`` say how the last call went; :attr:`url` is safe to show.
+    ``connected`` says how the last call went (an outage is logged once); :attr:`url` is safe to show.
     """
 
     def __init__(self, url: str, workspace: str, *, timeout: float, readonly: bool):
@@ -148,7 +148,6 @@ class Connections:
         self.write = Slot("write", read_only=readonly)
         self.read = Slot("read", read_only=True)
         self.connected = False
-        self.last_error: str | None = None
         self.closed = False
 
     def connect(self, name: str = "write", read_only: bool = False) -> Connection:
@@ -212,7 +211,7 @@ class Connections:
         try:
             with guard:
                 result = fn(conn.conn, *args)
-            self.connected, self.last_error = True, None
+            self.connected = True
             return result
         except psycopg.Error as exc:
             error, drop = translate(exc, workspace=self.workspace, timeout=self.timeout, secrets=self.secrets,
@@ -226,4 +225,4 @@ class Connections:
     def _down(self, reason: str) -> None:
         if self.connected:  # logged once per outage (a failed open is reported by its exception)
             LOG.warning("Chorus fleet store %s: %s", self.url, reason)
-        self.connected, self.last_error = False, reason
+        self.connected = False

@@ -32,11 +32,17 @@ _PASSWORD_KV = re.compile(r"(password\s*=\s*)('(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.
 MIN_SECRET_CHARS = 4
 
 
-def _redact_token(match: re.Match) -> str:
-    token = match.group(0)
+def _userinfo(token: str) -> tuple[str, int, str, str]:
+    """``(head, start, at, tail)`` of a ``user:password@host...`` token: ``head[start:]`` is its user
+    info (``scheme://`` skipped), ``at + tail`` what follows it."""
     head, at, tail = token.rpartition("@")
     scheme_end = head.find("://")
-    start = scheme_end + 3 if scheme_end >= 0 else 0
+    return head, scheme_end + 3 if scheme_end >= 0 else 0, at, tail
+
+
+def _redact_token(match: re.Match) -> str:
+    token = match.group(0)
+    head, start, at, tail = _userinfo(token)
     userinfo = head[start:]
     if ":" not in userinfo:
         return token
@@ -60,9 +66,8 @@ def url_passwords(args) -> list[str]:
     found = []
     for arg in args:
         for match in _TOKEN.finditer(str(arg)):
-            head = match.group(0).rpartition("@")[0]
-            scheme_end = head.find("://")
-            userinfo = head[scheme_end + 3 if scheme_end >= 0 else 0:]
+            head, start, _, _ = _userinfo(match.group(0))
+            userinfo = head[start:]
             if ":" in userinfo:
                 found.append(userinfo.split(":", 1)[1])
         for match in _PASSWORD_KV.finditer(str(arg)):
