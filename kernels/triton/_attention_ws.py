@@ -360,6 +360,7 @@ if gluon is not None:
         offs_d = gl.arange(0, HEAD_DIM, layout=col_o)
         s_zero = gl.zeros([ROWS, _BLOCK], gl.float32, layout=s_layout)
         l_zero = gl.zeros([ROWS, _ONES], gl.float32, layout=l_layout)
+        o_zero = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
 
         kctr = 0  # key blocks consumed so far (all tiles): stage = kctr % STAGES, parity = (kctr // STAGES) & 1
         qt = 0
@@ -403,14 +404,16 @@ if gluon is not None:
                 s = warpgroup_mma_wait(num_outstanding=0, deps=[s])
                 p, m_i, alpha = _softmax_block(s, m_i, sc, kb, terms, offs_n, Lk, num_kv_blocks, key_bias, tail_row,
                                                pool_first, TAIL_K, HAS_BIAS, HAS_SUFFIX, HAS_TAIL)
-                acc = acc * gl.convert_layout(alpha, row_o)[:, None]
                 p8 = _p_operand(p, p_layout)
                 mbarrier.wait(v_ready.index(st), ph)
-                acc = warpgroup_mma(p8, v_smem.index(st).permute((1, 0)), acc, is_async=True)
+                # two-level accumulation (SageAttention 2's form): each block's P @ V and row sums into a
+                # fresh wgmma accumulator, added to O and l in fp32 registers. An FP8 wgmma accumulates in
+                # fewer mantissa bits (truncating); chained through it across key blocks, O shrinks by ~2%
+                pv = warpgroup_mma(p8, v_smem.index(st).permute((1, 0)), o_zero, use_acc=False, is_async=True)
                 l_blk = _row_sums_issue(p8, ones_smem, l_zero, pl_layout)
-                acc, l_blk = warpgroup_mma_wait(num_outstanding=0, deps=[acc, l_blk])
-                # the running sum in fp32 registers: an FP8 wgmma's accumulator keeps fewer mantissa
-                # bits, too few for a sum of positive terms over thousands of keys
+                acc = acc * gl.convert_layout(alpha, row_o)[:, None]  # overlaps the MMAs
+                pv, l_blk = warpgroup_mma_wait(num_outstanding=0, deps=[pv, l_blk])
+                acc = acc + pv
                 l_acc = l_acc * gl.convert_layout(alpha, row_l)[:, None] + l_blk
                 mbarrier.arrive(kv_empty.index(st), count=1)
                 kctr += 1
