@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..kernels.api import Backend
+from ..kernels.api import Backend, has_pooled_tail
 
 BACKENDS = tuple(backend.value for backend in Backend)  # the node's choices, in the kernel API's order
 # The verdict is RELATIVE (engine/verify.py): the estimated recall of the reused map divided by the best recall
@@ -46,9 +46,10 @@ class SparseConfig:
     - ``pooled_tail``: on a hit, every key block a query block's map skips still enters each of its
       rows' softmax as one pooled term (the block's mean key, weighted by its token count, with its mean
       value, from the current call's K and V: ``kernels.block_sparse_attention(pooled_tail=True)``).
-      Off by default: measured on the H200 (docs/BENCHMARKS.md, "Pooled tail") it lowers the error of
-      the 16-bit path at every density, but the FP8 path's own error then dominates at 15% and above,
-      and it costs +8% of the kernel at 15% density, +26% at 5% (720p).
+      On by default: measured on the H200 (docs/BENCHMARKS.md, "Pooled tail") it lowers the error of the
+      FP8 and the 16-bit paths at every density, for +5% of the kernel's time at 15% density and +19%
+      at 5% (720p). A backend without one (``flex``, ``fa4_bf16``) with ``pooled_tail=True`` raises
+      ``ValueError``: turn it off for them (``kernels.has_pooled_tail``).
     - ``verify_threshold`` in [0, 1]: self-verifying hits (``chorus.engine.verify``). At the first step
       of each expert of a hit, the share of attention mass the reused map keeps (its *recall*) and the
       share the best map with the same number of kept blocks per row would keep (*best*) are estimated
@@ -76,7 +77,7 @@ class SparseConfig:
     backend: str = "auto"
     sample_rows: int | None = 8
     block_size: int = 128
-    pooled_tail: bool = False
+    pooled_tail: bool = True
     verify_threshold: float = DEFAULT_VERIFY_THRESHOLD
     verify_layers: tuple = (0, 1, 2, 3)
     verify_heads: int = 4
@@ -95,6 +96,8 @@ class SparseConfig:
             raise ValueError(f"sample_rows must be None or an int >= 1, got {self.sample_rows!r}")
         if not isinstance(self.pooled_tail, bool):
             raise ValueError(f"pooled_tail must be a bool, got {self.pooled_tail!r}")
+        if self.pooled_tail and not has_pooled_tail(self.backend):
+            raise ValueError(f"backend {self.backend!r} has no pooled tail: set pooled_tail=False with it")
         if not isinstance(self.block_size, int) or self.block_size < 16 or self.block_size % 16:
             raise ValueError(f"block_size must be a positive multiple of 16, got {self.block_size!r}")
         thr = self.verify_threshold

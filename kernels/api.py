@@ -66,6 +66,15 @@ _AUTO_CHAIN = (Backend.TRITON_FP8_WS, Backend.TRITON_FP8, Backend.FA4_BF16, Back
 _SM90_ONLY = (Backend.TRITON_FP8_WS, Backend.TRITON_FP8, Backend.FA4_BF16)  # auto: Hopper only (measured there)
 _ATTENTION_ONLY = (Backend.TRITON_FP8_WS, Backend.FA4_BF16, Backend.FLEX)
 _NO_POOLED_TAIL = (Backend.FA4_BF16, Backend.FLEX)  # auto sends a pooled_tail call past these
+
+
+def has_pooled_tail(backend) -> bool:
+    """Whether ``backend`` (a :class:`Backend` or its name) runs ``pooled_tail=True`` calls itself: every
+    backend but ``flex`` and ``fa4_bf16``; ``auto`` does (it takes the next backend of its chain that has
+    one). A bad name raises ``ValueError``."""
+    return _parse_backend(backend) not in _NO_POOLED_TAIL
+
+
 _auto_choice: dict[tuple, Backend] = {}
 
 

@@ -9,6 +9,7 @@ from comfy_api.latest import io
 
 from ..engine import BACKENDS, Plan, SparseConfig
 from ..engine.config import DEFAULT_VERIFY_THRESHOLD
+from ..kernels import has_pooled_tail
 from .comfy_patch import configure, describe, get_patch
 from .common import CATEGORY, ChorusPlan, boolean_input, model_input_problem, number_input, ui_text
 
@@ -68,17 +69,19 @@ class ChorusSparseSampler(io.ComfyNode):
                                        "entries recorded since the recorder keeps exact mass where the check "
                                        "looks; older entries say so and may be demoted and rewritten; "
                                        "re-measure on your model first)."),
-                io.Boolean.Input("pooled_tail", default=False, optional=True,
+                io.Boolean.Input("pooled_tail", default=True, optional=True,
                                  tooltip="On a hit, every key block the mask skips still enters the softmax as one "
-                                         "pooled term (its mean key and value): closer to dense attention, more "
-                                         "so with a 16-bit backend; costs ~8% of the kernel at 15% density."),
+                                         "pooled term (its mean key and value): closer to dense attention, and "
+                                         "safer when a reused mask misses blocks this request needs; costs ~5% "
+                                         "of the kernel at 15% density. The flex and fa4_bf16 backends have "
+                                         "none: with them it is off."),
             ],
             outputs=[io.Model.Output(display_name="model")],
         )
 
     @classmethod
     def execute(cls, model, plan, top_p=0.9, k_min=4, refresh_steps=0, backend="auto",
-                verify_threshold=DEFAULT_VERIFY_THRESHOLD, pooled_tail=False) -> io.NodeOutput:
+                verify_threshold=DEFAULT_VERIFY_THRESHOLD, pooled_tail=True) -> io.NodeOutput:
         problem = model_input_problem(model)
         if problem is not None:
             return io.NodeOutput(model, ui=ui_text(f"not patched: {problem}"))
@@ -86,9 +89,13 @@ class ChorusSparseSampler(io.ComfyNode):
             msg = f"not patched: the plan input is not a Chorus plan ({type(plan).__name__}); dense attention"
             return io.NodeOutput(model, ui=ui_text(msg))
         try:
+            tail = boolean_input(pooled_tail, "pooled_tail")
+            tail_note = ""
+            if tail and str(backend) in BACKENDS and not has_pooled_tail(str(backend)):
+                tail, tail_note = False, f", pooled tail off ({backend} has none)"
             config = SparseConfig(top_p=number_input(top_p, "top_p"), k_min=number_input(k_min, "k_min", integer=True),
                                   refresh_steps=number_input(refresh_steps, "refresh_steps", integer=True),
-                                  backend=str(backend), pooled_tail=boolean_input(pooled_tail, "pooled_tail"),
+                                  backend=str(backend), pooled_tail=tail,
                                   verify_threshold=number_input(DEFAULT_VERIFY_THRESHOLD if verify_threshold is None
                                                                 else verify_threshold, "verify_threshold"))
         except ValueError as exc:
@@ -102,8 +109,7 @@ class ChorusSparseSampler(io.ComfyNode):
                     "this model, or runs dense attention + recording")
         elif plan.is_hit:
             mode = "HIT: sparse attention with entry %s (similarity %.3f)" % (plan.entry_id, plan.similarity)
-            if config.pooled_tail:
-                mode += ", pooled tail on"
+            mode += ", pooled tail on" if config.pooled_tail else (tail_note or ", pooled tail off")
         elif plan.demoted_reason:
             mode = f"MISS ({plan.demoted_reason}): dense attention + recording"
         else:

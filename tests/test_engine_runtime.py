@@ -108,7 +108,7 @@ def test_sparse_hit_equals_masked_oracle_and_counts_blocks():
     band = torch.eye(QB, dtype=torch.bool) | torch.eye(QB, dtype=torch.bool).roll(1, 1)
     masks = {(0, 2, 0, 0): band.expand(2, QB, QB).clone()}
     plan = hit_plan(masks)
-    handle = ChorusAttention(plan, SparseConfig(top_p=0.9, k_min=1, block_size=BS), INFO)
+    handle = ChorusAttention(plan, SparseConfig(top_p=0.9, k_min=1, block_size=BS, pooled_tail=False), INFO)
     handle.begin_run(SIGMAS)
     q, k, v = qkv(4)
     out = handle.self_attention(q, k, v, layer=0, sigma=0.5, grid=GRID, dense_fn=sdpa)
@@ -120,11 +120,12 @@ def test_sparse_hit_equals_masked_oracle_and_counts_blocks():
 
 
 def test_a_hit_with_the_pooled_tail_equals_the_oracle_with_the_tail():
-    """SparseConfig(pooled_tail=True) reaches the kernel: the hit equals the fp64 oracle with the pooled
+    """The pooled tail, on by default, reaches the kernel: the hit equals the fp64 oracle with the pooled
     tail (every skipped block one softmax term per row), not the map-only oracle, and is counted."""
     band = torch.eye(QB, dtype=torch.bool) | torch.eye(QB, dtype=torch.bool).roll(1, 1)
     plan = hit_plan({(0, 2, 0, 0): band.expand(2, QB, QB).clone()})
-    handle = ChorusAttention(plan, SparseConfig(top_p=0.9, k_min=1, block_size=BS, pooled_tail=True), INFO)
+    assert SparseConfig().pooled_tail
+    handle = ChorusAttention(plan, SparseConfig(top_p=0.9, k_min=1, block_size=BS), INFO)
     handle.begin_run(SIGMAS)
     q, k, v = qkv(4)
     out = handle.self_attention(q, k, v, layer=0, sigma=0.5, grid=GRID, dense_fn=sdpa).double()
@@ -214,7 +215,7 @@ def test_a_kernel_error_runs_that_call_dense_and_changes_no_later_choice(monkeyp
     torch.testing.assert_close(first, sdpa(q, k, v))
     assert plan.stats.fallback_calls == 1 and "OutOfMemoryError" in plan.stats.messages[0]
     second = handle.self_attention(q, k, v, layer=0, sigma=0.5, grid=GRID, dense_fn=sdpa)
-    oracle = dense_attention_oracle(q, k, v, block_map=band[None, None], block_size=BS)
+    oracle = dense_attention_oracle(q, k, v, block_map=band[None, None], block_size=BS, pooled_tail=True)
     assert (second.double() - oracle).abs().max().item() < 1e-4
     assert plan.stats.sparse_calls == 1 and api.resolve_backend("auto", q) == chosen_before
 
@@ -246,9 +247,12 @@ def test_two_experts_share_one_plan_and_route_by_sigma():
 
 def test_bad_arguments_raise_value_errors():
     for kw in (dict(top_p=0.0), dict(top_p=1.5), dict(top_p=float("nan")), dict(k_min=0), dict(refresh_steps=-1),
-               dict(backend="cuda"), dict(sample_rows=0), dict(block_size=100)):
+               dict(backend="cuda"), dict(sample_rows=0), dict(block_size=100), dict(backend="flex"),
+               dict(backend="fa4_bf16", pooled_tail=True), dict(pooled_tail=1)):
         with pytest.raises(ValueError):
             SparseConfig(**kw)
+    for backend in ("flex", "fa4_bf16"):  # the backends without a pooled tail run with it off
+        assert not SparseConfig(backend=backend, pooled_tail=False).pooled_tail
     with pytest.raises(ValueError):
         Plan("maybe")
     with pytest.raises(ValueError):

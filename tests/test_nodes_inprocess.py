@@ -66,7 +66,12 @@ def test_miss_write_hit_cycle_through_the_nodes(nodes, model, tmp_path):
     assert preview2.shape[0] == 1 and preview2.shape[-1] == 3 and not torch.all(preview2 == 0.5)
     patched2 = nodes.ChorusSparseSampler.execute(model=model, plan=plan2, top_p=0.9, k_min=4, refresh_steps=2,
                                                  backend="reference")
-    assert "HIT: sparse attention with entry 1" in _text(patched2)
+    assert "HIT: sparse attention with entry 1" in _text(patched2) and "pooled tail on" in _text(patched2)
+    for backend in ("flex", "fa4_bf16"):  # no pooled tail there: the node runs them with it off and says so
+        other = nodes.ChorusSparseSampler.execute(model=model, plan=plan2, backend=backend)
+        assert f"pooled tail off ({backend} has none)" in _text(other), _text(other)
+    off = nodes.ChorusSparseSampler.execute(model=model, plan=plan2, backend="reference", pooled_tail=False)
+    assert "HIT: sparse attention" in _text(off) and "pooled tail off" in _text(off)
     _sample(patched2.args[0], positive)
     text = nodes.ChorusCacheWrite.execute(latent=LATENT, plan=plan2).args[0]
     assert "hit: updated stats of entry 1" in text and "calls sparse 4" in text and "fallback 0" in text
@@ -111,7 +116,7 @@ def test_schemas_match_the_node_contract(nodes):
     assert math.isnan(nodes.ChorusMaskRetrieve.fingerprint_inputs()) and math.isnan(nodes.ChorusCacheWrite.fingerprint_inputs())
     defaults = {i.id: getattr(i, "default", None) for i in ids["ChorusSparseSampler"].inputs}
     assert defaults == {"model": None, "plan": None, "top_p": 0.9, "k_min": 4, "refresh_steps": 0, "backend": "auto",
-                        "verify_threshold": 0.0, "pooled_tail": False}
+                        "verify_threshold": 0.0, "pooled_tail": True}
     assert [i.id for i in ids["ChorusFeatureReuse"].inputs] == ["model", "plan", "downsample_share"]
     guidance = {i.id: getattr(i, "default", None) for i in ids["ChorusGuidanceBoost"].inputs}
     assert guidance == {"model": None, "plan": None, "strength": 0.5, "image_strength": 0.5, "cfg_strength": 0.0}

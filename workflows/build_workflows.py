@@ -128,7 +128,7 @@ NEGATIVE_PROMPT = (
 # Chorus defaults (the node contract): similarity threshold 0.9, top_p 0.9, k_min 4, refresh off.
 CHORUS_RETRIEVE = {"workspace": "default", "similarity_threshold": 0.9, "prompt": ""}
 CHORUS_SPARSE = {"top_p": 0.9, "k_min": 4, "refresh_steps": 0, "backend": "auto", "verify_threshold": 0.0,
-                 "pooled_tail": False}
+                 "pooled_tail": True}
 
 
 @dataclass
