@@ -29,7 +29,11 @@ What runs (everything side by side in one process, one GPU):
   models; the similarity threshold is the node's default); ``hitfr`` (hit15 + ``ChorusFeatureReuse``
   at ``downsample_share`` 0.25, ``--fr-share``, with the region scores the miss recorded; the miss runs
   feature reuse at the same share, so its entry is in the region order: ``*_raster`` rows are the same
-  requests on that entry relabelled raster). ``--compile``: each of ``dense``, ``miss``, ``hit15`` and
+  requests on that entry relabelled raster). Every hit row runs ``ChorusSparseSampler``'s defaults, the
+  pooled tail on; ``hit15_notail`` / ``hit5_notail``: the same requests with it off. ``sol`` / ``sol_every``:
+  ComfyUI's own sparse attention (the core "Model Sparse Attention" node of ComfyUI 0.38.x, rebuilt on this
+  host's override hook by ``sol_peer.py``, ``comfy_kitchen.sol_attn`` with tau 1.3 and ``token_aug`` 256):
+  the node's default window (the first 20% of the schedule dense) / every step. ``--compile``: each of ``dense``, ``miss``, ``hit15`` and
   ``hitfr`` asked for runs again on models passed through ComfyUI's ``TorchCompileModel`` node
   (inductor; rows ``*+compile``); their warm-up is a whole request, whose time (compilation included)
   is the row's ``first_request_s``.
@@ -70,14 +74,19 @@ A14B = dict(dim=5120, ffn_dim=13824, num_heads=40, num_layers=40, in_dim=36, out
 TINY = dict(dim=256, ffn_dim=512, num_heads=2, num_layers=2, in_dim=36, out_dim=16, text_dim=4096, freq_dim=256)
 TEXT_TOKENS = 512
 HIT_DENSITY = {"hit15": 0.15, "hit5": 0.05, "hitfr": 0.15, "hitver": 0.15, "hit15_raster": 0.15,
-               "hitfr_raster": 0.15}
+               "hitfr_raster": 0.15, "hit15_notail": 0.15, "hit5_notail": 0.05}
+# *_notail: the same request with ChorusSparseSampler's pooled_tail off (every other row: the node's default, on)
+NO_TAIL_VARIANTS = ("hit15_notail", "hit5_notail")
 # *_raster: the same request on an entry in raster order (what a miss without feature reuse records; a
 # miss with it records the region order, in which hitfr's downsampled blocks attend on the compact sequence)
 RASTER_VARIANTS = ("hit15_raster", "hitfr_raster")
 # hitver: hit15 with self-verification on; 0.01 passes on random weights (a map keeps about its density
 # of near-uniform attention), so the request does the verification work and stays a hit: its overhead
 VERIFY_THRESHOLD_PASSING = 0.01
-HIT_VARIANTS = ("hit15", "hit5", "hitfr", "hitver") + RASTER_VARIANTS
+HIT_VARIANTS = ("hit15", "hit5", "hitfr", "hitver") + RASTER_VARIANTS + NO_TAIL_VARIANTS
+# ComfyUI's core sparse attention (sol_peer.py): "sol" with the core node's defaults (the first 20% of the
+# schedule dense), "sol_every" with start_percent 0 (sol_attn at every step)
+SOL_VARIANTS = {"sol": 0.2, "sol_every": 0.0}
 
 
 def import_comfy(comfy_dir: Path, cpu: bool):
@@ -344,7 +353,7 @@ def run(args) -> dict:
                                                   positive=positive).result[0]
                 return plan, time.perf_counter() - t0
 
-            def patched(plan, fr_share=None, compile_models=False, verify=None, backend="auto"):
+            def patched(plan, fr_share=None, compile_models=False, verify=None, backend="auto", tail=True):
                 models = []
                 for m in (high, low):
                     if compile_models:
@@ -353,6 +362,8 @@ def run(args) -> dict:
                         m = TorchCompileModel.execute(m, "inductor").result[0]
                     if plan is not None:
                         options = {"backend": backend}
+                        if not tail:
+                            options["pooled_tail"] = False
                         if verify is not None:
                             options["verify_threshold"] = verify
                         m = ChorusSparseSampler.execute(m, plan, **options).result[0]
@@ -410,7 +421,8 @@ def run(args) -> dict:
                 if plan is not None:
                     row.update(plan_kind=plan.kind, density=plan.stats.density, sparse_calls=plan.stats.sparse_calls,
                                blocks_computed=plan.stats.blocks_computed, blocks_total=plan.stats.blocks_total,
-                               fallback_calls=plan.stats.fallback_calls, messages=plan.stats.messages[:5])
+                               fallback_calls=plan.stats.fallback_calls, tail_calls=plan.stats.tail_calls,
+                               messages=plan.stats.messages[:5])
                 if args.profile and device.type == "cuda" and name != "miss" and "compile" not in name:
                     # (not the miss: one more step would record into the entry it is about to write)
                     row["profile_step0"] = profile_step(lambda: sample_request(h_m, l_m, latent, positive, negative,
@@ -419,6 +431,27 @@ def run(args) -> dict:
                 print(json.dumps({k: v for k, v in row.items() if k != "profile_step0"}), flush=True)
                 save(results, args.out)
                 return out
+
+            def sol_row(name, start_percent):
+                """A row of ComfyUI's core sparse attention on both experts (``sol_peer.py``); without
+                ``comfy_kitchen`` the row records why it did not run."""
+                from .sol_peer import CORE_NODE_DEFAULTS, sol_patched
+
+                options = dict(CORE_NODE_DEFAULTS, start_percent=start_percent)
+                if cpu:  # toy sizes on the CPU: sol_attn's eager reference, no token threshold
+                    options.update(min_tokens=0, cuda_only=False)
+                try:
+                    patched_pair = [sol_patched(m, **options) for m in (high, low)]
+                except ImportError as exc:
+                    results["runs"].append({"weights": weights, "res": res, "variant": name,
+                                            "skipped": f"comfy_kitchen is not importable ({exc})"})
+                    print(f"skipping {weights}/{res}/{name}: comfy_kitchen is not importable", flush=True)
+                    return
+                if timed(name, tuple(m for m, _ in patched_pair)) is not None:
+                    results["runs"][-1].update(
+                        sol_options={k: v for k, v in options.items() if k != "cuda_only"},
+                        sol_sparse_calls=sum(c.sparse_calls for _, c in patched_pair),
+                        sol_dense_calls=sum(c.dense_calls for _, c in patched_pair))
 
             compiling = args.compile and res in args.compile_res
             fresh = iter(range(10 ** 6))
@@ -444,6 +477,9 @@ def run(args) -> dict:
                 timed("dense", (high, low))
                 if compiling:
                     timed_compiled("dense")
+            for name, start in SOL_VARIANTS.items():
+                if name in args.variants:
+                    sol_row(name, start)
             entry_plan = None
             if any(v in args.variants for v in ("miss",) + HIT_VARIANTS):
                 plan, t_ret = retrieve(ws_miss)
@@ -485,7 +521,8 @@ def run(args) -> dict:
                 plan, t_ret = retrieve(hit_ws)
                 assert plan.is_hit, plan.message
                 models = patched(plan, fr_share=args.fr_share if name in ("hitfr", "hitfr_raster") else None,
-                                 verify=VERIFY_THRESHOLD_PASSING if name == "hitver" else None)
+                                 verify=VERIFY_THRESHOLD_PASSING if name == "hitver" else None,
+                                 tail=name not in NO_TAIL_VARIANTS)
                 if timed(name, models, plan) is None:
                     continue
                 results["runs"][-1].update(retrieve_s=t_ret)
@@ -513,9 +550,10 @@ def save(results: dict, out_dir) -> None:
 
 def kernel_alone_ms(plan, grid, shape, kernels, reps: int = 10) -> dict:
     """The kernel a hit runs by itself: ``block_sparse_attention(backend="auto")`` in the entry's
-    token order, as the hit runs it (``"auto"``: its median ms; ``"backend"``: what auto resolved to) on random q/k/v in ComfyUI's layout with the map
-    the hit computes for layer 0 of step 0 (entry map + k_min floor); also the portable Triton FP8
-    kernel whole and in its two parts (pre-pass + index, attention)."""
+    token order, as the hit runs it (``"auto"``: its median ms, with the pooled tail as the node's default
+    runs it; ``"auto_no_tail"``: without; ``"backend"``: what auto resolved to) on random q/k/v in ComfyUI's
+    layout with the map the hit computes for layer 0 of step 0 (entry map + k_min floor); also the portable
+    Triton FP8 kernel whole and in its two parts (pre-pass + index, attention), without the tail."""
     from chorus.engine.maps import floor_k_min, stored_map
 
     t, h, w = grid
@@ -535,14 +573,16 @@ def kernel_alone_ms(plan, grid, shape, kernels, reps: int = 10) -> dict:
     from chorus.kernels.api import resolve_backend
 
     out["backend"] = resolve_backend("auto", qkv[0]).value
-    for name in ("auto", "triton_fp8", "prepass_and_index", "attention_kernel"):
+    for name in ("auto", "auto_no_tail", "triton_fp8", "prepass_and_index", "attention_kernel"):
         def call():
             if name == "prepass_and_index":
                 return prepare_attention(*qkv, block_map, 128, scale, True)
             if name == "attention_kernel":
                 return launch_attention(prep)
-            o = kernels.block_sparse_attention(*qkv, block_map, backend=name, rows_checked=True,
-                                               token_perm=plan.entry_order if name == "auto" else None)
+            hit_like = name.startswith("auto")
+            o = kernels.block_sparse_attention(*qkv, block_map, backend="auto" if hit_like else name,
+                                               rows_checked=True, token_perm=plan.entry_order if hit_like else None,
+                                               pooled_tail=name == "auto")
             return o.transpose(1, 2).reshape(1, length, heads * dim)
         out[name] = cuda_median_ms(call, reps, warmup=2)
     out["density"] = float(block_map.float().mean())
@@ -597,7 +637,7 @@ def main(argv=None) -> int:
     p.add_argument("--res", nargs="+", default=["480p", "720p"], choices=sorted(RESOLUTIONS))
     p.add_argument("--weights", nargs="+", default=["bf16"], choices=["bf16", "fp8"])
     p.add_argument("--variants", nargs="+", default=["dense", "miss", "hit15", "hit5", "hitfr"],
-                   choices=["dense", "miss", *HIT_VARIANTS])
+                   choices=["dense", "miss", *HIT_VARIANTS, *SOL_VARIANTS])
     p.add_argument("--hit-backends", nargs="+", default=["auto"],
                    help="sparse-attention backends the hit15 / hit5 variants run with (rows 'hit15@NAME'; "
                         "'auto' = the node's default row 'hit15')")

@@ -15,7 +15,14 @@ Peers (``PEERS``, in table order):
 - ``ours_fp8`` / ``ours_bf16``: ``chorus.kernels.block_sparse_attention`` (Triton), for the side-by-side rows.
 - ``ours_fp8_persistent``: our FP8 kernel with the persistent launch (the persistent-kernel lever).
 - ``ours_fp8_ws``: the ``triton_fp8_ws`` backend (the warp-specialised Gluon FP8 kernel,
-  ``chorus.kernels.triton._attention_ws``).
+  ``chorus.kernels.triton._attention_ws``); ``ours_fp8_ws_tail``: the same with ``pooled_tail=True``.
+- ``sol_attn_topk``: ComfyUI's own sparse attention, ``comfy_kitchen.sol_attn`` (optional extra
+  ``comfy-kitchen``; CUDA kernels, INT8 MMA, 64-token blocks), top-k routing at the map's kept fraction
+  (``topk_ratio``; its own routing picks the blocks, plus its diagonal), its pooled tail on (its default);
+  a full map runs every block (``tau=-1e9``). Inputs in its ``[B, L, H, D]`` layout, made once outside
+  the timed call. FLOPs are counted from our map's kept blocks, as for every sparse peer. The benchmark's
+  cosine is against the map's masked reference, so for these two tail peers it is no accuracy figure
+  (their skipped blocks enter as pooled terms; sol routes by itself): ``tail_quality.py`` measures that.
 - ``api_fa4_bf16``: the same API with ``backend="fa4_bf16"`` (FlashAttention-4's kernel, the block lists
   built from the map inside each call, as a hit runs it).
 - ``flex_compiled``: ``torch.compile(flex_attention)`` with a ``BlockMask`` from the same map (sparse).
@@ -112,7 +119,7 @@ def unpack_tile_mask_lsb(packed: torch.Tensor, num_kv_blocks: int) -> torch.Tens
 # --------------------------------------------------------------------------------------------- ours
 
 
-def _make_api(backend: str):
+def _make_api(backend: str, pooled_tail: bool = False):
     def make(q, k, v, block_map, block_size):
         try:
             from chorus.kernels import api
@@ -127,7 +134,8 @@ def _make_api(backend: str):
         bm = block_map.to(q.device)
 
         def run():
-            return api.block_sparse_attention(q, k, v, bm, block_size=block_size, backend=backend, rows_checked=True)
+            return api.block_sparse_attention(q, k, v, bm, block_size=block_size, backend=backend, rows_checked=True,
+                                              pooled_tail=pooled_tail)
 
         return run, ""
 
@@ -595,6 +603,30 @@ def make_fa4(q, k, v, block_map, block_size):
     return run, ""
 
 
+# --------------------------------------------------------------------------------------------- sol_attn
+
+
+def make_sol_attn_topk(q, k, v, block_map, block_size):
+    try:
+        import comfy_kitchen
+    except Exception as exc:  # noqa: BLE001
+        return None, f"comfy_kitchen is not importable ({_err(exc)}); pip install 'chorus-ii[peers]'"
+    reason = _needs_cuda(q, "sol_attn")
+    if reason:
+        return None, reason
+    if not comfy_kitchen.sol_attn_is_available(q.device):
+        return None, "comfy_kitchen's CUDA sol_attn kernels are not available on this GPU / build"
+    kept = block_map.float().mean().item()
+    routing = dict(topk_ratio=kept) if kept < 1.0 else dict(tau=-1e9)
+    qs, ks, vs = (t.transpose(1, 2).contiguous() for t in (q, k, v))  # sol_attn takes [B, L, H, D]
+    scale = 1.0 / math.sqrt(q.shape[-1])
+
+    def run():
+        return comfy_kitchen.sol_attn(qs, ks, vs, scale=scale, tail=True, **routing).transpose(1, 2)
+
+    return run, ""
+
+
 # --------------------------------------------------------------------------------------------- registry
 
 PEERS: tuple[Peer, ...] = (
@@ -604,6 +636,10 @@ PEERS: tuple[Peer, ...] = (
          "chorus Triton FP8, persistent launch (2 programs per SM over LPT-ordered tiles): a lever"),
     Peer("ours_fp8_ws", True, _make_api("triton_fp8_ws"),
          "chorus backend triton_fp8_ws: Gluon FP8, warp-specialised (TMA producer + 2 consumer warpgroups)"),
+    Peer("ours_fp8_ws_tail", True, _make_api("triton_fp8_ws", pooled_tail=True),
+         "triton_fp8_ws with the pooled tail (every skipped block one pooled term per row)"),
+    Peer("sol_attn_topk", True, make_sol_attn_topk,
+         "comfy_kitchen.sol_attn (ComfyUI's core sparse attention), top-k at the map's density, its tail on"),
     Peer("api_fa4_bf16", True, _make_api("fa4_bf16"),
          "chorus.kernels backend fa4_bf16: FlashAttention-4 through our API (map -> block lists per call)"),
     Peer("flex_compiled", True, make_flex, "torch.compile(flex_attention), BlockMask from the map"),
