@@ -112,8 +112,9 @@ def test_compact_self_attention_matches_the_full_grid_computation(grid, region, 
            "block_size": bs, "token_order": order.name, "step_sigmas": [1.0], "head_groups": 1}
     plan = Plan("hit", entry_id=1, similarity=1.0, masks={(0, 0, 1, 0): stored}, entry_meta={"signature": sig},
                 latent_shape=tuple(sig["latent_shape"]))
-    handle = ChorusAttention(plan, SparseConfig(block_size=bs, k_min=1, backend="reference", verify_threshold=0.0),
-                             INFO)
+    # the compact computation itself (the pooled tail with a suffix bias: tests/test_kernels_pooled_tail.py)
+    handle = ChorusAttention(plan, SparseConfig(block_size=bs, k_min=1, backend="reference", verify_threshold=0.0,
+                                                pooled_tail=False), INFO)
     q, k, v = (torch.randn(1, 2, layout.compact_length, 32, generator=gen) for _ in range(3))
     out = handle.compact_self_attention(q, k, v, layout=layout, layer=1, sigma=1.0, first_frame_bias=bias,
                                         dense_fn=lambda *a: pytest.fail("fell back to dense"))

@@ -38,7 +38,7 @@ def test_hit_on_gpu_matches_the_masked_oracle(backend):
     block_map = torch.rand(4, QB, QB, generator=gen) < 0.3
     block_map |= torch.eye(QB, dtype=torch.bool)
     plan = _hit(block_map)
-    handle = ChorusAttention(plan, SparseConfig(k_min=4, backend=backend), INFO)
+    handle = ChorusAttention(plan, SparseConfig(k_min=4, backend=backend, pooled_tail=False), INFO)
     handle.begin_run([0.9, 0.0])
     q, k, v = _qkv(1)
     out = handle.self_attention(q, k, v, layer=0, sigma=torch.tensor([0.9], device="cuda"), grid=GRID, dense_fn=sdpa)
@@ -88,7 +88,7 @@ def test_first_frame_bias_on_gpu(backend):
     block_map |= torch.eye(QB, dtype=torch.bool)
     block_map[:, :, :13] = True  # the recorder's first-frame keep-set
     plan = _hit(block_map)
-    handle = ChorusAttention(plan, SparseConfig(k_min=4, backend=backend), INFO)
+    handle = ChorusAttention(plan, SparseConfig(k_min=4, backend=backend, pooled_tail=False), INFO)
     handle.begin_run([0.9, 0.0])
     q, k, v = _qkv(4)
     out = handle.self_attention(q, k, v, layer=0, sigma=0.9, grid=GRID, dense_fn=sdpa, first_frame_bias=bias)

@@ -160,8 +160,10 @@ def test_a_hit_runs_in_its_entrys_order_exactly():
     out = handle.self_attention(q, k, v, layer=0, sigma=1.0, grid=RGRID, dense_fn=_dense)
     assert plan.stats.sparse_calls == 1 and plan.stats.fallback_calls == 0, plan.stats.messages
     qt, kt, vt = (order.to_tile(t) for t in (q, k, v))
+    # the pooled tail (on by default) pools the blocks of the entry's order too
     want = order.to_raster(kernels.block_sparse_attention(qt, kt, vt, stored[None], block_size=BS,
-                                                          backend="reference"))
+                                                          backend="reference", pooled_tail=True))
     torch.testing.assert_close(out, want)
-    raster = kernels.block_sparse_attention(q, k, v, stored[None], block_size=BS, backend="reference")
+    raster = kernels.block_sparse_attention(q, k, v, stored[None], block_size=BS, backend="reference",
+                                            pooled_tail=True)
     assert not torch.allclose(out, raster, atol=1e-4)

@@ -74,4 +74,6 @@ def test_a_channel_strided_stream_gives_the_same_row_major_output(tmp_path):
         outs.append(_run(hit, channel_strided=strided))
         assert feature_state(hit).blocks_reduced == 2
     assert outs[1].is_contiguous()  # the reduced block's output is row-major
-    torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0)
+    # the same values up to the last bits: the pooled tail (on by default) averages every key block, and a
+    # strided stream's pooled cells are summed in another order
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-6)

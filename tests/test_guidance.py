@@ -116,7 +116,7 @@ def test_engine_applies_the_bias_on_the_sparse_path_and_in_dense_calls():
     sig = {"variant": info.variant, "experts": [info.fingerprint], "num_layers": 1, "num_heads": 2,
            "token_grid": list(grid), "step_sigmas": [0.5], "block_size": bs}
     hit = Plan("hit", masks={(0, 0, 0, 0): band}, entry_meta={"signature": sig}, similarity=0.95, entry_id=1)
-    handle = ChorusAttention(hit, SparseConfig(k_min=1, block_size=bs, backend="reference"), info)
+    handle = ChorusAttention(hit, SparseConfig(k_min=1, block_size=bs, backend="reference", pooled_tail=False), info)
     bias = math.log(1.4)
     out = handle.self_attention(q, k, v, layer=0, sigma=0.5, grid=grid, dense_fn=None, first_frame_bias=bias)
     assert hit.stats.sparse_calls == 1 and hit.stats.fallback_calls == 0
