@@ -214,18 +214,17 @@ def quantize_k_tile(x, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _kv_block_sums_kernel(K, V, pool_sums, token_perm, H, Lk, n_chunks, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl,
-                          HEAD_DIM: tl.constexpr, TILE: tl.constexpr, POOL_CHUNK: tl.constexpr,
-                          HAS_PERM: tl.constexpr):
+def _kv_block_sums_kernel(K, V, pool_sums, H, Lk, n_chunks, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl,
+                          HEAD_DIM: tl.constexpr, TILE: tl.constexpr, POOL_CHUNK: tl.constexpr):
     """The 16-bit path's pooled-tail sums (the FP8 pre-pass fuses them): per ``TILE`` keys of one (b, h),
-    the sums of each ``POOL_CHUNK`` keys of K and V into ``pool_sums [B*H, 2, n_chunks, D]``."""
+    the sums of each ``POOL_CHUNK`` keys of K and V into ``pool_sums [B*H, 2, n_chunks, D]`` (K and V in the
+    order given: a token order is applied by the caller's gather)."""
     tile, bh, b, h, offs_d, rows = _program_tile(H, HEAD_DIM, TILE)
     valid = (rows < Lk)[:, None]
-    src = source_rows(token_perm, rows, Lk, HAS_PERM)
-    x = tl.load(K + b * s_kb + h * s_kh + src[:, None] * s_kl + offs_d[None, :], mask=valid, other=0.0)
+    x = tl.load(K + b * s_kb + h * s_kh + rows[:, None] * s_kl + offs_d[None, :], mask=valid, other=0.0)
     block_sums(x.to(tl.float32), pool_sums + bh * 2 * n_chunks * HEAD_DIM, tile * (TILE // POOL_CHUNK), HEAD_DIM,
                TILE, POOL_CHUNK)
-    y = tl.load(V + b * s_vb + h * s_vh + src[:, None] * s_vl + offs_d[None, :], mask=valid, other=0.0)
+    y = tl.load(V + b * s_vb + h * s_vh + rows[:, None] * s_vl + offs_d[None, :], mask=valid, other=0.0)
     block_sums(y.to(tl.float32), pool_sums + (bh * 2 + 1) * n_chunks * HEAD_DIM, tile * (TILE // POOL_CHUNK),
                HEAD_DIM, TILE, POOL_CHUNK)
 
@@ -323,8 +322,8 @@ def pooled_kv_16bit(k: torch.Tensor, v: torch.Tensor, block_size: int):
     lpad = padded_len(kv_len)
     sums = torch.empty(batch * heads, 2, lpad // chunk, head_dim, device=k.device, dtype=torch.float32)
     _kv_block_sums_kernel[(lpad // QUANT_TILE, batch * heads)](
-        k, v, sums, sums, heads, kv_len, lpad // chunk, k.stride(0), k.stride(1), k.stride(2), v.stride(0),
-        v.stride(1), v.stride(2), HEAD_DIM=head_dim, TILE=QUANT_TILE, POOL_CHUNK=chunk, HAS_PERM=False, num_warps=8)
+        k, v, sums, heads, kv_len, lpad // chunk, k.stride(0), k.stride(1), k.stride(2), v.stride(0),
+        v.stride(1), v.stride(2), HEAD_DIM=head_dim, TILE=QUANT_TILE, POOL_CHUNK=chunk, num_warps=8)
     kp = torch.empty(batch, heads, rows, head_dim, device=k.device, dtype=k.dtype)
     vp = torch.empty_like(kp)
     _pooled_finalize_kernel[(rows // QUANT_TILE, batch * heads)](
