@@ -224,8 +224,8 @@ def test_the_triton_kernel_and_the_tail_s_own_kernels_compile_for_sm90(fp8, use_
                                       pool_sums=fp32, q_mult="fp32"),
                 dict(HEAD_DIM=128, TILE=128, INTERPRET=False, QUANT_Q=False, HAS_PERM=True, V_WGMMA_ORDER=True,
                      POOL_CHUNK=64), num_warps=8)
-    compile_jit(Q._kv_block_sums_kernel, dict(K="*bf16", V="*bf16", pool_sums=fp32, token_perm="*i32"),
-                dict(HEAD_DIM=128, TILE=128, POOL_CHUNK=128, HAS_PERM=False), num_warps=8)
+    compile_jit(Q._kv_block_sums_kernel, dict(K="*bf16", V="*bf16", pool_sums=fp32),
+                dict(HEAD_DIM=128, TILE=128, POOL_CHUNK=128), num_warps=8)
     for out_type, is_fp8 in (("*fp8e4nv", True), ("*bf16", False)):
         compile_jit(Q._pooled_finalize_kernel, dict(pool_sums=fp32, k_out=out_type, v_out=out_type, k_scale=fp32,
                                                     v_stats=fp32),
