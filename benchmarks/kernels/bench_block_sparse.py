@@ -139,7 +139,10 @@ def run_peers(length: int, q, k, v, args, results: dict) -> None:
                     out = fn()
                     torch.cuda.synchronize()
                     est = (time.time() - t0) * 1e3
-                    entry["cos_vs_fp32_ref"] = cosine(out[:, ref_heads], reference(density, bm))
+                    if peer.no_reference is None:
+                        entry["cos_vs_fp32_ref"] = cosine(out[:, ref_heads], reference(density, bm))
+                    else:
+                        entry["no_reference"] = peer.no_reference
                     del out
                     flops = kept_flops(bm, length, length, dim, bs, heads=heads) if peer.sparse else dense_flops
                     timed.append((entry, fn, est, flops))
@@ -173,8 +176,9 @@ def run_peers(length: int, q, k, v, args, results: dict) -> None:
             spread = (f", rounds {min(entry['rounds_ms']):.2f}-{max(entry['rounds_ms']):.2f}"
                       if len(entry["rounds_ms"]) > 1 else "")
             log(f"[{length}] peer {entry['peer']:24s} {entry['map']:>5s}: {entry['ms']:9.2f} ms "
-                f"({entry['tflops']:4.0f} TFLOP/s, {entry['flops_counted']}{spread}{state}), cosine vs fp32 "
-                f"{entry['cos_vs_fp32_ref']:.5f}")
+                f"({entry['tflops']:4.0f} TFLOP/s, {entry['flops_counted']}{spread}{state}), "
+                + (f"cosine vs fp32 {entry['cos_vs_fp32_ref']:.5f}" if entry["cos_vs_fp32_ref"] is not None
+                   else f"no cosine ({entry['no_reference']})"))
         else:
             log(f"[{length}] peer {entry['peer']:24s} {entry['map']:>5s}: not run: {entry['reason']}")
     timed.clear()

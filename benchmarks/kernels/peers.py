@@ -21,8 +21,9 @@ Peers (``PEERS``, in table order):
   (``topk_ratio``; its own routing picks the blocks, plus its diagonal), its pooled tail on (its default);
   a full map runs every block (``tau=-1e9``). Inputs in its ``[B, L, H, D]`` layout, made once outside
   the timed call. FLOPs are counted from our map's kept blocks, as for every sparse peer. The benchmark's
-  cosine is against the map's masked reference, so for these two tail peers it is no accuracy figure
-  (their skipped blocks enter as pooled terms; sol routes by itself): ``tail_quality.py`` measures that.
+  cosine against the map's masked reference would be no accuracy figure for these two tail peers (their
+  skipped blocks enter as pooled terms; sol routes by itself), so they have none (``Peer.no_reference``):
+  ``tail_quality.py`` measures their error.
 - ``api_fa4_bf16``: the same API with ``backend="fa4_bf16"`` (FlashAttention-4's kernel, the block lists
   built from the map inside each call, as a hit runs it).
 - ``flex_compiled``: ``torch.compile(flex_attention)`` with a ``BlockMask`` from the same map (sparse).
@@ -73,6 +74,9 @@ class Peer:
     sparse: bool  # True: honours the block map (kept-block FLOPs); False: dense attention (dense FLOPs)
     make: Callable[..., MakeResult]
     what: str
+    # the benchmark's cosine against the fp32 reference masked by the map (dense peers: unmasked); None for a
+    # peer that computes something else (a pooled tail, its own routing): no cosine, this says why
+    no_reference: str | None = None
 
 
 def _err(exc: BaseException) -> str:
@@ -637,9 +641,11 @@ PEERS: tuple[Peer, ...] = (
     Peer("ours_fp8_ws", True, _make_api("triton_fp8_ws"),
          "chorus backend triton_fp8_ws: Gluon FP8, warp-specialised (TMA producer + 2 consumer warpgroups)"),
     Peer("ours_fp8_ws_tail", True, _make_api("triton_fp8_ws", pooled_tail=True),
-         "triton_fp8_ws with the pooled tail (every skipped block one pooled term per row)"),
+         "triton_fp8_ws with the pooled tail (every skipped block one pooled term per row)",
+         no_reference="the pooled tail adds the skipped blocks: its error is tail_quality.py's"),
     Peer("sol_attn_topk", True, make_sol_attn_topk,
-         "comfy_kitchen.sol_attn (ComfyUI's core sparse attention), top-k at the map's density, its tail on"),
+         "comfy_kitchen.sol_attn (ComfyUI's core sparse attention), top-k at the map's density, its tail on",
+         no_reference="its own routing and pooled tail: its error is tail_quality.py's"),
     Peer("api_fa4_bf16", True, _make_api("fa4_bf16"),
          "chorus.kernels backend fa4_bf16: FlashAttention-4 through our API (map -> block lists per call)"),
     Peer("flex_compiled", True, make_flex, "torch.compile(flex_attention), BlockMask from the map"),
