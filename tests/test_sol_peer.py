@@ -72,6 +72,9 @@ def test_sparse_calls_are_sol_attn_and_the_rest_stays_dense():
     for cq, ck, cv, heads, kwargs in kept_dense:
         assert torch.equal(override(dense, cq, ck, cv, heads, **kwargs), torch.full_like(cq, 7.0))
     assert len(dense.calls) == len(kept_dense) and counts.dense_calls == len(kept_dense)
+    assert counts.dense_reasons == {"mask": 1, "sigma outside the start/end window": 1,
+                                    "fewer tokens than min_tokens": 1, "cross-attention or mixed dtypes": 1,
+                                    "head dim 64 != 128": 1}
     assert counts.sparse_calls == 2
     assert "transformer_options" in dense.calls[1]  # every argument is handed on
 
@@ -87,3 +90,7 @@ def test_the_benchmark_of_record_runs_the_sol_rows(tmp_path, monkeypatch):
     assert rows["sol"]["sol_options"]["start_percent"] == 0.2 and rows["sol_every"]["sol_options"]["start_percent"] == 0
     # every step sparse against the core node's window (its first 20% of the schedule dense)
     assert rows["sol_every"]["sol_sparse_calls"] > rows["sol"]["sol_sparse_calls"] > 0
+    # the core node's window kept the early steps dense; cross-attention always is
+    assert "sigma outside the start/end window" in rows["sol"]["sol_dense_reasons"][0]
+    assert "sigma outside the start/end window" not in rows["sol_every"]["sol_dense_reasons"][0]
+    assert rows["sol_every"]["sol_dense_reasons"][0]["cross-attention or mixed dtypes"] > 0

@@ -451,7 +451,8 @@ def run(args) -> dict:
                     results["runs"][-1].update(
                         sol_options={k: v for k, v in options.items() if k != "cuda_only"},
                         sol_sparse_calls=sum(c.sparse_calls for _, c in patched_pair),
-                        sol_dense_calls=sum(c.dense_calls for _, c in patched_pair))
+                        sol_dense_calls=sum(c.dense_calls for _, c in patched_pair),
+                        sol_dense_reasons=[c.dense_reasons for _, c in patched_pair])
 
             compiling = args.compile and res in args.compile_res
             fresh = iter(range(10 ** 6))

@@ -25,7 +25,7 @@ eager reference of ``sol_attn`` run on the CPU (toy sizes, for tests); the real 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -35,10 +35,12 @@ CORE_NODE_DEFAULTS = dict(tau=1.3, start_percent=0.2, end_percent=1.0, min_token
 
 @dataclass
 class SolCounts:
-    """What the override did in a run: calls through ``sol_attn`` and calls it handed to dense attention."""
+    """What the override did in a run: calls through ``sol_attn``, calls it handed to dense attention, and
+    why (``dense_reasons``: reason -> calls)."""
 
     sparse_calls: int = 0
     dense_calls: int = 0
+    dense_reasons: dict = field(default_factory=dict)
 
 
 def _ineligible(q, k, v, dim_head: int, cuda_only: bool):
@@ -75,28 +77,30 @@ def sol_patched(model, *, tau: float = 1.3, start_percent: float = 0.2, end_perc
                  skip_output_reshape=False, **kwargs):
         options = kwargs.get("transformer_options") or {}
 
-        def dense():
+        def dense(reason: str):
             counts.dense_calls += 1
+            counts.dense_reasons[reason] = counts.dense_reasons.get(reason, 0) + 1
             return func(q, k, v, heads, mask=mask, attn_precision=attn_precision, skip_reshape=skip_reshape,
                         skip_output_reshape=skip_output_reshape, **kwargs)
 
         if mask is not None:
-            return dense()
+            return dense("mask")
         sigmas = options.get("sigmas")
         if sigmas is not None:
             sigma = float(sigmas[0])
             if sigma > sigma_start or sigma < sigma_end:
-                return dense()
+                return dense("sigma outside the start/end window")
         if (q.shape[2] if skip_reshape else q.shape[1]) < min_tokens:
-            return dense()
+            return dense("fewer tokens than min_tokens")
         if skip_reshape:  # [B, H, T, D]
             batch, dim_head = q.shape[0], q.shape[-1]
             qs, ks, vs = (t.transpose(1, 2) for t in (q, k, v))
         else:  # [B, T, H * D]
             batch, dim_head = q.shape[0], q.shape[-1] // heads
             qs, ks, vs = (t.view(batch, -1, heads, dim_head) for t in (q, k, v))
-        if _ineligible(qs, ks, vs, dim_head, cuda_only) is not None:
-            return dense()
+        reason = _ineligible(qs, ks, vs, dim_head, cuda_only)
+        if reason is not None:
+            return dense(reason)
         if q.dtype == torch.float32:
             qs, ks, vs = (t.to(torch.bfloat16) for t in (qs, ks, vs))
         out = comfy_kitchen.sol_attn(qs, ks, vs, tau=tau, scale=kwargs.get("scale"),
