@@ -47,7 +47,8 @@ class SparseConfig:
       rows' softmax as one pooled term (the block's mean key, weighted by its token count, with its mean
       value, from the current call's K and V: ``kernels.block_sparse_attention(pooled_tail=True)``).
       On by default: measured on the H200 (docs/BENCHMARKS.md, "Two-level P.V accumulation") it lowers the error of the
-      FP8 and the 16-bit paths at every density, for +5% of the kernel's time at 15% density and +19%
+      FP8 and the 16-bit paths at every density on spread attention (on sharp attention it lowers it at
+      5% and leaves it equal above), for +5% of the kernel's time at 15% density and +19%
       at 5% (720p). A backend without one (``flex``, ``fa4_bf16``) with ``pooled_tail=True`` raises
       ``ValueError``: turn it off for them (``kernels.has_pooled_tail``).
     - ``verify_threshold`` in [0, 1]: self-verifying hits (``chorus.engine.verify``). At the first step

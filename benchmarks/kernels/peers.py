@@ -16,8 +16,8 @@ Peers (``PEERS``, in table order):
 - ``ours_fp8_persistent``: our FP8 kernel with the persistent launch (the persistent-kernel lever).
 - ``ours_fp8_ws``: the ``triton_fp8_ws`` backend (the warp-specialised Gluon FP8 kernel,
   ``chorus.kernels.triton._attention_ws``); ``ours_fp8_ws_tail``: the same with ``pooled_tail=True``.
-- ``sol_attn_topk``: ComfyUI's own sparse attention, ``comfy_kitchen.sol_attn`` (optional extra
-  ``comfy-kitchen``; CUDA kernels, INT8 MMA, 64-token blocks), top-k routing at the map's kept fraction
+- ``sol_attn_topk``: ComfyUI's own sparse attention, ``comfy_kitchen.sol_attn`` (package
+  ``comfy-kitchen``, optional extra ``peers``; CUDA kernels, INT8 MMA, 64-token blocks), top-k routing at the map's kept fraction
   (``topk_ratio``; its own routing picks the blocks, plus its diagonal), its pooled tail on (its default);
   a full map runs every block (``tau=-1e9``). Inputs in its ``[B, L, H, D]`` layout, made once outside
   the timed call. FLOPs are counted from our map's kept blocks, as for every sparse peer. The benchmark's
