@@ -26,6 +26,11 @@ SUGGESTED_VERIFY_THRESHOLD = 0.95
 # map: fit ratio 0.918 with 8 rows, 0.957 with 32, 0.969 with 64). 64 of a 128 block on 4 of 40 heads is 5% of
 # one layer's QK^T, on 4 layers, once per expert.
 DEFAULT_VERIFY_ROWS = 64
+# auto's numerics rule: a map that keeps at least this share of the recorded attention mass per row (top_p) leaves
+# an error of the same order as the FP8 path's own (~0.055 relative L2 on a full map), so there auto runs the
+# accurate INT8 path (~0.016); below it the sparsity error dominates and the fast FP8 path runs
+# (docs/BENCHMARKS.md, "The accurate INT8 path").
+ACCURATE_TOP_P = 0.95
 
 
 @dataclass(frozen=True)
@@ -37,8 +42,12 @@ class SparseConfig:
     - ``k_min`` >= 1: floor on kept key blocks per query-block row of a reused map (safety fallback).
     - ``refresh_steps`` >= 0: visit refresh; 0 = off, R > 0 = no block pair stays unvisited for more
       than R consecutive steps of a request (``chorus.kernels.VisitRefresh``).
-    - ``backend``: one of ``auto | triton_fp8_ws | triton_fp8 | triton_bf16 | fa4_bf16 | flex | reference``
-      (see kernels; ``triton_fp8_ws`` is Hopper-only, ``fa4_bf16`` needs the optional ``flash-attn-4``).
+    - ``backend``: one of ``auto | triton_fp8_ws | triton_fp8 | triton_int8 | triton_bf16 | fa4_bf16 | flex |
+      reference`` (see kernels; ``triton_fp8_ws`` is Hopper-only, ``fa4_bf16`` needs the optional
+      ``flash-attn-4``). ``auto`` runs the kernels' fast choice (the FP8 path on Hopper), except with ``top_p
+      >= ACCURATE_TOP_P`` (0.95), where it runs the accurate ``triton_int8`` path where that can run
+      (:attr:`attention_backend`): the maps then keep nearly all the mass and the FP8 numerics would set the
+      error.
     - ``sample_rows``: query rows per block used by the recorder's ``block_mass`` (None = exact). 8 keeps
       the miss within 10% of a dense run on the H200 and loses 0.0003 of mask recall against exact
       mass (docs/BENCHMARKS.md, "End to end", miss rows).
@@ -83,6 +92,14 @@ class SparseConfig:
     verify_layers: tuple = (0, 1, 2, 3)
     verify_heads: int = 4
     verify_rows: int = DEFAULT_VERIFY_ROWS
+
+    @property
+    def attention_backend(self) -> str:
+        """The backend a hit's sparse calls ask the kernels for: ``backend``, or with ``auto`` and ``top_p >=
+        ACCURATE_TOP_P`` the accurate ``triton_int8`` (the runtime falls back to ``auto`` where it cannot run)."""
+        if self.backend == Backend.AUTO.value and self.top_p >= ACCURATE_TOP_P:
+            return Backend.TRITON_INT8.value
+        return self.backend
 
     def __post_init__(self):
         if not (isinstance(self.top_p, (int, float)) and math.isfinite(self.top_p) and 0.0 < self.top_p <= 1.0):

@@ -205,6 +205,7 @@ class ExpertRun:
         self.maps = RunMaps(self.plan, self.config, expert)
         self.verifier = Verifier(self.plan, self.config, expert, self.model_info.num_layers, self.record_into)
         self._kept = None  # device counter of computed blocks (read when the run ends: no sync per call)
+        self._accurate_ok = None  # whether auto's accurate choice can run here (decided at the first sparse call)
 
     def finish(self) -> None:
         if self.expert is not None:
@@ -281,10 +282,25 @@ class ExpertRun:
         would sync the host with the GPU."""
         cfg, prefix_len = self.config, call.prefix_len
         return kernels.block_sparse_attention(call.q, call.k, call.v, block_map, block_size=cfg.block_size,
-                                              backend=cfg.backend, prefix_len=prefix_len,
+                                              backend=self._backend(call.q), prefix_len=prefix_len,
                                               prefix_bias=float(call.first_frame_bias) if prefix_len else 0.0,
                                               rows_checked=True, token_perm=order, suffix_len=suffix_len,
                                               suffix_bias=suffix_bias, pooled_tail=cfg.pooled_tail)
+
+    def _backend(self, q: torch.Tensor) -> str:
+        """The config's :attr:`~chorus.engine.config.SparseConfig.attention_backend`; when that is auto's
+        accurate choice (``triton_int8``) and it cannot run here (no CUDA, another block size), ``auto``
+        (decided once per run and device)."""
+        wanted = self.config.attention_backend
+        if wanted == self.config.backend:
+            return wanted
+        if self._accurate_ok is None:
+            try:
+                kernels.resolve_backend(wanted, q)
+                self._accurate_ok = self.config.block_size == 128
+            except kernels.BackendUnavailableError:
+                self._accurate_ok = False
+        return wanted if self._accurate_ok else self.config.backend
 
     def _count_sparse(self, batch: int, block_map, kept) -> None:
         stats = self.plan.stats

@@ -1,7 +1,11 @@
 """Public kernel API: one function per operation, each with an explicit ``backend=``.
 
-Backends (:class:`Backend`): ``auto`` | ``triton_fp8_ws`` | ``triton_fp8`` | ``triton_bf16`` |
-``fa4_bf16`` | ``flex`` | ``reference``. ``triton_fp8_ws`` is the warp-specialised Gluon FP8 kernel
+Backends (:class:`Backend`): ``auto`` | ``triton_fp8_ws`` | ``triton_fp8`` | ``triton_int8`` | ``triton_bf16`` |
+``fa4_bf16`` | ``flex`` | ``reference``. ``triton_int8`` is the accurate 8-bit path (INT8 Q.K^T after a
+Hadamard rotation, INT8 P.V with P on each key tile's own row maximum; block size 128; the portable
+Triton kernel, :mod:`chorus.kernels.triton._quant_int8`): ~0.016 relative error against exact attention
+on a full map of Gaussian q/k/v, where the FP8 paths have ~0.055; ``auto`` never picks it (it is the
+engine's choice by a stated rule: :func:`chorus.engine.config.SparseConfig`). ``triton_fp8_ws`` is the warp-specialised Gluon FP8 kernel
 (:mod:`chorus.kernels.triton._attention_ws`; sm_90, attention only, block size 128, head dim 64/128);
 ``fa4_bf16`` is FlashAttention-4's CuTe DSL kernel (optional dependency, see
 :mod:`chorus.kernels.fa4`; attention only, no prefix bias, block size 64 or 128).
@@ -49,6 +53,7 @@ class Backend(str, enum.Enum):
     AUTO = "auto"
     TRITON_FP8_WS = "triton_fp8_ws"
     TRITON_FP8 = "triton_fp8"
+    TRITON_INT8 = "triton_int8"
     TRITON_BF16 = "triton_bf16"
     FA4_BF16 = "fa4_bf16"
     FLEX = "flex"
@@ -64,7 +69,7 @@ MAX_PREFIX_BIAS = 20.0  # exp(20) ~ 5e8: beyond any useful guidance, still far f
 _AUTO_CHAIN = (Backend.TRITON_FP8_WS, Backend.TRITON_FP8, Backend.FA4_BF16, Backend.TRITON_BF16, Backend.FLEX,
                Backend.REFERENCE)
 _SM90_ONLY = (Backend.TRITON_FP8_WS, Backend.TRITON_FP8, Backend.FA4_BF16)  # auto: Hopper only (measured there)
-_ATTENTION_ONLY = (Backend.TRITON_FP8_WS, Backend.FA4_BF16, Backend.FLEX)
+_ATTENTION_ONLY = (Backend.TRITON_FP8_WS, Backend.TRITON_INT8, Backend.FA4_BF16, Backend.FLEX)
 _NO_POOLED_TAIL = (Backend.FA4_BF16, Backend.FLEX)  # auto sends a pooled_tail call past these
 
 
@@ -104,7 +109,7 @@ def why_unavailable(backend: Backend, q: torch.Tensor, op: str = "attention") ->
         except ImportError as exc:  # pragma: no cover - depends on torch build
             return f"FlexAttention is not available in this torch ({exc})"
         return None
-    if backend in (Backend.FA4_BF16, Backend.TRITON_FP8_WS) and op != "attention":
+    if backend in (Backend.FA4_BF16, Backend.TRITON_FP8_WS, Backend.TRITON_INT8) and op != "attention":
         return f"{backend.value} has no block_mass implementation"
     if backend == Backend.FA4_BF16:
         from .fa4 import fa4_unavailable  # noqa: PLC0415
@@ -130,6 +135,10 @@ def why_unavailable(backend: Backend, q: torch.Tensor, op: str = "attention") ->
             return f"triton_fp8 needs FP8 tensor cores (sm_89+), this GPU is sm_{major}{minor}"
     if backend == Backend.TRITON_FP8_WS:
         return triton_kernels.ws_unavailable(q)
+    if backend == Backend.TRITON_INT8 and q.device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(q.device)
+        if (major, minor) < (8, 0):
+            return f"triton_int8 needs INT8 tensor cores with Triton's integer dot (sm_80+), this GPU is sm_{major}{minor}"
     return None
 
 
@@ -189,6 +198,8 @@ def _for_call_options(chosen: Backend, explicit: bool, q, block_size: int, prefi
         reason = check_call(block_size, prefix_len or suffix_len)
     elif chosen == Backend.TRITON_FP8_WS:
         reason = _triton_module().ws_call_unsupported(q.shape[-1], block_size)
+    elif chosen == Backend.TRITON_INT8:
+        reason = None if block_size == 128 else f"triton_int8 runs 128-token blocks, got block_size={block_size}"
     else:
         return chosen
     if reason is None:
@@ -278,7 +289,8 @@ def _run_attention(chosen: Backend, q, k, v, block_map, block_size, scale, prefi
                    suffix_len=0, suffix_bias=0.0, pooled_tail=False):
     """One backend's call; ``perm`` = ``(perm, inverse)`` or None: the Triton kernels take the order
     fused into their loads and output store, the others gather into it and scatter back."""
-    if perm is not None and chosen not in (Backend.TRITON_FP8, Backend.TRITON_BF16, Backend.TRITON_FP8_WS):
+    if perm is not None and chosen not in (Backend.TRITON_FP8, Backend.TRITON_BF16, Backend.TRITON_FP8_WS,
+                                           Backend.TRITON_INT8):
         q, k, v = to_tile_order(perm[0], q, k, v)
         return to_raster_order(perm[1], _run_attention(chosen, q, k, v, block_map, block_size, scale, prefix_len,
                                                        prefix_bias, None, suffix_len, suffix_bias, pooled_tail))
@@ -298,6 +310,12 @@ def _run_attention(chosen: Backend, q, k, v, block_map, block_size, scale, prefi
                                                           token_perm=None if perm is None else perm[0],
                                                           suffix_len=suffix_len, suffix_bias=suffix_bias,
                                                           pooled_tail=pooled_tail)
+    if chosen == Backend.TRITON_INT8:
+        return _triton_module().block_sparse_attention_int8(q, k, v, block_map, scale=scale, prefix_len=prefix_len,
+                                                            prefix_bias=prefix_bias,
+                                                            token_perm=None if perm is None else perm[0],
+                                                            suffix_len=suffix_len, suffix_bias=suffix_bias,
+                                                            pooled_tail=pooled_tail)
     return _triton_module().block_sparse_attention_triton(
         q, k, v, block_map, block_size=block_size, scale=scale, fp8=chosen == Backend.TRITON_FP8,
         prefix_len=prefix_len, prefix_bias=prefix_bias, token_perm=None if perm is None else perm[0],
@@ -351,7 +369,7 @@ def block_sparse_attention(q, k, v, block_map, *, block_size: int = 128, scale: 
             ``log(n_j)`` without biases: the block counts as its ``n_j`` tokens, each at the block's mean key.
             Each row uses its own ``q_i``. Kept blocks are attended exactly as without the tail; a row that
             keeps every block has no tail term. With ``token_perm`` the blocks are those of the permuted
-            order. Backends: reference, triton_fp8_ws, triton_fp8, triton_bf16 (not flex, fa4_bf16:
+            order. Backends: reference, triton_fp8_ws, triton_fp8, triton_int8, triton_bf16 (not flex, fa4_bf16:
             ``auto`` sends such a call to the next backend of its chain, an explicit one raises).
 
     Returns:

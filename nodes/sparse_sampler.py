@@ -50,7 +50,9 @@ class ChorusSparseSampler(io.ComfyNode):
                 io.Combo.Input("backend", options=list(BACKENDS), default="auto",
                                tooltip="Sparse attention kernel: auto picks the warp-specialised FP8 kernel "
                                        "(triton_fp8_ws) on Hopper, with Triton FP8 for the calls it cannot take, "
-                                       "Triton bf16 on other CUDA GPUs, the reference on CPU. fa4_bf16: "
+                                       "Triton bf16 on other CUDA GPUs, the reference on CPU; with top_p >= 0.95 "
+                                       "it picks triton_int8 instead. triton_int8: the accurate 8-bit kernel "
+                                       "(INT8 Q.K and P.V; about a third of FP8's numeric error, slower). fa4_bf16: "
                                        "FlashAttention-4's block-sparse kernel in bf16 (optional flash-attn-4; "
                                        "1.3-1.5x Triton bf16 on an H200, slower than FP8 at 720p). Never a switch to "
                                        "another kernel after a choice: a call the chosen kernel cannot take or "

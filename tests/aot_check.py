@@ -26,19 +26,21 @@ from chorus.kernels.triton import _attention as A
 TARGET = GPUTarget("cuda", 90, 32)
 
 
-def attn_signature(fp8: bool, dtype: str, use_tma: bool, block_m: int, block_n: int, head_dim: int):
-    ed = "fp8e4nv" if fp8 else dtype
+def attn_signature(fp8: bool, dtype: str, use_tma: bool, block_m: int, block_n: int, head_dim: int,
+                   int8: bool = False):
+    ed = "i8" if int8 else "fp8e4nv" if fp8 else dtype
+    quantized = fp8 or int8
     if use_tma:
         q = f"tensordesc<{ed}[1,1,{block_m},{head_dim}]>"
         k = f"tensordesc<{ed}[1,1,{block_n},{head_dim}]>"
-        v = f"tensordesc<{ed}[1,1,{head_dim},{block_n}]>" if fp8 else f"tensordesc<{ed}[1,1,{block_n},{head_dim}]>"
+        v = f"tensordesc<{ed}[1,1,{head_dim},{block_n}]>" if quantized else f"tensordesc<{ed}[1,1,{block_n},{head_dim}]>"
     else:
         q = k = v = f"*{ed}"
     pointers = {"Q": q, "K": k, "V": v, "O": f"*{dtype}", "q_scale": "*fp32", "k_scale": "*fp32", "v_scale": "*fp32",
                 "kv_num": "*i32", "kv_idx": "*i32", "sched": "*i32", "token_perm": "*i32", "tail_num": "*i32",
-                "tail_bias": "*fp32",
-                # the pooled tail's keys / values: FP8 the pre-pass's copies (K's, V's type), 16-bit own buffers
-                "Kp": k if fp8 else f"*{ed}", "Vp": v if fp8 else f"*{ed}"}
+                "tail_bias": "*fp32", "v_sums": "*i32", "pool_ratio": "*fp32",
+                # the pooled tail's keys / values: 8-bit the pre-pass's copies (K's, V's type), 16-bit own buffers
+                "Kp": k if quantized else f"*{ed}", "Vp": v if quantized else f"*{ed}"}
     floats = {"qk_scale", "prefix_bias", "suffix_bias"}
     sig = {}
     for name, param in zip(A._bsa_fwd_kernel.arg_names, A._bsa_fwd_kernel.params):
@@ -49,14 +51,14 @@ def attn_signature(fp8: bool, dtype: str, use_tma: bool, block_m: int, block_n: 
 
 
 def compile_attn(fp8=True, use_tma=False, block_m=128, block_n=128, head_dim=128, num_warps=8, num_stages=3,
-                 tail=False, dtype="bf16", has_tail=False):
+                 tail=False, dtype="bf16", has_tail=False, int8=False):
     """The portable Triton kernel compiled for sm_90 (``tail``: a partial last key block; ``has_tail``: the
-    pooled tail)."""
-    sig = attn_signature(fp8, dtype, use_tma, block_m, block_n, head_dim)
+    pooled tail; ``int8``: the accurate INT8 path, with ``fp8=False``)."""
+    sig = attn_signature(fp8, dtype, use_tma, block_m, block_n, head_dim, int8)
     consts = dict(HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BS=128, FP8=fp8, USE_TMA=use_tma,
                   TAIL_K=tail, EVEN_Q=not tail, P_SHIFT=A.P_SHIFT_LOG2, SCALE_TILE=128, INTERPRET=False,
-                  HAS_BIAS=False, HAS_TAIL=has_tail, POOL_TMA=has_tail and fp8 and use_tma,
-                  POOL_TILE=A.TAIL_TILE)
+                  HAS_BIAS=False, HAS_TAIL=has_tail, POOL_TMA=has_tail and (fp8 or int8) and use_tma,
+                  POOL_TILE=A.TAIL_TILE, INT8=int8)
     consts.update({n: False for n, p in zip(A._bsa_fwd_kernel.arg_names, A._bsa_fwd_kernel.params)
                    if p.is_constexpr and n not in consts})  # later compile-time switches, off
     for c in consts:

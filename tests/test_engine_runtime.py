@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from chorus import kernels
 from chorus.cache_store import Workspace
 from chorus.engine import (ChorusAttention, ModelInfo, Plan, SparseConfig, commit_plan, floor_k_min,
                            latent_compatibility, mask_heatmap, retrieve_plan, token_grid)
@@ -135,6 +136,30 @@ def test_a_hit_with_the_pooled_tail_equals_the_oracle_with_the_tail():
     assert (out - tail).abs().max().item() <= 2 * err_dense_eager + 1e-6
     assert (out - plain).abs().max().item() > 1e-3  # the tail acted
     assert plan.stats.tail_calls == 1 and plan.stats.sparse_calls == 1 and "pooled tail on 1" in plan.stats.summary()
+
+
+def test_auto_asks_for_the_accurate_path_from_top_p_095_and_runs_auto_where_it_cannot_run(monkeypatch):
+    """auto's stated rule (engine/config.py): top_p >= 0.95 asks for triton_int8, below it the fast choice; an
+    explicit backend is never changed. On this CPU triton_int8 cannot run (and the block size is not 128):
+    the hit runs auto (the reference) and still equals the oracle with the tail, without a fallback."""
+    from chorus.engine.config import ACCURATE_TOP_P
+
+    assert SparseConfig(top_p=ACCURATE_TOP_P).attention_backend == "triton_int8"
+    assert SparseConfig(top_p=0.9).attention_backend == "auto"
+    assert SparseConfig(top_p=0.99, backend="triton_fp8").attention_backend == "triton_fp8"
+    asked = []
+    real = kernels.block_sparse_attention
+    monkeypatch.setattr(kernels, "block_sparse_attention", lambda *a, **kw: asked.append(kw["backend"]) or real(*a, **kw))
+    band = torch.eye(QB, dtype=torch.bool) | torch.eye(QB, dtype=torch.bool).roll(1, 1)
+    plan = hit_plan({(0, 2, 0, 0): band.expand(2, QB, QB).clone()})
+    handle = ChorusAttention(plan, SparseConfig(top_p=0.97, k_min=1, block_size=BS), INFO)
+    handle.begin_run(SIGMAS)
+    q, k, v = qkv(4)
+    out = handle.self_attention(q, k, v, layer=0, sigma=0.5, grid=GRID, dense_fn=sdpa).double()
+    tail = dense_attention_oracle(q, k, v, block_map=band[None, None], block_size=BS, pooled_tail=True)
+    err_dense_eager = (sdpa(q, k, v).double() - dense_attention_oracle(q, k, v)).abs().max().item()
+    assert asked == ["auto"] and plan.stats.fallback_calls == 0
+    assert (out - tail).abs().max().item() <= 2 * err_dense_eager + 1e-6
 
 
 def test_k_min_floor_adds_blocks_nearest_the_diagonal():

@@ -234,3 +234,28 @@ def test_the_triton_kernel_and_the_tail_s_own_kernels_compile_for_sm90(fp8, use_
     compile_jit(A._compress_map_kernel, dict(block_map="*u8", kv_num="*i32", kv_idx="*i32", tail_num="*i32",
                                              tail_bias=fp32, prefix_bias="fp32", suffix_bias="fp32"),
                 dict(CHUNK=1024, TAIL=True, TAIL_TILE=128))
+
+
+@pytest.mark.parametrize("has_tail", [False, True])
+def test_the_int8_kernel_and_its_prepass_compile_for_sm90(has_tail):
+    """The accurate INT8 path as the GPU builds it (the interpreter runs its Triton code on the CPU): the
+    attention kernel takes the signed 8-bit wgmma (s32 accumulator) for both products and spills nothing at
+    its tiling; the INT8 pre-pass (Hadamard rotation by a 16-bit dot) and the pooled values' finalisation build."""
+    from aot_check import compile_attn, compile_jit, summarize
+    from chorus.kernels.triton import _quant_int8 as Q8
+
+    kernel = compile_attn(fp8=False, int8=True, use_tma=True, block_m=64, block_n=128, num_warps=4, num_stages=3,
+                          tail=True, has_tail=has_tail)
+    line = summarize(kernel, sass=False)
+    assert "m64n128k32.s32.s8.s8" in line and " stack=0" in line, line
+    if not has_tail:
+        return
+    fp32 = "*fp32"
+    compile_jit(Q8._quant_int8_kernel, dict(Q="*bf16", K="*bf16", V="*bf16", q8="*i8", k8="*i8", v8t="*i8",
+                                            q_scale=fp32, k_scale=fp32, v_sums="*i32", k_smooth_rot=fp32,
+                                            v_absmax=fp32, hmat="*bf16", token_perm="*i32", pool_sums=fp32,
+                                            q_mult="fp32"),
+                dict(HEAD_DIM=128, TILE=128, INTERPRET=False, HAS_PERM=True, POOL_CHUNK=128), num_warps=8)
+    compile_jit(Q8._pooled_finalize_int8_kernel, dict(pool_sums=fp32, k8="*i8", v8t="*i8", k_scale=fp32,
+                                                      v_sums="*i32", v_pool_absmax=fp32),
+                dict(HEAD_DIM=128, TILE=128, BS=128, POOL_CHUNK=128), num_warps=8)

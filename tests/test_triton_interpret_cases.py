@@ -267,6 +267,10 @@ def test_custom_ops_trace_with_fake_tensors():
                           test_utils=("test_schema", "test_faketensor"))
     torch.library.opcheck(torch.ops.chorus.block_mass_triton, (q, k, 32, 4, 0.125),
                           test_utils=("test_schema", "test_faketensor"))
+    q2, k2, v2 = make_inputs(1, 2, 200, 64, torch.bfloat16, seed=2)
+    torch.library.opcheck(torch.ops.chorus.block_sparse_attention_int8,
+                          (q2, k2, v2, torch.ones(1, 1, 2, 2, dtype=torch.bool), 0.125, 0, 0.0, None, 0, 0.0, True),
+                          test_utils=("test_schema", "test_faketensor"))
 
 
 @pytest.mark.parametrize("fp8", [False, True])
@@ -651,3 +655,85 @@ def test_warp_specialised_tail_inputs_walked_like_the_kernel_give_the_oracle(len
             out[0, h, rows] = probs @ torch.cat(v_parts).double()
     check_fp8(out.to(q.dtype), q, k, v, bm, 128, scale=scale, pooled_tail=True, **biases)
     assert torch.equal(sched.long(), torch.argsort(kv_num + lists.tail_num, dim=-1, descending=True, stable=True))
+
+
+# ------------------------------------------------------------------------------ the accurate INT8 path
+# Yardstick: the fp64 emulation of the same numerics (chorus.kernels.triton.emulation.int8_attention_emulation);
+# the kernel's relative L2 error against the fp64 oracle <= 1.25 x the emulation's + 0.002, and below half the
+# FP8 emulation's. The pre-pass against its fp64 twin: codes and V sums within 1 (fp32 vs fp64 at a tie).
+
+INT8_CASES = [  # (heads, q_len, kv_len, dim, density, pooled_tail, biases, layout)
+    (2, 300, 300, 64, 0.5, False, {}, "bhld"),
+    (2, 300, 300, 128, 0.5, True, dict(prefix_len=100, prefix_bias=1.2), "blhd"),
+    (1, 97, 260, 64, 1.0, False, dict(suffix_len=40, suffix_bias=0.8), "bhld"),
+    (2, 256, 256, 64, 0.3, True, dict(prefix_len=130, prefix_bias=-0.6, suffix_len=60, suffix_bias=0.5), "bhld"),
+]
+
+
+@pytest.mark.parametrize("heads,q_len,kv_len,dim,density,pooled_tail,biases,layout", INT8_CASES)
+def test_int8_kernel_within_its_emulation_bound(heads, q_len, kv_len, dim, density, pooled_tail, biases, layout):
+    from chorus.kernels.triton._attention import block_sparse_attention_triton_impl
+    from chorus.kernels.triton.emulation import int8_attention_emulation
+
+    q, k, v = make_inputs(1, heads, q_len, dim, torch.bfloat16, seed=q_len + dim, kv_len=kv_len, layout=layout)
+    bm = random_map(1, heads, q_len, kv_len, 128, density, seed=3)
+    scale = 1 / math.sqrt(dim)
+    out = block_sparse_attention_triton_impl(q, k, v, bm, 128, scale, False, pooled_tail=pooled_tail, int8=True,
+                                             **biases)
+    oracle = dense_attention_oracle(q, k, v, bm, 128, pooled_tail=pooled_tail, **biases)
+
+    def rel(x):
+        return ((x.double() - oracle).norm() / oracle.norm()).item()
+
+    ours = rel(out)
+    yardstick = rel(int8_attention_emulation(q, k, v, bm, 128, pooled_tail=pooled_tail, **biases))
+    fp8 = rel(sage_fp8_attention_emulation(q, k, v, bm, 128, pooled_tail=pooled_tail, **biases))
+    assert out.dtype == q.dtype and out.shape == q.shape and torch.isfinite(out).all()
+    assert ours <= 1.25 * yardstick + 0.002, (ours, yardstick)
+    assert ours < 0.5 * fp8, (ours, fp8)
+
+
+@pytest.mark.parametrize("length,pool_block", [(300, None), (300, 128), (260, 128)])
+def test_int8_prepass_matches_its_fp64_twin(length, pool_block):
+    from chorus.kernels.triton._quant_int8 import quantize_int8_reference, quantize_qkv_int8
+
+    q, k, v = make_inputs(1, 2, length, 64, torch.bfloat16, seed=length)
+    ours = quantize_qkv_int8(q, k, v, 0.125, pool_block=pool_block)
+    ref = quantize_int8_reference(q, k, v, 0.125, pool_block=pool_block)
+    for a, b in zip(ours, ref):
+        if b is None:
+            assert a is None
+        elif a.dtype == torch.int8:
+            assert a.shape == b.shape and (a.int() - b.int()).abs().max().item() <= 1
+        elif a.dtype == torch.float32:
+            assert torch.allclose(a, b, rtol=1e-5, atol=0)
+    v8t, v_sums = ours[2], ours[6]  # the V sums are those of the kernel's own codes, exactly
+    assert torch.equal(v_sums, v8t.int().view(*v8t.shape[:3], -1, 128).sum(-1).transpose(-1, -2))
+
+
+def test_int8_token_order_runs_the_reordered_sequence():
+    from chorus.kernels.triton._attention import block_sparse_attention_triton_impl
+
+    q, k, v = make_inputs(1, 2, 300, 64, torch.bfloat16, seed=11)
+    perm = torch.randperm(300, generator=torch.Generator().manual_seed(2))
+    bm = random_map(1, 2, 300, 300, 128, 0.5, seed=4)
+    out = block_sparse_attention_triton_impl(q, k, v, bm, 128, 0.125, False, token_perm=perm, pooled_tail=True,
+                                             int8=True)
+    qp, kp, vp = (t[:, :, perm] for t in (q, k, v))
+    plain = block_sparse_attention_triton_impl(qp, kp, vp, bm, 128, 0.125, False, pooled_tail=True, int8=True)
+    back = torch.empty_like(plain)
+    back[:, :, perm] = plain
+    # the same numerics on the same sequence; only the K smoothing rows differ with the order (<= 300 rows: none)
+    assert torch.allclose(out.float(), back.float(), atol=2e-2, rtol=0)
+
+
+def test_int8_rejects_other_block_sizes_and_fp8_together():
+    from chorus.kernels.triton._attention import block_sparse_attention_triton_impl
+
+    q, k, v = make_inputs(1, 1, 128, 64, torch.bfloat16, seed=1)
+    with pytest.raises(ValueError, match="128-token blocks"):
+        block_sparse_attention_triton_impl(q, k, v, torch.ones(1, 1, 2, 2, dtype=torch.bool), 64, 0.125, False,
+                                           int8=True)
+    with pytest.raises(ValueError, match="128-token blocks"):
+        block_sparse_attention_triton_impl(q, k, v, torch.ones(1, 1, 1, 1, dtype=torch.bool), 128, 0.125, True,
+                                           int8=True)

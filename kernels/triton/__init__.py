@@ -8,6 +8,9 @@ Public entry points (called by :mod:`chorus.kernels.api` for backends ``triton_f
   suffix_len, suffix_bias, pooled_tail) -> Tensor``:
   the warp-specialised Gluon FP8 kernel of :mod:`._attention_ws` (backend ``triton_fp8_ws``; sm_90,
   block size 128), :func:`ws_unavailable` ``(q) -> reason | None`` and :func:`ws_call_unsupported`
+- :func:`block_sparse_attention_int8` ``(q, k, v, block_map, *, scale, prefix_len, prefix_bias, token_perm,
+  suffix_len, suffix_bias, pooled_tail) -> Tensor``: the accurate INT8 path of the portable kernel
+  (backend ``triton_int8``; block size 128; :mod:`._quant_int8`)
 - :func:`block_mass_triton` ``(q, k, *, block_size, sample_rows, scale) -> float32 [B, H, Qb, Kb]``
 - :func:`triton_available` ``() -> (bool, reason)``
 - :func:`build_probe` ``(key, kernel, run) -> reason | None``: one build-and-launch check per key (auto's resolution)
@@ -16,11 +19,12 @@ Feature reuse's fused pool / unpool kernels live in :mod:`._pooling` (called by
 :mod:`chorus.kernels.pooling` on CUDA tensors).
 
 The launchers are ``torch.library`` custom ops (``torch.ops.chorus.block_sparse_attention_triton``,
-``torch.ops.chorus.block_sparse_attention_ws``, ``torch.ops.chorus.block_mass_triton``) with fake
+``torch.ops.chorus.block_sparse_attention_ws``, ``torch.ops.chorus.block_sparse_attention_int8``,
+``torch.ops.chorus.block_mass_triton``) with fake
 (shape-only) implementations, so a model calling them compiles with ``torch.compile`` (they are
 opaque to the compiler). Importing this package imports ``triton``; it raises ImportError where
 Triton is missing (the API reports that as the reason the backend cannot run). Contracts:
-:mod:`._attention`, :mod:`._attention_ws`, :mod:`._quant`, :mod:`._block_mass`.
+:mod:`._attention`, :mod:`._attention_ws`, :mod:`._quant`, :mod:`._quant_int8`, :mod:`._block_mass`.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from ._block_mass import block_mass_triton_impl
 
 LOG = logging.getLogger(__name__)
 
-__all__ = ["block_sparse_attention_triton", "block_sparse_attention_ws", "ws_unavailable", "ws_call_unsupported", "build_probe",
+__all__ = ["block_sparse_attention_triton", "block_sparse_attention_ws", "block_sparse_attention_int8", "ws_unavailable", "ws_call_unsupported", "build_probe",
            "block_mass_triton", "triton_available", "compress_block_map"]
 
 
@@ -90,6 +94,22 @@ if not op_registered("block_sparse_attention_ws"):
                      suffix_bias=0.0, pooled_tail=False):
         return output_like(q)
 
+if not op_registered("block_sparse_attention_int8"):
+    @torch.library.custom_op("chorus::block_sparse_attention_int8", mutates_args=())
+    def _bsa_int8_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_map: torch.Tensor,
+                     scale: float, prefix_len: int = 0, prefix_bias: float = 0.0,
+                     token_perm: torch.Tensor | None = None, suffix_len: int = 0,
+                     suffix_bias: float = 0.0, pooled_tail: bool = False) -> torch.Tensor:
+        return block_sparse_attention_triton_impl(q, k, v, block_map, 128, scale, False, prefix_len=prefix_len,
+                                                  prefix_bias=prefix_bias, token_perm=token_perm,
+                                                  suffix_len=suffix_len, suffix_bias=suffix_bias,
+                                                  pooled_tail=pooled_tail, int8=True)
+
+    @_bsa_int8_op.register_fake
+    def _bsa_int8_fake(q, k, v, block_map, scale, prefix_len=0, prefix_bias=0.0, token_perm=None, suffix_len=0,
+                       suffix_bias=0.0, pooled_tail=False):
+        return output_like(q)
+
 if not op_registered("block_mass_triton"):
     @torch.library.custom_op("chorus::block_mass_triton", mutates_args=())
     def _mass_op(q: torch.Tensor, k: torch.Tensor, block_size: int, sample_rows: int, scale: float,
@@ -137,6 +157,20 @@ def block_sparse_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     return torch.ops.chorus.block_sparse_attention_triton(q, k, v, block_map, int(block_size), scale, bool(fp8),
                                                           int(prefix_len), float(prefix_bias), token_perm,
                                                           int(suffix_len), float(suffix_bias), bool(pooled_tail))
+
+
+def block_sparse_attention_int8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_map: torch.Tensor, *,
+                                scale: float | None = None, prefix_len: int = 0, prefix_bias: float = 0.0,
+                                token_perm: torch.Tensor | None = None, suffix_len: int = 0,
+                                suffix_bias: float = 0.0, pooled_tail: bool = False) -> torch.Tensor:
+    """The accurate INT8 path (``int8=True`` of :func:`._attention.block_sparse_attention_triton_impl`; block
+    size 128; numerics: :mod:`._quant_int8` and item 7 of :mod:`._attention`), as the custom op
+    ``torch.ops.chorus.block_sparse_attention_int8``; arguments, output layout and errors as
+    :func:`block_sparse_attention_triton`'s."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    return torch.ops.chorus.block_sparse_attention_int8(q, k, v, block_map, scale, int(prefix_len), float(prefix_bias),
+                                                        token_perm, int(suffix_len), float(suffix_bias),
+                                                        bool(pooled_tail))
 
 
 def ws_unavailable(q: torch.Tensor) -> str | None:

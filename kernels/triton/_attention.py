@@ -44,6 +44,14 @@ How it runs:
    listed pooled tiles after the kept blocks (the row maximum is then finite) with the table's row added
    to the scaled logits, the rest of the loop unchanged; the LPT order counts them. Each row scores the
    pooled keys with its own ``q_i`` (ComfyUI's sol_attn scores them with the query block's mean query).
+7. INT8 path (``int8=True``, block size 128; backend ``triton_int8``, the accurate one): the pre-pass of
+   :mod:`._quant_int8` (Q and K times a Hadamard matrix, Q int8 per row, K int8 per 128 keys, V int8 per
+   channel, V's int32 channel sums per 128 keys). Per tile ``S = (Q8 @ K8^T) * sq_row * sk`` from an int32
+   dot; ``P`` relative to the tile's own row maximum as uint8 levels ``floor(255 * 2^(S - m_tile) + 0.5)``, fed
+   to the signed int8 dot as ``levels - 128`` and corrected by ``128 *`` the tile's V sums (exact in int32);
+   the tile's ``P @ V`` and level sum enter ``acc`` and ``l`` weighted by ``2^(m_tile - m)`` in fp32. The
+   pooled values carry their own per-channel scale (``pool_ratio`` = it over V's, applied to their tiles).
+   Error against exact attention ~0.016 on Gaussian q/k/v at a full map, against the FP8 path's ~0.055.
 The last key block (when partial) is processed after the unmasked main loop with a key mask.
 """
 
@@ -58,6 +66,7 @@ import triton.language as tl
 
 from ._quant import (LOG2E, QUANT_TILE, interpreter_upcast, padded_len, pooled_kv_16bit, quantize_q_tile,
                      quantize_qkv_fp8, round_e4m3, source_rows, tail_rows)
+from ._quant_int8 import quantize_qkv_int8
 
 P_SHIFT_LOG2 = 8.0  # P is scaled by 2**8 before the e4m3 cast (see module docstring)
 
@@ -94,6 +103,8 @@ DEFAULT_TILES = {
     # (measured best on the H200 at 32 760 and 75 600 tokens, full and sparse maps; see BENCHMARKS.md)
     "fp8": TileConfig(block_m=64, block_n=128, num_warps=4, num_stages=3, use_tma=True),
     "bf16": TileConfig(block_m=128, block_n=128, num_warps=8, num_stages=2, use_tma=True),
+    # the INT8 path: the FP8 path's tiling (64-row tiles, one warpgroup); BLOCK_N must be 128
+    "int8": TileConfig(block_m=64, block_n=128, num_warps=4, num_stages=3, use_tma=True),
 }
 
 _TMA_AVAILABLE = None
@@ -167,9 +178,12 @@ def _attn_tiles(acc, l_i, m_i, q, sq, qk_scale, K, V, k_scale_row, idx_row, b, h
                 HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr, KV_SUB: tl.constexpr,
                 FP8: tl.constexpr, USE_TMA: tl.constexpr, MASK_KEYS: tl.constexpr, MASK_LOADS: tl.constexpr,
                 P_SHIFT: tl.constexpr, SCALE_TILE: tl.constexpr, INTERPRET: tl.constexpr, HAS_BIAS: tl.constexpr,
-                bias_row=None, pool_row0=0, POOLED: tl.constexpr = False):
+                bias_row=None, pool_row0=0, POOLED: tl.constexpr = False, INT8: tl.constexpr = False,
+                vsum_row=None, pool_ratio=None):
     # POOLED: the listed entries are pooled tiles p of BS (= TAIL_TILE) pooled keys, at rows pool_row0 + p * BS of
-    # K / V; each key's logit term (log2 units, -inf where the row keeps its block) is bias_row[p * BS + n]
+    # K / V; each key's logit term (log2 units, -inf where the row keeps its block) is bias_row[p * BS + n].
+    # INT8 (BLOCK_N = BS = 128): sq is the tile's per-row Q scales, vsum_row the int32 channel sums of each 128
+    # rows of V^T, pool_ratio (POOLED) the pooled values' per-channel scale over V's
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     for it in tl.range(it_lo, it_hi):
@@ -193,6 +207,9 @@ def _attn_tiles(acc, l_i, m_i, q, sq, qk_scale, K, V, k_scale_row, idx_row, b, h
             qk = tl.dot(q, tl.trans(k))
         if FP8:
             s = sq * tl.load(k_scale_row + start_n // SCALE_TILE)
+        elif INT8:  # int32 products (exact in fp32: |qk| < 2^21) times the row and key-tile scales
+            qk = qk.to(tl.float32) * (sq[:, None] * tl.load(k_scale_row + start_n // SCALE_TILE))
+            s = 1.0
         else:
             s = qk_scale
         if MASK_KEYS:
@@ -204,39 +221,64 @@ def _attn_tiles(acc, l_i, m_i, q, sq, qk_scale, K, V, k_scale_row, idx_row, b, h
         if POOLED:  # the pooled keys' weights (and -inf for the blocks the row keeps)
             qk = qk * s + pooled_bias[None, :]
             s = 1.0
-        m_new = tl.maximum(m_i, tl.max(qk, 1) * s)
-        if FP8:
-            p = tl.math.exp2(qk * s - (m_new - P_SHIFT)[:, None])
-        else:
-            p = tl.math.exp2(qk * s - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha
-        acc = acc * alpha[:, None]
-        l_i = l_i + tl.sum(p, 1)
-        if FP8:
+        if INT8:
+            # P relative to this tile's own row maximum as uint8 levels (few binades inside one tile, so 8 bits
+            # keep its small values), fed to the signed dot as levels - 128 and corrected by 128 x the tile's
+            # V channel sums; the tile's sum enters O and the row sum weighted by 2^(m_tile - m)
+            m_tile = tl.maximum(tl.max(qk, 1), -1.0e30)
+            m_new = tl.maximum(m_i, m_tile)
+            levels = tl.floor(tl.math.exp2(qk - m_tile[:, None]) * 255.0 + 0.5)
+            alpha = tl.math.exp2(m_i - m_new)
+            beta = tl.math.exp2(m_tile - m_new)
+            l_i = l_i * alpha + tl.sum(levels, 1) * beta
             if USE_TMA:
                 vt = V.load([b, h, 0, start_n]).reshape(HEAD_DIM, BLOCK_N)
             else:
                 vt = tl.load(V + b * s_vb + h * s_vh + offs_d[:, None] * s_vl + offs_n[None, :])
             if INTERPRET:
-                p = round_e4m3(p)  # the interpreter's fp32->e4m3 cast mis-rounds; pre-round exactly
-            # two-level accumulation: the key block's P @ V in a fresh wgmma accumulator, added to acc in fp32
-            # (an FP8 wgmma accumulates in fewer, truncated mantissa bits; chained across blocks, O shrank: ~2% on
-            # attention-like inputs, up to 57% where V has a large common part; tests/test_fp8_accumulation_gpu.py)
-            acc = acc + tl.dot(p.to(vt.dtype), tl.trans(vt))
+                pv = tl.dot(levels - 128.0, tl.trans(vt.to(tl.float32)))
+            else:
+                pv = tl.dot((levels - 128.0).to(tl.int8), tl.trans(vt)).to(tl.float32)
+            vsum = tl.load(vsum_row + (start_n // SCALE_TILE) * HEAD_DIM + offs_d).to(tl.float32)
+            tile_pv = (pv + 128.0 * vsum[None, :]) * beta[:, None]  # exact integers below 2^23 before beta
+            if POOLED:
+                tile_pv = tile_pv * pool_ratio[None, :]
+            acc = acc * alpha[:, None] + tile_pv
         else:
-            if USE_TMA:
-                v = V.load([b, h, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * s)
+            if FP8:
+                p = tl.math.exp2(qk * s - (m_new - P_SHIFT)[:, None])
             else:
-                v_ptrs = V + b * s_vb + h * s_vh + offs_n[:, None] * s_vl + offs_d[None, :]
-                if MASK_LOADS:
-                    v = tl.load(v_ptrs, mask=(offs_n < Lk)[:, None], other=0.0)
+                p = tl.math.exp2(qk * s - m_new[:, None])
+            alpha = tl.math.exp2(m_i - m_new)
+            l_i = l_i * alpha
+            acc = acc * alpha[:, None]
+            l_i = l_i + tl.sum(p, 1)
+            if FP8:
+                if USE_TMA:
+                    vt = V.load([b, h, 0, start_n]).reshape(HEAD_DIM, BLOCK_N)
                 else:
-                    v = tl.load(v_ptrs)
-            if INTERPRET:
-                acc = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), acc)
+                    vt = tl.load(V + b * s_vb + h * s_vh + offs_d[:, None] * s_vl + offs_n[None, :])
+                if INTERPRET:
+                    p = round_e4m3(p)  # the interpreter's fp32->e4m3 cast mis-rounds; pre-round exactly
+                # two-level accumulation: the key block's P @ V in a fresh wgmma accumulator, added to acc in fp32
+                # (an FP8 wgmma accumulates in fewer, truncated mantissa bits; chained across blocks, O shrank: ~2%
+                # on attention-like inputs, up to 57% where V has a large common part;
+                # tests/test_fp8_accumulation_gpu.py)
+                acc = acc + tl.dot(p.to(vt.dtype), tl.trans(vt))
             else:
-                acc = tl.dot(p.to(v.dtype), v, acc)
+                if USE_TMA:
+                    v = V.load([b, h, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
+                else:
+                    v_ptrs = V + b * s_vb + h * s_vh + offs_n[:, None] * s_vl + offs_d[None, :]
+                    if MASK_LOADS:
+                        v = tl.load(v_ptrs, mask=(offs_n < Lk)[:, None], other=0.0)
+                    else:
+                        v = tl.load(v_ptrs)
+                if INTERPRET:
+                    acc = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), acc)
+                else:
+                    acc = tl.dot(p.to(v.dtype), v, acc)
         m_i = m_new
     return acc, l_i, m_i
 
@@ -252,12 +294,12 @@ def _bsa_tile(pid, bh, Q, K, V, O, q_scale, k_scale, v_scale, kv_num, kv_idx, sc
               FP8: tl.constexpr, USE_TMA: tl.constexpr, TAIL_K: tl.constexpr, EVEN_Q: tl.constexpr,
               P_SHIFT: tl.constexpr, SCALE_TILE: tl.constexpr, INTERPRET: tl.constexpr, HAS_BIAS: tl.constexpr,
               Q_RAW: tl.constexpr, HAS_PERM: tl.constexpr, HAS_TAIL: tl.constexpr, POOL_TMA: tl.constexpr,
-              POOL_TILE: tl.constexpr):
+              POOL_TILE: tl.constexpr, v_sums, pool_ratio, n_v_tiles, INT8: tl.constexpr):
     """One query tile: row tile ``pid`` (in the LPT order of ``sched``) of (batch, head) ``bh``."""
     TPB: tl.constexpr = BS // BLOCK_M
     KV_SUB: tl.constexpr = BS // BLOCK_N
     # Loads need masks only on the bf16 pointer path (FP8 buffers are padded, TMA zero-fills).
-    MASK_LOADS: tl.constexpr = (not FP8) and (not USE_TMA)
+    MASK_LOADS: tl.constexpr = (not FP8) and (not INT8) and (not USE_TMA)
     b = bh // H
     h = bh % H
     row_base = b * s_nb + h * s_nh
@@ -288,9 +330,12 @@ def _bsa_tile(pid, bh, Q, K, V, O, q_scale, k_scale, v_scale, kv_num, kv_idx, sc
                 q = tl.load(q_ptrs)
         if FP8:
             sq = tl.load(q_scale + bh * n_q_scale + start_m // SCALE_TILE)
+        elif INT8:  # one scale per query row
+            sq = tl.load(q_scale + bh * n_q_scale + offs_m)
         else:
             sq = 1.0
     k_scale_row = k_scale + bh * n_k_scale
+    vsum_row = v_sums + bh * n_v_tiles * HEAD_DIM
 
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)  # finite: a fully masked tile cannot make NaN
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -304,7 +349,7 @@ def _bsa_tile(pid, bh, Q, K, V, O, q_scale, k_scale, v_scale, kv_num, kv_idx, sc
                                 0, n_main * KV_SUB, Lk, prefix_len, prefix_bias, suffix_start, suffix_bias, s_kb,
                                 s_kh, s_kl, s_vb, s_vh, s_vl,
                                 HEAD_DIM, BLOCK_N, BS, KV_SUB, FP8, USE_TMA, False, False, P_SHIFT, SCALE_TILE,
-                                INTERPRET, HAS_BIAS)
+                                INTERPRET, HAS_BIAS, INT8=INT8, vsum_row=vsum_row)
     if TAIL_K:
         it_last = n_kv * KV_SUB
         if KV_SUB > 1:  # the last block's sub-tiles that hold keys (past them: no K rows, no K scale to read)
@@ -314,20 +359,23 @@ def _bsa_tile(pid, bh, Q, K, V, O, q_scale, k_scale, v_scale, kv_num, kv_idx, sc
                                     suffix_bias,
                                     s_kb, s_kh, s_kl, s_vb, s_vh, s_vl,
                                     HEAD_DIM, BLOCK_N, BS, KV_SUB, FP8, USE_TMA, True, MASK_LOADS, P_SHIFT,
-                                    SCALE_TILE, INTERPRET, HAS_BIAS)
+                                    SCALE_TILE, INTERPRET, HAS_BIAS, INT8=INT8, vsum_row=vsum_row)
     if HAS_TAIL:  # the pooled tiles listed after the kept blocks (their K / V rows: Kp / Vp from pool_row0 on)
         n_tail = tl.load(tail_num + row_base + qblk)
         bias_row = tail_bias + (row_base + qblk) * tail_width
+        ratio = 1.0
+        if INT8:
+            ratio = tl.load(pool_ratio + bh * HEAD_DIM + offs_d)
         acc, l_i, m_i = _attn_tiles(acc, l_i, m_i, q, sq, qk_scale, Kp, Vp, k_scale_row, idx_row + n_kv, b, h,
                                     0, n_tail * (POOL_TILE // BLOCK_N), Lk, prefix_len, prefix_bias, suffix_start,
                                     suffix_bias, s_pkb, s_pkh, s_pkl, s_pvb, s_pvh, s_pvl,
                                     HEAD_DIM, BLOCK_N, POOL_TILE, POOL_TILE // BLOCK_N, FP8, POOL_TMA, False,
                                     False, P_SHIFT, SCALE_TILE, INTERPRET, False, bias_row, pool_row0,
-                                    True)
+                                    True, INT8, vsum_row, ratio)
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     out = acc / l_safe[:, None]
-    if FP8:
+    if FP8 or INT8:
         out = out * tl.load(v_scale + bh * HEAD_DIM + offs_d)[None, :]
     o_ptrs = O + b * s_ob + h * s_oh + src_m[:, None] * s_ol + offs_d[None, :]  # HAS_PERM: back to input order
     if EVEN_Q and not HAS_PERM:
@@ -347,7 +395,8 @@ def _bsa_fwd_kernel(Q, K, V, O, q_scale, k_scale, v_scale, kv_num, kv_idx, sched
                     FP8: tl.constexpr, USE_TMA: tl.constexpr, TAIL_K: tl.constexpr, EVEN_Q: tl.constexpr,
                     P_SHIFT: tl.constexpr, SCALE_TILE: tl.constexpr, INTERPRET: tl.constexpr, HAS_BIAS: tl.constexpr,
                     Q_RAW: tl.constexpr, HAS_PERM: tl.constexpr, PERSISTENT: tl.constexpr,
-                    HAS_TAIL: tl.constexpr = False, POOL_TMA: tl.constexpr = False, POOL_TILE: tl.constexpr = 128):
+                    HAS_TAIL: tl.constexpr = False, POOL_TMA: tl.constexpr = False, POOL_TILE: tl.constexpr = 128,
+                    v_sums=None, pool_ratio=None, n_v_tiles=0, INT8: tl.constexpr = False):
     # PERSISTENT: a fixed grid of programs walks the tiles in (batch, head)-major, LPT-within-head
     # order, so the tiles in flight at any time share a head's K/V in L2; else one program per tile.
     if PERSISTENT:
@@ -359,7 +408,7 @@ def _bsa_fwd_kernel(Q, K, V, O, q_scale, k_scale, v_scale, kv_num, kv_idx, sched
                       s_ol, s_nb, s_nh, s_ib, s_ih, s_iq, Kp, Vp, tail_num, tail_bias, tail_width, pool_row0, s_pkb,
                       s_pkh, s_pkl, s_pvb, s_pvh, s_pvl, HEAD_DIM, BLOCK_M, BLOCK_N, BS, FP8, USE_TMA, TAIL_K,
                       EVEN_Q, P_SHIFT, SCALE_TILE, INTERPRET, HAS_BIAS, Q_RAW, HAS_PERM, HAS_TAIL,
-                      POOL_TMA, POOL_TILE)
+                      POOL_TMA, POOL_TILE, v_sums, pool_ratio, n_v_tiles, INT8)
     else:
         _bsa_tile(tl.program_id(0), tl.program_id(1), Q, K, V, O, q_scale, k_scale, v_scale, kv_num, kv_idx,
                   sched, token_perm, H, Lq, Lk, num_kv_blocks, n_q_scale, n_k_scale, qk_scale, q_mult, prefix_len,
@@ -367,7 +416,8 @@ def _bsa_fwd_kernel(Q, K, V, O, q_scale, k_scale, v_scale, kv_num, kv_idx, sched
                   s_oh, s_ol, s_nb, s_nh,
                   s_ib, s_ih, s_iq, Kp, Vp, tail_num, tail_bias, tail_width, pool_row0, s_pkb, s_pkh, s_pkl, s_pvb,
                   s_pvh, s_pvl, HEAD_DIM, BLOCK_M, BLOCK_N, BS, FP8, USE_TMA, TAIL_K, EVEN_Q, P_SHIFT,
-                  SCALE_TILE, INTERPRET, HAS_BIAS, Q_RAW, HAS_PERM, HAS_TAIL, POOL_TMA, POOL_TILE)
+                  SCALE_TILE, INTERPRET, HAS_BIAS, Q_RAW, HAS_PERM, HAS_TAIL, POOL_TMA, POOL_TILE, v_sums, pool_ratio,
+                  n_v_tiles, INT8)
 
 
 def output_like(q: torch.Tensor) -> torch.Tensor:
@@ -507,20 +557,23 @@ def tail_spec(kv_len: int, block_size: int, pool_first: int, prefix_len: int, pr
 
 def prepare_attention(q, k, v, block_map, block_size: int, scale: float, fp8: bool, config: TileConfig | None = None,
                       prefix_len: int = 0, prefix_bias: float = 0.0, token_perm: torch.Tensor | None = None,
-                      suffix_len: int = 0, suffix_bias: float = 0.0, pooled_tail: bool = False):
+                      suffix_len: int = 0, suffix_bias: float = 0.0, pooled_tail: bool = False, int8: bool = False):
     """Validate, build the block index and (FP8) quantise; returns the launch arguments as a dict.
     Split from :func:`launch_attention` so the benchmark can time the stages separately.
     ``prefix_bias`` (natural-log units) is added to the scaled logits of keys ``[0, prefix_len)``
     (positions of the permuted order when ``token_perm`` is given: see
     :func:`block_sparse_attention_triton_impl`), ``suffix_bias`` to those of keys ``[Lk - suffix_len, Lk)``.
     ``pooled_tail``: the pooled keys and values (FP8: rows of the pre-pass's copies after ``Lpad_k``; 16-bit:
-    their own buffers) and the tail's block lists and bias table."""
+    their own buffers) and the tail's block lists and bias table. ``int8`` (with ``fp8=False``): the accurate
+    path's numerics (:mod:`._quant_int8`; block size 128 only)."""
     _validate(q, k, v, block_map, block_size)
+    if int8 and (fp8 or block_size != 128):
+        raise ValueError(f"the INT8 path runs 128-token blocks without fp8; got block_size={block_size}, fp8={fp8}")
     token_perm = check_perm(token_perm, q, k)
     suffix_start = check_key_biases(prefix_len, prefix_bias, suffix_len, suffix_bias, k.shape[2])
     has_bias = (prefix_len > 0 and prefix_bias != 0.0) or suffix_start < k.shape[2]
     if config is None:
-        config = DEFAULT_TILES["fp8" if fp8 else "bf16"]
+        config = DEFAULT_TILES["int8" if int8 else "fp8" if fp8 else "bf16"]
     elif not isinstance(config, TileConfig):
         raise ValueError(f"config must be a TileConfig, got {type(config).__name__}")
     batch, heads, q_len, head_dim = q.shape
@@ -537,7 +590,18 @@ def prepare_attention(q, k, v, block_map, block_size: int, scale: float, fp8: bo
     else:
         kv_num, kv_idx, sched, map_strides = lpt_block_lists(block_map)
     q_raw = fp8 and config.q_in_kernel
-    if fp8:
+    v_sums = pool_ratio = kv_num  # (INT8 only; placeholders never read otherwise)
+    if int8:
+        if block_n != 128:
+            raise ValueError(f"the INT8 path needs 128-key tiles, got block_n={block_n}")
+        q_in, k_in, v_in, q_scale, k_scale, v_scale, v_sums, pool_v_scale = quantize_qkv_int8(
+            q, k, v, scale, token_perm=token_perm, pool_block=block_size if pooled_tail else None)
+        n_q_scale, n_k_scale = q_scale.shape[-1], k_scale.shape[-1]
+        qk_scale = 1.0
+        k_pool, v_pool, pool_row0 = k_in, v_in, padded_len(kv_len)
+        if pooled_tail:
+            pool_ratio = (pool_v_scale / v_scale).contiguous()
+    elif fp8:
         q_in, k_in, v_in, q_scale, k_scale, v_scale = quantize_qkv_fp8(
             q, k, v, scale, quantize_q=not q_raw, token_perm=token_perm, pool_block=block_size if pooled_tail else None)
         if q_raw:
@@ -567,7 +631,8 @@ def prepare_attention(q, k, v, block_map, block_size: int, scale: float, fp8: bo
                 prefix_len=int(prefix_len) if has_bias else 0,
                 prefix_bias_log2=float(prefix_bias) * LOG2E if has_bias else 0.0, suffix_start=suffix_start,
                 suffix_bias_log2=float(suffix_bias) * LOG2E if suffix_start < kv_len else 0.0,
-                tail=tail, k_pool=k_pool, v_pool=v_pool, pool_row0=pool_row0)
+                tail=tail, k_pool=k_pool, v_pool=v_pool, pool_row0=pool_row0, int8=bool(int8), v_sums=v_sums,
+                pool_ratio=pool_ratio, n_v_tiles=v_sums.shape[2] if int8 else 0)
 
 
 def launch_attention(prep: dict) -> torch.Tensor:
@@ -575,6 +640,8 @@ def launch_attention(prep: dict) -> torch.Tensor:
     q, q_in, k_in, v_in = prep["q"], prep["q_in"], prep["k_in"], prep["v_in"]
     batch, heads, q_len, head_dim = q.shape
     block_m, block_n, fp8, config = prep["block_m"], prep["block_n"], prep["fp8"], prep["config"]
+    int8 = prep["int8"]
+    quantized = fp8 or int8  # padded 8-bit copies, V stored transposed
     block_size = prep["block_size"]
     out = output_like(q)
     strides = (q_in.stride(0), q_in.stride(1), q_in.stride(2), k_in.stride(0), k_in.stride(1), k_in.stride(2),
@@ -585,7 +652,7 @@ def launch_attention(prep: dict) -> torch.Tensor:
         q_pointer = prep["q_raw"] and prep["token_perm"] is not None
         q_arg = q_in if q_pointer else TensorDescriptor.from_tensor(q_in, [1, 1, block_m, head_dim])
         k_arg = TensorDescriptor.from_tensor(k_in, [1, 1, block_n, head_dim])
-        v_block = [1, 1, head_dim, block_n] if fp8 else [1, 1, block_n, head_dim]
+        v_block = [1, 1, head_dim, block_n] if quantized else [1, 1, block_n, head_dim]
         v_arg = TensorDescriptor.from_tensor(v_in, v_block)
     else:
         q_arg, k_arg, v_arg = q_in, k_in, v_in
@@ -602,7 +669,7 @@ def launch_attention(prep: dict) -> torch.Tensor:
     tail = prep["tail"]
     if tail is None:  # (placeholders: never read)
         pool_args = (k_arg, v_arg, prep["kv_num"], prep["k_scale"], 0, 0) + strides[3:]
-    elif fp8:  # the pooled rows of the pre-pass's copies: the same tensors (descriptors)
+    elif quantized:  # the pooled rows of the pre-pass's copies: the same tensors (descriptors)
         pool_args = (k_arg, v_arg, tail.tail_num, tail.bias, tail.bias.shape[-1], prep["pool_row0"]) + strides[3:]
     else:
         k_pool, v_pool = prep["k_pool"], prep["v_pool"]
@@ -616,7 +683,8 @@ def launch_attention(prep: dict) -> torch.Tensor:
         prep["suffix_start"], prep["suffix_bias_log2"], *strides,
         out.stride(0), out.stride(1), out.stride(2),
         *prep["map_strides"], tiles_per_bh, num_tiles, *pool_args,
-        HAS_TAIL=tail is not None, POOL_TMA=tail is not None and fp8 and prep["use_tma"], POOL_TILE=TAIL_TILE,
+        HAS_TAIL=tail is not None, POOL_TMA=tail is not None and quantized and prep["use_tma"], POOL_TILE=TAIL_TILE,
+        v_sums=prep["v_sums"], pool_ratio=prep["pool_ratio"], n_v_tiles=prep["n_v_tiles"], INT8=int8,
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BS=block_size, FP8=fp8, USE_TMA=prep["use_tma"],
         TAIL_K=prep["kv_len"] % block_size != 0, EVEN_Q=q_len % block_m == 0, P_SHIFT=P_SHIFT_LOG2,
         SCALE_TILE=QUANT_TILE, INTERPRET=interpreter_upcast(q), HAS_BIAS=prep["has_bias"],
@@ -669,7 +737,7 @@ def block_sparse_attention_triton_impl(q, k, v, block_map, block_size: int, scal
                                        config: TileConfig | None = None, prefix_len: int = 0,
                                        prefix_bias: float = 0.0, token_perm: torch.Tensor | None = None,
                                        suffix_len: int = 0, suffix_bias: float = 0.0,
-                                       pooled_tail: bool = False) -> torch.Tensor:
+                                       pooled_tail: bool = False, int8: bool = False) -> torch.Tensor:
     """Validate, prepare and launch (no torch.library wrapping); ``config`` overrides tile settings.
     Inputs whose offsets would overflow int32 run in (batch, head) chunks (:func:`int32_chunks`).
 
@@ -681,9 +749,10 @@ def block_sparse_attention_triton_impl(q, k, v, block_map, block_size: int, scal
     ``block_map`` and ``prefix_len`` refer to positions of the reordered sequence. ``suffix_bias`` is
     added to the scaled logits of the last ``suffix_len`` keys. ``pooled_tail``: every key block a row's
     map skips enters its softmax as one pooled term (:func:`chorus.kernels.block_sparse_attention`); a row
-    that keeps no block then attends to the pooled terms only."""
+    that keeps no block then attends to the pooled terms only. ``int8`` (``fp8=False``, block size 128): the
+    accurate path (module docstring, item 7)."""
     args = (q, k, v, block_map, block_size, scale, fp8, config, prefix_len, prefix_bias, token_perm, suffix_len,
-            suffix_bias, pooled_tail)
+            suffix_bias, pooled_tail, int8)
     if q.device.type == "cuda":
         with torch.cuda.device(q.device):  # Triton launches on the current device
             return _run_chunks(*args)
@@ -706,12 +775,12 @@ def run_in_int32_chunks(q, k, v, block_map, launch, extra_rows: int = 0) -> torc
 
 
 def _run_chunks(q, k, v, block_map, block_size, scale, fp8, config, prefix_len, prefix_bias, token_perm=None,
-                suffix_len=0, suffix_bias=0.0, pooled_tail=False):
+                suffix_len=0, suffix_bias=0.0, pooled_tail=False, int8=False):
     _validate(q, k, v, block_map, block_size)
     token_perm = check_perm(token_perm, q, k)
     return run_in_int32_chunks(q, k, v, block_map, lambda q, k, v, bm: launch_attention(prepare_attention(
         q, k, v, bm, block_size, scale, fp8, config, prefix_len, prefix_bias, token_perm, suffix_len, suffix_bias,
-        pooled_tail)), tail_rows(k.shape[2], block_size) if pooled_tail else 0)
+        pooled_tail, int8)), tail_rows(k.shape[2], block_size) if pooled_tail else 0)
 
 
 def check_key_biases(prefix_len, prefix_bias, suffix_len, suffix_bias, kv_len: int) -> int:

@@ -79,6 +79,93 @@ def sage_fp8_attention_emulation(q, k, v, block_map=None, block_size: int = 128,
     return (p8 @ v8) * vs / E4M3_MAX
 
 
+INT8_MAX = 127.0
+
+
+def _sylvester(dim: int, device=None) -> torch.Tensor:
+    """The ``dim x dim`` Sylvester-Hadamard matrix (+-1 entries, fp64; ``dim`` a power of two)."""
+    h = torch.ones(1, 1, dtype=torch.float64, device=device)
+    while h.shape[0] < dim:
+        h = torch.kron(torch.tensor([[1.0, 1.0], [1.0, -1.0]], dtype=torch.float64, device=device), h)
+    return h
+
+
+def _int8_fake(x: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    """``x`` rounded to the int8 grid of an absmax scale (``amax / 127``; nearest, ties up), fp64."""
+    s = torch.where(amax > 0, amax / INT8_MAX, torch.ones_like(amax))
+    return torch.floor(x / s + 0.5).clamp(-INT8_MAX, INT8_MAX) * s
+
+
+def _int8_key_tiles(x: torch.Tensor, tile: int = 128) -> torch.Tensor:
+    """``x [B, H, L, D]`` fake-quantised to int8 with one absmax scale per ``tile`` rows."""
+    length = x.shape[2]
+    xp = torch.nn.functional.pad(x, (0, 0, 0, (-length) % tile))
+    xb = xp.reshape(x.shape[0], x.shape[1], -1, tile, x.shape[3])
+    return _int8_fake(xb, xb.abs().amax(dim=(-1, -2), keepdim=True)).reshape(xp.shape)[:, :, :length]
+
+
+def int8_attention_emulation(q, k, v, block_map=None, block_size: int = 128, scale: float | None = None,
+                             prefix_len: int = 0, prefix_bias: float = 0.0, suffix_len: int = 0,
+                             suffix_bias: float = 0.0, pooled_tail: bool = False) -> torch.Tensor:
+    """The accurate path's numerics (backend ``triton_int8``) in fp64, the yardstick of its error:
+
+    - K smoothing (``k - mean_t(k)`` per (b, h)); Q and K times the ``D x D`` Sylvester-Hadamard matrix
+      (``Hd Hd^T = D I``, so the logits are unchanged in exact math);
+    - Q to int8 with one absmax scale per row, K with one per 128 keys (nearest, ties up);
+    - per key tile of 128 keys (the pooled tail's pooled keys: tiles of 128 pooled keys after the real
+      ones), ``P`` relative to the tile's own row maximum as uint8 levels ``floor(255 * exp(s - m_tile) +
+      0.5)``; V to int8 with one absmax scale per channel; each tile's ``P8 @ V8`` and level sum weighted by
+      ``exp(m_tile - m_row)``, ``O = sum / sum * v_scale``. The pooled tail's mean values get their own
+      per-channel scale (a block mean is far smaller than V's extremes).
+
+    Block size 128 (the kernel's). Independent of the Triton code (no shared helpers; the pooled tail's
+    block means and weights are the reference module's). Shapes as :func:`sage_fp8_attention_emulation`."""
+    if block_size != 128:
+        raise ValueError(f"the INT8 path runs 128-token blocks, got block_size={block_size}")
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    dim, kv_len = q.shape[-1], k.shape[2]
+    hmat = _sylvester(dim, q.device)
+    q64, k64, v64 = q.double(), k.double(), v.double()
+    k64 = k64 - k64.mean(dim=2, keepdim=True)
+    qr = q64 @ hmat * (scale / dim)
+    qq = _int8_fake(qr, qr.abs().amax(dim=-1, keepdim=True))
+    kq = _int8_key_tiles(k64 @ hmat)
+    scores = qq @ kq.transpose(-1, -2)
+    add_key_biases(scores, prefix_len, prefix_bias, suffix_len, suffix_bias)
+    rows = torch.arange(q.shape[2], device=q.device) // block_size
+    if block_map is not None:
+        cols = torch.arange(kv_len, device=q.device) // block_size
+        scores = scores.masked_fill(~block_map.to(q.device)[..., rows, :][..., cols], float("-inf"))
+    vmax = v64.abs().amax(dim=2, keepdim=True)
+    vs = torch.where(vmax > 0, vmax / INT8_MAX, torch.ones_like(vmax))
+
+    def tiles(s, x):  # pad the key axis to whole tiles of 128 (-inf logits, zero values)
+        pad = (-s.shape[-1]) % 128
+        return (torch.nn.functional.pad(s, (0, pad), value=float("-inf")),
+                torch.nn.functional.pad(x, (0, 0, 0, pad)))
+
+    v8 = torch.floor(v64 / vs + 0.5).clamp(-INT8_MAX, INT8_MAX)          # V in units of its scale
+    scores, v8 = tiles(scores, v8)
+    if pooled_tail and block_map is not None:
+        kbar, vbar = pooled_key_blocks(k64, v64, block_size)
+        weights = pooled_log_weights(kv_len, block_size, prefix_len, prefix_bias, suffix_len, suffix_bias,
+                                     device=q.device)
+        pooled = (qq @ _int8_key_tiles(kbar @ hmat).transpose(-1, -2) + weights).masked_fill(
+            block_map.to(q.device)[..., rows, :], float("-inf"))
+        # the block means are far smaller than V's extremes: they get their own per-channel scale
+        pooled, vbar = tiles(pooled, _int8_fake(vbar, vbar.abs().amax(dim=2, keepdim=True)) / vs)
+        scores = torch.cat([scores.expand(*pooled.shape[:2], -1, -1), pooled], dim=-1)
+        v8 = torch.cat([v8, vbar], dim=2)
+    st = scores.reshape(*scores.shape[:-1], -1, 128)                       # [B, H, Lq, T, 128]
+    m_tile = st.amax(dim=-1, keepdim=True)
+    levels = torch.floor(torch.exp(st - m_tile.clamp_min(-1e300)) * 255.0 + 0.5)
+    m_row = m_tile.amax(dim=-2, keepdim=True)
+    weight = torch.exp(m_tile - m_row).nan_to_num(0.0)                     # a tile with no key: 0
+    vt = v8.reshape(v8.shape[0], v8.shape[1], -1, 128, v8.shape[-1])      # [B, H, T, 128, D]
+    acc = torch.einsum("bhqtk,bhtkd->bhqd", levels * weight, vt)
+    return acc / (levels * weight).sum(dim=(-1, -2))[..., None] * vs
+
+
 def error_stats(out: torch.Tensor, oracle: torch.Tensor) -> dict:
     """``{"cosine", "rel_l1", "max_abs"}`` of ``out`` against ``oracle`` (flattened, fp64)."""
     a, b = out.double().flatten(), oracle.double().flatten()
