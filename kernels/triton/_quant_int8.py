@@ -18,7 +18,8 @@ zeros):
 ``Hd`` is the ``D x D`` Sylvester-Hadamard matrix of +-1 entries (``Hd @ Hd^T = D * I``), so ``(q Hd) .
 (k Hd) / D = q . k``: the rotation spreads a few large channels over all of them before the 8-bit
 rounding (the incoherent processing of FlashAttention-3's FP8 path); it is exact on bf16/fp16 inputs
-(products of +-1, sums in fp32). Rounding is to nearest (ties up), values clamped to +-127.
+(products of +-1, sums in fp32). Rounding is to nearest, ties to even (:func:`round_int8` says why), values
+clamped to +-127.
 
 ``pool_block`` (the pooled tail): ``Lrow_k = Lpad_k + tail_rows``; rows ``Lpad_k + j`` hold key block ``j``'s
 mean of rotated smoothed K (one scale per 128 pooled keys, appended to ``k_scale``) and of V (in units of
@@ -60,8 +61,12 @@ def hadamard(dim: int, device=None, dtype=torch.bfloat16) -> torch.Tensor:
 
 @triton.jit
 def round_int8(x):
-    """fp32 ``x`` to the nearest integer (ties up) clamped to +-127, still fp32 (exact in the cast to int8)."""
-    return tl.minimum(tl.maximum(tl.floor(x + 0.5), -127.0), 127.0)
+    """fp32 ``x`` to the nearest integer, ties to even, clamped to +-127, still fp32 (exact in the cast to int8):
+    the fp32 add of 1.5 * 2^23 rounds to an integer. Ties must not all go one way: a scale of ``absmax / 127``
+    on bf16 inputs puts up to ~1% of the values exactly on a tie, and ties rounded up shift every channel's
+    mean, an error that does not average away (0.040 instead of 0.0095 relative on 16 384 Gaussian values)."""
+    r = (x + 12582912.0) - 12582912.0
+    return tl.minimum(tl.maximum(r, -127.0), 127.0)
 
 
 @triton.jit
@@ -229,7 +234,7 @@ def quantize_int8_reference(q, k, v, scale: float, pool_block: int | None = None
         return torch.nn.functional.pad(x, (0, 0, 0, rows - x.shape[2]))
 
     def to_int(x, s):
-        return torch.floor(x / s + 0.5).clamp(-INT8_MAX, INT8_MAX)
+        return torch.round(x / s).clamp(-INT8_MAX, INT8_MAX)  # ties to even, as the kernel
 
     qf = pad_rows(q.double() @ hmat * (scale * LOG2E / head_dim), lpad_q)
     q_amax = qf.abs().amax(-1)

@@ -91,9 +91,9 @@ def _sylvester(dim: int, device=None) -> torch.Tensor:
 
 
 def _int8_fake(x: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
-    """``x`` rounded to the int8 grid of an absmax scale (``amax / 127``; nearest, ties up), fp64."""
+    """``x`` rounded to the int8 grid of an absmax scale (``amax / 127``; nearest, ties to even), fp64."""
     s = torch.where(amax > 0, amax / INT8_MAX, torch.ones_like(amax))
-    return torch.floor(x / s + 0.5).clamp(-INT8_MAX, INT8_MAX) * s
+    return torch.round(x / s).clamp(-INT8_MAX, INT8_MAX) * s
 
 
 def _int8_key_tiles(x: torch.Tensor, tile: int = 128) -> torch.Tensor:
@@ -111,10 +111,10 @@ def int8_attention_emulation(q, k, v, block_map=None, block_size: int = 128, sca
 
     - K smoothing (``k - mean_t(k)`` per (b, h)); Q and K times the ``D x D`` Sylvester-Hadamard matrix
       (``Hd Hd^T = D I``, so the logits are unchanged in exact math);
-    - Q to int8 with one absmax scale per row, K with one per 128 keys (nearest, ties up);
+    - Q to int8 with one absmax scale per row, K with one per 128 keys (nearest, ties to even: ties rounded
+      one way would bias each channel, see ``_quant_int8.round_int8``);
     - per key tile of 128 keys (the pooled tail's pooled keys: tiles of 128 pooled keys after the real
-      ones), ``P`` relative to the tile's own row maximum as uint8 levels ``floor(255 * exp(s - m_tile) +
-      0.5)``; V to int8 with one absmax scale per channel; each tile's ``P8 @ V8`` and level sum weighted by
+      ones), ``P`` relative to the tile's own row maximum as uint8 levels ``round(255 * exp(s - m_tile))``; V to int8 with one absmax scale per channel; each tile's ``P8 @ V8`` and level sum weighted by
       ``exp(m_tile - m_row)``, ``O = sum / sum * v_scale``. The pooled tail's mean values get their own
       per-channel scale (a block mean is far smaller than V's extremes).
 
@@ -144,7 +144,7 @@ def int8_attention_emulation(q, k, v, block_map=None, block_size: int = 128, sca
         return (torch.nn.functional.pad(s, (0, pad), value=float("-inf")),
                 torch.nn.functional.pad(x, (0, 0, 0, pad)))
 
-    v8 = torch.floor(v64 / vs + 0.5).clamp(-INT8_MAX, INT8_MAX)          # V in units of its scale
+    v8 = torch.round(v64 / vs).clamp(-INT8_MAX, INT8_MAX)                # V in units of its scale
     scores, v8 = tiles(scores, v8)
     if pooled_tail and block_map is not None:
         kbar, vbar = pooled_key_blocks(k64, v64, block_size)
@@ -158,7 +158,7 @@ def int8_attention_emulation(q, k, v, block_map=None, block_size: int = 128, sca
         v8 = torch.cat([v8, vbar], dim=2)
     st = scores.reshape(*scores.shape[:-1], -1, 128)                       # [B, H, Lq, T, 128]
     m_tile = st.amax(dim=-1, keepdim=True)
-    levels = torch.floor(torch.exp(st - m_tile.clamp_min(-1e300)) * 255.0 + 0.5)
+    levels = torch.round(torch.exp(st - m_tile.clamp_min(-1e300)) * 255.0)
     m_row = m_tile.amax(dim=-2, keepdim=True)
     weight = torch.exp(m_tile - m_row).nan_to_num(0.0)                     # a tile with no key: 0
     vt = v8.reshape(v8.shape[0], v8.shape[1], -1, 128, v8.shape[-1])      # [B, H, T, 128, D]
