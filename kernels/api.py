@@ -304,18 +304,13 @@ def _run_attention(chosen: Backend, q, k, v, block_map, block_size, scale, prefi
 
         return block_sparse_attention_fa4(q, k, v, block_map, block_size=block_size, scale=scale)
     block_map = block_map if block_map.device == q.device else block_map.to(q.device)
-    if chosen == Backend.TRITON_FP8_WS:
-        return _triton_module().block_sparse_attention_ws(q, k, v, block_map, scale=scale, prefix_len=prefix_len,
-                                                          prefix_bias=prefix_bias,
-                                                          token_perm=None if perm is None else perm[0],
-                                                          suffix_len=suffix_len, suffix_bias=suffix_bias,
-                                                          pooled_tail=pooled_tail)
-    if chosen == Backend.TRITON_INT8:
-        return _triton_module().block_sparse_attention_int8(q, k, v, block_map, scale=scale, prefix_len=prefix_len,
-                                                            prefix_bias=prefix_bias,
-                                                            token_perm=None if perm is None else perm[0],
-                                                            suffix_len=suffix_len, suffix_bias=suffix_bias,
-                                                            pooled_tail=pooled_tail)
+    if chosen in (Backend.TRITON_FP8_WS, Backend.TRITON_INT8):  # block size 128 only: no block_size argument
+        triton_kernels = _triton_module()
+        launch = (triton_kernels.block_sparse_attention_ws if chosen == Backend.TRITON_FP8_WS
+                  else triton_kernels.block_sparse_attention_int8)
+        return launch(q, k, v, block_map, scale=scale, prefix_len=prefix_len, prefix_bias=prefix_bias,
+                      token_perm=None if perm is None else perm[0], suffix_len=suffix_len, suffix_bias=suffix_bias,
+                      pooled_tail=pooled_tail)
     return _triton_module().block_sparse_attention_triton(
         q, k, v, block_map, block_size=block_size, scale=scale, fp8=chosen == Backend.TRITON_FP8,
         prefix_len=prefix_len, prefix_bias=prefix_bias, token_perm=None if perm is None else perm[0],

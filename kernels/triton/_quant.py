@@ -341,6 +341,27 @@ def interpreter_upcast(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def check_prepass_perm(token_perm, q_len: int, kv_len: int, device) -> None:
+    """``ValueError`` unless ``token_perm`` is None or int32 ``[q_len]`` on ``device`` with ``q_len == kv_len``
+    (what the pre-passes take; its values are clamped by the kernels, never read here)."""
+    if token_perm is not None and (q_len != kv_len or token_perm.shape != (q_len,) or token_perm.dtype != torch.int32
+                                   or token_perm.device != device):
+        raise ValueError(f"token_perm must be int32 [{q_len}] on {device} with Lq == Lk; got "
+                         f"{token_perm.dtype} {tuple(token_perm.shape)} on {token_perm.device}, Lk={kv_len}")
+
+
+def v_channel_absmax(v: torch.Tensor) -> torch.Tensor:
+    """fp32 ``[B * H, D]``: V's per-channel absmax over its tokens (``v`` ``[B, H, L, D]``, any strides with unit
+    stride on D): the stats kernel's per-chunk partials, reduced in a fixed order (bitwise reproducible)."""
+    batch, heads, kv_len, head_dim = v.shape
+    n_chunks = triton.cdiv(kv_len, STATS_CHUNK)
+    v_part = torch.empty(batch * heads, n_chunks, head_dim, device=v.device, dtype=torch.float32)
+    _v_stats_kernel[(n_chunks, batch * heads)](
+        v, v_part, heads, kv_len, n_chunks, v.stride(0), v.stride(1), v.stride(2),
+        HEAD_DIM=head_dim, TILE=QUANT_TILE, CHUNK=STATS_CHUNK, num_warps=8)
+    return v_part.amax(1).contiguous()
+
+
 def quantize_qkv_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *, quantize_q: bool = True,
                      token_perm: torch.Tensor | None = None, v_key_order: str = "natural",
                      pool_block: int | None = None):
@@ -374,10 +395,7 @@ def quantize_qkv_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     lrow_k = lpad_k + (0 if pool_block is None else tail_rows(kv_len, pool_block))  # rows of k8 / v8t per (b, h)
     dev = q.device
     fp8 = torch.float8_e4m3fn
-    if token_perm is not None and (q_len != kv_len or token_perm.shape != (q_len,) or token_perm.dtype != torch.int32
-                                   or token_perm.device != dev):
-        raise ValueError(f"token_perm must be int32 [{q_len}] on {dev} with Lq == Lk; got "
-                         f"{token_perm.dtype} {tuple(token_perm.shape)} on {token_perm.device}, Lk={kv_len}")
+    check_prepass_perm(token_perm, q_len, kv_len, dev)
     q8 = torch.empty(batch, heads, lpad_q, head_dim, device=dev, dtype=fp8) if quantize_q else None
     k8 = torch.empty(batch, heads, lrow_k, head_dim, device=dev, dtype=fp8)
     v8t = torch.empty(batch, heads, head_dim, lrow_k, device=dev, dtype=fp8)
@@ -386,12 +404,7 @@ def quantize_qkv_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     k_scale = torch.empty(batch, heads, lrow_k // QUANT_TILE, device=dev, dtype=torch.float32)
     pool_sums = (k_scale if not chunk else
                  torch.empty(batch * heads, 2, lpad_k // chunk, head_dim, device=dev, dtype=torch.float32))
-    n_chunks = triton.cdiv(kv_len, STATS_CHUNK)
-    v_part = torch.empty(batch * heads, n_chunks, head_dim, device=dev, dtype=torch.float32)
-    _v_stats_kernel[(n_chunks, batch * heads)](
-        v, v_part, heads, kv_len, n_chunks, v.stride(0), v.stride(1), v.stride(2),
-        HEAD_DIM=head_dim, TILE=QUANT_TILE, CHUNK=STATS_CHUNK, num_warps=8)
-    v_stats = v_part.amax(1).view(batch, heads, head_dim)  # per-channel absmax
+    v_stats = v_channel_absmax(v).view(batch, heads, head_dim)
     k_mean = smoothing_vector(k, token_perm).contiguous()
     tiles = max(lpad_q, lpad_k) if quantize_q else lpad_k
     _quant_kernel[(tiles // QUANT_TILE, batch * heads)](

@@ -37,8 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._quant import (LOG2E, QUANT_TILE, STATS_CHUNK, _pool_chunk, _pooled_means, _program_tile, _v_stats_kernel,
-                     block_sums, interpreter_upcast, padded_len, smoothing_vector, source_rows, tail_rows)
+from ._quant import (LOG2E, QUANT_TILE, _pool_chunk, _pooled_means, _program_tile, block_sums, check_prepass_perm,
+                     interpreter_upcast, padded_len, smoothing_vector, source_rows, tail_rows, v_channel_absmax)
 
 INT8_MAX = 127.0
 
@@ -180,10 +180,7 @@ def quantize_qkv_int8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     chunk = 0 if pool_block is None else _pool_chunk(pool_block)
     lrow_k = lpad_k + (0 if pool_block is None else tail_rows(kv_len, pool_block))
     dev = q.device
-    if token_perm is not None and (q_len != kv_len or token_perm.shape != (q_len,) or token_perm.dtype != torch.int32
-                                   or token_perm.device != dev):
-        raise ValueError(f"token_perm must be int32 [{q_len}] on {dev} with Lq == Lk; got "
-                         f"{token_perm.dtype} {tuple(token_perm.shape)} on {token_perm.device}, Lk={kv_len}")
+    check_prepass_perm(token_perm, q_len, kv_len, dev)
     interpret = interpreter_upcast(q)
     hmat = hadamard(head_dim, dev, q.dtype)
     q8 = torch.empty(batch, heads, lpad_q, head_dim, device=dev, dtype=torch.int8)
@@ -194,12 +191,7 @@ def quantize_qkv_int8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     v_sums = torch.empty(batch, heads, lrow_k // QUANT_TILE, head_dim, device=dev, dtype=torch.int32)
     pool_sums = (k_scale if not chunk else
                  torch.empty(batch * heads, 2, lpad_k // chunk, head_dim, device=dev, dtype=torch.float32))
-    n_chunks = triton.cdiv(kv_len, STATS_CHUNK)
-    v_part = torch.empty(batch * heads, n_chunks, head_dim, device=dev, dtype=torch.float32)
-    _v_stats_kernel[(n_chunks, batch * heads)](
-        v, v_part, heads, kv_len, n_chunks, v.stride(0), v.stride(1), v.stride(2),
-        HEAD_DIM=head_dim, TILE=QUANT_TILE, CHUNK=STATS_CHUNK, num_warps=8)
-    v_absmax = v_part.amax(1).contiguous()
+    v_absmax = v_channel_absmax(v)
     k_smooth_rot = (smoothing_vector(k, token_perm) @ hmat.float()).contiguous()
     _quant_int8_kernel[(max(lpad_q, lpad_k) // QUANT_TILE, batch * heads)](
         q, k, v, q8, k8, v8t, q_scale, k_scale, v_sums, k_smooth_rot, v_absmax, hmat,
