@@ -47,8 +47,10 @@ What runs (everything side by side in one process, one GPU):
   ``kernel alone``: ``chorus.kernels.block_sparse_attention`` with ``backend="auto"`` (the backend a
   hit runs; its name is in the row) on random q/k/v in ComfyUI's layout with the map of layer 0 the
   hit used (entry map + k_min floor), timed the same way; the hit's per-layer time over it is what
-  the integration costs per call. Retrieval and cache-write times are
-  reported separately (they run on the CPU before / after sampling).
+  the integration costs per call. The GPU's SM clock and power are sampled (NVML, every 50 ms) during each
+  timed request (``gpu``) and during the kernel-alone timing (``kernel_alone_ms.gpu_auto``): the same kernel
+  runs slower at the clock a GPU holds under the model's GEMMs than in a loop on an idle one. Retrieval and
+  cache-write times are reported separately (they run on the CPU before / after sampling).
 
 Writes ``OUT/comfy_e2e.json`` (every number) and prints a table. Nothing is downloaded.
 """
@@ -334,6 +336,7 @@ def run(args) -> dict:
 
         results["triton"] = triton.__version__
     t_start = time.perf_counter()
+    sampler = gpu_sampler(device)
     for weights in args.weights:
         experts = [build_expert(shape, weights, seed, device) for seed in (1, 2)]
         (high, ops), (low, _) = experts
@@ -400,13 +403,14 @@ def run(args) -> dict:
                     torch.cuda.synchronize()
                     torch.cuda.reset_peak_memory_stats()
                 t0 = time.perf_counter()
-                if op_timer is not None:
-                    with op_timer:
+                with sampler.window() as gpu_window:
+                    if op_timer is not None:
+                        with op_timer:
+                            out = sample_request(h_t, l_m, latent, positive, negative, 11)
+                    else:
                         out = sample_request(h_t, l_m, latent, positive, negative, 11)
-                else:
-                    out = sample_request(h_t, l_m, latent, positive, negative, 11)
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
+                    if device.type == "cuda":
+                        torch.cuda.synchronize()
                 seconds = time.perf_counter() - t0
                 timer = timer or op_timer
                 per_call = timer.per_call_ms() if device.type == "cuda" and timer is not None else []
@@ -417,7 +421,7 @@ def run(args) -> dict:
                        "attn_calls_timed": len(per_call),
                        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
                        "finite": bool(torch.isfinite(out["samples"]).all()),
-                       "first_request_s": first_request_s}
+                       "first_request_s": first_request_s, "gpu": gpu_window.summary()}
                 if plan is not None:
                     row.update(plan_kind=plan.kind, density=plan.stats.density, sparse_calls=plan.stats.sparse_calls,
                                blocks_computed=plan.stats.blocks_computed, blocks_total=plan.stats.blocks_total,
@@ -530,7 +534,7 @@ def run(args) -> dict:
                 if name == "hitver":
                     results["runs"][-1]["verification"] = {str(e): dict(v) for e, v in plan.stats.verification.items()}
                 if name == "hit15" and device.type == "cuda":
-                    results["runs"][-1]["kernel_alone_ms"] = kernel_alone_ms(plan, grid, shape, kernels)
+                    results["runs"][-1]["kernel_alone_ms"] = kernel_alone_ms(plan, grid, shape, kernels, sampler)
                 if compiling and name in ("hit15", "hitfr"):
                     timed_compiled(name)
             if compiling and "miss" in args.variants and entry_plan is not None:
@@ -549,12 +553,14 @@ def save(results: dict, out_dir) -> None:
     (out / "comfy_e2e.json").write_text(json.dumps(results, indent=1, default=str))
 
 
-def kernel_alone_ms(plan, grid, shape, kernels, reps: int = 10) -> dict:
+def kernel_alone_ms(plan, grid, shape, kernels, sampler=None, reps: int = 10) -> dict:
     """The kernel a hit runs by itself: ``block_sparse_attention(backend="auto")`` in the entry's
     token order, as the hit runs it (``"auto"``: its median ms, with the pooled tail as the node's default
     runs it; ``"auto_no_tail"``: without; ``"backend"``: what auto resolved to) on random q/k/v in ComfyUI's
     layout with the map the hit computes for layer 0 of step 0 (entry map + k_min floor); also the portable
-    Triton FP8 kernel whole and in its two parts (pre-pass + index, attention), without the tail."""
+    Triton FP8 kernel whole and in its two parts (pre-pass + index, attention), without the tail.
+    ``sampler`` (a ``GpuSampler``): ``"gpu_auto"`` = the GPU's clock and power while ``"auto"`` was timed, to
+    set beside the row's ``"gpu"`` (the same kernel inside the model runs at the model's clock)."""
     from chorus.engine.maps import floor_k_min, stored_map
 
     t, h, w = grid
@@ -585,9 +591,23 @@ def kernel_alone_ms(plan, grid, shape, kernels, reps: int = 10) -> dict:
                                                rows_checked=True, token_perm=plan.entry_order if hit_like else None,
                                                pooled_tail=name == "auto")
             return o.transpose(1, 2).reshape(1, length, heads * dim)
-        out[name] = cuda_median_ms(call, reps, warmup=2)
+        if name == "auto" and sampler is not None:
+            with sampler.window() as window:
+                out[name] = cuda_median_ms(call, reps, warmup=2)
+            out["gpu_auto"] = window.summary()
+        else:
+            out[name] = cuda_median_ms(call, reps, warmup=2)
     out["density"] = float(block_map.float().mean())
     return out
+
+
+def gpu_sampler(device):
+    """The GPU's SM clock, power and clock-limit reasons sampled every 50 ms while a window is open
+    (``benchmarks/kernels/gpu_state.py``; NVML); on the CPU, or without NVML, windows report
+    ``available: False``."""
+    from benchmarks.kernels.gpu_state import GpuSampler
+
+    return GpuSampler(index=device.index or 0, interval_s=0.05) if device.type == "cuda" else GpuSampler.unavailable()
 
 
 def profile_step(step, top: int = 25) -> dict:
@@ -616,8 +636,9 @@ def profile_step(step, top: int = 25) -> dict:
 
 def table(results: dict) -> str:
     rows = results["runs"]
-    lines = ["| weights | res | variant | request s | vs dense | first request s | attention ms/layer | density | peak GiB |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| weights | res | variant | request s | vs dense | first request s | attention ms/layer | density | peak GiB "
+             "| SM MHz (median) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         base = next((x for x in rows if x["weights"] == r["weights"] and x["res"] == r["res"]
                      and x["variant"] == ("dense+compile" if "compile" in r["variant"] else "dense")), None)
@@ -626,8 +647,10 @@ def table(results: dict) -> str:
         dens = f"{r['density']:.1%}" if r.get("density") is not None else "-"
         peak = f"{r['peak_gib']:.1f}" if r.get("peak_gib") is not None else "-"
         first = f"{r['first_request_s']:.1f}" if r.get("first_request_s") is not None else "-"
+        gpu = r.get("gpu") or {}
+        clock = f"{gpu['sm_mhz']:.0f}" if gpu.get("available") else "-"
         lines.append(f"| {r['weights']} | {r['res']} | {r['variant']} | {r['seconds']:.2f} | {ratio} | {first} | "
-                     f"{attn} | {dens} | {peak} |")
+                     f"{attn} | {dens} | {peak} | {clock} |")
     return "\n".join(lines)
 
 

@@ -67,6 +67,13 @@ class GpuSampler:
         except Exception as exc:  # noqa: BLE001 - no NVML: timings still run, without the GPU's state
             self.error = f"NVML unavailable: {type(exc).__name__}: {exc}"
 
+    @classmethod
+    def unavailable(cls, why: str = "no CUDA device") -> "GpuSampler":
+        """A sampler that samples nothing (a CPU run): its windows report ``available: False`` and ``why``."""
+        sampler = cls.__new__(cls)
+        sampler.interval_s, sampler.error, sampler._nvml, sampler._handle = 0.0, why, None, None
+        return sampler
+
     def _reasons(self) -> int:
         nv = self._nvml
         getter = getattr(nv, "nvmlDeviceGetCurrentClocksEventReasons", None) or nv.nvmlDeviceGetCurrentClocksThrottleReasons
