@@ -41,7 +41,8 @@ class ChorusSparseSampler(io.ComfyNode):
                 ChorusPlan.Input("plan", tooltip="The plan from Chorus Mask Retrieve."),
                 io.Float.Input("top_p", default=0.9, min=0.01, max=1.0, step=0.01,
                                tooltip="On a miss: share of attention mass each query block keeps when the "
-                                       "recorded mass becomes the stored mask (higher = denser, safer)."),
+                                       "recorded mass becomes the stored mask (higher = denser, safer). From 0.95 "
+                                       "the auto backend runs the accurate 8-bit kernel on hits."),
                 io.Int.Input("k_min", default=4, min=1, max=4096,
                              tooltip="Safety floor: at least this many key blocks per query block in a reused mask."),
                 io.Int.Input("refresh_steps", default=0, min=0, max=1000,
