@@ -20,7 +20,8 @@ heads, partial blocks exact). Writes ``bench_block_sparse.json``,
 against the FP8 bars; ``--plot-from JSON`` redraws it from a saved run, no GPU needed) into ``--out``.
 
 Usage: ``python benchmarks/kernels/bench_block_sparse.py --out /tmp/bench [--sweep] [--sizes 32760,75600]
-[--peers-only] [--peers NAME,...]``
+[--peers-only] [--peers NAME,...]`` (``--sweep``: the portable kernel's tile configurations on the full map,
+for the FP8, bf16 and INT8 paths, each path's fastest then used)
 """
 
 from __future__ import annotations
@@ -62,6 +63,14 @@ SWEEP_BF16 = [
     attn.TileConfig(block_m=128, block_n=128, num_warps=8, num_stages=3, use_tma=True),
     attn.TileConfig(block_m=64, block_n=128, num_warps=4, num_stages=2, use_tma=True),
     attn.TileConfig(block_m=64, block_n=128, num_warps=4, num_stages=3, use_tma=True),
+]
+SWEEP_INT8 = [  # the accurate path: 128-key tiles only
+    attn.TileConfig(block_m=64, block_n=128, num_warps=4, num_stages=3, use_tma=True),
+    attn.TileConfig(block_m=64, block_n=128, num_warps=4, num_stages=2, use_tma=True),
+    attn.TileConfig(block_m=64, block_n=128, num_warps=4, num_stages=4, use_tma=True),
+    attn.TileConfig(block_m=128, block_n=128, num_warps=8, num_stages=2, use_tma=True),
+    attn.TileConfig(block_m=128, block_n=128, num_warps=8, num_stages=3, use_tma=True),
+    attn.TileConfig(block_m=64, block_n=128, num_warps=4, num_stages=3, use_tma=True, maxnreg=168),
 ]
 # Wan token grids of the benchmark's lengths (81 frames): the tile-order lever uses their TileOrder
 GRIDS = {32760: (21, 30, 52), 75600: (21, 45, 80)}
@@ -251,11 +260,12 @@ def run_size(length: int, args, results: dict) -> None:
     best = dict(attn.DEFAULT_TILES)
     if args.sweep:
         row["sweep"] = {}
-        for path, cfgs in (("fp8", SWEEP_FP8), ("bf16", SWEEP_BF16)):
+        for path, cfgs in (("fp8", SWEEP_FP8), ("bf16", SWEEP_BF16), ("int8", SWEEP_INT8)):
             best_ms = math.inf
             for cfg in cfgs:
                 try:
-                    prep = attn.prepare_attention(q, k, v, full, bs, dim ** -0.5, path == "fp8", cfg)
+                    prep = attn.prepare_attention(q, k, v, full, bs, dim ** -0.5, path == "fp8", cfg,
+                                                  int8=path == "int8")
                     ms = bench(lambda: attn.launch_attention(prep), est / 2)
                 except Exception as exc:  # noqa: BLE001 - a config that does not compile is reported, not fatal
                     log(f"[{length}] sweep {path} {cfg.name()} FAILED: {type(exc).__name__}: {str(exc)[:200]}")
