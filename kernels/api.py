@@ -135,7 +135,7 @@ def why_unavailable(backend: Backend, q: torch.Tensor, op: str = "attention") ->
             return f"triton_fp8 needs FP8 tensor cores (sm_89+), this GPU is sm_{major}{minor}"
     if backend == Backend.TRITON_FP8_WS:
         return triton_kernels.ws_unavailable(q)
-    if backend == Backend.TRITON_INT8 and q.device.type == "cuda":
+    if backend == Backend.TRITON_INT8:
         major, minor = torch.cuda.get_device_capability(q.device)
         if (major, minor) < (8, 0):
             return f"triton_int8 needs INT8 tensor cores with Triton's integer dot (sm_80+), this GPU is sm_{major}{minor}"

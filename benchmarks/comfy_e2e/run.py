@@ -607,7 +607,8 @@ def gpu_sampler(device):
     ``available: False``."""
     from benchmarks.kernels.gpu_state import GpuSampler
 
-    return GpuSampler(index=device.index or 0, interval_s=0.05) if device.type == "cuda" else GpuSampler.unavailable()
+    return GpuSampler(index=device.index or 0, interval_s=0.05,
+                      off_reason="" if device.type == "cuda" else "a CPU run")
 
 
 def profile_step(step, top: int = 25) -> dict:

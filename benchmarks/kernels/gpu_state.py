@@ -53,11 +53,14 @@ class _Window:
 class GpuSampler:
     """Samples GPU ``index`` every ``interval_s`` while a :meth:`window` is open."""
 
-    def __init__(self, index: int = 0, interval_s: float = 0.01):
+    def __init__(self, index: int = 0, interval_s: float = 0.01, *, off_reason: str = ""):
+        """``off_reason``: sample nothing (a run that does not use the GPU), every window reporting it."""
         self.interval_s = interval_s
-        self.error = ""
+        self.error = off_reason
         self._nvml = None
         self._handle = None
+        if off_reason:
+            return
         try:
             import pynvml
 
@@ -66,13 +69,6 @@ class GpuSampler:
             self._nvml = pynvml
         except Exception as exc:  # noqa: BLE001 - no NVML: timings still run, without the GPU's state
             self.error = f"NVML unavailable: {type(exc).__name__}: {exc}"
-
-    @classmethod
-    def unavailable(cls, why: str = "no CUDA device") -> "GpuSampler":
-        """A sampler that samples nothing (a CPU run): its windows report ``available: False`` and ``why``."""
-        sampler = cls.__new__(cls)
-        sampler.interval_s, sampler.error, sampler._nvml, sampler._handle = 0.0, why, None, None
-        return sampler
 
     def _reasons(self) -> int:
         nv = self._nvml

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import sys
@@ -53,6 +52,14 @@ GPU_BACKENDS = ("triton_fp8_ws", "triton_fp8", "triton_int8", "triton_bf16", "fa
 
 def log(msg: str) -> None:
     print(msg, flush=True)
+
+
+def write_results(results: dict, out: str, filename: str) -> None:
+    """``results`` as ``out/filename`` (JSON; the folder made if missing), then the run's time logged."""
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, filename), "w") as f:
+        json.dump(results, f, indent=1)
+    log(f"done in {results['seconds']:.0f} s")
 
 
 def astronaut(image_npy: str | None = None):
@@ -349,10 +356,7 @@ def main(argv=None) -> int:
         log(f"sol_attn against our replica of its routing (relative L2): {results['sol_replica_rel_l2']}")
     results["seconds"] = time.time() - t0
     print_table(results)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "tail_quality.json"), "w") as f:
-        json.dump(results, f, indent=1)
-    log(f"done in {results['seconds']:.0f} s")
+    write_results(results, args.out, "tail_quality.json")
     return 0
 
 

@@ -57,9 +57,7 @@ pictures); ``--image-npy`` swaps scikit-image's astronaut picture for a saved co
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
 import platform
 import sys
 import time
@@ -69,7 +67,7 @@ import torch
 
 import chorus.kernels as K
 from benchmarks.kernels.tail_quality import (BLOCK, actual_density, astronaut, exact_attention, log, mass_shares,
-                                             matching_count, oracle_map, rel_l2)
+                                             matching_count, oracle_map, rel_l2, write_results)
 
 VARIANTS = (("own", False), ("own", True), ("reused", False), ("reused", True))
 CLAIM_RATIO = 0.5  # the claim: the tail at least halves the reuse gap
@@ -319,10 +317,7 @@ def main(argv=None) -> int:
     results["summary"] = family_summary(results["pairs"])
     results["seconds"] = time.time() - t0
     print_table(results)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "tail_reuse.json"), "w") as f:
-        json.dump(results, f, indent=1)
-    log(f"done in {results['seconds']:.0f} s")
+    write_results(results, args.out, "tail_reuse.json")
     return 0
 
 
