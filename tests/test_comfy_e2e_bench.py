@@ -33,3 +33,21 @@ def test_comfy_e2e_benchmark_runs_dense_miss_and_hit(tmp_path, monkeypatch):
     assert rows["hitver"]["plan_kind"] == "hit" and rows["hitver"]["sparse_calls"] == rows["hit15"]["sparse_calls"]
     verdicts = [v["verdict"] for v in rows["hitver"]["verification"].values()]
     assert verdicts and all(v == "pass" for v in verdicts), rows["hitver"]["verification"]
+
+
+def test_fp8_linears_benchmark_takes_comfyuis_fp8_path_without_graph_breaks(tmp_path):
+    """``fp8_linears`` at toy sizes on the CPU: ComfyUI's ``fp8_ops.Linear`` runs its FP8 matmul
+    (``fp8_linear`` returns a result, no logged fallback), compiles without a graph break, and its error
+    is that of an e4m3 activation (unit roundoff 2**-4) while bf16's is within bf16's (2**-8)."""
+    from benchmarks.comfy_e2e import fp8_linears
+
+    assert fp8_linears.main(["--tiny", "--out", str(tmp_path), "--comfyui", str(tiny.find_comfyui_dir())]) == 0
+    rows = json.loads((tmp_path / "fp8_linears.json").read_text())["rows"]
+    assert {r["layer"] for r in rows} == {"bf16", "comfy_fp8"} and len(rows) == 2 * len(fp8_linears.TINY_SHAPES)
+    for r in rows:
+        assert r["graph_breaks"] == 0 and r["eager_ms"] > 0 and r["compiled_ms"] > 0, r
+        if r["layer"] == "comfy_fp8":
+            assert r["fp8_path"] and r["fp8_exceptions"] == 0, r
+            assert 2 ** -8 < r["rel_err"] <= 2 ** -4, r  # an FP8 activation, not a silent bf16 fallback
+        else:
+            assert r["rel_err"] <= 2 ** -8, r
