@@ -3,7 +3,7 @@
 With a full map (every block kept) a hit computes dense attention through the Triton kernels, so the
 sampled result must match the unpatched model. Tolerances come from an fp32 oracle (the unpatched
 model sampled in fp32): the bf16 kernel's error is at most 2x that of ComfyUI's own bf16 dense
-attention; the FP8 kernel meets its stated bound (cosine >= 0.998 against the oracle, the bound its
+attention; the FP8 and the accurate INT8 kernels meet the FP8 kernel's stated bound (cosine >= 0.998 against the oracle, the bound its
 kernel tests use on attention outputs). The grid holds 4 680 tokens: not a multiple of 128.
 """
 
@@ -76,7 +76,8 @@ def _compiled(model):
 
 
 @pytest.mark.parametrize("backend,compiled", [("triton_bf16", False), ("triton_fp8", False), ("auto", False),
-                                              ("triton_bf16", True), ("auto", True)])
+                                              ("triton_int8", False), ("triton_bf16", True), ("auto", True),
+                                              ("triton_int8", True)])
 def test_full_map_hit_matches_the_unpatched_wan_model(backend, compiled):
     """Also under TorchCompileModel (inductor): the hit's attention runs in the compiled graph through
     torch.ops.chorus.attend; the yardstick is then the larger of the eager and the compiled dense
