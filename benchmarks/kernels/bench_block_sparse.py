@@ -260,23 +260,33 @@ def run_size(length: int, args, results: dict) -> None:
     best = dict(attn.DEFAULT_TILES)
     if args.sweep:
         row["sweep"] = {}
-        for path, cfgs in (("fp8", SWEEP_FP8), ("bf16", SWEEP_BF16), ("int8", SWEEP_INT8)):
+        sweeps = {"fp8": SWEEP_FP8, "bf16": SWEEP_BF16, "int8": SWEEP_INT8}
+        bm15 = structured_block_map(length, heads, 0.15, bs, device="cuda")
+        flops15 = kept_flops(bm15, length, length, dim, bs)
+        for path in args.sweep_paths:
             best_ms = math.inf
-            for cfg in cfgs:
+            for cfg in sweeps[path]:
                 try:
                     prep = attn.prepare_attention(q, k, v, full, bs, dim ** -0.5, path == "fp8", cfg,
                                                   int8=path == "int8")
                     ms = bench(lambda: attn.launch_attention(prep), est / 2)
+                    prep = attn.prepare_attention(q, k, v, bm15, bs, dim ** -0.5, path == "fp8", cfg,
+                                                  int8=path == "int8")
+                    ms15 = bench(lambda: attn.launch_attention(prep), est / 8)
                 except Exception as exc:  # noqa: BLE001 - a config that does not compile is reported, not fatal
                     log(f"[{length}] sweep {path} {cfg.name()} FAILED: {type(exc).__name__}: {str(exc)[:200]}")
                     row["sweep"][f"{path}:{cfg.name()}"] = None
                     continue
                 row["sweep"][f"{path}:{cfg.name()}"] = ms
-                log(f"[{length}] sweep {path} {cfg.name()}: kernel {ms:.2f} ms ({dense_flops / ms / 1e9:.0f} TFLOP/s)")
+                row["sweep"][f"{path}:{cfg.name()}:15%"] = ms15
+                log(f"[{length}] sweep {path} {cfg.name()}: kernel {ms:.2f} ms ({dense_flops / ms / 1e9:.0f} TFLOP/s); "
+                    f"15% map {ms15:.2f} ms ({flops15 / ms15 / 1e9:.0f} TFLOP/s)")
                 if ms < best_ms:
                     best_ms, best[path] = ms, cfg
         row["best_config"] = {p: c.name() for p, c in best.items()}
         results.setdefault("best_configs", {})[str(length)] = best
+        if args.sweep_only:
+            return
 
     def ours(bm, fp8):
         return lambda: attn.block_sparse_attention_triton_impl(q, k, v, bm, bs, dim ** -0.5, fp8, best["fp8" if fp8 else "bf16"])
@@ -462,6 +472,8 @@ def main():
     ap.add_argument("--mass-rows", default="8,16,32")
     ap.add_argument("--mass-sizes", default="75600")
     ap.add_argument("--sweep", action="store_true", help="try tile configs on the full map, then use the fastest")
+    ap.add_argument("--sweep-paths", default="fp8,bf16,int8", help="comma list: the paths --sweep tries")
+    ap.add_argument("--sweep-only", action="store_true", help="stop after the sweep (its table is in the JSON)")
     ap.add_argument("--skip-flex", action="store_true")
     ap.add_argument("--peers-only", action="store_true", help="run only the peers table (no sweep, densities, stages)")
     ap.add_argument("--peers", default="", help="comma list of peer names (default: every peer of peers.PEERS)")
@@ -477,6 +489,9 @@ def main():
             plot_peers(json.load(f), os.path.join(args.out, "bench_block_sparse_peers.png"))
         return
     args.peers = [x for x in args.peers.split(",") if x]
+    args.sweep_paths = [x for x in args.sweep_paths.split(",") if x]
+    if unknown := set(args.sweep_paths) - {"fp8", "bf16", "int8"}:
+        ap.error(f"--sweep-paths: unknown path(s) {sorted(unknown)} (fp8, bf16, int8)")
     args.peer_densities = [float(x) for x in args.peer_densities.split(",") if x]
     args.densities = [float(x) for x in args.densities.split(",") if x]
     args.mass_rows = [int(x) for x in args.mass_rows.split(",") if x]
