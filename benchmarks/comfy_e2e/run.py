@@ -155,6 +155,10 @@ def build_expert(shape: dict, weights: str, seed: int, device: torch.device):
                 p.fill_(1.0)
             else:
                 p.copy_(torch.randn(p.shape, device=device, generator=gen, dtype=torch.float32) * 0.02)
+    # ComfyUI 0.3.64 never leaves training mode for the diffusion model, and its fp8_ops.Linear runs the FP8
+    # matmul only outside training mode (later ComfyUI versions dropped that condition): in training mode
+    # the FP8-weights path casts each weight back to bf16 (measured: fp8_linears.py and BENCHMARKS.md)
+    model.diffusion_model.eval()
     patcher = comfy.model_patcher.ModelPatcher(model, load_device=device, offload_device=device)
     ops = type(model.diffusion_model.blocks[0].self_attn.q).__module__ + "." + \
         type(model.diffusion_model.blocks[0].self_attn.q).__qualname__
@@ -475,8 +479,23 @@ def run(args) -> dict:
                 return patched(plan, fr_share=share, compile_models=True), plan
 
             def timed_compiled(variant):
+                """A compiled row in a fresh dynamo state: each variant's graphs, not what earlier rows left
+                (dynamo's recompile limit, 8 per code object, is shared by everything one process compiles).
+                ``dynamo``: graphs, graph breaks and recompiles of this row's two requests."""
+                from torch._dynamo.utils import counters
+
+                torch._dynamo.reset()
+                counters.clear()
                 models, plan = compiled_request(variant)
-                return timed(f"{variant}+compile", models, plan, again=lambda: compiled_request(variant))
+                out = timed(f"{variant}+compile", models, plan, again=lambda: compiled_request(variant))
+                if out is not None:
+                    results["runs"][-1]["dynamo"] = {
+                        "unique_graphs": int(counters["stats"].get("unique_graphs", 0)),
+                        "graph_breaks": int(sum(counters["graph_break"].values())),
+                        "recompiles": int(sum(counters["recompiles"].values())),
+                        "frames": {k: int(v) for k, v in counters["frames"].items()},
+                        "graph_break_reasons": sorted({r.splitlines()[0][:160] for r in counters["graph_break"]})[:8]}
+                return out
 
             if "dense" in args.variants:
                 timed("dense", (high, low))
