@@ -1,5 +1,6 @@
 """One Wan forward of a Chorus-patched model, on ComfyUI's side: the keys of the forward's options
-copy, the host-side :class:`Forward`, and the block patches (:class:`ChorusBlock`).
+copy, the host-side :class:`Forward`, and the block patches (:class:`ChorusBlock`; :class:`ReducingBlock` in a forward whose blocks feature
+reuse reduces).
 
 The DIFFUSION_MODEL wrapper (``nodes/comfy_patch.py``) hands the model an options copy carrying
 constants for the traced code (:data:`MODE_KEY`, :data:`TOKENS_KEY`, :data:`GAIN_KEY`, :data:`REUSE_KEY`,
@@ -70,22 +71,31 @@ class ChorusBlock:
             return self.previous(args, extra)
         return extra["original_block"](args)
 
+    @property
+    def reducing(self) -> "ReducingBlock":
+        """This layer's block patch for a forward whose blocks feature reuse reduces (see :class:`ReducingBlock`)."""
+        found = self.__dict__.get("_reducing")
+        if found is None:
+            found = self.__dict__["_reducing"] = ReducingBlock(self)
+        return found
+
     def __call__(self, args, extra):
         x = args.get("img")
         if isinstance(x, torch.Tensor) and x.dim() == 3 and not x.is_contiguous():
             args = dict(args, img=x.contiguous())
         options = args.get("transformer_options") or {}
-        reuse = options.get(REUSE_KEY)
-        if reuse == "reduce":
-            return self._feature_reuse(args, extra)
         out = self._run(args, extra)
-        if reuse == "record" and isinstance(out, dict) and isinstance(out.get("img"), torch.Tensor):
+        if options.get(REUSE_KEY) == "record" and isinstance(out, dict) and isinstance(out.get("img"), torch.Tensor):
             engine_attend.record_block(args["img"], out["img"], self.layer)
         return out
 
-    @torch.compiler.disable
-    def _feature_reuse(self, args, extra):
+    def feature_reuse(self, args, extra):
+        """The block through the forward's :meth:`FeatureReuse.block` (host side; a full block where
+        feature reuse does not apply)."""
         x = args.get("img")
+        if isinstance(x, torch.Tensor) and x.dim() == 3 and not x.is_contiguous():
+            x = x.contiguous()
+            args = dict(args, img=x)
         options = args.get("transformer_options") or {}
         forward = options.get(FORWARD_KEY)
         handle = forward.patch.feature_reuse if isinstance(forward, Forward) else None
@@ -121,6 +131,36 @@ class ChorusBlock:
         context = forward.context
         return {"img": handle.block(block_fn, x, layer=self.layer, sigma=context.sigma, grid=context.grid,
                                     per_token=per_token)}
+
+
+class ReducingBlock:
+    """The block patch of one layer in a forward whose blocks feature reuse reduces (a hit with
+    ``ChorusFeatureReuse``; the DIFFUSION_MODEL wrapper puts it in that forward's options copy in place
+    of the layer's :class:`ChorusBlock`). Its reduced blocks follow each step's redundant regions, so
+    the whole call runs on the host side: ``__call__`` is ``torch.compiler.disable``'d, a graph break
+    at the call under ``TorchCompileModel`` and no compiled frame of its own. (A traced call that breaks
+    inside would be a frame per layer, each guarded on its own block patch: with 40 layers dynamo's
+    recompile limit, 8 per code object, would be spent, and later compiled requests in the process --
+    a miss -- would run eagerly; docs/BENCHMARKS.md, runs 30 and 32.)"""
+
+    def __init__(self, block: ChorusBlock):
+        self.block = block
+
+    def __deepcopy__(self, memo):
+        return self
+
+    @torch.compiler.disable
+    def __call__(self, args, extra):
+        return self.block.feature_reuse(args, extra)
+
+
+def reducing_blocks(patches_replace) -> dict:
+    """A copy of ``transformer_options["patches_replace"]`` whose Chorus block patches are the
+    layers' :class:`ReducingBlock` (other patches as they are); the input is not changed."""
+    patches = dict(patches_replace or {})
+    patches["dit"] = {key: (block.reducing if isinstance(block, ChorusBlock) else block)
+                      for key, block in (patches.get("dit") or {}).items()}
+    return patches
 
 
 def _per_token_vec(vec, length: int):

@@ -40,7 +40,7 @@ from ..engine.guidance import GuidanceBoost
 from . import comfy_call, host_report, override_stack
 from .comfy_adapter import comfy_model_info
 from .comfy_forward import DENSE_KEY, FORWARD_KEY, FORWARD_KEYS, GAIN_KEY, MODE_KEY, REUSE_KEY, TOKENS_KEY, \
-    ChorusBlock, Forward
+    ChorusBlock, Forward, reducing_blocks
 from .comfy_override import ChorusOverride
 
 log = logging.getLogger("chorus.nodes")
@@ -183,6 +183,8 @@ class ChorusPatch:
             options[MODE_KEY] = mode
         if self.feature_reuse is not None and self.plan is not None:
             options[REUSE_KEY] = "reduce" if self.plan.is_hit else "record"
+            if self.plan.is_hit:
+                options["patches_replace"] = reducing_blocks(options.get("patches_replace"))
         return options
 
 @torch.compiler.disable

@@ -192,3 +192,35 @@ def test_compiled_miss_records_region_scores_and_a_feature_reuse_hit_works(nodes
     assert plan.stats.sparse_calls == 4 * LAYERS
     assert plan.state.feature_reuse.blocks_reduced > 0, (plan.state.feature_reuse.summary(), plan.stats.messages, miss.stats.messages)
     assert np.isfinite(plan.stats.density)
+
+
+def test_a_compiled_feature_reuse_hit_leaves_later_compiled_requests_compiled(nodes, host_attention, dynamo):
+    """With more layers than dynamo's recompile limit (8 per code object): a compiled hit with feature
+    reuse runs its reduced blocks on the host side without a compiled frame per layer, so the limit is
+    not spent and a compiled miss after it in the same process still compiles (its blocks record inside
+    a graph). Before ``ReducingBlock`` each layer's block patch became a frame of its own, the limit was
+    hit, and that miss ran eagerly (docs/BENCHMARKS.md, runs 30 and 32)."""
+    import torch._dynamo
+
+    layers = torch._dynamo.config.recompile_limit + 2
+    deep = [tiny.load_tiny_wan(tiny.tiny_wan_state_dict(seed=s, num_layers=layers)) for s in (0, 1)]
+    first = _retrieve(nodes, IMAGE, LATENT_FR)
+    _request(*_patch(nodes, deep, first, feature_reuse=1.0), latent=LATENT_FR)  # eager miss: the entry
+    assert nodes.ChorusCacheWrite.execute(latent={"samples": LATENT_FR}, plan=first).args[0].startswith("wrote entry")
+
+    backend = CountingBackend()
+    hit = _retrieve(nodes, IMAGE, LATENT_FR)
+    assert hit.is_hit
+    _request(*_patch(nodes, deep, hit, backend, feature_reuse=1.0), latent=LATENT_FR)
+    assert hit.state.feature_reuse.blocks_reduced > 0 and hit.stats.fallback_calls == 0, hit.stats.messages
+    assert hit.stats.sparse_calls == 4 * layers
+
+    graphs_before = len(backend.graphs)
+    other = nodes.ChorusMaskRetrieve.execute(latent={"samples": LATENT_FR}, workspace="compiled_other",
+                                             similarity_threshold=0.9, start_image=IMAGE.flip(1) * 0.5,
+                                             positive=tiny.random_conditioning(3), prompt="a red fox").args[0]
+    assert not other.is_hit
+    _request(*_patch(nodes, deep, other, backend, feature_reuse=1.0), latent=LATENT_FR)
+    assert other.stats.recorded_calls == 4 * layers, other.stats.messages
+    # the miss compiled: new graphs, its blocks' mass recorded inside one of them
+    assert max(backend.op_counts("record_mass")[graphs_before:], default=0) == layers, backend.op_counts("record_mass")
