@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import statistics
 import sys
 import time
@@ -127,7 +128,7 @@ def measure(layer, x, reference, reps, device, compile_it, fp8_counter=None) -> 
 
 def run(args) -> dict:
     cpu = args.tiny or not torch.cuda.is_available()
-    import_comfy(Path(args.comfyui or __import__("os").environ.get("COMFYUI_DIR", "")), cpu)
+    import_comfy(Path(args.comfyui or os.environ.get("COMFYUI_DIR", "")), cpu)
     import comfy.model_management
     import comfy.ops
 
