@@ -1,6 +1,6 @@
 """One Wan forward of a Chorus-patched model, on ComfyUI's side: the keys of the forward's options
-copy, the host-side :class:`Forward`, and the block patches (:class:`ChorusBlock`; :class:`ReducingBlock` in a forward whose blocks feature
-reuse reduces).
+copy, the host-side :class:`Forward`, and the block patches (:class:`ChorusBlock`; :class:`ReducingBlock`
+in a forward whose blocks feature reuse reduces).
 
 The DIFFUSION_MODEL wrapper (``nodes/comfy_patch.py``) hands the model an options copy carrying
 constants for the traced code (:data:`MODE_KEY`, :data:`TOKENS_KEY`, :data:`GAIN_KEY`, :data:`REUSE_KEY`,
@@ -43,10 +43,11 @@ class ChorusBlock:
     """``patches_replace["dit"][("double_block", layer)]`` of Chorus-patched models: the residual stream
     made row-major (ComfyUI's WanModel passes its patch embedding's ``transpose(1, 2)`` view to the
     blocks, whose three layer norms would each copy it: 8% of a 720p hit's GPU time per step,
-    docs/BENCHMARKS.md, run 15; a copy only when it is not), then, in a forward with feature reuse, the
-    block through the forward's patch's :meth:`FeatureReuse.block` on the host side (a compacted call
-    carries its layout in :data:`LAYOUT_KEY` for the attention override); a miss's full block records
-    its region scores (``torch.ops.chorus.record_block``). ``previous`` = a non-Chorus block patch
+    docs/BENCHMARKS.md, run 15; a copy only when it is not); a miss's full block records its region
+    scores (``torch.ops.chorus.record_block``). In a forward whose blocks feature reuse reduces (a hit),
+    the layer's ``reducing`` patch (:class:`ReducingBlock`) takes its place and runs :meth:`feature_reuse`:
+    the block through the forward's patch's :meth:`FeatureReuse.block` on the host side (a compacted call
+    carries its layout in :data:`LAYOUT_KEY` for the attention override). ``previous`` = a non-Chorus block patch
     chained. One object per (layer, previous) (:meth:`at`), the same for every request, so a compiled
     model's guards see the same block patch."""
 
@@ -54,6 +55,7 @@ class ChorusBlock:
 
     def __init__(self, layer: int, previous=None):
         self.layer, self.previous = layer, previous
+        self.reducing = ReducingBlock(self)  # this layer's patch in a forward whose blocks feature reuse reduces
 
     @classmethod
     def at(cls, layer: int, previous=None) -> "ChorusBlock":
@@ -70,14 +72,6 @@ class ChorusBlock:
         if self.previous is not None:
             return self.previous(args, extra)
         return extra["original_block"](args)
-
-    @property
-    def reducing(self) -> "ReducingBlock":
-        """This layer's block patch for a forward whose blocks feature reuse reduces (see :class:`ReducingBlock`)."""
-        found = self.__dict__.get("_reducing")
-        if found is None:
-            found = self.__dict__["_reducing"] = ReducingBlock(self)
-        return found
 
     def __call__(self, args, extra):
         x = args.get("img")
