@@ -86,7 +86,7 @@ def _parser() -> argparse.ArgumentParser:
                                      epilog=_root_epilog())
     sub = parser.add_subparsers(dest="action", required=True)
     for name, help_text in [("stats", "counts, bytes, index kinds, quarantine (read-only)"),
-                            ("list", "one line per entry (read-only)"),
+                            ("list", "one line per entry: hits, the share of its hits' sparse calls with the pooled tail, dense fallbacks (read-only)"),
                             ("verify", "check every entry; exit 1 on damage (read-only; --repair quarantines it)"),
                             ("prune", "evict entries (LRU/LFU) down to the limits"),
                             ("rebuild-index", "rebuild the faiss index from the entries"),
@@ -256,11 +256,14 @@ def _run(args, ws):
         result = ws.entries()
         if args.limit:
             result = result[: args.limit]
-        lines = [f"{'id':>8}  {'signature':12}  {'size':>10}  {'hits':>5}  last used            prompt"]
+        lines = [f"{'id':>8}  {'signature':12}  {'size':>10}  {'hits':>5}  {'tail':>6}  {'dense':>5}  last used"
+                 "            prompt"]
         for e in result:
             prompt = str(e["meta"].get("prompt", ""))[:40].replace("\n", " ")
+            runs = e.get("runs") or {}
+            tail = f"{runs['tail_calls'] / runs['sparse_calls']:.0%}" if runs.get("sparse_calls") else "-"
             lines.append(f"{e['id']:>8}  {str(e['sig_key'])[:12]:12}  {_fmt_bytes(e['nbytes']):>10}  {e['hits']:>5}  "
-                         f"{_fmt_time(e['last_used'])}  {prompt}")
+                         f"{tail:>6}  {runs.get('fallback_calls', 0):>5}  {_fmt_time(e['last_used'])}  {prompt}")
         text = "\n".join(lines)
     elif args.action == "verify":
         result = ws.verify(progress=True)

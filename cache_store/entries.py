@@ -67,3 +67,33 @@ class CorruptEntryError(ValueError):
 
 class EntryGone(Exception):
     """The entry's row disappeared (evicted or removed) while it was being read: not damage."""
+
+
+RUN_COUNTERS = ("sparse_calls", "tail_calls", "fallback_calls")
+"""What the hits of an entry did with its maps, summed per entry beside ``hits`` (``touch(entry_id, run=)``):
+self-attention calls on the sparse path, of them with the pooled tail, and calls that fell back to dense."""
+
+
+def run_counts(run) -> tuple[int, ...]:
+    """``run`` (None or a mapping of some :data:`RUN_COUNTERS` to non-negative ints) as one int per
+    counter, in :data:`RUN_COUNTERS` order. ``ValueError`` for an unknown name or a bad count, before
+    anything is counted."""
+    if run is None:
+        return (0,) * len(RUN_COUNTERS)
+    if not hasattr(run, "items"):
+        raise ValueError(f"run stats must be a mapping of {', '.join(RUN_COUNTERS)} to counts, not {type(run).__name__}")
+    unknown = sorted(str(k) for k in run if k not in RUN_COUNTERS)
+    if unknown:
+        raise ValueError(f"unknown run stats {unknown} (known: {', '.join(RUN_COUNTERS)})")
+    counts = []
+    for name in RUN_COUNTERS:
+        value = run.get(name, 0)
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= int(value) < 2 ** 62:
+            raise ValueError(f"run stat {name} must be a non-negative int, not {value!r}")
+        counts.append(int(value))
+    return tuple(counts)
+
+
+def add_counts(counts: tuple[int, ...] | None, more: tuple[int, ...]) -> tuple[int, ...]:
+    """Two :func:`run_counts` tuples added (``counts`` None: ``more``)."""
+    return more if counts is None else tuple(a + b for a, b in zip(counts, more))

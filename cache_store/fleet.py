@@ -66,12 +66,13 @@ from pathlib import Path
 import numpy as np
 
 from . import seams
-from .entries import CorruptEntryError, NewEntry, encode_new_entry
+from .entries import RUN_COUNTERS, CorruptEntryError, NewEntry, add_counts, encode_new_entry, run_counts
 from .errors import StoreBusyError, StoreError, store_timeout
 from .fleet_conn import CALL_DEADLINE_S, Connections
 from .fleet_feed import CHANNEL, FEED_DEADLINE_S, POLL_S, FleetFeed
 from .fleet_maintenance import FleetMaintenance
-from .fleet_schema import Row, check_row, decoded_entry, emb_params, entry_problem, own_row, row_columns, setup
+from .fleet_schema import Row, check_row, decoded_entry, emb_params, entry_problem, own_row, row_columns, run_columns, \
+    setup
 from .fleet_tier import TIER_DIR, LocalTier, tier_bytes_setting
 from .index import DEFAULT_APPROX_THRESHOLD, PartitionedIndex, normalise
 from .limits import check_limits, stored_limits_shown
@@ -108,6 +109,8 @@ class FleetStore(FleetFeed, FleetMaintenance):
         self._known: dict[int, tuple[str, str, int]] = {}  # id -> (sig_key, sha256, nbytes)
         self._set_aside: set[int] = set()  # damaged rows this handle could not quarantine (read-only or busy)
         self._pending_hits: dict[int, int] = {}  # hits of load(touch=True) not counted yet (write connection busy)
+        self._pending_runs: dict[int, tuple[int, ...]] = {}  # run stats of touch(run=) not counted yet
+        self._run_stats = False  # whether chorus_entries has the run stats columns (fleet_schema.run_columns)
         self._dim: int | None = None
         self._bad_dim_logged = None  # the invalid dimension last logged (_workspace_dim)
         self._seq = -1  # last change applied; -1: never loaded
@@ -185,6 +188,10 @@ class FleetStore(FleetFeed, FleetMaintenance):
                 raise ValueError("a read-only handle cannot set limits")
             creating = create and not readonly
             store._conns.call(setup, store.workspace, store.url, creating, read=not creating)
+            store._run_stats = store._conns.call(run_columns, not readonly, read=readonly)
+            if not store._run_stats and not readonly:
+                LOG.warning("fleet workspace %s: chorus_entries has no run stats columns and this role may not add "
+                            "them; hits are counted without their run stats (docs/OPERATIONS.md, Fleet)", workspace)
             if max_bytes is not None or max_entries is not None or eviction is not None:
                 store.set_limits(max_bytes=max_bytes, max_entries=max_entries, eviction=eviction)
             store._conns.call(store._full_load, deadline=FEED_DEADLINE_S, read=True)
@@ -424,15 +431,24 @@ class FleetStore(FleetFeed, FleetMaintenance):
     def _flush_hits(self, wait: bool = True) -> None:
         with self._mutex:
             hits, self._pending_hits = self._pending_hits, {}
-        if not hits:
+            runs, self._pending_runs = self._pending_runs, {}
+        if not hits and not runs:
             return
+        zero = (0,) * len(RUN_COUNTERS)
+        ids = sorted(set(hits) | set(runs))
 
         def tx(conn):
             now = time.time()
             with conn.transaction():
                 with conn.cursor() as cur:
-                    cur.executemany("UPDATE chorus_entries SET hits = hits + %s, last_used = %s WHERE id = %s "
-                                    "AND workspace = %s", [(n, now, i, self.workspace) for i, n in sorted(hits.items())])
+                    if self._run_stats:
+                        sets = ", ".join(f"{name} = {name} + %s" for name in RUN_COUNTERS)
+                        cur.executemany(f"UPDATE chorus_entries SET hits = hits + %s, {sets}, last_used = %s "
+                                        "WHERE id = %s AND workspace = %s",
+                                        [(hits.get(i, 0), *runs.get(i, zero), now, i, self.workspace) for i in ids])
+                    else:
+                        cur.executemany("UPDATE chorus_entries SET hits = hits + %s, last_used = %s WHERE id = %s "
+                                        "AND workspace = %s", [(hits.get(i, 0), now, i, self.workspace) for i in ids])
 
         try:
             self._conns.call(tx, wait=wait)
@@ -440,35 +456,52 @@ class FleetStore(FleetFeed, FleetMaintenance):
             with self._mutex:  # kept for the next try
                 for entry_id, n in hits.items():
                     self._pending_hits[entry_id] = self._pending_hits.get(entry_id, 0) + n
+                for entry_id, counts in runs.items():
+                    self._pending_runs[entry_id] = add_counts(self._pending_runs.get(entry_id), counts)
             raise
 
-    def touch(self, entry_id: int) -> None:
-        """Count a hit fleet-wide (``hits += 1``, ``last_used = now``), with any hits :meth:`load`
-        kept pending; raises ``StoreBusyError`` past the time bound (the hits stay pending)."""
+    def touch(self, entry_id: int, run=None) -> None:
+        """Count a hit fleet-wide (``hits += 1``, ``last_used = now``) and ``run``'s stats (a mapping
+        of some :data:`~chorus.cache_store.entries.RUN_COUNTERS` to counts, added to the entry's;
+        ``ValueError`` for a bad one, nothing counted), with any hits :meth:`load` kept pending;
+        raises ``StoreBusyError`` past the time bound (the hits stay pending)."""
         self._conns.check_writable()
+        counts = run_counts(run)
         with self._mutex:
             self._pending_hits[int(entry_id)] = self._pending_hits.get(int(entry_id), 0) + 1
+            if any(counts):
+                self._pending_runs[int(entry_id)] = add_counts(self._pending_runs.get(int(entry_id)), counts)
         self._flush_hits()
 
     def entries(self) -> list[dict]:
-        """One dict per entry (id, sig_key, nbytes, hits, created, last_used, meta), in id order.
-        A row that fails :func:`check_row` is left out (one log line each); metadata that cannot
+        """One dict per entry (id, sig_key, nbytes, hits, created, last_used, meta, runs: the summed run
+        stats of its hits, 0 where the table has no run stats columns), in id order. A row that fails :func:`check_row` is left out (one log line each); metadata that cannot
         be read (too large, too deep, not JSON) shows as ``{"unreadable": reason}``."""
+        zero = (0,) * len(RUN_COUNTERS)
+
         def q(conn):
             with conn.cursor(binary=True) as cur:
                 cur.execute(f"SELECT {row_columns(meta=True)} FROM chorus_entries e WHERE e.workspace = %(ws)s "
                             "ORDER BY e.id", {"ws": self.workspace})
-                return [Row(*values) for values in cur.fetchall()]
+                rows = [Row(*values) for values in cur.fetchall()]
+                runs = {}
+                if self._run_stats:
+                    cur.execute(f"SELECT id, {', '.join(RUN_COUNTERS)} FROM chorus_entries WHERE workspace = %(ws)s",
+                                {"ws": self.workspace})
+                    runs = {r[0]: tuple(r[1:]) for r in cur.fetchall()}
+                return rows, runs
 
         out = []
-        for row in self._conns.call(q, deadline=60, read=True):
+        rows, runs = self._conns.call(q, deadline=60, read=True)
+        for row in rows:
             try:
                 check_row(row, None)
             except ValueError as exc:
                 LOG.warning("fleet entry %s of %s left out of the listing: %s", row.id, self.workspace, exc)
                 continue
             out.append({"id": row.id, "sig_key": row.sig_key, "nbytes": row.nbytes, "hits": row.hits,
-                        "created": row.created, "last_used": row.last_used, "meta": row_meta(row.meta_json, row.meta_len)})
+                        "created": row.created, "last_used": row.last_used, "meta": row_meta(row.meta_json, row.meta_len),
+                        "runs": dict(zip(RUN_COUNTERS, runs.get(row.id, zero)))})
         return out
 
     def quarantined(self) -> list[dict]:

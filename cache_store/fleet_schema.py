@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .entries import DEFAULT_MAX_BYTES, MAX_ENTRY_FILE_BYTES
+from .entries import DEFAULT_MAX_BYTES, MAX_ENTRY_FILE_BYTES, RUN_COUNTERS
 from .entry_format import MAX_META_BYTES, EntryFormatError, decode_entry
 from .fleet_conn import psycopg_module
 from .rows import (DIGEST_CHARS, MAX_EMBEDDING_DIM, SIG_KEY_CHARS, check_embedding, check_entry_matches_row,
@@ -55,7 +55,10 @@ SCHEMA = [
         data BYTEA NOT NULL,
         created DOUBLE PRECISION NOT NULL,
         last_used DOUBLE PRECISION NOT NULL,
-        hits BIGINT NOT NULL DEFAULT 0)""",
+        hits BIGINT NOT NULL DEFAULT 0,
+        sparse_calls BIGINT NOT NULL DEFAULT 0,
+        tail_calls BIGINT NOT NULL DEFAULT 0,
+        fallback_calls BIGINT NOT NULL DEFAULT 0)""",
     "ALTER TABLE chorus_entries ALTER COLUMN data SET STORAGE EXTERNAL",
     "CREATE INDEX IF NOT EXISTS chorus_entries_lru ON chorus_entries(workspace, last_used, id)",
     """CREATE TABLE IF NOT EXISTS chorus_changes(
@@ -104,6 +107,32 @@ def setup(conn, workspace: str, url: str, create: bool) -> None:
         with conn.transaction():
             conn.execute("INSERT INTO chorus_workspaces(name) VALUES(%s) ON CONFLICT (name) DO NOTHING",
                          (workspace,))
+
+
+def run_columns(conn, add: bool) -> bool:
+    """Whether ``chorus_entries`` has the run stats columns (:data:`~chorus.cache_store.entries.RUN_COUNTERS`,
+    summed per entry by ``touch(entry_id, run=)``). Tables made before them get them when ``add`` and the
+    role may alter the table (serialised by the schema lock; 0 for hits counted before); else False, and
+    the handle counts hits without run stats."""
+    psycopg = psycopg_module()
+
+    def present() -> bool:
+        found = conn.execute("SELECT count(*) FROM pg_attribute WHERE attrelid = 'chorus_entries'::regclass "
+                             "AND attname = ANY(%s) AND NOT attisdropped", (list(RUN_COUNTERS),)).fetchone()[0]
+        return found == len(RUN_COUNTERS)
+
+    if present():
+        return True
+    if not add:
+        return False
+    try:
+        with conn.transaction():
+            conn.execute("SELECT pg_advisory_xact_lock(%s)", (SCHEMA_LOCK,))
+            for name in RUN_COUNTERS:
+                conn.execute(f"ALTER TABLE chorus_entries ADD COLUMN IF NOT EXISTS {name} BIGINT NOT NULL DEFAULT 0")
+    except psycopg.errors.InsufficientPrivilege:
+        return False
+    return present()
 
 
 class Row(NamedTuple):

@@ -21,10 +21,11 @@ Contract shared by both (tested against both in ``tests/test_fleet_store.py::tes
 * ``add(embedding, masks, meta) -> entry_id`` and ``add_unique(..., min_similarity=) ->
   (entry_id, created)`` (no second entry for a request an entry already serves, checked under the
   store's writer lock); an entry is visible whole or not at all.
-* ``touch(entry_id)``, ``remove(entry_id) -> bool``, ``stats() -> dict``, ``verify(progress=False)
+* ``touch(entry_id, run=None)`` (a hit; ``run``: its run stats, some of ``entries.RUN_COUNTERS`` summed per
+  entry, ``ValueError`` for a bad one), ``remove(entry_id) -> bool``, ``stats() -> dict``, ``verify(progress=False)
   -> dict`` (keys ``checked``, ``damaged``, ``ok``, ``index_consistent``, ``orphans_removed``,
   ``temp_files_removed``), ``prune(*, max_bytes=None, max_entries=None) -> [removed ids]``,
-  ``set_limits(...)``, ``rebuild_index(progress=False) -> index kinds``, ``entries() -> [dict]``,
+  ``set_limits(...)``, ``rebuild_index(progress=False) -> index kinds``, ``entries() -> [dict]`` (each with ``runs``, the summed run stats),
   ``quarantined() -> [dict]``, ``len(store)``, ``close()``; usable as a context manager.
 
 Errors follow the store contract of ``errors.py`` (README.md): problems of the store itself leave
@@ -58,7 +59,7 @@ class CacheStore(Protocol):
 
     def add_unique(self, embedding, masks: dict, meta: dict, *, min_similarity: float) -> tuple[int, bool]: ...
 
-    def touch(self, entry_id: int) -> None: ...
+    def touch(self, entry_id: int, run=None) -> None: ...
 
     def remove(self, entry_id: int) -> bool: ...
 

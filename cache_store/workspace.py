@@ -80,7 +80,8 @@ import numpy as np
 from filelock import FileLock
 
 from . import seams
-from .entries import MAX_ENTRY_FILE_BYTES, CorruptEntryError, EntryGone, encode_new_entry
+from .entries import MAX_ENTRY_FILE_BYTES, RUN_COUNTERS, CorruptEntryError, EntryGone, add_counts, encode_new_entry, \
+    run_counts
 from .entry_format import EntryFormatError, decode_entry
 from .errors import StoreBusyError, StoreError, UnsafeLayoutError, store_timeout
 from .index import DEFAULT_APPROX_THRESHOLD, PartitionedIndex, normalise
@@ -118,6 +119,7 @@ class Workspace(WorkspaceConnections, WorkspaceIndex, WorkspaceMaintenance):
         self._unsaved_changes = 0
         self._set_aside: set[int] = set()  # damaged entries this handle could not quarantine (read-only/busy)
         self._pending_hits: dict[int, int] = {}  # hits of load(touch=True) not yet counted (store was busy)
+        self._pending_runs: dict[int, tuple[int, ...]] = {}  # run stats of touch(run=) not yet counted
         self._closed = False
         self._fds: list[int] = []
         self._rdb = self._wdb = None
@@ -425,13 +427,17 @@ class Workspace(WorkspaceConnections, WorkspaceIndex, WorkspaceMaintenance):
         with self._writing(file_lock=False, timeout=timeout) as db:
             with self._rmutex:
                 hits, self._pending_hits = self._pending_hits, {}
-            if not hits:
+                runs, self._pending_runs = self._pending_runs, {}
+            if not hits and not runs:
                 return
+            zero = (0,) * len(RUN_COUNTERS)
+            sets = ", ".join(f"{name} = {name} + ?" for name in RUN_COUNTERS)
             try:
                 db.execute("BEGIN IMMEDIATE")
                 now = time.time()
-                for entry_id, n in hits.items():
-                    db.execute("UPDATE entries SET hits = hits + ?, last_used = ? WHERE id = ?", (n, now, entry_id))
+                for entry_id in sorted(set(hits) | set(runs)):
+                    db.execute(f"UPDATE entries SET hits = hits + ?, {sets}, last_used = ? WHERE id = ?",
+                               (hits.get(entry_id, 0), *runs.get(entry_id, zero), now, entry_id))
                 db.execute("COMMIT")
             except BaseException:
                 if db.in_transaction:
@@ -439,25 +445,37 @@ class Workspace(WorkspaceConnections, WorkspaceIndex, WorkspaceMaintenance):
                 with self._rmutex:  # keep them for the next try
                     for entry_id, n in hits.items():
                         self._pending_hits[entry_id] = self._pending_hits.get(entry_id, 0) + n
+                    for entry_id, counts in runs.items():
+                        self._pending_runs[entry_id] = add_counts(self._pending_runs.get(entry_id), counts)
                 raise
 
     @store_call
-    def touch(self, entry_id: int) -> None:
-        """Count a hit: ``hits += 1``, ``last_used = now`` (drives LRU/LFU eviction), together with
-        hits :meth:`load` could not count earlier. Takes SQLite's write lock only (not the writers'
-        file lock); raises ``StoreBusyError`` past the time bound (the hits stay pending)."""
+    def touch(self, entry_id: int, run=None) -> None:
+        """Count a hit: ``hits += 1``, ``last_used = now`` (drives LRU/LFU eviction), and ``run``'s
+        stats (a mapping of some :data:`~chorus.cache_store.entries.RUN_COUNTERS` to counts, added to
+        the entry's; ``ValueError`` for a bad one, nothing counted), together with hits :meth:`load`
+        could not count earlier. Takes SQLite's write lock only (not the writers' file lock); raises
+        ``StoreBusyError`` past the time bound (the hits stay pending)."""
+        counts = run_counts(run)
         with self._rmutex:
             self._pending_hits[int(entry_id)] = self._pending_hits.get(int(entry_id), 0) + 1
+            if any(counts):
+                self._pending_runs[int(entry_id)] = add_counts(self._pending_runs.get(int(entry_id)), counts)
         self._flush_hits()
 
     @store_call
     def entries(self) -> list[dict]:
-        """One dict per entry (id, sig_key, nbytes, hits, created, last_used, meta), in id order."""
+        """One dict per entry (id, sig_key, nbytes, hits, created, last_used, meta, runs: the summed
+        run stats of its hits, :data:`~chorus.cache_store.entries.RUN_COUNTERS`), in id order. (A
+        read-only handle of a workspace older than the run stats shows them as 0.)"""
         with self._rmutex:
+            runs = ", ".join(RUN_COUNTERS) if self._run_columns_present(self._rdb) else \
+                ", ".join("0" for _ in RUN_COUNTERS)
             rows = self._rdb.execute(
-                "SELECT id, sig_key, nbytes, hits, created, last_used, meta_json FROM entries ORDER BY id").fetchall()
+                f"SELECT id, sig_key, nbytes, hits, created, last_used, meta_json, {runs} FROM entries ORDER BY id"
+            ).fetchall()
         return [{"id": r[0], "sig_key": r[1], "nbytes": r[2], "hits": r[3], "created": r[4],
-                 "last_used": r[5], "meta": row_meta(r[6])} for r in rows]
+                 "last_used": r[5], "meta": row_meta(r[6]), "runs": dict(zip(RUN_COUNTERS, r[7:]))} for r in rows]
 
     @store_call
     def quarantined(self) -> list[dict]:

@@ -31,7 +31,7 @@ from contextlib import contextmanager
 
 from filelock import Timeout as FileLockTimeout
 
-from .entries import DEFAULT_MAX_BYTES
+from .entries import DEFAULT_MAX_BYTES, RUN_COUNTERS
 from .errors import StoreBusyError, StoreError, StoreReadOnlyError, UnsafeLayoutError
 from .safe_fs import file_kind, open_dir
 
@@ -51,7 +51,10 @@ CREATE TABLE IF NOT EXISTS entries(
     meta_json TEXT NOT NULL,
     created REAL NOT NULL,
     last_used REAL NOT NULL,
-    hits INTEGER NOT NULL DEFAULT 0
+    hits INTEGER NOT NULL DEFAULT 0,
+    sparse_calls INTEGER NOT NULL DEFAULT 0,
+    tail_calls INTEGER NOT NULL DEFAULT 0,
+    fallback_calls INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS entries_sig ON entries(sig_key);
 CREATE INDEX IF NOT EXISTS entries_last_used ON entries(last_used);
@@ -187,6 +190,30 @@ class WorkspaceConnections:
             raise StoreError(f"workspace {self.path}: {DB_NAME} could not be opened as a SQLite database "
                              f"({type(exc).__name__}: {exc})") from exc
         self._workspace_id = workspace_id
+        if not self.readonly:
+            self._add_run_columns()
+
+    def _run_columns_present(self, db) -> bool:
+        names = {row[1] for row in db.execute("PRAGMA table_info(entries)").fetchall()}
+        return all(name in names for name in RUN_COUNTERS)
+
+    def _add_run_columns(self) -> None:
+        """A workspace made before entries counted their hits' run stats gets the columns (0 for the
+        hits counted before), under the writers' lock; each ``ADD COLUMN`` alone changes nothing else."""
+        try:
+            if self._run_columns_present(self._rdb):
+                return
+            with self._writing() as db:
+                names = {row[1] for row in db.execute("PRAGMA table_info(entries)").fetchall()}
+                for name in RUN_COUNTERS:
+                    if name not in names:
+                        db.execute(f"ALTER TABLE entries ADD COLUMN {name} INTEGER NOT NULL DEFAULT 0")
+        except sqlite3.Error as exc:
+            if is_busy(exc):
+                raise StoreBusyError(f"workspace {self.path}: the metadata database stayed locked for the time bound "
+                                     f"({self.timeout:g} s)") from exc
+            raise StoreError(f"workspace {self.path}: adding the run stats columns failed "
+                             f"({type(exc).__name__}: {exc})") from exc
 
     def _read_workspace_id(self):
         try:

@@ -194,9 +194,14 @@ def commit_plan(workspace, plan: Plan) -> str:
         msg = f"hit: reused entry {plan.entry_id} (similarity {plan.similarity:.3f})"
         counter = getattr(workspace, "touch", None)
         if counter is not None:
+            stats = plan.stats
+            run = {"sparse_calls": stats.sparse_calls, "tail_calls": stats.tail_calls,
+                   "fallback_calls": stats.fallback_calls}
             try:
-                counter(plan.entry_id)
-                msg = f"hit: updated stats of entry {plan.entry_id} (similarity {plan.similarity:.3f})"
+                counter(plan.entry_id, run=run)
+                msg = (f"hit: updated stats of entry {plan.entry_id} (similarity {plan.similarity:.3f}; "
+                       f"{run['sparse_calls']} sparse calls, {run['tail_calls']} with the pooled tail, "
+                       f"{run['fallback_calls']} dense fallbacks)")
             except Exception as exc:  # noqa: BLE001
                 msg += f"; hit stats not updated ({type(exc).__name__}: {exc})"
         plan.state.committed = msg

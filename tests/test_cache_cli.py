@@ -18,6 +18,7 @@ def test_cli_commands(tmp_path):
     with Workspace.open(root / "proj") as ws:
         ids = [ws.add(embedding(s), small_masks(s), {"signature": SIGNATURE, "prompt": f"prompt {s}"}) for s in range(6)]
         victim_file = ws.entry_path(ids[1])
+        ws.touch(ids[5], run={"sparse_calls": 8, "tail_calls": 4, "fallback_calls": 2})
 
     out = _cli("stats", "--workspace", "proj", "--json", root=root)
     assert out.returncode == 0, out.stderr
@@ -29,6 +30,8 @@ def test_cli_commands(tmp_path):
 
     out = _cli("list", "--workspace", "proj", root=root)
     assert out.returncode == 0 and "prompt 5" in out.stdout and len(out.stdout.strip().splitlines()) == 7
+    # the touched entry's line: 1 hit, half its sparse calls with the pooled tail, 2 dense fallbacks
+    assert [line.split()[4:7] for line in out.stdout.splitlines() if "prompt 5" in line] == [["1", "50%", "2"]], out.stdout
 
     out = _cli("verify", "--workspace", "proj", root=root)
     assert out.returncode == 0 and "no damage" in out.stdout, out.stdout + out.stderr

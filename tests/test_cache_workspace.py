@@ -258,3 +258,35 @@ def test_wan14b_entry_fits_16mb(tmp_path):
         sample = [("high", 0, 0, 0), ("low", 3, 39, 0), ("high", 1, 17, 0)]
         assert all(torch.equal(loaded[k].unpack(), masks[k]) for k in sample)
         assert len(loaded) == 160 and loaded[("low", 3, 39, 0)].shape == (1, 40, 256, 256)
+
+
+def test_touch_sums_its_hits_run_stats_and_an_older_workspace_gets_the_columns(tmp_path):
+    """``touch(entry_id, run=)`` adds the hit's run stats to the entry's (shown by ``entries()``); a bad
+    one is refused before anything is counted; a workspace made before the run stats gets their columns
+    (zeros) when opened writable, and a read-only handle of it lists zeros."""
+    import sqlite3
+
+    path = tmp_path / "ws"
+    with Workspace.open(path) as ws:
+        ids, _ = _fill(ws, 2)
+        ws.touch(ids[0], run={"sparse_calls": 160, "tail_calls": 160})
+        ws.touch(ids[0], run={"sparse_calls": 150, "tail_calls": 0, "fallback_calls": 10})
+        ws.touch(ids[1])
+        for bad in ({"tail": 1}, {"sparse_calls": -1}, {"sparse_calls": 1.5}, {"sparse_calls": True}, [1]):
+            with pytest.raises(ValueError):
+                ws.touch(ids[1], run=bad)
+        got = {e["id"]: (e["hits"], e["runs"]) for e in ws.entries()}
+    assert got[ids[0]] == (2, {"sparse_calls": 310, "tail_calls": 160, "fallback_calls": 10})
+    assert got[ids[1]] == (1, {"sparse_calls": 0, "tail_calls": 0, "fallback_calls": 0})
+
+    db = sqlite3.connect(str(path / "chorus.sqlite3"))  # the schema before run stats
+    for name in ("sparse_calls", "tail_calls", "fallback_calls"):
+        db.execute(f"ALTER TABLE entries DROP COLUMN {name}")
+    db.commit()
+    db.close()
+    with Workspace.open(path, readonly=True) as ro:
+        assert [e["runs"]["tail_calls"] for e in ro.entries()] == [0, 0] and [e["hits"] for e in ro.entries()] == [2, 1]
+    with Workspace.open(path) as ws:
+        ws.touch(ids[1], run={"tail_calls": 3})
+        got = {e["id"]: (e["hits"], e["runs"]["tail_calls"]) for e in ws.entries()}
+        assert got == {ids[0]: (2, 0), ids[1]: (2, 3)} and ws.verify()["ok"]

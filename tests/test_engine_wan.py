@@ -104,6 +104,10 @@ def test_miss_records_every_step_and_layer_then_hit_runs_sparse(tmp_path, adapte
     assert 0 < hit.stats.density <= 1
     assert "hit: updated stats of entry 1" in commit_plan(ws, hit)
     assert ws.entries()[0]["hits"] == 1
+    # the hit's run stats are the entry's: its sparse calls, of them with the pooled tail (on by default)
+    assert ws.entries()[0]["runs"] == {"sparse_calls": hit.stats.sparse_calls, "tail_calls": hit.stats.tail_calls,
+                                       "fallback_calls": 0}
+    assert hit.stats.tail_calls == hit.stats.sparse_calls > 0
 
 
 def test_a14b_split_two_models_one_plan_routes_by_sigma(adapter, experts):

@@ -750,3 +750,37 @@ def test_large_workspace_serves_exact_then_swaps_in_hnsw(url, tmp_path, monkeypa
     finally:
         reader.close()
         writer.close()
+
+
+def test_touch_sums_run_stats_fleet_wide_and_older_tables_get_the_columns(url, pg, tmp_path):
+    """``touch(entry_id, run=)`` adds a hit's run stats to the entry's row, seen by every worker's
+    ``entries()``; a bad one is refused before anything is counted. Tables made before the run stats
+    get the columns when a handle that may alter them opens (read-only handles list zeros meanwhile)."""
+    a, b = _open(url, tmp_path, "a"), _open(url, tmp_path, "b")
+    try:
+        ids = [a.add(sh.embedding(i), sh.entry_masks(i), _meta(i)) for i in range(2)]
+        a.touch(ids[0], run={"sparse_calls": 160, "tail_calls": 160})
+        b.touch(ids[0], run={"sparse_calls": 150, "fallback_calls": 10})
+        with pytest.raises(ValueError):
+            a.touch(ids[1], run={"tail": 1})
+        got = {e["id"]: (e["hits"], e["runs"]) for e in b.entries()}
+        assert got[ids[0]] == (2, {"sparse_calls": 310, "tail_calls": 160, "fallback_calls": 10})
+        assert got[ids[1]] == (0, {"sparse_calls": 0, "tail_calls": 0, "fallback_calls": 0})
+    finally:
+        a.close()
+        b.close()
+    database = url.rsplit("/", 1)[1].split("?")[0]
+    for name in ("sparse_calls", "tail_calls", "fallback_calls"):  # the table as made before run stats
+        pg.sql(f"ALTER TABLE chorus_entries DROP COLUMN {name}", database)
+    ro = _open(url, tmp_path, "r", readonly=True)
+    try:
+        assert [e["runs"]["tail_calls"] for e in ro.entries()] == [0, 0]
+    finally:
+        ro.close()
+    c = _open(url, tmp_path, "c")
+    try:
+        c.touch(ids[1], run={"tail_calls": 3})
+        got = {e["id"]: (e["hits"], e["runs"]["tail_calls"]) for e in c.entries()}
+        assert got == {ids[0]: (2, 0), ids[1]: (1, 3)} and c.verify()["ok"]
+    finally:
+        c.close()
