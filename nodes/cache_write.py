@@ -16,7 +16,8 @@ class ChorusCacheWrite(io.ComfyNode):
             display_name="Chorus Cache Write",
             category=CATEGORY,
             description="Runs after sampling (connect the sampled latent). Miss: commits the recorded masks, "
-                        "embedding and metadata as a new cache entry. Hit: updates the entry's hit statistics.",
+                        "embedding and metadata as a new cache entry. Hit: updates the entry's hit statistics "
+                        "(hits, and the hit's sparse attention calls, those with the pooled tail, dense fallbacks).",
             inputs=[
                 io.Latent.Input("latent", tooltip="The SAMPLED latent (makes this node run after the sampler)."),
                 ChorusPlan.Input("plan", tooltip="The plan from Chorus Mask Retrieve (the same one the sampler used)."),
