@@ -183,6 +183,8 @@ class WorkspaceConnections:
                     raise ValueError(f"{self.path} is not a Chorus cache workspace ({DB_NAME} holds no workspace)")
                 self._initialise()
                 workspace_id = self._read_workspace_id()
+            if not self.readonly:
+                self._add_run_columns()
         except sqlite3.Error as exc:
             if is_busy(exc):
                 raise StoreBusyError(f"workspace {self.path}: the metadata database stayed locked for the time bound "
@@ -190,8 +192,6 @@ class WorkspaceConnections:
             raise StoreError(f"workspace {self.path}: {DB_NAME} could not be opened as a SQLite database "
                              f"({type(exc).__name__}: {exc})") from exc
         self._workspace_id = workspace_id
-        if not self.readonly:
-            self._add_run_columns()
 
     def _run_columns_present(self, db) -> bool:
         names = {row[1] for row in db.execute("PRAGMA table_info(entries)").fetchall()}
@@ -200,20 +200,13 @@ class WorkspaceConnections:
     def _add_run_columns(self) -> None:
         """A workspace made before entries counted their hits' run stats gets the columns (0 for the
         hits counted before), under the writers' lock; each ``ADD COLUMN`` alone changes nothing else."""
-        try:
-            if self._run_columns_present(self._rdb):
-                return
-            with self._writing() as db:
-                names = {row[1] for row in db.execute("PRAGMA table_info(entries)").fetchall()}
-                for name in RUN_COUNTERS:
-                    if name not in names:
-                        db.execute(f"ALTER TABLE entries ADD COLUMN {name} INTEGER NOT NULL DEFAULT 0")
-        except sqlite3.Error as exc:
-            if is_busy(exc):
-                raise StoreBusyError(f"workspace {self.path}: the metadata database stayed locked for the time bound "
-                                     f"({self.timeout:g} s)") from exc
-            raise StoreError(f"workspace {self.path}: adding the run stats columns failed "
-                             f"({type(exc).__name__}: {exc})") from exc
+        if self._run_columns_present(self._rdb):
+            return
+        with self._writing() as db:
+            names = {row[1] for row in db.execute("PRAGMA table_info(entries)").fetchall()}
+            for name in RUN_COUNTERS:
+                if name not in names:
+                    db.execute(f"ALTER TABLE entries ADD COLUMN {name} INTEGER NOT NULL DEFAULT 0")
 
     def _read_workspace_id(self):
         try:
