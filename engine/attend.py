@@ -12,9 +12,15 @@ self-attention call of that forward then goes through two ``torch.library`` cust
 - ``torch.ops.chorus.record_block(x, y, layer, token) -> ()``: a miss's feature-reuse region scores of
   one block the host ran in full (its input and output residual stream ``[B, L, C]``);
 - ``torch.ops.chorus.refuse(q, reason, layer_hint, token) -> ()``: a self-attention call the host
-  answers densely because Chorus must not take it (a note and a fallback count).
+  answers densely because Chorus must not take it (a note and a fallback count);
+- feature reuse's reduced block on a hit (the forward's :class:`~chorus.engine.feature_reuse.Reduction`,
+  decided by the host before the forward): ``torch.ops.chorus.compact_tokens(t, rule, length) -> t'``
+  (the block's per-token inputs on the compact sequence of ``length`` tokens),
+  ``torch.ops.chorus.attend_compact(q, k, v, layer_hint) -> out`` (its self-attention, as ``attend``
+  with the layout) and ``torch.ops.chorus.expand_block(x, x_c, y_c) -> y`` (its output on the full
+  sequence), so a compiled model keeps a reduced block one graph too.
 
-Both are opaque to ``torch.compile`` with shape-only fake implementations, and their arguments are
+All are opaque to ``torch.compile`` with shape-only fake implementations, and their arguments are
 tensors and one int that is constant per call site, so dynamo traces a transformer block through
 them without a graph break and recompiles for neither a new sigma, step, expert nor request:
 everything that changes lives in the context, read when the op runs. The layer of a call is
@@ -37,7 +43,8 @@ from ..kernels.custom_ops import op_registered
 from .call import AttnCall, sdpa
 from .runtime import attend as engine_attend
 
-__all__ = ["ForwardContext", "begin_forward", "activate", "current", "attend", "record_mass", "record_block", "refuse"]
+__all__ = ["ForwardContext", "begin_forward", "activate", "current", "attend", "record_mass", "record_block", "refuse",
+           "compact_tokens", "attend_compact", "expand_block"]
 
 
 class ForwardContext:
@@ -56,13 +63,16 @@ class ForwardContext:
         note: ``note(message)``, the plan's (or the patch's) once-per-request message sink.
         disabled_reason: why Chorus stays out of this forward (every call dense, one note), or None.
         feature_reuse: the model's :class:`~chorus.engine.feature_reuse.FeatureReuse`, or None.
+        reduction: the forward's :class:`~chorus.engine.feature_reuse.Reduction` (a hit whose blocks
+            feature reuse reduces; ``feature_reuse.reduction``), or None.
     """
 
     def __init__(self, attention, guidance, grid, sigma: float | None, cond_or_uncond=None, note=None,
-                 disabled_reason: str | None = None, feature_reuse=None):
+                 disabled_reason: str | None = None, feature_reuse=None, reduction=None):
         self.attention = attention
         self.guidance = guidance
         self.feature_reuse = feature_reuse
+        self.reduction = reduction
         self.grid = tuple(int(g) for g in grid)
         self.tokens = self.grid[0] * self.grid[1] * self.grid[2]
         self.sigma = sigma
@@ -121,6 +131,26 @@ class ForwardContext:
                         first_frame_bias=self.first_frame_bias(), dense_fn=dense_fn)
         return engine_attend(call, self.attention, self.note)
 
+    def reduced(self) -> "object":
+        """The forward's reduction; ``RuntimeError`` when it has none (a reduced block's op outside the
+        forward the host reduced: a bug in the host, never a request's input)."""
+        if self.reduction is None or self.feature_reuse is None:
+            raise RuntimeError("a feature-reuse op in a forward without a reduction")
+        return self.reduction
+
+    def compact(self, t: torch.Tensor, rule: str) -> torch.Tensor:
+        """A reduced block's per-token input on the compact sequence (:meth:`FeatureReuse.compact`)."""
+        return self.feature_reuse.compact(t, rule, self.reduced())
+
+    def attend_compact(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_hint: int = -1) -> torch.Tensor:
+        """A reduced block's self-attention on the compact sequence (q/k/v ``[B, H, L', D]``): the
+        engine's entry with the forward's layout (:meth:`self_attention`)."""
+        return self.self_attention(q, k, v, layer_hint, layout=self.reduced().layout)
+
+    def expand(self, x: torch.Tensor, x_c: torch.Tensor, y_c: torch.Tensor) -> torch.Tensor:
+        """A reduced block's output on the full sequence (:meth:`FeatureReuse.expand`)."""
+        return self.feature_reuse.expand(x, x_c, y_c, self.reduced())
+
     def record(self, q: torch.Tensor, k: torch.Tensor, layer_hint: int = -1) -> None:
         """Record one dense call's block mass (a miss) into the plan's recorder; never raises."""
         layer = self.next_layer(layer_hint)
@@ -145,11 +175,12 @@ class ForwardContext:
 
 
 def begin_forward(attention, guidance, grid, sigma: float | None, cond_or_uncond=None, note=None,
-                  disabled_reason: str | None = None, feature_reuse=None) -> ForwardContext:
+                  disabled_reason: str | None = None, feature_reuse=None, reduction=None) -> ForwardContext:
     """The :class:`ForwardContext` of one model forward (arguments as there), made current
     (:func:`activate`). A forward Chorus stays out of (``disabled_reason``) is noted, and its
     self-attention calls (one per layer; they run the host's attention) counted as fallbacks."""
-    context = ForwardContext(attention, guidance, grid, sigma, cond_or_uncond, note, disabled_reason, feature_reuse)
+    context = ForwardContext(attention, guidance, grid, sigma, cond_or_uncond, note, disabled_reason, feature_reuse,
+                             reduction)
     activate(context)
     if disabled_reason is not None and (attention is not None or guidance is not None):
         context.note(f"{disabled_reason}; dense attention")
@@ -238,6 +269,46 @@ if not op_registered("record_block"):
         return None
 
 
+# feature reuse's reduced block: the forward's Reduction is read when the ops run; ``length`` (the compact
+# sequence's, a constant of the forward's options) gives the fakes their shapes
+if not op_registered("compact_tokens"):
+    @torch.library.custom_op("chorus::compact_tokens", mutates_args=())
+    def _compact_tokens_op(t: torch.Tensor, rule: str, length: int) -> torch.Tensor:
+        out = _reduced_context().compact(t, rule)
+        if out.shape[1] != length:
+            raise RuntimeError(f"the compact sequence has {out.shape[1]} tokens, the traced block {length}")
+        return out.contiguous()
+
+    @_compact_tokens_op.register_fake
+    def _compact_tokens_fake(t, rule, length):
+        return t.new_empty((t.shape[0], length, *t.shape[2:]))
+
+if not op_registered("attend_compact"):
+    @torch.library.custom_op("chorus::attend_compact", mutates_args=(), tags=_EXACT_STRIDES)
+    def _attend_compact_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_hint: int) -> torch.Tensor:
+        return _like(q, _reduced_context().attend_compact(q, k, v, layer_hint))
+
+    @_attend_compact_op.register_fake
+    def _attend_compact_fake(q, k, v, layer_hint):
+        return torch.empty_like(q)
+
+if not op_registered("expand_block"):
+    @torch.library.custom_op("chorus::expand_block", mutates_args=())
+    def _expand_block_op(x: torch.Tensor, x_c: torch.Tensor, y_c: torch.Tensor) -> torch.Tensor:
+        return _reduced_context().expand(x, x_c, y_c).contiguous()
+
+    @_expand_block_op.register_fake
+    def _expand_block_fake(x, x_c, y_c):
+        return x.new_empty(x.shape)
+
+
+def _reduced_context() -> ForwardContext:
+    context = current()
+    if context is None:
+        raise RuntimeError("a feature-reuse op outside a Chorus forward")
+    return context
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_hint: int = -1) -> torch.Tensor:
     """Self-attention ``[B, H, L, D]`` on the current context (``torch.ops.chorus.attend``)."""
     return torch.ops.chorus.attend(q, k, v, int(layer_hint))
@@ -257,3 +328,20 @@ def refuse(q: torch.Tensor, reason: str, layer_hint: int = -1) -> None:
     """Note a self-attention call the host answers densely because Chorus must not take it
     (``torch.ops.chorus.refuse``; ``q`` only orders the call among the others)."""
     torch.ops.chorus.refuse(q, str(reason), int(layer_hint), _RECORD_TOKEN)
+
+
+def compact_tokens(t: torch.Tensor, rule: str, length: int) -> torch.Tensor:
+    """A reduced block's per-token input ``[B or 1, L, ...] -> [B or 1, length, ...]`` on the current
+    context (``torch.ops.chorus.compact_tokens``; ``rule`` as :meth:`FeatureReuse.compact`)."""
+    return torch.ops.chorus.compact_tokens(t, str(rule), int(length))
+
+
+def attend_compact(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_hint: int = -1) -> torch.Tensor:
+    """A reduced block's self-attention ``[B, H, L', D]`` on the current context
+    (``torch.ops.chorus.attend_compact``)."""
+    return torch.ops.chorus.attend_compact(q, k, v, int(layer_hint))
+
+
+def expand_block(x: torch.Tensor, x_c: torch.Tensor, y_c: torch.Tensor) -> torch.Tensor:
+    """A reduced block's output ``[B, L, C]`` on the full sequence (``torch.ops.chorus.expand_block``)."""
+    return torch.ops.chorus.expand_block(x, x_c, y_c)

@@ -31,7 +31,6 @@ override does that, ``nodes/comfy_patch.py``).
 from __future__ import annotations
 
 import math
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -80,6 +79,38 @@ class FeatureReuseConfig:
             raise ValueError(f"full_layers must be an int >= 0, got {self.full_layers!r}")
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+
+
+@dataclass(frozen=True)
+class Reduction:
+    """One forward's feature reuse on a hit (:meth:`FeatureReuse.reduction`): the step's ``layout``
+    (a :class:`~chorus.kernels.pooling.RegionLayout` on the forward's device), the step's ``sigma``
+    (as the run's schedule has it), ``from_layer`` (layers below it run in full) and ``skip`` (the
+    ablation mode: pooled regions left out instead of downsampled)."""
+
+    layout: pooling.RegionLayout
+    sigma: float
+    from_layer: int
+    skip: bool = False
+
+    @property
+    def length(self) -> int:
+        """Tokens of the full sequence (``L``)."""
+        return self.layout.length
+
+    @property
+    def compact_length(self) -> int:
+        """Tokens of a reduced block's sequence: kept tokens + one per cell (skip: kept tokens only)."""
+        return int(self.layout.keep_index.numel()) if self.skip else self.layout.compact_length
+
+    @property
+    def compact_attention(self) -> bool:
+        """Whether a reduced block's self-attention is the layout's (pooled keys weighted by their
+        cells); in skip mode it is plain attention over the kept tokens."""
+        return not self.skip
+
+    def __deepcopy__(self, memo):
+        return self
 
 
 def feature_state(plan: Plan) -> FeatureReuseState:
@@ -144,7 +175,6 @@ class FeatureReuse:
         self.sample_sigmas: list[float] | None = None
         self._running = False
         self._layouts: dict = {}
-        self._compacted: dict = {}
         self.full_blocks_reason: str | None = None  # set when a compact block failed: full blocks from then on
 
     def __deepcopy__(self, memo):
@@ -155,7 +185,6 @@ class FeatureReuse:
         (:meth:`Plan.serve_run`)."""
         self.sample_sigmas = sigma_schedule(sample_sigmas)
         self._layouts.clear()
-        self._compacted.clear()
         self._running = True
         self.expert = self.plan.serve_run(self.model_info)
 
@@ -173,7 +202,6 @@ class FeatureReuse:
                 messages[:] = [m for m in messages if not m.startswith("feature reuse: ") or "block calls" not in m]
                 messages.append(self.state.summary())
         self._layouts.clear()
-        self._compacted.clear()
         self._running = False
         self.expert = None
 
@@ -234,15 +262,81 @@ class FeatureReuse:
         return order
 
     # -- the call ----------------------------------------------------------------------------------
+    def reduction(self, sigma, grid, device, *, avoid_lengths=()) -> Reduction | None:
+        """This forward's :class:`Reduction` on a hit, or None (its blocks run in full). Host side, once
+        per forward (begins the sampler run if the host did not). ``sigma``: float or tensor (first
+        element); ``grid``: ``(T', H', W')``; ``avoid_lengths``: sequence lengths a reduced block must not
+        have (the forward's cross-attention contexts: a host that tells self- from cross-attention by
+        length could not). Counts the forward's full blocks (all layers, or those below
+        ``full_layers``) when feature reuse serves the run. Never raises: a problem is a note and None."""
+        plan = self.plan
+        try:
+            if not self._running:
+                self.begin_run()
+            if self.expert is None or not plan.is_hit:
+                return None
+            sigma = step_sigma(sigma_value(sigma), self.sample_sigmas)
+            grid = tuple(int(g) for g in grid)
+            layout = self.layout_for(sigma, grid, device)
+            found = None
+            if layout is not None:
+                found = Reduction(layout, sigma, min(int(self.config.full_layers), self.model_info.num_layers),
+                                  self.config.mode == "skip")
+                if found.compact_length in set(avoid_lengths):
+                    plan.note(f"feature reuse: the compact sequence ({found.compact_length} tokens) is as long as a "
+                              "cross-attention context; blocks run in full")
+                    found = None
+        except Exception as exc:  # noqa: BLE001 - never crash sampling: full blocks
+            plan.note(f"feature reuse not used in a forward ({type(exc).__name__}: {exc}); full blocks")
+            return None
+        with self.state.lock:
+            self.state.blocks_full += self.model_info.num_layers if found is None else found.from_layer
+        return found
+
+    def compact(self, tensor: torch.Tensor, rule: str, reduction: Reduction) -> torch.Tensor:
+        """A reduced block's input ``[B or 1, L, ...] -> [B or 1, L', ...]`` (``L' =
+        reduction.compact_length``, row-major): ``rule`` ``"mean"`` (the residual stream, per-token
+        modulation: cell means) or ``"rotation"`` (RoPE rotations ``[..., 2, 2]``); in skip mode the kept
+        tokens' rows whatever the rule. Always a new tensor (a compiled graph may reuse an op's output
+        buffer). Raises ``ValueError`` for an unknown rule or a tensor of another length."""
+        layout = reduction.layout
+        if tensor.dim() < 2 or tensor.shape[1] != layout.length:
+            raise ValueError(f"a per-token input of {tuple(tensor.shape)} for a layout of {layout.length} tokens")
+        if reduction.skip:
+            return tensor.index_select(1, layout.keep_index)
+        if rule == "mean" and tensor.dim() == 3:  # the residual stream: the fused pooling kernel reads rows
+            return pooling.pool_tokens(tensor.contiguous(), layout)
+        return compact_per_token({rule: (tensor, rule)}, layout)[rule]
+
+    def expand(self, x: torch.Tensor, x_c: torch.Tensor, y_c: torch.Tensor, reduction: Reduction) -> torch.Tensor:
+        """A reduced block's output on the full sequence ``[B, L, C]`` (row-major) from its input ``x``,
+        the compact input ``x_c`` (:meth:`compact`) and the block's compact output ``y_c``: a pooled
+        token's update upsampled onto its cell's tokens, each keeping its own input
+        (``kernels.pooling.unpool_residual``; skip mode: the left-out tokens keep their input). Counts the
+        reduced block."""
+        layout = reduction.layout
+        if reduction.skip:
+            y = x.index_copy(1, layout.keep_index, y_c)
+        else:
+            y = pooling.unpool_residual(x.contiguous(), x_c, y_c, layout)
+        with self.state.lock:
+            self.state.blocks_reduced += 1
+            self.state.tokens_saved += layout.length - y_c.shape[1]
+            self.state.tokens_total += layout.length
+            self.state.acted_sigmas.add(round(reduction.sigma, 6))
+        return y
+
     def block(self, block_fn, x: torch.Tensor, *, layer: int, sigma, grid, per_token: dict | None = None
               ) -> torch.Tensor:
-        """One block call: ``[B, L, C] -> [B, L, C]`` (a reduced call's output is row-major whatever
-        ``x``'s strides).
+        """One block call on the host side (hosts that wrap each block in Python, e.g. diffusers):
+        ``[B, L, C] -> [B, L, C]`` (a reduced call's output is row-major whatever ``x``'s strides).
 
         ``block_fn(x, per_token, layout)``: the host's block on ``x`` with ``per_token`` (same keys as
-        given, compacted on a reduced call) and the layout (None = full sequence). ``sigma``: float or
-        tensor (first element). ``grid``: ``(T', H', W')`` with ``T'*H'*W' == L``.
+        given, compacted on a reduced call) and the layout (None = full sequence or skip mode).
+        ``sigma``: float or tensor (first element). ``grid``: ``(T', H', W')`` with ``T'*H'*W' == L``.
         ``per_token``: ``{name: (tensor [B or 1, L, ...], rule)}``, see :func:`compact_per_token`.
+        A miss's full block records its region scores. A block that fails on the compact sequence is run
+        in full, and feature reuse stays off for the rest of the run (a note says why).
         """
         plan = self.plan
         full_inputs = {name: t for name, (t, _) in (per_token or {}).items()}
@@ -251,72 +345,50 @@ class FeatureReuse:
                 self.begin_run()
             if self.expert is None:
                 return block_fn(x, full_inputs, None)
-            sigma = step_sigma(sigma_value(sigma), self.sample_sigmas)
             grid = tuple(int(g) for g in grid)
             if x.dim() != 3 or grid[0] * grid[1] * grid[2] != x.shape[1]:
                 plan.note(f"feature reuse: token grid {grid} does not hold the {x.shape[1]} tokens of a block "
                           "call; that call runs in full")
                 return block_fn(x, full_inputs, None)
             if not plan.is_hit:
-                return self._full_and_record(block_fn, x, full_inputs, layer, sigma, grid)
-            layout = None if int(layer) < self.config.full_layers else self.layout_for(sigma, grid, x.device)
+                return self._full_and_record(block_fn, x, full_inputs, layer,
+                                             step_sigma(sigma_value(sigma), self.sample_sigmas), grid)
         except Exception as exc:  # noqa: BLE001 - never crash sampling: full block
             plan.note(f"feature reuse not used for a block call ({type(exc).__name__}: {exc}); full block")
             return block_fn(x, full_inputs, None)
-        if layout is None:
+        reduction = self._block_reduction(sigma, grid, x.device) if int(layer) >= self.config.full_layers else None
+        if reduction is None:
             with self.state.lock:
                 self.state.blocks_full += 1
             return block_fn(x, full_inputs, None)
-        skip = self.config.mode == "skip"
         try:
-            if skip:
-                keep = layout.keep_index
-                x_c = x.index_select(1, keep)
-                inputs_c = {name: (t if rule == "none" else t.index_select(1, keep))
-                            for name, (t, rule) in (per_token or {}).items()}
-            else:
-                # a channel-strided stream (ComfyUI's WanModel hands its blocks a transposed view of the
-                # patch embedding) is copied row-major once: the fused pooling kernels read rows of
-                # channels, and the unpooled output, row-major, carries that layout to later blocks
-                x = x.contiguous()
-                x_c = pooling.pool_tokens(x, layout)
-                inputs_c = self._compact_inputs(per_token, layout)
+            x_c = self.compact(x, "mean", reduction)
+            inputs_c = {name: self.compact(t, rule, reduction) if rule != "none" else t
+                        for name, (t, rule) in (per_token or {}).items()}
         except Exception as exc:  # noqa: BLE001
             plan.note(f"feature reuse: pooling failed ({type(exc).__name__}: {exc}); full block")
             return block_fn(x, full_inputs, None)
         try:
-            y_c = block_fn(x_c, inputs_c, None if skip else layout)
+            y_c = block_fn(x_c, inputs_c, None if reduction.skip else reduction.layout)
         except Exception as exc:  # noqa: BLE001 - e.g. another patch that needs the full sequence
             if type(exc).__name__ in PROPAGATE:
                 raise
             self.full_blocks_reason = f"the block failed on the compact sequence ({type(exc).__name__}: {exc})"
             plan.note(f"feature reuse: {self.full_blocks_reason}; full blocks from now on")
             return block_fn(x, full_inputs, None)
-        with self.state.lock:
-            self.state.blocks_reduced += 1
-            self.state.tokens_saved += layout.length - x_c.shape[1]
-            self.state.tokens_total += layout.length
-            self.state.acted_sigmas.add(round(sigma, 6))
-        if skip:
-            return x.index_copy(1, layout.keep_index, y_c)
-        return pooling.unpool_residual(x, x_c, y_c, layout)
+        return self.expand(x, x_c, y_c, reduction)
 
-    def _compact_inputs(self, per_token, layout):
-        """:func:`compact_per_token`, reusing the result while the same tensor object comes back with
-        the same layout (hosts pass one RoPE tensor to every block of a forward)."""
-        out = {}
-        for name, (tensor, rule) in (per_token or {}).items():
-            hit = self._compacted.get(name)
-            if hit is not None and hit[0]() is tensor and hit[1] is layout and hit[2] == rule:
-                out[name] = hit[3]
-                continue
-            value = compact_per_token({name: (tensor, rule)}, layout)[name]
-            try:
-                self._compacted[name] = (weakref.ref(tensor), layout, rule, value)
-            except TypeError:  # not weak-referenceable: no caching
-                pass
-            out[name] = value
-        return out
+    def _block_reduction(self, sigma, grid, device) -> Reduction | None:
+        """:meth:`block`'s reduction of one call (the step's layout; None: full block; never raises)."""
+        try:
+            sigma = step_sigma(sigma_value(sigma), self.sample_sigmas)
+            layout = self.layout_for(sigma, grid, device)
+        except Exception as exc:  # noqa: BLE001
+            self.plan.note(f"feature reuse not used for a block call ({type(exc).__name__}: {exc}); full block")
+            return None
+        if layout is None:
+            return None
+        return Reduction(layout, sigma, int(self.config.full_layers), self.config.mode == "skip")
 
     def _full_and_record(self, block_fn, x, inputs, layer, sigma, grid):
         y = block_fn(x, inputs, None)

@@ -5,8 +5,7 @@ calls into the engine's custom ops (``engine/attend.py``).
 Chorus-patched model (``nodes/comfy_patch.py`` installs it): one object per chained override, the same
 for every request, so ``TorchCompileModel`` traces it once. It reads a call through
 ``nodes/comfy_call.py`` (both of ComfyUI's calling conventions) and the forward's constants
-(``nodes/comfy_forward.py``) only; everything that changes is read by the ops when they run. A
-feature-reuse block's compacted call (host side) goes to :func:`layout_self_attention`.
+(``nodes/comfy_forward.py``) only; everything that changes is read by the ops when they run.
 """
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ import torch
 
 from ..engine import attend as engine_attend
 from . import comfy_call
-from .comfy_forward import DENSE_KEY, FORWARD_KEY, FORWARD_KEYS, GAIN_KEY, LAYOUT_KEY, MODE_KEY, TOKENS_KEY, Forward
+from .comfy_forward import DENSE_KEY, FORWARD_KEYS, GAIN_KEY, MODE_KEY, REDUCE_KEY, TOKENS_KEY
 
 
 class ChorusOverride:
@@ -27,9 +26,10 @@ class ChorusOverride:
     self-attention (q, k and v as long as the grid) to ``torch.ops.chorus.attend``, or, on a recording
     miss, to the host's attention and ``torch.ops.chorus.record_mass``; a self-attention call Chorus
     must not take (:func:`comfy_call.sparse_refusal`) to the host's attention, noted by
-    ``torch.ops.chorus.refuse``; cross-attention to the host's attention, times guidance's gain; a
-    feature-reuse block's compacted call to :func:`layout_self_attention`; everything else
-    (another layout, a mask, no Chorus forward) to ``previous`` or the host's attention unchanged."""
+    ``torch.ops.chorus.refuse``; cross-attention to the host's attention, times guidance's gain; the
+    self-attention of a block feature reuse reduced (q, k and v as long as the forward's compact
+    sequence, :data:`REDUCE_KEY`) to ``torch.ops.chorus.attend_compact``; everything else (another
+    layout, a mask, no Chorus forward) to ``previous`` or the host's attention unchanged."""
 
     _by_previous: dict = {}
 
@@ -64,13 +64,6 @@ class ChorusOverride:
         if not isinstance(options, dict) or comfy_call.layout_refusal(call) is not None:
             return _pass(self.previous, func, args, kwargs)
         q, k, v = args[:3]
-        layout = options.get(LAYOUT_KEY)
-        if layout is not None:  # inside feature reuse's block, on the host side
-            forward = options.get(FORWARD_KEY)
-            if (isinstance(forward, Forward) and q.shape[1] == v.shape[1] == k.shape[1] == layout.compact_length
-                    and layout.length == forward.context.tokens):
-                return layout_self_attention(forward.patch.previous_override, func, call, forward, layout)
-            return _pass(self.previous, func, args, kwargs)
         tokens = options.get(TOKENS_KEY)
         if tokens is None:
             return _pass(self.previous, func, args, kwargs)
@@ -79,7 +72,11 @@ class ChorusOverride:
             gain = options.get(GAIN_KEY)
             return out if gain is None else out * gain
         mode = options.get(MODE_KEY)
-        if mode is None or q.shape[1] != tokens or v.shape[1] != tokens:
+        reduce = options.get(REDUCE_KEY)
+        compact = reduce is not None and reduce[2] and q.shape[1] == v.shape[1] == reduce[1]
+        if compact:
+            mode = "attend"  # a reduced block's pooled keys weigh as their cells' tokens (also without a map)
+        elif mode is None or q.shape[1] != tokens or v.shape[1] != tokens:
             return _pass(self.previous, func, args, kwargs)
         hint = _layer_hint(kwargs)
         refusal = comfy_call.sparse_refusal(call)
@@ -94,8 +91,9 @@ class ChorusOverride:
                                       _per_head(k, heads), hint)
             return out
         batch, length, width = q.shape
-        out = engine_attend.attend(_per_head(comfy_call.scaled_query(q, call.scale, size), heads),
-                                   _per_head(k, heads), _per_head(v, heads), hint)
+        attend = engine_attend.attend_compact if compact else engine_attend.attend
+        out = attend(_per_head(comfy_call.scaled_query(q, call.scale, size), heads), _per_head(k, heads),
+                     _per_head(v, heads), hint)
         return out.transpose(1, 2).reshape(batch, length, width)
 
 
@@ -104,32 +102,6 @@ def _dense_chain(options: dict, previous):
     override (:data:`DENSE_KEY`), else the override's own chain."""
     dense = options.get(DENSE_KEY)
     return previous if dense is None else dense[0]
-
-
-def layout_self_attention(previous, func, call, forward: Forward, layout):
-    """A self-attention call of a feature-reuse block on its compact sequence (host side; ``call``: the
-    override's :class:`comfy_call.AttentionCall`, q/k/v ``[B, L', H*D]``), handed to the engine (which
-    expands it to the grid or attends on the compact sequence itself) with the host's attention
-    (``previous`` or ``func``) as its dense call."""
-    args, kwargs = call.args, call.kwargs
-    refusal = comfy_call.sparse_refusal(call)
-    if refusal is not None:
-        forward.context.refuse(refusal, _layer_hint(kwargs))
-        return _pass(previous, func, args, kwargs)
-    q, k, v = args[:3]
-    batch, length, width = q.shape
-    heads = int(call.heads)
-    # q at the default scale (the engine's): the host's dense call then runs at it too
-    q = comfy_call.scaled_query(q, call.scale, width // heads)
-    dense_kwargs = {key: value for key, value in kwargs.items() if key != "scale"}
-
-    def host_dense(*qkv):
-        flat = tuple(t.transpose(1, 2).reshape(t.shape[0], t.shape[2], width) for t in qkv)
-        return _per_head(_pass(previous, func, flat + tuple(args[3:]), dense_kwargs), heads)
-
-    out = forward.context.self_attention(*(_per_head(t, heads) for t in (q, k, v)), _layer_hint(kwargs),
-                                         layout=layout, dense_fn=host_dense)
-    return out.transpose(1, 2).reshape(batch, length, width)
 
 
 def _layer_hint(kwargs) -> int:

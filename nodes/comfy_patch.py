@@ -39,8 +39,8 @@ from ..engine.feature_reuse import FeatureReuse
 from ..engine.guidance import GuidanceBoost
 from . import comfy_call, host_report, override_stack
 from .comfy_adapter import comfy_model_info
-from .comfy_forward import DENSE_KEY, FORWARD_KEY, FORWARD_KEYS, GAIN_KEY, MODE_KEY, REUSE_KEY, TOKENS_KEY, \
-    ChorusBlock, Forward, reducing_blocks
+from .comfy_forward import DENSE_KEY, FORWARD_KEYS, GAIN_KEY, MODE_KEY, REDUCE_KEY, REUSE_KEY, \
+    TOKENS_KEY, ChorusBlock
 from .comfy_override import ChorusOverride
 
 log = logging.getLogger("chorus.nodes")
@@ -159,15 +159,22 @@ class ChorusPatch:
             sigma = float(sigmas.reshape(-1)[0].item())  # the one host sync of the forward
         elif isinstance(sigmas, (int, float)):
             sigma = float(sigmas)
+        reduction = None
+        if reason is None and sigma is not None and self.feature_reuse is not None and self.plan is not None \
+                and self.plan.is_hit:
+            reduction = self.feature_reuse.reduction(sigma, grid, x.device, avoid_lengths=context_lengths)
+            chained = sorted(key[1] for key, block in ((options.get("patches_replace") or {}).get("dit") or {}).items()
+                             if isinstance(block, ChorusBlock) and block.previous is not None)
+            if reduction is not None and chained:
+                self.note(f"feature reuse: layers {chained} carry another block patch and run in full")
         ctx = engine_attend.begin_forward(self.attention, self.guidance, grid, sigma, options.get("cond_or_uncond"),
-                                          self.note, reason, self.feature_reuse)
+                                          self.note, reason, self.feature_reuse, reduction)
         route = override_stack.forward_route(self.previous_override, options.get(OVERRIDE))
         options = {key: value for key, value in options.items() if key not in FORWARD_KEYS}
         if route.top:  # a foreign sparse override put itself on top: Chorus takes the top back
             options[OVERRIDE] = ChorusOverride.chaining(route.passing)
         if route.dense is not route.passing:
             options[DENSE_KEY] = (route.dense,)
-        options[FORWARD_KEY] = Forward(self, ctx, context_lengths)
         options[TOKENS_KEY] = tokens
         gain = ctx.cross_attention_gain()
         if gain is not None:
@@ -181,10 +188,10 @@ class ChorusPatch:
             mode = "attend"
         if mode is not None:
             options[MODE_KEY] = mode
-        if self.feature_reuse is not None and self.plan is not None:
-            options[REUSE_KEY] = "reduce" if self.plan.is_hit else "record"
-            if self.plan.is_hit:
-                options["patches_replace"] = reducing_blocks(options.get("patches_replace"))
+        if self.feature_reuse is not None and self.plan is not None and not self.plan.is_hit:
+            options[REUSE_KEY] = "record"
+        if reduction is not None:
+            options[REDUCE_KEY] = (reduction.from_layer, reduction.compact_length, reduction.compact_attention)
         return options
 
 @torch.compiler.disable

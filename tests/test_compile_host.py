@@ -8,7 +8,7 @@ once per layer, no graph break inside a transformer block), and the second reque
 (no new graph, no recompile: steps, sigmas, experts and requests of the same shape reuse the first
 request's graphs). A compiled miss records every call and writes its entry, with feature reuse's
 region scores recorded inside the graph too; a compiled hit matches the eager hit; a hit with feature
-reuse (its reduced blocks run on the host side) and guidance works compiled.
+reuse and guidance keeps its reduced blocks inside the graph too and matches the eager one.
 
 The backend is ``aot_eager`` (dynamo + AOTAutograd with the ops' fake implementations, no code
 generation: what breaks or recompiles is decided by dynamo, whatever backend follows). ComfyUI on a
@@ -181,25 +181,48 @@ def test_compiled_miss_records_region_scores_and_a_feature_reuse_hit_works(nodes
     # record_mass per layer (block mass), no graph break inside a block
     assert max(backend.op_counts("record_block")) == LAYERS and max(backend.op_counts("record_mass")) == LAYERS
     assert all("_begin_forward" in r for r in _graph_break_reasons(dynamo)), _graph_break_reasons(dynamo)
-    plan = _retrieve(nodes, IMAGE, LATENT_FR)
-    assert plan.is_hit
-    models = [nodes.ChorusGuidanceBoost.execute(model=m, plan=plan, strength=0.5, image_strength=0.5,
-                                                cfg_strength=0.0).args[0]
-              for m in _patch(nodes, experts, plan, backend, feature_reuse=1.0)]
-    out = _request(*models, latent=LATENT_FR)
-    assert torch.isfinite(out).all()
-    assert plan.stats.fallback_calls == 0, plan.stats.messages
-    assert plan.stats.sparse_calls == 4 * LAYERS
-    assert plan.state.feature_reuse.blocks_reduced > 0, (plan.state.feature_reuse.summary(), plan.stats.messages, miss.stats.messages)
-    assert np.isfinite(plan.stats.density)
+
+    def guided(plan, compiled):
+        return [nodes.ChorusGuidanceBoost.execute(model=m, plan=plan, strength=0.5, image_strength=0.5,
+                                                  cfg_strength=0.0).args[0]
+                for m in _patch(nodes, experts, plan, backend if compiled else None, feature_reuse=1.0)]
+
+    eager_plan = _retrieve(nodes, IMAGE, LATENT_FR)
+    eager_out = _request(*guided(eager_plan, False), latent=LATENT_FR)
+    assert eager_plan.state.feature_reuse.blocks_reduced > 0
+
+    graphs_before = len(backend.graphs)
+    outputs, after = [], []
+    for request in range(2):
+        plan = _retrieve(nodes, IMAGE, LATENT_FR)
+        assert plan.is_hit
+        outputs.append(_request(*guided(plan, True), latent=LATENT_FR))
+        assert plan.stats.fallback_calls == 0, plan.stats.messages
+        assert plan.stats.sparse_calls == 4 * LAYERS
+        # every forward reduces the blocks past full_layers (1), as the eager hit does
+        assert plan.state.feature_reuse.blocks_reduced == eager_plan.state.feature_reuse.blocks_reduced > 0, (
+            plan.state.feature_reuse.summary(), plan.stats.messages)
+        assert np.isfinite(plan.stats.density)
+        after.append((len(backend.graphs), dict(dynamo["frames"])))
+    # the reduced blocks are in the hit's graph: per layer past the first, its inputs compacted, its
+    # self-attention on the compact sequence, its output expanded; the first layer attends in full
+    hit_graphs = slice(graphs_before, None)
+    assert max(backend.op_counts("attend_compact")[hit_graphs]) == LAYERS - 1, backend.op_counts("attend_compact")
+    assert max(backend.op_counts("expand_block")[hit_graphs]) == LAYERS - 1
+    assert max(backend.op_counts("attend")[hit_graphs]) == 1
+    reasons = _graph_break_reasons(dynamo)
+    assert all("_begin_forward" in r for r in reasons), reasons
+    assert after[1] == after[0], after  # the second request compiled nothing
+    torch.testing.assert_close(outputs[1], outputs[0], rtol=0, atol=0)
+    torch.testing.assert_close(outputs[0], eager_out, rtol=1e-4, atol=1e-4)
 
 
 def test_a_compiled_feature_reuse_hit_leaves_later_compiled_requests_compiled(nodes, host_attention, dynamo):
     """With more layers than dynamo's recompile limit (8 per code object): a compiled hit with feature
-    reuse runs its reduced blocks on the host side without a compiled frame per layer, so the limit is
-    not spent and a compiled miss after it in the same process still compiles (its blocks record inside
-    a graph). Before ``ReducingBlock`` each layer's block patch became a frame of its own, the limit was
-    hit, and that miss ran eagerly (docs/BENCHMARKS.md, runs 30 and 32)."""
+    reuse keeps its reduced blocks inside its graph (no frame per layer), so the limit is not spent and a
+    compiled miss after it in the same process still compiles (its blocks record inside a graph). When
+    the reduced blocks ran on the host side, each layer's block patch became a frame of its own, the
+    limit was hit, and that miss ran eagerly (docs/BENCHMARKS.md, runs 30 and 32)."""
     import torch._dynamo
 
     layers = torch._dynamo.config.recompile_limit + 2
@@ -214,6 +237,7 @@ def test_a_compiled_feature_reuse_hit_leaves_later_compiled_requests_compiled(no
     _request(*_patch(nodes, deep, hit, backend, feature_reuse=1.0), latent=LATENT_FR)
     assert hit.state.feature_reuse.blocks_reduced > 0 and hit.stats.fallback_calls == 0, hit.stats.messages
     assert hit.stats.sparse_calls == 4 * layers
+    assert max(backend.op_counts("attend_compact")) == layers - 1  # the reduced blocks: in the graph
 
     graphs_before = len(backend.graphs)
     other = nodes.ChorusMaskRetrieve.execute(latent={"samples": LATENT_FR}, workspace="compiled_other",
