@@ -1,17 +1,22 @@
 """What both stores share about one entry: the checked and encoded new entry, the size caps, the
-error of a damaged entry.
+error of a damaged entry, the hits and run stats not written yet.
 
 :func:`encode_new_entry` checks and encodes a new entry once, the same way for the one-host
 workspace and the fleet store, so the bytes and the refusals are the same everywhere. Tested
 through both stores (``tests/test_cache_workspace.py``, ``tests/test_fleet_store.py``,
 ``tests/test_cache_hardening.py::test_deep_json_is_quarantined_and_refused_by_add``).
+:class:`PendingHits` keeps each store's hits and run stats that could not be written yet; tested
+through both stores with the store busy or PostgreSQL gone mid-flush
+(``tests/test_cache_workspace.py``, ``tests/test_fleet_store.py``).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -95,5 +100,57 @@ def run_counts(run) -> tuple[int, ...]:
 
 
 def add_counts(counts: tuple[int, ...] | None, more: tuple[int, ...]) -> tuple[int, ...]:
-    """Two :func:`run_counts` tuples added (``counts`` None: ``more``)."""
+    """Two count tuples of one shape added element-wise (``counts`` None: ``more``)."""
     return more if counts is None else tuple(a + b for a, b in zip(counts, more))
+
+
+COUNTED = ("hits", *RUN_COUNTERS)
+"""The columns a flush of :class:`PendingHits` adds to, in the order of a pending tuple."""
+
+
+class PendingHits:
+    """The hits a store has counted but not written yet, with their run stats: one map, entry id ->
+    ``(hits, *run counts)`` (:data:`COUNTED` order). Both stores keep one per handle (thread-safe; its
+    lock is taken alone, never around another).
+
+    :meth:`add` counts one hit (``load(touch=True)``'s, or ``touch``'s with its :func:`run_counts`);
+    :meth:`flushing` hands the store everything pending to write in one transaction and, when the
+    write fails, merges it back with what was counted meanwhile: a hit and its run stats are written
+    once, or stay pending together, never counted twice. :attr:`hits` is what ``close`` reports when it
+    cannot write them."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._counts: dict[int, tuple[int, ...]] = {}
+
+    def add(self, entry_id: int, runs: tuple[int, ...] = (0,) * len(RUN_COUNTERS)) -> None:
+        """One hit of ``entry_id`` with its run counts (a :func:`run_counts` tuple)."""
+        self._merge({int(entry_id): (1, *runs)})
+
+    def _merge(self, batch: dict[int, tuple[int, ...]]) -> None:
+        with self._lock:
+            for entry_id, counts in batch.items():
+                self._counts[entry_id] = add_counts(self._counts.get(entry_id), counts)
+
+    @contextmanager
+    def flushing(self):
+        """Context manager: takes everything pending, as ``{entry_id: (hits, *run counts)}`` (empty when
+        nothing is), for the store to write in the ``with`` block; if the block raises, the batch is
+        merged back (kept for the next write) and the error goes on."""
+        with self._lock:
+            batch, self._counts = self._counts, {}
+        try:
+            yield batch
+        except BaseException:
+            self._merge(batch)
+            raise
+
+    @property
+    def hits(self) -> int:
+        """The number of hits pending, over all entries."""
+        with self._lock:
+            return sum(counts[0] for counts in self._counts.values())
+
+    def __bool__(self) -> bool:
+        with self._lock:
+            return bool(self._counts)

@@ -66,7 +66,7 @@ from pathlib import Path
 import numpy as np
 
 from . import seams
-from .entries import RUN_COUNTERS, CorruptEntryError, NewEntry, add_counts, encode_new_entry, run_counts
+from .entries import COUNTED, RUN_COUNTERS, CorruptEntryError, NewEntry, PendingHits, encode_new_entry, run_counts
 from .errors import StoreBusyError, StoreError, store_timeout
 from .fleet_conn import CALL_DEADLINE_S, Connections
 from .fleet_feed import CHANNEL, FEED_DEADLINE_S, POLL_S, FleetFeed
@@ -104,12 +104,11 @@ class FleetStore(FleetFeed, FleetMaintenance):
         self.path = check_not_in_pack(Path(local_path))
         self.tier = LocalTier(self.path / TIER_DIR, tier_bytes_setting(tier_bytes), readonly=self.readonly)
         self._approx_threshold = int(approx_threshold)
-        self._mutex = threading.RLock()  # index, known rows, seq, pending hits, set-aside ids
+        self._mutex = threading.RLock()  # index, known rows, seq, set-aside ids
         self._index: PartitionedIndex | None = None
         self._known: dict[int, tuple[str, str, int]] = {}  # id -> (sig_key, sha256, nbytes)
         self._set_aside: set[int] = set()  # damaged rows this handle could not quarantine (read-only or busy)
-        self._pending_hits: dict[int, int] = {}  # hits of load(touch=True) not counted yet (write connection busy)
-        self._pending_runs: dict[int, tuple[int, ...]] = {}  # run stats of touch(run=) not counted yet
+        self._pending = PendingHits()  # hits (and their run stats) not written yet: connection busy or gone
         self._run_stats = False  # whether chorus_entries has the run stats columns (fleet_schema.run_columns)
         self._dim: int | None = None
         self._bad_dim_logged = None  # the invalid dimension last logged (_workspace_dim)
@@ -217,12 +216,11 @@ class FleetStore(FleetFeed, FleetMaintenance):
         connections (the local tier stays)."""
         if self._closed:
             return
-        if self._pending_hits and not self.readonly:
+        if self._pending and not self.readonly:
             try:
                 self._flush_hits()
             except StoreError as exc:  # hit counts steer eviction only
-                LOG.warning("%d hits of fleet workspace %s not counted: %s", sum(self._pending_hits.values()),
-                            self.workspace, exc)
+                LOG.warning("%d hits of fleet workspace %s not counted: %s", self._pending.hits, self.workspace, exc)
         self._closed = self._conns.closed = True
         self._build_token = None  # a background index build stops at its swap
         self._stop.set()
@@ -272,7 +270,7 @@ class FleetStore(FleetFeed, FleetMaintenance):
         seams.fleet_phase("committed")
         if created and keep_local:
             self.tier.put(entry_id, new.digest, new.data)
-        if self._pending_hits:
+        if self._pending:
             self._count_pending_hits()
         return entry_id, created
 
@@ -416,8 +414,7 @@ class FleetStore(FleetFeed, FleetMaintenance):
         """Count a hit of ``load`` without waiting (see :meth:`load`)."""
         if self.readonly:
             return
-        with self._mutex:
-            self._pending_hits[entry_id] = self._pending_hits.get(entry_id, 0) + 1
+        self._pending.add(entry_id)
         self._count_pending_hits()
 
     def _count_pending_hits(self) -> None:
@@ -429,36 +426,22 @@ class FleetStore(FleetFeed, FleetMaintenance):
             LOG.warning("fleet workspace %s: hits not counted yet (%s)", self.workspace, exc)
 
     def _flush_hits(self, wait: bool = True) -> None:
-        with self._mutex:
-            hits, self._pending_hits = self._pending_hits, {}
-            runs, self._pending_runs = self._pending_runs, {}
-        if not hits and not runs:
-            return
-        zero = (0,) * len(RUN_COUNTERS)
-        ids = sorted(set(hits) | set(runs))
+        """Write every pending hit and its run stats (without them where the table has no run stats
+        columns) in one transaction on the write connection (waiting for another thread's use of it
+        only when ``wait``); on any error they stay pending (:class:`~chorus.cache_store.entries.PendingHits`)."""
+        columns = COUNTED if self._run_stats else COUNTED[:1]  # hits only: a table without run stats columns
+        sets = ", ".join(f"{name} = {name} + %s" for name in columns)
 
-        def tx(conn):
+        def tx(conn, batch):
             now = time.time()
-            with conn.transaction():
-                with conn.cursor() as cur:
-                    if self._run_stats:
-                        sets = ", ".join(f"{name} = {name} + %s" for name in RUN_COUNTERS)
-                        cur.executemany(f"UPDATE chorus_entries SET hits = hits + %s, {sets}, last_used = %s "
-                                        "WHERE id = %s AND workspace = %s",
-                                        [(hits.get(i, 0), *runs.get(i, zero), now, i, self.workspace) for i in ids])
-                    else:
-                        cur.executemany("UPDATE chorus_entries SET hits = hits + %s, last_used = %s WHERE id = %s "
-                                        "AND workspace = %s", [(hits.get(i, 0), now, i, self.workspace) for i in ids])
+            with conn.transaction(), conn.cursor() as cur:
+                cur.executemany(f"UPDATE chorus_entries SET {sets}, last_used = %s WHERE id = %s AND workspace = %s",
+                                [(*counts[:len(columns)], now, entry_id, self.workspace)
+                                 for entry_id, counts in sorted(batch.items())])
 
-        try:
-            self._conns.call(tx, wait=wait)
-        except BaseException:
-            with self._mutex:  # kept for the next try
-                for entry_id, n in hits.items():
-                    self._pending_hits[entry_id] = self._pending_hits.get(entry_id, 0) + n
-                for entry_id, counts in runs.items():
-                    self._pending_runs[entry_id] = add_counts(self._pending_runs.get(entry_id), counts)
-            raise
+        with self._pending.flushing() as batch:
+            if batch:
+                self._conns.call(tx, batch, wait=wait)
 
     def touch(self, entry_id: int, run=None) -> None:
         """Count a hit fleet-wide (``hits += 1``, ``last_used = now``) and ``run``'s stats (a mapping
@@ -466,11 +449,7 @@ class FleetStore(FleetFeed, FleetMaintenance):
         ``ValueError`` for a bad one, nothing counted), with any hits :meth:`load` kept pending;
         raises ``StoreBusyError`` past the time bound (the hits stay pending)."""
         self._conns.check_writable()
-        counts = run_counts(run)
-        with self._mutex:
-            self._pending_hits[int(entry_id)] = self._pending_hits.get(int(entry_id), 0) + 1
-            if any(counts):
-                self._pending_runs[int(entry_id)] = add_counts(self._pending_runs.get(int(entry_id)), counts)
+        self._pending.add(entry_id, run_counts(run))
         self._flush_hits()
 
     def entries(self) -> list[dict]:

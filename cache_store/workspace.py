@@ -80,8 +80,8 @@ import numpy as np
 from filelock import FileLock
 
 from . import seams
-from .entries import MAX_ENTRY_FILE_BYTES, RUN_COUNTERS, CorruptEntryError, EntryGone, add_counts, encode_new_entry, \
-    run_counts
+from .entries import COUNTED, MAX_ENTRY_FILE_BYTES, RUN_COUNTERS, CorruptEntryError, EntryGone, PendingHits, \
+    encode_new_entry, run_counts
 from .entry_format import EntryFormatError, decode_entry
 from .errors import StoreBusyError, StoreError, UnsafeLayoutError, store_timeout
 from .index import DEFAULT_APPROX_THRESHOLD, PartitionedIndex, normalise
@@ -118,8 +118,7 @@ class Workspace(WorkspaceConnections, WorkspaceIndex, WorkspaceMaintenance):
         self._index_generation = -1
         self._unsaved_changes = 0
         self._set_aside: set[int] = set()  # damaged entries this handle could not quarantine (read-only/busy)
-        self._pending_hits: dict[int, int] = {}  # hits of load(touch=True) not yet counted (store was busy)
-        self._pending_runs: dict[int, tuple[int, ...]] = {}  # run stats of touch(run=) not yet counted
+        self._pending = PendingHits()  # hits (and their run stats) not written yet: the store was busy
         self._closed = False
         self._fds: list[int] = []
         self._rdb = self._wdb = None
@@ -182,11 +181,11 @@ class Workspace(WorkspaceConnections, WorkspaceIndex, WorkspaceMaintenance):
         busy past the time bound: the index is rebuildable), and close the database."""
         if self._closed:
             return
-        if self._pending_hits and not self.readonly:
+        if self._pending and not self.readonly:
             try:
                 self._flush_hits()
             except Exception as exc:  # noqa: BLE001 - hit counts steer eviction only
-                LOG.warning("%d hits of %s not counted: %s", sum(self._pending_hits.values()), self.path, exc)
+                LOG.warning("%d hits of %s not counted: %s", self._pending.hits, self.path, exc)
         if self._unsaved_changes and not self.readonly:
             try:
                 self.save_index()
@@ -415,8 +414,7 @@ class Workspace(WorkspaceConnections, WorkspaceIndex, WorkspaceMaintenance):
         in memory and counted by this handle's next touch or close (or lost if the process ends)."""
         if self.readonly:
             return
-        with self._rmutex:
-            self._pending_hits[int(entry_id)] = self._pending_hits.get(int(entry_id), 0) + 1
+        self._pending.add(entry_id)
         try:
             self._flush_hits(timeout=0.0)
         except (StoreBusyError, sqlite3.OperationalError) as exc:
@@ -424,29 +422,21 @@ class Workspace(WorkspaceConnections, WorkspaceIndex, WorkspaceMaintenance):
                         exc if isinstance(exc, StoreBusyError) else "the store is busy")
 
     def _flush_hits(self, timeout: float | None = None) -> None:
-        with self._writing(file_lock=False, timeout=timeout) as db:
-            with self._rmutex:
-                hits, self._pending_hits = self._pending_hits, {}
-                runs, self._pending_runs = self._pending_runs, {}
-            if not hits and not runs:
+        """Write every pending hit and its run stats in one transaction (SQLite's write lock only,
+        within ``timeout``); on any error they stay pending (:class:`~chorus.cache_store.entries.PendingHits`)."""
+        with self._writing(file_lock=False, timeout=timeout) as db, self._pending.flushing() as batch:
+            if not batch:
                 return
-            zero = (0,) * len(RUN_COUNTERS)
-            sets = ", ".join(f"{name} = {name} + ?" for name in RUN_COUNTERS)
+            sets = ", ".join(f"{name} = {name} + ?" for name in COUNTED)
             try:
                 db.execute("BEGIN IMMEDIATE")
                 now = time.time()
-                for entry_id in sorted(set(hits) | set(runs)):
-                    db.execute(f"UPDATE entries SET hits = hits + ?, {sets}, last_used = ? WHERE id = ?",
-                               (hits.get(entry_id, 0), *runs.get(entry_id, zero), now, entry_id))
+                db.executemany(f"UPDATE entries SET {sets}, last_used = ? WHERE id = ?",
+                               [(*counts, now, entry_id) for entry_id, counts in sorted(batch.items())])
                 db.execute("COMMIT")
             except BaseException:
                 if db.in_transaction:
                     db.execute("ROLLBACK")
-                with self._rmutex:  # keep them for the next try
-                    for entry_id, n in hits.items():
-                        self._pending_hits[entry_id] = self._pending_hits.get(entry_id, 0) + n
-                    for entry_id, counts in runs.items():
-                        self._pending_runs[entry_id] = add_counts(self._pending_runs.get(entry_id), counts)
                 raise
 
     @store_call
@@ -456,11 +446,7 @@ class Workspace(WorkspaceConnections, WorkspaceIndex, WorkspaceMaintenance):
         the entry's; ``ValueError`` for a bad one, nothing counted), together with hits :meth:`load`
         could not count earlier. Takes SQLite's write lock only (not the writers' file lock); raises
         ``StoreBusyError`` past the time bound (the hits stay pending)."""
-        counts = run_counts(run)
-        with self._rmutex:
-            self._pending_hits[int(entry_id)] = self._pending_hits.get(int(entry_id), 0) + 1
-            if any(counts):
-                self._pending_runs[int(entry_id)] = add_counts(self._pending_runs.get(int(entry_id)), counts)
+        self._pending.add(entry_id, run_counts(run))
         self._flush_hits()
 
     @store_call

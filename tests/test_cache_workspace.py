@@ -290,3 +290,55 @@ def test_touch_sums_its_hits_run_stats_and_an_older_workspace_gets_the_columns(t
         ws.touch(ids[1], run={"tail_calls": 3})
         got = {e["id"]: (e["hits"], e["runs"]["tail_calls"]) for e in ws.entries()}
         assert got == {ids[0]: (2, 0), ids[1]: (2, 3)} and ws.verify()["ok"]
+
+
+def test_hits_and_run_stats_of_a_failed_flush_stay_pending_and_count_once(tmp_path, caplog):
+    """Hits (of ``load`` and ``touch``) and ``touch``'s run stats that cannot be written, because
+    another connection holds SQLite's write lock or because the flush fails after its first row (a
+    trigger refuses the second; the first row's update is rolled back), stay pending together and are
+    counted exactly once by the next flush; ``close`` reports the hits it could not count."""
+    import sqlite3
+
+    from chorus.cache_store.errors import StoreBusyError, StoreError
+
+    path = tmp_path / "ws"
+    ws = Workspace.open(path, timeout=0.5)
+    ids, _ = _fill(ws, 2)
+    other = sqlite3.connect(str(path / "chorus.sqlite3"), isolation_level=None)
+    zeros = {"sparse_calls": 0, "tail_calls": 0, "fallback_calls": 0}
+    counted = lambda: {e["id"]: (e["hits"], e["runs"]) for e in ws.entries()}  # noqa: E731
+    try:
+        other.execute("BEGIN IMMEDIATE")  # another writer holds SQLite's write lock
+        ws.load(ids[0])  # returns at once; its hit stays pending
+        with pytest.raises(StoreBusyError):
+            ws.touch(ids[1], run={"sparse_calls": 7, "tail_calls": 5})
+        with pytest.raises(StoreBusyError):
+            ws.touch(ids[0], run={"fallback_calls": 2})
+        other.execute("ROLLBACK")
+        assert counted() == {ids[0]: (0, zeros), ids[1]: (0, zeros)}
+
+        other.execute(f"CREATE TRIGGER refuse BEFORE UPDATE OF hits ON entries WHEN NEW.id = {ids[1]} "
+                      "BEGIN SELECT RAISE(ABORT, 'refused by the test'); END")
+        with pytest.raises(StoreError, match="refused by the test"):  # ids[0]'s row was updated first
+            ws.touch(ids[0], run={"sparse_calls": 1})
+        assert counted() == {ids[0]: (0, zeros), ids[1]: (0, zeros)}  # rolled back, nothing half-counted
+        other.execute("DROP TRIGGER refuse")
+
+        ws.load(ids[1])  # the lock is free: this hit's flush writes everything pending
+        want = {ids[0]: (3, {"sparse_calls": 1, "tail_calls": 0, "fallback_calls": 2}),
+                ids[1]: (2, {"sparse_calls": 7, "tail_calls": 5, "fallback_calls": 0})}
+        assert counted() == want
+        ws.close()  # nothing pending: counts nothing again
+        with Workspace.open(path, readonly=True) as ro:
+            assert {e["id"]: (e["hits"], e["runs"]) for e in ro.entries()} == want
+
+        ws = Workspace.open(path, timeout=0.5)
+        other.execute("BEGIN IMMEDIATE")
+        ws.load(ids[0])
+        ws.load(ids[1])
+        ws.close()  # still locked: the two hits are reported, not counted
+        assert f"2 hits of {path} not counted" in caplog.text
+        other.execute("ROLLBACK")
+    finally:
+        ws.close()
+        other.close()

@@ -30,6 +30,7 @@ import torch
 import fleet_pg
 import serving_helpers as sh
 from cache_helpers import tree_snapshot
+from test_fleet_store import _raised
 
 psycopg = pytest.importorskip("psycopg", reason="psycopg 3 is not installed (pip install 'psycopg[binary]')")
 
@@ -366,14 +367,6 @@ def test_postgres_errors_map_to_store_errors_by_sqlstate(url, tmp_path, pg, monk
         pg.sql(f'ALTER DATABASE "{db}" RESET default_transaction_isolation')
     finally:
         store.close()
-
-
-def _raised(fn):
-    try:
-        fn()
-    except Exception as exc:  # noqa: BLE001 - the test inspects it
-        return exc
-    return None
 
 
 # -- reads never queue behind writes on the same handle ------------------------------------------

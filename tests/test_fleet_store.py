@@ -784,3 +784,75 @@ def test_touch_sums_run_stats_fleet_wide_and_older_tables_get_the_columns(url, p
         assert got == {ids[0]: (2, 0), ids[1]: (1, 3)} and c.verify()["ok"]
     finally:
         c.close()
+
+
+def test_hits_and_run_stats_of_a_flush_cut_mid_way_stay_pending_and_count_once(url, pg, tmp_path):
+    """A flush of pending hits and run stats cut mid-way (its transaction has updated the first row
+    and waits for another session's lock on the next): its connection terminated, then PostgreSQL
+    SIGKILLed. Nothing is half-counted; the hits (a ``load``'s from the local tier meanwhile too) and
+    run stats stay pending together and are counted exactly once when the server answers again."""
+    import psycopg
+
+    db = url.rsplit("/", 1)[1].split("?")[0]
+    flush_waits = ("SELECT count(*) FROM pg_stat_activity WHERE datname = %s AND application_name = 'chorus-fleet' "
+                   "AND wait_event_type = 'Lock'")
+    zeros = {"sparse_calls": 0, "tail_calls": 0, "fallback_calls": 0}
+    store = _open(url, tmp_path, "a", listen=False, timeout=30)  # the flush waits for the row lock until cut
+    counted = lambda: {e["id"]: (e["hits"], e["runs"]) for e in store.entries()}  # noqa: E731
+
+    def cut_mid_flush(entry_id, run, cut):
+        """Another session locks ``entry_id``'s row; ``touch(entry_id, run=run)`` flushes everything
+        pending (in id order) and waits on that row; ``cut()`` ends the flush. Returns touch's error."""
+        holder = fleet_pg.connect(url)
+        holder.execute("BEGIN")
+        holder.execute("SELECT 1 FROM chorus_entries WHERE id = %s FOR UPDATE", (entry_id,))
+        outcome = {}
+        flush = threading.Thread(target=lambda: outcome.update(error=_raised(lambda: store.touch(entry_id, run=run))))
+        flush.start()
+        try:
+            _wait_until(lambda: pg.sql(flush_waits, db, (db,))[0][0] == 1, 10.0, "the flush waits for the row lock")
+            if entry_id != ids[0]:  # the flush holds ids[0]'s row: updated before it waited
+                with pytest.raises(psycopg.errors.LockNotAvailable):
+                    pg.sql("SELECT 1 FROM chorus_entries WHERE id = %s FOR UPDATE NOWAIT", db, (ids[0],))
+            cut()
+            flush.join(30)
+        finally:
+            holder.close()
+        assert not flush.is_alive()
+        return outcome["error"]
+
+    try:
+        ids = [store.add(sh.embedding(i), sh.entry_masks(i), _meta(i)) for i in range(2)]
+
+        def terminate():  # the flush's connection: the handle's write connection
+            pg.sql("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s "
+                   "AND application_name = 'chorus-fleet'", db, (db,))
+
+        error = cut_mid_flush(ids[0], {"sparse_calls": 40, "tail_calls": 30}, terminate)
+        assert isinstance(error, StoreUnavailableError), error
+        assert counted() == {ids[0]: (0, zeros), ids[1]: (0, zeros)}
+
+        error = cut_mid_flush(ids[1], {"sparse_calls": 20, "fallback_calls": 4}, pg.kill)
+        try:
+            assert isinstance(error, StoreUnavailableError), error
+            assert store.load(ids[0])[1]["prompt"] == "request 0"  # from the local tier; its hit stays pending
+        finally:
+            pg.start()
+        assert counted() == {ids[0]: (0, zeros), ids[1]: (0, zeros)}  # the killed transaction counted nothing
+
+        store.touch(ids[1], run={"tail_calls": 1})  # the server answers again: everything pending, once
+        want = {ids[0]: (2, {"sparse_calls": 40, "tail_calls": 30, "fallback_calls": 0}),
+                ids[1]: (2, {"sparse_calls": 20, "tail_calls": 1, "fallback_calls": 4})}
+        assert counted() == want
+    finally:
+        store.close()
+    rows = pg.sql("SELECT id, hits, sparse_calls, tail_calls, fallback_calls FROM chorus_entries ORDER BY id", db)
+    assert [tuple(r) for r in rows] == [(ids[0], 2, 40, 30, 0), (ids[1], 2, 20, 1, 4)]  # close counted nothing again
+
+
+def _raised(fn):
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - the test inspects it
+        return exc
+    return None
