@@ -454,25 +454,19 @@ class FleetStore(FleetFeed, FleetMaintenance):
 
     def entries(self) -> list[dict]:
         """One dict per entry (id, sig_key, nbytes, hits, created, last_used, meta, runs: the summed run
-        stats of its hits, 0 where the table has no run stats columns), in id order. A row that fails :func:`check_row` is left out (one log line each); metadata that cannot
+        stats of its hits, 0 where the table has no run stats columns), in id order, read in one
+        query. A row that fails :func:`check_row` is left out (one log line each); metadata that cannot
         be read (too large, too deep, not JSON) shows as ``{"unreadable": reason}``."""
-        zero = (0,) * len(RUN_COUNTERS)
+        columns = row_columns(meta=True, runs=True, runs_in_table=self._run_stats)
 
         def q(conn):
             with conn.cursor(binary=True) as cur:
-                cur.execute(f"SELECT {row_columns(meta=True)} FROM chorus_entries e WHERE e.workspace = %(ws)s "
-                            "ORDER BY e.id", {"ws": self.workspace})
-                rows = [Row(*values) for values in cur.fetchall()]
-                runs = {}
-                if self._run_stats:
-                    cur.execute(f"SELECT id, {', '.join(RUN_COUNTERS)} FROM chorus_entries WHERE workspace = %(ws)s",
-                                {"ws": self.workspace})
-                    runs = {r[0]: tuple(r[1:]) for r in cur.fetchall()}
-                return rows, runs
+                cur.execute(f"SELECT {columns} FROM chorus_entries e WHERE e.workspace = %(ws)s ORDER BY e.id",
+                            {"ws": self.workspace})
+                return [Row(*values) for values in cur.fetchall()]
 
         out = []
-        rows, runs = self._conns.call(q, deadline=60, read=True)
-        for row in rows:
+        for row in self._conns.call(q, deadline=60, read=True):
             try:
                 check_row(row, None)
             except ValueError as exc:
@@ -480,7 +474,7 @@ class FleetStore(FleetFeed, FleetMaintenance):
                 continue
             out.append({"id": row.id, "sig_key": row.sig_key, "nbytes": row.nbytes, "hits": row.hits,
                         "created": row.created, "last_used": row.last_used, "meta": row_meta(row.meta_json, row.meta_len),
-                        "runs": dict(zip(RUN_COUNTERS, runs.get(row.id, zero)))})
+                        "runs": dict(zip(RUN_COUNTERS, row.runs))})
         return out
 
     def quarantined(self) -> list[dict]:

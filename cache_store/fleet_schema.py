@@ -148,26 +148,43 @@ class Row(NamedTuple):
     created: float | None
     last_used: float | None
     hits: int | None
+    sparse_calls: int | None  # the run stats (entries.RUN_COUNTERS, in that order): None unless asked for
+    tail_calls: int | None
+    fallback_calls: int | None
     embedding: bytes | None
     meta_len: int | None
     meta_json: str | None
     data: bytes | None
 
+    @property
+    def runs(self) -> tuple:
+        """The run stats, in :data:`~chorus.cache_store.entries.RUN_COUNTERS` order (None each unless asked for)."""
+        return tuple(getattr(self, name) for name in RUN_COUNTERS)
 
-def row_columns(alias: str = "e", *, embedding: bool = False, meta: bool = False, data: bool = False) -> str:
-    """The select list of :class:`Row` for table alias ``alias``. Each variable-length column
-    comes only when its length is one the store writes (checked in SQL, so a hostile length costs
-    nothing): the signature key and sha256 of their hex lengths; the embedding when ``embedding`` and its length lies in
-    ``[%(emb_min)s, %(emb_max)s]`` (named parameters the caller passes, see :func:`emb_params`);
-    metadata up to ``MAX_META_BYTES`` when ``meta``; the data when ``data`` and its length is the
-    row's ``nbytes``, at most ``MAX_ENTRY_FILE_BYTES``."""
+
+def row_columns(alias: str = "e", *, embedding: bool = False, meta: bool = False, data: bool = False,
+                runs: bool = False, runs_in_table: bool = True) -> str:
+    """The select list of :class:`Row` for table alias ``alias`` (one shape whatever is asked). Each
+    variable-length column comes only when its length is one the store writes (checked in SQL, so a
+    hostile length costs nothing): the signature key and sha256 of their hex lengths; the embedding
+    when ``embedding`` and its length lies in ``[%(emb_min)s, %(emb_max)s]`` (named parameters the
+    caller passes, see :func:`emb_params`); metadata up to ``MAX_META_BYTES`` when ``meta``; the data
+    when ``data`` and its length is the row's ``nbytes``, at most ``MAX_ENTRY_FILE_BYTES``. The run
+    stats when ``runs``: the columns, or zeros when not ``runs_in_table`` (a table made before them
+    that this role could not alter, :func:`run_columns` False)."""
     e = alias
+    if not runs:
+        counters = ["NULL::bigint"] * len(RUN_COUNTERS)
+    elif runs_in_table:
+        counters = [f"{e}.{name}" for name in RUN_COUNTERS]
+    else:
+        counters = [f"0::bigint AS {name}" for name in RUN_COUNTERS]
     return ", ".join([
         f"{e}.id",
         f"CASE WHEN octet_length({e}.sig_key) = {SIG_KEY_CHARS} THEN {e}.sig_key END",
         f"CASE WHEN octet_length({e}.sha256) = {DIGEST_CHARS} THEN {e}.sha256 END",
         f"{e}.nbytes", f"octet_length({e}.data)", f"octet_length({e}.embedding)",
-        f"{e}.created", f"{e}.last_used", f"{e}.hits",
+        f"{e}.created", f"{e}.last_used", f"{e}.hits", *counters,
         f"CASE WHEN octet_length({e}.embedding) BETWEEN %(emb_min)s AND %(emb_max)s THEN {e}.embedding END"
         if embedding else "NULL::bytea",
         f"octet_length({e}.meta_json)",
@@ -185,8 +202,9 @@ def emb_params(dim: int | None) -> dict:
 
 def check_row(row: Row, dim: int | None, *, embedding: bool = False) -> np.ndarray | None:
     """The one check of a row's fields, for every path that reads rows (open, feed, load, verify,
-    listing): a signature key and sha256 in hex (``rows.is_sig_key``, ``rows.is_digest``), a size the store writes equal to the data column's
-    length, finite timestamps, a hit count; with ``embedding`` also the embedding (a vector of the
+    listing): a signature key and sha256 in hex (``rows.is_sig_key``, ``rows.is_digest``), a size the
+    store writes equal to the data column's length, finite timestamps, a hit count and, where
+    selected, run stats that are counts; with ``embedding`` also the embedding (a vector of the
     workspace's ``dim`` that normalises, ``rows.check_embedding``), returned as float32. Raises
     ``ValueError`` with the reason."""
     if not is_sig_key(row.sig_key):
@@ -199,6 +217,8 @@ def check_row(row: Row, dim: int | None, *, embedding: bool = False) -> np.ndarr
         raise ValueError(f"row data has {row.data_len} bytes, its nbytes says {row.nbytes}")
     if not finite_number(row.created) or not finite_number(row.last_used) or not isinstance(row.hits, int):
         raise ValueError("row timestamps or hit count are not finite numbers")
+    if not all(count is None or isinstance(count, int) for count in row.runs):
+        raise ValueError("row run stats are not counts")
     if not embedding:
         return None
     if dim is None:
@@ -211,7 +231,7 @@ def check_row(row: Row, dim: int | None, *, embedding: bool = False) -> np.ndarr
 def own_row(entry_id: int, new) -> Row:
     """The :class:`Row` of an entry this handle just wrote (``entries.NewEntry``)."""
     return Row(entry_id, new.sig_key, new.digest, len(new.data), len(new.data), new.embedding.nbytes,
-                new.created, new.created, 0, new.embedding.tobytes(), None, None, None)
+               new.created, new.created, 0, 0, 0, 0, new.embedding.tobytes(), None, None, None)
 
 
 def entry_problem(row: Row, dim: int | None, packed: bool, announced: str | None = None):
