@@ -98,8 +98,9 @@ class AttnCall:
 
     def positive_rows(self, keep_all: bool = False):
         """``(q, k)`` restricted to the positive-conditioning rows (chosen on the host: no device sync).
-        No positive row: ``(None, None)``, or all rows with ``keep_all``. Raises :class:`Fallback` when
-        ``cond_rows`` does not match the batch."""
+        No positive row: ``(None, None)``, or all rows with ``keep_all``. Positive rows that follow each
+        other are views of q and k (no copy of a 14B call's tensors per recorded call). Raises
+        :class:`Fallback` when ``cond_rows`` does not match the batch."""
         q, k = self.q, self.k
         if self.cond_rows is None:
             return q, k
@@ -110,6 +111,8 @@ class AttnCall:
         if not keep:
             return (q, k) if keep_all else (None, None)
         if len(keep) < q.shape[0]:
+            if keep[-1] - keep[0] + 1 == len(keep):  # one run of rows (ComfyUI's cond chunk): views, no copy
+                return q[keep[0]:keep[-1] + 1], k[keep[0]:keep[-1] + 1]
             return q[keep], k[keep]
         return q, k
 

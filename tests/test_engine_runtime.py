@@ -90,6 +90,23 @@ def test_recorder_uses_only_cond_rows():
     assert (0, 0, 1, 0) not in plan.recorder.masses()
 
 
+def test_positive_rows_are_views_when_they_follow_each_other():
+    """A recorded call's positive rows: a run of rows is a view of q and k (no copy per call), rows
+    apart are gathered; both hold exactly the positive rows."""
+    from chorus.engine.call import AttnCall
+
+    q, k, v = qkv(3, batch=4)
+    run = AttnCall(q, k, v, layer=0, sigma=1.0, grid=GRID, cond_rows=torch.tensor([False, True, True, False]))
+    qs, ks = run.positive_rows()
+    assert qs.data_ptr() == q[1].data_ptr() and ks.data_ptr() == k[1].data_ptr()
+    assert torch.equal(qs, q[1:3]) and torch.equal(ks, k[1:3])
+    apart = dataclasses.replace(run, cond_rows=torch.tensor([True, False, True, False]))
+    qs, ks = apart.positive_rows()
+    assert torch.equal(qs, q[[0, 2]]) and torch.equal(ks, k[[0, 2]])
+    none = dataclasses.replace(run, cond_rows=torch.tensor([False] * 4))
+    assert none.positive_rows() == (None, None)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_full_map_hit_matches_the_fp64_oracle_like_dense(dtype):
     masks = {(0, s, l, 0): torch.ones(2, QB, QB, dtype=torch.bool) for s in range(3) for l in range(2)}
