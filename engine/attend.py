@@ -28,20 +28,27 @@ everything that changes lives in the context, read when the op runs. The layer o
 counter, advanced by every op call in program order.
 
 Shapes: q/k/v ``[B, H, L, D]`` (any strides: ComfyUI's ``[B, L, H*D]`` viewed per head works);
-``attend`` returns ``[B, H, L, D]`` in q's dtype with ``torch.empty_like(q)``'s strides. Neither op
+``attend`` returns ``[B, H, L, D]`` in q's dtype with ``torch.empty_like(q)``'s strides. No op
 raises for anything a request can bring: an unusable call is answered with dense attention
-(PyTorch SDPA, the first-frame bias included) and a note in the plan.
+(PyTorch SDPA, the first-frame bias included) and a note in the plan. (The feature-reuse ops raise
+``RuntimeError`` only when a host calls them in a forward it did not reduce: a bug, not an input;
+a request's problems with feature reuse are settled before the forward, where the blocks then run
+in full.)
 """
 
 from __future__ import annotations
 
 import threading
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..kernels.custom_ops import op_registered
 from .call import AttnCall, sdpa
 from .runtime import attend as engine_attend
+
+if TYPE_CHECKING:
+    from .feature_reuse import Reduction
 
 __all__ = ["ForwardContext", "begin_forward", "activate", "current", "attend", "record_mass", "record_block", "refuse",
            "compact_tokens", "attend_compact", "expand_block"]
@@ -131,7 +138,7 @@ class ForwardContext:
                         first_frame_bias=self.first_frame_bias(), dense_fn=dense_fn)
         return engine_attend(call, self.attention, self.note)
 
-    def reduced(self) -> "object":
+    def reduced(self) -> "Reduction":
         """The forward's reduction; ``RuntimeError`` when it has none (a reduced block's op outside the
         forward the host reduced: a bug in the host, never a request's input)."""
         if self.reduction is None or self.feature_reuse is None:
