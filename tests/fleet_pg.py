@@ -256,21 +256,8 @@ def connect(url: str):
 
 
 def unique_writer(url: str, local: str, barrier, results, rounds: int = 8) -> None:
-    """Child process of the fleet dedupe test: ``FleetStore.add_unique`` of the same ``rounds``
-    requests (seeded embeddings), each after a barrier shared with the other writers; puts
-    ``[(round, entry_id, created), ...]`` on ``results``."""
-    import numpy as np
-    import torch
-
+    """Child process of the fleet dedupe test: :func:`testing.add_same_requests` on a fleet store."""
     from chorus.cache_store.fleet import FleetStore
+    from testing import add_same_requests
 
-    store = FleetStore.open(url, "race", local_path=Path(local))
-    masks = {(0, 0, 0, 0): torch.ones(2, 3, 3, dtype=torch.bool)}
-    embeddings = np.random.default_rng(0).normal(size=(rounds, 16)).astype(np.float32)
-    created = []
-    for round_, emb in enumerate(embeddings):
-        barrier.wait(60)  # all writers write the same request at the same moment
-        entry_id, new = store.add_unique(emb, masks, {"signature": {"s": 1}, "round": round_}, min_similarity=0.9)
-        created.append((round_, int(entry_id), bool(new)))
-    store.close()
-    results.put(created)
+    add_same_requests(FleetStore.open(url, "race", local_path=Path(local)), barrier, results, rounds)

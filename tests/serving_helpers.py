@@ -129,24 +129,11 @@ def chorus_cli(*args: str, env_root: Path | None = None, timeout: float = 120.0)
 
 
 def unique_writer(path: str, barrier, results, rounds: int = 5) -> None:
-    """Child process for the dedupe test: ``Workspace.add_unique`` of the same ``rounds`` requests
-    (seeded embeddings), each after a barrier shared with the other writer; puts
-    ``[(round, entry_id, created), ...]`` on ``results``."""
-    import numpy as np
-    import torch
-
+    """Child process for the dedupe test: :func:`testing.add_same_requests` on the one-host workspace."""
     from chorus.cache_store import Workspace
+    from testing import add_same_requests
 
-    ws = Workspace.open(path)
-    masks = {(0, 0, 0, 0): torch.ones(2, 3, 3, dtype=torch.bool)}
-    embeddings = np.random.default_rng(0).normal(size=(rounds, 16)).astype(np.float32)
-    created = []
-    for round_, emb in enumerate(embeddings):
-        barrier.wait(60)  # both processes write the same request at the same moment
-        entry_id, new = ws.add_unique(emb, masks, {"signature": {"s": 1}, "round": round_}, min_similarity=0.9)
-        created.append((round_, int(entry_id), bool(new)))
-    ws.close()
-    results.put(created)
+    add_same_requests(Workspace.open(path), barrier, results, rounds)
 
 
 # -- fuzz helpers ---------------------------------------------------------------------------
@@ -213,3 +200,19 @@ def model_info():
 
 def dense(q, k, v):
     return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+
+def record_miss(plan, seed: int = 0):
+    """Run seeded tiny attention calls through ``plan`` (a miss) for every (step, layer) of the tiny
+    signature, so that it records; returns ``plan``."""
+    from chorus.engine import ChorusAttention, SparseConfig
+
+    handle = ChorusAttention(plan, SparseConfig(backend="reference"), model_info())
+    handle.begin_run(sample_sigmas=STEP_SIGMAS + [0.0])
+    gen = torch.Generator().manual_seed(seed)
+    for sigma in STEP_SIGMAS:
+        for layer in range(NUM_LAYERS):
+            q, k, v = (torch.randn(1, NUM_HEADS, 8, HEAD_DIM, generator=gen) for _ in range(3))
+            handle.self_attention(q, k, v, layer=layer, sigma=sigma, grid=GRID, dense_fn=dense)
+    handle.end_run()
+    return plan

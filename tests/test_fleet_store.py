@@ -127,29 +127,13 @@ def test_protocol_both_stores(kind, tmp_path, request, monkeypatch):
         # the engine through the store: a recorded miss is written, then found as a hit
         plan = retrieve_plan(store, sh.embedding(40), sh.LATENT, similarity_threshold=0.9)
         assert not plan.is_hit
-        recorded = _record(plan)
-        assert commit_plan(store, recorded).startswith("wrote entry")
+        assert commit_plan(store, sh.record_miss(plan)).startswith("wrote entry")
         hit = retrieve_plan(store, sh.embedding(40), sh.LATENT, similarity_threshold=0.9)
         assert hit.is_hit and commit_plan(store, hit).startswith("hit: updated stats")
         assert not store.closed
     finally:
         store.close()
     assert store.closed
-
-
-def _record(plan):
-    """Run the tiny attention of ``serving_helpers`` through a miss plan so that it records."""
-    from chorus.engine import ChorusAttention, SparseConfig
-
-    handle = ChorusAttention(plan, SparseConfig(backend="reference"), sh.model_info())
-    handle.begin_run(sample_sigmas=sh.STEP_SIGMAS + [0.0])
-    gen = torch.Generator().manual_seed(0)
-    for sigma in sh.STEP_SIGMAS:
-        for layer in range(sh.NUM_LAYERS):
-            q, k, v = (torch.randn(1, sh.NUM_HEADS, 8, sh.HEAD_DIM, generator=gen) for _ in range(3))
-            handle.self_attention(q, k, v, layer=layer, sigma=sigma, grid=sh.GRID, dense_fn=sh.dense)
-    handle.end_run()
-    return plan
 
 
 def test_without_url_nothing_changes(tmp_path, monkeypatch):
@@ -546,7 +530,7 @@ def test_credentials_never_shown_and_sources(url, tmp_path, pg, monkeypatch, cap
         assert secret not in shown and secret not in logs, [line for line in (shown + logs).splitlines() if secret in line]
         assert pg.sql("SELECT to_regclass('chorus_entries') IS NOT NULL", db) == [(True,)]
     finally:
-        pg.sql(f'DROP OWNED BY chorus_pw CASCADE', url.rsplit("/", 1)[1])
+        pg.sql('DROP OWNED BY chorus_pw CASCADE', url.rsplit("/", 1)[1])
         pg.sql("DROP ROLE chorus_pw")
 
 
@@ -571,7 +555,7 @@ def test_least_privilege_sql_of_operations_md(pg, tmp_path):
     sql = [b for b in _doc_blocks("sql") if "chorus_worker" in b]
     assert len(sql) == 2, "expected the roles block and the grants block in docs/OPERATIONS.md"
     for role in ("chorus_owner", "chorus_worker"):
-        pg.sql(f"DROP DATABASE IF EXISTS chorus")
+        pg.sql("DROP DATABASE IF EXISTS chorus")
         pg.sql(f"DROP ROLE IF EXISTS {role}")
     try:
         with psycopg.connect(pg.url("postgres"), autocommit=True) as conn:

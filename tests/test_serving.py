@@ -38,7 +38,6 @@ import time
 import uuid
 
 import pytest
-import torch
 
 import serving_helpers as sh
 
@@ -276,19 +275,11 @@ def test_add_unique_across_processes(tmp_path):
 
 def _recorded_miss(ws, seed):
     """A miss plan whose attention was recorded for every (step, layer) of the tiny signature."""
-    from chorus.engine import ChorusAttention, SparseConfig, retrieve_plan
+    from chorus.engine import retrieve_plan
 
     plan = retrieve_plan(ws, sh.embedding(seed), sh.LATENT, similarity_threshold=0.9)
     assert not plan.is_hit
-    handle = ChorusAttention(plan, SparseConfig(backend="reference"), sh.model_info())
-    handle.begin_run(sample_sigmas=sh.STEP_SIGMAS + [0.0])
-    gen = torch.Generator().manual_seed(seed)
-    for sigma in sh.STEP_SIGMAS:
-        for layer in range(sh.NUM_LAYERS):
-            q, k, v = (torch.randn(1, sh.NUM_HEADS, 8, sh.HEAD_DIM, generator=gen) for _ in range(3))
-            handle.self_attention(q, k, v, layer=layer, sigma=sigma, grid=sh.GRID, dense_fn=sh.dense)
-    handle.end_run()
-    return plan
+    return sh.record_miss(plan, seed)
 
 
 @pytest.mark.parametrize("phase", ["temp_written", "before_commit"])

@@ -144,3 +144,21 @@ def check_pooled_tail(out, q, k, v, block_map, *, fp8: bool, label: str, block_s
                     e for _, e in per_block) + 1e-3 else "off everywhere (pooled means / scales or the kernel)")
         raise AssertionError(f"{label}: outside the bound, {hint}: {info}")
     return info
+
+
+def add_same_requests(store, barrier, results, rounds: int) -> None:
+    """The body of the dedupe tests' child processes (one-host workspace, fleet store): ``store.add_unique``
+    of the same ``rounds`` requests (seeded embeddings), each after ``barrier`` (shared with the other
+    writers, so all write the same request at the same moment); closes ``store`` and puts
+    ``[(round, entry_id, created), ...]`` on ``results``."""
+    import numpy as np
+
+    masks = {(0, 0, 0, 0): torch.ones(2, 3, 3, dtype=torch.bool)}
+    embeddings = np.random.default_rng(0).normal(size=(rounds, 16)).astype(np.float32)
+    created = []
+    for round_, emb in enumerate(embeddings):
+        barrier.wait(60)
+        entry_id, new = store.add_unique(emb, masks, {"signature": {"s": 1}, "round": round_}, min_similarity=0.9)
+        created.append((round_, int(entry_id), bool(new)))
+    store.close()
+    results.put(created)
