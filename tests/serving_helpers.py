@@ -98,6 +98,30 @@ def request_graph(template: int, variant: int = 0, *, workspace: str = WORKSPACE
     }
 
 
+def post_prompt(worker, graph) -> str:
+    """Queue ``graph`` on ``worker`` (``POST /prompt``); returns its prompt id (asserts the server took it)."""
+    import json
+    import uuid
+
+    status, body = worker.post_json("/prompt", {"prompt": graph, "client_id": uuid.uuid4().hex})
+    assert status == 200, f"/prompt rejected the graph ({status}): {json.dumps(body)[:1000]}"
+    return body["prompt_id"]
+
+
+def wait_prompt(worker, prompt_id, timeout: float = 240.0, poll: float = 0.1) -> dict:
+    """``/history`` record of ``prompt_id`` once it succeeded or failed; ``AssertionError`` (with the
+    worker's log tail) past ``timeout`` seconds."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        record = worker.get_json(f"/history/{prompt_id}").get(prompt_id)
+        if record and record.get("status", {}).get("status_str") in ("success", "error"):
+            return record
+        time.sleep(poll)
+    raise AssertionError(f"prompt {prompt_id} did not finish within {timeout:.0f} s:\n{worker.log_tail()}")
+
+
 def outcome(record: dict) -> dict:
     """Summary of a finished request's ``/history`` record: status, hit/miss, entry ids, texts."""
     status = record.get("status", {})

@@ -24,7 +24,6 @@ import json
 import os
 import threading
 import time
-import uuid
 
 import pytest
 
@@ -42,24 +41,12 @@ PER_SERVER = int(os.environ.get("CHORUS_FLEET_REQUESTS_PER_SERVER", "20"))
 RACE_TEMPLATES = list(range(701, 701 + PER_SERVER // 2))
 
 
-def _post(worker, graph) -> str:
-    status, body = worker.post_json("/prompt", {"prompt": graph, "client_id": uuid.uuid4().hex})
-    assert status == 200, f"/prompt rejected the graph ({status}): {json.dumps(body)[:1000]}"
-    return body["prompt_id"]
-
-
 def _wait(worker, prompt_id, timeout=300.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        record = worker.get_json(f"/history/{prompt_id}").get(prompt_id)
-        if record and record.get("status", {}).get("status_str") in ("success", "error"):
-            return sh.outcome(record)
-        time.sleep(0.05)
-    raise AssertionError(f"prompt {prompt_id} did not finish within {timeout:.0f} s:\n{worker.log_tail()}")
+    return sh.outcome(sh.wait_prompt(worker, prompt_id, timeout, poll=0.05))
 
 
 def _run(worker, template, variant=0):
-    return _wait(worker, _post(worker, sh.request_graph(template, variant, workspace=WS)))
+    return _wait(worker, sh.post_prompt(worker, sh.request_graph(template, variant, workspace=WS)))
 
 
 def _start(base, root, url):
@@ -124,7 +111,7 @@ def test_miss_on_one_server_is_a_hit_on_the_other(fleet):
         wrote = _run(writer, template)
         committed = time.monotonic()  # the entry was committed before the writer's prompt finished
         assert wrote["status"] == "success" and wrote["wrote"] is not None, wrote
-        prompt_id = _post(reader, sh.request_graph(template, 1, workspace=WS))
+        prompt_id = sh.post_prompt(reader, sh.request_graph(template, 1, workspace=WS))
         assert time.monotonic() - committed < 1.0
         hit = _wait(reader, prompt_id)
         assert hit["status"] == "success" and hit["hit_entry"] == wrote["wrote"], (hit, wrote, fleet.logs())
@@ -141,7 +128,7 @@ def test_four_servers_with_forced_races(fleet):
     posted = []
     for template in RACE_TEMPLATES:
         for i, server in enumerate(servers):
-            posted.append(((i, template, 0), _post(server, sh.request_graph(template, 0, workspace=WS))))
+            posted.append(((i, template, 0), sh.post_prompt(server, sh.request_graph(template, 0, workspace=WS))))
     results = [(req, _wait(servers[req[0]], pid)) for req, pid in posted]
     # phase 2: 25 near-duplicates per server, all queued at once
     posted = []
@@ -149,7 +136,7 @@ def test_four_servers_with_forced_races(fleet):
     for i, server in enumerate(servers):
         shift = i * 7 % len(RACE_TEMPLATES)
         for template in RACE_TEMPLATES[shift:] + RACE_TEMPLATES[:shift]:
-            posted.append(((i, template, variant), _post(server, sh.request_graph(template, variant, workspace=WS))))
+            posted.append(((i, template, variant), sh.post_prompt(server, sh.request_graph(template, variant, workspace=WS))))
             variant += 1
     phase2 = [(req, _wait(servers[req[0]], pid)) for req, pid in posted]
     results += phase2
@@ -183,7 +170,7 @@ def test_postgres_sigkilled_while_serving(fleet):
     pg = fleet.pg
     # 3 new templates queued on each server; once the first of each has committed, the server dies
     # with the others queued or running (misses on their way to a commit)
-    posted = [(s, t, _post(s, sh.request_graph(t, 0, workspace=WS))) for t in range(801, 807)
+    posted = [(s, t, sh.post_prompt(s, sh.request_graph(t, 0, workspace=WS))) for t in range(801, 807)
               for s in ([a] if t % 2 else [b])]
     first = {s: pid for s, _, pid in reversed(posted)}  # each server's first prompt
     for s, pid in first.items():
@@ -191,7 +178,7 @@ def test_postgres_sigkilled_while_serving(fleet):
     pg.kill()
     try:
         down = [(b, 601, 40), (a, 602, 41), (a, 811, 0), (b, 812, 0)]  # tier hits; misses with no store
-        posted_down = [(s, t, _post(s, sh.request_graph(t, v, workspace=WS))) for s, t, v in down]
+        posted_down = [(s, t, sh.post_prompt(s, sh.request_graph(t, v, workspace=WS))) for s, t, v in down]
         during = [(t, _wait(s, pid)) for s, t, pid in posted + posted_down]
     finally:
         pg.start()

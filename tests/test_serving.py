@@ -35,7 +35,6 @@ import multiprocessing
 import random
 import threading
 import time
-import uuid
 
 import pytest
 
@@ -45,22 +44,6 @@ SKIP = sh.skip_reason()
 
 RACE_TEMPLATES = [101, 102, 103, 104, 105]
 NEW_TEMPLATES = [201, 202, 203, 204, 205]
-
-
-def _post(worker, graph) -> str:
-    status, body = worker.post_json("/prompt", {"prompt": graph, "client_id": uuid.uuid4().hex})
-    assert status == 200, f"/prompt rejected the graph ({status}): {json.dumps(body)[:1000]}"
-    return body["prompt_id"]
-
-
-def _wait(worker, prompt_id, timeout=240.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        record = worker.get_json(f"/history/{prompt_id}").get(prompt_id)
-        if record and record.get("status", {}).get("status_str") in ("success", "error"):
-            return record
-        time.sleep(0.1)
-    raise AssertionError(f"prompt {prompt_id} did not finish within {timeout:.0f} s:\n{worker.log_tail()}")
 
 
 @pytest.fixture(scope="module")
@@ -115,11 +98,11 @@ def test_two_workers_share_one_cache(workers):
     results = []
     # race round: each template posted to both workers back to back, then wait for both
     for i in range(0, len(race), 2):
-        ids = [(race[j], _post(servers[race[j][0]], sh.request_graph(race[j][1], race[j][2]))) for j in (i, i + 1)]
-        results += [(req, sh.outcome(_wait(servers[req[0]], pid))) for req, pid in ids]
+        ids = [(race[j], sh.post_prompt(servers[race[j][0]], sh.request_graph(race[j][1], race[j][2]))) for j in (i, i + 1)]
+        results += [(req, sh.outcome(sh.wait_prompt(servers[req[0]], pid))) for req, pid in ids]
     # the rest: everything queued at once, alternately; both workers run concurrently
-    ids = [(req, _post(servers[req[0]], sh.request_graph(req[1], req[2]))) for req in rest]
-    results += [(req, sh.outcome(_wait(servers[req[0]], pid))) for req, pid in ids]
+    ids = [(req, sh.post_prompt(servers[req[0]], sh.request_graph(req[1], req[2]))) for req in rest]
+    results += [(req, sh.outcome(sh.wait_prompt(servers[req[0]], pid))) for req, pid in ids]
 
     failed = [(req, out) for req, out in results if out["status"] != "success"]
     assert not failed, f"failed prompts: {failed[:3]}\n{servers[0].log_tail()}\n{servers[1].log_tail()}"
@@ -166,7 +149,7 @@ def test_two_workers_share_one_cache(workers):
     # the cache verifies clean (at most temporary/orphan files to remove), no template twice
     victim = servers[1]
     for template in (501, 502, 503):
-        _post(victim, sh.request_graph(template, 0))
+        sh.post_prompt(victim, sh.request_graph(template, 0))
     time.sleep(1.0)
     victim.proc.kill()
     victim.proc.wait(30)
@@ -212,9 +195,9 @@ def test_soak_one_worker(workers):
     try:
         for start in range(0, SOAK_REQUESTS, SOAK_BATCH):
             batch = schedule[start:start + SOAK_BATCH]
-            ids = [_post(worker, sh.request_graph(t, v, workspace="soak")) for t, v in batch]
+            ids = [sh.post_prompt(worker, sh.request_graph(t, v, workspace="soak")) for t, v in batch]
             for pid in ids:
-                out = sh.outcome(_wait(worker, pid))
+                out = sh.outcome(sh.wait_prompt(worker, pid))
                 assert out["status"] == "success", f"request failed: {out}\n{worker.log_tail()}"
                 outcomes.append(out)
             if cap is None:
