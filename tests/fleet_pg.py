@@ -261,3 +261,12 @@ def unique_writer(url: str, local: str, barrier, results, rounds: int = 8) -> No
     from testing import add_same_requests
 
     add_same_requests(FleetStore.open(url, "race", local_path=Path(local)), barrier, results, rounds)
+
+
+def raised(fn):
+    """The exception ``fn()`` raised, or None (for a thread whose error the test inspects)."""
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - the test inspects it
+        return exc
+    return None

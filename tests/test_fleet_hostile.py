@@ -30,7 +30,6 @@ import torch
 import fleet_pg
 import serving_helpers as sh
 from cache_helpers import tree_snapshot
-from test_fleet_store import _raised
 
 psycopg = pytest.importorskip("psycopg", reason="psycopg 3 is not installed (pip install 'psycopg[binary]')")
 
@@ -289,7 +288,6 @@ def _terminate(pg, db):
 
 def test_postgres_errors_map_to_store_errors_by_sqlstate(url, tmp_path, pg, monkeypatch):
     from chorus.engine import commit_plan, retrieve_plan
-    from test_fleet_store import _record
 
     db = url.rsplit("/", 1)[1]
     # disk full (53100) cannot be provoked safely: its real error class, raised inside a write
@@ -307,7 +305,7 @@ def test_postgres_errors_map_to_store_errors_by_sqlstate(url, tmp_path, pg, monk
                 raise psycopg.errors.DiskFull("could not extend file \"base/1/2\": No space left on device")
 
         monkeypatch.setattr(seams, "fleet_phase", disk_full)
-        plan = _record(retrieve_plan(store, sh.embedding(40), sh.LATENT))
+        plan = sh.record_miss(retrieve_plan(store, sh.embedding(40), sh.LATENT))
         message = commit_plan(store, plan)
         assert message.startswith("not written: the store refused the entry (StoreFullError: PostgreSQL's disk is "
                                   "full (SQLSTATE 53100"), message
@@ -341,7 +339,7 @@ def test_postgres_errors_map_to_store_errors_by_sqlstate(url, tmp_path, pg, monk
         _terminate(pg, db)
         with pytest.raises(StoreReadOnlyError, match="PostgreSQL is read-only .SQLSTATE 25006"):
             _add(store, 2)
-        plan = _record(retrieve_plan(store, sh.embedding(41), sh.LATENT))
+        plan = sh.record_miss(retrieve_plan(store, sh.embedding(41), sh.LATENT))
         assert "StoreReadOnlyError: PostgreSQL is read-only" in commit_plan(store, plan)
         assert store.load(first, touch=False)[1]["prompt"] == "request 0"  # reads go on
         pg.sql(f'ALTER DATABASE "{db}" RESET default_transaction_read_only')
@@ -355,7 +353,7 @@ def test_postgres_errors_map_to_store_errors_by_sqlstate(url, tmp_path, pg, monk
         with fleet_pg.connect(url) as holder:
             with holder.transaction():
                 holder.execute("UPDATE chorus_workspaces SET n_entries = n_entries WHERE name='w'")
-                writer = threading.Thread(target=lambda: outcome.update(error=_raised(lambda: _add(patient, 3))))
+                writer = threading.Thread(target=lambda: outcome.update(error=fleet_pg.raised(lambda: _add(patient, 3))))
                 writer.start()
                 _wait(lambda: pg.sql("SELECT count(*) FROM pg_stat_activity WHERE datname = %s AND "
                                      "wait_event_type = 'Lock'", db, (db,))[0][0] == 1, "the writer waits for the row")

@@ -791,7 +791,7 @@ def test_hits_and_run_stats_of_a_flush_cut_mid_way_stay_pending_and_count_once(u
         holder.execute("BEGIN")
         holder.execute("SELECT 1 FROM chorus_entries WHERE id = %s FOR UPDATE", (entry_id,))
         outcome = {}
-        flush = threading.Thread(target=lambda: outcome.update(error=_raised(lambda: store.touch(entry_id, run=run))))
+        flush = threading.Thread(target=lambda: outcome.update(error=fleet_pg.raised(lambda: store.touch(entry_id, run=run))))
         flush.start()
         try:
             _wait_until(lambda: pg.sql(flush_waits, db, (db,))[0][0] == 1, 10.0, "the flush waits for the row lock")
@@ -832,11 +832,3 @@ def test_hits_and_run_stats_of_a_flush_cut_mid_way_stay_pending_and_count_once(u
         store.close()
     rows = pg.sql("SELECT id, hits, sparse_calls, tail_calls, fallback_calls FROM chorus_entries ORDER BY id", db)
     assert [tuple(r) for r in rows] == [(ids[0], 2, 40, 30, 0), (ids[1], 2, 20, 1, 4)]  # close counted nothing again
-
-
-def _raised(fn):
-    try:
-        fn()
-    except Exception as exc:  # noqa: BLE001 - the test inspects it
-        return exc
-    return None
