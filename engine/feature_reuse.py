@@ -94,11 +94,6 @@ class Reduction:
     skip: bool = False
 
     @property
-    def length(self) -> int:
-        """Tokens of the full sequence (``L``)."""
-        return self.layout.length
-
-    @property
     def compact_length(self) -> int:
         """Tokens of a reduced block's sequence: kept tokens + one per cell (skip: kept tokens only)."""
         return int(self.layout.keep_index.numel()) if self.skip else self.layout.compact_length
@@ -275,13 +270,8 @@ class FeatureReuse:
                 self.begin_run()
             if self.expert is None or not plan.is_hit:
                 return None
-            sigma = step_sigma(sigma_value(sigma), self.sample_sigmas)
-            grid = tuple(int(g) for g in grid)
-            layout = self.layout_for(sigma, grid, device)
-            found = None
-            if layout is not None:
-                found = Reduction(layout, sigma, min(int(self.config.full_layers), self.model_info.num_layers),
-                                  self.config.mode == "skip")
+            found = self._reduction_at(sigma, tuple(int(g) for g in grid), device)
+            if found is not None:
                 if found.compact_length in set(avoid_lengths):
                     plan.note(f"feature reuse: the compact sequence ({found.compact_length} tokens) is as long as a "
                               "cross-attention context; blocks run in full")
@@ -292,6 +282,16 @@ class FeatureReuse:
         with self.state.lock:
             self.state.blocks_full += self.model_info.num_layers if found is None else found.from_layer
         return found
+
+    def _reduction_at(self, sigma, grid, device) -> Reduction | None:
+        """The :class:`Reduction` of the step at ``sigma`` (float or tensor) on ``grid``, or None (no
+        layout: full blocks). Raises what :meth:`layout_for` raises; both callers note it."""
+        sigma = step_sigma(sigma_value(sigma), self.sample_sigmas)
+        layout = self.layout_for(sigma, grid, device)
+        if layout is None:
+            return None
+        return Reduction(layout, sigma, min(int(self.config.full_layers), self.model_info.num_layers),
+                         self.config.mode == "skip")
 
     def compact(self, tensor: torch.Tensor, rule: str, reduction: Reduction) -> torch.Tensor:
         """A reduced block's input ``[B or 1, L, ...] -> [B or 1, L', ...]`` (``L' =
@@ -379,16 +379,12 @@ class FeatureReuse:
         return self.expand(x, x_c, y_c, reduction)
 
     def _block_reduction(self, sigma, grid, device) -> Reduction | None:
-        """:meth:`block`'s reduction of one call (the step's layout; None: full block; never raises)."""
+        """:meth:`block`'s reduction of one call (:meth:`_reduction_at`; None: full block; never raises)."""
         try:
-            sigma = step_sigma(sigma_value(sigma), self.sample_sigmas)
-            layout = self.layout_for(sigma, grid, device)
+            return self._reduction_at(sigma, grid, device)
         except Exception as exc:  # noqa: BLE001
             self.plan.note(f"feature reuse not used for a block call ({type(exc).__name__}: {exc}); full block")
             return None
-        if layout is None:
-            return None
-        return Reduction(layout, sigma, int(self.config.full_layers), self.config.mode == "skip")
 
     def _full_and_record(self, block_fn, x, inputs, layer, sigma, grid):
         y = block_fn(x, inputs, None)

@@ -163,9 +163,10 @@ class ChorusPatch:
         if reason is None and sigma is not None and self.feature_reuse is not None and self.plan is not None \
                 and self.plan.is_hit:
             reduction = self.feature_reuse.reduction(sigma, grid, x.device, avoid_lengths=context_lengths)
+        if reduction is not None:
             chained = sorted(key[1] for key, block in ((options.get("patches_replace") or {}).get("dit") or {}).items()
                              if isinstance(block, ChorusBlock) and block.previous is not None)
-            if reduction is not None and chained:
+            if chained:
                 self.note(f"feature reuse: layers {chained} carry another block patch and run in full")
         ctx = engine_attend.begin_forward(self.attention, self.guidance, grid, sigma, options.get("cond_or_uncond"),
                                           self.note, reason, self.feature_reuse, reduction)
