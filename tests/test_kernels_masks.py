@@ -80,6 +80,20 @@ def test_select_blocks_reaches_top_p_minimally():
     assert (kept - smallest < 0.8).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_select_blocks_is_the_same_map_whatever_the_float_width(dtype):
+    # The selection sorts narrow mass in float32 and sums in float64: the map must be the one the same
+    # values select as float64 (ties and near-ties included: equal masses keep key-block order).
+    gen = torch.Generator().manual_seed(3)
+    mass = torch.softmax(torch.randn(2, 3, 24, 40, generator=gen) * 3, -1).to(dtype)
+    mass[..., 7] = mass[..., 3]          # exact ties
+    mass[..., 11] = mass[..., 2] * (1 + 2 ** -20) if dtype == torch.float32 else mass[..., 11]  # a near-tie
+    for top_p in (0.5, 0.9, 0.99):
+        got = K.select_blocks(mass, top_p=top_p, k_min=2, keep_first_frame_blocks=1)
+        want = K.select_blocks(mass.double(), top_p=top_p, k_min=2, keep_first_frame_blocks=1)
+        assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("bad,match", [
     (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(top_p=-0.1), "top_p"),
     (dict(k_min=-1), "k_min"), (dict(keep_first_frame_blocks=-2), "keep_first_frame_blocks"),
