@@ -96,7 +96,9 @@ class FeatureReuseState:
         self.grid = None
         self.region = None
         self.pool = None
-        self.sums: dict[tuple[int, float], list] = {}   # (expert, sigma) -> [tensor [R] float64, count]
+        # (expert, sigma) -> [sum [R] float64, count (0-dim float64)], both on the recording's device: a
+        # block call adds to them without waiting for the GPU; export() reads them once
+        self.sums: dict[tuple[int, float], list] = {}
         self.acted_sigmas: set[float] = set()
         self.blocks_reduced = 0
         self.blocks_full = 0
@@ -113,15 +115,15 @@ class FeatureReuseState:
             elif (tuple(grid), tuple(region), tuple(pool)) != (self.grid, self.region, self.pool):
                 return  # another geometry within one request: keep the first
             key = (int(expert), round(float(sigma), 6))
+            vals = redundancy.detach().double()
+            finite = torch.isfinite(vals).all()  # a non-finite block output adds no score (decided on the device)
+            vals = torch.where(finite, vals, torch.zeros_like(vals))
             cur = self.sums.get(key)
-            vals = redundancy.detach().double().cpu()
-            if not bool(torch.isfinite(vals).all()):
-                return  # a non-finite block output: no score from this call
             if cur is None:
-                self.sums[key] = [vals, 1]
+                self.sums[key] = [vals, finite.double()]
             else:
                 cur[0] += vals
-                cur[1] += 1
+                cur[1] += finite.double()
 
     def export(self) -> dict | None:
         """JSON-able dict written with the entry (None if nothing was recorded)."""
@@ -130,7 +132,12 @@ class FeatureReuseState:
                 return None
             scores: dict[str, dict[str, list[float]]] = {}
             for (expert, sigma), (total, count) in sorted(self.sums.items()):
-                scores.setdefault(str(expert), {})[repr(sigma)] = [round(float(v), 4) for v in (total / count)]
+                count = float(count)
+                if count > 0:
+                    scores.setdefault(str(expert), {})[repr(sigma)] = [round(float(v), 4)
+                                                                        for v in (total.cpu() / count)]
+            if not scores:
+                return None
             return {"version": FEATURE_REUSE_META_VERSION, "metric": "1 - cell-detail share of the block update",
                     "token_grid": list(self.grid), "region": list(self.region), "pool": list(self.pool),
                     "scores": scores}

@@ -226,3 +226,7 @@ def test_non_finite_scores_are_never_selected_or_recorded():
     state = feature_state(Plan.miss("m"))
     state.record(0, 1.0, grid, region, (2, 2, 2), torch.tensor([math.nan] * 12))
     assert state.export() is None
+    # a finite call of the same step afterwards is the step's score alone (the non-finite one not counted)
+    state.record(0, 1.0, grid, region, (2, 2, 2), torch.full((12,), 0.25, dtype=torch.float64))
+    state.record(0, 1.0, grid, region, (2, 2, 2), torch.tensor([1.0] + [math.inf] * 11))
+    assert state.export()["scores"] == {"0": {"1.0": [0.25] * 12}}
