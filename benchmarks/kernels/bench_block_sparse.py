@@ -21,7 +21,8 @@ against the FP8 bars; ``--plot-from JSON`` redraws it from a saved run, no GPU n
 
 Usage: ``python benchmarks/kernels/bench_block_sparse.py --out /tmp/bench [--sweep] [--sizes 32760,75600]
 [--peers-only] [--peers NAME,...]`` (``--sweep``: the portable kernel's tile configurations on the full map,
-for the FP8, bf16 and INT8 paths, each path's fastest then used)
+for the FP8, bf16 and INT8 paths, each path's fastest then used; ``--mass-sweep --mass-sizes 32760,75600``:
+only the block-mass kernel's launch configurations, as a miss records)
 """
 
 from __future__ import annotations
@@ -225,6 +226,53 @@ def levers(length: int, q, k, v, full, cfg, est: float) -> dict:
             return to_raster_order(inverse, attn.block_sparse_attention_triton_impl(qt, kt, vt, bm15, bs, scale, True, cfg))
         out["tile_gather_scatter_d15_ms"] = bench(gathered, est * 0.15 / 2)
     return out
+
+
+MASS_GRIDS = {32760: (21, 30, 52), 75600: (21, 45, 80)}  # Wan's 480p / 720p token grids (81 frames)
+
+
+def mass_sweep(length: int, args, results: dict) -> None:
+    """The block-mass kernel's launch configurations, as a miss records (``sample_rows`` 8, q / k views of
+    ComfyUI's ``[B, L, H, D]`` layout, the region tile order of Wan's grid when ``length`` is one of
+    ``MASS_GRIDS``), each checked against the default configuration's output and timed beside one dense
+    cuDNN call on the same q / k / v. The table goes to the JSON's ``mass_sweep``."""
+    import itertools
+
+    from torch.nn.attention import SDPBackend
+
+    from chorus.kernels.tile_order import cached_region_order
+    from chorus.kernels.triton._block_mass import block_mass_triton_impl
+
+    heads, dim, bs = args.heads, args.dim, 128
+    gen = torch.Generator(device="cuda").manual_seed(length)
+    q, k, v = (torch.randn(1, length, heads, dim, device="cuda", dtype=torch.bfloat16, generator=gen).transpose(1, 2)
+               for _ in range(3))
+    perm = cached_region_order(MASS_GRIDS[length]).perm.cuda() if length in MASS_GRIDS else None
+    scale = 1.0 / math.sqrt(dim)
+    cudnn = sdpa(SDPBackend.CUDNN_ATTENTION)
+    cudnn_ms = bench(lambda: cudnn(q, k, v), 40.0)
+    sample = args.mass_rows[0]
+    default = block_mass_triton_impl(q, k, bs, sample, scale, token_perm=perm)
+    table = []
+    for block_n, warps, stages, rows in itertools.product((64, 128), (4, 8), (2, 3, 4), (64, 128)):
+        config = {"block_n": block_n, "num_warps": warps, "num_stages": stages, "rows_per_program": rows}
+        try:
+            got = block_mass_triton_impl(q, k, bs, sample, scale, block_n, warps, stages, perm, rows)
+            err = float((got - default).abs().max())
+            ms = bench(lambda: block_mass_triton_impl(q, k, bs, sample, scale, block_n, warps, stages, perm, rows),
+                       3.0)
+        except Exception as exc:  # noqa: BLE001 - a configuration that does not compile is a row, not a stop
+            table.append(dict(config, error=f"{type(exc).__name__}: {str(exc)[:120]}"))
+            log(f"[{length}] block_mass {config}: {type(exc).__name__}")
+            continue
+        table.append(dict(config, ms=ms, share_of_cudnn=ms / cudnn_ms, max_abs_diff_vs_default=err))
+        log(f"[{length}] block_mass {config}: {ms:.3f} ms = {100 * ms / cudnn_ms:.2f}% of dense cuDNN "
+            f"({cudnn_ms:.2f} ms); max |diff| vs default {err:.2e}")
+    results.setdefault("mass_sweep", []).append({"tokens": length, "sample_rows": sample, "cudnn_ms": cudnn_ms,
+                                                 "token_order": None if perm is None else "region",
+                                                 "configs": table})
+    del q, k, v
+    torch.cuda.empty_cache()
 
 
 def run_size(length: int, args, results: dict) -> None:
@@ -471,6 +519,8 @@ def main():
     ap.add_argument("--densities", default="0.05,0.10,0.15,0.20,0.30,0.50")
     ap.add_argument("--mass-rows", default="8,16,32")
     ap.add_argument("--mass-sizes", default="75600")
+    ap.add_argument("--mass-sweep", action="store_true",
+                    help="only the block-mass kernel's launch configurations at --mass-sizes (first of --mass-rows)")
     ap.add_argument("--sweep", action="store_true", help="try tile configs on the full map, then use the fastest")
     ap.add_argument("--sweep-paths", default="fp8,bf16,int8", help="comma list: the paths --sweep tries")
     ap.add_argument("--sweep-only", action="store_true", help="stop after the sweep (its table is in the JSON)")
@@ -500,6 +550,13 @@ def main():
     results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
                "python": platform.python_version(), "argv": sys.argv, "sizes": []}
     log(f"GPU {results['gpu']}, torch {torch.__version__}, triton {triton.__version__}")
+    if args.mass_sweep:
+        for length in args.mass_sizes:
+            mass_sweep(length, args, results)
+            with open(os.path.join(args.out, "bench_block_sparse.json"), "w") as f:
+                json.dump(results, f, indent=1)
+        log("done")
+        return
     for length in [int(x) for x in args.sizes.split(",")]:
         run_size(length, args, results)
         with open(os.path.join(args.out, "bench_block_sparse.json"), "w") as f:

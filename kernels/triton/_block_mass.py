@@ -29,7 +29,7 @@ from ._attention import check_perm, int32_chunks
 from ._quant import interpreter_upcast
 from ._quant import LOG2E, source_rows
 
-MASS_ROWS = 128  # rows per program (tensor-core M)
+MASS_ROWS = 128  # sampled rows per program by default (tensor-core M)
 
 
 @triton.jit
@@ -147,11 +147,13 @@ def _row_offset_table(q_len: int, block_size: int, sample_rows, device) -> tuple
 
 
 def block_mass_triton_impl(q: torch.Tensor, k: torch.Tensor, block_size: int, sample_rows, scale: float,
-                           block_n: int = 64, num_warps: int = 8, num_stages: int = 3,
-                           token_perm: torch.Tensor | None = None) -> torch.Tensor:
+                           block_n: int = 128, num_warps: int = 8, num_stages: int = 3,
+                           token_perm: torch.Tensor | None = None, rows_per_program: int = MASS_ROWS) -> torch.Tensor:
     """Launch the block-mass kernel; see the module docstring for the contract. ``token_perm``
     (``Lq == Lk == L``; int32/int64 ``[L]``, a permutation): the mass of the sequence in that order
-    (position ``i`` = input row ``token_perm[i]``), fused into the q / k loads."""
+    (position ``i`` = input row ``token_perm[i]``), fused into the q / k loads. ``block_n``, ``num_warps``,
+    ``num_stages``, ``rows_per_program`` (a power of two >= 16: sampled rows one program holds): the launch
+    configuration (``benchmarks/kernels/bench_block_sparse.py --mass-sweep`` times the alternatives)."""
     if q.dim() != 4 or k.dim() != 4 or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
         raise ValueError(f"q/k must be [B, H, L, D] with matching B, H, D; got {tuple(q.shape)}, {tuple(k.shape)}")
     if q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype:
@@ -169,7 +171,9 @@ def block_mass_triton_impl(q: torch.Tensor, k: torch.Tensor, block_size: int, sa
     kv_len = k.shape[2]
     num_q_blocks, num_kv_blocks = -(-q_len // block_size), -(-kv_len // block_size)
     table, width = _row_offset_table(q_len, block_size, sample_rows, q.device)
-    groups = max(1, MASS_ROWS // width)
+    if rows_per_program < 16 or rows_per_program & (rows_per_program - 1):
+        raise ValueError(f"rows_per_program must be a power of two >= 16, got {rows_per_program!r}")
+    groups = max(1, rows_per_program // width)
     block_n = min(block_n, block_size)
     out = torch.empty(batch, heads, num_q_blocks, num_kv_blocks, dtype=torch.float32, device=q.device)
     n_tiles = triton.cdiv(num_q_blocks, groups)
@@ -177,13 +181,14 @@ def block_mass_triton_impl(q: torch.Tensor, k: torch.Tensor, block_size: int, sa
     if q.device.type == "cuda" and q.device.index is not None and q.device.index != torch.cuda.current_device():
         with torch.cuda.device(q.device):  # Triton launches on the current device
             return block_mass_triton_impl(q, k, block_size, sample_rows, scale, block_n, num_warps, num_stages,
-                                          token_perm)
+                                          token_perm, rows_per_program)
     # per (b, h): the output block grid and the scratch of per-row key-block partial sums
     chunks = int32_chunks((q, k), max(num_q_blocks * num_kv_blocks, n_tiles * groups * width * num_kv_blocks))
     if len(chunks) > 1:  # offsets past int32: run (batch, head) chunks
         for b0, b1, h0, h1 in chunks:
             out[b0:b1, h0:h1] = block_mass_triton_impl(q[b0:b1, h0:h1], k[b0:b1, h0:h1], block_size, sample_rows,
-                                                       scale, block_n, num_warps, num_stages, token_perm)
+                                                       scale, block_n, num_warps, num_stages, token_perm,
+                                                       rows_per_program)
         return out
     scratch = torch.empty(batch * heads * n_tiles * groups * width * num_kv_blocks, dtype=torch.float32,
                           device=q.device)
