@@ -379,10 +379,12 @@ def run(args) -> dict:
                     models.append(m)
                 return models
 
-            def timed(name, models, plan=None, again=None):
+            def timed(name, models, plan=None, again=None, profile_models=None):
                 """One row: a warm-up, then one timed request. ``again()`` (compiled rows): the
                 ``(models, plan)`` of a second request, the timed one, after a whole first request
-                as the warm-up (both experts compile in it: its time is ``first_request_s``)."""
+                as the warm-up (both experts compile in it: its time is ``first_request_s``).
+                ``profile_models()`` (with ``--profile``): the models the profiled step runs, when not
+                the row's own."""
                 if time.perf_counter() - t_start > args.time_budget:
                     print(f"skipping {weights}/{res}/{name}: past the time budget", flush=True)
                     return None
@@ -431,9 +433,11 @@ def run(args) -> dict:
                                blocks_computed=plan.stats.blocks_computed, blocks_total=plan.stats.blocks_total,
                                fallback_calls=plan.stats.fallback_calls, tail_calls=plan.stats.tail_calls,
                                messages=plan.stats.messages[:5])
-                if args.profile and device.type == "cuda" and name != "miss" and "compile" not in name:
-                    # (not the miss: one more step would record into the entry it is about to write)
-                    row["profile_step0"] = profile_step(lambda: sample_request(h_m, l_m, latent, positive, negative,
+                if args.profile and device.type == "cuda":
+                    # the eager miss profiles a throwaway miss (one more step would record into the entry it is
+                    # about to write); a compiled row profiles its second request's models once more
+                    p_h, p_l = (h_m, l_m) if profile_models is None else profile_models()
+                    row["profile_step0"] = profile_step(lambda: sample_request(p_h, p_l, latent, positive, negative,
                                                                                11, end_step=1))
                 results["runs"].append(row)
                 print(json.dumps({k: v for k, v in row.items() if k != "profile_step0"}), flush=True)
@@ -508,7 +512,8 @@ def run(args) -> dict:
                 plan, t_ret = retrieve(ws_miss)
                 assert not plan.is_hit, plan.message
                 h_m, l_m = patched(plan, fr_share=args.fr_share)
-                sampled = timed("miss", (h_m, l_m), plan)
+                sampled = timed("miss", (h_m, l_m), plan, profile_models=lambda: patched(
+                    retrieve(f"{ws_miss}_profile")[0], fr_share=args.fr_share))
                 if sampled is not None:
                     t0 = time.perf_counter()
                     info = ChorusCacheWrite.execute(latent, plan).result[0]
@@ -629,7 +634,7 @@ def gpu_sampler(device):
                       off_reason="" if device.type == "cuda" else "a CPU run")
 
 
-def profile_step(step, top: int = 25) -> dict:
+def profile_step(step, top: int = 40) -> dict:
     """One sampling step (the high expert's step 0 -> 1, after the timed request) under
     ``torch.profiler`` (CUDA activity only): total GPU time and the ``top`` kernels by GPU time,
     ``name -> [ms, calls]`` (names cut at 100 characters). Where a request's time goes, not a timing
