@@ -43,7 +43,7 @@ from chorus.engine.feature_reuse import RECORD_CHANNELS, select_regions
 from chorus.engine.guidance import GAIN_PER_STRENGTH, IMAGE_GAIN_PER_STRENGTH, first_frame_biased_attention
 from chorus.kernels import block_sparse_attention, pooling
 
-from benchmarks.timing import cuda_median_ms
+from .timing import cuda_median_ms
 
 GRIDS = {"720p": (21, 45, 80), "480p": (21, 30, 52)}
 

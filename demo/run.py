@@ -1,4 +1,4 @@
-"""``python -m chorus demo``: a stream of similar and unrelated I2V requests through the engine.
+"""``chorus demo``: a stream of similar and unrelated I2V requests through the engine.
 
 What it runs (CPU; 1-2 minutes with the defaults on a 2-core machine that is not busy with other jobs):
 
@@ -606,7 +606,7 @@ def _format_line(r: RequestResult) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m chorus demo", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="chorus demo", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="chorus_demo_out", help="folder for the PNG frames (default ./chorus_demo_out)")
     parser.add_argument("--workspace", default=None, help="cache workspace folder (default: a temporary one)")
     parser.add_argument("--requests", type=int, default=None, help=f"how many requests (default all {len(DEFAULT_STREAM)})")

@@ -14,7 +14,7 @@ pytestmark = [pytest.mark.host, pytest.mark.skipif(SKIP_REASON is not None, reas
 
 
 def test_comfy_e2e_benchmark_runs_dense_miss_and_hit(tmp_path, monkeypatch):
-    from benchmarks.comfy_e2e import run
+    from chorus.benchmarks.comfy_e2e import run
 
     monkeypatch.setenv("COMFYUI_DIR", str(tiny.find_comfyui_dir()))
     monkeypatch.setenv("CHORUS_CACHE_DIR", str(tmp_path / "cache"))  # the benchmark sets its own; restored after
@@ -39,7 +39,7 @@ def test_fp8_linears_benchmark_takes_comfyuis_fp8_path_without_graph_breaks(tmp_
     """``fp8_linears`` at toy sizes on the CPU: ComfyUI's ``fp8_ops.Linear`` runs its FP8 matmul
     (``fp8_linear`` returns a result, no logged fallback), compiles without a graph break, and its error
     is that of an e4m3 activation (unit roundoff 2**-4) while bf16's is within bf16's (2**-8)."""
-    from benchmarks.comfy_e2e import fp8_linears
+    from chorus.benchmarks.comfy_e2e import fp8_linears
 
     assert fp8_linears.main(["--tiny", "--out", str(tmp_path), "--comfyui", str(tiny.find_comfyui_dir())]) == 0
     rows = json.loads((tmp_path / "fp8_linears.json").read_text())["rows"]

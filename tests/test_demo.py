@@ -1,4 +1,4 @@
-"""``python -m chorus demo`` (``chorus.demo.run``) on a short request stream, CPU.
+"""``chorus demo`` (``chorus.demo.run``) on a short request stream, CPU.
 
 The stream: astronaut, cat, astronaut (shifted crop, brighter), coffee, cat (shifted crop,
 brighter), rocket (unrelated). Asserted: the first request of each template and the unrelated one

@@ -230,7 +230,7 @@ SRC_GRID = (6, 8, 12)
 
 @pytest.fixture(scope="module")
 def source():
-    from benchmarks.quality.source import SourceConfig, build_model
+    from chorus.benchmarks.quality.source import SourceConfig, build_model
 
     cfg = SourceConfig(grid=SRC_GRID, heads=4, layers=2, step_sigmas=(0.9, 0.45), high_steps=2, patch=4)
     return build_model(cfg)
@@ -241,7 +241,7 @@ def _blocky_image(seed):
 
 
 def _source_run(handle, model, image, seed):
-    from benchmarks.quality.source import Request, RequestAttention
+    from chorus.benchmarks.quality.source import Request, RequestAttention
 
     att = RequestAttention(model, Request("r", image, "a prompt", seed))
     handle.begin_run([0.9, 0.45, 0.0])

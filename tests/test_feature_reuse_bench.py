@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from benchmarks import feature_reuse_bench as bench
+from chorus.benchmarks import feature_reuse_bench as bench
 
 
 def _plain_sdpa(heads):

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from benchmarks.kernels import peers
+from chorus.benchmarks.kernels import peers
 
 from testing import make_qkv
 
@@ -164,7 +164,7 @@ def test_cudnn_graphs_build_their_operation_graph(monkeypatch):
 @pytest.mark.parametrize("length", [300, 32768])
 @pytest.mark.parametrize("density", [0.05, 0.15, 0.5])
 def test_uniform_rows_maps_keep_one_count_and_the_forced_blocks(length, density):
-    from benchmarks.kernels import masks
+    from chorus.benchmarks.kernels import masks
 
     bm = masks.structured_block_map(length, 4, density, 128, uniform_rows=True)
     nb = -(-length // 128)

@@ -15,7 +15,7 @@ import pytest
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory):
     pytest.importorskip("skimage")
-    from benchmarks.kernels import tail_quality
+    from chorus.benchmarks.kernels import tail_quality
 
     out = tmp_path_factory.mktemp("tailq")
     assert tail_quality.main(["--quick", "--out", str(out)]) == 0

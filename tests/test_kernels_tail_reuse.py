@@ -17,7 +17,7 @@ VARIANT_KEYS = ("own:no_tail", "own:tail", "reused:no_tail", "reused:tail")
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory):
     pytest.importorskip("skimage")
-    from benchmarks.kernels import tail_reuse
+    from chorus.benchmarks.kernels import tail_reuse
 
     out = tmp_path_factory.mktemp("tailreuse")
     assert tail_reuse.main(["--quick", "--out", str(out)]) == 0
@@ -84,7 +84,7 @@ def test_tail_does_not_worsen_the_own_map_on_spread_heads(quick):
 
 
 def test_a_map_reused_from_the_request_itself_has_no_gap():
-    from benchmarks.kernels import tail_reuse
+    from chorus.benchmarks.kernels import tail_reuse
 
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, 640, 128, generator=gen).to(torch.bfloat16) for _ in range(3))
@@ -103,7 +103,7 @@ def test_a_map_reused_from_the_request_itself_has_no_gap():
 
 
 def test_gap_ratio_and_evaluated_blocks():
-    from benchmarks.kernels import tail_reuse
+    from chorus.benchmarks.kernels import tail_reuse
 
     assert tail_reuse.gap_ratio(0.01, 0.02) == pytest.approx(0.5)
     assert tail_reuse.gap_ratio(0.01, tail_reuse.MIN_GAP / 2) is None and tail_reuse.gap_ratio(0.0, -0.01) is None

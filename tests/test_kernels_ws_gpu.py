@@ -249,7 +249,7 @@ def test_torch_compile_of_a_module_calling_it():
 # (the pre-pass's pooled rows and the block lists / bias table alone: test_triton_gpu.py's tail parts 1 and 2).
 
 def _structured(length, heads, density):
-    from benchmarks.kernels.masks import grid_for, structured_block_map
+    from chorus.benchmarks.kernels.masks import grid_for, structured_block_map
 
     grid = None if length in (32760, 75600) else grid_for(length)
     return structured_block_map(length, heads, density, 128, device="cuda", grid=grid)

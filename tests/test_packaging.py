@@ -6,6 +6,8 @@ import sys
 import tomllib
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -40,10 +42,13 @@ def test_requirements_txt_mirrors_pyproject_except_torch():
 def test_readme_opens_with_setup_and_test_commands_and_ci_runs_the_test_command():
     readme = (ROOT / "README.md").read_text()
     blocks = re.findall(r"```bash\n(.*?)\n```", readme, flags=re.S)
-    assert "python -m chorus demo" in blocks[0] and "pip install" in blocks[0]
-    assert blocks[1].strip() == "python -m pytest"
+    # the console script, not ``python -m chorus demo``: run from the pack root, ``-m`` puts the root on
+    # sys.path, where the pack's ``kernels/`` shadows the ``kernels`` distribution transformers imports
+    assert "&& chorus demo" in blocks[0] and "pip install" in blocks[0] and "python -m chorus demo" not in blocks[0]
+    assert 'chorus = "chorus.__main__:main"' in (ROOT / "pyproject.toml").read_text()
+    assert blocks[1].strip() == "pytest"
     ci = (ROOT / ".ci" / "run").read_text()
-    assert "-m pytest" in ci and "-eq 5" in ci
+    assert '/pytest"' in ci and '"$PYTEST"' in ci and "-m pytest" not in ci and "-eq 5" in ci
 
 
 def test_core_packages_import_without_comfyui():
@@ -51,6 +56,16 @@ def test_core_packages_import_without_comfyui():
             "bad = [m for m in sys.modules if m == 'comfy' or m.startswith(('comfy.', 'comfy_api'))]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, cwd="/")
+
+
+def test_the_pack_root_is_not_on_the_test_path_and_diffusers_wan_imports():
+    """The pack root is the ``chorus`` package, whose sub-folders (``kernels``, ``nodes``, ``engine``) would
+    shadow top-level modules of the same names if the root were on ``sys.path``: transformers 5.x imports
+    the ``kernels`` distribution, which the pack's ``kernels/`` then replaced (every diffusers test failed).
+    Tests import the pack and its benchmarks as ``chorus.*``."""
+    assert not any(Path(p or ".").resolve() == ROOT for p in sys.path), sys.path
+    pytest.importorskip("diffusers")
+    from diffusers import WanTransformer3DModel  # noqa: F401  (imports transformers' model stack)
 
 
 def test_engine_imports_neither_comfyui_nor_diffusers():

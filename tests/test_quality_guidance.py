@@ -8,8 +8,8 @@ import math
 import pytest
 
 pytest.importorskip("diffusers")
-guidance = pytest.importorskip("benchmarks.quality.guidance")
-tiny_e2e = pytest.importorskip("benchmarks.quality.tiny_e2e")
+guidance = pytest.importorskip("chorus.benchmarks.quality.guidance")
+tiny_e2e = pytest.importorskip("chorus.benchmarks.quality.tiny_e2e")
 
 from chorus.engine.feature_reuse import FeatureReuseConfig  # noqa: E402
 

@@ -16,8 +16,8 @@ import torch
 from chorus import kernels
 from chorus.kernels.reference import dense_attention_oracle
 
-quality = pytest.importorskip("benchmarks.quality.harness")
-source = pytest.importorskip("benchmarks.quality.source")
+quality = pytest.importorskip("chorus.benchmarks.quality.harness")
+source = pytest.importorskip("chorus.benchmarks.quality.source")
 
 
 @pytest.mark.parametrize("length,block", [(97, 32), (300, 64), (256, 128)])
@@ -60,7 +60,7 @@ def test_structured_source_is_local_and_content_dependent():
 
 
 def test_quick_run_writes_sane_results(tmp_path):
-    from benchmarks.quality import run
+    from chorus.benchmarks.quality import run
 
     assert run.main(["--out", str(tmp_path), "--quick"]) == 0
     for name in ("results.json", "summary.md", "recall_vs_similarity.png", "error_vs_similarity.png"):

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-tile_bench = pytest.importorskip("benchmarks.quality.tile_order")
+tile_bench = pytest.importorskip("chorus.benchmarks.quality.tile_order")
 
 
 def test_quick_run_writes_both_orders(tmp_path):

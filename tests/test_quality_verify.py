@@ -11,7 +11,7 @@ pytest.importorskip("skimage")
 
 
 def test_quick_run_writes_results_and_the_estimate_is_accurate(tmp_path):
-    from benchmarks.quality import verify
+    from chorus.benchmarks.quality import verify
 
     assert verify.main(["--out", str(tmp_path), "--quick"]) == 0
     res = json.loads((tmp_path / "verify.json").read_text())

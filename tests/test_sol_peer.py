@@ -20,7 +20,7 @@ HEADS, TOKENS = 2, 320  # head dim 128, as sol_attn requires; 320 tokens = 5 of 
 
 
 def _override(model, **options):
-    from benchmarks.comfy_e2e.sol_peer import sol_patched
+    from chorus.benchmarks.comfy_e2e.sol_peer import sol_patched
 
     patched, counts = sol_patched(model, cuda_only=False, **options)
     override = patched.model_options["transformer_options"]["optimized_attention_override"]
@@ -80,7 +80,7 @@ def test_sparse_calls_are_sol_attn_and_the_rest_stays_dense():
 
 
 def test_the_benchmark_of_record_runs_the_sol_rows(tmp_path, monkeypatch):
-    from benchmarks.comfy_e2e import run
+    from chorus.benchmarks.comfy_e2e import run
 
     monkeypatch.setenv("COMFYUI_DIR", str(tiny.find_comfyui_dir()))
     monkeypatch.setenv("CHORUS_CACHE_DIR", str(tmp_path / "cache"))

@@ -44,7 +44,7 @@ def block_rows(length, bs, blocks):
 
 
 def structured_map(length, heads, density, bs=128):
-    from benchmarks.kernels.masks import grid_for, structured_block_map  # the benchmark's structured maps
+    from chorus.benchmarks.kernels.masks import grid_for, structured_block_map  # the benchmark's structured maps
 
     if length in (32760, 75600):
         return structured_block_map(length, heads, density, bs, device="cuda")

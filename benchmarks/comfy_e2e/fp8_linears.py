@@ -61,7 +61,7 @@ class ExceptionCounter(logging.Handler):
 
 def median_ms(fn, reps: int, device: torch.device) -> float:
     if device.type == "cuda":
-        from benchmarks.timing import cuda_median_ms
+        from ..timing import cuda_median_ms
 
         return cuda_median_ms(fn, reps, warmup=2)
     fn()

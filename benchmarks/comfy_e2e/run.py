@@ -595,7 +595,7 @@ def kernel_alone_ms(plan, grid, shape, kernels, sampler=None, reps: int = 10) ->
            .view(1, length, heads, dim).transpose(1, 2) for _ in range(3)]
     from chorus.kernels.triton._attention import launch_attention, prepare_attention
 
-    from benchmarks.timing import cuda_median_ms
+    from ..timing import cuda_median_ms
 
     scale = 1.0 / math.sqrt(dim)
     prep = prepare_attention(*qkv, block_map, 128, scale, True)
@@ -628,7 +628,7 @@ def gpu_sampler(device):
     """The GPU's SM clock, power and clock-limit reasons sampled every 50 ms while a window is open
     (``benchmarks/kernels/gpu_state.py``; NVML); on the CPU, or without NVML, windows report
     ``available: False``."""
-    from benchmarks.kernels.gpu_state import GpuSampler
+    from ..kernels.gpu_state import GpuSampler
 
     return GpuSampler(index=device.index or 0, interval_s=0.05,
                       off_reason="" if device.type == "cuda" else "a CPU run")

@@ -29,8 +29,8 @@ import triton
 from triton.testing import do_bench
 
 import chorus.kernels as K
-from benchmarks.kernels.gpu_state import GpuSampler
-from benchmarks.kernels.masks import structured_block_map
+from .gpu_state import GpuSampler
+from .masks import structured_block_map
 from chorus.kernels import api
 from chorus.kernels.triton._attention import lpt_block_lists, tail_spec
 from chorus.kernels.triton._quant import padded_len, quantize_qkv_fp8

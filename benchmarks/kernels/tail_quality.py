@@ -77,7 +77,7 @@ def astronaut(image_npy: str | None = None):
 def source_qkv(grid, heads: int, call, device, image_npy: str | None = None):
     """q, k, v bf16 ``[1, H, L, 128]`` of one self-attention call ``(expert, step, layer)`` of the astronaut
     request of the structured source (scale folded into q)."""
-    from benchmarks.quality.source import SOURCE_LABEL, Request, RequestAttention, SourceConfig, build_model
+    from ..quality.source import SOURCE_LABEL, Request, RequestAttention, SourceConfig, build_model
 
     cfg = SourceConfig(grid=tuple(grid), heads=heads, layers=call[2] + 1)
     image = astronaut(image_npy)[::2, ::2] / 255.0

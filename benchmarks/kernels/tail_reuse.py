@@ -66,7 +66,7 @@ import numpy as np
 import torch
 
 import chorus.kernels as K
-from benchmarks.kernels.tail_quality import (BLOCK, actual_density, astronaut, exact_attention, log, mass_shares,
+from .tail_quality import (BLOCK, actual_density, astronaut, exact_attention, log, mass_shares,
                                              matching_count, oracle_map, rel_l2, write_results)
 
 VARIANTS = (("own", False), ("own", True), ("reused", False), ("reused", True))
@@ -81,7 +81,7 @@ def variant_key(which: str, tail: bool) -> str:
 def workload(quick: bool, image_npy: str | None = None):
     """``(entries, queries)`` of ``families.build_workload``; with ``image_npy`` the astronaut picture is read
     from that file (uint8 or float ``[h, w, 3]``) wherever the workload loads it."""
-    from benchmarks.quality import families
+    from ..quality import families
 
     if image_npy is None:
         return families.build_workload(quick=quick)
@@ -98,7 +98,7 @@ def workload(quick: bool, image_npy: str | None = None):
 def pick_pairs(entries, queries, per_family: int) -> list[dict]:
     """Per family the first ``per_family`` queries, each with its entry (module docstring) and the embedding
     similarity of the two."""
-    from benchmarks.quality.families import FAMILIES
+    from ..quality.families import FAMILIES
     from chorus.cache_store.embedders import ComfyGraphEmbedder
 
     embedder = ComfyGraphEmbedder(text_weight=0.5)
@@ -126,7 +126,7 @@ def pick_pairs(entries, queries, per_family: int) -> list[dict]:
 
 def request_qkv(model, request, call, sharpen: float):
     """``{"spread": (q, k, v), "sharp": (q x sharpen, k, v)}``, bf16 ``[1, H, L, D]``, of one call of a request."""
-    from benchmarks.quality.source import RequestAttention
+    from ..quality.source import RequestAttention
 
     q, k, v = (t.to(torch.bfloat16).contiguous() for t in RequestAttention(model, request).qkv(*call))
     return {"spread": (q, k, v), "sharp": ((q.float() * sharpen).to(q.dtype), k, v)}
@@ -269,7 +269,7 @@ def main(argv=None) -> int:
     if args.quick:
         args.grid, args.heads, args.densities, args.eval_blocks = [4, 16, 32], 2, "0.10,0.25", 4
     densities = [float(x) for x in args.densities.split(",") if x]
-    from benchmarks.quality.source import SOURCE_LABEL, SourceConfig, build_model
+    from ..quality.source import SOURCE_LABEL, SourceConfig, build_model
 
     t0 = time.time()
     call = tuple(args.call)
