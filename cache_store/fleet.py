@@ -18,9 +18,10 @@ Where things live, and the module of each concern:
 Connections: a handle holds one connection for writes (entries, removals, limits, quarantine, hit
 counts), one for reads (loads, listings, stats, catch-ups; a read-only session) and the
 listener's; ``verify`` scans on a connection of its own. So a load never queues behind another
-thread's write on the same handle, and a hit counted by ``load`` never waits: when the write
-connection is busy that instant the hit stays pending and is counted with the next write,
-``touch`` or ``close``.
+thread's write on the same handle, and a hit counted by ``load`` never waits for this handle's write
+connection: when it is busy that instant the hit stays pending and is counted with the next write,
+``touch`` or ``close``. The count's UPDATE can still wait on another session's lock of the same row
+(a worker writing that entry's run stats), at most ``lock_timeout``; the hit then stays pending too.
 
 Writes (:meth:`FleetStore.add_unique`): encode the entry (``entries.py``, as a one-host
 workspace does), then one transaction: lock the workspace row (``SELECT ... FOR UPDATE``, waiting
