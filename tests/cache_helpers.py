@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -97,3 +99,30 @@ def churner(path: str, conn, batch: int = 12, keep: int = 2) -> None:
             ws.add(embedding(seed), small_masks(seed), {"signature": SIGNATURE, "seed": seed})
             seed += 1
         conn.send(("evicted", len(ws.prune(max_entries=keep))))
+
+
+HOLDER = r"""
+import sqlite3, sys
+from filelock import FileLock
+path, with_lock = sys.argv[1], sys.argv[2] == "1"
+lock = FileLock(path + "/write.lock")
+if with_lock:
+    lock.acquire()
+db = sqlite3.connect(path + "/chorus.sqlite3", isolation_level=None)
+db.execute("BEGIN IMMEDIATE")
+print("held", flush=True)
+sys.stdin.read()
+"""
+
+
+class Holder:
+    """A second process holding the workspace's SQLite write transaction (and the writers' lock)."""
+
+    def __init__(self, path, with_lock=True):
+        self.proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(path), "1" if with_lock else "0"],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout.readline().strip() == "held"
+
+    def release(self):
+        self.proc.stdin.close()
+        self.proc.wait(30)

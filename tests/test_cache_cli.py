@@ -147,7 +147,7 @@ def test_busy_store_and_file_size_limit_are_errors_not_tracebacks(tmp_path):
     give one error line and exit 2; stats still works beside the busy writer (it takes no lock)."""
     import resource
 
-    from test_cache_hardening import Holder
+    from cache_helpers import Holder
 
     root = tmp_path / "root"
     with Workspace.open(root / "proj") as ws:

@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import save as st_save
 
 import cache_helpers
-from cache_helpers import SIGNATURE, embedding, small_masks, tree_snapshot
+from cache_helpers import SIGNATURE, Holder, embedding, small_masks, tree_snapshot
 from chorus.cache_store import CorruptEntryError, Workspace, resolve_workspace
 from chorus.cache_store.entry_format import FORMAT, VERSION, decode_entry, encode_entry
 from chorus.cache_store.errors import StoreBusyError, StoreError, UnsafeLayoutError
@@ -33,33 +33,6 @@ LIMIT = 10.0  # what they allow it (generous: a loaded 2-core CI machine)
 GEO_SIG = {"format": 1, "family": "wan", "variant": "test", "experts": ["fp"], "num_layers": 2, "num_heads": 3,
            "latent_shape": [16, 5, 12, 20], "token_grid": [5, 6, 10], "block_size": 128, "token_order": "thw",
            "step_sigmas": [1.0, 0.5], "head_groups": 1}
-
-HOLDER = r"""
-import sqlite3, sys
-from filelock import FileLock
-path, with_lock = sys.argv[1], sys.argv[2] == "1"
-lock = FileLock(path + "/write.lock")
-if with_lock:
-    lock.acquire()
-db = sqlite3.connect(path + "/chorus.sqlite3", isolation_level=None)
-db.execute("BEGIN IMMEDIATE")
-print("held", flush=True)
-sys.stdin.read()
-"""
-
-
-class Holder:
-    """A second process holding the workspace's SQLite write transaction (and the writers' lock)."""
-
-    def __init__(self, path, with_lock=True):
-        self.proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(path), "1" if with_lock else "0"],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        assert self.proc.stdout.readline().strip() == "held"
-
-    def release(self):
-        self.proc.stdin.close()
-        self.proc.wait(30)
-
 
 def _filled(path, n=4, sig=SIGNATURE):
     with Workspace.open(path) as ws:

@@ -19,7 +19,7 @@ from chorus.engine import verify as verify_mod
 from chorus.engine.config import DEFAULT_VERIFY_ROWS, DEFAULT_VERIFY_THRESHOLD, SUGGESTED_VERIFY_THRESHOLD
 from chorus.engine.verify import ExpertCheck, fit_ratio, recall_estimate, recall_terms, verify_head_index
 
-from test_engine_runtime import BS, GRID, INFO, INFO_LOW, L, LATENT, QB, SIGMAS, hit_plan, qkv, run_steps, sdpa, \
+from engine_helpers import BS, GRID, INFO, INFO_LOW, L, LATENT, QB, SIGMAS, hit_plan, qkv, run_steps, sdpa, \
     signature
 
 VCFG = SparseConfig(top_p=0.9, k_min=1, block_size=BS, sample_rows=None, verify_threshold=0.5,
