@@ -3,7 +3,7 @@
 These cases run only when ``TRITON_INTERPRET=1`` is set before Triton is imported (Triton decides
 interpreted vs compiled when a kernel is defined); ``test_triton_cpu.py`` runs this file in a
 subprocess with that variable, so a plain ``pytest`` covers them. Run directly:
-``TRITON_INTERPRET=1 python -m pytest tests/test_triton_interpret_cases.py``.
+``TRITON_INTERPRET=1 pytest tests/test_triton_interpret_cases.py``.
 
 Tolerances (all derived, none guessed):
 - bf16/fp16 path: max error vs the fp64 oracle <= 2 x that of eager masked attention in the same dtype
