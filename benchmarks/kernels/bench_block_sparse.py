@@ -550,15 +550,10 @@ def main():
     results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
                "python": platform.python_version(), "argv": sys.argv, "sizes": []}
     log(f"GPU {results['gpu']}, torch {torch.__version__}, triton {triton.__version__}")
-    if args.mass_sweep:
-        for length in args.mass_sizes:
-            mass_sweep(length, args, results)
-            with open(os.path.join(args.out, "bench_block_sparse.json"), "w") as f:
-                json.dump(results, f, indent=1)
-        log("done")
-        return
-    for length in [int(x) for x in args.sizes.split(",")]:
-        run_size(length, args, results)
+    sizes = args.mass_sizes if args.mass_sweep else [int(x) for x in args.sizes.split(",")]
+    measure = mass_sweep if args.mass_sweep else run_size
+    for length in sizes:
+        measure(length, args, results)
         with open(os.path.join(args.out, "bench_block_sparse.json"), "w") as f:
             json.dump(results, f, indent=1)
     if any(row.get("densities") for row in results["sizes"]):
