@@ -409,7 +409,8 @@ def block_mass(q, k, *, block_size: int = 128, sample_rows: int | None = None, s
     order (the mass a map recorded in that order is selected from).
 
     Raises:
-        ValueError: bad shapes, ``sample_rows < 1``, bad backend name, a bad ``token_perm``.
+        ValueError: bad shapes, ``sample_rows < 1``, a scale that is not a positive finite number, bad
+            backend name, a bad ``token_perm``.
         BackendUnavailableError: an explicit backend that cannot run here (``flex`` has none).
         Whatever the chosen backend raises while it runs propagates unchanged (no later call is affected).
     """
@@ -418,6 +419,8 @@ def block_mass(q, k, *, block_size: int = 128, sample_rows: int | None = None, s
     if sample_rows is not None and (not isinstance(sample_rows, int) or sample_rows < 1):
         raise ValueError(f"sample_rows must be a positive int or None, got {sample_rows!r}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"block_mass needs a positive finite scale, got {scale!r}")
     perm = _token_perm(token_perm, q, k)
     if resolve_backend(backend, q, "block_mass") == Backend.REFERENCE:
         qo, ko = (q, k) if perm is None else to_tile_order(perm[0], q, k)

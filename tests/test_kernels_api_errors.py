@@ -55,6 +55,9 @@ def test_bad_backend_and_block_size():
         K.block_sparse_attention(q, k, v, _full(1, 1), block_size=0)
     with pytest.raises(ValueError, match="sample_rows"):
         K.block_mass(q, k, block_size=64, sample_rows=0)
+    for scale in (0.0, -0.1, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="positive finite scale"):
+            K.block_mass(q, k, block_size=64, scale=scale)
     with pytest.raises(K.BackendUnavailableError, match="flex has no block_mass"):
         K.block_mass(q, k, block_size=64, backend="flex")
 

@@ -121,6 +121,20 @@ def test_block_mass_matches_reference(length, sample_rows):
     assert (got - want).abs().max().item() <= 1e-4
 
 
+@pytest.mark.parametrize("rows_per_program,block_n,num_warps", [(128, 128, 8), (256, 128, 8), (256, 64, 16),
+                                                                (512, 128, 16)])
+def test_block_mass_launch_configurations_match_reference(rows_per_program, block_n, num_warps):
+    """Every launch configuration the sweep times computes the same mass (a partial last block, a token order)."""
+    from chorus.kernels.reference import block_mass_reference
+    from chorus.kernels.triton._block_mass import block_mass_triton_impl
+
+    q, k, _ = make_inputs(2, 4097, 128, seed=3)
+    perm = torch.randperm(4097, device=q.device)
+    got = block_mass_triton_impl(q, k, 128, 8, 1 / math.sqrt(128), block_n, num_warps, 3, perm, rows_per_program)
+    want = block_mass_reference(q[:, :, perm], k[:, :, perm], 128, 8, 1 / math.sqrt(128))
+    assert (got - want).abs().max().item() <= 1e-4
+
+
 def test_torch_compile_module_calling_the_ops():
     from chorus.kernels.triton import block_mass_triton, block_sparse_attention_triton
 

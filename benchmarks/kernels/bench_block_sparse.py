@@ -254,7 +254,7 @@ def mass_sweep(length: int, args, results: dict) -> None:
     sample = args.mass_rows[0]
     default = block_mass_triton_impl(q, k, bs, sample, scale, token_perm=perm)
     table = []
-    for block_n, warps, stages, rows in itertools.product((64, 128), (4, 8), (2, 3, 4), (64, 128)):
+    for block_n, warps, stages, rows in itertools.product((64, 128), (8, 16), (2, 3), (128, 256, 512)):
         config = {"block_n": block_n, "num_warps": warps, "num_stages": stages, "rows_per_program": rows}
         try:
             got = block_mass_triton_impl(q, k, bs, sample, scale, block_n, warps, stages, perm, rows)

@@ -14,12 +14,16 @@ the row's running total (online, as the softmax denominator); then, with the row
 ``lse``, each key block's probability is ``exp2(block lse - lse)``, summed over the rows of each query
 block and divided by its sampled-row count. ``S`` is computed once (an earlier version recomputed it
 in a second pass: twice the FLOPs). Keys past ``Lk`` are masked in the last (partial) key block only.
-QK^T runs in the inputs' dtype with fp32 accumulation. Cost ~ ``2 * rows * Lk * D`` FLOPs (no P @ V),
-i.e. with ``s`` sampled rows of ``bs`` about ``s / (2 bs)`` of one dense attention call, plus the scratch
-(``4 * rows * Kb`` bytes per head, e.g. 11 MB per head at 720p with 8 rows: written and read once).
+QK^T runs in the inputs' dtype with fp32 accumulation; maxima are taken on the unscaled logits, so the
+scale (positive and finite, else ``ValueError``) enters each element once, in the FMA of the exponent's
+argument. Cost ~ ``2 * rows * Lk * D`` FLOPs (no P @ V), i.e. with ``s`` sampled rows of ``bs`` about
+``s / (2 bs)`` of one dense attention call, plus the scratch (``4 * rows * Kb`` bytes per head, e.g. 11 MB
+per head at 720p with 8 rows: written and read once).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import triton
@@ -52,13 +56,14 @@ def _block_lse(q, k_base, s_kl, start_kb, Lk, qk_scale, offs_n0, offs_d, token_p
         src_n = source_rows(token_perm, offs_n, Lk, HAS_PERM)  # HAS_PERM: position -> the input row
         if MASK:
             k = tl.load(k_base + src_n[:, None] * s_kl + offs_d[None, :], mask=(offs_n < Lk)[:, None], other=0.0)
-            qk = _qk(q, k, INTERPRET) * qk_scale
-            qk = tl.where((offs_n < Lk)[None, :], qk, float("-inf"))
+            qk = tl.where((offs_n < Lk)[None, :], _qk(q, k, INTERPRET), float("-inf"))
         else:
             k = tl.load(k_base + src_n[:, None] * s_kl + offs_d[None, :])
-            qk = _qk(q, k, INTERPRET) * qk_scale
-        m_new = tl.maximum(m_b, tl.max(qk, 1))
-        l_b = l_b * tl.math.exp2(m_b - m_new) + tl.sum(tl.math.exp2(qk - m_new[:, None]), 1)
+            qk = _qk(q, k, INTERPRET)
+        # the maximum of the unscaled logits (qk_scale > 0), so the scale enters once per element, in the FMA
+        # of the exponent's argument
+        m_new = tl.maximum(m_b, tl.max(qk, 1) * qk_scale)
+        l_b = l_b * tl.math.exp2(m_b - m_new) + tl.sum(tl.math.exp2(qk * qk_scale - m_new[:, None]), 1)
         m_b = m_new
     return m_b + tl.math.log2(l_b)
 
@@ -164,6 +169,8 @@ def block_mass_triton_impl(q: torch.Tensor, k: torch.Tensor, block_size: int, sa
         raise ValueError(f"triton block_mass needs a power-of-two block_size in [16, 256], got {block_size!r}")
     if sample_rows is not None and (not isinstance(sample_rows, int) or sample_rows < 1):
         raise ValueError(f"sample_rows must be a positive int or None, got {sample_rows!r}")
+    if not (math.isfinite(scale) and scale > 0):  # the kernel takes the row maximum of the unscaled logits
+        raise ValueError(f"triton block_mass needs a positive finite scale, got {scale!r}")
     if q.stride(-1) != 1 or k.stride(-1) != 1:
         raise ValueError("q, k need unit stride on the head dim")
     token_perm = check_perm(token_perm, q, k)
