@@ -51,3 +51,20 @@ def test_fp8_linears_benchmark_takes_comfyuis_fp8_path_without_graph_breaks(tmp_
             assert 2 ** -8 < r["rel_err"] <= 2 ** -4, r  # an FP8 activation, not a silent bf16 fallback
         else:
             assert r["rel_err"] <= 2 ** -8, r
+
+
+def test_compiled_only_runs_the_compiled_rows_beside_compiled_dense(tmp_path, monkeypatch):
+    """``--compile --compiled-only``: dense and a miss under ComfyUI's ``TorchCompileModel`` and nothing eager;
+    the compiled miss records (its plan is a miss that sampled on the Chorus path) without an eager miss first."""
+    from chorus.benchmarks.comfy_e2e import run
+
+    monkeypatch.setenv("COMFYUI_DIR", str(tiny.find_comfyui_dir()))
+    monkeypatch.setenv("CHORUS_CACHE_DIR", str(tmp_path / "cache"))
+    with pytest.raises(SystemExit):
+        run.main(["--tiny", "--out", str(tmp_path), "--compiled-only"])  # needs --compile
+    assert run.main(["--tiny", "--out", str(tmp_path), "--variants", "dense", "miss", "--compile",
+                     "--compiled-only"]) == 0
+    rows = {r["variant"]: r for r in json.loads((tmp_path / "comfy_e2e.json").read_text())["runs"]}
+    assert set(rows) == {"dense+compile", "miss+compile"}, sorted(rows)
+    assert rows["miss+compile"]["plan_kind"] == "miss" and all(r["finite"] for r in rows.values())
+    assert rows["miss+compile"]["first_request_s"] > 0 and rows["miss+compile"]["dynamo"]["unique_graphs"] >= 1

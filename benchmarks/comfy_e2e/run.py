@@ -36,7 +36,9 @@ What runs (everything side by side in one process, one GPU):
   the node's default window (the first 20% of the schedule dense) / every step. ``--compile``: each of ``dense``, ``miss``, ``hit15`` and
   ``hitfr`` asked for runs again on models passed through ComfyUI's ``TorchCompileModel`` node
   (inductor; rows ``*+compile``); their warm-up is a whole request, whose time (compilation included)
-  is the row's ``first_request_s``.
+  is the row's ``first_request_s``. ``--compiled-only``: those rows alone, each compared with ``dense+compile``
+  (a hit still needs the entry the eager miss writes: that miss runs and is reported), so a 720p compiled
+  comparison fits one shorter run.
 * Timing: each variant runs one warm-up step (high expert, step 0 -> 1: Triton and cuDNN compile there),
   then one timed request (``torch.cuda.synchronize`` + wall clock around both KSamplerAdvanced calls).
   Per-layer self-attention time: an outermost attention override (ComfyUI's chaining mechanism) puts
@@ -501,14 +503,16 @@ def run(args) -> dict:
                 return out
 
             if "dense" in args.variants:
-                timed("dense", (high, low))
+                if not args.compiled_only:
+                    timed("dense", (high, low))
                 if compiling:
                     timed_compiled("dense")
             for name, start in SOL_VARIANTS.items():
                 if name in args.variants:
                     sol_row(name, start)
             entry_plan = None
-            if any(v in args.variants for v in ("miss",) + HIT_VARIANTS):
+            needs_entry = any(v in args.variants for v in HIT_VARIANTS)
+            if needs_entry or ("miss" in args.variants and not args.compiled_only):
                 plan, t_ret = retrieve(ws_miss)
                 assert not plan.is_hit, plan.message
                 h_m, l_m = patched(plan, fr_share=args.fr_share)
@@ -539,6 +543,10 @@ def run(args) -> dict:
                     per_layer = structured_maps(grid, shape["num_heads"], density, shape["num_layers"], device, order)
                     ws.add(entry_plan.embedding, {key: per_layer[key[2]] for key in masks}, meta)
                     results.setdefault("entry_orders", {})[hit_ws] = meta["signature"].get("token_order")
+                if args.compiled_only:
+                    if compiling and name in ("hit15", "hitfr"):
+                        timed_compiled(name)
+                    continue
                 per_backend = name in ("hit15", "hit5")
                 for backend in [b for b in args.hit_backends if b != "auto"] if per_backend else []:
                     plan_b, _ = retrieve(hit_ws)
@@ -560,8 +568,8 @@ def run(args) -> dict:
                     results["runs"][-1]["kernel_alone_ms"] = kernel_alone_ms(plan, grid, shape, kernels, sampler)
                 if compiling and name in ("hit15", "hitfr"):
                     timed_compiled(name)
-            if compiling and "miss" in args.variants and entry_plan is not None:
-                timed_compiled("miss")
+            if compiling and "miss" in args.variants and (entry_plan is not None or args.compiled_only):
+                timed_compiled("miss")  # (each compiled miss records into a fresh workspace of its own)
         del high, low, experts
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -692,6 +700,9 @@ def main(argv=None) -> int:
     p.add_argument("--compile", action="store_true",
                    help="also dense, miss, hit15 and hitfr (those asked for) under TorchCompileModel")
     p.add_argument("--compile-res", nargs="+", default=["480p", "720p", "tiny"], help="resolutions --compile applies to")
+    p.add_argument("--compiled-only", action="store_true",
+                   help="with --compile: only the compiled rows, each beside compiled dense (the eager miss still "
+                        "runs when a hit variant needs its entry)")
     p.add_argument("--layers", type=int, default=0, help="layers per expert (default: the model's 40)")
     p.add_argument("--tiny", action="store_true", help="toy sizes on the CPU (tests)")
     p.add_argument("--time-budget", type=float, default=1e9, help="seconds; later variants are skipped past it")
@@ -700,6 +711,8 @@ def main(argv=None) -> int:
     p.add_argument("--fr-share", type=float, default=0.25,
                    help="ChorusFeatureReuse downsample_share of the miss and the hitfr rows (the node's default 0.25)")
     args = p.parse_args(argv)
+    if args.compiled_only and not args.compile:
+        p.error("--compiled-only needs --compile")
     if args.tiny:
         args.res = ["tiny"]
     results = run(args)
