@@ -108,6 +108,12 @@ COUNTED = ("hits", *RUN_COUNTERS)
 """The columns a flush of :class:`PendingHits` adds to, in the order of a pending tuple."""
 
 
+def counted_increments(columns: tuple[str, ...], placeholder: str) -> str:
+    """The SET clause of a flush that adds a pending tuple's counts to ``columns`` (a prefix of :data:`COUNTED`),
+    with the store's parameter ``placeholder`` (``"?"`` SQLite, ``"%s"`` PostgreSQL): ``"hits = hits + ?, ..."``."""
+    return ", ".join(f"{name} = {name} + {placeholder}" for name in columns)
+
+
 class PendingHits:
     """The hits a store has counted but not written yet, with their run stats: one map, entry id ->
     ``(hits, *run counts)`` (:data:`COUNTED` order). Both stores keep one per handle (thread-safe; its

@@ -67,7 +67,8 @@ from pathlib import Path
 import numpy as np
 
 from . import seams
-from .entries import COUNTED, RUN_COUNTERS, CorruptEntryError, NewEntry, PendingHits, encode_new_entry, run_counts
+from .entries import (COUNTED, RUN_COUNTERS, CorruptEntryError, NewEntry, PendingHits, counted_increments,
+                      encode_new_entry, run_counts)
 from .errors import StoreBusyError, StoreError, store_timeout
 from .fleet_conn import CALL_DEADLINE_S, Connections
 from .fleet_feed import CHANNEL, FEED_DEADLINE_S, POLL_S, FleetFeed
@@ -431,7 +432,7 @@ class FleetStore(FleetFeed, FleetMaintenance):
         columns) in one transaction on the write connection (waiting for another thread's use of it
         only when ``wait``); on any error they stay pending (:class:`~chorus.cache_store.entries.PendingHits`)."""
         columns = COUNTED if self._run_stats else COUNTED[:1]  # hits only: a table without run stats columns
-        sets = ", ".join(f"{name} = {name} + %s" for name in columns)
+        sets = counted_increments(columns, "%s")
 
         def tx(conn, batch):
             now = time.time()

@@ -81,7 +81,7 @@ from filelock import FileLock
 
 from . import seams
 from .entries import COUNTED, MAX_ENTRY_FILE_BYTES, RUN_COUNTERS, CorruptEntryError, EntryGone, PendingHits, \
-    encode_new_entry, run_counts
+    counted_increments, encode_new_entry, run_counts
 from .entry_format import EntryFormatError, decode_entry
 from .errors import StoreBusyError, StoreError, UnsafeLayoutError, store_timeout
 from .index import DEFAULT_APPROX_THRESHOLD, PartitionedIndex, normalise
@@ -427,7 +427,7 @@ class Workspace(WorkspaceConnections, WorkspaceIndex, WorkspaceMaintenance):
         with self._writing(file_lock=False, timeout=timeout) as db, self._pending.flushing() as batch:
             if not batch:
                 return
-            sets = ", ".join(f"{name} = {name} + ?" for name in COUNTED)
+            sets = counted_increments(COUNTED, "?")
             try:
                 db.execute("BEGIN IMMEDIATE")
                 now = time.time()
