@@ -54,8 +54,8 @@ def test_fp8_linears_benchmark_takes_comfyuis_fp8_path_without_graph_breaks(tmp_
 
 
 def test_compiled_only_runs_the_compiled_rows_beside_compiled_dense(tmp_path, monkeypatch):
-    """``--compile --compiled-only``: dense and a miss under ComfyUI's ``TorchCompileModel`` and nothing eager;
-    the compiled miss records (its plan is a miss that sampled on the Chorus path) without an eager miss first."""
+    """``--compile --compiled-only``: dense and a miss under ComfyUI's ``TorchCompileModel`` and no eager row; the
+    compiled miss runs as a miss (a fresh workspace of its own) with no eager miss before it."""
     from chorus.benchmarks.comfy_e2e import run
 
     monkeypatch.setenv("COMFYUI_DIR", str(tiny.find_comfyui_dir()))
