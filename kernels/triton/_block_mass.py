@@ -173,13 +173,13 @@ def block_mass_triton_impl(q: torch.Tensor, k: torch.Tensor, block_size: int, sa
         raise ValueError(f"triton block_mass needs a positive finite scale, got {scale!r}")
     if q.stride(-1) != 1 or k.stride(-1) != 1:
         raise ValueError("q, k need unit stride on the head dim")
+    if rows_per_program < 16 or rows_per_program & (rows_per_program - 1):
+        raise ValueError(f"rows_per_program must be a power of two >= 16, got {rows_per_program!r}")
     token_perm = check_perm(token_perm, q, k)
     batch, heads, q_len, head_dim = q.shape
     kv_len = k.shape[2]
     num_q_blocks, num_kv_blocks = -(-q_len // block_size), -(-kv_len // block_size)
     table, width = _row_offset_table(q_len, block_size, sample_rows, q.device)
-    if rows_per_program < 16 or rows_per_program & (rows_per_program - 1):
-        raise ValueError(f"rows_per_program must be a power of two >= 16, got {rows_per_program!r}")
     groups = max(1, rows_per_program // width)
     block_n = min(block_n, block_size)
     out = torch.empty(batch, heads, num_q_blocks, num_kv_blocks, dtype=torch.float32, device=q.device)
