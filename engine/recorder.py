@@ -7,7 +7,7 @@ import threading
 import torch
 
 from .. import kernels
-from ..kernels.codec import pack_bits_on_device, unpack_bits
+from ..kernels.codec import unpack_bits
 from .routing import SigmaSchedule
 
 class MassRecorder:
@@ -15,8 +15,9 @@ class MassRecorder:
 
     ``add(expert, sigma, layer, mass, ...)`` takes the float32 block mass ``[B, H, Qb, Kb]`` of the
     cond rows of one self-attention call, averages it over the batch, selects blocks with
-    ``select_blocks(top_p, k_min, keep_diagonal=True, keep_first_frame_blocks)`` and ORs the map into
-    what that key already holds (samplers that evaluate several sigmas in one step, or cond chunks
+    ``select_blocks_packed(top_p, k_min, keep_diagonal=True, keep_first_frame_blocks)`` (bit-packed on
+    the mass's device: on a GPU one Triton kernel, no host copy) and ORs the map into what that key
+    already holds (samplers that evaluate several sigmas in one step, or cond chunks
     run separately, add to one key). Maps are kept bit-packed on the CPU (a 14B 480p request: ~52 MB).
     With ``keep_mass=True`` the averaged mass is kept too (float32, for benchmarks and tests).
 
@@ -63,17 +64,16 @@ class MassRecorder:
 
     def add(self, expert: int, sigma: float, layer: int, mass: torch.Tensor, *, grid, top_p: float,
             k_min: int, keep_first_frame_blocks: int = 0, block_size: int = 128,
-            token_order: str | None = None) -> torch.Tensor:
-        """Record one call's mass ``[B, H, Qb, Kb]``; returns the selected bool map ``[H, Qb, Kb]``."""
+            token_order: str | None = None) -> None:
+        """Record one call's mass ``[B, H, Qb, Kb]`` (its map selected and ORed into the key's)."""
         if mass.dim() != 4:
             raise ValueError(f"mass must be [B, H, Qb, Kb], got shape {tuple(mass.shape)}")
         mean = mass.float().mean(dim=0, keepdim=True)
         # NaN / inf / negative mass is flagged on the device (no host sync per call) and checked when
         # the maps are written: such a recording is never written
         bad = ~(torch.isfinite(mean) & (mean >= 0)).all()
-        selected = kernels.select_blocks(mean, top_p=top_p, k_min=min(k_min, mean.shape[-1]), keep_diagonal=True,
-                                         keep_first_frame_blocks=keep_first_frame_blocks, check_values=False)[0]
-        packed = pack_bits_on_device(selected)
+        packed = kernels.select_blocks_packed(mean, top_p=top_p, k_min=min(k_min, mean.shape[-1]), keep_diagonal=True,
+                                              keep_first_frame_blocks=keep_first_frame_blocks, check_values=False)[0]
         with self._lock:
             grid = tuple(int(g) for g in grid)
             if self.grid is None:
@@ -90,12 +90,11 @@ class MassRecorder:
                 self._packed[key] |= packed
             else:
                 self._packed[key] = packed
-                self._shape[key] = tuple(selected.shape)
+                self._shape[key] = tuple(mean.shape[1:])
             if self.keep_mass:
                 prev = self._mass.get(key)
                 m = mean[0].cpu()
                 self._mass[key] = (m, 1) if prev is None else (prev[0] + m, prev[1] + 1)
-        return selected
 
     def step_sigmas(self) -> list[float]:
         return self.schedule.steps()

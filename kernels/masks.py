@@ -4,11 +4,27 @@ A block map is a bool tensor ``[B or 1, H or 1, Qb, Kb]``; ``True`` at ``[..., i
 block ``i`` attends to key block ``j`` (geometry: ``bs x bs`` tokens, Wan token order).
 Block mass is a float tensor of the same shape whose rows are (close to) probability
 distributions, as :func:`chorus.kernels.block_mass` returns.
+
+:func:`select_blocks` / :func:`select_blocks_packed` check their arguments, then select: float32 /
+float16 / bfloat16 mass on a CUDA device with rows of at most 4096 key blocks in one Triton kernel
+(:mod:`chorus.kernels.triton._select`: no sort indices, gather or scatter; the packed map written by the
+kernel), anything else, or if the kernel fails (logged once), in torch (:func:`select_blocks_torch`, the
+kernel's reference). The two give the same map except where a block's preceding mass lies within float64
+rounding of the target (they sum in different orders).
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
+
+from .codec import pack_bits_on_device
+
+LOG = logging.getLogger(__name__)
+SELECTION_TOLERANCE = 1e-6  # relative to the row's mass: a target met to within it counts as met
+_FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_fused_failed = False
 
 
 def num_blocks(length: int, block_size: int) -> int:
@@ -67,12 +83,42 @@ def select_blocks(mass: torch.Tensor, *, top_p: float, k_min: int, keep_diagonal
             map selected from such mass is then undefined, never an error.
 
     Returns:
-        bool tensor shaped like ``mass``; every row keeps at least one block.
+        bool tensor shaped like ``mass``, on its device; every row keeps at least one block.
 
     Raises:
         ValueError: non-float or empty ``mass``, NaN/inf or negative mass, ``top_p`` outside (0, 1],
             negative ``k_min`` or ``keep_first_frame_blocks``.
     """
+    _check_selection(mass, top_p, k_min, keep_first_frame_blocks, check_values)
+    fused = _fused_kernel(mass)
+    if fused is not None:
+        try:
+            return fused.select_blocks_triton(mass, top_p=top_p, k_min=k_min, keep_diagonal=keep_diagonal,
+                                              keep_first_frame_blocks=keep_first_frame_blocks)
+        except Exception as exc:  # noqa: BLE001 - the torch path below; see _fused_failure
+            _fused_failure(exc)
+    return select_blocks_torch(mass, top_p=top_p, k_min=k_min, keep_diagonal=keep_diagonal,
+                               keep_first_frame_blocks=keep_first_frame_blocks)
+
+
+def select_blocks_packed(mass: torch.Tensor, *, top_p: float, k_min: int, keep_diagonal: bool = True,
+                         keep_first_frame_blocks: int = 0, check_values: bool = True) -> torch.Tensor:
+    """:func:`select_blocks`, bit-packed on ``mass``'s device: uint8 ``[..., Qb, ceil(Kb / 8)]`` in the
+    layout of :func:`chorus.kernels.codec.pack_bits` (what the miss recorder keeps; the Triton kernel
+    writes the bytes itself). Same arguments and errors as :func:`select_blocks`."""
+    _check_selection(mass, top_p, k_min, keep_first_frame_blocks, check_values)
+    fused = _fused_kernel(mass)
+    if fused is not None:
+        try:
+            return fused.select_blocks_triton(mass, top_p=top_p, k_min=k_min, keep_diagonal=keep_diagonal,
+                                              keep_first_frame_blocks=keep_first_frame_blocks, packed=True)
+        except Exception as exc:  # noqa: BLE001 - the torch path below; see _fused_failure
+            _fused_failure(exc)
+    return pack_bits_on_device(select_blocks_torch(mass, top_p=top_p, k_min=k_min, keep_diagonal=keep_diagonal,
+                                                   keep_first_frame_blocks=keep_first_frame_blocks))
+
+
+def _check_selection(mass, top_p, k_min, keep_first_frame_blocks, check_values) -> None:
     if not isinstance(mass, torch.Tensor) or not mass.is_floating_point():
         raise ValueError("mass must be a floating-point torch.Tensor")
     if mass.dim() < 2 or mass.shape[-1] == 0 or mass.shape[-2] == 0:
@@ -91,21 +137,50 @@ def select_blocks(mass: torch.Tensor, *, top_p: float, k_min: int, keep_diagonal
         if bool((mass < 0).any()):
             raise ValueError("mass contains negative values")
 
+
+def _fused_kernel(mass: torch.Tensor):
+    """The Triton selection module when ``mass`` is a CUDA tensor of a dtype and row width it takes (and
+    it has not failed before), else None."""
+    if _fused_failed or not mass.is_cuda or mass.dtype not in _FUSED_DTYPES:
+        return None
+    try:
+        from .triton import _select
+    except Exception:  # noqa: BLE001 - no Triton: the torch path
+        return None
+    return _select if mass.shape[-1] <= _select.SELECT_MAX_KEYS else None
+
+
+def _fused_failure(exc: Exception) -> None:
+    """The Triton selection raised: this call takes the torch path. An out-of-memory error says nothing
+    about the kernel (the next call tries it again); any other error (a Triton that cannot build it) turns
+    it off for the process, logged once."""
+    global _fused_failed
+    if isinstance(exc, torch.OutOfMemoryError):
+        return
+    _fused_failed = True
+    LOG.warning("chorus: the Triton block selection failed (%s: %s); using the torch implementation",
+                type(exc).__name__, exc)
+
+
+def select_blocks_torch(mass: torch.Tensor, *, top_p: float, k_min: int, keep_diagonal: bool = True,
+                        keep_first_frame_blocks: int = 0) -> torch.Tensor:
+    """:func:`select_blocks` in torch ops (any device and float dtype; the Triton kernel's reference).
+    Arguments as there, not checked here."""
     num_q, num_kv = mass.shape[-2:]
     mass64 = mass.double()
     # Stable descending sort: equal masses keep increasing key-block order. Sorting float32 (or narrower)
     # mass as float32 gives the same order as sorting it in float64 (the widening is exact) at half the
-    # radix passes: on a 720p miss this sort runs once per recorded call.
+    # radix passes.
     keys = mass.float() if mass.dtype != torch.float64 else mass64
     order = torch.sort(keys, dim=-1, descending=True, stable=True).indices
     sorted_mass = torch.gather(mass64, -1, order)
     before = torch.cumsum(sorted_mass, dim=-1) - sorted_mass  # mass of the better blocks
     row_total = sorted_mass.sum(-1, keepdim=True)
     target = float(top_p) * row_total
-    # A block is needed while the better blocks have not yet reached the target. The 1e-6 relative
-    # tolerance absorbs float32 rounding of the input mass and of the cumulative sum (so top_p=1 keeps
-    # no zero-mass block and a target met exactly counts as met).
-    needed = before < target - 1e-6 * row_total
+    # A block is needed while the better blocks have not yet reached the target. The relative tolerance
+    # absorbs float32 rounding of the input mass and of the cumulative sum (so top_p=1 keeps no
+    # zero-mass block and a target met exactly counts as met).
+    needed = before < target - SELECTION_TOLERANCE * row_total
     needed[..., 0] = True
     rank = torch.arange(num_kv, device=mass.device)
     needed |= rank < min(int(k_min), num_kv)

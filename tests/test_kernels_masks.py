@@ -115,3 +115,20 @@ def test_select_blocks_bad_mass(value, match):
 def test_select_blocks_rejects_non_float():
     with pytest.raises(ValueError, match="floating"):
         K.select_blocks(torch.ones(1, 1, 2, 2, dtype=torch.bool), top_p=0.9, k_min=1)
+
+
+def test_select_blocks_packed_is_the_packed_map():
+    # The recorder keeps select_blocks_packed's bytes: the packed form of select_blocks' map, padding bits zero.
+    from chorus.kernels.codec import pack_bits_on_device, unpack_bits
+
+    gen = torch.Generator().manual_seed(5)
+    mass = torch.softmax(torch.randn(2, 3, 11, 13, generator=gen) * 3, -1)
+    args = dict(top_p=0.8, k_min=2, keep_first_frame_blocks=1)
+    packed = K.select_blocks_packed(mass, **args)
+    want = K.select_blocks(mass, **args)
+    assert packed.dtype == torch.uint8 and packed.shape == (2, 3, 11, 2)
+    assert torch.equal(packed, pack_bits_on_device(want))
+    assert torch.equal(unpack_bits(packed, 13), want)
+    assert int(packed[..., -1].bitwise_and(0b111).max()) == 0  # 13 blocks: the last byte's 3 low bits pad
+    with pytest.raises(ValueError, match="top_p"):
+        K.select_blocks_packed(mass, top_p=0.0, k_min=1)

@@ -135,6 +135,29 @@ def test_block_mass_launch_configurations_match_reference(rows_per_program, bloc
     assert (got - want).abs().max().item() <= 1e-4
 
 
+@pytest.mark.parametrize("num_kv", [256, 591, 1339])  # 480p, 720p, a 1080p-sized row (BLOCK 2048)
+def test_block_selection_on_the_gpu_is_the_torch_map(num_kv):
+    """select_blocks / select_blocks_packed on CUDA float32 mass run the Triton kernel and give the map
+    torch's sort gives for the same mass on the same GPU (40 heads of peaked softmax rows, exact ties);
+    float64 mass and rows past SELECT_MAX_KEYS keep the torch path."""
+    import chorus.kernels as K
+    from chorus.kernels import masks
+    from chorus.kernels.codec import pack_bits_on_device
+    from chorus.kernels.triton._select import SELECT_MAX_KEYS
+
+    gen = torch.Generator(device="cuda").manual_seed(num_kv)
+    mass = torch.softmax(torch.randn(1, 40, min(num_kv, 300), num_kv, device="cuda", generator=gen) * 2.5, -1)
+    mass[..., 7] = mass[..., 3]
+    assert masks._fused_kernel(mass) is not None and masks._fused_kernel(mass.double()) is None
+    for top_p, k_min, first in [(0.9, 4, 15), (0.5, 0, 0), (1.0, 1, 1)]:
+        args = dict(top_p=top_p, k_min=k_min, keep_first_frame_blocks=first)
+        want = masks.select_blocks_torch(mass, **args)
+        assert torch.equal(K.select_blocks(mass, check_values=False, **args), want), args
+        assert torch.equal(K.select_blocks_packed(mass, check_values=False, **args), pack_bits_on_device(want)), args
+    assert not masks._fused_failed
+    assert masks._fused_kernel(torch.rand(1, 1, 2, SELECT_MAX_KEYS + 1, device="cuda")) is None
+
+
 def test_torch_compile_module_calling_the_ops():
     from chorus.kernels.triton import block_mass_triton, block_sparse_attention_triton
 

@@ -174,6 +174,54 @@ def test_fused_pooling_matches_the_loop_references(grid, region, pool, channels,
                                atol=2 * tol)
 
 
+def _selection_mass(shape, seed, dtype):
+    """Peaked random rows with the awkward cases the selection must order like torch: exact ties (a
+    whole row of one value, a repeated column), zero mass, a row of a few equal large blocks."""
+    gen = torch.Generator().manual_seed(seed)
+    mass = torch.rand(shape, generator=gen, dtype=torch.float64) ** 8
+    if shape[-1] > 3:
+        mass[..., 3] = 0.0
+        mass[..., -1] = mass[..., 1]
+    mass[0, 0] = 1.0
+    mass[..., -1, ::2] = 0.25
+    return (mass / mass.sum(-1, keepdim=True)).to(dtype)
+
+
+@pytest.mark.parametrize("shape,dtype", [((1, 3, 1), torch.float32), ((2, 3, 9), torch.float32),
+                                         ((1, 5, 37), torch.bfloat16), ((1, 3, 130), torch.float32),
+                                         ((1, 2, 300), torch.float32)])
+def test_triton_selection_is_the_torch_map(shape, dtype):
+    """The miss's Triton top-p selection (values sorted, ties by key order, keep-sets, the k_min floor)
+    against select_blocks_torch, bool and packed, at key-block counts that are not powers of two or
+    multiples of 8; k_min past the row width is the whole row."""
+    from chorus.kernels.codec import pack_bits_on_device
+    from chorus.kernels.masks import select_blocks_torch
+    from chorus.kernels.triton._select import select_blocks_triton
+
+    mass = _selection_mass(shape, shape[-1], dtype)
+    for top_p, k_min, first, diagonal in [(0.3, 0, 0, False), (0.9, 2, 1, True), (1.0, 0, 2, True),
+                                          (0.5, shape[-1] + 5, 0, True), (0.999, 1, shape[-1] + 3, False)]:
+        args = dict(top_p=top_p, k_min=k_min, keep_diagonal=diagonal, keep_first_frame_blocks=first)
+        want = select_blocks_torch(mass, **args)
+        got = select_blocks_triton(mass, **args)
+        assert got.dtype == torch.bool and torch.equal(got, want), args
+        assert torch.equal(select_blocks_triton(mass, packed=True, **args), pack_bits_on_device(want)), args
+
+
+def test_triton_selection_of_bad_mass_stays_in_bounds():
+    """NaN / inf / negative mass (what a recorder flags and never writes) gives some map of the right
+    shape, every row keeping a block, and no write outside its row."""
+    from chorus.kernels.triton._select import select_blocks_triton
+
+    mass = torch.full((1, 4, 21), 1 / 21)
+    mass[0, 0, 3], mass[0, 1, 5], mass[0, 2, 7], mass[0, 3] = float("nan"), float("inf"), -2.0, -0.0
+    out = torch.zeros(1, 6, 21, dtype=torch.bool)
+    got = select_blocks_triton(mass, top_p=0.9, k_min=1)
+    out[:, 1:5] = got
+    assert got.shape == (1, 4, 21) and got.any(-1).all()
+    assert not out[:, 0].any() and not out[:, 5].any()
+
+
 def test_fp8_prepass_matches_torch_quantisation():
     from chorus.kernels.triton._quant import quantize_qkv_fp8, quantize_reference
 
