@@ -22,7 +22,8 @@ against the FP8 bars; ``--plot-from JSON`` redraws it from a saved run, no GPU n
 Usage: ``python benchmarks/kernels/bench_block_sparse.py --out /tmp/bench [--sweep] [--sizes 32760,75600]
 [--peers-only] [--peers NAME,...]`` (``--sweep``: the portable kernel's tile configurations on the full map,
 for the FP8, bf16 and INT8 paths, each path's fastest then used; ``--mass-sweep --mass-sizes 32760,75600``:
-only the block-mass kernel's launch configurations, as a miss records)
+only the block-mass kernel's launch configurations, as a miss records; ``--selection --mass-sizes ...``:
+only the miss's block selection, torch against the Triton kernel)
 """
 
 from __future__ import annotations
@@ -275,6 +276,36 @@ def mass_sweep(length: int, args, results: dict) -> None:
     torch.cuda.empty_cache()
 
 
+def selection_timing(length: int, args, results: dict) -> None:
+    """The miss's block selection of one call (``select_blocks_packed`` as the recorder runs it: top-p 0.9,
+    k_min 4, the diagonal and the first frame's blocks kept) at ``length`` tokens: the torch path (sort,
+    gather, cumulative sum, scatter, then packing) against the Triton kernel at 1 / 2 / 4 / 8 warps per
+    row, each checked equal to the torch map. The mass: ``heads`` rows of softmax(2.5 x Gaussian) per query
+    block (peaked, ~15% of blocks reach 0.9; a sort's time does not depend on the values). The table goes
+    to the JSON's ``selection``."""
+    from chorus.kernels.codec import pack_bits_on_device
+    from chorus.kernels.masks import select_blocks_torch
+    from chorus.kernels.triton._select import select_blocks_triton
+
+    nb = -(-length // 128)
+    _, height, width = MASS_GRIDS.get(length, (1, 1, 0))
+    first = -(-height * width // 128)  # the first latent frame's key blocks (none off Wan's grids)
+    gen = torch.Generator(device="cuda").manual_seed(length)
+    mass = torch.softmax(torch.randn(1, args.heads, nb, nb, device="cuda", generator=gen) * 2.5, -1)
+    sel = dict(top_p=0.9, k_min=4, keep_diagonal=True, keep_first_frame_blocks=first)
+    want = pack_bits_on_device(select_blocks_torch(mass, **sel))
+    row = {"tokens": length, "key_blocks": nb, "heads": args.heads, **sel,
+           "density": float(select_blocks_torch(mass, **sel).float().mean()),
+           "torch_ms": bench(lambda: pack_bits_on_device(select_blocks_torch(mass, **sel)), 1.0), "triton": []}
+    for warps in (1, 2, 4, 8):
+        got = select_blocks_triton(mass, packed=True, num_warps=warps, **sel)
+        ms = bench(lambda: select_blocks_triton(mass, packed=True, num_warps=warps, **sel), 0.5)
+        row["triton"].append({"num_warps": warps, "ms": ms, "equal_to_torch": bool(torch.equal(got, want))})
+        log(f"[{length}] selection: torch {row['torch_ms']:.3f} ms, Triton {warps} warps {ms:.3f} ms "
+            f"(equal: {row['triton'][-1]['equal_to_torch']})")
+    results.setdefault("selection", []).append(row)
+
+
 def run_size(length: int, args, results: dict) -> None:
     from torch.nn.attention import SDPBackend
 
@@ -521,6 +552,8 @@ def main():
     ap.add_argument("--mass-sizes", default="75600")
     ap.add_argument("--mass-sweep", action="store_true",
                     help="only the block-mass kernel's launch configurations at --mass-sizes (first of --mass-rows)")
+    ap.add_argument("--selection", action="store_true",
+                    help="only time the miss's block selection (torch vs the Triton kernel) at --mass-sizes")
     ap.add_argument("--sweep", action="store_true", help="try tile configs on the full map, then use the fastest")
     ap.add_argument("--sweep-paths", default="fp8,bf16,int8", help="comma list: the paths --sweep tries")
     ap.add_argument("--sweep-only", action="store_true", help="stop after the sweep (its table is in the JSON)")
@@ -550,8 +583,8 @@ def main():
     results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
                "python": platform.python_version(), "argv": sys.argv, "sizes": []}
     log(f"GPU {results['gpu']}, torch {torch.__version__}, triton {triton.__version__}")
-    sizes = args.mass_sizes if args.mass_sweep else [int(x) for x in args.sizes.split(",")]
-    measure = mass_sweep if args.mass_sweep else run_size
+    sizes = args.mass_sizes if args.mass_sweep or args.selection else [int(x) for x in args.sizes.split(",")]
+    measure = mass_sweep if args.mass_sweep else selection_timing if args.selection else run_size
     for length in sizes:
         measure(length, args, results)
         with open(os.path.join(args.out, "bench_block_sparse.json"), "w") as f:
