@@ -15,16 +15,14 @@ rounding of the target (they sum in different orders).
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from .codec import pack_bits_on_device
+from .fused import FusedSwitch
 
-LOG = logging.getLogger(__name__)
 SELECTION_TOLERANCE = 1e-6  # relative to the row's mass: a target met to within it counts as met
 _FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_fused_failed = False
+_FUSED = FusedSwitch("the Triton block selection")
 
 
 def num_blocks(length: int, block_size: int) -> int:
@@ -95,8 +93,8 @@ def select_blocks(mass: torch.Tensor, *, top_p: float, k_min: int, keep_diagonal
         try:
             return fused.select_blocks_triton(mass, top_p=top_p, k_min=k_min, keep_diagonal=keep_diagonal,
                                               keep_first_frame_blocks=keep_first_frame_blocks)
-        except Exception as exc:  # noqa: BLE001 - the torch path below; see _fused_failure
-            _fused_failure(exc)
+        except Exception as exc:  # noqa: BLE001 - the torch path below (kernels/fused.py)
+            _FUSED.failure(exc)
     return select_blocks_torch(mass, top_p=top_p, k_min=k_min, keep_diagonal=keep_diagonal,
                                keep_first_frame_blocks=keep_first_frame_blocks)
 
@@ -112,8 +110,8 @@ def select_blocks_packed(mass: torch.Tensor, *, top_p: float, k_min: int, keep_d
         try:
             return fused.select_blocks_triton(mass, top_p=top_p, k_min=k_min, keep_diagonal=keep_diagonal,
                                               keep_first_frame_blocks=keep_first_frame_blocks, packed=True)
-        except Exception as exc:  # noqa: BLE001 - the torch path below; see _fused_failure
-            _fused_failure(exc)
+        except Exception as exc:  # noqa: BLE001 - the torch path below (kernels/fused.py)
+            _FUSED.failure(exc)
     return pack_bits_on_device(select_blocks_torch(mass, top_p=top_p, k_min=k_min, keep_diagonal=keep_diagonal,
                                                    keep_first_frame_blocks=keep_first_frame_blocks))
 
@@ -141,25 +139,13 @@ def _check_selection(mass, top_p, k_min, keep_first_frame_blocks, check_values) 
 def _fused_kernel(mass: torch.Tensor):
     """The Triton selection module when ``mass`` is a CUDA tensor of a dtype and row width it takes (and
     it has not failed before), else None."""
-    if _fused_failed or not mass.is_cuda or mass.dtype not in _FUSED_DTYPES:
+    if not _FUSED.on or not mass.is_cuda or mass.dtype not in _FUSED_DTYPES:
         return None
     try:
         from .triton import _select
     except Exception:  # noqa: BLE001 - no Triton: the torch path
         return None
     return _select if mass.shape[-1] <= _select.SELECT_MAX_KEYS else None
-
-
-def _fused_failure(exc: Exception) -> None:
-    """The Triton selection raised: this call takes the torch path. An out-of-memory error says nothing
-    about the kernel (the next call tries it again); any other error (a Triton that cannot build it) turns
-    it off for the process, logged once."""
-    global _fused_failed
-    if isinstance(exc, torch.OutOfMemoryError):
-        return
-    _fused_failed = True
-    LOG.warning("chorus: the Triton block selection failed (%s: %s); using the torch implementation",
-                type(exc).__name__, exc)
 
 
 def select_blocks_torch(mass: torch.Tensor, *, top_p: float, k_min: int, keep_diagonal: bool = True,

@@ -45,21 +45,21 @@ code below runs. Both agree to fp32 rounding (cell means) and are exact copies f
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
 
-LOG = logging.getLogger(__name__)
+from .fused import FusedSwitch
+
 _FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_fused_failed = False
+_FUSED = FusedSwitch("fused pooling kernels")
 
 
 def _fused_kernels(layout, *tensors):
     """The Triton pooling module when every tensor is a ``[B, L, C]`` CUDA tensor with unit channel
     stride of a supported dtype, on the device of the layout's indices (and the kernels have not
     failed before), else None."""
-    if _fused_failed:
+    if not _FUSED.on:
         return None
     device = layout.expand_index.device
     if not all(isinstance(t, torch.Tensor) and t.is_cuda and t.dim() == 3 and t.stride(-1) == 1
@@ -70,18 +70,6 @@ def _fused_kernels(layout, *tensors):
     except Exception:  # noqa: BLE001 - no Triton: the torch path
         return None
     return _pooling
-
-
-def _fused_failure(exc: Exception) -> None:
-    """A fused kernel raised: this call takes the torch path. An out-of-memory error says nothing about
-    the kernels (the next call tries them again); any other error (a Triton that cannot build them) turns
-    them off for the process, logged once."""
-    global _fused_failed
-    if isinstance(exc, torch.OutOfMemoryError):
-        return
-    _fused_failed = True
-    LOG.warning("chorus: fused pooling kernels failed (%s: %s); using the torch implementation",
-                type(exc).__name__, exc)
 
 
 def positive_triple(v, name: str) -> tuple[int, int, int]:
@@ -271,8 +259,8 @@ def pool_tokens(x: torch.Tensor, layout: RegionLayout) -> torch.Tensor:
     if fused is not None:
         try:
             return fused.pool_tokens_triton(x, layout)
-        except Exception as exc:  # noqa: BLE001 - the torch path below; see _fused_failure
-            _fused_failure(exc)
+        except Exception as exc:  # noqa: BLE001 - the torch path below (kernels/fused.py)
+            _FUSED.failure(exc)
     return pool_tokens_torch(x, layout)
 
 
@@ -325,8 +313,8 @@ def unpool_residual(x: torch.Tensor, x_compact: torch.Tensor, y_compact: torch.T
     if fused is not None:
         try:
             return fused.unpool_residual_triton(x, x_compact, y_compact, layout)
-        except Exception as exc:  # noqa: BLE001 - the torch path below; see _fused_failure
-            _fused_failure(exc)
+        except Exception as exc:  # noqa: BLE001 - the torch path below (kernels/fused.py)
+            _FUSED.failure(exc)
     return unpool_residual_torch(x, x_compact, y_compact, layout)
 
 

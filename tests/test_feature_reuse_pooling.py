@@ -10,6 +10,7 @@ from chorus.engine.feature_reuse import (FeatureReuse, FeatureReuseConfig, compa
 from chorus.engine.plan import Plan
 from chorus.engine.model_info import ModelInfo
 from chorus.kernels import pooling
+from chorus.kernels.fused import FusedSwitch
 
 # awkward grids: ragged rims in every dim, token counts not multiples of 128
 GEOMETRIES = [
@@ -66,8 +67,8 @@ def test_a_fused_kernel_failure_takes_the_torch_path_and_only_a_real_failure_tur
             tried.append(1)
             raise next(errors)
 
-    monkeypatch.setattr(pooling, "_fused_failed", False)  # the process-wide switch the lookup reads (CUDA only)
-    monkeypatch.setattr(pooling, "_fused_kernels", lambda layout, *t: None if pooling._fused_failed else FailingKernels)
+    monkeypatch.setattr(pooling, "_FUSED", FusedSwitch("test"))  # the process-wide switch the lookup reads (CUDA only)
+    monkeypatch.setattr(pooling, "_fused_kernels", lambda layout, *t: FailingKernels if pooling._FUSED.on else None)
     for _ in range(3):
         assert torch.equal(pooling.pool_tokens(x, layout), want)
     assert len(tried) == 2  # out of memory: tried again; a build failure: not after it

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import chorus.kernels as K
+from chorus.kernels.codec import pack_bits_on_device
 from testing import make_qkv
 
 
@@ -119,7 +120,7 @@ def test_select_blocks_rejects_non_float():
 
 def test_select_blocks_packed_is_the_packed_map():
     # The recorder keeps select_blocks_packed's bytes: the packed form of select_blocks' map, padding bits zero.
-    from chorus.kernels.codec import pack_bits_on_device, unpack_bits
+    from chorus.kernels.codec import unpack_bits
 
     gen = torch.Generator().manual_seed(5)
     mass = torch.softmax(torch.randn(2, 3, 11, 13, generator=gen) * 3, -1)
@@ -132,3 +133,28 @@ def test_select_blocks_packed_is_the_packed_map():
     assert int(packed[..., -1].bitwise_and(0b111).max()) == 0  # 13 blocks: the last byte's 3 low bits pad
     with pytest.raises(ValueError, match="top_p"):
         K.select_blocks_packed(mass, top_p=0.0, k_min=1)
+
+
+def test_select_blocks_takes_the_torch_path_when_the_kernel_fails(monkeypatch):
+    # A kernel that raises: the call returns torch's map; out of memory is tried again, a build failure
+    # turns the kernel off for the process (kernels/fused.py).
+    from chorus.kernels import masks
+    from chorus.kernels.fused import FusedSwitch
+
+    mass = torch.softmax(torch.randn(1, 2, 5, 7, generator=torch.Generator().manual_seed(2)), -1)
+    want = masks.select_blocks_torch(mass, top_p=0.9, k_min=1)
+    errors = iter([torch.OutOfMemoryError("CUDA out of memory (test)"), RuntimeError("cannot build (test)")])
+    tried = []
+
+    class FailingKernel:
+        @staticmethod
+        def select_blocks_triton(mass, **kwargs):
+            tried.append(1)
+            raise next(errors)
+
+    monkeypatch.setattr(masks, "_FUSED", FusedSwitch("test"))
+    monkeypatch.setattr(masks, "_fused_kernel", lambda mass: FailingKernel if masks._FUSED.on else None)
+    assert torch.equal(K.select_blocks(mass, top_p=0.9, k_min=1), want)
+    assert torch.equal(K.select_blocks_packed(mass, top_p=0.9, k_min=1), pack_bits_on_device(want))
+    assert torch.equal(K.select_blocks(mass, top_p=0.9, k_min=1), want)
+    assert len(tried) == 2 and not masks._FUSED.on

@@ -154,7 +154,7 @@ def test_block_selection_on_the_gpu_is_the_torch_map(num_kv):
         want = masks.select_blocks_torch(mass, **args)
         assert torch.equal(K.select_blocks(mass, check_values=False, **args), want), args
         assert torch.equal(K.select_blocks_packed(mass, check_values=False, **args), pack_bits_on_device(want)), args
-    assert not masks._fused_failed
+    assert masks._FUSED.on
     assert masks._fused_kernel(torch.rand(1, 1, 2, SELECT_MAX_KEYS + 1, device="cuda")) is None
 
 
