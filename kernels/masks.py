@@ -88,15 +88,8 @@ def select_blocks(mass: torch.Tensor, *, top_p: float, k_min: int, keep_diagonal
             negative ``k_min`` or ``keep_first_frame_blocks``.
     """
     _check_selection(mass, top_p, k_min, keep_first_frame_blocks, check_values)
-    fused = _fused_kernel(mass)
-    if fused is not None:
-        try:
-            return fused.select_blocks_triton(mass, top_p=top_p, k_min=k_min, keep_diagonal=keep_diagonal,
-                                              keep_first_frame_blocks=keep_first_frame_blocks)
-        except Exception as exc:  # noqa: BLE001 - the torch path below (kernels/fused.py)
-            _FUSED.failure(exc)
-    return select_blocks_torch(mass, top_p=top_p, k_min=k_min, keep_diagonal=keep_diagonal,
-                               keep_first_frame_blocks=keep_first_frame_blocks)
+    return _select(mass, False, top_p=top_p, k_min=k_min, keep_diagonal=keep_diagonal,
+                   keep_first_frame_blocks=keep_first_frame_blocks)
 
 
 def select_blocks_packed(mass: torch.Tensor, *, top_p: float, k_min: int, keep_diagonal: bool = True,
@@ -105,15 +98,20 @@ def select_blocks_packed(mass: torch.Tensor, *, top_p: float, k_min: int, keep_d
     layout of :func:`chorus.kernels.codec.pack_bits` (what the miss recorder keeps; the Triton kernel
     writes the bytes itself). Same arguments and errors as :func:`select_blocks`."""
     _check_selection(mass, top_p, k_min, keep_first_frame_blocks, check_values)
+    return _select(mass, True, top_p=top_p, k_min=k_min, keep_diagonal=keep_diagonal,
+                   keep_first_frame_blocks=keep_first_frame_blocks)
+
+
+def _select(mass: torch.Tensor, packed: bool, **selection) -> torch.Tensor:
+    """The Triton kernel where it takes ``mass`` (see :func:`_fused_kernel`), else or if it raises torch."""
     fused = _fused_kernel(mass)
     if fused is not None:
         try:
-            return fused.select_blocks_triton(mass, top_p=top_p, k_min=k_min, keep_diagonal=keep_diagonal,
-                                              keep_first_frame_blocks=keep_first_frame_blocks, packed=True)
+            return fused.select_blocks_triton(mass, packed=packed, **selection)
         except Exception as exc:  # noqa: BLE001 - the torch path below (kernels/fused.py)
             _FUSED.failure(exc)
-    return pack_bits_on_device(select_blocks_torch(mass, top_p=top_p, k_min=k_min, keep_diagonal=keep_diagonal,
-                                                   keep_first_frame_blocks=keep_first_frame_blocks))
+    keep = select_blocks_torch(mass, **selection)
+    return pack_bits_on_device(keep) if packed else keep
 
 
 def _check_selection(mass, top_p, k_min, keep_first_frame_blocks, check_values) -> None:
