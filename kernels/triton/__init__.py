@@ -16,7 +16,8 @@ Public entry points (called by :mod:`chorus.kernels.api` for backends ``triton_f
 - :func:`build_probe` ``(key, kernel, run) -> reason | None``: one build-and-launch check per key (auto's resolution)
 
 Feature reuse's fused pool / unpool kernels live in :mod:`._pooling` (called by
-:mod:`chorus.kernels.pooling` on CUDA tensors).
+:mod:`chorus.kernels.pooling` on CUDA tensors), the miss's top-p block selection in :mod:`._select`
+(called by :mod:`chorus.kernels.masks`).
 
 The launchers are ``torch.library`` custom ops (``torch.ops.chorus.block_sparse_attention_triton``,
 ``torch.ops.chorus.block_sparse_attention_ws``, ``torch.ops.chorus.block_sparse_attention_int8``,
