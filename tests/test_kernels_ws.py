@@ -236,6 +236,20 @@ def test_the_triton_kernel_and_the_tail_s_own_kernels_compile_for_sm90(fp8, use_
                 dict(CHUNK=1024, TAIL=True, TAIL_TILE=128))
 
 
+@pytest.mark.parametrize("block,packed", [(16, True), (256, False), (1024, True), (4096, True)])
+def test_the_block_selection_kernel_compiles_for_sm90(block, packed):
+    """The miss's selection kernel as the GPU builds it at the row widths it takes (16 up to
+    SELECT_MAX_KEYS = 4096 key blocks), one warp per row: ``top_p`` / the tolerance as 64-bit integers
+    (their float64 bits); it builds, and spills nothing up to the 720p width (1 024)."""
+    from aot_check import compile_jit, summarize
+    from chorus.kernels.triton import _select as S
+
+    kernel = compile_jit(S._select_kernel, dict(mass_ptr="*fp32", out_ptr="*u8", top_p_bits="i64", tol_bits="i64"),
+                         dict(KEEP_DIAG=True, PACKED=packed, BLOCK=block), num_warps=S.SELECT_WARPS)
+    if block <= 1024:
+        assert " stack=0" in summarize(kernel, sass=False)
+
+
 @pytest.mark.parametrize("has_tail", [False, True])
 def test_the_int8_kernel_and_its_prepass_compile_for_sm90(has_tail):
     """The accurate INT8 path as the GPU builds it (the interpreter runs its Triton code on the CPU): the
