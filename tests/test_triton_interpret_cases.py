@@ -325,7 +325,7 @@ def test_custom_ops_trace_with_fake_tensors():
 def test_int32_chunked_launches_match_one_launch(fp8, monkeypatch):
     """Inputs whose offsets would pass int32 run in (batch, head) chunks; forcing tiny chunks (a low
     limit) on small inputs gives the same result as one launch, for both broadcast and full maps."""
-    from chorus.kernels.triton import _attention, _block_mass
+    from chorus.kernels.triton import _attention
 
     q, k, v = make_inputs(2, 3, 150, 64, torch.bfloat16, seed=31)
     full_map = random_map(2, 3, 150, 150, 64, 0.5, seed=3)
