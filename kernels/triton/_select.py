@@ -28,6 +28,7 @@ ms. One warp per row: the fastest of 1 / 2 / 4 / 8 at 720p, 8 us behind 2 warps 
 
 from __future__ import annotations
 
+import contextlib
 import struct
 
 import torch
@@ -103,13 +104,10 @@ def select_blocks_triton(mass: torch.Tensor, *, top_p: float, k_min: int, keep_d
     width = (num_kv + 7) // 8 if packed else num_kv
     out = torch.empty(*mass.shape[:-1], width, dtype=torch.uint8, device=mass.device)
     if rows.shape[0]:
-        if mass.is_cuda and mass.device.index is not None and mass.device.index != torch.cuda.current_device():
-            with torch.cuda.device(mass.device):  # Triton launches on the current device
-                return select_blocks_triton(mass, top_p=top_p, k_min=k_min, keep_diagonal=keep_diagonal,
-                                            keep_first_frame_blocks=keep_first_frame_blocks, packed=packed,
-                                            num_warps=num_warps)
-        _select_kernel[(rows.shape[0],)](
-            rows, out, num_q, num_kv, _float64_bits(top_p), _float64_bits(SELECTION_TOLERANCE), min(int(k_min), num_kv),
-            min(int(keep_first_frame_blocks), num_kv), KEEP_DIAG=bool(keep_diagonal), PACKED=bool(packed),
-            BLOCK=max(16, triton.next_power_of_2(num_kv)), num_warps=num_warps)
+        # Triton launches on the current device: make it the mass's (a no-op for the interpreter's CPU tensors)
+        with torch.cuda.device(mass.device) if mass.is_cuda else contextlib.nullcontext():
+            _select_kernel[(rows.shape[0],)](
+                rows, out, num_q, num_kv, _float64_bits(top_p), _float64_bits(SELECTION_TOLERANCE),
+                min(int(k_min), num_kv), min(int(keep_first_frame_blocks), num_kv), KEEP_DIAG=bool(keep_diagonal),
+                PACKED=bool(packed), BLOCK=max(16, triton.next_power_of_2(num_kv)), num_warps=num_warps)
     return out if packed else out.view(torch.bool)
