@@ -293,9 +293,9 @@ def selection_timing(length: int, args, results: dict) -> None:
     gen = torch.Generator(device="cuda").manual_seed(length)
     mass = torch.softmax(torch.randn(1, args.heads, nb, nb, device="cuda", generator=gen) * 2.5, -1)
     sel = dict(top_p=0.9, k_min=4, keep_diagonal=True, keep_first_frame_blocks=first)
-    want = pack_bits_on_device(select_blocks_torch(mass, **sel))
-    row = {"tokens": length, "key_blocks": nb, "heads": args.heads, **sel,
-           "density": float(select_blocks_torch(mass, **sel).float().mean()),
+    keep = select_blocks_torch(mass, **sel)
+    want = pack_bits_on_device(keep)
+    row = {"tokens": length, "key_blocks": nb, "heads": args.heads, **sel, "density": float(keep.float().mean()),
            "torch_ms": bench(lambda: pack_bits_on_device(select_blocks_torch(mass, **sel)), 1.0), "triton": []}
     for warps in (1, 2, 4, 8):
         got = select_blocks_triton(mass, packed=True, num_warps=warps, **sel)
