@@ -208,18 +208,25 @@ def test_triton_selection_is_the_torch_map(shape, dtype):
         assert torch.equal(select_blocks_triton(mass, packed=True, **args), pack_bits_on_device(want)), args
 
 
-def test_triton_selection_of_bad_mass_stays_in_bounds():
+def test_triton_selection_of_bad_mass_stays_in_its_rows():
     """NaN / inf / negative mass (what a recorder flags and never writes) gives some map of the right
-    shape, every row keeping a block, and no write outside its row."""
+    shape with every row keeping a block, and writes nothing into the other rows: the clean rows between
+    and after the bad ones get torch's map for them alone."""
+    from chorus.kernels.codec import pack_bits_on_device
+    from chorus.kernels.masks import select_blocks_torch
     from chorus.kernels.triton._select import select_blocks_triton
 
-    mass = torch.full((1, 4, 21), 1 / 21)
-    mass[0, 0, 3], mass[0, 1, 5], mass[0, 2, 7], mass[0, 3] = float("nan"), float("inf"), -2.0, -0.0
-    out = torch.zeros(1, 6, 21, dtype=torch.bool)
-    got = select_blocks_triton(mass, top_p=0.9, k_min=1)
-    out[:, 1:5] = got
-    assert got.shape == (1, 4, 21) and got.any(-1).all()
-    assert not out[:, 0].any() and not out[:, 5].any()
+    mass = torch.softmax(torch.randn(1, 6, 21, generator=torch.Generator().manual_seed(9)) * 3, -1)
+    clean = mass[:, [1, 3, 5]].clone()
+    mass[0, 0, 3], mass[0, 2, 5], mass[0, 4, 7] = float("nan"), float("inf"), -2.0
+    mass[0, 4, 8] = -0.0
+    args = dict(top_p=0.9, k_min=1, keep_diagonal=False)
+    for packed in (False, True):
+        got = select_blocks_triton(mass, packed=packed, **args)
+        assert got.shape == ((1, 6, 3) if packed else (1, 6, 21))
+        want = select_blocks_torch(clean, **args)
+        assert torch.equal(got[:, [1, 3, 5]], pack_bits_on_device(want) if packed else want)
+        assert (got != 0).any(-1).all()
 
 
 def test_fp8_prepass_matches_torch_quantisation():
