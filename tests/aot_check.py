@@ -80,13 +80,14 @@ def compile_jit(fn, types: dict, constexprs: dict, num_warps: int = 4):
 
 
 def compile_ws(head_dim=128, tail=True, has_bias=False, has_perm=False, has_suffix=False, q_kernel=None,
-               has_tail=False, stages=3):
+               has_tail=False, stages=3, int8=False):
     """The warp-specialised Gluon kernel compiled for sm_90 as the launcher builds it for such a call
-    (:func:`chorus.kernels.triton._attention_ws.compile_sm90`; ``tail``: a partial last key block)."""
+    (:func:`chorus.kernels.triton._attention_ws.compile_sm90`; ``tail``: a partial last key block; ``int8``: the
+    accurate path's numerics)."""
     from chorus.kernels.triton import _attention_ws as W
 
     return W.compile_sm90(head_dim, W.WsConfig(stages=stages), tail_k=tail, has_bias=has_bias, has_suffix=has_suffix,
-                          has_perm=has_perm, q_kernel=q_kernel, has_tail=has_tail)
+                          has_perm=has_perm, q_kernel=q_kernel, has_tail=has_tail, int8=int8)
 
 
 def cuobjdump(kernel, flag: str) -> str:
@@ -106,7 +107,7 @@ def sass_of(kernel) -> str:
 
 def key_block_loop_ops(sass: str, kept_blocks_only: bool = False) -> dict:
     """Opcode counts (``FFMA``, ``FMNMX``, ``FSEL`` ...) of the innermost loop that issues a wgmma
-    (``QGMMA``/``HGMMA``): the first consumer's key-block loop, what runs once per kept key block and
+    (``QGMMA``/``HGMMA``/``IGMMA``): the first consumer's key-block loop, what runs once per kept key block and
     thread; ``{"total": n}`` holds its instruction count. ``kept_blocks_only``: leave out the instructions
     a forward branch inside the loop skips when they load from global memory (``LDG``: the pooled tail's
     weights, loaded on its pooled tiles only), i.e. count what a kept key block runs."""
@@ -116,7 +117,7 @@ def key_block_loop_ops(sass: str, kept_blocks_only: bool = False) -> dict:
     for end, (_, text) in enumerate(ins):
         target = re.search(r"BRA 0x([0-9a-f]+)", text)
         start = index.get(int(target.group(1), 16), end) if target else end
-        if start < end and any(re.search(r"[QH]GMMA", t) for _, t in ins[start:end]):
+        if start < end and any(re.search(r"[QHI]GMMA", t) for _, t in ins[start:end]):
             loop = ins[start:end + 1]
             skipped: set = set()
             for addr, t in loop if kept_blocks_only else ():

@@ -269,7 +269,41 @@ def test_the_int8_kernel_and_its_prepass_compile_for_sm90(has_tail):
                                             q_scale=fp32, k_scale=fp32, v_sums="*i32", k_smooth_rot=fp32,
                                             v_absmax=fp32, hmat="*bf16", token_perm="*i32", pool_sums=fp32,
                                             q_mult="fp32"),
-                dict(HEAD_DIM=128, TILE=128, INTERPRET=False, HAS_PERM=True, POOL_CHUNK=128), num_warps=8)
+                dict(HEAD_DIM=128, TILE=128, INTERPRET=False, HAS_PERM=True, POOL_CHUNK=128, V_WGMMA_ORDER=True),
+                num_warps=8)
     compile_jit(Q8._pooled_finalize_int8_kernel, dict(pool_sums=fp32, k8="*i8", v8t="*i8", k_scale=fp32,
                                                       v_sums="*i32", v_pool_absmax=fp32),
-                dict(HEAD_DIM=128, TILE=128, BS=128, POOL_CHUNK=128), num_warps=8)
+                dict(HEAD_DIM=128, TILE=128, BS=128, POOL_CHUNK=128, V_WGMMA_ORDER=True), num_warps=8)
+
+
+@pytest.mark.parametrize("head_dim,has_tail,has_bias,has_perm,has_suffix", [
+    (128, False, False, False, False), (128, True, False, False, False), (64, True, True, False, False),
+    (64, False, True, True, True), (128, True, True, True, True)])
+def test_the_int8_variant_compiles_for_sm90_with_signed_8bit_wgmma(head_dim, has_tail, has_bias, has_perm,
+                                                                   has_suffix):
+    """The accurate numerics in the warp-specialised kernel (backend ``triton_int8_ws``), as the GPU builds it: the
+    three products are signed 8-bit wgmmas with int32 accumulators (no FP8 one), P's levels come from the MUFU's
+    exp2 (one per element of S: 64 per thread and block, 4 more for the rows' weights), P reaches ``P @ V`` in
+    its registers (no data shuffles), and a kept key block's loop carries no per-channel multiply for the pooled
+    values (their scale enters O once per tile: at most the rows' 12-18 FMULs per block)."""
+    from chorus.kernels.triton import _attention_ws
+
+    if _attention_ws.available():
+        pytest.fail(f"this Triton has no Gluon Hopper API: {_attention_ws.available()}")
+    from aot_check import compile_ws, key_block_loop_ops, sass_of, summarize
+
+    kernel = compile_ws(head_dim, tail=True, has_tail=has_tail, has_bias=has_bias, has_perm=has_perm,
+                        has_suffix=has_suffix, int8=True)
+    ptx = kernel.asm["ptx"]
+    mmas = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k32\.s32\.s8\.s8", ptx))
+    assert mmas == {"128", str(head_dim), "8"}, mmas
+    assert not re.search(r"wgmma[^\n]*e4m3", ptx)
+    sources = re.findall(r"shfl\.sync\.idx\.b32\s+%r\d+, (%r\d+), 0, 31, -1;", ptx)
+    assert len(sources) == ptx.count("shfl.sync.idx") <= 4, sources
+    assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+240", ptx)
+    ops = key_block_loop_ops(sass_of(kernel), kept_blocks_only=True)
+    assert ops.get("IGMMA", 0) == head_dim // 32 + 8, ops  # per k-step of 32: Q @ K^T over D, P @ V and P @ ones over 128 keys
+    assert 64 <= ops.get("MUFU", 0) <= 72 and ops.get("FMUL", 0) <= 24, ops
+    # spills: none, but 8 bytes with the tail and a key bias at head dim 128 (measured on the H200 with them)
+    line = summarize(kernel, sass=False)
+    assert kernel.metadata.shared <= 228 * 1024 and re.search(r" stack=(0|8)\b", line), line

@@ -748,13 +748,15 @@ def test_int8_kernel_within_its_emulation_bound(heads, q_len, kv_len, dim, densi
     assert ours < 0.5 * fp8, (ours, fp8)
 
 
-@pytest.mark.parametrize("length,pool_block", [(300, None), (300, 128), (260, 128)])
-def test_int8_prepass_matches_its_fp64_twin(length, pool_block):
+@pytest.mark.parametrize("length,pool_block,v_key_order", [(300, None, "natural"), (300, 128, "natural"),
+                                                           (260, 128, "natural"), (260, 128, "wgmma"),
+                                                           (300, None, "wgmma")])
+def test_int8_prepass_matches_its_fp64_twin(length, pool_block, v_key_order):
     from chorus.kernels.triton._quant_int8 import quantize_int8_reference, quantize_qkv_int8
 
     q, k, v = make_inputs(1, 2, length, 64, torch.bfloat16, seed=length)
-    ours = quantize_qkv_int8(q, k, v, 0.125, pool_block=pool_block)
-    ref = quantize_int8_reference(q, k, v, 0.125, pool_block=pool_block)
+    ours = quantize_qkv_int8(q, k, v, 0.125, pool_block=pool_block, v_key_order=v_key_order)
+    ref = quantize_int8_reference(q, k, v, 0.125, pool_block=pool_block, v_key_order=v_key_order)
     for a, b in zip(ours, ref):
         if b is None:
             assert a is None

@@ -79,6 +79,7 @@ import torch
 from ._attention import (P_SHIFT_LOG2, _validate, check_key_biases, check_perm, lpt_block_lists, output_like,
                          run_in_int32_chunks, tail_spec)
 from ._quant import LOG2E, padded_len, quantize_qkv_fp8, tail_rows
+from ._quant_int8 import quantize_qkv_int8
 
 try:  # Gluon ships inside recent Tritons; without it this backend reports itself unavailable
     from triton.experimental import gluon
@@ -137,6 +138,8 @@ if gluon is not None:
     _P_SHIFT = gl.constexpr(P_SHIFT_LOG2)  # P = 2^(S - m + P_SHIFT): row maximum 256, inside e4m3
     P_BITS_OFFSET = gl.constexpr(-0.5)  # k's rounding offset: centres the linear mantissa's error (CPU model)
     _ONES = gl.constexpr(8)  # columns of the row-sum GEMM (P8 @ ones): wgmma's smallest N
+    _MAGIC = gl.constexpr(12582912.0)  # 1.5 * 2^23: a float in [2^23, 2^24) has unit spacing
+    _MAGIC_BITS = gl.constexpr(0x4B400000)  # its bit pattern: int32 x + these bits is the float x + 1.5 * 2^23
 
     @gluon.jit
     def _tile_of(t, walk, HAS_TAIL: gl.constexpr):
@@ -304,6 +307,51 @@ if gluon is not None:
         return p, m_new, alpha
 
     @gluon.jit
+    def _softmax_block_int8(s, m_i, sc, kb, terms, offs_n, Lk, num_kv_blocks, key_bias, tail_row, pool_first,
+                            TAIL_K: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_SUFFIX: gl.constexpr,
+                            HAS_TAIL: gl.constexpr):
+        """The INT8 path's softmax over key block ``kb`` (``s``: the int32 ``Q8 @ K8^T``; ``sc`` = the rows' ``sq *
+        sk`` > 0, ``[R]``; masks, biases and ``terms`` as in :func:`_softmax_block`): returns ``(P, m, alpha,
+        beta)`` with ``P`` = the int8 operand ``level - 128`` of the uint8 levels ``round(255 * 2^(S - m_tile))``
+        relative to the block's own row maximum ``m_tile`` (8 bits keep P's small values: one block spans few
+        binades), the new row maximum ``m``, ``alpha = 2^(m_old - m)`` (the accumulator's and row sums' rescale)
+        and ``beta = 2^(m_tile - m)`` (the block's weight). ``S`` stays in the dot's units offset by 1.5 * 2^23
+        (the int32 becomes that float by one integer add: no conversion instruction), biases enter as
+        ``bias / sc``, and the exponent is one FFMA ``x * sc - x_max * sc``."""
+        whole, pre_keys, tail_from, edge, pooled = terms
+        prefix_bias = key_bias[1]
+        suffix_bias = key_bias[3]
+        x = (s + _MAGIC_BITS).to(gl.float32, bitcast=True)  # the dot + 1.5 * 2^23, exact (|dot| < 2^22)
+        if TAIL_K:
+            if kb == num_kv_blocks - 1:
+                x = gl.where((kb * _BLOCK + offs_n < Lk)[None, :], x, float("-inf"))
+        if HAS_TAIL:
+            if pooled:
+                weights = gl.load(tail_row + (kb - pool_first) * _BLOCK + offs_n)
+                x = x + weights[None, :] * (1.0 / sc)[:, None]
+        if HAS_BIAS:
+            if edge:  # per key: the prefix's last (partial) block, the suffix's first
+                keys = gl.where((offs_n < pre_keys) & (pre_keys < _BLOCK), prefix_bias, 0.0)
+                if HAS_SUFFIX:
+                    keys = keys + gl.where((offs_n >= tail_from) & (tail_from > 0), suffix_bias, 0.0)
+                x = x + keys[None, :] * (1.0 / sc)[:, None]
+        x_max = gl.max(x, axis=1)
+        m_tile = (x_max - _MAGIC) * sc
+        if HAS_BIAS:
+            m_tile = m_tile + whole
+        m_tile = gl.maximum(m_tile, -1.0e30)  # a row with no key in this block: finite, weight 0 below
+        m_new = gl.maximum(m_i, m_tile)
+        alpha = gl.exp2(m_i - m_new)
+        beta = gl.exp2(m_tile - m_new)
+        # -inf (a row with no key here) -> 0, so the FFMA's -inf * sc - 0 stays -inf (no inf - inf)
+        x_ref = gl.maximum(x_max, 0.0) * sc
+        # one FFMA rounds 255 p - 128 to an integer (to nearest) in the low bits of a float near 1.5 * 2^23:
+        # its low byte is the int8 operand (level 0, a masked key, is -128)
+        rounded = gl.exp2(x * sc[:, None] - x_ref[:, None]) * 255.0 + (_MAGIC - 128.0)
+        p = rounded.to(gl.int32, bitcast=True).to(gl.int8)
+        return p, m_new, alpha, beta
+
+    @gluon.jit
     def _p_operand(p, p_layout: gl.constexpr):
         """P (e4m3, wgmma accumulator layout) as the A operand of ``P @ V`` with no data movement.
 
@@ -323,18 +371,22 @@ if gluon is not None:
     def _consumer(out_args, q_args, kv_args, bars, walk, lengths, key_bias, tail,
                   HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, Q_STAGES: gl.constexpr, CONSUMER: gl.constexpr,
                   TAIL_K: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_SUFFIX: gl.constexpr, HAS_PERM: gl.constexpr,
-                  Q_KERNEL: gl.constexpr, HAS_TAIL: gl.constexpr):
+                  Q_KERNEL: gl.constexpr, HAS_TAIL: gl.constexpr, INT8: gl.constexpr):
         """Consumer warpgroup ``CONSUMER`` (0 / 1): query rows ``[64 * CONSUMER, 64 * CONSUMER + 64)`` of
         every tile of the walk. ``out_args`` = (output pointer, its TMA descriptor, this consumer's store
         buffer, token_perm, the output's strides b / h / l); ``q_args`` = (Q's stages, this consumer's e4m3 Q
         buffer, softmax scale * log2(e), the pre-pass's Q scales and their count per (b, h)); ``kv_args`` =
-        (K stages, V^T stages, the e4m3 ones of the row-sum GEMM, K scales, V's per-channel scales, K scales
-        per (b, h)); ``bars`` = (q_ready, q_empty, k_ready, v_ready, kv_empty); ``walk`` as in
+        (K stages, V^T stages, the 8-bit ones of the row-sum GEMM, K scales, V's per-channel scales, K scales
+        per (b, h), and for ``INT8`` V's int32 channel sums per key block, the pooled values' scale over V's and
+        the sums' blocks per (b, h)); ``bars`` = (q_ready, q_empty, k_ready, v_ready, kv_empty); ``walk`` as in
         :func:`_tile_of`; ``lengths`` = (Lq, Lk, key blocks); ``key_bias`` as in :func:`_key_block_bias`;
-        ``tail`` = (the pooled tail's bias table, its row width, the first pooled tile's block index)."""
+        ``tail`` = (the pooled tail's bias table, its row width, the first pooled tile's block index).
+        ``INT8``: the accurate path's numerics (:func:`_softmax_block_int8`; Q from the INT8 pre-pass with one
+        scale per row; int32 products, each block's ``P @ V`` and level sums corrected by ``128 *`` the block's
+        V sums and added to O and l with the block's weight ``beta``)."""
         o_ptr, o_desc, o_smem, token_perm, s_ob, s_oh, s_ol = out_args
         q_smem, q8_smem, q_mult, q_scale, n_q_scale = q_args
-        k_smem, v_smem, ones_smem, k_scale, v_scale, n_k_scale = kv_args
+        k_smem, v_smem, ones_smem, k_scale, v_scale, n_k_scale, v_sums, pool_ratio, n_v_tiles = kv_args
         q_ready, q_empty, k_ready, v_ready, kv_empty = bars
         num_tiles = walk[6]
         Lq, Lk, num_kv_blocks = lengths
@@ -358,9 +410,14 @@ if gluon is not None:
         col_o: gl.constexpr = gl.SliceLayout(0, o_layout)
         offs_n = gl.arange(0, _BLOCK, layout=gl.SliceLayout(0, s_layout))
         offs_d = gl.arange(0, HEAD_DIM, layout=col_o)
-        s_zero = gl.zeros([ROWS, _BLOCK], gl.float32, layout=s_layout)
-        l_zero = gl.zeros([ROWS, _ONES], gl.float32, layout=l_layout)
-        o_zero = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
+        if INT8:  # the wgmma accumulators: int32 products of int8 operands
+            s_zero = gl.zeros([ROWS, _BLOCK], gl.int32, layout=s_layout)
+            l_zero = gl.zeros([ROWS, _ONES], gl.int32, layout=l_layout)
+            o_zero = gl.zeros([ROWS, HEAD_DIM], gl.int32, layout=o_layout)
+        else:
+            s_zero = gl.zeros([ROWS, _BLOCK], gl.float32, layout=s_layout)
+            l_zero = gl.zeros([ROWS, _ONES], gl.float32, layout=l_layout)
+            o_zero = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
 
         kctr = 0  # key blocks consumed so far (all tiles): stage = kctr % STAGES, parity = (kctr // STAGES) & 1
         qt = 0
@@ -370,6 +427,10 @@ if gluon is not None:
             tail_row = tail_bias + map_row * tail_width  # (HAS_TAIL: this query block's row of the bias table)
             if HAS_TAIL:
                 _prefetch_row(tail_row, tail_width)
+            if INT8:
+                vsum_row = v_sums + bh * n_v_tiles * HEAD_DIM
+                if HAS_TAIL:  # the listed key blocks before the first pooled tile
+                    n_kept = n_kv - gl.load(walk[3] + map_row)
             qs = qt % Q_STAGES
             if Q_KERNEL:
                 mbarrier.wait(q_ready.index(qs), (qt // Q_STAGES) & 1)
@@ -385,7 +446,11 @@ if gluon is not None:
                 sq = gl.where(amax > 0, amax * (q_mult / 448.0), 1.0)
                 q = q8_smem
             else:
-                sq = gl.load(q_scale + bh * n_q_scale + qblk)
+                if INT8:  # one scale per query row
+                    sq = gl.load(q_scale + bh * n_q_scale + qblk * _BLOCK + CONSUMER * ROWS
+                                 + gl.arange(0, ROWS, layout=row_s))
+                else:
+                    sq = gl.load(q_scale + bh * n_q_scale + qblk)
                 mbarrier.wait(q_ready.index(qs), (qt // Q_STAGES) & 1)
                 q = q_smem.index(qs).slice(CONSUMER * ROWS, ROWS, dim=0)
 
@@ -397,13 +462,20 @@ if gluon is not None:
                 # overlap each other through the warp schedulers
                 kb, sc, terms = _block_terms(idx_row, j, sq, k_scale_row, key_bias, pool_first, HAS_SUFFIX,
                                              HAS_TAIL)
+                if INT8:  # 128 x the block's V sums, plus 1.5 * 2^23's bits: added to the int32 P @ V below
+                    v_bits = gl.load(vsum_row + kb * HEAD_DIM + offs_d) * 128 + _MAGIC_BITS
                 st = kctr % STAGES
                 ph = (kctr // STAGES) & 1
                 mbarrier.wait(k_ready.index(st), ph)
                 s = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
                 s = warpgroup_mma_wait(num_outstanding=0, deps=[s])
-                p, m_i, alpha = _softmax_block(s, m_i, sc, kb, terms, offs_n, Lk, num_kv_blocks, key_bias, tail_row,
-                                               pool_first, TAIL_K, HAS_BIAS, HAS_SUFFIX, HAS_TAIL)
+                if INT8:
+                    p, m_i, alpha, beta = _softmax_block_int8(s, m_i, sc, kb, terms, offs_n, Lk, num_kv_blocks,
+                                                              key_bias, tail_row, pool_first, TAIL_K, HAS_BIAS,
+                                                              HAS_SUFFIX, HAS_TAIL)
+                else:
+                    p, m_i, alpha = _softmax_block(s, m_i, sc, kb, terms, offs_n, Lk, num_kv_blocks, key_bias,
+                                                   tail_row, pool_first, TAIL_K, HAS_BIAS, HAS_SUFFIX, HAS_TAIL)
                 p8 = _p_operand(p, p_layout)
                 mbarrier.wait(v_ready.index(st), ph)
                 # two-level accumulation (SageAttention 2's form): each block's P @ V and row sums into a
@@ -412,10 +484,33 @@ if gluon is not None:
                 # attention-like inputs, up to 57% where V has a large common part)
                 pv = warpgroup_mma(p8, v_smem.index(st).permute((1, 0)), o_zero, use_acc=False, is_async=True)
                 l_blk = _row_sums_issue(p8, ones_smem, l_zero, pl_layout)
-                acc = acc * gl.convert_layout(alpha, row_o)[:, None]  # overlaps the MMAs
+                if INT8:
+                    if HAS_TAIL:
+                        if j == n_kept:
+                            # the pooled values are in units of their own per-channel scale (ratio = it over V's):
+                            # O moves to those units once, before the first pooled tile (its kept blocks are done),
+                            # and back after the last (a multiply per kept block would cost them 10-20%)
+                            acc = acc * (1.0 / gl.load(pool_ratio + bh * HEAD_DIM + offs_d))[None, :]
+                    # the block's P @ V arrives as a float offset by 1.5 * 2^23 (below): its weight times the offset
+                    # leaves O here, in the FFMA that rescales it (overlapping the MMAs), so the float needs no
+                    # subtraction; the rounding this adds, ~beta in the product's integer units, is far below
+                    # the ~1e2 units of P's own rounding
+                    beta_o = gl.convert_layout(beta, row_o)
+                    acc = acc * gl.convert_layout(alpha, row_o)[:, None] - (beta_o * _MAGIC)[:, None]
+                else:
+                    acc = acc * gl.convert_layout(alpha, row_o)[:, None]  # overlaps the MMAs
                 pv, l_blk = warpgroup_mma_wait(num_outstanding=0, deps=[pv, l_blk])
-                acc = acc + pv
-                l_acc = l_acc * gl.convert_layout(alpha, row_l)[:, None] + l_blk
+                if INT8:
+                    # sum_k level_k v_k = sum_k (level_k - 128) v_k + 128 * sum_k v_k, exact in int32 (< 2^22), to
+                    # fp32 (plus 1.5 * 2^23) by the integer add of 1.5 * 2^23's bits; the level sums likewise
+                    # (+ 128 per key)
+                    acc = acc + (pv + v_bits[None, :]).to(gl.float32, bitcast=True) * beta_o[:, None]
+                    levels = (l_blk + _MAGIC_BITS).to(gl.float32, bitcast=True) - (_MAGIC - 128.0 * _BLOCK)
+                    l_acc = (l_acc * gl.convert_layout(alpha, row_l)[:, None]
+                             + levels * gl.convert_layout(beta, row_l)[:, None])
+                else:
+                    acc = acc + pv
+                    l_acc = l_acc * gl.convert_layout(alpha, row_l)[:, None] + l_blk
                 mbarrier.arrive(kv_empty.index(st), count=1)
                 kctr += 1
             if not Q_KERNEL:
@@ -426,6 +521,10 @@ if gluon is not None:
             l_safe = gl.where(l_i > 0, l_i, 1.0)
             out = acc * gl.convert_layout(1.0 / l_safe, row_o)[:, None]
             out = out * gl.load(v_scale + bh * HEAD_DIM + offs_d)[None, :]  # per-channel V scales
+            if INT8:
+                if HAS_TAIL:
+                    if n_kept < n_kv:  # O is in the pooled values' units (above)
+                        out = out * gl.load(pool_ratio + bh * HEAD_DIM + offs_d)[None, :]
             if not HAS_PERM:
                 # the tile through this consumer's shared buffer and one TMA store, which runs on while
                 # the next tile starts (rows past Lq fall outside the descriptor and are not written);
@@ -450,15 +549,20 @@ if gluon is not None:
     def _bsa_ws_kernel(q_desc, k_desc, v_desc, O, o_desc, q_mult, q_scale, k_scale, v_scale, kv_num, kv_idx, sched,
                        H, Lq, Lk, lpad_q, lpad_k, num_kv_blocks, q_blocks, num_tiles, n_q_scale, n_k_scale,
                        prefix_len, prefix_bias, suffix_start, suffix_bias, token_perm, s_ob, s_oh, s_ol, s_nb, s_nh,
-                       s_ib, s_ih, s_iq, tail_num, tail_bias, tail_width, pool_first,
+                       s_ib, s_ih, s_iq, tail_num, tail_bias, tail_width, pool_first, v_sums, pool_ratio, n_v_tiles,
                        HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, Q_STAGES: gl.constexpr,
                        TAIL_K: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_SUFFIX: gl.constexpr,
-                       HAS_PERM: gl.constexpr, Q_KERNEL: gl.constexpr, HAS_TAIL: gl.constexpr):
-        # the B operand of the row-sum GEMM: e4m3 ones (byte 0x38), any swizzle holds them
-        ones_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_ONES, _BLOCK], gl.float8e4nv)
+                       HAS_PERM: gl.constexpr, Q_KERNEL: gl.constexpr, HAS_TAIL: gl.constexpr, INT8: gl.constexpr):
+        # the B operand of the row-sum GEMM: 8-bit ones (e4m3's byte 0x38; int8 1), any swizzle holds them
         ones_regs: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
-        ones = gl.full([_ONES, _BLOCK], 0x38, gl.int8, layout=ones_regs).to(gl.float8e4nv, bitcast=True)
-        ones_smem = gl.allocate_shared_memory(gl.float8e4nv, [_ONES, _BLOCK], ones_layout, ones)
+        if INT8:
+            ones_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_ONES, _BLOCK], gl.int8)
+            ones = gl.full([_ONES, _BLOCK], 1, gl.int8, layout=ones_regs)
+            ones_smem = gl.allocate_shared_memory(gl.int8, [_ONES, _BLOCK], ones_layout, ones)
+        else:
+            ones_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_ONES, _BLOCK], gl.float8e4nv)
+            ones = gl.full([_ONES, _BLOCK], 0x38, gl.int8, layout=ones_regs).to(gl.float8e4nv, bitcast=True)
+            ones_smem = gl.allocate_shared_memory(gl.float8e4nv, [_ONES, _BLOCK], ones_layout, ones)
         fence_async_shared()
         if Q_KERNEL:  # Q's input rows [1, 1, 128, D] per stage, and each consumer's e4m3 copy of its 64
             q_smem = gl.allocate_shared_memory(q_desc.block_type.element_ty, [Q_STAGES] + q_desc.block_type.shape,
@@ -466,12 +570,13 @@ if gluon is not None:
             q8_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_ROWS, HEAD_DIM], gl.float8e4nv)
             q8_smem0 = gl.allocate_shared_memory(gl.float8e4nv, [_ROWS, HEAD_DIM], q8_layout)
             q8_smem1 = gl.allocate_shared_memory(gl.float8e4nv, [_ROWS, HEAD_DIM], q8_layout)
-        else:  # the pre-pass's e4m3 tiles (q8_smem*: never used)
-            q_smem = gl.allocate_shared_memory(gl.float8e4nv, [Q_STAGES, _BLOCK, HEAD_DIM], q_desc.layout)
+        else:  # the pre-pass's 8-bit tiles (q8_smem*: never used)
+            q_smem = gl.allocate_shared_memory(q_desc.block_type.element_ty, [Q_STAGES, _BLOCK, HEAD_DIM],
+                                               q_desc.layout)
             q8_smem0 = gl.allocate_shared_memory(gl.float8e4nv, [1, 16], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
             q8_smem1 = q8_smem0
-        k_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, _BLOCK, HEAD_DIM], k_desc.layout)
-        v_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, HEAD_DIM, _BLOCK], v_desc.layout)
+        k_smem = gl.allocate_shared_memory(k_desc.block_type.element_ty, [STAGES, _BLOCK, HEAD_DIM], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(v_desc.block_type.element_ty, [STAGES, HEAD_DIM, _BLOCK], v_desc.layout)
         if not HAS_PERM:  # each consumer's staging buffer of its output rows, [1, 1, 64, D]
             o_smem0 = gl.allocate_shared_memory(O.dtype.element_ty, o_desc.block_type.shape, o_desc.layout)
             o_smem1 = gl.allocate_shared_memory(O.dtype.element_ty, o_desc.block_type.shape, o_desc.layout)
@@ -493,7 +598,7 @@ if gluon is not None:
             mbarrier.init(kv_empty.index(i), count=2)
         bars = (q_ready, q_empty, k_ready, v_ready, kv_empty)
         walk = (sched, kv_num, kv_idx, tail_num, H, q_blocks, num_tiles, s_nb, s_nh, s_ib, s_ih, s_iq)
-        kv_args = (k_smem, v_smem, ones_smem, k_scale, v_scale, n_k_scale)
+        kv_args = (k_smem, v_smem, ones_smem, k_scale, v_scale, n_k_scale, v_sums, pool_ratio, n_v_tiles)
         lengths = (Lq, Lk, num_kv_blocks)
         key_bias = (prefix_len, prefix_bias, suffix_start, suffix_bias)
         tail = (tail_bias, tail_width, pool_first)
@@ -502,18 +607,18 @@ if gluon is not None:
                          STAGES, Q_STAGES, Q_KERNEL, HAS_TAIL)),
             (_consumer, ((O, o_desc, o_smem0, token_perm, s_ob, s_oh, s_ol), (q_smem, q8_smem0, q_mult, q_scale,
                          n_q_scale), kv_args, bars, walk, lengths, key_bias, tail, HEAD_DIM, STAGES, Q_STAGES, 0, TAIL_K, HAS_BIAS,
-                         HAS_SUFFIX, HAS_PERM, Q_KERNEL, HAS_TAIL)),
+                         HAS_SUFFIX, HAS_PERM, Q_KERNEL, HAS_TAIL, INT8)),
             (_consumer, ((O, o_desc, o_smem1, token_perm, s_ob, s_oh, s_ol), (q_smem, q8_smem1, q_mult, q_scale,
                          n_q_scale), kv_args, bars, walk, lengths, key_bias, tail, HEAD_DIM, STAGES, Q_STAGES, 1, TAIL_K, HAS_BIAS,
-                         HAS_SUFFIX, HAS_PERM, Q_KERNEL, HAS_TAIL)),
+                         HAS_SUFFIX, HAS_PERM, Q_KERNEL, HAS_TAIL, INT8)),
         ], [4, 4], [_REGS, _REGS])
 
 
-def shared_layouts(head_dim: int):
-    """NVMMA shared layouts of the Q/K tile ``[128, D]`` and the V^T tile ``[D, 128]`` (e4m3)."""
-    qk = gl.NVMMASharedLayout.get_default_for([BLOCK, head_dim], gl.float8e4nv)
-    vt = gl.NVMMASharedLayout.get_default_for([head_dim, BLOCK], gl.float8e4nv)
-    return qk, vt
+def shared_layouts(head_dim: int, int8: bool = False):
+    """NVMMA shared layouts of the Q/K tile ``[128, D]`` and the V^T tile ``[D, 128]`` (e4m3, or int8)."""
+    dtype = gl.int8 if int8 else gl.float8e4nv
+    return (gl.NVMMASharedLayout.get_default_for([BLOCK, head_dim], dtype),
+            gl.NVMMASharedLayout.get_default_for([head_dim, BLOCK], dtype))
 
 
 def tma_compatible(x: torch.Tensor) -> bool:
@@ -539,11 +644,12 @@ def rows_descriptor(x: torch.Tensor, rows: int):
 
 def launch_ws(q, k, v, block_map, scale: float, config: WsConfig | None = None, prefix_len: int = 0,
               prefix_bias: float = 0.0, token_perm: torch.Tensor | None = None, suffix_len: int = 0,
-              suffix_bias: float = 0.0, pooled_tail: bool = False) -> torch.Tensor:
+              suffix_bias: float = 0.0, pooled_tail: bool = False, int8: bool = False) -> torch.Tensor:
     """Pre-pass + block lists + the warp-specialised kernel, for one int32-safe chunk
     (``prefix_bias`` in natural-log units; a zero bias or length compiles the unbiased kernel;
     ``token_perm`` int32 ``[L]`` on q's device or None; ``pooled_tail``: the pre-pass appends the pooled
-    keys, the block lists their tiles, and the kernel is compiled with ``HAS_TAIL``)."""
+    keys, the block lists their tiles, and the kernel is compiled with ``HAS_TAIL``; ``int8``: the INT8
+    pre-pass (:mod:`._quant_int8`, V^T in the wgmma key order) and the kernel compiled with ``INT8``)."""
     cfg = config or WsConfig()
     if not isinstance(cfg, WsConfig):
         raise ValueError(f"config must be a WsConfig, got {type(cfg).__name__}")
@@ -551,11 +657,19 @@ def launch_ws(q, k, v, block_map, scale: float, config: WsConfig | None = None, 
     kv_len = k.shape[2]
     suffix_start = check_key_biases(prefix_len, prefix_bias, suffix_len, suffix_bias, kv_len)
     has_bias = (prefix_len > 0 and prefix_bias != 0.0) or suffix_start < kv_len
-    # a token order gathers Q's rows, and a TMA descriptor needs 16-byte aligned strides: else the pre-pass's Q
-    q_kernel = token_perm is None and tma_compatible(q)
-    q8, k8, v8t, q_scale, k_scale, v_scale = quantize_qkv_fp8(q, k, v, scale, quantize_q=not q_kernel,
-                                                              v_key_order="wgmma", token_perm=token_perm,
-                                                              pool_block=BLOCK if pooled_tail else None)
+    pool_block = BLOCK if pooled_tail else None
+    if int8:  # Q rotated and quantised per row by the pre-pass
+        q_kernel = False
+        q8, k8, v8t, q_scale, k_scale, v_scale, v_sums, pool_v_scale = quantize_qkv_int8(
+            q, k, v, scale, token_perm=token_perm, pool_block=pool_block, v_key_order="wgmma")
+        pool_ratio = (pool_v_scale / v_scale).contiguous() if pooled_tail else v_scale
+    else:
+        # a token order gathers Q's rows, and a TMA descriptor needs 16-byte aligned strides: else the pre-pass's Q
+        q_kernel = token_perm is None and tma_compatible(q)
+        q8, k8, v8t, q_scale, k_scale, v_scale = quantize_qkv_fp8(q, k, v, scale, quantize_q=not q_kernel,
+                                                                  v_key_order="wgmma", token_perm=token_perm,
+                                                                  pool_block=pool_block)
+        v_sums, pool_ratio = k_scale, v_scale  # (INT8 only: never read)
     lpad_q, lpad_k = padded_len(q_len), k8.shape[2]  # (lpad_k: rows per (b, h) of k8, the pooled ones included)
     num_q_blocks, num_kv_blocks = block_map.shape[2:]
     if pooled_tail:  # pooled tile p is key block padded_len(Lk) / 128 + p of k8 / v8t
@@ -565,7 +679,7 @@ def launch_ws(q, k, v, block_map, scale: float, config: WsConfig | None = None, 
     else:
         kv_num, kv_idx, sched, map_strides = lpt_block_lists(block_map)
         tail_args = (kv_num, k_scale, 0, 0)  # (never read)
-    qk_layout, vt_layout = shared_layouts(head_dim)
+    qk_layout, vt_layout = shared_layouts(head_dim, int8)
     if q_kernel:  # the input's own rows
         q_desc = rows_descriptor(q, BLOCK)
         q_scale = k_scale  # not read
@@ -583,17 +697,18 @@ def launch_ws(q, k, v, block_map, scale: float, config: WsConfig | None = None, 
         q_scale.shape[-1], k_scale.shape[-1], int(prefix_len) if has_bias else 0,
         float(prefix_bias) * LOG2E if has_bias else 0.0, suffix_start,
         float(suffix_bias) * LOG2E if suffix_start < kv_len else 0.0, k_scale if token_perm is None else token_perm,
-        out.stride(0), out.stride(1), out.stride(2), *map_strides, *tail_args,
-        HEAD_DIM=head_dim, STAGES=cfg.stages, Q_STAGES=cfg.q_stages, TAIL_K=kv_len % BLOCK != 0, HAS_BIAS=has_bias,
+        out.stride(0), out.stride(1), out.stride(2), *map_strides, *tail_args, v_sums, pool_ratio,
+        v_sums.shape[2] if int8 else 0, HEAD_DIM=head_dim, STAGES=cfg.stages, Q_STAGES=cfg.q_stages, TAIL_K=kv_len % BLOCK != 0, HAS_BIAS=has_bias,
         HAS_SUFFIX=suffix_start < kv_len, HAS_PERM=token_perm is not None, Q_KERNEL=q_kernel,
-        HAS_TAIL=bool(pooled_tail), num_warps=4)
+        HAS_TAIL=bool(pooled_tail), INT8=bool(int8), num_warps=4)
     return out
 
 
 def block_sparse_attention_ws(q, k, v, block_map, scale: float, config: WsConfig | None = None, prefix_len: int = 0,
                               prefix_bias: float = 0.0, token_perm: torch.Tensor | None = None, suffix_len: int = 0,
-                              suffix_bias: float = 0.0, pooled_tail: bool = False) -> torch.Tensor:
-    """The warp-specialised FP8 kernel on a CUDA sm_90 device (module docstring: the contract).
+                              suffix_bias: float = 0.0, pooled_tail: bool = False, int8: bool = False) -> torch.Tensor:
+    """The warp-specialised kernel on a CUDA sm_90 device (module docstring: the contract); FP8, or with
+    ``int8`` the accurate path's INT8 numerics.
     ``prefix_bias`` (natural-log units) is added to the scaled logits of keys ``[0, prefix_len)``,
     ``suffix_bias`` to those of the last ``suffix_len`` keys. ``token_perm`` (``Lq == Lk == L``; int32/int64
     ``[L]``, a permutation): attention runs on the tokens in that order (position ``i`` = input row
@@ -613,46 +728,49 @@ def block_sparse_attention_ws(q, k, v, block_map, scale: float, config: WsConfig
     with torch.cuda.device(q.device):
         return run_in_int32_chunks(
             q, k, v, block_map, lambda q, k, v, bm: launch_ws(q, k, v, bm, scale, config, prefix_len, prefix_bias,
-                                                              token_perm, suffix_len, suffix_bias, pooled_tail),
+                                                              token_perm, suffix_len, suffix_bias, pooled_tail,
+                                                              int8),
             tail_rows(k.shape[2], BLOCK) if pooled_tail else 0)
 
 
 def compile_sm90(head_dim: int = 128, config: WsConfig | None = None, *, tail_k: bool = True, has_bias: bool = False,
                  has_suffix: bool = False, has_perm: bool = False, q_kernel: bool | None = None,
-                 has_tail: bool = False):
+                 has_tail: bool = False, int8: bool = False):
     """The kernel variant :func:`launch_ws` builds for such a call, compiled ahead of time for sm_90 by this
     Triton (no GPU needed; bf16 inputs): ``tail_k`` a partial last key block, ``has_bias`` a prefix bias,
     ``has_suffix`` a suffix bias, ``has_perm`` a token order, ``q_kernel`` Q from its input rows (default:
-    unless ``has_perm``), ``has_tail`` the pooled tail. Returns Triton's compiled kernel (``asm["ptx"]``,
+    unless ``has_perm``; never with ``int8``), ``has_tail`` the pooled tail, ``int8`` the INT8 numerics. Returns Triton's compiled kernel (``asm["ptx"]``,
     ``asm["cubin"]``, ``metadata``); raises whatever Triton raises when it cannot build it."""
     import triton  # noqa: PLC0415
     from triton.backends.compiler import GPUTarget  # noqa: PLC0415
     from triton.experimental.gluon._runtime import GluonASTSource  # noqa: PLC0415
 
     cfg = config or WsConfig()
-    q_kernel = not has_perm if q_kernel is None else q_kernel
-    qk_layout, vt_layout = shared_layouts(head_dim)
+    q_kernel = not (has_perm or int8) if q_kernel is None else q_kernel
+    qk_layout, vt_layout = shared_layouts(head_dim, int8)
+    elem = "i8" if int8 else "fp8e4nv"
 
     def rows_desc_type(rows):  # rows_descriptor of a bf16 [B, H, L, D] tensor
         block, layout = rows_block(rows, head_dim, torch.bfloat16)
         return f"tensordesc<bf16[{', '.join(map(str, block))}],{layout!r}>"
 
-    types = {"q_desc": rows_desc_type(BLOCK) if q_kernel else f"tensordesc<fp8e4nv[{BLOCK}, {head_dim}],{qk_layout!r}>",
-             "k_desc": f"tensordesc<fp8e4nv[{BLOCK}, {head_dim}],{qk_layout!r}>",
-             "v_desc": f"tensordesc<fp8e4nv[{head_dim}, {BLOCK}],{vt_layout!r}>", "O": "*bf16",
+    types = {"q_desc": rows_desc_type(BLOCK) if q_kernel else f"tensordesc<{elem}[{BLOCK}, {head_dim}],{qk_layout!r}>",
+             "k_desc": f"tensordesc<{elem}[{BLOCK}, {head_dim}],{qk_layout!r}>",
+             "v_desc": f"tensordesc<{elem}[{head_dim}, {BLOCK}],{vt_layout!r}>", "O": "*bf16",
              "o_desc": rows_desc_type(CONSUMER_ROWS), "prefix_bias": "fp32", "suffix_bias": "fp32", "q_mult": "fp32"}
-    types.update({name: "*fp32" for name in ("q_scale", "k_scale", "v_scale", "tail_bias")})
-    types.update({name: "*i32" for name in ("kv_num", "kv_idx", "sched", "token_perm", "tail_num")})
+    types.update({name: "*fp32" for name in ("q_scale", "k_scale", "v_scale", "tail_bias", "pool_ratio")})
+    types.update({name: "*i32" for name in ("kv_num", "kv_idx", "sched", "token_perm", "tail_num", "v_sums")})
     consts = dict(HEAD_DIM=head_dim, STAGES=cfg.stages, Q_STAGES=cfg.q_stages, TAIL_K=tail_k,
                   HAS_BIAS=has_bias or has_suffix, HAS_SUFFIX=has_suffix, HAS_PERM=has_perm, Q_KERNEL=q_kernel,
-                  HAS_TAIL=has_tail)
+                  HAS_TAIL=has_tail, INT8=int8)
     kernel = _bsa_ws_kernel
     sig = {name: "constexpr" if param.is_constexpr else types.get(name, "i32")
            for name, param in zip(kernel.arg_names, kernel.params)}
-    # 16-byte divisibility of the output pointer and strides and of the pooled tail's bias table and its row
-    # width (a multiple of 128), as the launcher's specialisation gives them
+    # 16-byte divisibility of the output pointer and strides, of the pooled tail's bias table and its row
+    # width (a multiple of 128) and of the INT8 path's V sums and pooled-value ratios, as the launcher's
+    # specialisation gives them
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig)
-             if n in ("O", "s_ob", "s_oh", "s_ol", "tail_bias", "tail_width")}
+             if n in ("O", "s_ob", "s_oh", "s_ol", "tail_bias", "tail_width", "v_sums", "pool_ratio")}
     src = GluonASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
 

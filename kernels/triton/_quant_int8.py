@@ -38,7 +38,8 @@ import triton
 import triton.language as tl
 
 from ._quant import (LOG2E, QUANT_TILE, _pool_chunk, _pooled_means, _program_tile, block_sums, check_prepass_perm,
-                     interpreter_upcast, padded_len, smoothing_vector, source_rows, tail_rows, v_channel_absmax)
+                     interpreter_upcast, padded_len, smoothing_vector, source_rows, tail_rows, v_channel_absmax,
+                     wgmma_key_of_column, wgmma_key_order_torch)
 
 INT8_MAX = 127.0
 
@@ -83,9 +84,10 @@ def _quant_int8_kernel(Q, K, V, q8, k8, v8t, q_scale, k_scale, v_sums, k_smooth_
                        pool_sums, H, Lq, Lk, Lpad_q, Lpad_k, Lrow_k, q_mult,
                        s_qb, s_qh, s_ql, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl,
                        HEAD_DIM: tl.constexpr, TILE: tl.constexpr, INTERPRET: tl.constexpr,
-                       HAS_PERM: tl.constexpr, POOL_CHUNK: tl.constexpr):
+                       HAS_PERM: tl.constexpr, POOL_CHUNK: tl.constexpr, V_WGMMA_ORDER: tl.constexpr):
     # k_smooth_rot: the smoothing vector times Hd [B*H, D]; v_absmax: V's per-channel absmax [B*H, D];
-    # POOL_CHUNK > 0: sums of each POOL_CHUNK keys of rotated smoothed K and of V into pool_sums [B*H, 2, n, D]
+    # POOL_CHUNK > 0: sums of each POOL_CHUNK keys of rotated smoothed K and of V into pool_sums [B*H, 2, n, D];
+    # V_WGMMA_ORDER: column c of v8t holds key wgmma_key_of_column(c) (a permutation within each 16 keys)
     tile, bh, b, h, offs_d, rows = _program_tile(H, HEAD_DIM, TILE)
     n_kt_row = Lrow_k // TILE
     n_chunks = Lpad_k // tl.maximum(POOL_CHUNK, 1)
@@ -115,9 +117,14 @@ def _quant_int8_kernel(Q, K, V, q8, k8, v8t, q_scale, k_scale, v_sums, k_smooth_
         tl.store(k8 + bh * Lrow_k * HEAD_DIM + rows[:, None] * HEAD_DIM + offs_d[None, :],
                  round_int8(x / scale).to(tl.int8))
         tl.store(k_scale + bh * n_kt_row + tile, scale)
-        y = tl.load(V + b * s_vb + h * s_vh + src[:, None] * s_vl + offs_d[None, :], mask=valid, other=0.0)
+        if V_WGMMA_ORDER:  # gathered in the wgmma key order on load, so the transposed store stays contiguous
+            v_rows = wgmma_key_of_column(rows)
+            y = tl.load(V + b * s_vb + h * s_vh + source_rows(token_perm, v_rows, Lk, HAS_PERM)[:, None] * s_vl
+                        + offs_d[None, :], mask=(v_rows < Lk)[:, None], other=0.0)
+        else:
+            y = tl.load(V + b * s_vb + h * s_vh + src[:, None] * s_vl + offs_d[None, :], mask=valid, other=0.0)
         y = y.to(tl.float32)
-        if POOL_CHUNK > 0:
+        if POOL_CHUNK > 0:  # (the wgmma order permutes keys within 16: each chunk's set of keys is the same)
             block_sums(y, pool_sums + (bh * 2 + 1) * n_chunks * HEAD_DIM, tile * (TILE // POOL_CHUNK), HEAD_DIM,
                        TILE, POOL_CHUNK)
         _store_v_tile(y, v8t, v_sums, v_absmax, bh, rows, tile, Lrow_k, HEAD_DIM, TILE)
@@ -137,11 +144,12 @@ def _store_v_tile(y, v8t, v_sums, v_absmax, bh, rows, tile, Lrow_k, HEAD_DIM: tl
 @triton.jit
 def _pooled_finalize_int8_kernel(pool_sums, k8, v8t, k_scale, v_sums, v_pool_absmax, H, Lk, n_chunks, Lrow_k, row0,
                                  n_tiles, HEAD_DIM: tl.constexpr, TILE: tl.constexpr, BS: tl.constexpr,
-                                 POOL_CHUNK: tl.constexpr):
+                                 POOL_CHUNK: tl.constexpr, V_WGMMA_ORDER: tl.constexpr):
     """The pooled keys of one (b, h), ``n_tiles`` tiles of ``TILE``: key block ``j``'s means as row ``row0 + j``
     of ``k8`` (one scale per tile, at ``k_scale[bh, row0 / TILE + tile]``) and column of ``v8t`` in units of
     the pooled values' own per-channel scale (``v_pool_absmax[bh] / 127``, written here: a block mean is far
-    smaller than V's extremes), with their ``v_sums``. Blocks past the last are zeros."""
+    smaller than V's extremes), with their ``v_sums``, in the pre-pass's key order. Blocks past the last are
+    zeros."""
     bh = tl.program_id(0)
     offs_d = tl.arange(0, HEAD_DIM)
     r = tl.arange(0, TILE)
@@ -158,12 +166,16 @@ def _pooled_finalize_int8_kernel(pool_sums, k8, v8t, k_scale, v_sums, v_pool_abs
         tl.store(k8 + bh * Lrow_k * HEAD_DIM + rows[:, None] * HEAD_DIM + offs_d[None, :],
                  round_int8(kbar / scale).to(tl.int8))
         tl.store(k_scale + bh * (Lrow_k // TILE) + row0 // TILE + tile, scale)
-        vbar = _pooled_means(pool_sums, bh, 1, tile * TILE + r, n_chunks, Lk, BS, HEAD_DIM, POOL_CHUNK)
+        v_keys = r
+        if V_WGMMA_ORDER:  # column r holds pooled key wgmma_key_of_column(r), as in the pre-pass
+            v_keys = wgmma_key_of_column(r)
+        vbar = _pooled_means(pool_sums, bh, 1, tile * TILE + v_keys, n_chunks, Lk, BS, HEAD_DIM, POOL_CHUNK)
         _store_v_tile(vbar, v8t, v_sums, v_pool_absmax, bh, rows, row0 // TILE + tile, Lrow_k, HEAD_DIM, TILE)
 
 
 def quantize_qkv_int8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *,
-                      token_perm: torch.Tensor | None = None, pool_block: int | None = None):
+                      token_perm: torch.Tensor | None = None, pool_block: int | None = None,
+                      v_key_order: str = "natural"):
     """Run the INT8 pre-pass; returns ``(q8, k8, v8t, q_scale, k_scale, v_scale, v_sums, pool_v_scale)`` (module
     docstring; ``pool_v_scale`` fp32 ``[B, H, D]``: the pooled values' per-channel scale, None without a tail).
 
@@ -171,7 +183,11 @@ def quantize_qkv_int8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     * (q8[i] . k8[j])`` is row ``i``'s logit of key ``j`` in log2 units, up to the smoothing constant).
     ``token_perm``: int32 ``[L]`` on q's device (``Lq == Lk == L``), output position -> input row, fused into
     the loads (values clamped into ``[0, L)``). ``pool_block``: the pooled tail's key block size (a power of
-    two >= 16) or None. ``ValueError`` for a head dim other than 64 / 128 or a bad ``token_perm``."""
+    two >= 16) or None. ``v_key_order``: ``"natural"`` (column ``j`` of ``v8t`` is key ``j``) or ``"wgmma"``
+    (key ``j`` at column :func:`._quant.wgmma_key_order_torch` ``(j)``, for the warp-specialised kernel; ``v_sums``
+    are the same). ``ValueError`` for a head dim other than 64 / 128, a bad ``token_perm`` or key order."""
+    if v_key_order not in ("natural", "wgmma"):
+        raise ValueError(f"v_key_order must be 'natural' or 'wgmma', got {v_key_order!r}")
     batch, heads, q_len, head_dim = q.shape
     if head_dim not in (64, 128):
         raise ValueError(f"the INT8 pre-pass supports head dims 64 and 128, got {head_dim}")
@@ -200,7 +216,7 @@ def quantize_qkv_int8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         HEAD_DIM=head_dim, TILE=QUANT_TILE, INTERPRET=interpret, HAS_PERM=token_perm is not None,
-        POOL_CHUNK=chunk, num_warps=8)
+        POOL_CHUNK=chunk, V_WGMMA_ORDER=v_key_order == "wgmma", num_warps=8)
     v_absmax = v_absmax.view(batch, heads, head_dim)
     v_scale = torch.where(v_absmax > 0, v_absmax / INT8_MAX, torch.ones_like(v_absmax))
     pool_v_scale = None
@@ -209,13 +225,13 @@ def quantize_qkv_int8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
         _pooled_finalize_int8_kernel[(batch * heads,)](
             pool_sums, k8, v8t, k_scale, v_sums, pool_absmax, heads, kv_len, lpad_k // chunk, lrow_k, lpad_k,
             (lrow_k - lpad_k) // QUANT_TILE, HEAD_DIM=head_dim, TILE=QUANT_TILE, BS=pool_block, POOL_CHUNK=chunk,
-            num_warps=8)
+            V_WGMMA_ORDER=v_key_order == "wgmma", num_warps=8)
         pool_v_scale = torch.where(pool_absmax > 0, pool_absmax / INT8_MAX, torch.ones_like(pool_absmax))
     return q8, k8, v8t, q_scale, k_scale, v_scale, v_sums, pool_v_scale
 
 
-def quantize_int8_reference(q, k, v, scale: float, pool_block: int | None = None):
-    """Plain-torch twin of :func:`quantize_qkv_int8` (fp64 math, same scales, rounding and layout) for
+def quantize_int8_reference(q, k, v, scale: float, pool_block: int | None = None, v_key_order: str = "natural"):
+    """Plain-torch twin of :func:`quantize_qkv_int8` (fp64 math, same scales, rounding, layout and key order) for
     tests; returns the same eight items (int8 codes as int8, scales fp32, sums int32)."""
     batch, heads, q_len, head_dim = q.shape
     kv_len = k.shape[2]
@@ -257,6 +273,9 @@ def quantize_int8_reference(q, k, v, scale: float, pool_block: int | None = None
         v8 = torch.cat([v8, to_int(vbar, ps[:, :, None, :])], dim=2)
         ps = ps.float()
     v_sums = v8.view(batch, heads, lrow_k // QUANT_TILE, QUANT_TILE, head_dim).sum(3)
+    if v_key_order == "wgmma":  # key j to column wgmma_key_order_torch(j)
+        cols = wgmma_key_order_torch(torch.arange(lrow_k, device=v8.device))
+        v8 = torch.empty_like(v8).index_copy_(2, cols, v8)
     return (to_int(qf, qs[..., None]).to(torch.int8), k8.to(torch.int8), v8.transpose(-1, -2).contiguous().to(torch.int8),
             qs.float(), ks.float(), vs.float(), v_sums.to(torch.int32), ps)
 
