@@ -42,12 +42,12 @@ class SparseConfig:
     - ``k_min`` >= 1: floor on kept key blocks per query-block row of a reused map (safety fallback).
     - ``refresh_steps`` >= 0: visit refresh; 0 = off, R > 0 = no block pair stays unvisited for more
       than R consecutive steps of a request (``chorus.kernels.VisitRefresh``).
-    - ``backend``: one of ``auto | triton_fp8_ws | triton_fp8 | triton_int8 | triton_bf16 | fa4_bf16 | flex |
-      reference`` (see kernels; ``triton_fp8_ws`` is Hopper-only, ``fa4_bf16`` needs the optional
-      ``flash-attn-4``). ``auto`` runs the kernels' fast choice (the FP8 path on Hopper), except with ``top_p
-      >= ACCURATE_TOP_P`` (0.95), where it runs the accurate ``triton_int8`` path where that can run
-      (:attr:`attention_backend`): the maps then keep nearly all the mass and the FP8 numerics would set the
-      error.
+    - ``backend``: one of ``auto | triton_fp8_ws | triton_fp8 | triton_int8_ws | triton_int8 | triton_bf16 |
+      fa4_bf16 | flex | reference`` (see kernels; the ``_ws`` kernels are Hopper-only, ``fa4_bf16`` needs the
+      optional ``flash-attn-4``). ``auto`` runs the kernels' fast choice (the FP8 path on Hopper), except with
+      ``top_p >= ACCURATE_TOP_P`` (0.95), where it runs the accurate INT8 numerics where they can run
+      (:attr:`attention_backends`: the warp-specialised ``triton_int8_ws``, else the portable ``triton_int8``):
+      the maps then keep nearly all the mass and the FP8 numerics would set the error.
     - ``sample_rows``: query rows per block used by the recorder's ``block_mass`` (None = exact). 8 keeps
       the miss within 10% of a dense run on the H200 and loses 0.0003 of mask recall against exact
       mass (docs/BENCHMARKS.md, "End to end", miss rows).
@@ -94,12 +94,13 @@ class SparseConfig:
     verify_rows: int = DEFAULT_VERIFY_ROWS
 
     @property
-    def attention_backend(self) -> str:
-        """The backend a hit's sparse calls ask the kernels for: ``backend``, or with ``auto`` and ``top_p >=
-        ACCURATE_TOP_P`` the accurate ``triton_int8`` (the runtime falls back to ``auto`` where it cannot run)."""
+    def attention_backends(self) -> tuple:
+        """The backends a hit's sparse calls may ask the kernels for, in order of preference (the runtime takes
+        the first that can run here): ``(backend,)``, or with ``auto`` and ``top_p >= ACCURATE_TOP_P`` the
+        accurate numerics, ``("triton_int8_ws", "triton_int8", "auto")``."""
         if self.backend == Backend.AUTO.value and self.top_p >= ACCURATE_TOP_P:
-            return Backend.TRITON_INT8.value
-        return self.backend
+            return (Backend.TRITON_INT8_WS.value, Backend.TRITON_INT8.value, self.backend)
+        return (self.backend,)
 
     def __post_init__(self):
         if not (isinstance(self.top_p, (int, float)) and math.isfinite(self.top_p) and 0.0 < self.top_p <= 1.0):

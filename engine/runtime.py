@@ -205,7 +205,7 @@ class ExpertRun:
         self.maps = RunMaps(self.plan, self.config, expert)
         self.verifier = Verifier(self.plan, self.config, expert, self.model_info.num_layers, self.record_into)
         self._kept = None  # device counter of computed blocks (read when the run ends: no sync per call)
-        self._accurate_ok = None  # whether auto's accurate choice can run here (decided at the first sparse call)
+        self._backend_name = None  # the config's backend that runs here (decided at the first sparse call)
 
     def finish(self) -> None:
         if self.expert is not None:
@@ -288,19 +288,24 @@ class ExpertRun:
                                               suffix_bias=suffix_bias, pooled_tail=cfg.pooled_tail)
 
     def _backend(self, q: torch.Tensor) -> str:
-        """The config's :attr:`~chorus.engine.config.SparseConfig.attention_backend`; when that is auto's
-        accurate choice (``triton_int8``) and it cannot run here (no CUDA, another block size), ``auto``
-        (decided once per run and device)."""
-        wanted = self.config.attention_backend
-        if wanted == self.config.backend:
-            return wanted
-        if self._accurate_ok is None:
-            try:
-                kernels.resolve_backend(wanted, q)
-                self._accurate_ok = self.config.block_size == 128
-            except kernels.BackendUnavailableError:
-                self._accurate_ok = False
-        return wanted if self._accurate_ok else self.config.backend
+        """The first of the config's :attr:`~chorus.engine.config.SparseConfig.attention_backends` that can run
+        here (decided once per run): with auto's accurate choice, ``triton_int8_ws``, else ``triton_int8``, else
+        (no CUDA, another block size) ``auto``; any other config, its backend."""
+        wanted = self.config.attention_backends
+        if len(wanted) == 1:
+            return wanted[0]
+        if self._backend_name is None:
+            self._backend_name = wanted[-1]
+            for name in wanted[:-1]:
+                if self.config.block_size != 128:  # the INT8 kernels run 128-token blocks only
+                    break
+                try:
+                    kernels.resolve_backend(name, q)
+                except kernels.BackendUnavailableError:
+                    continue
+                self._backend_name = name
+                break
+        return self._backend_name
 
     def _count_sparse(self, batch: int, block_map, kept) -> None:
         stats = self.plan.stats

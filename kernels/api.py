@@ -1,11 +1,12 @@
 """Public kernel API: one function per operation, each with an explicit ``backend=``.
 
-Backends (:class:`Backend`): ``auto`` | ``triton_fp8_ws`` | ``triton_fp8`` | ``triton_int8`` | ``triton_bf16`` |
-``fa4_bf16`` | ``flex`` | ``reference``. ``triton_int8`` is the accurate 8-bit path (INT8 Q.K^T after a
-Hadamard rotation, INT8 P.V with P on each key tile's own row maximum; block size 128; the portable
+Backends (:class:`Backend`): ``auto`` | ``triton_fp8_ws`` | ``triton_fp8`` | ``triton_int8_ws`` | ``triton_int8`` |
+``triton_bf16`` | ``fa4_bf16`` | ``flex`` | ``reference``. ``triton_int8`` is the accurate 8-bit path (INT8 Q.K^T
+after a Hadamard rotation, INT8 P.V with P on each key tile's own row maximum; block size 128; the portable
 Triton kernel, :mod:`chorus.kernels.triton._quant_int8`): ~0.016 relative error against exact attention
-on a full map of Gaussian q/k/v, where the FP8 paths have ~0.055; ``auto`` never picks it (it is the
-engine's choice by a stated rule: :func:`chorus.engine.config.SparseConfig`). ``triton_fp8_ws`` is the warp-specialised Gluon FP8 kernel
+on a full map of Gaussian q/k/v, where the FP8 paths have ~0.055; ``triton_int8_ws`` is the same numerics in
+the warp-specialised kernel (sm_90). ``auto`` never picks either (they are the engine's choice by a stated
+rule: :func:`chorus.engine.config.SparseConfig`). ``triton_fp8_ws`` is the warp-specialised Gluon FP8 kernel
 (:mod:`chorus.kernels.triton._attention_ws`; sm_90, attention only, block size 128, head dim 64/128);
 ``fa4_bf16`` is FlashAttention-4's CuTe DSL kernel (optional dependency, see
 :mod:`chorus.kernels.fa4`; attention only, no prefix bias, block size 64 or 128).
@@ -53,6 +54,7 @@ class Backend(str, enum.Enum):
     AUTO = "auto"
     TRITON_FP8_WS = "triton_fp8_ws"
     TRITON_FP8 = "triton_fp8"
+    TRITON_INT8_WS = "triton_int8_ws"
     TRITON_INT8 = "triton_int8"
     TRITON_BF16 = "triton_bf16"
     FA4_BF16 = "fa4_bf16"
@@ -69,7 +71,8 @@ MAX_PREFIX_BIAS = 20.0  # exp(20) ~ 5e8: beyond any useful guidance, still far f
 _AUTO_CHAIN = (Backend.TRITON_FP8_WS, Backend.TRITON_FP8, Backend.FA4_BF16, Backend.TRITON_BF16, Backend.FLEX,
                Backend.REFERENCE)
 _SM90_ONLY = (Backend.TRITON_FP8_WS, Backend.TRITON_FP8, Backend.FA4_BF16)  # auto: Hopper only (measured there)
-_ATTENTION_ONLY = (Backend.TRITON_FP8_WS, Backend.TRITON_INT8, Backend.FA4_BF16, Backend.FLEX)
+_ATTENTION_ONLY = (Backend.TRITON_FP8_WS, Backend.TRITON_INT8_WS, Backend.TRITON_INT8, Backend.FA4_BF16, Backend.FLEX)
+_WARP_SPECIALISED = (Backend.TRITON_FP8_WS, Backend.TRITON_INT8_WS)  # the Gluon kernel: sm_90, block size 128
 _NO_POOLED_TAIL = (Backend.FA4_BF16, Backend.FLEX)  # auto sends a pooled_tail call past these
 
 
@@ -109,7 +112,7 @@ def why_unavailable(backend: Backend, q: torch.Tensor, op: str = "attention") ->
         except ImportError as exc:  # pragma: no cover - depends on torch build
             return f"FlexAttention is not available in this torch ({exc})"
         return None
-    if backend in (Backend.FA4_BF16, Backend.TRITON_FP8_WS, Backend.TRITON_INT8) and op != "attention":
+    if backend in _ATTENTION_ONLY and backend != Backend.FLEX and op != "attention":
         return f"{backend.value} has no block_mass implementation"
     if backend == Backend.FA4_BF16:
         from .fa4 import fa4_unavailable  # noqa: PLC0415
@@ -133,8 +136,8 @@ def why_unavailable(backend: Backend, q: torch.Tensor, op: str = "attention") ->
         major, minor = torch.cuda.get_device_capability(q.device)
         if (major, minor) < (8, 9):
             return f"triton_fp8 needs FP8 tensor cores (sm_89+), this GPU is sm_{major}{minor}"
-    if backend == Backend.TRITON_FP8_WS:
-        return triton_kernels.ws_unavailable(q)
+    if backend in _WARP_SPECIALISED:
+        return triton_kernels.ws_unavailable(q, int8=backend == Backend.TRITON_INT8_WS)
     if backend == Backend.TRITON_INT8:
         major, minor = torch.cuda.get_device_capability(q.device)
         if (major, minor) < (8, 0):
@@ -196,7 +199,7 @@ def _for_call_options(chosen: Backend, explicit: bool, q, block_size: int, prefi
         from .fa4 import check_call  # noqa: PLC0415
 
         reason = check_call(block_size, prefix_len or suffix_len)
-    elif chosen == Backend.TRITON_FP8_WS:
+    elif chosen in _WARP_SPECIALISED:
         reason = _triton_module().ws_call_unsupported(q.shape[-1], block_size)
     elif chosen == Backend.TRITON_INT8:
         reason = None if block_size == 128 else f"triton_int8 runs 128-token blocks, got block_size={block_size}"
@@ -290,7 +293,7 @@ def _run_attention(chosen: Backend, q, k, v, block_map, block_size, scale, prefi
     """One backend's call; ``perm`` = ``(perm, inverse)`` or None: the Triton kernels take the order
     fused into their loads and output store, the others gather into it and scatter back."""
     if perm is not None and chosen not in (Backend.TRITON_FP8, Backend.TRITON_BF16, Backend.TRITON_FP8_WS,
-                                           Backend.TRITON_INT8):
+                                           Backend.TRITON_INT8_WS, Backend.TRITON_INT8):
         q, k, v = to_tile_order(perm[0], q, k, v)
         return to_raster_order(perm[1], _run_attention(chosen, q, k, v, block_map, block_size, scale, prefix_len,
                                                        prefix_bias, None, suffix_len, suffix_bias, pooled_tail))
@@ -304,13 +307,15 @@ def _run_attention(chosen: Backend, q, k, v, block_map, block_size, scale, prefi
 
         return block_sparse_attention_fa4(q, k, v, block_map, block_size=block_size, scale=scale)
     block_map = block_map if block_map.device == q.device else block_map.to(q.device)
-    if chosen in (Backend.TRITON_FP8_WS, Backend.TRITON_INT8):  # block size 128 only: no block_size argument
+    if chosen in (*_WARP_SPECIALISED, Backend.TRITON_INT8):  # block size 128 only: no block_size argument
         triton_kernels = _triton_module()
-        launch = (triton_kernels.block_sparse_attention_ws if chosen == Backend.TRITON_FP8_WS
-                  else triton_kernels.block_sparse_attention_int8)
-        return launch(q, k, v, block_map, scale=scale, prefix_len=prefix_len, prefix_bias=prefix_bias,
-                      token_perm=None if perm is None else perm[0], suffix_len=suffix_len, suffix_bias=suffix_bias,
-                      pooled_tail=pooled_tail)
+        options = dict(scale=scale, prefix_len=prefix_len, prefix_bias=prefix_bias,
+                       token_perm=None if perm is None else perm[0], suffix_len=suffix_len, suffix_bias=suffix_bias,
+                       pooled_tail=pooled_tail)
+        if chosen == Backend.TRITON_INT8:
+            return triton_kernels.block_sparse_attention_int8(q, k, v, block_map, **options)
+        return triton_kernels.block_sparse_attention_ws(q, k, v, block_map, int8=chosen == Backend.TRITON_INT8_WS,
+                                                        **options)
     return _triton_module().block_sparse_attention_triton(
         q, k, v, block_map, block_size=block_size, scale=scale, fp8=chosen == Backend.TRITON_FP8,
         prefix_len=prefix_len, prefix_bias=prefix_bias, token_perm=None if perm is None else perm[0],

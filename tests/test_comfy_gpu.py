@@ -77,7 +77,8 @@ def _compiled(model):
 
 @pytest.mark.parametrize("backend,compiled", [("triton_bf16", False), ("triton_fp8", False), ("auto", False),
                                               ("triton_int8", False), ("triton_bf16", True), ("auto", True),
-                                              ("triton_int8", True)])
+                                              ("triton_int8", True), ("triton_int8_ws", False),
+                                              ("triton_int8_ws", True)])
 def test_full_map_hit_matches_the_unpatched_wan_model(backend, compiled):
     """Also under TorchCompileModel (inductor): the hit's attention runs in the compiled graph through
     torch.ops.chorus.attend; the yardstick is then the larger of the eager and the compiled dense

@@ -117,14 +117,15 @@ def test_a_hit_with_the_pooled_tail_equals_the_oracle_with_the_tail():
 
 
 def test_auto_asks_for_the_accurate_path_from_top_p_095_and_runs_auto_where_it_cannot_run(monkeypatch):
-    """auto's stated rule (engine/config.py): top_p >= 0.95 asks for triton_int8, below it the fast choice; an
-    explicit backend is never changed. On this CPU triton_int8 cannot run (and the block size is not 128):
-    the hit runs auto (the reference) and still equals the oracle with the tail, without a fallback."""
+    """auto's stated rule (engine/config.py): top_p >= 0.95 asks for the INT8 numerics (warp-specialised, then
+    portable), below it the fast choice; an explicit backend is never changed. On this CPU neither INT8 kernel can
+    run (and the block size is not 128): the hit runs auto (the reference) and still equals the oracle with the
+    tail, without a fallback."""
     from chorus.engine.config import ACCURATE_TOP_P
 
-    assert SparseConfig(top_p=ACCURATE_TOP_P).attention_backend == "triton_int8"
-    assert SparseConfig(top_p=0.9).attention_backend == "auto"
-    assert SparseConfig(top_p=0.99, backend="triton_fp8").attention_backend == "triton_fp8"
+    assert SparseConfig(top_p=ACCURATE_TOP_P).attention_backends == ("triton_int8_ws", "triton_int8", "auto")
+    assert SparseConfig(top_p=0.9).attention_backends == ("auto",)
+    assert SparseConfig(top_p=0.99, backend="triton_fp8").attention_backends == ("triton_fp8",)
     asked = []
     real = kernels.block_sparse_attention
     monkeypatch.setattr(kernels, "block_sparse_attention", lambda *a, **kw: asked.append(kw["backend"]) or real(*a, **kw))

@@ -1,5 +1,7 @@
-"""The accurate INT8 path (backend ``triton_int8``) on a CUDA GPU (skipped elsewhere; the same kernels run
-under the CPU interpreter in ``test_triton_interpret_cases.py``).
+"""The accurate INT8 numerics on a CUDA GPU: the portable kernel (backend ``triton_int8``; the same kernel runs
+under the CPU interpreter in ``test_triton_interpret_cases.py``) and the warp-specialised one (``triton_int8_ws``,
+sm_90; its sm_90 build is checked on the CPU in ``test_kernels_ws.py``). Skipped without a GPU (the
+warp-specialised cases without Hopper).
 
 Tolerances, all from higher-precision yardsticks on the same inputs:
 - the pre-pass against its fp64 twin (:func:`quantize_int8_reference`): every int8 code within 1 (fp32 vs
@@ -7,7 +9,9 @@ Tolerances, all from higher-precision yardsticks on the same inputs:
 - the kernel's relative L2 error against the fp64 oracle <= 1.25 x that of the fp64 emulation of the same
   numerics (:func:`int8_attention_emulation`: per-row Q and per-tile K scales, P on each tile's row
   maximum as uint8 levels, per-channel V) + 0.002, and < half the FP8 path's error on the same call;
-- the issue's floor: a full map of Gaussian q/k/v (head dim 128) within 0.02 relative L2 of exact attention.
+- the issue's floor: a full map of Gaussian q/k/v (head dim 128) within 0.02 relative L2 of exact attention;
+- the two kernels agree: the same numerics, P's levels rounded from differently ordered fp32 ops, so their
+  outputs differ by far less than either's error (relative L2 < 0.1 x the emulation's error).
 Only whole query blocks (first, middle, last) are compared, so the 75 600-token cases stay cheap."""
 
 from __future__ import annotations
@@ -47,14 +51,20 @@ def _rel(x, oracle):
     return ((x.double() - oracle).norm() / oracle.norm()).item()
 
 
+INT8_BACKENDS = ["triton_int8", pytest.param("triton_int8_ws", marks=pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9, reason="sm_90 only"))]
+
+
 @pytest.mark.parametrize("length", [300, 4097])
 @pytest.mark.parametrize("pooled_tail", [False, True])
-def test_int8_prepass_matches_its_fp64_twin(length, pooled_tail):
+@pytest.mark.parametrize("v_key_order", ["natural", "wgmma"])
+def test_int8_prepass_matches_its_fp64_twin(length, pooled_tail, v_key_order):
     from chorus.kernels.triton._quant_int8 import quantize_int8_reference, quantize_qkv_int8
 
     q, k, v = _qkv(2, length, seed=length)
-    ours = quantize_qkv_int8(q, k, v, 0.088, pool_block=128 if pooled_tail else None)
-    ref = quantize_int8_reference(q, k, v, 0.088, pool_block=128 if pooled_tail else None)
+    pool_block = 128 if pooled_tail else None
+    ours = quantize_qkv_int8(q, k, v, 0.088, pool_block=pool_block, v_key_order=v_key_order)
+    ref = quantize_int8_reference(q, k, v, 0.088, pool_block=pool_block, v_key_order=v_key_order)
     names = ("q8", "k8", "v8t", "q_scale", "k_scale", "v_scale", "v_sums", "pool_v_scale")
     for name, a, b in zip(names, ours, ref):
         if b is None:
@@ -73,7 +83,8 @@ def test_int8_prepass_matches_its_fp64_twin(length, pooled_tail):
 @pytest.mark.parametrize("length,density", [(300, 0.5), (4097, 1.0), (4097, 0.3), (32760, 0.15), (75600, 0.05)])
 @pytest.mark.parametrize("pooled_tail", [False, True])
 @pytest.mark.parametrize("layout", ["bhld", "blhd"])
-def test_int8_kernel_against_oracle_and_emulation(length, density, pooled_tail, layout):
+@pytest.mark.parametrize("backend", INT8_BACKENDS)
+def test_int8_kernel_against_oracle_and_emulation(length, density, pooled_tail, layout, backend):
     from chorus.kernels import block_sparse_attention
     from chorus.kernels.reference import dense_attention_oracle
     from chorus.kernels.triton.emulation import int8_attention_emulation
@@ -84,21 +95,22 @@ def test_int8_kernel_against_oracle_and_emulation(length, density, pooled_tail, 
     q, k, v = _qkv(heads, length, seed=length, layout=layout)
     bm = _map(heads, length, density)
     biases = dict(prefix_len=min(1560, length // 3), prefix_bias=0.7)
-    out = block_sparse_attention(q, k, v, bm, backend="triton_int8", pooled_tail=pooled_tail, **biases)
+    out = block_sparse_attention(q, k, v, bm, backend=backend, pooled_tail=pooled_tail, **biases)
     fp8 = block_sparse_attention(q, k, v, bm, backend="triton_fp8", pooled_tail=pooled_tail, **biases)
     assert out.shape == q.shape and out.dtype == q.dtype and torch.isfinite(out).all()
     blocks, rows = query_block_rows(length, bm.shape[-1])
     oracle = dense_attention_oracle(q[:, :, rows], k, v, bm[:, :, blocks], 128, pooled_tail=pooled_tail, **biases)
     emul = int8_attention_emulation(q[:, :, rows], k, v, bm[:, :, blocks], 128, pooled_tail=pooled_tail, **biases)
     ours, yardstick, fast = _rel(out[:, :, rows], oracle), _rel(emul, oracle), _rel(fp8[:, :, rows], oracle)
-    print(f"L={length} density={density} tail={pooled_tail} {layout}: int8 {ours:.4f} (emulation {yardstick:.4f}), "
-          f"fp8 {fast:.4f}")
+    print(f"L={length} density={density} tail={pooled_tail} {layout} {backend}: {ours:.4f} (emulation "
+          f"{yardstick:.4f}), fp8 {fast:.4f}")
     assert ours <= 1.25 * yardstick + 0.002, (ours, yardstick)
     assert ours < 0.5 * fast, (ours, fast)
 
 
 @pytest.mark.parametrize("length", [32760, 75600])
-def test_int8_full_map_floor_on_gaussian_inputs(length):
+@pytest.mark.parametrize("backend", INT8_BACKENDS)
+def test_int8_full_map_floor_on_gaussian_inputs(length, backend):
     """Issue 30's floor: relative L2 <= 0.02 (cosine >= 0.9998) against exact attention, full map."""
     from chorus.kernels import block_sparse_attention
     from chorus.kernels.reference import dense_attention_oracle
@@ -106,25 +118,26 @@ def test_int8_full_map_floor_on_gaussian_inputs(length):
     q, k, v = _qkv(4, length, seed=1)
     k = (k.float() - 0.5).bfloat16()  # plain Gaussian q/k/v
     bm = torch.ones(1, 1, -(-length // 128), -(-length // 128), dtype=torch.bool, device="cuda")
-    out = block_sparse_attention(q, k, v, bm, backend="triton_int8")
+    out = block_sparse_attention(q, k, v, bm, backend=backend)
     blocks, rows = query_block_rows(length, bm.shape[-1])
     oracle = dense_attention_oracle(q[:, :, rows], k, v, None, 128)
     err = _rel(out[:, :, rows], oracle)
     cos = torch.nn.functional.cosine_similarity(out[:, :, rows].double().flatten(), oracle.flatten(), dim=0).item()
-    print(f"L={length}: int8 full-map error {err:.4f}, cosine {cos:.6f}")
+    print(f"L={length} {backend}: full-map error {err:.4f}, cosine {cos:.6f}")
     assert err <= 0.02 and cos >= 0.9998, (err, cos)
 
 
-def test_int8_token_order_is_the_reordered_call():
+@pytest.mark.parametrize("backend", INT8_BACKENDS)
+def test_int8_token_order_is_the_reordered_call(backend):
     from chorus.kernels import block_sparse_attention
 
     length, heads = 4097, 2
     q, k, v = _qkv(heads, length, seed=3)
     perm = torch.randperm(length, device="cuda", generator=torch.Generator(device="cuda").manual_seed(5))
     bm = _map(heads, length, 0.3)
-    out = block_sparse_attention(q, k, v, bm, backend="triton_int8", token_perm=perm, pooled_tail=True)
+    out = block_sparse_attention(q, k, v, bm, backend=backend, token_perm=perm, pooled_tail=True)
     qp, kp, vp = (t[:, :, perm] for t in (q, k, v))
-    plain = block_sparse_attention(qp, kp, vp, bm, backend="triton_int8", pooled_tail=True)
+    plain = block_sparse_attention(qp, kp, vp, bm, backend=backend, pooled_tail=True)
     # the same numerics on the same sequence, up to the smoothing rows (the strided rows of each order)
     back = torch.empty_like(plain)
     back[:, :, perm] = plain
@@ -138,3 +151,36 @@ def test_int8_rejects_other_block_sizes():
     bm = torch.ones(1, 1, 5, 5, dtype=torch.bool, device="cuda")
     with pytest.raises(BackendUnavailableError):
         block_sparse_attention(q, k, v, bm, block_size=64, backend="triton_int8")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9, reason="sm_90 only")
+@pytest.mark.parametrize("length,dim,density,pooled_tail,suffix", [
+    (300, 128, 0.5, True, False), (4097, 64, 0.3, True, False), (4097, 128, 0.3, False, True),
+    (32760, 128, 0.15, True, True), (75600, 128, 0.05, True, False)])
+def test_int8_warp_specialised_agrees_with_the_portable_kernel(length, dim, density, pooled_tail, suffix):
+    """The same numerics in both kernels (head dims 64 / 128, a suffix bias as feature reuse's compact attention
+    has, the tail): outputs within a tenth of the emulation's own error of each other, and the warp-specialised
+    one within the emulation's bound of the oracle."""
+    from chorus.kernels import block_sparse_attention
+    from chorus.kernels.reference import dense_attention_oracle
+    from chorus.kernels.triton.emulation import int8_attention_emulation
+
+    heads = 4
+    q, k, v = _qkv(heads, length, dim=dim, seed=length + dim)
+    bm = _map(heads, length, density)
+    biases = dict(prefix_len=min(1560, length // 3), prefix_bias=0.7)
+    if suffix:
+        biases.update(suffix_len=min(640, length // 4), suffix_bias=1.1)
+    ws = block_sparse_attention(q, k, v, bm, backend="triton_int8_ws", pooled_tail=pooled_tail, **biases)
+    portable = block_sparse_attention(q, k, v, bm, backend="triton_int8", pooled_tail=pooled_tail, **biases)
+    blocks, rows = query_block_rows(length, bm.shape[-1])
+    oracle = dense_attention_oracle(q[:, :, rows], k, v, bm[:, :, blocks], 128, pooled_tail=pooled_tail, **biases)
+    emul = int8_attention_emulation(q[:, :, rows], k, v, bm[:, :, blocks], 128, pooled_tail=pooled_tail, **biases)
+    yardstick = _rel(emul, oracle)
+    apart = _rel(ws[:, :, rows], portable[:, :, rows].double())
+    ours = _rel(ws[:, :, rows], oracle)
+    print(f"L={length} D={dim} density={density} tail={pooled_tail} suffix={suffix}: ws {ours:.4f}, emulation "
+          f"{yardstick:.4f}, ws vs portable {apart:.5f}")
+    assert torch.isfinite(ws).all() and ws.shape == q.shape and ws.dtype == q.dtype
+    assert apart < 0.1 * yardstick, (apart, yardstick)
+    assert ours <= 1.25 * yardstick + 0.002, (ours, yardstick)

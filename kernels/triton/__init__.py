@@ -5,9 +5,10 @@ Public entry points (called by :mod:`chorus.kernels.api` for backends ``triton_f
 - :func:`block_sparse_attention_triton` ``(q, k, v, block_map, *, block_size, scale, fp8, prefix_len,
   prefix_bias, token_perm, suffix_len, suffix_bias, pooled_tail) -> Tensor``
 - :func:`block_sparse_attention_ws` ``(q, k, v, block_map, *, scale, prefix_len, prefix_bias, token_perm,
-  suffix_len, suffix_bias, pooled_tail) -> Tensor``:
-  the warp-specialised Gluon FP8 kernel of :mod:`._attention_ws` (backend ``triton_fp8_ws``; sm_90,
-  block size 128), :func:`ws_unavailable` ``(q) -> reason | None`` and :func:`ws_call_unsupported`
+  suffix_len, suffix_bias, pooled_tail, int8) -> Tensor``:
+  the warp-specialised Gluon kernel of :mod:`._attention_ws` (backend ``triton_fp8_ws``, with ``int8`` the
+  accurate path's numerics: backend ``triton_int8_ws``; sm_90, block size 128), :func:`ws_unavailable`
+  ``(q, int8) -> reason | None`` and :func:`ws_call_unsupported`
 - :func:`block_sparse_attention_int8` ``(q, k, v, block_map, *, scale, prefix_len, prefix_bias, token_perm,
   suffix_len, suffix_bias, pooled_tail) -> Tensor``: the accurate INT8 path of the portable kernel
   (backend ``triton_int8``; block size 128; :mod:`._quant_int8`)
@@ -84,15 +85,15 @@ if not op_registered("block_sparse_attention_ws"):
     def _bsa_ws_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_map: torch.Tensor,
                    scale: float, prefix_len: int = 0, prefix_bias: float = 0.0,
                    token_perm: torch.Tensor | None = None, suffix_len: int = 0,
-                   suffix_bias: float = 0.0, pooled_tail: bool = False) -> torch.Tensor:
+                   suffix_bias: float = 0.0, pooled_tail: bool = False, int8: bool = False) -> torch.Tensor:
         return _attention_ws.block_sparse_attention_ws(q, k, v, block_map, scale, prefix_len=prefix_len,
                                                        prefix_bias=prefix_bias, token_perm=token_perm,
                                                        suffix_len=suffix_len, suffix_bias=suffix_bias,
-                                                       pooled_tail=pooled_tail)
+                                                       pooled_tail=pooled_tail, int8=int8)
 
     @_bsa_ws_op.register_fake
     def _bsa_ws_fake(q, k, v, block_map, scale, prefix_len=0, prefix_bias=0.0, token_perm=None, suffix_len=0,
-                     suffix_bias=0.0, pooled_tail=False):
+                     suffix_bias=0.0, pooled_tail=False, int8=False):
         return output_like(q)
 
 if not op_registered("block_sparse_attention_int8"):
@@ -174,22 +175,24 @@ def block_sparse_attention_int8(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
                                                         bool(pooled_tail))
 
 
-def ws_unavailable(q: torch.Tensor) -> str | None:
-    """Reason the warp-specialised kernel (backend ``triton_fp8_ws``) cannot run on tensors like ``q``
-    (any call options aside: :func:`._attention_ws.supports`), or None. On a Hopper GPU the first
-    question per (device, dtype, head dim) also builds and runs the kernel once on one block
-    (:func:`build_probe`): a Triton whose Gluon cannot build it is a reason found while resolving, so
-    ``auto`` takes the next backend from the start instead of failing at the first real call."""
+def ws_unavailable(q: torch.Tensor, int8: bool = False) -> str | None:
+    """Reason the warp-specialised kernel (backend ``triton_fp8_ws``; ``int8``: ``triton_int8_ws``) cannot run
+    on tensors like ``q`` (any call options aside: :func:`._attention_ws.supports`), or None. On a Hopper GPU
+    the first question per (device, dtype, head dim, numerics) also builds and runs the kernel once on one
+    block (:func:`build_probe`): a Triton whose Gluon cannot build it is a reason found while resolving, so
+    ``auto`` (or the engine's accurate choice) takes the next backend from the start instead of failing at
+    the first real call."""
+    name = "triton_int8_ws" if int8 else "triton_fp8_ws"
     if q.device.type != "cuda":
-        return f"triton_fp8_ws needs a CUDA tensor, got device {q.device} (Gluon has no CPU interpreter)"
+        return f"{name} needs a CUDA tensor, got device {q.device} (Gluon has no CPU interpreter)"
     major, minor = torch.cuda.get_device_capability(q.device)
     if major != 9:
-        return f"triton_fp8_ws is built for sm_90 (Hopper), this GPU is sm_{major}{minor}"
+        return f"{name} is built for sm_90 (Hopper), this GPU is sm_{major}{minor}"
     reason = _attention_ws.supports(q.shape[-1], _attention_ws.BLOCK)
     if reason is not None:
         return reason
-    return build_probe(("ws", str(q.device), q.dtype, q.shape[-1]), "the warp-specialised kernel",
-                       lambda: _run_one_ws_block(q))
+    return build_probe(("ws", str(q.device), q.dtype, q.shape[-1], bool(int8)),
+                       f"the warp-specialised {'INT8' if int8 else 'FP8'} kernel", lambda: _run_one_ws_block(q, int8))
 
 
 _PROBED: dict[tuple, str | None] = {}
@@ -213,10 +216,10 @@ def build_probe(key: tuple, kernel: str, run) -> str | None:
     return _PROBED[key]
 
 
-def _run_one_ws_block(q: torch.Tensor) -> None:
+def _run_one_ws_block(q: torch.Tensor, int8: bool = False) -> None:
     """One 128-token block of zeros like ``q`` through the warp-specialised kernel, synchronised."""
     x = torch.zeros(1, 1, _attention_ws.BLOCK, q.shape[-1], device=q.device, dtype=q.dtype)
-    block_sparse_attention_ws(x, x, x, torch.ones(1, 1, 1, 1, dtype=torch.bool, device=q.device))
+    block_sparse_attention_ws(x, x, x, torch.ones(1, 1, 1, 1, dtype=torch.bool, device=q.device), int8=int8)
     torch.cuda.synchronize(q.device)
 
 
@@ -228,16 +231,17 @@ def ws_call_unsupported(head_dim: int, block_size: int) -> str | None:
 def block_sparse_attention_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_map: torch.Tensor, *,
                               scale: float | None = None, prefix_len: int = 0, prefix_bias: float = 0.0,
                               token_perm: torch.Tensor | None = None, suffix_len: int = 0,
-                              suffix_bias: float = 0.0, pooled_tail: bool = False) -> torch.Tensor:
-    """The warp-specialised FP8 kernel (contract: :mod:`._attention_ws`; block size 128), as the custom
-    op ``torch.ops.chorus.block_sparse_attention_ws``; ``prefix_len`` / ``prefix_bias`` / ``token_perm`` /
+                              suffix_bias: float = 0.0, pooled_tail: bool = False, int8: bool = False) -> torch.Tensor:
+    """The warp-specialised kernel (contract: :mod:`._attention_ws`; block size 128), as the custom op
+    ``torch.ops.chorus.block_sparse_attention_ws``: FP8, or with ``int8`` the accurate path's INT8 numerics
+    (:mod:`._quant_int8`, item 7 of :mod:`._attention`); ``prefix_len`` / ``prefix_bias`` / ``token_perm`` /
     ``suffix_len`` / ``suffix_bias`` (fused into the pre-pass and the output store) and ``pooled_tail`` as in
     :func:`block_sparse_attention_triton`. Output layout as :func:`block_sparse_attention_triton`'s. Raises
     ``ValueError`` outside the contract."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     return torch.ops.chorus.block_sparse_attention_ws(q, k, v, block_map, scale, int(prefix_len), float(prefix_bias),
                                                       token_perm, int(suffix_len), float(suffix_bias),
-                                                      bool(pooled_tail))
+                                                      bool(pooled_tail), bool(int8))
 
 
 def block_mass_triton(q: torch.Tensor, k: torch.Tensor, *, block_size: int = 128, sample_rows: int | None = None,
