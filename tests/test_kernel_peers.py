@@ -28,10 +28,11 @@ def test_registry_names_unique_and_complete():
     assert len(names) == len(set(names))
     for required in ("cudnn_sdpa_bf16", "cudnn_fp8_sdpa", "sageattention", "flashinfer_block_sparse",
                      "fa4_block_sparse", "flex_compiled", "sol_attn_topk", "ours_fp8_ws_tail", "ours_int8",
-                     "ours_int8_tail"):
+                     "ours_int8_tail", "ours_int8_ws", "ours_int8_ws_tail"):
         assert required in names
     # the peers that add a pooled tail have no map-masked cosine; every other peer has one
-    assert {p.name for p in peers.PEERS if p.no_reference} == {"sol_attn_topk", "ours_fp8_ws_tail", "ours_int8_tail"}
+    assert {p.name for p in peers.PEERS if p.no_reference} == {"sol_attn_topk", "ours_fp8_ws_tail", "ours_int8_tail",
+                                                             "ours_int8_ws_tail"}
     assert peers.get_peer("flex_compiled").sparse and not peers.get_peer("cudnn_sdpa_bf16").sparse
     with pytest.raises(KeyError):
         peers.get_peer("nope")

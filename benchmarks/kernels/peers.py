@@ -17,7 +17,8 @@ Peers (``PEERS``, in table order):
 - ``ours_fp8_ws``: the ``triton_fp8_ws`` backend (the warp-specialised Gluon FP8 kernel,
   ``chorus.kernels.triton._attention_ws``); ``ours_fp8_ws_tail``: the same with ``pooled_tail=True``.
 - ``ours_int8`` / ``ours_int8_tail``: the ``triton_int8`` backend (the accurate INT8 path of the portable
-  kernel), without / with the pooled tail.
+  kernel), without / with the pooled tail; ``ours_int8_ws`` / ``ours_int8_ws_tail``: the same numerics in the
+  warp-specialised kernel (``triton_int8_ws``).
 - ``sol_attn_topk``: ComfyUI's own sparse attention, ``comfy_kitchen.sol_attn`` (package
   ``comfy-kitchen``, optional extra ``peers``; CUDA kernels, INT8 MMA, 64-token blocks), top-k routing at the map's kept fraction
   (``topk_ratio``; its own routing picks the blocks, plus its diagonal), its pooled tail on (its default);
@@ -649,6 +650,11 @@ PEERS: tuple[Peer, ...] = (
          "chorus backend triton_int8: the accurate path (INT8 QK^T with a Hadamard rotation, INT8 P.V, portable kernel)"),
     Peer("ours_int8_tail", True, _make_api("triton_int8", pooled_tail=True),
          "triton_int8 with the pooled tail",
+         no_reference="the pooled tail adds the skipped blocks: its error is tail_quality.py's"),
+    Peer("ours_int8_ws", True, _make_api("triton_int8_ws"),
+         "chorus backend triton_int8_ws: the accurate path's numerics in the warp-specialised Gluon kernel"),
+    Peer("ours_int8_ws_tail", True, _make_api("triton_int8_ws", pooled_tail=True),
+         "triton_int8_ws with the pooled tail",
          no_reference="the pooled tail adds the skipped blocks: its error is tail_quality.py's"),
     Peer("sol_attn_topk", True, make_sol_attn_topk,
          "comfy_kitchen.sol_attn (ComfyUI's core sparse attention), top-k at the map's density, its tail on",

@@ -47,7 +47,7 @@ import chorus.kernels as K
 
 BLOCK = 128  # our block size
 SOL_BLOCK = 64  # sol_attn's block size (a fact of comfy_kitchen 0.2.40)
-GPU_BACKENDS = ("triton_fp8_ws", "triton_fp8", "triton_int8", "triton_bf16", "fa4_bf16")
+GPU_BACKENDS = ("triton_fp8_ws", "triton_fp8", "triton_int8_ws", "triton_int8", "triton_bf16", "fa4_bf16")
 
 
 def log(msg: str) -> None:
