@@ -270,7 +270,7 @@ def test_the_int8_kernel_and_its_prepass_compile_for_sm90(has_tail):
                                             v_absmax=fp32, hmat="*bf16", token_perm="*i32", pool_sums=fp32,
                                             q_mult="fp32"),
                 dict(HEAD_DIM=128, TILE=128, INTERPRET=False, HAS_PERM=True, POOL_CHUNK=128, V_WGMMA_ORDER=True),
-                num_warps=8)
+                num_warps=4)
     compile_jit(Q8._pooled_finalize_int8_kernel, dict(pool_sums=fp32, k8="*i8", v8t="*i8", k_scale=fp32,
                                                       v_sums="*i32", v_pool_absmax=fp32),
                 dict(HEAD_DIM=128, TILE=128, BS=128, POOL_CHUNK=128, V_WGMMA_ORDER=True), num_warps=8)

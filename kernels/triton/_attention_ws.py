@@ -1,5 +1,6 @@
 """Warp-specialised FP8 block-sparse attention for Hopper, in Gluon (Triton's tile-level language):
-the ``triton_fp8_ws`` backend.
+the ``triton_fp8_ws`` backend; its ``INT8`` variant runs the accurate path's numerics (backend
+``triton_int8_ws``, last item below).
 
 Contract (checked by :func:`block_sparse_attention_ws`): q ``[B, H, Lq, D]``, k/v ``[B, H, Lk, D]``
 fp16/bf16 on one sm_90 device, unit stride on D (ComfyUI's ``[B, L, H, D]`` views work), D in {64, 128};
@@ -61,6 +62,16 @@ then one persistent launch of ``_bsa_ws_kernel``):
   as ``bias / sc`` to ``S`` before the row maximum, in a branch only pooled tiles take (a kept block
   runs the loop it runs without the tail: ``tests/test_kernels_ws.py`` reads the SASS), the tile's table
   row prefetched into L1 once (``prefetch.global.L1``).
+
+- ``INT8`` (``int8=True``): the numerics of :mod:`._attention`'s item 7 (the portable ``triton_int8``) in the same
+  partitions, ring and walk. The INT8 pre-pass (:mod:`._quant_int8`, V^T in the wgmma key order) gives Q
+  (Hadamard-rotated, one scale per row; always the pre-pass's tiles), K and V^T; ``Q @ K^T``, ``P @ V`` and the
+  row sums are signed 8-bit wgmmas with int32 accumulators; P is each key block's uint8 levels
+  ``round(255 * 2^(S - m_block))`` from the MUFU's exp2, fed as ``level - 128`` (:func:`_softmax_block_int8`); the
+  int32 results become fp32 by one integer add of 1.5 * 2^23's bits (the block's ``128 * V sums`` in the same
+  add), and each block enters O and l with its weight ``2^(m_block - m)``. With the pooled tail the pooled
+  tiles run in a loop of their own after the kept blocks (:func:`_key_block` is the step of both loops), and O
+  moves to the pooled values' own per-channel scale once between the two.
 
 The alternatives measured against these choices (schedules, the exp2 path and its split onto the FMA
 pipes, other P clamps and stores, per-tile V scales) and their numbers: ``docs/BENCHMARKS.md``.
@@ -368,6 +379,67 @@ if gluon is not None:
         return gl.convert_layout(p8, p_layout, assert_trivial=True)
 
     @gluon.jit
+    def _key_block(j, carry, blocks, ring, key_bias, pool_first, lengths, offsets, zeros, STAGES: gl.constexpr,
+                   TAIL_K: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_SUFFIX: gl.constexpr, TAIL: gl.constexpr,
+                   INT8: gl.constexpr, HEAD_DIM: gl.constexpr, P_LAYOUT: gl.constexpr, PL_LAYOUT: gl.constexpr,
+                   ROW_O: gl.constexpr, ROW_L: gl.constexpr):
+        """One consumer's step over the tile's ``j``-th listed key block: ``Q @ K^T``, the softmax, ``P @ V`` and
+        the row sums, added to ``carry`` = (O, l, m, key blocks consumed so far), which it returns. ``blocks`` =
+        the tile's (block list row, Q scale(s), K scale row, Q operand, bias-table row, INT8: V sums row);
+        ``ring`` = (K stages, V^T stages, the row-sum GEMM's ones, k_ready, v_ready, kv_empty); ``zeros`` = the
+        wgmmas' (S, O, l) accumulators. ``TAIL``: the block may be a tile of pooled keys (their weights' branch
+        is compiled in)."""
+        acc, l_acc, m_i, kctr = carry
+        idx_row, sq, k_scale_row, q, tail_row, vsum_row = blocks
+        k_smem, v_smem, ones_smem, k_ready, v_ready, kv_empty = ring
+        s_zero, o_zero, l_zero = zeros
+        offs_n, offs_d = offsets
+        Lk, num_kv_blocks = lengths[1], lengths[2]
+        kb, sc, terms = _block_terms(idx_row, j, sq, k_scale_row, key_bias, pool_first, HAS_SUFFIX, TAIL)
+        if INT8:  # 128 x the block's V sums, plus 1.5 * 2^23's bits: added to the int32 P @ V below
+            v_bits = gl.load(vsum_row + kb * HEAD_DIM + offs_d) * 128 + _MAGIC_BITS
+        st = kctr % STAGES
+        ph = (kctr // STAGES) & 1
+        mbarrier.wait(k_ready.index(st), ph)
+        s = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=[s])
+        if INT8:
+            p, m_i, alpha, beta = _softmax_block_int8(s, m_i, sc, kb, terms, offs_n, Lk, num_kv_blocks, key_bias,
+                                                      tail_row, pool_first, TAIL_K, HAS_BIAS, HAS_SUFFIX, TAIL)
+        else:
+            p, m_i, alpha = _softmax_block(s, m_i, sc, kb, terms, offs_n, Lk, num_kv_blocks, key_bias, tail_row,
+                                           pool_first, TAIL_K, HAS_BIAS, HAS_SUFFIX, TAIL)
+        p8 = _p_operand(p, P_LAYOUT)
+        mbarrier.wait(v_ready.index(st), ph)
+        # two-level accumulation (SageAttention 2's form): each block's P @ V and row sums into a fresh wgmma
+        # accumulator, added to O and l in fp32 registers. An FP8 wgmma accumulates in fewer mantissa bits
+        # (truncating); chained through it across key blocks, O shrank (~2% on attention-like inputs, up to 57%
+        # where V has a large common part)
+        pv = warpgroup_mma(p8, v_smem.index(st).permute((1, 0)), o_zero, use_acc=False, is_async=True)
+        l_blk = _row_sums_issue(p8, ones_smem, l_zero, PL_LAYOUT)
+        if INT8:
+            # the block's P @ V arrives as a float offset by 1.5 * 2^23 (below): its weight times the offset leaves
+            # O here, in the FFMA that rescales it (overlapping the MMAs), so the float needs no subtraction; the
+            # rounding this adds, ~beta in the product's integer units, is far below the ~1e2 units of P's own
+            beta_o = gl.convert_layout(beta, ROW_O)
+            acc = acc * gl.convert_layout(alpha, ROW_O)[:, None] - (beta_o * _MAGIC)[:, None]
+        else:
+            acc = acc * gl.convert_layout(alpha, ROW_O)[:, None]  # overlaps the MMAs
+        pv, l_blk = warpgroup_mma_wait(num_outstanding=0, deps=[pv, l_blk])
+        if INT8:
+            # sum_k level_k v_k = sum_k (level_k - 128) v_k + 128 * sum_k v_k, exact in int32 (< 2^22), to fp32
+            # (plus 1.5 * 2^23) by the integer add of 1.5 * 2^23's bits; the level sums likewise (+ 128 per key)
+            acc = acc + (pv + v_bits[None, :]).to(gl.float32, bitcast=True) * beta_o[:, None]
+            levels = (l_blk + _MAGIC_BITS).to(gl.float32, bitcast=True) - (_MAGIC - 128.0 * _BLOCK)
+            l_acc = (l_acc * gl.convert_layout(alpha, ROW_L)[:, None]
+                     + levels * gl.convert_layout(beta, ROW_L)[:, None])
+        else:
+            acc = acc + pv
+            l_acc = l_acc * gl.convert_layout(alpha, ROW_L)[:, None] + l_blk
+        mbarrier.arrive(kv_empty.index(st), count=1)
+        return acc, l_acc, m_i, kctr + 1
+
+    @gluon.jit
     def _consumer(out_args, q_args, kv_args, bars, walk, lengths, key_bias, tail,
                   HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, Q_STAGES: gl.constexpr, CONSUMER: gl.constexpr,
                   TAIL_K: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_SUFFIX: gl.constexpr, HAS_PERM: gl.constexpr,
@@ -418,6 +490,8 @@ if gluon is not None:
             s_zero = gl.zeros([ROWS, _BLOCK], gl.float32, layout=s_layout)
             l_zero = gl.zeros([ROWS, _ONES], gl.float32, layout=l_layout)
             o_zero = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
+        zeros = (s_zero, o_zero, l_zero)
+        ring = (k_smem, v_smem, ones_smem, k_ready, v_ready, kv_empty)
 
         kctr = 0  # key blocks consumed so far (all tiles): stage = kctr % STAGES, parity = (kctr // STAGES) & 1
         qt = 0
@@ -427,8 +501,8 @@ if gluon is not None:
             tail_row = tail_bias + map_row * tail_width  # (HAS_TAIL: this query block's row of the bias table)
             if HAS_TAIL:
                 _prefetch_row(tail_row, tail_width)
+            vsum_row = v_sums + bh * n_v_tiles * HEAD_DIM  # (INT8 only)
             if INT8:
-                vsum_row = v_sums + bh * n_v_tiles * HEAD_DIM
                 if HAS_TAIL:  # the listed key blocks before the first pooled tile
                     n_kept = n_kv - gl.load(walk[3] + map_row)
             qs = qt % Q_STAGES
@@ -457,62 +531,29 @@ if gluon is not None:
             m_i = gl.full([ROWS], -1.0e30, gl.float32, layout=row_s)  # finite: no NaN from a masked row
             acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
             l_acc = gl.zeros([ROWS, _ONES], gl.float32, layout=l_layout)  # the row sums, every column
-            for j in range(0, n_kv):
-                # one key block per step: Q @ K^T, softmax, P @ V and the row sums; the two warpgroups
-                # overlap each other through the warp schedulers
-                kb, sc, terms = _block_terms(idx_row, j, sq, k_scale_row, key_bias, pool_first, HAS_SUFFIX,
-                                             HAS_TAIL)
-                if INT8:  # 128 x the block's V sums, plus 1.5 * 2^23's bits: added to the int32 P @ V below
-                    v_bits = gl.load(vsum_row + kb * HEAD_DIM + offs_d) * 128 + _MAGIC_BITS
-                st = kctr % STAGES
-                ph = (kctr // STAGES) & 1
-                mbarrier.wait(k_ready.index(st), ph)
-                s = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                s = warpgroup_mma_wait(num_outstanding=0, deps=[s])
-                if INT8:
-                    p, m_i, alpha, beta = _softmax_block_int8(s, m_i, sc, kb, terms, offs_n, Lk, num_kv_blocks,
-                                                              key_bias, tail_row, pool_first, TAIL_K, HAS_BIAS,
-                                                              HAS_SUFFIX, HAS_TAIL)
-                else:
-                    p, m_i, alpha = _softmax_block(s, m_i, sc, kb, terms, offs_n, Lk, num_kv_blocks, key_bias,
-                                                   tail_row, pool_first, TAIL_K, HAS_BIAS, HAS_SUFFIX, HAS_TAIL)
-                p8 = _p_operand(p, p_layout)
-                mbarrier.wait(v_ready.index(st), ph)
-                # two-level accumulation (SageAttention 2's form): each block's P @ V and row sums into a
-                # fresh wgmma accumulator, added to O and l in fp32 registers. An FP8 wgmma accumulates in
-                # fewer mantissa bits (truncating); chained through it across key blocks, O shrank (~2% on
-                # attention-like inputs, up to 57% where V has a large common part)
-                pv = warpgroup_mma(p8, v_smem.index(st).permute((1, 0)), o_zero, use_acc=False, is_async=True)
-                l_blk = _row_sums_issue(p8, ones_smem, l_zero, pl_layout)
-                if INT8:
-                    if HAS_TAIL:
-                        if j == n_kept:
-                            # the pooled values are in units of their own per-channel scale (ratio = it over V's):
-                            # O moves to those units once, before the first pooled tile (its kept blocks are done),
-                            # and back after the last (a multiply per kept block would cost them 10-20%)
-                            acc = acc * (1.0 / gl.load(pool_ratio + bh * HEAD_DIM + offs_d))[None, :]
-                    # the block's P @ V arrives as a float offset by 1.5 * 2^23 (below): its weight times the offset
-                    # leaves O here, in the FFMA that rescales it (overlapping the MMAs), so the float needs no
-                    # subtraction; the rounding this adds, ~beta in the product's integer units, is far below
-                    # the ~1e2 units of P's own rounding
-                    beta_o = gl.convert_layout(beta, row_o)
-                    acc = acc * gl.convert_layout(alpha, row_o)[:, None] - (beta_o * _MAGIC)[:, None]
-                else:
-                    acc = acc * gl.convert_layout(alpha, row_o)[:, None]  # overlaps the MMAs
-                pv, l_blk = warpgroup_mma_wait(num_outstanding=0, deps=[pv, l_blk])
-                if INT8:
-                    # sum_k level_k v_k = sum_k (level_k - 128) v_k + 128 * sum_k v_k, exact in int32 (< 2^22), to
-                    # fp32 (plus 1.5 * 2^23) by the integer add of 1.5 * 2^23's bits; the level sums likewise
-                    # (+ 128 per key)
-                    acc = acc + (pv + v_bits[None, :]).to(gl.float32, bitcast=True) * beta_o[:, None]
-                    levels = (l_blk + _MAGIC_BITS).to(gl.float32, bitcast=True) - (_MAGIC - 128.0 * _BLOCK)
-                    l_acc = (l_acc * gl.convert_layout(alpha, row_l)[:, None]
-                             + levels * gl.convert_layout(beta, row_l)[:, None])
-                else:
-                    acc = acc + pv
-                    l_acc = l_acc * gl.convert_layout(alpha, row_l)[:, None] + l_blk
-                mbarrier.arrive(kv_empty.index(st), count=1)
-                kctr += 1
+            blocks = (idx_row, sq, k_scale_row, q, tail_row, vsum_row)
+            n_first = n_kv
+            if INT8:
+                if HAS_TAIL:  # the kept blocks first, in a loop without the pooled tiles' code (below)
+                    n_first = n_kept
+            for j in range(0, n_first):
+                acc, l_acc, m_i, kctr = _key_block(j, (acc, l_acc, m_i, kctr), blocks, ring, key_bias, pool_first,
+                                                   lengths, (offs_n, offs_d), zeros, STAGES, TAIL_K, HAS_BIAS,
+                                                   HAS_SUFFIX, HAS_TAIL and not INT8, INT8, HEAD_DIM, p_layout,
+                                                   pl_layout, row_o, row_l)
+            if INT8:
+                if HAS_TAIL:
+                    # the pooled tiles in a loop of their own: in the kept blocks' loop their weights' branch, even
+                    # never taken, cost 15% (a full map at 720p: 220 against 192 ms). Their values are in units of
+                    # their own per-channel scale (the ratio of it over V's): O moves to those units once here and
+                    # back after the last (a multiply per block would cost the kept blocks too)
+                    if n_first < n_kv:
+                        acc = acc * (1.0 / gl.load(pool_ratio + bh * HEAD_DIM + offs_d))[None, :]
+                    for j in range(n_first, n_kv):
+                        acc, l_acc, m_i, kctr = _key_block(j, (acc, l_acc, m_i, kctr), blocks, ring, key_bias,
+                                                           pool_first, lengths, (offs_n, offs_d), zeros, STAGES,
+                                                           TAIL_K, HAS_BIAS, HAS_SUFFIX, True, INT8, HEAD_DIM,
+                                                           p_layout, pl_layout, row_o, row_l)
             if not Q_KERNEL:
                 mbarrier.arrive(q_empty.index(qs), count=1)  # this consumer's Q rows are no longer read
             qt += 1

@@ -216,7 +216,7 @@ def quantize_qkv_int8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         HEAD_DIM=head_dim, TILE=QUANT_TILE, INTERPRET=interpret, HAS_PERM=token_perm is not None,
-        POOL_CHUNK=chunk, V_WGMMA_ORDER=v_key_order == "wgmma", num_warps=8)
+        POOL_CHUNK=chunk, V_WGMMA_ORDER=v_key_order == "wgmma", num_warps=4)  # H200, 720p: 2.3 ms (8 warps 3.0, 2: 47)
     v_absmax = v_absmax.view(batch, heads, head_dim)
     v_scale = torch.where(v_absmax > 0, v_absmax / INT8_MAX, torch.ones_like(v_absmax))
     pool_v_scale = None
