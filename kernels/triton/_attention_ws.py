@@ -268,6 +268,38 @@ if gluon is not None:
                              l_zero, use_acc=False, is_async=True)
 
     @gluon.jit
+    def _key_terms(s, sc, kb, terms, offs_n, Lk, num_kv_blocks, key_bias, tail_row, pool_first, TAIL_K: gl.constexpr,
+                   HAS_BIAS: gl.constexpr, HAS_SUFFIX: gl.constexpr, HAS_TAIL: gl.constexpr, SC_ROWS: gl.constexpr):
+        """Key block ``kb``'s per-key terms added to its logits ``s`` (``[R, 128]`` in units of ``1 / sc``; ``sc``
+        a scalar, or with ``SC_ROWS`` one per row): ``-inf`` for keys past ``Lk`` in the partial last block; on
+        a tile of pooled keys (``HAS_TAIL``) the tile's row of the bias table; on the one block a prefix or
+        suffix edge crosses (``HAS_BIAS`` / ``HAS_SUFFIX``), the bias of its keys inside. Each ``bias / sc``, in a
+        branch only such blocks take (``terms`` from :func:`_block_terms`)."""
+        whole, pre_keys, tail_from, edge, pooled = terms
+        prefix_bias = key_bias[1]
+        suffix_bias = key_bias[3]
+        if TAIL_K:
+            if kb == num_kv_blocks - 1:
+                s = gl.where((kb * _BLOCK + offs_n < Lk)[None, :], s, float("-inf"))
+        if HAS_TAIL:
+            if pooled:
+                weights = gl.load(tail_row + (kb - pool_first) * _BLOCK + offs_n)
+                if SC_ROWS:
+                    s = s + weights[None, :] * (1.0 / sc)[:, None]
+                else:
+                    s = s + (weights * (1.0 / sc))[None, :]
+        if HAS_BIAS:
+            if edge:  # per key: the prefix's last (partial) block, the suffix's first
+                keys = gl.where((offs_n < pre_keys) & (pre_keys < _BLOCK), prefix_bias, 0.0)
+                if HAS_SUFFIX:
+                    keys = keys + gl.where((offs_n >= tail_from) & (tail_from > 0), suffix_bias, 0.0)
+                if SC_ROWS:
+                    s = s + keys[None, :] * (1.0 / sc)[:, None]
+                else:
+                    s = s + (keys / sc)[None, :]
+        return s
+
+    @gluon.jit
     def _softmax_block(s, m_i, sc, kb, terms, offs_n, Lk, num_kv_blocks, key_bias, tail_row, pool_first,
                        TAIL_K: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_SUFFIX: gl.constexpr,
                        HAS_TAIL: gl.constexpr):
@@ -283,22 +315,9 @@ if gluon is not None:
         term from the tile's row of the bias table (``tail_row``: log2 units, ``-inf`` where the row keeps
         the block or past the last) enters as ``bias / sc`` added to ``s`` before the row maximum
         (``-inf``: P's saturating byte is 0, the row maximum ignores it)."""
-        whole, pre_keys, tail_from, edge, pooled = terms
-        prefix_bias = key_bias[1]
-        suffix_bias = key_bias[3]
-        if TAIL_K:
-            if kb == num_kv_blocks - 1:
-                s = gl.where((kb * _BLOCK + offs_n < Lk)[None, :], s, float("-inf"))
-        if HAS_TAIL:
-            if pooled:
-                weights = gl.load(tail_row + (kb - pool_first) * _BLOCK + offs_n)
-                s = s + (weights * (1.0 / sc))[None, :]
-        if HAS_BIAS:
-            if edge:  # per key: the prefix's last (partial) block, the suffix's first
-                keys = gl.where((offs_n < pre_keys) & (pre_keys < _BLOCK), prefix_bias, 0.0)
-                if HAS_SUFFIX:
-                    keys = keys + gl.where((offs_n >= tail_from) & (tail_from > 0), suffix_bias, 0.0)
-                s = s + (keys / sc)[None, :]
+        whole = terms[0]
+        s = _key_terms(s, sc, kb, terms, offs_n, Lk, num_kv_blocks, key_bias, tail_row, pool_first, TAIL_K,
+                       HAS_BIAS, HAS_SUFFIX, HAS_TAIL, False)
         if HAS_BIAS:  # exp2(s * sc + b - m + shift), the block's uniform bias b in the row terms
             m_new = gl.maximum(m_i, gl.max(s, axis=1) * sc + whole)
             shift = _P_SHIFT + whole - m_new
@@ -329,23 +348,10 @@ if gluon is not None:
         and ``beta = 2^(m_tile - m)`` (the block's weight). ``S`` stays in the dot's units offset by 1.5 * 2^23
         (the int32 becomes that float by one integer add: no conversion instruction), biases enter as
         ``bias / sc``, and the exponent is one FFMA ``x * sc - x_max * sc``."""
-        whole, pre_keys, tail_from, edge, pooled = terms
-        prefix_bias = key_bias[1]
-        suffix_bias = key_bias[3]
+        whole = terms[0]
         x = (s + _MAGIC_BITS).to(gl.float32, bitcast=True)  # the dot + 1.5 * 2^23, exact (|dot| < 2^22)
-        if TAIL_K:
-            if kb == num_kv_blocks - 1:
-                x = gl.where((kb * _BLOCK + offs_n < Lk)[None, :], x, float("-inf"))
-        if HAS_TAIL:
-            if pooled:
-                weights = gl.load(tail_row + (kb - pool_first) * _BLOCK + offs_n)
-                x = x + weights[None, :] * (1.0 / sc)[:, None]
-        if HAS_BIAS:
-            if edge:  # per key: the prefix's last (partial) block, the suffix's first
-                keys = gl.where((offs_n < pre_keys) & (pre_keys < _BLOCK), prefix_bias, 0.0)
-                if HAS_SUFFIX:
-                    keys = keys + gl.where((offs_n >= tail_from) & (tail_from > 0), suffix_bias, 0.0)
-                x = x + keys[None, :] * (1.0 / sc)[:, None]
+        x = _key_terms(x, sc, kb, terms, offs_n, Lk, num_kv_blocks, key_bias, tail_row, pool_first, TAIL_K,
+                       HAS_BIAS, HAS_SUFFIX, HAS_TAIL, True)
         x_max = gl.max(x, axis=1)
         m_tile = (x_max - _MAGIC) * sc
         if HAS_BIAS:
