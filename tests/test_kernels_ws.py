@@ -48,6 +48,26 @@ def test_the_engine_and_the_node_offer_it():
     assert SparseConfig(backend="triton_fp8_ws").backend == "triton_fp8_ws"
 
 
+def test_the_int8_variant_is_an_explicit_backend_auto_never_takes():
+    """``triton_int8_ws`` (the accurate numerics in this kernel): not in auto's chain, attention only, sm_90
+    only; where it cannot run an explicit choice raises with the reason (here: no CUDA), calls of another block
+    size or head dim raise, the pooled tail is its own."""
+    from chorus.engine import BACKENDS
+    from chorus.kernels import api, block_sparse_attention
+
+    int8_ws = api.Backend.TRITON_INT8_WS
+    assert int8_ws.value in BACKENDS and int8_ws not in api._AUTO_CHAIN and api.has_pooled_tail(int8_ws)
+    q = torch.zeros(1, 1, 8, 128)
+    assert "no block_mass" in api.why_unavailable(int8_ws, q, "block_mass")
+    assert "triton_int8_ws needs a CUDA tensor" in api.why_unavailable(int8_ws, q)
+    assert api._for_call_options(int8_ws, False, q, 128, 16, 2000, True) == int8_ws
+    with pytest.raises(api.BackendUnavailableError, match="block size 64"):
+        api._for_call_options(int8_ws, True, q, 64, 0)
+    x = torch.zeros(1, 1, 128, 128, dtype=torch.bfloat16)
+    with pytest.raises(api.BackendUnavailableError, match="triton_int8_ws"):
+        block_sparse_attention(x, x, x, torch.ones(1, 1, 1, 1, dtype=torch.bool), backend="triton_int8_ws")
+
+
 @pytest.mark.parametrize("head_dim,has_bias,has_perm,has_suffix", [
     (128, False, False, False), (64, False, False, False), (128, True, True, False), (64, True, False, False),
     (128, True, False, True), (64, True, True, True)])
