@@ -112,7 +112,7 @@ def why_unavailable(backend: Backend, q: torch.Tensor, op: str = "attention") ->
         except ImportError as exc:  # pragma: no cover - depends on torch build
             return f"FlexAttention is not available in this torch ({exc})"
         return None
-    if backend in _ATTENTION_ONLY and backend != Backend.FLEX and op != "attention":
+    if backend in _ATTENTION_ONLY and op != "attention":
         return f"{backend.value} has no block_mass implementation"
     if backend == Backend.FA4_BF16:
         from .fa4 import fa4_unavailable  # noqa: PLC0415

@@ -322,7 +322,8 @@ def test_the_int8_variant_compiles_for_sm90_with_signed_8bit_wgmma(head_dim, has
     assert len(sources) == ptx.count("shfl.sync.idx") <= 4, sources
     assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+240", ptx)
     ops = key_block_loop_ops(sass_of(kernel), kept_blocks_only=True)
-    assert ops.get("IGMMA", 0) == head_dim // 32 + 8, ops  # per k-step of 32: Q @ K^T over D, P @ V and P @ ones over 128 keys
+    # per k-step of 32: Q @ K^T over D, P @ V and P @ ones over the 128 keys
+    assert ops.get("IGMMA", 0) == head_dim // 32 + 8, ops
     assert 64 <= ops.get("MUFU", 0) <= 72 and ops.get("FMUL", 0) <= 24, ops
     # spills: none, but 8 bytes with the tail and a key bias at head dim 128 (measured on the H200 with them)
     line = summarize(kernel, sass=False)
