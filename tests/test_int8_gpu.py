@@ -184,3 +184,25 @@ def test_int8_warp_specialised_agrees_with_the_portable_kernel(length, dim, dens
     assert torch.isfinite(ws).all() and ws.shape == q.shape and ws.dtype == q.dtype
     assert apart < 0.1 * yardstick, (apart, yardstick)
     assert ours <= 1.25 * yardstick + 0.002, (ours, yardstick)
+
+
+@pytest.mark.parametrize("backend", INT8_BACKENDS)
+def test_int8_strong_negative_key_bias_on_tiny_logits(backend):
+    """Tiny logits (q x 1e-4) and the strongest negative prefix bias over every key, the partial last block
+    included: in the warp-specialised kernel that block's logits, offset by 1.5 x 2^23 in the dot's units, go
+    below zero, and its P must still be taken relative to its own maximum (else its keys drop out)."""
+    from chorus.kernels import block_sparse_attention
+    from chorus.kernels.reference import dense_attention_oracle
+    from chorus.kernels.triton.emulation import int8_attention_emulation
+
+    length, heads = 300, 2
+    q, k, v = _qkv(heads, length, seed=21)
+    q = (q.float() * 1e-4).bfloat16()
+    bm = torch.ones(1, 1, 3, 3, dtype=torch.bool, device="cuda")
+    biases = dict(prefix_len=length, prefix_bias=-20.0)
+    out = block_sparse_attention(q, k, v, bm, backend=backend, **biases)
+    oracle = dense_attention_oracle(q, k, v, bm, 128, **biases)
+    yardstick = _rel(int8_attention_emulation(q, k, v, bm, 128, **biases), oracle)
+    ours = _rel(out, oracle)
+    print(f"{backend}: tiny logits, prefix bias -20 on every key: {ours:.4f} (emulation {yardstick:.4f})")
+    assert torch.isfinite(out).all() and ours <= 1.25 * yardstick + 0.002, (ours, yardstick)

@@ -360,8 +360,9 @@ if gluon is not None:
         m_new = gl.maximum(m_i, m_tile)
         alpha = gl.exp2(m_i - m_new)
         beta = gl.exp2(m_tile - m_new)
-        # -inf (a row with no key here) -> 0, so the FFMA's -inf * sc - 0 stays -inf (no inf - inf)
-        x_ref = gl.maximum(x_max, 0.0) * sc
+        # -inf (a row with no key here) -> 0, so the FFMA's -inf * sc - 0 stays -inf (no inf - inf); a finite x_max
+        # is kept as it is, negative too (a strongly negative key bias on tiny logits can take x below 0)
+        x_ref = gl.where(x_max > float("-inf"), x_max, 0.0) * sc
         # one FFMA rounds 255 p - 128 to an integer (to nearest) in the low bits of a float near 1.5 * 2^23:
         # its low byte is the int8 operand (level 0, a masked key, is -128)
         rounded = gl.exp2(x * sc[:, None] - x_ref[:, None]) * 255.0 + (_MAGIC - 128.0)
