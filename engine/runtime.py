@@ -191,6 +191,15 @@ class ChorusAttention:
         self.record(AttnCall(q, k, k, layer=layer, sigma=sigma, grid=grid, cond_rows=cond_rows))
 
 
+def _resolved(backend: str, q: torch.Tensor) -> str | None:
+    """The kernel ``backend`` runs for tensors like ``q`` (``auto``: its choice on this device), or None when it
+    cannot run here (its calls then run dense, each with a message)."""
+    try:
+        return kernels.resolve_backend(backend, q).value
+    except kernels.BackendUnavailableError:
+        return None
+
+
 class ExpertRun:
     """One sampler run of one patched model: the expert it serves (None: an unsupported model, every
     call dense), the run's schedule, the maps it computes with (:class:`~chorus.engine.maps.RunMaps`),
@@ -290,11 +299,10 @@ class ExpertRun:
     def _backend(self, q: torch.Tensor) -> str:
         """The first of the config's :attr:`~chorus.engine.config.SparseConfig.attention_backends` that can run
         here (decided once per run): with auto's accurate choice, ``triton_int8_ws``, else ``triton_int8``, else
-        (no CUDA, another block size) ``auto``; any other config, its backend."""
-        wanted = self.config.attention_backends
-        if len(wanted) == 1:
-            return wanted[0]
+        (no CUDA, another block size) ``auto``; any other config, its backend. The kernel it resolves to is named
+        once in the request's stats (:attr:`~chorus.engine.state.PlanStats.kernels`, the run's UI text)."""
         if self._backend_name is None:
+            wanted = self.config.attention_backends
             self._backend_name = wanted[-1]
             for name in wanted[:-1]:
                 if self.config.block_size != 128:  # the INT8 kernels run 128-token blocks only
@@ -305,6 +313,7 @@ class ExpertRun:
                     continue
                 self._backend_name = name
                 break
+            self.plan.stats.note_kernel(self._backend_name, _resolved(self._backend_name, q))
         return self._backend_name
 
     def _count_sparse(self, batch: int, block_map, kept) -> None:

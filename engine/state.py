@@ -54,10 +54,19 @@ class PlanStats:
     runs: int = 0
     messages: list[str] = field(default_factory=list)
     suppressed_messages: int = 0
+    # the sparse kernels the request's runs asked for: "name" or "resolved (asked)", once each (ExpertRun._backend)
+    kernels: list[str] = field(default_factory=list)
     # self-verifying hits (engine/verify.py): expert -> {"step", "layers", "verdict", "ratio", "recall",
     # "best", "min_ratio", "threshold"[, "reason"]}: at the expert's first step, the estimated recall of
     # the reused maps, the best recall at their density, and their ratio (the verdict's number)
     verification: dict = field(default_factory=dict)
+
+    def note_kernel(self, asked: str, resolved: str | None) -> None:
+        """Name once the kernel a run's sparse calls ask for (``asked``) and what it resolves to here (None: it
+        cannot run here)."""
+        name = asked if resolved == asked else f"{resolved} ({asked})" if resolved else f"{asked} (cannot run here)"
+        if name not in self.kernels:
+            self.kernels.append(name)
 
     @property
     def density(self) -> float | None:
@@ -71,6 +80,8 @@ class PlanStats:
             parts.append(f"density {self.density:.1%} ({self.blocks_computed}/{self.blocks_total} blocks)")
         parts.append(f"calls sparse {self.sparse_calls}, dense {self.dense_calls} (recorded {self.recorded_calls}), "
                      f"fallback {self.fallback_calls}")
+        if self.kernels:
+            parts.append(f"kernel {', '.join(self.kernels)}")
         if self.tail_calls:
             parts.append(f"pooled tail on {self.tail_calls} sparse calls")
         parts.append(f"attention {self.attention_seconds * 1e3:.1f} ms")

@@ -139,6 +139,20 @@ def test_auto_asks_for_the_accurate_path_from_top_p_095_and_runs_auto_where_it_c
     err_dense_eager = (sdpa(q, k, v).double() - dense_attention_oracle(q, k, v)).abs().max().item()
     assert asked == ["auto"] and plan.stats.fallback_calls == 0
     assert (out - tail).abs().max().item() <= 2 * err_dense_eager + 1e-6
+    # the run's UI text names the kernel once: what auto resolved to on this CPU, and that auto asked for it
+    assert plan.stats.kernels == ["reference (auto)"] and "kernel reference (auto)" in plan.stats.summary()
+
+
+def test_the_stats_name_each_kernel_once_and_one_that_cannot_run():
+    from chorus.engine.state import PlanStats
+
+    stats = PlanStats()
+    stats.note_kernel("triton_int8_ws", "triton_int8_ws")
+    stats.note_kernel("triton_int8_ws", "triton_int8_ws")  # the second expert's run
+    stats.note_kernel("auto", "triton_fp8_ws")
+    stats.note_kernel("triton_fp8", None)
+    assert stats.kernels == ["triton_int8_ws", "triton_fp8_ws (auto)", "triton_fp8 (cannot run here)"]
+    assert "kernel triton_int8_ws, triton_fp8_ws (auto), triton_fp8 (cannot run here)" in stats.summary()
 
 
 def test_k_min_floor_adds_blocks_nearest_the_diagonal():
