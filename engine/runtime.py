@@ -303,17 +303,15 @@ class ExpertRun:
         once in the request's stats (:attr:`~chorus.engine.state.PlanStats.kernels`, the run's UI text)."""
         if self._backend_name is None:
             wanted = self.config.attention_backends
-            self._backend_name = wanted[-1]
-            for name in wanted[:-1]:
-                if self.config.block_size != 128:  # the INT8 kernels run 128-token blocks only
+            self._backend_name, resolved = wanted[-1], None
+            for name in wanted[:-1] if self.config.block_size == 128 else ():  # the INT8 kernels: 128-token blocks
+                resolved = _resolved(name, q)
+                if resolved is not None:
+                    self._backend_name = name
                     break
-                try:
-                    kernels.resolve_backend(name, q)
-                except kernels.BackendUnavailableError:
-                    continue
-                self._backend_name = name
-                break
-            self.plan.stats.note_kernel(self._backend_name, _resolved(self._backend_name, q))
+            if resolved is None:
+                resolved = _resolved(self._backend_name, q)
+            self.plan.stats.note_kernel(self._backend_name, resolved)
         return self._backend_name
 
     def _count_sparse(self, batch: int, block_map, kept) -> None:
