@@ -51,8 +51,9 @@ def _rel(x, oracle):
     return ((x.double() - oracle).norm() / oracle.norm()).item()
 
 
-INT8_BACKENDS = ["triton_int8", pytest.param("triton_int8_ws", marks=pytest.mark.skipif(
-    not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9, reason="sm_90 only"))]
+SM90_ONLY = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                               reason="sm_90 only")
+INT8_BACKENDS = ["triton_int8", pytest.param("triton_int8_ws", marks=SM90_ONLY)]
 
 
 @pytest.mark.parametrize("length", [300, 4097])
@@ -153,7 +154,7 @@ def test_int8_rejects_other_block_sizes():
         block_sparse_attention(q, k, v, bm, block_size=64, backend="triton_int8")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9, reason="sm_90 only")
+@SM90_ONLY
 @pytest.mark.parametrize("length,dim,density,pooled_tail,suffix", [
     (300, 128, 0.5, True, False), (4097, 64, 0.3, True, False), (4097, 128, 0.3, False, True),
     (32760, 128, 0.15, True, True), (75600, 128, 0.05, True, False)])
