@@ -2,8 +2,8 @@
 
 Helpers for the tests: :func:`compile_attn` (the portable Triton kernel), :func:`compile_jit` (any Triton
 kernel of ours), :func:`compile_ws` (the warp-specialised Gluon kernel), :func:`sass_of`,
-:func:`key_block_loop_ops` (opcode counts of the key-block loop), :func:`summarize`. Needs only Triton (its
-bundled ptxas and cuobjdump). Also a report: ``python tests/aot_check.py [--sass]`` (from the pack root,
+:func:`key_block_loop` (the key-block loop's instructions), :func:`key_block_loop_ops` (their opcode counts),
+:func:`summarize`. Needs only Triton (its bundled ptxas and cuobjdump). Also a report: ``python tests/aot_check.py [--sass]`` (from the pack root,
 with the pack importable as ``chorus``) prints one line per variant: the Triton kernel's tile
 configurations, then the warp-specialised kernel with and without a token order (its registers are the
 launch's 168, the consumer warpgroups raise theirs to 240 with ``setmaxnreg``).
@@ -105,12 +105,9 @@ def sass_of(kernel) -> str:
     return cuobjdump(kernel, "--dump-sass")
 
 
-def key_block_loop_ops(sass: str, kept_blocks_only: bool = False) -> dict:
-    """Opcode counts (``FFMA``, ``FMNMX``, ``FSEL`` ...) of the innermost loop that issues a wgmma
-    (``QGMMA``/``HGMMA``/``IGMMA``): the first consumer's key-block loop, what runs once per kept key block and
-    thread; ``{"total": n}`` holds its instruction count. ``kept_blocks_only``: leave out the instructions
-    a forward branch inside the loop skips when they load from global memory (``LDG``: the pooled tail's
-    weights, loaded on its pooled tiles only), i.e. count what a kept key block runs."""
+def key_block_loop(sass: str) -> list:
+    """The innermost loop that issues a wgmma (``QGMMA``/``HGMMA``/``IGMMA``) as ``(address, instruction)`` pairs:
+    the first consumer's key-block loop (empty if there is none)."""
     ins = [(int(m.group(1), 16), m.group(2).strip())
            for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*?)\s*;", sass)]
     index = {addr: i for i, (addr, _) in enumerate(ins)}
@@ -118,21 +115,32 @@ def key_block_loop_ops(sass: str, kept_blocks_only: bool = False) -> dict:
         target = re.search(r"BRA 0x([0-9a-f]+)", text)
         start = index.get(int(target.group(1), 16), end) if target else end
         if start < end and any(re.search(r"[QHI]GMMA", t) for _, t in ins[start:end]):
-            loop = ins[start:end + 1]
-            skipped: set = set()
-            for addr, t in loop if kept_blocks_only else ():
-                jump = re.search(r"@!?P\d BRA 0x([0-9a-f]+)", t)
-                if jump and addr < int(jump.group(1), 16) <= loop[-1][0]:
-                    body = [(a, x) for a, x in loop if addr < a < int(jump.group(1), 16)]
-                    if any("LDG" in x for _, x in body):
-                        skipped.update(a for a, _ in body)
-            ops: dict = {"total": len(loop) - len(skipped)}
-            for addr, t in loop:
-                if addr not in skipped:
-                    op = re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0]
-                    ops[op] = ops.get(op, 0) + 1
-            return ops
-    return {"total": 0}
+            return ins[start:end + 1]
+    return []
+
+
+def key_block_loop_ops(sass: str, kept_blocks_only: bool = False) -> dict:
+    """Opcode counts (``FFMA``, ``FMNMX``, ``FSEL`` ...) of the innermost loop that issues a wgmma
+    (``QGMMA``/``HGMMA``/``IGMMA``): the first consumer's key-block loop, what runs once per kept key block and
+    thread; ``{"total": n}`` holds its instruction count. ``kept_blocks_only``: leave out the instructions
+    a forward branch inside the loop skips when they load from global memory (``LDG``: the pooled tail's
+    weights, loaded on its pooled tiles only), i.e. count what a kept key block runs."""
+    loop = key_block_loop(sass)
+    if not loop:
+        return {"total": 0}
+    skipped: set = set()
+    for addr, t in loop if kept_blocks_only else ():
+        jump = re.search(r"@!?P\d BRA 0x([0-9a-f]+)", t)
+        if jump and addr < int(jump.group(1), 16) <= loop[-1][0]:
+            body = [(a, x) for a, x in loop if addr < a < int(jump.group(1), 16)]
+            if any("LDG" in x for _, x in body):
+                skipped.update(a for a, _ in body)
+    ops: dict = {"total": len(loop) - len(skipped)}
+    for addr, t in loop:
+        if addr not in skipped:
+            op = re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0]
+            ops[op] = ops.get(op, 0) + 1
+    return ops
 
 
 def summarize(kernel, sass: bool):

@@ -310,7 +310,7 @@ def test_the_int8_variant_compiles_for_sm90_with_signed_8bit_wgmma(head_dim, has
 
     if _attention_ws.available():
         pytest.fail(f"this Triton has no Gluon Hopper API: {_attention_ws.available()}")
-    from aot_check import compile_ws, key_block_loop_ops, sass_of, summarize
+    from aot_check import compile_ws, key_block_loop, key_block_loop_ops, sass_of, summarize
 
     kernel = compile_ws(head_dim, tail=True, has_tail=has_tail, has_bias=has_bias, has_perm=has_perm,
                         has_suffix=has_suffix, int8=True)
@@ -325,6 +325,13 @@ def test_the_int8_variant_compiles_for_sm90_with_signed_8bit_wgmma(head_dim, has
     # per k-step of 32: Q @ K^T over D, P @ V and P @ ones over the 128 keys
     assert ops.get("IGMMA", 0) == head_dim // 32 + 8, ops
     assert 64 <= ops.get("MUFU", 0) <= 72 and ops.get("FMUL", 0) <= 24, ops
+    # P @ V's accumulator starts at 128 x the V sums plus the float offset's bits: after the loop's last wgmma wait
+    # no integer add per output element (adding them there was 64 more per thread and block and 19% of the time),
+    # only the row sums' four
+    loop = [text for _, text in key_block_loop(sass_of(kernel))]
+    after_last_wait = loop[max(i for i, text in enumerate(loop) if "WARPGROUP.DEPBAR" in text):]
+    int_adds = [text for text in after_last_wait if re.match(r"(@!?P\d+ )?(IADD3|VIADD|IMAD\.IADD)\b", text)]
+    assert len(int_adds) <= 4, int_adds
     # spills: none, but 8 bytes with the tail and a key bias at head dim 128 (measured on the H200 with them)
     line = summarize(kernel, sass=False)
     assert kernel.metadata.shared <= 228 * 1024 and re.search(r" stack=(0|8)\b", line), line

@@ -68,8 +68,9 @@ then one persistent launch of ``_bsa_ws_kernel``):
   (Hadamard-rotated, one scale per row; always the pre-pass's tiles), K and V^T; ``Q @ K^T``, ``P @ V`` and the
   row sums are signed 8-bit wgmmas with int32 accumulators; P is each key block's uint8 levels
   ``round(255 * 2^(S - m_block))`` from the MUFU's exp2, fed as ``level - 128`` (:func:`_softmax_block_int8`); the
-  int32 results become fp32 by one integer add of 1.5 * 2^23's bits (the block's ``128 * V sums`` in the same
-  add), and each block enters O and l with its weight ``2^(m_block - m)``. With the pooled tail the pooled
+  int32 S and row sums become fp32 by one integer add of 1.5 * 2^23's bits, and ``P @ V``'s accumulator starts
+  at those bits plus the block's ``128 * V sums`` (no add after the product); each block enters O and l with its
+  weight ``2^(m_block - m)``. With the pooled tail the pooled
   tiles run in a loop of their own after the kept blocks (:func:`_key_block` is the step of both loops), and O
   moves to the pooled values' own per-channel scale once between the two.
 
@@ -403,7 +404,7 @@ if gluon is not None:
         offs_n, offs_d = offsets
         Lk, num_kv_blocks = lengths[1], lengths[2]
         kb, sc, terms = _block_terms(idx_row, j, sq, k_scale_row, key_bias, pool_first, HAS_SUFFIX, TAIL)
-        if INT8:  # 128 x the block's V sums, plus 1.5 * 2^23's bits: added to the int32 P @ V below
+        if INT8:  # 128 x the block's V sums, plus 1.5 * 2^23's bits: the int32 P @ V's starting value below
             v_bits = gl.load(vsum_row + kb * HEAD_DIM + offs_d) * 128 + _MAGIC_BITS
         st = kctr % STAGES
         ph = (kctr // STAGES) & 1
@@ -422,7 +423,12 @@ if gluon is not None:
         # accumulator, added to O and l in fp32 registers. An FP8 wgmma accumulates in fewer mantissa bits
         # (truncating); chained through it across key blocks, O shrank (~2% on attention-like inputs, up to 57%
         # where V has a large common part)
-        pv = warpgroup_mma(p8, v_smem.index(st).permute((1, 0)), o_zero, use_acc=False, is_async=True)
+        if INT8:  # the int32 accumulator starts at v_bits, so the product arrives with both added (an integer add
+            # after it, 64 per thread and block, made the kernel 19% slower on a 720p full map: 190 against 160 ms)
+            pv = warpgroup_mma(p8, v_smem.index(st).permute((1, 0)), o_zero + v_bits[None, :], use_acc=True,
+                               is_async=True)
+        else:
+            pv = warpgroup_mma(p8, v_smem.index(st).permute((1, 0)), o_zero, use_acc=False, is_async=True)
         l_blk = _row_sums_issue(p8, ones_smem, l_zero, PL_LAYOUT)
         if INT8:
             # the block's P @ V arrives as a float offset by 1.5 * 2^23 (below): its weight times the offset leaves
@@ -434,9 +440,10 @@ if gluon is not None:
             acc = acc * gl.convert_layout(alpha, ROW_O)[:, None]  # overlaps the MMAs
         pv, l_blk = warpgroup_mma_wait(num_outstanding=0, deps=[pv, l_blk])
         if INT8:
-            # sum_k level_k v_k = sum_k (level_k - 128) v_k + 128 * sum_k v_k, exact in int32 (< 2^22), to fp32
-            # (plus 1.5 * 2^23) by the integer add of 1.5 * 2^23's bits; the level sums likewise (+ 128 per key)
-            acc = acc + (pv + v_bits[None, :]).to(gl.float32, bitcast=True) * beta_o[:, None]
+            # sum_k level_k v_k = sum_k (level_k - 128) v_k + 128 * sum_k v_k, exact in int32 (< 2^22), is, with
+            # 1.5 * 2^23's bits added (the accumulator's start), the fp32 value plus 1.5 * 2^23; the level sums
+            # likewise (+ 128 per key)
+            acc = acc + pv.to(gl.float32, bitcast=True) * beta_o[:, None]
             levels = (l_blk + _MAGIC_BITS).to(gl.float32, bitcast=True) - (_MAGIC - 128.0 * _BLOCK)
             l_acc = (l_acc * gl.convert_layout(alpha, ROW_L)[:, None]
                      + levels * gl.convert_layout(beta, ROW_L)[:, None])
