@@ -3,10 +3,10 @@
 Helpers for the tests: :func:`compile_attn` (the portable Triton kernel), :func:`compile_jit` (any Triton
 kernel of ours), :func:`compile_ws` (the warp-specialised Gluon kernel), :func:`sass_of`,
 :func:`key_block_loop` (the key-block loop's instructions), :func:`key_block_loop_ops` (their opcode counts),
-:func:`summarize`. Needs only Triton (its bundled ptxas and cuobjdump). Also a report: ``python tests/aot_check.py [--sass]`` (from the pack root,
-with the pack importable as ``chorus``) prints one line per variant: the Triton kernel's tile
-configurations, then the warp-specialised kernel with and without a token order (its registers are the
-launch's 168, the consumer warpgroups raise theirs to 240 with ``setmaxnreg``).
+:func:`summarize`. Needs only Triton (its bundled ptxas and cuobjdump). Also a report: ``python
+tests/aot_check.py [--sass]`` (from the pack root, with the pack importable as ``chorus``) prints one line per
+variant: the Triton kernel's tile configurations, then the warp-specialised kernel with and without a token
+order (its registers are the launch's 168, the consumer warpgroups raise theirs to 240 with ``setmaxnreg``).
 """
 
 from __future__ import annotations
