@@ -753,9 +753,9 @@ def launch_ws(q, k, v, block_map, scale: float, config: WsConfig | None = None, 
         float(prefix_bias) * LOG2E if has_bias else 0.0, suffix_start,
         float(suffix_bias) * LOG2E if suffix_start < kv_len else 0.0, k_scale if token_perm is None else token_perm,
         out.stride(0), out.stride(1), out.stride(2), *map_strides, *tail_args, v_sums, pool_ratio,
-        v_sums.shape[2] if int8 else 0, HEAD_DIM=head_dim, STAGES=cfg.stages, Q_STAGES=cfg.q_stages, TAIL_K=kv_len % BLOCK != 0, HAS_BIAS=has_bias,
-        HAS_SUFFIX=suffix_start < kv_len, HAS_PERM=token_perm is not None, Q_KERNEL=q_kernel,
-        HAS_TAIL=bool(pooled_tail), INT8=bool(int8), num_warps=4)
+        v_sums.shape[2] if int8 else 0, HEAD_DIM=head_dim, STAGES=cfg.stages, Q_STAGES=cfg.q_stages,
+        TAIL_K=kv_len % BLOCK != 0, HAS_BIAS=has_bias, HAS_SUFFIX=suffix_start < kv_len,
+        HAS_PERM=token_perm is not None, Q_KERNEL=q_kernel, HAS_TAIL=bool(pooled_tail), INT8=bool(int8), num_warps=4)
     return out
 
 
@@ -794,8 +794,9 @@ def compile_sm90(head_dim: int = 128, config: WsConfig | None = None, *, tail_k:
     """The kernel variant :func:`launch_ws` builds for such a call, compiled ahead of time for sm_90 by this
     Triton (no GPU needed; bf16 inputs): ``tail_k`` a partial last key block, ``has_bias`` a prefix bias,
     ``has_suffix`` a suffix bias, ``has_perm`` a token order, ``q_kernel`` Q from its input rows (default:
-    unless ``has_perm``; never with ``int8``), ``has_tail`` the pooled tail, ``int8`` the INT8 numerics. Returns Triton's compiled kernel (``asm["ptx"]``,
-    ``asm["cubin"]``, ``metadata``); raises whatever Triton raises when it cannot build it."""
+    unless ``has_perm``; never with ``int8``), ``has_tail`` the pooled tail, ``int8`` the INT8 numerics. Returns
+    Triton's compiled kernel (``asm["ptx"]``, ``asm["cubin"]``, ``metadata``); raises whatever Triton raises when
+    it cannot build it."""
     import triton  # noqa: PLC0415
     from triton.backends.compiler import GPUTarget  # noqa: PLC0415
     from triton.experimental.gluon._runtime import GluonASTSource  # noqa: PLC0415
