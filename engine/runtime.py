@@ -191,11 +191,11 @@ class ChorusAttention:
         self.record(AttnCall(q, k, k, layer=layer, sigma=sigma, grid=grid, cond_rows=cond_rows))
 
 
-def _resolved(backend: str, q: torch.Tensor) -> str | None:
-    """The kernel ``backend`` runs for tensors like ``q`` (``auto``: its choice on this device), or None when it
-    cannot run here (its calls then run dense, each with a message)."""
+def _resolved(backend: str, q: torch.Tensor, block_size: int) -> str | None:
+    """The kernel ``backend`` runs for tensors like ``q`` in ``block_size``-token blocks (``auto``: its choice on
+    this device), or None when it cannot run them here (its calls then run dense, each with a message)."""
     try:
-        return kernels.resolve_backend(backend, q).value
+        return kernels.resolve_backend(backend, q, block_size=block_size).value
     except kernels.BackendUnavailableError:
         return None
 
@@ -298,19 +298,20 @@ class ExpertRun:
 
     def _backend(self, q: torch.Tensor) -> str:
         """The first of the config's :attr:`~chorus.engine.config.SparseConfig.attention_backends` that can run
-        here (decided once per run): with auto's accurate choice, ``triton_int8_ws``, else ``triton_int8``, else
-        (no CUDA, another block size) ``auto``; any other config, its backend. The kernel it resolves to is named
-        once in the request's stats (:attr:`~chorus.engine.state.PlanStats.kernels`, the run's UI text)."""
+        here with the config's block size (decided once per run): with auto's accurate choice, ``triton_int8_ws``,
+        else ``triton_int8``, else (no CUDA, another block size) ``auto``; any other config, its backend. The kernel
+        it resolves to is named once in the request's stats (:attr:`~chorus.engine.state.PlanStats.kernels`, the
+        run's UI text)."""
         if self._backend_name is None:
-            wanted = self.config.attention_backends
+            wanted, block_size = self.config.attention_backends, self.config.block_size
             self._backend_name, resolved = wanted[-1], None
-            for name in wanted[:-1] if self.config.block_size == 128 else ():  # the INT8 kernels: 128-token blocks
-                resolved = _resolved(name, q)
+            for name in wanted[:-1]:
+                resolved = _resolved(name, q, block_size)
                 if resolved is not None:
                     self._backend_name = name
                     break
             if resolved is None:
-                resolved = _resolved(self._backend_name, q)
+                resolved = _resolved(self._backend_name, q, block_size)
             self.plan.stats.note_kernel(self._backend_name, resolved)
         return self._backend_name
 

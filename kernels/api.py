@@ -156,14 +156,18 @@ def _candidates(q: torch.Tensor, op: str) -> list[Backend]:
     return chain
 
 
-def resolve_backend(backend, q: torch.Tensor, op: str = "attention") -> Backend:
+def resolve_backend(backend, q: torch.Tensor, op: str = "attention", block_size: int | None = None) -> Backend:
     """Resolve ``backend`` for inputs like ``q``: auto picks the first runnable backend of its chain
-    (cached, logged once); an explicit backend is checked and raises if it cannot run."""
+    (cached, logged once); an explicit backend is checked and raises :class:`BackendUnavailableError` if it
+    cannot run. ``block_size`` (attention): the backend must also run blocks of that many tokens (an explicit
+    one raises otherwise; auto moves on along its chain, as a call with that block size does)."""
     requested = _parse_backend(backend)
     if requested != Backend.AUTO:
         reason = why_unavailable(requested, q, op)
         if reason is not None:
             raise BackendUnavailableError(f"backend={requested.value!r} cannot run here: {reason}")
+        if block_size is not None and op == "attention":
+            return _for_call_options(requested, True, q, block_size, 0)
         return requested
     key = (op, q.device.type, q.device.index, q.dtype, q.shape[-1])
     if key not in _auto_choice:
@@ -175,6 +179,8 @@ def resolve_backend(backend, q: torch.Tensor, op: str = "attention") -> Backend:
             LOG.debug("chorus auto backend: skipping %s (%s)", candidate.value, reason)
         LOG.info("chorus: %s backend auto -> %s (device %s, %s, head dim %d)", op, _auto_choice[key].value,
                  q.device, str(q.dtype).replace("torch.", ""), q.shape[-1])
+    if block_size is not None and op == "attention":
+        return _for_call_options(_auto_choice[key], False, q, block_size, 0)
     return _auto_choice[key]
 
 

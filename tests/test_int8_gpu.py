@@ -154,6 +154,24 @@ def test_int8_rejects_other_block_sizes():
         block_sparse_attention(q, k, v, bm, block_size=64, backend="triton_int8")
 
 
+@pytest.mark.parametrize("backend", INT8_BACKENDS)
+def test_int8_backends_resolve_only_with_their_block_size(backend):
+    """``resolve_backend(..., block_size=)``: the INT8 kernels run 128-token blocks only, so asked for another
+    size they are unavailable (what the engine's accurate choice asks before it falls back to ``auto``), and
+    auto moves on to a backend that runs it."""
+    from chorus.kernels import Backend, BackendUnavailableError, resolve_backend
+    from chorus.engine.config import ACCURATE_TOP_P, SparseConfig
+    from chorus.engine.runtime import _resolved
+
+    q = _qkv(1, 300)[0]
+    assert resolve_backend(backend, q, block_size=128) == Backend(backend)
+    with pytest.raises(BackendUnavailableError, match="128"):
+        resolve_backend(backend, q, block_size=64)
+    assert resolve_backend("auto", q, block_size=64) not in (Backend.TRITON_INT8, Backend.TRITON_INT8_WS)
+    wanted = SparseConfig(top_p=ACCURATE_TOP_P, block_size=64).attention_backends
+    assert [_resolved(name, q, 64) is not None for name in wanted] == [False, False, True]
+
+
 @SM90_ONLY
 @pytest.mark.parametrize("length,dim,density,pooled_tail,suffix", [
     (300, 128, 0.5, True, False), (4097, 64, 0.3, True, False), (4097, 128, 0.3, False, True),
