@@ -68,3 +68,20 @@ def test_compiled_only_runs_the_compiled_rows_beside_compiled_dense(tmp_path, mo
     assert set(rows) == {"dense+compile", "miss+compile"}, sorted(rows)
     assert rows["miss+compile"]["plan_kind"] == "miss" and all(r["finite"] for r in rows.values())
     assert rows["miss+compile"]["first_request_s"] > 0 and rows["miss+compile"]["dynamo"]["unique_graphs"] >= 1
+
+
+def test_compiled_hit_without_the_tail_runs_its_own_compiled_row(tmp_path, monkeypatch):
+    """``--compile --compiled-only`` with ``hit15`` and ``hit15_notail``: the eager miss that writes the entry, then
+    both hits under ``TorchCompileModel``, the first with the pooled tail on every sparse call, the second with it off
+    on every one (the node's option reaches the compiled calls)."""
+    from chorus.benchmarks.comfy_e2e import run
+
+    monkeypatch.setenv("COMFYUI_DIR", str(tiny.find_comfyui_dir()))
+    monkeypatch.setenv("CHORUS_CACHE_DIR", str(tmp_path / "cache"))
+    assert run.main(["--tiny", "--out", str(tmp_path), "--variants", "hit15", "hit15_notail", "--compile",
+                     "--compiled-only"]) == 0
+    rows = {r["variant"]: r for r in json.loads((tmp_path / "comfy_e2e.json").read_text())["runs"]}
+    assert set(rows) == {"miss", "hit15+compile", "hit15_notail+compile"}, sorted(rows)
+    tail, no_tail = rows["hit15+compile"], rows["hit15_notail+compile"]
+    assert tail["plan_kind"] == no_tail["plan_kind"] == "hit" and tail["sparse_calls"] > 0 and no_tail["sparse_calls"] > 0
+    assert tail["tail_calls"] == tail["sparse_calls"] and no_tail["tail_calls"] == 0, (tail, no_tail)

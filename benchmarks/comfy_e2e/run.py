@@ -33,8 +33,9 @@ What runs (everything side by side in one process, one GPU):
   pooled tail on; ``hit15_notail`` / ``hit5_notail``: the same requests with it off. ``sol`` / ``sol_every``:
   ComfyUI's own sparse attention (the core "Model Sparse Attention" node of ComfyUI 0.38.x, rebuilt on this
   host's override hook by ``sol_peer.py``, ``comfy_kitchen.sol_attn`` with tau 1.3 and ``token_aug`` 256):
-  the node's default window (the first 20% of the schedule dense) / every step. ``--compile``: each of ``dense``, ``miss``, ``hit15`` and
-  ``hitfr`` asked for runs again on models passed through ComfyUI's ``TorchCompileModel`` node
+  the node's default window (the first 20% of the schedule dense) / every step. ``--compile``: each of ``dense``,
+  ``miss``, ``hit15``, ``hit15_notail`` and ``hitfr`` asked for runs again on models passed through ComfyUI's
+  ``TorchCompileModel`` node
   (inductor; rows ``*+compile``); their warm-up is a whole request, whose time (compilation included)
   is the row's ``first_request_s``. ``--compiled-only``: those rows alone, each compared with ``dense+compile``
   (a hit still needs the entry the eager miss writes: that miss runs and is reported), so a 720p compiled
@@ -89,7 +90,7 @@ RASTER_VARIANTS = ("hit15_raster", "hitfr_raster")
 VERIFY_THRESHOLD_PASSING = 0.01
 HIT_VARIANTS = ("hit15", "hit5", "hitfr", "hitver") + RASTER_VARIANTS + NO_TAIL_VARIANTS
 # the hits that --compile also runs under TorchCompileModel (with dense and miss)
-COMPILED_HITS = ("hit15", "hitfr")
+COMPILED_HITS = ("hit15", "hit15_notail", "hitfr")
 # ComfyUI's core sparse attention (sol_peer.py): "sol" with the core node's defaults (the first 20% of the
 # schedule dense), "sol_every" with start_percent 0 (sol_attn at every step)
 SOL_VARIANTS = {"sol": 0.2, "sol_every": 0.0}
@@ -484,7 +485,7 @@ def run(args) -> dict:
                 plan = retrieve(f"{ws_hit}_{int(HIT_DENSITY[variant] * 100)}")[0]
                 assert plan.is_hit, plan.message
                 share = args.fr_share if variant == "hitfr" else None
-                return patched(plan, fr_share=share, compile_models=True), plan
+                return patched(plan, fr_share=share, compile_models=True, tail=variant not in NO_TAIL_VARIANTS), plan
 
             def timed_compiled(variant):
                 """A compiled row in a fresh dynamo state: each variant's graphs, not what earlier rows left
