@@ -66,7 +66,7 @@ def test_int8_prepass_matches_its_fp64_twin(length, pooled_tail, v_key_order):
     pool_block = 128 if pooled_tail else None
     ours = quantize_qkv_int8(q, k, v, 0.088, pool_block=pool_block, v_key_order=v_key_order)
     ref = quantize_int8_reference(q, k, v, 0.088, pool_block=pool_block, v_key_order=v_key_order)
-    names = ("q8", "k8", "v8t", "q_scale", "k_scale", "v_scale", "v_sums", "pool_v_scale")
+    names = ("q8", "k8", "v8t", "q_scale", "k_scale", "v_scale", "v_sums", "pool_ratio")
     for name, a, b in zip(names, ours, ref):
         if b is None:
             assert a is None, name

@@ -611,13 +611,13 @@ def prepare_attention(q, k, v, block_map, block_size: int, scale: float, fp8: bo
     if int8:
         if block_n != 128:
             raise ValueError(f"the INT8 path needs 128-key tiles, got block_n={block_n}")
-        q_in, k_in, v_in, q_scale, k_scale, v_scale, v_sums, pool_v_scale = quantize_qkv_int8(
+        q_in, k_in, v_in, q_scale, k_scale, v_scale, v_sums, ratio = quantize_qkv_int8(
             q, k, v, scale, token_perm=token_perm, pool_block=block_size if pooled_tail else None)
         n_q_scale, n_k_scale = q_scale.shape[-1], k_scale.shape[-1]
         qk_scale = 1.0
         k_pool, v_pool, pool_row0 = k_in, v_in, padded_len(kv_len)
         if pooled_tail:
-            pool_ratio = (pool_v_scale / v_scale).contiguous()
+            pool_ratio = ratio
     elif fp8:
         q_in, k_in, v_in, q_scale, k_scale, v_scale = quantize_qkv_fp8(
             q, k, v, scale, quantize_q=not q_raw, token_perm=token_perm, pool_block=block_size if pooled_tail else None)

@@ -715,9 +715,10 @@ def launch_ws(q, k, v, block_map, scale: float, config: WsConfig | None = None, 
     pool_block = BLOCK if pooled_tail else None
     if int8:  # Q rotated and quantised per row by the pre-pass
         q_kernel = False
-        q8, k8, v8t, q_scale, k_scale, v_scale, v_sums, pool_v_scale = quantize_qkv_int8(
+        q8, k8, v8t, q_scale, k_scale, v_scale, v_sums, pool_ratio = quantize_qkv_int8(
             q, k, v, scale, token_perm=token_perm, pool_block=pool_block, v_key_order="wgmma")
-        pool_ratio = (pool_v_scale / v_scale).contiguous() if pooled_tail else v_scale
+        if pool_ratio is None:
+            pool_ratio = v_scale  # (never read without the tail)
     else:
         # a token order gathers Q's rows, and a TMA descriptor needs 16-byte aligned strides: else the pre-pass's Q
         q_kernel = token_perm is None and tma_compatible(q)

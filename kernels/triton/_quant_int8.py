@@ -23,8 +23,8 @@ clamped to +-127.
 
 ``pool_block`` (the pooled tail): ``Lrow_k = Lpad_k + tail_rows``; rows ``Lpad_k + j`` hold key block ``j``'s
 mean of rotated smoothed K (one scale per 128 pooled keys, appended to ``k_scale``) and of V (in units of
-their own per-channel scale ``pool_v_scale``: a block mean is far smaller than V's extremes, and on V's
-scale it would keep only a few levels), with their ``v_sums``; zeros past the last block.
+their own per-channel scale, returned as its ratio over V's, ``pool_ratio``: a block mean is far smaller than V's
+extremes, and on V's scale it would keep only a few levels), with their ``v_sums``; zeros past the last block.
 
 Launches: V's per-channel absmax (the FP8 pre-pass's stats kernel and its fixed-order reduction), the
 smoothing vector, the quantise kernel (one program per 128-token tile and (b, h); Q and K read once, V
@@ -176,8 +176,9 @@ def _pooled_finalize_int8_kernel(pool_sums, k8, v8t, k_scale, v_sums, v_pool_abs
 def quantize_qkv_int8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *,
                       token_perm: torch.Tensor | None = None, pool_block: int | None = None,
                       v_key_order: str = "natural"):
-    """Run the INT8 pre-pass; returns ``(q8, k8, v8t, q_scale, k_scale, v_scale, v_sums, pool_v_scale)`` (module
-    docstring; ``pool_v_scale`` fp32 ``[B, H, D]``: the pooled values' per-channel scale, None without a tail).
+    """Run the INT8 pre-pass; returns ``(q8, k8, v8t, q_scale, k_scale, v_scale, v_sums, pool_ratio)`` (module
+    docstring; ``pool_ratio`` fp32 ``[B, H, D]``: the pooled values' per-channel scale over ``v_scale``, what the
+    kernels apply to their tiles; None without a tail).
 
     ``scale`` is the softmax scale (``q_scale`` includes ``scale * log2(e) / D``, so ``q_scale[i] * k_scale[t]
     * (q8[i] . k8[j])`` is row ``i``'s logit of key ``j`` in log2 units, up to the smoothing constant).
@@ -219,7 +220,7 @@ def quantize_qkv_int8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
         POOL_CHUNK=chunk, V_WGMMA_ORDER=v_key_order == "wgmma", num_warps=4)  # H200, 720p: 2.3 ms (8 warps 3.0, 2: 47)
     v_absmax = v_absmax.view(batch, heads, head_dim)
     v_scale = torch.where(v_absmax > 0, v_absmax / INT8_MAX, torch.ones_like(v_absmax))
-    pool_v_scale = None
+    pool_ratio = None
     if chunk:
         pool_absmax = torch.empty(batch, heads, head_dim, device=dev, dtype=torch.float32)
         _pooled_finalize_int8_kernel[(batch * heads,)](
@@ -227,7 +228,8 @@ def quantize_qkv_int8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
             (lrow_k - lpad_k) // QUANT_TILE, HEAD_DIM=head_dim, TILE=QUANT_TILE, BS=pool_block, POOL_CHUNK=chunk,
             V_WGMMA_ORDER=v_key_order == "wgmma", num_warps=8)
         pool_v_scale = torch.where(pool_absmax > 0, pool_absmax / INT8_MAX, torch.ones_like(pool_absmax))
-    return q8, k8, v8t, q_scale, k_scale, v_scale, v_sums, pool_v_scale
+        pool_ratio = (pool_v_scale / v_scale).contiguous()
+    return q8, k8, v8t, q_scale, k_scale, v_scale, v_sums, pool_ratio
 
 
 def quantize_int8_reference(q, k, v, scale: float, pool_block: int | None = None, v_key_order: str = "natural"):
@@ -266,18 +268,18 @@ def quantize_int8_reference(q, k, v, scale: float, pool_block: int | None = None
     v_amax = v.double().abs().amax(dim=2)
     vs = torch.where(v_amax > 0, v_amax / INT8_MAX, torch.ones_like(v_amax))
     v8 = to_int(vf, vs[:, :, None, :])
-    ps = None
+    ratio = None
     if pool_block is not None:
         p_amax = vbar.abs().amax(dim=2)
         ps = torch.where(p_amax > 0, p_amax / INT8_MAX, torch.ones_like(p_amax))
         v8 = torch.cat([v8, to_int(vbar, ps[:, :, None, :])], dim=2)
-        ps = ps.float()
+        ratio = (ps / vs).float()
     v_sums = v8.view(batch, heads, lrow_k // QUANT_TILE, QUANT_TILE, head_dim).sum(3)
     if v_key_order == "wgmma":  # key j to column wgmma_key_order_torch(j)
         cols = wgmma_key_order_torch(torch.arange(lrow_k, device=v8.device))
         v8 = torch.empty_like(v8).index_copy_(2, cols, v8)
     return (to_int(qf, qs[..., None]).to(torch.int8), k8.to(torch.int8), v8.transpose(-1, -2).contiguous().to(torch.int8),
-            qs.float(), ks.float(), vs.float(), v_sums.to(torch.int32), ps)
+            qs.float(), ks.float(), vs.float(), v_sums.to(torch.int32), ratio)
 
 
 __all__ = ["quantize_qkv_int8", "quantize_int8_reference", "hadamard", "INT8_MAX"]
