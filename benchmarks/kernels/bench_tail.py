@@ -11,6 +11,13 @@ blocks, from the block lists) -- what the cost would be if a pooled tile cost wh
 and the two fixed stages alone: the pre-pass with and without the pooled rows, the block lists with and
 without the tail's entries and bias table.
 
+Inputs as a hit sees them: ``--order tile`` runs every call (and the pre-pass stages) in the token order a cache
+entry of that grid runs in (``kernels.tile_order.cached_tile_order`` of ``masks.grid_for(L)``, fused into the
+pre-pass's loads and the output store; default ``raster``); ``--layout blhd`` gives q/k/v ComfyUI's ``[B, L, H, D]``
+memory viewed per head (default ``bhld``, contiguous); ``--q-unaligned`` pads Q's rows to 132 channels (264 bytes
+apart), so no TMA descriptor takes them and the pre-pass quantises Q, as it does under a token order: raster order
+with it tells the token order's cost from that of Q's quantisation moving to the pre-pass.
+
 Usage (from the pack root, on the GPU): ``python -m benchmarks.kernels.bench_tail --out /tmp/tail``
 (about 1.5 minutes on an H200); ``--backends auto,triton_fp8`` adds backends. Writes ``bench_tail.json``.
 """
@@ -32,8 +39,11 @@ import chorus.kernels as K
 from .gpu_state import GpuSampler
 from .masks import structured_block_map
 from chorus.kernels import api
+from chorus.kernels.tile_order import cached_tile_order
 from chorus.kernels.triton._attention import lpt_block_lists, tail_spec
+from chorus.kernels.triton._attention_ws import tma_compatible
 from chorus.kernels.triton._quant import padded_len, quantize_qkv_fp8
+from .masks import grid_for
 
 
 def log(msg: str) -> None:
@@ -48,6 +58,17 @@ def run_size(length: int, args, results: dict) -> None:
     heads, dim, bs = args.heads, 128, 128
     gen = torch.Generator(device="cuda").manual_seed(length)
     q, k, v = (torch.randn(1, heads, length, dim, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
+    if args.layout == "blhd":  # ComfyUI's [B, L, H, D] memory viewed per head
+        q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+    if args.q_unaligned:  # rows 264 bytes apart: no TMA on Q, the pre-pass quantises it
+        q = torch.nn.functional.pad(q, (0, 4))[..., :dim]
+    perm = None
+    if args.order == "tile":
+        grid = grid_for(length)
+        if grid[0] * grid[1] * grid[2] != length:
+            raise SystemExit(f"--order tile needs a Wan token count (a latent grid), got {length}")
+        perm = cached_tile_order(grid, bs).perm.to(device="cuda", dtype=torch.int32)
+    quantize_q = perm is not None or not tma_compatible(q)  # what the warp-specialised call's pre-pass does
     scale = dim ** -0.5
     chosen = api.resolve_backend("auto", q).value
     variants = []  # (entry, fn)
@@ -60,16 +81,19 @@ def run_size(length: int, args, results: dict) -> None:
             for tail in (False, True):
                 entry = {"tokens": length, "density": density, "measured_density": bm.double().mean().item(),
                          "backend": backend, "ran_on": chosen if backend == "auto" else backend, "pooled_tail": tail,
-                         "added_blocks_share": added}
+                         "added_blocks_share": added, "order": args.order, "layout": args.layout,
+                         "q_unaligned": args.q_unaligned}
                 fn = (lambda bm=bm, backend=backend, tail=tail: K.block_sparse_attention(
-                    q, k, v, bm, block_size=bs, scale=scale, backend=backend, rows_checked=True, pooled_tail=tail))
+                    q, k, v, bm, block_size=bs, scale=scale, backend=backend, rows_checked=True, pooled_tail=tail,
+                    token_perm=perm))
                 variants.append((entry, fn))
         last_map = bm
     # the fixed stages alone (at the last density's map): pre-pass with / without the pooled rows, block lists
     stages = {
-        "prepass": lambda: quantize_qkv_fp8(q, k, v, scale, quantize_q=False, v_key_order="wgmma"),
-        "prepass_with_pooled_rows": lambda: quantize_qkv_fp8(q, k, v, scale, quantize_q=False, v_key_order="wgmma",
-                                                             pool_block=bs),
+        "prepass": lambda: quantize_qkv_fp8(q, k, v, scale, quantize_q=quantize_q, v_key_order="wgmma",
+                                            token_perm=perm),
+        "prepass_with_pooled_rows": lambda: quantize_qkv_fp8(q, k, v, scale, quantize_q=quantize_q, v_key_order="wgmma",
+                                                             pool_block=bs, token_perm=perm),
         "block_lists": lambda: lpt_block_lists(last_map),
         "block_lists_with_tail": lambda: lpt_block_lists(last_map, tail_spec(length, bs, padded_len(length) // bs, 0,
                                                                              0.0, length, 0.0)),
@@ -120,12 +144,19 @@ def main(argv=None) -> int:
     ap.add_argument("--densities", default="0.05,0.10,0.15,0.25")
     ap.add_argument("--backends", default="auto")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--order", choices=("raster", "tile"), default="raster",
+                    help="token order of the calls: raster, or the tile order a cache entry of the grid runs in")
+    ap.add_argument("--layout", choices=("bhld", "blhd"), default="bhld",
+                    help="q/k/v memory: contiguous [B, H, L, D], or ComfyUI's [B, L, H, D] viewed per head")
+    ap.add_argument("--q-unaligned", action="store_true",
+                    help="Q rows 264 bytes apart: no TMA on Q, so the pre-pass quantises it (as under a token order)")
     args = ap.parse_args(argv)
     args.densities = [float(x) for x in args.densities.split(",") if x]
     args.backends = [x for x in args.backends.split(",") if x]
     results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
                "python": platform.python_version(), "argv": sys.argv, "runs": [], "cost": []}
-    log(f"GPU {results['gpu']}, torch {torch.__version__}, triton {triton.__version__}")
+    log(f"GPU {results['gpu']}, torch {torch.__version__}, triton {triton.__version__}; order {args.order}, layout "
+        f"{args.layout}{', Q rows unaligned' if args.q_unaligned else ''}")
     for length in [int(x) for x in args.sizes.split(",") if x]:
         run_size(length, args, results)
     log("\n| tokens | backend (ran on) | density | plain ms | tail ms | tail cost | pooled tiles / kept blocks |")
