@@ -54,21 +54,31 @@ def timed(fn, est_ms: float) -> float:
     return float(do_bench(fn, warmup=max(5, int(2 * est_ms)), rep=max(100, int(10 * est_ms)), return_mode="median"))
 
 
-def run_size(length: int, args, results: dict) -> None:
-    heads, dim, bs = args.heads, 128, 128
-    gen = torch.Generator(device="cuda").manual_seed(length)
-    q, k, v = (torch.randn(1, heads, length, dim, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
-    if args.layout == "blhd":  # ComfyUI's [B, L, H, D] memory viewed per head
+def call_inputs(length: int, heads: int, order: str = "raster", layout: str = "bhld", q_unaligned: bool = False,
+                device="cuda", dim: int = 128, block_size: int = 128):
+    """``(q, k, v, token_perm, quantize_q)`` of one timed call: bf16 ``[1, heads, length, dim]`` (seeded by
+    ``length``) in ``layout`` (``"blhd"``: ComfyUI's ``[B, L, H, D]`` memory viewed per head), Q's rows padded to
+    ``dim + 4`` channels with ``q_unaligned``; ``token_perm`` int32 of the tile order of ``masks.grid_for(length)``
+    (``order="tile"``; ``ValueError`` for a padded length, whose grid holds fewer tokens) or None; ``quantize_q``: whether the
+    warp-specialised call's pre-pass quantises Q (a token order, or Q rows no TMA descriptor takes)."""
+    gen = torch.Generator(device=device).manual_seed(length)
+    q, k, v = (torch.randn(1, heads, length, dim, device=device, dtype=torch.bfloat16, generator=gen) for _ in range(3))
+    if layout == "blhd":
         q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
-    if args.q_unaligned:  # rows 264 bytes apart: no TMA on Q, the pre-pass quantises it
+    if q_unaligned:  # rows (dim + 4) * 2 bytes apart: not a multiple of 16
         q = torch.nn.functional.pad(q, (0, 4))[..., :dim]
     perm = None
-    if args.order == "tile":
+    if order == "tile":
         grid = grid_for(length)
         if grid[0] * grid[1] * grid[2] != length:
-            raise SystemExit(f"--order tile needs a Wan token count (a latent grid), got {length}")
-        perm = cached_tile_order(grid, bs).perm.to(device="cuda", dtype=torch.int32)
-    quantize_q = perm is not None or not tma_compatible(q)  # what the warp-specialised call's pre-pass does
+            raise ValueError(f"the tile order needs the token count of its grid {grid}, got {length}")
+        perm = cached_tile_order(grid, block_size).perm.to(device=device, dtype=torch.int32)
+    return q, k, v, perm, perm is not None or not tma_compatible(q)
+
+
+def run_size(length: int, args, results: dict) -> None:
+    heads, dim, bs = args.heads, 128, 128
+    q, k, v, perm, quantize_q = call_inputs(length, heads, args.order, args.layout, args.q_unaligned)
     scale = dim ** -0.5
     chosen = api.resolve_backend("auto", q).value
     variants = []  # (entry, fn)
