@@ -321,14 +321,15 @@ def test_the_int8_variant_compiles_for_sm90_with_signed_8bit_wgmma(head_dim, has
     sources = re.findall(r"shfl\.sync\.idx\.b32\s+%r\d+, (%r\d+), 0, 31, -1;", ptx)
     assert len(sources) == ptx.count("shfl.sync.idx") <= 4, sources
     assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+240", ptx)
-    ops = key_block_loop_ops(sass_of(kernel), kept_blocks_only=True)
+    sass = sass_of(kernel)
+    ops = key_block_loop_ops(sass, kept_blocks_only=True)
     # per k-step of 32: Q @ K^T over D, P @ V and P @ ones over the 128 keys
     assert ops.get("IGMMA", 0) == head_dim // 32 + 8, ops
     assert 64 <= ops.get("MUFU", 0) <= 72 and ops.get("FMUL", 0) <= 24, ops
     # P @ V's accumulator starts at 128 x the V sums plus the float offset's bits: after the loop's last wgmma wait
     # no integer add per output element (adding them there was 64 more per thread and block and 19% of the time),
     # only the row sums' four
-    loop = [text for _, text in key_block_loop(sass_of(kernel))]
+    loop = [text for _, text in key_block_loop(sass)]
     after_last_wait = loop[max(i for i, text in enumerate(loop) if "WARPGROUP.DEPBAR" in text):]
     int_adds = [text for text in after_last_wait if re.match(r"(@!?P\d+ )?(IADD3|VIADD|IMAD\.IADD)\b", text)]
     assert len(int_adds) <= 4, int_adds

@@ -37,13 +37,12 @@ from triton.testing import do_bench
 
 import chorus.kernels as K
 from .gpu_state import GpuSampler
-from .masks import structured_block_map
+from .masks import grid_for, structured_block_map
 from chorus.kernels import api
 from chorus.kernels.tile_order import cached_tile_order
 from chorus.kernels.triton._attention import lpt_block_lists, tail_spec
-from chorus.kernels.triton._attention_ws import tma_compatible
+from chorus.kernels.triton._attention_ws import prepass_quantizes_q
 from chorus.kernels.triton._quant import padded_len, quantize_qkv_fp8
-from .masks import grid_for
 
 
 def log(msg: str) -> None:
@@ -59,8 +58,8 @@ def call_inputs(length: int, heads: int, order: str = "raster", layout: str = "b
     """``(q, k, v, token_perm, quantize_q)`` of one timed call: bf16 ``[1, heads, length, dim]`` (seeded by
     ``length``) in ``layout`` (``"blhd"``: ComfyUI's ``[B, L, H, D]`` memory viewed per head), Q's rows padded to
     ``dim + 4`` channels with ``q_unaligned``; ``token_perm`` int32 of the tile order of ``masks.grid_for(length)``
-    (``order="tile"``; ``ValueError`` for a padded length, whose grid holds fewer tokens) or None; ``quantize_q``: whether the
-    warp-specialised call's pre-pass quantises Q (a token order, or Q rows no TMA descriptor takes)."""
+    (``order="tile"``; ``ValueError`` for a padded length, whose grid holds fewer tokens) or None; ``quantize_q``:
+    whether the warp-specialised call's pre-pass quantises Q (``_attention_ws.prepass_quantizes_q``)."""
     gen = torch.Generator(device=device).manual_seed(length)
     q, k, v = (torch.randn(1, heads, length, dim, device=device, dtype=torch.bfloat16, generator=gen) for _ in range(3))
     if layout == "blhd":
@@ -73,7 +72,7 @@ def call_inputs(length: int, heads: int, order: str = "raster", layout: str = "b
         if grid[0] * grid[1] * grid[2] != length:
             raise ValueError(f"the tile order needs the token count of its grid {grid}, got {length}")
         perm = cached_tile_order(grid, block_size).perm.to(device=device, dtype=torch.int32)
-    return q, k, v, perm, perm is not None or not tma_compatible(q)
+    return q, k, v, perm, prepass_quantizes_q(q, perm)
 
 
 def run_size(length: int, args, results: dict) -> None:

@@ -682,6 +682,12 @@ def tma_compatible(x: torch.Tensor) -> bool:
     return x.stride(-1) == 1 and x.data_ptr() % 16 == 0 and all(st * size % 16 == 0 for st in x.stride()[:-1])
 
 
+def prepass_quantizes_q(q: torch.Tensor, token_perm) -> bool:
+    """Whether the FP8 call's pre-pass quantises Q rather than the kernel reading its input rows: a token order
+    gathers Q's rows, and a TMA descriptor needs 16-byte aligned strides (:func:`tma_compatible`)."""
+    return token_perm is not None or not tma_compatible(q)
+
+
 def rows_block(rows: int, head_dim: int, dtype: torch.dtype):
     """Block shape ``[1, 1, rows, D]`` and NVMMA shared layout of a TMA descriptor over a bf16 / fp16
     ``[B, H, L, D]`` tensor: Q's input rows (``rows`` 128) and the output (64, one consumer's rows)."""
@@ -720,8 +726,7 @@ def launch_ws(q, k, v, block_map, scale: float, config: WsConfig | None = None, 
         if pool_ratio is None:
             pool_ratio = v_scale  # (never read without the tail)
     else:
-        # a token order gathers Q's rows, and a TMA descriptor needs 16-byte aligned strides: else the pre-pass's Q
-        q_kernel = token_perm is None and tma_compatible(q)
+        q_kernel = not prepass_quantizes_q(q, token_perm)
         q8, k8, v8t, q_scale, k_scale, v_scale = quantize_qkv_fp8(q, k, v, scale, quantize_q=not q_kernel,
                                                                   v_key_order="wgmma", token_perm=token_perm,
                                                                   pool_block=pool_block)
