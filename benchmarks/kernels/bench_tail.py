@@ -3,8 +3,9 @@ with and without ``pooled_tail`` at Wan 14B shapes (1 x 40 heads x L x 128 bf16,
 32 760 (480p)), on the structured maps of ``masks.py`` at 5 / 10 / 15 / 25% density.
 
 Whole calls as the engine makes them (``rows_checked=True``: pre-pass, block lists, kernel), timed with
-``triton.testing.do_bench`` (L2 flushed; median) ``--rounds`` times, every variant in turn within a round
-(so a drift of the GPU's clock hits all alike), the median over rounds reported with each round's ms and
+``triton.testing.do_bench`` (L2 flushed; median) ``--rounds`` times, every variant in turn within a round and
+the order reversed every other round (long runs reach the power cap, and a fixed order made the variant timed
+second, the tail, pay for the first's heat), the median over rounds reported with each round's ms and
 the SM clock / power while it ran (``gpu_state.py``). The tail's cost in % per density is
 ``(tail - plain) / plain``; beside it, the share of key blocks the tail adds (pooled tiles listed / kept
 blocks, from the block lists) -- what the cost would be if a pooled tile cost what a kept block costs --
@@ -114,8 +115,8 @@ def run_size(length: int, args, results: dict) -> None:
         torch.cuda.synchronize()
         entry["est_ms"] = timed(fn, 1.0) if "stage" in entry else float(do_bench(fn, warmup=1, rep=20))
     sampler = GpuSampler()
-    for _ in range(args.rounds):
-        for entry, fn in variants:
+    for r in range(args.rounds):
+        for entry, fn in (variants if r % 2 == 0 else variants[::-1]):
             with sampler.window() as window:
                 entry.setdefault("rounds_ms", []).append(timed(fn, entry["est_ms"]))
             entry.setdefault("gpu_states", []).append(window.summary())
