@@ -314,6 +314,28 @@ def test_tail_ws_agrees_with_triton_fp8_and_rows_that_keep_nothing():
                           label=f"ws {name}: the rows of a query block that keeps nothing (head 2)")
 
 
+@pytest.mark.parametrize("q_source", Q_SOURCES)
+def test_tail_ws_a_block_that_keeps_nothing_is_right_in_both_warpgroups(q_source):
+    """A query block whose map row keeps nothing runs its pooled tiles alone: each consumer warpgroup's 64 rows
+    within the FP8 bound of the oracle, checked apart (one warpgroup's fault hides in a whole-tensor cosine). 64
+    heads, so the tile is not its CTA's first and a miscompile shows on every run: ptxas 12 assembled the first
+    warpgroup's rows wrong (cosine 0.994) in a variant whose pooled tiles ran in a loop of their own
+    (docs/BENCHMARKS.md, "Where the pooled tail's extra cost comes from ..."); main's single loop is right."""
+    from chorus.kernels.triton._attention_ws import block_sparse_attention_ws
+
+    heads, length, empty_head, empty_block = 64, 3000, 40, 4
+    q, k, v = cuda_bf16_qkv(1, heads, length, 128, seed=41)
+    bm = _random_map(1, heads, length, 0.2, seed=6)
+    bm[:, empty_head, empty_block] = False
+    out = block_sparse_attention_ws(_q_from(q, q_source), k, v, bm, SCALE, pooled_tail=True)
+    head = slice(empty_head, empty_head + 1)
+    for warpgroup in (0, 1):
+        rows = slice(empty_block * 128 + 64 * warpgroup, empty_block * 128 + 64 * warpgroup + 64)
+        check_pooled_tail(out[:, head, rows], q[:, head, rows], k[:, head], v[:, head],
+                          bm[:, head, empty_block:empty_block + 1], fp8=True,
+                          label=f"ws Q {q_source}: warpgroup {warpgroup}'s rows of a block that keeps nothing")
+
+
 @pytest.mark.parametrize("length,prefix_len,suffix_len", [(4097, 300, 0), (32760, 30 * 52, 2000), (7277, 3600, 500)])
 def test_tail_ws_with_key_biases_matches_oracle(length, prefix_len, suffix_len):
     """The first-frame prefix and the suffix weight enter the pooled blocks' weights (table) and stay off the
