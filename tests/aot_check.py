@@ -80,14 +80,14 @@ def compile_jit(fn, types: dict, constexprs: dict, num_warps: int = 4):
 
 
 def compile_ws(head_dim=128, tail=True, has_bias=False, has_perm=False, has_suffix=False, q_kernel=None,
-               has_tail=False, stages=3, int8=False):
+               has_tail=False, stages=3, int8=False, assembler="auto"):
     """The warp-specialised Gluon kernel compiled for sm_90 as the launcher builds it for such a call
     (:func:`chorus.kernels.triton._attention_ws.compile_sm90`; ``tail``: a partial last key block; ``int8``: the
-    accurate path's numerics)."""
+    accurate path's numerics; ``assembler``: the fixed ptxas, None, or ``"auto"`` as the launcher here)."""
     from chorus.kernels.triton import _attention_ws as W
 
     return W.compile_sm90(head_dim, W.WsConfig(stages=stages), tail_k=tail, has_bias=has_bias, has_suffix=has_suffix,
-                          has_perm=has_perm, q_kernel=q_kernel, has_tail=has_tail, int8=int8)
+                          has_perm=has_perm, q_kernel=q_kernel, has_tail=has_tail, int8=int8, assembler=assembler)
 
 
 def cuobjdump(kernel, flag: str) -> str:
@@ -105,27 +105,37 @@ def sass_of(kernel) -> str:
     return cuobjdump(kernel, "--dump-sass")
 
 
-def key_block_loop(sass: str) -> list:
-    """The innermost loop that issues a wgmma (``QGMMA``/``HGMMA``/``IGMMA``) as ``(address, instruction)`` pairs:
-    the first consumer's key-block loop (empty if there is none)."""
+def wgmma_loops(sass: str) -> list:
+    """Every innermost loop that issues a wgmma (``QGMMA``/``HGMMA``/``IGMMA``), in code order, each as
+    ``(address, instruction)`` pairs: a consumer's key-block loops (the first consumer's come first)."""
     ins = [(int(m.group(1), 16), m.group(2).strip())
            for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*?)\s*;", sass)]
     index = {addr: i for i, (addr, _) in enumerate(ins)}
+    loops = []
     for end, (_, text) in enumerate(ins):
         target = re.search(r"BRA 0x([0-9a-f]+)", text)
         start = index.get(int(target.group(1), 16), end) if target else end
         if start < end and any(re.search(r"[QHI]GMMA", t) for _, t in ins[start:end]):
-            return ins[start:end + 1]
-    return []
+            loops.append((start, end))
+    innermost = [(a, b) for a, b in loops if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in loops)]
+    return [ins[a:b + 1] for a, b in innermost]
 
 
-def key_block_loop_ops(sass: str, kept_blocks_only: bool = False) -> dict:
+def key_block_loop(sass: str) -> list:
+    """The innermost loop that issues a wgmma as ``(address, instruction)`` pairs: the first consumer's (first)
+    key-block loop (empty if there is none)."""
+    loops = wgmma_loops(sass)
+    return loops[0] if loops else []
+
+
+def key_block_loop_ops(sass: str, kept_blocks_only: bool = False, loop: list | None = None) -> dict:
     """Opcode counts (``FFMA``, ``FMNMX``, ``FSEL`` ...) of the innermost loop that issues a wgmma
     (``QGMMA``/``HGMMA``/``IGMMA``): the first consumer's key-block loop, what runs once per kept key block and
     thread; ``{"total": n}`` holds its instruction count. ``kept_blocks_only``: leave out the instructions
     a forward branch inside the loop skips when they load from global memory (``LDG``: the pooled tail's
-    weights, loaded on its pooled tiles only), i.e. count what a kept key block runs."""
-    loop = key_block_loop(sass)
+    weights, loaded on its pooled tiles only), i.e. count what a kept key block runs. ``loop``: another loop of
+    :func:`wgmma_loops` instead."""
+    loop = key_block_loop(sass) if loop is None else loop
     if not loop:
         return {"total": 0}
     skipped: set = set()

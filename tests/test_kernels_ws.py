@@ -173,32 +173,49 @@ def test_a_config_outside_the_kernel_s_range_is_a_clear_error(fields):
         launch_ws(x, x, x, torch.ones(1, 1, 1, 1, dtype=torch.bool), 0.1, {"stages": 2})
 
 
+@pytest.mark.parametrize("own_loop", [False, True], ids=["one_loop", "pooled_loop"])
 @pytest.mark.parametrize("head_dim,options", [
     (128, {}), (64, {}), (128, dict(has_perm=True, has_bias=True)), (64, dict(has_bias=True, has_suffix=True)),
     (128, dict(q_kernel=False))])
-def test_kernel_with_the_pooled_tail_compiles_for_sm90(head_dim, options):
-    """``HAS_TAIL`` (the pooled tail): every option builds, spills nothing, fits the shared memory,
-    prefetches each tile's row of the bias table into L1 once per consumer, and a kept key block runs the
-    same loop as without the tail (the pooled tiles' weights load and add sit in a branch only pooled
-    tiles take)."""
-    from chorus.kernels.triton import _attention_ws
+def test_kernel_with_the_pooled_tail_compiles_for_sm90(head_dim, options, own_loop):
+    """``HAS_TAIL`` (the pooled tail), in both of the FP8 kernel's forms: every option builds, spills nothing,
+    fits the shared memory, prefetches each tile's row of the bias table into L1 once per consumer, and a kept
+    key block runs the same loop as without the tail. One loop (Triton's own ptxas): the pooled tiles'
+    weights load and add sit in a branch only pooled tiles take. ``POOLED_LOOP`` (assembled by the fixed ptxas
+    of :mod:`chorus.kernels.triton._ptxas`): each consumer runs a second loop for the pooled tiles, with
+    their weights' loads and no key-bias terms, and the kept blocks' loop is the plain one (Q's scale loaded
+    per block when it comes from the pre-pass)."""
+    from chorus.kernels.triton import _attention_ws, _ptxas
 
     if _attention_ws.available():
         pytest.fail(f"this Triton has no Gluon Hopper API: {_attention_ws.available()}")
-    from aot_check import compile_ws, key_block_loop_ops, sass_of, summarize
+    from aot_check import compile_ws, key_block_loop_ops, sass_of, summarize, wgmma_loops
 
-    kernel = compile_ws(head_dim, tail=True, has_tail=True, **options)
+    assembler = _ptxas.fixed_ptxas() if own_loop else None
+    if own_loop and assembler is None:
+        pytest.skip(f"no ptxas here assembles the pooled tiles' own loop: {_ptxas.describe()}")
+    kernel = compile_ws(head_dim, tail=True, has_tail=True, assembler=assembler, **options)
     ptx = kernel.asm["ptx"]
     assert ptx.count("prefetch.global.L1") == 2, ptx.count("prefetch.global.L1")  # one per consumer
     assert " stack=0" in summarize(kernel, sass=False)
     assert kernel.metadata.shared <= 227 * 1024
-    plain_kernel = compile_ws(head_dim, tail=True, **options)
-    kept = key_block_loop_ops(sass_of(kernel), kept_blocks_only=True)
+    plain_kernel = compile_ws(head_dim, tail=True, assembler=None, **options)
+    sass = sass_of(kernel)
+    kept = key_block_loop_ops(sass, kept_blocks_only=True)
     plain = key_block_loop_ops(sass_of(plain_kernel))
+    q_scale_loads = int(own_loop and (options.get("has_perm", False) or options.get("q_kernel") is False))
     for op in ("QGMMA", "FFMA", "FMUL", "FMNMX", "PRMT", "MUFU", "LDG"):  # nothing per element
-        assert kept.get(op, 0) == plain.get(op, 0), (op, kept, plain)
-    # a few scalar ops per block: is it pooled, and (with key biases) no whole-block bias if so
-    assert kept.get("FSEL", 0) <= plain.get("FSEL", 0) + 2 and kept["total"] <= plain["total"] + 16, (kept, plain)
+        assert kept.get(op, 0) == plain.get(op, 0) + (q_scale_loads if op == "LDG" else 0), (op, kept, plain)
+    if own_loop:
+        # the kept blocks' loop is the plain one (give or take the assembler's scheduling), and the pooled tiles'
+        # loop follows it: their 128 weights per row loaded (16 per thread), no branch per key block
+        assert kept["total"] <= plain["total"] + 8 and kept.get("FSEL", 0) == plain.get("FSEL", 0), (kept, plain)
+        pooled = key_block_loop_ops(sass, loop=wgmma_loops(sass)[1])
+        assert pooled.get("QGMMA", 0) == plain["QGMMA"] and pooled.get("LDG", 0) >= 16, pooled
+        assert pooled["total"] <= plain["total"] + 8, (pooled, plain)
+    else:
+        # a few scalar ops per block: is it pooled, and (with key biases) no whole-block bias if so
+        assert kept.get("FSEL", 0) <= plain.get("FSEL", 0) + 2 and kept["total"] <= plain["total"] + 16, (kept, plain)
     assert "prefetch" not in plain_kernel.asm["ptx"]
 
 

@@ -7,7 +7,10 @@ broadcast map and batch 2, rows that keep no block, the prefix bias (ChorusGuida
 weight, Wan's frame sizes as prefixes, not multiples of 128), agreement with the Triton FP8 kernel
 (same pre-pass, same scales, with and without the bias), and the public API (auto's choice on sm_90, a
 prefix-bias call taken by this kernel, torch.compile); the pooled tail (``-k tail``: both Q sources,
-structured maps at Wan lengths, spread and sharp attention, key biases, layouts, token order, the API)."""
+structured maps at Wan lengths, spread and sharp attention, key biases, layouts, token order, the API), in
+both of the kernel's forms where a test takes ``tail_form``: the pooled tiles in the kept blocks' loop
+(Triton's own ptxas) and in a loop of their own (the fixed ptxas ``chorus.kernels.triton._ptxas`` finds;
+skipped where there is none)."""
 
 from __future__ import annotations
 
@@ -43,6 +46,23 @@ def _q_from(q, source):
     wide = torch.zeros(*q.shape[:-1], q.shape[-1] + 4, dtype=q.dtype, device=q.device)
     wide[..., :q.shape[-1]] = q
     return wide[..., :q.shape[-1]]
+
+
+@pytest.fixture(params=["one_loop", "pooled_loop"])
+def tail_form(request, monkeypatch):
+    """The FP8 kernel's form with the tail for this test: ``one_loop`` (``CHORUS_PTXAS=triton``) or
+    ``pooled_loop`` (the fixed ptxas's; skipped without one). The choice is made again on entry and on exit."""
+    from chorus.kernels.triton import _ptxas
+
+    if request.param == "one_loop":
+        monkeypatch.setenv(_ptxas.ENV_PTXAS, "triton")
+    else:
+        monkeypatch.delenv(_ptxas.ENV_PTXAS, raising=False)
+    _ptxas.fixed_ptxas.cache_clear()
+    if request.param == "pooled_loop" and _ptxas.fixed_ptxas() is None:
+        pytest.skip(_ptxas.describe())
+    yield request.param
+    _ptxas.fixed_ptxas.cache_clear()
 
 
 def _random_map(batch, heads, length, density, seed):
@@ -257,7 +277,7 @@ def _structured(length, heads, density):
 
 @pytest.mark.parametrize("q_source", Q_SOURCES)
 @pytest.mark.parametrize("length,dim,density", [(4097, 128, 0.3), (1000, 64, 0.03)])
-def test_tail_ws_both_q_sources_match_oracle(q_source, length, dim, density):
+def test_tail_ws_both_q_sources_match_oracle(q_source, length, dim, density, tail_form):
     from chorus.kernels.triton._attention_ws import block_sparse_attention_ws
 
     q, k, v = cuda_bf16_qkv(1, 4, length, dim, seed=length + dim + 1)
@@ -294,7 +314,7 @@ def test_tail_ws_structured_maps_match_oracle(length, dim, density, sharp):
                                    msg="ws: a full map changed with the tail")
 
 
-def test_tail_ws_agrees_with_triton_fp8_and_rows_that_keep_nothing():
+def test_tail_ws_agrees_with_triton_fp8_and_rows_that_keep_nothing(tail_form):
     """Same pre-pass, lists and table: the two FP8 kernels agree with the tail too, each with its own rounding
     of P; a row that keeps nothing attends to its pooled terms only."""
     from chorus.kernels.triton import block_sparse_attention_triton
@@ -315,12 +335,12 @@ def test_tail_ws_agrees_with_triton_fp8_and_rows_that_keep_nothing():
 
 
 @pytest.mark.parametrize("q_source", Q_SOURCES)
-def test_tail_ws_a_block_that_keeps_nothing_is_right_in_both_warpgroups(q_source):
+def test_tail_ws_a_block_that_keeps_nothing_is_right_in_both_warpgroups(q_source, tail_form):
     """A query block whose map row keeps nothing runs its pooled tiles alone: each consumer warpgroup's 64 rows
     within the FP8 bound of the oracle, checked apart (one warpgroup's fault hides in a whole-tensor cosine). 64
-    heads, so the tile is not its CTA's first and a miscompile shows on every run: ptxas 12 assembled the first
-    warpgroup's rows wrong (cosine 0.994) in a variant whose pooled tiles ran in a loop of their own
-    (docs/BENCHMARKS.md, "Where the pooled tail's extra cost comes from ..."); main's single loop is right."""
+    heads, so the tile is not its CTA's first and a miscompile shows on every run: ptxas 12 assembles the first
+    warpgroup's rows of the ``pooled_loop`` form wrong (cosine 0.994; docs/BENCHMARKS.md, "Where the pooled
+    tail's extra cost comes from ..."), which is why that form is built only by the fixed ptxas."""
     from chorus.kernels.triton._attention_ws import block_sparse_attention_ws
 
     heads, length, empty_head, empty_block = 64, 3000, 40, 4
@@ -337,7 +357,7 @@ def test_tail_ws_a_block_that_keeps_nothing_is_right_in_both_warpgroups(q_source
 
 
 @pytest.mark.parametrize("length,prefix_len,suffix_len", [(4097, 300, 0), (32760, 30 * 52, 2000), (7277, 3600, 500)])
-def test_tail_ws_with_key_biases_matches_oracle(length, prefix_len, suffix_len):
+def test_tail_ws_with_key_biases_matches_oracle(length, prefix_len, suffix_len, tail_form):
     """The first-frame prefix and the suffix weight enter the pooled blocks' weights (table) and stay off the
     pooled tiles' keys (every pooled tile lies past the last key, where a suffix bias would otherwise apply)."""
     from chorus.kernels.triton._attention_ws import block_sparse_attention_ws
@@ -350,7 +370,7 @@ def test_tail_ws_with_key_biases_matches_oracle(length, prefix_len, suffix_len):
         check_pooled_tail(out, q, k, v, bm, fp8=True, label=f"ws {name} biases L={length}", **biases)
 
 
-def test_tail_ws_layouts_and_token_order():
+def test_tail_ws_layouts_and_token_order(tail_form):
     """ComfyUI's [B, L, H, D] memory with a broadcast map and batch 2; a token order (the pre-pass's fused
     gather: pooled blocks of the permuted order)."""
     from chorus.kernels.triton._attention_ws import block_sparse_attention_ws

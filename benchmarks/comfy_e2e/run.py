@@ -343,7 +343,11 @@ def run(args) -> dict:
     if not cpu:
         import triton
 
+        from chorus.kernels.triton import _ptxas
+
         results["triton"] = triton.__version__
+        results["ws_assembler"] = _ptxas.describe()
+        print(f"triton {triton.__version__}; warp-specialised kernel: {results['ws_assembler']}", flush=True)
     t_start = time.perf_counter()
     sampler = gpu_sampler(device)
     for weights in args.weights:

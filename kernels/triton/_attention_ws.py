@@ -61,7 +61,11 @@ then one persistent launch of ``_bsa_ws_kernel``):
   the consumer adds the bias table's row (``w_j * log2(e)``, ``-inf`` where the row keeps block ``j``)
   as ``bias / sc`` to ``S`` before the row maximum, in a branch only pooled tiles take (a kept block
   runs the loop it runs without the tail: ``tests/test_kernels_ws.py`` reads the SASS), the tile's table
-  row prefetched into L1 once (``prefetch.global.L1``).
+  row prefetched into L1 once (``prefetch.global.L1``). Where :func:`._ptxas.fixed_ptxas` finds a ptxas
+  >= 13.3 (``POOLED_LOOP``), the pooled tiles run in a loop of their own after the kept blocks instead
+  (no branch, no key-bias terms; each block's loads issued after its ``Q @ K^T``), assembled by that
+  ptxas: 1.1-1.3 ms faster at 720p, 15%, with the tail (H200). Older ptxas miscompile that form on a
+  query block that keeps nothing (:mod:`._ptxas`).
 
 - ``INT8`` (``int8=True``): the numerics of :mod:`._attention`'s item 7 (the portable ``triton_int8``) in the same
   partitions, ring and walk. The INT8 pre-pass (:mod:`._quant_int8`, V^T in the wgmma key order) gives Q
@@ -91,6 +95,7 @@ import torch
 from ._attention import (P_SHIFT_LOG2, _validate, check_key_biases, check_perm, lpt_block_lists, output_like,
                          run_in_int32_chunks, tail_spec)
 from ._quant import LOG2E, padded_len, quantize_qkv_fp8, tail_rows
+from ._ptxas import Assembler, assembling, fixed_ptxas, run_assembled
 from ._quant_int8 import quantize_qkv_int8
 
 try:  # Gluon ships inside recent Tritons; without it this backend reports itself unavailable
@@ -245,21 +250,28 @@ if gluon is not None:
         return whole, pre_keys, tail_from, edge
 
     @gluon.jit
-    def _block_terms(idx_row, j, sq, k_scale_row, key_bias, pool_first, HAS_SUFFIX: gl.constexpr,
-                     HAS_TAIL: gl.constexpr):
+    def _block_terms(idx_row, j, sq, k_scale_row, key_bias, pool_first, tail_row, HAS_SUFFIX: gl.constexpr,
+                     HAS_TAIL: gl.constexpr, POOLED: gl.constexpr, SQ_LOAD: gl.constexpr):
         """What the softmax of the tile's ``j``-th listed key block needs besides its ``S``, loaded / computed
         before ``S`` is waited for: ``(kb, sc, (whole, pre_keys, tail_from, edge, pooled))`` = the block's
-        index, ``sq * sk``, its share of the key biases (:func:`_key_block_bias`) and, with ``HAS_TAIL``,
-        whether it is a tile of pooled keys (``kb >= pool_first``: its weights, key biases included, come
-        from the tail's bias table instead)."""
+        index, ``sq * sk`` (``SQ_LOAD``: ``sq`` is the address of Q's scale), its share of the key biases
+        (:func:`_key_block_bias`) and, with ``HAS_TAIL``, whether it is a tile of pooled keys (``kb >=
+        pool_first``: its weights, key biases included, come from the tail's bias table instead). ``POOLED``:
+        the block is a tile of pooled keys (a loop of them alone); ``pooled`` is then the address of its
+        weights in the bias-table row ``tail_row``, and the key-bias terms are zeros."""
         kb = gl.load(idx_row + j)
+        if SQ_LOAD:
+            sq = gl.load(sq)
         sc = sq * gl.load(k_scale_row + kb)
-        whole, pre_keys, tail_from, edge = _key_block_bias(kb, key_bias, HAS_SUFFIX)
-        pooled = False
-        if HAS_TAIL:
-            pooled = kb >= pool_first
-            whole = gl.where(pooled, 0.0, whole)  # (past the keys a suffix would cover every pooled tile)
-        return kb, sc, (whole, pre_keys, tail_from, edge, pooled)
+        if POOLED:
+            return kb, sc, (0.0, 0, 0, False, tail_row + (kb - pool_first) * _BLOCK)
+        else:
+            whole, pre_keys, tail_from, edge = _key_block_bias(kb, key_bias, HAS_SUFFIX)
+            pooled = False
+            if HAS_TAIL:
+                pooled = kb >= pool_first
+                whole = gl.where(pooled, 0.0, whole)  # (past the keys a suffix would cover every pooled tile)
+            return kb, sc, (whole, pre_keys, tail_from, edge, pooled)
 
     @gluon.jit
     def _row_sums_issue(p8, ones_smem, l_zero, pl_layout: gl.constexpr):
@@ -270,40 +282,49 @@ if gluon is not None:
 
     @gluon.jit
     def _key_terms(s, sc, kb, terms, offs_n, Lk, num_kv_blocks, key_bias, tail_row, pool_first, TAIL_K: gl.constexpr,
-                   HAS_BIAS: gl.constexpr, HAS_SUFFIX: gl.constexpr, HAS_TAIL: gl.constexpr, SC_ROWS: gl.constexpr):
+                   HAS_BIAS: gl.constexpr, HAS_SUFFIX: gl.constexpr, HAS_TAIL: gl.constexpr, POOLED: gl.constexpr,
+                   SC_ROWS: gl.constexpr):
         """Key block ``kb``'s per-key terms added to its logits ``s`` (``[R, 128]`` in units of ``1 / sc``; ``sc``
         a scalar, or with ``SC_ROWS`` one per row): ``-inf`` for keys past ``Lk`` in the partial last block; on
         a tile of pooled keys (``HAS_TAIL``) the tile's row of the bias table; on the one block a prefix or
         suffix edge crosses (``HAS_BIAS`` / ``HAS_SUFFIX``), the bias of its keys inside. Each ``bias / sc``, in a
-        branch only such blocks take (``terms`` from :func:`_block_terms`)."""
+        branch only such blocks take (``terms`` from :func:`_block_terms`). ``POOLED`` (a tile of pooled keys,
+        known when compiled): its weights alone, from the address in ``terms``, no branch."""
         whole, pre_keys, tail_from, edge, pooled = terms
-        prefix_bias = key_bias[1]
-        suffix_bias = key_bias[3]
-        if TAIL_K:
-            if kb == num_kv_blocks - 1:
-                s = gl.where((kb * _BLOCK + offs_n < Lk)[None, :], s, float("-inf"))
-        if HAS_TAIL:
-            if pooled:
-                weights = gl.load(tail_row + (kb - pool_first) * _BLOCK + offs_n)
-                if SC_ROWS:
-                    s = s + weights[None, :] * (1.0 / sc)[:, None]
-                else:
-                    s = s + (weights * (1.0 / sc))[None, :]
-        if HAS_BIAS:
-            if edge:  # per key: the prefix's last (partial) block, the suffix's first
-                keys = gl.where((offs_n < pre_keys) & (pre_keys < _BLOCK), prefix_bias, 0.0)
-                if HAS_SUFFIX:
-                    keys = keys + gl.where((offs_n >= tail_from) & (tail_from > 0), suffix_bias, 0.0)
-                if SC_ROWS:
-                    s = s + keys[None, :] * (1.0 / sc)[:, None]
-                else:
-                    s = s + (keys / sc)[None, :]
+        if POOLED:
+            weights = gl.load(pooled + offs_n)
+            if SC_ROWS:
+                s = s + weights[None, :] * (1.0 / sc)[:, None]
+            else:
+                s = s + (weights * (1.0 / sc))[None, :]
+        else:
+            prefix_bias = key_bias[1]
+            suffix_bias = key_bias[3]
+            if TAIL_K:
+                if kb == num_kv_blocks - 1:
+                    s = gl.where((kb * _BLOCK + offs_n < Lk)[None, :], s, float("-inf"))
+            if HAS_TAIL:
+                if pooled:
+                    weights = gl.load(tail_row + (kb - pool_first) * _BLOCK + offs_n)
+                    if SC_ROWS:
+                        s = s + weights[None, :] * (1.0 / sc)[:, None]
+                    else:
+                        s = s + (weights * (1.0 / sc))[None, :]
+            if HAS_BIAS:
+                if edge:  # per key: the prefix's last (partial) block, the suffix's first
+                    keys = gl.where((offs_n < pre_keys) & (pre_keys < _BLOCK), prefix_bias, 0.0)
+                    if HAS_SUFFIX:
+                        keys = keys + gl.where((offs_n >= tail_from) & (tail_from > 0), suffix_bias, 0.0)
+                    if SC_ROWS:
+                        s = s + keys[None, :] * (1.0 / sc)[:, None]
+                    else:
+                        s = s + (keys / sc)[None, :]
         return s
 
     @gluon.jit
     def _softmax_block(s, m_i, sc, kb, terms, offs_n, Lk, num_kv_blocks, key_bias, tail_row, pool_first,
                        TAIL_K: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_SUFFIX: gl.constexpr,
-                       HAS_TAIL: gl.constexpr):
+                       HAS_TAIL: gl.constexpr, POOLED: gl.constexpr):
         """Online softmax over key block ``kb``'s wgmma output ``s`` (``sc`` = sq * sk > 0, folded in after
         the row max; ``terms`` from :func:`_block_terms`): returns ``(P, m, alpha)`` with ``P`` =
         ``exp2(s * sc - m + P_SHIFT)`` as e4m3 (row maximum 2^P_SHIFT) straight from the FFMA's bits (see the
@@ -315,10 +336,11 @@ if gluon is not None:
         added to those elements of ``s``. ``HAS_TAIL``: on a tile of pooled keys (``pooled``), each key's
         term from the tile's row of the bias table (``tail_row``: log2 units, ``-inf`` where the row keeps
         the block or past the last) enters as ``bias / sc`` added to ``s`` before the row maximum
-        (``-inf``: P's saturating byte is 0, the row maximum ignores it)."""
+        (``-inf``: P's saturating byte is 0, the row maximum ignores it); ``POOLED``: the block is such a tile.
+        """
         whole = terms[0]
         s = _key_terms(s, sc, kb, terms, offs_n, Lk, num_kv_blocks, key_bias, tail_row, pool_first, TAIL_K,
-                       HAS_BIAS, HAS_SUFFIX, HAS_TAIL, False)
+                       HAS_BIAS, HAS_SUFFIX, HAS_TAIL, POOLED, False)
         if HAS_BIAS:  # exp2(s * sc + b - m + shift), the block's uniform bias b in the row terms
             m_new = gl.maximum(m_i, gl.max(s, axis=1) * sc + whole)
             shift = _P_SHIFT + whole - m_new
@@ -340,7 +362,7 @@ if gluon is not None:
     @gluon.jit
     def _softmax_block_int8(s, m_i, sc, kb, terms, offs_n, Lk, num_kv_blocks, key_bias, tail_row, pool_first,
                             TAIL_K: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_SUFFIX: gl.constexpr,
-                            HAS_TAIL: gl.constexpr):
+                            HAS_TAIL: gl.constexpr, POOLED: gl.constexpr):
         """The INT8 path's softmax over key block ``kb`` (``s``: the int32 ``Q8 @ K8^T``; ``sc`` = the rows' ``sq *
         sk`` > 0, ``[R]``; masks, biases and ``terms`` as in :func:`_softmax_block`): returns ``(P, m, alpha,
         beta)`` with ``P`` = the int8 operand ``level - 128`` of the uint8 levels ``round(255 * 2^(S - m_tile))``
@@ -352,7 +374,7 @@ if gluon is not None:
         whole = terms[0]
         x = (s + _MAGIC_BITS).to(gl.float32, bitcast=True)  # the dot + 1.5 * 2^23, exact (|dot| < 2^22)
         x = _key_terms(x, sc, kb, terms, offs_n, Lk, num_kv_blocks, key_bias, tail_row, pool_first, TAIL_K,
-                       HAS_BIAS, HAS_SUFFIX, HAS_TAIL, True)
+                       HAS_BIAS, HAS_SUFFIX, HAS_TAIL, POOLED, True)
         x_max = gl.max(x, axis=1)
         m_tile = (x_max - _MAGIC) * sc
         if HAS_BIAS:
@@ -389,34 +411,42 @@ if gluon is not None:
     @gluon.jit
     def _key_block(j, carry, blocks, ring, key_bias, pool_first, lengths, offsets, zeros, STAGES: gl.constexpr,
                    TAIL_K: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_SUFFIX: gl.constexpr, TAIL: gl.constexpr,
-                   INT8: gl.constexpr, HEAD_DIM: gl.constexpr, P_LAYOUT: gl.constexpr, PL_LAYOUT: gl.constexpr,
-                   ROW_O: gl.constexpr, ROW_L: gl.constexpr):
+                   POOLED: gl.constexpr, LATE_LOADS: gl.constexpr, SQ_LOAD: gl.constexpr, INT8: gl.constexpr,
+                   HEAD_DIM: gl.constexpr,
+                   P_LAYOUT: gl.constexpr, PL_LAYOUT: gl.constexpr, ROW_O: gl.constexpr, ROW_L: gl.constexpr):
         """One consumer's step over the tile's ``j``-th listed key block: ``Q @ K^T``, the softmax, ``P @ V`` and
         the row sums, added to ``carry`` = (O, l, m, key blocks consumed so far), which it returns. ``blocks`` =
-        the tile's (block list row, Q scale(s), K scale row, Q operand, bias-table row, INT8: V sums row);
-        ``ring`` = (K stages, V^T stages, the row-sum GEMM's ones, k_ready, v_ready, kv_empty); ``zeros`` = the
-        wgmmas' (S, O, l) accumulators. ``TAIL``: the block may be a tile of pooled keys (their weights' branch
-        is compiled in)."""
+        the tile's (block list row, Q scale(s) or with ``SQ_LOAD`` its address, K scale row, Q operand, bias-table row, INT8: V sums row); ``ring`` = (K stages, V^T stages, the row-sum
+        GEMM's ones, k_ready, v_ready, kv_empty); ``zeros`` = the wgmmas' (S, O, l) accumulators. ``TAIL``: the
+        block may be a tile of pooled keys (their weights' branch is compiled in); ``POOLED``: it is one (the
+        pooled tiles' own loop). ``LATE_LOADS`` (FP8 only): the block's loads (index, K scale, with ``SQ_LOAD``
+        Q's scale) are issued after ``Q @ K^T`` is, not before."""
         acc, l_acc, m_i, kctr = carry
         idx_row, sq, k_scale_row, q, tail_row, vsum_row = blocks
         k_smem, v_smem, ones_smem, k_ready, v_ready, kv_empty = ring
         s_zero, o_zero, l_zero = zeros
         offs_n, offs_d = offsets
         Lk, num_kv_blocks = lengths[1], lengths[2]
-        kb, sc, terms = _block_terms(idx_row, j, sq, k_scale_row, key_bias, pool_first, HAS_SUFFIX, TAIL)
-        if INT8:  # 128 x the block's V sums, plus 1.5 * 2^23's bits: the int32 P @ V's starting value below
-            v_bits = gl.load(vsum_row + kb * HEAD_DIM + offs_d) * 128 + _MAGIC_BITS
+        if not LATE_LOADS:
+            kb, sc, terms = _block_terms(idx_row, j, sq, k_scale_row, key_bias, pool_first, tail_row, HAS_SUFFIX,
+                                         TAIL, POOLED, False)
+            if INT8:  # 128 x the block's V sums, plus 1.5 * 2^23's bits: the int32 P @ V's starting value below
+                v_bits = gl.load(vsum_row + kb * HEAD_DIM + offs_d) * 128 + _MAGIC_BITS
         st = kctr % STAGES
         ph = (kctr // STAGES) & 1
         mbarrier.wait(k_ready.index(st), ph)
         s = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        if LATE_LOADS:
+            kb, sc, terms = _block_terms(idx_row, j, sq, k_scale_row, key_bias, pool_first, tail_row, HAS_SUFFIX,
+                                         TAIL, POOLED, SQ_LOAD)
         s = warpgroup_mma_wait(num_outstanding=0, deps=[s])
         if INT8:
             p, m_i, alpha, beta = _softmax_block_int8(s, m_i, sc, kb, terms, offs_n, Lk, num_kv_blocks, key_bias,
-                                                      tail_row, pool_first, TAIL_K, HAS_BIAS, HAS_SUFFIX, TAIL)
+                                                      tail_row, pool_first, TAIL_K, HAS_BIAS, HAS_SUFFIX, TAIL,
+                                                      POOLED)
         else:
             p, m_i, alpha = _softmax_block(s, m_i, sc, kb, terms, offs_n, Lk, num_kv_blocks, key_bias, tail_row,
-                                           pool_first, TAIL_K, HAS_BIAS, HAS_SUFFIX, TAIL)
+                                           pool_first, TAIL_K, HAS_BIAS, HAS_SUFFIX, TAIL, POOLED)
         p8 = _p_operand(p, P_LAYOUT)
         mbarrier.wait(v_ready.index(st), ph)
         # two-level accumulation (SageAttention 2's form): each block's P @ V and row sums into a fresh wgmma
@@ -457,7 +487,7 @@ if gluon is not None:
     def _consumer(out_args, q_args, kv_args, bars, walk, lengths, key_bias, tail,
                   HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, Q_STAGES: gl.constexpr, CONSUMER: gl.constexpr,
                   TAIL_K: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_SUFFIX: gl.constexpr, HAS_PERM: gl.constexpr,
-                  Q_KERNEL: gl.constexpr, HAS_TAIL: gl.constexpr, INT8: gl.constexpr):
+                  Q_KERNEL: gl.constexpr, HAS_TAIL: gl.constexpr, INT8: gl.constexpr, POOLED_LOOP: gl.constexpr):
         """Consumer warpgroup ``CONSUMER`` (0 / 1): query rows ``[64 * CONSUMER, 64 * CONSUMER + 64)`` of
         every tile of the walk. ``out_args`` = (output pointer, its TMA descriptor, this consumer's store
         buffer, token_perm, the output's strides b / h / l); ``q_args`` = (Q's stages, this consumer's e4m3 Q
@@ -469,7 +499,10 @@ if gluon is not None:
         ``tail`` = (the pooled tail's bias table, its row width, the first pooled tile's block index).
         ``INT8``: the accurate path's numerics (:func:`_softmax_block_int8`; Q from the INT8 pre-pass with one
         scale per row; int32 products, each block's ``P @ V`` and level sums corrected by ``128 *`` the block's
-        V sums and added to O and l with the block's weight ``beta``)."""
+        V sums and added to O and l with the block's weight ``beta``). ``POOLED_LOOP`` (with ``HAS_TAIL``; always
+        with ``INT8``): the pooled tiles in a loop of their own after the kept blocks, which then run the loop
+        they run without the tail; FP8 there also issues each block's loads after its ``Q @ K^T``. Only an
+        assembler of :mod:`._ptxas`'s choice gets FP8's form right (see :func:`launch_ws`)."""
         o_ptr, o_desc, o_smem, token_perm, s_ob, s_oh, s_ol = out_args
         q_smem, q8_smem, q_mult, q_scale, n_q_scale = q_args
         k_smem, v_smem, ones_smem, k_scale, v_scale, n_k_scale, v_sums, pool_ratio, n_v_tiles = kv_args
@@ -478,6 +511,8 @@ if gluon is not None:
         Lq, Lk, num_kv_blocks = lengths
         tail_bias, tail_width, pool_first = tail
         ROWS: gl.constexpr = _ROWS
+        late_loads: gl.constexpr = POOLED_LOOP and not INT8
+        sq_load: gl.constexpr = POOLED_LOOP and not INT8 and not Q_KERNEL
         # wgmma accumulator layouts (M = 64 rows over 4 warps; K = 32 for 8-bit operands) and the
         # register layout of P as the A operand of P @ V
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -516,9 +551,8 @@ if gluon is not None:
             if HAS_TAIL:
                 _prefetch_row(tail_row, tail_width)
             vsum_row = v_sums + bh * n_v_tiles * HEAD_DIM  # (INT8 only)
-            if INT8:
-                if HAS_TAIL:  # the listed key blocks before the first pooled tile
-                    n_kept = n_kv - gl.load(walk[3] + map_row)
+            if POOLED_LOOP:  # the listed key blocks before the first pooled tile
+                n_kept = n_kv - gl.load(walk[3] + map_row)
             qs = qt % Q_STAGES
             if Q_KERNEL:
                 mbarrier.wait(q_ready.index(qs), (qt // Q_STAGES) & 1)
@@ -537,6 +571,8 @@ if gluon is not None:
                 if INT8:  # one scale per query row
                     sq = gl.load(q_scale + bh * n_q_scale + qblk * _BLOCK + CONSUMER * ROWS
                                  + gl.arange(0, ROWS, layout=row_s))
+                elif late_loads:  # its address: each key block's step loads it after its Q @ K^T is issued
+                    sq = q_scale + bh * n_q_scale + qblk
                 else:
                     sq = gl.load(q_scale + bh * n_q_scale + qblk)
                 mbarrier.wait(q_ready.index(qs), (qt // Q_STAGES) & 1)
@@ -547,27 +583,27 @@ if gluon is not None:
             l_acc = gl.zeros([ROWS, _ONES], gl.float32, layout=l_layout)  # the row sums, every column
             blocks = (idx_row, sq, k_scale_row, q, tail_row, vsum_row)
             n_first = n_kv
-            if INT8:
-                if HAS_TAIL:  # the kept blocks first, in a loop without the pooled tiles' code (below)
-                    n_first = n_kept
+            if POOLED_LOOP:  # the kept blocks first, in a loop without the pooled tiles' code (below)
+                n_first = n_kept
             for j in range(0, n_first):
                 acc, l_acc, m_i, kctr = _key_block(j, (acc, l_acc, m_i, kctr), blocks, ring, key_bias, pool_first,
                                                    lengths, (offs_n, offs_d), zeros, STAGES, TAIL_K, HAS_BIAS,
-                                                   HAS_SUFFIX, HAS_TAIL and not INT8, INT8, HEAD_DIM, p_layout,
-                                                   pl_layout, row_o, row_l)
-            if INT8:
-                if HAS_TAIL:
-                    # the pooled tiles in a loop of their own: in the kept blocks' loop their weights' branch, even
-                    # never taken, cost 15% (a full map at 720p: 220 against 192 ms). Their values are in units of
-                    # their own per-channel scale (the ratio of it over V's): O moves to those units once here and
-                    # back after the last (a multiply per block would cost the kept blocks too)
+                                                   HAS_SUFFIX, HAS_TAIL and not POOLED_LOOP, False, late_loads,
+                                                   sq_load, INT8, HEAD_DIM, p_layout, pl_layout, row_o, row_l)
+            if POOLED_LOOP:
+                # the pooled tiles in a loop of their own: in the kept blocks' loop their weights' branch, even
+                # never taken, cost INT8 15% (a full map at 720p: 220 against 192 ms) and FP8 its tail 1.0-1.4 ms
+                # more at 720p, 15% (with the loads issued after Q @ K^T). INT8's pooled values are in units of
+                # their own per-channel scale (the ratio of it over V's): O moves to those units once here and
+                # back after the last (a multiply per block would cost the kept blocks too)
+                if INT8:
                     if n_first < n_kv:
                         acc = acc * (1.0 / gl.load(pool_ratio + bh * HEAD_DIM + offs_d))[None, :]
-                    for j in range(n_first, n_kv):
-                        acc, l_acc, m_i, kctr = _key_block(j, (acc, l_acc, m_i, kctr), blocks, ring, key_bias,
-                                                           pool_first, lengths, (offs_n, offs_d), zeros, STAGES,
-                                                           TAIL_K, HAS_BIAS, HAS_SUFFIX, True, INT8, HEAD_DIM,
-                                                           p_layout, pl_layout, row_o, row_l)
+                for j in range(n_first, n_kv):
+                    acc, l_acc, m_i, kctr = _key_block(j, (acc, l_acc, m_i, kctr), blocks, ring, key_bias, pool_first,
+                                                       lengths, (offs_n, offs_d), zeros, STAGES, TAIL_K, HAS_BIAS,
+                                                       HAS_SUFFIX, INT8, not INT8, late_loads, sq_load, INT8,
+                                                       HEAD_DIM, p_layout, pl_layout, row_o, row_l)
             if not Q_KERNEL:
                 mbarrier.arrive(q_empty.index(qs), count=1)  # this consumer's Q rows are no longer read
             qt += 1
@@ -607,7 +643,8 @@ if gluon is not None:
                        s_ib, s_ih, s_iq, tail_num, tail_bias, tail_width, pool_first, v_sums, pool_ratio, n_v_tiles,
                        HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, Q_STAGES: gl.constexpr,
                        TAIL_K: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_SUFFIX: gl.constexpr,
-                       HAS_PERM: gl.constexpr, Q_KERNEL: gl.constexpr, HAS_TAIL: gl.constexpr, INT8: gl.constexpr):
+                       HAS_PERM: gl.constexpr, Q_KERNEL: gl.constexpr, HAS_TAIL: gl.constexpr, INT8: gl.constexpr,
+                       POOLED_LOOP: gl.constexpr):
         # the B operand of the row-sum GEMM: 8-bit ones (e4m3's byte 0x38; int8 1), any swizzle holds them
         ones_regs: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
         if INT8:
@@ -662,11 +699,18 @@ if gluon is not None:
                          STAGES, Q_STAGES, Q_KERNEL, HAS_TAIL)),
             (_consumer, ((O, o_desc, o_smem0, token_perm, s_ob, s_oh, s_ol), (q_smem, q8_smem0, q_mult, q_scale,
                          n_q_scale), kv_args, bars, walk, lengths, key_bias, tail, HEAD_DIM, STAGES, Q_STAGES, 0, TAIL_K, HAS_BIAS,
-                         HAS_SUFFIX, HAS_PERM, Q_KERNEL, HAS_TAIL, INT8)),
+                         HAS_SUFFIX, HAS_PERM, Q_KERNEL, HAS_TAIL, INT8, POOLED_LOOP)),
             (_consumer, ((O, o_desc, o_smem1, token_perm, s_ob, s_oh, s_ol), (q_smem, q8_smem1, q_mult, q_scale,
                          n_q_scale), kv_args, bars, walk, lengths, key_bias, tail, HEAD_DIM, STAGES, Q_STAGES, 1, TAIL_K, HAS_BIAS,
-                         HAS_SUFFIX, HAS_PERM, Q_KERNEL, HAS_TAIL, INT8)),
+                         HAS_SUFFIX, HAS_PERM, Q_KERNEL, HAS_TAIL, INT8, POOLED_LOOP)),
         ], [4, 4], [_REGS, _REGS])
+
+
+def pooled_loop(pooled_tail: bool, int8: bool, assembler: Assembler | None) -> bool:
+    """Whether the kernel runs the pooled tiles in a loop of their own (``POOLED_LOOP``): always with the tail
+    under ``int8``; for FP8 only when assembled by ``assembler`` (:func:`._ptxas.fixed_ptxas`), since an
+    older ptxas gets that form wrong on a query block that keeps nothing (:mod:`._ptxas`)."""
+    return bool(pooled_tail) and (bool(int8) or assembler is not None)
 
 
 def shared_layouts(head_dim: int, int8: bool = False):
@@ -752,16 +796,27 @@ def launch_ws(q, k, v, block_map, scale: float, config: WsConfig | None = None, 
     o_desc = rows_descriptor(out, CONSUMER_ROWS)
     num_tiles = batch * heads * num_q_blocks
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    _bsa_ws_kernel[(min(num_tiles, sms),)](
-        q_desc, k_desc, v_desc, out, o_desc, float(scale * LOG2E), q_scale, k_scale, v_scale, kv_num, kv_idx, sched,
-        heads, q_len, kv_len, lpad_q, lpad_k, num_kv_blocks, num_q_blocks, num_tiles,
-        q_scale.shape[-1], k_scale.shape[-1], int(prefix_len) if has_bias else 0,
-        float(prefix_bias) * LOG2E if has_bias else 0.0, suffix_start,
-        float(suffix_bias) * LOG2E if suffix_start < kv_len else 0.0, k_scale if token_perm is None else token_perm,
-        out.stride(0), out.stride(1), out.stride(2), *map_strides, *tail_args, v_sums, pool_ratio,
-        v_sums.shape[2] if int8 else 0, HEAD_DIM=head_dim, STAGES=cfg.stages, Q_STAGES=cfg.q_stages,
-        TAIL_K=kv_len % BLOCK != 0, HAS_BIAS=has_bias, HAS_SUFFIX=suffix_start < kv_len,
-        HAS_PERM=token_perm is not None, Q_KERNEL=q_kernel, HAS_TAIL=bool(pooled_tail), INT8=bool(int8), num_warps=4)
+    grid = (min(num_tiles, sms),)
+    args = (q_desc, k_desc, v_desc, out, o_desc, float(scale * LOG2E), q_scale, k_scale, v_scale, kv_num, kv_idx,
+            sched, heads, q_len, kv_len, lpad_q, lpad_k, num_kv_blocks, num_q_blocks, num_tiles,
+            q_scale.shape[-1], k_scale.shape[-1], int(prefix_len) if has_bias else 0,
+            float(prefix_bias) * LOG2E if has_bias else 0.0, suffix_start,
+            float(suffix_bias) * LOG2E if suffix_start < kv_len else 0.0,
+            k_scale if token_perm is None else token_perm, out.stride(0), out.stride(1), out.stride(2), *map_strides,
+            *tail_args, v_sums, pool_ratio, v_sums.shape[2] if int8 else 0)
+    consts = dict(HEAD_DIM=head_dim, STAGES=cfg.stages, Q_STAGES=cfg.q_stages, TAIL_K=kv_len % BLOCK != 0,
+                  HAS_BIAS=has_bias, HAS_SUFFIX=suffix_start < kv_len, HAS_PERM=token_perm is not None,
+                  Q_KERNEL=q_kernel, HAS_TAIL=bool(pooled_tail), INT8=bool(int8), num_warps=4)
+
+    def launch(own_loop: bool):
+        _bsa_ws_kernel[grid](*args, **consts, POOLED_LOOP=own_loop)
+
+    # only FP8's pooled tiles' own loop is assembled by the fixed ptxas (its scope costs ~10-20 us a call; only a
+    # call that builds the kernel needs it); every other variant, INT8 too (ptxas 13.3 spills 24 bytes more
+    # there), by Triton's own, as measured. A fixed ptxas that fails to build it is dropped for the process
+    fixed = None if int8 else fixed_ptxas()
+    run_assembled(fixed if pooled_loop(pooled_tail, int8, fixed) else None, lambda: launch(True),
+                  lambda: launch(pooled_loop(pooled_tail, int8, None)))
     return out
 
 
@@ -796,11 +851,14 @@ def block_sparse_attention_ws(q, k, v, block_map, scale: float, config: WsConfig
 
 def compile_sm90(head_dim: int = 128, config: WsConfig | None = None, *, tail_k: bool = True, has_bias: bool = False,
                  has_suffix: bool = False, has_perm: bool = False, q_kernel: bool | None = None,
-                 has_tail: bool = False, int8: bool = False):
+                 has_tail: bool = False, int8: bool = False, assembler: Assembler | None | str = "auto"):
     """The kernel variant :func:`launch_ws` builds for such a call, compiled ahead of time for sm_90 by this
     Triton (no GPU needed; bf16 inputs): ``tail_k`` a partial last key block, ``has_bias`` a prefix bias,
     ``has_suffix`` a suffix bias, ``has_perm`` a token order, ``q_kernel`` Q from its input rows (default:
-    unless ``has_perm``; never with ``int8``), ``has_tail`` the pooled tail, ``int8`` the INT8 numerics. Returns
+    unless ``has_perm``; never with ``int8``), ``has_tail`` the pooled tail, ``int8`` the INT8 numerics;
+    ``assembler``: the fixed ptxas (:func:`._ptxas.fixed_ptxas`) or None, which picks the pooled tiles' loop
+    (:func:`pooled_loop`) and assembles that loop's variants (the others: Triton's own); ``"auto"``: as
+    :func:`launch_ws` here (the fixed ptxas for FP8 only). Returns
     Triton's compiled kernel (``asm["ptx"]``, ``asm["cubin"]``, ``metadata``); raises whatever Triton raises when
     it cannot build it."""
     import triton  # noqa: PLC0415
@@ -825,6 +883,10 @@ def compile_sm90(head_dim: int = 128, config: WsConfig | None = None, *, tail_k:
     consts = dict(HEAD_DIM=head_dim, STAGES=cfg.stages, Q_STAGES=cfg.q_stages, TAIL_K=tail_k,
                   HAS_BIAS=has_bias or has_suffix, HAS_SUFFIX=has_suffix, HAS_PERM=has_perm, Q_KERNEL=q_kernel,
                   HAS_TAIL=has_tail, INT8=int8)
+    if assembler == "auto":
+        assembler = None if int8 else fixed_ptxas()
+    consts["POOLED_LOOP"] = pooled_loop(has_tail, int8, assembler)
+    assembler = assembler if consts["POOLED_LOOP"] else None
     kernel = _bsa_ws_kernel
     sig = {name: "constexpr" if param.is_constexpr else types.get(name, "i32")
            for name, param in zip(kernel.arg_names, kernel.params)}
@@ -834,7 +896,8 @@ def compile_sm90(head_dim: int = 128, config: WsConfig | None = None, *, tail_k:
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig)
              if n in ("O", "s_ob", "s_oh", "s_ol", "tail_bias", "tail_width", "v_sums", "pool_ratio")}
     src = GluonASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+    with assembling(assembler):
+        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
 
 
-__all__ = ["block_sparse_attention_ws", "available", "supports", "compile_sm90", "WsConfig", "BLOCK"]
+__all__ = ["block_sparse_attention_ws", "available", "supports", "compile_sm90", "pooled_loop", "WsConfig", "BLOCK"]

@@ -1,0 +1,141 @@
+"""Which ptxas assembles the warp-specialised kernel's pooled tiles' own loop (``chorus.kernels.triton._ptxas``), on
+the CPU with the installed Triton's real assemblers: the search's order and version floor, its opt-out and the
+CUDA 13 rule, the knobs' scope, and that a kernel assembled by the chosen ptxas is cached apart from Triton's
+own build of it (Triton's cache key does not change with the assembler). The GPU half (the loop it enables is
+right on a query block that keeps nothing): tests/test_kernels_ws_gpu.py."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from chorus.kernels.triton import _ptxas  # noqa: E402
+
+
+@pytest.fixture
+def fresh_choice():
+    _ptxas.reset()
+    yield
+    _ptxas.reset()
+
+
+def test_every_candidate_reports_its_real_version_and_triton_s_own_comes_first():
+    found = _ptxas.candidates()
+    assert found, "the installed Triton bundles a ptxas"
+    assert found[0].triton_default and found[0].path == triton.knobs.nvidia.ptxas.path
+    for asm in found:
+        assert asm.version == _ptxas.ptxas_version(asm.path) and asm.version >= (11, 0), asm
+        assert os.access(asm.path, os.X_OK)
+    assert _ptxas.ptxas_version(os.devnull) is None  # not a program: no version, no exception
+
+
+def test_the_choice_is_the_first_candidate_at_the_fixed_version_or_none(fresh_choice):
+    chosen = _ptxas.fixed_ptxas()
+    fixed = [asm for asm in _ptxas.candidates() if asm.version >= _ptxas.FIXED_PTXAS]
+    cuda = torch.version.cuda
+    if cuda and int(cuda.split(".")[0]) >= 13:
+        assert chosen == (fixed[0] if fixed else None)
+    else:
+        assert chosen is None and "CUDA" in _ptxas.describe()
+    assert ("a loop of their own" in _ptxas.describe()) == (chosen is not None)
+
+
+def test_opting_out_or_an_older_cuda_build_keeps_triton_s_own(fresh_choice, monkeypatch):
+    monkeypatch.setenv(_ptxas.ENV_PTXAS, "triton")
+    assert _ptxas.fixed_ptxas() is None
+    assert f"{_ptxas.ENV_PTXAS}=triton" in _ptxas.describe()
+    _ptxas.reset()
+    monkeypatch.delenv(_ptxas.ENV_PTXAS)
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    assert _ptxas.fixed_ptxas() is None
+    assert "CUDA 12.8" in _ptxas.describe()
+    _ptxas.reset()
+    monkeypatch.setattr(torch.version, "cuda", None)  # a CPU build
+    assert _ptxas.fixed_ptxas() is None
+
+
+def _another_assembler():
+    """A ptxas other than Triton's own sm_90 one (the fixed one where found, else any), or skip."""
+    others = [asm for asm in _ptxas.candidates() if not asm.triton_default]
+    if not others:
+        pytest.skip("this Triton bundles one ptxas only")
+    return others[-1]
+
+
+def test_the_scope_sets_triton_s_knobs_and_restores_them():
+    asm = _another_assembler()
+    knobs = triton.knobs
+    before = (knobs.nvidia.ptxas.path, knobs.cache.dir, os.environ.get("TRITON_PTXAS_PATH"))
+    with _ptxas.assembling(asm):
+        assert knobs.nvidia.ptxas.path == asm.path
+        assert knobs.cache.dir == os.path.join(before[1], f"chorus-ptxas-{asm.version[0]}.{asm.version[1]}")
+    assert (knobs.nvidia.ptxas.path, knobs.cache.dir, os.environ.get("TRITON_PTXAS_PATH")) == before
+    with _ptxas.assembling(None):
+        assert knobs.nvidia.ptxas.path == before[0]
+    with pytest.raises(KeyError), _ptxas.assembling(asm):  # restored on an error too
+        raise KeyError("x")
+    assert knobs.nvidia.ptxas.path == before[0] and knobs.cache.dir == before[1]
+
+
+def test_a_kernel_assembled_by_another_ptxas_is_cached_apart(tmp_path, monkeypatch):
+    """Same kernel (the pooled rows' finalisation, a small one), same Triton cache: built inside the scope and
+    outside it, the two cubins are each assembler's own (neither build reuses the other's), and each is found
+    again on a rebuild."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    asm = _another_assembler()
+    from aot_check import compile_jit
+
+    from chorus.kernels.triton import _quant as Q
+
+    def build():
+        return compile_jit(Q._pooled_finalize_kernel, dict(pool_sums="*fp32", k_out="*fp8e4nv", v_out="*fp8e4nv",
+                                                           k_scale="*fp32", v_stats="*fp32"),
+                           dict(HEAD_DIM=128, TILE=128, BS=256, POOL_CHUNK=128, FP8=True, INTERPRET=False,
+                                V_WGMMA_ORDER=True), num_warps=8).asm["cubin"]
+
+    own = build()
+    with _ptxas.assembling(asm):
+        other = build()
+        assert build() == other
+    assert other != own and build() == own
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("chorus-ptxas-")] == [
+        f"chorus-ptxas-{asm.version[0]}.{asm.version[1]}"]
+
+
+def _finalize_kernel_cubin():
+    from aot_check import compile_jit
+
+    from chorus.kernels.triton import _quant as Q
+
+    return compile_jit(Q._pooled_finalize_kernel, dict(pool_sums="*fp32", k_out="*bf16", v_out="*bf16",
+                                                       k_scale="*fp32", v_stats="*fp32"),
+                       dict(HEAD_DIM=64, TILE=128, BS=256, POOL_CHUNK=128, FP8=False, INTERPRET=False,
+                            V_WGMMA_ORDER=False), num_warps=4).asm["cubin"]
+
+
+def test_an_assembler_that_fails_is_dropped_for_the_process_and_triton_s_own_builds(fresh_choice, tmp_path,
+                                                                                      monkeypatch, caplog):
+    """An assembler that reports a version and then fails (a two-line script: Triton takes a path only from a
+    program whose ``--version`` it can read) behind the scope: Triton raises its PTXASError, the build runs again
+    with Triton's own ptxas, one warning says so, the choice looks past that path from then on and says why;
+    an error that is not the assembler's propagates."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+    script = tmp_path / "ptxas"
+    script.write_text('#!/bin/sh\n[ "$1" = --version ] && echo "Cuda compilation tools, release 13.3, V13.3.0" '
+                      '&& exit 0\necho "this assembler fails" >&2; exit 2\n')
+    script.chmod(0o755)
+    assert _ptxas.ptxas_version(str(script)) == (13, 3)
+    broken = _ptxas.Assembler(str(script), (13, 3), "a script that fails")
+    own = _finalize_kernel_cubin()
+    with caplog.at_level("WARNING", logger=_ptxas.__name__):
+        got = _ptxas.run_assembled(broken, _finalize_kernel_cubin, _finalize_kernel_cubin)
+    assert got == own
+    assert [r.levelname for r in caplog.records] == ["WARNING"] and "could not assemble" in caplog.text
+    assert broken.path in _ptxas.describe() and _ptxas.fixed_ptxas() != broken
+    with pytest.raises(ZeroDivisionError):  # not an assembler error: not caught, nothing refused
+        _ptxas.run_assembled(_another_assembler(), lambda: 1 / 0, lambda: pytest.fail("ran the fallback"))
+    assert _ptxas.run_assembled(None, lambda: pytest.fail("used no assembler"), lambda: "own") == "own"
