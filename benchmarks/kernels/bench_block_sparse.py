@@ -49,6 +49,7 @@ from masks import kept_flops, structured_block_map  # noqa: E402
 from peers import PEERS, cosine, make_peer, reference_subset  # noqa: E402
 
 from chorus.kernels.triton import _attention as attn  # noqa: E402
+from chorus.kernels.triton import _ptxas  # noqa: E402
 from chorus.kernels.triton import block_mass_triton  # noqa: E402
 
 SWEEP_FP8 = [
@@ -581,8 +582,8 @@ def main():
     args.mass_sizes = [int(x) for x in args.mass_sizes.split(",") if x]
     os.makedirs(args.out, exist_ok=True)
     results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-               "python": platform.python_version(), "argv": sys.argv, "sizes": []}
-    log(f"GPU {results['gpu']}, torch {torch.__version__}, triton {triton.__version__}")
+               "python": platform.python_version(), "argv": sys.argv, "ws_assembler": _ptxas.describe(), "sizes": []}
+    log(f"GPU {results['gpu']}, torch {torch.__version__}, triton {triton.__version__} ({results['ws_assembler']})")
     sizes = args.mass_sizes if args.mass_sweep or args.selection else [int(x) for x in args.sizes.split(",")]
     measure = mass_sweep if args.mass_sweep else selection_timing if args.selection else run_size
     for length in sizes:

@@ -41,6 +41,7 @@ from .gpu_state import GpuSampler
 from .masks import grid_for, structured_block_map
 from chorus.kernels import api
 from chorus.kernels.tile_order import cached_tile_order
+from chorus.kernels.triton import _ptxas
 from chorus.kernels.triton._attention import lpt_block_lists, tail_spec
 from chorus.kernels.triton._attention_ws import prepass_quantizes_q
 from chorus.kernels.triton._quant import padded_len, quantize_qkv_fp8
@@ -164,8 +165,10 @@ def main(argv=None) -> int:
     args.densities = [float(x) for x in args.densities.split(",") if x]
     args.backends = [x for x in args.backends.split(",") if x]
     results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-               "python": platform.python_version(), "argv": sys.argv, "runs": [], "cost": []}
-    log(f"GPU {results['gpu']}, torch {torch.__version__}, triton {triton.__version__}; order {args.order}, layout "
+               "python": platform.python_version(), "argv": sys.argv, "ws_assembler": _ptxas.describe(), "runs": [],
+               "cost": []}
+    log(f"GPU {results['gpu']}, torch {torch.__version__}, triton {triton.__version__} ({results['ws_assembler']})")
+    log(f"order {args.order}, layout "
         f"{args.layout}{', Q rows unaligned' if args.q_unaligned else ''}")
     for length in [int(x) for x in args.sizes.split(",") if x]:
         run_size(length, args, results)
