@@ -31,6 +31,9 @@ def test_every_candidate_reports_its_real_version_and_triton_s_own_comes_first()
         assert asm.version == _ptxas.ptxas_version(asm.path) and asm.version >= (11, 0), asm
         assert os.access(asm.path, os.X_OK)
     assert _ptxas.ptxas_version(os.devnull) is None  # not a program: no version, no exception
+    torch_bin = os.path.join(os.path.dirname(torch.__file__), "bin", "ptxas")
+    torch_bundles_one = os.path.isfile(torch_bin) and _ptxas.ptxas_version(torch_bin) is not None
+    assert any(asm.path == torch_bin for asm in found) == torch_bundles_one
 
 
 def test_the_choice_is_the_first_candidate_at_the_fixed_version_or_none(fresh_choice):

@@ -11,8 +11,9 @@ them in its kept blocks' loop. The INT8 variant has always had the separate loop
 :func:`fixed_ptxas` takes the first ptxas of version >= :data:`FIXED_PTXAS` among
 
 1. Triton's own for sm_90 (``TRITON_PTXAS_PATH``, else the one Triton bundles);
-2. Triton's ``ptxas-blackwell`` (Triton 3.8 bundles ptxas 13.3 for sm_100 under that name);
-3. the ``nvidia-cuda-nvcc`` wheel's (``pip install "chorus-ii[ptxas]"``),
+2. the one a CUDA 13 torch wheel bundles (``torch/bin/ptxas``: 13.0 in torch 2.11+cu130, below the floor);
+3. Triton's ``ptxas-blackwell`` (Triton 3.8 bundles ptxas 13.3 for sm_100 under that name);
+4. the ``nvidia-cuda-nvcc`` wheel's (``pip install "chorus-ii[ptxas]"``),
 
 and only under a CUDA 13 build of torch (a CUDA 13 assembler's cubin needs a CUDA 13 driver, and a CUDA 13
 torch runs on nothing older). Triton's own may change inside a process: TorchInductor's first compile sets
@@ -100,6 +101,9 @@ def candidates() -> list[Assembler]:
                 tools.append((getattr(knobs.nvidia, name).path, source, default))
             except (AttributeError, RuntimeError):
                 pass
+    bundled_by_torch = Path(torch.__file__).parent / "bin" / ("ptxas" + (sysconfig.get_config_var("EXE") or ""))
+    if bundled_by_torch.is_file():
+        tools.insert(1 if tools else 0, (str(bundled_by_torch), "torch's bundled ptxas", False))
     wheel = _nvcc_wheel_ptxas()
     if wheel:
         tools.append((wheel, "the nvidia-cuda-nvcc wheel", False))
