@@ -412,12 +412,13 @@ if gluon is not None:
     def _key_block(j, carry, blocks, ring, key_bias, pool_first, lengths, offsets, zeros, STAGES: gl.constexpr,
                    TAIL_K: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_SUFFIX: gl.constexpr, TAIL: gl.constexpr,
                    POOLED: gl.constexpr, LATE_LOADS: gl.constexpr, SQ_LOAD: gl.constexpr, INT8: gl.constexpr,
-                   HEAD_DIM: gl.constexpr,
-                   P_LAYOUT: gl.constexpr, PL_LAYOUT: gl.constexpr, ROW_O: gl.constexpr, ROW_L: gl.constexpr):
+                   HEAD_DIM: gl.constexpr, P_LAYOUT: gl.constexpr, PL_LAYOUT: gl.constexpr, ROW_O: gl.constexpr,
+                   ROW_L: gl.constexpr):
         """One consumer's step over the tile's ``j``-th listed key block: ``Q @ K^T``, the softmax, ``P @ V`` and
         the row sums, added to ``carry`` = (O, l, m, key blocks consumed so far), which it returns. ``blocks`` =
-        the tile's (block list row, Q scale(s) or with ``SQ_LOAD`` its address, K scale row, Q operand, bias-table row, INT8: V sums row); ``ring`` = (K stages, V^T stages, the row-sum
-        GEMM's ones, k_ready, v_ready, kv_empty); ``zeros`` = the wgmmas' (S, O, l) accumulators. ``TAIL``: the
+        the tile's (block list row, Q scale(s) or with ``SQ_LOAD`` its address, K scale row, Q operand, bias-table
+        row, INT8: V sums row); ``ring`` = (K stages, V^T stages, the row-sum GEMM's ones, k_ready, v_ready,
+        kv_empty); ``zeros`` = the wgmmas' (S, O, l) accumulators. ``TAIL``: the
         block may be a tile of pooled keys (their weights' branch is compiled in); ``POOLED``: it is one (the
         pooled tiles' own loop). ``LATE_LOADS`` (FP8 only): the block's loads (index, K scale, with ``SQ_LOAD``
         Q's scale) are issued after ``Q @ K^T`` is, not before."""
@@ -706,11 +707,16 @@ if gluon is not None:
         ], [4, 4], [_REGS, _REGS])
 
 
-def pooled_loop(pooled_tail: bool, int8: bool, assembler: Assembler | None) -> bool:
-    """Whether the kernel runs the pooled tiles in a loop of their own (``POOLED_LOOP``): always with the tail
-    under ``int8``; for FP8 only when assembled by ``assembler`` (:func:`._ptxas.fixed_ptxas`), since an
-    older ptxas gets that form wrong on a query block that keeps nothing (:mod:`._ptxas`)."""
-    return bool(pooled_tail) and (bool(int8) or assembler is not None)
+def kernel_form(pooled_tail: bool, int8: bool, assembler: Assembler | None | str = "auto"):
+    """``(POOLED_LOOP, ptxas)`` of the kernel a call builds: whether it runs the pooled tiles in a loop of their
+    own (always with the tail under ``int8``; for FP8 only when ``assembler`` builds it, since an older ptxas gets
+    that form wrong on a query block that keeps nothing: :mod:`._ptxas`) and the ptxas that builds that form
+    (None: Triton's own, for every other form). ``assembler``: the fixed ptxas or None; ``"auto"``: what
+    :func:`._ptxas.fixed_ptxas` finds for FP8, Triton's own for INT8 (ptxas 13.3 spills 24 bytes more there)."""
+    if assembler == "auto":
+        assembler = None if int8 else fixed_ptxas()
+    own_loop = bool(pooled_tail) and (bool(int8) or assembler is not None)
+    return own_loop, assembler if own_loop else None
 
 
 def shared_layouts(head_dim: int, int8: bool = False):
@@ -812,11 +818,10 @@ def launch_ws(q, k, v, block_map, scale: float, config: WsConfig | None = None, 
         _bsa_ws_kernel[grid](*args, **consts, POOLED_LOOP=own_loop)
 
     # only FP8's pooled tiles' own loop is assembled by the fixed ptxas (its scope costs ~10-20 us a call; only a
-    # call that builds the kernel needs it); every other variant, INT8 too (ptxas 13.3 spills 24 bytes more
-    # there), by Triton's own, as measured. A fixed ptxas that fails to build it is dropped for the process
-    fixed = None if int8 else fixed_ptxas()
-    run_assembled(fixed if pooled_loop(pooled_tail, int8, fixed) else None, lambda: launch(True),
-                  lambda: launch(pooled_loop(pooled_tail, int8, None)))
+    # call that builds the kernel needs it); every other form by Triton's own, as measured. A fixed ptxas that
+    # fails to build it is dropped for the process, and the call runs the form Triton's own builds
+    own_loop, assembler = kernel_form(pooled_tail, int8)
+    run_assembled(assembler, lambda: launch(own_loop), lambda: launch(kernel_form(pooled_tail, int8, None)[0]))
     return out
 
 
@@ -856,9 +861,8 @@ def compile_sm90(head_dim: int = 128, config: WsConfig | None = None, *, tail_k:
     Triton (no GPU needed; bf16 inputs): ``tail_k`` a partial last key block, ``has_bias`` a prefix bias,
     ``has_suffix`` a suffix bias, ``has_perm`` a token order, ``q_kernel`` Q from its input rows (default:
     unless ``has_perm``; never with ``int8``), ``has_tail`` the pooled tail, ``int8`` the INT8 numerics;
-    ``assembler``: the fixed ptxas (:func:`._ptxas.fixed_ptxas`) or None, which picks the pooled tiles' loop
-    (:func:`pooled_loop`) and assembles that loop's variants (the others: Triton's own); ``"auto"``: as
-    :func:`launch_ws` here (the fixed ptxas for FP8 only). Returns
+    ``assembler``: the fixed ptxas (:func:`._ptxas.fixed_ptxas`), None, or ``"auto"`` as :func:`launch_ws` here:
+    it picks the form and the ptxas that builds it (:func:`kernel_form`). Returns
     Triton's compiled kernel (``asm["ptx"]``, ``asm["cubin"]``, ``metadata``); raises whatever Triton raises when
     it cannot build it."""
     import triton  # noqa: PLC0415
@@ -883,10 +887,7 @@ def compile_sm90(head_dim: int = 128, config: WsConfig | None = None, *, tail_k:
     consts = dict(HEAD_DIM=head_dim, STAGES=cfg.stages, Q_STAGES=cfg.q_stages, TAIL_K=tail_k,
                   HAS_BIAS=has_bias or has_suffix, HAS_SUFFIX=has_suffix, HAS_PERM=has_perm, Q_KERNEL=q_kernel,
                   HAS_TAIL=has_tail, INT8=int8)
-    if assembler == "auto":
-        assembler = None if int8 else fixed_ptxas()
-    consts["POOLED_LOOP"] = pooled_loop(has_tail, int8, assembler)
-    assembler = assembler if consts["POOLED_LOOP"] else None
+    consts["POOLED_LOOP"], assembler = kernel_form(has_tail, int8, assembler)
     kernel = _bsa_ws_kernel
     sig = {name: "constexpr" if param.is_constexpr else types.get(name, "i32")
            for name, param in zip(kernel.arg_names, kernel.params)}
@@ -900,4 +901,4 @@ def compile_sm90(head_dim: int = 128, config: WsConfig | None = None, *, tail_k:
         return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
 
 
-__all__ = ["block_sparse_attention_ws", "available", "supports", "compile_sm90", "pooled_loop", "WsConfig", "BLOCK"]
+__all__ = ["block_sparse_attention_ws", "available", "supports", "compile_sm90", "kernel_form", "WsConfig", "BLOCK"]

@@ -39,6 +39,11 @@ from pathlib import Path
 
 import torch
 
+try:
+    from triton.runtime.errors import PTXASError
+except ImportError:  # (no Triton, or an older one without that error: nothing to tell apart)
+    PTXASError = ()
+
 LOG = logging.getLogger(__name__)
 # the ptxas measured to assemble the pooled tiles' own loop right *and* fast (H200: 60 GPU cases, the request of
 # record). 13.0 (the one a CUDA 13 torch wheel bundles) assembled it right in the empty-row cases too; its speed
@@ -177,10 +182,6 @@ def run_assembled(asm: Assembler | None, with_asm, without):
     scope. Any other error propagates. ``asm`` None: ``without()``."""
     if asm is None:
         return without()
-    try:
-        from triton.runtime.errors import PTXASError  # noqa: PLC0415
-    except ImportError:  # (an older Triton: no such error to tell apart)
-        PTXASError = ()  # noqa: N806
     try:
         with assembling(asm):
             return with_asm()
