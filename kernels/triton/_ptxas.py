@@ -18,10 +18,11 @@ them in its kept blocks' loop. The INT8 variant has always had the separate loop
 and only under a CUDA 13 build of torch (a CUDA 13 assembler's cubin needs a CUDA 13 driver, and a CUDA 13
 torch runs on nothing older). Triton's own may change inside a process: TorchInductor's first compile sets
 ``TRITON_PTXAS_PATH`` to the ptxas a CUDA 13 torch wheel bundles (``torch/bin/ptxas``, 13.0) when it is unset, so
-the choice is made once, at the first launch, and the form it picks is built by the same assembler every time. ``CHORUS_PTXAS=triton`` turns the search off (Triton's own assembler, the FP8
-kernel's single loop). :func:`assembling` scopes Triton's ``ptxas`` knob to the chosen one around a launch
-or a build, with a cache directory of its own: Triton's compile cache key does not change with the
-assembler, so a kernel built by one ptxas would otherwise be reused for the other.
+the choice is made once, at the first launch, and the form it picks is built by the same assembler every time.
+``CHORUS_PTXAS=triton`` turns the search off (Triton's own assembler, the FP8 kernel's single loop).
+:func:`assembling` scopes Triton's ``ptxas`` knob to the chosen one around a launch or a build, with a cache
+directory of its own: Triton's compile cache key does not change with the assembler, so a kernel built by one
+ptxas would otherwise be reused for the other.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ LOG = logging.getLogger(__name__)
 # is not measured, so it is not chosen
 FIXED_PTXAS = (13, 3)
 ENV_PTXAS = "CHORUS_PTXAS"
+_PTXAS_NAME = "ptxas" + (sysconfig.get_config_var("EXE") or "")  # (ptxas.exe on Windows)
 
 
 @dataclass(frozen=True)
@@ -85,7 +87,7 @@ def _nvcc_wheel_ptxas() -> str | None:
     except (ImportError, ValueError):
         return None
     for root in (spec.submodule_search_locations or []) if spec else []:
-        for path in sorted(Path(root).glob("cu*/bin/ptxas" + (sysconfig.get_config_var("EXE") or ""))):
+        for path in sorted(Path(root).glob(f"cu*/bin/{_PTXAS_NAME}")):
             return str(path)
     return None
 
@@ -106,7 +108,7 @@ def candidates() -> list[Assembler]:
                 tools.append((getattr(knobs.nvidia, name).path, source, default))
             except (AttributeError, RuntimeError):
                 pass
-    bundled_by_torch = Path(torch.__file__).parent / "bin" / ("ptxas" + (sysconfig.get_config_var("EXE") or ""))
+    bundled_by_torch = Path(torch.__file__).parent / "bin" / _PTXAS_NAME
     if bundled_by_torch.is_file():
         tools.insert(1 if tools else 0, (str(bundled_by_torch), "torch's bundled ptxas", False))
     wheel = _nvcc_wheel_ptxas()
@@ -127,7 +129,8 @@ def _why_not_searched() -> str | None:
         return f"{ENV_PTXAS}=triton"
     cuda = torch.version.cuda
     if not cuda or int(cuda.split(".")[0]) < FIXED_PTXAS[0]:
-        return f"torch is built for CUDA {cuda or 'none'} (a CUDA {FIXED_PTXAS[0]} assembler's kernels need CUDA {FIXED_PTXAS[0]})"
+        return (f"torch is built for CUDA {cuda or 'none'} (a CUDA {FIXED_PTXAS[0]} assembler's kernels need "
+                f"CUDA {FIXED_PTXAS[0]})")
     return None
 
 
