@@ -58,11 +58,11 @@ def tail_form(request, monkeypatch):
         monkeypatch.setenv(_ptxas.ENV_PTXAS, "triton")
     else:
         monkeypatch.delenv(_ptxas.ENV_PTXAS, raising=False)
-    _ptxas.fixed_ptxas.cache_clear()
+    _ptxas.reset()
     if request.param == "pooled_loop" and _ptxas.fixed_ptxas() is None:
         pytest.skip(_ptxas.describe())
     yield request.param
-    _ptxas.fixed_ptxas.cache_clear()
+    _ptxas.reset()
 
 
 def _random_map(batch, heads, length, density, seed):
