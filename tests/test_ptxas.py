@@ -61,6 +61,16 @@ def test_opting_out_or_an_older_cuda_build_keeps_triton_s_own(fresh_choice, monk
     assert _ptxas.fixed_ptxas() is None
 
 
+def test_an_unknown_setting_is_named_in_a_warning_and_ignored(fresh_choice, monkeypatch, caplog):
+    monkeypatch.setenv(_ptxas.ENV_PTXAS, "off")
+    with caplog.at_level("WARNING", logger=_ptxas.__name__):
+        chosen = _ptxas.fixed_ptxas()
+    assert "'off' is not a setting" in caplog.text and f"{_ptxas.ENV_PTXAS}=triton" in caplog.text
+    monkeypatch.delenv(_ptxas.ENV_PTXAS)
+    _ptxas.reset()
+    assert chosen == _ptxas.fixed_ptxas()  # the same choice as with the variable unset
+
+
 def _another_assembler():
     """A ptxas other than Triton's own sm_90 one (the fixed one where found, else any), or skip."""
     others = [asm for asm in _ptxas.candidates() if not asm.triton_default]

@@ -138,7 +138,12 @@ def _why_not_searched() -> str | None:
 def fixed_ptxas() -> Assembler | None:
     """The ptxas the warp-specialised kernel is assembled with when it runs its pooled tiles in a loop of their
     own (module docstring: the search), or None (then Triton's own, and the FP8 kernel's single loop). Decided
-    once per process, so every build of the kernel in it has the same form and assembler."""
+    once per process, so every build of the kernel in it has the same form and assembler. ``CHORUS_PTXAS`` set to
+    anything but ``triton`` is ignored with a warning (no other value means anything)."""
+    setting = os.environ.get(ENV_PTXAS, "").strip()
+    if setting and setting.lower() != "triton":
+        LOG.warning("Chorus: %s=%r is not a setting (the only one is %s=triton: Triton's own ptxas); ignored",
+                    ENV_PTXAS, setting, ENV_PTXAS)
     if _why_not_searched():
         return None
     return next((asm for asm in candidates() if asm.version >= FIXED_PTXAS and asm.path not in _REFUSED), None)
