@@ -235,14 +235,12 @@ def test_int8_strong_negative_key_bias_on_tiny_logits(backend):
 
 
 def _ptxas_version():
-    """(major, minor) of the ptxas Triton assembles sm_90 kernels with (``TRITON_PTXAS_PATH`` or its bundled one), or
-    None where this Triton cannot say."""
-    try:
-        import triton.knobs
+    """(major, minor) of the ptxas that builds the INT8 kernel (:func:`chorus.kernels.triton._ptxas.kernel_ptxas`:
+    Triton's own for sm_90, pinned), or None where it cannot be found."""
+    from chorus.kernels.triton import _ptxas
 
-        return tuple(int(part) for part in str(triton.knobs.nvidia.ptxas.version).split(".")[:2])
-    except Exception:  # noqa: BLE001 - an older Triton without the knob, an unreadable version: unknown
-        return None
+    asm = _ptxas.kernel_ptxas(int8=True)
+    return asm.version if asm is not None else None
 
 
 PTXAS_FIXED = (13, 0)  # the oldest ptxas measured to assemble the case below right (12.8 and 12.9 do not)
@@ -256,9 +254,8 @@ def test_int8_ws_query_block_that_keeps_nothing_attends_to_its_pooled_terms(requ
     came out at cosine 0.9944 against the oracle, the second's at 0.99998, with ptxas 13.3 (``TRITON_PTXAS_PATH``)
     both 0.99998, and with 13.0 both within the bound (0.0057 against the emulation's 0.0054). So with an older
     ptxas this is an expected failure (strict: a fixed ptxas turns it into a pass that asks for the marker's
-    removal). Which ptxas that is can change inside one process: TorchInductor's first compile sets
-    ``TRITON_PTXAS_PATH`` to the ptxas a CUDA 13 torch wheel bundles (``torch/bin/ptxas``, 13.0), and kernels
-    built after it are assembled by that one. No caller of ours reaches the case: the public API rejects a map with an empty row
+    removal). That ptxas is Triton's own, pinned for the INT8 variant (TorchInductor's switch of
+    ``TRITON_PTXAS_PATH`` to torch's bundled 13.0 does not reach it: :mod:`chorus.kernels.triton._ptxas`). No caller of ours reaches the case: the public API rejects a map with an empty row
     unless ``rows_checked``, and the engine's maps keep at least one block per row. 64 heads, so the tile is not its
     CTA's first (the miscompiled result is then the same on every run)."""
     from chorus.kernels.reference import dense_attention_oracle

@@ -180,9 +180,9 @@ def test_a_config_outside_the_kernel_s_range_is_a_clear_error(fields):
 def test_kernel_with_the_pooled_tail_compiles_for_sm90(head_dim, options, own_loop):
     """``HAS_TAIL`` (the pooled tail), in both of the FP8 kernel's forms: every option builds, spills nothing,
     fits the shared memory, prefetches each tile's row of the bias table into L1 once per consumer, and a kept
-    key block runs the same loop as without the tail. One loop (Triton's own ptxas): the pooled tiles'
-    weights load and add sit in a branch only pooled tiles take. ``POOLED_LOOP`` (assembled by the fixed ptxas
-    of :mod:`chorus.kernels.triton._ptxas`): each consumer runs a second loop for the pooled tiles, with
+    key block runs the same loop as without the tail (both by the same ptxas). One loop (Triton's own
+    ptxas): the pooled tiles' weights load and add sit in a branch only pooled tiles take. ``POOLED_LOOP``
+    (assembled by the fixed ptxas of :mod:`chorus.kernels.triton._ptxas`): each consumer runs a second loop for the pooled tiles, with
     their weights' loads and no key-bias terms, and the kept blocks' loop is the plain one (Q's scale loaded
     per block when it comes from the pre-pass)."""
     from chorus.kernels.triton import _attention_ws, _ptxas
@@ -199,7 +199,7 @@ def test_kernel_with_the_pooled_tail_compiles_for_sm90(head_dim, options, own_lo
     assert ptx.count("prefetch.global.L1") == 2, ptx.count("prefetch.global.L1")  # one per consumer
     assert " stack=0" in summarize(kernel, sass=False)
     assert kernel.metadata.shared <= 227 * 1024
-    plain_kernel = compile_ws(head_dim, tail=True, assembler=None, **options)
+    plain_kernel = compile_ws(head_dim, tail=True, assembler=assembler, **options)  # (the same ptxas)
     sass = sass_of(kernel)
     kept = key_block_loop_ops(sass, kept_blocks_only=True)
     plain = key_block_loop_ops(sass_of(plain_kernel))

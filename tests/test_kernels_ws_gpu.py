@@ -61,6 +61,8 @@ def tail_form(request, monkeypatch):
     _ptxas.reset()
     if request.param == "pooled_loop" and _ptxas.fixed_ptxas() is None:
         pytest.skip(_ptxas.describe())
+    if request.param == "one_loop" and _ptxas.pooled_loop_right(_ptxas.triton_ptxas()):
+        pytest.skip(f"Triton's own ptxas builds the pooled loop too: {_ptxas.describe()}")
     yield request.param
     _ptxas.reset()
 

@@ -1,8 +1,9 @@
-"""Which ptxas assembles the warp-specialised kernel's pooled tiles' own loop (``chorus.kernels.triton._ptxas``), on
-the CPU with the installed Triton's real assemblers: the search's order and version floor, its opt-out and the
-CUDA 13 rule, the knobs' scope, and that a kernel assembled by the chosen ptxas is cached apart from Triton's
-own build of it (Triton's cache key does not change with the assembler). The GPU half (the loop it enables is
-right on a query block that keeps nothing): tests/test_kernels_ws_gpu.py."""
+"""Which ptxas assembles each variant of the warp-specialised kernel (``chorus.kernels.triton._ptxas``), on the CPU
+with the installed Triton's real assemblers: the search's order and version floor, its opt-out and the CUDA 13
+rule, Triton's own pinned against TorchInductor's switch, the knobs' scope, a failing assembler dropped, and that
+a kernel assembled by the chosen ptxas is cached apart from Triton's own build of it (Triton's cache key does not
+change with the assembler). The GPU half (the loop it enables is right on a query block that keeps nothing):
+tests/test_kernels_ws_gpu.py."""
 
 from __future__ import annotations
 
@@ -45,6 +46,30 @@ def test_the_choice_is_the_first_candidate_at_the_fixed_version_or_none(fresh_ch
     else:
         assert chosen is None and "CUDA" in _ptxas.describe()
     assert ("a loop of their own" in _ptxas.describe()) == (chosen is not None)
+    own = _ptxas.triton_ptxas()
+    assert own is not None and own.triton_default
+    assert _ptxas.kernel_ptxas(int8=False) == (chosen or own) and _ptxas.kernel_ptxas(int8=True) == own
+    assert _ptxas.pooled_loop_right(chosen) == (chosen is not None) and not _ptxas.pooled_loop_right(None)
+
+
+def test_triton_s_own_is_pinned_against_torchinductor_s_switch(fresh_choice, monkeypatch):
+    """TorchInductor's first compile sets ``TRITON_PTXAS_PATH`` to torch's bundled ptxas: Triton's own stays the
+    one it bundles (the same before and after); a path the user names is taken, a broken one ignored."""
+    others = [asm for asm in _ptxas.candidates() if not asm.triton_default]
+    if not others:
+        pytest.skip("this Triton bundles one ptxas only")
+    bundled = _ptxas.triton_ptxas()
+    monkeypatch.setattr(_ptxas, "_torch_ptxas", lambda: others[0].path)  # (the one it sets on a CUDA 13 torch)
+    monkeypatch.setenv("TRITON_PTXAS_PATH", others[0].path)
+    _ptxas.reset()
+    assert _ptxas.triton_ptxas() == bundled and _ptxas.kernel_ptxas(int8=True) == bundled
+    monkeypatch.setattr(_ptxas, "_torch_ptxas", lambda: os.devnull)  # now a path the user named
+    _ptxas.reset()
+    named = _ptxas.triton_ptxas()
+    assert named.path == others[0].path and named.version == others[0].version and named.triton_default
+    monkeypatch.setenv("TRITON_PTXAS_PATH", os.path.join(os.devnull, "ptxas"))  # not there: Triton's bundled
+    _ptxas.reset()
+    assert _ptxas.triton_ptxas() == bundled
 
 
 def test_opting_out_or_an_older_cuda_build_keeps_triton_s_own(fresh_choice, monkeypatch):
@@ -135,7 +160,7 @@ def test_an_assembler_that_fails_is_dropped_for_the_process_and_triton_s_own_bui
     """An assembler that reports a version and then fails (a two-line script: Triton takes a path only from a
     program whose ``--version`` it can read) behind the scope: Triton raises its PTXASError, the build runs again
     with Triton's own ptxas, one warning says so, the choice looks past that path from then on and says why;
-    an error that is not the assembler's propagates."""
+    an error that is not the assembler's, or Triton's own assembler failing, propagates."""
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
     script = tmp_path / "ptxas"
     script.write_text('#!/bin/sh\n[ "$1" = --version ] && echo "Cuda compilation tools, release 13.3, V13.3.0" '
@@ -144,11 +169,20 @@ def test_an_assembler_that_fails_is_dropped_for_the_process_and_triton_s_own_bui
     assert _ptxas.ptxas_version(str(script)) == (13, 3)
     broken = _ptxas.Assembler(str(script), (13, 3), "a script that fails")
     own = _finalize_kernel_cubin()
+    built_by = []
+
+    def build(asm):
+        built_by.append(asm)
+        return _finalize_kernel_cubin()
+
     with caplog.at_level("WARNING", logger=_ptxas.__name__):
-        got = _ptxas.run_assembled(broken, _finalize_kernel_cubin, _finalize_kernel_cubin)
-    assert got == own
+        got = _ptxas.run_assembled(broken, build)
+    assert got == own and built_by == [broken, _ptxas.triton_ptxas()]
     assert [r.levelname for r in caplog.records] == ["WARNING"] and "could not assemble" in caplog.text
     assert broken.path in _ptxas.describe() and _ptxas.fixed_ptxas() != broken
     with pytest.raises(ZeroDivisionError):  # not an assembler error: not caught, nothing refused
-        _ptxas.run_assembled(_another_assembler(), lambda: 1 / 0, lambda: pytest.fail("ran the fallback"))
-    assert _ptxas.run_assembled(None, lambda: pytest.fail("used no assembler"), lambda: "own") == "own"
+        _ptxas.run_assembled(_another_assembler(), lambda asm: 1 / 0)
+    assert _ptxas.run_assembled(None, lambda asm: asm) is None
+    own_broken = _ptxas.Assembler(str(script), (13, 3), "Triton's own, failing", triton_default=True)
+    with pytest.raises(_ptxas.PTXASError):  # Triton's own failing: nothing to fall back to
+        _ptxas.run_assembled(own_broken, lambda asm: _finalize_kernel_cubin())

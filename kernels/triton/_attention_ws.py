@@ -61,11 +61,11 @@ then one persistent launch of ``_bsa_ws_kernel``):
   the consumer adds the bias table's row (``w_j * log2(e)``, ``-inf`` where the row keeps block ``j``)
   as ``bias / sc`` to ``S`` before the row maximum, in a branch only pooled tiles take (a kept block
   runs the loop it runs without the tail: ``tests/test_kernels_ws.py`` reads the SASS), the tile's table
-  row prefetched into L1 once (``prefetch.global.L1``). Where :func:`._ptxas.fixed_ptxas` finds a ptxas
-  >= 13.3 (``POOLED_LOOP``), the pooled tiles run in a loop of their own after the kept blocks instead
-  (no branch, no key-bias terms; each block's loads issued after its ``Q @ K^T``), assembled by that
-  ptxas: 1.1-1.3 ms faster at 720p, 15%, with the tail (H200). Older ptxas miscompile that form on a
-  query block that keeps nothing (:mod:`._ptxas`).
+  row prefetched into L1 once (``prefetch.global.L1``). Where the FP8 kernel's ptxas is 13.0 or newer
+  (:func:`._ptxas.fixed_ptxas`; ``POOLED_LOOP``), the pooled tiles run in a loop of their own after the kept
+  blocks instead (no branch, no key-bias terms; each block's loads issued after its ``Q @ K^T``): 1.1-1.3 ms
+  faster at 720p, 15%, with the tail (H200). Older ptxas miscompile that form on a query block that keeps
+  nothing. Every variant is built by the ptxas :func:`._ptxas.kernel_ptxas` pins for it (:mod:`._ptxas`).
 
 - ``INT8`` (``int8=True``): the numerics of :mod:`._attention`'s item 7 (the portable ``triton_int8``) in the same
   partitions, ring and walk. The INT8 pre-pass (:mod:`._quant_int8`, V^T in the wgmma key order) gives Q
@@ -95,7 +95,7 @@ import torch
 from ._attention import (P_SHIFT_LOG2, _validate, check_key_biases, check_perm, lpt_block_lists, output_like,
                          run_in_int32_chunks, tail_spec)
 from ._quant import LOG2E, padded_len, quantize_qkv_fp8, tail_rows
-from ._ptxas import Assembler, assembling, fixed_ptxas, run_assembled
+from ._ptxas import Assembler, assembling, kernel_ptxas, pooled_loop_right, run_assembled
 from ._quant_int8 import quantize_qkv_int8
 
 try:  # Gluon ships inside recent Tritons; without it this backend reports itself unavailable
@@ -709,14 +709,14 @@ if gluon is not None:
 
 def kernel_form(pooled_tail: bool, int8: bool, assembler: Assembler | None | str = "auto"):
     """``(POOLED_LOOP, ptxas)`` of the kernel a call builds: whether it runs the pooled tiles in a loop of their
-    own (always with the tail under ``int8``; for FP8 only when ``assembler`` builds it, since an older ptxas gets
-    that form wrong on a query block that keeps nothing: :mod:`._ptxas`) and the ptxas that builds that form
-    (None: Triton's own, for every other form). ``assembler``: the fixed ptxas or None; ``"auto"``: what
-    :func:`._ptxas.fixed_ptxas` finds for FP8, Triton's own for INT8 (ptxas 13.3 spills 24 bytes more there)."""
+    own (always with the tail under ``int8``; for FP8 only when its ptxas assembles that form right, since an
+    older one gets it wrong on a query block that keeps nothing: :func:`._ptxas.pooled_loop_right`) and the
+    ptxas that builds it. ``assembler``: an :class:`._ptxas.Assembler`, None (Triton's knob as it stands), or
+    ``"auto"``: the one :func:`._ptxas.kernel_ptxas` pins for the variant."""
     if assembler == "auto":
-        assembler = None if int8 else fixed_ptxas()
-    own_loop = bool(pooled_tail) and (bool(int8) or assembler is not None)
-    return own_loop, assembler if own_loop else None
+        assembler = kernel_ptxas(bool(int8))
+    own_loop = bool(pooled_tail) and (bool(int8) or pooled_loop_right(assembler))
+    return own_loop, assembler
 
 
 def shared_layouts(head_dim: int, int8: bool = False):
@@ -755,12 +755,16 @@ def rows_descriptor(x: torch.Tensor, rows: int):
 
 def launch_ws(q, k, v, block_map, scale: float, config: WsConfig | None = None, prefix_len: int = 0,
               prefix_bias: float = 0.0, token_perm: torch.Tensor | None = None, suffix_len: int = 0,
-              suffix_bias: float = 0.0, pooled_tail: bool = False, int8: bool = False) -> torch.Tensor:
+              suffix_bias: float = 0.0, pooled_tail: bool = False, int8: bool = False,
+              assembler: Assembler | None | str = "auto") -> torch.Tensor:
     """Pre-pass + block lists + the warp-specialised kernel, for one int32-safe chunk
     (``prefix_bias`` in natural-log units; a zero bias or length compiles the unbiased kernel;
     ``token_perm`` int32 ``[L]`` on q's device or None; ``pooled_tail``: the pre-pass appends the pooled
     keys, the block lists their tiles, and the kernel is compiled with ``HAS_TAIL``; ``int8``: the INT8
-    pre-pass (:mod:`._quant_int8`, V^T in the wgmma key order) and the kernel compiled with ``INT8``)."""
+    pre-pass (:mod:`._quant_int8`, V^T in the wgmma key order) and the kernel compiled with ``INT8``;
+    ``assembler``: the ptxas that builds the kernel, as :func:`kernel_form` takes it; ``"auto"``, the variant's
+    pinned one, everywhere but benchmarks: Triton keeps one build of a variant per process, whichever built it
+    first)."""
     cfg = config or WsConfig()
     if not isinstance(cfg, WsConfig):
         raise ValueError(f"config must be a WsConfig, got {type(cfg).__name__}")
@@ -817,11 +821,10 @@ def launch_ws(q, k, v, block_map, scale: float, config: WsConfig | None = None, 
     def launch(own_loop: bool):
         _bsa_ws_kernel[grid](*args, **consts, POOLED_LOOP=own_loop)
 
-    # only FP8's pooled tiles' own loop is assembled by the fixed ptxas (its scope costs ~10-20 us a call; only a
-    # call that builds the kernel needs it); every other form by Triton's own, as measured. A fixed ptxas that
-    # fails to build it is dropped for the process, and the call runs the form Triton's own builds
-    own_loop, assembler = kernel_form(pooled_tail, int8)
-    run_assembled(assembler, lambda: launch(own_loop), lambda: launch(kernel_form(pooled_tail, int8, None)[0]))
+    # the variant's pinned ptxas builds it (a fixed one that fails is dropped for the process, and Triton's own
+    # builds the form that suits it)
+    run_assembled(kernel_form(pooled_tail, int8, assembler)[1],
+                  lambda asm: launch(kernel_form(pooled_tail, int8, asm)[0]))
     return out
 
 
@@ -861,8 +864,8 @@ def compile_sm90(head_dim: int = 128, config: WsConfig | None = None, *, tail_k:
     Triton (no GPU needed; bf16 inputs): ``tail_k`` a partial last key block, ``has_bias`` a prefix bias,
     ``has_suffix`` a suffix bias, ``has_perm`` a token order, ``q_kernel`` Q from its input rows (default:
     unless ``has_perm``; never with ``int8``), ``has_tail`` the pooled tail, ``int8`` the INT8 numerics;
-    ``assembler``: the fixed ptxas (:func:`._ptxas.fixed_ptxas`), None, or ``"auto"`` as :func:`launch_ws` here:
-    it picks the form and the ptxas that builds it (:func:`kernel_form`). Returns
+    ``assembler``: an :class:`._ptxas.Assembler`, None (Triton's knob as it stands) or ``"auto"`` (the variant's
+    pinned one, as :func:`launch_ws`): it picks the form and the ptxas that builds it (:func:`kernel_form`). Returns
     Triton's compiled kernel (``asm["ptx"]``, ``asm["cubin"]``, ``metadata``); raises whatever Triton raises when
     it cannot build it."""
     import triton  # noqa: PLC0415

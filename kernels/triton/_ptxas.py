@@ -1,28 +1,31 @@
-"""Which ptxas assembles the warp-specialised Gluon kernel (:mod:`._attention_ws`) for sm_90.
+"""Which ptxas assembles the warp-specialised Gluon kernel (:mod:`._attention_ws`) for sm_90, pinned per variant.
 
-ptxas before 13.3 miscompiles that kernel's loop of pooled tiles when it is a query block's only loop (its
-map row keeps nothing): the first consumer warpgroup's 64 rows come out off, the second's are right, and
-the same PTX assembled by ptxas 13.3 is right on every run (H200, 2026-12-04; Triton 3.6 assembles sm_90 with
-ptxas 12.8, Triton 3.8 with 12.9). The FP8 variant runs its pooled tiles that way (faster with the tail:
-``docs/BENCHMARKS.md``) only when :func:`fixed_ptxas` finds an assembler that gets it right, and otherwise keeps
-them in its kept blocks' loop. The INT8 variant has always had the separate loop and stays on Triton's ptxas
-(13.3 spills 24 bytes more in it); no caller of ours gives it a row that keeps nothing.
+Measured on an H200 (2026-12-04, Nsight Compute, 720p, 15%; ``docs/BENCHMARKS.md``): ptxas 13.0 and 13.3 build
+every FP8 form of the kernel 0.3-1.3 ms faster than Triton 3.6's own (12.8), and they alone assemble right the
+form whose pooled tiles run in a loop of their own (``POOLED_LOOP``): ptxas before 13.0 gets that loop wrong when
+it is a query block's only one (its map row keeps nothing: the first consumer warpgroup's 64 rows off). The INT8
+variant, whose pooled tiles have always had their own loop, runs 4% slower by 13.0 than by 12.8 and spills more by
+13.3, and no caller of ours gives it a row that keeps nothing. Hence:
 
-:func:`fixed_ptxas` takes the first ptxas of version >= :data:`FIXED_PTXAS` among
+- the FP8 kernel, every form: :func:`fixed_ptxas`, the first ptxas >= :data:`FIXED_PTXAS` (13.0) among
 
-1. Triton's own for sm_90 (``TRITON_PTXAS_PATH``, else the one Triton bundles);
-2. the one a CUDA 13 torch wheel bundles (``torch/bin/ptxas``: 13.0 in torch 2.11+cu130, below the floor);
-3. Triton's ``ptxas-blackwell`` (Triton 3.8 bundles ptxas 13.3 for sm_100 under that name);
-4. the ``nvidia-cuda-nvcc`` wheel's (``pip install "chorus-ii[ptxas]"``),
+  1. Triton's own for sm_90 (:func:`triton_ptxas`);
+  2. the one a CUDA 13 torch wheel bundles (``torch/bin/ptxas``: 13.0 in torch 2.11+cu130);
+  3. Triton's ``ptxas-blackwell`` (Triton 3.8 bundles ptxas 13.3 for sm_100 under that name);
+  4. the ``nvidia-cuda-nvcc`` wheel's (``pip install "chorus-ii[ptxas]"``),
 
-and only under a CUDA 13 build of torch (a CUDA 13 assembler's cubin needs a CUDA 13 driver, and a CUDA 13
-torch runs on nothing older). Triton's own may change inside a process: TorchInductor's first compile sets
-``TRITON_PTXAS_PATH`` to the ptxas a CUDA 13 torch wheel bundles (``torch/bin/ptxas``, 13.0) when it is unset, so
-the choice is made once, at the first launch, and the form it picks is built by the same assembler every time.
-``CHORUS_PTXAS=triton`` turns the search off (Triton's own assembler, the FP8 kernel's single loop).
-:func:`assembling` scopes Triton's ``ptxas`` knob to the chosen one around a launch or a build, with a cache
-directory of its own: Triton's compile cache key does not change with the assembler, so a kernel built by one
-ptxas would otherwise be reused for the other.
+  only under a CUDA 13 build of torch (a CUDA 13 assembler's cubin needs a CUDA 13 driver, and a CUDA 13 torch
+  runs on nothing older); where none is found, Triton's own, and the pooled tiles in the kept blocks' loop;
+- the INT8 kernel: Triton's own (:func:`triton_ptxas`).
+
+Pinned, because Triton's own can change inside a process: TorchInductor's first compile sets
+``TRITON_PTXAS_PATH`` to the ptxas a CUDA 13 torch wheel bundles where it is unset, and every Triton kernel built
+after that would be assembled by it, those built before by Triton's bundled one. :func:`triton_ptxas` therefore
+takes ``TRITON_PTXAS_PATH`` only where it names another ptxas than torch's, and :func:`assembling` sets Triton's
+``ptxas`` knob around every launch of the kernel, with a cache directory per assembler version (Triton's compile
+cache key does not change with the assembler, so a kernel built by one ptxas would otherwise be reused for
+another). The choice is made once per process. ``CHORUS_PTXAS=triton`` turns the search off (Triton's own ptxas
+for every variant).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import subprocess
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, TypeVar
 
 import torch
 
@@ -46,10 +50,10 @@ except ImportError:  # (no Triton, or an older one without that error: nothing t
     PTXASError = ()
 
 LOG = logging.getLogger(__name__)
-# the ptxas measured to assemble the pooled tiles' own loop right *and* fast (H200: 60 GPU cases, the request of
-# record). 13.0 (the one a CUDA 13 torch wheel bundles) assembled it right in the empty-row cases too; its speed
-# is not measured, so it is not chosen
-FIXED_PTXAS = (13, 3)
+T = TypeVar("T")
+# the oldest ptxas measured to assemble the pooled tiles' own loop right and every FP8 form fast (H200: 13.0 and
+# 13.3 within 0.1 ms of each other in every form, the GPU cases of both)
+FIXED_PTXAS = (13, 0)
 ENV_PTXAS = "CHORUS_PTXAS"
 _PTXAS_NAME = "ptxas" + (sysconfig.get_config_var("EXE") or "")  # (ptxas.exe on Windows)
 
@@ -57,7 +61,7 @@ _PTXAS_NAME = "ptxas" + (sysconfig.get_config_var("EXE") or "")  # (ptxas.exe on
 @dataclass(frozen=True)
 class Assembler:
     """A ptxas: its ``path``, ``version`` (major, minor), where it was found (``source``) and whether it is
-    the one Triton uses for sm_90 anyway (``triton_default``: no knob needs changing)."""
+    Triton's own for sm_90 (``triton_default``: :func:`triton_ptxas`)."""
 
     path: str
     version: tuple[int, int]
@@ -92,32 +96,48 @@ def _nvcc_wheel_ptxas() -> str | None:
     return None
 
 
+def _torch_ptxas() -> str:
+    return str(Path(torch.__file__).parent / "bin" / _PTXAS_NAME)
+
+
+@functools.lru_cache(maxsize=1)
+def triton_ptxas() -> Assembler | None:
+    """Triton's own ptxas for sm_90: the one ``TRITON_PTXAS_PATH`` names, unless that is torch's bundled ptxas
+    (which TorchInductor's first compile sets it to: module docstring), else the one Triton bundles; None where
+    neither runs (no Triton). Decided once per process (:func:`reset`)."""
+    spec = importlib.util.find_spec("triton")
+    if spec is None or not spec.origin:
+        return None
+    bundled = str(Path(spec.origin).parent / "backends" / "nvidia" / "bin" / _PTXAS_NAME)
+    named = os.environ.get("TRITON_PTXAS_PATH")
+    set_by_inductor = bool(named) and os.path.realpath(named) == os.path.realpath(_torch_ptxas())
+    for path in ([named] if named and not set_by_inductor else []) + [bundled]:
+        version = ptxas_version(path)
+        if version is not None:
+            return Assembler(path, version, "Triton's sm_90 ptxas", triton_default=True)
+    return None
+
+
 def candidates() -> list[Assembler]:
     """Every ptxas :func:`fixed_ptxas` considers, in its order, with the version each reports (those that do
     not run are left out)."""
-    found = []
+    found = [asm for asm in [triton_ptxas()] if asm is not None]
+    tools = []
+    if os.path.isfile(_torch_ptxas()):
+        tools.append((_torch_ptxas(), "torch's bundled ptxas"))
     try:
         from triton import knobs  # noqa: PLC0415
-    except ImportError:
-        knobs = None
-    tools = []
-    if knobs is not None:
-        for name, source, default in (("ptxas", "Triton's sm_90 ptxas", True),
-                                      ("ptxas_blackwell", "Triton's ptxas-blackwell", False)):
-            try:
-                tools.append((getattr(knobs.nvidia, name).path, source, default))
-            except (AttributeError, RuntimeError):
-                pass
-    bundled_by_torch = Path(torch.__file__).parent / "bin" / _PTXAS_NAME
-    if bundled_by_torch.is_file():
-        tools.insert(1 if tools else 0, (str(bundled_by_torch), "torch's bundled ptxas", False))
+
+        tools.append((knobs.nvidia.ptxas_blackwell.path, "Triton's ptxas-blackwell"))
+    except (ImportError, AttributeError, RuntimeError):
+        pass
     wheel = _nvcc_wheel_ptxas()
     if wheel:
-        tools.append((wheel, "the nvidia-cuda-nvcc wheel", False))
-    for path, source, default in tools:
+        tools.append((wheel, "the nvidia-cuda-nvcc wheel"))
+    for path, source in tools:
         version = ptxas_version(path)
         if version is not None:
-            found.append(Assembler(path, version, source, default))
+            found.append(Assembler(path, version, source))
     return found
 
 
@@ -136,10 +156,10 @@ def _why_not_searched() -> str | None:
 
 @functools.lru_cache(maxsize=1)
 def fixed_ptxas() -> Assembler | None:
-    """The ptxas the warp-specialised kernel is assembled with when it runs its pooled tiles in a loop of their
-    own (module docstring: the search), or None (then Triton's own, and the FP8 kernel's single loop). Decided
-    once per process, so every build of the kernel in it has the same form and assembler. ``CHORUS_PTXAS`` set to
-    anything but ``triton`` is ignored with a warning (no other value means anything)."""
+    """The ptxas the FP8 kernel is assembled with, every form, and the one that lets it run its pooled tiles in
+    a loop of their own (module docstring: the search), or None (then Triton's own, and the FP8 kernel's single
+    loop). Decided once per process, so every build of the kernel in it has the same form and assembler.
+    ``CHORUS_PTXAS`` set to anything but ``triton`` is ignored with a warning (no other value means anything)."""
     setting = os.environ.get(ENV_PTXAS, "").strip()
     if setting and setting.lower() != "triton":
         LOG.warning("Chorus: %s=%r is not a setting (the only one is %s=triton: Triton's own ptxas); ignored",
@@ -149,22 +169,37 @@ def fixed_ptxas() -> Assembler | None:
     return next((asm for asm in candidates() if asm.version >= FIXED_PTXAS and asm.path not in _REFUSED), None)
 
 
+def kernel_ptxas(int8: bool) -> Assembler | None:
+    """The ptxas that builds the warp-specialised kernel's FP8 (``int8`` False) or INT8 variant: FP8
+    :func:`fixed_ptxas`, where found, else Triton's own; INT8 Triton's own (:func:`triton_ptxas`)."""
+    return triton_ptxas() if int8 else (fixed_ptxas() or triton_ptxas())
+
+
+def pooled_loop_right(asm: Assembler | None) -> bool:
+    """Whether ``asm`` assembles the pooled tiles' own loop right (version >= :data:`FIXED_PTXAS`)."""
+    return asm is not None and asm.version >= FIXED_PTXAS
+
+
 def describe() -> str:
-    """One line for logs and the benchmark's header: the assembler :func:`fixed_ptxas` chose, or why none."""
-    asm = fixed_ptxas()
+    """One line for logs and the benchmark's header: the assembler of each variant, and for FP8 why where no
+    fixed one was found."""
+    fp8, int8 = kernel_ptxas(False), kernel_ptxas(True)
     refused = "".join(f"; {path} failed: {reason}" for path, reason in _REFUSED.items())
-    if asm is not None:
-        return f"{asm.label}: the FP8 kernel's pooled tiles in a loop of their own{refused}"
+    int8_part = f"; INT8 by {int8.label if int8 else 'Triton'}"
+    if fixed_ptxas() is not None:
+        return f"FP8 by {fp8.label}, the pooled tiles in a loop of their own{int8_part}{refused}"
     why = _why_not_searched() or f"no ptxas >= {FIXED_PTXAS[0]}.{FIXED_PTXAS[1]} found"
-    return f"Triton's own ptxas ({why}{refused}): the FP8 kernel's pooled tiles in its kept blocks' loop"
+    return (f"FP8 by {fp8.label if fp8 else 'Triton'} ({why}), the pooled tiles in its kept blocks' loop"
+            f"{int8_part}{refused}")
 
 
 @contextlib.contextmanager
 def assembling(asm: Assembler | None):
-    """Triton builds the kernels compiled inside with ``asm`` (None, or Triton's own: nothing changes), cached
-    in a directory of their own (``<Triton's cache>/chorus-ptxas-<major>.<minor>``). Scoped: Triton's knobs and
-    the environment variables they set are restored on exit."""
-    if asm is None or asm.triton_default:
+    """Triton builds the kernels compiled inside with ``asm`` (None: nothing changes), cached in a directory of
+    their own (``<Triton's cache>/chorus-ptxas-<major>.<minor>``). Scoped: Triton's knobs and the environment
+    variables they set are restored on exit. Costs ~10-35 us (Triton's knob scopes); only a launch that builds
+    needs it, but which launch builds is Triton's to know, so the launcher takes it on every call."""
+    if asm is None:
         yield
         return
     from triton import knobs  # noqa: PLC0415
@@ -177,30 +212,33 @@ def assembling(asm: Assembler | None):
 
 
 def reset() -> None:
-    """Forget the choice and any refused assembler: the next :func:`fixed_ptxas` searches again (tests; a
-    process that installed a ptxas since)."""
+    """Forget the choices and any refused assembler: the next call searches again (tests; a process that
+    installed a ptxas since)."""
     _REFUSED.clear()
     fixed_ptxas.cache_clear()
+    triton_ptxas.cache_clear()
 
 
-def run_assembled(asm: Assembler | None, with_asm, without):
-    """``with_asm()`` inside :func:`assembling` ``(asm)``; if that ptxas fails to assemble it (Triton's
-    ``PTXASError``: a crash, an unknown option, a PTX it does not take), ``asm`` is refused for the rest of the
-    process (one warning; :func:`fixed_ptxas` then looks past it) and ``without()`` runs instead, outside the
-    scope. Any other error propagates. ``asm`` None: ``without()``."""
-    if asm is None:
-        return without()
+def run_assembled(asm: Assembler | None, build: Callable[[Assembler | None], T]) -> T:
+    """``build(asm)`` inside :func:`assembling` ``(asm)``. If a ptxas other than Triton's own fails to assemble
+    it (Triton's ``PTXASError``: a crash, an unknown option, a PTX it does not take), ``asm`` is refused for the
+    rest of the process (one warning; :func:`fixed_ptxas` then looks past it) and ``build(triton_ptxas())``
+    runs instead, inside that one's scope. Any other error, or Triton's own failing, propagates."""
     try:
         with assembling(asm):
-            return with_asm()
+            return build(asm)
     except PTXASError as exc:
+        if asm is None or asm.triton_default:
+            raise
         reason = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
         _REFUSED[asm.path] = reason
         fixed_ptxas.cache_clear()
         LOG.warning("Chorus: %s could not assemble the warp-specialised kernel (%s); using Triton's own ptxas "
                     "from now on in this process", asm.label, reason)
-    return without()
+    own = triton_ptxas()
+    with assembling(own):
+        return build(own)
 
 
 __all__ = ["Assembler", "FIXED_PTXAS", "ENV_PTXAS", "assembling", "candidates", "describe", "fixed_ptxas",
-           "ptxas_version", "reset", "run_assembled"]
+           "kernel_ptxas", "pooled_loop_right", "ptxas_version", "reset", "run_assembled", "triton_ptxas"]
