@@ -8,9 +8,10 @@ entry runs in (Q from the pre-pass): FP8 with and without the pooled tail, INT8 
 A copy per assembler because Triton's in-memory kernel cache does not key on the assembler: each copy is the same
 source loaded as a module of its own (:func:`kernel_copy`), so each builds and keeps its own binaries (on disk in
 ``chorus-ptxas-<version>``, as the launcher caches them). Whole ``launch_ws`` calls (pre-pass, block lists,
-kernel) timed with CUDA events, a few calls per round, every configuration in turn within a round, the median
-over ``--rounds``; ``--ncu``: instead each configuration launched once per round (two rounds) between
-``cudaProfilerStart/Stop``, for Nsight Compute to time the kernel alone::
+kernel) timed with CUDA events (``benchmarks/timing.py``: the median of 5 calls after 2), every configuration in
+turn within a round and the order reversed every other round, the median over ``--rounds``; ``--ncu``: instead
+each configuration launched once per round (two rounds) between ``cudaProfilerStart/Stop``, for Nsight Compute to
+time the kernel alone::
 
     ncu --profile-from-start off --clock-control none --kernel-name regex:_bsa_ws --section SpeedOfLight \\
         python -m benchmarks.kernels.bench_ptxas --ncu
@@ -34,6 +35,7 @@ from types import ModuleType
 import torch
 import triton
 
+from ..timing import cuda_median_ms
 from .bench_tail import call_inputs
 from .gpu_state import GpuSampler
 from .masks import structured_block_map
@@ -94,18 +96,6 @@ def configs(args) -> list[tuple[dict, callable]]:
     return out
 
 
-def timed_ms(fn, calls: int = 7, skip: int = 2) -> float:
-    times = []
-    for _ in range(calls):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times[skip:])
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=".")
@@ -140,7 +130,7 @@ def main(argv=None) -> int:
     for r in range(args.rounds):
         for entry, fn in (runs if r % 2 == 0 else runs[::-1]):
             with sampler.window() as window:
-                entry.setdefault("rounds_ms", []).append(timed_ms(fn))
+                entry.setdefault("rounds_ms", []).append(cuda_median_ms(fn, reps=5, warmup=2))
             entry.setdefault("gpu_states", []).append(window.summary())
     log("| density | form | variant | ptxas | pooled loop | ms (median) | rounds |")
     log("|---|---|---|---|---|---|---|")
