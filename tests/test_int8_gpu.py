@@ -255,9 +255,10 @@ def test_int8_ws_query_block_that_keeps_nothing_attends_to_its_pooled_terms(requ
     both 0.99998, and with 13.0 both within the bound (0.0057 against the emulation's 0.0054). So with an older
     ptxas this is an expected failure (strict: a fixed ptxas turns it into a pass that asks for the marker's
     removal). That ptxas is Triton's own, pinned for the INT8 variant (TorchInductor's switch of
-    ``TRITON_PTXAS_PATH`` to torch's bundled 13.0 does not reach it: :mod:`chorus.kernels.triton._ptxas`). No caller of ours reaches the case: the public API rejects a map with an empty row
-    unless ``rows_checked``, and the engine's maps keep at least one block per row. 64 heads, so the tile is not its
-    CTA's first (the miscompiled result is then the same on every run)."""
+    ``TRITON_PTXAS_PATH`` to torch's bundled 13.0 does not reach it: :mod:`chorus.kernels.triton._ptxas`). No
+    caller of ours reaches the case: the public API rejects a map with an empty row unless ``rows_checked``, and
+    the engine's maps keep at least one block per row. 64 heads, so the tile is not its CTA's first (the
+    miscompiled result is then the same on every run)."""
     from chorus.kernels.reference import dense_attention_oracle
     from chorus.kernels.triton._attention_ws import block_sparse_attention_ws
     from chorus.kernels.triton.emulation import int8_attention_emulation

@@ -182,9 +182,9 @@ def test_kernel_with_the_pooled_tail_compiles_for_sm90(head_dim, options, own_lo
     fits the shared memory, prefetches each tile's row of the bias table into L1 once per consumer, and a kept
     key block runs the same loop as without the tail (both by the same ptxas). One loop (Triton's own
     ptxas): the pooled tiles' weights load and add sit in a branch only pooled tiles take. ``POOLED_LOOP``
-    (assembled by the fixed ptxas of :mod:`chorus.kernels.triton._ptxas`): each consumer runs a second loop for the pooled tiles, with
-    their weights' loads and no key-bias terms, and the kept blocks' loop is the plain one (Q's scale loaded
-    per block when it comes from the pre-pass)."""
+    (assembled by the fixed ptxas of :mod:`chorus.kernels.triton._ptxas`): each consumer runs a second loop
+    for the pooled tiles, with their weights' loads and no key-bias terms, and the kept blocks' loop is the
+    plain one (Q's scale loaded per block when it comes from the pre-pass)."""
     from chorus.kernels.triton import _attention_ws, _ptxas
 
     if _attention_ws.available():
