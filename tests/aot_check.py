@@ -83,7 +83,8 @@ def compile_ws(head_dim=128, tail=True, has_bias=False, has_perm=False, has_suff
                has_tail=False, stages=3, int8=False, assembler="auto"):
     """The warp-specialised Gluon kernel compiled for sm_90 as the launcher builds it for such a call
     (:func:`chorus.kernels.triton._attention_ws.compile_sm90`; ``tail``: a partial last key block; ``int8``: the
-    accurate path's numerics; ``assembler``: the fixed ptxas, None, or ``"auto"`` as the launcher here)."""
+    accurate path's numerics; ``assembler``: as ``compile_sm90`` takes it: a ptxas, None, or ``"auto"``, the
+    variant's pinned one as the launcher)."""
     from chorus.kernels.triton import _attention_ws as W
 
     return W.compile_sm90(head_dim, W.WsConfig(stages=stages), tail_k=tail, has_bias=has_bias, has_suffix=has_suffix,
