@@ -1,6 +1,6 @@
 """Which ptxas assembles each variant of the warp-specialised kernel (``chorus.kernels.triton._ptxas``), on the CPU
 with the installed Triton's real assemblers: the search's order and version floor, its opt-out and the CUDA 13
-rule, Triton's own pinned against TorchInductor's switch, the knobs' scope, a failing assembler dropped, and that
+rule (torch's build or the driver's version), Triton's own pinned against TorchInductor's switch, the knobs' scope, a failing assembler dropped, and that
 a kernel assembled by the chosen ptxas is cached apart from Triton's own build of it (Triton's cache key does not
 change with the assembler). The GPU half (the loop it enables is right on a query block that keeps nothing):
 tests/test_kernels_ws_gpu.py."""
@@ -79,11 +79,78 @@ def test_opting_out_or_an_older_cuda_build_keeps_triton_s_own(fresh_choice, monk
     _ptxas.reset()
     monkeypatch.delenv(_ptxas.ENV_PTXAS)
     monkeypatch.setattr(torch.version, "cuda", "12.8")
+    _driver(monkeypatch, None)  # (no driver, as on a CPU machine)
     assert _ptxas.fixed_ptxas() is None
-    assert "CUDA 12.8" in _ptxas.describe()
+    assert "CUDA 12.8, no NVIDIA driver found" in _ptxas.describe()
+    _ptxas.reset()
+    _driver(monkeypatch, 12090)
+    assert _ptxas.fixed_ptxas() is None
+    assert "CUDA 12.8 and the driver runs CUDA 12.9" in _ptxas.describe()
     _ptxas.reset()
     monkeypatch.setattr(torch.version, "cuda", None)  # a CPU build
+    _driver(monkeypatch, None)
     assert _ptxas.fixed_ptxas() is None
+
+
+class _DriverLibrary:
+    """Stands in for the driver's library in ``ctypes.CDLL``: ``cuDriverGetVersion`` writes ``value``."""
+
+    def __init__(self, value, status=0):
+        self.value, self.status = value, status
+
+    def cuDriverGetVersion(self, pointer):  # noqa: N802 (the driver API's name)
+        pointer._obj.value = self.value
+        return self.status
+
+
+def _driver(monkeypatch, value, status=0):
+    """The driver library reports CUDA ``value`` (13000 = 13.0; None: no library loads)."""
+
+    def load(name):
+        if value is None:
+            raise OSError(f"{name}: cannot open shared object file")
+        return _DriverLibrary(value, status)
+
+    monkeypatch.setattr(_ptxas.ctypes, "CDLL", load)
+    _ptxas.driver_cuda_version.cache_clear()
+
+
+@pytest.mark.parametrize(("value", "status", "expected"), [
+    (13000, 0, (13, 0)), (12090, 0, (12, 9)), (13020, 0, (13, 2)), (13000, 3, None), (0, 0, None), (None, 0, None)])
+def test_the_driver_s_cuda_version_is_read_from_cuDriverGetVersion(fresh_choice, monkeypatch, value, status,
+                                                                  expected):
+    _driver(monkeypatch, value, status)
+    assert _ptxas.driver_cuda_version() == expected
+
+
+def _fake(version):
+    return _ptxas.Assembler(f"/nonexistent/{version[0]}.{version[1]}/ptxas", version, "a test's ptxas")
+
+
+def test_a_cuda_12_torch_on_a_cuda_13_driver_gets_the_fixed_assembler(fresh_choice, monkeypatch):
+    """Triton loads the kernel through the driver, so a CUDA 12 build of torch on a driver that runs CUDA 13
+    takes the first ptxas >= 13.0, never one whose major version is above the driver's."""
+    own = _ptxas.triton_ptxas()
+    monkeypatch.setattr(_ptxas, "candidates", lambda: [own, _fake((14, 0)), _fake((13, 0)), _fake((13, 3))])
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    _driver(monkeypatch, 13000)
+    assert _ptxas.fixed_ptxas() == _fake((13, 0))  # 14.0's code would not load on a CUDA 13 driver
+    assert _ptxas.kernel_ptxas(int8=False) == _fake((13, 0)) and _ptxas.kernel_ptxas(int8=True) == own
+    assert "a loop of their own" in _ptxas.describe()
+    _ptxas.reset()
+    _driver(monkeypatch, 14010)
+    assert _ptxas.fixed_ptxas() == _fake((14, 0))
+    _ptxas.reset()
+    monkeypatch.setattr(torch.version, "cuda", "13.0")  # a CUDA 13 torch, no driver read: torch's build decides
+    _driver(monkeypatch, None)
+    assert _ptxas.fixed_ptxas() == _fake((13, 0))
+
+
+def test_the_real_driver_reads_as_a_version_where_a_gpu_runs(fresh_choice):
+    real = _ptxas.driver_cuda_version()
+    assert real is None or (real[0] >= 10 and 0 <= real[1] < 100)
+    if torch.cuda.is_available():  # (a driver older than torch's build runs nothing)
+        assert real is not None and real[0] >= int(torch.version.cuda.split(".")[0])
 
 
 def test_an_unknown_setting_is_named_in_a_warning_and_ignored(fresh_choice, monkeypatch, caplog):

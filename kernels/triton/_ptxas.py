@@ -14,8 +14,10 @@ variant, whose pooled tiles have always had their own loop, runs 4% slower by 13
   3. Triton's ``ptxas-blackwell`` (Triton 3.8 bundles ptxas 13.3 for sm_100 under that name);
   4. the ``nvidia-cuda-nvcc`` wheel's (``pip install "chorus-ii[ptxas]"``),
 
-  only under a CUDA 13 build of torch (a CUDA 13 assembler's cubin needs a CUDA 13 driver, and a CUDA 13 torch
-  runs on nothing older); where none is found, Triton's own, and the pooled tiles in the kept blocks' loop;
+  only where the driver runs CUDA 13 code: a CUDA 13 build of torch (which runs on nothing older), or a CUDA 12
+  torch on a driver that reports CUDA >= 13 (:func:`driver_cuda_version`; Triton loads the kernel's cubin through
+  the driver, not torch's runtime), and never one whose major version is above the driver's; where none is
+  found, Triton's own, and the pooled tiles in the kept blocks' loop;
 - the INT8 kernel: Triton's own (:func:`triton_ptxas`).
 
 Pinned, because Triton's own can change inside a process: TorchInductor's first compile sets
@@ -31,6 +33,7 @@ for every variant).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import importlib.util
 import logging
@@ -144,13 +147,47 @@ def candidates() -> list[Assembler]:
 _REFUSED: dict[str, str] = {}  # path -> why it failed to assemble this process's kernel (run_assembled)
 
 
+@functools.lru_cache(maxsize=1)
+def driver_cuda_version() -> tuple[int, int] | None:
+    """``(major, minor)`` of the CUDA version the installed NVIDIA driver supports (``cuDriverGetVersion``:
+    13.0 for the 580 drivers), or None where no driver library loads (no NVIDIA driver: a CPU machine). Needs no
+    GPU context. Read once per process."""
+    for name in ("nvcuda.dll",) if os.name == "nt" else ("libcuda.so.1", "libcuda.so"):
+        try:
+            lib = ctypes.CDLL(name)
+        except OSError:
+            continue
+        version = ctypes.c_int(0)
+        try:
+            status = lib.cuDriverGetVersion(ctypes.byref(version))
+        except AttributeError:  # (a library of that name without the driver API)
+            return None
+        return (version.value // 1000, version.value % 1000 // 10) if status == 0 and version.value > 0 else None
+    return None
+
+
+def _torch_cuda_major() -> int | None:
+    cuda = torch.version.cuda
+    return int(cuda.split(".")[0]) if cuda else None
+
+
+def _cuda_ceiling() -> int | None:
+    """The newest CUDA major version whose assembler's code can run here: the driver's where it can be read,
+    else that of torch's build (a CUDA 13 torch runs on CUDA 13 drivers only); None for a CPU build of torch on a
+    machine without a driver."""
+    driver = driver_cuda_version()
+    return driver[0] if driver is not None else _torch_cuda_major()
+
+
 def _why_not_searched() -> str | None:
     if os.environ.get(ENV_PTXAS, "").strip().lower() == "triton":
         return f"{ENV_PTXAS}=triton"
-    cuda = torch.version.cuda
-    if not cuda or int(cuda.split(".")[0]) < FIXED_PTXAS[0]:
-        return (f"torch is built for CUDA {cuda or 'none'} (a CUDA {FIXED_PTXAS[0]} assembler's kernels need "
-                f"CUDA {FIXED_PTXAS[0]})")
+    ceiling = _cuda_ceiling()
+    if ceiling is None or ceiling < FIXED_PTXAS[0]:
+        driver = driver_cuda_version()
+        where = (f"torch is built for CUDA {torch.version.cuda or 'none'}" +
+                 (f" and the driver runs CUDA {driver[0]}.{driver[1]}" if driver else ", no NVIDIA driver found"))
+        return f"{where} (a CUDA {FIXED_PTXAS[0]} assembler's kernels need a CUDA {FIXED_PTXAS[0]} driver)"
     return None
 
 
@@ -166,7 +203,9 @@ def fixed_ptxas() -> Assembler | None:
                     ENV_PTXAS, setting, ENV_PTXAS)
     if _why_not_searched():
         return None
-    return next((asm for asm in candidates() if asm.version >= FIXED_PTXAS and asm.path not in _REFUSED), None)
+    ceiling = _cuda_ceiling()
+    return next((asm for asm in candidates() if FIXED_PTXAS <= asm.version and asm.version[0] <= ceiling
+                 and asm.path not in _REFUSED), None)
 
 
 def kernel_ptxas(int8: bool) -> Assembler | None:
@@ -217,6 +256,7 @@ def reset() -> None:
     _REFUSED.clear()
     fixed_ptxas.cache_clear()
     triton_ptxas.cache_clear()
+    driver_cuda_version.cache_clear()
 
 
 def run_assembled(asm: Assembler | None, build: Callable[[Assembler | None], T]) -> T:
@@ -240,5 +280,6 @@ def run_assembled(asm: Assembler | None, build: Callable[[Assembler | None], T])
         return build(own)
 
 
-__all__ = ["Assembler", "FIXED_PTXAS", "ENV_PTXAS", "assembling", "candidates", "describe", "fixed_ptxas",
-           "kernel_ptxas", "pooled_loop_right", "ptxas_version", "reset", "run_assembled", "triton_ptxas"]
+__all__ = ["Assembler", "FIXED_PTXAS", "ENV_PTXAS", "assembling", "candidates", "describe", "driver_cuda_version",
+           "fixed_ptxas", "kernel_ptxas", "pooled_loop_right", "ptxas_version", "reset", "run_assembled",
+           "triton_ptxas"]
