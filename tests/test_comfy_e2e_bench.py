@@ -86,3 +86,25 @@ def test_compiled_hit_without_the_tail_runs_its_own_compiled_row(tmp_path, monke
     assert tail["plan_kind"] == no_tail["plan_kind"] == "hit"
     assert tail["sparse_calls"] > 0 and no_tail["sparse_calls"] > 0
     assert tail["tail_calls"] == tail["sparse_calls"] and no_tail["tail_calls"] == 0, (tail, no_tail)
+
+
+def test_profile_counts_the_hit_s_attention_calls_and_puts_their_kernels_beside_the_per_call_time(tmp_path,
+                                                                                                  monkeypatch):
+    """``--profile``: one more step of each row under ``torch.profiler``, whose ``chorus::attend`` calls (the hit's
+    sparse attention: one per layer of the profiled step) are counted with the GPU time of the kernels inside them;
+    the table puts that time beside the row's per-call median (on the CPU there is none: no kernels)."""
+    from chorus.benchmarks.comfy_e2e import run
+
+    monkeypatch.setenv("COMFYUI_DIR", str(tiny.find_comfyui_dir()))
+    monkeypatch.setenv("CHORUS_CACHE_DIR", str(tmp_path / "cache"))
+    assert run.main(["--tiny", "--out", str(tmp_path), "--variants", "hit15", "--profile"]) == 0
+    rows = {r["variant"]: r for r in json.loads((tmp_path / "comfy_e2e.json").read_text())["runs"]}
+    hit, miss = rows["hit15"], rows["miss"]
+    ms, calls = hit["profile_step0"]["ops"]["chorus::attend"]
+    assert calls == hit["sparse_calls"] // 4 and calls > 0 and ms == 0.0  # one step of four, every layer
+    assert hit["attn_kernels_ms_per_call"] == 0.0
+    assert "chorus::attend" not in miss["profile_step0"]["ops"]  # a miss answers densely: no sparse call
+    hit = dict(hit, attn_ms_per_layer=2.5, attn_ms_median=2.0, attn_kernels_ms_per_call=1.5)
+    assert "| 2.50 (median 2.00, its kernels 1.50) |" in run.table({"runs": [hit]})
+    assert run.attention_kernels_ms({"ops": {"chorus::attend": [46.0, 40]}}) == pytest.approx(1.15)
+    assert run.attention_kernels_ms(None) is None and run.attention_kernels_ms({"ops": {}}) is None

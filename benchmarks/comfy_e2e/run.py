@@ -3,7 +3,8 @@
 ``python -m benchmarks.comfy_e2e.run --comfyui DIR --out OUT [--res 480p 720p] [--weights bf16 fp8]
 [--variants dense miss hit15 hit5 hitfr] [--compile] [--layers 40] [--profile]`` (``--tiny``: the same
 code at toy sizes on the CPU, for tests; ``--profile``: one more step of each variant under
-``torch.profiler``, its top kernels by GPU time in the JSON).
+``torch.profiler``, its top kernels by GPU time in the JSON, and a hit's attention call's kernels beside
+its per-call time in the table).
 
 What runs (everything side by side in one process, one GPU):
 
@@ -442,12 +443,13 @@ def run(args) -> dict:
                                blocks_computed=plan.stats.blocks_computed, blocks_total=plan.stats.blocks_total,
                                fallback_calls=plan.stats.fallback_calls, tail_calls=plan.stats.tail_calls,
                                messages=plan.stats.messages[:5])
-                if args.profile and device.type == "cuda":
+                if args.profile:
                     # the eager miss profiles a throwaway miss (one more step would record into the entry it is
                     # about to write); a compiled row profiles its second request's models once more
                     p_h, p_l = (h_m, l_m) if profile_models is None else profile_models()
                     row["profile_step0"] = profile_step(lambda: sample_request(p_h, p_l, latent, positive, negative,
                                                                                11, end_step=1))
+                    row["attn_kernels_ms_per_call"] = attention_kernels_ms(row["profile_step0"])
                 results["runs"].append(row)
                 print(json.dumps({k: v for k, v in row.items() if k != "profile_step0"}), flush=True)
                 save(results, args.out)
@@ -651,16 +653,24 @@ def gpu_sampler(device):
 
 def profile_step(step, top: int = 40) -> dict:
     """One sampling step (the high expert's step 0 -> 1, after the timed request) under
-    ``torch.profiler`` (CUDA activity only): total GPU time and the ``top`` kernels by GPU time,
-    ``name -> [ms, calls]`` (names cut at 100 characters). Where a request's time goes, not a timing
-    of record (the profiler adds its own overhead)."""
+    ``torch.profiler`` (CPU and, where there is one, CUDA activity): total GPU time, the ``top`` kernels by GPU time,
+    ``name -> [ms, calls]`` (names cut at 100 characters), and per ``chorus::`` custom op the GPU time
+    of every kernel run inside it (``ops``: ``name -> [ms, calls]``; ``chorus::attend``: a hit's
+    sparse attention calls, pre-pass, block lists and kernel together). Where a request's time goes,
+    not a timing of record (the profiler adds its own host overhead; kernel durations are the GPU's)."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    cuda = torch.cuda.is_available()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         step()
-        torch.cuda.synchronize()
-    kernels = {}
+        if cuda:
+            torch.cuda.synchronize()
+    kernels, ops = {}, {}
     for event in prof.key_averages():
+        if event.device_type == torch.autograd.DeviceType.CPU:
+            if event.key.startswith("chorus::"):
+                ops[event.key] = [round(event.device_time_total / 1000.0, 3), event.count]
+            continue
         us = getattr(event, "self_device_time_total", None)
         if us is None:
             us = getattr(event, "self_cuda_time_total", 0.0)
@@ -670,7 +680,15 @@ def profile_step(step, top: int = 40) -> dict:
             kernels[name] = (ms + us / 1000.0, calls + event.count)
     ranked = sorted(kernels.items(), key=lambda kv: -kv[1][0])
     return {"gpu_ms_total": sum(ms for ms, _ in kernels.values()),
-            "kernels": {name: [round(ms, 3), calls] for name, (ms, calls) in ranked[:top]}}
+            "kernels": {name: [round(ms, 3), calls] for name, (ms, calls) in ranked[:top]}, "ops": ops}
+
+
+def attention_kernels_ms(profile: dict | None) -> float | None:
+    """GPU time of one ``chorus::attend`` call's kernels in a profiled step (:func:`profile_step`), or None
+    where the step ran none. Beside the row's per-call time (CUDA events in the timed request) it gives what
+    a call costs over its kernels, both measured inside the model at the clock it runs at."""
+    ms, calls = (profile or {}).get("ops", {}).get("chorus::attend", (0.0, 0))
+    return ms / calls if calls else None
 
 
 def table(results: dict) -> str:
@@ -683,6 +701,8 @@ def table(results: dict) -> str:
                      and x["variant"] == ("dense+compile" if "compile" in r["variant"] else "dense")), None)
         ratio = f"{base['seconds'] / r['seconds']:.2f}x" if base else "-"
         attn = f"{r['attn_ms_per_layer']:.2f}" if r.get("attn_ms_per_layer") is not None else "-"
+        if r.get("attn_kernels_ms_per_call") is not None and r.get("attn_ms_median") is not None:
+            attn += f" (median {r['attn_ms_median']:.2f}, its kernels {r['attn_kernels_ms_per_call']:.2f})"
         dens = f"{r['density']:.1%}" if r.get("density") is not None else "-"
         peak = f"{r['peak_gib']:.1f}" if r.get("peak_gib") is not None else "-"
         first = f"{r['first_request_s']:.1f}" if r.get("first_request_s") is not None else "-"
