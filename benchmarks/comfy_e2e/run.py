@@ -496,7 +496,8 @@ def run(args) -> dict:
             def timed_compiled(variant):
                 """A compiled row in a fresh dynamo state: each variant's graphs, not what earlier rows left
                 (dynamo's recompile limit, 8 per code object, is shared by everything one process compiles).
-                ``dynamo``: unique graphs, graph breaks and frames compiled (recompiles included) in this row's two requests."""
+                ``dynamo``: unique graphs, graph breaks and frames compiled (recompiles included) in this row's two
+                requests, and with ``--profile`` its profiled step too (whose forward adds its own host-side breaks)."""
                 from torch._dynamo.utils import counters
 
                 torch._dynamo.reset()
