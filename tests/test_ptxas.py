@@ -1,8 +1,8 @@
 """Which ptxas assembles each variant of the warp-specialised kernel (``chorus.kernels.triton._ptxas``), on the CPU
 with the installed Triton's real assemblers: the search's order and version floor, its opt-out and the CUDA 13
-rule (torch's build or the driver's version), Triton's own pinned against TorchInductor's switch, the knobs' scope, a failing assembler dropped, and that
-a kernel assembled by the chosen ptxas is cached apart from Triton's own build of it (Triton's cache key does not
-change with the assembler). The GPU half (the loop it enables is right on a query block that keeps nothing):
+rule (torch's build or the driver's version), Triton's own pinned against TorchInductor's switch, the knobs' scope,
+a failing assembler dropped, and that a kernel assembled by the chosen ptxas is cached apart from Triton's own build
+of it (Triton's cache key does not change with the assembler). The GPU half (the loop it enables is right on a query block that keeps nothing):
 tests/test_kernels_ws_gpu.py."""
 
 from __future__ import annotations
@@ -39,9 +39,10 @@ def test_every_candidate_reports_its_real_version_and_triton_s_own_comes_first()
 
 def test_the_choice_is_the_first_candidate_at_the_fixed_version_or_none(fresh_choice):
     chosen = _ptxas.fixed_ptxas()
-    fixed = [asm for asm in _ptxas.candidates() if asm.version >= _ptxas.FIXED_PTXAS]
-    cuda = torch.version.cuda
-    if cuda and int(cuda.split(".")[0]) >= 13:
+    cuda, driver = torch.version.cuda, _ptxas.driver_cuda_version()
+    ceiling = driver[0] if driver else (int(cuda.split(".")[0]) if cuda else None)  # the CUDA the driver runs
+    if ceiling is not None and ceiling >= 13:
+        fixed = [asm for asm in _ptxas.candidates() if asm.version >= _ptxas.FIXED_PTXAS and asm.version[0] <= ceiling]
         assert chosen == (fixed[0] if fixed else None)
     else:
         assert chosen is None and "CUDA" in _ptxas.describe()
