@@ -2,8 +2,8 @@
 with the installed Triton's real assemblers: the search's order and version floor, its opt-out and the CUDA 13
 rule (torch's build or the driver's version), Triton's own pinned against TorchInductor's switch, the knobs' scope,
 a failing assembler dropped, and that a kernel assembled by the chosen ptxas is cached apart from Triton's own build
-of it (Triton's cache key does not change with the assembler). The GPU half (the loop it enables is right on a query block that keeps nothing):
-tests/test_kernels_ws_gpu.py."""
+of it (Triton's cache key does not change with the assembler), and the one log line per variant. The GPU half (the
+loop it enables is right on a query block that keeps nothing): tests/test_kernels_ws_gpu.py."""
 
 from __future__ import annotations
 
@@ -254,3 +254,35 @@ def test_an_assembler_that_fails_is_dropped_for_the_process_and_triton_s_own_bui
     own_broken = _ptxas.Assembler(str(script), (13, 3), "Triton's own, failing", triton_default=True)
     with pytest.raises(_ptxas.PTXASError):  # Triton's own failing: nothing to fall back to
         _ptxas.run_assembled(own_broken, lambda asm: _finalize_kernel_cubin())
+
+
+def test_each_variant_s_assembler_is_logged_once_with_what_would_make_fp8_faster(fresh_choice, monkeypatch, caplog):
+    """One INFO line per variant and assembler: the FP8 kernel built by an older ptxas says what to install where a
+    newer one would run, or why none is used; a second launch logs nothing."""
+    own = _ptxas.triton_ptxas()
+    monkeypatch.setattr(_ptxas, "candidates", lambda: [own, _fake((12, 9))])
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    _driver(monkeypatch, 13000)
+    with caplog.at_level("INFO", logger=_ptxas.__name__):
+        for _ in range(3):
+            assert _ptxas.kernel_ptxas(int8=False) == own and _ptxas.kernel_ptxas(int8=True) == own
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2, lines
+    assert lines[0].startswith(f"Chorus: the warp-specialised FP8 kernel is built by {own.label}; a ptxas >= 13.0")
+    assert "`ptxas` extra" in lines[0]
+    assert lines[1] == f"Chorus: the warp-specialised INT8 kernel is built by {own.label}"
+    caplog.clear()
+    _ptxas.reset()
+    _driver(monkeypatch, 12090)  # a driver that runs no CUDA 13 code: the reason, no advice
+    with caplog.at_level("INFO", logger=_ptxas.__name__):
+        _ptxas.kernel_ptxas(int8=False)
+    assert caplog.records[0].getMessage().endswith("the driver runs CUDA 12.9 (a CUDA 13 assembler's kernels need a "
+                                                   "CUDA 13 driver)"), caplog.text
+    caplog.clear()
+    _ptxas.reset()
+    monkeypatch.setattr(_ptxas, "candidates", lambda: [own, _fake((13, 0))])
+    _driver(monkeypatch, 13000)
+    with caplog.at_level("INFO", logger=_ptxas.__name__):
+        _ptxas.kernel_ptxas(int8=False)
+    message = caplog.records[0].getMessage()
+    assert message == f"Chorus: the warp-specialised FP8 kernel is built by {_fake((13, 0)).label}"

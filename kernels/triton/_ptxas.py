@@ -210,8 +210,27 @@ def fixed_ptxas() -> Assembler | None:
 
 def kernel_ptxas(int8: bool) -> Assembler | None:
     """The ptxas that builds the warp-specialised kernel's FP8 (``int8`` False) or INT8 variant: FP8
-    :func:`fixed_ptxas`, where found, else Triton's own; INT8 Triton's own (:func:`triton_ptxas`)."""
-    return triton_ptxas() if int8 else (fixed_ptxas() or triton_ptxas())
+    :func:`fixed_ptxas`, where found, else Triton's own; INT8 Triton's own (:func:`triton_ptxas`). The first
+    answer for each variant and assembler is logged (:func:`_announce`)."""
+    asm = triton_ptxas() if int8 else (fixed_ptxas() or triton_ptxas())
+    _announce(int8, asm)
+    return asm
+
+
+@functools.lru_cache(maxsize=None)
+def _announce(int8: bool, asm: Assembler | None) -> None:
+    """One INFO line per variant and assembler in a process (ComfyUI's log shows INFO): which ptxas builds the
+    kernel, and for an FP8 kernel built by an older one, why, or what to install where a newer one would run."""
+    hint = ""
+    if not int8 and not pooled_loop_right(asm):
+        why = _why_not_searched()
+        if why is None:
+            hint = (f"; a ptxas >= {FIXED_PTXAS[0]}.{FIXED_PTXAS[1]} builds it faster (about 1 ms a 720p call with "
+                    "the pooled tail): install the pack's `ptxas` extra, docs/INSTALL.md")
+        elif not why.startswith(ENV_PTXAS):
+            hint = f": {why}"
+    LOG.info("Chorus: the warp-specialised %s kernel is built by %s%s", "INT8" if int8 else "FP8",
+             asm.label if asm is not None else "Triton's ptxas", hint)
 
 
 def pooled_loop_right(asm: Assembler | None) -> bool:
@@ -257,6 +276,7 @@ def reset() -> None:
     fixed_ptxas.cache_clear()
     triton_ptxas.cache_clear()
     driver_cuda_version.cache_clear()
+    _announce.cache_clear()
 
 
 def run_assembled(asm: Assembler | None, build: Callable[[Assembler | None], T]) -> T:
