@@ -90,9 +90,9 @@ def test_compiled_hit_without_the_tail_runs_its_own_compiled_row(tmp_path, monke
 
 def test_profile_counts_the_hit_s_attention_calls_and_puts_their_kernels_beside_the_per_call_time(tmp_path,
                                                                                                   monkeypatch):
-    """``--profile``: one more step of each row under ``torch.profiler``, whose ``chorus::attend`` calls (the hit's
-    sparse attention: one per layer of the profiled step) are counted with the GPU time of the kernels inside them;
-    the table puts that time beside the row's per-call median (on the CPU there is none: no kernels)."""
+    """``--profile``: one more step of each row under ``torch.profiler``, whose ``chorus::attend`` events (the hit's
+    sparse attention: one per layer of the profiled step) are recorded; a call's kernels' GPU time goes beside the
+    row's per-call median in the table. On the CPU no call runs a kernel: events, no calls, no per-call time."""
     from chorus.benchmarks.comfy_e2e import run
 
     monkeypatch.setenv("COMFYUI_DIR", str(tiny.find_comfyui_dir()))
@@ -100,11 +100,33 @@ def test_profile_counts_the_hit_s_attention_calls_and_puts_their_kernels_beside_
     assert run.main(["--tiny", "--out", str(tmp_path), "--variants", "hit15", "--profile"]) == 0
     rows = {r["variant"]: r for r in json.loads((tmp_path / "comfy_e2e.json").read_text())["runs"]}
     hit, miss = rows["hit15"], rows["miss"]
-    ms, calls = hit["profile_step0"]["ops"]["chorus::attend"]
-    assert calls == hit["sparse_calls"] // 4 and calls > 0 and ms == 0.0  # one step of four, every layer
-    assert hit["attn_kernels_ms_per_call"] == 0.0
+    assert hit["profile_step0"]["ops"]["chorus::attend"] == [0.0, 0, hit["sparse_calls"] // 4]  # one step of four
+    assert hit["attn_kernels_ms_per_call"] is None
     assert "chorus::attend" not in miss["profile_step0"]["ops"]  # a miss answers densely: no sparse call
     hit = dict(hit, attn_ms_per_layer=2.5, attn_ms_median=2.0, attn_kernels_ms_per_call=1.5)
     assert "| 2.50 (median 2.00, its kernels 1.50) |" in run.table({"runs": [hit]})
-    assert run.attention_kernels_ms({"ops": {"chorus::attend": [46.0, 40]}}) == pytest.approx(1.15)
+    assert run.attention_kernels_ms({"ops": {"chorus::attend": [46.0, 40, 80]}}) == pytest.approx(1.15)
     assert run.attention_kernels_ms(None) is None and run.attention_kernels_ms({"ops": {}}) is None
+
+
+class _Event:
+    """A profiler event as :func:`chorus_op_times` reads one: name, enclosing CPU event, GPU time (us) inside."""
+
+    def __init__(self, name, parent=None, device_us=0.0):
+        self.name, self.cpu_parent, self.device_time_total = name, parent, device_us
+
+
+def test_an_attention_call_counts_once_and_a_traced_one_not_at_all():
+    """A call whose implementation dispatches the op again is one call (its kernels counted once, through the
+    outer event); dynamo tracing the op (no kernel) adds an event and no call."""
+    from chorus.benchmarks.comfy_e2e import run
+
+    region = _Event("Torch-Compiled Region")
+    outer = _Event("chorus::attend", region, 1500.0)
+    inner = _Event("chorus::attend", _Event("PythonDispatchMode", outer), 1400.0)
+    plain = _Event("chorus::attend", region, 1700.0)
+    traced = _Event("chorus::attend", _Event("bytecode_tracing"), 0.0)
+    other = _Event("aten::mm", region, 900.0)
+    ops = run.chorus_op_times([outer, inner, plain, traced, other, _Event("chorus::record_mass", None, 300.0)])
+    assert ops == {"chorus::attend": [3.2, 2, 4], "chorus::record_mass": [0.3, 1, 1]}
+    assert run.attention_kernels_ms({"ops": ops}) == pytest.approx(1.6)

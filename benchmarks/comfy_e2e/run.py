@@ -656,7 +656,7 @@ def profile_step(step, top: int = 40) -> dict:
     """One sampling step (the high expert's step 0 -> 1, after the timed request) under
     ``torch.profiler`` (CPU and, where there is one, CUDA activity): total GPU time, the ``top`` kernels by GPU time,
     ``name -> [ms, calls]`` (names cut at 100 characters), and per ``chorus::`` custom op the GPU time
-    of every kernel run inside it (``ops``: ``name -> [ms, calls]``; ``chorus::attend``: a hit's
+    of the kernels run inside its calls (``ops``: :func:`chorus_op_times`; ``chorus::attend``: a hit's
     sparse attention calls, pre-pass, block lists and kernel together). Where a request's time goes,
     not a timing of record (the profiler adds its own host overhead; kernel durations are the GPU's)."""
     from torch.profiler import ProfilerActivity, profile
@@ -666,11 +666,9 @@ def profile_step(step, top: int = 40) -> dict:
         step()
         if cuda:
             torch.cuda.synchronize()
-    kernels, ops = {}, {}
+    kernels = {}
     for event in prof.key_averages():
         if event.device_type == torch.autograd.DeviceType.CPU:
-            if event.key.startswith("chorus::"):
-                ops[event.key] = [round(event.device_time_total / 1000.0, 3), event.count]
             continue
         us = getattr(event, "self_device_time_total", None)
         if us is None:
@@ -681,14 +679,37 @@ def profile_step(step, top: int = 40) -> dict:
             kernels[name] = (ms + us / 1000.0, calls + event.count)
     ranked = sorted(kernels.items(), key=lambda kv: -kv[1][0])
     return {"gpu_ms_total": sum(ms for ms, _ in kernels.values()),
-            "kernels": {name: [round(ms, 3), calls] for name, (ms, calls) in ranked[:top]}, "ops": ops}
+            "kernels": {name: [round(ms, 3), calls] for name, (ms, calls) in ranked[:top]},
+            "ops": chorus_op_times(prof.events())}
+
+
+def chorus_op_times(events) -> dict:
+    """Per ``chorus::`` custom op among a profile's events (``torch.profiler``'s ``FunctionEvent`` tree):
+    ``name -> [ms, calls, events]``, the GPU time of the kernels run inside its calls, how many calls ran
+    kernels, and every event of that name. A call counts once: an event inside another ``chorus::`` event
+    (the op's implementation dispatched again) is part of it, and one that ran no kernel is not a call
+    (dynamo tracing the op with fake tensors: a step that recompiles; on the CPU there are no kernels, so
+    no calls, only events)."""
+    ops: dict[str, list] = {}
+    for event in events:
+        if not event.name.startswith("chorus::"):
+            continue
+        entry = ops.setdefault(event.name, [0.0, 0, 0])
+        entry[2] += 1
+        parent = event.cpu_parent
+        while parent is not None and not parent.name.startswith("chorus::"):
+            parent = parent.cpu_parent
+        if parent is None and event.device_time_total > 0:
+            entry[0] += event.device_time_total / 1000.0
+            entry[1] += 1
+    return {name: [round(ms, 3), calls, seen] for name, (ms, calls, seen) in ops.items()}
 
 
 def attention_kernels_ms(profile: dict | None) -> float | None:
     """GPU time of one ``chorus::attend`` call's kernels in a profiled step (:func:`profile_step`), or None
     where the step ran none. Beside the row's per-call time (CUDA events in the timed request) it gives what
     a call costs over its kernels, both measured inside the model at the clock it runs at."""
-    ms, calls = (profile or {}).get("ops", {}).get("chorus::attend", (0.0, 0))
+    ms, calls = ((profile or {}).get("ops", {}).get("chorus::attend") or (0.0, 0))[:2]
     return ms / calls if calls else None
 
 
