@@ -39,6 +39,7 @@ ROWS = (  # label -> operand forms
     ("V in e4m3 only", dict(v="e4m3")),
     ("P and V as the FP8 kernel, Q.K exact", dict(p="ffma", v="e4m3")),
     ("the FP8 kernel's numerics (all three)", dict(qk="e4m3", p="ffma", v="e4m3")),
+    ("the same with P rounded to e4m3", dict(qk="e4m3", p="e4m3", v="e4m3")),
     ("Q.K in int8, P and V as the FP8 kernel", dict(qk="int8", p="ffma", v="e4m3")),
     ("Q.K in int8 only", dict(qk="int8")),
     ("P as the INT8 kernel's levels only", dict(p="u8")),
