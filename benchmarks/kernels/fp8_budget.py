@@ -6,7 +6,7 @@ of P):
 
 - ``qk``: ``exact``; ``e4m3``: Q (softmax scale folded in) and smoothed K to e4m3 with one absmax scale per 128
   tokens (the FP8 pre-pass); ``int8``: Q with one scale per row, smoothed K one per 128 keys (the INT8 pre-pass
-  without its Hadamard rotation, which changes nothing on Gaussian inputs);
+  without its Hadamard rotation, which leaves Gaussian inputs' statistics as they are);
 - ``p``: ``exact``; ``e4m3``: ``2^(s - m + 8)`` rounded to e4m3 (row maximum 256); ``ffma``: the FP8 kernel's
   byte from one FFMA (``k = round(8 y + 56)`` clamped to ``[0, 128]`` is the e4m3 byte of ``2^(k // 8 - 7) *
   (1 + (k % 8) / 8)``: exp2 linear between powers of two); ``u8``: the INT8 kernel's ``round(255 * exp(s -
@@ -15,7 +15,7 @@ of P):
 
 The row sum is taken over P in the same form (the kernels sum P as they multiply it). Inputs: Gaussian q/k/v,
 and the same with q scaled by ``--sharpen`` (peaked rows). ``python -m benchmarks.kernels.fp8_budget --out OUT
-[--length 4096] [--heads 4]`` (CPU, fp64, memory O(heads * length^2): ~1 min at 4 096 x 4 heads); the CPU test
+[--length 4096] [--heads 4]`` (CPU, fp64, memory O(heads * length^2): ~2 min at 4 096 x 4 heads); the CPU test
 runs a toy size (``tests/test_fp8_budget.py``).
 """
 
