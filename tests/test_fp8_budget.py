@@ -1,5 +1,6 @@
-"""The FP8 error budget (``benchmarks/kernels/fp8_budget.py``) at a toy size on the CPU: every form of each
-operand is checked against an independent rounding, and the budget orders the forms as their precisions do."""
+"""The FP8 error budget (``benchmarks/kernels/fp8_budget.py``) at a toy size on the CPU: every form of P is checked
+against an independent rounding, the operands' quantisers (the emulation's) on their grids, and the budget orders
+the forms as their precisions do."""
 
 from __future__ import annotations
 
@@ -39,14 +40,20 @@ def test_the_forms_of_p_are_the_kernels_roundings():
 
 
 def test_operands_in_int8_or_e4m3_are_on_their_grids():
+    """The quantisers the budget takes from the emulation (:mod:`chorus.kernels.triton.emulation`)."""
+    from chorus.kernels.triton.emulation import e4m3_fake, e4m3_token_blocks, int8_fake, int8_key_tiles
+
     x = torch.randn(1, 2, 300, 128, dtype=torch.float64)  # 300 tokens: not a multiple of 128
-    for fmt, top in (("e4m3", 448.0), ("int8", 127.0)):
-        for tokens in (1, 128):
-            y = fp8_budget._per_tokens(x, fmt, tokens)
+    per_row = {"e4m3": lambda t: e4m3_fake(t, t.abs().amax(dim=-1, keepdim=True)),
+               "int8": lambda t: int8_fake(t, t.abs().amax(dim=-1, keepdim=True))}
+    per_tile = {"e4m3": lambda t: e4m3_token_blocks(t, 128), "int8": lambda t: int8_key_tiles(t, 128)}
+    for fmt in ("e4m3", "int8"):
+        for quantise in (per_row[fmt], per_tile[fmt]):
+            y = quantise(x)
             assert y.shape == x.shape and torch.isfinite(y).all()
             rel = ((y - x).norm() / x.norm()).item()
-            assert 0 < rel < (0.04 if fmt == "e4m3" else 0.02), (fmt, tokens, rel)
-    assert fp8_budget._per_tokens(x, "int8", 1).sub(x).abs().max() <= x.abs().amax(-1).max() / 127 / 2 + 1e-12
+            assert 0 < rel < (0.04 if fmt == "e4m3" else 0.02), (fmt, rel)
+    assert per_row["int8"](x).sub(x).abs().max() <= x.abs().amax(-1).max() / 127 / 2 + 1e-12
 
 
 def test_the_budget_orders_the_forms_as_their_precisions(tmp_path):

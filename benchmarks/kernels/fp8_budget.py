@@ -29,6 +29,8 @@ import time
 
 import torch
 
+from chorus.kernels.triton.emulation import e4m3_fake, e4m3_token_blocks, int8_fake, int8_key_tiles
+
 E4M3 = torch.float8_e4m3fn
 TILE = 128
 
@@ -46,23 +48,6 @@ ROWS = (  # label -> operand forms
     ("V in int8 only", dict(v="int8")),
     ("the INT8 kernel's numerics (all three)", dict(qk="int8", p="u8", v="int8")),
 )
-
-
-def _scaled(x: torch.Tensor, amax: torch.Tensor, top: float, fmt: str) -> torch.Tensor:
-    """``x`` on the grid of ``fmt`` (``e4m3`` / ``int8``) under an absmax scale ``amax / top``, fp64."""
-    s = torch.where(amax > 0, amax / top, torch.ones_like(amax))
-    y = (x / s).clamp(-top, top)
-    y = y.float().to(E4M3).double() if fmt == "e4m3" else torch.round(y)
-    return y * s
-
-
-def _per_tokens(x: torch.Tensor, fmt: str, tokens: int) -> torch.Tensor:
-    """``x [B, H, L, D]`` quantised with one scale per ``tokens`` rows (1: per row)."""
-    length = x.shape[2]
-    xp = torch.nn.functional.pad(x, (0, 0, 0, (-length) % tokens))
-    xb = xp.reshape(x.shape[0], x.shape[1], -1, tokens, x.shape[3])
-    top = 448.0 if fmt == "e4m3" else 127.0
-    return _scaled(xb, xb.abs().amax(dim=(-1, -2), keepdim=True), top, fmt).reshape(xp.shape)[:, :, :length]
 
 
 def _p_weights(s: torch.Tensor, form: str) -> torch.Tensor:
@@ -90,14 +75,14 @@ def attention(q, k, v, qk: str = "exact", p: str = "exact", v_form: str = "exact
     q, k, v = q.double() / math.sqrt(q.shape[-1]), k.double(), v.double()
     k = k - k.mean(dim=2, keepdim=True)  # K smoothing: softmax-invariant, as both pre-passes do
     if qk == "e4m3":
-        q, k = _per_tokens(q, "e4m3", TILE), _per_tokens(k, "e4m3", TILE)
+        q, k = e4m3_token_blocks(q, TILE), e4m3_token_blocks(k, TILE)
     elif qk == "int8":
-        q, k = _per_tokens(q, "int8", 1), _per_tokens(k, "int8", TILE)
+        q, k = int8_fake(q, q.abs().amax(dim=-1, keepdim=True)), int8_key_tiles(k, TILE)
     elif qk != "exact":
         raise ValueError(f"unknown form of Q.K: {qk!r}")
     weights = _p_weights(q @ k.transpose(-1, -2), p)
     if v_form != "exact":
-        v = _scaled(v, v.abs().amax(dim=2, keepdim=True), 448.0 if v_form == "e4m3" else 127.0, v_form)
+        v = (e4m3_fake if v_form == "e4m3" else int8_fake)(v, v.abs().amax(dim=2, keepdim=True))  # per channel
     return (weights @ v) / weights.sum(dim=-1, keepdim=True)
 
 

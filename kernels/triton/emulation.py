@@ -31,16 +31,19 @@ E4M3_MAX = 448.0
 _FP8 = torch.float8_e4m3fn
 
 
-def _quant_blocks(x: torch.Tensor, block: int) -> torch.Tensor:
+def e4m3_fake(x: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    """``x`` rounded to e4m3 under an absmax scale (``amax / 448``), fp64."""
+    s = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    return (x / s).clamp(-E4M3_MAX, E4M3_MAX).float().to(_FP8).double() * s
+
+
+def e4m3_token_blocks(x: torch.Tensor, block: int) -> torch.Tensor:
     """Fake-quantise ``x [B, H, L, D]`` (fp64) to e4m3 with one absmax scale per ``block`` tokens."""
     length = x.shape[2]
     pad = (-length) % block
     xp = torch.nn.functional.pad(x, (0, 0, 0, pad))
     xb = xp.reshape(x.shape[0], x.shape[1], -1, block, x.shape[3])
-    amax = xb.abs().amax(dim=(-1, -2), keepdim=True)
-    s = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
-    xq = (xb / s).clamp(-E4M3_MAX, E4M3_MAX).float().to(_FP8).double() * s
-    return xq.reshape(xp.shape)[:, :, :length]
+    return e4m3_fake(xb, xb.abs().amax(dim=(-1, -2), keepdim=True)).reshape(xp.shape)[:, :, :length]
 
 
 def sage_fp8_attention_emulation(q, k, v, block_map=None, block_size: int = 128, scale: float | None = None,
@@ -53,8 +56,8 @@ def sage_fp8_attention_emulation(q, k, v, block_map=None, block_size: int = 128,
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     q64, k64, v64 = q.double(), k.double(), v.double()
     k64 = k64 - k64.mean(dim=2, keepdim=True)
-    qq = _quant_blocks(q64 * scale, quant_block)
-    kq = _quant_blocks(k64, quant_block)
+    qq = e4m3_token_blocks(q64 * scale, quant_block)
+    kq = e4m3_token_blocks(k64, quant_block)
     scores = qq @ kq.transpose(-1, -2)
     add_key_biases(scores, prefix_len, prefix_bias, suffix_len, suffix_bias)
     rows = torch.arange(q.shape[2], device=q.device) // block_size
@@ -67,7 +70,7 @@ def sage_fp8_attention_emulation(q, k, v, block_map=None, block_size: int = 128,
         kbar, vbar = pooled_key_blocks(k64, v64, block_size)
         weights = pooled_log_weights(k.shape[2], block_size, prefix_len, prefix_bias, suffix_len, suffix_bias,
                                      device=q.device)
-        pooled = (qq @ _quant_blocks(kbar, quant_block).transpose(-1, -2) + weights).masked_fill(
+        pooled = (qq @ e4m3_token_blocks(kbar, quant_block).transpose(-1, -2) + weights).masked_fill(
             block_map.to(q.device)[..., rows, :], float("-inf"))
         scores = torch.cat([scores.expand(*pooled.shape[:2], -1, -1), pooled], dim=-1)
         values = torch.cat([v64, vbar], dim=2)
@@ -90,18 +93,18 @@ def _sylvester(dim: int, device=None) -> torch.Tensor:
     return h
 
 
-def _int8_fake(x: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+def int8_fake(x: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
     """``x`` rounded to the int8 grid of an absmax scale (``amax / 127``; nearest, ties to even), fp64."""
     s = torch.where(amax > 0, amax / INT8_MAX, torch.ones_like(amax))
     return torch.round(x / s).clamp(-INT8_MAX, INT8_MAX) * s
 
 
-def _int8_key_tiles(x: torch.Tensor, tile: int = 128) -> torch.Tensor:
+def int8_key_tiles(x: torch.Tensor, tile: int = 128) -> torch.Tensor:
     """``x [B, H, L, D]`` fake-quantised to int8 with one absmax scale per ``tile`` rows."""
     length = x.shape[2]
     xp = torch.nn.functional.pad(x, (0, 0, 0, (-length) % tile))
     xb = xp.reshape(x.shape[0], x.shape[1], -1, tile, x.shape[3])
-    return _int8_fake(xb, xb.abs().amax(dim=(-1, -2), keepdim=True)).reshape(xp.shape)[:, :, :length]
+    return int8_fake(xb, xb.abs().amax(dim=(-1, -2), keepdim=True)).reshape(xp.shape)[:, :, :length]
 
 
 def int8_attention_emulation(q, k, v, block_map=None, block_size: int = 128, scale: float | None = None,
@@ -128,8 +131,8 @@ def int8_attention_emulation(q, k, v, block_map=None, block_size: int = 128, sca
     q64, k64, v64 = q.double(), k.double(), v.double()
     k64 = k64 - k64.mean(dim=2, keepdim=True)
     qr = q64 @ hmat * (scale / dim)
-    qq = _int8_fake(qr, qr.abs().amax(dim=-1, keepdim=True))
-    kq = _int8_key_tiles(k64 @ hmat)
+    qq = int8_fake(qr, qr.abs().amax(dim=-1, keepdim=True))
+    kq = int8_key_tiles(k64 @ hmat)
     scores = qq @ kq.transpose(-1, -2)
     add_key_biases(scores, prefix_len, prefix_bias, suffix_len, suffix_bias)
     rows = torch.arange(q.shape[2], device=q.device) // block_size
@@ -150,10 +153,10 @@ def int8_attention_emulation(q, k, v, block_map=None, block_size: int = 128, sca
         kbar, vbar = pooled_key_blocks(k64, v64, block_size)
         weights = pooled_log_weights(kv_len, block_size, prefix_len, prefix_bias, suffix_len, suffix_bias,
                                      device=q.device)
-        pooled = (qq @ _int8_key_tiles(kbar @ hmat).transpose(-1, -2) + weights).masked_fill(
+        pooled = (qq @ int8_key_tiles(kbar @ hmat).transpose(-1, -2) + weights).masked_fill(
             block_map.to(q.device)[..., rows, :], float("-inf"))
         # the block means are far smaller than V's extremes: they get their own per-channel scale
-        pooled, vbar = tiles(pooled, _int8_fake(vbar, vbar.abs().amax(dim=2, keepdim=True)) / vs)
+        pooled, vbar = tiles(pooled, int8_fake(vbar, vbar.abs().amax(dim=2, keepdim=True)) / vs)
         scores = torch.cat([scores.expand(*pooled.shape[:2], -1, -1), pooled], dim=-1)
         v8 = torch.cat([v8, vbar], dim=2)
     st = scores.reshape(*scores.shape[:-1], -1, 128)                       # [B, H, Lq, T, 128]
