@@ -187,21 +187,29 @@ def test_the_scope_sets_triton_s_knobs_and_restores_them():
     assert knobs.nvidia.ptxas.path == before[0] and knobs.cache.dir == before[1]
 
 
+def _finalize_kernel_cubin(fp8: bool = False):
+    """The pooled rows' finalisation kernel (a small one) built for sm_90 by the ptxas Triton holds: its FP8 form
+    (D 128, V^T in the wgmma key order, 8 warps) or its 16-bit one (D 64, 4 warps)."""
+    from aot_check import compile_jit
+
+    from chorus.kernels.triton import _quant as Q
+
+    out = "*fp8e4nv" if fp8 else "*bf16"
+    return compile_jit(Q._pooled_finalize_kernel, dict(pool_sums="*fp32", k_out=out, v_out=out, k_scale="*fp32",
+                                                       v_stats="*fp32"),
+                       dict(HEAD_DIM=128 if fp8 else 64, TILE=128, BS=256, POOL_CHUNK=128, FP8=fp8, INTERPRET=False,
+                            V_WGMMA_ORDER=fp8), num_warps=8 if fp8 else 4).asm["cubin"]
+
+
 def test_a_kernel_assembled_by_another_ptxas_is_cached_apart(tmp_path, monkeypatch):
     """Same kernel (the pooled rows' finalisation, a small one), same Triton cache: built inside the scope and
     outside it, the two cubins are each assembler's own (neither build reuses the other's), and each is found
     again on a rebuild."""
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     asm = _another_assembler()
-    from aot_check import compile_jit
-
-    from chorus.kernels.triton import _quant as Q
 
     def build():
-        return compile_jit(Q._pooled_finalize_kernel, dict(pool_sums="*fp32", k_out="*fp8e4nv", v_out="*fp8e4nv",
-                                                           k_scale="*fp32", v_stats="*fp32"),
-                           dict(HEAD_DIM=128, TILE=128, BS=256, POOL_CHUNK=128, FP8=True, INTERPRET=False,
-                                V_WGMMA_ORDER=True), num_warps=8).asm["cubin"]
+        return _finalize_kernel_cubin(fp8=True)
 
     own = build()
     with _ptxas.assembling(asm):
@@ -210,17 +218,6 @@ def test_a_kernel_assembled_by_another_ptxas_is_cached_apart(tmp_path, monkeypat
     assert other != own and build() == own
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("chorus-ptxas-")] == [
         f"chorus-ptxas-{asm.version[0]}.{asm.version[1]}"]
-
-
-def _finalize_kernel_cubin():
-    from aot_check import compile_jit
-
-    from chorus.kernels.triton import _quant as Q
-
-    return compile_jit(Q._pooled_finalize_kernel, dict(pool_sums="*fp32", k_out="*bf16", v_out="*bf16",
-                                                       k_scale="*fp32", v_stats="*fp32"),
-                       dict(HEAD_DIM=64, TILE=128, BS=256, POOL_CHUNK=128, FP8=False, INTERPRET=False,
-                            V_WGMMA_ORDER=False), num_warps=4).asm["cubin"]
 
 
 def test_an_assembler_that_fails_is_dropped_for_the_process_and_triton_s_own_builds(fresh_choice, tmp_path,
