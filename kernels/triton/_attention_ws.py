@@ -281,6 +281,16 @@ if gluon is not None:
                              l_zero, use_acc=False, is_async=True)
 
     @gluon.jit
+    def _plus_key_weights(s, weights, sc, SC_ROWS: gl.constexpr):
+        """``s + weights / sc`` for logits ``s`` (``[R, 128]`` in units of ``1 / sc``) and per-key ``weights``
+        (``[128]``); ``sc`` a scalar, or with ``SC_ROWS`` one per row."""
+        if SC_ROWS:
+            s = s + weights[None, :] * (1.0 / sc)[:, None]
+        else:
+            s = s + (weights * (1.0 / sc))[None, :]
+        return s
+
+    @gluon.jit
     def _key_terms(s, sc, kb, terms, offs_n, Lk, num_kv_blocks, key_bias, tail_row, pool_first, TAIL_K: gl.constexpr,
                    HAS_BIAS: gl.constexpr, HAS_SUFFIX: gl.constexpr, HAS_TAIL: gl.constexpr, POOLED: gl.constexpr,
                    SC_ROWS: gl.constexpr):
@@ -292,11 +302,7 @@ if gluon is not None:
         known when compiled): its weights alone, from the address in ``terms``, no branch."""
         whole, pre_keys, tail_from, edge, pooled = terms
         if POOLED:
-            weights = gl.load(pooled + offs_n)
-            if SC_ROWS:
-                s = s + weights[None, :] * (1.0 / sc)[:, None]
-            else:
-                s = s + (weights * (1.0 / sc))[None, :]
+            s = _plus_key_weights(s, gl.load(pooled + offs_n), sc, SC_ROWS)
         else:
             prefix_bias = key_bias[1]
             suffix_bias = key_bias[3]
@@ -305,11 +311,7 @@ if gluon is not None:
                     s = gl.where((kb * _BLOCK + offs_n < Lk)[None, :], s, float("-inf"))
             if HAS_TAIL:
                 if pooled:
-                    weights = gl.load(tail_row + (kb - pool_first) * _BLOCK + offs_n)
-                    if SC_ROWS:
-                        s = s + weights[None, :] * (1.0 / sc)[:, None]
-                    else:
-                        s = s + (weights * (1.0 / sc))[None, :]
+                    s = _plus_key_weights(s, gl.load(tail_row + (kb - pool_first) * _BLOCK + offs_n), sc, SC_ROWS)
             if HAS_BIAS:
                 if edge:  # per key: the prefix's last (partial) block, the suffix's first
                     keys = gl.where((offs_n < pre_keys) & (pre_keys < _BLOCK), prefix_bias, 0.0)
