@@ -13,14 +13,15 @@ import torch
 
 from .. import kernels
 from ..kernels.codec import pack_bits_on_device, unpack_bits_on_device
+from ..kernels.masks import floor_packed_map
 from .call import Fallback
 
-__all__ = ["floor_k_min", "stored_map", "RunMaps"]
+__all__ = ["floor_k_min", "nearest_blocks", "stored_map", "RunMaps"]
 
 _NEAR_TABLES: dict = {}
 
 
-def _nearest_blocks(num_q: int, num_kv: int, k: int, device) -> torch.Tensor:
+def nearest_blocks(num_q: int, num_kv: int, k: int, device) -> torch.Tensor:
     """Bool ``[Qb, Kb]``: for each query block row, its ``k`` key blocks nearest to the diagonal position
     ``j ~ i * Kb / Qb`` (ties to the lower index); cached per geometry and device."""
     key = (num_q, num_kv, k, str(device))
@@ -46,7 +47,7 @@ def floor_k_min(block_map: torch.Tensor, k_min: int) -> torch.Tensor:
     if k <= 0:
         return block_map
     short = block_map.sum(-1, dtype=torch.int32) < k
-    return block_map | (_nearest_blocks(num_q, num_kv, k, block_map.device) & short[..., None])
+    return block_map | (nearest_blocks(num_q, num_kv, k, block_map.device) & short[..., None])
 
 
 def stored_map(plan, expert: int, step: int, layer: int, *, block_size: int, top_p: float, k_min: int,
@@ -110,11 +111,11 @@ class RunMaps:
         """Copy this expert's bit-packed entry maps to ``device`` at once (pinned, non-blocking), at the
         first sparse call of a run: later calls never copy from the host (a pageable host -> device copy
         waits for the GPU). Retrieval has already pinned them (``retrieval._pin_packed``), so this call
-        only enqueues the copy. Maps that need a host-side transform (resampling, stored mass) and plain
-        tensors are left to :func:`stored_map`."""
+        only enqueues the copy (on the CPU the maps are used where they are). Maps that need a host-side
+        transform (resampling, stored mass) and plain tensors are left to :func:`stored_map`."""
         self._device_bits = {}
         plan = self.plan
-        if plan.resample_to is not None or device.type != "cuda":
+        if plan.resample_to is not None:
             return
         for key, stored in plan.masks.items():
             if key[0] != self.expert or key[3] != 0 or isinstance(stored, torch.Tensor):
@@ -123,25 +124,52 @@ class RunMaps:
             shape = getattr(stored, "shape", None)
             if not isinstance(bits, torch.Tensor) or bits.dtype != torch.uint8 or shape is None:
                 continue
-            try:
-                host = bits if bits.is_pinned() else bits.pin_memory()
-            except RuntimeError:  # no pinned memory here: a plain copy, still only once per run
-                host = bits
-            self._device_bits[(int(key[1]), int(key[2]))] = (host.to(device, non_blocking=True), tuple(shape))
+            if device.type == "cuda":
+                try:
+                    bits = bits if bits.is_pinned() else bits.pin_memory()
+                except RuntimeError:  # no pinned memory here: a plain copy, still only once per run
+                    pass
+            self._device_bits[(int(key[1]), int(key[2]))] = (bits.to(device, non_blocking=True), tuple(shape))
+
+    def _entry_bits(self, step: int, layer: int, q: torch.Tensor):
+        """The entry's bit-packed map for (step, layer) on q's device and its stored shape, or None where
+        it has none there (:meth:`_prefetch`)."""
+        if self._device_bits is None:
+            self._prefetch(q.device)
+        return self._device_bits.get((step, layer))
 
     def _stored_on_device(self, step: int, layer: int, q: torch.Tensor) -> torch.Tensor:
         cfg = self.config
-        if self._device_bits is None:
-            self._prefetch(q.device)
-        found = self._device_bits.get((step, layer))
-        if found is not None:
-            bits, shape = found
-            return unpack_bits_on_device(bits, shape[-1]).reshape(shape)
         try:
             return stored_map(self.plan, self.expert, step, layer, block_size=cfg.block_size, top_p=cfg.top_p,
                               k_min=cfg.k_min, device=q.device)
         except KeyError:
             raise Fallback(f"the entry has no mask for expert {self.expert}, step {step}, layer {layer}") from None
+
+    def _floored(self, step: int, layer: int, q: torch.Tensor, heads: int, qb: int):
+        """The entry's map for (step, layer) with the ``k_min`` floor, for ``heads`` heads of ``qb`` blocks:
+        ``(bool [heads, Qb, Qb], packed or None, kept per row int32 [heads, Qb] or None)``. From the packed
+        bits on the device in one step (:func:`kernels.masks.floor_packed_map`: the packed copy and the row
+        counts come with it); else from :func:`stored_map`. :class:`Fallback` for a map that does not fit."""
+        k_min = self.config.k_min
+        found = self._entry_bits(step, layer, q)
+        if found is not None:
+            bits, shape = found
+            shape = shape[1:] if len(shape) == 4 and shape[0] == 1 else shape
+            if len(shape) != 3 or tuple(shape[-2:]) != (qb, qb) or shape[0] not in (1, heads):
+                raise Fallback(f"entry mask {tuple(found[1])} does not fit {heads} heads x {qb} blocks")
+            k = min(int(k_min), qb)
+            near = nearest_blocks(qb, qb, k, bits.device) if k > 0 else None
+            return floor_packed_map(bits.reshape(shape[0], qb, -1), qb, heads, near, k)
+        stored = self._stored_on_device(step, layer, q)
+        if stored.dim() == 4 and stored.shape[0] == 1:
+            stored = stored[0]
+        if stored.dim() != 3 or tuple(stored.shape[-2:]) != (qb, qb) or stored.shape[0] not in (1, heads):
+            raise Fallback(f"entry mask {tuple(stored.shape)} does not fit {heads} heads x {qb} blocks")
+        block_map = floor_k_min(stored.to(q.device), k_min)
+        if block_map.shape[0] == 1 and heads > 1:
+            block_map = block_map.expand(heads, qb, qb).clone()
+        return block_map, None, None
 
     def map_for(self, step: int, layer: int, q: torch.Tensor, length: int | None = None):
         """Final map for (this expert, step, layer) on q's device: ``(bool [1, H, Qb, Kb], kept)`` with
@@ -150,7 +178,8 @@ class RunMaps:
 
         stored map (resampled) | k_min floor | visit-refresh extra pairs. No host sync: the entry's
         maps reach the device once per run (:meth:`_prefetch`), the floor and the refresh are device
-        ops. Built once per (step, layer) and run: the current step's maps stay on the device
+        ops (the floor, the packed copy and the count in one kernel on CUDA where the refresh is off).
+        Built once per (step, layer) and run: the current step's maps stay on the device
         bit-packed (a 720p 14B step's 40 maps take ~70 MB) for a second call of the same step (cond
         and uncond run separately), so the refresh records each map once. Raises :class:`Fallback`
         for a key the entry lacks or a map that does not fit the call.
@@ -163,23 +192,19 @@ class RunMaps:
             packed, kept, num_kv = self._maps[key]
             return unpack_bits_on_device(packed, num_kv), kept
         cfg = self.config
-        stored = self._stored_on_device(step, layer, q)
-        if stored.dim() == 4 and stored.shape[0] == 1:
-            stored = stored[0]
         heads, length = q.shape[1], q.shape[2] if length is None else int(length)
         qb = -(-length // cfg.block_size)
-        if stored.dim() != 3 or tuple(stored.shape[-2:]) != (qb, qb) or stored.shape[0] not in (1, heads):
-            raise Fallback(f"entry mask {tuple(stored.shape)} does not fit {heads} heads x {qb} blocks")
-        block_map = floor_k_min(stored.to(q.device), cfg.k_min)
-        if block_map.shape[0] == 1 and heads > 1:
-            block_map = block_map.expand(heads, qb, qb).clone()
+        block_map, packed, row_kept = self._floored(step, layer, q, heads, qb)
         if cfg.refresh_steps > 0:
             refresh = self.plan.refresh_state(cfg.refresh_steps)
             block_map = block_map | refresh.extra_pairs(layer, block_map, step)
             refresh.record(layer, block_map, step)
+            packed = row_kept = None
         block_map = block_map[None]
-        kept = block_map.sum() if block_map.device.type == "cuda" else int(block_map.sum())
-        self._maps[key] = (pack_bits_on_device(block_map), kept, block_map.shape[-1])
+        counted = block_map if row_kept is None else row_kept
+        kept = counted.sum() if counted.device.type == "cuda" else int(counted.sum())
+        packed = pack_bits_on_device(block_map) if packed is None else packed[None]
+        self._maps[key] = (packed, kept, block_map.shape[-1])
         return block_map, kept
 
     def used_map(self, step: int, layer: int) -> torch.Tensor | None:

@@ -11,18 +11,24 @@ float16 / bfloat16 mass on a CUDA device with rows of at most 4096 key blocks in
 kernel), anything else, or if the kernel fails (logged once), in torch (:func:`select_blocks_torch`, the
 kernel's reference). The two give the same map except where a block's preceding mass lies within float64
 rounding of the target (they sum in different orders).
+
+:func:`floor_packed_map` makes a hit's map from its entry's bit-packed one (the floor of kept blocks per row,
+the heads, the packed copy and the row counts) in one Triton kernel on CUDA
+(:mod:`chorus.kernels.triton._floor_map`), else or if it fails (logged once) in torch
+(:func:`floor_packed_map_torch`, the kernel's reference); the two are equal.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .codec import pack_bits_on_device
+from .codec import pack_bits_on_device, unpack_bits_on_device
 from .fused import FusedSwitch
 
 SELECTION_TOLERANCE = 1e-6  # relative to the row's mass: a target met to within it counts as met
 _FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _FUSED = FusedSwitch("the Triton block selection")
+_FUSED_FLOOR = FusedSwitch("the Triton map floor")
 
 
 def num_blocks(length: int, block_size: int) -> int:
@@ -185,3 +191,64 @@ def first_frame_blocks(tokens_per_frame: int, block_size: int = 128) -> int:
 def density(block_map: torch.Tensor) -> float:
     """Fraction of kept block pairs (full blocks counted equally)."""
     return float(block_map.float().mean()) if block_map.numel() else 0.0
+
+
+def floor_packed_map(packed: torch.Tensor, num_kv: int, heads: int, near: torch.Tensor | None, k: int):
+    """A hit's map from its entry's bit-packed map: ``(map, packed, kept)``.
+
+    Args:
+        packed: uint8 ``[Hs, Qb, ceil(Kb / 8)]`` in :func:`chorus.kernels.codec.pack_bits`' layout (the entry's
+            map; ``Hs`` is 1, a map every head shares, or ``heads``).
+        num_kv: ``Kb``, the key blocks per row.
+        heads: the call's heads (a multiple of ``Hs``).
+        near: bool ``[Qb, Kb]`` on ``packed``'s device: the blocks a row keeping fewer than ``k`` blocks
+            gains (``engine.maps.floor_k_min``'s nearest blocks), or None.
+        k: the floor (``<= 0`` or ``near`` None: none).
+
+    Returns:
+        bool ``[heads, Qb, Kb]``, the same map bit-packed (uint8 ``[heads, Qb, ceil(Kb / 8)]``, padding bits
+        zero) and int32 ``[heads, Qb]`` kept blocks per row, on ``packed``'s device, with no host sync.
+
+    Raises:
+        ValueError: shapes that do not fit (a packed width other than ``ceil(Kb / 8)``, ``heads`` not a
+            multiple of ``Hs``, ``near`` not ``[Qb, Kb]`` bool on that device).
+    """
+    if packed.dtype != torch.uint8 or packed.dim() != 3 or packed.shape[-1] != -(-int(num_kv) // 8):
+        raise ValueError(f"packed must be uint8 [Hs, Qb, ceil({num_kv} / 8)], got {packed.dtype} {tuple(packed.shape)}")
+    if heads < 1 or heads % packed.shape[0]:
+        raise ValueError(f"heads ({heads}) must be a multiple of the map's heads ({packed.shape[0]})")
+    if near is not None and (near.dtype != torch.bool or tuple(near.shape) != (packed.shape[1], num_kv)
+                             or near.device != packed.device):
+        raise ValueError(f"near must be bool [{packed.shape[1]}, {num_kv}] on {packed.device}, got {near.dtype} "
+                         f"{tuple(near.shape)} on {near.device}")
+    kernel = _floor_kernel(packed, num_kv)
+    if kernel is not None:
+        try:
+            return kernel.floor_packed_map_triton(packed, num_kv, heads, near, k)
+        except Exception as exc:  # noqa: BLE001 - the torch path below (kernels/fused.py)
+            _FUSED_FLOOR.failure(exc)
+    return floor_packed_map_torch(packed, num_kv, heads, near, k)
+
+
+def _floor_kernel(packed: torch.Tensor, num_kv: int):
+    """The Triton map-floor module when ``packed`` is on a CUDA device and its rows fit one program (and it
+    has not failed before), else None."""
+    if not _FUSED_FLOOR.on or not packed.is_cuda:
+        return None
+    try:
+        from .triton import _floor_map
+    except Exception:  # noqa: BLE001 - no Triton: the torch path
+        return None
+    return _floor_map if num_kv <= _floor_map.FLOOR_MAP_MAX_KEYS else None
+
+
+def floor_packed_map_torch(packed: torch.Tensor, num_kv: int, heads: int, near: torch.Tensor | None, k: int):
+    """:func:`floor_packed_map` in torch ops (any device; the Triton kernel's reference). Arguments as there,
+    not checked here."""
+    block_map = unpack_bits_on_device(packed, num_kv)
+    if near is not None and k > 0:
+        short = block_map.sum(-1, dtype=torch.int32) < k
+        block_map = block_map | (near & short[..., None])
+    if block_map.shape[0] != heads:
+        block_map = block_map.repeat(heads // block_map.shape[0], 1, 1)
+    return block_map, pack_bits_on_device(block_map), block_map.sum(-1, dtype=torch.int32)

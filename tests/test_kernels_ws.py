@@ -287,6 +287,21 @@ def test_the_block_selection_kernel_compiles_for_sm90(block, packed):
         assert " stack=0" in summarize(kernel, sass=False)
 
 
+@pytest.mark.parametrize("bits", [16, 256, 512, 1024, 2048, 8192])
+@pytest.mark.parametrize("has_floor", [False, True])
+def test_the_map_floor_kernel_compiles_for_sm90(bits, has_floor):
+    """A hit's map from its entry's packed map (:mod:`chorus.kernels.triton._floor_map`) as the GPU builds it,
+    from the narrowest row to FLOOR_MAP_MAX_KEYS (720p's 591 key blocks: 1 024), at the launcher's rows per
+    program: it builds and spills nothing."""
+    from aot_check import compile_jit, summarize
+    from chorus.kernels.triton import _floor_map as F
+
+    kernel = compile_jit(F._floor_map_kernel, dict(packed_ptr="*u8", near_ptr="*u8", map_ptr="*u8",
+                                                   out_packed_ptr="*u8", count_ptr="*i32"),
+                         dict(HAS_FLOOR=has_floor, BITS=bits, ROWS=F.rows_per_program_for(bits)))
+    assert " stack=0" in summarize(kernel, sass=False)
+
+
 @pytest.mark.parametrize("has_tail", [False, True])
 def test_the_int8_kernel_and_its_prepass_compile_for_sm90(has_tail):
     """The accurate INT8 path as the GPU builds it (the interpreter runs its Triton code on the CPU): the

@@ -208,6 +208,31 @@ def test_triton_selection_is_the_torch_map(shape, dtype):
         assert torch.equal(select_blocks_triton(mass, packed=True, **args), pack_bits_on_device(want)), args
 
 
+@pytest.mark.parametrize("src_heads,heads,num_q,num_kv", [(1, 3, 5, 5), (2, 2, 7, 13), (1, 4, 9, 37),
+                                                           (3, 3, 4, 64), (1, 2, 6, 130), (2, 4, 3, 591)])
+def test_triton_map_floor_is_the_torch_map(src_heads, heads, num_q, num_kv):
+    """A hit's map from its entry's packed map in one kernel (the k_min floor from the nearest blocks, a map
+    shared by every head or one per head, the packed copy and the row counts) against floor_packed_map_torch,
+    at key-block counts that are not powers of two or multiples of 8 (720p's 591), with the floor off, reaching
+    some rows, every row, and past the row width."""
+    from chorus.engine.maps import nearest_blocks
+    from chorus.kernels.codec import pack_bits_on_device
+    from chorus.kernels.masks import floor_packed_map_torch
+    from chorus.kernels.triton._floor_map import floor_packed_map_triton
+
+    gen = torch.Generator().manual_seed(num_kv)
+    stored = torch.rand(src_heads, num_q, num_kv, generator=gen) < torch.rand(src_heads, num_q, 1, generator=gen) * 0.3
+    packed = pack_bits_on_device(stored)
+    for k in (0, 2, num_kv // 2, num_kv + 3):
+        near = nearest_blocks(num_q, num_kv, min(k, num_kv), "cpu") if k > 0 else None
+        want = floor_packed_map_torch(packed, num_kv, heads, near, min(k, num_kv))
+        got = floor_packed_map_triton(packed, num_kv, heads, near, min(k, num_kv))
+        assert got[0].dtype == torch.bool and got[2].dtype == torch.int32
+        for a, b in zip(got, want):
+            assert a.shape == b.shape and torch.equal(a, b), k
+        assert torch.equal(got[1], pack_bits_on_device(got[0])) and torch.equal(got[2], got[0].sum(-1).int())
+
+
 def test_triton_selection_of_bad_mass_stays_in_its_rows():
     """NaN / inf / negative mass (what a recorder flags and never writes) gives some map of the right
     shape with every row keeping a block, and writes nothing into the other rows: the clean rows between

@@ -283,7 +283,9 @@ def selection_timing(length: int, args, results: dict) -> None:
     gather, cumulative sum, scatter, then packing) against the Triton kernel at 1 / 2 / 4 / 8 warps per
     row, each checked equal to the torch map. The mass: ``heads`` rows of softmax(2.5 x Gaussian) per query
     block (peaked, ~15% of blocks reach 0.9; a sort's time does not depend on the values). The table goes
-    to the JSON's ``selection``."""
+    to the JSON's ``selection``. Then a hit's map from that packed map (:func:`chorus.kernels.masks.floor_packed_map`:
+    the k_min floor of 4, the packed copy and the row counts), torch against the Triton kernel, checked equal:
+    the JSON's ``map_floor``."""
     from chorus.kernels.codec import pack_bits_on_device
     from chorus.kernels.masks import select_blocks_torch
     from chorus.kernels.triton._select import select_blocks_triton
@@ -305,6 +307,27 @@ def selection_timing(length: int, args, results: dict) -> None:
         log(f"[{length}] selection: torch {row['torch_ms']:.3f} ms, Triton {warps} warps {ms:.3f} ms "
             f"(equal: {row['triton'][-1]['equal_to_torch']})")
     results.setdefault("selection", []).append(row)
+    map_floor_timing(want, nb, args.heads, results)
+
+
+def map_floor_timing(packed, num_kv: int, heads: int, results: dict) -> None:
+    """A hit's map from its entry's packed map ``packed`` (uint8 ``[1, heads, Qb, ceil(Kb / 8)]``), as
+    ``engine.maps.RunMaps`` makes it per call: torch's unpack, floor, packing and counts against the one
+    Triton kernel, each checked equal (:func:`selection_timing` writes the map)."""
+    from chorus.engine.maps import nearest_blocks
+    from chorus.kernels.masks import floor_packed_map_torch
+    from chorus.kernels.triton._floor_map import floor_packed_map_triton
+
+    packed = packed.reshape(heads, num_kv, -1)
+    near = nearest_blocks(num_kv, num_kv, 4, packed.device)
+    want, got = (f(packed, num_kv, heads, near, 4) for f in (floor_packed_map_torch, floor_packed_map_triton))
+    row = {"key_blocks": num_kv, "heads": heads, "k_min": 4,
+           "torch_ms": bench(lambda: floor_packed_map_torch(packed, num_kv, heads, near, 4), 0.5),
+           "triton_ms": bench(lambda: floor_packed_map_triton(packed, num_kv, heads, near, 4), 0.5),
+           "equal_to_torch": all(bool(torch.equal(a, b)) for a, b in zip(got, want))}
+    log(f"[{num_kv} key blocks] a hit's map: torch {row['torch_ms']:.3f} ms, Triton {row['triton_ms']:.3f} ms "
+        f"(equal: {row['equal_to_torch']})")
+    results.setdefault("map_floor", []).append(row)
 
 
 def run_size(length: int, args, results: dict) -> None:
