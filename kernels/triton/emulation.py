@@ -37,13 +37,18 @@ def e4m3_fake(x: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
     return (x / s).clamp(-E4M3_MAX, E4M3_MAX).float().to(_FP8).double() * s
 
 
+def _per_token_tiles(x: torch.Tensor, tile: int, fake) -> torch.Tensor:
+    """``fake(tiles, absmax)`` of ``x [B, H, L, D]`` with one absmax scale per ``tile`` tokens (the last tile
+    zero-padded), back in ``x``'s shape."""
+    length = x.shape[2]
+    xp = torch.nn.functional.pad(x, (0, 0, 0, (-length) % tile))
+    xb = xp.reshape(x.shape[0], x.shape[1], -1, tile, x.shape[3])
+    return fake(xb, xb.abs().amax(dim=(-1, -2), keepdim=True)).reshape(xp.shape)[:, :, :length]
+
+
 def e4m3_token_blocks(x: torch.Tensor, block: int) -> torch.Tensor:
     """Fake-quantise ``x [B, H, L, D]`` (fp64) to e4m3 with one absmax scale per ``block`` tokens."""
-    length = x.shape[2]
-    pad = (-length) % block
-    xp = torch.nn.functional.pad(x, (0, 0, 0, pad))
-    xb = xp.reshape(x.shape[0], x.shape[1], -1, block, x.shape[3])
-    return e4m3_fake(xb, xb.abs().amax(dim=(-1, -2), keepdim=True)).reshape(xp.shape)[:, :, :length]
+    return _per_token_tiles(x, block, e4m3_fake)
 
 
 def sage_fp8_attention_emulation(q, k, v, block_map=None, block_size: int = 128, scale: float | None = None,
@@ -101,10 +106,7 @@ def int8_fake(x: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
 
 def int8_key_tiles(x: torch.Tensor, tile: int = 128) -> torch.Tensor:
     """``x [B, H, L, D]`` fake-quantised to int8 with one absmax scale per ``tile`` rows."""
-    length = x.shape[2]
-    xp = torch.nn.functional.pad(x, (0, 0, 0, (-length) % tile))
-    xb = xp.reshape(x.shape[0], x.shape[1], -1, tile, x.shape[3])
-    return int8_fake(xb, xb.abs().amax(dim=(-1, -2), keepdim=True)).reshape(xp.shape)[:, :, :length]
+    return _per_token_tiles(x, tile, int8_fake)
 
 
 def int8_attention_emulation(q, k, v, block_map=None, block_size: int = 128, scale: float | None = None,
