@@ -13,42 +13,10 @@ import torch
 
 from .. import kernels
 from ..kernels.codec import pack_bits_on_device, unpack_bits_on_device
-from ..kernels.masks import floor_packed_map
+from ..kernels.masks import floor_k_min, floor_packed_map
 from .call import Fallback
 
-__all__ = ["floor_k_min", "nearest_blocks", "stored_map", "RunMaps"]
-
-_NEAR_TABLES: dict = {}
-
-
-def nearest_blocks(num_q: int, num_kv: int, k: int, device) -> torch.Tensor:
-    """Bool ``[Qb, Kb]``: for each query block row, its ``k`` key blocks nearest to the diagonal position
-    ``j ~ i * Kb / Qb`` (ties to the lower index); cached per geometry and device."""
-    key = (num_q, num_kv, k, str(device))
-    table = _NEAR_TABLES.get(key)
-    if table is None:
-        centre = torch.arange(num_q, dtype=torch.float64)[:, None] * (num_kv / num_q)
-        dist = (torch.arange(num_kv, dtype=torch.float64)[None, :] - centre).abs()
-        rank = torch.argsort(torch.argsort(dist, dim=-1, stable=True), dim=-1)
-        table = _NEAR_TABLES[key] = (rank < k).to(device)
-    return table
-
-
-def floor_k_min(block_map: torch.Tensor, k_min: int) -> torch.Tensor:
-    """Give every row of a bool map ``[..., Qb, Kb]`` at least ``min(k_min, Kb)`` kept blocks.
-
-    Rows below the floor gain the ``k_min`` key blocks nearest to their diagonal position
-    (``j ~ i * Kb / Qb``; a reused map has no mass left to rank by, and local blocks are the ones
-    video attention needs most). Rows already at the floor are unchanged. Runs on the map's device
-    without a host sync (a few elementwise kernels; the nearest-block table is built once per grid).
-    """
-    num_q, num_kv = block_map.shape[-2:]
-    k = min(int(k_min), num_kv)
-    if k <= 0:
-        return block_map
-    short = block_map.sum(-1, dtype=torch.int32) < k
-    return block_map | (nearest_blocks(num_q, num_kv, k, block_map.device) & short[..., None])
-
+__all__ = ["floor_k_min", "stored_map", "RunMaps"]  # floor_k_min: kernels.masks's, re-exported
 
 def stored_map(plan, expert: int, step: int, layer: int, *, block_size: int, top_p: float, k_min: int,
                device=None) -> torch.Tensor:
@@ -95,6 +63,15 @@ def stored_map(plan, expert: int, step: int, layer: int, *, block_size: int, top
         if transformed:
             state.resampled[cache_key] = block_map.cpu()
         return block_map.to(device) if device is not None else block_map
+
+
+def _fitting_heads(shape: tuple, heads: int, qb: int) -> int:
+    """The heads of an entry map of ``shape`` (``[Hs, Qb, Qb]`` or ``[1, Hs, Qb, Qb]``) that fits a call of
+    ``heads`` heads and ``qb`` query blocks: 1 (shared) or ``heads``. :class:`Fallback` otherwise."""
+    fit = shape[1:] if len(shape) == 4 and shape[0] == 1 else shape
+    if len(fit) != 3 or tuple(fit[-2:]) != (qb, qb) or fit[0] not in (1, heads):
+        raise Fallback(f"entry mask {tuple(shape)} does not fit {heads} heads x {qb} blocks")
+    return int(fit[0])
 
 
 class RunMaps:
@@ -155,17 +132,10 @@ class RunMaps:
         found = self._entry_bits(step, layer, q)
         if found is not None:
             bits, shape = found
-            shape = shape[1:] if len(shape) == 4 and shape[0] == 1 else shape
-            if len(shape) != 3 or tuple(shape[-2:]) != (qb, qb) or shape[0] not in (1, heads):
-                raise Fallback(f"entry mask {tuple(found[1])} does not fit {heads} heads x {qb} blocks")
-            k = min(int(k_min), qb)
-            near = nearest_blocks(qb, qb, k, bits.device) if k > 0 else None
-            return floor_packed_map(bits.reshape(shape[0], qb, -1), qb, heads, near, k)
+            map_heads = _fitting_heads(shape, heads, qb)
+            return floor_packed_map(bits.reshape(map_heads, qb, -1), qb, heads, k_min)
         stored = self._stored_on_device(step, layer, q)
-        if stored.dim() == 4 and stored.shape[0] == 1:
-            stored = stored[0]
-        if stored.dim() != 3 or tuple(stored.shape[-2:]) != (qb, qb) or stored.shape[0] not in (1, heads):
-            raise Fallback(f"entry mask {tuple(stored.shape)} does not fit {heads} heads x {qb} blocks")
+        stored = stored.reshape(_fitting_heads(tuple(stored.shape), heads, qb), qb, qb)
         block_map = floor_k_min(stored.to(q.device), k_min)
         if block_map.shape[0] == 1 and heads > 1:
             block_map = block_map.expand(heads, qb, qb).clone()

@@ -12,7 +12,8 @@ kernel), anything else, or if the kernel fails (logged once), in torch (:func:`s
 kernel's reference). The two give the same map except where a block's preceding mass lies within float64
 rounding of the target (they sum in different orders).
 
-:func:`floor_packed_map` makes a hit's map from its entry's bit-packed one (the floor of kept blocks per row,
+:func:`floor_k_min` gives each row of a reused map a floor of kept blocks (its nearest blocks,
+:func:`nearest_blocks`); :func:`floor_packed_map` makes a hit's map from its entry's bit-packed one (that floor,
 the heads, the packed copy and the row counts) in one Triton kernel on CUDA
 (:mod:`chorus.kernels.triton._floor_map`), else or if it fails (logged once) in torch
 (:func:`floor_packed_map_torch`, the kernel's reference); the two are equal.
@@ -193,17 +194,48 @@ def density(block_map: torch.Tensor) -> float:
     return float(block_map.float().mean()) if block_map.numel() else 0.0
 
 
-def floor_packed_map(packed: torch.Tensor, num_kv: int, heads: int, near: torch.Tensor | None, k: int):
-    """A hit's map from its entry's bit-packed map: ``(map, packed, kept)``.
+_NEAR_TABLES: dict = {}
+
+
+def nearest_blocks(num_q: int, num_kv: int, k: int, device) -> torch.Tensor:
+    """Bool ``[Qb, Kb]``: for each query block row, its ``k`` key blocks nearest to the diagonal position
+    ``j ~ i * Kb / Qb`` (ties to the lower index); cached per geometry and device."""
+    key = (num_q, num_kv, k, str(device))
+    table = _NEAR_TABLES.get(key)
+    if table is None:
+        centre = torch.arange(num_q, dtype=torch.float64)[:, None] * (num_kv / num_q)
+        dist = (torch.arange(num_kv, dtype=torch.float64)[None, :] - centre).abs()
+        rank = torch.argsort(torch.argsort(dist, dim=-1, stable=True), dim=-1)
+        table = _NEAR_TABLES[key] = (rank < k).to(device)
+    return table
+
+
+def floor_k_min(block_map: torch.Tensor, k_min: int) -> torch.Tensor:
+    """Give every row of a bool map ``[..., Qb, Kb]`` at least ``min(k_min, Kb)`` kept blocks.
+
+    Rows below the floor gain the ``k_min`` key blocks nearest to their diagonal position
+    (``j ~ i * Kb / Qb``; a reused map has no mass left to rank by, and local blocks are the ones
+    video attention needs most). Rows already at the floor are unchanged. Runs on the map's device
+    without a host sync (a few elementwise kernels; the nearest-block table is built once per grid).
+    """
+    num_q, num_kv = block_map.shape[-2:]
+    k = min(int(k_min), num_kv)
+    if k <= 0:
+        return block_map
+    short = block_map.sum(-1, dtype=torch.int32) < k
+    return block_map | (nearest_blocks(num_q, num_kv, k, block_map.device) & short[..., None])
+
+
+def floor_packed_map(packed: torch.Tensor, num_kv: int, heads: int, k_min: int):
+    """A hit's map from its entry's bit-packed map: ``(map, packed, kept)``, the map being
+    :func:`floor_k_min` of the entry's on every head.
 
     Args:
         packed: uint8 ``[Hs, Qb, ceil(Kb / 8)]`` in :func:`chorus.kernels.codec.pack_bits`' layout (the entry's
             map; ``Hs`` is 1, a map every head shares, or ``heads``).
         num_kv: ``Kb``, the key blocks per row.
         heads: the call's heads (a multiple of ``Hs``).
-        near: bool ``[Qb, Kb]`` on ``packed``'s device: the blocks a row keeping fewer than ``k`` blocks
-            gains (``engine.maps.floor_k_min``'s nearest blocks), or None.
-        k: the floor (``<= 0`` or ``near`` None: none).
+        k_min: the floor of kept blocks per row (``<= 0``: none).
 
     Returns:
         bool ``[heads, Qb, Kb]``, the same map bit-packed (uint8 ``[heads, Qb, ceil(Kb / 8)]``, padding bits
@@ -211,23 +243,21 @@ def floor_packed_map(packed: torch.Tensor, num_kv: int, heads: int, near: torch.
 
     Raises:
         ValueError: shapes that do not fit (a packed width other than ``ceil(Kb / 8)``, ``heads`` not a
-            multiple of ``Hs``, ``near`` not ``[Qb, Kb]`` bool on that device).
+            multiple of ``Hs``).
     """
     if packed.dtype != torch.uint8 or packed.dim() != 3 or packed.shape[-1] != -(-int(num_kv) // 8):
         raise ValueError(f"packed must be uint8 [Hs, Qb, ceil({num_kv} / 8)], got {packed.dtype} {tuple(packed.shape)}")
     if heads < 1 or heads % packed.shape[0]:
         raise ValueError(f"heads ({heads}) must be a multiple of the map's heads ({packed.shape[0]})")
-    if near is not None and (near.dtype != torch.bool or tuple(near.shape) != (packed.shape[1], num_kv)
-                             or near.device != packed.device):
-        raise ValueError(f"near must be bool [{packed.shape[1]}, {num_kv}] on {packed.device}, got {near.dtype} "
-                         f"{tuple(near.shape)} on {near.device}")
     kernel = _floor_kernel(packed, num_kv)
     if kernel is not None:
         try:
+            k = min(int(k_min), num_kv)
+            near = nearest_blocks(packed.shape[1], num_kv, k, packed.device) if k > 0 else None
             return kernel.floor_packed_map_triton(packed, num_kv, heads, near, k)
         except Exception as exc:  # noqa: BLE001 - the torch path below (kernels/fused.py)
             _FUSED_FLOOR.failure(exc)
-    return floor_packed_map_torch(packed, num_kv, heads, near, k)
+    return floor_packed_map_torch(packed, num_kv, heads, k_min)
 
 
 def _floor_kernel(packed: torch.Tensor, num_kv: int):
@@ -242,13 +272,10 @@ def _floor_kernel(packed: torch.Tensor, num_kv: int):
     return _floor_map if num_kv <= _floor_map.FLOOR_MAP_MAX_KEYS else None
 
 
-def floor_packed_map_torch(packed: torch.Tensor, num_kv: int, heads: int, near: torch.Tensor | None, k: int):
+def floor_packed_map_torch(packed: torch.Tensor, num_kv: int, heads: int, k_min: int):
     """:func:`floor_packed_map` in torch ops (any device; the Triton kernel's reference). Arguments as there,
     not checked here."""
-    block_map = unpack_bits_on_device(packed, num_kv)
-    if near is not None and k > 0:
-        short = block_map.sum(-1, dtype=torch.int32) < k
-        block_map = block_map | (near & short[..., None])
+    block_map = floor_k_min(unpack_bits_on_device(packed, num_kv), k_min)
     if block_map.shape[0] != heads:
         block_map = block_map.repeat(heads // block_map.shape[0], 1, 1)
     return block_map, pack_bits_on_device(block_map), block_map.sum(-1, dtype=torch.int32)

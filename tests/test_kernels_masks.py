@@ -168,14 +168,11 @@ def _entry_map(heads, num_q, num_kv, seed):
 @pytest.mark.parametrize("src_heads,heads,num_kv,k", [(1, 4, 13, 3), (3, 3, 9, 0), (2, 4, 37, 40), (1, 1, 8, 2)])
 def test_floor_packed_map_is_the_floored_entry_map(src_heads, heads, num_kv, k):
     """A hit's map from its entry's packed one (what RunMaps computes with): the entry's map with the k_min floor
-    of engine.maps.floor_k_min, on every head, its packed copy and its row counts (the torch path here, the
-    Triton kernel's reference; the kernel against it: tests/test_triton_interpret_cases.py)."""
-    from chorus.engine.maps import nearest_blocks, floor_k_min
-
+    of floor_k_min, on every head, its packed copy and its row counts (the torch path here, the Triton kernel's
+    reference; the kernel against it: tests/test_triton_interpret_cases.py)."""
     stored = _entry_map(src_heads, num_kv, num_kv, seed=num_kv)
-    near = nearest_blocks(num_kv, num_kv, min(k, num_kv), "cpu") if k else None
-    block_map, packed, kept = K.masks.floor_packed_map(pack_bits_on_device(stored), num_kv, heads, near, min(k, num_kv))
-    want = floor_k_min(stored, k).repeat(heads // src_heads, 1, 1)
+    block_map, packed, kept = K.masks.floor_packed_map(pack_bits_on_device(stored), num_kv, heads, k)
+    want = K.masks.floor_k_min(stored, k).repeat(heads // src_heads, 1, 1)
     assert block_map.dtype == torch.bool and torch.equal(block_map, want)
     assert torch.equal(packed, pack_bits_on_device(want)) and torch.equal(kept, want.sum(-1, dtype=torch.int32))
     if k:
@@ -184,13 +181,10 @@ def test_floor_packed_map_is_the_floored_entry_map(src_heads, heads, num_kv, k):
 
 def test_floor_packed_map_rejects_what_does_not_fit():
     packed = pack_bits_on_device(_entry_map(2, 5, 11, seed=1))
-    near = torch.ones(5, 11, dtype=torch.bool)
     with pytest.raises(ValueError, match="ceil"):
-        K.masks.floor_packed_map(packed, 17, 2, near, 1)
+        K.masks.floor_packed_map(packed, 17, 2, 1)
     with pytest.raises(ValueError, match="multiple"):
-        K.masks.floor_packed_map(packed, 11, 3, near, 1)
-    with pytest.raises(ValueError, match="near"):
-        K.masks.floor_packed_map(packed, 11, 2, near[:4], 1)
+        K.masks.floor_packed_map(packed, 11, 3, 1)
 
 
 def test_floor_packed_map_takes_the_torch_path_when_the_kernel_fails(monkeypatch):
@@ -199,8 +193,8 @@ def test_floor_packed_map_takes_the_torch_path_when_the_kernel_fails(monkeypatch
     from chorus.kernels.fused import FusedSwitch
 
     stored = _entry_map(1, 6, 6, seed=3)
-    packed, near = pack_bits_on_device(stored), torch.eye(6, dtype=torch.bool)
-    want = masks.floor_packed_map_torch(packed, 6, 2, near, 1)
+    packed = pack_bits_on_device(stored)
+    want = masks.floor_packed_map_torch(packed, 6, 2, 1)
     errors = iter([torch.OutOfMemoryError("CUDA out of memory (test)"), RuntimeError("cannot build (test)")])
     tried = []
 
@@ -213,6 +207,6 @@ def test_floor_packed_map_takes_the_torch_path_when_the_kernel_fails(monkeypatch
     monkeypatch.setattr(masks, "_FUSED_FLOOR", FusedSwitch("test"))
     monkeypatch.setattr(masks, "_floor_kernel", lambda packed, num_kv: FailingKernel if masks._FUSED_FLOOR.on else None)
     for _ in range(3):
-        got = masks.floor_packed_map(packed, 6, 2, near, 1)
+        got = masks.floor_packed_map(packed, 6, 2, 1)
         assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert len(tried) == 2 and not masks._FUSED_FLOOR.on

@@ -162,7 +162,6 @@ def test_block_selection_on_the_gpu_is_the_torch_map(num_kv):
 def test_map_floor_on_the_gpu_is_the_torch_map(num_kv):
     """A hit's map from its entry's packed map on CUDA runs the Triton kernel and gives torch's map, packed copy
     and row counts (40 heads, a map shared by every head and one per head, the k_min floor off and on)."""
-    from chorus.engine.maps import nearest_blocks
     from chorus.kernels import masks
     from chorus.kernels.codec import pack_bits_on_device
 
@@ -172,9 +171,8 @@ def test_map_floor_on_the_gpu_is_the_torch_map(num_kv):
         packed = pack_bits_on_device(stored)
         assert masks._floor_kernel(packed, num_kv) is not None
         for k in (0, 4, 64):
-            near = nearest_blocks(num_kv, num_kv, k, packed.device) if k else None
-            got = masks.floor_packed_map(packed, num_kv, 40, near, k)
-            want = masks.floor_packed_map_torch(packed, num_kv, 40, near, k)
+            got = masks.floor_packed_map(packed, num_kv, 40, k)
+            want = masks.floor_packed_map_torch(packed, num_kv, 40, k)
             assert all(torch.equal(a, b) for a, b in zip(got, want)), (src_heads, k)
     assert masks._FUSED_FLOOR.on
 

@@ -5,7 +5,8 @@ MSB first), ``near`` uint8 / bool ``[Qb, Kb]`` contiguous, ``heads`` a multiple 
 is shared by every head); returns what :func:`chorus.kernels.masks.floor_packed_map_torch` returns for the
 same arguments: the bool map ``[heads, Qb, Kb]`` in which each row of the entry's map that keeps fewer than
 ``k`` blocks also keeps that row of ``near``, the same map bit-packed (padding bits zero), and int32
-``[heads, Qb]`` kept blocks per row. On the CUDA tensors of a hit's call (or the CPU under
+``[heads, Qb]`` kept blocks per row (``near`` being :func:`chorus.kernels.masks.nearest_blocks` of the floor, as
+:func:`chorus.kernels.masks.floor_packed_map` passes it). On the CUDA tensors of a hit's call (or the CPU under
 ``TRITON_INTERPRET=1``); arguments are checked by the caller.
 
 Why: the same steps in torch are a dozen elementwise and reduction launches over the unpacked map (unpack,
