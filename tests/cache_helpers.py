@@ -49,6 +49,20 @@ def clustered(n: int, dim: int, *, clusters: int, spread: float, seed: int) -> n
     return (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32)
 
 
+# what a forkserver child of the cache tests uses, imported once by the forkserver: the package alone
+# resolves Workspace lazily, so each child would otherwise import torch, faiss and the store (~2-5 s)
+FORKSERVER_PRELOAD = ["chorus.cache_store", "chorus.cache_store.workspace", "chorus.cache_store.seams", "cache_helpers"]
+
+
+def forkserver_context():
+    """A ``forkserver`` multiprocessing context whose server has imported :data:`FORKSERVER_PRELOAD`."""
+    import multiprocessing as mp
+
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(FORKSERVER_PRELOAD)
+    return context
+
+
 def writer(path: str, seeds, conn=None, crash_phase: str | None = None, mask_kwargs=None) -> None:
     """Child process: add one entry per seed (meta["seed"] lets the parent rebuild the masks), sending
     each committed id through ``conn``. With ``crash_phase``, SIGKILL itself at that write phase of

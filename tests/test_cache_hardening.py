@@ -7,7 +7,6 @@ The only timed assertions are bounds ("returned within 10 s" for a 1 s time boun
 """
 
 import json
-import multiprocessing as mp
 import os
 import sqlite3
 import subprocess
@@ -404,8 +403,7 @@ def test_verify_beside_an_evicting_worker_reports_no_false_damage(tmp_path):
     never damage, always a consistent index; entries evicted under it are listed apart, not quarantined."""
     path = tmp_path / "ws"
     Workspace.open(path).close()
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["chorus.cache_store", "cache_helpers"])
+    ctx = cache_helpers.forkserver_context()
     parent, child = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=cache_helpers.churner, args=(str(path), child))
     proc.start()

@@ -1,10 +1,10 @@
 """Crash safety, concurrent writers and corruption handling of cache_store.workspace.
 
-Writers run in child processes forked from a forkserver that has imported chorus.cache_store
-once (a fresh interpreter per trial would spend ~2 s importing torch), and are SIGKILLed.
+Writers run in child processes forked from a forkserver that has imported the store once
+(``cache_helpers.forkserver_context``: a fresh interpreter per trial would spend ~2 s importing torch
+and faiss), and are SIGKILLed.
 """
 
-import multiprocessing as mp
 import os
 import random
 import signal
@@ -22,9 +22,7 @@ MASK_KW = {"layers": 6, "heads": 8, "qb": 64, "kb": 200}  # ~0.5 MB raw per entr
 
 @pytest.fixture(scope="module")
 def ctx():
-    context = mp.get_context("forkserver")
-    context.set_forkserver_preload(["chorus.cache_store", "cache_helpers"])
-    return context
+    return cache_helpers.forkserver_context()
 
 
 def _check_consistent(path, reported, checked=None):
