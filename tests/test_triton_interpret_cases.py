@@ -490,7 +490,7 @@ def test_api_tile_order_on_triton_matches_reference(backend):
 
 
 @pytest.mark.parametrize("shape,density", [((1, 3, 591, 591), 0.05), ((1, 1, 591, 591), 1.0), ((2, 2, 37, 3), 0.5),
-                                           ((1, 2, 1100, 1500), 0.1), ((1, 1, 5, 5), 0.0)])
+                                           ((1, 2, 24, 1500), 0.1), ((1, 1, 5, 5), 0.0)])
 def test_block_lists_and_their_lpt_order_match_torch(shape, density):
     """``lpt_block_lists``: per map row the kept key blocks in ascending order and their count, and per
     map (b, h) the query blocks by count, most first, ties in block order (torch's stable argsort);
