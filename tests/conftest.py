@@ -4,6 +4,10 @@
 for want of the host (no ComfyUI checkout, ComfyUI not importable, no workflow templates package) into
 a failure, so CI never passes while silently skipping the host tests.
 
+The Triton interpreter cases (``tests/test_triton_interpret_cases.py``) run in a subprocess of their own
+(``tests/test_triton_cpu.py``); once collection has kept that test, the subprocess starts at once, so its
+few single-threaded minutes run beside the rest of the suite instead of after it (``interpreter_cases``).
+
 ``pg`` (a throwaway PostgreSQL cluster of ``tests/fleet_pg.py``, per test module; skips with the
 reason where it cannot start) and ``url`` (a fresh database on it, per test) serve
 ``tests/test_fleet_store.py`` and ``tests/test_fleet_hostile.py``.
@@ -11,7 +15,12 @@ reason where it cannot start) and ``url`` (a fresh database on it, per test) ser
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -29,6 +38,48 @@ def pytest_runtest_makereport(item, call):
     if any(marker in reason for marker in HOST_SKIP_MARKERS):
         report.outcome = "failed"
         report.longrepr = f"host test skipped although CI has a ComfyUI checkout (CHORUS_REQUIRE_HOST=1): {reason}"
+
+
+INTERPRETER_TEST = "test_triton_kernels_under_interpreter"
+INTERPRETER_CASES = Path(__file__).with_name("test_triton_interpret_cases.py")
+_interpreter_run = pytest.StashKey[tuple]()
+
+
+def _start_interpreter_cases() -> tuple:
+    """``(process, output file)``: ``pytest`` on the interpreter cases with ``TRITON_INTERPRET=1``, its
+    output in an unnamed temporary file (read when the test collects it)."""
+    output = tempfile.TemporaryFile(mode="w+")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(INTERPRETER_CASES)],
+                            env=env, stdout=output, stderr=subprocess.STDOUT, text=True,
+                            cwd=str(INTERPRETER_CASES.parent.parent))
+    return proc, output
+
+
+def pytest_collection_finish(session):
+    if (os.environ.get("TRITON_INTERPRET") != "1" and importlib.util.find_spec("triton") is not None
+            and any(item.name == INTERPRETER_TEST for item in session.items)):
+        session.config.stash[_interpreter_run] = _start_interpreter_cases()
+
+
+def pytest_sessionfinish(session):
+    run = session.config.stash.get(_interpreter_run, None)
+    if run is not None and run[0].poll() is None:  # the session stopped before the test collected it
+        run[0].kill()
+        run[0].wait()
+
+
+@pytest.fixture
+def interpreter_cases(request):
+    """The interpreter cases' finished run: ``(returncode, output)`` (started at collection, else now)."""
+    proc, output = request.config.stash.get(_interpreter_run, None) or _start_interpreter_cases()
+    try:
+        proc.wait(timeout=1500)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    output.seek(0)
+    return proc.returncode, output.read()
 
 
 @pytest.fixture(scope="module")
