@@ -57,7 +57,8 @@ def _start_interpreter_cases() -> tuple:
 
 
 def pytest_collection_finish(session):
-    if (os.environ.get("TRITON_INTERPRET") != "1" and importlib.util.find_spec("triton") is not None
+    if (not session.config.option.collectonly and os.environ.get("TRITON_INTERPRET") != "1"
+            and importlib.util.find_spec("triton") is not None
             and any(item.name == INTERPRETER_TEST for item in session.items)):
         session.config.stash[_interpreter_run] = _start_interpreter_cases()
 
