@@ -15,7 +15,6 @@ reason where it cannot start) and ``url`` (a fresh database on it, per test) ser
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -57,9 +56,13 @@ def _start_interpreter_cases() -> tuple:
 
 
 def pytest_collection_finish(session):
-    if (not session.config.option.collectonly and os.environ.get("TRITON_INTERPRET") != "1"
-            and importlib.util.find_spec("triton") is not None
-            and any(item.name == INTERPRETER_TEST for item in session.items)):
+    """Start the interpreter cases if the session kept their test and none of its own ``skipif`` conditions
+    (booleans, in ``test_triton_cpu.py``) holds."""
+    if session.config.option.collectonly:
+        return
+    if any(item.name == INTERPRETER_TEST and not any(mark.args and mark.args[0] is True
+                                                     for mark in item.iter_markers("skipif"))
+           for item in session.items):
         session.config.stash[_interpreter_run] = _start_interpreter_cases()
 
 
@@ -79,8 +82,9 @@ def interpreter_cases(request):
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
-    output.seek(0)
-    return proc.returncode, output.read()
+    with output:
+        output.seek(0)
+        return proc.returncode, output.read()
 
 
 @pytest.fixture(scope="module")
