@@ -252,9 +252,7 @@ def floor_packed_map(packed: torch.Tensor, num_kv: int, heads: int, k_min: int):
     kernel = _floor_kernel(packed, num_kv)
     if kernel is not None:
         try:
-            k = min(int(k_min), num_kv)
-            near = nearest_blocks(packed.shape[1], num_kv, k, packed.device) if k > 0 else None
-            return kernel.floor_packed_map_triton(packed, num_kv, heads, near, k)
+            return kernel.floor_packed_map_triton(packed, num_kv, heads, k_min)
         except Exception as exc:  # noqa: BLE001 - the torch path below (kernels/fused.py)
             _FUSED_FLOOR.failure(exc)
     return floor_packed_map_torch(packed, num_kv, heads, k_min)

@@ -216,16 +216,15 @@ def test_triton_map_floor_is_the_torch_map(src_heads, heads, num_q, num_kv):
     at key-block counts that are not powers of two or multiples of 8 (720p's 591), with the floor off, reaching
     some rows, every row, and past the row width."""
     from chorus.kernels.codec import pack_bits_on_device
-    from chorus.kernels.masks import floor_packed_map_torch, nearest_blocks
+    from chorus.kernels.masks import floor_packed_map_torch
     from chorus.kernels.triton._floor_map import floor_packed_map_triton
 
     gen = torch.Generator().manual_seed(num_kv)
     stored = torch.rand(src_heads, num_q, num_kv, generator=gen) < torch.rand(src_heads, num_q, 1, generator=gen) * 0.3
     packed = pack_bits_on_device(stored)
     for k in (0, 2, num_kv // 2, num_kv + 3):
-        near = nearest_blocks(num_q, num_kv, min(k, num_kv), "cpu") if k > 0 else None
         want = floor_packed_map_torch(packed, num_kv, heads, k)
-        got = floor_packed_map_triton(packed, num_kv, heads, near, min(k, num_kv))
+        got = floor_packed_map_triton(packed, num_kv, heads, k)
         assert got[0].dtype == torch.bool and got[2].dtype == torch.int32
         for a, b in zip(got, want):
             assert a.shape == b.shape and torch.equal(a, b), k

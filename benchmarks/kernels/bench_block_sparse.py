@@ -314,15 +314,14 @@ def map_floor_timing(packed, num_kv: int, heads: int, results: dict) -> None:
     """A hit's map from its entry's packed map ``packed`` (uint8 ``[1, heads, Qb, ceil(Kb / 8)]``), as
     ``engine.maps.RunMaps`` makes it per call: torch's unpack, floor, packing and counts against the one
     Triton kernel, each checked equal (:func:`selection_timing` writes the map)."""
-    from chorus.kernels.masks import floor_packed_map_torch, nearest_blocks
+    from chorus.kernels.masks import floor_packed_map_torch
     from chorus.kernels.triton._floor_map import floor_packed_map_triton
 
     packed = packed.reshape(heads, num_kv, -1)
-    near = nearest_blocks(num_kv, num_kv, 4, packed.device)
-    want, got = floor_packed_map_torch(packed, num_kv, heads, 4), floor_packed_map_triton(packed, num_kv, heads, near, 4)
+    want, got = (f(packed, num_kv, heads, 4) for f in (floor_packed_map_torch, floor_packed_map_triton))
     row = {"key_blocks": num_kv, "heads": heads, "k_min": 4,
            "torch_ms": bench(lambda: floor_packed_map_torch(packed, num_kv, heads, 4), 0.5),
-           "triton_ms": bench(lambda: floor_packed_map_triton(packed, num_kv, heads, near, 4), 0.5),
+           "triton_ms": bench(lambda: floor_packed_map_triton(packed, num_kv, heads, 4), 0.5),
            "equal_to_torch": all(bool(torch.equal(a, b)) for a, b in zip(got, want))}
     log(f"[{num_kv} key blocks] a hit's map: torch {row['torch_ms']:.3f} ms, Triton {row['triton_ms']:.3f} ms "
         f"(equal: {row['equal_to_torch']})")

@@ -1,13 +1,12 @@
 """A hit's map from its entry's bit-packed map in one Triton kernel (one program per ``ROWS`` map rows).
 
-Contract: ``packed`` uint8 ``[Hs * Qb, ceil(Kb / 8)]`` contiguous (:func:`chorus.kernels.codec.pack_bits`' layout,
-MSB first), ``near`` uint8 / bool ``[Qb, Kb]`` contiguous, ``heads`` a multiple of ``Hs`` (``Hs`` 1: the map
-is shared by every head); returns what :func:`chorus.kernels.masks.floor_packed_map_torch` returns for the
-same arguments: the bool map ``[heads, Qb, Kb]`` in which each row of the entry's map that keeps fewer than
-``k`` blocks also keeps that row of ``near``, the same map bit-packed (padding bits zero), and int32
-``[heads, Qb]`` kept blocks per row (``near`` being :func:`chorus.kernels.masks.nearest_blocks` of the floor, as
-:func:`chorus.kernels.masks.floor_packed_map` passes it). On the CUDA tensors of a hit's call (or the CPU under
-``TRITON_INTERPRET=1``); arguments are checked by the caller.
+Contract: ``packed`` uint8 ``[Hs, Qb, ceil(Kb / 8)]`` (:func:`chorus.kernels.codec.pack_bits`' layout, MSB
+first), ``heads`` a multiple of ``Hs`` (``Hs`` 1: the map is shared by every head), ``k_min`` the floor; returns
+what :func:`chorus.kernels.masks.floor_packed_map_torch` returns for the same arguments: the bool map
+``[heads, Qb, Kb]`` in which each row of the entry's map that keeps fewer than ``k = min(k_min, Kb)`` blocks also
+keeps its ``k`` nearest blocks (:func:`chorus.kernels.masks.nearest_blocks`, read by the kernel as a ``[Qb, Kb]``
+byte table), the same map bit-packed (padding bits zero), and int32 ``[heads, Qb]`` kept blocks per row. On the
+CUDA tensors of a hit's call (or the CPU under ``TRITON_INTERPRET=1``); arguments are checked by the caller.
 
 Why: the same steps in torch are a dozen elementwise and reduction launches over the unpacked map (unpack,
 the row counts, the floor, the total, the packing for the step's second call): 0.54 ms of GPU time a call
@@ -59,15 +58,21 @@ def rows_per_program_for(bits: int) -> int:
     return max(1, min(_MAX_ROWS, _ELEMENTS // bits))
 
 
-def floor_packed_map_triton(packed: torch.Tensor, num_kv: int, heads: int, near: torch.Tensor | None, k: int):
-    """Launch the kernel (see the module docstring): ``packed`` uint8 ``[Hs, Qb, ceil(Kb / 8)]``, ``near`` bool
-    ``[Qb, Kb]`` (None, or ``k <= 0``: no floor). Returns ``(map bool [heads, Qb, Kb], packed uint8 [heads, Qb,
-    ceil(Kb / 8)], kept int32 [heads, Qb])``. ``ValueError`` for a row wider than ``FLOOR_MAP_MAX_KEYS``."""
+def floor_packed_map_triton(packed: torch.Tensor, num_kv: int, heads: int, k_min: int):
+    """Launch the kernel (see the module docstring) with the arguments of
+    :func:`chorus.kernels.masks.floor_packed_map_torch`: ``packed`` uint8 ``[Hs, Qb, ceil(Kb / 8)]``, ``k_min``
+    the floor (``<= 0``: none; ``near`` = :func:`chorus.kernels.masks.nearest_blocks` of ``min(k_min, Kb)``).
+    Returns ``(map bool [heads, Qb, Kb], packed uint8 [heads, Qb, ceil(Kb / 8)], kept int32 [heads, Qb])``.
+    ``ValueError`` for a row wider than ``FLOOR_MAP_MAX_KEYS``."""
+    from ..masks import nearest_blocks
+
     src_heads, num_q, num_bytes = packed.shape
     if num_kv > FLOOR_MAP_MAX_KEYS:
         raise ValueError(f"the Triton map floor takes rows of at most {FLOOR_MAP_MAX_KEYS} key blocks, got {num_kv}")
     device = packed.device
-    has_floor = near is not None and k > 0
+    k = min(int(k_min), num_kv)
+    has_floor = k > 0
+    near = nearest_blocks(num_q, num_kv, k, device) if has_floor else None
     bits = max(16, triton.next_power_of_2(num_kv))
     rows_per_program = rows_per_program_for(bits)
     block_map = torch.empty(heads, num_q, num_kv, dtype=torch.uint8, device=device)
