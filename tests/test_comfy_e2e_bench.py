@@ -69,6 +69,34 @@ def test_compiled_only_runs_the_compiled_rows_beside_compiled_dense(tmp_path, mo
     assert set(rows) == {"dense+compile", "miss+compile"}, sorted(rows)
     assert rows["miss+compile"]["plan_kind"] == "miss" and all(r["finite"] for r in rows.values())
     assert rows["miss+compile"]["first_request_s"] > 0 and rows["miss+compile"]["dynamo"]["unique_graphs"] >= 1
+    for row in rows.values():  # what compiling took inside the first request: part of it, dynamo's part holding the backend's
+        spent = row["first_request_compile"]
+        assert 0 < spent["backend_s"] <= spent["dynamo_s"] <= row["first_request_s"], row
+        assert spent["triton_builds"] == 0 and spent["triton_build_s_by_kernel"] == {}, spent  # CPU: inductor's C++
+
+
+def test_compile_log_names_each_triton_build_and_tells_a_build_from_a_cache_hit(tmp_path, monkeypatch):
+    """``CompileLog`` (a compiled row's ``first_request_compile``): a Triton build of one of the pack's kernels (for
+    sm_90, no GPU needed) is counted under the kernel's name with its time, the same build again is a disk-cache hit,
+    dynamo's compile time is counted, and Triton's listener is given back afterwards."""
+    import triton
+    from aot_check import compile_jit  # tests/ (pytest pythonpath)
+
+    from chorus.benchmarks.comfy_e2e import run
+    from chorus.kernels.triton._quant import _v_stats_kernel
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    before = triton.knobs.compilation.listener
+    with run.CompileLog() as log:
+        for _ in range(2):
+            compile_jit(_v_stats_kernel, {"V": "*bf16", "v_part": "*fp32"}, dict(HEAD_DIM=128, TILE=128, CHUNK=2048))
+        torch._dynamo.reset()
+        assert torch.compile(lambda x: x * 2 + 1, backend="eager")(torch.ones(3)).sum() == 9
+    spent = log.summary()
+    assert spent["triton_builds"] == 1 and spent["triton_cache_hits"] == 1, spent
+    assert list(spent["triton_build_s_by_kernel"]) == ["_v_stats_kernel"] and spent["triton_build_s"] > 0, spent
+    assert spent["dynamo_s"] > 0 and 0 <= spent["backend_s"] <= spent["dynamo_s"], spent
+    assert triton.knobs.compilation.listener is before
 
 
 def test_compiled_hit_without_the_tail_runs_its_own_compiled_row(tmp_path, monkeypatch):

@@ -38,7 +38,8 @@ What runs (everything side by side in one process, one GPU):
   ``miss``, ``hit15``, ``hit15_notail`` and ``hitfr`` asked for runs again on models passed through ComfyUI's
   ``TorchCompileModel`` node
   (inductor; rows ``*+compile``); their warm-up is a whole request, whose time (compilation included)
-  is the row's ``first_request_s``. ``--compiled-only``: those rows alone, each compared with ``dense+compile``
+  is the row's ``first_request_s``, and what compiling took in it ``first_request_compile`` (dynamo and inductor,
+  and each Triton kernel built: :class:`CompileLog`). ``--compiled-only``: those rows alone, each compared with ``dense+compile``
   (a hit still needs the entry the eager miss writes: that miss runs and is reported), so a 720p compiled
   comparison fits one shorter run.
 * Timing: each variant runs one warm-up step (high expert, step 0 -> 1: Triton and cuDNN compile there),
@@ -264,6 +265,66 @@ class OpTimer:
         return [s.elapsed_time(e) for s, e in self.events]
 
 
+class CompileLog:
+    """What one compiled first request spent compiling, by who compiled: dynamo's frame compiles
+    (``torch._dynamo.utils.compilation_time_metrics``: ``_compile.compile_inner``, of which the backend -- AOT
+    autograd and inductor -- ``OutputGraph.call_user_compiler``) and every Triton build in this process, through
+    ``triton.knobs.compilation.listener`` (Chorus's kernels, built at their first launch; inductor builds its own
+    kernels in worker processes, inside its time). :meth:`summary` is the row's ``first_request_compile``; its Triton
+    fields are None where this Triton has no listener. Builds are counted apart from Triton's on-disk cache hits:
+    run with empty ``TRITON_CACHE_DIR`` / ``TORCHINDUCTOR_CACHE_DIR`` for a first request on a fresh machine."""
+
+    def __init__(self):
+        self.builds: list[tuple[str, float, bool]] = []  # (kernel, seconds, from Triton's disk cache)
+        self._knobs = self._prev = None
+        self._before = self._after = {}
+
+    @staticmethod
+    def _metric_sums() -> dict:
+        from torch._dynamo.utils import compilation_time_metrics
+
+        return {name: float(sum(times)) for name, times in compilation_time_metrics.items()}
+
+    def __enter__(self):
+        try:
+            from triton import knobs
+        except ImportError:
+            knobs = None
+        if knobs is not None and hasattr(getattr(knobs, "compilation", None), "listener"):
+            self._knobs, self._prev = knobs, knobs.compilation.listener
+            knobs.compilation.listener = self._on_build
+        self._before = self._metric_sums()
+        return self
+
+    def _on_build(self, *, src, metadata, metadata_group, times, cache_hit):
+        if self._prev is not None:
+            self._prev(src=src, metadata=metadata, metadata_group=metadata_group, times=times, cache_hit=cache_hit)
+        name = getattr(getattr(src, "fn", None), "__name__", None) or str(metadata.get("name", "?"))
+        self.builds.append((name, times.total / 1e6, bool(cache_hit)))  # CompileTimes are in microseconds
+
+    def __exit__(self, *exc):
+        if self._knobs is not None:
+            self._knobs.compilation.listener = self._prev
+        self._after = self._metric_sums()
+
+    def summary(self) -> dict:
+        def spent(name):  # (a torch._dynamo.reset() inside the window clears the metrics: what came after it counts)
+            before, after = self._before.get(name, 0.0), self._after.get(name, 0.0)
+            return round(after - before if after >= before else after, 3)
+
+        by_kernel: dict[str, float] = {}
+        for name, seconds, cached in self.builds:
+            if not cached:
+                by_kernel[name] = round(by_kernel.get(name, 0.0) + seconds, 3)
+        listening = self._knobs is not None
+        built = [b for b in self.builds if not b[2]]
+        return {"dynamo_s": spent("_compile.compile_inner"), "backend_s": spent("OutputGraph.call_user_compiler"),
+                "triton_builds": len(built) if listening else None,
+                "triton_build_s": round(sum(b[1] for b in built), 3) if listening else None,
+                "triton_cache_hits": len(self.builds) - len(built) if listening else None,
+                "triton_build_s_by_kernel": by_kernel if listening else None}
+
+
 def with_timer(model):
     m = model.clone()
     opts = m.model_options.setdefault("transformer_options", {})
@@ -401,14 +462,15 @@ def run(args) -> dict:
                     return None
                 h_m, l_m = models
                 compiled = again is not None
-                first_request_s = None
+                first_request_s = compile_log = None
                 if compiled:
                     if device.type == "cuda":
                         torch.cuda.synchronize()
                     t0 = time.perf_counter()
-                    sample_request(h_m, l_m, latent, positive, negative, 11)
-                    if device.type == "cuda":
-                        torch.cuda.synchronize()
+                    with CompileLog() as compile_log:
+                        sample_request(h_m, l_m, latent, positive, negative, 11)
+                        if device.type == "cuda":
+                            torch.cuda.synchronize()
                     first_request_s = time.perf_counter() - t0
                     (h_m, l_m), plan = again()
                 else:
@@ -439,6 +501,8 @@ def run(args) -> dict:
                        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
                        "finite": bool(torch.isfinite(out["samples"]).all()),
                        "first_request_s": first_request_s, "gpu": gpu_window.summary()}
+                if compile_log is not None:
+                    row["first_request_compile"] = compile_log.summary()
                 if plan is not None:
                     row.update(plan_kind=plan.kind, density=plan.stats.density, sparse_calls=plan.stats.sparse_calls,
                                blocks_computed=plan.stats.blocks_computed, blocks_total=plan.stats.blocks_total,
