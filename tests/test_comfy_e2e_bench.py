@@ -69,10 +69,13 @@ def test_compiled_only_runs_the_compiled_rows_beside_compiled_dense(tmp_path, mo
     assert set(rows) == {"dense+compile", "miss+compile"}, sorted(rows)
     assert rows["miss+compile"]["plan_kind"] == "miss" and all(r["finite"] for r in rows.values())
     assert rows["miss+compile"]["first_request_s"] > 0 and rows["miss+compile"]["dynamo"]["unique_graphs"] >= 1
-    for row in rows.values():  # what compiling took inside the first request: part of it, dynamo's part holding the backend's
+    for row in rows.values():  # what compiling took in the first request: part of it; dynamo's holds the backend's
         spent = row["first_request_compile"]
         assert 0 < spent["backend_s"] <= spent["dynamo_s"] <= row["first_request_s"], row
         assert spent["triton_builds"] == 0 and spent["triton_build_s_by_kernel"] == {}, spent  # CPU: inductor's C++
+    row = dict(rows["dense+compile"], first_request_s=76.74, first_request_compile=dict(spent, dynamo_s=62.31,
+                                                                                          triton_build_s=5.66))
+    assert "| 76.7 (compile 62.3, Triton builds 5.7) |" in run.table({"runs": [row]})
 
 
 def test_compile_log_names_each_triton_build_and_tells_a_build_from_a_cache_hit(tmp_path, monkeypatch):

@@ -36,12 +36,11 @@ What runs (everything side by side in one process, one GPU):
   host's override hook by ``sol_peer.py``, ``comfy_kitchen.sol_attn`` with tau 1.3 and ``token_aug`` 256):
   the node's default window (the first 20% of the schedule dense) / every step. ``--compile``: each of ``dense``,
   ``miss``, ``hit15``, ``hit15_notail`` and ``hitfr`` asked for runs again on models passed through ComfyUI's
-  ``TorchCompileModel`` node
-  (inductor; rows ``*+compile``); their warm-up is a whole request, whose time (compilation included)
-  is the row's ``first_request_s``, and what compiling took in it ``first_request_compile`` (dynamo and inductor,
-  and each Triton kernel built: :class:`CompileLog`). ``--compiled-only``: those rows alone, each compared with ``dense+compile``
-  (a hit still needs the entry the eager miss writes: that miss runs and is reported), so a 720p compiled
-  comparison fits one shorter run.
+  ``TorchCompileModel`` node (inductor; rows ``*+compile``); their warm-up is a whole request, whose time
+  (compilation included) is the row's ``first_request_s``, and what compiling took in it
+  ``first_request_compile`` (dynamo and inductor, and each Triton kernel built: :class:`CompileLog`).
+  ``--compiled-only``: those rows alone, each compared with ``dense+compile`` (a hit still needs the entry the
+  eager miss writes: that miss runs and is reported), so a 720p compiled comparison fits one shorter run.
 * Timing: each variant runs one warm-up step (high expert, step 0 -> 1: Triton and cuDNN compile there),
   then one timed request (``torch.cuda.synchronize`` + wall clock around both KSamplerAdvanced calls).
   Per-layer self-attention time: an outermost attention override (ComfyUI's chaining mechanism) puts
@@ -821,6 +820,10 @@ def table(results: dict) -> str:
         dens = f"{r['density']:.1%}" if r.get("density") is not None else "-"
         peak = f"{r['peak_gib']:.1f}" if r.get("peak_gib") is not None else "-"
         first = f"{r['first_request_s']:.1f}" if r.get("first_request_s") is not None else "-"
+        spent = r.get("first_request_compile")
+        if spent:
+            first += f" (compile {spent['dynamo_s']:.1f}"
+            first += f", Triton builds {spent['triton_build_s']:.1f})" if spent["triton_build_s"] is not None else ")"
         gpu = r.get("gpu") or {}
         clock = f"{gpu['sm_mhz']:.0f}" if gpu.get("available") else "-"
         lines.append(f"| {r['weights']} | {r['res']} | {r['variant']} | {r['seconds']:.2f} | {ratio} | {first} | "
