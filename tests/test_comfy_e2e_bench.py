@@ -98,6 +98,9 @@ def test_compile_log_names_each_triton_build_and_tells_a_build_from_a_cache_hit(
     spent = log.summary()
     assert spent["triton_builds"] == 1 and spent["triton_cache_hits"] == 1, spent
     assert list(spent["triton_build_s_by_kernel"]) == ["_v_stats_kernel"] and spent["triton_build_s"] > 0, spent
+    built, cached = spent["triton_builds_detail"]  # the specialisation each was built for
+    assert not built["cache_hit"] and cached["cache_hit"] and built["constants"] == cached["constants"]
+    assert built["constants"]["CHUNK"] == "2048" and built["signature"]["V"] == "*bf16", built
     assert spent["dynamo_s"] > 0 and 0 <= spent["backend_s"] <= spent["dynamo_s"], spent
     assert triton.knobs.compilation.listener is before
 

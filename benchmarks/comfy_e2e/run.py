@@ -271,10 +271,14 @@ class CompileLog:
     ``triton.knobs.compilation.listener`` (Chorus's kernels, built at their first launch; inductor builds its own
     kernels in worker processes, inside its time). :meth:`summary` is the row's ``first_request_compile``; its Triton
     fields are None where this Triton has no listener. Builds are counted apart from Triton's on-disk cache hits:
-    run with empty ``TRITON_CACHE_DIR`` / ``TORCHINDUCTOR_CACHE_DIR`` for a first request on a fresh machine."""
+    run with empty ``TRITON_CACHE_DIR`` / ``TORCHINDUCTOR_CACHE_DIR`` for a first request on a fresh machine.
+    ``triton_builds_detail``: each build or cache hit in order, with the specialisation it was built for (argument
+    types, the constants -- constexprs and arguments Triton specialised to a value -- and the divisibility attributes
+    it derived from the launch), so two builds of one kernel say what differed between their launches."""
 
     def __init__(self):
         self.builds: list[tuple[str, float, bool]] = []  # (kernel, seconds, from Triton's disk cache)
+        self.details: list[dict] = []
         self._knobs = self._prev = None
         self._before = self._after = {}
 
@@ -300,6 +304,17 @@ class CompileLog:
             self._prev(src=src, metadata=metadata, metadata_group=metadata_group, times=times, cache_hit=cache_hit)
         name = getattr(getattr(src, "fn", None), "__name__", None) or str(metadata.get("name", "?"))
         self.builds.append((name, times.total / 1e6, bool(cache_hit)))  # CompileTimes are in microseconds
+        signature = getattr(src, "signature", None) or {}
+        names = list(signature)
+
+        def by_name(table):  # Triton keys constants and attributes by argument path: (index,) for a plain argument
+            return {(names[k[0]] if isinstance(k, tuple) and len(k) == 1 and k[0] < len(names) else str(k)): repr(v)
+                    for k, v in (table or {}).items()}
+
+        self.details.append({
+            "kernel": name, "s": round(times.total / 1e6, 3), "cache_hit": bool(cache_hit),
+            "signature": {str(k): str(v) for k, v in signature.items() if v != "constexpr"},
+            "constants": by_name(getattr(src, "constants", None)), "attrs": by_name(getattr(src, "attrs", None))})
 
     def __exit__(self, *exc):
         if self._knobs is not None:
@@ -321,7 +336,8 @@ class CompileLog:
                 "triton_builds": len(built) if listening else None,
                 "triton_build_s": round(sum(b[1] for b in built), 3) if listening else None,
                 "triton_cache_hits": len(self.builds) - len(built) if listening else None,
-                "triton_build_s_by_kernel": by_kernel if listening else None}
+                "triton_build_s_by_kernel": by_kernel if listening else None,
+                "triton_builds_detail": self.details if listening else None}
 
 
 def with_timer(model):
