@@ -277,8 +277,7 @@ class CompileLog:
     it derived from the launch), so two builds of one kernel say what differed between their launches."""
 
     def __init__(self):
-        self.builds: list[tuple[str, float, bool]] = []  # (kernel, seconds, from Triton's disk cache)
-        self.details: list[dict] = []
+        self.builds: list[dict] = []  # each build or disk-cache hit, in order (``triton_builds_detail``)
         self._knobs = self._prev = None
         self._before = self._after = {}
 
@@ -303,7 +302,6 @@ class CompileLog:
         if self._prev is not None:
             self._prev(src=src, metadata=metadata, metadata_group=metadata_group, times=times, cache_hit=cache_hit)
         name = getattr(getattr(src, "fn", None), "__name__", None) or str(metadata.get("name", "?"))
-        self.builds.append((name, times.total / 1e6, bool(cache_hit)))  # CompileTimes are in microseconds
         signature = getattr(src, "signature", None) or {}
         names = list(signature)
 
@@ -311,8 +309,8 @@ class CompileLog:
             return {(names[k[0]] if isinstance(k, tuple) and len(k) == 1 and k[0] < len(names) else str(k)): repr(v)
                     for k, v in (table or {}).items()}
 
-        self.details.append({
-            "kernel": name, "s": round(times.total / 1e6, 3), "cache_hit": bool(cache_hit),
+        self.builds.append({
+            "kernel": name, "s": times.total / 1e6, "cache_hit": bool(cache_hit),  # CompileTimes are in microseconds
             "signature": {str(k): str(v) for k, v in signature.items() if v != "constexpr"},
             "constants": by_name(getattr(src, "constants", None)), "attrs": by_name(getattr(src, "attrs", None))})
 
@@ -326,18 +324,17 @@ class CompileLog:
             before, after = self._before.get(name, 0.0), self._after.get(name, 0.0)
             return round(after - before if after >= before else after, 3)
 
+        built = [b for b in self.builds if not b["cache_hit"]]
         by_kernel: dict[str, float] = {}
-        for name, seconds, cached in self.builds:
-            if not cached:
-                by_kernel[name] = round(by_kernel.get(name, 0.0) + seconds, 3)
+        for b in built:
+            by_kernel[b["kernel"]] = round(by_kernel.get(b["kernel"], 0.0) + b["s"], 3)
         listening = self._knobs is not None
-        built = [b for b in self.builds if not b[2]]
         return {"dynamo_s": spent("_compile.compile_inner"), "backend_s": spent("OutputGraph.call_user_compiler"),
                 "triton_builds": len(built) if listening else None,
-                "triton_build_s": round(sum(b[1] for b in built), 3) if listening else None,
+                "triton_build_s": round(sum(b["s"] for b in built), 3) if listening else None,
                 "triton_cache_hits": len(self.builds) - len(built) if listening else None,
                 "triton_build_s_by_kernel": by_kernel if listening else None,
-                "triton_builds_detail": self.details if listening else None}
+                "triton_builds_detail": [dict(b, s=round(b["s"], 3)) for b in self.builds] if listening else None}
 
 
 def with_timer(model):
