@@ -105,6 +105,19 @@ def test_compile_log_names_each_triton_build_and_tells_a_build_from_a_cache_hit(
     assert triton.knobs.compilation.listener is before
 
 
+def test_compile_log_records_an_event_it_cannot_read_instead_of_failing_the_build():
+    """The listener runs inside Triton's compile: an event of another shape (a Triton whose listener passes other
+    keywords, a source without the fields read) is recorded with its error, never raised into the build."""
+    from chorus.benchmarks.comfy_e2e import run
+
+    with run.CompileLog() as log:
+        log._on_build(src=None, metadata={"name": "k"}, metadata_group={}, times=None, cache_hit=False)
+        log._on_build(cache_hit=True, fn_name="from another Triton")
+    first, second = log.summary()["triton_builds_detail"]
+    assert first["kernel"] == second["kernel"] == "?" and "AttributeError" in first["error"], first
+    assert second["cache_hit"] and "TypeError" in second["error"], second
+
+
 def test_compiled_hit_without_the_tail_runs_its_own_compiled_row(tmp_path, monkeypatch):
     """``--compile --compiled-only`` with ``hit15`` and ``hit15_notail``: the eager miss that writes the entry, then
     both hits under ``TorchCompileModel``, the first with the pooled tail on every sparse call, the second with it off

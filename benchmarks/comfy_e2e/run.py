@@ -298,9 +298,20 @@ class CompileLog:
         self._before = self._metric_sums()
         return self
 
-    def _on_build(self, *, src, metadata, metadata_group, times, cache_hit):
+    def _on_build(self, **event):
+        """Triton's listener call (keywords ``src``, ``metadata``, ``metadata_group``, ``times``, ``cache_hit``):
+        passed on to a listener installed before, then recorded. It runs inside Triton's compile, so it never
+        raises: an event it cannot read is recorded as such (``error``) and the build goes on."""
         if self._prev is not None:
-            self._prev(src=src, metadata=metadata, metadata_group=metadata_group, times=times, cache_hit=cache_hit)
+            self._prev(**event)
+        try:
+            self.builds.append(self._build_record(**event))
+        except Exception as exc:  # noqa: BLE001 - a measuring hook must not fail the kernel build it watches
+            self.builds.append({"kernel": "?", "s": 0.0, "cache_hit": bool(event.get("cache_hit")),
+                                "error": f"{type(exc).__name__}: {exc}"[:200]})
+
+    @staticmethod
+    def _build_record(*, src, metadata, times, cache_hit, **_) -> dict:
         name = getattr(getattr(src, "fn", None), "__name__", None) or str(metadata.get("name", "?"))
         signature = getattr(src, "signature", None) or {}
         names = list(signature)
@@ -309,10 +320,9 @@ class CompileLog:
             return {(names[k[0]] if isinstance(k, tuple) and len(k) == 1 and k[0] < len(names) else str(k)): repr(v)
                     for k, v in (table or {}).items()}
 
-        self.builds.append({
-            "kernel": name, "s": times.total / 1e6, "cache_hit": bool(cache_hit),  # CompileTimes are in microseconds
-            "signature": {str(k): str(v) for k, v in signature.items() if v != "constexpr"},
-            "constants": by_name(getattr(src, "constants", None)), "attrs": by_name(getattr(src, "attrs", None))})
+        return {"kernel": name, "s": times.total / 1e6, "cache_hit": bool(cache_hit),  # CompileTimes: microseconds
+                "signature": {str(k): str(v) for k, v in signature.items() if v != "constexpr"},
+                "constants": by_name(getattr(src, "constants", None)), "attrs": by_name(getattr(src, "attrs", None))}
 
     def __exit__(self, *exc):
         if self._knobs is not None:
