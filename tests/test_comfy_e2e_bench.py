@@ -73,9 +73,48 @@ def test_compiled_only_runs_the_compiled_rows_beside_compiled_dense(tmp_path, mo
         spent = row["first_request_compile"]
         assert 0 < spent["backend_s"] <= spent["dynamo_s"] <= row["first_request_s"], row
         assert spent["triton_builds"] == 0 and spent["triton_build_s_by_kernel"] == {}, spent  # CPU: inductor's C++
+    for row in rows.values():  # both experts loaded whole (the CPU has room); each recompile with its reason (on
+        # the CPU ComfyUI's sub-quadratic attention breaks the graph, and the frames after a break recompile per shape)
+        assert [e["partial"] for e in row["comfy_loading"]] == [False, False], row["comfy_loading"]
+        assert all(0 < e["loaded_gib"] <= e["size_gib"] for e in row["comfy_loading"]), row["comfy_loading"]
+        reasons = row["dynamo"]["recompile_reasons"]
+        assert len(reasons) == min(row["dynamo"]["recompiles"], 4), row["dynamo"]
+        assert all(r.startswith("Recompiling function") and " - " in r for r in reasons), reasons
     row = dict(rows["dense+compile"], first_request_s=76.74, first_request_compile=dict(spent, dynamo_s=62.31,
                                                                                           triton_build_s=5.66))
+    row["dynamo"] = dict(row["dynamo"], recompiles=0)
+    assert "| dense+compile | " in run.table({"runs": [row]})
     assert "| 76.7 (compile 62.3, Triton builds 5.7) |" in run.table({"runs": [row]})
+    row["comfy_loading"][1] = dict(row["comfy_loading"][1], partial=True)
+    row["dynamo"] = dict(row["dynamo"], recompiles=2)
+    assert "| dense+compile (experts loaded partially) (2 recompiles) | " in run.table({"runs": [row]})
+
+
+def test_recompile_log_keeps_each_recompile_s_guard_failure_and_leaves_torch_logging_as_it_was(monkeypatch):
+    """``RecompileLog`` (a compiled row's ``dynamo.recompile_reasons``): a function compiled for float32 and called
+    with float64 recompiles once, and the reason names the guard that failed; afterwards the ``recompiles`` artifact
+    is off again and no handler is left behind."""
+    import logging
+
+    from chorus.benchmarks.comfy_e2e import run
+
+    monkeypatch.delenv("TORCH_LOGS", raising=False)
+    torch._dynamo.reset()
+    double = torch.compile(lambda x: x * 2, backend="eager")
+    with run.RecompileLog() as log:
+        double(torch.ones(3))
+        double(torch.ones(3, dtype=torch.float64))
+        double(torch.ones(3, dtype=torch.float64))
+    assert len(log.reasons) == 1 and "dtype mismatch" in log.reasons[0], log.reasons
+    (reason,) = log.summary()
+    assert reason.startswith("Recompiling function") and "expected Float, actual Double" in reason, reason
+    assert log not in logging.getLogger(run.RecompileLog.LOGGER).handlers
+    torch._dynamo.reset()
+    double(torch.ones(3))
+    with run.RecompileLog() as quiet:
+        pass
+    double(torch.ones(3, dtype=torch.float64))  # a recompile after the window: not logged anywhere it would count
+    assert quiet.reasons == []
 
 
 def test_compile_log_names_each_triton_build_and_tells_a_build_from_a_cache_hit(tmp_path, monkeypatch):

@@ -38,7 +38,8 @@ What runs (everything side by side in one process, one GPU):
   ``miss``, ``hit15``, ``hit15_notail`` and ``hitfr`` asked for runs again on models passed through ComfyUI's
   ``TorchCompileModel`` node (inductor; rows ``*+compile``); their warm-up is a whole request, whose time
   (compilation included) is the row's ``first_request_s``, and what compiling took in it
-  ``first_request_compile`` (dynamo and inductor, and each Triton kernel built: :class:`CompileLog`).
+  ``first_request_compile`` (dynamo and inductor, and each Triton kernel built: :class:`CompileLog`); each
+  recompile of the row's two requests is in ``dynamo.recompile_reasons`` (:class:`RecompileLog`).
   ``--compiled-only``: those rows alone, each compared with ``dense+compile`` (a hit still needs the entry the
   eager miss writes: that miss runs and is reported), so a 720p compiled comparison fits one shorter run.
 * Timing: each variant runs one warm-up step (high expert, step 0 -> 1: Triton and cuDNN compile there),
@@ -54,7 +55,9 @@ What runs (everything side by side in one process, one GPU):
   the integration costs per call. The GPU's SM clock and power are sampled (NVML, every 50 ms) during each
   timed request (``gpu``) and during the kernel-alone timing (``kernel_alone_ms.gpu_auto``): the same kernel
   runs slower at the clock a GPU holds under the model's GEMMs than in a loop on an idle one. Retrieval and
-  cache-write times are reported separately (they run on the CPU before / after sampling).
+  cache-write times are reported separately (they run on the CPU before / after sampling). ``comfy_loading``:
+  whether ComfyUI loaded both experts whole for the timed request (:func:`loading_state`; two bf16 A14B experts
+  take 56 GiB, so on an 80 GB card it may load them partially, and the table marks such a row).
 
 Writes ``OUT/comfy_e2e.json`` (every number) and prints a table. Nothing is downloaded.
 """
@@ -64,6 +67,7 @@ from __future__ import annotations
 import argparse
 import bisect
 import json
+import logging
 import math
 import os
 import sys
@@ -347,6 +351,49 @@ class CompileLog:
                 "triton_builds_detail": [dict(b, s=round(b["s"], 3)) for b in self.builds] if listening else None}
 
 
+class RecompileLog(logging.Handler):
+    """Dynamo's recompile reasons while a compiled row runs (its ``dynamo.recompile_reasons``): each recompile's
+    message ("Recompiling function ... triggered by the following guard failure(s): ..."), from the
+    ``recompiles`` log artifact, which this turns on for its window (torch's own handler prints them too) unless
+    ``TORCH_LOGS`` is set, whose settings then decide what is logged."""
+
+    LOGGER = "torch._dynamo.guards.__recompiles"
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.reasons: list[str] = []
+        self._own_settings = False
+
+    def emit(self, record):
+        self.reasons.append(record.getMessage())
+
+    def __enter__(self):
+        self._own_settings = "TORCH_LOGS" not in os.environ
+        if self._own_settings:
+            torch._logging.set_logs(recompiles=True)
+        logging.getLogger(self.LOGGER).addHandler(self)
+        return self
+
+    def __exit__(self, *exc):
+        logging.getLogger(self.LOGGER).removeHandler(self)
+        if self._own_settings:
+            torch._logging.set_logs()
+
+    def summary(self, first: int = 4) -> list[str]:
+        """The first ``first`` reasons, each as its function's line and first guard failure (300 characters)."""
+        return [" / ".join(line.strip() for line in r.splitlines() if line.strip() and "triggered by" not in line)[:300]
+                for r in self.reasons[:first]]
+
+
+def loading_state(models) -> list[dict]:
+    """How ComfyUI loaded each expert's weights for the request just run (``ModelPatcher.loaded_size`` /
+    ``model_size``, GiB, and whether it loaded it partially, ``model_lowvram``): a GPU too small for both experts
+    and the request makes ComfyUI load them partially, and its ops then cast weights per call (slower, and
+    under compile another graph); a row where that happened measures ComfyUI's loading, not attention."""
+    return [{"loaded_gib": round(m.loaded_size() / 2 ** 30, 2), "size_gib": round(m.model_size() / 2 ** 30, 2),
+             "partial": bool(getattr(m.model, "model_lowvram", False))} for m in models]
+
+
 def with_timer(model):
     m = model.clone()
     opts = m.model_options.setdefault("transformer_options", {})
@@ -522,7 +569,8 @@ def run(args) -> dict:
                        "attn_calls_timed": len(per_call),
                        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
                        "finite": bool(torch.isfinite(out["samples"]).all()),
-                       "first_request_s": first_request_s, "gpu": gpu_window.summary()}
+                       "first_request_s": first_request_s, "gpu": gpu_window.summary(),
+                       "comfy_loading": loading_state((h_m, l_m))}
                 if compile_log is not None:
                     row["first_request_compile"] = compile_log.summary()
                 if plan is not None:
@@ -590,13 +638,16 @@ def run(args) -> dict:
                 torch._dynamo.reset()
                 counters.clear()
                 models, plan = compiled_request(variant)
-                out = timed(f"{variant}+compile", models, plan, again=lambda: compiled_request(variant))
+                with RecompileLog() as recompiles:
+                    out = timed(f"{variant}+compile", models, plan, again=lambda: compiled_request(variant))
                 if out is not None:
                     results["runs"][-1]["dynamo"] = {
                         "unique_graphs": int(counters["stats"].get("unique_graphs", 0)),
                         "graph_breaks": int(sum(counters["graph_break"].values())),
                         "frames": {k: int(v) for k, v in counters["frames"].items()},  # every compile, recompiles too
-                        "graph_break_reasons": sorted({r.splitlines()[0][:160] for r in counters["graph_break"]})[:8]}
+                        "graph_break_reasons": sorted({r.splitlines()[0][:160] for r in counters["graph_break"]})[:8],
+                        "recompiles": len(recompiles.reasons), "recompile_reasons": recompiles.summary()}
+                    save(results, args.out)
                 return out
 
             if "dense" in args.variants:
@@ -849,7 +900,13 @@ def table(results: dict) -> str:
             first += f", Triton builds {spent['triton_build_s']:.1f})" if spent["triton_build_s"] is not None else ")"
         gpu = r.get("gpu") or {}
         clock = f"{gpu['sm_mhz']:.0f}" if gpu.get("available") else "-"
-        lines.append(f"| {r['weights']} | {r['res']} | {r['variant']} | {r['seconds']:.2f} | {ratio} | {first} | "
+        variant = r["variant"]
+        if any(e["partial"] for e in r.get("comfy_loading") or ()):
+            variant += " (experts loaded partially)"
+        recompiles = (r.get("dynamo") or {}).get("recompiles")
+        if recompiles:
+            variant += f" ({recompiles} recompiles)"
+        lines.append(f"| {r['weights']} | {r['res']} | {variant} | {r['seconds']:.2f} | {ratio} | {first} | "
                      f"{attn} | {dens} | {peak} | {clock} |")
     return "\n".join(lines)
 
