@@ -10,7 +10,8 @@ self-attention call of that forward then goes through two ``torch.library`` cust
 - ``torch.ops.chorus.record_mass(q, k, layer_hint, token) -> ()``: a miss's recording of one call whose
   output the host's own dense attention computed;
 - ``torch.ops.chorus.record_block(x, y, layer, token) -> ()``: a miss's feature-reuse region scores of
-  one block the host ran in full (its input and output residual stream ``[B, L, C]``);
+  one block the host ran in full (its input and output residual stream ``[B, L, C]``; ``layer`` -1: the
+  block whose self-attention call came last, so a host's block patch needs no per-layer constant);
 - ``torch.ops.chorus.refuse(q, reason, layer_hint, token) -> ()``: a self-attention call the host
   answers densely because Chorus must not take it (a note and a fallback count);
 - feature reuse's reduced block on a hit (the forward's :class:`~chorus.engine.feature_reuse.Reduction`,
@@ -87,6 +88,7 @@ class ForwardContext:
         self.note = note or (lambda message: None)
         self.disabled_reason = disabled_reason
         self.layer_counter = 0
+        self.current_layer = -1  # the layer of the forward's last self-attention call (record_block's layer)
         self._cond_rows: dict[int, torch.Tensor | None] = {}
 
     def __deepcopy__(self, memo):
@@ -97,7 +99,8 @@ class ForwardContext:
         advances either way, so a hint on some calls keeps the others' count right)."""
         counted = self.layer_counter
         self.layer_counter += 1
-        return int(hint) if hint >= 0 else counted
+        self.current_layer = int(hint) if hint >= 0 else counted
+        return self.current_layer
 
     def cond_rows(self, batch: int):
         """Bool ``[batch]`` marking positive-conditioning rows (from ``cond_or_uncond``), or None."""
@@ -166,9 +169,15 @@ class ForwardContext:
             return
         attention.record(AttnCall(q, k, k, layer, self.sigma, self.grid, cond_rows=self.cond_rows(q.shape[0])))
 
-    def record_block(self, x: torch.Tensor, y: torch.Tensor, layer: int) -> None:
-        """Record a miss's region scores of one full block call (input ``x``, output ``y``); never raises."""
+    def record_block(self, x: torch.Tensor, y: torch.Tensor, layer: int = -1) -> None:
+        """Record a miss's region scores of one full block call (input ``x``, output ``y``) of ``layer``, or with
+        -1 of the layer of the self-attention call since the previous block's record (each block's own runs
+        inside it, before its output exists; none: a note, no scores); never raises."""
         if self.feature_reuse is None or self.disabled_reason is not None or self.sigma is None:
+            return
+        layer, self.current_layer = (int(layer) if layer >= 0 else self.current_layer), -1
+        if layer < 0:  # no self-attention call reached Chorus since the last block's: not this block's layer
+            self.note("feature reuse: a block whose self-attention did not reach Chorus; no region scores from it")
             return
         self.feature_reuse.record_block(x, y, layer=layer, sigma=self.sigma, grid=self.grid)
 
@@ -326,8 +335,9 @@ def record_mass(q: torch.Tensor, k: torch.Tensor, layer_hint: int = -1) -> None:
     torch.ops.chorus.record_mass(q, k, int(layer_hint), _RECORD_TOKEN)
 
 
-def record_block(x: torch.Tensor, y: torch.Tensor, layer: int) -> None:
-    """Record a full block call's region scores on the current context (``torch.ops.chorus.record_block``)."""
+def record_block(x: torch.Tensor, y: torch.Tensor, layer: int = -1) -> None:
+    """Record a full block call's region scores on the current context (``torch.ops.chorus.record_block``);
+    ``layer`` -1: the block whose self-attention ran last in the forward (:meth:`ForwardContext.record_block`)."""
     torch.ops.chorus.record_block(x, y, int(layer), _RECORD_TOKEN)
 
 

@@ -290,8 +290,13 @@ class FeatureReuse:
         layout = self.layout_for(sigma, grid, device)
         if layout is None:
             return None
-        return Reduction(layout, sigma, min(int(self.config.full_layers), self.model_info.num_layers),
-                         self.config.mode == "skip")
+        return Reduction(layout, sigma, self.from_layer, self.config.mode == "skip")
+
+    @property
+    def from_layer(self) -> int:
+        """The first layer a hit's forward reduces (``full_layers``, at most the model's layer count): the same
+        in every forward, so a host can tell its reducible blocks apart when it patches the model."""
+        return min(int(self.config.full_layers), self.model_info.num_layers)
 
     def compact(self, tensor: torch.Tensor, rule: str, reduction: Reduction) -> torch.Tensor:
         """A reduced block's input ``[B or 1, L, ...] -> [B or 1, L', ...]`` (``L' =

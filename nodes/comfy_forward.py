@@ -34,21 +34,26 @@ class ChorusBlock:
     sequence: its input, RoPE and per-token modulation through ``torch.ops.chorus.compact_tokens``, its
     self-attention through ``torch.ops.chorus.attend_compact`` (the override, by the compact length),
     its output back through ``torch.ops.chorus.expand_block``, so the reduced block stays one graph.
-    ``previous`` = a non-Chorus block patch chained (such a layer runs in full: that patch may need the
-    whole sequence). One object per (layer, previous) (:meth:`at`), the same for every request, so a
-    compiled model's guards see the same block patch."""
+    ``reducible``: the patch of a layer at or past feature reuse's ``from_layer`` (the only ones a forward
+    reduces). ``previous`` = a non-Chorus block patch chained (such a layer runs in full: that patch may need
+    the whole sequence). The patch holds no layer index (a region score's layer is the block's own
+    self-attention call's, :func:`chorus.engine.attend.record_block`): one object per (reducible,
+    previous) (:meth:`at`), shared by the layers and the same for every request, so a compiled model's
+    guards see one block patch -- also where the host's attention breaks the graph inside a block, which
+    makes each block call a frame of its own (a patch per layer there was a recompile per layer, and past
+    dynamo's recompile limit the later layers ran eagerly)."""
 
     _instances: dict = {}
 
-    def __init__(self, layer: int, previous=None):
-        self.layer, self.previous = layer, previous
+    def __init__(self, reducible: bool = False, previous=None):
+        self.reducible, self.previous = bool(reducible), previous
 
     @classmethod
-    def at(cls, layer: int, previous=None) -> "ChorusBlock":
-        key = (int(layer), id(previous))
+    def at(cls, reducible: bool = False, previous=None) -> "ChorusBlock":
+        key = (bool(reducible), id(previous))
         found = cls._instances.get(key)
         if found is None or found.previous is not previous:
-            found = cls._instances[key] = cls(int(layer), previous)
+            found = cls._instances[key] = cls(reducible, previous)
         return found
 
     def __deepcopy__(self, memo):
@@ -66,13 +71,13 @@ class ChorusBlock:
             args = dict(args, img=x)
         options = args.get("transformer_options") or {}
         reduce = options.get(REDUCE_KEY)
-        if reduce is not None and self.layer >= reduce[0] and self.previous is None:
+        if reduce is not None and self.reducible and self.previous is None:
             reduced = self._reduced(args, extra, reduce[1])
             if reduced is not None:
                 return reduced
         out = self._run(args, extra)
         if options.get(REUSE_KEY) == "record" and isinstance(out, dict) and isinstance(out.get("img"), torch.Tensor):
-            engine_attend.record_block(args["img"], out["img"], self.layer)
+            engine_attend.record_block(args["img"], out["img"])
         return out
 
     def _reduced(self, args, extra, length: int):

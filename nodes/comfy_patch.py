@@ -353,10 +353,12 @@ def _install(patched, patch: ChorusPatch) -> None:
         patched.add_wrapper_with_key(wrapper_types[1], WRAPPER_KEY, diffusion_model_wrapper)
         block_layers = (range(patch.model_info.num_layers) if patch.feature_reuse is not None
                         else range(1) if patch.attention is not None else ())
+        from_layer = patch.feature_reuse.from_layer if patch.feature_reuse is not None else None
         if block_layers:
             dit = options.setdefault("patches_replace", {}).setdefault("dit", {})
             for layer in block_layers:
-                dit[("double_block", layer)] = ChorusBlock.at(layer, dit.get(("double_block", layer)))
+                dit[("double_block", layer)] = ChorusBlock.at(from_layer is not None and layer >= from_layer,
+                                                              dit.get(("double_block", layer)))
         if patch.guidance is not None and patch.guidance.cfg_strength:
             post_cfg.append(CfgCorrection(patch.guidance))
     if post_cfg or "sampler_post_cfg_function" in patched.model_options:

@@ -248,3 +248,64 @@ def test_a_compiled_feature_reuse_hit_leaves_later_compiled_requests_compiled(no
     assert other.stats.recorded_calls == 4 * layers, other.stats.messages
     # the miss compiled: new graphs, its blocks' mass recorded inside one of them
     assert max(backend.op_counts("record_mass")[graphs_before:], default=0) == layers, backend.op_counts("record_mass")
+
+
+def test_feature_reuse_compiles_each_block_patch_once_where_the_host_attention_breaks_the_graph(nodes, dynamo,
+                                                                                                monkeypatch):
+    """A host attention backend dynamo does not trace (here ComfyUI's PyTorch attention behind
+    ``torch.compiler.disable`` inside ComfyUI's ``wrap_attn``, as compile-disabled SageAttention runs) breaks each
+    block at its cross-attention (self-attention is Chorus's override, reached before the backend), so every
+    block call is a frame of its own. Feature reuse's block patch then compiles once per kind (a layer that runs in full, a
+    reducible one), not once per layer: with more layers than dynamo's recompile limit, a compiled miss and a
+    compiled hit keep their block ops inside graphs, the patch's methods hold a few compiled variants each (per
+    patch kind and request mode, not per layer), and both match the eager requests. (A patch
+    object per layer made a recompile per layer, and past the limit the later layers ran eagerly.)"""
+    import comfy.ldm.modules.attention as attention
+    import comfy.ldm.wan.model as wan
+    import torch._dynamo
+
+    from chorus.nodes.comfy_forward import ChorusBlock
+
+    backend_function = torch.compiler.disable(attention.attention_pytorch.__wrapped__)
+    monkeypatch.setattr(wan, "optimized_attention", attention.wrap_attn(backend_function))
+    layers = torch._dynamo.config.recompile_limit + 2
+    deep = [tiny.load_tiny_wan(tiny.tiny_wan_state_dict(seed=s, num_layers=layers)) for s in (0, 1)]
+
+    def miss(workspace):
+        return nodes.ChorusMaskRetrieve.execute(latent={"samples": LATENT_FR}, workspace=workspace,
+                                                similarity_threshold=0.9, start_image=IMAGE,
+                                                positive=tiny.random_conditioning(3), prompt="a red fox").args[0]
+
+    eager_plan = miss("compiled")
+    eager_miss = _request(*_patch(nodes, deep, eager_plan, feature_reuse=1.0), latent=LATENT_FR)
+    assert nodes.ChorusCacheWrite.execute(latent={"samples": LATENT_FR}, plan=eager_plan).args[0].startswith("wrote")
+
+    backend = CountingBackend()
+    compiled_plan = miss("compiled_miss")
+    assert not compiled_plan.is_hit
+    compiled_miss = _request(*_patch(nodes, deep, compiled_plan, backend, feature_reuse=1.0), latent=LATENT_FR)
+    torch.testing.assert_close(compiled_miss, eager_miss, rtol=1e-4, atol=1e-4)
+    assert any(backend.op_counts("record_block")), "the miss's blocks recorded outside every graph"
+    variants = _compiled_variants(ChorusBlock)
+    assert 0 < variants["__call__"] <= 2 and 0 < variants["_run"] <= 2, variants  # one per patch kind
+
+    graphs_before = len(backend.graphs)
+    hit = _retrieve(nodes, IMAGE, LATENT_FR)
+    assert hit.is_hit
+    eager_hit = _request(*_patch(nodes, deep, hit, feature_reuse=1.0), latent=LATENT_FR)
+    hit = _retrieve(nodes, IMAGE, LATENT_FR)
+    compiled_hit = _request(*_patch(nodes, deep, hit, backend, feature_reuse=1.0), latent=LATENT_FR)
+    assert hit.state.feature_reuse.blocks_reduced > 0 and hit.stats.fallback_calls == 0, hit.stats.messages
+    torch.testing.assert_close(compiled_hit, eager_hit, rtol=1e-4, atol=1e-4)
+    assert any(backend.op_counts("attend_compact")[graphs_before:]), "the hit's reduced blocks ran outside every graph"
+    variants = _compiled_variants(ChorusBlock)
+    # per (patch kind, the request's mode), whatever the layer count (a patch per layer: the recompile limit, 8)
+    assert variants["__call__"] <= 4 and variants["_run"] <= 4 and 0 < variants["_reduced"] <= 2, variants
+
+
+def _compiled_variants(cls) -> dict:
+    """How many compiled variants (dynamo cache entries) each method of ``cls`` has."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    return {name: len(_debug_get_cache_entry_list(fn.__code__)) for name, fn in vars(cls).items()
+            if callable(fn) and hasattr(fn, "__code__")}

@@ -271,6 +271,33 @@ def test_block_index_from_transformer_options_wins(adapter):
     assert sorted(k[2] for k in plan.recorder.block_maps()) == [1, 3]
 
 
+def test_a_block_s_region_scores_take_the_layer_of_its_own_self_attention_call():
+    """A block patch records a miss's region scores with layer -1 (it holds no layer index, so one patch serves
+    every layer of a compiled model): the context gives them the layer of the self-attention call since the
+    previous block's record (the counter, or the host's ``block_index``); a block whose self-attention never
+    reached Chorus gets a note and no scores, not its predecessor's layer."""
+    from chorus.engine import attend
+
+    class RegionScores:  # the context's collaborator, recording what it is handed
+        def __init__(self):
+            self.layers = []
+
+        def record_block(self, x, y, *, layer, sigma, grid):
+            self.layers.append(layer)
+
+    scores, notes = RegionScores(), []
+    context = attend.ForwardContext(None, None, GRID, 0.5, note=notes.append, feature_reuse=scores)
+    x = torch.zeros(1, GRID[0] * GRID[1] * GRID[2], 8)
+    for hint in (-1, -1, 5):  # two counted self-attention calls, then one with the host's block index
+        context.next_layer(hint)
+        context.record_block(x, x)
+    context.record_block(x, x)  # no self-attention call since the last block
+    context.next_layer()
+    context.record_block(x, x, layer=7)  # an explicit layer wins
+    assert scores.layers == [0, 1, 5, 7], scores.layers
+    assert notes == ["feature reuse: a block whose self-attention did not reach Chorus; no region scores from it"]
+
+
 def test_unsupported_model_passes_through_with_message(adapter):
     sd = tiny.tiny_wan_state_dict(seed=0, in_dim=16)  # a Wan text-to-video model
     model = tiny.load_tiny_wan(sd)

@@ -359,7 +359,7 @@ def test_per_frame_modulation_and_a_chained_block_patch_fall_back_safely(nodes):
         return extra["original_block"](args)
 
     opts = dict(patched.model_options["transformer_options"])
-    opts["patches_replace"] = {"dit": {("double_block", i): comfy_patch.ChorusBlock.at(i, broken) for i in range(2)}}
+    opts["patches_replace"] = {"dit": {("double_block", i): comfy_patch.ChorusBlock.at(True, broken) for i in range(2)}}
     reduced_before = state.blocks_reduced
     out = call(opts)
     # a layer with another block patch runs in full (that patch may need the whole sequence), with a note
