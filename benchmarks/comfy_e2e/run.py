@@ -57,7 +57,7 @@ What runs (everything side by side in one process, one GPU):
   runs slower at the clock a GPU holds under the model's GEMMs than in a loop on an idle one. Retrieval and
   cache-write times are reported separately (they run on the CPU before / after sampling). ``comfy_loading``:
   whether ComfyUI loaded both experts whole for the timed request (:func:`loading_state`; two bf16 A14B experts
-  take 56 GiB, so on an 80 GB card it may load them partially, and the table marks such a row).
+  take 53 GiB, so on an 80 GB card it may load them partially, and the table marks such a row).
 
 Writes ``OUT/comfy_e2e.json`` (every number) and prints a table. Nothing is downloaded.
 """
