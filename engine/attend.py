@@ -9,9 +9,9 @@ self-attention call of that forward then goes through two ``torch.library`` cust
   counters and notes) on the current context;
 - ``torch.ops.chorus.record_mass(q, k, layer_hint, token) -> ()``: a miss's recording of one call whose
   output the host's own dense attention computed;
-- ``torch.ops.chorus.record_block(x, y, layer, token) -> ()``: a miss's feature-reuse region scores of
-  one block the host ran in full (its input and output residual stream ``[B, L, C]``; ``layer`` -1: the
-  block whose self-attention call came last, so a host's block patch needs no per-layer constant);
+- ``torch.ops.chorus.record_block(x, y, token) -> ()``: a miss's feature-reuse region scores of one
+  block the host ran in full (its input and output residual stream ``[B, L, C]``), for the layer of the
+  block's own self-attention call, so a host's block patch needs no per-layer constant;
 - ``torch.ops.chorus.refuse(q, reason, layer_hint, token) -> ()``: a self-attention call the host
   answers densely because Chorus must not take it (a note and a fallback count);
 - feature reuse's reduced block on a hit (the forward's :class:`~chorus.engine.feature_reuse.Reduction`,
@@ -169,13 +169,14 @@ class ForwardContext:
             return
         attention.record(AttnCall(q, k, k, layer, self.sigma, self.grid, cond_rows=self.cond_rows(q.shape[0])))
 
-    def record_block(self, x: torch.Tensor, y: torch.Tensor, layer: int = -1) -> None:
-        """Record a miss's region scores of one full block call (input ``x``, output ``y``) of ``layer``, or with
-        -1 of the layer of the self-attention call since the previous block's record (each block's own runs
-        inside it, before its output exists; none: a note, no scores); never raises."""
+    def record_block(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """Record a miss's region scores of one full block call (input ``x``, output ``y``) for the layer of the
+        self-attention call since the previous block's record (each block's own runs inside it, before its
+        output exists; none: a note, no scores); never raises."""
         if self.feature_reuse is None or self.disabled_reason is not None or self.sigma is None:
             return
-        layer, self.current_layer = (int(layer) if layer >= 0 else self.current_layer), -1
+        layer = self.current_layer
+        self.current_layer = -1
         if layer < 0:  # no self-attention call reached Chorus since the last block's: not this block's layer
             self.note("feature reuse: a block whose self-attention did not reach Chorus; no region scores from it")
             return
@@ -277,11 +278,11 @@ if not op_registered("refuse"):
 
 if not op_registered("record_block"):
     @torch.library.custom_op("chorus::record_block", mutates_args=("token",))
-    def _record_block_op(x: torch.Tensor, y: torch.Tensor, layer: int, token: torch.Tensor) -> None:
-        _on_context(token, "record_block", x, y, layer)
+    def _record_block_op(x: torch.Tensor, y: torch.Tensor, token: torch.Tensor) -> None:
+        _on_context(token, "record_block", x, y)
 
     @_record_block_op.register_fake
-    def _record_block_fake(x, y, layer, token):
+    def _record_block_fake(x, y, token):
         return None
 
 
@@ -335,10 +336,10 @@ def record_mass(q: torch.Tensor, k: torch.Tensor, layer_hint: int = -1) -> None:
     torch.ops.chorus.record_mass(q, k, int(layer_hint), _RECORD_TOKEN)
 
 
-def record_block(x: torch.Tensor, y: torch.Tensor, layer: int = -1) -> None:
-    """Record a full block call's region scores on the current context (``torch.ops.chorus.record_block``);
-    ``layer`` -1: the block whose self-attention ran last in the forward (:meth:`ForwardContext.record_block`)."""
-    torch.ops.chorus.record_block(x, y, int(layer), _RECORD_TOKEN)
+def record_block(x: torch.Tensor, y: torch.Tensor) -> None:
+    """Record a full block call's region scores on the current context (``torch.ops.chorus.record_block``), for
+    the layer of the block's own self-attention call (:meth:`ForwardContext.record_block`)."""
+    torch.ops.chorus.record_block(x, y, _RECORD_TOKEN)
 
 
 def refuse(q: torch.Tensor, reason: str, layer_hint: int = -1) -> None:

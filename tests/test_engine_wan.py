@@ -272,7 +272,7 @@ def test_block_index_from_transformer_options_wins(adapter):
 
 
 def test_a_block_s_region_scores_take_the_layer_of_its_own_self_attention_call():
-    """A block patch records a miss's region scores with layer -1 (it holds no layer index, so one patch serves
+    """A block patch records a miss's region scores without a layer (it holds no layer index, so one patch serves
     every layer of a compiled model): the context gives them the layer of the self-attention call since the
     previous block's record (the counter, or the host's ``block_index``); a block whose self-attention never
     reached Chorus gets a note and no scores, not its predecessor's layer."""
@@ -293,8 +293,8 @@ def test_a_block_s_region_scores_take_the_layer_of_its_own_self_attention_call()
         context.record_block(x, x)
     context.record_block(x, x)  # no self-attention call since the last block
     context.next_layer()
-    context.record_block(x, x, layer=7)  # an explicit layer wins
-    assert scores.layers == [0, 1, 5, 7], scores.layers
+    context.record_block(x, x)
+    assert scores.layers == [0, 1, 5, 3], scores.layers
     assert notes == ["feature reuse: a block whose self-attention did not reach Chorus; no region scores from it"]
 
 
