@@ -69,12 +69,13 @@ def test_compiled_only_runs_the_compiled_rows_beside_compiled_dense(tmp_path, mo
     assert set(rows) == {"dense+compile", "miss+compile"}, sorted(rows)
     assert rows["miss+compile"]["plan_kind"] == "miss" and all(r["finite"] for r in rows.values())
     assert rows["miss+compile"]["first_request_s"] > 0 and rows["miss+compile"]["dynamo"]["unique_graphs"] >= 1
-    for row in rows.values():  # what compiling took in the first request: part of it; dynamo's holds the backend's
+    for row in rows.values():
+        # what compiling took in the first request: part of it; dynamo's holds the backend's
         spent = row["first_request_compile"]
         assert 0 < spent["backend_s"] <= spent["dynamo_s"] <= row["first_request_s"], row
         assert spent["triton_builds"] == 0 and spent["triton_build_s_by_kernel"] == {}, spent  # CPU: inductor's C++
-    for row in rows.values():  # both experts loaded whole (the CPU has room); each recompile with its reason (on
-        # the CPU ComfyUI's sub-quadratic attention breaks the graph, and the frames after a break recompile per shape)
+        # both experts loaded whole (the CPU has room); each recompile with its reason (on the CPU ComfyUI's
+        # sub-quadratic attention breaks the graph, and the frames after a break recompile per shape)
         assert [e["partial"] for e in row["comfy_loading"]] == [False, False], row["comfy_loading"]
         assert all(0 < e["loaded_gib"] <= e["size_gib"] for e in row["comfy_loading"]), row["comfy_loading"]
         reasons = row["dynamo"]["recompile_reasons"]

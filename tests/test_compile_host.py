@@ -109,8 +109,8 @@ def _request(high, low, seed=0, latent=LATENT):
                                disable_pbar=True, seed=seed)
 
 
-def _retrieve(nodes, image, latent=LATENT):
-    return nodes.ChorusMaskRetrieve.execute(latent={"samples": latent}, workspace="compiled", similarity_threshold=0.9,
+def _retrieve(nodes, image, latent=LATENT, workspace="compiled"):
+    return nodes.ChorusMaskRetrieve.execute(latent={"samples": latent}, workspace=workspace, similarity_threshold=0.9,
                                             start_image=image, positive=tiny.random_conditioning(3),
                                             prompt="a red fox").args[0]
 
@@ -271,17 +271,12 @@ def test_feature_reuse_compiles_each_block_patch_once_where_the_host_attention_b
     layers = torch._dynamo.config.recompile_limit + 2
     deep = [tiny.load_tiny_wan(tiny.tiny_wan_state_dict(seed=s, num_layers=layers)) for s in (0, 1)]
 
-    def miss(workspace):
-        return nodes.ChorusMaskRetrieve.execute(latent={"samples": LATENT_FR}, workspace=workspace,
-                                                similarity_threshold=0.9, start_image=IMAGE,
-                                                positive=tiny.random_conditioning(3), prompt="a red fox").args[0]
-
-    eager_plan = miss("compiled")
+    eager_plan = _retrieve(nodes, IMAGE, LATENT_FR)
     eager_miss = _request(*_patch(nodes, deep, eager_plan, feature_reuse=1.0), latent=LATENT_FR)
     assert nodes.ChorusCacheWrite.execute(latent={"samples": LATENT_FR}, plan=eager_plan).args[0].startswith("wrote")
 
     backend = CountingBackend()
-    compiled_plan = miss("compiled_miss")
+    compiled_plan = _retrieve(nodes, IMAGE, LATENT_FR, workspace="compiled_miss")
     assert not compiled_plan.is_hit
     compiled_miss = _request(*_patch(nodes, deep, compiled_plan, backend, feature_reuse=1.0), latent=LATENT_FR)
     torch.testing.assert_close(compiled_miss, eager_miss, rtol=1e-4, atol=1e-4)
