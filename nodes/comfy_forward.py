@@ -5,6 +5,17 @@ The DIFFUSION_MODEL wrapper (``nodes/comfy_patch.py``) hands the model an option
 constants for the traced code only (:data:`MODE_KEY`, :data:`TOKENS_KEY`, :data:`GAIN_KEY`,
 :data:`REUSE_KEY`, :data:`REDUCE_KEY`, :data:`DENSE_KEY`); what changes between forwards is the
 engine's current :class:`~chorus.engine.attend.ForwardContext`, read by the custom ops when they run.
+
+Compiled code must recompile when these constants change, and a compiled model's guards on
+``transformer_options`` cannot be relied on: ComfyUI's ``TorchCompileModel`` (since it passes
+``guard_filter_fn``, unless its ``mode`` is set) drops every guard whose source mentions
+``transformer_options``. Where a block is compiled as a frame of its own (an attention backend dynamo
+does not trace breaks it), a graph traced for a miss then ran a later hit densely, a layer's block index
+stuck at its first value, and feature reuse's reduction went unseen. So the host also publishes the
+forward's constants as one string (:func:`publish`, :data:`FORWARD_KEY`) in a module global, and traced
+code reads them through :func:`constants`, which compares that global to the options' copy: dynamo guards
+on a global whatever the filter, so a change of constants recompiles. Forwards running at once in one
+process (ComfyUI's multi-GPU split of one step) share their constants, so the global is theirs too.
 """
 
 from __future__ import annotations
@@ -21,7 +32,30 @@ REDUCE_KEY = "chorus_ii_reduce"    # a forward's options copy: (from_layer, comp
                                    # the forward's feature-reuse Reduction (a hit whose blocks it reduces)
 DENSE_KEY = "chorus_ii_dense"      # a forward's options copy: (chain,) for Chorus's own dense calls, when it
                                    # is not the override's own chain (a foreign sparse override skipped)
-FORWARD_KEYS = (MODE_KEY, TOKENS_KEY, GAIN_KEY, REUSE_KEY, REDUCE_KEY, DENSE_KEY)
+FORWARD_KEY = "chorus_ii_forward"  # a forward's options copy: its constants as one string (publish())
+FORWARD_KEYS = (MODE_KEY, TOKENS_KEY, GAIN_KEY, REUSE_KEY, REDUCE_KEY, DENSE_KEY, FORWARD_KEY)
+
+_PUBLISHED = {"forward": None}  # the constants of the forward the host began last (see the module docstring)
+
+
+def publish(options: dict) -> None:
+    """Host side, after the forward's constants are in ``options``: their string under
+    :data:`FORWARD_KEY`, also made the process's published forward (the guard compiled code reads)."""
+    dense = options.get(DENSE_KEY)
+    key = repr(tuple(options.get(name) for name in (MODE_KEY, TOKENS_KEY, GAIN_KEY, REUSE_KEY, REDUCE_KEY))
+               + (dense is not None,))
+    options[FORWARD_KEY] = key
+    _PUBLISHED["forward"] = key
+
+
+def constants(options: dict) -> dict:
+    """Traced code's read of a forward's constants: ``options`` itself. Under compilation it first
+    compares ``options``' :data:`FORWARD_KEY` to the published forward, so the compiled code is guarded
+    on that global (module docstring); eagerly nothing is compared. A forward that published nothing
+    (no Chorus forward) has no constants either way."""
+    if torch.compiler.is_compiling() and options.get(FORWARD_KEY) != _PUBLISHED["forward"]:
+        return {}  # not the published forward (a host forward Chorus did not begin): no constants
+    return options
 
 
 class ChorusBlock:
@@ -69,7 +103,7 @@ class ChorusBlock:
         if isinstance(x, torch.Tensor) and x.dim() == 3 and not x.is_contiguous():
             x = x.contiguous()
             args = dict(args, img=x)
-        options = args.get("transformer_options") or {}
+        options = constants(args.get("transformer_options") or {})
         reduce = options.get(REDUCE_KEY)
         if reduce is not None and self.reducible and self.previous is None:
             reduced = self._reduced(args, extra, reduce[1])

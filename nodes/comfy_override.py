@@ -5,7 +5,8 @@ calls into the engine's custom ops (``engine/attend.py``).
 Chorus-patched model (``nodes/comfy_patch.py`` installs it): one object per chained override, the same
 for every request, so ``TorchCompileModel`` traces it once. It reads a call through
 ``nodes/comfy_call.py`` (both of ComfyUI's calling conventions) and the forward's constants
-(``nodes/comfy_forward.py``) only; everything that changes is read by the ops when they run.
+(``nodes/comfy_forward.py``, read through its guarded :func:`~.comfy_forward.constants`) only; everything
+that changes is read by the ops when they run.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import torch
 
 from ..engine import attend as engine_attend
 from . import comfy_call
-from .comfy_forward import DENSE_KEY, FORWARD_KEYS, GAIN_KEY, MODE_KEY, REDUCE_KEY, TOKENS_KEY
+from .comfy_forward import DENSE_KEY, FORWARD_KEY, FORWARD_KEYS, GAIN_KEY, MODE_KEY, REDUCE_KEY, TOKENS_KEY, \
+    constants
 
 
 class ChorusOverride:
@@ -64,15 +66,16 @@ class ChorusOverride:
         if not isinstance(options, dict) or comfy_call.layout_refusal(call) is not None:
             return _pass(self.previous, func, args, kwargs)
         q, k, v = args[:3]
-        tokens = options.get(TOKENS_KEY)
+        forward = constants(options)
+        tokens = forward.get(TOKENS_KEY)
         if tokens is None:
             return _pass(self.previous, func, args, kwargs)
         if k.shape[1] != q.shape[1]:  # cross-attention: text, CLIP image tokens
             out = _pass(self.previous, func, args, kwargs)
-            gain = options.get(GAIN_KEY)
+            gain = forward.get(GAIN_KEY)
             return out if gain is None else out * gain
-        mode = options.get(MODE_KEY)
-        reduce = options.get(REDUCE_KEY)
+        mode = forward.get(MODE_KEY)
+        reduce = forward.get(REDUCE_KEY)
         compact = reduce is not None and reduce[2] and q.shape[1] == v.shape[1] == reduce[1]
         if compact:
             mode = "attend"  # a reduced block's pooled keys weigh as their cells' tokens (also without a map)
@@ -82,11 +85,11 @@ class ChorusOverride:
         refusal = comfy_call.sparse_refusal(call)
         if refusal is not None:
             engine_attend.refuse(q, refusal, hint)
-            return _pass(_dense_chain(options, self.previous), func, args, kwargs)
+            return _pass(_dense_chain(forward, self.previous), func, args, kwargs)
         heads = int(call.heads)
         size = q.shape[2] // heads
         if mode == "record":
-            out = _pass(_dense_chain(options, self.previous), func, args, kwargs)
+            out = _pass(_dense_chain(forward, self.previous), func, args, kwargs)
             engine_attend.record_mass(_per_head(comfy_call.scaled_query(q, call.scale, size), heads),
                                       _per_head(k, heads), hint)
             return out
@@ -105,7 +108,12 @@ def _dense_chain(options: dict, previous):
 
 
 def _layer_hint(kwargs) -> int:
-    """The block index ComfyUI >= 0.4 puts in transformer_options (-1 when absent)."""
+    """The block index ComfyUI >= 0.4 puts in transformer_options (-1 when absent, and in compiled code: there
+    a block compiled as a frame of its own may keep the index it was traced with, as ComfyUI's
+    ``TorchCompileModel`` keeps no guard on ``transformer_options``; the engine's per-forward count of
+    self-attention calls, which runs when the op does, is the layer then)."""
+    if torch.compiler.is_compiling():
+        return -1
     index = (kwargs.get("transformer_options") or {}).get("block_index")
     return index if isinstance(index, int) and not isinstance(index, bool) and index >= 0 else -1
 
@@ -121,7 +129,7 @@ def _pass(previous, func, args, kwargs):
     (:func:`comfy_call.dense_call`), with this forward's Chorus keys removed from its options (an older
     Chorus override further down the chain, or the one a foreign override chains back to, passes it on)."""
     options = kwargs.get("transformer_options")
-    if isinstance(options, dict) and MODE_KEY in options:
+    if isinstance(options, dict) and (FORWARD_KEY in options or MODE_KEY in options):
         options = {key: value for key, value in options.items() if key not in FORWARD_KEYS}
     else:
         options = None

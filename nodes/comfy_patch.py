@@ -2,27 +2,29 @@
 ChorusGuidanceBoost all configure, and the hooks that run it.
 
 A :class:`ChorusPatch` holds the request's plan, the model's ``ModelInfo`` and up to three parts (the
-engine's ``ChorusAttention``, ``FeatureReuse``, ``GuidanceBoost``) under ``transformer_options["chorus_ii"]``
-of a ``model.clone()``. :func:`configure` (what every node calls) returns a clone whose patch is the
-old parts + the node's part and (re)installs ComfyUI's supported hooks: the one
-``optimized_attention_override`` (a :class:`ChorusOverride`, the same object for every request,
+engine's ``ChorusAttention``, ``FeatureReuse``, ``GuidanceBoost``) under
+``transformer_options["chorus_ii"]`` of a ``model.clone()``. :func:`configure` (what every node calls)
+returns a clone whose patch is the old parts + the node's part and (re)installs ComfyUI's supported hooks:
+the one ``optimized_attention_override`` (a :class:`ChorusOverride`, the same object for every request,
 chaining another node's override), one ``OUTER_SAMPLE`` wrapper (:meth:`ChorusPatch.outer_sample`: each
-part's ``begin_run`` / ``end_run``) and one ``DIFFUSION_MODEL`` wrapper (:func:`diffusion_model_wrapper`)
-under the key ``"chorus_ii"``, the block patches (``nodes/comfy_forward.py``: every block with feature
-reuse, block 0 with the sparse sampler alone) and, with ``cfg_strength > 0``, a :class:`CfgCorrection`.
-Calls are read in ComfyUI 0.3.64's and 0.38.x's conventions (``nodes/comfy_call.py``: q/k/v containers
-taken once, ``scale`` honoured); a recognised sparse override (ComfyUI's Model Sparse Attention node) is
-skipped by Chorus's own dense calls, and where it has put itself on top, Chorus takes the top back in
-each forward (``nodes/override_stack.py``).
+part's ``begin_run`` / ``end_run``), one ``APPLY_MODEL`` wrapper (:func:`apply_model_wrapper`: a keyword
+that keeps a compiled Chorus-patched model's graphs apart from a plain one's) and one ``DIFFUSION_MODEL``
+wrapper (:func:`diffusion_model_wrapper`) under the key ``"chorus_ii"``, the block patches
+(``nodes/comfy_forward.py``: every block with feature reuse, block 0 with the sparse sampler alone) and,
+with ``cfg_strength > 0``, a :class:`CfgCorrection`. Calls are read in ComfyUI 0.3.64's and 0.38.x's
+conventions (``nodes/comfy_call.py``: q/k/v containers taken once, ``scale`` honoured); a recognised sparse
+override (ComfyUI's Model Sparse Attention node) is skipped by Chorus's own dense calls, and where it has
+put itself on top, Chorus takes the top back in each forward (``nodes/override_stack.py``).
 
 Per forward the DIFFUSION_MODEL wrapper runs on the host side of the graph (``torch.compiler.disable``:
-under ``TorchCompileModel`` one graph break at the top of the model, none inside a block): it reads
-the sigma once and the token grid from the latent, makes the forward's
-:class:`~chorus.engine.attend.ForwardContext` current, and hands the model an options copy with
-constants only (``nodes/comfy_forward.py``). The override translates each attention call by them:
-self-attention to ``torch.ops.chorus.attend`` (or, on a recording miss, the host's attention +
-``torch.ops.chorus.record_mass``), cross-attention to the host's attention times guidance's gain.
-Everything that changes between steps and requests is read when the ops run (``engine/attend.py``).
+under ``TorchCompileModel`` one graph break at the top of the model, none inside a block): it reads the
+sigma once and the token grid from the latent, makes the forward's
+:class:`~chorus.engine.attend.ForwardContext` current, and hands the model an options copy with constants
+only, also published where compiled code is guarded on them (``nodes/comfy_forward.py``). The override
+translates each attention call by them: self-attention to ``torch.ops.chorus.attend`` (or, on a recording
+miss, the host's attention + ``torch.ops.chorus.record_mass``), cross-attention to the host's attention
+times guidance's gain. Everything that changes between steps and requests is read when the ops run
+(``engine/attend.py``).
 Objects stored in ``model_options`` return themselves from ``__deepcopy__``. Anything unexpected
 gives a note in the plan and dense attention / a full block, never a failed prompt.
 """
@@ -37,7 +39,7 @@ from ..engine import ChorusAttention, ModelInfo, Plan, token_grid
 from ..engine import attend as engine_attend
 from ..engine.feature_reuse import FeatureReuse
 from ..engine.guidance import GuidanceBoost
-from . import comfy_call, host_report, override_stack
+from . import comfy_call, comfy_forward, host_report, override_stack
 from .comfy_adapter import comfy_model_info
 from .comfy_forward import DENSE_KEY, FORWARD_KEYS, GAIN_KEY, MODE_KEY, REDUCE_KEY, REUSE_KEY, \
     TOKENS_KEY, ChorusBlock
@@ -46,7 +48,8 @@ from .comfy_override import ChorusOverride
 log = logging.getLogger("chorus.nodes")
 
 PATCH_KEY = "chorus_ii"            # transformer_options: the model's ChorusPatch
-WRAPPER_KEY = "chorus_ii"          # the keyed OUTER_SAMPLE / DIFFUSION_MODEL wrappers
+WRAPPER_KEY = "chorus_ii"          # the keyed OUTER_SAMPLE / APPLY_MODEL / DIFFUSION_MODEL wrappers
+MODEL_KWARG = "chorus_ii_model"    # the keyword the APPLY_MODEL wrapper adds to a Chorus-patched model's calls
 OVERRIDE = "optimized_attention_override"
 CLIP_IMAGE_TOKENS = 257
 KEEP = object()  # configure(): leave that part as it is
@@ -180,19 +183,19 @@ class ChorusPatch:
         gain = ctx.cross_attention_gain()
         if gain is not None:
             options[GAIN_KEY] = gain
-        if reason is not None:
-            return options
-        mode = None
-        if self.attention is not None:
-            mode = "attend" if self.plan.is_hit else "record"
-        elif ctx.first_frame_bias():
-            mode = "attend"
-        if mode is not None:
-            options[MODE_KEY] = mode
-        if self.feature_reuse is not None and self.plan is not None and not self.plan.is_hit:
-            options[REUSE_KEY] = "record"
-        if reduction is not None:
-            options[REDUCE_KEY] = (reduction.from_layer, reduction.compact_length, reduction.compact_attention)
+        if reason is None:
+            mode = None
+            if self.attention is not None:
+                mode = "attend" if self.plan.is_hit else "record"
+            elif ctx.first_frame_bias():
+                mode = "attend"
+            if mode is not None:
+                options[MODE_KEY] = mode
+            if self.feature_reuse is not None and self.plan is not None and not self.plan.is_hit:
+                options[REUSE_KEY] = "record"
+            if reduction is not None:
+                options[REDUCE_KEY] = (reduction.from_layer, reduction.compact_length, reduction.compact_attention)
+        comfy_forward.publish(options)
         return options
 
 @torch.compiler.disable
@@ -220,8 +223,24 @@ def _begin_forward(args, kwargs):
 def diffusion_model_wrapper(executor, *args, **kwargs):
     """The DIFFUSION_MODEL wrapper of every Chorus-patched model (Wan args: x, timestep, context,
     clip_fea, time_dim_concat, transformer_options, ...): one module-level function, so a compiled
-    model's guards see the same wrapper for every request."""
+    model's guards see the same wrapper for every request. It takes :func:`apply_model_wrapper`'s keyword
+    back out: the model never sees it."""
+    kwargs.pop(MODEL_KWARG, None)
     args, kwargs = _begin_forward(tuple(args), kwargs)
+    return executor(*args, **kwargs)
+
+
+def apply_model_wrapper(executor, *args, **kwargs):
+    """The APPLY_MODEL wrapper of every Chorus-patched model: its one job is to pass the diffusion model
+    the keyword :data:`MODEL_KWARG` (ComfyUI hands ``apply_model``'s extra keywords on to it), so that a
+    compiled model tells a Chorus-patched call from a plain one by a guard on its keyword arguments.
+    ComfyUI's ``TorchCompileModel`` keeps no guard on ``transformer_options`` (where the wrappers, the
+    override and the block patches live), so without it a graph compiled for the same diffusion model
+    without Chorus, earlier in the process, ran Chorus-patched requests with no Chorus at all.
+    Host side: ComfyUI compiles the diffusion model only, inside this wrapper. Installed on supported
+    models only (ComfyUI's ``WanModel``, whose forward hands its keywords to :func:`diffusion_model_wrapper`,
+    which takes this one out): a guidance-only patch on another model leaves that model's calls as they are."""
+    kwargs[MODEL_KWARG] = True
     return executor(*args, **kwargs)
 
 
@@ -329,7 +348,7 @@ def _install(patched, patch: ChorusPatch) -> None:
     options = patched.model_options["transformer_options"]
     previous = patch.previous_override
     wrappers_mp = comfy.patcher_extension.WrappersMP
-    wrapper_types = (wrappers_mp.OUTER_SAMPLE, wrappers_mp.DIFFUSION_MODEL)
+    wrapper_types = (wrappers_mp.OUTER_SAMPLE, wrappers_mp.DIFFUSION_MODEL, wrappers_mp.APPLY_MODEL)
     for wrapper_type in wrapper_types:
         patched.remove_wrappers_with_key(wrapper_type, WRAPPER_KEY)
     post_cfg = [fn for fn in patched.model_options.get("sampler_post_cfg_function", [])
@@ -351,6 +370,8 @@ def _install(patched, patch: ChorusPatch) -> None:
         options[OVERRIDE] = ChorusOverride.chaining(previous)
         patched.add_wrapper_with_key(wrapper_types[0], WRAPPER_KEY, patch.outer_sample)
         patched.add_wrapper_with_key(wrapper_types[1], WRAPPER_KEY, diffusion_model_wrapper)
+        if patch.model_info.supported:  # a WanModel: its DIFFUSION_MODEL wrapper takes the keyword out
+            patched.add_wrapper_with_key(wrapper_types[2], WRAPPER_KEY, apply_model_wrapper)
         block_layers = (range(patch.model_info.num_layers) if patch.feature_reuse is not None
                         else range(1) if patch.attention is not None else ())
         from_layer = patch.feature_reuse.from_layer if patch.feature_reuse is not None else None

@@ -10,6 +10,11 @@ request's graphs). A compiled miss records every call and writes its entry, with
 region scores recorded inside the graph too; a compiled hit matches the eager hit; a hit with feature
 reuse and guidance keeps its reduced blocks inside the graph too and matches the eager one.
 
+ComfyUI's current ``TorchCompileModel`` compiles with a guard filter that drops every guard on
+``transformer_options`` (``tests/host/comfy038.py``): the tests marked ``guards`` run both ways, and the
+last ones show what that filter needs from Chorus (a plain compiled model in the same process; a hit after
+a miss and the layer of each call where the host's attention breaks the graph).
+
 The backend is ``aot_eager`` (dynamo + AOTAutograd with the ops' fake implementations, no code
 generation: what breaks or recompiles is decided by dynamo, whatever backend follows). ComfyUI on a
 GPU attends with ``attention_pytorch`` (SDPA); on a CPU without flags it picks ``attention_sub_quad``,
@@ -23,7 +28,7 @@ import numpy as np
 import pytest
 import torch
 
-from host import tiny_wan as tiny  # tests/host (pytest pythonpath)
+from host import comfy038, tiny_wan as tiny  # tests/host (pytest pythonpath)
 
 SKIP_REASON = tiny.import_comfy()
 pytestmark = pytest.mark.skipif(SKIP_REASON is not None, reason=f"ComfyUI not available: {SKIP_REASON}")
@@ -88,11 +93,17 @@ def dynamo():
     torch._dynamo.reset()
 
 
-def _compiled(model, backend):
+# TorchCompileModel's guards: all (ComfyUI 0.3.64) or none on transformer_options (current ComfyUI)
+GUARDS = {"all": None, "comfyui_filter": comfy038.torch_compile_guard_filter}
+
+
+def _compiled(model, backend, guards="all"):
     from comfy_api.torch_helpers import set_torch_compile_wrapper
 
     m = model.clone()
-    set_torch_compile_wrapper(m, backend=backend)
+    guard_filter = GUARDS[guards]
+    set_torch_compile_wrapper(m, backend=backend,
+                              options=None if guard_filter is None else {"guard_filter_fn": guard_filter})
     return m
 
 
@@ -115,11 +126,11 @@ def _retrieve(nodes, image, latent=LATENT, workspace="compiled"):
                                             prompt="a red fox").args[0]
 
 
-def _patch(nodes, experts, plan, backend=None, feature_reuse=None):
+def _patch(nodes, experts, plan, backend=None, feature_reuse=None, guards="all"):
     models = []
     for model in experts:
         if backend is not None:
-            model = _compiled(model, backend)
+            model = _compiled(model, backend, guards)
         model = nodes.ChorusSparseSampler.execute(model=model, plan=plan, top_p=0.9, k_min=1, refresh_steps=0,
                                                   backend="auto").args[0]
         if feature_reuse is not None:
@@ -135,11 +146,12 @@ def _graph_break_reasons(counters) -> list[str]:
 IMAGE = torch.rand(1, 32, 32, 3, generator=torch.Generator().manual_seed(0))
 
 
-def test_compiled_miss_records_then_two_compiled_hits_compile_once(nodes, experts, host_attention, dynamo):
+@pytest.mark.parametrize("guards", GUARDS)
+def test_compiled_miss_records_then_two_compiled_hits_compile_once(nodes, experts, host_attention, dynamo, guards):
     backend = CountingBackend()
     miss = _retrieve(nodes, IMAGE)
     assert not miss.is_hit
-    out = _request(*_patch(nodes, experts, miss, backend))
+    out = _request(*_patch(nodes, experts, miss, backend, guards=guards))
     assert torch.isfinite(out).all()
     assert miss.stats.recorded_calls == 4 * LAYERS and miss.stats.dense_calls == 4 * LAYERS
     assert miss.stats.fallback_calls == 0, miss.stats.messages
@@ -156,7 +168,7 @@ def test_compiled_miss_records_then_two_compiled_hits_compile_once(nodes, expert
     for request in range(2):
         plan = _retrieve(nodes, IMAGE)
         assert plan.is_hit and plan.entry_id == 1
-        outputs.append(_request(*_patch(nodes, experts, plan, backend)))
+        outputs.append(_request(*_patch(nodes, experts, plan, backend, guards=guards)))
         assert plan.stats.sparse_calls == 4 * LAYERS and plan.stats.fallback_calls == 0, plan.stats.summary()
         assert plan.stats.dense_calls == 0
         graphs_after.append((len(backend.graphs), dict(dynamo["stats"]), dict(dynamo["frames"])))  # frames: every compile, recompiles too
@@ -250,8 +262,9 @@ def test_a_compiled_feature_reuse_hit_leaves_later_compiled_requests_compiled(no
     assert max(backend.op_counts("record_mass")[graphs_before:], default=0) == layers, backend.op_counts("record_mass")
 
 
+@pytest.mark.parametrize("guards", GUARDS)
 def test_feature_reuse_compiles_each_block_patch_once_where_the_host_attention_breaks_the_graph(nodes, dynamo,
-                                                                                                monkeypatch):
+                                                                                                monkeypatch, guards):
     """A host attention backend dynamo does not trace (here ComfyUI's PyTorch attention behind
     ``torch.compiler.disable`` inside ComfyUI's ``wrap_attn``, as compile-disabled SageAttention runs) breaks each
     block at its cross-attention (self-attention is Chorus's override, reached before the backend), so every
@@ -259,7 +272,9 @@ def test_feature_reuse_compiles_each_block_patch_once_where_the_host_attention_b
     reducible one), not once per layer: with more layers than dynamo's recompile limit, a compiled miss and a
     compiled hit keep their block ops inside graphs, the patch's methods hold a few compiled variants each (per
     patch kind and request mode, not per layer), and both match the eager requests. (A patch
-    object per layer made a recompile per layer, and past the limit the later layers ran eagerly.)"""
+    object per layer made a recompile per layer, and past the limit the later layers ran eagerly.) With
+    ComfyUI's guard filter too: the hit after the miss reduces its blocks (it ran the miss's full blocks
+    while the forward's constants were guarded through ``transformer_options`` alone)."""
     import comfy.ldm.modules.attention as attention
     import comfy.ldm.wan.model as wan
     import torch._dynamo
@@ -278,7 +293,8 @@ def test_feature_reuse_compiles_each_block_patch_once_where_the_host_attention_b
     backend = CountingBackend()
     compiled_plan = _retrieve(nodes, IMAGE, LATENT_FR, workspace="compiled_miss")
     assert not compiled_plan.is_hit
-    compiled_miss = _request(*_patch(nodes, deep, compiled_plan, backend, feature_reuse=1.0), latent=LATENT_FR)
+    compiled_miss = _request(*_patch(nodes, deep, compiled_plan, backend, feature_reuse=1.0, guards=guards),
+                             latent=LATENT_FR)
     torch.testing.assert_close(compiled_miss, eager_miss, rtol=1e-4, atol=1e-4)
     assert any(backend.op_counts("record_block")), "the miss's blocks recorded outside every graph"
     variants = _compiled_variants(ChorusBlock)
@@ -289,13 +305,76 @@ def test_feature_reuse_compiles_each_block_patch_once_where_the_host_attention_b
     assert hit.is_hit
     eager_hit = _request(*_patch(nodes, deep, hit, feature_reuse=1.0), latent=LATENT_FR)
     hit = _retrieve(nodes, IMAGE, LATENT_FR)
-    compiled_hit = _request(*_patch(nodes, deep, hit, backend, feature_reuse=1.0), latent=LATENT_FR)
+    compiled_hit = _request(*_patch(nodes, deep, hit, backend, feature_reuse=1.0, guards=guards), latent=LATENT_FR)
     assert hit.state.feature_reuse.blocks_reduced > 0 and hit.stats.fallback_calls == 0, hit.stats.messages
     torch.testing.assert_close(compiled_hit, eager_hit, rtol=1e-4, atol=1e-4)
     assert any(backend.op_counts("attend_compact")[graphs_before:]), "the hit's reduced blocks ran outside every graph"
     variants = _compiled_variants(ChorusBlock)
     # per (patch kind, the request's mode), whatever the layer count (a patch per layer: the recompile limit, 8)
     assert variants["__call__"] <= 4 and variants["_run"] <= 4 and 0 < variants["_reduced"] <= 2, variants
+
+
+def test_with_comfyui_s_guard_filter_chorus_runs_on_a_model_compiled_plain_earlier(nodes, experts, host_attention,
+                                                                                      dynamo):
+    """The same diffusion models compiled without Chorus first (a plain request, or the Chorus nodes
+    bypassed), then with them, under ``TorchCompileModel``'s guard filter (one backend, so one set of
+    compiled graphs per code object): the Chorus requests compile graphs of their own, told apart by the
+    keyword Chorus's APPLY_MODEL wrapper adds, so the miss records every call and the hit after it is sparse
+    on every call; the plain models afterwards still give their first output. (The plain graph, guarded on
+    nothing in ``transformer_options``, ran the Chorus requests without Chorus: nothing recorded.)"""
+    plain = [_compiled(m, "aot_eager", "comfyui_filter") for m in experts]
+    plain_out = _request(*plain)
+    miss = _retrieve(nodes, IMAGE)
+    miss_out = _request(*_patch(nodes, experts, miss, "aot_eager", guards="comfyui_filter"))
+    assert miss.stats.recorded_calls == 4 * LAYERS and miss.stats.fallback_calls == 0, miss.stats.summary()
+    torch.testing.assert_close(miss_out, plain_out, rtol=1e-5, atol=1e-5)  # a miss attends densely
+    assert nodes.ChorusCacheWrite.execute(latent={"samples": miss_out}, plan=miss).args[0].startswith("wrote entry")
+    hit = _retrieve(nodes, IMAGE)
+    assert hit.is_hit
+    _request(*_patch(nodes, experts, hit, "aot_eager", guards="comfyui_filter"))
+    assert hit.stats.sparse_calls == 4 * LAYERS and hit.stats.fallback_calls == 0, hit.stats.summary()
+    torch.testing.assert_close(_request(*plain), plain_out, rtol=0, atol=0)
+
+
+def test_with_comfyui_s_guard_filter_a_hit_after_a_miss_is_sparse_on_each_layer_where_attention_breaks_the_graph(
+        nodes, dynamo, monkeypatch):
+    """ComfyUI 0.38.x's calling convention (``block_index`` in ``transformer_options``), a host attention
+    dynamo does not trace (so blocks compile as frames of their own) and ``TorchCompileModel``'s guard
+    filter: a compiled miss records every layer, and the compiled hit after it in the same process runs
+    every self-attention call sparse, each on its own layer in order, and gives the eager hit's output.
+    (Guarded through ``transformer_options`` alone, the hit ran the miss's frames -- dense, nothing noted
+    -- and a block frame kept the block index it was traced with, one layer's map for every call.)"""
+    from chorus.engine import attend as engine_attend
+
+    comfy038.install(monkeypatch)
+    monkeypatch.setattr(comfy038, "optimized_attention",
+                        comfy038.wrap_attn(torch.compiler.disable(comfy038.sdpa_backend)))
+    layers = 4
+    deep = [tiny.load_tiny_wan(tiny.tiny_wan_state_dict(seed=s, num_layers=layers)) for s in (0, 1)]
+    backend = CountingBackend()
+    miss = _retrieve(nodes, IMAGE)
+    miss_out = _request(*_patch(nodes, deep, miss, backend, guards="comfyui_filter"))
+    assert miss.stats.recorded_calls == 4 * layers, miss.stats.summary()
+    assert sorted({key[2] for key in miss.recorder.block_maps()}) == list(range(layers))
+    assert nodes.ChorusCacheWrite.execute(latent={"samples": miss_out}, plan=miss).args[0].startswith("wrote entry")
+
+    eager_hit = _retrieve(nodes, IMAGE)
+    eager_out = _request(*_patch(nodes, deep, eager_hit))
+    layer_of_call = []
+    next_layer = engine_attend.ForwardContext.next_layer
+
+    def logged_next_layer(context, hint=-1):
+        layer_of_call.append(next_layer(context, hint))
+        return layer_of_call[-1]
+
+    monkeypatch.setattr(engine_attend.ForwardContext, "next_layer", logged_next_layer)
+    hit = _retrieve(nodes, IMAGE)
+    assert hit.is_hit
+    hit_out = _request(*_patch(nodes, deep, hit, backend, guards="comfyui_filter"))
+    assert hit.stats.sparse_calls == 4 * layers and hit.stats.fallback_calls == 0, hit.stats.summary()
+    assert layer_of_call == list(range(layers)) * 4  # 4 forwards (2 steps per expert), layers in order
+    assert any(backend.op_counts("attend")), "the hit's attention ran outside every graph"
+    torch.testing.assert_close(hit_out, eager_out, rtol=1e-4, atol=1e-4)
 
 
 def _compiled_variants(cls) -> dict:

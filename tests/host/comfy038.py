@@ -23,6 +23,10 @@ public source as read on 2026-12-02 (behaviour described, no code taken), at the
   (the GELU folded into the down projection: the same math). ``forward_orig`` stores ``grid_sizes``,
   ``total_blocks``, ``block_type="double"`` and, before each block, ``block_index`` in
   ``transformer_options``; the ``("double_block", i)`` patch arguments are unchanged.
+- ``comfy_extras/nodes_torch_compile.py`` (as stored on 2026-12-05; 0.3.64 has no such filter):
+  ``TorchCompileModel`` clones with ``disable_dynamic=True`` and, unless its ``mode`` input is set, compiles
+  with ``options={"guard_filter_fn": ...}`` keeping only the dynamo guards whose name does not contain
+  ``transformer_options`` (:func:`torch_compile_guard_filter`).
 - ``comfy/model_patcher.py`` @ 08d0e510f4e539a1db39072589817136ac6cfa7d and ``comfy/samplers.py`` @
   311c01406130b2acbe8ab291043502de26cf3871: ``prepare_state(timestep, model_options)`` calls each
   ``ON_PREPARE_STATE`` callback as ``callback(patcher, timestep, model_options)``; ``_calc_cond_batch``
@@ -56,6 +60,12 @@ class AttentionTensorContainer:
         tensor = self.peek()
         self.tensor = None
         return tensor
+
+
+def torch_compile_guard_filter(guard_entries) -> list[bool]:
+    """0.38.x ``TorchCompileModel``'s ``guard_filter_fn`` (module docstring): keep a guard unless its name
+    mentions ``transformer_options``."""
+    return ["transformer_options" not in entry.name for entry in guard_entries]
 
 
 class ComfyAttention(torch.nn.Module):
