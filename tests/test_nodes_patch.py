@@ -78,7 +78,7 @@ def _chorus_wrappers(m):
     import comfy.patcher_extension as pe
 
     out = {}
-    for kind in (pe.WrappersMP.OUTER_SAMPLE, pe.WrappersMP.DIFFUSION_MODEL):
+    for kind in (pe.WrappersMP.OUTER_SAMPLE, pe.WrappersMP.APPLY_MODEL, pe.WrappersMP.DIFFUSION_MODEL):
         out[kind] = {key: len(fns) for key, fns in m.wrappers.get(kind, {}).items() if "chorus" in key}
     return out
 
@@ -255,6 +255,11 @@ def test_unsupported_model_keeps_guidance_but_gets_no_sparse_part(cp, nodes):
     patch = cp.get_patch(m)
     assert patch.guidance is not None and patch.attention is None and patch.feature_reuse is None
     assert any("unsupported model" in msg for msg in plan.stats.messages)
+    # no APPLY_MODEL keyword for a model Chorus does not support (its forward might not take it)
+    import comfy.patcher_extension as pe
+
+    assert _chorus_wrappers(m)[pe.WrappersMP.APPLY_MODEL] == {}
+    assert _chorus_wrappers(m)[pe.WrappersMP.OUTER_SAMPLE] == {cp.WRAPPER_KEY: 1}
 
 
 def test_a_latent_as_long_as_the_text_context_runs_dense_with_a_note(cp, nodes, model):
