@@ -38,17 +38,20 @@ class ModelInfo:
     reason: str = ""
 
 
-def _sample_values(t: torch.Tensor, count: int = 64) -> bytes:
+def _sample_values(t: torch.Tensor, count: int = 64, dtype: torch.dtype | None = None) -> bytes:
+    """Up to ``count`` strided values of ``t`` as float32 bytes, rounded to ``dtype`` first when given."""
     if t.device.type == "meta" or t.numel() == 0:
         return b"meta"
     flat = t.detach().reshape(-1)
     stride = max(1, flat.numel() // count)
-    vals = flat[::stride][:count].to(device="cpu", dtype=torch.float32)
-    return vals.numpy().tobytes()
+    vals = flat[::stride][:count].to(device="cpu")
+    if dtype is not None:
+        vals = vals.to(dtype)
+    return vals.to(torch.float32).numpy().tobytes()
 
 
 def weights_fingerprint(module: torch.nn.Module, extra: str = "", max_tensors: int = 8,
-                        exclude: frozenset | set = frozenset()) -> str:
+                        exclude: frozenset | set = frozenset(), dtypes: dict | None = None) -> str:
     """Cheap, stable fingerprint of a module's weights: 16 hex chars.
 
     Hashes every parameter's name and shape (the architecture) plus up to 64 strided values of up to
@@ -56,7 +59,10 @@ def weights_fingerprint(module: torch.nn.Module, extra: str = "", max_tensors: i
     (patch embedding, modulation, norms, head: tensors weight patches such as LoRAs rarely touch, so
     the value does not depend on whether a host has applied its patches yet). Parameters named in
     ``exclude`` (e.g. the keys a host patches in place when it loads the model) are never sampled;
-    callers pass a description of such patches in ``extra``. Costs well under a millisecond per tensor.
+    callers pass a description of such patches in ``extra``. ``dtypes`` (parameter name -> dtype): the
+    dtype a host computes a parameter in, when its stored tensor may be another until the model is
+    loaded; sampled values are rounded to it first, so the fingerprint is the same before and after
+    loading. Costs well under a millisecond per tensor.
     """
     h = hashlib.sha256()
     h.update(type(module).__name__.encode())
@@ -69,13 +75,14 @@ def weights_fingerprint(module: torch.nn.Module, extra: str = "", max_tensors: i
         step = max(1, len(untouched) // max_tensors)
         for name, p in untouched[::step][:max_tensors]:
             h.update(name.encode())
-            h.update(_sample_values(p))
+            h.update(_sample_values(p, dtype=(dtypes or {}).get(name)))
     h.update(extra.encode())
     return h.hexdigest()[:16]
 
 
 def wan_model_info(module: torch.nn.Module, *, fingerprint_extra: str = "",
-                   fingerprint_exclude: frozenset | set = frozenset()) -> ModelInfo:
+                   fingerprint_exclude: frozenset | set = frozenset(),
+                   fingerprint_dtypes: dict | None = None) -> ModelInfo:
     """Identify a Wan diffusion model: ComfyUI's ``WanModel`` or diffusers' ``WanTransformer3DModel``.
 
     Supported: Wan 2.1 I2V (in_dim 36 with a CLIP image projection), Wan 2.2 TI2V 5B (48 latent
@@ -83,7 +90,7 @@ def wan_model_info(module: torch.nn.Module, *, fingerprint_extra: str = "",
     module gives ``supported=False`` with a reason (never raises for a module of another kind).
     """
     name = type(module).__name__
-    fp = (weights_fingerprint(module, extra=fingerprint_extra, exclude=fingerprint_exclude)
+    fp = (weights_fingerprint(module, extra=fingerprint_extra, exclude=fingerprint_exclude, dtypes=fingerprint_dtypes)
           if isinstance(module, torch.nn.Module) else "")
     if name == "WanModel" and hasattr(module, "in_dim"):  # ComfyUI comfy.ldm.wan.model.WanModel
         num_layers, num_heads = int(module.num_layers), int(module.num_heads)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import hashlib
 
+import torch
+
 from ..engine import ModelInfo, wan_model_info
 
 
@@ -29,6 +31,22 @@ def patch_summary(model_patcher) -> str:
     return h.hexdigest()[:16] if patches else ""
 
 
+def model_dtypes(diffusion_model) -> dict:
+    """Parameter name -> the dtype ComfyUI computes it in, where ComfyUI recorded one that differs from
+    the stored tensor's (``<name>_comfy_model_dtype`` on the owning module, set when the model is built;
+    ComfyUI 0.38.x). With dynamic VRAM (on by default on NVIDIA GPUs there) the weights stay as the file
+    stores them until the model is loaded, and small ones are then cast to that dtype in place: rounding
+    the fingerprint's samples to it keeps one fingerprint before and after the first run, and the one a
+    host without dynamic VRAM computes (it loads the weights in that dtype). Empty on 0.3.64."""
+    dtypes = {}
+    for module_name, module in diffusion_model.named_modules():
+        for param_name, param in module.named_parameters(recurse=False):
+            dtype = getattr(module, f"{param_name}_comfy_model_dtype", None)
+            if isinstance(dtype, torch.dtype) and dtype != param.dtype:
+                dtypes[f"{module_name}.{param_name}" if module_name else param_name] = dtype
+    return dtypes
+
+
 def comfy_model_info(model_patcher) -> ModelInfo:
     """:class:`ModelInfo` of the diffusion model inside a ComfyUI ``ModelPatcher`` (never raises)."""
     diffusion_model = getattr(getattr(model_patcher, "model", None), "diffusion_model", None)
@@ -42,7 +60,7 @@ def comfy_model_info(model_patcher) -> ModelInfo:
         # weights with patches (LoRAs) are applied in place when ComfyUI loads the model: their values
         # differ between a loaded and an unloaded model, so only the patch description enters the hash
         return wan_model_info(diffusion_model, fingerprint_extra=patch_summary(model_patcher),
-                              fingerprint_exclude=patched_keys)
+                              fingerprint_exclude=patched_keys, fingerprint_dtypes=model_dtypes(diffusion_model))
     except Exception as exc:  # noqa: BLE001
         return ModelInfo("unknown", type(diffusion_model).__name__, 0, 0, 0, 0, "", False,
                          f"could not inspect the model ({type(exc).__name__}: {exc})")

@@ -361,3 +361,35 @@ def test_fingerprint_is_stable_under_in_place_lora_patching(adapter):
     other = model.clone()
     other.add_patches({f"diffusion_model.{k}": (torch.zeros_like(dict(dm.named_parameters())[k]),) for k in keys}, 1.0)
     assert adapter.comfy_model_info(other).fingerprint not in (fp_unloaded, base_fp)
+
+
+def test_fingerprint_is_the_same_before_and_after_a_dynamic_vram_load(adapter):
+    """ComfyUI 0.38.x with dynamic VRAM (its default on NVIDIA GPUs) keeps the weights as the file stores
+    them until the model is loaded, then casts small ones in place to the dtype it recorded when it built
+    the model (``<name>_comfy_model_dtype`` on the owning module). Here: a bf16 model from an fp32 file.
+    Unloaded, loaded, and as a host without dynamic VRAM loads it (bf16 from the start), the fingerprint is
+    the same; the raw values alone would give two."""
+    from chorus.engine import weights_fingerprint
+
+    model = tiny.load_tiny_wan(tiny.tiny_wan_state_dict(seed=12))
+    dm = model.model.diffusion_model
+    with torch.no_grad():  # as built by a bf16 host, then given the file's fp32 tensors (assign=True)
+        for module in dm.modules():
+            for name, param in list(module.named_parameters(recurse=False)):
+                setattr(module, f"{name}_comfy_model_dtype", torch.bfloat16)
+                param.data = (param.data.float() + 1e-3 * torch.randn_like(param.data.float())).float()
+    fp32_values = {name: p.data.clone() for name, p in dm.named_parameters()}
+    unloaded = adapter.comfy_model_info(model)
+    raw_unloaded = weights_fingerprint(dm)
+    with torch.no_grad():  # the load: every parameter cast in place to its recorded dtype
+        for param in dm.parameters():
+            param.data = param.data.to(torch.bfloat16)
+    loaded = adapter.comfy_model_info(model)
+    assert unloaded.supported and unloaded.fingerprint == loaded.fingerprint
+    assert weights_fingerprint(dm) != raw_unloaded  # what rounding to the recorded dtype removes
+
+    plain = tiny.load_tiny_wan(tiny.tiny_wan_state_dict(seed=12))  # no dynamic VRAM, no recorded dtypes
+    with torch.no_grad():
+        for name, param in plain.model.diffusion_model.named_parameters():
+            param.data = fp32_values[name].to(torch.bfloat16)
+    assert adapter.comfy_model_info(plain).fingerprint == loaded.fingerprint
