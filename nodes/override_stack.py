@@ -5,7 +5,8 @@ overrides stack by chaining the one they replaced. Recognised here: the override
 **Model Sparse Attention** node (node id ``BlockSparseAttention``, ``comfy_extras/
 nodes_sparse_attention.py`` of ComfyUI 0.38.x, read from source at 01dafad3): a closure
 ``make_attention_override.<locals>.override`` that keeps the override it replaced in its ``previous``
-cell and calls it for every call it declines (cross-attention, masks, sigmas outside its window, short
+cell (a later version, stored at cf3103c5, also marks the function with ``_block_sparse_attention_patch`` /
+``_block_sparse_attention_previous``; either is recognised) and calls it for every call it declines (cross-attention, masks, sigmas outside its window, short
 sequences, non-CUDA tensors...). The node re-installs it ON TOP of whatever override is there at every
 step: an ``ON_PREPARE_STATE`` callback under the key ``"block_sparse_attention"`` wraps the current
 override again unless it is already one of its own. ComfyUI 0.38.x calls that callback as
@@ -45,6 +46,8 @@ OVERRIDE = "optimized_attention_override"
 CORE_NODE = "Model Sparse Attention"
 CORE_MODULE_TAIL = "nodes_sparse_attention"  # ComfyUI loads comfy_extras files under their path as module name
 CORE_FACTORY = "make_attention_override."
+CORE_MARK = "_block_sparse_attention_patch"         # set on its override by later versions of the node
+CORE_MARK_PREVIOUS = "_block_sparse_attention_previous"
 CORE_CALLBACK_KEY = "block_sparse_attention"
 ON_PREPARE_STATE = "on_prepare_state"  # comfy.patcher_extension.CallbacksMP.ON_PREPARE_STATE
 NODES_DOC = "docs/NODES.md, 'ComfyUI's own sparse attention'"
@@ -52,7 +55,9 @@ NODES_DOC = "docs/NODES.md, 'ComfyUI's own sparse attention'"
 
 def is_foreign_sparse(override) -> bool:
     """Whether ``override`` is a recognised sparse-attention override of another node (the core
-    Model Sparse Attention node's closure, by module and factory name)."""
+    Model Sparse Attention node's closure, by its mark or by module and factory name)."""
+    if getattr(override, CORE_MARK, None) is not None:
+        return True
     module = getattr(override, "__module__", None) or ""
     qualname = getattr(override, "__qualname__", None) or ""
     tail = module.replace("\\", "/").rsplit("/", 1)[-1].rsplit(".", 1)[-1]
@@ -64,6 +69,8 @@ def previous_of(override):
     override object exposing ``previous_override`` (a Chorus override) chains; ``(False, None)`` for one
     whose chain cannot be seen."""
     if is_foreign_sparse(override):
+        if hasattr(override, CORE_MARK_PREVIOUS):
+            return True, getattr(override, CORE_MARK_PREVIOUS)
         code, cells = getattr(override, "__code__", None), getattr(override, "__closure__", None) or ()
         names = getattr(code, "co_freevars", ())
         if "previous" in names and len(cells) == len(names):

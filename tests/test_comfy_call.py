@@ -7,6 +7,8 @@ CPU only. ``chorus.nodes`` imports ComfyUI's ``comfy_api``, so these skip withou
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -171,3 +173,8 @@ def test_recognises_the_core_node_by_module_and_factory(stack):
 
     assert not stack.is_foreign_sparse(plain) and stack.previous_of(plain) == (False, None)
     assert stack.without_sparse(core.make_attention_override(patch, plain)) is plain
+    # a later version of the node marks its override (the function, its patch and the override it chains)
+    marked = functools.partial(plain)
+    marked._block_sparse_attention_patch, marked._block_sparse_attention_previous = patch, inner
+    assert stack.is_foreign_sparse(marked) and stack.previous_of(marked) == (True, inner)
+    assert stack.without_sparse(marked) is None
