@@ -31,6 +31,30 @@ def patch_summary(model_patcher) -> str:
     return h.hexdigest()[:16] if patches else ""
 
 
+ROPE_IDENTITY = {"scale_t": 1.0, "scale_y": 1.0, "scale_x": 1.0, "shift_t": 0.0, "shift_y": 0.0, "shift_x": 0.0}
+
+
+def rope_summary(model_patcher) -> str:
+    """The model's RoPE scaling, as ComfyUI's ScaleROPE node sets it (``transformer_options["rope_options"]``,
+    read by 0.38.x's Wan ``rope_encode``), or "" when none or the identity. Part of the weights fingerprint:
+    scaled or shifted positions attend in other places, so that model's masks are its own (like a LoRA's).
+    Options a node sets after the Chorus nodes are not seen here."""
+    options = ((getattr(model_patcher, "model_options", None) or {}).get("transformer_options") or {})
+    rope = options.get("rope_options")
+    if not isinstance(rope, dict):
+        return ""
+    values = {}
+    for key in sorted(rope):
+        try:
+            values[key] = round(float(rope[key]), 6)
+        except (TypeError, ValueError):
+            values[key] = repr(rope[key])
+    if all(values.get(key, default) == default for key, default in ROPE_IDENTITY.items()) \
+            and set(values) <= set(ROPE_IDENTITY):
+        return ""
+    return f"rope:{values}"
+
+
 def model_dtypes(diffusion_model) -> dict:
     """Parameter name -> the dtype ComfyUI computes it in, where ComfyUI recorded one that differs from
     the stored tensor's (``<name>_comfy_model_dtype`` on the owning module, set when the model is built;
@@ -59,8 +83,9 @@ def comfy_model_info(model_patcher) -> ModelInfo:
     try:
         # weights with patches (LoRAs) are applied in place when ComfyUI loads the model: their values
         # differ between a loaded and an unloaded model, so only the patch description enters the hash
-        return wan_model_info(diffusion_model, fingerprint_extra=patch_summary(model_patcher),
-                              fingerprint_exclude=patched_keys, fingerprint_dtypes=model_dtypes(diffusion_model))
+        extra = patch_summary(model_patcher) + rope_summary(model_patcher)
+        return wan_model_info(diffusion_model, fingerprint_extra=extra, fingerprint_exclude=patched_keys,
+                              fingerprint_dtypes=model_dtypes(diffusion_model))
     except Exception as exc:  # noqa: BLE001
         return ModelInfo("unknown", type(diffusion_model).__name__, 0, 0, 0, 0, "", False,
                          f"could not inspect the model ({type(exc).__name__}: {exc})")

@@ -393,3 +393,22 @@ def test_fingerprint_is_the_same_before_and_after_a_dynamic_vram_load(adapter):
         for name, param in plain.model.diffusion_model.named_parameters():
             param.data = fp32_values[name].to(torch.bfloat16)
     assert adapter.comfy_model_info(plain).fingerprint == loaded.fingerprint
+
+
+def test_a_model_with_scaled_rope_has_its_own_fingerprint(adapter):
+    """ComfyUI's ScaleROPE node (``transformer_options["rope_options"]``, read by 0.38.x's Wan) moves the
+    positions attention sees: such a model's masks are its own, so its fingerprint differs; the node's
+    identity values change nothing."""
+    model = tiny.load_tiny_wan(tiny.tiny_wan_state_dict(seed=13))
+    base = adapter.comfy_model_info(model).fingerprint
+
+    def with_rope(**rope):
+        m = model.clone()
+        m.model_options.setdefault("transformer_options", {})["rope_options"] = rope
+        return adapter.comfy_model_info(m).fingerprint
+
+    identity = dict(scale_t=1.0, scale_y=1.0, scale_x=1.0, shift_t=0.0, shift_y=0.0, shift_x=0.0)
+    assert with_rope(**identity) == base
+    scaled = with_rope(**dict(identity, scale_t=0.5))
+    assert scaled != base and scaled == with_rope(**dict(identity, scale_t=0.5))
+    assert with_rope(**dict(identity, shift_x=4.0)) not in (base, scaled)
