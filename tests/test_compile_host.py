@@ -13,7 +13,8 @@ reuse and guidance keeps its reduced blocks inside the graph too and matches the
 ComfyUI's current ``TorchCompileModel`` compiles with a guard filter that drops every guard on
 ``transformer_options`` (``tests/host/comfy038.py``): the tests marked ``guards`` run both ways, and the
 last ones show what that filter needs from Chorus (a plain compiled model in the same process; a hit after
-a miss and the layer of each call where the host's attention breaks the graph).
+a miss and the layer of each call where the host's attention breaks the graph). One more compiles the
+blocks one by one, as KJNodes' compile nodes do by default.
 
 The backend is ``aot_eager`` (dynamo + AOTAutograd with the ops' fake implementations, no code
 generation: what breaks or recompiles is decided by dynamo, whatever backend follows). ComfyUI on a
@@ -375,6 +376,44 @@ def test_with_comfyui_s_guard_filter_a_hit_after_a_miss_is_sparse_on_each_layer_
     assert layer_of_call == list(range(layers)) * 4  # 4 forwards (2 steps per expert), layers in order
     assert any(backend.op_counts("attend")), "the hit's attention ran outside every graph"
     torch.testing.assert_close(hit_out, eager_out, rtol=1e-4, atol=1e-4)
+
+
+def test_blocks_compiled_one_by_one_run_a_miss_and_hits_as_the_eager_requests(nodes, experts, host_attention, dynamo):
+    """KJNodes' compile nodes compile each transformer block on its own by default
+    (``set_torch_compile_wrapper(keys=["diffusion_model.blocks.<i>", ...])``; no guard filter): the model's
+    forward, Chorus's wrappers and block patches stay eager, the blocks' self-attention reaches Chorus's
+    override inside each compiled block. A compiled miss records every call, and two compiled hits run
+    every call sparse, compile nothing in the second request and give the eager hit's output."""
+    from comfy_api.torch_helpers import set_torch_compile_wrapper
+
+    backend = CountingBackend()
+
+    def blockwise(plan):
+        models = []
+        for model in experts:
+            m = model.clone()
+            set_torch_compile_wrapper(m, backend=backend, keys=[f"diffusion_model.blocks.{i}" for i in range(LAYERS)])
+            models.append(nodes.ChorusSparseSampler.execute(model=m, plan=plan, top_p=0.9, k_min=1, refresh_steps=0,
+                                                            backend="auto").args[0])
+        return models
+
+    miss = _retrieve(nodes, IMAGE)
+    out = _request(*blockwise(miss))
+    assert miss.stats.recorded_calls == 4 * LAYERS and miss.stats.fallback_calls == 0, miss.stats.summary()
+    assert max(backend.op_counts("record_mass")) == 1  # one block per graph, its call recorded inside it
+    assert nodes.ChorusCacheWrite.execute(latent={"samples": out}, plan=miss).args[0].startswith("wrote entry")
+    eager_plan = _retrieve(nodes, IMAGE)
+    eager_out = _request(*_patch(nodes, experts, eager_plan))
+    outputs, after = [], []
+    for request in range(2):
+        hit = _retrieve(nodes, IMAGE)
+        assert hit.is_hit
+        outputs.append(_request(*blockwise(hit)))
+        assert hit.stats.sparse_calls == 4 * LAYERS and hit.stats.fallback_calls == 0, hit.stats.summary()
+        after.append((len(backend.graphs), dict(dynamo["frames"])))
+    assert any(backend.op_counts("attend")), "the hit's attention ran outside every compiled block"
+    assert after[1] == after[0], after
+    torch.testing.assert_close(outputs[0], eager_out, rtol=1e-4, atol=1e-4)
 
 
 def _compiled_variants(cls) -> dict:
