@@ -34,7 +34,8 @@ that copy):
 3. An override on top that is not recognised keeps its place (it decides what Chorus sees, as before).
 
 :func:`patch_note` (patch time: an override below the new patch) and :func:`run_note` (each sampler
-run: above or below, and the re-install callback) give the one line the nodes' UI text and the log
+run: above or below, and the re-install callback; also an unrecognised override applied after the Chorus
+nodes, which Chorus cannot see past) give the one line the nodes' UI text and the log
 show. Nothing here imports ComfyUI or runs per call.
 """
 
@@ -51,6 +52,15 @@ CORE_MARK_PREVIOUS = "_block_sparse_attention_previous"
 CORE_CALLBACK_KEY = "block_sparse_attention"
 ON_PREPARE_STATE = "on_prepare_state"  # comfy.patcher_extension.CallbacksMP.ON_PREPARE_STATE
 NODES_DOC = "docs/NODES.md, 'ComfyUI's own sparse attention'"
+ORDER_DOC = "docs/NODES.md, 'Other attention patches'"
+
+
+def _name(override) -> str:
+    """A readable name of an override (module and qualified name), for the notes."""
+    target = getattr(override, "func", override)  # a functools.partial: its function
+    module = (getattr(target, "__module__", None) or "").replace("\\", "/").rsplit("/", 1)[-1]
+    qualname = getattr(target, "__qualname__", None) or type(target).__name__
+    return f"{module}.{qualname}" if module else qualname
 
 
 def is_foreign_sparse(override) -> bool:
@@ -190,6 +200,11 @@ def run_note(model_options: dict | None, patcher, ours, has_sparse: bool) -> str
     get_callbacks = getattr(patcher, "get_callbacks", None)
     reinstalls = bool(get_callbacks(ON_PREPARE_STATE, CORE_CALLBACK_KEY)) if callable(get_callbacks) else False
     if not (stack.above or stack.below or reinstalls):
+        if stack.opaque_above and not stack.found:
+            return (f"another attention override ({_name(options.get(OVERRIDE))}) is on this model above Chorus's, "
+                    "applied after the Chorus nodes: Chorus sees only the calls it hands on, none when it does not "
+                    "chain the override it replaced (a SageAttention patch node, for one); apply it before the "
+                    f"Chorus nodes, which chain it ({ORDER_DOC})")
         return None
     where = ("applied after the Chorus nodes: above Chorus's override" if stack.above
              else "applied before the Chorus nodes: below Chorus's override" if stack.below

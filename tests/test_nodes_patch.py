@@ -374,3 +374,32 @@ def test_the_sparse_sampler_alone_hands_block_0_a_row_major_stream(cp, nodes, mo
     assert seen == [True] and torch.equal(out["img"], x)
     assert torch.equal(_sample(m), _sample(model))
     assert plan.stats.recorded_calls == 2 * LAYERS
+
+
+def sage_like_override(func, *args, **kwargs):
+    """An attention override as a SageAttention patch node sets it: its own backend for every call, the
+    override it replaced never called (here ComfyUI's PyTorch attention stands in for the backend)."""
+    import comfy.ldm.modules.attention as attention
+
+    return attention.attention_pytorch.__wrapped__(*args, **kwargs)
+
+
+def test_an_attention_override_applied_after_the_chorus_nodes_is_named_in_the_run_notes(nodes, model):
+    """Applied after the Chorus nodes, an override that does not chain the one it replaced hides every
+    call from Chorus: the run's notes say which override and how to order the nodes. Applied before
+    them, it is chained: the miss records every call and no such note appears."""
+    after = _miss()
+    patched = nodes["sparse"](model, after).clone()
+    patched.model_options["transformer_options"][OVERRIDE] = sage_like_override
+    _sample(patched, steps=1)
+    assert after.stats.recorded_calls == 0
+    notes = [m for m in after.stats.messages if "applied after the Chorus nodes" in m]
+    assert notes and "sage_like_override" in notes[0] and "apply it before the Chorus nodes" in notes[0], \
+        after.stats.messages
+
+    before = _miss()
+    first = model.clone()
+    first.model_options["transformer_options"][OVERRIDE] = sage_like_override
+    _sample(nodes["sparse"](first, before), steps=1)
+    assert before.stats.recorded_calls == LAYERS, before.stats.summary()
+    assert not any("applied after the Chorus nodes" in m for m in before.stats.messages), before.stats.messages
