@@ -1,19 +1,19 @@
 """Another sparse-attention override on the same model, and how Chorus composes with it.
 
-ComfyUI has one attention-override slot, ``transformer_options["optimized_attention_override"]``;
-overrides stack by chaining the one they replaced. Recognised here: the override of ComfyUI's core
-**Model Sparse Attention** node (node id ``BlockSparseAttention``, ``comfy_extras/
-nodes_sparse_attention.py`` of ComfyUI 0.38.x, read from source at 01dafad3): a closure
-``make_attention_override.<locals>.override`` that keeps the override it replaced in its ``previous``
-cell (a later version, stored at cf3103c5, also marks the function with ``_block_sparse_attention_patch`` /
-``_block_sparse_attention_previous``; either is recognised) and calls it for every call it declines (cross-attention, masks, sigmas outside its window, short
-sequences, non-CUDA tensors...). The node re-installs it ON TOP of whatever override is there at every
-step: an ``ON_PREPARE_STATE`` callback under the key ``"block_sparse_attention"`` wraps the current
-override again unless it is already one of its own. ComfyUI 0.38.x calls that callback as
-``callback(patcher, timestep, model_options)`` from ``_calc_cond_batch``, before the step's model calls,
-with the sampler run's ``model_options`` (``model_patcher.py`` at 08d0e510, ``samplers.py`` at
-311c0140). So whatever the node order, the core node is on top in every forward, and without the rule
-below Chorus would see only the core node's declined calls.
+ComfyUI has one attention-override slot, ``transformer_options["optimized_attention_override"]``; overrides
+stack by chaining the one they replaced. Recognised here: the override of ComfyUI's core **Model Sparse
+Attention** node (node id ``BlockSparseAttention``, ``comfy_extras/nodes_sparse_attention.py`` of ComfyUI
+0.38.x, read from source at 01dafad3): a closure ``make_attention_override.<locals>.override`` that keeps
+the override it replaced in its ``previous`` cell (a later version, stored at cf3103c5, also marks the
+function with ``_block_sparse_attention_patch`` / ``_block_sparse_attention_previous``; either is
+recognised) and calls it for every call it declines (cross-attention, masks, sigmas outside its window,
+short sequences, non-CUDA tensors...). The node re-installs it ON TOP of whatever override is there at every
+step: an ``ON_PREPARE_STATE`` callback under the key ``"block_sparse_attention"`` wraps the current override
+again unless it is already one of its own. ComfyUI 0.38.x calls that callback as ``callback(patcher,
+timestep, model_options)`` from ``_calc_cond_batch``, before the step's model calls, with the sampler run's
+``model_options`` (``model_patcher.py`` at 08d0e510, ``samplers.py`` at 311c0140). So whatever the node
+order, the core node is on top in every forward, and without the rule below Chorus would see only the core
+node's declined calls.
 
 **The composition rule** (``docs/NODES.md``), enforced per forward by :func:`forward_route`, which
 Chorus's ``DIFFUSION_MODEL`` wrapper (host side) applies to its copy of the forward's
@@ -35,8 +35,8 @@ that copy):
 
 :func:`patch_note` (patch time: an override below the new patch) and :func:`run_note` (each sampler
 run: above or below, and the re-install callback; also an unrecognised override applied after the Chorus
-nodes, which Chorus cannot see past) give the one line the nodes' UI text and the log
-show. Nothing here imports ComfyUI or runs per call.
+nodes, which Chorus cannot see past) give the one line the nodes' UI text and the log show. Nothing here
+imports ComfyUI or runs per call.
 """
 
 from __future__ import annotations
