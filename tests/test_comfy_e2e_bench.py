@@ -267,3 +267,27 @@ def test_a_profile_whose_raw_events_cannot_be_read_keeps_its_kernel_table(monkey
     assert profile["ops"] == {} and "duration_ns" in profile["ops_error"]
     assert set(profile) == {"gpu_ms_total", "kernels", "ops", "ops_error"}
     assert run.attention_kernels_ms(profile) is None
+
+
+def test_the_benchmark_compiles_through_the_host_s_own_node_in_either_signature(monkeypatch):
+    """``torch_compile_model`` drives the host's ``TorchCompileModel``: 0.3.64's ``execute(model, backend)``
+    (a clone carrying ComfyUI's compile wrapper), and later ComfyUI's ``execute(model, backend, mode)`` with
+    the mode left empty, as a graph that leaves the node's default does."""
+    import comfy_extras.nodes_torch_compile as host_node
+
+    from chorus.benchmarks.comfy_e2e import run
+
+    model = tiny.load_tiny_wan(tiny.tiny_wan_state_dict(seed=0))
+    compiled = run.torch_compile_model(model)
+    assert compiled is not model and compiled.model_options["torch_compile_kwargs"]["backend"] == "inductor"
+
+    calls = []
+
+    class LaterTorchCompileModel:
+        @classmethod
+        def execute(cls, model, backend, mode):
+            calls.append((model, backend, mode))
+            return type("Output", (), {"result": (model,)})()
+
+    monkeypatch.setattr(host_node, "TorchCompileModel", LaterTorchCompileModel)
+    assert run.torch_compile_model(model) is model and calls == [(model, "inductor", "")]

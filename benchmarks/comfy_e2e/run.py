@@ -102,6 +102,18 @@ COMPILED_HITS = ("hit15", "hit15_notail", "hitfr")
 SOL_VARIANTS = {"sol": 0.2, "sol_every": 0.0}
 
 
+def torch_compile_model(model):
+    """``model`` through the host's own ``TorchCompileModel`` node (inductor) as a user's graph runs it: in
+    0.3.64 ``execute(model, backend)``; in later ComfyUI also ``mode`` (left empty, the node's default, which
+    compiles with its guard filter: no dynamo guard on ``transformer_options``)."""
+    import inspect
+
+    from comfy_extras.nodes_torch_compile import TorchCompileModel
+
+    if "mode" in inspect.signature(TorchCompileModel.execute).parameters:
+        return TorchCompileModel.execute(model, "inductor", "").result[0]
+    return TorchCompileModel.execute(model, "inductor").result[0]
+
 def import_comfy(comfy_dir: Path, cpu: bool):
     """Import ComfyUI from a checkout (a benchmark, not the pack: the checkout goes on sys.path)."""
     if not (comfy_dir / "comfy" / "ldm" / "wan" / "model.py").is_file():
@@ -505,9 +517,7 @@ def run(args) -> dict:
                 models = []
                 for m in (high, low):
                     if compile_models:
-                        from comfy_extras.nodes_torch_compile import TorchCompileModel
-
-                        m = TorchCompileModel.execute(m, "inductor").result[0]
+                        m = torch_compile_model(m)
                     if plan is not None:
                         options = {"backend": backend}
                         if not tail:
