@@ -51,6 +51,7 @@ PATCH_KEY = "chorus_ii"            # transformer_options: the model's ChorusPatc
 WRAPPER_KEY = "chorus_ii"          # the keyed OUTER_SAMPLE / APPLY_MODEL / DIFFUSION_MODEL wrappers
 MODEL_KWARG = "chorus_ii_model"    # the keyword the APPLY_MODEL wrapper adds to a Chorus-patched model's calls
 OVERRIDE = "optimized_attention_override"
+MULTI_GPU_KEY = "multigpu_thread_device"  # a model call's transformer_options under ComfyUI's multi-GPU split
 CLIP_IMAGE_TOKENS = 257
 KEEP = object()  # configure(): leave that part as it is
 
@@ -156,6 +157,9 @@ class ChorusPatch:
         elif tokens in context_lengths:
             reason = (f"the latent has {tokens} tokens, as many as a cross-attention context: self- and "
                       "cross-attention cannot be told apart")
+        elif options.get(MULTI_GPU_KEY) is not None:
+            reason = ("ComfyUI's multi-GPU split (its MultiGPU CFG Split node) runs this model's calls on "
+                      "several GPUs at once; Chorus's maps and recordings live on one GPU, so it stays out")
         sigma = None
         sigmas = options.get("sigmas")
         if isinstance(sigmas, torch.Tensor) and sigmas.numel() > 0:

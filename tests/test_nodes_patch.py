@@ -403,3 +403,18 @@ def test_an_attention_override_applied_after_the_chorus_nodes_is_named_in_the_ru
     _sample(nodes["sparse"](first, before), steps=1)
     assert before.stats.recorded_calls == LAYERS, before.stats.summary()
     assert not any("applied after the Chorus nodes" in m for m in before.stats.messages), before.stats.messages
+
+
+def test_under_comfyui_s_multi_gpu_split_chorus_stays_out_with_a_note(cp, nodes, model):
+    """ComfyUI's multi-GPU split (its MultiGPU CFG Split node) runs a step's cond and uncond calls on two
+    GPUs at once, each call's options naming its device (``multigpu_thread_device``): Chorus's maps and
+    recordings live on one GPU, so every such call runs dense (the unpatched model's output, bit for bit),
+    counted and noted."""
+    plan = _miss()
+    m = nodes["sparse"](model, plan)
+    m.model_options["transformer_options"][cp.MULTI_GPU_KEY] = torch.device("cpu")
+    plain = model.clone()
+    plain.model_options.setdefault("transformer_options", {})[cp.MULTI_GPU_KEY] = torch.device("cpu")
+    assert torch.equal(_sample(m, steps=1), _sample(plain, steps=1))
+    assert plan.stats.recorded_calls == 0 and plan.stats.fallback_calls == LAYERS, plan.stats.summary()
+    assert any("multi-GPU split" in msg for msg in plan.stats.messages), plan.stats.messages
