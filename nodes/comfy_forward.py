@@ -28,8 +28,8 @@ MODE_KEY = "chorus_ii_mode"        # a forward's options copy: "attend" | "recor
 TOKENS_KEY = "chorus_ii_tokens"    # a forward's options copy: the token grid's length
 GAIN_KEY = "chorus_ii_gain"        # a forward's options copy: guidance's cross-attention gain
 REUSE_KEY = "chorus_ii_feature_reuse"  # a forward's options copy: "record" (a miss records region scores)
-REDUCE_KEY = "chorus_ii_reduce"    # a forward's options copy: (from_layer, compact length, compact attention) of
-                                   # the forward's feature-reuse Reduction (a hit whose blocks it reduces)
+REDUCE_KEY = "chorus_ii_reduce"    # a forward's options copy: (compact length, compact attention) of the
+                                   # forward's feature-reuse Reduction (a hit whose blocks it reduces)
 DENSE_KEY = "chorus_ii_dense"      # a forward's options copy: (chain,) for Chorus's own dense calls, when it
                                    # is not the override's own chain (a foreign sparse override skipped)
 FORWARD_KEY = "chorus_ii_forward"  # a forward's options copy: its constants as one string (publish())
@@ -106,7 +106,7 @@ class ChorusBlock:
         options = constants(args.get("transformer_options") or {})
         reduce = options.get(REDUCE_KEY)
         if reduce is not None and self.reducible and self.previous is None:
-            reduced = self._reduced(args, extra, reduce[1])
+            reduced = self._reduced(args, extra, reduce[0])
             if reduced is not None:
                 return reduced
         out = self._run(args, extra)

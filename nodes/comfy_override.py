@@ -76,7 +76,7 @@ class ChorusOverride:
             return out if gain is None else out * gain
         mode = forward.get(MODE_KEY)
         reduce = forward.get(REDUCE_KEY)
-        compact = reduce is not None and reduce[2] and q.shape[1] == v.shape[1] == reduce[1]
+        compact = reduce is not None and reduce[1] and q.shape[1] == v.shape[1] == reduce[0]
         if compact:
             mode = "attend"  # a reduced block's pooled keys weigh as their cells' tokens (also without a map)
         elif mode is None or q.shape[1] != tokens or v.shape[1] != tokens:

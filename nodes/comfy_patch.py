@@ -198,7 +198,7 @@ class ChorusPatch:
             if self.feature_reuse is not None and self.plan is not None and not self.plan.is_hit:
                 options[REUSE_KEY] = "record"
             if reduction is not None:
-                options[REDUCE_KEY] = (reduction.from_layer, reduction.compact_length, reduction.compact_attention)
+                options[REDUCE_KEY] = (reduction.compact_length, reduction.compact_attention)
         comfy_forward.publish(options)
         return options
 
