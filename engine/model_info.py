@@ -90,8 +90,8 @@ def wan_model_info(module: torch.nn.Module, *, fingerprint_extra: str = "",
     module gives ``supported=False`` with a reason (never raises for a module of another kind).
     """
     name = type(module).__name__
-    fp = (weights_fingerprint(module, extra=fingerprint_extra, exclude=fingerprint_exclude, dtypes=fingerprint_dtypes)
-          if isinstance(module, torch.nn.Module) else "")
+    fp = (weights_fingerprint(module, extra=fingerprint_extra, exclude=fingerprint_exclude,
+                              dtypes=fingerprint_dtypes) if isinstance(module, torch.nn.Module) else "")
     if name == "WanModel" and hasattr(module, "in_dim"):  # ComfyUI comfy.ldm.wan.model.WanModel
         num_layers, num_heads = int(module.num_layers), int(module.num_heads)
         head_dim = int(module.dim) // num_heads

@@ -55,10 +55,16 @@ NODES_DOC = "docs/NODES.md, 'ComfyUI's own sparse attention'"
 ORDER_DOC = "docs/NODES.md, 'Other attention patches'"
 
 
+def _module_name(obj) -> str:
+    """``obj``'s module name without a file path (ComfyUI loads comfy_extras and custom-node files under
+    their path as module name)."""
+    return (getattr(obj, "__module__", None) or "").replace("\\", "/").rsplit("/", 1)[-1]
+
+
 def _name(override) -> str:
     """A readable name of an override (module and qualified name), for the notes."""
     target = getattr(override, "func", override)  # a functools.partial: its function
-    module = (getattr(target, "__module__", None) or "").replace("\\", "/").rsplit("/", 1)[-1]
+    module = _module_name(target)
     qualname = getattr(target, "__qualname__", None) or type(target).__name__
     return f"{module}.{qualname}" if module else qualname
 
@@ -68,9 +74,8 @@ def is_foreign_sparse(override) -> bool:
     Model Sparse Attention node's closure, by its mark or by module and factory name)."""
     if getattr(override, CORE_MARK, None) is not None:
         return True
-    module = getattr(override, "__module__", None) or ""
     qualname = getattr(override, "__qualname__", None) or ""
-    tail = module.replace("\\", "/").rsplit("/", 1)[-1].rsplit(".", 1)[-1]
+    tail = _module_name(override).rsplit(".", 1)[-1]
     return tail == CORE_MODULE_TAIL and qualname.startswith(CORE_FACTORY)
 
 

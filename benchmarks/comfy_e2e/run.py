@@ -114,6 +114,7 @@ def torch_compile_model(model):
         return TorchCompileModel.execute(model, "inductor", "").result[0]
     return TorchCompileModel.execute(model, "inductor").result[0]
 
+
 def import_comfy(comfy_dir: Path, cpu: bool):
     """Import ComfyUI from a checkout (a benchmark, not the pack: the checkout goes on sys.path)."""
     if not (comfy_dir / "comfy" / "ldm" / "wan" / "model.py").is_file():
