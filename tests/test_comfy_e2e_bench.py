@@ -272,7 +272,8 @@ def test_a_profile_whose_raw_events_cannot_be_read_keeps_its_kernel_table(monkey
 def test_the_benchmark_compiles_through_the_host_s_own_node_in_either_signature(monkeypatch):
     """``torch_compile_model`` drives the host's ``TorchCompileModel``: 0.3.64's ``execute(model, backend)``
     (a clone carrying ComfyUI's compile wrapper), and later ComfyUI's ``execute(model, backend, mode)`` with
-    the mode left empty, as a graph that leaves the node's default does."""
+    the mode left empty, as a graph that leaves the node's default does; ``guard_filter`` on 0.3.64: the host's
+    compile wrapper with later ComfyUI's guard filter."""
     import comfy_extras.nodes_torch_compile as host_node
 
     from chorus.benchmarks.comfy_e2e import run
@@ -280,6 +281,24 @@ def test_the_benchmark_compiles_through_the_host_s_own_node_in_either_signature(
     model = tiny.load_tiny_wan(tiny.tiny_wan_state_dict(seed=0))
     compiled = run.torch_compile_model(model)
     assert compiled is not model and compiled.model_options["torch_compile_kwargs"]["backend"] == "inductor"
+    if not run.host_compiles_with_guard_filter():  # 0.3.64: no filter unless --guard-filter asks for it
+        assert compiled.model_options["torch_compile_kwargs"]["options"] is None
+        compile_calls, torch_compile = [], torch.compile
+
+        def recording_compile(model, **kwargs):
+            compile_calls.append(dict(kwargs, options=dict(kwargs["options"] or {})))  # torch.compile pops from it
+            return torch_compile(model, **kwargs)
+
+        monkeypatch.setattr(torch, "compile", recording_compile)
+        filtered = run.torch_compile_model(model, guard_filter=True)
+        assert filtered is not model and filtered.model_options["torch_compile_kwargs"]["backend"] == "inductor"
+        assert "torch_compile_kwargs" not in model.model_options
+        [kwargs] = compile_calls
+        names = ["L['kwargs']['transformer_options']['patches']", "L['x'].size()[2]"]
+        entries = [type("Guard", (), {"name": n})() for n in names]
+        assert kwargs["backend"] == "inductor" and kwargs["options"]["guard_filter_fn"](entries) == [False, True]
+    with pytest.raises(SystemExit):
+        run.main(["--tiny", "--out", "unused", "--guard-filter"])  # needs --compile
 
     calls = []
 
@@ -291,3 +310,4 @@ def test_the_benchmark_compiles_through_the_host_s_own_node_in_either_signature(
 
     monkeypatch.setattr(host_node, "TorchCompileModel", LaterTorchCompileModel)
     assert run.torch_compile_model(model) is model and calls == [(model, "inductor", "")]
+    assert run.torch_compile_model(model, guard_filter=True) is model and calls[-1] == (model, "inductor", "")

@@ -1,7 +1,7 @@
 """The benchmark of record: Chorus II inside ComfyUI's own ``WanModel``, driven through the nodes.
 
 ``python -m benchmarks.comfy_e2e.run --comfyui DIR --out OUT [--res 480p 720p] [--weights bf16 fp8]
-[--variants dense miss hit15 hit5 hitfr] [--compile] [--layers 40] [--profile]`` (``--tiny``: the same
+[--variants dense miss hit15 hit5 hitfr] [--compile [--guard-filter]] [--layers 40] [--profile]`` (``--tiny``: the same
 code at toy sizes on the CPU, for tests; ``--profile``: one more step of each variant under
 ``torch.profiler``, its top kernels by GPU time in the JSON, and a hit's attention call's kernels beside
 its per-call time in the table).
@@ -40,6 +40,9 @@ What runs (everything side by side in one process, one GPU):
   (compilation included) is the row's ``first_request_s``, and what compiling took in it
   ``first_request_compile`` (dynamo and inductor, and each Triton kernel built: :class:`CompileLog`); each
   recompile of the row's two requests is in ``dynamo.recompile_reasons`` (:class:`RecompileLog`).
+  ``--guard-filter``: compile as later ComfyUI's ``TorchCompileModel`` does by default, with no dynamo guard
+  on ``transformer_options``, on a host whose node does not (0.3.64; ``compile_guard_filter`` in the JSON says
+  which way the rows compiled).
   ``--compiled-only``: those rows alone, each compared with ``dense+compile`` (a hit still needs the entry the
   eager miss writes: that miss runs and is reported), so a 720p compiled comparison fits one shorter run.
 * Timing: each variant runs one warm-up step (high expert, step 0 -> 1: Triton and cuDNN compile there),
@@ -102,17 +105,40 @@ COMPILED_HITS = ("hit15", "hit15_notail", "hitfr")
 SOL_VARIANTS = {"sol": 0.2, "sol_every": 0.0}
 
 
-def torch_compile_model(model):
-    """``model`` through the host's own ``TorchCompileModel`` node (inductor) as a user's graph runs it: in
-    0.3.64 ``execute(model, backend)``; in later ComfyUI also ``mode`` (left empty, the node's default, which
-    compiles with its guard filter: no dynamo guard on ``transformer_options``)."""
+def drop_transformer_options_guards(guard_entries) -> list[bool]:
+    """Later ComfyUI's ``TorchCompileModel`` guard filter (its ``mode`` left empty): keep a dynamo guard unless
+    its name mentions ``transformer_options``."""
+    return ["transformer_options" not in entry.name for entry in guard_entries]
+
+
+def host_compiles_with_guard_filter() -> bool:
+    """Whether the host's ``TorchCompileModel`` has later ComfyUI's ``mode`` input (left empty, its default, it
+    compiles with :func:`drop_transformer_options_guards`'s filter)."""
     import inspect
 
     from comfy_extras.nodes_torch_compile import TorchCompileModel
 
-    if "mode" in inspect.signature(TorchCompileModel.execute).parameters:
+    return "mode" in inspect.signature(TorchCompileModel.execute).parameters
+
+
+def torch_compile_model(model, guard_filter: bool = False):
+    """``model`` through the host's own ``TorchCompileModel`` node (inductor) as a user's graph runs it: in
+    0.3.64 ``execute(model, backend)``; in later ComfyUI also ``mode`` (left empty, the node's default, which
+    compiles with its guard filter: no dynamo guard on ``transformer_options``). ``guard_filter`` on a host
+    whose node has no ``mode`` (0.3.64): compile as later ComfyUI's node does, through the host's own
+    ``set_torch_compile_wrapper`` with :func:`drop_transformer_options_guards`."""
+    from comfy_extras.nodes_torch_compile import TorchCompileModel
+
+    if host_compiles_with_guard_filter():
         return TorchCompileModel.execute(model, "inductor", "").result[0]
-    return TorchCompileModel.execute(model, "inductor").result[0]
+    if not guard_filter:
+        return TorchCompileModel.execute(model, "inductor").result[0]
+    from comfy_api.torch_helpers import set_torch_compile_wrapper
+
+    compiled = model.clone()
+    set_torch_compile_wrapper(model=compiled, backend="inductor",
+                              options={"guard_filter_fn": drop_transformer_options_guards})
+    return compiled
 
 
 def import_comfy(comfy_dir: Path, cpu: bool):
@@ -485,6 +511,8 @@ def run(args) -> dict:
         shape = dict(shape, num_layers=args.layers)
     results = {"command": " ".join(sys.argv), "device": torch.cuda.get_device_name() if not cpu else "cpu",
                "torch": torch.__version__, "shape": shape, "runs": []}
+    if args.compile:
+        results["compile_guard_filter"] = args.guard_filter or host_compiles_with_guard_filter()
     if not cpu:
         import triton
 
@@ -518,7 +546,7 @@ def run(args) -> dict:
                 models = []
                 for m in (high, low):
                     if compile_models:
-                        m = torch_compile_model(m)
+                        m = torch_compile_model(m, guard_filter=args.guard_filter)
                     if plan is not None:
                         options = {"backend": backend}
                         if not tail:
@@ -936,6 +964,9 @@ def main(argv=None) -> int:
     p.add_argument("--compile", action="store_true",
                    help="also dense, miss, hit15 and hitfr (those asked for) under TorchCompileModel")
     p.add_argument("--compile-res", nargs="+", default=["480p", "720p", "tiny"], help="resolutions --compile applies to")
+    p.add_argument("--guard-filter", action="store_true",
+                   help="with --compile: compile as later ComfyUI's TorchCompileModel does by default (no dynamo "
+                        "guard on transformer_options) where the host's node does not (0.3.64)")
     p.add_argument("--compiled-only", action="store_true",
                    help="with --compile: only the compiled rows, each beside compiled dense (the eager miss still "
                         "runs when a hit variant needs its entry)")
@@ -949,11 +980,16 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.compiled_only and not args.compile:
         p.error("--compiled-only needs --compile")
+    if args.guard_filter and not args.compile:
+        p.error("--guard-filter needs --compile")
     if args.tiny:
         args.res = ["tiny"]
     results = run(args)
     save(results, args.out)
     print(table(results))
+    if "compile_guard_filter" in results:
+        print(f"compiled rows: {'with' if results['compile_guard_filter'] else 'without'} later ComfyUI's guard filter "
+              "(no dynamo guard on transformer_options)")
     print(f"wall {results['wall_s']:.1f} s")
     return 0
 
