@@ -52,6 +52,9 @@ WRAPPER_KEY = "chorus_ii"          # the keyed OUTER_SAMPLE / APPLY_MODEL / DIFF
 MODEL_KWARG = "chorus_ii_model"    # the keyword the APPLY_MODEL wrapper adds to a Chorus-patched model's calls
 OVERRIDE = "optimized_attention_override"
 MULTI_GPU_KEY = "multigpu_thread_device"  # a model call's transformer_options under ComfyUI's multi-GPU split
+# transformer_options["patches"] entries that ComfyUI 0.38.x's Wan calls inside every block with that block's
+# tokens (its MultiTalk / InfiniteTalk audio among them): they may need the whole sequence, as laid out
+SEQUENCE_PATCHES = ("attn1_patch", "attn2_patch")
 CLIP_IMAGE_TOKENS = 257
 KEEP = object()  # configure(): leave that part as it is
 
@@ -169,7 +172,13 @@ class ChorusPatch:
         reduction = None
         if reason is None and sigma is not None and self.feature_reuse is not None and self.plan is not None \
                 and self.plan.is_hit:
-            reduction = self.feature_reuse.reduction(sigma, grid, x.device, avoid_lengths=context_lengths)
+            inside = sorted(name for name in SEQUENCE_PATCHES if (options.get("patches") or {}).get(name))
+            if inside:
+                self.note(f"feature reuse: this model carries other attention patches ({', '.join(inside)}, "
+                          "e.g. ComfyUI's MultiTalk / InfiniteTalk audio) that read each block's whole "
+                          "sequence: its blocks run in full")
+            else:
+                reduction = self.feature_reuse.reduction(sigma, grid, x.device, avoid_lengths=context_lengths)
         if reduction is not None:
             chained = sorted(key[1] for key, block in ((options.get("patches_replace") or {}).get("dit") or {}).items()
                              if isinstance(block, ChorusBlock) and block.previous is not None)

@@ -228,6 +228,46 @@ def test_sampling_in_the_038_convention_matches_0364_on_a_miss_and_a_hit(model, 
     assert not torch.equal(hit_038, dense_038)  # feature reuse and guidance acted
 
 
+def test_feature_reuse_runs_blocks_in_full_where_another_pack_s_attention_patch_reads_the_sequence(model, latent,
+                                                                                                      conv038):
+    """0.38.x's Wan calls ``attn1_patch`` / ``attn2_patch`` patches inside each block with the block's tokens
+    (ComfyUI's MultiTalk audio patch lays them out by ``grid_sizes``, which a compact sequence breaks): with such a
+    patch a hit with feature reuse runs every block in full, sparse as before, and says why; a post-block
+    ``double_block`` patch sees the whole sequence either way, so feature reuse still reduces beside it."""
+    tokens = LATENT[2] * (LATENT[3] // 2) * (LATENT[4] // 2)
+    seen = {"attn1_patch": [], "attn2_patch": [], "double_block": []}
+
+    def by_grid(name):
+        def patch(args):
+            x = args["img"] if name == "double_block" else args["x"]
+            grid = args["transformer_options"]["grid_sizes"]
+            seen[name].append(x.shape[1])
+            if x.shape[1] != grid[0] * grid[1] * grid[2]:
+                raise RuntimeError(f"{name}: {x.shape[1]} tokens do not lay out as the grid {tuple(grid)}")
+            return {"img": x} if name == "double_block" else x
+        return patch
+
+    miss = _miss()
+    _sample(_patch(model, miss, feature_reuse=True), latent)  # records the entry's maps and region scores
+    hit = full_map_hit(miss)
+    patched = _patch(model, hit, feature_reuse=True).clone()
+    patched.set_model_attn1_patch(by_grid("attn1_patch"))
+    patched.set_model_attn2_patch(by_grid("attn2_patch"))
+    out = _sample(patched, latent)
+    assert torch.isfinite(out).all()
+    assert seen["attn1_patch"] == seen["attn2_patch"] == [tokens] * (STEPS * LAYERS)
+    assert hit.stats.sparse_calls == STEPS * LAYERS and hit.stats.fallback_calls == 0, hit.stats.messages
+    assert hit.state.feature_reuse.blocks_reduced == 0
+    assert any("attn1_patch, attn2_patch" in m and "run in full" in m for m in hit.stats.messages), hit.stats.messages
+
+    hit = full_map_hit(miss)
+    patched = _patch(model, hit, feature_reuse=True).clone()
+    patched.set_model_patch(by_grid("double_block"), "double_block")
+    _sample(patched, latent)
+    assert seen["double_block"] == [tokens] * (STEPS * LAYERS)
+    assert hit.state.feature_reuse.blocks_reduced > 0 and hit.stats.sparse_calls == STEPS * LAYERS
+
+
 # -- ComfyUI's core Model Sparse Attention node in the same graph -------------------------------------
 
 @pytest.mark.parametrize("order", ["core_first", "chorus_first"])

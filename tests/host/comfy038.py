@@ -22,7 +22,13 @@ public source as read on 2026-12-02 (behaviour described, no code taken), at the
   CUDA ones: the same math) and runs the FFN as ``linear_input_act(ffn[2], ffn[0](x), "gelu_tanh")``
   (the GELU folded into the down projection: the same math). ``forward_orig`` stores ``grid_sizes``,
   ``total_blocks``, ``block_type="double"`` and, before each block, ``block_index`` in
-  ``transformer_options``; the ``("double_block", i)`` patch arguments are unchanged.
+  ``transformer_options``; the ``("double_block", i)`` patch arguments are unchanged. Other packs' patches
+  in ``transformer_options["patches"]``: each ``attn1_patch`` gets ``{"x", "q", "k", "transformer_options"}``
+  after self-attention (x ``[B, L, H*D]``, q and k the RoPE'd ``[B, L, H, D]``) and returns x; each
+  ``attn2_patch`` gets ``{"x", "transformer_options"}`` after cross-attention and returns x (ComfyUI's
+  MultiTalk / InfiniteTalk audio uses both: its attn2 patch reshapes x by ``grid_sizes``); after each block
+  (and its replacement) each ``double_block`` patch gets ``{"img", "x", "vec", "block_index",
+  "img_offset", "transformer_options"}`` and returns ``{"img": ...}``.
 - ``comfy_extras/nodes_torch_compile.py`` (as stored on 2026-12-05; 0.3.64 has no such filter):
   ``TorchCompileModel`` clones with ``disable_dynamic=True`` and, unless its ``mode`` input is set, compiles
   with ``options={"guard_filter_fn": ...}`` keeping only the dynamo guards whose name does not contain
@@ -150,6 +156,8 @@ def self_attention_forward(self, x, freqs, transformer_options={}):  # noqa: B00
     boxed = [AttentionTensorContainer(t.view(batch, length, heads * size)) for t in (q, k, self.v(x))]
     out = optimized_attention(*boxed, heads=heads, preferred_attention=_preferred(self),
                               transformer_options=transformer_options)
+    for patch in transformer_options.get("patches", {}).get("attn1_patch", ()):
+        out = patch({"x": out, "q": q, "k": k, "transformer_options": transformer_options})
     return self.o(out)
 
 
@@ -194,15 +202,19 @@ def block_forward(self, x, e, freqs, context, context_img_len=257, transformer_o
                                         transformer_options=transformer_options), repeat_e(e[2], x))
     x = x + self.cross_attn(self.norm3(x), context, context_img_len=context_img_len,
                             transformer_options=transformer_options)
+    for patch in transformer_options.get("patches", {}).get("attn2_patch", ()):
+        x = patch({"x": x, "transformer_options": transformer_options})
     hidden = torch.nn.functional.gelu(self.ffn[0](modulate(x, self.norm2, e[3], e[4])), approximate="tanh")
     return torch.addcmul(x, self.ffn[2](hidden), repeat_e(e[5], x))
 
 
 def forward_orig(self, x, t, context, clip_fea=None, freqs=None, transformer_options={}, **kwargs):  # noqa: B006
     """WanModel.forward_orig, 0.38.x convention, for the plain WanModel (no reference / in-context
-    latents): per-block ``block_index`` and the other block keys in ``transformer_options``."""
+    latents): per-block ``block_index`` and the other block keys in ``transformer_options``; after each
+    block the ``patches["double_block"]`` patches (module docstring)."""
     from comfy.ldm.wan.model import sinusoidal_embedding_1d
 
+    x_input = x
     x = self.patch_embedding(x.float()).to(x.dtype)
     grid_sizes = x.shape[2:]
     transformer_options["grid_sizes"] = grid_sizes
@@ -228,6 +240,9 @@ def forward_orig(self, x, t, context, clip_fea=None, freqs=None, transformer_opt
         args = {"img": x, "txt": context, "vec": e0, "pe": freqs, "transformer_options": transformer_options}
         patch = replace.get(("double_block", index))
         x = patch(args, {"original_block": original_block})["img"] if patch is not None else original_block(args)["img"]
+        for after in transformer_options.get("patches", {}).get("double_block", ()):
+            x = after({"img": x, "x": x_input, "vec": e, "block_index": index, "img_offset": 0,
+                       "transformer_options": transformer_options})["img"]
     x = self.head(x, e)
     return self.unpatchify(x, grid_sizes)
 
