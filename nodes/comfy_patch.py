@@ -52,9 +52,10 @@ WRAPPER_KEY = "chorus_ii"          # the keyed OUTER_SAMPLE / APPLY_MODEL / DIFF
 MODEL_KWARG = "chorus_ii_model"    # the keyword the APPLY_MODEL wrapper adds to a Chorus-patched model's calls
 OVERRIDE = "optimized_attention_override"
 MULTI_GPU_KEY = "multigpu_thread_device"  # a model call's transformer_options under ComfyUI's multi-GPU split
-# transformer_options["patches"] entries that ComfyUI 0.38.x's Wan calls inside every block with that block's
-# tokens (its MultiTalk / InfiniteTalk audio among them): they may need the whole sequence, as laid out
-SEQUENCE_PATCHES = ("attn1_patch", "attn2_patch")
+# transformer_options["patches"] entries that ComfyUI's Wan calls inside every block with that block's tokens
+# (0.38.x: attn1_patch / attn2_patch, where its MultiTalk / InfiniteTalk audio sits; earlier MultiTalk
+# versions: cross_attn): they may need the whole sequence, as laid out
+SEQUENCE_PATCHES = ("attn1_patch", "attn2_patch", "cross_attn")
 CLIP_IMAGE_TOKENS = 257
 KEEP = object()  # configure(): leave that part as it is
 

@@ -233,7 +233,8 @@ def test_feature_reuse_runs_blocks_in_full_where_another_pack_s_attention_patch_
     """0.38.x's Wan calls ``attn1_patch`` / ``attn2_patch`` patches inside each block with the block's tokens
     (ComfyUI's MultiTalk audio patch lays them out by ``grid_sizes``, which a compact sequence breaks): with such a
     patch a hit with feature reuse runs every block in full, sparse as before, and says why; a post-block
-    ``double_block`` patch sees the whole sequence either way, so feature reuse still reduces beside it."""
+    ``double_block`` patch sees the whole sequence either way, so feature reuse still reduces beside it; a
+    ``cross_attn`` patch (earlier MultiTalk versions' key, not called by these doubles) is taken as the first kind."""
     tokens = LATENT[2] * (LATENT[3] // 2) * (LATENT[4] // 2)
     seen = {"attn1_patch": [], "attn2_patch": [], "double_block": []}
 
@@ -266,6 +267,13 @@ def test_feature_reuse_runs_blocks_in_full_where_another_pack_s_attention_patch_
     _sample(patched, latent)
     assert seen["double_block"] == [tokens] * (STEPS * LAYERS)
     assert hit.state.feature_reuse.blocks_reduced > 0 and hit.stats.sparse_calls == STEPS * LAYERS
+
+    hit = full_map_hit(miss)  # earlier MultiTalk versions' key for the same kind of patch
+    patched = _patch(model, hit, feature_reuse=True).clone()
+    patched.set_model_patch(by_grid("cross_attn"), "cross_attn")
+    _sample(patched, latent)
+    assert hit.state.feature_reuse.blocks_reduced == 0 and hit.stats.sparse_calls == STEPS * LAYERS
+    assert any("(cross_attn," in m for m in hit.stats.messages), hit.stats.messages
 
 
 # -- ComfyUI's core Model Sparse Attention node in the same graph -------------------------------------
