@@ -153,17 +153,7 @@ class ChorusPatch:
             context_lengths.add(int(context.shape[1]))
         if clip_fea is not None:
             context_lengths.add(CLIP_IMAGE_TOKENS)
-        reason = None
-        if self._run_failed is not None:
-            reason = self._run_failed
-        elif extra_tokens is not None:
-            reason = f"extra tokens in this model call ({extra_tokens})"
-        elif tokens in context_lengths:
-            reason = (f"the latent has {tokens} tokens, as many as a cross-attention context: self- and "
-                      "cross-attention cannot be told apart")
-        elif options.get(MULTI_GPU_KEY) is not None:
-            reason = ("ComfyUI's multi-GPU split (its MultiGPU CFG Split node) runs this model's calls on "
-                      "several GPUs at once; Chorus's maps and recordings live on one GPU, so it stays out")
+        reason = self._stay_out_reason(tokens, context_lengths, extra_tokens, options)
         sigma = None
         sigmas = options.get("sigmas")
         if isinstance(sigmas, torch.Tensor) and sigmas.numel() > 0:
@@ -171,20 +161,8 @@ class ChorusPatch:
         elif isinstance(sigmas, (int, float)):
             sigma = float(sigmas)
         reduction = None
-        if reason is None and sigma is not None and self.feature_reuse is not None and self.plan is not None \
-                and self.plan.is_hit:
-            inside = sorted(name for name in SEQUENCE_PATCHES if (options.get("patches") or {}).get(name))
-            if inside:
-                self.note(f"feature reuse: this model carries other attention patches ({', '.join(inside)}, "
-                          "e.g. ComfyUI's MultiTalk / InfiniteTalk audio) that read each block's whole "
-                          "sequence: its blocks run in full")
-            else:
-                reduction = self.feature_reuse.reduction(sigma, grid, x.device, avoid_lengths=context_lengths)
-        if reduction is not None:
-            chained = sorted(key[1] for key, block in ((options.get("patches_replace") or {}).get("dit") or {}).items()
-                             if isinstance(block, ChorusBlock) and block.previous is not None)
-            if chained:
-                self.note(f"feature reuse: layers {chained} carry another block patch and run in full")
+        if reason is None and sigma is not None:
+            reduction = self._reduction(sigma, grid, x.device, context_lengths, options)
         ctx = engine_attend.begin_forward(self.attention, self.guidance, grid, sigma, options.get("cond_or_uncond"),
                                           self.note, reason, self.feature_reuse, reduction)
         route = override_stack.forward_route(self.previous_override, options.get(OVERRIDE))
@@ -211,6 +189,41 @@ class ChorusPatch:
                 options[REDUCE_KEY] = (reduction.compact_length, reduction.compact_attention)
         comfy_forward.publish(options)
         return options
+
+    def _stay_out_reason(self, tokens: int, context_lengths: set, extra_tokens, options: dict) -> str | None:
+        """Why Chorus stays out of this forward (dense attention, full blocks), or None."""
+        if self._run_failed is not None:
+            return self._run_failed
+        if extra_tokens is not None:
+            return f"extra tokens in this model call ({extra_tokens})"
+        if tokens in context_lengths:
+            return (f"the latent has {tokens} tokens, as many as a cross-attention context: self- and "
+                    "cross-attention cannot be told apart")
+        if options.get(MULTI_GPU_KEY) is not None:
+            return ("ComfyUI's multi-GPU split (its MultiGPU CFG Split node) runs this model's calls on "
+                    "several GPUs at once; Chorus's maps and recordings live on one GPU, so it stays out")
+        return None
+
+    def _reduction(self, sigma: float, grid, device, context_lengths: set, options: dict):
+        """Feature reuse's reduction of this forward (a hit's), or None: none either where another pack's
+        patch inside Wan's blocks (:data:`SEQUENCE_PATCHES`) reads the whole sequence (noted); layers whose
+        block patch chains another pack's run in full (noted)."""
+        if self.feature_reuse is None or self.plan is None or not self.plan.is_hit:
+            return None
+        inside = sorted(name for name in SEQUENCE_PATCHES if (options.get("patches") or {}).get(name))
+        if inside:
+            self.note(f"feature reuse: this model carries other attention patches ({', '.join(inside)}, "
+                      "e.g. ComfyUI's MultiTalk / InfiniteTalk audio) that read each block's whole "
+                      "sequence: its blocks run in full")
+            return None
+        reduction = self.feature_reuse.reduction(sigma, grid, device, avoid_lengths=context_lengths)
+        if reduction is not None:
+            chained = sorted(key[1] for key, block in ((options.get("patches_replace") or {}).get("dit") or {}).items()
+                             if isinstance(block, ChorusBlock) and block.previous is not None)
+            if chained:
+                self.note(f"feature reuse: layers {chained} carry another block patch and run in full")
+        return reduction
+
 
 @torch.compiler.disable
 def _begin_forward(args, kwargs):
