@@ -12,7 +12,9 @@ are taken once; ``scale`` is honoured on a miss and on a hit; ``enable_gqa``, lo
 and unknown kwargs run dense with a note; with the core node before or after Chorus's nodes a hit
 really runs Chorus's map (sparse calls counted, the core node's sparse attention never runs on
 self-attention) and a miss really records dense attention (output equal to the unpatched model's);
-without a sparse sampler part the core node keeps self-attention; the UI / log lines say so.
+without a sparse sampler part the core node keeps self-attention; the UI / log lines say so; another
+pack's patch inside Wan's blocks (``attn1_patch`` / ``attn2_patch``, MultiTalk's audio) makes feature reuse
+run the blocks in full, a post-block ``double_block`` patch does not.
 """
 
 from __future__ import annotations
