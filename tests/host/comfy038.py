@@ -38,8 +38,12 @@ public source as read on 2026-12-02 (behaviour described, no code taken), at the
   ``ON_PREPARE_STATE`` callback as ``callback(patcher, timestep, model_options)``; ``_calc_cond_batch``
   calls it with the step's ``model_options`` before the model calls (0.3.64: ``prepare_state(timestep)``
   and ``callback(patcher, timestep)``).
+- ``comfy/context_windows.py`` (comfyanonymous/ComfyUI @ 0258521e): ``IndexListContextHandler.get_resized_cond``
+  also cuts a model cond whose tensor has the window dimension (``cond.size(dim) == x.size(dim)`` with
+  ``dim < cond.ndim``: Wan I2V's ``c_concat``) to the window's frames; 0.3.64 leaves it whole, so an I2V model
+  cannot sample in windows there (:func:`install_context_window_conds`).
 
-:func:`install` applies all of it with a pytest ``monkeypatch`` (undone after the test).
+:func:`install` applies all of it but the last with a pytest ``monkeypatch`` (undone after the test).
 """
 
 from __future__ import annotations
@@ -277,3 +281,23 @@ def install(monkeypatch) -> None:
         return calc(model, conds, x_in, timestep, model_options)
 
     monkeypatch.setattr(comfy.samplers, "_calc_cond_batch", calc_cond_batch)
+
+
+def install_context_window_conds(monkeypatch) -> None:
+    """Give 0.3.64's context windows the later cutting of model conds to each window (module docstring)."""
+    import comfy.context_windows as context_windows
+
+    resized = context_windows.IndexListContextHandler.get_resized_cond
+
+    def get_resized_cond(self, cond_in, x_in, window, device=None):
+        conds = resized(self, cond_in, x_in, window, device)
+        for cond in conds or ():
+            model_conds = cond.get("model_conds")
+            for key, value in (model_conds or {}).items():
+                tensor = getattr(value, "cond", None)
+                if isinstance(tensor, torch.Tensor) and self.dim < tensor.ndim \
+                        and tensor.size(self.dim) == x_in.size(self.dim):
+                    model_conds[key] = value._copy_with(window.get_tensor(tensor, device))
+        return conds
+
+    monkeypatch.setattr(context_windows.IndexListContextHandler, "get_resized_cond", get_resized_cond)

@@ -1,0 +1,92 @@
+"""ComfyUI's context windows (the core "WAN Context Windows (Manual)" node) with the Chorus nodes, on the
+vendored host with ComfyUI's tiny ``WanModel`` (CPU, random weights).
+
+In windows, each sampler step runs the model once per window of latent frames: every forward's token grid is
+the window's. A miss records one map per (expert, step, layer) as the union over the windows (the recorder
+ORs the calls of one key), so its entry holds the window's grid; a hit of that entry runs every window's
+self-attention sparse (feature reuse too); a request without windows on that entry (another grid) runs
+dense with a note. 0.3.64's windows leave Wan I2V's ``c_concat`` whole (an I2V model cannot sample in
+windows there); later ComfyUI cuts it to the window, as ``tests/host/comfy038.py``'s double does here.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from host import comfy038  # tests/host (pytest pythonpath)
+from host import tiny_wan as tiny
+
+SKIP_REASON = tiny.import_comfy()
+pytestmark = [pytest.mark.skipif(SKIP_REASON is not None, reason=f"ComfyUI not available: {SKIP_REASON}"),
+              pytest.mark.filterwarnings("ignore:Using a non-tuple sequence:UserWarning")]  # the host's indexing
+
+LATENT = {"samples": torch.zeros(1, 16, 9, 32, 32)}  # 9 latent frames of 16 x 16 tokens
+WINDOW_FRAMES, OVERLAP_FRAMES = 17, 5                 # pixel frames: windows of 5 latent frames, 2 shared
+STEPS = 2
+
+
+@pytest.fixture()
+def nodes(tmp_path, monkeypatch):
+    monkeypatch.setenv("CHORUS_CACHE_DIR", str(tmp_path / "cache"))
+    comfy038.install_context_window_conds(monkeypatch)
+    import chorus.nodes as nodes_pkg
+
+    return nodes_pkg
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny.load_tiny_wan(tiny.tiny_wan_state_dict(seed=0))
+
+
+def _windows(model):
+    from comfy_extras.nodes_context_windows import WanContextWindowsManualNode
+
+    return WanContextWindowsManualNode.execute(model, WINDOW_FRAMES, OVERLAP_FRAMES, "standard_static", 1, False,
+                                               "pyramid").args[0]
+
+
+def _window_count(windowed) -> int:
+    handler = windowed.model_options["context_handler"]
+    return len(handler.context_schedule.func(LATENT["samples"].shape[2], handler, {}))
+
+
+def _request(nodes, model, *, windows: bool):
+    """``(plan, samples)`` of one request: retrieve, sparse sampler + feature reuse, (windows,) sample."""
+    import comfy.sample
+
+    image = torch.rand(1, 64, 64, 3, generator=torch.Generator().manual_seed(0))
+    positive = tiny.random_conditioning(5)
+    plan = nodes.ChorusMaskRetrieve.execute(latent=LATENT, workspace="windows", start_image=image, positive=positive,
+                                            prompt="a fox").args[0]
+    patched = nodes.ChorusSparseSampler.execute(model=model, plan=plan).args[0]
+    patched = nodes.ChorusFeatureReuse.execute(patched, plan).args[0]
+    if windows:
+        patched = _windows(patched)
+    latent = LATENT["samples"]
+    samples = comfy.sample.sample(patched, comfy.sample.prepare_noise(latent, 0), STEPS, 1.0, "euler", "simple",
+                                  positive, tiny.random_conditioning(1), latent, disable_pbar=True, seed=0)
+    return plan, samples
+
+
+def test_in_context_windows_a_miss_records_the_window_s_maps_and_a_hit_runs_every_window_sparse(nodes, model):
+    windows = _window_count(_windows(model))
+    calls = STEPS * windows * tiny.TINY_LAYERS
+    assert windows > 1
+
+    miss, samples = _request(nodes, model, windows=True)
+    assert not miss.is_hit and miss.stats.recorded_calls == calls and miss.stats.fallback_calls == 0
+    assert miss.recorder.grid == (5, 16, 16) and len(miss.recorder) == STEPS * tiny.TINY_LAYERS  # windows OR'ed
+    written = nodes.ChorusCacheWrite.execute(latent={"samples": samples}, plan=miss).args[0]
+    assert "wrote entry 1" in written, written
+
+    hit, samples = _request(nodes, model, windows=True)
+    assert hit.is_hit and torch.isfinite(samples).all()
+    assert hit.stats.sparse_calls == calls and hit.stats.fallback_calls == 0, hit.stats.messages
+    assert hit.state.feature_reuse.blocks_reduced > 0
+
+    unwindowed, samples = _request(nodes, model, windows=False)  # the whole latent: not the entry's grid
+    assert unwindowed.is_hit and torch.isfinite(samples).all()
+    assert unwindowed.stats.sparse_calls == 0 and unwindowed.stats.fallback_calls == STEPS * tiny.TINY_LAYERS
+    assert any("does not fit" in m for m in unwindowed.stats.messages), unwindowed.stats.messages
