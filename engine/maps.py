@@ -163,6 +163,7 @@ class RunMaps:
             return unpack_bits_on_device(packed, num_kv), kept
         cfg = self.config
         heads, length = q.shape[1], q.shape[2] if length is None else int(length)
+        self._check_length(length)
         qb = -(-length // cfg.block_size)
         block_map, packed, row_kept = self._floored(step, layer, q, heads, qb)
         if cfg.refresh_steps > 0:
@@ -176,6 +177,21 @@ class RunMaps:
         packed = pack_bits_on_device(block_map) if packed is None else packed[None]
         self._maps[key] = (packed, kept, block_map.shape[-1])
         return block_map, kept
+
+    def _check_length(self, length: int) -> None:
+        """:class:`Fallback` when the call's token count is not that of the grid the maps are for (the
+        entry's, or the one retrieval resamples them to): e.g. context windows in a request and not in
+        the one that recorded the entry, or the other way round."""
+        grid = self.plan.resample_to
+        if grid is None:
+            grid = ((self.plan.entry_meta or {}).get("signature") or {}).get("token_grid")
+        if grid is None or len(grid) != 3:
+            return
+        tokens = int(grid[0]) * int(grid[1]) * int(grid[2])
+        if tokens != length:
+            raise Fallback(f"the entry's maps are for {tokens} tokens (grid {tuple(int(g) for g in grid)}), this "
+                           f"call has {length}: a sequence of another length (context windows in only one of the "
+                           "two requests?)")
 
     def used_map(self, step: int, layer: int) -> torch.Tensor | None:
         """The bool map ``[1, H, Qb, Kb]`` this run computes for (step, layer), or None when the

@@ -89,4 +89,5 @@ def test_in_context_windows_a_miss_records_the_window_s_maps_and_a_hit_runs_ever
     unwindowed, samples = _request(nodes, model, windows=False)  # the whole latent: not the entry's grid
     assert unwindowed.is_hit and torch.isfinite(samples).all()
     assert unwindowed.stats.sparse_calls == 0 and unwindowed.stats.fallback_calls == STEPS * tiny.TINY_LAYERS
-    assert any("does not fit" in m for m in unwindowed.stats.messages), unwindowed.stats.messages
+    assert any("the entry's maps are for 1280 tokens (grid (5, 16, 16)), this call has 2304" in m
+               for m in unwindowed.stats.messages), unwindowed.stats.messages
