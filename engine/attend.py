@@ -73,10 +73,13 @@ class ForwardContext:
         feature_reuse: the model's :class:`~chorus.engine.feature_reuse.FeatureReuse`, or None.
         reduction: the forward's :class:`~chorus.engine.feature_reuse.Reduction` (a hit whose blocks
             feature reuse reduces; ``feature_reuse.reduction``), or None.
+        skipped_layers: layers whose block the host skips in this forward (no self-attention call comes
+            from them): the layer count passes over them.
     """
 
     def __init__(self, attention, guidance, grid, sigma: float | None, cond_or_uncond=None, note=None,
-                 disabled_reason: str | None = None, feature_reuse=None, reduction=None):
+                 disabled_reason: str | None = None, feature_reuse=None, reduction=None,
+                 skipped_layers: frozenset = frozenset()):
         self.attention = attention
         self.guidance = guidance
         self.feature_reuse = feature_reuse
@@ -87,6 +90,7 @@ class ForwardContext:
         self.cond_or_uncond = cond_or_uncond
         self.note = note or (lambda message: None)
         self.disabled_reason = disabled_reason
+        self.skipped_layers = frozenset(int(layer) for layer in skipped_layers)
         self.layer_counter = 0
         self.current_layer = -1  # the layer of the forward's last self-attention call (record_block's layer)
         self._cond_rows: dict[int, torch.Tensor | None] = {}
@@ -96,9 +100,12 @@ class ForwardContext:
 
     def next_layer(self, hint: int = -1) -> int:
         """The layer of the next self-attention call: ``hint`` when >= 0, else the counter (which
-        advances either way, so a hint on some calls keeps the others' count right)."""
+        advances either way, so a hint on some calls keeps the others' count right), past the skipped
+        layers."""
         counted = self.layer_counter
-        self.layer_counter += 1
+        while counted in self.skipped_layers:
+            counted += 1
+        self.layer_counter = counted + 1
         self.current_layer = int(hint) if hint >= 0 else counted
         return self.current_layer
 
@@ -192,17 +199,18 @@ class ForwardContext:
 
 
 def begin_forward(attention, guidance, grid, sigma: float | None, cond_or_uncond=None, note=None,
-                  disabled_reason: str | None = None, feature_reuse=None, reduction=None) -> ForwardContext:
+                  disabled_reason: str | None = None, feature_reuse=None, reduction=None,
+                  skipped_layers: frozenset = frozenset()) -> ForwardContext:
     """The :class:`ForwardContext` of one model forward (arguments as there), made current
     (:func:`activate`). A forward Chorus stays out of (``disabled_reason``) is noted, and its
     self-attention calls (one per layer; they run the host's attention) counted as fallbacks."""
     context = ForwardContext(attention, guidance, grid, sigma, cond_or_uncond, note, disabled_reason, feature_reuse,
-                             reduction)
+                             reduction, skipped_layers)
     activate(context)
     if disabled_reason is not None and (attention is not None or guidance is not None):
         context.note(f"{disabled_reason}; dense attention")
         if attention is not None:
-            attention.skip_calls(attention.model_info.num_layers)
+            attention.skip_calls(attention.model_info.num_layers - len(context.skipped_layers))
     return context
 
 

@@ -1,5 +1,5 @@
 """One Wan forward of a Chorus-patched model, on ComfyUI's side: the keys of the forward's options
-copy and the block patch :class:`ChorusBlock`.
+copy, the block patch :class:`ChorusBlock` and :func:`skipped_layers` (blocks another patch skips).
 
 The DIFFUSION_MODEL wrapper (``nodes/comfy_patch.py``) hands the model an options copy carrying
 constants for the traced code only (:data:`MODE_KEY`, :data:`TOKENS_KEY`, :data:`GAIN_KEY`,
@@ -19,6 +19,9 @@ process (ComfyUI's multi-GPU split of one step) share their constants, so the gl
 """
 
 from __future__ import annotations
+
+import dis
+import inspect
 
 import torch
 
@@ -140,3 +143,46 @@ def _per_token_vec(vec, length: int):
     if repeats * vec.shape[1] == length:
         return torch.repeat_interleave(vec, repeats, dim=1)
     return torch.repeat_interleave(vec, repeats + 1, dim=1)[:, :length]
+
+
+def skipped_layers(options: dict) -> frozenset:
+    """Layers whose ``("double_block", i)`` patch in ``options["patches_replace"]["dit"]`` never runs the block
+    (:func:`never_runs_block`; a Chorus block patch chaining one counts as that one): no self-attention call
+    comes from them in this forward, so the engine's layer count passes over them. ComfyUI's Skip Layer
+    Guidance makes such forwards (an extra one per step in its window, its layers replaced by a patch that
+    returns its arguments); without this, every later call of such a forward took the map of a layer below
+    its own where the layer is counted (ComfyUI 0.3.64; compiled code on any version)."""
+    blocks = (options.get("patches_replace") or {}).get("dit") or {}
+    skipped = set()
+    for key, patch in blocks.items():
+        if not (isinstance(key, tuple) and len(key) == 2 and key[0] == "double_block" and isinstance(key[1], int)):
+            continue
+        if isinstance(patch, ChorusBlock):
+            patch = patch.previous
+        if patch is not None and never_runs_block(patch):
+            skipped.add(key[1])
+    return frozenset(skipped)
+
+
+def never_runs_block(patch) -> bool:
+    """True when a block patch (called as ``patch(args, extra)``) can never run the block it replaces: its
+    code never reads ``extra``, the only way to the block (``extra["original_block"]``, made per call). False
+    where that cannot be told (a builtin, ``*args``, ``extra`` captured by an inner function)."""
+    function, bound = patch, 0
+    if not inspect.isfunction(function) and not inspect.ismethod(function):
+        function = getattr(type(patch), "__call__", None)
+        bound = 1  # the instance
+    if inspect.ismethod(function):
+        function, bound = function.__func__, 1
+    code = getattr(function, "__code__", None)
+    if code is None or code.co_flags & inspect.CO_VARARGS or code.co_argcount < bound + 2:
+        return False
+    extra = code.co_varnames[bound + 1]
+    if extra in code.co_cellvars:
+        return False
+    for instruction in dis.get_instructions(code):
+        if instruction.opname.startswith(("LOAD_FAST", "DELETE_FAST", "STORE_FAST_LOAD_FAST")):
+            names = instruction.argval if isinstance(instruction.argval, tuple) else (instruction.argval,)
+            if extra in names:
+                return False
+    return True

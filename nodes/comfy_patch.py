@@ -164,7 +164,8 @@ class ChorusPatch:
         if reason is None and sigma is not None:
             reduction = self._reduction(sigma, grid, x.device, context_lengths, options)
         ctx = engine_attend.begin_forward(self.attention, self.guidance, grid, sigma, options.get("cond_or_uncond"),
-                                          self.note, reason, self.feature_reuse, reduction)
+                                          self.note, reason, self.feature_reuse, reduction,
+                                          comfy_forward.skipped_layers(options))
         route = override_stack.forward_route(self.previous_override, options.get(OVERRIDE))
         options = {key: value for key, value in options.items() if key not in FORWARD_KEYS}
         if route.top:  # a foreign sparse override put itself on top: Chorus takes the top back

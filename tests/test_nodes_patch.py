@@ -418,3 +418,74 @@ def test_under_comfyui_s_multi_gpu_split_chorus_stays_out_with_a_note(cp, nodes,
     assert torch.equal(_sample(m, steps=1), _sample(plain, steps=1))
     assert plan.stats.recorded_calls == 0 and plan.stats.fallback_calls == LAYERS, plan.stats.summary()
     assert any("multi-GPU split" in msg for msg in plan.stats.messages), plan.stats.messages
+
+
+def test_a_block_patch_that_never_reads_extra_is_a_skipped_layer():
+    """``never_runs_block``: a block patch reaches its block only through ``extra["original_block"]``, so one
+    whose code never reads ``extra`` skips it (ComfyUI's Skip Layer Guidance patch); any read, ``*args`` or a
+    builtin: not known to skip. ``skipped_layers`` looks through a Chorus block patch at the one it chains."""
+    from chorus.nodes import comfy_forward as cf
+
+    def skip(args, extra_args):
+        return args
+
+    def runs(args, extra):
+        return extra["original_block"](args)
+
+    def passes_extra_on(args, extra):
+        return runs(args, extra)
+
+    def captures(args, extra):
+        return (lambda: extra)()["original_block"](args)
+
+    class Skips:
+        def __call__(self, args, extra):
+            return args
+
+    class Runs:
+        def __call__(self, args, extra):
+            return extra["original_block"](args)
+
+        def method(self, args, extra):
+            return args
+
+    assert cf.never_runs_block(skip) and cf.never_runs_block(Skips()) and cf.never_runs_block(Runs().method)
+    assert cf.never_runs_block(lambda a, e: a)
+    for patch in (runs, passes_extra_on, captures, Runs(), lambda *a: a[0], lambda a: a, print,
+                  cf.ChorusBlock.at(False)):
+        assert not cf.never_runs_block(patch), patch
+    blocks = {("double_block", 0): cf.ChorusBlock.at(False), ("double_block", 1): skip,
+              ("double_block", 2): cf.ChorusBlock.at(True, previous=skip), ("double_block", 3): runs,
+              ("single_block", 4): skip}
+    assert cf.skipped_layers({"patches_replace": {"dit": blocks}}) == {1, 2}
+    assert cf.skipped_layers({}) == frozenset()
+
+
+def test_layers_skip_layer_guidance_skips_are_passed_over_by_the_layer_count(cp, nodes, monkeypatch):
+    """ComfyUI's Skip Layer Guidance node runs one more forward per step in its window with the chosen
+    layers' blocks replaced by a patch that returns its arguments: that forward's self-attention calls come
+    from the other layers, and each is counted as its own layer (it took the map of the layer below where the
+    layer is counted: 0.3.64, compiled code). A miss records every layer of both forwards under its own key."""
+    from comfy_extras.nodes_slg import SkipLayerGuidanceDiT
+
+    layers = []
+    next_layer = engine_attend.ForwardContext.next_layer
+
+    def spy(self, hint=-1):
+        layer = next_layer(self, hint)
+        layers.append((self, layer))  # the context itself: kept alive, so ids are not reused
+        return layer
+
+    monkeypatch.setattr(engine_attend.ForwardContext, "next_layer", spy)
+    three = tiny.load_tiny_wan(tiny.tiny_wan_state_dict(seed=0, num_layers=3))
+    plan = Plan.miss("test miss", latent_shape=LATENT[1:], embedding=np.ones(4, np.float32))
+    m = nodes["fr"](nodes["sparse"](three, plan), plan)
+    m = SkipLayerGuidanceDiT.execute(m, scale=3.0, start_percent=0.0, end_percent=1.0, double_layers="1",
+                                     single_layers="").result[0]
+    assert torch.isfinite(_sample(m, steps=2)).all()
+    forwards = {}
+    for forward, layer in layers:
+        forwards.setdefault(id(forward), []).append(layer)
+    assert sorted(map(tuple, forwards.values())) == [(0, 1, 2)] * 2 + [(0, 2)] * 2, forwards
+    assert plan.stats.recorded_calls == 2 * 3 + 2 * 2 and plan.stats.fallback_calls == 0, plan.stats.summary()
+    assert sorted({key[2] for key in plan.recorder.block_maps()}) == [0, 1, 2]
