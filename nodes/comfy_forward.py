@@ -21,6 +21,7 @@ process (ComfyUI's multi-GPU split of one step) share their constants, so the gl
 from __future__ import annotations
 
 import dis
+import functools
 import inspect
 
 import torch
@@ -177,12 +178,19 @@ def never_runs_block(patch) -> bool:
     code = getattr(function, "__code__", None)
     if code is None or code.co_flags & inspect.CO_VARARGS or code.co_argcount < bound + 2:
         return False
-    extra = code.co_varnames[bound + 1]
-    if extra in code.co_cellvars:
+    return _never_reads(code, bound + 1)
+
+
+@functools.lru_cache(maxsize=256)
+def _never_reads(code, position: int) -> bool:
+    """Whether ``code`` never reads its parameter at ``position`` (per code object: the host side calls
+    :func:`skipped_layers` every forward)."""
+    name = code.co_varnames[position]
+    if name in code.co_cellvars:
         return False
     for instruction in dis.get_instructions(code):
         if instruction.opname.startswith(("LOAD_FAST", "DELETE_FAST", "STORE_FAST_LOAD_FAST")):
             names = instruction.argval if isinstance(instruction.argval, tuple) else (instruction.argval,)
-            if extra in names:
+            if name in names:
                 return False
     return True
