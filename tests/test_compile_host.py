@@ -422,3 +422,67 @@ def _compiled_variants(cls) -> dict:
 
     return {name: len(_debug_get_cache_entry_list(fn.__code__)) for name, fn in vars(cls).items()
             if callable(fn) and hasattr(fn, "__code__")}
+
+
+@pytest.mark.parametrize("case", ["all", "comfyui_filter", "comfyui_filter_block_frames"])
+def test_compiled_skip_layer_guidance_forwards_skip_their_layers_and_keep_the_others_maps(nodes, host_attention,
+                                                                                           dynamo, case,
+                                                                                           monkeypatch):
+    """ComfyUI's Skip Layer Guidance node on a compiled Chorus hit: its extra forward per step skips the
+    chosen layer (its block patch returns its arguments) in the compiled graph too -- with all guards, under
+    the guard filter (the block patches are read in the frames after the forward's host-side break, whose
+    guards the filter keeps) and where each block is a frame of its own (``block_frames``: 0.38.x's
+    convention, an attention dynamo does not trace) -- and every other self-attention call of it keeps its
+    own layer (the engine's count passes over the skipped one). The compiled request gives the eager one's
+    output."""
+    from comfy_extras.nodes_slg import SkipLayerGuidanceDiT
+
+    from chorus.engine import attend as engine_attend
+
+    guards = "all" if case == "all" else "comfyui_filter"
+    if case.endswith("block_frames"):
+        comfy038.install(monkeypatch)
+        monkeypatch.setattr(comfy038, "optimized_attention",
+                            comfy038.wrap_attn(torch.compiler.disable(comfy038.sdpa_backend)))
+
+    three = tiny.load_tiny_wan(tiny.tiny_wan_state_dict(seed=0, num_layers=3))
+    layers = []
+    next_layer = engine_attend.ForwardContext.next_layer
+
+    def spy(self, hint=-1):
+        layer = next_layer(self, hint)
+        layers.append((self, layer))
+        return layer
+
+    monkeypatch.setattr(engine_attend.ForwardContext, "next_layer", spy)
+
+    def request(plan, backend=None):
+        import comfy.sample
+
+        model = three if backend is None else _compiled(three, backend, guards)
+        model = nodes.ChorusSparseSampler.execute(model=model, plan=plan, top_p=0.9, k_min=1, refresh_steps=0,
+                                                  backend="auto").args[0]
+        model = SkipLayerGuidanceDiT.execute(model, scale=3.0, start_percent=0.0, end_percent=1.0,
+                                             double_layers="1", single_layers="").result[0]
+        return comfy.sample.sample(model, torch.zeros_like(LATENT), 2, 1.0, "euler", "simple",
+                                   tiny.random_conditioning(3), tiny.random_conditioning(103), LATENT,
+                                   disable_pbar=True, seed=0)
+
+    def forwards():
+        by_context = {}
+        for context, layer in layers:
+            by_context.setdefault(id(context), []).append(layer)
+        layers.clear()
+        return sorted(map(tuple, by_context.values()))
+
+    miss = _retrieve(nodes, IMAGE, workspace="slg")
+    out = request(miss)
+    assert nodes.ChorusCacheWrite.execute(latent={"samples": out}, plan=miss).args[0].startswith("wrote entry")
+    layers.clear()
+    eager = request(_retrieve(nodes, IMAGE, workspace="slg"))
+    assert forwards() == [(0, 1, 2)] * 2 + [(0, 2)] * 2
+    hit = _retrieve(nodes, IMAGE, workspace="slg")
+    compiled = request(hit, "aot_eager")
+    assert forwards() == [(0, 1, 2)] * 2 + [(0, 2)] * 2
+    assert hit.stats.sparse_calls == 2 * 3 + 2 * 2 and hit.stats.fallback_calls == 0, hit.stats.summary()
+    torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
