@@ -7,7 +7,8 @@ and keeps hooks of other packs chained; strength 0 removes guidance;
 per forward the token grid is computed once and every part gets the sigma as a float; an
 older Chorus patch left inside another pack's override chain passes through (nothing is recorded
 twice); the A14B pair gets two patches sharing one plan; a node with another plan moves every part
-to it.
+to it; a block patch that never runs its block (ComfyUI's Skip Layer Guidance) is told from its code
+and the layer count passes over its layer.
 """
 
 from __future__ import annotations
