@@ -182,10 +182,8 @@ class RunMaps:
         """:class:`Fallback` when the call's token count is not that of the grid the maps are for (the
         entry's, or the one retrieval resamples them to): e.g. context windows in a request and not in
         the one that recorded the entry, or the other way round."""
-        grid = self.plan.resample_to
+        grid = self.plan.token_grid
         if grid is None:
-            grid = ((self.plan.entry_meta or {}).get("signature") or {}).get("token_grid")
-        if grid is None or len(grid) != 3:
             return
         tokens = int(grid[0]) * int(grid[1]) * int(grid[2])
         if tokens != length:
