@@ -131,6 +131,21 @@ def run_mismatch(entry_signature, run_starts=None, block_size: int | None = None
     return None
 
 
+def grid_mismatch(maps_grid, forward_grid) -> str | None:
+    """Why maps for ``maps_grid`` (a hit's: its entry's token grid, or the grid they are resampled to)
+    cannot serve forwards of ``forward_grid``, or None (the same grid, or either not known). The latent
+    alone does not tell a forward's grid: ComfyUI's context windows, for one, run the model on windows of
+    the latent's frames."""
+    if maps_grid is None or forward_grid is None:
+        return None
+    maps_grid, forward_grid = tuple(int(g) for g in maps_grid), tuple(int(g) for g in forward_grid)
+    if maps_grid == forward_grid:
+        return None
+    return (f"the entry's maps are for token grid {maps_grid} ({math.prod(maps_grid)} tokens), this run's "
+            f"forwards have {forward_grid} ({math.prod(forward_grid)} tokens; context windows, for one, run the "
+            "model on windows of the latent's frames)")
+
+
 def latent_compatibility(entry_signature: dict, latent_shape) -> tuple[str, str]:
     """Can an entry's masks serve a latent of this shape?
 

@@ -169,6 +169,7 @@ class FeatureReuse:
         self.expert: int | None = None
         self.sample_sigmas: list[float] | None = None
         self._running = False
+        self._forward_grid = None  # the token grid of the run's first forward (serve_grid)
         self._layouts: dict = {}
         self.full_blocks_reason: str | None = None  # set when a compact block failed: full blocks from then on
 
@@ -181,7 +182,21 @@ class FeatureReuse:
         self.sample_sigmas = sigma_schedule(sample_sigmas)
         self._layouts.clear()
         self._running = True
+        self._forward_grid = None
         self.expert = self.plan.serve_run(self.model_info)
+
+    def serve_grid(self, grid) -> None:
+        """The token grid ``(T', H', W')`` of a forward of this model (the host calls this before it decides
+        anything else of the forward): the run's first forward has the plan serve it (:meth:`Plan.serve_run`,
+        as :meth:`ChorusAttention.serve_grid <chorus.engine.runtime.ChorusAttention.serve_grid>`), and reads
+        this model's expert index in what the plan serves now. Begins the run if the host did not."""
+        if not self._running:
+            self.begin_run()
+        if self._forward_grid is not None:
+            return
+        self._forward_grid = grid = tuple(int(g) for g in grid)
+        self._layouts.clear()
+        self.expert = self.plan.serve_run(self.model_info, forward_grid=grid)
 
     def end_run(self) -> None:
         request = self.plan.state

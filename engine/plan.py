@@ -9,9 +9,10 @@
   entry extras, commit result).
 - :class:`Plan`: the object passed between nodes / hosts; read-only properties over both, and the
   methods the patched models call. :meth:`Plan.serve_run`, at the start of every sampler run of a
-  model, is the one place where a hit may move to another candidate or be demoted for a model or
-  schedule it does not serve (a note says why); verification's demotion (``engine/verify.py``) and
-  :meth:`Plan.demote` are the other ways a hit ends. Attributes cannot be set on a plan.
+  model and again at the run's first forward (its token grid), is the one place where a hit may move to
+  another candidate or be demoted for a model, schedule or grid it does not serve (a note says why);
+  verification's demotion (``engine/verify.py``) and :meth:`Plan.demote` are the other ways a hit ends.
+  Attributes cannot be set on a plan.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import numpy as np
 
 from .. import kernels
 from .recorder import MassRecorder
-from .compat import entry_sampler_sigmas, entry_token_order, model_mismatch, run_mismatch
+from .compat import entry_sampler_sigmas, entry_token_order, grid_mismatch, model_mismatch, run_mismatch
 from .model_info import ModelInfo, token_grid
 from .state import PlanStats, RequestState
 
@@ -97,6 +98,16 @@ class Retrieval:
         fix("masks", types.MappingProxyType(dict(self.masks or {})))
         fix("request_meta", types.MappingProxyType(dict(self.request_meta or {})))
 
+    @property
+    def maps_grid(self) -> tuple | None:
+        """A hit's: the token grid its maps serve (``resample_to``, else its entry's ``token_grid``); a
+        miss: None."""
+        if self.kind != "hit":
+            return None
+        if self.resample_to is not None:
+            return self.resample_to
+        return tuple(int(g) for g in self.entry_meta["signature"]["token_grid"])
+
     def __deepcopy__(self, memo):
         return self
 
@@ -106,7 +117,7 @@ class Retrieval:
         return self.entry_meta["signature"] if self.kind == "hit" else None
 
 
-# reselect(candidates, models, run_starts=, block_size=) -> (Retrieval or None, why not): retrieval's
+# reselect(candidates, models, run_starts=, block_size=, forward_grid=) -> (Retrieval or None, why not): retrieval's
 # loader of the first candidate whose entry serves every model and the run (engine/retrieval.py)
 Reselect = Callable[..., "tuple[Retrieval | None, str]"]
 
@@ -304,10 +315,12 @@ class Plan:
 
     @property
     def token_grid(self):
+        """The token grid the request runs at: a hit's :attr:`Retrieval.maps_grid`, else the latent's (None
+        without one)."""
+        if self.is_hit:
+            return self.retrieval.maps_grid
         if self.resample_to is not None:
             return self.resample_to
-        if self.is_hit:
-            return tuple(self.entry_meta["signature"]["token_grid"])
         return None if self.latent_shape is None else token_grid(self.latent_shape)
 
     # -- state shared by the patched models --------------------------------------------------------
@@ -361,18 +374,23 @@ class Plan:
             with self.state.lock:
                 _add_model(self.state.models, info)
 
-    def serve_run(self, info: ModelInfo, *, run_starts=None, block_size: int | None = None) -> int | None:
+    def serve_run(self, info: ModelInfo, *, run_starts=None, block_size: int | None = None,
+                  forward_grid=None) -> int | None:
         """At the start of a sampler run of one model: the expert index of the model in this request
         (the order models first sampled; a hit: the index in its entry), or None for an unsupported
         model (the caller runs it dense). ``run_starts``: the sigmas the run's steps start at (they join
         ``state.sampler_steps``, what a new entry records as its sampler schedule); ``block_size``: the
-        sparse sampler's, when it runs one.
+        sparse sampler's, when it runs one; ``forward_grid``: the token grid of the run's forwards, told
+        by the run's first forward (the parts call this again then: the latent alone does not tell it,
+        :func:`~chorus.engine.compat.grid_mismatch`).
 
         The one place where a hit may change entry: retrieval sees neither the models nor the sampler
         (the embedding is the request's), so the best entry can be one made for other weights or
         another schedule (the same prompt sampled with another LoRA, strength or step count has an
-        equal embedding). When the entry does not serve every model met so far (:meth:`expect_model`
-        and earlier runs) and this run, then before the request's first sparse call the hit moves to
+        equal embedding), nor the grid the model runs at (an entry recorded in context windows has the
+        whole latent's shape and the window's grid). When the entry does not serve every model met so far
+        (:meth:`expect_model` and earlier runs) and this run, then before the request's first sparse call
+        the hit moves to
         the most similar candidate that does (retrieval's ``reselect`` loads them, outside the plan's
         lock), with a note saying why; when none does, or sparse calls already ran, it is demoted.
         """
@@ -391,13 +409,14 @@ class Plan:
                     return index
                 current = state.retrieval
                 models = list(state.models)
-                reason = _serves(current.signature, models, run_starts, block_size)
+                reason = _serves(current, models, run_starts, block_size, forward_grid)
                 if reason is None:
                     return list(current.signature.get("experts", [])).index(info.fingerprint)
                 if state.stats.sparse_calls or not current.candidates or self._reselect is None:
                     self.demote(reason)
                     return index
-            moved, why = self._reselect(current.candidates, models, run_starts=run_starts, block_size=block_size)
+            moved, why = self._reselect(current.candidates, models, run_starts=run_starts, block_size=block_size,
+                                        forward_grid=forward_grid)
             with state.lock:
                 if state.retrieval is not current or state.stats.sparse_calls or not self.is_hit:
                     continue  # decided meanwhile (another thread): check what is there now
@@ -408,7 +427,7 @@ class Plan:
                 state.resampled.clear()
                 state.stats.similarity = moved.similarity
                 self.note(f"hit moved from entry {current.entry_id} ({reason}) to entry {moved.entry_id}, "
-                          f"similarity {moved.similarity:.3f}, made for this model and schedule")
+                          f"similarity {moved.similarity:.3f}, made for this model, schedule and grid")
 
     def refresh_state(self, refresh_steps: int):
         """The request's ``VisitRefresh`` for this R (shared by all experts)."""
@@ -428,11 +447,12 @@ def _add_model(models: list, info: ModelInfo) -> int:
     return len(models) - 1
 
 
-def _serves(signature, models, run_starts, block_size) -> str | None:
-    """Why an entry (its signature) does not serve every model of ``models`` and the sampler run, or
-    None."""
+def _serves(retrieval: Retrieval, models, run_starts, block_size, forward_grid) -> str | None:
+    """Why a hit's entry does not serve every model of ``models``, the sampler run and its forwards'
+    token grid, or None."""
     for info in models:
-        reason = model_mismatch(signature, info)
+        reason = model_mismatch(retrieval.signature, info)
         if reason is not None:
             return reason
-    return run_mismatch(signature, run_starts, block_size)
+    return run_mismatch(retrieval.signature, run_starts, block_size) or grid_mismatch(retrieval.maps_grid,
+                                                                                      forward_grid)

@@ -15,7 +15,8 @@ import torch
 
 from .plan import Plan, Retrieval
 from .routing import match_step
-from .compat import SIGNATURE_FORMAT, TOKEN_ORDER, latent_compatibility, model_mismatch, run_mismatch
+from .compat import SIGNATURE_FORMAT, TOKEN_ORDER, grid_mismatch, latent_compatibility, model_mismatch, \
+    run_mismatch
 from .model_info import token_grid
 
 log = logging.getLogger("chorus.engine")
@@ -81,10 +82,12 @@ class CandidateLoader:
     def __init__(self, workspace, grid, latent, common: dict):
         self._workspace, self._grid, self._latent, self._common = workspace, grid, latent, dict(common)
 
-    def hit(self, entry_id, similarity: float, others=(), models=(), run_starts=None, block_size=None):
+    def hit(self, entry_id, similarity: float, others=(), models=(), run_starts=None, block_size=None,
+            forward_grid=None):
         """``(Retrieval, "")`` of a hit on this entry (``others``: its candidates), or ``(None, why not)``:
-        unreadable, incompatible latent, no masks, made for another of ``models`` (ModelInfo), or not
-        for this sampler run (``run_starts`` / ``block_size``, :func:`~chorus.engine.compat.run_mismatch`)."""
+        unreadable, incompatible latent, no masks, made for another of ``models`` (ModelInfo), not for
+        this sampler run (``run_starts`` / ``block_size``, :func:`~chorus.engine.compat.run_mismatch`) or
+        not for its forwards' token grid (``forward_grid``, :func:`~chorus.engine.compat.grid_mismatch`)."""
         try:
             masks, meta = _load(self._workspace, entry_id)
             signature = meta["signature"]
@@ -103,21 +106,25 @@ class CandidateLoader:
         if verdict == "resample":
             message += f" ({why})"
         try:
-            return Retrieval("hit", message=message, entry_id=entry_id, similarity=similarity, masks=masks,
-                             entry_meta=meta, resample_to=self._grid if verdict == "resample" else None,
-                             candidates=others, **self._common), ""
+            hit = Retrieval("hit", message=message, entry_id=entry_id, similarity=similarity, masks=masks,
+                            entry_meta=meta, resample_to=self._grid if verdict == "resample" else None,
+                            candidates=others, **self._common)
         except ValueError as exc:  # e.g. an order that cannot be resampled: not this entry
             return None, f"entry {entry_id}: {exc}"
+        mismatch = grid_mismatch(hit.maps_grid, forward_grid)
+        return (hit, "") if mismatch is None else (None, f"entry {entry_id}: {mismatch}")
 
-    def reselect(self, candidates, models, *, run_starts=None, block_size=None) -> tuple[Retrieval | None, str]:
+    def reselect(self, candidates, models, *, run_starts=None, block_size=None,
+                 forward_grid=None) -> tuple[Retrieval | None, str]:
         """The hit on the most similar of ``candidates`` (``(entry_id, similarity)``, best first) whose
-        entry serves every model of ``models`` (:class:`ModelInfo`) and the sampler run (``run_starts``:
-        the sigmas its steps start at; ``block_size``), with the candidates after it, or ``(None, why
-        not)``."""
+        entry serves every model of ``models`` (:class:`ModelInfo`), the sampler run (``run_starts``:
+        the sigmas its steps start at; ``block_size``) and its forwards' token grid (``forward_grid``, or
+        None: not known yet), with the candidates after it, or ``(None, why not)``."""
         reasons = []
         candidates = list(candidates)
         for i, (entry_id, similarity) in enumerate(candidates):
-            hit, why = self.hit(entry_id, similarity, tuple(candidates[i + 1:]), models, run_starts, block_size)
+            hit, why = self.hit(entry_id, similarity, tuple(candidates[i + 1:]), models, run_starts, block_size,
+                                forward_grid)
             if hit is not None:
                 return hit, ""
             reasons.append(why)

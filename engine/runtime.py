@@ -105,10 +105,31 @@ class ChorusAttention:
         if previous is not None:
             previous.finish()
         plan.stats.runs += 1
-        starts = (sig[:-1] if len(sig) > 1 else sig) if sig else None  # the sigmas the run's steps start at
-        expert = plan.serve_run(self.model_info, run_starts=starts, block_size=self.config.block_size)
+        expert = plan.serve_run(self.model_info, run_starts=run_starts(sig), block_size=self.config.block_size)
         self.run = ExpertRun(self, expert, sig)
         return self.run
+
+    def serve_grid(self, grid) -> None:
+        """The token grid ``(T', H', W')`` of a forward of this model (the host calls this before it decides
+        anything else of the forward). The run's first forward has the plan serve it too
+        (:meth:`Plan.serve_run`): a hit whose maps are for another grid -- recorded in context windows and
+        sampled without, or the other way round -- moves to a candidate made for this grid or, when none
+        is, is demoted before any sparse call (a miss that records, so the request can be written); the
+        run then starts again on what the plan serves now. Later forwards are not checked again (a call
+        of another grid runs dense, noted: :class:`~chorus.engine.maps.RunMaps`)."""
+        run = self.run if self.run is not None else self.begin_run()
+        if run.forward_grid is not None:
+            return
+        run.forward_grid = grid = tuple(int(g) for g in grid)
+        plan, served = self.plan, self.plan.retrieval
+        if not plan.is_hit:
+            return
+        expert = plan.serve_run(self.model_info, run_starts=run_starts(run.sample_sigmas),
+                                block_size=self.config.block_size, forward_grid=grid)
+        if plan.retrieval is not served or not plan.is_hit or expert != run.expert:
+            run.finish()
+            self.run = ExpertRun(self, expert, run.sample_sigmas)
+            self.run.forward_grid = grid
 
     def end_run(self) -> None:
         """End a sampler run: count the blocks computed (one host sync per run), decide a verification
@@ -191,6 +212,13 @@ class ChorusAttention:
         self.record(AttnCall(q, k, k, layer=layer, sigma=sigma, grid=grid, cond_rows=cond_rows))
 
 
+def run_starts(sample_sigmas: list[float] | None) -> list[float] | None:
+    """The sigmas a sampler run's steps start at (its schedule without the last value), or None."""
+    if not sample_sigmas:
+        return None
+    return sample_sigmas[:-1] if len(sample_sigmas) > 1 else sample_sigmas
+
+
 def _resolved(backend: str, q: torch.Tensor, block_size: int) -> str | None:
     """The kernel ``backend`` runs for tensors like ``q`` in ``block_size``-token blocks (``auto``: its choice on
     this device), or None when it cannot run them here (its calls then run dense, each with a message)."""
@@ -210,6 +238,7 @@ class ExpertRun:
         self.plan, self.config, self.model_info = attention.plan, attention.config, attention.model_info
         self.expert = expert
         self.sample_sigmas = sample_sigmas
+        self.forward_grid = None  # the token grid of the run's first forward (ChorusAttention.serve_grid)
         self.entry_steps = list(self.plan.step_sigmas) if self.plan.is_hit else []  # of the entry it serves
         self.maps = RunMaps(self.plan, self.config, expert)
         self.verifier = Verifier(self.plan, self.config, expert, self.model_info.num_layers, self.record_into)

@@ -18,7 +18,8 @@ put itself on top, Chorus takes the top back in each forward (``nodes/override_s
 
 Per forward the DIFFUSION_MODEL wrapper runs on the host side of the graph (``torch.compiler.disable``:
 under ``TorchCompileModel`` one graph break at the top of the model, none inside a block): it reads the
-sigma once and the token grid from the latent, makes the forward's
+token grid from the latent and tells it to the parts (a run's first forward may move or demote a hit whose
+maps are for another grid, ``serve_grid``), reads the sigma once, makes the forward's
 :class:`~chorus.engine.attend.ForwardContext` current, and hands the model an options copy with constants
 only, also published where compiled code is guarded on them (``nodes/comfy_forward.py``). The override
 translates each attention call by them: self-attention to ``torch.ops.chorus.attend`` (or, on a recording
@@ -154,6 +155,8 @@ class ChorusPatch:
         if clip_fea is not None:
             context_lengths.add(CLIP_IMAGE_TOKENS)
         reason = self._stay_out_reason(tokens, context_lengths, extra_tokens, options)
+        if reason is None:
+            self._serve_grid(grid)
         sigma = None
         sigmas = options.get("sigmas")
         if isinstance(sigmas, torch.Tensor) and sigmas.numel() > 0:
@@ -204,6 +207,18 @@ class ChorusPatch:
             return ("ComfyUI's multi-GPU split (its MultiGPU CFG Split node) runs this model's calls on "
                     "several GPUs at once; Chorus's maps and recordings live on one GPU, so it stays out")
         return None
+
+    def _serve_grid(self, grid) -> None:
+        """The forward's token grid to the parts whose plan's entry must be made for it (the first forward of
+        a run may move the hit to another entry or demote it: ``Plan.serve_run``), before anything else of
+        the forward is decided. A failure is a note: the forward's calls then fall back one by one."""
+        for part in (self.attention, self.feature_reuse):
+            if part is not None:
+                try:
+                    part.serve_grid(grid)
+                except Exception as exc:  # noqa: BLE001 - never fail the prompt
+                    self.note(f"could not check the entry against this forward's token grid {grid} "
+                              f"({type(exc).__name__}: {exc})")
 
     def _reduction(self, sigma: float, grid, device, context_lengths: set, options: dict):
         """Feature reuse's reduction of this forward (a hit's), or None: none either where another pack's

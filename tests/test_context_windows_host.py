@@ -4,9 +4,11 @@ vendored host with ComfyUI's tiny ``WanModel`` (CPU, random weights).
 In windows, each sampler step runs the model once per window of latent frames: every forward's token grid is
 the window's. A miss records one map per (expert, step, layer) as the union over the windows (the recorder
 ORs the calls of one key), so its entry holds the window's grid; a hit of that entry runs every window's
-self-attention sparse (feature reuse too); a request without windows on that entry (another grid) runs
-dense with a note. 0.3.64's windows leave Wan I2V's ``c_concat`` whole (an I2V model cannot sample in
-windows there); later ComfyUI cuts it to the window, as ``tests/host/comfy038.py``'s double does here.
+self-attention sparse (feature reuse too). Retrieval sees the latent only, which is the same with windows
+or without: a request without windows hits that entry, and its first forward (another grid) demotes it to a
+miss that records and is written; from then on each kind of request moves to the entry of its grid.
+0.3.64's windows leave Wan I2V's ``c_concat`` whole (an I2V model cannot sample in windows there); later
+ComfyUI cuts it to the window, as ``tests/host/comfy038.py``'s double does here.
 """
 
 from __future__ import annotations
@@ -70,10 +72,11 @@ def _request(nodes, model, *, windows: bool):
     return plan, samples
 
 
-def test_in_context_windows_a_miss_records_the_window_s_maps_and_a_hit_runs_every_window_sparse(nodes, model):
-    windows = _window_count(_windows(model))
-    calls = STEPS * windows * tiny.TINY_LAYERS
-    assert windows > 1
+def test_in_context_windows_a_miss_records_the_window_s_maps_a_hit_runs_every_window_sparse_and_each_grid_gets_its_entry(
+        nodes, model):
+    window_count = _window_count(_windows(model))
+    calls = STEPS * window_count * tiny.TINY_LAYERS
+    assert window_count > 1
 
     miss, samples = _request(nodes, model, windows=True)
     assert not miss.is_hit and miss.stats.recorded_calls == calls and miss.stats.fallback_calls == 0
@@ -86,8 +89,18 @@ def test_in_context_windows_a_miss_records_the_window_s_maps_and_a_hit_runs_ever
     assert hit.stats.sparse_calls == calls and hit.stats.fallback_calls == 0, hit.stats.messages
     assert hit.state.feature_reuse.blocks_reduced > 0
 
-    unwindowed, samples = _request(nodes, model, windows=False)  # the whole latent: not the entry's grid
-    assert unwindowed.is_hit and torch.isfinite(samples).all()
-    assert unwindowed.stats.sparse_calls == 0 and unwindowed.stats.fallback_calls == STEPS * tiny.TINY_LAYERS
-    assert any("the entry's maps are for 1280 tokens (grid (5, 16, 16)), this call has 2304" in m
-               for m in unwindowed.stats.messages), unwindowed.stats.messages
+    # the whole latent: not the entry's grid. Demoted at its first forward, it records and is written
+    unwindowed, samples = _request(nodes, model, windows=False)
+    assert not unwindowed.is_hit and torch.isfinite(samples).all()
+    assert "the entry's maps are for token grid (5, 16, 16) (1280 tokens), this run's forwards have (9, 16, 16)" \
+        in unwindowed.message, unwindowed.message
+    assert unwindowed.stats.recorded_calls == STEPS * tiny.TINY_LAYERS and unwindowed.stats.fallback_calls == 0
+    written = nodes.ChorusCacheWrite.execute(latent={"samples": samples}, plan=unwindowed).args[0]
+    assert "wrote entry 2" in written, written
+
+    # each kind of request now runs sparse on the entry made for its grid (moved there if the other ranked first)
+    for windows, own, forwards_per_step in ((False, 2, 1), (True, 1, window_count)):
+        plan, samples = _request(nodes, model, windows=windows)
+        assert plan.is_hit and plan.entry_id == own and torch.isfinite(samples).all(), plan.message
+        assert plan.stats.sparse_calls == STEPS * forwards_per_step * tiny.TINY_LAYERS, plan.stats.messages
+        assert plan.stats.fallback_calls == 0

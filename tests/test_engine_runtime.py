@@ -397,6 +397,61 @@ def test_a_hit_on_another_models_entry_moves_to_the_entry_made_for_this_model(tm
     assert not plan.is_hit and "schedule differs" in plan.message and "no other candidate" in plan.message
 
 
+def _run_forwards(handle, grid, sigmas=SIGMAS, layers=2):
+    """A sampler run whose forwards all have token grid ``grid`` (a host tells the part each forward's grid
+    before its calls, ``serve_grid``); q/k/v of that many tokens."""
+    handle.begin_run(sigmas)
+    tokens = grid[0] * grid[1] * grid[2]
+    for i, s in enumerate(sigmas[:-1]):
+        handle.serve_grid(grid)
+        for layer in range(layers):
+            q, k, v = (t[:, :, :tokens] for t in qkv(10 * i + layer))
+            handle.self_attention(q, k, v, layer=layer, sigma=s, grid=grid, dense_fn=sdpa)
+    handle.end_run()
+
+
+def test_a_hit_whose_maps_are_for_another_grid_than_its_forwards_moves_or_is_demoted(tmp_path):
+    """ComfyUI's context windows run the model on windows of the latent's frames: an entry recorded so has
+    the whole latent's shape and the window's grid, which retrieval (it sees the latent only) cannot tell
+    from one recorded on the whole latent. The run's first forward tells the grid: a hit whose maps are
+    for another one moves to the candidate made for it, before its first sparse call, or is demoted (a
+    miss that records, so the request is written); a grid met after sparse calls ran demotes the plan
+    and nothing is written."""
+    window, whole = (2, 5, 7), GRID
+    ws = Workspace.open(tmp_path / "ws")
+    emb = np.random.default_rng(4).standard_normal(24).astype(np.float32)
+    recording = Plan.miss("recording", embedding=emb, latent_shape=LATENT)
+    _run_forwards(ChorusAttention(recording, CFG, INFO), window)
+    assert recording.recorder.grid == window and commit_plan(ws, recording).startswith("wrote entry 1")
+
+    # only the windowed entry: a request on the whole latent is demoted at its first forward, records, writes
+    plan = retrieve_plan(ws, emb, LATENT)
+    assert plan.is_hit and plan.token_grid == window  # the latent is the entry's: retrieval cannot tell
+    _run_forwards(ChorusAttention(plan, CFG, INFO), whole)
+    assert not plan.is_hit and "maps are for token grid (2, 5, 7) (70 tokens), this run's forwards have " \
+        "(3, 5, 7) (105 tokens" in plan.message, plan.message
+    assert plan.stats.sparse_calls == 0 and plan.stats.fallback_calls == 0 and plan.stats.recorded_calls == 6
+    assert commit_plan(ws, plan).startswith("wrote entry 2"), plan.committed
+
+    # both entries (equal embeddings; ties rank the older first): each kind of request moves to its own
+    for grid, own in ((whole, 2), (window, 1)):
+        plan = retrieve_plan(ws, emb, LATENT)
+        handle = ChorusAttention(plan, CFG, INFO)
+        _run_forwards(handle, grid)
+        assert plan.is_hit and plan.entry_id == own and plan.token_grid == grid, plan.message
+        assert plan.stats.sparse_calls == 6 and plan.stats.fallback_calls == 0, plan.stats.messages
+        assert sum("hit moved" in m for m in plan.stats.messages) == (own != 1)
+
+    # a grid met after sparse calls ran (a later sampler run) cannot move the plan: demoted, not written
+    plan = retrieve_plan(ws, emb, LATENT)
+    handle = ChorusAttention(plan, CFG, INFO)
+    _run_forwards(handle, window, sigmas=SIGMAS[:3])
+    assert plan.is_hit and plan.entry_id == 1 and plan.stats.sparse_calls == 4
+    _run_forwards(handle, whole, sigmas=SIGMAS[2:])
+    assert not plan.is_hit and "this run's forwards have (3, 5, 7)" in plan.message
+    assert plan.recorder.incomplete_reason is not None
+
+
 def _run_some_steps(handle, sigmas, steps, layers=2):
     """A sampler run over ``sigmas`` whose model is called at the step indices ``steps`` only (what a
     step cache such as ComfyUI's EasyCache does: it skips the model on the others)."""
