@@ -44,6 +44,7 @@ import math
 import torch
 
 from . import reference
+from .reference import softmax_scale
 from .masks import validate_block_map
 from .tile_order import resolve_token_perm, to_raster_order, to_tile_order
 
@@ -398,7 +399,7 @@ def block_sparse_attention(q, k, v, block_map, *, block_size: int = 128, scale: 
                        check_rows=not rows_checked)
     prefix_len, prefix_bias = _check_key_bias(prefix_len, prefix_bias, k.shape[2], "prefix")
     suffix_len, suffix_bias = _check_key_bias(suffix_len, suffix_bias, k.shape[2], "suffix")
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    scale = softmax_scale(q.shape[-1], scale)
     perm = _token_perm(token_perm, q, k)
     if perm is not None and suffix_len:
         raise ValueError("a suffix bias with token_perm is not supported (the suffix is of the compact sequence)")
@@ -429,7 +430,7 @@ def block_mass(q, k, *, block_size: int = 128, sample_rows: int | None = None, s
     _check_block_size(block_size)
     if sample_rows is not None and (not isinstance(sample_rows, int) or sample_rows < 1):
         raise ValueError(f"sample_rows must be a positive int or None, got {sample_rows!r}")
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    scale = softmax_scale(q.shape[-1], scale)
     if not (math.isfinite(scale) and scale > 0):
         raise ValueError(f"block_mass needs a positive finite scale, got {scale!r}")
     perm = _token_perm(token_perm, q, k)

@@ -27,11 +27,11 @@ The kept-block lists come from the Triton map compressor that our own kernel use
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 
 from .custom_ops import op_registered
+from .reference import softmax_scale
 
 SUPPORTED_BLOCK_SIZES = (64, 128)
 SUPPORTED_HEAD_DIMS = (64, 96, 128)
@@ -118,6 +118,6 @@ def block_sparse_attention_fa4(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     if q.shape[-1] not in SUPPORTED_HEAD_DIMS or q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError(f"fa4_bf16 needs unit stride on D and D in {SUPPORTED_HEAD_DIMS}, got shape "
                          f"{tuple(q.shape)} strides {q.stride()}")
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    scale = softmax_scale(q.shape[-1], scale)
     bm = block_map if block_map.device == q.device else block_map.to(q.device)
     return torch.ops.chorus.block_sparse_attention_fa4(q, k, v, bm, int(block_size), scale)

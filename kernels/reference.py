@@ -112,6 +112,12 @@ def _attend(q, k, v, block_map, block_size, scale, biases, pooled_tail):
     return torch.matmul(probs[..., :kv_len], v) + torch.matmul(probs[..., kv_len:], vbar)
 
 
+def softmax_scale(head_dim: int, scale: float | None = None) -> float:
+    """The logits' scale of attention over ``head_dim``-wide heads: ``scale`` when given, else
+    ``1 / sqrt(head_dim)``."""
+    return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+
+
 def dense_attention_oracle(q, k, v, block_map=None, block_size: int = 128, scale: float | None = None,
                            prefix_len: int = 0, prefix_bias: float = 0.0, suffix_len: int = 0,
                            suffix_bias: float = 0.0, pooled_tail: bool = False):
@@ -120,7 +126,7 @@ def dense_attention_oracle(q, k, v, block_map=None, block_size: int = 128, scale
 
     Rows whose token mask keeps no key would be NaN (without the tail); callers validate maps before use.
     """
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scale = softmax_scale(q.shape[-1], scale)
     biases = dict(prefix_len=prefix_len, prefix_bias=prefix_bias, suffix_len=suffix_len, suffix_bias=suffix_bias)
     return _attend(q.double(), k.double(), v.double(), block_map, block_size, scale, biases, pooled_tail)
 
@@ -129,7 +135,7 @@ def masked_attention_eager(q, k, v, block_map=None, block_size: int = 128, scale
                            prefix_len: int = 0, prefix_bias: float = 0.0, suffix_len: int = 0,
                            suffix_bias: float = 0.0, pooled_tail: bool = False):
     """The same computation done naively in the inputs' dtype (the error yardstick for tolerances)."""
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scale = softmax_scale(q.shape[-1], scale)
     biases = dict(prefix_len=prefix_len, prefix_bias=prefix_bias, suffix_len=suffix_len, suffix_bias=suffix_bias)
     return _attend(q, k, v, block_map, block_size, scale, biases, pooled_tail)
 

@@ -32,12 +32,12 @@ Triton is missing (the API reports that as the reason the backend cannot run). C
 from __future__ import annotations
 
 import logging
-import math
 import os
 
 import torch
 
 from ..custom_ops import op_registered
+from ..reference import softmax_scale
 from . import _attention_ws
 from ._attention import block_sparse_attention_triton_impl, compress_block_map, output_like
 from ._block_mass import block_mass_triton_impl
@@ -155,7 +155,7 @@ def block_sparse_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     A map row with no kept block gives zeros, or with ``pooled_tail`` the pooled terms' average (the public
     API rejects such maps first).
     """
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    scale = softmax_scale(q.shape[-1], scale)
     return torch.ops.chorus.block_sparse_attention_triton(q, k, v, block_map, int(block_size), scale, bool(fp8),
                                                           int(prefix_len), float(prefix_bias), token_perm,
                                                           int(suffix_len), float(suffix_bias), bool(pooled_tail))
@@ -169,7 +169,7 @@ def block_sparse_attention_int8(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     size 128; numerics: :mod:`._quant_int8` and item 7 of :mod:`._attention`), as the custom op
     ``torch.ops.chorus.block_sparse_attention_int8``; arguments, output layout and errors as
     :func:`block_sparse_attention_triton`'s."""
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    scale = softmax_scale(q.shape[-1], scale)
     return torch.ops.chorus.block_sparse_attention_int8(q, k, v, block_map, scale, int(prefix_len), float(prefix_bias),
                                                         token_perm, int(suffix_len), float(suffix_bias),
                                                         bool(pooled_tail))
@@ -238,7 +238,7 @@ def block_sparse_attention_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     ``suffix_len`` / ``suffix_bias`` (fused into the pre-pass and the output store) and ``pooled_tail`` as in
     :func:`block_sparse_attention_triton`. Output layout as :func:`block_sparse_attention_triton`'s. Raises
     ``ValueError`` outside the contract."""
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    scale = softmax_scale(q.shape[-1], scale)
     return torch.ops.chorus.block_sparse_attention_ws(q, k, v, block_map, scale, int(prefix_len), float(prefix_bias),
                                                       token_perm, int(suffix_len), float(suffix_bias),
                                                       bool(pooled_tail), bool(int8))
@@ -251,5 +251,5 @@ def block_mass_triton(q: torch.Tensor, k: torch.Tensor, *, block_size: int = 128
     ``token_perm``: the mass of the sequence in that order (fused into the loads)."""
     if sample_rows is not None and (not isinstance(sample_rows, int) or sample_rows < 1):
         raise ValueError(f"sample_rows must be a positive int or None, got {sample_rows!r}")
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    scale = softmax_scale(q.shape[-1], scale)
     return torch.ops.chorus.block_mass_triton(q, k, int(block_size), int(sample_rows or 0), scale, token_perm)

@@ -808,6 +808,3 @@ def check_key_biases(prefix_len, prefix_bias, suffix_len, suffix_bias, kv_len: i
             raise ValueError(f"{name}_len must be in [0, {kv_len}] and {name}_bias finite, got {length!r}, {bias!r}")
     return kv_len - suffix_len if suffix_len > 0 and suffix_bias != 0.0 else kv_len
 
-
-def default_scale(head_dim: int) -> float:
-    return 1.0 / math.sqrt(head_dim)

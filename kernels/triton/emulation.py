@@ -21,11 +21,9 @@ q ``[B, H, Lq, D]``, k/v ``[B, H, Lk, D]``, block map bool ``[B|1, H|1, Qb, Kb]`
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from ..reference import add_key_biases, pooled_key_blocks, pooled_log_weights
+from ..reference import add_key_biases, pooled_key_blocks, pooled_log_weights, softmax_scale
 
 E4M3_MAX = 448.0
 _FP8 = torch.float8_e4m3fn
@@ -58,7 +56,7 @@ def sage_fp8_attention_emulation(q, k, v, block_map=None, block_size: int = 128,
     """SageAttention-style FP8 attention in fp64 (see module docstring); ``prefix_bias`` is added to
     the (quantised) logits of keys ``[0, prefix_len)``, ``suffix_bias`` to the last ``suffix_len``;
     ``pooled_tail``: the skipped blocks' pooled terms (module docstring)."""
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scale = softmax_scale(q.shape[-1], scale)
     q64, k64, v64 = q.double(), k.double(), v.double()
     k64 = k64 - k64.mean(dim=2, keepdim=True)
     qq = e4m3_token_blocks(q64 * scale, quant_block)
@@ -127,7 +125,7 @@ def int8_attention_emulation(q, k, v, block_map=None, block_size: int = 128, sca
     block means and weights are the reference module's). Shapes as :func:`sage_fp8_attention_emulation`."""
     if block_size != 128:
         raise ValueError(f"the INT8 path runs 128-token blocks, got block_size={block_size}")
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scale = softmax_scale(q.shape[-1], scale)
     dim, kv_len = q.shape[-1], k.shape[2]
     hmat = _sylvester(dim, q.device)
     q64, k64, v64 = q.double(), k.double(), v.double()
