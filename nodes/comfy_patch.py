@@ -222,9 +222,15 @@ class ChorusPatch:
 
     def _reduction(self, sigma: float, grid, device, context_lengths: set, options: dict):
         """Feature reuse's reduction of this forward (a hit's), or None: none either where another pack's
-        patch inside Wan's blocks (:data:`SEQUENCE_PATCHES`) reads the whole sequence (noted); layers whose
-        block patch chains another pack's run in full (noted)."""
+        patch inside Wan's blocks (:data:`SEQUENCE_PATCHES`) reads the whole sequence, or where the forward's
+        self-attention may not reach Chorus (an override on top that Chorus cannot see through,
+        ``override_stack.reaches``: a reduced block's attention would run on the compact sequence as if it
+        were the whole one) (both noted); layers whose block patch chains another pack's run in full (noted)."""
         if self.feature_reuse is None or self.plan is None or not self.plan.is_hit:
+            return None
+        top = options.get(OVERRIDE)
+        if not override_stack.reaches(top, ChorusOverride.chaining(self.previous_override)):
+            self.note(f"feature reuse: {override_stack.unreached_note(top)}")
             return None
         inside = sorted(name for name in SEQUENCE_PATCHES if (options.get("patches") or {}).get(name))
         if inside:
@@ -330,8 +336,10 @@ def configure(model, plan: Plan | None, *, sparse=KEEP, feature_reuse=KEEP, guid
     ``sparse``: a ``SparseConfig``, ``feature_reuse``: a ``FeatureReuseConfig``, ``guidance``: a
     ``GuidanceBoost``; each may be ``KEEP`` (default: unchanged) or None (removed). ``plan``: the
     request's plan (None keeps the patch's plan). Every part is (re)built on that plan and the model's
-    ``ModelInfo``; the sparse and feature-reuse parts only for a supported model. A patch with no parts
-    left is uninstalled. The input model is never modified.
+    ``ModelInfo``; the sparse and feature-reuse parts only for a supported model, guidance for any Wan
+    ``WanModel`` (a text-to-video one too; never another class, e.g. ComfyUI's Wan Animate 2 or SCAIL models,
+    whose self-attention can take keys of another length than its queries). A patch with no parts left is
+    uninstalled. The input model is never modified.
     """
     patched = model.clone()
     info = comfy_model_info(patched)
@@ -348,6 +356,8 @@ def configure(model, plan: Plan | None, *, sparse=KEEP, feature_reuse=KEEP, guid
     fr_config = keep(feature_reuse, old.feature_reuse.config if old is not None and old.feature_reuse is not None
                      else None)
     boost = keep(guidance, old.guidance if old is not None else None)
+    if info.family != "wan":  # guidance reads Wan's attention calls (cross-attention: another key length)
+        boost = None
 
     attention = fr = None
     if plan is not None and info.supported:

@@ -168,6 +168,17 @@ def forward_route(previous_override, top) -> Route:
     return Route(top=False, passing=previous_override, dense=dense)
 
 
+def reaches(top, ours) -> bool:
+    """Whether a forward's self-attention calls reach Chorus: ``top`` (the override ComfyUI gave the forward)
+    is a recognised sparse override (Chorus takes the top back from it, :func:`forward_route`), or the chain
+    from ``top`` leads to ``ours`` (the model's installed Chorus override) through links that can be seen
+    (Chorus overrides, recognised sparse overrides, any override exposing ``previous_override``). An
+    unrecognised override on top (applied after the Chorus nodes; ComfyUI's Model Attention Backend node
+    and SageAttention patch nodes replace the override instead of chaining it), or none, may run a call
+    itself."""
+    return is_foreign_sparse(top) or locate(top, ours).found
+
+
 # -- what the user is told --------------------------------------------------------------------------
 
 def _rule(has_sparse_part: bool) -> str:
@@ -193,6 +204,14 @@ def patch_note(previous_override, has_sparse_part: bool = True) -> str | None:
         if not known:
             return None
     return None
+
+
+def unreached_note(top) -> str:
+    """The line for a forward whose self-attention may not reach Chorus (:func:`reaches`)."""
+    what = "no attention override" if top is None else f"another attention override ({_name(top)})"
+    return (f"{what} is on top of this model's, applied after the Chorus nodes, and Chorus cannot see that it "
+            "hands self-attention on to Chorus's: feature reuse runs every block in full (a reduced block's "
+            f"attention needs Chorus); apply that node before the Chorus nodes ({ORDER_DOC})")
 
 
 def run_note(model_options: dict | None, patcher, ours, has_sparse: bool) -> str | None:

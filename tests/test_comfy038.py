@@ -385,3 +385,50 @@ def test_a_failing_chorus_call_logs_one_line_naming_comfyuis_version(model, late
     assert "first failing Chorus call nodes/comfy_call.py:" in lines[0] and "dense_call" in lines[0], lines[0]
     assert "TypeError: attention_pytorch() got an unexpected keyword argument 'heads'" in lines[0]
     assert "\n" not in lines[0]
+
+
+def test_feature_reuse_runs_blocks_in_full_under_an_override_that_replaces_chorus_s(model, latent, conv038):
+    """0.38.x's core Model Attention Backend node (``ModelPatcher.set_model_optimized_attention``) and the
+    SageAttention patch nodes put an override in the slot that calls their own backend instead of the one
+    they replaced. Applied after the Chorus nodes, it takes every attention call: a reduced block's
+    self-attention would run on the compact sequence as if it were the whole one. So a hit's feature reuse
+    runs every block in full there, with a note; an override that shows what it chains (``previous_override``)
+    is seen through and feature reuse reduces beside it."""
+    taken = []
+
+    def optimized_attention_override(func, *args, **kwargs):  # as the backend node installs it: its own backend
+        taken.append(args[0].shape[1])  # q's length (0.38.x: [B, L, H*D] or in a container)
+        return func(*args, **kwargs)
+
+    class Timer:  # an override that chains the one it replaced and says so
+        def __init__(self, inner):
+            self.inner, self.calls = inner, 0
+
+        @property
+        def previous_override(self):
+            return self.inner
+
+        def __call__(self, func, *args, **kwargs):
+            self.calls += 1
+            return self.inner(func, *args, **kwargs)
+
+    miss = _miss()
+    _sample(_patch(model, miss, feature_reuse=True), latent)  # records the entry's maps and region scores
+    hit = full_map_hit(miss)
+    patched = _patch(model, hit, feature_reuse=True).clone()
+    patched.model_options["transformer_options"][OVERRIDE] = optimized_attention_override
+    assert torch.isfinite(_sample(patched, latent)).all()
+    tokens = LATENT[2] * (LATENT[3] // 2) * (LATENT[4] // 2)
+    assert len(taken) == 2 * STEPS * LAYERS and set(taken) == {tokens}  # self- and cross-attention, none compact
+    assert hit.state.feature_reuse.blocks_reduced == 0 and hit.stats.sparse_calls == 0
+    assert any("feature reuse: another attention override (" in m and "optimized_attention_override" in m
+               and "runs every block in full" in m for m in hit.stats.messages), hit.stats.messages
+
+    hit = full_map_hit(miss)
+    patched = _patch(model, hit, feature_reuse=True).clone()
+    options = patched.model_options["transformer_options"]
+    options[OVERRIDE] = timer = Timer(options[OVERRIDE])
+    _sample(patched, latent)
+    assert timer.calls > 0 and hit.state.feature_reuse.blocks_reduced > 0
+    assert hit.stats.sparse_calls == STEPS * LAYERS and hit.stats.fallback_calls == 0, hit.stats.messages
+    assert not any("runs every block in full" in m for m in hit.stats.messages), hit.stats.messages

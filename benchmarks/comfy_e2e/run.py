@@ -247,6 +247,11 @@ class AttentionTimer:
         self.inner = inner
         self.events: list = []
 
+    @property
+    def previous_override(self):
+        """The override it chains: the Chorus nodes see through the timer (``nodes/override_stack.py``)."""
+        return self.inner
+
     def __deepcopy__(self, memo):
         return self
 
