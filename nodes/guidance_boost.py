@@ -33,7 +33,11 @@ def patch_guidance(model, plan: Plan | None, strength: float, image_strength: fl
             return model, None, "strengths 0: model unchanged"
         patched, _, _ = configure(model, None, guidance=None)
         return patched, None, "strengths 0: the guidance the model had is removed"
-    patched, patch, _ = configure(model, plan, guidance=boost)
+    patched, patch, info = configure(model, plan, guidance=boost)
+    if patch is None or patch.guidance is None:
+        if plan is not None:
+            plan.note(f"guidance not applied: {info.reason}")
+        return patched, None, f"not patched: {info.reason}"
     parts = []
     if boost.strength:
         parts.append(f"cross-attention gain {boost.gain:.2f}")

@@ -263,6 +263,22 @@ def test_unsupported_model_keeps_guidance_but_gets_no_sparse_part(cp, nodes):
     assert _chorus_wrappers(m)[pe.WrappersMP.OUTER_SAMPLE] == {cp.WRAPPER_KEY: 1}
 
 
+def test_a_model_of_another_class_gets_no_guidance_either(cp, nodes):
+    """ComfyUI's Wan Animate 2 / SCAIL models subclass ``WanModel`` under another name, and their self-attention
+    can take keys of another length than its queries (Animate 2's per-frame attention over the reference
+    tokens), which guidance would take for cross-attention and scale. Guidance patches ``WanModel`` itself
+    only (a text-to-video one too, above); any other class comes back unpatched, said so."""
+    other = tiny.load_tiny_wan(tiny.tiny_wan_state_dict(seed=0, num_layers=LAYERS))
+    diffusion_model = other.model.diffusion_model
+    diffusion_model.__class__ = type("WanAnimate2Model", (type(diffusion_model),), {})
+    plan = _miss()
+    m = nodes["guidance"](other, plan, s=1.0, i=1.0, c=0.0)
+    assert cp.get_patch(m) is None and OVERRIDE not in m.model_options["transformer_options"]
+    assert any("guidance not applied: WanAnimate2Model is not a Wan diffusion model" in msg
+               for msg in plan.stats.messages), plan.stats.messages
+    assert torch.equal(_sample(m, steps=1), _sample(other, steps=1))
+
+
 def test_a_latent_as_long_as_the_text_context_runs_dense_with_a_note(cp, nodes, model):
     """512 latent tokens = the 512 text tokens: self- and cross-attention cannot be told apart, so the
     patch stays out of every such call (no recording, no bias, no pooled blocks): the output is the
