@@ -2,9 +2,10 @@
 
 Per (expert, step, layer) of a hit: the stored map (unpacked; an entry storing float mass selects
 blocks with ``top_p`` / ``k_min``; resampled to the request's token grid when the entry's grid
-differs with the same aspect) | the ``k_min`` floor (:func:`floor_k_min`) | the visit refresh's extra
+differs with the same aspect, and to a call's own grid when a call has another one: context windows
+of two lengths in one run) | the ``k_min`` floor (:func:`floor_k_min`) | the visit refresh's extra
 pairs (``kernels.VisitRefresh``, request-wide). :class:`RunMaps` builds each map once per sampler run
-without a host sync and keeps only the current step's maps on the device.
+(and call grid) without a host sync and keeps only the current step's maps on the device.
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ from .call import Fallback
 __all__ = ["floor_k_min", "stored_map", "RunMaps"]  # floor_k_min: kernels.masks's, re-exported
 
 def stored_map(plan, expert: int, step: int, layer: int, *, block_size: int, top_p: float, k_min: int,
-               device=None) -> torch.Tensor:
-    """Bool ``[H, Qb, Kb]`` of a hit's entry for a key (on ``device``, default CPU), resampled to the
-    plan's ``resample_to``.
+               device=None, grid=None) -> torch.Tensor:
+    """Bool ``[H, Qb, Kb]`` of a hit's entry for a key (on ``device``, default CPU), resampled to ``grid``
+    (default: the plan's ``resample_to``; None there too: the entry's own grid).
 
     Entries store bool maps (possibly bit-packed, ``cache_store.PackedMap``: unpacked on ``device``);
     an entry that stores float block *mass* instead is turned into a map here with
@@ -31,9 +32,10 @@ def stored_map(plan, expert: int, step: int, layer: int, *, block_size: int, top
     """
     key = (expert, step, layer, 0)
     state = plan.state
+    target = plan.resample_to if grid is None else tuple(int(g) for g in grid)
     with state.lock:
         stored = plan.masks[key]
-        cache_key = (key, top_p, k_min, block_size)
+        cache_key = (key, top_p, k_min, block_size, target)
         if cache_key in state.resampled:
             cached = state.resampled[cache_key]
             return cached.to(device) if device is not None else cached
@@ -55,10 +57,9 @@ def stored_map(plan, expert: int, step: int, layer: int, *, block_size: int, top
             block_map = kernels.select_blocks(block_map.float()[None], top_p=top_p,
                                               k_min=min(k_min, block_map.shape[-1]))[0]
             transformed = True
-        if plan.resample_to is not None:
-            src = tuple(plan.entry_meta["signature"]["token_grid"])
-            block_map = kernels.resample_block_map(block_map.cpu()[None], src, plan.resample_to,
-                                                   block_size=block_size)[0]
+        src = tuple(int(g) for g in plan.entry_meta["signature"]["token_grid"])
+        if target is not None and target != src:
+            block_map = kernels.resample_block_map(block_map.cpu()[None], src, target, block_size=block_size)[0]
             transformed = True
         if transformed:
             state.resampled[cache_key] = block_map.cpu()
@@ -115,36 +116,39 @@ class RunMaps:
             self._prefetch(q.device)
         return self._device_bits.get((step, layer))
 
-    def _stored_on_device(self, step: int, layer: int, q: torch.Tensor) -> torch.Tensor:
+    def _stored_on_device(self, step: int, layer: int, q: torch.Tensor, grid=None) -> torch.Tensor:
         cfg = self.config
         try:
             return stored_map(self.plan, self.expert, step, layer, block_size=cfg.block_size, top_p=cfg.top_p,
-                              k_min=cfg.k_min, device=q.device)
+                              k_min=cfg.k_min, device=q.device, grid=grid)
         except KeyError:
             raise Fallback(f"the entry has no mask for expert {self.expert}, step {step}, layer {layer}") from None
 
-    def _floored(self, step: int, layer: int, q: torch.Tensor, heads: int, qb: int):
-        """The entry's map for (step, layer) with the ``k_min`` floor, for ``heads`` heads of ``qb`` blocks:
+    def _floored(self, step: int, layer: int, q: torch.Tensor, heads: int, qb: int, grid=None):
+        """The entry's map for (step, layer) with the ``k_min`` floor, for ``heads`` heads of ``qb`` blocks
+        (``grid``: a call grid to resample the map to, else None):
         ``(bool [heads, Qb, Qb], packed or None, kept per row int32 [heads, Qb] or None)``. From the packed
         bits on the device in one step (:func:`kernels.masks.floor_packed_map`: the packed copy and the row
         counts come with it); else from :func:`stored_map`. :class:`Fallback` for a map that does not fit."""
         k_min = self.config.k_min
-        found = self._entry_bits(step, layer, q)
+        found = self._entry_bits(step, layer, q) if grid is None else None
         if found is not None:
             bits, shape = found
             map_heads = _fitting_heads(shape, heads, qb)
             return floor_packed_map(bits.reshape(map_heads, qb, -1), qb, heads, k_min)
-        stored = self._stored_on_device(step, layer, q)
+        stored = self._stored_on_device(step, layer, q, grid)
         stored = stored.reshape(_fitting_heads(tuple(stored.shape), heads, qb), qb, qb)
         block_map = floor_k_min(stored.to(q.device), k_min)
         if block_map.shape[0] == 1 and heads > 1:
             block_map = block_map.expand(heads, qb, qb).clone()
         return block_map, None, None
 
-    def map_for(self, step: int, layer: int, q: torch.Tensor, length: int | None = None):
+    def map_for(self, step: int, layer: int, q: torch.Tensor, length: int | None = None, grid=None):
         """Final map for (this expert, step, layer) on q's device: ``(bool [1, H, Qb, Kb], kept)`` with
         ``kept`` the number of kept blocks (a device scalar on CUDA, read only when the run ends).
-        ``length``: the grid's token count when ``q`` is not at full length (a compact call), else q's.
+        ``length``: the grid's token count when ``q`` is not at full length (a compact call), else q's;
+        ``grid``: the call's token grid (:meth:`_call_grid`: a call of another grid than the maps' gets them
+        resampled to its own where it can).
 
         stored map (resampled) | k_min floor | visit-refresh extra pairs. No host sync: the entry's
         maps reach the device once per run (:meth:`_prefetch`), the floor and the refresh are device
@@ -157,15 +161,15 @@ class RunMaps:
         if self.step != step:  # keep only the current step's maps on the device
             self._maps.clear()
             self.step = step
-        key = (step, layer)
+        cfg = self.config
+        heads, length = q.shape[1], q.shape[2] if length is None else int(length)
+        target = self._call_grid(length, grid)
+        key = (step, layer, target)
         if key in self._maps:
             packed, kept, num_kv = self._maps[key]
             return unpack_bits_on_device(packed, num_kv), kept
-        cfg = self.config
-        heads, length = q.shape[1], q.shape[2] if length is None else int(length)
-        self._check_length(length)
         qb = -(-length // cfg.block_size)
-        block_map, packed, row_kept = self._floored(step, layer, q, heads, qb)
+        block_map, packed, row_kept = self._floored(step, layer, q, heads, qb, target)
         if cfg.refresh_steps > 0:
             refresh = self.plan.refresh_state(cfg.refresh_steps)
             block_map = block_map | refresh.extra_pairs(layer, block_map, step)
@@ -178,21 +182,30 @@ class RunMaps:
         self._maps[key] = (packed, kept, block_map.shape[-1])
         return block_map, kept
 
-    def _check_length(self, length: int) -> None:
-        """:class:`Fallback` when the call's token count is not that of the grid the maps are for (the
-        entry's, or the one retrieval resamples them to): e.g. context windows in a request and not in
-        the one that recorded the entry, or the other way round."""
-        grid = self.plan.token_grid
-        if grid is None:
-            return
-        tokens = int(grid[0]) * int(grid[1]) * int(grid[2])
-        if tokens != length:
-            raise Fallback(f"the entry's maps are for {tokens} tokens (grid {tuple(int(g) for g in grid)}), this "
-                           f"call has {length}: a sequence of another length (context windows in only one of the "
-                           "two requests?)")
+    def _call_grid(self, length: int, grid=None):
+        """None when the call's token count is that of the grid the maps are for (the entry's, or the one
+        retrieval resamples them to); else the call's ``grid`` to resample them to: a raster-order entry,
+        a grid of that many tokens and the same aspect (context windows of two lengths in one run: later
+        ComfyUI's causal anchor frame, a shorter last window). :class:`Fallback` otherwise (e.g. context
+        windows in a request and not in the one that recorded the entry: the sampler run moves or demotes
+        such a hit at its first forward, ``Plan.serve_run``)."""
+        maps_grid = self.plan.token_grid
+        if maps_grid is None:
+            return None
+        maps_grid = tuple(int(g) for g in maps_grid)
+        tokens = maps_grid[0] * maps_grid[1] * maps_grid[2]
+        if tokens == length:
+            return None
+        call_grid = None if grid is None else tuple(int(g) for g in grid)
+        if call_grid is not None and call_grid[0] * call_grid[1] * call_grid[2] == length \
+                and self.plan.entry_order is None and kernels.aspect_matches(maps_grid, call_grid):
+            return call_grid
+        raise Fallback(f"the entry's maps are for {tokens} tokens (grid {maps_grid}), this call has {length}"
+                       + ("" if call_grid is None else f" (grid {call_grid})") + ": a sequence of another length "
+                       "they cannot be resampled to (a token-order entry, or another aspect)")
 
     def used_map(self, step: int, layer: int) -> torch.Tensor | None:
-        """The bool map ``[1, H, Qb, Kb]`` this run computes for (step, layer), or None when the
-        current step has not reached that layer."""
-        entry = self._maps.get((step, layer))
+        """The bool map ``[1, H, Qb, Kb]`` this run computes for (step, layer) at the maps' grid, or None when
+        the current step has not reached that layer."""
+        entry = self._maps.get((step, layer, None))
         return None if entry is None else unpack_bits_on_device(entry[0], entry[2])

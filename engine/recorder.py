@@ -24,6 +24,11 @@ class MassRecorder:
     ``token_order``: the name of the token order the calls were recorded in (None = raster); one per
     recorder (a call in another order raises ``ValueError``).
 
+    ``grid``: the token grid of the first call; the entry's maps are for it. A call of another grid (context
+    windows of two lengths in one run: later ComfyUI's causal anchor frame, a shorter last window) has its
+    mass carried to that grid (``kernels.resample_block_map``: raster order, the same aspect) and recorded
+    there; in a token order, or of another aspect, it is not recorded (:meth:`add` returns False).
+
     A recorder that missed calls (an error, or a plan demoted after sparse steps ran) is marked
     ``incomplete`` with a reason; :meth:`block_maps` then raises ``ValueError`` so no partial entry is
     ever written.
@@ -64,26 +69,34 @@ class MassRecorder:
 
     def add(self, expert: int, sigma: float, layer: int, mass: torch.Tensor, *, grid, top_p: float,
             k_min: int, keep_first_frame_blocks: int = 0, block_size: int = 128,
-            token_order: str | None = None) -> None:
-        """Record one call's mass ``[B, H, Qb, Kb]`` (its map selected and ORed into the key's)."""
+            token_order: str | None = None) -> bool:
+        """Record one call's mass ``[B, H, Qb, Kb]`` of token grid ``grid`` (its map selected and ORed into
+        the key's); False when a call of another grid than the recorder's cannot be carried to it (class
+        docstring). Raises ``ValueError`` for another head count or token order than earlier calls'."""
         if mass.dim() != 4:
             raise ValueError(f"mass must be [B, H, Qb, Kb], got shape {tuple(mass.shape)}")
+        grid = tuple(int(g) for g in grid)
+        with self._lock:
+            if self.grid is None:
+                self.grid, self.num_heads, self.block_size = grid, int(mass.shape[1]), int(block_size)
+                self.token_order = token_order
+            elif int(mass.shape[1]) != self.num_heads:
+                raise ValueError(f"recorded heads changed within a request: {self.num_heads} -> {mass.shape[1]}")
+            elif token_order != self.token_order:
+                raise ValueError(f"recorded token order changed within a request: {self.token_order} -> {token_order} "
+                                 "(the experts' models are patched with different feature-reuse settings?)")
+            target = self.grid
         mean = mass.float().mean(dim=0, keepdim=True)
+        if grid != target:
+            if token_order is not None or not kernels.aspect_matches(grid, target):
+                return False
+            mean = kernels.resample_block_map(mean, grid, target, block_size=block_size)
         # NaN / inf / negative mass is flagged on the device (no host sync per call) and checked when
         # the maps are written: such a recording is never written
         bad = ~(torch.isfinite(mean) & (mean >= 0)).all()
         packed = kernels.select_blocks_packed(mean, top_p=top_p, k_min=min(k_min, mean.shape[-1]), keep_diagonal=True,
                                               keep_first_frame_blocks=keep_first_frame_blocks, check_values=False)[0]
         with self._lock:
-            grid = tuple(int(g) for g in grid)
-            if self.grid is None:
-                self.grid, self.num_heads, self.block_size = grid, int(mass.shape[1]), int(block_size)
-                self.token_order = token_order
-            elif grid != self.grid or int(mass.shape[1]) != self.num_heads:
-                raise ValueError(f"recorded grid/heads changed within a request: {self.grid}/{self.num_heads} -> {grid}/{mass.shape[1]}")
-            elif token_order != self.token_order:
-                raise ValueError(f"recorded token order changed within a request: {self.token_order} -> {token_order} "
-                                 "(the experts' models are patched with different feature-reuse settings?)")
             self._bad = bad if self._bad is None else (self._bad | bad)
             key = (int(expert), self.schedule.canonical(sigma), int(layer))
             if key in self._packed:
@@ -95,6 +108,7 @@ class MassRecorder:
                 prev = self._mass.get(key)
                 m = mean[0].cpu()
                 self._mass[key] = (m, 1) if prev is None else (prev[0] + m, prev[1] + 1)
+        return True
 
     def step_sigmas(self) -> list[float]:
         return self.schedule.steps()

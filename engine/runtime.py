@@ -292,7 +292,7 @@ class ExpertRun:
             if self.verifier.moved_on(step) and not plan.is_hit:  # demoted by a late verdict: this call too
                 return self._dense_and_record(call)
             block_map, kept = self.maps.map_for(step, int(call.layer), call.q,
-                                                None if layout is None else layout.length)
+                                                None if layout is None else layout.length, grid)
             order = self.attention.token_order(grid)
             suffix_len, suffix_bias = 0, 0.0
             if layout is None:
@@ -375,7 +375,8 @@ class ExpertRun:
 
     def record_into(self, recorder, call: AttnCall, sigma: float, grid) -> bool:
         """Record the cond rows' block mass of one call into ``recorder`` (raises on error); False when the
-        call has no positive-conditioning row (nothing to record: the positive rows carry the mask).
+        call has no positive-conditioning row (nothing to record: the positive rows carry the mask) or a token
+        grid the recorder cannot carry to its own (:class:`~chorus.engine.recorder.MassRecorder`; noted).
 
         Verification anchors: at the first step of each expert, on the ``verify_layers`` and the
         ``verify_heads`` heads (exactly where a later hit of this entry checks how well it fits), the
@@ -401,7 +402,10 @@ class ExpertRun:
                     self.plan.state.entry_extras[ANCHORS_META_KEY] = {"layers": list(cfg.verify_layers),
                                                                       "heads": int(cfg.verify_heads)}
             first_frame = kernels.first_frame_blocks(grid[1] * grid[2], cfg.block_size)
-            recorder.add(self.expert, sigma, layer, mass, grid=grid, top_p=cfg.top_p, k_min=cfg.k_min,
-                         keep_first_frame_blocks=first_frame, block_size=cfg.block_size,
-                         token_order=None if order is None else token_order_name(order))
-        return True
+            recorded = recorder.add(self.expert, sigma, layer, mass, grid=grid, top_p=cfg.top_p, k_min=cfg.k_min,
+                                    keep_first_frame_blocks=first_frame, block_size=cfg.block_size,
+                                    token_order=None if order is None else token_order_name(order))
+        if not recorded:
+            self.plan.note(f"calls of token grid {tuple(grid)} are not recorded: the entry records grid {recorder.grid} "
+                           "and cannot carry maps in a token order, or of another aspect, to it")
+        return recorded

@@ -6,7 +6,9 @@ the window's. A miss records one map per (expert, step, layer) as the union over
 ORs the calls of one key), so its entry holds the window's grid; a hit of that entry runs every window's
 self-attention sparse (feature reuse too). Retrieval sees the latent only, which is the same with windows
 or without: a request without windows hits that entry, and its first forward (another grid) demotes it to a
-miss that records and is written; from then on each kind of request moves to the entry of its grid.
+miss that records and is written; from then on each kind of request moves to the entry of its grid. Later
+ComfyUI's causal window fix (a test double here) runs windows of two lengths in one run: recorded and served
+at the first window's grid (the others' maps carried over), in raster order.
 0.3.64's windows leave Wan I2V's ``c_concat`` whole (an I2V model cannot sample in windows there); later
 ComfyUI cuts it to the window, as ``tests/host/comfy038.py``'s double does here.
 """
@@ -54,16 +56,17 @@ def _window_count(windowed) -> int:
     return len(handler.context_schedule.func(LATENT["samples"].shape[2], handler, {}))
 
 
-def _request(nodes, model, *, windows: bool):
-    """``(plan, samples)`` of one request: retrieve, sparse sampler + feature reuse, (windows,) sample."""
+def _request(nodes, model, *, windows: bool, feature_reuse: bool = True, workspace: str = "windows"):
+    """``(plan, samples)`` of one request: retrieve, sparse sampler (+ feature reuse), (windows,) sample."""
     import comfy.sample
 
     image = torch.rand(1, 64, 64, 3, generator=torch.Generator().manual_seed(0))
     positive = tiny.random_conditioning(5)
-    plan = nodes.ChorusMaskRetrieve.execute(latent=LATENT, workspace="windows", start_image=image, positive=positive,
+    plan = nodes.ChorusMaskRetrieve.execute(latent=LATENT, workspace=workspace, start_image=image, positive=positive,
                                             prompt="a fox").args[0]
     patched = nodes.ChorusSparseSampler.execute(model=model, plan=plan).args[0]
-    patched = nodes.ChorusFeatureReuse.execute(patched, plan).args[0]
+    if feature_reuse:
+        patched = nodes.ChorusFeatureReuse.execute(patched, plan).args[0]
     if windows:
         patched = _windows(patched)
     latent = LATENT["samples"]
@@ -104,3 +107,31 @@ def test_in_context_windows_a_miss_records_the_window_s_maps_a_hit_runs_every_wi
         assert plan.is_hit and plan.entry_id == own and torch.isfinite(samples).all(), plan.message
         assert plan.stats.sparse_calls == STEPS * forwards_per_step * tiny.TINY_LAYERS, plan.stats.messages
         assert plan.stats.fallback_calls == 0
+
+
+def test_windows_with_an_anchor_frame_are_recorded_and_served_whole(nodes, model, monkeypatch):
+    """Later ComfyUI's causal window fix puts the frame before each window but the first in front of it: one
+    run, forwards of two grids ((5, 16, 16) for the first window, (6, 16, 16) for the others). The miss records
+    every call at the first window's grid (the others' mass carried there) and the hit runs every call sparse
+    (its maps resampled to the longer windows). With feature reuse the entry is in its region order, which
+    cannot be carried to another grid: the longer windows are not recorded (noted) and run dense on a hit."""
+    comfy038.install_context_window_anchor(monkeypatch)
+    window_count = _window_count(_windows(model))
+    calls = STEPS * window_count * tiny.TINY_LAYERS
+
+    miss, samples = _request(nodes, model, windows=True, feature_reuse=False, workspace="anchored")
+    assert not miss.is_hit and torch.isfinite(samples).all()
+    assert miss.recorder.grid == (5, 16, 16) and miss.stats.recorded_calls == calls, miss.stats.messages
+    assert "wrote entry 1" in nodes.ChorusCacheWrite.execute(latent={"samples": samples}, plan=miss).args[0]
+    hit, samples = _request(nodes, model, windows=True, feature_reuse=False, workspace="anchored")
+    assert hit.is_hit and torch.isfinite(samples).all()
+    assert hit.stats.sparse_calls == calls and hit.stats.fallback_calls == 0, hit.stats.messages
+
+    miss, samples = _request(nodes, model, windows=True, workspace="anchored_regions")
+    first = STEPS * tiny.TINY_LAYERS  # the first window's calls
+    assert miss.stats.recorded_calls == first and torch.isfinite(samples).all()
+    assert any("calls of token grid (6, 16, 16) are not recorded" in m for m in miss.stats.messages)
+    assert "wrote entry 1" in nodes.ChorusCacheWrite.execute(latent={"samples": samples}, plan=miss).args[0]
+    hit, samples = _request(nodes, model, windows=True, workspace="anchored_regions")
+    assert hit.is_hit and torch.isfinite(samples).all()
+    assert hit.stats.sparse_calls == first and hit.stats.fallback_calls == calls - first, hit.stats.messages

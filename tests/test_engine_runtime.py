@@ -452,6 +452,53 @@ def test_a_hit_whose_maps_are_for_another_grid_than_its_forwards_moves_or_is_dem
     assert plan.recorder.incomplete_reason is not None
 
 
+def _run_windows(handle, grids, sigmas=SIGMAS, layers=2):
+    """A sampler run whose every step runs one forward per grid of ``grids`` (context windows)."""
+    handle.begin_run(sigmas)
+    for i, s in enumerate(sigmas[:-1]):
+        for w, grid in enumerate(grids):
+            handle.serve_grid(grid)
+            tokens = grid[0] * grid[1] * grid[2]
+            for layer in range(layers):
+                q, k, v = (t[:, :, :tokens] for t in qkv(100 * w + 10 * i + layer))
+                handle.self_attention(q, k, v, layer=layer, sigma=s, grid=grid, dense_fn=sdpa)
+    handle.end_run()
+
+
+def test_windows_of_two_lengths_in_one_run_are_recorded_and_served_at_the_first_window_s_grid(tmp_path):
+    """Later ComfyUI's context windows put one anchor frame in front of every window but the first (its causal
+    window fix), and a batched schedule's last window is shorter: one run, forwards of two grids. A miss records
+    every call at the first forward's grid (another grid's mass carried there, ``kernels.resample_block_map``); a
+    hit of that entry resamples its maps to such a call's grid, every call sparse. In a token order (feature
+    reuse's regions) a call of another grid is neither recorded nor served from the maps: noted, dense."""
+    window, anchored = (2, 5, 7), (3, 5, 7)
+    ws = Workspace.open(tmp_path / "ws")
+    emb = np.random.default_rng(6).standard_normal(24).astype(np.float32)
+    miss = Plan.miss("recording", embedding=emb, latent_shape=LATENT)
+    _run_windows(ChorusAttention(miss, CFG, INFO), [window, anchored, anchored])
+    assert miss.recorder.grid == window and miss.stats.recorded_calls == 18 and not miss.stats.messages
+    assert commit_plan(ws, miss).startswith("wrote entry 1")
+
+    hit = retrieve_plan(ws, emb, LATENT)
+    handle = ChorusAttention(hit, CFG, INFO)
+    _run_windows(handle, [window, anchored])
+    assert hit.is_hit and hit.stats.sparse_calls == 12 and hit.stats.fallback_calls == 0, hit.stats.messages
+
+    # a call of another grid in a token order: not recorded (noted), the rest is; a hit of it runs such calls dense
+    window, anchored = (2, 4, 8), (3, 4, 8)  # feature reuse's region (1, 4, 8) is one 32-token block
+    regions = Plan.miss("recording", embedding=emb, latent_shape=(16, 2, 8, 16))
+    _run_windows(ChorusAttention(regions, CFG, INFO, record_region=(1, 4, 8)), [window, anchored])
+    assert regions.recorder.token_order is not None and regions.stats.recorded_calls == 6
+    assert any("calls of token grid (3, 4, 8) are not recorded: the entry records grid (2, 4, 8)" in m
+               for m in regions.stats.messages), regions.stats.messages
+    ws2 = Workspace.open(tmp_path / "ws2")
+    assert commit_plan(ws2, regions).startswith("wrote entry 1")
+    hit = retrieve_plan(ws2, emb, (16, 2, 8, 16))
+    _run_windows(ChorusAttention(hit, CFG, INFO), [window, anchored])
+    assert hit.is_hit and hit.stats.sparse_calls == 6 and hit.stats.fallback_calls == 6
+    assert any("cannot be resampled to (a token-order entry" in m for m in hit.stats.messages), hit.stats.messages
+
+
 def _run_some_steps(handle, sigmas, steps, layers=2):
     """A sampler run over ``sigmas`` whose model is called at the step indices ``steps`` only (what a
     step cache such as ComfyUI's EasyCache does: it skips the model on the others)."""

@@ -42,8 +42,14 @@ public source as read on 2026-12-02 (behaviour described, no code taken), at the
   also cuts a model cond whose tensor has the window dimension (``cond.size(dim) == x.size(dim)`` with
   ``dim < cond.ndim``: Wan I2V's ``c_concat``) to the window's frames; 0.3.64 leaves it whole, so an I2V model
   cannot sample in windows there (:func:`install_context_window_conds`).
+- ``comfy/context_windows.py`` with Comfy-Org/ComfyUI's causal window fix (its PR 13563, read in the
+  drozbay/ComfyUI fork @ 03e034e256a513e838c159dcb638124d7eb70efe): with the handler's ``causal_window_fix``
+  on, every window but the first gets ``causal_anchor_index`` (the frame before it), ``get_tensor`` puts that
+  frame in front of the window's (x, the timestep's dimension 0 when it is longer than 1, the cut conds), the
+  model runs on one frame more, and that frame's output is dropped before the windows are combined
+  (:func:`install_context_window_anchor`).
 
-:func:`install` applies all of it but the last with a pytest ``monkeypatch`` (undone after the test).
+:func:`install` applies all of it but the last two with a pytest ``monkeypatch`` (undone after the test).
 """
 
 from __future__ import annotations
@@ -301,3 +307,38 @@ def install_context_window_conds(monkeypatch) -> None:
         return conds
 
     monkeypatch.setattr(context_windows.IndexListContextHandler, "get_resized_cond", get_resized_cond)
+
+
+def install_context_window_anchor(monkeypatch) -> None:
+    """Give 0.3.64's context windows the later causal window fix, on (module docstring)."""
+    import comfy.context_windows as context_windows
+
+    window_class = context_windows.IndexListContextWindow
+    get_tensor = window_class.get_tensor
+    evaluate = context_windows.IndexListContextHandler.evaluate_context_windows
+
+    def anchored_get_tensor(self, full, device=None, dim=None):
+        anchor = getattr(self, "causal_anchor_index", None)
+        if anchor is None:
+            return get_tensor(self, full, device, dim)
+        dim = self.dim if dim is None else dim
+        if dim == 0 and full.shape[dim] == 1:
+            return full
+        return full[[slice(None)] * dim + [[anchor] + list(self.index_list)]].to(device)
+
+    def evaluate_context_windows(self, calc_cond_batch, model, x_in, conds, timestep, enumerated_windows,
+                                 model_options, device=None, first_device=None):
+        anchored = set()
+        for _, window in enumerated_windows:
+            anchor = window.index_list[0] - 1
+            if 0 <= anchor < x_in.size(self.dim):
+                window.causal_anchor_index = anchor
+                anchored.add(id(window))
+        results = evaluate(self, calc_cond_batch, model, x_in, conds, timestep, enumerated_windows, model_options,
+                           device, first_device)
+        return [result._replace(sub_conds_out=[out.narrow(self.dim, 1, out.shape[self.dim] - 1)
+                                               for out in result.sub_conds_out])
+                if id(result.window) in anchored else result for result in results]
+
+    monkeypatch.setattr(window_class, "get_tensor", anchored_get_tensor)
+    monkeypatch.setattr(context_windows.IndexListContextHandler, "evaluate_context_windows", evaluate_context_windows)
