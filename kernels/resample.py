@@ -12,6 +12,8 @@ Only grids of the same aspect (H/W) are resampled; a caller treats anything else
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .masks import num_blocks
@@ -30,9 +32,11 @@ def aspect_matches(src_grid, dst_grid, *, rel_tol: float = 0.05) -> bool:
     return abs((hs / ws) - (hd / wd)) <= rel_tol * (hs / ws)
 
 
+@functools.lru_cache(maxsize=16)
 def _source_block_assignment(src_grid, dst_grid, block_size: int) -> torch.Tensor:
     """Count matrix ``[Qb_dst, Qb_src]``: how many tokens of each destination block map into each
-    source block."""
+    source block (on the CPU; cached: a run of context windows of two lengths resamples every call of the
+    longer ones; callers never write into it)."""
     ts, hs, ws = src_grid
     td, hd, wd = dst_grid
 
