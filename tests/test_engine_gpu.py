@@ -109,3 +109,34 @@ def test_first_frame_bias_on_gpu(backend):
     out = dense_handle.self_attention(q, k, v, layer=0, sigma=0.9, grid=GRID, dense_fn=sdpa, first_frame_bias=bias)
     want = dense_attention_oracle(q, k, v, prefix_len=1560, prefix_bias=bias)
     assert (out.double() - want).abs().max().item() < 0.1 * (want - dense_attention_oracle(q, k, v)).abs().max().item()
+
+
+def test_windows_of_two_lengths_on_gpu_are_recorded_and_served():
+    """Context windows of two lengths in one run (later ComfyUI's causal anchor frame): the miss carries the
+    longer window's block mass to the first window's grid on the GPU, and the hit runs the longer window's call
+    sparse on its maps resampled to that grid, against the masked oracle of the map it used."""
+    longer = (GRID[0] + 1, GRID[1], GRID[2])
+    tokens = longer[0] * longer[1] * longer[2]
+    g = torch.Generator(device="cuda").manual_seed(5)
+    q2, k2, v2 = (torch.randn(1, 4, tokens, 128, generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    q1, k1, v1 = (t[:, :, :L].contiguous() for t in (q2, k2, v2))
+    miss = Plan.miss("gpu", latent_shape=(16, 7, 60, 104))
+    recording = ChorusAttention(miss, SparseConfig(), INFO)
+    recording.begin_run([0.9, 0.0])
+    for q, k, v, grid in ((q1, k1, v1, GRID), (q2, k2, v2, longer)):
+        recording.self_attention(q, k, v, layer=0, sigma=0.9, grid=grid, dense_fn=sdpa)
+    assert miss.stats.recorded_calls == 2 and miss.recorder.grid == GRID and not miss.stats.messages
+    entry_map = miss.recorder.block_maps()[(0, 0, 0, 0)]
+
+    plan = _hit(entry_map)
+    handle = ChorusAttention(plan, SparseConfig(k_min=4, backend="triton_bf16", pooled_tail=False), INFO)
+    handle.begin_run([0.9, 0.0])
+    handle.self_attention(q1, k1, v1, layer=0, sigma=0.9, grid=GRID, dense_fn=sdpa)
+    out = handle.self_attention(q2, k2, v2, layer=0, sigma=0.9, grid=longer, dense_fn=sdpa)
+    assert plan.stats.sparse_calls == 2 and plan.stats.fallback_calls == 0, plan.stats.messages
+    used, _ = handle.run.maps.map_for(0, 0, q2, None, longer)  # the call's map (built once, cached)
+    assert used.shape[-1] == -(-tokens // 128) and used.device.type == "cuda"
+    oracle = dense_attention_oracle(q2, k2, v2, block_map=used, block_size=128)
+    eager = dense_attention_oracle(q2.double(), k2.double(), v2.double(), block_map=used, block_size=128)
+    bf16_eager = (eager.to(torch.bfloat16).double() - oracle).abs().max().item()
+    assert (out.double() - oracle).abs().max().item() <= 4 * max(bf16_eager, 1e-3)
