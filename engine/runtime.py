@@ -116,7 +116,8 @@ class ChorusAttention:
         sampled without, or the other way round -- moves to a candidate made for this grid or, when none
         is, is demoted before any sparse call (a miss that records, so the request can be written); the
         run then starts again on what the plan serves now. Later forwards are not checked again (a call
-        of another grid runs dense, noted: :class:`~chorus.engine.maps.RunMaps`)."""
+        of another grid gets the maps resampled to it where it can, else runs dense, noted:
+        :class:`~chorus.engine.maps.RunMaps`)."""
         run = self.run if self.run is not None else self.begin_run()
         if run.forward_grid is not None:
             return
@@ -406,6 +407,6 @@ class ExpertRun:
                                     keep_first_frame_blocks=first_frame, block_size=cfg.block_size,
                                     token_order=None if order is None else token_order_name(order))
         if not recorded:
-            self.plan.note(f"calls of token grid {tuple(grid)} are not recorded: the entry records grid {recorder.grid} "
-                           "and cannot carry maps in a token order, or of another aspect, to it")
+            self.plan.note(f"calls of token grid {tuple(grid)} are not recorded: the entry records grid "
+                           f"{recorder.grid} and cannot carry maps in a token order, or of another aspect, to it")
         return recorded
