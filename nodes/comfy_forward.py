@@ -146,6 +146,12 @@ def _per_token_vec(vec, length: int):
     return torch.repeat_interleave(vec, repeats + 1, dim=1)[:, :length]
 
 
+def block_patches(options: dict) -> dict:
+    """The block patches of a model's (or a forward's) ``transformer_options``: its ``patches_replace["dit"]``,
+    keyed ``("double_block", i)`` for Wan (an empty dict when there are none; never created here)."""
+    return (options.get("patches_replace") or {}).get("dit") or {}
+
+
 def skipped_layers(options: dict) -> frozenset:
     """Layers whose ``("double_block", i)`` patch in ``options["patches_replace"]["dit"]`` never runs the block
     (:func:`never_runs_block`; a Chorus block patch chaining one counts as that one): no self-attention call
@@ -153,9 +159,8 @@ def skipped_layers(options: dict) -> frozenset:
     Guidance makes such forwards (an extra one per step in its window, its layers replaced by a patch that
     returns its arguments); without this, every later call of such a forward took the map of a layer below
     its own where the layer is counted (ComfyUI 0.3.64; compiled code on any version)."""
-    blocks = (options.get("patches_replace") or {}).get("dit") or {}
     skipped = set()
-    for key, patch in blocks.items():
+    for key, patch in block_patches(options).items():
         if not (isinstance(key, tuple) and len(key) == 2 and key[0] == "double_block" and isinstance(key[1], int)):
             continue
         if isinstance(patch, ChorusBlock):

@@ -240,7 +240,7 @@ class ChorusPatch:
             return None
         reduction = self.feature_reuse.reduction(sigma, grid, device, avoid_lengths=context_lengths)
         if reduction is not None:
-            chained = sorted(key[1] for key, block in ((options.get("patches_replace") or {}).get("dit") or {}).items()
+            chained = sorted(key[1] for key, block in comfy_forward.block_patches(options).items()
                              if isinstance(block, ChorusBlock) and block.previous is not None)
             if chained:
                 self.note(f"feature reuse: layers {chained} carry another block patch and run in full")
@@ -406,7 +406,7 @@ def _install(patched, patch: ChorusPatch) -> None:
         patched.remove_wrappers_with_key(wrapper_type, WRAPPER_KEY)
     post_cfg = [fn for fn in patched.model_options.get("sampler_post_cfg_function", [])
                 if not isinstance(fn, CfgCorrection)]
-    dit = (options.get("patches_replace") or {}).get("dit") or {}
+    dit = comfy_forward.block_patches(options)
     for key in [k for k, v in dit.items() if isinstance(v, ChorusBlock)]:
         if dit[key].previous is None:
             del dit[key]
