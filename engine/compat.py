@@ -131,50 +131,55 @@ def run_mismatch(entry_signature, run_starts=None, block_size: int | None = None
     return None
 
 
-def grid_mismatch(maps_grid, forward_grid) -> str | None:
-    """Why maps for ``maps_grid`` (a hit's: its entry's token grid, or the grid they are resampled to)
-    cannot serve forwards of ``forward_grid``, or None (the same grid, or either not known). The latent
-    alone does not tell a forward's grid: ComfyUI's context windows, for one, run the model on windows of
-    the latent's frames."""
-    if maps_grid is None or forward_grid is None:
-        return None
-    maps_grid, forward_grid = tuple(int(g) for g in maps_grid), tuple(int(g) for g in forward_grid)
-    if maps_grid == forward_grid:
-        return None
-    return (f"the entry's maps are for token grid {maps_grid} ({math.prod(maps_grid)} tokens), this run's "
-            f"forwards have {forward_grid} ({math.prod(forward_grid)} tokens; context windows, for one, run the "
-            "model on windows of the latent's frames)")
+def grid_compatibility(entry_signature, grid) -> tuple[str, str]:
+    """Can an entry's maps serve forwards of token grid ``grid`` (``(T', H', W')``)?
+
+    Returns ``("same", "")`` (the entry's own grid), ``("resample", why)`` (another grid of the same aspect, an
+    entry in raster order: its maps are resampled in 3D block coordinates) or ``("incompatible", why)`` (an
+    entry in a token order -- resampled in raster order only --, another aspect, a damaged signature). The
+    latent alone does not tell a forward's grid: ComfyUI's context windows, for one, run the model on windows of
+    the latent's frames. Never raises."""
+    from ..kernels import aspect_matches
+
+    try:
+        order = entry_token_order(entry_signature)
+        src = tuple(int(g) for g in entry_signature["token_grid"])
+        dst = tuple(int(g) for g in grid)
+        if src == dst:
+            return "same", ""
+        if order is not None:
+            return "incompatible", (f"entry in token order {order.name} for token grid {src}, not {dst}: maps in a "
+                                    "token order are resampled to other grids in raster order only")
+        if aspect_matches(src, dst):
+            return "resample", f"token grid {dst} differs from the entry's {src} with the same aspect: masks resampled"
+        return "incompatible", f"token grid {dst} has another aspect than the entry's {src}"
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        return "incompatible", f"entry signature unreadable ({type(e).__name__}: {e})"
 
 
 def latent_compatibility(entry_signature: dict, latent_shape) -> tuple[str, str]:
     """Can an entry's masks serve a latent of this shape?
 
-    Returns ``("same", "")``, ``("resample", why)`` (same channels and aspect, another token grid:
-    masks are resampled in 3D block coordinates) or ``("incompatible", why)``.
+    Returns ``("same", "")`` (the entry's latent, or another one of the same token grid),
+    ``("resample", why)`` (same channels and aspect, another token grid: masks are resampled in 3D block
+    coordinates) or ``("incompatible", why)``: the latent's token grid by :func:`grid_compatibility`, after
+    the signature's format and the channels.
 
     Token order (:func:`entry_token_order`): an entry in any order this version rebuilds is served
     in its own order (the engine runs attention on the tokens in that order: exact); resampling to
     another grid works in raster order only, so a tile- or region-order entry of another grid is
     incompatible (a miss, never misread), as is an order that cannot be rebuilt.
     """
-    from ..kernels import aspect_matches
-
     try:
         if int(entry_signature.get("format", -1)) != SIGNATURE_FORMAT:
             return "incompatible", f"entry signature format {entry_signature.get('format')!r} is not {SIGNATURE_FORMAT}"
-        order = entry_token_order(entry_signature)
+        entry_token_order(entry_signature)  # an order this version cannot rebuild: never served
         shape = tuple(int(s) for s in latent_shape)[-4:]
         e_shape = tuple(int(s) for s in entry_signature["latent_shape"])
         if shape == e_shape:
             return "same", ""
-        if order is not None:
-            return "incompatible", (f"entry in token order {order.name} for latent {list(e_shape)}: its maps are "
-                                    "resampled to other grids in raster order only")
         if shape[0] != e_shape[0]:
             return "incompatible", f"latent has {shape[0]} channels, entry {e_shape[0]} (another model family)"
-        src, dst = tuple(entry_signature["token_grid"]), token_grid(shape)
-        if aspect_matches(src, dst):
-            return "resample", f"token grid {dst} differs from the entry's {src} with the same aspect: masks resampled"
-        return "incompatible", f"latent {list(shape)} has another aspect than the entry's {list(e_shape)}"
+        return grid_compatibility(entry_signature, token_grid(shape))
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         return "incompatible", f"entry signature unreadable ({type(e).__name__}: {e})"

@@ -9,14 +9,16 @@
   entry extras, commit result).
 - :class:`Plan`: the object passed between nodes / hosts; read-only properties over both, and the
   methods the patched models call. :meth:`Plan.serve_run`, at the start of every sampler run of a
-  model and again at the run's first forward (its token grid), is the one place where a hit may move to
-  another candidate or be demoted for a model, schedule or grid it does not serve (a note says why);
+  model and again at the run's first forward (its token grid: the entry is served at it, resampled where
+  needed), is the one place where a hit may move to another candidate or be demoted for a model, schedule
+  or grid it does not serve (a note says why);
   verification's demotion (``engine/verify.py``) and :meth:`Plan.demote` are the other ways a hit ends.
   Attributes cannot be set on a plan.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import types
 from dataclasses import dataclass, field
@@ -26,7 +28,7 @@ import numpy as np
 
 from .. import kernels
 from .recorder import MassRecorder
-from .compat import entry_sampler_sigmas, entry_token_order, grid_mismatch, model_mismatch, run_mismatch
+from .compat import entry_sampler_sigmas, entry_token_order, grid_compatibility, model_mismatch, run_mismatch
 from .model_info import ModelInfo, token_grid
 from .state import PlanStats, RequestState
 
@@ -381,18 +383,21 @@ class Plan:
         model (the caller runs it dense). ``run_starts``: the sigmas the run's steps start at (they join
         ``state.sampler_steps``, what a new entry records as its sampler schedule); ``block_size``: the
         sparse sampler's, when it runs one; ``forward_grid``: the token grid of the run's forwards, told
-        by the run's first forward (the parts call this again then: the latent alone does not tell it,
-        :func:`~chorus.engine.compat.grid_mismatch`).
+        by the run's first forward (the parts call this again then: the latent alone does not tell it).
 
         The one place where a hit may change entry: retrieval sees neither the models nor the sampler
         (the embedding is the request's), so the best entry can be one made for other weights or
         another schedule (the same prompt sampled with another LoRA, strength or step count has an
         equal embedding), nor the grid the model runs at (an entry recorded in context windows has the
-        whole latent's shape and the window's grid). When the entry does not serve every model met so far
-        (:meth:`expect_model` and earlier runs) and this run, then before the request's first sparse call
-        the hit moves to
-        the most similar candidate that does (retrieval's ``reselect`` loads them, outside the plan's
-        lock), with a note saying why; when none does, or sparse calls already ran, it is demoted.
+        whole latent's shape and the window's grid). The run's token grid is served by the rule retrieval
+        applies to latents (:func:`~chorus.engine.compat.grid_compatibility`): before the request's first
+        sparse call, the entry is served at that grid -- unresampled where it is the entry's own, resampled
+        where the entry is raster and the aspect the same (a note says so) --; later, calls of another grid
+        get the maps resampled one by one (``RunMaps``). When the entry does not serve every model met so
+        far (:meth:`expect_model` and earlier runs), this run or its grid, then before the request's first
+        sparse call the hit moves to the most similar candidate that does (retrieval's ``reselect`` loads
+        them, outside the plan's lock), with a note saying why; when none does, or sparse calls already ran,
+        it is demoted.
         """
         state = self.state
         with state.lock:
@@ -409,7 +414,9 @@ class Plan:
                     return index
                 current = state.retrieval
                 models = list(state.models)
-                reason = _serves(current, models, run_starts, block_size, forward_grid)
+                reason = _serves(current, models, run_starts, block_size)
+                if reason is None and forward_grid is not None:
+                    reason = self._serve_grid(current, tuple(int(g) for g in forward_grid))
                 if reason is None:
                     return list(current.signature.get("experts", [])).index(info.fingerprint)
                 if state.stats.sparse_calls or not current.candidates or self._reselect is None:
@@ -429,6 +436,22 @@ class Plan:
                 self.note(f"hit moved from entry {current.entry_id} ({reason}) to entry {moved.entry_id}, "
                           f"similarity {moved.similarity:.3f}, made for this model, schedule and grid")
 
+    def _serve_grid(self, current: Retrieval, grid: tuple) -> str | None:
+        """(The plan's lock held.) Why the hit's entry cannot serve forwards of token ``grid``, or None: it does,
+        and before the request's first sparse call the plan serves it at that grid (``resample_to`` set, or
+        dropped where the grid is the entry's own)."""
+        if current.maps_grid == grid:
+            return None
+        verdict, why = grid_compatibility(current.signature, grid)
+        if verdict == "incompatible":
+            return why
+        if not self.state.stats.sparse_calls:
+            self.state.retrieval = dataclasses.replace(current, resample_to=None if verdict == "same" else grid)
+            self.state.resampled.clear()
+            self.note(f"entry {current.entry_id} served at this run's token grid {grid}"
+                      + (" (the entry's own)" if verdict == "same" else f" ({why})"))
+        return None
+
     def refresh_state(self, refresh_steps: int):
         """The request's ``VisitRefresh`` for this R (shared by all experts)."""
         with self.state.lock:
@@ -447,12 +470,10 @@ def _add_model(models: list, info: ModelInfo) -> int:
     return len(models) - 1
 
 
-def _serves(retrieval: Retrieval, models, run_starts, block_size, forward_grid) -> str | None:
-    """Why a hit's entry does not serve every model of ``models``, the sampler run and its forwards'
-    token grid, or None."""
+def _serves(retrieval: Retrieval, models, run_starts, block_size) -> str | None:
+    """Why a hit's entry does not serve every model of ``models`` and the sampler run, or None."""
     for info in models:
         reason = model_mismatch(retrieval.signature, info)
         if reason is not None:
             return reason
-    return run_mismatch(retrieval.signature, run_starts, block_size) or grid_mismatch(retrieval.maps_grid,
-                                                                                      forward_grid)
+    return run_mismatch(retrieval.signature, run_starts, block_size)

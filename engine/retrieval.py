@@ -15,7 +15,7 @@ import torch
 
 from .plan import Plan, Retrieval
 from .routing import match_step
-from .compat import SIGNATURE_FORMAT, TOKEN_ORDER, grid_mismatch, latent_compatibility, model_mismatch, \
+from .compat import SIGNATURE_FORMAT, TOKEN_ORDER, grid_compatibility, latent_compatibility, model_mismatch, \
     run_mismatch
 from .model_info import token_grid
 
@@ -86,8 +86,9 @@ class CandidateLoader:
             forward_grid=None):
         """``(Retrieval, "")`` of a hit on this entry (``others``: its candidates), or ``(None, why not)``:
         unreadable, incompatible latent, no masks, made for another of ``models`` (ModelInfo), not for
-        this sampler run (``run_starts`` / ``block_size``, :func:`~chorus.engine.compat.run_mismatch`) or
-        not for its forwards' token grid (``forward_grid``, :func:`~chorus.engine.compat.grid_mismatch`)."""
+        this sampler run (``run_starts`` / ``block_size``, :func:`~chorus.engine.compat.run_mismatch`) or, when
+        ``forward_grid`` is given, not for its forwards' token grid (then that grid, not the latent's, decides
+        whether the maps are resampled: :func:`~chorus.engine.compat.grid_compatibility`)."""
         try:
             masks, meta = _load(self._workspace, entry_id)
             signature = meta["signature"]
@@ -102,17 +103,21 @@ class CandidateLoader:
                 run_mismatch(signature, run_starts, block_size)]:
             if mismatch is not None:
                 return None, f"entry {entry_id}: {mismatch}"
+        grid = self._grid
+        if forward_grid is not None:
+            grid = tuple(int(g) for g in forward_grid)
+            verdict, why = grid_compatibility(signature, grid)
+            if verdict == "incompatible":
+                return None, f"entry {entry_id}: {why}"
         message = f"hit: entry {entry_id}, similarity {similarity:.3f}"
         if verdict == "resample":
             message += f" ({why})"
         try:
-            hit = Retrieval("hit", message=message, entry_id=entry_id, similarity=similarity, masks=masks,
-                            entry_meta=meta, resample_to=self._grid if verdict == "resample" else None,
-                            candidates=others, **self._common)
+            return Retrieval("hit", message=message, entry_id=entry_id, similarity=similarity, masks=masks,
+                             entry_meta=meta, resample_to=grid if verdict == "resample" else None,
+                             candidates=others, **self._common), ""
         except ValueError as exc:  # e.g. an order that cannot be resampled: not this entry
             return None, f"entry {entry_id}: {exc}"
-        mismatch = grid_mismatch(hit.maps_grid, forward_grid)
-        return (hit, "") if mismatch is None else (None, f"entry {entry_id}: {mismatch}")
 
     def reselect(self, candidates, models, *, run_starts=None, block_size=None,
                  forward_grid=None) -> tuple[Retrieval | None, str]:

@@ -113,9 +113,10 @@ class ChorusAttention:
         """The token grid ``(T', H', W')`` of a forward of this model (the host calls this before it decides
         anything else of the forward). The run's first forward has the plan serve it too
         (:meth:`Plan.serve_run`): a hit whose maps are for another grid -- recorded in context windows and
-        sampled without, or the other way round -- moves to a candidate made for this grid or, when none
-        is, is demoted before any sparse call (a miss that records, so the request can be written); the
-        run then starts again on what the plan serves now. Later forwards are not checked again (a call
+        sampled without, or the other way round -- is served at this one (resampled, or unresampled where it
+        is the entry's own) or, where it cannot be (an entry in a token order), moves to a candidate made for
+        this grid or is demoted before any sparse call (a miss that records, so the request can be written);
+        the run then starts again on what the plan serves now. Later forwards are not checked again (a call
         of another grid gets the maps resampled to it where it can, else runs dense, noted:
         :class:`~chorus.engine.maps.RunMaps`)."""
         run = self.run if self.run is not None else self.begin_run()

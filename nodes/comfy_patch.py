@@ -18,9 +18,9 @@ put itself on top, Chorus takes the top back in each forward (``nodes/override_s
 
 Per forward the DIFFUSION_MODEL wrapper runs on the host side of the graph (``torch.compiler.disable``:
 under ``TorchCompileModel`` one graph break at the top of the model, none inside a block): it reads the
-token grid from the latent and tells it to the parts (a run's first forward may move or demote a hit whose
-maps are for another grid, ``serve_grid``), reads the sigma once, makes the forward's
-:class:`~chorus.engine.attend.ForwardContext` current, and hands the model an options copy with constants
+token grid from the latent and tells it to the parts (a run's first forward serves a hit's entry at that grid,
+resampled, or moves or demotes a hit whose maps cannot be, ``serve_grid``), reads the sigma once, makes the
+forward's :class:`~chorus.engine.attend.ForwardContext` current, and hands the model an options copy with constants
 only, also published where compiled code is guarded on them (``nodes/comfy_forward.py``). The override
 translates each attention call by them: self-attention to ``torch.ops.chorus.attend`` (or, on a recording
 miss, the host's attention + ``torch.ops.chorus.record_mass``), cross-attention to the host's attention

@@ -5,8 +5,10 @@ In windows, each sampler step runs the model once per window of latent frames: e
 the window's. A miss records one map per (expert, step, layer) as the union over the windows (the recorder
 ORs the calls of one key), so its entry holds the window's grid; a hit of that entry runs every window's
 self-attention sparse (feature reuse too). Retrieval sees the latent only, which is the same with windows
-or without: a request without windows hits that entry, and its first forward (another grid) demotes it to a
-miss that records and is written; from then on each kind of request moves to the entry of its grid. Later
+or without: a request without windows hits that entry, and its first forward tells another grid; the entry,
+in feature reuse's region order, cannot be resampled to it, so the hit is demoted to a miss that records and
+is written; from then on each kind of request moves to the entry of its grid (a raster entry would be served
+resampled: ``tests/test_engine_runtime.py``). Later
 ComfyUI's causal window fix (a test double here) runs windows of two lengths in one run: recorded and served
 at the first window's grid (the others' maps carried over), in raster order.
 0.3.64's windows leave Wan I2V's ``c_concat`` whole (an I2V model cannot sample in windows there); later
@@ -95,8 +97,8 @@ def test_in_context_windows_a_miss_records_the_window_s_maps_a_hit_runs_every_wi
     # the whole latent: not the entry's grid. Demoted at its first forward, it records and is written
     unwindowed, samples = _request(nodes, model, windows=False)
     assert not unwindowed.is_hit and torch.isfinite(samples).all()
-    assert "the entry's maps are for token grid (5, 16, 16) (1280 tokens), this run's forwards have (9, 16, 16)" \
-        in unwindowed.message, unwindowed.message
+    assert "for token grid (5, 16, 16), not (9, 16, 16): maps in a token order are resampled" in unwindowed.message, \
+        unwindowed.message
     assert unwindowed.stats.recorded_calls == STEPS * tiny.TINY_LAYERS and unwindowed.stats.fallback_calls == 0
     written = nodes.ChorusCacheWrite.execute(latent={"samples": samples}, plan=unwindowed).args[0]
     assert "wrote entry 2" in written, written

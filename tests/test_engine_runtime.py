@@ -410,13 +410,15 @@ def _run_forwards(handle, grid, sigmas=SIGMAS, layers=2):
     handle.end_run()
 
 
-def test_a_hit_whose_maps_are_for_another_grid_than_its_forwards_moves_or_is_demoted(tmp_path):
-    """ComfyUI's context windows run the model on windows of the latent's frames: an entry recorded so has
-    the whole latent's shape and the window's grid, which retrieval (it sees the latent only) cannot tell
-    from one recorded on the whole latent. The run's first forward tells the grid: a hit whose maps are
-    for another one moves to the candidate made for it, before its first sparse call, or is demoted (a
-    miss that records, so the request is written); a grid met after sparse calls ran demotes the plan
-    and nothing is written."""
+def test_the_grid_a_run_s_forwards_have_decides_how_a_hit_serves_its_entry(tmp_path):
+    """ComfyUI's context windows run the model on windows of the latent's frames: an entry recorded so has the
+    whole latent's shape and the window's grid, which retrieval (it sees the latent only) cannot tell from one
+    recorded on the whole latent. The run's first forward tells the grid, and the rule retrieval applies to
+    latents decides: a windowed request of another length serves the entry at its own grid (retrieval had it
+    resampled to the whole latent's), a request on the whole latent serves a raster entry resampled. An entry in
+    a token order (feature reuse's regions) is not resampled: before the first sparse call the hit moves to a
+    candidate made for the grid, or is demoted (a miss that records, so the request is written); a grid met
+    after sparse calls ran demotes the plan and nothing is written."""
     window, whole = (2, 5, 7), GRID
     ws = Workspace.open(tmp_path / "ws")
     emb = np.random.default_rng(4).standard_normal(24).astype(np.float32)
@@ -424,32 +426,46 @@ def test_a_hit_whose_maps_are_for_another_grid_than_its_forwards_moves_or_is_dem
     _run_forwards(ChorusAttention(recording, CFG, INFO), window)
     assert recording.recorder.grid == window and commit_plan(ws, recording).startswith("wrote entry 1")
 
-    # only the windowed entry: a request on the whole latent is demoted at its first forward, records, writes
-    plan = retrieve_plan(ws, emb, LATENT)
+    longer = (16, 5, 10, 14)  # windows of the same length on a longer latent: retrieval resamples to its grid
+    plan = retrieve_plan(ws, emb, longer)
+    assert plan.is_hit and plan.resample_to == (5, 5, 7)
+    _run_forwards(ChorusAttention(plan, CFG, INFO), window)
+    assert plan.is_hit and plan.resample_to is None and plan.token_grid == window
+    assert plan.stats.sparse_calls == 6 and plan.stats.fallback_calls == 0, plan.stats.messages
+    assert any("served at this run's token grid (2, 5, 7) (the entry's own)" in m for m in plan.stats.messages)
+
+    plan = retrieve_plan(ws, emb, LATENT)  # the whole latent, no windows: the window's maps resampled
     assert plan.is_hit and plan.token_grid == window  # the latent is the entry's: retrieval cannot tell
     _run_forwards(ChorusAttention(plan, CFG, INFO), whole)
-    assert not plan.is_hit and "maps are for token grid (2, 5, 7) (70 tokens), this run's forwards have " \
-        "(3, 5, 7) (105 tokens" in plan.message, plan.message
+    assert plan.is_hit and plan.resample_to == whole and plan.stats.sparse_calls == 6, plan.stats.messages
+    assert any("served at this run's token grid (3, 5, 7) (token grid (3, 5, 7) differs from the entry's (2, 5, 7)"
+               in m for m in plan.stats.messages), plan.stats.messages
+
+    # entries in feature reuse's region order (1, 4, 8), one 32-token block: never resampled
+    window, whole, latent, region = (2, 4, 8), (3, 4, 8), (16, 3, 8, 16), (1, 4, 8)
+    ws = Workspace.open(tmp_path / "regions")
+    recording = Plan.miss("recording", embedding=emb, latent_shape=latent)
+    _run_forwards(ChorusAttention(recording, CFG, INFO, record_region=region), window)
+    assert recording.recorder.token_order is not None and commit_plan(ws, recording).startswith("wrote entry 1")
+    plan = retrieve_plan(ws, emb, latent)  # the whole latent: demoted at its first forward, records, writes
+    _run_forwards(ChorusAttention(plan, CFG, INFO, record_region=region), whole)
+    assert not plan.is_hit and "for token grid (2, 4, 8), not (3, 4, 8)" in plan.message, plan.message
     assert plan.stats.sparse_calls == 0 and plan.stats.fallback_calls == 0 and plan.stats.recorded_calls == 6
     assert commit_plan(ws, plan).startswith("wrote entry 2"), plan.committed
-
-    # both entries (equal embeddings; ties rank the older first): each kind of request moves to its own
-    for grid, own in ((whole, 2), (window, 1)):
-        plan = retrieve_plan(ws, emb, LATENT)
-        handle = ChorusAttention(plan, CFG, INFO)
-        _run_forwards(handle, grid)
+    for grid, own in ((whole, 2), (window, 1)):  # equal embeddings (ties rank the older first): each to its own
+        plan = retrieve_plan(ws, emb, latent)
+        _run_forwards(ChorusAttention(plan, CFG, INFO, record_region=region), grid)
         assert plan.is_hit and plan.entry_id == own and plan.token_grid == grid, plan.message
         assert plan.stats.sparse_calls == 6 and plan.stats.fallback_calls == 0, plan.stats.messages
         assert sum("hit moved" in m for m in plan.stats.messages) == (own != 1)
 
     # a grid met after sparse calls ran (a later sampler run) cannot move the plan: demoted, not written
-    plan = retrieve_plan(ws, emb, LATENT)
-    handle = ChorusAttention(plan, CFG, INFO)
+    plan = retrieve_plan(ws, emb, latent)
+    handle = ChorusAttention(plan, CFG, INFO, record_region=region)
     _run_forwards(handle, window, sigmas=SIGMAS[:3])
     assert plan.is_hit and plan.entry_id == 1 and plan.stats.sparse_calls == 4
     _run_forwards(handle, whole, sigmas=SIGMAS[2:])
-    assert not plan.is_hit and "this run's forwards have (3, 5, 7)" in plan.message
-    assert plan.recorder.incomplete_reason is not None
+    assert not plan.is_hit and "not (3, 4, 8)" in plan.message and plan.recorder.incomplete_reason is not None
 
 
 def _run_windows(handle, grids, sigmas=SIGMAS, layers=2):

@@ -138,8 +138,9 @@ def forward_grid_and_sigma(args, kwargs, patch_size):
 
 def serve_grid(handle, grid) -> None:
     """Tell ``handle`` (a ``ChorusAttention`` or ``FeatureReuse``) the token grid of a forward before its calls:
-    the run's first forward has the plan serve it (a hit whose maps are for another grid moves or is
-    demoted). A failure is a note in the handle's plan: the calls then fall back one by one."""
+    the run's first forward has the plan serve it (a hit's entry is served at that grid, resampled where
+    needed, or the hit moves or is demoted). A failure is a note in the handle's plan: the calls then fall back
+    one by one."""
     try:
         handle.serve_grid(grid)
     except Exception as exc:  # noqa: BLE001 - never fail the pipeline
