@@ -446,7 +446,9 @@ class Plan:
         if verdict == "incompatible":
             return why
         if not self.state.stats.sparse_calls:
-            self.state.retrieval = dataclasses.replace(current, resample_to=None if verdict == "same" else grid)
+            message = f"hit: entry {current.entry_id}, similarity {current.similarity:.3f}"
+            self.state.retrieval = dataclasses.replace(current, resample_to=None if verdict == "same" else grid,
+                                                       message=message if verdict == "same" else f"{message} ({why})")
             self.state.resampled.clear()
             self.note(f"entry {current.entry_id} served at this run's token grid {grid}"
                       + (" (the entry's own)" if verdict == "same" else f" ({why})"))
