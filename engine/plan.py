@@ -446,7 +446,8 @@ class Plan:
         if verdict == "incompatible":
             return why
         if not self.state.stats.sparse_calls:
-            message = f"hit: entry {current.entry_id}, similarity {current.similarity:.3f}"
+            message = f"hit: entry {current.entry_id}" + ("" if current.similarity is None
+                                                          else f", similarity {current.similarity:.3f}")
             self.state.retrieval = dataclasses.replace(current, resample_to=None if verdict == "same" else grid,
                                                        message=message if verdict == "same" else f"{message} ({why})")
             self.state.resampled.clear()
