@@ -160,10 +160,12 @@ def grid_compatibility(entry_signature, grid) -> tuple[str, str]:
 def latent_compatibility(entry_signature: dict, latent_shape) -> tuple[str, str]:
     """Can an entry's masks serve a latent of this shape?
 
-    Returns ``("same", "")`` (the entry's latent, or another one of the same token grid),
-    ``("resample", why)`` (same channels and aspect, another token grid: masks are resampled in 3D block
-    coordinates) or ``("incompatible", why)``: the latent's token grid by :func:`grid_compatibility`, after
-    the signature's format and the channels.
+    Returns ``("same", "")`` (the entry's latent, or another one of the same token grid), ``("same", why)``
+    (an entry recorded in context windows -- its grid is not its latent's -- and a latent of the same frame
+    size: served at the entry's grid, which the request's first forward confirms or not,
+    ``Plan.serve_run``), ``("resample", why)`` (same channels and aspect, another token grid: masks are
+    resampled in 3D block coordinates) or ``("incompatible", why)``: the latent's token grid by
+    :func:`grid_compatibility`, after the signature's format and the channels.
 
     Token order (:func:`entry_token_order`): an entry in any order this version rebuilds is served
     in its own order (the engine runs attention on the tokens in that order: exact); resampling to
@@ -180,6 +182,10 @@ def latent_compatibility(entry_signature: dict, latent_shape) -> tuple[str, str]
             return "same", ""
         if shape[0] != e_shape[0]:
             return "incompatible", f"latent has {shape[0]} channels, entry {e_shape[0]} (another model family)"
-        return grid_compatibility(entry_signature, token_grid(shape))
+        e_grid, grid = tuple(int(g) for g in entry_signature["token_grid"]), token_grid(shape)
+        if e_grid != token_grid(e_shape) and e_grid[1:] == grid[1:]:
+            return "same", (f"the entry was recorded in context windows of token grid {e_grid}: served at it where "
+                            "this request's windows are the same (its first forward tells)")
+        return grid_compatibility(entry_signature, grid)
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         return "incompatible", f"entry signature unreadable ({type(e).__name__}: {e})"

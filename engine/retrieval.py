@@ -110,7 +110,7 @@ class CandidateLoader:
             if verdict == "incompatible":
                 return None, f"entry {entry_id}: {why}"
         message = f"hit: entry {entry_id}, similarity {similarity:.3f}"
-        if verdict == "resample":
+        if why:
             message += f" ({why})"
         try:
             return Retrieval("hit", message=message, entry_id=entry_id, similarity=similarity, masks=masks,

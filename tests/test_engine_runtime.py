@@ -415,7 +415,8 @@ def test_the_grid_a_run_s_forwards_have_decides_how_a_hit_serves_its_entry(tmp_p
     whole latent's shape and the window's grid, which retrieval (it sees the latent only) cannot tell from one
     recorded on the whole latent. The run's first forward tells the grid, and the rule retrieval applies to
     latents decides: a windowed request of another length serves the entry at its own grid (retrieval had it
-    resampled to the whole latent's), a request on the whole latent serves a raster entry resampled. An entry in
+    resampled to the whole latent's; an entry in a token order, which retrieval does not resample, it takes for
+    one recorded in windows), a request on the whole latent serves a raster entry resampled. An entry in
     a token order (feature reuse's regions) is not resampled: before the first sparse call the hit moves to a
     candidate made for the grid, or is demoted (a miss that records, so the request is written); a grid met
     after sparse calls ran demotes the plan and nothing is written."""
@@ -426,9 +427,20 @@ def test_the_grid_a_run_s_forwards_have_decides_how_a_hit_serves_its_entry(tmp_p
     _run_forwards(ChorusAttention(recording, CFG, INFO), window)
     assert recording.recorder.grid == window and commit_plan(ws, recording).startswith("wrote entry 1")
 
-    longer = (16, 5, 10, 14)  # windows of the same length on a longer latent: retrieval resamples to its grid
-    plan = retrieve_plan(ws, emb, longer)
-    assert plan.is_hit and plan.resample_to == (5, 5, 7)
+    plan = retrieve_plan(ws, emb, (16, 5, 10, 14))  # windows of the same length on a longer latent
+    assert plan.is_hit and plan.resample_to is None and "recorded in context windows" in plan.message
+    _run_forwards(ChorusAttention(plan, CFG, INFO), window)
+    assert plan.is_hit and plan.token_grid == window
+    assert plan.stats.sparse_calls == 6 and plan.stats.fallback_calls == 0, plan.stats.messages
+
+    # an entry recorded without windows on a 2-frame latent; a 3-frame request in windows of 2 frames: retrieval
+    # resamples to the latent's grid, the first forward serves the entry at its own instead
+    short = Workspace.open(tmp_path / "short")
+    recording = Plan.miss("recording", embedding=emb, latent_shape=(16, 2, 10, 14))
+    _run_forwards(ChorusAttention(recording, CFG, INFO), window)
+    assert commit_plan(short, recording).startswith("wrote entry 1")
+    plan = retrieve_plan(short, emb, LATENT)
+    assert plan.is_hit and plan.resample_to == whole
     _run_forwards(ChorusAttention(plan, CFG, INFO), window)
     assert plan.is_hit and plan.resample_to is None and plan.token_grid == window
     assert plan.stats.sparse_calls == 6 and plan.stats.fallback_calls == 0, plan.stats.messages
@@ -447,6 +459,10 @@ def test_the_grid_a_run_s_forwards_have_decides_how_a_hit_serves_its_entry(tmp_p
     recording = Plan.miss("recording", embedding=emb, latent_shape=latent)
     _run_forwards(ChorusAttention(recording, CFG, INFO, record_region=region), window)
     assert recording.recorder.token_order is not None and commit_plan(ws, recording).startswith("wrote entry 1")
+    plan = retrieve_plan(ws, emb, (16, 5, 8, 16))  # windows of the same length on a longer latent: exact
+    assert plan.is_hit and plan.resample_to is None and "recorded in context windows" in plan.message
+    _run_forwards(ChorusAttention(plan, CFG, INFO, record_region=region), window)
+    assert plan.is_hit and plan.stats.sparse_calls == 6 and plan.stats.fallback_calls == 0, plan.stats.messages
     plan = retrieve_plan(ws, emb, latent)  # the whole latent: demoted at its first forward, records, writes
     _run_forwards(ChorusAttention(plan, CFG, INFO, record_region=region), whole)
     assert not plan.is_hit and "for token grid (2, 4, 8), not (3, 4, 8)" in plan.message, plan.message
