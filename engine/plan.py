@@ -414,7 +414,7 @@ class Plan:
                     return index
                 current = state.retrieval
                 models = list(state.models)
-                reason = _serves(current, models, run_starts, block_size)
+                reason = _serves(current.signature, models, run_starts, block_size)
                 if reason is None and forward_grid is not None:
                     reason = self._serve_grid(current, tuple(int(g) for g in forward_grid))
                 if reason is None:
@@ -473,10 +473,11 @@ def _add_model(models: list, info: ModelInfo) -> int:
     return len(models) - 1
 
 
-def _serves(retrieval: Retrieval, models, run_starts, block_size) -> str | None:
-    """Why a hit's entry does not serve every model of ``models`` and the sampler run, or None."""
+def _serves(signature, models, run_starts, block_size) -> str | None:
+    """Why an entry (its signature) does not serve every model of ``models`` and the sampler run, or
+    None."""
     for info in models:
-        reason = model_mismatch(retrieval.signature, info)
+        reason = model_mismatch(signature, info)
         if reason is not None:
             return reason
-    return run_mismatch(retrieval.signature, run_starts, block_size)
+    return run_mismatch(signature, run_starts, block_size)
