@@ -119,6 +119,13 @@ class Retrieval:
         return self.entry_meta["signature"] if self.kind == "hit" else None
 
 
+def hit_message(entry_id, similarity: float | None, why: str = "") -> str:
+    """A hit's :attr:`Retrieval.message`: the entry, its similarity, and why it is served as it is (e.g.
+    resampled), if anything."""
+    message = f"hit: entry {entry_id}" + ("" if similarity is None else f", similarity {similarity:.3f}")
+    return f"{message} ({why})" if why else message
+
+
 # reselect(candidates, models, run_starts=, block_size=, forward_grid=) -> (Retrieval or None, why not): retrieval's
 # loader of the first candidate whose entry serves every model and the run (engine/retrieval.py)
 Reselect = Callable[..., "tuple[Retrieval | None, str]"]
@@ -446,10 +453,9 @@ class Plan:
         if verdict == "incompatible":
             return why
         if not self.state.stats.sparse_calls:
-            message = f"hit: entry {current.entry_id}" + ("" if current.similarity is None
-                                                          else f", similarity {current.similarity:.3f}")
-            self.state.retrieval = dataclasses.replace(current, resample_to=None if verdict == "same" else grid,
-                                                       message=message if verdict == "same" else f"{message} ({why})")
+            self.state.retrieval = dataclasses.replace(
+                current, resample_to=None if verdict == "same" else grid,
+                message=hit_message(current.entry_id, current.similarity, "" if verdict == "same" else why))
             self.state.resampled.clear()
             self.note(f"entry {current.entry_id} served at this run's token grid {grid}"
                       + (" (the entry's own)" if verdict == "same" else f" ({why})"))

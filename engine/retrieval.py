@@ -13,7 +13,7 @@ import time
 import numpy as np
 import torch
 
-from .plan import Plan, Retrieval
+from .plan import Plan, Retrieval, hit_message
 from .routing import match_step
 from .compat import SIGNATURE_FORMAT, TOKEN_ORDER, grid_compatibility, latent_compatibility, model_mismatch, \
     run_mismatch
@@ -109,11 +109,8 @@ class CandidateLoader:
             verdict, why = grid_compatibility(signature, grid)
             if verdict == "incompatible":
                 return None, f"entry {entry_id}: {why}"
-        message = f"hit: entry {entry_id}, similarity {similarity:.3f}"
-        if why:
-            message += f" ({why})"
         try:
-            return Retrieval("hit", message=message, entry_id=entry_id, similarity=similarity, masks=masks,
+            return Retrieval("hit", message=hit_message(entry_id, similarity, why), entry_id=entry_id, similarity=similarity, masks=masks,
                              entry_meta=meta, resample_to=grid if verdict == "resample" else None,
                              candidates=others, **self._common), ""
         except ValueError as exc:  # e.g. an order that cannot be resampled: not this entry
