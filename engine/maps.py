@@ -16,6 +16,7 @@ from .. import kernels
 from ..kernels.codec import pack_bits_on_device, unpack_bits_on_device
 from ..kernels.masks import floor_k_min, floor_packed_map
 from .call import Fallback
+from .compat import grid_compatibility
 
 __all__ = ["floor_k_min", "stored_map", "RunMaps"]  # floor_k_min: kernels.masks's, re-exported
 
@@ -184,11 +185,12 @@ class RunMaps:
 
     def _call_grid(self, length: int, grid=None):
         """None when the call's token count is that of the grid the maps are for (the entry's, or the one
-        retrieval resamples them to); else the call's ``grid`` to resample them to: a raster-order entry,
-        a grid of that many tokens and the same aspect (context windows of two lengths in one run: later
-        ComfyUI's causal anchor frame, a shorter last window). :class:`Fallback` otherwise (e.g. context
-        windows in a request and not in the one that recorded the entry: the sampler run moves or demotes
-        such a hit at its first forward, ``Plan.serve_run``)."""
+        retrieval resamples them to); else the call's ``grid`` (of that many tokens) to serve the entry's maps
+        at, by the rule retrieval applies to latents (:func:`~chorus.engine.compat.grid_compatibility`: the
+        entry's own grid, or a raster entry resampled to one of the same aspect -- context windows of two
+        lengths in one run: later ComfyUI's causal anchor frame, a shorter last window). :class:`Fallback`
+        otherwise (e.g. context windows in a request and not in the one that recorded a token-order entry:
+        the sampler run moves or demotes such a hit at its first forward, ``Plan.serve_run``)."""
         maps_grid = self.plan.token_grid
         if maps_grid is None:
             return None
@@ -197,12 +199,14 @@ class RunMaps:
         if tokens == length:
             return None
         call_grid = None if grid is None else tuple(int(g) for g in grid)
-        if call_grid is not None and call_grid[0] * call_grid[1] * call_grid[2] == length \
-                and self.plan.entry_order is None and kernels.aspect_matches(maps_grid, call_grid):
-            return call_grid
+        why = "its grid is not known"
+        if call_grid is not None and call_grid[0] * call_grid[1] * call_grid[2] == length:
+            verdict, why = grid_compatibility(self.plan.entry_meta["signature"], call_grid)
+            if verdict != "incompatible":
+                return call_grid
         raise Fallback(f"the entry's maps are for {tokens} tokens (grid {maps_grid}), this call has {length}"
                        + ("" if call_grid is None else f" (grid {call_grid})") + ": a sequence of another length "
-                       "they cannot be resampled to (a token-order entry, or another aspect)")
+                       f"they cannot be resampled to (a token-order entry, or another aspect: {why})")
 
     def used_map(self, step: int, layer: int) -> torch.Tensor | None:
         """The bool map ``[1, H, Qb, Kb]`` this run computes for (step, layer) at the maps' grid, or None when
