@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels import pooling
-from .plan import Plan
+from .plan import Plan, grid_unchecked
 from .routing import match_step, sigma_schedule, sigma_value, step_sigma
 from .model_info import ModelInfo
 from .state import FEATURE_REUSE_META_VERSION, FeatureReuseState
@@ -189,14 +189,18 @@ class FeatureReuse:
         """The token grid ``(T', H', W')`` of a forward of this model (the host calls this before it decides
         anything else of the forward): the run's first forward has the plan serve it (:meth:`Plan.serve_run`,
         as :meth:`ChorusAttention.serve_grid <chorus.engine.runtime.ChorusAttention.serve_grid>`), and reads
-        this model's expert index in what the plan serves now. Begins the run if the host did not."""
-        if not self._running:
-            self.begin_run()
-        if self._forward_grid is not None:
-            return
-        self._forward_grid = grid = tuple(int(g) for g in grid)
-        self._layouts.clear()
-        self.expert = self.plan.serve_run(self.model_info, forward_grid=grid)
+        this model's expert index in what the plan serves now. Begins the run if the host did not. Never
+        raises: a failure is a note (its blocks then run as the plan and expert index it had allow)."""
+        try:
+            if not self._running:
+                self.begin_run()
+            if self._forward_grid is not None:
+                return
+            self._forward_grid = grid = tuple(int(g) for g in grid)
+            self._layouts.clear()
+            self.expert = self.plan.serve_run(self.model_info, forward_grid=grid)
+        except Exception as exc:  # noqa: BLE001 - never crash sampling
+            self.plan.note(grid_unchecked(grid, exc))
 
     def end_run(self) -> None:
         request = self.plan.state

@@ -126,6 +126,11 @@ def hit_message(entry_id, similarity: float | None, why: str = "") -> str:
     return f"{message} ({why})" if why else message
 
 
+def grid_unchecked(grid, exc: Exception) -> str:
+    """The note of a part's ``serve_grid`` that failed (``ChorusAttention``'s and ``FeatureReuse``'s one wording)."""
+    return f"could not check the entry against this forward's token grid {tuple(grid)} ({type(exc).__name__}: {exc})"
+
+
 # reselect(candidates, models, run_starts=, block_size=, forward_grid=) -> (Retrieval or None, why not): retrieval's
 # loader of the first candidate whose entry serves every model and the run (engine/retrieval.py)
 Reselect = Callable[..., "tuple[Retrieval | None, str]"]

@@ -27,7 +27,7 @@ from ..kernels.pooling import compact_block_map
 from .call import AttnCall, Fallback
 from .config import SparseConfig
 from .maps import RunMaps, floor_k_min
-from .plan import Plan
+from .plan import Plan, grid_unchecked
 from .routing import match_step, sigma_schedule, sigma_value, step_sigma
 from .compat import region_order_for, token_order_name
 from .model_info import ModelInfo
@@ -118,20 +118,24 @@ class ChorusAttention:
         this grid or is demoted before any sparse call (a miss that records, so the request can be written);
         the run then starts again on what the plan serves now. Later forwards are not checked again (a call
         of another grid gets the maps resampled to it where it can, else runs dense, noted:
-        :class:`~chorus.engine.maps.RunMaps`)."""
-        run = self.run if self.run is not None else self.begin_run()
-        if run.forward_grid is not None:
-            return
-        run.forward_grid = grid = tuple(int(g) for g in grid)
-        plan, served = self.plan, self.plan.retrieval
-        if not plan.is_hit:
-            return
-        expert = plan.serve_run(self.model_info, run_starts=run_starts(run.sample_sigmas),
-                                block_size=self.config.block_size, forward_grid=grid)
-        if plan.retrieval is not served or not plan.is_hit or expert != run.expert:
-            run.finish()
-            self.run = ExpertRun(self, expert, run.sample_sigmas)
-            self.run.forward_grid = grid
+        :class:`~chorus.engine.maps.RunMaps`). Never raises: a failure is a note, the calls then fall back
+        one by one."""
+        try:
+            run = self.run if self.run is not None else self.begin_run()
+            if run.forward_grid is not None:
+                return
+            run.forward_grid = grid = tuple(int(g) for g in grid)
+            plan, served = self.plan, self.plan.retrieval
+            if not plan.is_hit:
+                return
+            expert = plan.serve_run(self.model_info, run_starts=run_starts(run.sample_sigmas),
+                                    block_size=self.config.block_size, forward_grid=grid)
+            if plan.retrieval is not served or not plan.is_hit or expert != run.expert:
+                run.finish()
+                self.run = ExpertRun(self, expert, run.sample_sigmas)
+                self.run.forward_grid = grid
+        except Exception as exc:  # noqa: BLE001 - never crash sampling
+            self.plan.note(grid_unchecked(grid, exc))
 
     def end_run(self) -> None:
         """End a sampler run: count the blocks computed (one host sync per run), decide a verification

@@ -155,8 +155,10 @@ class ChorusPatch:
         if clip_fea is not None:
             context_lengths.add(CLIP_IMAGE_TOKENS)
         reason = self._stay_out_reason(tokens, context_lengths, extra_tokens, options)
-        if reason is None:
-            self._serve_grid(grid)
+        if reason is None:  # the parts' entry must serve the forward's grid (Plan.serve_run), first of all
+            for part in (self.attention, self.feature_reuse):
+                if part is not None:
+                    part.serve_grid(grid)
         sigma = None
         sigmas = options.get("sigmas")
         if isinstance(sigmas, torch.Tensor) and sigmas.numel() > 0:
@@ -207,18 +209,6 @@ class ChorusPatch:
             return ("ComfyUI's multi-GPU split (its MultiGPU CFG Split node) runs this model's calls on "
                     "several GPUs at once; Chorus's maps and recordings live on one GPU, so it stays out")
         return None
-
-    def _serve_grid(self, grid) -> None:
-        """The forward's token grid to the parts whose plan's entry must be made for it (the first forward of
-        a run may move the hit to another entry or demote it: ``Plan.serve_run``), before anything else of
-        the forward is decided. A failure is a note: the forward's calls then fall back one by one."""
-        for part in (self.attention, self.feature_reuse):
-            if part is not None:
-                try:
-                    part.serve_grid(grid)
-                except Exception as exc:  # noqa: BLE001 - never fail the prompt
-                    self.note(f"could not check the entry against this forward's token grid {grid} "
-                              f"({type(exc).__name__}: {exc})")
 
     def _reduction(self, sigma: float, grid, device, context_lengths: set, options: dict):
         """Feature reuse's reduction of this forward (a hit's), or None: none either where another pack's

@@ -136,25 +136,13 @@ def forward_grid_and_sigma(args, kwargs, patch_size):
     return (t // pt, h // ph, w // pw), float(torch.as_tensor(timestep).float().max()) / 1000.0
 
 
-def serve_grid(handle, grid) -> None:
-    """Tell ``handle`` (a ``ChorusAttention`` or ``FeatureReuse``) the token grid of a forward before its calls:
-    the run's first forward has the plan serve it (a hit's entry is served at that grid, resampled where
-    needed, or the hit moves or is demoted). A failure is a note in the handle's plan: the calls then fall back
-    one by one."""
-    try:
-        handle.serve_grid(grid)
-    except Exception as exc:  # noqa: BLE001 - never fail the pipeline
-        handle.plan.note(f"could not check the entry against this forward's token grid {grid} "
-                         f"({type(exc).__name__}: {exc})")
-
-
 def _set_processor(attn, proc) -> None:
     attn.set_processor(proc) if hasattr(attn, "set_processor") else setattr(attn, "processor", proc)
 
 
 def _state_hook(transformer, patch_size, handle=None):
     """A :class:`_CallState` kept current by a forward pre-hook on ``transformer``, which also tells
-    ``handle`` (a ``ChorusAttention``, or None) each forward's grid (:func:`serve_grid`): ``(state, hook)``."""
+    ``handle`` (a ``ChorusAttention``, or None) each forward's grid (its ``serve_grid``): ``(state, hook)``."""
     state = _CallState()
 
     def pre_hook(module, args, kwargs):
@@ -164,7 +152,7 @@ def _state_hook(transformer, patch_size, handle=None):
             return None
         state.grid, sigma = found
         if handle is not None:
-            serve_grid(handle, state.grid)
+            handle.serve_grid(state.grid)
         state.cond = state.last_sigma is None or abs(sigma - state.last_sigma) > 1e-7
         state.sigma = state.last_sigma = sigma
         return None
