@@ -139,22 +139,30 @@ def grid_compatibility(entry_signature, grid) -> tuple[str, str]:
     entry in a token order -- resampled in raster order only --, another aspect, a damaged signature). The
     latent alone does not tell a forward's grid: ComfyUI's context windows, for one, run the model on windows of
     the latent's frames. Never raises."""
-    from ..kernels import aspect_matches
-
     try:
         order = entry_token_order(entry_signature)
-        src = tuple(int(g) for g in entry_signature["token_grid"])
-        dst = tuple(int(g) for g in grid)
-        if src == dst:
-            return "same", ""
-        if order is not None:
-            return "incompatible", (f"entry in token order {order.name} for token grid {src}, not {dst}: maps in a "
-                                    "token order are resampled to other grids in raster order only")
-        if aspect_matches(src, dst):
-            return "resample", f"token grid {dst} differs from the entry's {src} with the same aspect: masks resampled"
-        return "incompatible", f"token grid {dst} has another aspect than the entry's {src}"
+        return grid_carry(entry_signature["token_grid"], grid, None if order is None else order.name)
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         return "incompatible", f"entry signature unreadable ({type(e).__name__}: {e})"
+
+
+def grid_carry(src_grid, dst_grid, token_order: str | None) -> tuple[str, str]:
+    """The rule behind :func:`grid_compatibility`, for block maps (or block mass) of token grid ``src_grid``
+    in token order ``token_order`` (a name; None = raster) and a call of grid ``dst_grid``: ``("same", "")``,
+    ``("resample", why)`` (raster order, the same aspect: :func:`chorus.kernels.resample_block_map` carries
+    them) or ``("incompatible", why)``. The recorder carries a call's mass to its recording's grid by it.
+    Raises ``ValueError`` / ``TypeError`` for grids that are not three positive ints."""
+    from ..kernels import aspect_matches
+
+    src, dst = tuple(int(g) for g in src_grid), tuple(int(g) for g in dst_grid)
+    if src == dst:
+        return "same", ""
+    if token_order is not None:
+        return "incompatible", (f"entry in token order {token_order} for token grid {src}, not {dst}: maps in a "
+                                "token order are resampled to other grids in raster order only")
+    if aspect_matches(src, dst):
+        return "resample", f"token grid {dst} differs from the entry's {src} with the same aspect: masks resampled"
+    return "incompatible", f"token grid {dst} has another aspect than the entry's {src}"
 
 
 def latent_compatibility(entry_signature: dict, latent_shape) -> tuple[str, str]:

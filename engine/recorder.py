@@ -8,6 +8,7 @@ import torch
 
 from .. import kernels
 from ..kernels.codec import unpack_bits
+from .compat import grid_carry
 from .routing import SigmaSchedule
 
 class MassRecorder:
@@ -26,8 +27,9 @@ class MassRecorder:
 
     ``grid``: the token grid of the first call; the entry's maps are for it. A call of another grid (context
     windows of two lengths in one run: later ComfyUI's causal anchor frame, a shorter last window) has its
-    mass carried to that grid (``kernels.resample_block_map``: raster order, the same aspect) and recorded
-    there; in a token order, or of another aspect, it is not recorded (:meth:`add` returns False).
+    mass carried to that grid by the rule that serves an entry's maps to another grid
+    (:func:`~chorus.engine.compat.grid_carry`: raster order, the same aspect, ``kernels.resample_block_map``)
+    and recorded there; in a token order, or of another aspect, it is not recorded (:meth:`add` returns False).
 
     A recorder that missed calls (an error, or a plan demoted after sparse steps ran) is marked
     ``incomplete`` with a reason; :meth:`block_maps` then raises ``ValueError`` so no partial entry is
@@ -87,9 +89,10 @@ class MassRecorder:
                                  "(the experts' models are patched with different feature-reuse settings?)")
             target = self.grid
         mean = mass.float().mean(dim=0, keepdim=True)
-        if grid != target:
-            if token_order is not None or not kernels.aspect_matches(grid, target):
-                return False
+        verdict, _ = grid_carry(grid, target, token_order)
+        if verdict == "incompatible":
+            return False
+        if verdict == "resample":
             mean = kernels.resample_block_map(mean, grid, target, block_size=block_size)
         # NaN / inf / negative mass is flagged on the device (no host sync per call) and checked when
         # the maps are written: such a recording is never written
