@@ -217,11 +217,6 @@ class PartitionedIndex:
         return {key: {"kind": p.kind, "entries": p.live_count(), "tombstones": len(p.tombstones)}
                 for key, p in self.parts.items()}
 
-    def rebuild_partitions(self) -> None:
-        """Rebuild each partition from its live vectors (drops tombstones; picks flat/HNSW by size)."""
-        for part in self.parts.values():
-            part.rebuild("hnsw" if part.live_count() >= self.approx_threshold else "flat")
-
     # -- persistence -------------------------------------------------------------------------
     def to_bytes(self, generation: int, owner: str = "") -> bytes:
         """Serialise; ``owner`` (the workspace's id) lets a reader reject a file left by another database."""

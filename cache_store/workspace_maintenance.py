@@ -234,9 +234,7 @@ class WorkspaceMaintenance:
             cleaned["cleanup_skipped"] = "read-only: damaged entries are not quarantined, orphans are not removed"
         else:
             try:
-                with self._writing() as db:
-                    known = {r[0] for r in db.execute("SELECT file FROM entries")}
-                    cleaned = self._clean_locked(known)
+                cleaned = self.clean_orphans()
             except StoreBusyError as exc:  # the checks above stand; only the cleanup waits for next time
                 LOG.warning("verify of %s: orphan cleanup skipped: %s", self.path, exc)
                 cleaned["cleanup_skipped"] = str(exc)
