@@ -421,8 +421,3 @@ def _same_order(a, b) -> bool:
     a = None if a == RASTER else a
     b = None if b == RASTER else b
     return a == b
-
-
-def order_name(order) -> str:
-    """``"raster"`` or the TileOrder's name (what a signature records as ``token_order``)."""
-    return RASTER if order is None or order == RASTER else order.name

@@ -9,7 +9,7 @@ from chorus.kernels import block_mass, block_sparse_attention
 from chorus.kernels.masks import num_blocks
 from chorus.kernels.reference import dense_attention_oracle, expand_block_map
 from chorus.kernels.tile_order import (TileOrder, block_overlap, choose_tile, convert_map, convert_mass,
-                                       order_name, resolve_token_perm)
+                                       resolve_token_perm)
 
 from testing import assert_matches_oracle, make_qkv, random_block_map
 
@@ -142,8 +142,3 @@ def test_prefix_bias_in_tile_order_is_the_first_frame():
     got = block_sparse_attention(q, k, v, full, block_size=bs, backend="reference", token_perm=order,
                                  prefix_len=hw, prefix_bias=1.5)
     assert_matches_oracle(got, q, k, v, full, bs, prefix_len=hw, prefix_bias=1.5)
-
-
-def test_order_name():
-    assert order_name(None) == order_name("raster") == "raster"
-    assert order_name(TileOrder((3, 8, 8), 32)).startswith("tile2x4x4")
