@@ -129,11 +129,9 @@ class ForwardContext:
     def cross_attention_gain(self) -> float | None:
         """Guidance's text gain for this forward's cross-attention outputs (also in a forward Chorus
         otherwise stays out of: no self-attention is involved), or None. Counts the forward as boosted."""
-        guidance = self.guidance
-        if guidance is None or not guidance.strength or self.sigma is None or not guidance.reuse_acted(self.sigma):
+        if self.guidance is None or self.sigma is None:
             return None
-        guidance.boosted_calls += 1
-        return float(guidance.gain)
+        return self.guidance.text_gain(self.sigma)
 
     # -- the calls -------------------------------------------------------------------------------
     def self_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_hint: int = -1, *,

@@ -131,6 +131,17 @@ def run_mismatch(entry_signature, run_starts=None, block_size: int | None = None
     return None
 
 
+def serve_mismatch(entry_signature, models=(), run_starts=None, block_size: int | None = None) -> str | None:
+    """Why an entry (its signature) cannot serve every model of ``models`` (:class:`ModelInfo`) and a sampler
+    run (:func:`model_mismatch` for each, then :func:`run_mismatch`), or None: what retrieval's candidate
+    loader and a plan moving its hit both ask. Never raises."""
+    for info in models:
+        reason = model_mismatch(entry_signature, info)
+        if reason is not None:
+            return reason
+    return run_mismatch(entry_signature, run_starts, block_size)
+
+
 def grid_compatibility(entry_signature, grid) -> tuple[str, str]:
     """Can an entry's maps serve forwards of token grid ``grid`` (``(T', H', W')``)?
 

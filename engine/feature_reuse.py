@@ -347,7 +347,6 @@ class FeatureReuse:
             self.state.blocks_reduced += 1
             self.state.tokens_saved += layout.length - y_c.shape[1]
             self.state.tokens_total += layout.length
-            self.state.acted_sigmas.add(round(reduction.sigma, 6))
         return y
 
     def block(self, block_fn, x: torch.Tensor, *, layer: int, sigma, grid, per_token: dict | None = None

@@ -153,12 +153,19 @@ class GuidanceBoost:
         """Whether any part of the guidance acts at this sigma."""
         return not self.is_off and self.reuse_acted(sigma)
 
-    def cross_attention(self, out: torch.Tensor, sigma) -> torch.Tensor:
-        """The cross-attention output, boosted when reuse acted at ``sigma``; else ``out`` itself."""
+    def text_gain(self, sigma) -> float | None:
+        """The gain for a cross-attention output at ``sigma`` (where reuse acted and the text strength is
+        not 0), counted as a boosted call; else None. Never raises."""
         if self.strength == 0.0 or not self.reuse_acted(sigma):
-            return out
+            return None
         self.boosted_calls += 1
-        return out * self.gain
+        return float(self.gain)
+
+    def cross_attention(self, out: torch.Tensor, sigma) -> torch.Tensor:
+        """The cross-attention output, boosted when reuse acted at ``sigma`` (:meth:`text_gain`); else ``out``
+        itself."""
+        gain = self.text_gain(sigma)
+        return out if gain is None else out * gain
 
     def first_frame_bias(self, sigma) -> float:
         """The self-attention logit bias toward the first frame's keys at ``sigma`` (0.0: none; also

@@ -18,7 +18,16 @@ from ..kernels.masks import floor_k_min, floor_packed_map
 from .call import Fallback
 from .compat import grid_compatibility
 
-__all__ = ["floor_k_min", "stored_map", "RunMaps"]  # floor_k_min: kernels.masks's, re-exported
+__all__ = ["floor_k_min", "unpacked_map", "stored_map", "RunMaps"]  # floor_k_min: kernels.masks's, re-exported
+
+
+def unpacked_map(stored, device=None):
+    """An entry's stored map as a tensor: a bit-packed map (``cache_store.PackedMap``, what retrieval loads:
+    anything with ``unpack`` that is not a tensor) unpacked on ``device`` (default: where its bits are);
+    anything else (a tensor) comes back as it is."""
+    if hasattr(stored, "unpack") and not isinstance(stored, torch.Tensor):
+        return stored.unpack(device) if device is not None else stored.unpack()
+    return stored
 
 def stored_map(plan, expert: int, step: int, layer: int, *, block_size: int, top_p: float, k_min: int,
                device=None, grid=None) -> torch.Tensor:
@@ -40,8 +49,7 @@ def stored_map(plan, expert: int, step: int, layer: int, *, block_size: int, top
         if cache_key in state.resampled:
             cached = state.resampled[cache_key]
             return cached.to(device) if device is not None else cached
-        if hasattr(stored, "unpack") and not isinstance(stored, torch.Tensor):  # cache_store PackedMap
-            stored = stored.unpack(device) if device is not None else stored.unpack()
+        stored = unpacked_map(stored, device)
         if not isinstance(stored, torch.Tensor):
             raise ValueError(f"entry map {key} is not a tensor")
         block_map = stored

@@ -28,7 +28,7 @@ import numpy as np
 
 from .. import kernels
 from .recorder import MassRecorder
-from .compat import entry_sampler_sigmas, entry_token_order, grid_compatibility, model_mismatch, run_mismatch
+from .compat import entry_sampler_sigmas, entry_token_order, grid_compatibility, model_mismatch, serve_mismatch
 from .model_info import ModelInfo, token_grid
 from .state import PlanStats, RequestState
 
@@ -119,10 +119,16 @@ class Retrieval:
         return self.entry_meta["signature"] if self.kind == "hit" else None
 
 
+def entry_text(entry_id, similarity: float | None) -> str:
+    """``"entry <id>, similarity <s>"`` (``"entry <id>"`` where the similarity is None: a hit a library
+    caller made without one): how every message names a hit's entry."""
+    return f"entry {entry_id}" + ("" if similarity is None else f", similarity {similarity:.3f}")
+
+
 def hit_message(entry_id, similarity: float | None, why: str = "") -> str:
     """A hit's :attr:`Retrieval.message`: the entry, its similarity, and why it is served as it is (e.g.
     resampled), if anything."""
-    message = f"hit: entry {entry_id}" + ("" if similarity is None else f", similarity {similarity:.3f}")
+    message = f"hit: {entry_text(entry_id, similarity)}"
     return f"{message} ({why})" if why else message
 
 
@@ -142,8 +148,9 @@ class Plan:
     (:class:`~chorus.engine.state.RequestState`, per request).
 
     - ``kind``: ``"hit"`` or ``"miss"`` (a demoted hit is a miss); ``message`` says why.
-    - hit: ``entry_id``, ``similarity``, ``masks`` = ``{(expert, step, layer, head_group): bool
-      [H, Qb, Kb]}`` on the CPU, ``entry_meta`` (with ``"signature"``), ``step_sigmas`` of the entry,
+    - hit: ``entry_id``, ``similarity``, ``masks`` = ``{(expert, step, layer, head_group): map}``, each a bool
+      ``[H, Qb, Kb]`` tensor or, as retrieval loads them, bit-packed (``cache_store.PackedMap``, pinned on
+      CUDA machines; :func:`~chorus.engine.maps.unpacked_map`), ``entry_meta`` (with ``"signature"``), ``step_sigmas`` of the entry,
       and ``resample_to`` = the token grid to resample masks to (None when the grid is the entry's).
     - miss: ``recorder`` (a :class:`MassRecorder`) that the patched models fill; None when
       ``record=False`` (nothing could be written: no embedding or no usable workspace).
@@ -214,7 +221,7 @@ class Plan:
         raise TypeError("a Plan is not picklable (it holds live request state)")
 
     def __repr__(self) -> str:
-        who = f"entry {self.entry_id}, similarity {self.similarity:.3f}" if self.is_hit else self.message
+        who = entry_text(self.entry_id, self.similarity) if self.is_hit else self.message
         return f"Plan({self.kind}: {who})"
 
     # -- read-only views ---------------------------------------------------------------------------
@@ -426,7 +433,7 @@ class Plan:
                     return index
                 current = state.retrieval
                 models = list(state.models)
-                reason = _serves(current.signature, models, run_starts, block_size)
+                reason = serve_mismatch(current.signature, models, run_starts, block_size)
                 if reason is None and forward_grid is not None:
                     reason = self._serve_grid(current, tuple(int(g) for g in forward_grid))
                 if reason is None:
@@ -445,8 +452,8 @@ class Plan:
                 state.retrieval = moved
                 state.resampled.clear()
                 state.stats.similarity = moved.similarity
-                self.note(f"hit moved from entry {current.entry_id} ({reason}) to entry {moved.entry_id}, "
-                          f"similarity {moved.similarity:.3f}, made for this model, schedule and grid")
+                self.note(f"hit moved from entry {current.entry_id} ({reason}) to "
+                          f"{entry_text(moved.entry_id, moved.similarity)}, made for this model, schedule and grid")
 
     def _serve_grid(self, current: Retrieval, grid: tuple) -> str | None:
         """(The plan's lock held.) Why the hit's entry cannot serve forwards of token ``grid``, or None: it does,
@@ -482,13 +489,3 @@ def _add_model(models: list, info: ModelInfo) -> int:
             return i
     models.append(info)
     return len(models) - 1
-
-
-def _serves(signature, models, run_starts, block_size) -> str | None:
-    """Why an entry (its signature) does not serve every model of ``models`` and the sampler run, or
-    None."""
-    for info in models:
-        reason = model_mismatch(signature, info)
-        if reason is not None:
-            return reason
-    return run_mismatch(signature, run_starts, block_size)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from .maps import unpacked_map
+
 # A perceptually ordered dark-blue -> teal -> yellow ramp (viridis-like anchor colours).
 _RAMP = torch.tensor([[0.267, 0.005, 0.329], [0.230, 0.322, 0.546], [0.128, 0.567, 0.551],
                       [0.369, 0.789, 0.383], [0.993, 0.906, 0.144]], dtype=torch.float32)
@@ -27,9 +29,7 @@ def mask_heatmap(maps, *, min_size: int = 256) -> torch.Tensor:
         maps = [maps]
     total, count = None, 0
     for m in maps:
-        if hasattr(m, "unpack") and not isinstance(m, torch.Tensor):
-            m = m.unpack()
-        m = m.float().cpu()
+        m = unpacked_map(m).float().cpu()
         m = m.reshape(-1, *m.shape[-2:]).mean(0)
         if total is not None and total.shape != m.shape:
             raise ValueError(f"maps of different block grids: {tuple(total.shape)} vs {tuple(m.shape)}")

@@ -19,7 +19,8 @@ class MassRecorder:
     ``select_blocks_packed(top_p, k_min, keep_diagonal=True, keep_first_frame_blocks)`` (bit-packed on
     the mass's device: on a GPU one Triton kernel, no host copy) and ORs the map into what that key
     already holds (samplers that evaluate several sigmas in one step, or cond chunks
-    run separately, add to one key). Maps are kept bit-packed on the CPU (a 14B 480p request: ~52 MB).
+    run separately, add to one key). Maps are kept bit-packed on the mass's device and copied to the host only
+    when the entry is written (:meth:`block_maps`; a 14B 480p request: ~52 MB).
     With ``keep_mass=True`` the averaged mass is kept too (float32, for benchmarks and tests).
 
     ``token_order``: the name of the token order the calls were recorded in (None = raster); one per

@@ -13,10 +13,10 @@ import time
 import numpy as np
 import torch
 
-from .plan import Plan, Retrieval, hit_message
+from .. import kernels
+from .plan import Plan, Retrieval, entry_text, hit_message
 from .routing import match_step
-from .compat import SIGNATURE_FORMAT, TOKEN_ORDER, grid_compatibility, latent_compatibility, model_mismatch, \
-    run_mismatch
+from .compat import SIGNATURE_FORMAT, TOKEN_ORDER, grid_compatibility, latent_compatibility, serve_mismatch
 from .model_info import token_grid
 
 log = logging.getLogger("chorus.engine")
@@ -99,10 +99,9 @@ class CandidateLoader:
             return None, f"entry {entry_id} (similarity {similarity:.3f}) incompatible: {why}"
         if not masks:
             return None, f"entry {entry_id} holds no masks"
-        for mismatch in [model_mismatch(signature, info) for info in models] + [
-                run_mismatch(signature, run_starts, block_size)]:
-            if mismatch is not None:
-                return None, f"entry {entry_id}: {mismatch}"
+        mismatch = serve_mismatch(signature, models, run_starts, block_size)
+        if mismatch is not None:
+            return None, f"entry {entry_id}: {mismatch}"
         grid = self._grid
         if forward_grid is not None:
             grid = tuple(int(g) for g in forward_grid)
@@ -200,7 +199,7 @@ def commit_plan(workspace, plan: Plan) -> str:
     if plan.committed is not None:
         return plan.committed
     if plan.is_hit:
-        msg = f"hit: reused entry {plan.entry_id} (similarity {plan.similarity:.3f})"
+        msg = f"hit: reused {entry_text(plan.entry_id, plan.similarity)}"
         counter = getattr(workspace, "touch", None)
         if counter is not None:
             stats = plan.stats
@@ -208,7 +207,7 @@ def commit_plan(workspace, plan: Plan) -> str:
                    "fallback_calls": stats.fallback_calls}
             try:
                 counter(plan.entry_id, run=run)
-                msg = (f"hit: updated stats of entry {plan.entry_id} (similarity {plan.similarity:.3f}; "
+                msg = (f"hit: updated stats of {entry_text(plan.entry_id, plan.similarity)} ("
                        f"{run['sparse_calls']} sparse calls, {run['tail_calls']} with the pooled tail, "
                        f"{run['fallback_calls']} dense fallbacks)")
             except Exception as exc:  # noqa: BLE001
@@ -227,7 +226,7 @@ def commit_plan(workspace, plan: Plan) -> str:
     except ValueError as exc:
         plan.state.committed = f"not written: {exc}"
         return plan.committed
-    meta = {**plan.retrieval.request_meta, **plan.state.entry_extras}  # the request's fields + e.g. feature reuse's
+    meta = plan.request_meta  # the request's fields + e.g. feature reuse's
     meta.update({"signature": signature, "created": time.time(), "hits": 0})
     threshold = plan.similarity_threshold
     add_unique = getattr(workspace, "add_unique", None)
@@ -245,6 +244,6 @@ def commit_plan(workspace, plan: Plan) -> str:
         log.warning("Chorus II: writing the cache entry failed: %s", exc)
         plan.state.committed = f"not written: the store refused the entry ({type(exc).__name__}: {exc})"
         return plan.committed
-    density = sum(float(m.float().mean()) for m in masks.values()) / max(len(masks), 1)
+    density = sum(kernels.density(m) for m in masks.values()) / max(len(masks), 1)
     plan.state.committed = f"wrote entry {entry_id} ({len(masks)} maps, density {density:.1%})"
     return plan.committed

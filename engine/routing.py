@@ -50,6 +50,14 @@ def sigma_schedule(sample_sigmas) -> list[float] | None:
     return values if values and all(math.isfinite(s) for s in values) else None
 
 
+def run_starts(sample_sigmas: list[float] | None) -> list[float] | None:
+    """The sigmas a sampler run's steps start at (its schedule without the last value; a one-value
+    schedule: that value), or None for no schedule."""
+    if not sample_sigmas:
+        return None
+    return sample_sigmas[:-1] if len(sample_sigmas) > 1 else sample_sigmas
+
+
 def step_sigma(sigma: float, sample_sigmas: Sequence[float] | None) -> float:
     """The sigma at the start of the step that ``sigma`` is evaluated in.
 
@@ -62,7 +70,7 @@ def step_sigma(sigma: float, sample_sigmas: Sequence[float] | None) -> float:
         raise ValueError(f"sigma must be finite, got {sigma}")
     if not sample_sigmas:
         return sigma
-    starts = [float(s) for s in sample_sigmas[:-1]] if len(sample_sigmas) > 1 else [float(sample_sigmas[0])]
+    starts = run_starts([float(s) for s in sample_sigmas])
     for s in starts:
         if sigmas_close(sigma, s):
             return s

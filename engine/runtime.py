@@ -28,7 +28,7 @@ from .call import AttnCall, Fallback
 from .config import SparseConfig
 from .maps import RunMaps, floor_k_min
 from .plan import Plan, grid_unchecked
-from .routing import match_step, sigma_schedule, sigma_value, step_sigma
+from .routing import match_step, run_starts, sigma_schedule, sigma_value, step_sigma
 from .compat import region_order_for, token_order_name
 from .model_info import ModelInfo
 from .verify import ANCHORS_META_KEY, Verifier, verify_head_index
@@ -213,16 +213,6 @@ class ChorusAttention:
         return self.attend(AttnCall(q, k, v, layer=layer, sigma=sigma, grid=layout.grid, cond_rows=cond_rows,
                                     layout=layout, first_frame_bias=first_frame_bias, dense_fn=dense_fn))
 
-    def record_dense_call(self, q: torch.Tensor, k: torch.Tensor, *, layer: int, sigma, grid, cond_rows=None) -> None:
-        """:meth:`record` of the dense call these arguments describe (``q, k``: ``[B, H, L, D]``)."""
-        self.record(AttnCall(q, k, k, layer=layer, sigma=sigma, grid=grid, cond_rows=cond_rows))
-
-
-def run_starts(sample_sigmas: list[float] | None) -> list[float] | None:
-    """The sigmas a sampler run's steps start at (its schedule without the last value), or None."""
-    if not sample_sigmas:
-        return None
-    return sample_sigmas[:-1] if len(sample_sigmas) > 1 else sample_sigmas
 
 
 def _resolved(backend: str, q: torch.Tensor, block_size: int) -> str | None:

@@ -98,8 +98,8 @@ class PlanStats:
 class FeatureReuseState:
     """Request-wide feature-reuse state (``plan.state.feature_reuse``), shared by every patched model.
 
-    Recording: sums of per-region redundancy per (expert, step sigma). Acting: which step sigmas
-    had regions downsampled (guidance enhancement acts there), counters for the UI.
+    Recording: sums of per-region redundancy per (expert, step sigma). Acting: counters of the block calls
+    reduced and run in full, and of the tokens saved, for the UI.
     """
 
     def __init__(self):
@@ -110,7 +110,6 @@ class FeatureReuseState:
         # (expert, sigma) -> [sum [R] float64, count (0-dim float64)], both on the recording's device: a
         # block call adds to them without waiting for the GPU; export() reads them once
         self.sums: dict[tuple[int, float], list] = {}
-        self.acted_sigmas: set[float] = set()
         self.blocks_reduced = 0
         self.blocks_full = 0
         self.tokens_saved = 0
@@ -152,10 +151,6 @@ class FeatureReuseState:
             return {"version": FEATURE_REUSE_META_VERSION, "metric": "1 - cell-detail share of the block update",
                     "token_grid": list(self.grid), "region": list(self.region), "pool": list(self.pool),
                     "scores": scores}
-
-    def acted_at(self, sigma: float) -> bool:
-        with self.lock:
-            return any(abs(s - sigma) <= 1e-4 * max(abs(s), abs(sigma), 1e-12) for s in self.acted_sigmas)
 
     def summary(self) -> str:
         total = self.blocks_reduced + self.blocks_full

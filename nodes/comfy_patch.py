@@ -40,6 +40,7 @@ from ..engine import ChorusAttention, ModelInfo, Plan, token_grid
 from ..engine import attend as engine_attend
 from ..engine.feature_reuse import FeatureReuse
 from ..engine.guidance import GuidanceBoost
+from ..engine.routing import sigma_value
 from . import comfy_call, comfy_forward, host_report, override_stack
 from .comfy_adapter import comfy_model_info
 from .comfy_forward import DENSE_KEY, FORWARD_KEYS, GAIN_KEY, MODE_KEY, REDUCE_KEY, REUSE_KEY, \
@@ -159,12 +160,10 @@ class ChorusPatch:
             for part in (self.attention, self.feature_reuse):
                 if part is not None:
                     part.serve_grid(grid)
-        sigma = None
-        sigmas = options.get("sigmas")
-        if isinstance(sigmas, torch.Tensor) and sigmas.numel() > 0:
-            sigma = float(sigmas.reshape(-1)[0].item())  # the one host sync of the forward
-        elif isinstance(sigmas, (int, float)):
-            sigma = float(sigmas)
+        try:
+            sigma = sigma_value(options.get("sigmas"))  # the one host sync of the forward
+        except (TypeError, ValueError):  # none, or not a finite number: the forward runs without Chorus's parts
+            sigma = None
         reduction = None
         if reason is None and sigma is not None:
             reduction = self._reduction(sigma, grid, x.device, context_lengths, options)

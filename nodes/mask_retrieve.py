@@ -9,6 +9,8 @@ from comfy_api.latest import io
 
 from ..cache_store.embedders import ComfyGraphEmbedder
 from ..engine import Plan, mask_heatmap, placeholder, retrieve_plan
+from ..engine.maps import unpacked_map
+from ..kernels.masks import density
 from .common import CATEGORY, ChorusPlan, node_text, number_input, open_workspace, ui_text
 
 TEXT_WEIGHT = 0.5
@@ -43,11 +45,8 @@ def plan_density(plan: Plan) -> tuple[float | None, list]:
         return None, []
     keys = sorted(plan.masks)
     stride = max(1, len(keys) // PREVIEW_MAPS)
-    maps = []
-    for key in keys[::stride][:PREVIEW_MAPS]:
-        m = plan.masks[key]
-        maps.append(m.unpack() if hasattr(m, "unpack") and not isinstance(m, torch.Tensor) else m)
-    return sum(float(m.float().mean()) for m in maps) / len(maps), maps
+    maps = [unpacked_map(plan.masks[key]) for key in keys[::stride][:PREVIEW_MAPS]]
+    return sum(density(m) for m in maps) / len(maps), maps
 
 
 class ChorusMaskRetrieve(io.ComfyNode):

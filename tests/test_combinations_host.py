@@ -78,7 +78,7 @@ def assert_sparse_hit(out: dict, entry: int, calls: int) -> None:
 def assert_sparse_hit_on(out: dict, entry: int, calls: int) -> None:
     """A sparse hit on ``entry``: retrieval's first candidate, or the one the hit moved to because
     the first was made for another model (equal embeddings: same prompt and image)."""
-    assert out["write"].startswith(f"hit: updated stats of entry {entry} "), out
+    assert out["write"].startswith(f"hit: updated stats of entry {entry},"), out
     assert out["sparse"] == calls and out["dense"] == 0 and out["fallback"] == 0, out
     assert out["hit_entry"] == entry or f"hit moved from entry {out['hit_entry']}" in out["write"], out
 

@@ -238,6 +238,18 @@ def test_a_kernel_error_runs_that_call_dense_and_changes_no_later_choice(monkeyp
     assert plan.stats.sparse_calls == 1 and api.resolve_backend("auto", q) == chosen_before
 
 
+def test_a_hit_made_without_a_similarity_is_named_and_committed_without_one(tmp_path):
+    """A library caller may make a hit without a similarity (``Plan("hit", ...)``): its repr, a sampled run and
+    the commit name the entry without one instead of raising."""
+    masks = {(0, s, layer, 0): torch.ones(2, QB, QB, dtype=torch.bool) for s in range(len(SIGMAS) - 1)
+             for layer in range(2)}
+    plan = Plan("hit", entry_id=7, masks=masks, entry_meta={"signature": signature()}, latent_shape=LATENT)
+    assert repr(plan) == "Plan(hit: entry 7)"
+    run_steps(ChorusAttention(plan, CFG, INFO))
+    msg = commit_plan(Workspace.open(tmp_path / "ws"), plan)
+    assert msg.startswith("hit: ") and "entry 7" in msg and "similarity" not in msg, msg
+
+
 def test_hit_for_another_model_or_schedule_demotes_to_a_recording_miss():
     masks = {(0, s, l, 0): torch.ones(2, QB, QB, dtype=torch.bool) for s in range(3) for l in range(2)}
     plan = hit_plan(masks)

@@ -57,7 +57,6 @@ def test_scores_are_written_with_the_entry_and_found_on_a_hit(tmp_path):
     _run(hit)
     state = feature_state(hit)
     assert state.blocks_reduced == 2 and state.blocks_full == 2  # layer 0 always full; layer 1 reduced
-    assert state.acted_at(1.0) and state.acted_at(0.5)
     assert hit.stats.fallback_calls == 0
 
 

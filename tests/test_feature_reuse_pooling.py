@@ -196,7 +196,7 @@ def test_miss_records_scores_and_hit_reuses_them():
     cells_w = layout.cell_index % 8
     assert bool((cells_w >= 4).all())
     assert torch.allclose(y, x + 1.0, atol=1e-6)
-    assert feature_state(hit).acted_at(1.0) and not feature_state(hit).acted_at(0.3)
+    assert feature_state(hit).blocks_reduced == 1 and feature_state(hit).blocks_full == 0
 
 
 def test_compact_per_token_rules():
