@@ -39,7 +39,7 @@ from ..kernels import pooling
 from .plan import Plan, grid_unchecked
 from .routing import match_step, sigma_schedule, sigma_value, step_sigma
 from .model_info import ModelInfo
-from .state import FEATURE_REUSE_META_VERSION, FeatureReuseState
+from .state import FEATURE_REUSE_META_VERSION, FeatureReuseState, failure_text
 
 META_KEY = "feature_reuse"
 META_VERSION = FEATURE_REUSE_META_VERSION
@@ -296,7 +296,7 @@ class FeatureReuse:
                               "cross-attention context; blocks run in full")
                     found = None
         except Exception as exc:  # noqa: BLE001 - never crash sampling: full blocks
-            plan.note(f"feature reuse not used in a forward ({type(exc).__name__}: {exc}); full blocks")
+            plan.note(f"feature reuse not used in a forward ({failure_text(exc)}); full blocks")
             return None
         with self.state.lock:
             self.state.blocks_full += self.model_info.num_layers if found is None else found.from_layer
@@ -377,7 +377,7 @@ class FeatureReuse:
                 return self._full_and_record(block_fn, x, full_inputs, layer,
                                              step_sigma(sigma_value(sigma), self.sample_sigmas), grid)
         except Exception as exc:  # noqa: BLE001 - never crash sampling: full block
-            plan.note(f"feature reuse not used for a block call ({type(exc).__name__}: {exc}); full block")
+            plan.note(f"feature reuse not used for a block call ({failure_text(exc)}); full block")
             return block_fn(x, full_inputs, None)
         reduction = self._block_reduction(sigma, grid, x.device) if int(layer) >= self.config.full_layers else None
         if reduction is None:
@@ -389,14 +389,14 @@ class FeatureReuse:
             inputs_c = {name: self.compact(t, rule, reduction) if rule != "none" else t
                         for name, (t, rule) in (per_token or {}).items()}
         except Exception as exc:  # noqa: BLE001
-            plan.note(f"feature reuse: pooling failed ({type(exc).__name__}: {exc}); full block")
+            plan.note(f"feature reuse: pooling failed ({failure_text(exc)}); full block")
             return block_fn(x, full_inputs, None)
         try:
             y_c = block_fn(x_c, inputs_c, None if reduction.skip else reduction.layout)
         except Exception as exc:  # noqa: BLE001 - e.g. another patch that needs the full sequence
             if type(exc).__name__ in PROPAGATE:
                 raise
-            self.full_blocks_reason = f"the block failed on the compact sequence ({type(exc).__name__}: {exc})"
+            self.full_blocks_reason = f"the block failed on the compact sequence ({failure_text(exc)})"
             plan.note(f"feature reuse: {self.full_blocks_reason}; full blocks from now on")
             return block_fn(x, full_inputs, None)
         return self.expand(x, x_c, y_c, reduction)
@@ -406,7 +406,7 @@ class FeatureReuse:
         try:
             return self._reduction_at(sigma, grid, device)
         except Exception as exc:  # noqa: BLE001
-            self.plan.note(f"feature reuse not used for a block call ({type(exc).__name__}: {exc}); full block")
+            self.plan.note(f"feature reuse not used for a block call ({failure_text(exc)}); full block")
             return None
 
     def _full_and_record(self, block_fn, x, inputs, layer, sigma, grid):
@@ -430,7 +430,7 @@ class FeatureReuse:
                                "call; no region scores from it")
                 return
         except Exception as exc:  # noqa: BLE001
-            self.plan.note(f"feature reuse: recording region scores failed ({type(exc).__name__}: {exc})")
+            self.plan.note(f"feature reuse: recording region scores failed ({failure_text(exc)})")
             return
         self._record_scores(x, y, layer, sigma, grid)
 
@@ -446,5 +446,5 @@ class FeatureReuse:
                 if detail.numel():
                     self.state.record(self.expert, sigma, grid, self.config.region, self.config.pool, 1.0 - detail)
         except Exception as exc:  # noqa: BLE001 - the block output stands
-            self.plan.note(f"feature reuse: recording region scores failed ({type(exc).__name__}: {exc})")
+            self.plan.note(f"feature reuse: recording region scores failed ({failure_text(exc)})")
 

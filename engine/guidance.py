@@ -43,6 +43,7 @@ import torch
 
 from .plan import Plan
 from .routing import match_step, sigma_schedule, sigma_value, step_sigma
+from .state import failure_text
 
 GAIN_PER_STRENGTH = 0.2
 IMAGE_GAIN_PER_STRENGTH = 0.2
@@ -84,8 +85,7 @@ def biased_dense_or_plain(dense_fn, prefix_len: int, bias: float, on_error=None)
             return first_frame_biased_attention(q, k, v, prefix_len, bias)
         except Exception as exc:  # noqa: BLE001 - fall back to the plain dense call
             if on_error is not None:
-                on_error(f"first-frame bias not applied to a dense call ({type(exc).__name__}: "
-                         f"{str(exc).splitlines()[0] if str(exc) else ''}); plain dense attention")
+                on_error(f"first-frame bias not applied to a dense call ({failure_text(exc)}); plain dense attention")
             return dense_fn(q, k, v)
     return run
 

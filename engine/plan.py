@@ -30,7 +30,7 @@ from .. import kernels
 from .recorder import MassRecorder
 from .compat import entry_sampler_sigmas, entry_token_order, grid_compatibility, model_mismatch, serve_mismatch
 from .model_info import ModelInfo, token_grid
-from .state import PlanStats, RequestState
+from .state import PlanStats, RequestState, failure_text
 
 log = logging.getLogger("chorus.engine")
 
@@ -134,7 +134,7 @@ def hit_message(entry_id, similarity: float | None, why: str = "") -> str:
 
 def grid_unchecked(grid, exc: Exception) -> str:
     """The note of a part's ``serve_grid`` that failed (``ChorusAttention``'s and ``FeatureReuse``'s one wording)."""
-    return f"could not check the entry against this forward's token grid {tuple(grid)} ({type(exc).__name__}: {exc})"
+    return f"could not check the entry against this forward's token grid {tuple(grid)} ({failure_text(exc)})"
 
 
 # reselect(candidates, models, run_starts=, block_size=, forward_grid=) -> (Retrieval or None, why not): retrieval's

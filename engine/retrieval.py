@@ -18,6 +18,7 @@ from .plan import Plan, Retrieval, entry_text, hit_message
 from .routing import match_step
 from .compat import SIGNATURE_FORMAT, TOKEN_ORDER, grid_compatibility, latent_compatibility, serve_mismatch
 from .model_info import token_grid
+from .state import failure_text
 
 log = logging.getLogger("chorus.engine")
 
@@ -54,7 +55,7 @@ def retrieve_plan(workspace, embedding, latent_shape, *, similarity_threshold: f
     try:
         found = workspace.search(emb, k=candidates) if len(workspace) else []
     except Exception as exc:  # noqa: BLE001 - a broken index is a miss, not a failed prompt
-        return Plan.miss(f"miss: search failed ({type(exc).__name__}: {exc})", **common)
+        return Plan.miss(f"miss: search failed ({failure_text(exc)})", **common)
     if not found:
         return Plan.miss("miss: the workspace has no entries yet", **common)
     loader = CandidateLoader(workspace, grid, latent, common)
@@ -93,7 +94,7 @@ class CandidateLoader:
             masks, meta = _load(self._workspace, entry_id)
             signature = meta["signature"]
         except Exception as exc:  # noqa: BLE001 - corrupt entry: the store quarantines it; go on
-            return None, f"entry {entry_id} unreadable ({type(exc).__name__}: {exc})"
+            return None, f"entry {entry_id} unreadable ({failure_text(exc)})"
         verdict, why = latent_compatibility(signature, self._latent)
         if verdict == "incompatible":
             return None, f"entry {entry_id} (similarity {similarity:.3f}) incompatible: {why}"
@@ -211,7 +212,7 @@ def commit_plan(workspace, plan: Plan) -> str:
                        f"{run['sparse_calls']} sparse calls, {run['tail_calls']} with the pooled tail, "
                        f"{run['fallback_calls']} dense fallbacks)")
             except Exception as exc:  # noqa: BLE001
-                msg += f"; hit stats not updated ({type(exc).__name__}: {exc})"
+                msg += f"; hit stats not updated ({failure_text(exc)})"
         plan.state.committed = msg
         return msg
     if plan.embedding is None:
@@ -242,7 +243,7 @@ def commit_plan(workspace, plan: Plan) -> str:
             entry_id = workspace.add(plan.embedding, masks, meta)
     except Exception as exc:  # noqa: BLE001 - the request succeeded; the cache just did not grow
         log.warning("Chorus II: writing the cache entry failed: %s", exc)
-        plan.state.committed = f"not written: the store refused the entry ({type(exc).__name__}: {exc})"
+        plan.state.committed = f"not written: the store refused the entry ({failure_text(exc)})"
         return plan.committed
     density = sum(kernels.density(m) for m in masks.values()) / max(len(masks), 1)
     plan.state.committed = f"wrote entry {entry_id} ({len(masks)} maps, density {density:.1%})"

@@ -31,6 +31,7 @@ from .plan import Plan, grid_unchecked
 from .routing import match_step, run_starts, sigma_schedule, sigma_value, step_sigma
 from .compat import region_order_for, token_order_name
 from .model_info import ModelInfo
+from .state import failure_text
 from .verify import ANCHORS_META_KEY, Verifier, verify_head_index
 
 __all__ = ["ChorusAttention", "ExpertRun", "attend", "floor_k_min"]
@@ -303,7 +304,7 @@ class ExpertRun:
                 order = None  # q/k/v are in the order already
             out = self._kernel(call, block_map, order, suffix_len, suffix_bias)
         except Exception as exc:  # noqa: BLE001 - never crash sampling: dense for this call
-            why = str(exc) if isinstance(exc, Fallback) else f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            why = str(exc) if isinstance(exc, Fallback) else failure_text(exc)
             return self._fallback(call, why)
         self._count_sparse(call.q.shape[0], block_map, kept)
         self.verifier.after_call(check, call.layer)
@@ -365,7 +366,7 @@ class ExpertRun:
             if self.record_into(recorder, call, step_sigma(sigma_value(call.sigma), self.sample_sigmas), grid):
                 plan.stats.recorded_calls += 1
         except Exception as exc:  # noqa: BLE001 - the dense output stands; no partial entry is written
-            why = str(exc) if isinstance(exc, Fallback) else f"{type(exc).__name__}: {exc}"
+            why = str(exc) if isinstance(exc, Fallback) else failure_text(exc)
             recorder.mark_incomplete(why)
             plan.note(f"recording stopped ({why}); this request will not be written to the cache")
 

@@ -36,6 +36,13 @@ from .routing import SigmaSchedule
 FEATURE_REUSE_META_VERSION = 1
 
 
+def failure_text(exc: BaseException) -> str:
+    """``"<exception type>: <first line of its message>"``: how every note and message names a failure (a
+    Triton build error, for one, runs to many lines)."""
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
+
+
 @dataclass
 class PlanStats:
     """Per-request counters. ``density`` = computed / total blocks over sparse calls (batch rows

@@ -61,6 +61,7 @@ import torch
 
 from .. import kernels
 from .recorder import MassRecorder
+from .state import failure_text
 
 
 ANCHORS_META_KEY = "verify_anchors"  # entry metadata: where the recorder's mass was exact (layers, heads)
@@ -212,7 +213,7 @@ class Verifier:
                     self.record_into(recorder, call, sigma, grid)
                     state.verify_covered += 1
                 except Exception as exc:  # noqa: BLE001
-                    recorder.mark_incomplete(f"recording ahead failed ({type(exc).__name__}: {exc})")
+                    recorder.mark_incomplete(f"recording ahead failed ({failure_text(exc)})")
             if layer in check.layers and layer not in check.estimates:
                 qs, ks = call.positive_rows(keep_all=True)
                 with torch.no_grad():
@@ -221,7 +222,7 @@ class Verifier:
                         sample_rows=cfg.verify_rows, block_size=cfg.block_size, token_perm=order)
             return check
         except Exception as exc:  # noqa: BLE001 - verification never breaks sampling
-            why = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            why = failure_text(exc)
             plan.note(f"hit verification gave no verdict for expert {self.expert} ({why})")
             check = state.verification.get(self.expert)
             if check is not None and check.verdict is None:
@@ -318,7 +319,7 @@ class Verifier:
                 plan.note("hit verification failed after other steps ran sparse: the rest of the request runs "
                           "dense; nothing will be written to the cache")
         except Exception as exc:  # noqa: BLE001
-            check.verdict, check.reason = "no verdict", f"{type(exc).__name__}: {exc}"
+            check.verdict, check.reason = "no verdict", failure_text(exc)
             plan.note(f"hit verification gave no verdict for expert {self.expert} ({check.reason})")
             self._publish(check)
             self._drop_record_ahead(check)

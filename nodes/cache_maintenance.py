@@ -7,6 +7,7 @@ import json
 from comfy_api.latest import io
 
 from ..cache_store.limits import limit_value
+from ..engine.state import failure_text
 from .common import CATEGORY, node_text, open_workspace, ui_text
 
 ACTIONS = ("stats", "verify", "prune", "rebuild-index")
@@ -59,6 +60,6 @@ class ChorusCacheMaintenance(io.ComfyNode):
                 result = ws.rebuild_index()
             report = f"{action} {workspace}: " + json.dumps(result, default=str, sort_keys=True)
         except Exception as exc:  # noqa: BLE001 - maintenance reports, never fails the prompt
-            report = f"{action} {workspace} failed: {type(exc).__name__}: {exc}"
+            report = f"{action} {workspace} failed: {failure_text(exc)}"
         report = node_text(report)
         return io.NodeOutput(report, ui=ui_text(report))

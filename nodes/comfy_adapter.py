@@ -11,6 +11,7 @@ import hashlib
 import torch
 
 from ..engine import ModelInfo, wan_model_info
+from ..engine.state import failure_text
 
 
 def patch_summary(model_patcher) -> str:
@@ -88,4 +89,4 @@ def comfy_model_info(model_patcher) -> ModelInfo:
                               fingerprint_dtypes=model_dtypes(diffusion_model))
     except Exception as exc:  # noqa: BLE001
         return ModelInfo("unknown", type(diffusion_model).__name__, 0, 0, 0, 0, "", False,
-                         f"could not inspect the model ({type(exc).__name__}: {exc})")
+                         f"could not inspect the model ({failure_text(exc)})")

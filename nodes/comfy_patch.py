@@ -41,6 +41,7 @@ from ..engine import attend as engine_attend
 from ..engine.feature_reuse import FeatureReuse
 from ..engine.guidance import GuidanceBoost
 from ..engine.routing import sigma_value
+from ..engine.state import failure_text
 from . import comfy_call, comfy_forward, host_report, override_stack
 from .comfy_adapter import comfy_model_info
 from .comfy_forward import DENSE_KEY, FORWARD_KEYS, GAIN_KEY, MODE_KEY, REDUCE_KEY, REUSE_KEY, \
@@ -117,7 +118,7 @@ class ChorusPatch:
                 try:
                     part.begin_run(sigmas)
                 except Exception as exc:  # noqa: BLE001 - never fail the prompt: the run goes plain
-                    self._run_failed = f"could not start the Chorus run ({type(exc).__name__}: {exc})"
+                    self._run_failed = f"could not start the Chorus run ({failure_text(exc)})"
                     self.note(f"{self._run_failed}; dense attention, full blocks")
             try:
                 return executor(*args, **kwargs)
@@ -130,7 +131,7 @@ class ChorusPatch:
                 try:
                     part.end_run()
                 except Exception as exc:  # noqa: BLE001
-                    self.note(f"ending the Chorus run failed ({type(exc).__name__}: {exc})")
+                    self.note(f"ending the Chorus run failed ({failure_text(exc)})")
             self._run_failed = None
             if self.plan is not None:
                 log.info("Chorus II run: %s; %s%s", self.plan.message, self.plan.stats.summary(),

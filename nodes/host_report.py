@@ -22,6 +22,8 @@ import traceback
 
 import torch
 
+from ..engine.state import failure_text
+
 log = logging.getLogger("chorus.nodes")
 
 PACK_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -62,11 +64,10 @@ def failure_line(exc: BaseException) -> str | None:
         return None
     call, relative = chorus[-1]
     raised = frames[-1]
-    message = str(exc).splitlines()[0] if str(exc) else ""
     origin = _where(raised, _pack_relative(raised.filename))
     return (f"Chorus II: sampling failed on ComfyUI {comfyui_version()} (torch {torch.__version__}); first "
             f"failing Chorus call {_where(call, relative)}; raised at {origin}: "
-            f"{type(exc).__name__}: {message} -- if the same graph runs without the Chorus nodes, report this "
+            f"{failure_text(exc)} -- if the same graph runs without the Chorus nodes, report this "
             "line (docs/INSTALL.md, \"Newer ComfyUI\")")
 
 
