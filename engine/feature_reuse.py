@@ -399,7 +399,12 @@ class FeatureReuse:
             self.full_blocks_reason = f"the block failed on the compact sequence ({failure_text(exc)})"
             plan.note(f"feature reuse: {self.full_blocks_reason}; full blocks from now on")
             return block_fn(x, full_inputs, None)
-        return self.expand(x, x_c, y_c, reduction)
+        try:
+            return self.expand(x, x_c, y_c, reduction)
+        except Exception as exc:  # noqa: BLE001 - e.g. a block whose output is not [B, L', C]: full block
+            self.full_blocks_reason = f"the compact block's output could not be expanded ({failure_text(exc)})"
+            plan.note(f"feature reuse: {self.full_blocks_reason}; full blocks from now on")
+            return block_fn(x, full_inputs, None)
 
     def _block_reduction(self, sigma, grid, device) -> Reduction | None:
         """:meth:`block`'s reduction of one call (:meth:`_reduction_at`; None: full block; never raises)."""

@@ -198,6 +198,13 @@ def test_miss_records_scores_and_hit_reuses_them():
     assert torch.allclose(y, x + 1.0, atol=1e-6)
     assert feature_state(hit).blocks_reduced == 1 and feature_state(hit).blocks_full == 0
 
+    def short_compact_block(x, per_token, layout):  # a compact output one token short cannot be expanded
+        return (x + 1.0)[:, :-1] if layout is not None else x + 2.0
+    y = fr_hit.block(short_compact_block, x, layer=0, sigma=0.5, grid=grid)
+    assert torch.equal(y, x + 2.0), "the call runs in full instead of raising"
+    assert "could not be expanded" in fr_hit.full_blocks_reason and any(
+        "full blocks from now on" in m for m in hit.stats.messages), hit.stats.messages
+
 
 def test_compact_per_token_rules():
     layout = pooling.build_layout((2, 2, 2), (2, 2, 2), (2, 2, 2), [0])
