@@ -30,7 +30,7 @@ from .errors import StoreError
 from .fleet_conn import Slot
 from .fleet_feed import CHANNEL, FEED_DEADLINE_S
 from .fleet_schema import Row, emb_params, entry_problem, row_columns
-from .limits import eviction_caps, over_caps, prune_targets
+from .limits import eviction_caps, eviction_order, over_caps, pick_victims, prune_targets
 from .redaction import RedactingFilter
 
 LOG = logging.getLogger(__name__)
@@ -82,17 +82,11 @@ class FleetMaintenance:
             return []
         if not over_caps(count, total, cap_bytes, cap_entries):
             return []
-        order = "last_used, id" if policy != "lfu" else "hits, last_used, id"
         candidates = conn.execute(
-            "SELECT id, nbytes FROM chorus_entries WHERE workspace=%s AND id <> %s ORDER BY " + order + " LIMIT %s",
+            "SELECT id, nbytes FROM chorus_entries WHERE workspace=%s AND id <> %s ORDER BY "
+            + eviction_order(policy) + " LIMIT %s",
             (self.workspace, -1 if protect is None else int(protect), count)).fetchall()
-        victims = []
-        for entry_id, nbytes in candidates:
-            if not over_caps(count, total, cap_bytes, cap_entries):
-                break
-            victims.append(int(entry_id))
-            total -= int(nbytes)
-            count -= 1
+        victims = pick_victims(candidates, count, total, cap_bytes, cap_entries)
         if victims:
             LOG.info("evicting %d entries (%s) from fleet workspace %s", len(victims), policy, self.workspace)
         return self._delete(conn, victims)

@@ -111,6 +111,29 @@ def over_caps(count: int, total: int, cap_bytes: int, cap_entries: int | None) -
     return total > cap_bytes or (cap_entries is not None and count > cap_entries)
 
 
+def eviction_order(policy: str) -> str:
+    """The SQL ``ORDER BY`` columns of a policy's eviction order, first victim first (both stores' tables
+    have ``last_used``, ``hits`` and ``id``): ``lru`` the least recently used, ``lfu`` the fewest hits
+    (then the least recently used); the older entry on a tie. Raises ``ValueError`` for another policy."""
+    if policy not in EVICTION_POLICIES:
+        raise ValueError(f"eviction must be one of {EVICTION_POLICIES}, got {_shown(policy)}")
+    return "last_used, id" if policy == "lru" else "hits, last_used, id"
+
+
+def pick_victims(candidates, count: int, total: int, cap_bytes: int, cap_entries: int | None) -> list[int]:
+    """The ids, in eviction order, of the fewest ``candidates`` (``(id, nbytes)`` rows in
+    :func:`eviction_order`) whose removal brings ``count`` entries of ``total`` bytes within the caps of
+    :func:`eviction_caps` (all of them when that is not enough)."""
+    victims = []
+    for entry_id, nbytes in candidates:
+        if not over_caps(count, total, cap_bytes, cap_entries):
+            break
+        victims.append(int(entry_id))
+        total -= int(nbytes)
+        count -= 1
+    return victims
+
+
 def _shown(value) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."

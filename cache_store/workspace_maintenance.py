@@ -30,7 +30,7 @@ import time
 from . import seams
 from .entries import CorruptEntryError, EntryGone
 from .errors import StoreBusyError
-from .limits import eviction_caps, over_caps, prune_targets
+from .limits import eviction_caps, eviction_order, over_caps, pick_victims, prune_targets
 from .safe_fs import TEMP_NAME_RE, fsync_dir
 from .workspace_db import ENTRY_DIR, ENTRY_NAME_RE, read_generation, set_setting, store_call, stored_limits
 
@@ -119,11 +119,6 @@ class WorkspaceMaintenance:
             if self._index is not None and int(entry_id) in self._index.where:
                 self._index.remove([int(entry_id)])
 
-    def _victims(self, db, count: int, policy: str, protect) -> list[tuple[int, int]]:
-        order = "last_used ASC, id ASC" if policy == "lru" else "hits ASC, last_used ASC, id ASC"
-        return db.execute(f"SELECT id, nbytes FROM entries WHERE id != ? ORDER BY {order} LIMIT ?",
-                          (protect if protect is not None else -1, count)).fetchall()
-
     def _evict_locked(self, db, protect=None, max_bytes=None, max_entries=None, *, strict: bool = False) -> list[int]:
         """Evict down to the caps (:func:`limits.eviction_caps`: the prune targets given, else the
         stored limits). Limits that are not valid evict nothing: ``ValueError`` when ``strict``
@@ -138,13 +133,9 @@ class WorkspaceMaintenance:
         count, total = db.execute("SELECT COUNT(*), COALESCE(SUM(nbytes), 0) FROM entries").fetchone()
         if not over_caps(count, total, cap_bytes, cap_entries):
             return []
-        victims = []
-        for entry_id, nbytes in self._victims(db, count, policy, protect):
-            if not over_caps(count, total, cap_bytes, cap_entries):
-                break
-            victims.append(entry_id)
-            total -= nbytes
-            count -= 1
+        candidates = db.execute(f"SELECT id, nbytes FROM entries WHERE id != ? ORDER BY {eviction_order(policy)} "
+                                "LIMIT ?", (protect if protect is not None else -1, count)).fetchall()
+        victims = pick_victims(candidates, count, total, cap_bytes, cap_entries)
         if victims:
             LOG.info("evicting %d entries (%s) from %s", len(victims), policy, self.path)
         return self._delete_locked(db, victims)

@@ -14,7 +14,8 @@ import pytest
 
 from cache_helpers import SIGNATURE, embedding, small_masks, tree_snapshot
 from chorus.cache_store import Workspace, cli
-from chorus.cache_store.limits import MAX_LIMIT, check_limits, limit_value, parse_limit, prune_targets
+from chorus.cache_store.limits import MAX_LIMIT, check_limits, eviction_order, limit_value, parse_limit, pick_victims, \
+    prune_targets
 
 BAD_LIMITS = [-1, -(2**63), math.nan, math.inf, -math.inf, 1.5, MAX_LIMIT + 1, 2**70, True, None, "3", b"3", [3],
               object()]
@@ -42,6 +43,17 @@ def test_limit_values_accepted_and_refused():
         check_limits(eviction="fifo")
     assert check_limits(max_entries=0)["max_entries"] == 0  # stored: no entry cap
     assert prune_targets(None, 0) == (None, 0)  # a prune target: keep nothing
+
+
+def test_eviction_order_and_victims_are_one_rule_for_both_stores():
+    assert eviction_order("lru") == "last_used, id" and eviction_order("lfu") == "hits, last_used, id"
+    with pytest.raises(ValueError, match="eviction must be one of"):
+        eviction_order("fifo")
+    rows = [(5, 40), (2, 30), (9, 50)]  # in eviction order
+    assert pick_victims(rows, 3, 120, 100, None) == [5]  # 80 bytes left
+    assert pick_victims(rows, 3, 120, 50, None) == [5, 2]
+    assert pick_victims(rows, 3, 120, 1000, 1) == [5, 2]  # the entry cap
+    assert pick_victims(rows, 3, 120, 0, None) == [5, 2, 9] and pick_victims(rows, 3, 120, 1000, None) == []
 
 
 def test_bad_limits_delete_nothing_in_a_workspace(tmp_path):
