@@ -1,8 +1,9 @@
 """One engine entry per attention call, callable from inside a compiled model.
 
-A host (the ComfyUI patch, the diffusers adapter) makes one :class:`ForwardContext` per model
-forward, on the host side of the graph, and makes it current (:func:`activate`); every
-self-attention call of that forward then goes through two ``torch.library`` custom ops:
+The ComfyUI patch makes one :class:`ForwardContext` per model forward (:func:`begin_forward`), on the
+host side of the graph, and makes it current (:func:`activate`); every self-attention call of that
+forward then goes through these ``torch.library`` custom ops (the diffusers adapter, whose blocks run
+in Python, calls :func:`~chorus.engine.runtime.attend` itself):
 
 - ``torch.ops.chorus.attend(q, k, v, layer_hint) -> out``: the call's whole Chorus work (sparse
   attention with the run's map, or the dense fallback, the first-frame bias, verification, the

@@ -22,10 +22,12 @@ Method (DESIGN.md point 3), host-agnostic, at the level of one Wan transformer b
 Hosts give :meth:`FeatureReuse.block` a ``block_fn(x, per_token, layout) -> y`` that runs their block on
 ``x`` ``[B, L or L', C]`` with the per-token inputs (RoPE, per-token modulation) already compacted, and
 ``layout`` (a :class:`chorus.kernels.pooling.RegionLayout`, or None for the full sequence). A host whose
-self-attention can be intercepted should expand q/k/v to the full sequence (``expand_tokens``), run
-its (sparse) attention there and take ``compact_rows`` of the output: then each pooled key counts as
-the tokens it stands for and the attention mass stays right (the ComfyUI patch's one attention
-override does that, ``nodes/comfy_patch.py``).
+self-attention can be intercepted hands that call to the engine as a compact call
+(:meth:`ChorusAttention.compact_self_attention`, ``torch.ops.chorus.attend_compact``: the ComfyUI
+override's path, ``nodes/comfy_override.py``), so each pooled key counts as the tokens it stands for and
+the attention mass stays right: in raster order by expanding the call to the full sequence and
+compacting its output, in a region order on the compact sequence itself with a ``log(P)`` bias on each
+cell's key (:meth:`ChorusAttention.attend`).
 """
 
 from __future__ import annotations

@@ -31,8 +31,8 @@ that order: q/k/v are given in raster order, blocks (of the map, of the mass, ``
 positions of the permuted sequence, the output comes back in raster order. Every backend gathers
 and scatters through :func:`~chorus.kernels.tile_order.to_tile_order` /
 :func:`~chorus.kernels.tile_order.to_raster_order` (``index_select``), except the Triton kernels
-(``triton_fp8_ws``, ``triton_fp8``, ``triton_bf16``), which take the order fused into their loads
-and output store.
+(``triton_fp8_ws``, ``triton_fp8``, ``triton_int8_ws``, ``triton_int8``, ``triton_bf16``), which take the
+order fused into their loads and output store.
 """
 
 from __future__ import annotations

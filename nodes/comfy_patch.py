@@ -43,6 +43,7 @@ from ..engine.guidance import GuidanceBoost
 from ..engine.routing import sigma_value
 from ..engine.state import failure_text
 from . import comfy_call, comfy_forward, host_report, override_stack
+from .override_stack import OVERRIDE
 from .comfy_adapter import comfy_model_info
 from .comfy_forward import DENSE_KEY, FORWARD_KEYS, GAIN_KEY, MODE_KEY, REDUCE_KEY, REUSE_KEY, \
     TOKENS_KEY, ChorusBlock
@@ -53,7 +54,6 @@ log = logging.getLogger("chorus.nodes")
 PATCH_KEY = "chorus_ii"            # transformer_options: the model's ChorusPatch
 WRAPPER_KEY = "chorus_ii"          # the keyed OUTER_SAMPLE / APPLY_MODEL / DIFFUSION_MODEL wrappers
 MODEL_KWARG = "chorus_ii_model"    # the keyword the APPLY_MODEL wrapper adds to a Chorus-patched model's calls
-OVERRIDE = "optimized_attention_override"
 MULTI_GPU_KEY = "multigpu_thread_device"  # a model call's transformer_options under ComfyUI's multi-GPU split
 # transformer_options["patches"] entries that ComfyUI's Wan calls inside every block with that block's tokens
 # (0.38.x: attn1_patch / attn2_patch, where its MultiTalk / InfiniteTalk audio sits; earlier MultiTalk
