@@ -1,5 +1,6 @@
 """What both stores share about one entry: the checked and encoded new entry, the size caps, the
-error of a damaged entry, the hits and run stats not written yet.
+error of a damaged entry, the hits and run stats not written yet; the checks of a search and of a
+deduplicating add (:func:`search_index`, :func:`similarity_bound`).
 
 :func:`encode_new_entry` checks and encodes a new entry once, the same way for the one-host
 workspace and the fleet store, so the bytes and the refusals are the same everywhere. Tested
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .entry_format import MAX_ENTRY_RAW_BYTES, MAX_HEADER_BYTES, encode_entry, json_depth_ok
+from .index import normalise
 from .rows import QUIET_FLOATS, check_embedding
 from .signature import signature_key
 
@@ -63,6 +65,32 @@ def encode_new_entry(embedding, masks: dict, meta: dict) -> NewEntry:
     if len(data) > MAX_ENTRY_FILE_BYTES:
         raise ValueError(f"the entry takes {len(data)} bytes, more than the {MAX_ENTRY_FILE_BYTES} the store reads")
     return NewEntry(sig_key, emb, data, hashlib.sha256(data).hexdigest(), json.dumps(meta, sort_keys=True), now)
+
+
+def search_index(index, embedding, k, signature) -> list[tuple[int, float]]:
+    """A store's ``search`` on its worker's index (``PartitionedIndex``, or None for an empty store): the
+    top ``k`` ``(entry_id, cosine)``, best first, restricted to ``signature`` (a signature dict, its
+    :func:`~chorus.cache_store.signature.signature_key`, or None). Raises ``ValueError`` for a ``k`` that
+    is not an int >= 1 and, even on an empty store, for a query that is NaN/inf or zero. The caller
+    holds its index's lock."""
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
+        raise ValueError(f"k must be an int >= 1, got {k!r}")
+    key = None if signature is None else (signature if isinstance(signature, str) else signature_key(signature))
+    if index is None:
+        normalise(np.asarray(embedding, dtype=np.float32).reshape(1, -1))
+        return []
+    return index.search(embedding, int(k), key)
+
+
+def similarity_bound(min_similarity) -> float:
+    """``add_unique``'s ``min_similarity`` as a float; ``ValueError`` for NaN or a non-number."""
+    try:
+        bound = float(min_similarity)
+    except (TypeError, ValueError):
+        raise ValueError(f"min_similarity must be a number, got {min_similarity!r}") from None
+    if bound != bound:
+        raise ValueError("min_similarity must be a number")
+    return bound
 
 
 class CorruptEntryError(ValueError):

@@ -64,11 +64,9 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
-
 from . import seams
 from .entries import (COUNTED, RUN_COUNTERS, CorruptEntryError, NewEntry, PendingHits, counted_increments,
-                      encode_new_entry, run_counts)
+                      encode_new_entry, run_counts, search_index, similarity_bound)
 from .errors import StoreBusyError, StoreError, store_timeout
 from .fleet_conn import CALL_DEADLINE_S, Connections
 from .fleet_feed import CHANNEL, FEED_DEADLINE_S, POLL_S, FleetFeed
@@ -76,11 +74,10 @@ from .fleet_maintenance import FleetMaintenance
 from .fleet_schema import Row, check_row, decoded_entry, emb_params, entry_problem, own_row, row_columns, run_columns, \
     setup
 from .fleet_tier import TIER_DIR, LocalTier, tier_bytes_setting
-from .index import DEFAULT_APPROX_THRESHOLD, PartitionedIndex, normalise
+from .index import DEFAULT_APPROX_THRESHOLD, PartitionedIndex
 from .limits import check_limits, stored_limits_shown
 from .redaction import RedactingFilter
 from .rows import row_meta
-from .signature import signature_key
 
 LOG = logging.getLogger(__name__)
 LOG.addFilter(RedactingFilter())
@@ -252,10 +249,7 @@ class FleetStore(FleetFeed, FleetMaintenance):
         """Like :meth:`add` unless an entry of the same signature with cosine >= ``min_similarity``
         exists fleet-wide (checked under the workspace row lock after catching up): then
         ``(that id, False)``. Each miss is thus written once across all workers."""
-        min_similarity = float(min_similarity)
-        if min_similarity != min_similarity:
-            raise ValueError("min_similarity must be a number")
-        return self._add(embedding, masks, meta, min_similarity)
+        return self._add(embedding, masks, meta, similarity_bound(min_similarity))
 
     def _add(self, embedding, masks, meta, min_similarity):
         self._conns.check_writable()
@@ -344,14 +338,8 @@ class FleetStore(FleetFeed, FleetMaintenance):
     # -- reading ----------------------------------------------------------------------------
     def search(self, embedding, k: int = 1, signature=None) -> list[tuple[int, float]]:
         """Top ``k`` ``(entry_id, cosine similarity)`` from this worker's index (no network)."""
-        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
-            raise ValueError(f"k must be an int >= 1, got {k!r}")
-        key = None if signature is None else (signature if isinstance(signature, str) else signature_key(signature))
         with self._mutex:
-            if self._index is None:
-                normalise(np.asarray(embedding, dtype=np.float32).reshape(1, -1))
-                return []
-            return self._index.search(embedding, int(k), key)
+            return search_index(self._index, embedding, k, signature)
 
     def load(self, entry_id: int, *, packed: bool = False, touch: bool = True):
         """``(masks, meta)`` of an entry: from the local tier when it holds the entry with the

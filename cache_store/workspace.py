@@ -76,20 +76,18 @@ import time
 import uuid
 from pathlib import Path
 
-import numpy as np
 from filelock import FileLock
 
 from . import seams
 from .entries import COUNTED, MAX_ENTRY_FILE_BYTES, RUN_COUNTERS, CorruptEntryError, EntryGone, PendingHits, \
-    counted_increments, encode_new_entry, run_counts
+    counted_increments, encode_new_entry, run_counts, search_index, similarity_bound
 from .entry_format import EntryFormatError, decode_entry
 from .errors import StoreBusyError, StoreError, UnsafeLayoutError, store_timeout
-from .index import DEFAULT_APPROX_THRESHOLD, PartitionedIndex, normalise
+from .index import DEFAULT_APPROX_THRESHOLD, PartitionedIndex
 from .limits import check_limits, stored_limits_shown
 from .paths import check_not_in_pack
 from .rows import row_meta
 from .safe_fs import atomic_write, read_regular_file, unlink
-from .signature import signature_key
 from .workspace_db import (DB_NAME, ENTRY_DIR, ENTRY_NAME_RE, LOCK_NAME, QUARANTINE_DIR, WorkspaceConnections,
                            read_generation, set_setting, setting, store_call, stored_limits)
 from .workspace_index import WorkspaceIndex
@@ -263,10 +261,7 @@ class Workspace(WorkspaceConnections, WorkspaceIndex, WorkspaceMaintenance):
         else ``(new entry id, True)``. Several workers that missed on the same request at once thus
         write it once. Raises as :meth:`add`.
         """
-        min_similarity = float(min_similarity)
-        if not (min_similarity == min_similarity):  # NaN
-            raise ValueError("min_similarity must be a number")
-        return self._add(embedding, masks, meta, min_similarity)
+        return self._add(embedding, masks, meta, similarity_bound(min_similarity))
 
     @store_call
     def _add(self, embedding, masks: dict, meta: dict, min_similarity: float | None) -> tuple[int, bool]:
@@ -326,15 +321,9 @@ class Workspace(WorkspaceConnections, WorkspaceIndex, WorkspaceMaintenance):
         compatible entries. An empty workspace returns ``[]``; a query of the wrong dimension,
         NaN/inf or zero raises ``ValueError``. Never waits for a writer.
         """
-        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
-            raise ValueError(f"k must be an int >= 1, got {k!r}")
-        key = None if signature is None else (signature if isinstance(signature, str) else signature_key(signature))
         with self._rmutex:
             self._sync_index()
-            if self._index is None:
-                normalise(np.asarray(embedding, dtype=np.float32).reshape(1, -1))
-                return []
-            return self._index.search(embedding, int(k), key)
+            return search_index(self._index, embedding, k, signature)
 
     def _row(self, entry_id: int):
         """``(file, sha256, meta_json, nbytes)`` of an entry, or None."""
