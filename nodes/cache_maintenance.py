@@ -56,8 +56,8 @@ class ChorusCacheMaintenance(io.ComfyNode):
             elif action == "prune":
                 removed = ws.prune(max_entries=keep)
                 result = {"removed": list(removed), "entries": len(ws)}
-            else:
-                result = ws.rebuild_index()
+            else:  # the command line's result of the same action
+                result = {"index": ws.rebuild_index(), "entries": len(ws)}
             report = f"{action} {workspace}: " + json.dumps(result, default=str, sort_keys=True)
         except Exception as exc:  # noqa: BLE001 - maintenance reports, never fails the prompt
             report = f"{action} {workspace} failed: {failure_text(exc)}"
