@@ -62,7 +62,10 @@ def test_read_call_takes_each_container_once_and_reads_both_conventions(cc):
     assert cc.layout_refusal(old) == "the call has an attention mask"
     assert cc.read_call((q, k), {}) is None
     flux = cc.read_call((q.view(1, 12, 2, 8).transpose(1, 2),) * 3, {"heads": 2, "skip_reshape": True})
-    assert cc.layout_refusal(flux) is not None
+    assert cc.layout_refusal(flux) == "q/k/v are not [B, L, heads*head_dim] tensors"
+    for flag in ("skip_reshape", "skip_output_reshape"):  # [B, L, H*D] tensors whose layout flag says otherwise
+        flagged = cc.read_call((q, k, v), {"heads": 2, flag: True})
+        assert cc.layout_refusal(flagged) == "the call is in [B, heads, L, head_dim] layout", flag
 
 
 def test_sparse_refusal_names_what_chorus_cannot_take(cc):

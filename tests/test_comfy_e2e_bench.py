@@ -54,15 +54,16 @@ def test_fp8_linears_benchmark_takes_comfyuis_fp8_path_without_graph_breaks(tmp_
             assert r["rel_err"] <= 2 ** -8, r
 
 
-def test_compiled_only_runs_the_compiled_rows_beside_compiled_dense(tmp_path, monkeypatch):
+def test_compiled_only_runs_the_compiled_rows_beside_compiled_dense(tmp_path, monkeypatch, capsys):
     """``--compile --compiled-only``: dense and a miss under ComfyUI's ``TorchCompileModel`` and no eager row; the
     compiled miss runs as a miss (a fresh workspace of its own) with no eager miss before it."""
     from chorus.benchmarks.comfy_e2e import run
 
     monkeypatch.setenv("COMFYUI_DIR", str(tiny.find_comfyui_dir()))
     monkeypatch.setenv("CHORUS_CACHE_DIR", str(tmp_path / "cache"))
-    with pytest.raises(SystemExit):
-        run.main(["--tiny", "--out", str(tmp_path), "--compiled-only"])  # needs --compile
+    with pytest.raises(SystemExit) as refused:
+        run.main(["--tiny", "--out", str(tmp_path), "--compiled-only"])
+    assert refused.value.code == 2 and "--compiled-only needs --compile" in capsys.readouterr().err
     assert run.main(["--tiny", "--out", str(tmp_path), "--variants", "dense", "miss", "--compile",
                      "--compiled-only"]) == 0
     rows = {r["variant"]: r for r in json.loads((tmp_path / "comfy_e2e.json").read_text())["runs"]}
@@ -269,7 +270,7 @@ def test_a_profile_whose_raw_events_cannot_be_read_keeps_its_kernel_table(monkey
     assert run.attention_kernels_ms(profile) is None
 
 
-def test_the_benchmark_compiles_through_the_host_s_own_node_in_either_signature(monkeypatch):
+def test_the_benchmark_compiles_through_the_host_s_own_node_in_either_signature(monkeypatch, capsys):
     """``torch_compile_model`` drives the host's ``TorchCompileModel``: 0.3.64's ``execute(model, backend)``
     (a clone carrying ComfyUI's compile wrapper), and later ComfyUI's ``execute(model, backend, mode)`` with
     the mode left empty, as a graph that leaves the node's default does; ``guard_filter`` on 0.3.64: the host's
@@ -297,8 +298,9 @@ def test_the_benchmark_compiles_through_the_host_s_own_node_in_either_signature(
         names = ["L['kwargs']['transformer_options']['patches']", "L['x'].size()[2]"]
         entries = [type("Guard", (), {"name": n})() for n in names]
         assert kwargs["backend"] == "inductor" and kwargs["options"]["guard_filter_fn"](entries) == [False, True]
-    with pytest.raises(SystemExit):
-        run.main(["--tiny", "--out", "unused", "--guard-filter"])  # needs --compile
+    with pytest.raises(SystemExit) as refused:
+        run.main(["--tiny", "--out", "unused", "--guard-filter"])
+    assert refused.value.code == 2 and "--guard-filter needs --compile" in capsys.readouterr().err
 
     calls = []
 

@@ -200,7 +200,12 @@ def test_fallbacks_are_dense_and_noted_never_raised():
     out = handle.self_attention(q[:, :1], k[:, :1], v[:, :1], layer=0, sigma=1.0, grid=GRID, dense_fn=sdpa)
     assert out.shape == (1, 1, L, 64)  # wrong head count: dense
     assert plan.stats.fallback_calls == 5 and plan.stats.sparse_calls == 0
-    assert len(plan.stats.messages) == 5 and all("dense attention instead" in m for m in plan.stats.messages)
+    reasons = ["the entry has no mask for expert 0, step 0, layer 1", "sigma 1.5 is not a step of the entry's schedule",
+               "token grid (3, 5, 8) does not hold the 105 tokens", "layer index 9 outside the model's 2 layers",
+               "1 heads in the call, the model has 2"]
+    assert len(plan.stats.messages) == 5 and all(
+        m.startswith(f"sparse attention not used for a call ({why}") and m.endswith("; dense attention instead")
+        for m, why in zip(plan.stats.messages, reasons)), plan.stats.messages
     # an explicit backend that cannot run here (no CUDA) is a message and dense attention, not a crash
     if not torch.cuda.is_available():
         plan2 = hit_plan(masks, sig=signature(sigmas=[1.0]))
@@ -276,20 +281,25 @@ def test_two_experts_share_one_plan_and_route_by_sigma():
 
 
 def test_bad_arguments_raise_value_errors():
-    for kw in (dict(top_p=0.0), dict(top_p=1.5), dict(top_p=float("nan")), dict(k_min=0), dict(refresh_steps=-1),
-               dict(backend="cuda"), dict(sample_rows=0), dict(block_size=100), dict(backend="flex"),
-               dict(backend="fa4_bf16", pooled_tail=True), dict(pooled_tail=1)):
-        with pytest.raises(ValueError):
+    for kw, why in ((dict(top_p=0.0), "top_p must be in"), (dict(top_p=1.5), "top_p must be in"),
+                    (dict(top_p=float("nan")), "top_p must be in"), (dict(k_min=0), "k_min must be an int"),
+                    (dict(refresh_steps=-1), "refresh_steps must be an int"), (dict(backend="cuda"), "backend must be one of"),
+                    (dict(sample_rows=0), "sample_rows must be None or an int"),
+                    (dict(block_size=100), "block_size must be a positive multiple of 16"),
+                    (dict(backend="flex"), "'flex' has no pooled tail"),
+                    (dict(backend="fa4_bf16", pooled_tail=True), "'fa4_bf16' has no pooled tail"),
+                    (dict(pooled_tail=1), "pooled_tail must be a bool")):
+        with pytest.raises(ValueError, match=why):
             SparseConfig(**kw)
     for backend in ("flex", "fa4_bf16"):  # the backends without a pooled tail run with it off
         assert not SparseConfig(backend=backend, pooled_tail=False).pooled_tail
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="plan kind must be"):
         Plan("maybe")
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="a hit needs masks"):
         Plan("hit", masks={}, entry_meta={"signature": {}})
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="plan must be a chorus Plan"):
         ChorusAttention("plan", CFG, INFO)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="latent shape must be"):
         token_grid((16, 3, 10))
 
 

@@ -11,6 +11,8 @@ Skips with a visible reason without a ComfyUI checkout.
 
 from __future__ import annotations
 
+import re
+
 from pathlib import Path
 
 import pytest
@@ -78,13 +80,16 @@ def test_miss_records_regions_then_hit_downsamples(server):
     assert first["status"]["status_str"] == "success", f"{first['status']}\n{server.log_tail()}"
     assert "MISS" in _texts(first, "12") and "recording region redundancy" in _texts(first, "12")
     assert "no boost" in _texts(first, "13")
-    assert "wrote entry" in _texts(first, "10"), _texts(first, "10")
+    written = re.match(r"wrote entry (\d+) ", _texts(first, "10"))
+    assert written, _texts(first, "10")
+    entry = int(written.group(1))
 
     second = server.queue(graph(), timeout=600)
     assert second["status"]["status_str"] == "success", f"{second['status']}\n{server.log_tail()}"
-    assert "HIT" in _texts(second, "6") or "hit" in _texts(second, "6").lower()
+    assert _texts(second, "6").startswith(f"HIT entry {entry} |"), _texts(second, "6")
     fr_text = _texts(second, "12")
     assert "HIT: 50% of regions downsampled" in fr_text, fr_text
     assert "boost on the reused steps" in _texts(second, "13")
     write_text = _texts(second, "10")
-    assert "hit" in write_text.lower() and "feature reuse: 2/4 block calls downsampled" in write_text, write_text
+    assert write_text.startswith(f"hit: updated stats of entry {entry},") and \
+        "feature reuse: 2/4 block calls downsampled" in write_text, write_text

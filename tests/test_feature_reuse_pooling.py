@@ -129,8 +129,8 @@ def test_bad_geometry_raises():
         pooling.build_layout((4, 4, 4), (2, 3, 4), (2, 2, 2), [0])
     with pytest.raises(ValueError, match="region ids"):
         pooling.build_layout((4, 4, 4), (2, 2, 2), (2, 2, 2), [99])
+    layout = pooling.build_layout((4, 4, 4), (2, 2, 2), (2, 2, 2), [0])
     with pytest.raises(ValueError, match="tokens"):
-        layout = pooling.build_layout((4, 4, 4), (2, 2, 2), (2, 2, 2), [0])
         pooling.pool_tokens(torch.zeros(1, 63, 2), layout)
     with pytest.raises(ValueError):
         FeatureReuseConfig(downsample_share=1.5)

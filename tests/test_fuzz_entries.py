@@ -204,7 +204,7 @@ def test_fuzz_entry_files(template, tmp_path, record_property):
                 assert "quarantined" in str(exc) and str(exc)
             # a worker asking for the victim's request: a hit that works, or a miss that says why
             plan = retrieve_plan(ws, sh.embedding(victim - 1), sh.LATENT, similarity_threshold=0.5)
-            assert plan.message
+            assert plan.message.startswith("hit: entry " if plan.is_hit else "miss"), plan.message
             handle = ChorusAttention(plan, SparseConfig(backend="reference"), sh.model_info())
             gen = torch.Generator().manual_seed(victim)
             q, k, v = (torch.randn(1, sh.NUM_HEADS, 8, sh.HEAD_DIM, generator=gen) for _ in range(3))

@@ -5,6 +5,8 @@ strength 0 and removal leave the model unchanged."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -12,7 +14,7 @@ diffusers = pytest.importorskip("diffusers")
 
 from chorus.engine import ChorusAttention, Plan, SparseConfig, build_signature, wan_model_info  # noqa: E402
 from chorus.hosts.diffusers import patch_diffusers_guidance, patch_diffusers_wan  # noqa: E402
-from chorus.engine.guidance import GuidanceBoost  # noqa: E402
+from chorus.engine.guidance import IMAGE_GAIN_PER_STRENGTH, GuidanceBoost  # noqa: E402
 from testing import tiny_diffusers_wan  # noqa: E402
 
 BS = 32
@@ -90,11 +92,21 @@ def test_first_frame_bias_applied_once_in_any_order(order):
     assert boost.biased_calls == 2 * 3
     if order != "guidance_only":
         assert plan.stats.sparse_calls == 2 * 3 and plan.stats.fallback_calls == 0
-    # the reference: the same model with a dense processor that applies the bias (guidance alone)
+    assert all(boost.first_frame_bias(s) == pytest.approx(math.log1p(IMAGE_GAIN_PER_STRENGTH * 2.0)) for s in SIGMAS)
+    # the reference, from the other implementation of the bias: for the sparse orders guidance alone (its biased
+    # dense call), for guidance alone the engine's kernel taking the bias (the sparse part on the same full maps)
     ref_boost = GuidanceBoost(plan, strength=0.0, image_strength=2.0)
-    ref = patch_diffusers_guidance(model, ref_boost)
+    refs = [patch_diffusers_guidance(model, ref_boost)]
+    ref_handle = ChorusAttention(plan, CFG, wan_model_info(model))
+    if order == "guidance_only":
+        refs.append(patch_diffusers_wan(model, ref_handle))
+    ref_handle.begin_run(list(SIGMAS) + [0.0])
     want = forward(model)
-    ref.remove()
+    ref_handle.end_run()
+    for p in reversed(refs):
+        p.remove()
+    if order == "guidance_only":
+        assert plan.stats.sparse_calls == 2 * 3 and plan.stats.fallback_calls == 0  # the reference ran sparse
     for g, w, p in zip(got, want, plain):
         change = float((w - p).norm() / p.norm())
         assert change > 1e-3, change

@@ -87,7 +87,7 @@ def test_make_peer_turns_a_raise_into_a_reason():
     fn, reason = peers.make_peer(peers.Peer("x", True, boom, ""), None, None, None, None, 128)
     assert fn is None and "kaput" in reason
     fn, reason = peers.make_peer(peers.Peer("y", True, lambda *_: (None, ""), ""), None, None, None, None, 128)
-    assert fn is None and reason
+    assert fn is None and reason == "unavailable (no reason given)", reason
 
 
 def test_tile_mask_bits_lsb_first_and_round_trip():

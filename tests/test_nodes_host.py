@@ -140,7 +140,8 @@ def test_miss_then_hit_then_dissimilar_miss_and_restart(env):
     assert retrieve.startswith("HIT entry 1"), retrieve
     similarity = float(retrieve.split("similarity ")[1].split()[0])
     assert 0.9 <= similarity < 1.0
-    assert "hit: updated stats of entry 1" in write and "calls sparse 4" in write and "fallback 0" in write, write
+    assert write.startswith("hit: updated stats of entry 1,") and "calls sparse 4, dense 0" in write and \
+        "fallback 0" in write, write
 
     retrieve, write = _run(env.server, i2v_graph(cond_seed=12345, color=0xFF8000))  # a dissimilar request
     assert retrieve.startswith("MISS") and "< threshold" in retrieve, retrieve

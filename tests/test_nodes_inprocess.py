@@ -75,7 +75,8 @@ def test_miss_write_hit_cycle_through_the_nodes(nodes, model, tmp_path):
     assert "HIT: sparse attention" in _text(off) and "pooled tail off" in _text(off)
     _sample(patched2.args[0], positive)
     text = nodes.ChorusCacheWrite.execute(latent=LATENT, plan=plan2).args[0]
-    assert "hit: updated stats of entry 1" in text and "calls sparse 4" in text and "fallback 0" in text
+    assert text.startswith("hit: updated stats of entry 1,") and "calls sparse 4, dense 0" in text and \
+        "fallback 0" in text, text
 
     report = nodes.ChorusCacheMaintenance.execute(workspace="cycle", action="stats", max_entries=0).args[0]
     assert report.startswith("stats cycle: ") and json.loads(report[len("stats cycle: "):])["entries"] == 1, report

@@ -95,7 +95,10 @@ def test_own_maps_pass_and_a_wrong_entry_is_caught_and_rewritten(node, model, tm
     assert "fail" in bad.stats.summary() and bad.stats.verification[0]["ratio"] < SUGGESTED_VERIFY_THRESHOLD
     assert bad.recorder.complete
     assert commit_plan(Workspace.open(tmp_path / "ws"), bad).startswith("wrote entry")
-    assert (got - dense).abs().max() < (dense.abs().max() + 1)  # ran; dense after the first step
+    assert bad.stats.dense_calls == 2  # the second step's two layers, dense (and recorded)
+    # the same wrong entry without verification runs sparse throughout: further from dense than the demoted run
+    all_sparse = _sample(node.execute(model, _hit(miss, wrong), k_min=1, verify_threshold=0.0).result[0])
+    assert 0 < (got - dense).abs().max() < 0.5 * (all_sparse - dense).abs().max()
 
 
 def test_default_is_off(node, model):

@@ -116,6 +116,14 @@ def cpu_sized(api: dict, *, seed: int, noise: float, workspace: str) -> dict:
     return graph
 
 
+def _assert_saved_one_video(host, record: dict, save_id: str) -> None:
+    """SaveVideo's history output names one file, and the host's output folder holds it, not empty."""
+    files = record["outputs"].get(save_id, {}).get("images", [])
+    assert len(files) == 1, record["outputs"].get(save_id)
+    saved = host.base_dir / "output" / files[0]["subfolder"] / files[0]["filename"]
+    assert saved.is_file() and saved.stat().st_size > 0, saved
+
+
 def _texts(record: dict, class_type: str, graph: dict) -> str:
     node_id = next(k for k, v in graph.items() if v["class_type"] == class_type)
     return " ".join(record["outputs"].get(node_id, {}).get("text", []))
@@ -135,7 +143,7 @@ def test_workflow_miss_then_hit(host, name):
     dense = int(re.search(r"dense (\d+)", written).group(1))
     assert dense == MODEL_CALLS[name] * tiny.TINY_LAYERS, written
     save_id = next(k for k, v in first.items() if v["class_type"] == "SaveVideo")
-    assert record["outputs"].get(save_id), "SaveVideo produced nothing"
+    _assert_saved_one_video(host, record, save_id)
 
     second = cpu_sized(api, seed=5, noise=0.01, workspace=name)
     record = host.queue(second, timeout=300)
@@ -149,4 +157,4 @@ def test_workflow_miss_then_hit(host, name):
     dense = int(re.search(r"dense (\d+)", written).group(1))
     fallback = int(re.search(r"fallback (\d+)", written).group(1))
     assert sparse == MODEL_CALLS[name] * tiny.TINY_LAYERS and dense == 0 and fallback == 0, written
-    assert record["outputs"].get(save_id), "SaveVideo produced nothing"
+    _assert_saved_one_video(host, record, save_id)
