@@ -56,7 +56,8 @@ class ChorusSparseSampler(io.ComfyNode):
                                        "triton_int8: INT8 Q.K and P.V, about a third of FP8's numeric error, "
                                        "slower). fa4_bf16: "
                                        "FlashAttention-4's block-sparse kernel in bf16 (optional flash-attn-4; "
-                                       "1.3-1.5x Triton bf16 on an H200, slower than FP8 at 720p). Never a switch to "
+                                       "its kernel 1.3-1.5x Triton bf16's on an H200, a 720p request 1.03-1.09x; FP8 "
+                                       "is faster). Never a switch to "
                                        "another kernel after a choice: a call the chosen kernel cannot take or "
                                        "that fails runs dense attention, with a message."),
                 io.Float.Input("verify_threshold", default=DEFAULT_VERIFY_THRESHOLD, min=0.0, max=1.0, step=0.01,
