@@ -162,7 +162,8 @@ def grid_carry(src_grid, dst_grid, token_order: str | None) -> tuple[str, str]:
     in token order ``token_order`` (a name; None = raster) and a call of grid ``dst_grid``: ``("same", "")``,
     ``("resample", why)`` (raster order, the same aspect: :func:`chorus.kernels.resample_block_map` carries
     them) or ``("incompatible", why)``. The recorder carries a call's mass to its recording's grid by it.
-    Raises ``ValueError`` / ``TypeError`` for grids that are not three positive ints."""
+    Raises ``ValueError`` / ``TypeError`` for grids of non-integers, and for two different grids that are not
+    three positive ints each (the aspect check's)."""
     from ..kernels import aspect_matches
 
     src, dst = tuple(int(g) for g in src_grid), tuple(int(g) for g in dst_grid)
