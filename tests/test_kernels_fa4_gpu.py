@@ -41,7 +41,9 @@ def _random_map(heads, length, bs, density, seed, batch=1):
     return bm
 
 
-def _check_against_oracle(out, q, k, v, bm, bs):
+def _check_against_oracle(out, q, k, v, bm, bs, **key_bias):
+    """``out`` within 2x eager bf16's error of the fp64 oracle on three query blocks; ``key_bias``:
+    ``prefix_len`` / ``prefix_bias`` given to the oracle and to eager alike. Returns the oracle's rows."""
     from chorus.kernels.reference import dense_attention_oracle, masked_attention_eager
 
     nqb = bm.shape[2]
@@ -49,13 +51,14 @@ def _check_against_oracle(out, q, k, v, bm, bs):
     rows = _rows(q.shape[2], bs, blocks)
     sub_map = bm[:, :, blocks]
     q_sub = q[:, :, rows]
-    oracle = dense_attention_oracle(q_sub, k, v, sub_map, bs)
-    eager = masked_attention_eager(q_sub, k, v, sub_map, bs).double()
+    oracle = dense_attention_oracle(q_sub, k, v, sub_map, bs, **key_bias)
+    eager = masked_attention_eager(q_sub, k, v, sub_map, bs, **key_bias).double()
     err = (out[:, :, rows].double() - oracle).abs().max().item()
     err_eager = (eager - oracle).abs().max().item()
     floor = 4 * torch.finfo(torch.bfloat16).eps * oracle.abs().max().item()
     assert torch.isfinite(out).all()
-    assert err <= 2 * err_eager + floor, f"fa4 error {err:.3e} vs eager bf16 {err_eager:.3e}"
+    assert err <= 2 * err_eager + floor, f"error {err:.3e} vs eager bf16 {err_eager:.3e}"
+    return oracle, rows
 
 
 @pytest.mark.parametrize("length,dim,bs", [(1000, 128, 128), (4097, 128, 128), (4097, 64, 128), (3000, 128, 64),
@@ -94,10 +97,15 @@ def test_prefix_bias_call_routes_to_triton_under_auto_and_raises_explicit():
         K.block_sparse_attention(q, k, v, bm, block_size=128, backend="fa4_bf16", prefix_len=300, prefix_bias=1.0)
     routed = api._for_call_options(api.Backend.FA4_BF16, False, q, 128, 300)
     assert routed == api.Backend.TRITON_BF16
-    biased = K.block_sparse_attention(q, k, v, bm, block_size=128, backend="triton_bf16", prefix_len=300,
+    # the backend the call is routed to keeps the bias: its output is the biased oracle's, not the plain one's
+    biased = K.block_sparse_attention(q, k, v, bm, block_size=128, backend=routed.value, prefix_len=300,
                                       prefix_bias=1.0)
-    plain = K.block_sparse_attention(q, k, v, bm, block_size=128, backend="fa4_bf16")
-    assert (biased - plain).abs().max() > 1e-3  # the bias changed the result: it was not dropped
+    oracle, rows = _check_against_oracle(biased, q, k, v, bm, 128, prefix_len=300, prefix_bias=1.0)
+    plain_oracle, _ = _check_against_oracle(K.block_sparse_attention(q, k, v, bm, block_size=128,
+                                                                      backend="fa4_bf16"), q, k, v, bm, 128)
+    bias_effect = (oracle - plain_oracle).abs().max().item()
+    assert bias_effect > 1e-2
+    assert (biased[:, :, rows].double() - oracle).abs().max().item() < bias_effect / 10
 
 
 def test_fa4_under_torch_compile():

@@ -31,6 +31,24 @@ def _fp8_capable() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
 
 
+NO_FP8 = "FP8 (e4m3) kernels need sm_89 or later"
+needs_fp8 = pytest.mark.skipif(not _fp8_capable(), reason=NO_FP8)
+
+
+def skip_fp8_part():
+    """End a test whose bf16 checks passed with a visible skip where its FP8 checks cannot run."""
+    if not _fp8_capable():
+        pytest.skip(f"{NO_FP8}: the bf16 checks passed, the FP8 ones did not run")
+
+
+def precisions():
+    """``fp8`` False (the bf16 path), then True; on a GPU without FP8 the test ends after the bf16 pass in a
+    visible skip (:func:`skip_fp8_part`) instead of passing with half its checks."""
+    yield False
+    skip_fp8_part()
+    yield True
+
+
 def make_inputs(heads, length, dim, seed):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     q = torch.randn(1, heads, length, dim, device="cuda", generator=gen)
@@ -80,18 +98,19 @@ def test_kernels_match_oracle_on_query_blocks(length, dim, density):
     floor = 4 * torch.finfo(torch.bfloat16).eps * oracle.abs().max().item()
     assert err <= 2 * err_eager + floor, f"bf16 error {err:.3e} vs eager {err_eager:.3e}"
 
-    if _fp8_capable():
-        out8 = block_sparse_attention_triton(q, k, v, bm, block_size=bs, fp8=True)
-        assert torch.isfinite(out8).all()
-        ours = error_stats(out8[:, :, rows], oracle)
-        sage = error_stats(sage_fp8_attention_emulation(q_sub, k, v, sub_map, bs), oracle)
-        print(f"L={length} D={dim} density={density}: fp8 {ours} sage-emulation {sage} bf16 err {err:.2e}")
-        assert ours["rel_l1"] <= 2 * sage["rel_l1"], (ours, sage)
-        assert 1 - ours["cosine"] <= 2 * (1 - sage["cosine"]), (ours, sage)
-        assert ours["cosine"] >= 0.998, ours
+    skip_fp8_part()
+    out8 = block_sparse_attention_triton(q, k, v, bm, block_size=bs, fp8=True)
+    assert torch.isfinite(out8).all()
+    ours = error_stats(out8[:, :, rows], oracle)
+    sage = error_stats(sage_fp8_attention_emulation(q_sub, k, v, sub_map, bs), oracle)
+    print(f"L={length} D={dim} density={density}: fp8 {ours} sage-emulation {sage} bf16 err {err:.2e}")
+    assert ours["rel_l1"] <= 2 * sage["rel_l1"], (ours, sage)
+    assert 1 - ours["cosine"] <= 2 * (1 - sage["cosine"]), (ours, sage)
+    assert ours["cosine"] >= 0.998, ours
 
 
-def test_every_row_written_full_oracle():
+@pytest.mark.parametrize("fp8", [False, pytest.param(True, marks=needs_fp8)])
+def test_every_row_written_full_oracle(fp8):
     from chorus.kernels.reference import dense_attention_oracle
     from chorus.kernels.triton import block_sparse_attention_triton
 
@@ -99,10 +118,9 @@ def test_every_row_written_full_oracle():
     bm = torch.rand(1, 2, 7, 7, device="cuda") < 0.4
     bm[..., torch.arange(7), torch.arange(7)] = True
     oracle = dense_attention_oracle(q, k, v, bm, 128)
-    for fp8 in (False, True) if _fp8_capable() else (False,):
-        out = block_sparse_attention_triton(q, k, v, bm, block_size=128, fp8=fp8)
-        cos = torch.nn.functional.cosine_similarity(out.double().flatten(1), oracle.flatten(1), dim=1)
-        assert torch.isfinite(out).all() and cos.min() > 0.99
+    out = block_sparse_attention_triton(q, k, v, bm, block_size=128, fp8=fp8)
+    cos = torch.nn.functional.cosine_similarity(out.double().flatten(1), oracle.flatten(1), dim=1)
+    assert torch.isfinite(out).all() and cos.min() > 0.99
 
 
 @pytest.mark.parametrize("length,sample_rows", [(1000, None), (4097, 16), (32760, 8)])
@@ -225,16 +243,15 @@ def test_prefix_bias_matches_oracle(length, grid_hw):
     err_eager = (eager - oracle).abs().max().item()
     floor = 4 * torch.finfo(torch.bfloat16).eps * oracle.abs().max().item()
     assert err <= 2 * err_eager + floor, f"bf16 error {err:.3e} vs eager {err_eager:.3e}"
-    if _fp8_capable():
-        out8 = block_sparse_attention_triton(q, k, v, bm, block_size=bs, fp8=True, prefix_len=grid_hw,
-                                             prefix_bias=bias)
-        ours = error_stats(out8[:, :, rows], oracle)
-        sage = error_stats(sage_fp8_attention_emulation(q_sub, k, v, sub_map, bs, prefix_len=grid_hw,
-                                                        prefix_bias=bias), oracle)
-        print(f"prefix bias L={length}: fp8 {ours} sage-emulation {sage} bf16 err {err:.2e}")
-        assert ours["rel_l1"] <= 2 * sage["rel_l1"], (ours, sage)
-        assert 1 - ours["cosine"] <= 2 * (1 - sage["cosine"]), (ours, sage)
-        assert ours["cosine"] >= 0.998, ours
+    skip_fp8_part()
+    out8 = block_sparse_attention_triton(q, k, v, bm, block_size=bs, fp8=True, prefix_len=grid_hw, prefix_bias=bias)
+    ours = error_stats(out8[:, :, rows], oracle)
+    sage = error_stats(sage_fp8_attention_emulation(q_sub, k, v, sub_map, bs, prefix_len=grid_hw,
+                                                    prefix_bias=bias), oracle)
+    print(f"prefix bias L={length}: fp8 {ours} sage-emulation {sage} bf16 err {err:.2e}")
+    assert ours["rel_l1"] <= 2 * sage["rel_l1"], (ours, sage)
+    assert 1 - ours["cosine"] <= 2 * (1 - sage["cosine"]), (ours, sage)
+    assert ours["cosine"] >= 0.998, ours
 
 
 @pytest.mark.parametrize("grid,channels", [((21, 45, 80), 5120), ((21, 30, 52), 5120), ((5, 9, 13), 1100)])
@@ -283,7 +300,7 @@ def test_inputs_past_int32_offsets_run_in_chunks():
         t[5] = t[0]
     assert q.numel() > 2**31 and len(_attention.int32_chunks((q, k, v), 75648 * dim)) > 1
     bm = structured_map(length, 1, 0.05)
-    for fp8 in (False, True) if _fp8_capable() else (False,):
+    for fp8 in precisions():
         out = block_sparse_attention_triton(q, k, v, bm, block_size=128, fp8=fp8)
         assert torch.isfinite(out).all()
         assert torch.equal(out[5], out[0]) and not torch.equal(out[4], out[0]), fp8
@@ -297,7 +314,7 @@ def test_fp8_results_are_bitwise_reproducible():
     from chorus.kernels.triton import block_sparse_attention_triton
 
     if not _fp8_capable():
-        pytest.skip("FP8 needs sm_89+")
+        pytest.skip(NO_FP8)
     q, k, v = make_inputs(8, 32760, 128, seed=12)
     bm = structured_map(32760, 8, 0.15)
     runs = [block_sparse_attention_triton(q, k, v, bm, block_size=128, fp8=True) for _ in range(3)]
@@ -329,7 +346,7 @@ def test_tile_order_and_q_in_kernel_match_oracle(grid, q_in_kernel):
     rows = block_rows(length, bs, blocks)
     qp, kp, vp = (t[:, :, perm] for t in (q, k, v))
     oracle = dense_attention_oracle(qp[:, :, rows], kp, vp, bm[:, :, blocks], bs)
-    for fp8 in (False, True) if _fp8_capable() else (False,):
+    for fp8 in precisions():
         config = dataclasses.replace(DEFAULT_TILES["fp8" if fp8 else "bf16"], q_in_kernel=q_in_kernel)
         out = block_sparse_attention_triton_impl(q, k, v, bm, bs, 128 ** -0.5, fp8, config=config, token_perm=perm)
         got = out[:, :, perm][:, :, rows]
@@ -358,7 +375,7 @@ def test_tail_part1_prepass_pooled_rows_match_torch(length, v_key_order):
     from chorus.kernels.triton._quant import quantize_qkv_fp8, quantize_reference
 
     if not _fp8_capable():
-        pytest.skip("FP8 needs sm_89+")
+        pytest.skip(NO_FP8)
     q, k, v = make_inputs(4, length, 128, seed=length + 3)
     got = quantize_qkv_fp8(q, k, v, 128 ** -0.5, v_key_order=v_key_order, pool_block=128)
     want = quantize_reference(q, k, v, 128 ** -0.5, v_key_order=v_key_order, pool_block=128)
@@ -427,7 +444,7 @@ def test_tail_part3_kernels_match_oracle(length, dim, density, sharp):
         q = (q.float() * 4).to(q.dtype)
     bm = structured_map(length, 4, density)
     bm[:, 1, 0] = True
-    for fp8 in (False, True) if _fp8_capable() else (False,):
+    for fp8 in precisions():
         out = block_sparse_attention_triton(q, k, v, bm, block_size=128, fp8=fp8, pooled_tail=True)
         # (sharp rows average fewer keys: e4m3's rounding shows more; the 2 x emulation bounds hold either way)
         check_pooled_tail(out, q, k, v, bm, fp8=fp8, cos_floor=0.99 if sharp else 0.998,
@@ -443,7 +460,7 @@ def test_tail_part4_full_map_and_its_rows_are_untouched():
 
     q, k, v = make_inputs(4, 4097, 128, seed=77)
     full = torch.ones(1, 1, 33, 33, dtype=torch.bool, device="cuda")
-    for fp8 in (False, True) if _fp8_capable() else (False,):
+    for fp8 in precisions():
         out = block_sparse_attention_triton(q, k, v, full, block_size=128, fp8=fp8, pooled_tail=True)
         plain = block_sparse_attention_triton(q, k, v, full, block_size=128, fp8=fp8)
         tol = 2 * torch.finfo(q.dtype).eps * plain.float().abs().max().item()
@@ -457,7 +474,7 @@ def test_tail_part3_with_first_frame_bias_and_suffix(length, grid_hw):
     q, k, v = make_inputs(4, length, 128, seed=length + 5)
     bm = structured_map(length, 4, 0.15)
     biases = dict(prefix_len=grid_hw, prefix_bias=math.log(1.5), suffix_len=2000, suffix_bias=math.log(8))
-    for fp8 in (False, True) if _fp8_capable() else (False,):
+    for fp8 in precisions():
         out = block_sparse_attention_triton(q, k, v, bm, block_size=128, fp8=fp8, pooled_tail=True, **biases)
         check_pooled_tail(out, q, k, v, bm, fp8=fp8, label=f"part 3 biases fp8={fp8} L={length}", **biases)
 
@@ -476,7 +493,7 @@ def test_tail_part3_in_a_tile_order(grid, q_in_kernel):
     bm = structured_map(length, 4, 0.15) if length == 32760 else torch.rand(1, 4, nb, nb, device="cuda") < 0.3
     bm[..., torch.arange(nb), torch.arange(nb)] = True
     qp, kp, vp = (t[:, :, perm] for t in (q, k, v))
-    for fp8 in (False, True) if _fp8_capable() else (False,):
+    for fp8 in precisions():
         config = dataclasses.replace(DEFAULT_TILES["fp8" if fp8 else "bf16"], q_in_kernel=q_in_kernel)
         out = block_sparse_attention_triton_impl(q, k, v, bm, 128, 128 ** -0.5, fp8, config=config, token_perm=perm,
                                                  pooled_tail=True)
@@ -493,7 +510,7 @@ def test_tail_part3_rows_that_keep_nothing_and_torch_compile():
     bm = torch.rand(1, 2, 24, 24, device="cuda") < 0.2
     bm[..., torch.arange(24), torch.arange(24)] = True
     bm[:, :, 5] = False
-    for fp8 in (False, True) if _fp8_capable() else (False,):
+    for fp8 in precisions():
         out = block_sparse_attention_triton(q, k, v, bm, block_size=128, fp8=fp8, pooled_tail=True)
         check_pooled_tail(out, q, k, v, bm, fp8=fp8, label=f"part 3 empty row fp8={fp8}")
         one = bm[:, :, 5:6]
