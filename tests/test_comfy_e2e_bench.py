@@ -36,6 +36,37 @@ def test_comfy_e2e_benchmark_runs_dense_miss_and_hit(tmp_path, monkeypatch):
     assert verdicts and all(v == "pass" for v in verdicts), rows["hitver"]["verification"]
 
 
+def test_comfy_e2e_benchmark_runs_the_ti2v_5b_workflow(tmp_path, monkeypatch):
+    """``--model ti2v5b``: one Wan 2.2 TI2V 5B-shaped model (48 latent channels, the start image in the latent's
+    first frame with its noise mask) through one 20-step uni_pc request at cfg 5; the miss records every step and
+    the hit runs each of them sparse."""
+    from chorus.benchmarks.comfy_e2e import run
+
+    monkeypatch.setenv("COMFYUI_DIR", str(tiny.find_comfyui_dir()))
+    monkeypatch.setenv("CHORUS_CACHE_DIR", str(tmp_path / "cache"))
+    assert run.main(["--tiny", "--model", "ti2v5b", "--out", str(tmp_path), "--variants", "dense", "miss",
+                     "hit15"]) == 0
+    results = json.loads((tmp_path / "comfy_e2e.json").read_text())
+    assert results["workflow"] == run.WORKFLOWS["ti2v5b"].label
+    assert results["shape"]["in_dim"] == results["shape"]["out_dim"] == 48
+    rows = {r["variant"]: r for r in results["runs"]}
+    assert set(rows) == {"dense", "miss", "hit15"} and all(r["finite"] for r in rows.values())
+    assert all(len(r["comfy_loading"]) == 1 for r in rows.values())  # one model, no second expert
+    assert rows["miss"]["plan_kind"] == "miss" and rows["miss"]["write"].startswith("wrote entry")
+    hit = rows["hit15"]
+    steps, layers = run.WORKFLOWS["ti2v5b"].steps, results["shape"]["num_layers"]
+    assert hit["plan_kind"] == "hit" and hit["fallback_calls"] == 0
+    assert hit["sparse_calls"] >= steps * layers and hit["tail_calls"] == hit["sparse_calls"], hit
+
+
+def test_the_benchmark_refuses_a_resolution_its_model_does_not_run(tmp_path, capsys):
+    from chorus.benchmarks.comfy_e2e import run
+
+    with pytest.raises(SystemExit) as refused:
+        run.main(["--model", "ti2v5b", "--res", "480p", "--out", str(tmp_path)])
+    assert refused.value.code == 2 and "--model ti2v5b runs at 720p, tiny; got 480p" in capsys.readouterr().err
+
+
 def test_fp8_linears_benchmark_takes_comfyuis_fp8_path_without_graph_breaks(tmp_path):
     """``fp8_linears`` at toy sizes on the CPU: ComfyUI's ``fp8_ops.Linear`` runs its FP8 matmul
     (``fp8_linear`` returns a result, no logged fallback), compiles without a graph break, and its error

@@ -1,6 +1,6 @@
 """The benchmark of record: Chorus II inside ComfyUI's own ``WanModel``, driven through the nodes.
 
-``python -m benchmarks.comfy_e2e.run --comfyui DIR --out OUT [--res 480p 720p] [--weights bf16 fp8]
+``python -m benchmarks.comfy_e2e.run --comfyui DIR --out OUT [--model a14b | ti2v5b] [--res 480p 720p] [--weights bf16 fp8]
 [--variants dense miss hit15 hit5 hitfr] [--compile [--guard-filter]] [--layers 40] [--profile]`` (``--tiny``: the same
 code at toy sizes on the CPU, for tests; ``--profile``: one more step of each variant under
 ``torch.profiler``, its top kernels by GPU time in the JSON, and a hit's attention call's kernels beside
@@ -8,17 +8,21 @@ its per-call time in the table).
 
 What runs (everything side by side in one process, one GPU):
 
-* Two random-weight experts of the Wan 2.2 A14B I2V shape (dim 5120, 40 layers, 40 heads x 128, FFN
-  13 824, in_dim 36, text 4096 x 512 tokens) built by ComfyUI itself: ``model_detection`` of the
+* ``--model a14b`` (the default): two random-weight experts of the Wan 2.2 A14B I2V shape (dim 5120, 40 layers,
+  40 heads x 128, FFN 13 824, in_dim 36, text 4096 x 512 tokens); ``--model ti2v5b``: one model of the Wan 2.2
+  TI2V 5B shape (dim 3072, 30 layers, 24 heads x 128, FFN 14 336, in_dim / out_dim 48). Built by ComfyUI itself: ``model_detection`` of the
   state-dict shapes, ``model_config.get_model`` (``model_base.WAN21`` with ``comfy.ldm.wan.model.WanModel``
   and the operations ComfyUI picks for the weight dtype), weights initialised in place on the GPU, one
   ``ModelPatcher`` each. ``--weights bf16``: bf16 weights, ComfyUI's default ops. ``--weights fp8``:
   ComfyUI's FP8 weights path -- ``weight_dtype fp8_e4m3fn_fast`` of UNETLoader (e4m3 weights,
   ``fp8_optimizations``) with ``--fast fp8_matrix_mult``, i.e. ``comfy.ops.fp8_ops`` (``torch._scaled_mm``).
-* A request = ComfyUI's ``KSamplerAdvanced`` twice, as the shipped A14B workflow runs it: high-noise
-  expert steps 0-2 of 4 (noise added, leftover noise returned), low-noise expert steps 2-4, euler /
+* A request (:class:`Workflow`), as the shipped workflow runs it: A14B, ComfyUI's ``KSamplerAdvanced`` twice,
+  high-noise expert steps 0-2 of 4 (noise added, leftover noise returned), low-noise expert steps 2-4, euler /
   simple, cfg 1, batch 1, 81 frames (21 latent frames), Wan I2V conditioning (``concat_latent_image``,
-  ``concat_mask`` as ``WanImageToVideo`` makes them; random text embeddings).
+  ``concat_mask`` as ``WanImageToVideo`` makes them; random text embeddings); TI2V 5B, one ``KSamplerAdvanced``
+  over 20 steps, uni_pc / simple, cfg 5 (each step runs the model on the positive and the negative prompt),
+  1280 x 704, 121 frames (31 latent frames of 48 channels, Wan 2.2's VAE: 27 280 tokens), the start image's latent
+  in the first frame with the ``noise_mask`` that keeps it (as ``Wan22ImageToVideoLatent`` makes them).
 * ``--hit-backends auto fa4_bf16 triton_bf16``: hit15 / hit5 once per sparse-attention backend of
   ``ChorusSparseSampler`` (rows ``hit15@fa4_bf16`` ...; ``auto`` is the plain row).
 * Variants: ``dense`` (the unpatched models: ComfyUI's default attention, SDPA with cuDNN first);
@@ -45,11 +49,11 @@ What runs (everything side by side in one process, one GPU):
   which way the rows compiled).
   ``--compiled-only``: those rows alone, each compared with ``dense+compile`` (a hit still needs the entry the
   eager miss writes: that miss runs and is reported), so a 720p compiled comparison fits one shorter run.
-* Timing: each variant runs one warm-up step (high expert, step 0 -> 1: Triton and cuDNN compile there),
+* Timing: each variant runs one warm-up step (the first model, step 0 -> 1: Triton and cuDNN compile there),
   then one timed request (``torch.cuda.synchronize`` + wall clock around both KSamplerAdvanced calls).
   Per-layer self-attention time: an outermost attention override (ComfyUI's chaining mechanism) puts
-  CUDA events around every self-attention call of the high-noise expert in the timed request (2 steps
-  x 40 layers; no host sync is added). Under compile that override would be traced into the graph,
+  CUDA events around every self-attention call of the high-noise expert (or the one model) in the timed request
+  (A14B: 2 steps x 40 layers; no host sync is added). Under compile that override would be traced into the graph,
   so compiled Chorus rows time each ``torch.ops.chorus.attend`` call from the inside (CUDA events
   around the op's work, which runs eagerly in the compiled graph; ``attn_ms_*`` of those rows).
   ``kernel alone``: ``chorus.kernels.block_sparse_attention`` with ``backend="auto"`` (the backend a
@@ -69,6 +73,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import dataclasses
 import json
 import logging
 import math
@@ -81,11 +86,52 @@ from pathlib import Path
 import numpy as np
 import torch
 
-RESOLUTIONS = {"480p": (480, 832), "720p": (720, 1280), "tiny": (128, 224)}
-FRAMES = {"480p": 81, "720p": 81, "tiny": 13}
 A14B = dict(dim=5120, ffn_dim=13824, num_heads=40, num_layers=40, in_dim=36, out_dim=16, text_dim=4096,
             freq_dim=256)
-TINY = dict(dim=256, ffn_dim=512, num_heads=2, num_layers=2, in_dim=36, out_dim=16, text_dim=4096, freq_dim=256)
+TI2V_5B = dict(dim=3072, ffn_dim=14336, num_heads=24, num_layers=30, in_dim=48, out_dim=48, text_dim=4096,
+               freq_dim=256)
+TINY = dict(dim=256, ffn_dim=512, num_heads=2, num_layers=2, text_dim=4096, freq_dim=256)
+
+
+@dataclasses.dataclass(frozen=True)
+class Workflow:
+    """What one request of a shipped workflow runs (``--model``).
+
+    ``shape``: the ``WanModel`` of each expert (the toy run keeps its ``in_dim`` / ``out_dim``);
+    ``resolutions``: name -> (height px, width px, frames); ``latent_channels`` / ``vae_stride``: the VAE's latent
+    (Wan 2.1 VAE 16 channels, 8x; Wan 2.2 VAE 48, 16x); ``experts``: 2 = a high-noise expert for steps
+    ``[0, switch)`` and a low-noise one after it (two ``KSamplerAdvanced`` calls), 1 = one model for every step;
+    ``image_in_channels``: the start image enters as ``concat_latent_image`` / ``concat_mask`` (Wan I2V, as
+    ``WanImageToVideo`` makes them), else as the latent's first frame with a ``noise_mask`` that keeps it (as
+    ``Wan22ImageToVideoLatent`` makes them: Wan 2.2 TI2V 5B)."""
+
+    label: str
+    shape: dict
+    resolutions: dict
+    latent_channels: int
+    vae_stride: int
+    experts: int
+    steps: int
+    switch: int
+    cfg: float
+    sampler: str
+    image_in_channels: bool
+
+    def latent_shape(self, res: str) -> tuple:
+        h_px, w_px, frames = self.resolutions[res]
+        return 1, self.latent_channels, (frames - 1) // 4 + 1, h_px // self.vae_stride, w_px // self.vae_stride
+
+
+WORKFLOWS = {
+    "a14b": Workflow("Wan 2.2 A14B I2V, 4-step LoRA: 2 + 2 steps, euler, cfg 1 (workflows/chorus_wan22_a14b_i2v_4step)",
+                     A14B, {"480p": (480, 832, 81), "720p": (720, 1280, 81), "tiny": (128, 224, 13)},
+                     latent_channels=16, vae_stride=8, experts=2, steps=4, switch=2, cfg=1.0, sampler="euler",
+                     image_in_channels=True),
+    "ti2v5b": Workflow("Wan 2.2 TI2V 5B: 20 steps, uni_pc, cfg 5 (workflows/chorus_wan22_ti2v_5b)",
+                       TI2V_5B, {"720p": (704, 1280, 121), "tiny": (256, 448, 13)},
+                       latent_channels=48, vae_stride=16, experts=1, steps=20, switch=20, cfg=5.0, sampler="uni_pc",
+                       image_in_channels=False),
+}
 TEXT_TOKENS = 512
 HIT_DENSITY = {"hit15": 0.15, "hit5": 0.05, "hitfr": 0.15, "hitver": 0.15, "hit15_raster": 0.15,
                "hitfr_raster": 0.15, "hit15_notail": 0.15, "hit5_notail": 0.05}
@@ -215,25 +261,33 @@ def build_expert(shape: dict, weights: str, seed: int, device: torch.device):
     return patcher, ops
 
 
-def conditioning(latent_shape, seed: int, device):
-    """Wan I2V conditioning as ``WanImageToVideo`` shapes it: text [1, 512, 4096], the start image's
-    latent video and the mask (0 on the first latent frame)."""
+def conditioning(workflow: Workflow, latent_shape, seed: int):
+    """``(positive, negative, latent)`` as the workflow's nodes shape them, random text embeddings
+    ``[1, 512, 4096]`` and a random start-image latent on the first latent frame: Wan I2V (``WanImageToVideo``)
+    carries that frame's latent video and a mask (0 on the first frame) in the conditioning beside a zero latent;
+    Wan 2.2 TI2V 5B (``Wan22ImageToVideoLatent``) puts it in the latent's first frame with a ``noise_mask``
+    (0 there: the frame is kept, and the model's per-frame timestep is 0 on it)."""
     gen = torch.Generator().manual_seed(seed)
-    _, _, t, h, w = latent_shape
-    image = torch.randn(1, 16, t, h, w, generator=gen) * 0.5
+    _, c, t, h, w = latent_shape
+    image = torch.randn(1, c, t, h, w, generator=gen) * 0.5
     mask = torch.ones(1, 1, t, h, w)
     mask[:, :, :1] = 0.0
+    extra = {"concat_latent_image": image, "concat_mask": mask} if workflow.image_in_channels else {}
 
     def cond(s):
         text = torch.randn(1, TEXT_TOKENS, 4096, generator=torch.Generator().manual_seed(s))
-        return [[text, {"concat_latent_image": image, "concat_mask": mask}]]
+        return [[text, dict(extra)]]
 
-    return cond(seed), cond(seed + 1), image
+    if workflow.image_in_channels:
+        latent = {"samples": torch.zeros(latent_shape)}
+    else:
+        latent = {"samples": torch.where(mask.bool(), 0.0, image), "noise_mask": mask}
+    return cond(seed), cond(seed + 1), latent
 
 
-def start_image_pixels(res: str, seed: int) -> torch.Tensor:
+def start_image_pixels(workflow: Workflow, res: str, seed: int) -> torch.Tensor:
     """A start image ``[1, H, W, 3]`` in [0, 1] (what LoadImage gives; only its pixels are embedded)."""
-    h, w = RESOLUTIONS[res]
+    h, w, _ = workflow.resolutions[res]
     gen = torch.Generator().manual_seed(seed)
     return torch.rand(1, h // 8, w // 8, 3, generator=gen).repeat_interleave(8, 1).repeat_interleave(8, 2)
 
@@ -438,25 +492,32 @@ def loading_state(models) -> list[dict]:
              "partial": bool(getattr(m.model, "model_lowvram", False))} for m in models]
 
 
-def with_timer(model):
-    m = model.clone()
-    opts = m.model_options.setdefault("transformer_options", {})
+def with_timer(models):
+    """``models`` with an :class:`AttentionTimer` outermost on a clone of the first (the high-noise expert, or
+    the one model), and that timer."""
+    first = models[0].clone()
+    opts = first.model_options.setdefault("transformer_options", {})
     timer = AttentionTimer(opts.get("optimized_attention_override"))
     opts["optimized_attention_override"] = timer
-    return m, timer
+    return (first, *models[1:]), timer
 
 
-def sample_request(high, low, latent, positive, negative, seed: int, *, steps=4, switch=2, end_step=None):
-    """The A14B workflow's two KSamplerAdvanced calls (``end_step`` < switch: only the high expert)."""
+def sample_request(workflow: Workflow, models, latent, positive, negative, seed: int, *, end_step=None):
+    """One request of the workflow through ``KSamplerAdvanced``, scheduler ``simple``: with two experts the
+    high one for steps ``[0, switch)`` (leftover noise returned) and the low one after it; with one model every
+    step in one call. ``end_step``: stop there (a warm-up; up to the switch only the high expert runs)."""
     import nodes
 
     ks = nodes.KSamplerAdvanced()
-    if end_step is not None and end_step <= switch:
-        return ks.sample(high, "enable", seed, steps, 1.0, "euler", "simple", positive, negative, latent, 0, end_step,
-                         "enable")[0]
-    mid = ks.sample(high, "enable", seed, steps, 1.0, "euler", "simple", positive, negative, latent, 0, switch,
+    steps, cfg, sampler = workflow.steps, workflow.cfg, workflow.sampler
+    if workflow.experts == 1 or (end_step is not None and end_step <= workflow.switch):
+        last = end_step if end_step is not None else 10000
+        return ks.sample(models[0], "enable", seed, steps, cfg, sampler, "simple", positive, negative, latent, 0, last,
+                         "enable" if end_step is not None else "disable")[0]
+    high, low = models
+    mid = ks.sample(high, "enable", seed, steps, cfg, sampler, "simple", positive, negative, latent, 0, workflow.switch,
                     "enable")[0]
-    return ks.sample(low, "disable", seed, steps, 1.0, "euler", "simple", positive, negative, mid, switch, 10000,
+    return ks.sample(low, "disable", seed, steps, cfg, sampler, "simple", positive, negative, mid, workflow.switch, 10000,
                      "disable")[0]
 
 
@@ -511,11 +572,12 @@ def run(args) -> dict:
     from chorus.nodes.mask_retrieve import ChorusMaskRetrieve
     from chorus.nodes.sparse_sampler import ChorusSparseSampler
 
-    shape = TINY if args.tiny else A14B
+    workflow = WORKFLOWS[args.model]
+    shape = dict(TINY, in_dim=workflow.shape["in_dim"], out_dim=workflow.shape["out_dim"]) if args.tiny else workflow.shape
     if args.layers:
         shape = dict(shape, num_layers=args.layers)
     results = {"command": " ".join(sys.argv), "device": torch.cuda.get_device_name() if not cpu else "cpu",
-               "torch": torch.__version__, "shape": shape, "runs": []}
+               "torch": torch.__version__, "workflow": workflow.label, "shape": shape, "runs": []}
     if args.compile:
         results["compile_guard_filter"] = args.guard_filter or host_compiles_with_guard_filter()
     if not cpu:
@@ -529,16 +591,14 @@ def run(args) -> dict:
     t_start = time.perf_counter()
     sampler = gpu_sampler(device)
     for weights in args.weights:
-        experts = [build_expert(shape, weights, seed, device) for seed in (1, 2)]
-        (high, ops), (low, _) = experts
-        results.setdefault("ops", {})[weights] = ops
+        built = [build_expert(shape, weights, seed, device) for seed in (1, 2)[:workflow.experts]]
+        experts = tuple(patcher for patcher, _ in built)
+        results.setdefault("ops", {})[weights] = built[0][1]
         for res in args.res:
-            h_px, w_px = RESOLUTIONS[res]
-            lat_shape = (1, 16, (FRAMES[res] - 1) // 4 + 1, h_px // 8, w_px // 8)
+            lat_shape = workflow.latent_shape(res)
             grid = token_grid(lat_shape)
-            positive, negative, _ = conditioning(lat_shape, 7, device)
-            latent = {"samples": torch.zeros(lat_shape)}
-            pixels = start_image_pixels(res, 3)
+            positive, negative, latent = conditioning(workflow, lat_shape, 7)
+            pixels = start_image_pixels(workflow, res, 3)
             ws_miss, ws_hit = f"bench_{weights}_{res}_miss", f"bench_{weights}_{res}_hit"
 
             def retrieve(workspace):
@@ -549,7 +609,7 @@ def run(args) -> dict:
 
             def patched(plan, fr_share=None, compile_models=False, verify=None, backend="auto", tail=True):
                 models = []
-                for m in (high, low):
+                for m in experts:
                     if compile_models:
                         m = torch_compile_model(m, guard_filter=args.guard_filter)
                     if plan is not None:
@@ -573,7 +633,6 @@ def run(args) -> dict:
                 if time.perf_counter() - t_start > args.time_budget:
                     print(f"skipping {weights}/{res}/{name}: past the time budget", flush=True)
                     return None
-                h_m, l_m = models
                 compiled = again is not None
                 first_request_s = compile_log = None
                 if compiled:
@@ -581,16 +640,16 @@ def run(args) -> dict:
                         torch.cuda.synchronize()
                     t0 = time.perf_counter()
                     with CompileLog() as compile_log:
-                        sample_request(h_m, l_m, latent, positive, negative, 11)
+                        sample_request(workflow, models, latent, positive, negative, 11)
                         if device.type == "cuda":
                             torch.cuda.synchronize()
                     first_request_s = time.perf_counter() - t0
-                    (h_m, l_m), plan = again()
+                    models, plan = again()
                 else:
-                    sample_request(h_m, l_m, latent, positive, negative, 11, end_step=1)  # warm-up step
+                    sample_request(workflow, models, latent, positive, negative, 11, end_step=1)  # warm-up step
                 # under torch.compile the override timer would be traced into the graph: time the op instead
                 op_timer = OpTimer() if compiled and plan is not None and device.type == "cuda" else None
-                h_t, timer = (h_m, None) if compiled else with_timer(h_m)
+                timed_models, timer = (models, None) if compiled else with_timer(models)
                 if device.type == "cuda":
                     torch.cuda.synchronize()
                     torch.cuda.reset_peak_memory_stats()
@@ -598,9 +657,9 @@ def run(args) -> dict:
                 with sampler.window() as gpu_window:
                     if op_timer is not None:
                         with op_timer:
-                            out = sample_request(h_t, l_m, latent, positive, negative, 11)
+                            out = sample_request(workflow, timed_models, latent, positive, negative, 11)
                     else:
-                        out = sample_request(h_t, l_m, latent, positive, negative, 11)
+                        out = sample_request(workflow, timed_models, latent, positive, negative, 11)
                     if device.type == "cuda":
                         torch.cuda.synchronize()
                 seconds = time.perf_counter() - t0
@@ -614,7 +673,7 @@ def run(args) -> dict:
                        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
                        "finite": bool(torch.isfinite(out["samples"]).all()),
                        "first_request_s": first_request_s, "gpu": gpu_window.summary(),
-                       "comfy_loading": loading_state((h_m, l_m))}
+                       "comfy_loading": loading_state(models)}
                 if compile_log is not None:
                     row["first_request_compile"] = compile_log.summary()
                 if plan is not None:
@@ -625,9 +684,9 @@ def run(args) -> dict:
                 if args.profile:
                     # the eager miss profiles a throwaway miss (one more step would record into the entry it is
                     # about to write); a compiled row profiles its second request's models once more
-                    p_h, p_l = (h_m, l_m) if profile_models is None else profile_models()
-                    row["profile_step0"] = profile_step(lambda: sample_request(p_h, p_l, latent, positive, negative,
-                                                                               11, end_step=1))
+                    profiled = models if profile_models is None else profile_models()
+                    row["profile_step0"] = profile_step(lambda: sample_request(workflow, profiled, latent, positive,
+                                                                               negative, 11, end_step=1))
                     row["attn_kernels_ms_per_call"] = attention_kernels_ms(row["profile_step0"])
                 results["runs"].append(row)
                 print(json.dumps({k: v for k, v in row.items() if k != "profile_step0"}), flush=True)
@@ -643,7 +702,7 @@ def run(args) -> dict:
                 if cpu:  # toy sizes on the CPU: sol_attn's eager reference, no token threshold
                     options.update(min_tokens=0, cuda_only=False)
                 try:
-                    patched_pair = [sol_patched(m, **options) for m in (high, low)]
+                    patched_pair = [sol_patched(m, **options) for m in experts]
                 except ImportError as exc:
                     results["runs"].append({"weights": weights, "res": res, "variant": name,
                                             "skipped": f"comfy_kitchen is not importable ({exc})"})
@@ -696,7 +755,7 @@ def run(args) -> dict:
 
             if "dense" in args.variants:
                 if not args.compiled_only:
-                    timed("dense", (high, low))
+                    timed("dense", experts)
                 if compiling:
                     timed_compiled("dense")
             for name, start in SOL_VARIANTS.items():
@@ -707,8 +766,7 @@ def run(args) -> dict:
             if needs_entry or ("miss" in args.variants and not args.compiled_only):
                 plan, t_ret = retrieve(ws_miss)
                 assert not plan.is_hit, plan.message
-                h_m, l_m = patched(plan, fr_share=args.fr_share)
-                sampled = timed("miss", (h_m, l_m), plan, profile_models=lambda: patched(
+                sampled = timed("miss", patched(plan, fr_share=args.fr_share), plan, profile_models=lambda: patched(
                     retrieve(f"{ws_miss}_profile")[0], fr_share=args.fr_share))
                 if sampled is not None:
                     t0 = time.perf_counter()
@@ -762,7 +820,7 @@ def run(args) -> dict:
                     timed_compiled(name)
             if compiling and "miss" in args.variants and (entry_plan is not None or args.compiled_only):
                 timed_compiled("miss")  # (each compiled miss records into a fresh workspace of its own)
-        del high, low, experts
+        built = experts = None  # the experts' weights go before the next --weights builds its own
         if device.type == "cuda":
             torch.cuda.empty_cache()
     results["wall_s"] = time.perf_counter() - t_start
@@ -959,7 +1017,10 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--comfyui", help="ComfyUI checkout (default: $COMFYUI_DIR)")
     p.add_argument("--out", required=True)
-    p.add_argument("--res", nargs="+", default=["480p", "720p"], choices=sorted(RESOLUTIONS))
+    p.add_argument("--model", default="a14b", choices=sorted(WORKFLOWS),
+                   help="the workflow whose request runs: " + "; ".join(f"{k}: {w.label}" for k, w in WORKFLOWS.items()))
+    p.add_argument("--res", nargs="+", default=None,
+                   help="resolutions (default: the model's own but 'tiny'; a14b: 480p 720p, ti2v5b: 720p = 1280 x 704)")
     p.add_argument("--weights", nargs="+", default=["bf16"], choices=["bf16", "fp8"])
     p.add_argument("--variants", nargs="+", default=["dense", "miss", "hit15", "hit5", "hitfr"],
                    choices=["dense", "miss", *HIT_VARIANTS, *SOL_VARIANTS])
@@ -975,7 +1036,7 @@ def main(argv=None) -> int:
     p.add_argument("--compiled-only", action="store_true",
                    help="with --compile: only the compiled rows, each beside compiled dense (the eager miss still "
                         "runs when a hit variant needs its entry)")
-    p.add_argument("--layers", type=int, default=0, help="layers per expert (default: the model's 40)")
+    p.add_argument("--layers", type=int, default=0, help="layers per expert (default: the model's, 40 or 30)")
     p.add_argument("--tiny", action="store_true", help="toy sizes on the CPU (tests)")
     p.add_argument("--time-budget", type=float, default=1e9, help="seconds; later variants are skipped past it")
     p.add_argument("--profile", action="store_true",
@@ -987,8 +1048,14 @@ def main(argv=None) -> int:
         p.error("--compiled-only needs --compile")
     if args.guard_filter and not args.compile:
         p.error("--guard-filter needs --compile")
+    resolutions = WORKFLOWS[args.model].resolutions
     if args.tiny:
         args.res = ["tiny"]
+    elif args.res is None:
+        args.res = [r for r in resolutions if r != "tiny"]
+    unknown = [r for r in args.res if r not in resolutions]
+    if unknown:
+        p.error(f"--model {args.model} runs at {', '.join(resolutions)}; got {', '.join(unknown)}")
     results = run(args)
     save(results, args.out)
     print(table(results))
