@@ -44,19 +44,30 @@ def test_comfy_e2e_benchmark_runs_the_ti2v_5b_workflow(tmp_path, monkeypatch):
 
     monkeypatch.setenv("COMFYUI_DIR", str(tiny.find_comfyui_dir()))
     monkeypatch.setenv("CHORUS_CACHE_DIR", str(tmp_path / "cache"))
-    assert run.main(["--tiny", "--model", "ti2v5b", "--out", str(tmp_path), "--variants", "dense", "miss",
-                     "hit15"]) == 0
+    assert run.main(["--tiny", "--model", "ti2v5b", "--out", str(tmp_path), "--variants", "dense", "dense_rowmajor",
+                     "miss", "hit15"]) == 0
     results = json.loads((tmp_path / "comfy_e2e.json").read_text())
     assert results["workflow"] == run.WORKFLOWS["ti2v5b"].label
     assert results["shape"]["in_dim"] == results["shape"]["out_dim"] == 48
     rows = {r["variant"]: r for r in results["runs"]}
-    assert set(rows) == {"dense", "miss", "hit15"} and all(r["finite"] for r in rows.values())
+    assert set(rows) == {"dense", "dense_rowmajor", "miss", "hit15"} and all(r["finite"] for r in rows.values())
     assert all(len(r["comfy_loading"]) == 1 for r in rows.values())  # one model, no second expert
     assert rows["miss"]["plan_kind"] == "miss" and rows["miss"]["write"].startswith("wrote entry")
     hit = rows["hit15"]
     steps, layers = run.WORKFLOWS["ti2v5b"].steps, results["shape"]["num_layers"]
     assert hit["plan_kind"] == "hit" and hit["fallback_calls"] == 0
     assert hit["sparse_calls"] >= steps * layers and hit["tail_calls"] == hit["sparse_calls"], hit
+
+
+def test_the_row_major_block_patch_hands_the_block_a_row_major_copy():
+    from chorus.benchmarks.comfy_e2e import run
+
+    x = torch.randn(2, 8, 5).transpose(1, 2)  # the patch embedding's transposed view, [B, L, C]
+    seen = []
+    out = run.row_major_block({"img": x, "vec": None}, {"original_block": lambda a: seen.append(a["img"]) or {"img": 1}})
+    assert out == {"img": 1} and seen[0].is_contiguous() and torch.equal(seen[0], x)
+    run.row_major_block({"img": seen[0]}, {"original_block": lambda a: seen.append(a["img"])})
+    assert seen[1] is seen[0]  # a row-major input is handed on as it is
 
 
 def test_the_benchmark_refuses_a_resolution_its_model_does_not_run(tmp_path, capsys):

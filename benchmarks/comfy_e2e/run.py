@@ -26,6 +26,9 @@ What runs (everything side by side in one process, one GPU):
 * ``--hit-backends auto fa4_bf16 triton_bf16``: hit15 / hit5 once per sparse-attention backend of
   ``ChorusSparseSampler`` (rows ``hit15@fa4_bf16`` ...; ``auto`` is the plain row).
 * Variants: ``dense`` (the unpatched models: ComfyUI's default attention, SDPA with cuDNN first);
+  ``dense_rowmajor`` (the same, each block on a row-major copy of its input, as Chorus's block patch runs every
+  block of a patched model: ComfyUI hands them the patch embedding's transposed view, which Wan 2.2 TI2V 5B's
+  per-token modulation makes costly; :func:`row_major_models`);
   ``miss`` (``ChorusMaskRetrieve`` on an empty workspace -> ``ChorusSparseSampler`` +
   ``ChorusFeatureReuse`` on both models -> sampling = dense + recording -> ``ChorusCacheWrite`` writes the
   entry); ``hit15`` / ``hit5`` (the miss's entry with its maps replaced by structured maps of 15% / 5%
@@ -492,6 +495,27 @@ def loading_state(models) -> list[dict]:
              "partial": bool(getattr(m.model, "model_lowvram", False))} for m in models]
 
 
+def row_major_block(args, extra):
+    """A Wan block patch that runs the block on a row-major copy of its input, as Chorus's block patch does
+    (``nodes/comfy_forward.ChorusBlock``): ComfyUI hands the blocks the patch embedding's transposed view, and
+    its elementwise ops and layer norms run strided on it."""
+    x = args["img"]
+    return extra["original_block"](dict(args, img=x.contiguous()) if not x.is_contiguous() else args)
+
+
+def row_major_models(models):
+    """Clones of ``models`` whose every block runs through :func:`row_major_block`: dense attention with the
+    residual stream Chorus's patch gives every forward, to tell that part of a Chorus row's time from its
+    attention's (the ``dense_rowmajor`` row)."""
+    out = []
+    for model in models:
+        clone = model.clone()
+        for layer in range(len(clone.model.diffusion_model.blocks)):
+            clone.set_model_patch_replace(row_major_block, "dit", "double_block", layer)
+        out.append(clone)
+    return tuple(out)
+
+
 def with_timer(models):
     """``models`` with an :class:`AttentionTimer` outermost on a clone of the first (the high-noise expert, or
     the one model), and that timer."""
@@ -505,7 +529,14 @@ def with_timer(models):
 def sample_request(workflow: Workflow, models, latent, positive, negative, seed: int, *, end_step=None):
     """One request of the workflow through ``KSamplerAdvanced``, scheduler ``simple``: with two experts the
     high one for steps ``[0, switch)`` (leftover noise returned) and the low one after it; with one model every
-    step in one call. ``end_step``: stop there (a warm-up; up to the switch only the high expert runs)."""
+    step in one call. ``end_step``: stop there (a warm-up; up to the switch only the high expert runs). Without
+    autograd, as in ComfyUI, whose executor runs every node under ``torch.inference_mode``: its k-diffusion
+    samplers (euler) carry ``torch.no_grad`` themselves, uni_pc does not and would keep every block's activations."""
+    with torch.no_grad():
+        return _sample_request(workflow, models, latent, positive, negative, seed, end_step)
+
+
+def _sample_request(workflow: Workflow, models, latent, positive, negative, seed: int, end_step):
     import nodes
 
     ks = nodes.KSamplerAdvanced()
@@ -758,6 +789,8 @@ def run(args) -> dict:
                     timed("dense", experts)
                 if compiling:
                     timed_compiled("dense")
+            if "dense_rowmajor" in args.variants and not args.compiled_only:
+                timed("dense_rowmajor", row_major_models(experts))
             for name, start in SOL_VARIANTS.items():
                 if name in args.variants:
                     sol_row(name, start)
@@ -1023,7 +1056,7 @@ def main(argv=None) -> int:
                    help="resolutions (default: the model's own but 'tiny'; a14b: 480p 720p, ti2v5b: 720p = 1280 x 704)")
     p.add_argument("--weights", nargs="+", default=["bf16"], choices=["bf16", "fp8"])
     p.add_argument("--variants", nargs="+", default=["dense", "miss", "hit15", "hit5", "hitfr"],
-                   choices=["dense", "miss", *HIT_VARIANTS, *SOL_VARIANTS])
+                   choices=["dense", "dense_rowmajor", "miss", *HIT_VARIANTS, *SOL_VARIANTS])
     p.add_argument("--hit-backends", nargs="+", default=["auto"],
                    help="sparse-attention backends the hit15 / hit5 variants run with (rows 'hit15@NAME'; "
                         "'auto' = the node's default row 'hit15')")
