@@ -128,22 +128,37 @@ class ChorusBlock:
         call = dict(args)
         call["img"] = x_c = engine_attend.compact_tokens(x, "mean", length)
         call["pe"] = engine_attend.compact_tokens(pe, "rotation", length)
-        vec_tok = _per_token_vec(args.get("vec"), x.shape[1])
-        if vec_tok is not None:
-            call["vec"] = engine_attend.compact_tokens(vec_tok, "mean", length)
+        vec = compact_per_frame(args.get("vec"), x.shape[1],
+                                lambda t: engine_attend.compact_tokens(t, "mean", length))
+        if vec is not None:
+            call["vec"] = vec
         y_c = self._run(call, extra)["img"]
         return {"img": engine_attend.expand_block(x, x_c, y_c)}
 
 
-def _per_token_vec(vec, length: int):
-    """Wan time modulation ``[B, Tt, 6, C]`` as per-token ``[B, L, 6, C]`` (ComfyUI's ``repeat_e``), or
-    None when it is one vector per sample (``Tt == 1``: nothing to compact)."""
+def frame_of_token(frames: int, length: int, device=None) -> torch.Tensor:
+    """int64 ``[L]``: the frame of Wan's per-frame modulation each of ``length`` tokens takes, by ComfyUI's
+    ``repeat_e`` rule (``L // Tt`` tokens a frame; where that does not divide, ``L // Tt + 1`` and the last
+    frame cut short)."""
+    repeats = length // frames
+    if repeats * frames != length:
+        repeats += 1
+    return torch.arange(length, device=device) // repeats
+
+
+def compact_per_frame(vec, length: int, compact):
+    """Wan time modulation ``[B, Tt, 6, C]`` (Wan 2.2 TI2V 5B: one per latent frame) on a reduced block's compact
+    sequence, ``[B, L', 6, C]``: what ``compact`` (``[1, L, n] -> [1, L', n]``, the block's ``"mean"``
+    compaction) makes of the per-token modulation ComfyUI's ``repeat_e`` would give ``length`` tokens, computed as
+    each compact token's share of tokens in each frame (the frames' one-hot rows, compacted) times ``vec``,
+    without that ``[B, L, 6, C]`` copy (2 GB a block and batch of two at 720p, which made feature reuse slower than
+    none on the 5B). None when ``vec`` is one vector per sample (``Tt == 1``: nothing to compact) or not Wan's."""
     if not isinstance(vec, torch.Tensor) or vec.dim() != 4 or vec.shape[1] == 1:
         return None
-    repeats = length // vec.shape[1]
-    if repeats * vec.shape[1] == length:
-        return torch.repeat_interleave(vec, repeats, dim=1)
-    return torch.repeat_interleave(vec, repeats + 1, dim=1)[:, :length]
+    frames = vec.shape[1]
+    one_hot = torch.nn.functional.one_hot(frame_of_token(frames, length, vec.device), frames)
+    shares = compact(one_hot.to(torch.float32)[None])[0]                       # [L', Tt], rows summing to 1
+    return torch.einsum("lt,btkc->blkc", shares, vec.float()).to(vec.dtype)
 
 
 def block_patches(options: dict) -> dict:

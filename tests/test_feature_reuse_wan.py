@@ -309,6 +309,29 @@ def test_cfg_correction_runs_the_reused_steps_at_a_higher_cfg(nodes, model, reco
     assert len(twice.model_options["sampler_post_cfg_function"]) == 1
 
 
+@pytest.mark.parametrize("grid,frames,batch", [((4, 8, 8), 4, 1), ((5, 16, 16), 5, 2), ((5, 9, 13), 4, 2)])
+def test_per_frame_modulation_compacts_as_its_per_token_copy_would(grid, frames, batch):
+    """``compact_per_frame`` (cells' frame shares times the frames' vectors) gives what pooling ComfyUI's per-token
+    copy of the modulation (``repeat_e``: whole frames, and a last frame cut short where the tokens do not divide)
+    gives, within one bf16 rounding, in float32 and bfloat16."""
+    from comfy.ldm.wan.model import repeat_e
+
+    from chorus.nodes.comfy_forward import compact_per_frame
+
+    length = grid[0] * grid[1] * grid[2]
+    n = pooling.region_counts(grid, REGION)
+    layout = pooling.build_layout(grid, REGION, (2, 2, 2), list(range(0, n[0] * n[1] * n[2], 2)))
+    for dtype in (torch.float32, torch.bfloat16):
+        vec = torch.randn(batch, frames, 6, 32, generator=torch.Generator().manual_seed(frames)).to(dtype)
+        per_token = repeat_e(vec, torch.empty(batch, length, 1))
+        want = pooling.pool_tokens_torch(per_token.float(), layout)
+        got = compact_per_frame(vec, length, lambda t: pooling.pool_tokens_torch(t, layout))
+        assert got.shape == (batch, layout.compact_length, 6, 32) and got.dtype == dtype
+        tol = 2 * torch.finfo(dtype).eps * float(want.abs().max())
+        assert float((got.float() - want).abs().max()) <= tol, dtype
+    assert compact_per_frame(vec[:, :1], length, None) is None  # one vector per sample: nothing to compact
+
+
 def test_per_frame_modulation_and_a_chained_block_patch_fall_back_safely(nodes):
     """Wan 2.2 TI2V 5B shape (48 channels) with per-frame timesteps ([B, T'] -> vec [B, T', 6, C]): the
     modulation is pooled per token; a layer whose block carries another pack's block patch (which may need
