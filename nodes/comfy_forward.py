@@ -158,7 +158,9 @@ def compact_per_frame(vec, length: int, compact):
     frames = vec.shape[1]
     one_hot = torch.nn.functional.one_hot(frame_of_token(frames, length, vec.device), frames)
     shares = compact(one_hot.to(torch.float32)[None])[0]                       # [L', Tt], rows summing to 1
-    return torch.einsum("lt,btkc->blkc", shares, vec.float()).to(vec.dtype)
+    # in vec's dtype: a 16-bit product runs on the tensor cores (in fp32 it took ~2 ms a block at 720p on an
+    # H100); a full cell's shares (k / 8, k / 4, k / 2) are exact in bf16, and the product rounds once
+    return torch.einsum("lt,btkc->blkc", shares.to(vec.dtype), vec)
 
 
 def block_patches(options: dict) -> dict:
