@@ -23,12 +23,22 @@ from .comfy_patch import configure, describe, get_patch
 from .common import CATEGORY, ChorusPlan, model_input_problem, number_input, ui_text
 
 
+# where feature reuse measured slower than the same hit without it (docs/BENCHMARKS.md, the TI2V 5B section):
+# its per-token modulation runs per compact token in every reduced block, which outweighs the tokens saved
+SLOWER_ON = {"wan2.2-ti2v-5b": "measured slower on Wan 2.2 TI2V 5B than the same hit without it (720p, H100: "
+                               "25.4 against 23.9 s); leave this node out there"}
+
+
 def patch_feature_reuse(model, plan: Plan, config: FeatureReuseConfig):
-    """Return ``(patched clone, FeatureReuse or None, message)``; the input model is not modified."""
+    """Return ``(patched clone, FeatureReuse or None, message)``; the input model is not modified. The message
+    says so where feature reuse measured slower on the model's variant (:data:`SLOWER_ON`)."""
     patched, patch, info = configure(model, plan, feature_reuse=config)
     if not info.supported:
         return patched, None, f"not patched: {info.reason}"
-    return patched, patch.feature_reuse, f"patched {info.num_layers} blocks of {info.variant}"
+    message = f"patched {info.num_layers} blocks of {info.variant}"
+    if info.variant in SLOWER_ON:
+        message += f" ({SLOWER_ON[info.variant]})"
+    return patched, patch.feature_reuse, message
 
 
 class ChorusFeatureReuse(io.ComfyNode):
@@ -42,7 +52,8 @@ class ChorusFeatureReuse(io.ComfyNode):
                         "2x2x2-downsampled resolution (a lightweight context that still takes part in attention "
                         "and the feed-forward; its update is upsampled back), the rest in full. On a miss, the "
                         "dense run records which regions were redundant, for the entry Chorus Cache Write "
-                        "writes. Works before or after Chorus Sparse Sampler; for Wan 2.2 A14B patch both models.",
+                        "writes. Works before or after Chorus Sparse Sampler; for Wan 2.2 A14B patch both models. "
+                        "On Wan 2.2 TI2V 5B it measured slower than the hit without it: leave it out there.",
             inputs=[
                 io.Model.Input("model", tooltip="The Wan model (after Chorus Sparse Sampler, or before it)."),
                 ChorusPlan.Input("plan", tooltip="The plan from Chorus Mask Retrieve (the same one the sparse "

@@ -352,7 +352,9 @@ def test_per_frame_modulation_and_a_chained_block_patch_fall_back_safely(nodes):
                                                 "pool": [2, 2, 2], "scores": scores}}
     hit = Plan("hit", entry_id=1, similarity=1.0, masks={(0, 0, 0, 0): torch.ones(2, 1, 1, dtype=torch.bool)},
                entry_meta=meta, latent_shape=(48, 4, 16, 16))
-    patched, handle, _ = fr_node.patch_feature_reuse(ti2v, hit, FeatureReuseConfig(downsample_share=0.5, full_layers=0))
+    patched, handle, message = fr_node.patch_feature_reuse(ti2v, hit, FeatureReuseConfig(downsample_share=0.5,
+                                                                                        full_layers=0))
+    assert "measured slower on Wan 2.2 TI2V 5B" in message, message  # the user is told where it does not pay
     patch = comfy_patch.get_patch(patched)
     assert patch.feature_reuse is handle
     handle.begin_run([0.5, 0.0])
