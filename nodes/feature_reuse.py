@@ -6,11 +6,12 @@ through ``patches_replace["dit"][("double_block", i)]`` (a patch already at that
 layer then runs in full on a hit). On a hit each forward's redundant regions are decided once on the
 host side, and the block patch runs the block on the compact sequence (``img`` compacted, RoPE ``pe``
 pooled to cell centres, Wan 2.2 TI2V 5B's per-frame modulation ``vec`` as each cell's share of tokens in each
-frame times the frames' vectors, ``comfy_forward.compact_per_frame``) through the engine's custom ops, so a compiled model keeps it one graph; the patch's one attention
-override hands its self-attention to the engine, which runs it on the compact sequence (an entry in
-the region order) or expanded to the full grid, so pooled keys carry the attention mass of the tokens
-they stand for and sparse masks apply as is. On a miss the blocks run in full and region scores are
-recorded. Anything unexpected runs the block in full with a note in the plan; never a failed prompt.
+frame times the frames' vectors, ``comfy_forward.compact_per_frame``) through the engine's custom ops, so a
+compiled model keeps it one graph; the patch's one attention override hands its self-attention to the
+engine, which runs it on the compact sequence (an entry in the region order) or expanded to the full grid,
+so pooled keys carry the attention mass of the tokens they stand for and sparse masks apply as is. On a
+miss the blocks run in full and region scores are recorded. Anything unexpected runs the block in full with
+a note in the plan; never a failed prompt.
 """
 
 from __future__ import annotations
