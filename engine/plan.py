@@ -133,8 +133,10 @@ def hit_message(entry_id, similarity: float | None, why: str = "") -> str:
 
 
 def grid_unchecked(grid, exc: Exception) -> str:
-    """The note of a part's ``serve_grid`` that failed (``ChorusAttention``'s and ``FeatureReuse``'s one wording)."""
-    return f"could not check the entry against this forward's token grid {tuple(grid)} ({failure_text(exc)})"
+    """The note of a part's ``serve_grid`` that failed (``ChorusAttention``'s and ``FeatureReuse``'s one wording).
+    Never raises: ``grid`` may be what failed to read as a grid (``None``, a number), so it is shown as given."""
+    shown = tuple(grid) if isinstance(grid, (tuple, list)) else repr(grid)
+    return f"could not check the entry against this forward's token grid {shown} ({failure_text(exc)})"
 
 
 # reselect(candidates, models, run_starts=, block_size=, forward_grid=) -> (Retrieval or None, why not): retrieval's

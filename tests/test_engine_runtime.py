@@ -419,6 +419,18 @@ def test_a_hit_on_another_models_entry_moves_to_the_entry_made_for_this_model(tm
     assert not plan.is_hit and "schedule differs" in plan.message and "no other candidate" in plan.message
 
 
+def test_a_forward_grid_that_is_no_grid_is_a_note_not_a_crash(tmp_path):
+    """``serve_grid`` never raises, also where the host's grid is not one (the note shows it as given)."""
+    ws = Workspace.open(tmp_path / "ws")
+    emb = np.ones(8, np.float32)
+    _write_entry(ws, emb, INFO, INFO_LOW)
+    plan = retrieve_plan(ws, emb, LATENT)
+    handle = ChorusAttention(plan, CFG, INFO)
+    handle.begin_run(SIGMAS)
+    handle.serve_grid(None)
+    assert any("token grid None (TypeError:" in m for m in plan.stats.messages), plan.stats.messages
+
+
 def _run_forwards(handle, grid, sigmas=SIGMAS, layers=2):
     """A sampler run whose forwards all have token grid ``grid`` (a host tells the part each forward's grid
     before its calls, ``serve_grid``); q/k/v of that many tokens."""
