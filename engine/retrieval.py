@@ -110,9 +110,10 @@ class CandidateLoader:
             if verdict == "incompatible":
                 return None, f"entry {entry_id}: {why}"
         try:
-            return Retrieval("hit", message=hit_message(entry_id, similarity, why), entry_id=entry_id, similarity=similarity, masks=masks,
-                             entry_meta=meta, resample_to=grid if verdict == "resample" else None,
-                             candidates=others, **self._common), ""
+            return Retrieval("hit", message=hit_message(entry_id, similarity, why), entry_id=entry_id,
+                             similarity=similarity, masks=masks, entry_meta=meta,
+                             resample_to=grid if verdict == "resample" else None, candidates=others,
+                             **self._common), ""
         except ValueError as exc:  # e.g. an order that cannot be resampled: not this entry
             return None, f"entry {entry_id}: {exc}"
 
