@@ -1,8 +1,8 @@
 """The benchmark of record: Chorus II inside ComfyUI's own ``WanModel``, driven through the nodes.
 
-``python -m benchmarks.comfy_e2e.run --comfyui DIR --out OUT [--model a14b | ti2v5b] [--res 480p 720p] [--weights bf16 fp8]
-[--variants dense miss hit15 hit5 hitfr] [--compile [--guard-filter]] [--layers 40] [--profile]`` (``--tiny``: the same
-code at toy sizes on the CPU, for tests; ``--profile``: one more step of each variant under
+``python -m benchmarks.comfy_e2e.run --comfyui DIR --out OUT [--model a14b | ti2v5b] [--res 480p 720p]
+[--weights bf16 fp8] [--variants dense miss hit15 hit5 hitfr] [--compile [--guard-filter]] [--layers 40] [--profile]``
+(``--tiny``: the same code at toy sizes on the CPU, for tests; ``--profile``: one more step of each variant under
 ``torch.profiler``, its top kernels by GPU time in the JSON, and a hit's attention call's kernels beside
 its per-call time in the table).
 
@@ -10,8 +10,8 @@ What runs (everything side by side in one process, one GPU):
 
 * ``--model a14b`` (the default): two random-weight experts of the Wan 2.2 A14B I2V shape (dim 5120, 40 layers,
   40 heads x 128, FFN 13 824, in_dim 36, text 4096 x 512 tokens); ``--model ti2v5b``: one model of the Wan 2.2
-  TI2V 5B shape (dim 3072, 30 layers, 24 heads x 128, FFN 14 336, in_dim / out_dim 48). Built by ComfyUI itself: ``model_detection`` of the
-  state-dict shapes, ``model_config.get_model`` (``model_base.WAN21`` with ``comfy.ldm.wan.model.WanModel``
+  TI2V 5B shape (dim 3072, 30 layers, 24 heads x 128, FFN 14 336, in_dim / out_dim 48). Built by ComfyUI
+  itself: ``model_detection`` of the state-dict shapes, ``model_config.get_model`` (``model_base.WAN21`` with ``comfy.ldm.wan.model.WanModel``
   and the operations ComfyUI picks for the weight dtype), weights initialised in place on the GPU, one
   ``ModelPatcher`` each. ``--weights bf16``: bf16 weights, ComfyUI's default ops. ``--weights fp8``:
   ComfyUI's FP8 weights path -- ``weight_dtype fp8_e4m3fn_fast`` of UNETLoader (e4m3 weights,
