@@ -178,10 +178,9 @@ if gluon is not None:
 
     @gluon.jit
     def _producer(descs, smem, bars, walk, lpad_q, lpad_k, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                  Q_STAGES: gl.constexpr, Q_KERNEL: gl.constexpr, HAS_TAIL: gl.constexpr, PV16: gl.constexpr):
+                  Q_STAGES: gl.constexpr, Q_KERNEL: gl.constexpr, HAS_TAIL: gl.constexpr):
         """The TMA loads: each tile's Q (``descs`` = (q, k, v^T) descriptors; ``smem`` = their stages) and
-        its listed key blocks' K and V^T (``PV16``: V's own 16-bit rows ``[1, 1, 128, D]``), each stage once
-        both consumers released it (``bars``)."""
+        its listed key blocks' K and V^T, each stage once both consumers released it (``bars``)."""
         q_desc, k_desc, v_desc = descs
         q_smem, k_smem, v_smem = smem
         q_ready, q_empty, k_ready, v_ready, kv_empty = bars
@@ -209,12 +208,8 @@ if gluon is not None:
                 tma.async_copy_global_to_shared(k_desc, [bh * lpad_k + kb * _BLOCK, 0], k_ready.index(st),
                                                 k_smem.index(st))
                 mbarrier.expect(v_ready.index(st), v_desc.block_type.nbytes)
-                if PV16:
-                    tma.async_copy_global_to_shared(v_desc, [b, h, kb * _BLOCK, 0], v_ready.index(st),
-                                                    v_smem.index(st))
-                else:
-                    tma.async_copy_global_to_shared(v_desc, [bh * HEAD_DIM, kb * _BLOCK], v_ready.index(st),
-                                                    v_smem.index(st))
+                tma.async_copy_global_to_shared(v_desc, [bh * HEAD_DIM, kb * _BLOCK], v_ready.index(st),
+                                                v_smem.index(st))
                 kctr += 1
 
     @gluon.jit
@@ -369,7 +364,7 @@ if gluon is not None:
     @gluon.jit
     def _softmax_block_int8(s, m_i, sc, kb, terms, offs_n, Lk, num_kv_blocks, key_bias, tail_row, pool_first,
                             TAIL_K: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_SUFFIX: gl.constexpr,
-                            HAS_TAIL: gl.constexpr, POOLED: gl.constexpr, PV16: gl.constexpr):
+                            HAS_TAIL: gl.constexpr, POOLED: gl.constexpr):
         """The INT8 path's softmax over key block ``kb`` (``s``: the int32 ``Q8 @ K8^T``; ``sc`` = the rows' ``sq *
         sk`` > 0, ``[R]``; masks, biases and ``terms`` as in :func:`_softmax_block`): returns ``(P, m, alpha,
         beta)`` with ``P`` = the int8 operand ``level - 128`` of the uint8 levels ``round(255 * 2^(S - m_tile))``
@@ -377,8 +372,7 @@ if gluon is not None:
         binades), the new row maximum ``m``, ``alpha = 2^(m_old - m)`` (the accumulator's and row sums' rescale)
         and ``beta = 2^(m_tile - m)`` (the block's weight). ``S`` stays in the dot's units offset by 1.5 * 2^23
         (the int32 becomes that float by one integer add: no conversion instruction), biases enter as
-        ``bias / sc``, and the exponent is one FFMA ``x * sc - x_max * sc``. ``PV16``: ``P`` is ``2^(S - m_tile)``
-        itself in fp32 (the caller rounds it to V's 16-bit type), not levels."""
+        ``bias / sc``, and the exponent is one FFMA ``x * sc - x_max * sc``."""
         whole = terms[0]
         x = (s + _MAGIC_BITS).to(gl.float32, bitcast=True)  # the dot + 1.5 * 2^23, exact (|dot| < 2^22)
         x = _key_terms(x, sc, kb, terms, offs_n, Lk, num_kv_blocks, key_bias, tail_row, pool_first, TAIL_K,
@@ -394,13 +388,10 @@ if gluon is not None:
         # -inf (a row with no key here) -> 0, so the FFMA's -inf * sc - 0 stays -inf (no inf - inf); a finite x_max
         # is kept as it is, negative too (a strongly negative key bias on tiny logits can take x below 0)
         x_ref = gl.where(x_max > float("-inf"), x_max, 0.0) * sc
-        if PV16:
-            p = gl.exp2(x * sc[:, None] - x_ref[:, None])
-        else:
-            # one FFMA rounds 255 p - 128 to an integer (to nearest) in the low bits of a float near 1.5 * 2^23:
-            # its low byte is the int8 operand (level 0, a masked key, is -128)
-            rounded = gl.exp2(x * sc[:, None] - x_ref[:, None]) * 255.0 + (_MAGIC - 128.0)
-            p = rounded.to(gl.int32, bitcast=True).to(gl.int8)
+        # one FFMA rounds 255 p - 128 to an integer (to nearest) in the low bits of a float near 1.5 * 2^23:
+        # its low byte is the int8 operand (level 0, a masked key, is -128)
+        rounded = gl.exp2(x * sc[:, None] - x_ref[:, None]) * 255.0 + (_MAGIC - 128.0)
+        p = rounded.to(gl.int32, bitcast=True).to(gl.int8)
         return p, m_new, alpha, beta
 
     @gluon.jit
@@ -423,8 +414,8 @@ if gluon is not None:
     def _key_block(j, carry, blocks, ring, key_bias, pool_first, lengths, offsets, zeros, STAGES: gl.constexpr,
                    TAIL_K: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_SUFFIX: gl.constexpr, TAIL: gl.constexpr,
                    POOLED: gl.constexpr, LATE_LOADS: gl.constexpr, SQ_LOAD: gl.constexpr, INT8: gl.constexpr,
-                   PV16: gl.constexpr, HEAD_DIM: gl.constexpr, P_LAYOUT: gl.constexpr, PL_LAYOUT: gl.constexpr,
-                   ROW_O: gl.constexpr, ROW_L: gl.constexpr):
+                   HEAD_DIM: gl.constexpr, P_LAYOUT: gl.constexpr, PL_LAYOUT: gl.constexpr, ROW_O: gl.constexpr,
+                   ROW_L: gl.constexpr):
         """One consumer's step over the tile's ``j``-th listed key block: ``Q @ K^T``, the softmax, ``P @ V`` and
         the row sums, added to ``carry`` = (O, l, m, key blocks consumed so far), which it returns. ``blocks`` =
         the tile's (block list row, Q scale(s) or with ``SQ_LOAD`` its address, K scale row, Q operand, bias-table
@@ -432,9 +423,7 @@ if gluon is not None:
         kv_empty); ``zeros`` = the wgmmas' (S, O, l) accumulators. ``TAIL``: the
         block may be a tile of pooled keys (their weights' branch is compiled in); ``POOLED``: it is one (the
         pooled tiles' own loop). ``LATE_LOADS`` (FP8 only): the block's loads (index, K scale, with ``SQ_LOAD``
-        Q's scale) are issued after ``Q @ K^T`` is, not before. ``PV16`` (with ``INT8``): ``P @ V`` and the row sums
-        are 16-bit wgmmas of ``2^(S - m_tile)`` rounded to V's own type, fp32 accumulators, the block entering
-        O and l with its weight ``beta``."""
+        Q's scale) are issued after ``Q @ K^T`` is, not before."""
         acc, l_acc, m_i, kctr = carry
         idx_row, sq, k_scale_row, q, tail_row, vsum_row = blocks
         k_smem, v_smem, ones_smem, k_ready, v_ready, kv_empty = ring
@@ -444,7 +433,7 @@ if gluon is not None:
         if not LATE_LOADS:
             kb, sc, terms = _block_terms(idx_row, j, sq, k_scale_row, key_bias, pool_first, tail_row, HAS_SUFFIX,
                                          TAIL, POOLED, False)
-            if INT8 and not PV16:  # 128 x the block's V sums, plus 1.5 * 2^23's bits: the int32 P @ V's start
+            if INT8:  # 128 x the block's V sums, plus 1.5 * 2^23's bits: the int32 P @ V's starting value below
                 v_bits = gl.load(vsum_row + kb * HEAD_DIM + offs_d) * 128 + _MAGIC_BITS
         st = kctr % STAGES
         ph = (kctr // STAGES) & 1
@@ -457,33 +446,24 @@ if gluon is not None:
         if INT8:
             p, m_i, alpha, beta = _softmax_block_int8(s, m_i, sc, kb, terms, offs_n, Lk, num_kv_blocks, key_bias,
                                                       tail_row, pool_first, TAIL_K, HAS_BIAS, HAS_SUFFIX, TAIL,
-                                                      POOLED, PV16)
+                                                      POOLED)
         else:
             p, m_i, alpha = _softmax_block(s, m_i, sc, kb, terms, offs_n, Lk, num_kv_blocks, key_bias, tail_row,
                                            pool_first, TAIL_K, HAS_BIAS, HAS_SUFFIX, TAIL, POOLED)
-        if PV16:  # the 16-bit A operand's registers are the accumulator's: no relabelling
-            p8 = gl.convert_layout(p.to(v_smem.dtype), P_LAYOUT, assert_trivial=True)
-        else:
-            p8 = _p_operand(p, P_LAYOUT)
+        p8 = _p_operand(p, P_LAYOUT)
         mbarrier.wait(v_ready.index(st), ph)
         # two-level accumulation (SageAttention 2's form): each block's P @ V and row sums into a fresh wgmma
         # accumulator, added to O and l in fp32 registers. An FP8 wgmma accumulates in fewer mantissa bits
         # (truncating); chained through it across key blocks, O shrank (~2% on attention-like inputs, up to 57%
         # where V has a large common part)
-        if PV16:  # V's own rows [128 keys, D]: the B operand MN-major, as 16-bit wgmmas take it
-            pv = warpgroup_mma(p8, v_smem.index(st).reshape([_BLOCK, HEAD_DIM]), o_zero, use_acc=False,
-                               is_async=True)
-        elif INT8:  # the int32 accumulator starts at v_bits, so the product arrives with both added (an integer add
+        if INT8:  # the int32 accumulator starts at v_bits, so the product arrives with both added (an integer add
             # after it, 64 per thread and block, made the kernel 19% slower on a 720p full map: 190 against 160 ms)
             pv = warpgroup_mma(p8, v_smem.index(st).permute((1, 0)), o_zero + v_bits[None, :], use_acc=True,
                                is_async=True)
         else:
             pv = warpgroup_mma(p8, v_smem.index(st).permute((1, 0)), o_zero, use_acc=False, is_async=True)
         l_blk = _row_sums_issue(p8, ones_smem, l_zero, PL_LAYOUT)
-        if PV16:
-            beta_o = gl.convert_layout(beta, ROW_O)
-            acc = acc * gl.convert_layout(alpha, ROW_O)[:, None]  # overlaps the MMAs
-        elif INT8:
+        if INT8:
             # the block's P @ V arrives as a float offset by 1.5 * 2^23 (below): its weight times the offset leaves
             # O here, in the FFMA that rescales it (overlapping the MMAs), so the float needs no subtraction; the
             # rounding this adds, ~beta in the product's integer units, is far below the ~1e2 units of P's own
@@ -492,11 +472,7 @@ if gluon is not None:
         else:
             acc = acc * gl.convert_layout(alpha, ROW_O)[:, None]  # overlaps the MMAs
         pv, l_blk = warpgroup_mma_wait(num_outstanding=0, deps=[pv, l_blk])
-        if PV16:
-            acc = acc + pv * beta_o[:, None]
-            l_acc = (l_acc * gl.convert_layout(alpha, ROW_L)[:, None]
-                     + l_blk * gl.convert_layout(beta, ROW_L)[:, None])
-        elif INT8:
+        if INT8:
             # sum_k level_k v_k = sum_k (level_k - 128) v_k + 128 * sum_k v_k, exact in int32 (< 2^22), is, with
             # 1.5 * 2^23's bits added (the accumulator's start), the fp32 value plus 1.5 * 2^23; the level sums
             # likewise (+ 128 per key)
@@ -514,8 +490,7 @@ if gluon is not None:
     def _consumer(out_args, q_args, kv_args, bars, walk, lengths, key_bias, tail,
                   HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, Q_STAGES: gl.constexpr, CONSUMER: gl.constexpr,
                   TAIL_K: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_SUFFIX: gl.constexpr, HAS_PERM: gl.constexpr,
-                  Q_KERNEL: gl.constexpr, HAS_TAIL: gl.constexpr, INT8: gl.constexpr, POOLED_LOOP: gl.constexpr,
-                  PV16: gl.constexpr):
+                  Q_KERNEL: gl.constexpr, HAS_TAIL: gl.constexpr, INT8: gl.constexpr, POOLED_LOOP: gl.constexpr):
         """Consumer warpgroup ``CONSUMER`` (0 / 1): query rows ``[64 * CONSUMER, 64 * CONSUMER + 64)`` of
         every tile of the walk. ``out_args`` = (output pointer, its TMA descriptor, this consumer's store
         buffer, token_perm, the output's strides b / h / l); ``q_args`` = (Q's stages, this consumer's e4m3 Q
@@ -530,8 +505,7 @@ if gluon is not None:
         V sums and added to O and l with the block's weight ``beta``). ``POOLED_LOOP`` (with ``HAS_TAIL``; always
         with ``INT8``): the pooled tiles in a loop of their own after the kept blocks, which then run the loop
         they run without the tail; FP8 there also issues each block's loads after its ``Q @ K^T``. Only an
-        assembler of :mod:`._ptxas`'s choice gets FP8's form right (see :func:`launch_ws`). ``PV16`` (with ``INT8``):
-        ``P @ V`` in V's 16-bit type (:func:`_key_block`), no V scales."""
+        assembler of :mod:`._ptxas`'s choice gets FP8's form right (see :func:`launch_ws`)."""
         o_ptr, o_desc, o_smem, token_perm, s_ob, s_oh, s_ol = out_args
         q_smem, q8_smem, q_mult, q_scale, n_q_scale = q_args
         k_smem, v_smem, ones_smem, k_scale, v_scale, n_k_scale, v_sums, pool_ratio, n_v_tiles = kv_args
@@ -544,16 +518,14 @@ if gluon is not None:
         sq_load: gl.constexpr = POOLED_LOOP and not INT8 and not Q_KERNEL
         # wgmma accumulator layouts (M = 64 rows over 4 warps; K = 32 for 8-bit operands) and the
         # register layout of P as the A operand of P @ V
-        pv_k: gl.constexpr = 16 if PV16 else 32  # K of one wgmma of P @ V (16-bit or 8-bit operands)
-        pv_width: gl.constexpr = 2 if PV16 else 4  # consecutive K elements a thread holds of the A operand
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, _BLOCK, 32])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, HEAD_DIM, pv_k])
-        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=pv_width)
+                                                           instr_shape=[16, HEAD_DIM, 32])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
         l_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, _ONES, pv_k])
-        pl_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=l_layout, k_width=pv_width)
+                                                           instr_shape=[16, _ONES, 32])
+        pl_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=l_layout, k_width=4)
         # a token order's output stores: 8 consecutive 16-bit channels per thread, a warp over whole rows
         vec_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // HEAD_DIM, HEAD_DIM // 8], [4, 1], [1, 0])
         row_l: gl.constexpr = gl.SliceLayout(1, l_layout)
@@ -562,11 +534,7 @@ if gluon is not None:
         col_o: gl.constexpr = gl.SliceLayout(0, o_layout)
         offs_n = gl.arange(0, _BLOCK, layout=gl.SliceLayout(0, s_layout))
         offs_d = gl.arange(0, HEAD_DIM, layout=col_o)
-        if PV16:  # the wgmma accumulators: Q @ K^T's int32, P @ V's and the row sums' fp32
-            s_zero = gl.zeros([ROWS, _BLOCK], gl.int32, layout=s_layout)
-            l_zero = gl.zeros([ROWS, _ONES], gl.float32, layout=l_layout)
-            o_zero = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
-        elif INT8:  # the wgmma accumulators: int32 products of int8 operands
+        if INT8:  # the wgmma accumulators: int32 products of int8 operands
             s_zero = gl.zeros([ROWS, _BLOCK], gl.int32, layout=s_layout)
             l_zero = gl.zeros([ROWS, _ONES], gl.int32, layout=l_layout)
             o_zero = gl.zeros([ROWS, HEAD_DIM], gl.int32, layout=o_layout)
@@ -624,7 +592,7 @@ if gluon is not None:
                 acc, l_acc, m_i, kctr = _key_block(j, (acc, l_acc, m_i, kctr), blocks, ring, key_bias, pool_first,
                                                    lengths, (offs_n, offs_d), zeros, STAGES, TAIL_K, HAS_BIAS,
                                                    HAS_SUFFIX, HAS_TAIL and not POOLED_LOOP, False, late_loads,
-                                                   sq_load, INT8, PV16, HEAD_DIM, p_layout, pl_layout, row_o, row_l)
+                                                   sq_load, INT8, HEAD_DIM, p_layout, pl_layout, row_o, row_l)
             if POOLED_LOOP:
                 # the pooled tiles in a loop of their own: in the kept blocks' loop their weights' branch, even
                 # never taken, cost INT8 15% (a full map at 720p: 220 against 192 ms) and FP8 its tail 1.0-1.4 ms
@@ -637,7 +605,7 @@ if gluon is not None:
                 for j in range(n_first, n_kv):
                     acc, l_acc, m_i, kctr = _key_block(j, (acc, l_acc, m_i, kctr), blocks, ring, key_bias, pool_first,
                                                        lengths, (offs_n, offs_d), zeros, STAGES, TAIL_K, HAS_BIAS,
-                                                       HAS_SUFFIX, INT8, not INT8, late_loads, sq_load, INT8, PV16,
+                                                       HAS_SUFFIX, INT8, not INT8, late_loads, sq_load, INT8,
                                                        HEAD_DIM, p_layout, pl_layout, row_o, row_l)
             if not Q_KERNEL:
                 mbarrier.arrive(q_empty.index(qs), count=1)  # this consumer's Q rows are no longer read
@@ -646,8 +614,7 @@ if gluon is not None:
             l_i = gl.convert_layout(gl.max(l_acc, axis=1), row_s)
             l_safe = gl.where(l_i > 0, l_i, 1.0)
             out = acc * gl.convert_layout(1.0 / l_safe, row_o)[:, None]
-            if not PV16:
-                out = out * gl.load(v_scale + bh * HEAD_DIM + offs_d)[None, :]  # per-channel V scales
+            out = out * gl.load(v_scale + bh * HEAD_DIM + offs_d)[None, :]  # per-channel V scales
             if INT8:
                 if HAS_TAIL:
                     if n_kept < n_kv:  # O is in the pooled values' units (above)
@@ -680,15 +647,10 @@ if gluon is not None:
                        HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, Q_STAGES: gl.constexpr,
                        TAIL_K: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_SUFFIX: gl.constexpr,
                        HAS_PERM: gl.constexpr, Q_KERNEL: gl.constexpr, HAS_TAIL: gl.constexpr, INT8: gl.constexpr,
-                       POOLED_LOOP: gl.constexpr, PV16: gl.constexpr):
+                       POOLED_LOOP: gl.constexpr):
         # the B operand of the row-sum GEMM: 8-bit ones (e4m3's byte 0x38; int8 1), any swizzle holds them
         ones_regs: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
-        if PV16:  # ones in V's 16-bit type
-            p_type: gl.constexpr = v_desc.block_type.element_ty
-            ones_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_ONES, _BLOCK], p_type)
-            ones = gl.full([_ONES, _BLOCK], 1.0, p_type, layout=ones_regs)
-            ones_smem = gl.allocate_shared_memory(p_type, [_ONES, _BLOCK], ones_layout, ones)
-        elif INT8:
+        if INT8:
             ones_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_ONES, _BLOCK], gl.int8)
             ones = gl.full([_ONES, _BLOCK], 1, gl.int8, layout=ones_regs)
             ones_smem = gl.allocate_shared_memory(gl.int8, [_ONES, _BLOCK], ones_layout, ones)
@@ -709,12 +671,7 @@ if gluon is not None:
             q8_smem0 = gl.allocate_shared_memory(gl.float8e4nv, [1, 16], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
             q8_smem1 = q8_smem0
         k_smem = gl.allocate_shared_memory(k_desc.block_type.element_ty, [STAGES, _BLOCK, HEAD_DIM], k_desc.layout)
-        if PV16:  # V's own rows, [1, 1, 128, D] per stage
-            v_smem = gl.allocate_shared_memory(v_desc.block_type.element_ty, [STAGES] + v_desc.block_type.shape,
-                                               v_desc.layout)
-        else:
-            v_smem = gl.allocate_shared_memory(v_desc.block_type.element_ty, [STAGES, HEAD_DIM, _BLOCK],
-                                               v_desc.layout)
+        v_smem = gl.allocate_shared_memory(v_desc.block_type.element_ty, [STAGES, HEAD_DIM, _BLOCK], v_desc.layout)
         if not HAS_PERM:  # each consumer's staging buffer of its output rows, [1, 1, 64, D]
             o_smem0 = gl.allocate_shared_memory(O.dtype.element_ty, o_desc.block_type.shape, o_desc.layout)
             o_smem1 = gl.allocate_shared_memory(O.dtype.element_ty, o_desc.block_type.shape, o_desc.layout)
@@ -742,13 +699,13 @@ if gluon is not None:
         tail = (tail_bias, tail_width, pool_first)
         gl.warp_specialize([
             (_producer, ((q_desc, k_desc, v_desc), (q_smem, k_smem, v_smem), bars, walk, lpad_q, lpad_k, HEAD_DIM,
-                         STAGES, Q_STAGES, Q_KERNEL, HAS_TAIL, PV16)),
+                         STAGES, Q_STAGES, Q_KERNEL, HAS_TAIL)),
             (_consumer, ((O, o_desc, o_smem0, token_perm, s_ob, s_oh, s_ol), (q_smem, q8_smem0, q_mult, q_scale,
                          n_q_scale), kv_args, bars, walk, lengths, key_bias, tail, HEAD_DIM, STAGES, Q_STAGES, 0, TAIL_K, HAS_BIAS,
-                         HAS_SUFFIX, HAS_PERM, Q_KERNEL, HAS_TAIL, INT8, POOLED_LOOP, PV16)),
+                         HAS_SUFFIX, HAS_PERM, Q_KERNEL, HAS_TAIL, INT8, POOLED_LOOP)),
             (_consumer, ((O, o_desc, o_smem1, token_perm, s_ob, s_oh, s_ol), (q_smem, q8_smem1, q_mult, q_scale,
                          n_q_scale), kv_args, bars, walk, lengths, key_bias, tail, HEAD_DIM, STAGES, Q_STAGES, 1, TAIL_K, HAS_BIAS,
-                         HAS_SUFFIX, HAS_PERM, Q_KERNEL, HAS_TAIL, INT8, POOLED_LOOP, PV16)),
+                         HAS_SUFFIX, HAS_PERM, Q_KERNEL, HAS_TAIL, INT8, POOLED_LOOP)),
         ], [4, 4], [_REGS, _REGS])
 
 
@@ -800,7 +757,7 @@ def rows_descriptor(x: torch.Tensor, rows: int):
 
 def launch_ws(q, k, v, block_map, scale: float, config: WsConfig | None = None, prefix_len: int = 0,
               prefix_bias: float = 0.0, token_perm: torch.Tensor | None = None, suffix_len: int = 0,
-              suffix_bias: float = 0.0, pooled_tail: bool = False, int8: bool = False, pv16: bool = False,
+              suffix_bias: float = 0.0, pooled_tail: bool = False, int8: bool = False,
               assembler: Assembler | None | str = "auto") -> torch.Tensor:
     """Pre-pass + block lists + the warp-specialised kernel, for one int32-safe chunk
     (``prefix_bias`` in natural-log units; a zero bias or length compiles the unbiased kernel;
@@ -813,8 +770,6 @@ def launch_ws(q, k, v, block_map, scale: float, config: WsConfig | None = None, 
     cfg = config or WsConfig()
     if not isinstance(cfg, WsConfig):
         raise ValueError(f"config must be a WsConfig, got {type(cfg).__name__}")
-    if pv16 and (not int8 or token_perm is not None or pooled_tail):
-        raise ValueError("pv16 runs with int8, without a token order or the pooled tail")
     batch, heads, q_len, head_dim = q.shape
     kv_len = k.shape[2]
     suffix_start = check_key_biases(prefix_len, prefix_bias, suffix_len, suffix_bias, kv_len)
@@ -848,10 +803,7 @@ def launch_ws(q, k, v, block_map, scale: float, config: WsConfig | None = None, 
     else:
         q_desc = TensorDescriptor.from_tensor(q8.view(-1, head_dim), [BLOCK, head_dim], qk_layout)
     k_desc = TensorDescriptor.from_tensor(k8.view(-1, head_dim), [BLOCK, head_dim], qk_layout)
-    if pv16:  # V's own rows
-        v_desc = rows_descriptor(v if tma_compatible(v) else v.contiguous(), BLOCK)
-    else:
-        v_desc = TensorDescriptor.from_tensor(v8t.view(-1, lpad_k), [head_dim, BLOCK], vt_layout)
+    v_desc = TensorDescriptor.from_tensor(v8t.view(-1, lpad_k), [head_dim, BLOCK], vt_layout)
     out = output_like(q)
     o_desc = rows_descriptor(out, CONSUMER_ROWS)
     num_tiles = batch * heads * num_q_blocks
@@ -866,7 +818,7 @@ def launch_ws(q, k, v, block_map, scale: float, config: WsConfig | None = None, 
             *tail_args, v_sums, pool_ratio, v_sums.shape[2] if int8 else 0)
     consts = dict(HEAD_DIM=head_dim, STAGES=cfg.stages, Q_STAGES=cfg.q_stages, TAIL_K=kv_len % BLOCK != 0,
                   HAS_BIAS=has_bias, HAS_SUFFIX=suffix_start < kv_len, HAS_PERM=token_perm is not None,
-                  Q_KERNEL=q_kernel, HAS_TAIL=bool(pooled_tail), INT8=bool(int8), PV16=bool(pv16), num_warps=4)
+                  Q_KERNEL=q_kernel, HAS_TAIL=bool(pooled_tail), INT8=bool(int8), num_warps=4)
 
     def launch(own_loop: bool):
         _bsa_ws_kernel[grid](*args, **consts, POOLED_LOOP=own_loop)
@@ -880,8 +832,7 @@ def launch_ws(q, k, v, block_map, scale: float, config: WsConfig | None = None, 
 
 def block_sparse_attention_ws(q, k, v, block_map, scale: float, config: WsConfig | None = None, prefix_len: int = 0,
                               prefix_bias: float = 0.0, token_perm: torch.Tensor | None = None, suffix_len: int = 0,
-                              suffix_bias: float = 0.0, pooled_tail: bool = False, int8: bool = False,
-                              pv16: bool = False) -> torch.Tensor:
+                              suffix_bias: float = 0.0, pooled_tail: bool = False, int8: bool = False) -> torch.Tensor:
     """The warp-specialised kernel on a CUDA sm_90 device (module docstring: the contract); FP8, or with
     ``int8`` the accurate path's INT8 numerics.
     ``prefix_bias`` (natural-log units) is added to the scaled logits of keys ``[0, prefix_len)``,
@@ -904,14 +855,13 @@ def block_sparse_attention_ws(q, k, v, block_map, scale: float, config: WsConfig
         return run_in_int32_chunks(
             q, k, v, block_map, lambda q, k, v, bm: launch_ws(q, k, v, bm, scale, config, prefix_len, prefix_bias,
                                                               token_perm, suffix_len, suffix_bias, pooled_tail,
-                                                              int8, pv16),
+                                                              int8),
             tail_rows(k.shape[2], BLOCK) if pooled_tail else 0)
 
 
 def compile_sm90(head_dim: int = 128, config: WsConfig | None = None, *, tail_k: bool = True, has_bias: bool = False,
                  has_suffix: bool = False, has_perm: bool = False, q_kernel: bool | None = None,
-                 has_tail: bool = False, int8: bool = False, pv16: bool = False,
-                 assembler: Assembler | None | str = "auto"):
+                 has_tail: bool = False, int8: bool = False, assembler: Assembler | None | str = "auto"):
     """The kernel variant :func:`launch_ws` builds for such a call, compiled ahead of time for sm_90 by this
     Triton (no GPU needed; bf16 inputs): ``tail_k`` a partial last key block, ``has_bias`` a prefix bias,
     ``has_suffix`` a suffix bias, ``has_perm`` a token order, ``q_kernel`` Q from its input rows (default:
@@ -935,14 +885,13 @@ def compile_sm90(head_dim: int = 128, config: WsConfig | None = None, *, tail_k:
 
     types = {"q_desc": rows_desc_type(BLOCK) if q_kernel else f"tensordesc<{elem}[{BLOCK}, {head_dim}],{qk_layout!r}>",
              "k_desc": f"tensordesc<{elem}[{BLOCK}, {head_dim}],{qk_layout!r}>",
-             "v_desc": rows_desc_type(BLOCK) if pv16 else f"tensordesc<{elem}[{head_dim}, {BLOCK}],{vt_layout!r}>",
-             "O": "*bf16",
+             "v_desc": f"tensordesc<{elem}[{head_dim}, {BLOCK}],{vt_layout!r}>", "O": "*bf16",
              "o_desc": rows_desc_type(CONSUMER_ROWS), "prefix_bias": "fp32", "suffix_bias": "fp32", "q_mult": "fp32"}
     types.update({name: "*fp32" for name in ("q_scale", "k_scale", "v_scale", "tail_bias", "pool_ratio")})
     types.update({name: "*i32" for name in ("kv_num", "kv_idx", "sched", "token_perm", "tail_num", "v_sums")})
     consts = dict(HEAD_DIM=head_dim, STAGES=cfg.stages, Q_STAGES=cfg.q_stages, TAIL_K=tail_k,
                   HAS_BIAS=has_bias or has_suffix, HAS_SUFFIX=has_suffix, HAS_PERM=has_perm, Q_KERNEL=q_kernel,
-                  HAS_TAIL=has_tail, INT8=int8, PV16=pv16)
+                  HAS_TAIL=has_tail, INT8=int8)
     consts["POOLED_LOOP"], assembler = kernel_form(has_tail, int8, assembler)
     kernel = _bsa_ws_kernel
     sig = {name: "constexpr" if param.is_constexpr else types.get(name, "i32")
