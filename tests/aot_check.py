@@ -1,4 +1,5 @@
-"""Compile the Triton kernels for sm_90 without a GPU and read what came out (the tests' sm_90 builds).
+"""Compile the Triton kernels for sm_90 without a GPU and read what came out (the tests' sm_90 builds; the
+portable kernels also for another GPU, ``target=``).
 
 Helpers for the tests: :func:`compile_attn` (the portable Triton kernel), :func:`compile_jit` (any Triton
 kernel of ours), :func:`compile_ws` (the warp-specialised Gluon kernel), :func:`sass_of`,
@@ -51,14 +52,16 @@ def attn_signature(fp8: bool, dtype: str, use_tma: bool, block_m: int, block_n: 
 
 
 def compile_attn(fp8=True, use_tma=False, block_m=128, block_n=128, head_dim=128, num_warps=8, num_stages=3,
-                 tail=False, dtype="bf16", has_tail=False, int8=False):
-    """The portable Triton kernel compiled for sm_90 (``tail``: a partial last key block; ``has_tail``: the
-    pooled tail; ``int8``: the accurate INT8 path, with ``fp8=False``)."""
+                 tail=False, dtype="bf16", has_tail=False, int8=False, target=TARGET, switches=None):
+    """The portable Triton kernel compiled for sm_90, or ``target`` (``tail``: a partial last key block;
+    ``has_tail``: the pooled tail; ``int8``: the accurate INT8 path, with ``fp8=False``; ``switches``: other
+    compile-time switches of the kernel to set, e.g. ``{"HAS_BIAS": True}``, the rest off)."""
     sig = attn_signature(fp8, dtype, use_tma, block_m, block_n, head_dim, int8)
     consts = dict(HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BS=128, FP8=fp8, USE_TMA=use_tma,
                   TAIL_K=tail, EVEN_Q=not tail, P_SHIFT=A.P_SHIFT_LOG2, SCALE_TILE=128, INTERPRET=False,
                   HAS_BIAS=False, HAS_TAIL=has_tail, POOL_TMA=has_tail and (fp8 or int8) and use_tma,
                   POOL_TILE=A.TAIL_TILE, INT8=int8)
+    consts.update(switches or {})
     consts.update({n: False for n, p in zip(A._bsa_fwd_kernel.arg_names, A._bsa_fwd_kernel.params)
                    if p.is_constexpr and n not in consts})  # later compile-time switches, off
     for c in consts:
@@ -67,16 +70,16 @@ def compile_attn(fp8=True, use_tma=False, block_m=128, block_n=128, head_dim=128
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig)
              if sig[n].startswith("*") or (n.startswith("s_") and n not in ("s_nb", "s_nh", "s_ib", "s_ih"))}
     src = ASTSource(fn=A._bsa_fwd_kernel, signature=sig, constexprs=consts, attrs=attrs)
-    return triton.compile(src, target=TARGET, options=dict(num_warps=num_warps, num_stages=num_stages))
+    return triton.compile(src, target=target, options=dict(num_warps=num_warps, num_stages=num_stages))
 
 
-def compile_jit(fn, types: dict, constexprs: dict, num_warps: int = 4):
-    """Any Triton kernel of ours compiled for sm_90: ``types`` maps parameters to Triton type strings
-    (``"*bf16"``, ``"fp32"`` ...; the others are ``i32``), ``constexprs`` gives the compile-time ones."""
+def compile_jit(fn, types: dict, constexprs: dict, num_warps: int = 4, num_stages: int | None = None, target=TARGET):
+    """Any Triton kernel of ours compiled for sm_90, or ``target``: ``types`` maps parameters to Triton type
+    strings (``"*bf16"``, ``"fp32"`` ...; the others are ``i32``), ``constexprs`` gives the compile-time ones."""
     sig = {name: ("constexpr" if param.is_constexpr else types.get(name, "i32"))
            for name, param in zip(fn.arg_names, fn.params)}
-    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs), target=TARGET,
-                          options=dict(num_warps=num_warps))
+    options = dict(num_warps=num_warps) if num_stages is None else dict(num_warps=num_warps, num_stages=num_stages)
+    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs), target=target, options=options)
 
 
 def compile_ws(head_dim=128, tail=True, has_bias=False, has_perm=False, has_suffix=False, q_kernel=None,
