@@ -89,15 +89,37 @@ def test_the_accurate_int8_path_and_its_prepass_build(cc, limit):
                                                       q_mult="fp32"),
                           dict(HEAD_DIM=128, TILE=128, INTERPRET=False, HAS_PERM=False, POOL_CHUNK=128,
                                V_WGMMA_ORDER=False), num_warps=4, target=target)
+    means = compile_jit(Q8._pooled_finalize_int8_kernel, dict(pool_sums=FP32, k8="*i8", v8t="*i8", k_scale=FP32,
+                                                              v_sums="*i32", v_pool_absmax=FP32),
+                        dict(HEAD_DIM=128, TILE=128, BS=128, POOL_CHUNK=128, V_WGMMA_ORDER=False), num_warps=8,
+                        target=target)
     _fits(prepass, limit, f"the INT8 pre-pass on sm_{cc}")
+    _fits(means, limit, f"the INT8 pooled values on sm_{cc}")
 
 
 @pytest.mark.parametrize("cc,limit", [p for p in GPUS if p.values[0] >= 89])
 def test_the_portable_fp8_kernel_builds_where_fp8_tensor_cores_exist(cc, limit):
     """``triton_fp8`` (by name on sm_89+; ``auto`` takes it on Hopper only, where it was measured) with the
-    pooled tail, through descriptors and through pointers."""
+    pooled tail, through descriptors and through pointers, and its pre-pass (V's channel maxima, the e4m3
+    copies with the pooled sums, the pooled means; V^T in natural key order, as the portable kernel reads it)."""
+    from chorus.kernels.triton import _quant as Q
+
+    target = _target(cc)
     for use_tma in (True, False):
         _fits(_portable("fp8", cc, use_tma, True), limit, f"triton_fp8 on sm_{cc}")
+    stats = compile_jit(Q._v_stats_kernel, dict(V="*bf16", v_part=FP32),
+                        dict(HEAD_DIM=128, TILE=Q.QUANT_TILE, CHUNK=Q.STATS_CHUNK), num_warps=8, target=target)
+    prepass = compile_jit(Q._quant_kernel, dict(Q="*bf16", K="*bf16", V="*bf16", q8="*fp8e4nv", k8="*fp8e4nv",
+                                                v8t="*fp8e4nv", q_scale=FP32, k_scale=FP32, k_smooth=FP32,
+                                                v_stats=FP32, token_perm="*i32", pool_sums=FP32, q_mult="fp32"),
+                          dict(HEAD_DIM=128, TILE=Q.QUANT_TILE, INTERPRET=False, QUANT_Q=True, HAS_PERM=False,
+                               V_WGMMA_ORDER=False, POOL_CHUNK=128), num_warps=4, target=target)
+    means = compile_jit(Q._pooled_finalize_kernel, dict(pool_sums=FP32, k_out="*fp8e4nv", v_out="*fp8e4nv",
+                                                        k_scale=FP32, v_stats=FP32),
+                        dict(HEAD_DIM=128, TILE=Q.QUANT_TILE, BS=128, POOL_CHUNK=128, FP8=True, INTERPRET=False,
+                             V_WGMMA_ORDER=False), num_warps=8, target=target)
+    for kernel, what in ((stats, "V's channel maxima"), (prepass, "the FP8 pre-pass"), (means, "the pooled means")):
+        _fits(kernel, limit, f"{what} on sm_{cc}")
 
 
 @pytest.mark.parametrize("cc,limit", GPUS)
