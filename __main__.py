@@ -1,4 +1,4 @@
-"""Command line: ``python -m chorus {demo,cache} ...``."""
+"""Command line: ``python -m chorus {demo,cache,check} ...``."""
 
 import sys
 
@@ -8,6 +8,8 @@ commands:
   demo    the README's demo: similar and unrelated I2V requests through the engine on a tiny random Wan (CPU)
   cache   inspect and maintain a mask cache workspace: stats, list, verify, prune, rebuild-index, init
           (stats, list and verify without --repair are read-only; `cache -h` says which cache root is used)
+  check   which attention kernel runs on this machine; with --run, whether it computes right here and how
+          fast it is beside PyTorch's dense attention (exit 1 when the numerics check fails)
 
 The pack also installs the `chorus` command (pip's console script): `chorus cache stats` is
 `python -m chorus cache stats`."""
@@ -24,7 +26,7 @@ def main(argv=None) -> int:
 
 
 def _dispatch(argv: list) -> int:
-    usage = "usage: python -m chorus {demo,cache} [options]   (add -h to a command for its options)"
+    usage = "usage: python -m chorus {demo,cache,check} [options]   (add -h to a command for its options)"
     if not argv:
         print(f"error: no command given ({usage})", file=sys.stderr)
         return 2
@@ -40,6 +42,10 @@ def _dispatch(argv: list) -> int:
         from .demo.run import main as demo_main
 
         return demo_main(rest)
+    if command == "check":
+        from .kernels.selfcheck import main as check_main
+
+        return check_main(rest)
     print(f"error: unknown command {command!r} ({usage})", file=sys.stderr)  # redacted on its way out
     return 2
 

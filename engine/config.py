@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..kernels.api import Backend, has_pooled_tail
+from ..kernels.api import ACCURATE_CHAIN, Backend, has_pooled_tail
 
 BACKENDS = tuple(backend.value for backend in Backend)  # the node's choices, in the kernel API's order
 # The verdict is RELATIVE (engine/verify.py): the estimated recall of the reused map divided by the best recall
@@ -99,7 +99,7 @@ class SparseConfig:
         the first that can run here): ``(backend,)``, or with ``auto`` and ``top_p >= ACCURATE_TOP_P`` the
         accurate numerics, ``("triton_int8_ws", "triton_int8", "auto")``."""
         if self.backend == Backend.AUTO.value and self.top_p >= ACCURATE_TOP_P:
-            return (Backend.TRITON_INT8_WS.value, Backend.TRITON_INT8.value, self.backend)
+            return (*(backend.value for backend in ACCURATE_CHAIN), self.backend)
         return (self.backend,)
 
     def __post_init__(self):

@@ -75,6 +75,9 @@ _SM90_ONLY = (Backend.TRITON_FP8_WS, Backend.TRITON_FP8, Backend.FA4_BF16)  # au
 _ATTENTION_ONLY = (Backend.TRITON_FP8_WS, Backend.TRITON_INT8_WS, Backend.TRITON_INT8, Backend.FA4_BF16, Backend.FLEX)
 _WARP_SPECIALISED = (Backend.TRITON_FP8_WS, Backend.TRITON_INT8_WS)  # the Gluon kernel: sm_90, block size 128
 _NO_POOLED_TAIL = (Backend.FA4_BF16, Backend.FLEX)  # auto sends a pooled_tail call past these
+# the accurate 8-bit numerics, in order of preference: what the engine asks for instead of auto's choice where
+# the maps keep nearly all the mass (chorus.engine.config.SparseConfig.attention_backends)
+ACCURATE_CHAIN = (Backend.TRITON_INT8_WS, Backend.TRITON_INT8)
 
 
 def has_pooled_tail(backend) -> bool:
@@ -155,6 +158,13 @@ def _candidates(q: torch.Tensor, op: str) -> list[Backend]:
     if op != "attention":
         chain = [b for b in chain if b not in _ATTENTION_ONLY]
     return chain
+
+
+def auto_chain(q: torch.Tensor, op: str = "attention") -> list[tuple[Backend, str | None]]:
+    """``auto``'s chain for ``op`` on tensors like ``q``, in order: each backend with the reason it cannot run
+    here (:func:`why_unavailable`), or None for one that can (auto takes the first such). For reports
+    (``python -m chorus check``); resolving (:func:`resolve_backend`) walks the same chain."""
+    return [(candidate, why_unavailable(candidate, q, op)) for candidate in _candidates(q, op)]
 
 
 def resolve_backend(backend, q: torch.Tensor, op: str = "attention", block_size: int | None = None) -> Backend:

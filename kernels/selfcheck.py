@@ -1,0 +1,296 @@
+"""``python -m chorus check``: which attention kernel Chorus runs on this machine and, with ``--run``, whether it
+computes right here and how fast it is beside PyTorch's dense attention on the same device.
+
+The report (nothing runs but ``auto``'s resolution, which on Hopper builds and launches the warp-specialised kernel
+once): Python, torch (and its CUDA), Triton; the device (name, compute capability, memory); ``auto``'s chain for a
+Wan self-attention call (bf16, head dim 128), with the reason each backend cannot run here; the accurate 8-bit
+numerics (what the engine runs for masks that keep >= 95% of the attention mass); on Hopper, which ptxas builds the
+warp-specialised kernel.
+
+``--run`` (a GPU's first run builds the kernels: up to a minute):
+
+1. Numerics, the check: a full map on Gaussian q/k/v (4 heads x 4 097 tokens, a partial last block; 1 000 on the
+   CPU) through ``auto``'s choice and the accurate backend, relative L2 against exact fp32 attention on every 8th
+   query row, PyTorch's dense attention in the inputs' dtype beside them. A result that is not finite or exceeds
+   its numerics' ceiling (:data:`CEILINGS`: FP8 0.08, INT8 0.03, 16-bit and fp32 twice PyTorch's own error plus
+   1e-3, where the measured floors are 0.054-0.056, 0.016-0.017 and ~0.003: docs/BENCHMARKS.md) fails: exit 1,
+   with the backend to choose instead.
+2. Speed, a report: ``--heads`` x ``--tokens`` (40 x 32 760, Wan 14B at 480p; 2 x 2 048 on the CPU) in bf16, a
+   random map keeping ``--density`` of the key blocks (and the diagonal), the pooled tail on (the node's default):
+   the median of ``--reps`` calls after two warm-up calls, beside ``torch.nn.functional.scaled_dot_product_attention``
+   on the same q/k/v (CUDA events; the wall clock on the CPU). Never judged: a random map is not a Wan map, and a
+   request also runs its linears (on Hopper a 720p hit at 15% is ~2.9x a dense request: docs/BENCHMARKS.md).
+
+Exit codes: 0 (report, or every check passed), 1 (a numerics check failed or a kernel raised), 2 (bad arguments).
+``--json PATH`` also writes everything as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+from .api import (ACCURATE_CHAIN, Backend, auto_chain, block_sparse_attention, has_pooled_tail, resolve_backend,
+                  why_unavailable)
+from .reference import softmax_scale
+
+FP8 = (Backend.TRITON_FP8_WS, Backend.TRITON_FP8)
+INT8 = (Backend.TRITON_INT8_WS, Backend.TRITON_INT8)
+CEILINGS = {"fp8": 0.08, "int8": 0.03}  # relative L2 on Gaussian q/k/v; the rest: 2 x PyTorch's error + 1e-3
+HEAD_DIM = 128
+ORACLE_ROW_STRIDE = 8
+
+
+def numerics_of(backend: Backend) -> str:
+    """``"fp8"``, ``"int8"`` or ``"16-bit"`` (the 16-bit kernels, ``flex`` and the fp32 ``reference``)."""
+    return "fp8" if backend in FP8 else "int8" if backend in INT8 else "16-bit"
+
+
+def _versions() -> dict:
+    try:
+        import triton  # noqa: PLC0415 - optional: the report says when it is missing
+
+        triton_version = triton.__version__
+    except Exception as exc:  # noqa: BLE001 - any import failure is the answer
+        triton_version = f"not importable ({type(exc).__name__}: {exc})"
+    return {"python": platform.python_version(), "torch": torch.__version__, "torch_cuda": torch.version.cuda,
+            "triton": triton_version}
+
+
+def _device_info(device: torch.device) -> dict:
+    if device.type != "cuda":
+        return {"device": str(device), "name": platform.processor() or "CPU"}
+    props = torch.cuda.get_device_properties(device)
+    return {"device": str(device), "name": props.name, "capability": f"sm_{props.major}{props.minor}",
+            "memory_gib": round(props.total_memory / 2**30, 1)}
+
+
+def report(device: torch.device) -> dict:
+    """What runs here, without running attention (see the module docstring)."""
+    probe = torch.empty(1, 1, 1, HEAD_DIM, dtype=torch.bfloat16, device=device)
+    chain = [{"backend": b.value, "reason": why} for b, why in auto_chain(probe)]
+    choice = resolve_backend("auto", probe)
+    accurate = next((b for b in ACCURATE_CHAIN if why_unavailable(b, probe) is None), None)
+    out = {"versions": _versions(), "device": _device_info(device), "chain": chain, "auto": choice.value,
+           "accurate": accurate.value if accurate else None,
+           "accurate_reasons": {b.value: why_unavailable(b, probe) for b in ACCURATE_CHAIN}}
+    if choice == Backend.TRITON_FP8_WS:
+        from .triton import _ptxas  # noqa: PLC0415 - Triton is importable once the Gluon kernel was chosen
+
+        out["ptxas"] = _ptxas.describe()
+    return out
+
+
+def _gaussian(heads: int, tokens: int, device: torch.device, seed: int):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return [torch.randn(1, heads, tokens, HEAD_DIM, generator=gen, device=device).to(torch.bfloat16)
+            for _ in range(3)]
+
+
+def _full_map(tokens: int, device: torch.device) -> torch.Tensor:
+    blocks = -(-tokens // 128)
+    return torch.ones(1, 1, blocks, blocks, dtype=torch.bool, device=device)
+
+
+def _rel_l2(out: torch.Tensor, exact: torch.Tensor) -> float:
+    out = out.double()
+    if not torch.isfinite(out).all():
+        return math.inf
+    return ((out - exact).norm() / exact.norm()).item()
+
+
+def check_numerics(device: torch.device, backends: list[Backend]) -> list[dict]:
+    """Step 1 of ``--run``: one row per backend (and PyTorch's dense attention): relative L2 against exact fp32
+    attention, its ceiling, whether it passed; a backend that raises is a failed row with the error."""
+    tokens = 4097 if device.type == "cuda" else 1000
+    q, k, v = _gaussian(4, tokens, device, seed=1)
+    rows = torch.arange(0, tokens, ORACLE_ROW_STRIDE, device=device)
+    scale = softmax_scale(HEAD_DIM)
+    scores = (q[:, :, rows].float() @ k.float().transpose(-1, -2)) * scale
+    exact = (torch.softmax(scores, dim=-1) @ v.float()).double()
+    torch_error = _rel_l2(torch.nn.functional.scaled_dot_product_attention(q, k, v)[:, :, rows], exact)
+    results = [{"backend": "torch dense", "numerics": str(q.dtype).split(".")[-1],
+                "rel_l2": torch_error, "ceiling": None, "passed": True}]
+    for backend in backends:
+        numerics = numerics_of(backend)
+        ceiling = CEILINGS.get(numerics, 2 * torch_error + 1e-3)
+        row = {"backend": backend.value, "numerics": numerics, "ceiling": ceiling}
+        try:
+            out = block_sparse_attention(q, k, v, _full_map(tokens, device), backend=backend.value)
+            row["rel_l2"] = _rel_l2(out[:, :, rows], exact)
+            row["passed"] = row["rel_l2"] <= ceiling
+        except Exception as exc:  # noqa: BLE001 - the check reports whatever the kernel raised
+            row.update(rel_l2=None, passed=False, error=f"{type(exc).__name__}: {exc}")
+        results.append(row)
+    return results
+
+
+def _timer(device: torch.device):
+    """``timed(fn) -> ms`` of one call: CUDA events on a GPU, the wall clock (after a sync) elsewhere."""
+    if device.type == "cuda":
+        def timed(fn):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end)
+    else:
+        def timed(fn):
+            start = time.perf_counter()
+            fn()
+            return (time.perf_counter() - start) * 1e3
+    return timed
+
+
+def measure_speed(device: torch.device, backend: Backend, heads: int, tokens: int, density: float,
+                  reps: int) -> dict:
+    """Step 2 of ``--run``: ``backend`` on a random map of ``density`` (the diagonal kept, the pooled tail on where
+    the backend has one) beside PyTorch's dense attention, medians of ``reps`` calls after two warm-up calls; the
+    first call's time (which builds the kernel on a fresh machine) apart."""
+    q, k, v = _gaussian(heads, tokens, device, seed=2)
+    blocks = -(-tokens // 128)
+    gen = torch.Generator(device=device).manual_seed(3)
+    block_map = torch.rand(1, heads, blocks, blocks, generator=gen, device=device) < density
+    block_map |= torch.eye(blocks, dtype=torch.bool, device=device)
+    timed = _timer(device)
+    tail = has_pooled_tail(backend)
+
+    def sparse():
+        return block_sparse_attention(q, k, v, block_map, backend=backend.value, pooled_tail=tail)
+
+    def dense():
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+    first_s = timed(sparse) / 1e3
+    medians = {}
+    for name, fn in (("chorus", sparse), ("torch_dense", dense)):
+        for _ in range(2):
+            fn()
+        medians[name] = statistics.median(timed(fn) for _ in range(reps))
+    return {"backend": backend.value, "heads": heads, "tokens": tokens, "density": block_map.float().mean().item(),
+            "pooled_tail": tail,
+            "first_call_s": first_s, "chorus_ms": medians["chorus"], "torch_dense_ms": medians["torch_dense"],
+            "speedup": medians["torch_dense"] / medians["chorus"]}
+
+
+def _print_report(info: dict) -> None:
+    ver, dev = info["versions"], info["device"]
+    cuda = f" (CUDA {ver['torch_cuda']})" if ver["torch_cuda"] else " (no CUDA)"
+    print(f"Chorus II check\n  python {ver['python']}, torch {ver['torch']}{cuda}, triton {ver['triton']}")
+    extra = f", {dev['capability']}, {dev['memory_gib']} GiB" if "capability" in dev else ""
+    print(f"  device {dev['device']}: {dev['name']}{extra}")
+    print("  attention (bf16, head dim 128), auto's chain:")
+    for row in info["chain"]:
+        mark = "<- auto's choice" if row["backend"] == info["auto"] else (row["reason"] or "runs here")
+        print(f"    {row['backend']:<15} {mark}")
+    if info["accurate"]:
+        print(f"  accurate numerics (masks keeping >= 95% of the mass): {info['accurate']}")
+    else:
+        reasons = "; ".join(f"{b}: {why}" for b, why in info["accurate_reasons"].items())
+        print(f"  accurate numerics: none here ({reasons}); such masks run auto's choice")
+    if "ptxas" in info:
+        print(f"  warp-specialised kernel: {info['ptxas']}")
+    if dev["device"] == "cpu":
+        print("  no CUDA device: every call runs the reference kernel (plain torch), for trying the nodes, "
+              "not faster than dense")
+
+
+def _print_numerics(rows: list[dict]) -> None:
+    print("  numerics (full map, Gaussian q/k/v, relative L2 against exact fp32 attention):")
+    for row in rows:
+        if row.get("error"):
+            print(f"    {row['backend']:<15} FAILED: {row['error']}")
+            continue
+        ceiling = "" if row["ceiling"] is None else f" (ceiling {row['ceiling']:.4f})"
+        verdict = "" if row["ceiling"] is None else ("  ok" if row["passed"] else "  FAILED")
+        print(f"    {row['backend']:<15} {row['rel_l2']:.4f}{ceiling}{verdict}")
+
+
+def _print_speed(row: dict) -> None:
+    tail = "pooled tail on" if row["pooled_tail"] else "no pooled tail (this backend has none)"
+    print(f"  speed ({row['heads']} heads x {row['tokens']} tokens, bf16, {row['density']:.1%} of the key blocks, "
+          f"{tail}; a random map, not a Wan map):")
+    print(f"    {row['backend']}: {row['chorus_ms']:.2f} ms a call (first call {row['first_call_s']:.1f} s); "
+          f"torch dense: {row['torch_dense_ms']:.2f} ms; {row['speedup']:.2f}x")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _density(text: str) -> float:
+    value = float(text)
+    if not (0.0 < value <= 1.0):
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
+    return value
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m chorus check", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    ap.add_argument("--run", action="store_true", help="also run the numerics check and the speed comparison")
+    ap.add_argument("--tokens", type=_positive_int, default=None,
+                    help="speed: tokens per call (default 32760, Wan 14B at 480p; 2048 on the CPU)")
+    ap.add_argument("--heads", type=_positive_int, default=None, help="speed: heads (default 40; 2 on the CPU)")
+    ap.add_argument("--density", type=_density, default=0.15, help="speed: share of key blocks kept (0.15)")
+    ap.add_argument("--reps", type=_positive_int, default=10, help="speed: timed calls (10)")
+    ap.add_argument("--json", default=None, help="also write the results to this file")
+    return ap
+
+
+def main(argv=None) -> int:
+    """The command (module docstring); returns its exit code."""
+    ap = _parser()
+    try:
+        args = ap.parse_args(argv)
+    except SystemExit as exc:  # argparse's own exit: -h (0) or a bad argument (2)
+        return int(exc.code or 0)
+    try:
+        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except RuntimeError as exc:
+        print(f"error: --device {args.device!r}: {exc}", file=sys.stderr)
+        return 2
+    if device.type == "cuda" and (not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count()):
+        print(f"error: --device {device}: this torch sees {torch.cuda.device_count()} CUDA device(s)", file=sys.stderr)
+        return 2
+    if device.type not in ("cuda", "cpu"):
+        print(f"error: --device {device}: Chorus runs on CUDA GPUs or the CPU", file=sys.stderr)
+        return 2
+    info = report(device)
+    _print_report(info)
+    status = 0
+    if args.run:
+        choice = Backend(info["auto"])
+        backends = [choice] + ([Backend(info["accurate"])] if info["accurate"] else [])
+        info["numerics"] = check_numerics(device, backends)
+        _print_numerics(info["numerics"])
+        failed = [row["backend"] for row in info["numerics"] if not row["passed"]]
+        if failed:
+            status = 1
+            print(f"  CHECK FAILED for {', '.join(failed)} on this device: choose another backend in "
+                  "ChorusSparseSampler's backend input (triton_bf16, or reference) and report this output")
+        tokens = args.tokens or (32760 if device.type == "cuda" else 2048)
+        heads = args.heads or (40 if device.type == "cuda" else 2)
+        try:
+            info["speed"] = measure_speed(device, choice, heads, tokens, args.density, args.reps)
+            _print_speed(info["speed"])
+        except Exception as exc:  # noqa: BLE001 - an out-of-memory at this size, or a kernel failure: reported
+            info["speed"] = {"error": f"{type(exc).__name__}: {exc}"}
+            print(f"  speed: FAILED ({info['speed']['error']}); a smaller --tokens / --heads may fit")
+            status = 1
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(info, f, indent=1)
+    return status

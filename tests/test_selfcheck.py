@@ -1,0 +1,90 @@
+"""``python -m chorus check`` (``kernels/selfcheck.py``): the report, the numerics check and the speed row on
+the CPU (the reference kernel), a kernel that computes wrong failing the check (exit 1), bad arguments (exit 2);
+on a GPU the same command with auto's kernel (skips without CUDA)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from chorus.__main__ import main as chorus_main
+from chorus.kernels import selfcheck
+
+
+def test_the_report_names_the_kernel_auto_runs_and_why_the_others_cannot(tmp_path, capsys):
+    out = tmp_path / "check.json"
+    assert selfcheck.main(["--device", "cpu", "--json", str(out)]) == 0
+    info = json.loads(out.read_text())
+    assert info["auto"] == "reference" and info["accurate"] is None
+    assert [row["backend"] for row in info["chain"]] == ["reference"]
+    assert all("CUDA" in why for why in info["accurate_reasons"].values())
+    text = capsys.readouterr().out
+    assert "<- auto's choice" in text and "not faster than dense" in text
+    assert "numerics" not in info and "speed" not in info  # nothing ran without --run
+
+
+def test_run_checks_the_numerics_against_exact_attention_and_times_both(tmp_path, capsys):
+    out = tmp_path / "check.json"
+    assert selfcheck.main(["--device", "cpu", "--run", "--tokens", "300", "--heads", "2", "--reps", "2",
+                           "--json", str(out)]) == 0
+    info = json.loads(out.read_text())
+    torch_row, ours = info["numerics"]
+    assert torch_row["backend"] == "torch dense" and 0 < torch_row["rel_l2"] < 0.01
+    assert ours["backend"] == "reference" and ours["passed"] and ours["rel_l2"] <= ours["ceiling"]
+    speed = info["speed"]
+    assert speed["tokens"] == 300 and speed["heads"] == 2 and speed["pooled_tail"]
+    assert speed["chorus_ms"] > 0 and speed["torch_dense_ms"] > 0
+    assert speed["speedup"] == pytest.approx(speed["torch_dense_ms"] / speed["chorus_ms"])
+    assert "ok" in capsys.readouterr().out
+
+
+def test_a_kernel_that_computes_wrong_fails_the_check(monkeypatch, capsys):
+    real = selfcheck.block_sparse_attention
+
+    def wrong(q, k, v, block_map, **kwargs):
+        return real(q, k, v, block_map, **kwargs).flip(2)  # every row another row's output
+
+    monkeypatch.setattr(selfcheck, "block_sparse_attention", wrong)
+    assert selfcheck.main(["--device", "cpu", "--run", "--tokens", "256", "--heads", "1", "--reps", "1"]) == 1
+    text = capsys.readouterr().out
+    assert "FAILED" in text and "CHECK FAILED for reference" in text
+
+
+def test_a_kernel_that_raises_fails_the_check_with_its_error(monkeypatch, capsys):
+    def broken(*args, **kwargs):
+        raise RuntimeError("no kernel image is available for execution on the device")
+
+    monkeypatch.setattr(selfcheck, "block_sparse_attention", broken)
+    assert selfcheck.main(["--device", "cpu", "--run", "--tokens", "256", "--heads", "1", "--reps", "1"]) == 1
+    text = capsys.readouterr().out
+    assert "RuntimeError: no kernel image" in text and "speed: FAILED" in text
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--density", "0"], "must be in (0, 1]"), (["--tokens", "0"], "must be >= 1"),
+    (["--device", "cuda:7"], "CUDA device"), (["--device", "nonsense"], "--device")])
+def test_bad_arguments_are_a_clear_error_and_exit_2(argv, message, capsys):
+    if argv[:2] == ["--device", "cuda:7"] and torch.cuda.device_count() > 7:
+        pytest.skip("this machine has a cuda:7")
+    assert selfcheck.main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_the_pack_s_command_line_runs_it(capsys):
+    assert chorus_main(["check", "--device", "cpu"]) == 0
+    assert "auto's chain" in capsys.readouterr().out
+    assert chorus_main(["-h"]) == 0
+    assert "check" in capsys.readouterr().out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_auto_s_kernel_passes_its_numerics_check(tmp_path):
+    out = tmp_path / "check.json"
+    assert selfcheck.main(["--run", "--tokens", "4096", "--heads", "4", "--reps", "3", "--json", str(out)]) == 0
+    info = json.loads(out.read_text())
+    if torch.cuda.get_device_capability()[0] == 9:
+        assert info["auto"] == "triton_fp8_ws" and info["accurate"] == "triton_int8_ws" and "ptxas" in info
+    assert all(row["passed"] for row in info["numerics"]) and info["speed"]["chorus_ms"] > 0
