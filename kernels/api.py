@@ -146,7 +146,10 @@ def why_unavailable(backend: Backend, q: torch.Tensor, op: str = "attention") ->
         major, minor = torch.cuda.get_device_capability(q.device)
         if (major, minor) < (8, 0):
             return f"triton_int8 needs INT8 tensor cores with Triton's integer dot (sm_80+), this GPU is sm_{major}{minor}"
-    return None
+    if op != "attention":
+        return None
+    numerics = {Backend.TRITON_FP8: "fp8", Backend.TRITON_INT8: "int8", Backend.TRITON_BF16: "16-bit"}[backend]
+    return triton_kernels.portable_unavailable(q, numerics)
 
 
 def _candidates(q: torch.Tensor, op: str) -> list[Backend]:

@@ -12,9 +12,9 @@ warp-specialised kernel.
 1. Numerics, the check: a full map on Gaussian q/k/v (4 heads x 4 097 tokens, a partial last block; 1 000 on the
    CPU) through ``auto``'s choice and the accurate backend, relative L2 against exact fp32 attention on every 8th
    query row, PyTorch's dense attention in the inputs' dtype beside them. A result that is not finite or exceeds
-   its numerics' ceiling (:data:`CEILINGS`: FP8 0.08, INT8 0.03, 16-bit and fp32 twice PyTorch's own error plus
-   1e-3, where the measured floors are 0.054-0.056, 0.016-0.017 and ~0.003: docs/BENCHMARKS.md) fails: exit 1,
-   with the backend to choose instead.
+   its numerics' ceiling (:data:`~chorus.kernels.reference.NUMERICS_CEILINGS`: FP8 0.08, INT8 0.03, 16-bit and
+   fp32 0.02, where the measured errors are 0.051-0.056, 0.014-0.017 and 0.002-0.006) fails: exit 1, with the
+   backend to choose instead.
 2. Speed, a report: ``--heads`` x ``--tokens`` (40 x 32 760, Wan 14B at 480p; 2 x 2 048 on the CPU) in bf16, a
    random map keeping ``--density`` of the key blocks (and the diagonal), the pooled tail on (the node's default):
    the median of ``--reps`` calls after two warm-up calls, beside ``torch.nn.functional.scaled_dot_product_attention``
@@ -39,11 +39,10 @@ import torch
 
 from .api import (ACCURATE_CHAIN, Backend, auto_chain, block_sparse_attention, has_pooled_tail, resolve_backend,
                   why_unavailable)
-from .reference import softmax_scale
+from .reference import NUMERICS_CEILINGS, softmax_scale
 
 FP8 = (Backend.TRITON_FP8_WS, Backend.TRITON_FP8)
 INT8 = (Backend.TRITON_INT8_WS, Backend.TRITON_INT8)
-CEILINGS = {"fp8": 0.08, "int8": 0.03}  # relative L2 on Gaussian q/k/v; the rest: 2 x PyTorch's error + 1e-3
 HEAD_DIM = 128
 ORACLE_ROW_STRIDE = 8
 
@@ -120,7 +119,7 @@ def check_numerics(device: torch.device, backends: list[Backend]) -> list[dict]:
                 "rel_l2": torch_error, "ceiling": None, "passed": True}]
     for backend in backends:
         numerics = numerics_of(backend)
-        ceiling = CEILINGS.get(numerics, 2 * torch_error + 1e-3)
+        ceiling = NUMERICS_CEILINGS[numerics]
         row = {"backend": backend.value, "numerics": numerics, "ceiling": ceiling}
         try:
             out = block_sparse_attention(q, k, v, _full_map(tokens, device), backend=backend.value)

@@ -524,3 +524,19 @@ def test_tail_part3_rows_that_keep_nothing_and_torch_compile():
     bm[:, :, 5, 5] = True
     eager = attend(q, k, v, bm)
     assert torch.equal(torch.compile(attend, fullgraph=False)(q, k, v, bm), eager)
+
+
+@pytest.mark.parametrize("numerics", ["16-bit", pytest.param("fp8", marks=needs_fp8), "int8"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_portable_kernels_first_use_probe_passes_on_this_gpu(numerics, dtype):
+    """auto's resolution runs each portable Triton kernel once before taking it (a kernel that computes wrong on
+    a GPU it was never run on is skipped for the next backend): on this GPU every one passes, and the API sees
+    no reason against it."""
+    from chorus.kernels.api import Backend, why_unavailable
+    from chorus.kernels.reference import NUMERICS_CEILINGS
+    from chorus.kernels.triton import check_portable_kernel
+
+    like = torch.empty(1, 1, 1, 128, dtype=dtype, device="cuda")
+    assert check_portable_kernel(like, numerics) <= NUMERICS_CEILINGS[numerics]
+    backend = {"16-bit": Backend.TRITON_BF16, "fp8": Backend.TRITON_FP8, "int8": Backend.TRITON_INT8}[numerics]
+    assert why_unavailable(backend, like) is None

@@ -817,3 +817,42 @@ def test_int8_rejects_other_block_sizes_and_fp8_together():
     with pytest.raises(ValueError, match="128-token blocks"):
         block_sparse_attention_triton_impl(q, k, v, torch.ones(1, 1, 1, 1, dtype=torch.bool), 128, 0.125, True,
                                            int8=True)
+
+
+@pytest.mark.parametrize("numerics,floor", [("16-bit", 0.002), ("fp8", 0.03), ("int8", 0.008)])
+def test_the_portable_kernels_first_use_probe_passes_each_numerics(numerics, floor):
+    """What auto's resolution runs once per (device, dtype, head dim, numerics) before it takes a portable
+    Triton backend on a GPU: the kernel on Gaussian inputs, its error under the numerics' ceiling (and not
+    suspiciously low: each numerics' own rounding shows)."""
+    from chorus.kernels.reference import NUMERICS_CEILINGS
+    from chorus.kernels.triton import check_portable_kernel
+
+    like = torch.empty(1, 1, 1, 128, dtype=torch.bfloat16)
+    error = check_portable_kernel(like, numerics)
+    assert floor < error <= NUMERICS_CEILINGS[numerics], (numerics, error)
+
+
+def test_a_portable_kernel_that_computes_wrong_is_a_reason_found_once(monkeypatch):
+    """A kernel that builds and runs but computes wrong (here: each row another's output) is unavailable, with
+    the error in the reason, asked once per key; a kernel that raises likewise."""
+    import chorus.kernels.triton as T
+
+    real, calls = T.block_sparse_attention_triton, []
+
+    def wrong(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs).flip(2)
+
+    monkeypatch.setattr(T, "_PROBED", {})
+    monkeypatch.setattr(T, "block_sparse_attention_triton", wrong)
+    like = torch.empty(1, 1, 1, 64, dtype=torch.float16)
+    reason = T.portable_unavailable(like, "16-bit")
+    assert reason is not None and "the Triton 16-bit kernel" in reason and "computes wrong: relative error" in reason
+    assert T.portable_unavailable(like, "16-bit") == reason and len(calls) == 1
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no kernel image is available for execution on the device")
+
+    monkeypatch.setattr(T, "block_sparse_attention_triton", broken)
+    reason = T.portable_unavailable(like, "fp8")
+    assert "does not build or run here (RuntimeError: no kernel image" in reason

@@ -37,7 +37,7 @@ import os
 import torch
 
 from ..custom_ops import op_registered
-from ..reference import softmax_scale
+from ..reference import NUMERICS_CEILINGS, dense_attention_oracle, softmax_scale
 from . import _attention_ws
 from ._attention import block_sparse_attention_triton_impl, compress_block_map, output_like
 from ._block_mass import block_mass_triton_impl
@@ -193,6 +193,41 @@ def ws_unavailable(q: torch.Tensor, int8: bool = False) -> str | None:
         return reason
     return build_probe(("ws", str(q.device), q.dtype, q.shape[-1], bool(int8)),
                        f"the warp-specialised {'INT8' if int8 else 'FP8'} kernel", lambda: _run_one_ws_block(q, int8))
+
+
+def portable_unavailable(q: torch.Tensor, numerics: str) -> str | None:
+    """Reason the portable Triton kernel cannot run on tensors like ``q`` with ``numerics`` (``"fp8"``,
+    ``"int8"`` or ``"16-bit"``: backends ``triton_fp8``, ``triton_int8``, ``triton_bf16``), or None. The first
+    question per (device, dtype, head dim, numerics) builds and runs the kernel once on a small input
+    (:func:`check_portable_kernel`, through :func:`build_probe`): on a GPU it was never run on, a kernel that
+    does not build, or builds and computes wrong, is a reason found while resolving, and ``auto`` takes the
+    next backend of its chain instead of every call failing (and building again) or a wrong video."""
+    return build_probe(("portable", str(q.device), q.dtype, q.shape[-1], numerics), f"the Triton {numerics} kernel",
+                       lambda: check_portable_kernel(q, numerics))
+
+
+PROBE_TOKENS = 200  # two blocks of 128, the second partial (as Wan's lengths: 32 760, 75 600)
+
+
+def check_portable_kernel(q: torch.Tensor, numerics: str) -> float:
+    """Run the portable kernel with ``numerics`` on unit Gaussian q / k / v like ``q`` (2 heads x
+    :data:`PROBE_TOKENS`, full map) and return its relative L2 against the fp64 oracle; ``RuntimeError`` when it
+    is not finite or past :data:`~chorus.kernels.reference.NUMERICS_CEILINGS`. Whatever the kernel raises
+    propagates."""
+    gen = torch.Generator(device=q.device).manual_seed(0)
+    x = torch.randn(3, 1, 2, PROBE_TOKENS, q.shape[-1], generator=gen, device=q.device).to(q.dtype)
+    blocks = -(-PROBE_TOKENS // 128)
+    full = torch.ones(1, 1, blocks, blocks, dtype=torch.bool, device=q.device)
+    if numerics == "int8":
+        out = block_sparse_attention_int8(x[0], x[1], x[2], full)
+    else:
+        out = block_sparse_attention_triton(x[0], x[1], x[2], full, fp8=numerics == "fp8")
+    exact = dense_attention_oracle(x[0], x[1], x[2])
+    error = ((out.double() - exact).norm() / exact.norm()).item()
+    if not error <= NUMERICS_CEILINGS[numerics]:  # (NaN included)
+        raise RuntimeError(f"it computes wrong: relative error {error:.3g} against exact attention, where its "
+                           f"numerics stay under {NUMERICS_CEILINGS[numerics]}")
+    return error
 
 
 _PROBED: dict[tuple, str | None] = {}
