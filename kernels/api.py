@@ -80,6 +80,19 @@ _NO_POOLED_TAIL = (Backend.FA4_BF16, Backend.FLEX)  # auto sends a pooled_tail c
 ACCURATE_CHAIN = (Backend.TRITON_INT8_WS, Backend.TRITON_INT8)
 
 
+def numerics_of(backend) -> str:
+    """The numerics family of ``backend`` (a :class:`Backend` or its name), as
+    :data:`~chorus.kernels.reference.NUMERICS_CEILINGS` keys it: ``"fp8"`` (``triton_fp8_ws``, ``triton_fp8``),
+    ``"int8"`` (``triton_int8_ws``, ``triton_int8``) or ``"16-bit"`` (the rest; the fp32 ``reference`` included).
+    ``ValueError`` for ``auto`` (resolve it first: :func:`resolve_backend`) and unknown names."""
+    backend = _parse_backend(backend)
+    if backend == Backend.AUTO:
+        raise ValueError("auto is no kernel: resolve it first (resolve_backend)")
+    if backend in (Backend.TRITON_FP8_WS, Backend.TRITON_FP8):
+        return "fp8"
+    return "int8" if backend in ACCURATE_CHAIN else "16-bit"
+
+
 def has_pooled_tail(backend) -> bool:
     """Whether ``backend`` (a :class:`Backend` or its name) runs ``pooled_tail=True`` calls itself: every
     backend but ``flex`` and ``fa4_bf16``; ``auto`` does (it takes the next backend of its chain that has
@@ -148,8 +161,7 @@ def why_unavailable(backend: Backend, q: torch.Tensor, op: str = "attention") ->
             return f"triton_int8 needs INT8 tensor cores with Triton's integer dot (sm_80+), this GPU is sm_{major}{minor}"
     if op != "attention":
         return None
-    numerics = {Backend.TRITON_FP8: "fp8", Backend.TRITON_INT8: "int8", Backend.TRITON_BF16: "16-bit"}[backend]
-    return triton_kernels.portable_unavailable(q, numerics)
+    return triton_kernels.portable_unavailable(q, numerics_of(backend))
 
 
 def _candidates(q: torch.Tensor, op: str) -> list[Backend]:

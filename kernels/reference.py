@@ -119,6 +119,15 @@ def _attend(q, k, v, block_map, block_size, scale, biases, pooled_tail):
 NUMERICS_CEILINGS = {"fp8": 0.08, "int8": 0.03, "16-bit": 0.02}
 
 
+def relative_l2(out: torch.Tensor, exact: torch.Tensor) -> float:
+    """``||out - exact|| / ||exact||`` in fp64 (``exact`` fp64, as the oracle gives it); ``inf`` when ``out`` is
+    not finite."""
+    out = out.double()
+    if not torch.isfinite(out).all():
+        return math.inf
+    return ((out - exact).norm() / exact.norm()).item()
+
+
 def softmax_scale(head_dim: int, scale: float | None = None) -> float:
     """The logits' scale of attention over ``head_dim``-wide heads: ``scale`` when given, else
     ``1 / sqrt(head_dim)``."""

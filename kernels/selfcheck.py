@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import platform
 import statistics
 import sys
@@ -37,19 +36,12 @@ import time
 
 import torch
 
-from .api import (ACCURATE_CHAIN, Backend, auto_chain, block_sparse_attention, has_pooled_tail, resolve_backend,
-                  why_unavailable)
-from .reference import NUMERICS_CEILINGS, softmax_scale
+from .api import (ACCURATE_CHAIN, Backend, auto_chain, block_sparse_attention, has_pooled_tail, numerics_of,
+                  resolve_backend, why_unavailable)
+from .reference import NUMERICS_CEILINGS, relative_l2, softmax_scale
 
-FP8 = (Backend.TRITON_FP8_WS, Backend.TRITON_FP8)
-INT8 = (Backend.TRITON_INT8_WS, Backend.TRITON_INT8)
 HEAD_DIM = 128
 ORACLE_ROW_STRIDE = 8
-
-
-def numerics_of(backend: Backend) -> str:
-    """``"fp8"``, ``"int8"`` or ``"16-bit"`` (the 16-bit kernels, ``flex`` and the fp32 ``reference``)."""
-    return "fp8" if backend in FP8 else "int8" if backend in INT8 else "16-bit"
 
 
 def _versions() -> dict:
@@ -98,13 +90,6 @@ def _full_map(tokens: int, device: torch.device) -> torch.Tensor:
     return torch.ones(1, 1, blocks, blocks, dtype=torch.bool, device=device)
 
 
-def _rel_l2(out: torch.Tensor, exact: torch.Tensor) -> float:
-    out = out.double()
-    if not torch.isfinite(out).all():
-        return math.inf
-    return ((out - exact).norm() / exact.norm()).item()
-
-
 def check_numerics(device: torch.device, backends: list[Backend]) -> list[dict]:
     """Step 1 of ``--run``: one row per backend (and PyTorch's dense attention): relative L2 against exact fp32
     attention, its ceiling, whether it passed; a backend that raises is a failed row with the error."""
@@ -114,7 +99,7 @@ def check_numerics(device: torch.device, backends: list[Backend]) -> list[dict]:
     scale = softmax_scale(HEAD_DIM)
     scores = (q[:, :, rows].float() @ k.float().transpose(-1, -2)) * scale
     exact = (torch.softmax(scores, dim=-1) @ v.float()).double()
-    torch_error = _rel_l2(torch.nn.functional.scaled_dot_product_attention(q, k, v)[:, :, rows], exact)
+    torch_error = relative_l2(torch.nn.functional.scaled_dot_product_attention(q, k, v)[:, :, rows], exact)
     results = [{"backend": "torch dense", "numerics": str(q.dtype).split(".")[-1],
                 "rel_l2": torch_error, "ceiling": None, "passed": True}]
     for backend in backends:
@@ -123,7 +108,7 @@ def check_numerics(device: torch.device, backends: list[Backend]) -> list[dict]:
         row = {"backend": backend.value, "numerics": numerics, "ceiling": ceiling}
         try:
             out = block_sparse_attention(q, k, v, _full_map(tokens, device), backend=backend.value)
-            row["rel_l2"] = _rel_l2(out[:, :, rows], exact)
+            row["rel_l2"] = relative_l2(out[:, :, rows], exact)
             row["passed"] = row["rel_l2"] <= ceiling
         except Exception as exc:  # noqa: BLE001 - the check reports whatever the kernel raised
             row.update(rel_l2=None, passed=False, error=f"{type(exc).__name__}: {exc}")

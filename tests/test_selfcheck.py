@@ -72,6 +72,19 @@ def test_bad_arguments_are_a_clear_error_and_exit_2(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+def test_each_kernel_has_the_numerics_its_ceiling_is_keyed_by():
+    from chorus.kernels.api import Backend, numerics_of
+    from chorus.kernels.reference import NUMERICS_CEILINGS
+
+    families = {b.value: numerics_of(b) for b in Backend if b != Backend.AUTO}
+    assert set(families.values()) == set(NUMERICS_CEILINGS)
+    assert families["triton_fp8_ws"] == families["triton_fp8"] == "fp8"
+    assert families["triton_int8_ws"] == families["triton_int8"] == "int8"
+    assert families["triton_bf16"] == families["reference"] == "16-bit"
+    with pytest.raises(ValueError, match="resolve it first"):
+        numerics_of("auto")
+
+
 def test_the_pack_s_command_line_runs_it(capsys):
     assert chorus_main(["check", "--device", "cpu"]) == 0
     assert "auto's chain" in capsys.readouterr().out

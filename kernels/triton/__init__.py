@@ -37,7 +37,7 @@ import os
 import torch
 
 from ..custom_ops import op_registered
-from ..reference import NUMERICS_CEILINGS, dense_attention_oracle, softmax_scale
+from ..reference import NUMERICS_CEILINGS, dense_attention_oracle, relative_l2, softmax_scale
 from . import _attention_ws
 from ._attention import block_sparse_attention_triton_impl, compress_block_map, output_like
 from ._block_mass import block_mass_triton_impl
@@ -195,6 +195,9 @@ def ws_unavailable(q: torch.Tensor, int8: bool = False) -> str | None:
                        f"the warp-specialised {'INT8' if int8 else 'FP8'} kernel", lambda: _run_one_ws_block(q, int8))
 
 
+PROBE_TOKENS = 200  # the portable kernels' first-use probe: two blocks of 128, the second partial (as Wan's lengths)
+
+
 def portable_unavailable(q: torch.Tensor, numerics: str) -> str | None:
     """Reason the portable Triton kernel cannot run on tensors like ``q`` with ``numerics`` (``"fp8"``,
     ``"int8"`` or ``"16-bit"``: backends ``triton_fp8``, ``triton_int8``, ``triton_bf16``), or None. The first
@@ -205,8 +208,6 @@ def portable_unavailable(q: torch.Tensor, numerics: str) -> str | None:
     return build_probe(("portable", str(q.device), q.dtype, q.shape[-1], numerics), f"the Triton {numerics} kernel",
                        lambda: check_portable_kernel(q, numerics))
 
-
-PROBE_TOKENS = 200  # two blocks of 128, the second partial (as Wan's lengths: 32 760, 75 600)
 
 
 def check_portable_kernel(q: torch.Tensor, numerics: str) -> float:
@@ -222,9 +223,8 @@ def check_portable_kernel(q: torch.Tensor, numerics: str) -> float:
         out = block_sparse_attention_int8(x[0], x[1], x[2], full)
     else:
         out = block_sparse_attention_triton(x[0], x[1], x[2], full, fp8=numerics == "fp8")
-    exact = dense_attention_oracle(x[0], x[1], x[2])
-    error = ((out.double() - exact).norm() / exact.norm()).item()
-    if not error <= NUMERICS_CEILINGS[numerics]:  # (NaN included)
+    error = relative_l2(out, dense_attention_oracle(x[0], x[1], x[2]))
+    if not error <= NUMERICS_CEILINGS[numerics]:
         raise RuntimeError(f"it computes wrong: relative error {error:.3g} against exact attention, where its "
                            f"numerics stay under {NUMERICS_CEILINGS[numerics]}")
     return error
