@@ -159,8 +159,8 @@ def why_unavailable(backend: Backend, q: torch.Tensor, op: str = "attention") ->
         major, minor = torch.cuda.get_device_capability(q.device)
         if (major, minor) < (8, 0):
             return f"triton_int8 needs INT8 tensor cores with Triton's integer dot (sm_80+), this GPU is sm_{major}{minor}"
-    if op != "attention":
-        return None
+    if op == "block_mass":
+        return triton_kernels.block_mass_unavailable(q)
     return triton_kernels.portable_unavailable(q, numerics_of(backend))
 
 

@@ -540,3 +540,16 @@ def test_the_portable_kernels_first_use_probe_passes_on_this_gpu(numerics, dtype
     assert check_portable_kernel(like, numerics) <= NUMERICS_CEILINGS[numerics]
     backend = {"16-bit": Backend.TRITON_BF16, "fp8": Backend.TRITON_FP8, "int8": Backend.TRITON_INT8}[numerics]
     assert why_unavailable(backend, like) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_block_mass_kernels_first_use_probe_passes_on_this_gpu(dtype):
+    """A miss's first block-mass resolution runs the Triton kernel once against the reference: it passes here,
+    and auto's block-mass choice is a Triton one."""
+    from chorus.kernels.api import Backend, resolve_backend
+    from chorus.kernels.reference import BLOCK_MASS_CEILING
+    from chorus.kernels.triton import check_block_mass_kernel
+
+    like = torch.empty(1, 1, 1, 128, dtype=dtype, device="cuda")
+    assert check_block_mass_kernel(like) <= BLOCK_MASS_CEILING / 10
+    assert resolve_backend("auto", like, "block_mass") != Backend.REFERENCE

@@ -856,3 +856,25 @@ def test_a_portable_kernel_that_computes_wrong_is_a_reason_found_once(monkeypatc
     monkeypatch.setattr(T, "block_sparse_attention_triton", broken)
     reason = T.portable_unavailable(like, "fp8")
     assert "does not build or run here (RuntimeError: no kernel image" in reason
+
+
+def test_the_block_mass_kernels_first_use_probe_passes_and_a_wrong_one_is_a_reason(monkeypatch):
+    """What a miss's first block-mass resolution on a GPU runs (a kernel that computes wrong would write wrong
+    maps into the cache): the kernel's masses match the reference's far under the ceiling; a kernel that computes
+    wrong (each query block's row another's) is unavailable with the difference in the reason, asked once."""
+    import chorus.kernels.triton as T
+    from chorus.kernels.reference import BLOCK_MASS_CEILING
+
+    like = torch.empty(1, 1, 1, 128, dtype=torch.bfloat16)
+    assert T.check_block_mass_kernel(like) <= BLOCK_MASS_CEILING / 100
+    real, calls = T.block_mass_triton, []
+
+    def wrong(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs).flip(2)
+
+    monkeypatch.setattr(T, "_PROBED", {})
+    monkeypatch.setattr(T, "block_mass_triton", wrong)
+    reason = T.block_mass_unavailable(like)
+    assert reason is not None and "the Triton block-mass kernel" in reason and "computes wrong: block masses" in reason
+    assert T.block_mass_unavailable(like) == reason and len(calls) == 1

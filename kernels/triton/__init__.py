@@ -37,7 +37,8 @@ import os
 import torch
 
 from ..custom_ops import op_registered
-from ..reference import NUMERICS_CEILINGS, dense_attention_oracle, relative_l2, softmax_scale
+from ..reference import (BLOCK_MASS_CEILING, NUMERICS_CEILINGS, block_mass_reference, dense_attention_oracle,
+                         relative_l2, softmax_scale)
 from . import _attention_ws
 from ._attention import block_sparse_attention_triton_impl, compress_block_map, output_like
 from ._block_mass import block_mass_triton_impl
@@ -228,6 +229,31 @@ def check_portable_kernel(q: torch.Tensor, numerics: str) -> float:
         raise RuntimeError(f"it computes wrong: relative error {error:.3g} against exact attention, where its "
                            f"numerics stay under {NUMERICS_CEILINGS[numerics]}")
     return error
+
+
+def block_mass_unavailable(q: torch.Tensor) -> str | None:
+    """Reason the Triton block-mass kernel (a miss's recording) cannot run on tensors like ``q``, or None: the
+    first question per (device, dtype, head dim) runs it once (:func:`check_block_mass_kernel`, through
+    :func:`build_probe`), so on a GPU where it does not build or computes wrong a miss records with the reference
+    instead of writing wrong maps into the cache."""
+    return build_probe(("block mass", str(q.device), q.dtype, q.shape[-1]), "the Triton block-mass kernel",
+                       lambda: check_block_mass_kernel(q))
+
+
+def check_block_mass_kernel(q: torch.Tensor, sample_rows: int = 8) -> float:
+    """Run the block-mass kernel on unit Gaussian q / k like ``q`` (2 heads x :data:`PROBE_TOKENS`,
+    ``sample_rows`` rows per block as a miss records) and return the largest absolute difference from
+    :func:`~chorus.kernels.reference.block_mass_reference`; ``RuntimeError`` when it is not finite or past
+    :data:`~chorus.kernels.reference.BLOCK_MASS_CEILING`. Whatever the kernel raises propagates."""
+    gen = torch.Generator(device=q.device).manual_seed(0)
+    x = torch.randn(2, 1, 2, PROBE_TOKENS, q.shape[-1], generator=gen, device=q.device).to(q.dtype)
+    got = block_mass_triton(x[0], x[1], block_size=128, sample_rows=sample_rows)
+    want = block_mass_reference(x[0], x[1], 128, sample_rows, softmax_scale(q.shape[-1]))
+    diff = (got - want).abs().max().item()
+    if not diff <= BLOCK_MASS_CEILING:  # (NaN included)
+        raise RuntimeError(f"it computes wrong: block masses {diff:.3g} from the reference's, where a right one "
+                           f"stays under {BLOCK_MASS_CEILING}")
+    return diff
 
 
 _PROBED: dict[tuple, str | None] = {}
