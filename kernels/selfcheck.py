@@ -1,11 +1,12 @@
 """``python -m chorus check``: which attention kernel Chorus runs on this machine and, with ``--run``, whether it
 computes right here and how fast it is beside PyTorch's dense attention on the same device.
 
-The report (nothing runs but ``auto``'s resolution, which on Hopper builds and launches the warp-specialised kernel
-once): Python, torch (and its CUDA), Triton; the device (name, compute capability, memory); ``auto``'s chain for a
-Wan self-attention call (bf16, head dim 128), with the reason each backend cannot run here; the accurate 8-bit
-numerics (what the engine runs for masks that keep >= 95% of the attention mass); on Hopper, which ptxas builds the
-warp-specialised kernel.
+The report (nothing runs but ``auto``'s resolution, which runs each kernel it considers once on a small input:
+:func:`~chorus.kernels.triton.portable_unavailable`): Python, torch (and its CUDA), Triton; the device (name,
+compute capability, memory); ``auto``'s chain for a Wan self-attention call (bf16, head dim 128), with the reason
+each backend cannot run here; the kernel a miss records its block mass with; the accurate 8-bit numerics (what the
+engine runs for masks that keep >= 95% of the attention mass); on Hopper, which ptxas builds the warp-specialised
+kernel.
 
 ``--run`` (a GPU's first run builds the kernels: up to a minute):
 
@@ -69,7 +70,9 @@ def report(device: torch.device) -> dict:
     chain = [{"backend": b.value, "reason": why} for b, why in auto_chain(probe)]
     choice = resolve_backend("auto", probe)
     accurate = next((b for b in ACCURATE_CHAIN if why_unavailable(b, probe) is None), None)
+    mass_chain = [{"backend": b.value, "reason": why} for b, why in auto_chain(probe, "block_mass")]
     out = {"versions": _versions(), "device": _device_info(device), "chain": chain, "auto": choice.value,
+           "block_mass_chain": mass_chain, "block_mass": resolve_backend("auto", probe, "block_mass").value,
            "accurate": accurate.value if accurate else None,
            "accurate_reasons": {b.value: why_unavailable(b, probe) for b in ACCURATE_CHAIN}}
     if choice == Backend.TRITON_FP8_WS:
@@ -175,6 +178,12 @@ def _print_report(info: dict) -> None:
     for row in info["chain"]:
         mark = "<- auto's choice" if row["backend"] == info["auto"] else (row["reason"] or "runs here")
         print(f"    {row['backend']:<15} {mark}")
+    if info["block_mass"] != "reference":
+        mass = "the Triton kernel"
+    else:
+        reasons = [f"{row['backend']}: {row['reason']}" for row in info["block_mass_chain"] if row["reason"]]
+        mass = "the reference (plain torch)" + (f" ({'; '.join(reasons)})" if reasons else "")
+    print(f"  block mass (what a miss records): {mass}")
     if info["accurate"]:
         print(f"  accurate numerics (masks keeping >= 95% of the mass): {info['accurate']}")
     else:

@@ -17,11 +17,11 @@ def test_the_report_names_the_kernel_auto_runs_and_why_the_others_cannot(tmp_pat
     out = tmp_path / "check.json"
     assert selfcheck.main(["--device", "cpu", "--json", str(out)]) == 0
     info = json.loads(out.read_text())
-    assert info["auto"] == "reference" and info["accurate"] is None
+    assert info["auto"] == "reference" and info["accurate"] is None and info["block_mass"] == "reference"
     assert [row["backend"] for row in info["chain"]] == ["reference"]
     assert all("CUDA" in why for why in info["accurate_reasons"].values())
     text = capsys.readouterr().out
-    assert "<- auto's choice" in text and "not faster than dense" in text
+    assert "<- auto's choice" in text and "not faster than dense" in text and "block mass" in text
     assert "numerics" not in info and "speed" not in info  # nothing ran without --run
 
 
