@@ -11,7 +11,7 @@ kernel.
 ``--run`` (a GPU's first run builds the kernels: up to a minute):
 
 1. Numerics, the check: a full map on Gaussian q/k/v (4 heads x 4 097 tokens, a partial last block; 1 000 on the
-   CPU) through ``auto``'s choice and the accurate backend, relative L2 against exact fp32 attention on every 8th
+   CPU) through ``auto``'s choice and the accurate backend, relative L2 against the fp64 oracle on every 8th
    query row, PyTorch's dense attention in the inputs' dtype beside them. A result that is not finite or exceeds
    its numerics' ceiling (:data:`~chorus.kernels.reference.NUMERICS_CEILINGS`: FP8 0.08, INT8 0.03, 16-bit and
    fp32 0.02, where the measured errors are 0.051-0.056, 0.014-0.017 and 0.002-0.006) fails: exit 1, with the
@@ -29,6 +29,7 @@ Exit codes: 0 (report, or every check passed), 1 (a numerics check failed or a k
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import statistics
@@ -39,7 +40,7 @@ import torch
 
 from .api import (ACCURATE_CHAIN, Backend, auto_chain, block_sparse_attention, has_pooled_tail, numerics_of,
                   resolve_backend, why_unavailable)
-from .reference import NUMERICS_CEILINGS, relative_l2, softmax_scale
+from .reference import NUMERICS_CEILINGS, dense_attention_oracle, relative_l2
 
 HEAD_DIM = 128
 ORACLE_ROW_STRIDE = 8
@@ -94,14 +95,12 @@ def _full_map(tokens: int, device: torch.device) -> torch.Tensor:
 
 
 def check_numerics(device: torch.device, backends: list[Backend]) -> list[dict]:
-    """Step 1 of ``--run``: one row per backend (and PyTorch's dense attention): relative L2 against exact fp32
-    attention, its ceiling, whether it passed; a backend that raises is a failed row with the error."""
+    """Step 1 of ``--run``: one row per backend (and PyTorch's dense attention): relative L2 against the fp64
+    oracle, its ceiling, whether it passed; a backend that raises is a failed row with the error."""
     tokens = 4097 if device.type == "cuda" else 1000
     q, k, v = _gaussian(4, tokens, device, seed=1)
     rows = torch.arange(0, tokens, ORACLE_ROW_STRIDE, device=device)
-    scale = softmax_scale(HEAD_DIM)
-    scores = (q[:, :, rows].float() @ k.float().transpose(-1, -2)) * scale
-    exact = (torch.softmax(scores, dim=-1) @ v.float()).double()
+    exact = dense_attention_oracle(q[:, :, rows], k, v)
     torch_error = relative_l2(torch.nn.functional.scaled_dot_product_attention(q, k, v)[:, :, rows], exact)
     results = [{"backend": "torch dense", "numerics": str(q.dtype).split(".")[-1],
                 "rel_l2": torch_error, "ceiling": None, "passed": True}]
@@ -120,7 +119,8 @@ def check_numerics(device: torch.device, backends: list[Backend]) -> list[dict]:
 
 
 def _timer(device: torch.device):
-    """``timed(fn) -> ms`` of one call: CUDA events on a GPU, the wall clock (after a sync) elsewhere."""
+    """``timed(fn) -> ms`` of one call: CUDA events on a GPU (the current device's stream), the wall clock on the
+    CPU."""
     if device.type == "cuda":
         def timed(fn):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -197,7 +197,7 @@ def _print_report(info: dict) -> None:
 
 
 def _print_numerics(rows: list[dict]) -> None:
-    print("  numerics (full map, Gaussian q/k/v, relative L2 against exact fp32 attention):")
+    print("  numerics (full map, Gaussian q/k/v, relative L2 against exact attention in fp64):")
     for row in rows:
         if row.get("error"):
             print(f"    {row['backend']:<15} FAILED: {row['error']}")
@@ -261,6 +261,16 @@ def main(argv=None) -> int:
     if device.type not in ("cuda", "cpu"):
         print(f"error: --device {device}: Chorus runs on CUDA GPUs or the CPU", file=sys.stderr)
         return 2
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        info, status = _check(device, args)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(info, f, indent=1)
+    return status
+
+
+def _check(device: torch.device, args) -> tuple[dict, int]:
+    """The report, and with ``args.run`` the numerics check and the speed row, printed; ``(results, exit code)``."""
     info = report(device)
     _print_report(info)
     status = 0
@@ -283,7 +293,4 @@ def main(argv=None) -> int:
             info["speed"] = {"error": f"{type(exc).__name__}: {exc}"}
             print(f"  speed: FAILED ({info['speed']['error']}); a smaller --tokens / --heads may fit")
             status = 1
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(info, f, indent=1)
-    return status
+    return info, status
