@@ -832,19 +832,26 @@ def test_the_portable_kernels_first_use_probe_passes_each_numerics(numerics, flo
     assert floor < error <= NUMERICS_CEILINGS[numerics], (numerics, error)
 
 
-def test_a_portable_kernel_that_computes_wrong_is_a_reason_found_once(monkeypatch):
-    """A kernel that builds and runs but computes wrong (here: each row another's output) is unavailable, with
-    the error in the reason, asked once per key; a kernel that raises likewise."""
-    import chorus.kernels.triton as T
-
-    real, calls = T.block_sparse_attention_triton, []
+def _swap_rows_of(module, name, monkeypatch) -> list:
+    """Make ``module.name`` a kernel that computes wrong (its output's rows in reverse order) and forget earlier
+    probes; returns the list each call of it appends to."""
+    real, calls = getattr(module, name), []
 
     def wrong(*args, **kwargs):
         calls.append(1)
         return real(*args, **kwargs).flip(2)
 
-    monkeypatch.setattr(T, "_PROBED", {})
-    monkeypatch.setattr(T, "block_sparse_attention_triton", wrong)
+    monkeypatch.setattr(module, "_PROBED", {})
+    monkeypatch.setattr(module, name, wrong)
+    return calls
+
+
+def test_a_portable_kernel_that_computes_wrong_is_a_reason_found_once(monkeypatch):
+    """A kernel that builds and runs but computes wrong (here: each row another's output) is unavailable, with
+    the error in the reason, asked once per key; a kernel that raises likewise."""
+    import chorus.kernels.triton as T
+
+    calls = _swap_rows_of(T, "block_sparse_attention_triton", monkeypatch)
     like = torch.empty(1, 1, 1, 64, dtype=torch.float16)
     reason = T.portable_unavailable(like, "16-bit")
     assert reason is not None and "the Triton 16-bit kernel" in reason and "computes wrong: relative error" in reason
@@ -867,14 +874,7 @@ def test_the_block_mass_kernels_first_use_probe_passes_and_a_wrong_one_is_a_reas
 
     like = torch.empty(1, 1, 1, 128, dtype=torch.bfloat16)
     assert T.check_block_mass_kernel(like) <= BLOCK_MASS_CEILING / 100
-    real, calls = T.block_mass_triton, []
-
-    def wrong(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs).flip(2)
-
-    monkeypatch.setattr(T, "_PROBED", {})
-    monkeypatch.setattr(T, "block_mass_triton", wrong)
+    calls = _swap_rows_of(T, "block_mass_triton", monkeypatch)
     reason = T.block_mass_unavailable(like)
     assert reason is not None and "the Triton block-mass kernel" in reason and "computes wrong: block masses" in reason
     assert T.block_mass_unavailable(like) == reason and len(calls) == 1
