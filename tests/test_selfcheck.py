@@ -25,6 +25,19 @@ def test_the_report_names_the_kernel_auto_runs_and_why_the_others_cannot(tmp_pat
     assert "numerics" not in info and "speed" not in info  # nothing ran without --run
 
 
+def test_a_gpu_without_a_triton_kernel_is_a_warning(capsys):
+    """On a CUDA device where no Triton kernel runs (no Triton: Windows without triton-windows), a hit would run
+    the reference or flex, slower than dense: the report says so."""
+    info = selfcheck.report(torch.device("cpu"))
+    info["device"] = {"device": "cuda:0", "name": "a GPU", "capability": "sm_89", "memory_gib": 24.0}
+    info["chain"] = [{"backend": "triton_bf16", "reason": "triton is not importable: No module named 'triton'"},
+                     {"backend": "flex", "reason": None}, {"backend": "reference", "reason": None}]
+    info["auto"] = "flex"
+    selfcheck._print_report(info)
+    text = capsys.readouterr().out
+    assert "WARNING: no Triton kernel runs on this GPU" in text and "triton is not importable" in text
+
+
 def test_run_checks_the_numerics_against_exact_attention_and_times_both(tmp_path, capsys):
     out = tmp_path / "check.json"
     assert selfcheck.main(["--device", "cpu", "--run", "--tokens", "300", "--heads", "2", "--reps", "2",
