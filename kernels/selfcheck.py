@@ -287,7 +287,8 @@ def _check(device: torch.device, args) -> tuple[dict, int]:
         if failed:
             status = 1
             print(f"  CHECK FAILED for {', '.join(failed)} on this device: choose another backend in "
-                  "ChorusSparseSampler's backend input (triton_bf16, or reference) and report this output")
+                  "ChorusSparseSampler's backend input (triton_bf16) or leave the Chorus nodes out, and report "
+                  "this output")
         tokens = args.tokens or (32760 if device.type == "cuda" else 2048)
         heads = args.heads or (40 if device.type == "cuda" else 2)
         try:
