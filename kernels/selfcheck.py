@@ -70,12 +70,12 @@ def report(device: torch.device) -> dict:
     probe = torch.empty(1, 1, 1, HEAD_DIM, dtype=torch.bfloat16, device=device)
     chain = [{"backend": b.value, "reason": why} for b, why in auto_chain(probe)]
     choice = resolve_backend("auto", probe)
-    accurate = next((b for b in ACCURATE_CHAIN if why_unavailable(b, probe) is None), None)
+    accurate_reasons = {b.value: why_unavailable(b, probe) for b in ACCURATE_CHAIN}
+    accurate = next((name for name, why in accurate_reasons.items() if why is None), None)
     mass_chain = [{"backend": b.value, "reason": why} for b, why in auto_chain(probe, "block_mass")]
     out = {"versions": _versions(), "device": _device_info(device), "chain": chain, "auto": choice.value,
            "block_mass_chain": mass_chain, "block_mass": resolve_backend("auto", probe, "block_mass").value,
-           "accurate": accurate.value if accurate else None,
-           "accurate_reasons": {b.value: why_unavailable(b, probe) for b in ACCURATE_CHAIN}}
+           "accurate": accurate, "accurate_reasons": accurate_reasons}
     if choice == Backend.TRITON_FP8_WS:
         from .triton import _ptxas  # noqa: PLC0415 - Triton is importable once the Gluon kernel was chosen
 
