@@ -24,21 +24,24 @@ from .comfy_patch import configure, describe, get_patch
 from .common import CATEGORY, ChorusPlan, model_input_problem, number_input, ui_text
 
 
-# where feature reuse measured slower than the same hit without it (docs/BENCHMARKS.md, the TI2V 5B section):
-# its per-token modulation runs per compact token in every reduced block, which outweighs the tokens saved
-SLOWER_ON = {"wan2.2-ti2v-5b": "measured slower on Wan 2.2 TI2V 5B than the same hit without it (720p, H100: "
-                               "25.4 against 23.9 s); leave this node out there"}
+# where feature reuse measured slower than the same hit without it on an eager model and faster under
+# TorchCompileModel (docs/BENCHMARKS.md, the TI2V 5B section): eagerly the model's per-token modulation runs per
+# compact token in every reduced block, which outweighs the tokens saved; compiled, the request is faster
+PAYS_ONLY_COMPILED_ON = {
+    "wan2.2-ti2v-5b": "on Wan 2.2 TI2V 5B it pays only under TorchCompileModel: 720p on an H100, 17.7 s against "
+                      "19.2 s for the same compiled hit without it, but eagerly 23.6 against 23.3 s; leave this "
+                      "node out of an eager 5B graph"}
 
 
 def patch_feature_reuse(model, plan: Plan, config: FeatureReuseConfig):
     """Return ``(patched clone, FeatureReuse or None, message)``; the input model is not modified. The message
-    says so where feature reuse measured slower on the model's variant (:data:`SLOWER_ON`)."""
+    says so where feature reuse pays on the model's variant only when compiled (:data:`PAYS_ONLY_COMPILED_ON`)."""
     patched, patch, info = configure(model, plan, feature_reuse=config)
     if not info.supported:
         return patched, None, f"not patched: {info.reason}"
     message = f"patched {info.num_layers} blocks of {info.variant}"
-    if info.variant in SLOWER_ON:
-        message += f" ({SLOWER_ON[info.variant]})"
+    if info.variant in PAYS_ONLY_COMPILED_ON:
+        message += f" ({PAYS_ONLY_COMPILED_ON[info.variant]})"
     return patched, patch.feature_reuse, message
 
 
@@ -54,7 +57,8 @@ class ChorusFeatureReuse(io.ComfyNode):
                         "and the feed-forward; its update is upsampled back), the rest in full. On a miss, the "
                         "dense run records which regions were redundant, for the entry Chorus Cache Write "
                         "writes. Works before or after Chorus Sparse Sampler; for Wan 2.2 A14B patch both models. "
-                        "On Wan 2.2 TI2V 5B it measured slower than the hit without it: leave it out there.",
+                        "On Wan 2.2 TI2V 5B it pays only under TorchCompileModel (eagerly it measured slower than "
+                        "the hit without it): there, use it with TorchCompileModel only.",
             inputs=[
                 io.Model.Input("model", tooltip="The Wan model (after Chorus Sparse Sampler, or before it)."),
                 ChorusPlan.Input("plan", tooltip="The plan from Chorus Mask Retrieve (the same one the sparse "
