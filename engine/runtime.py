@@ -216,11 +216,28 @@ class ChorusAttention:
 
 
 
-def _resolved(backend: str, q: torch.Tensor, block_size: int) -> str | None:
-    """The kernel ``backend`` runs for tensors like ``q`` in ``block_size``-token blocks (``auto``: its choice on
-    this device), or None when it cannot run them here (its calls then run dense, each with a message)."""
+# device types where a hit whose ``auto`` lands on the reference kernel runs it: the CPU, where nothing faster is
+# built (for trying the nodes and for tests); on any other device such a hit runs dense (ExpertRun._backend)
+REFERENCE_SERVES_HITS_ON = frozenset({"cpu"})
+
+
+def _no_fast_kernel_note(q: torch.Tensor) -> str:
+    """The one note of a hit that runs dense because only the reference kernel runs on ``q``'s device."""
+    reasons = [f"{backend.value}: {why}" for backend, why in kernels.auto_chain(q) if why]
+    why = f" ({reasons[0]})" if reasons else ""
+    remedy = ("install a Triton that matches this torch (on Windows, triton-windows) for Chorus's kernels, and "
+              "see `chorus check`" if q.device.type == "cuda" else "Chorus's kernels need a CUDA GPU")
+    return (f"no sparse attention kernel faster than dense runs on this {q.device.type} device{why}: the hit's "
+            f"self-attention runs dense (no speed-up); {remedy}")
+
+
+def _resolved(backend: str, q: torch.Tensor, config: SparseConfig) -> str | None:
+    """The kernel ``backend`` runs for tensors like ``q`` with the config's block size and pooled tail (``auto``:
+    its choice on this device), or None when it cannot run them here (its calls then run dense, each with a
+    message)."""
     try:
-        return kernels.resolve_backend(backend, q, block_size=block_size).value
+        return kernels.resolve_backend(backend, q, block_size=config.block_size,
+                                       pooled_tail=config.pooled_tail).value
     except kernels.BackendUnavailableError:
         return None
 
@@ -240,7 +257,8 @@ class ExpertRun:
         self.maps = RunMaps(self.plan, self.config, expert)
         self.verifier = Verifier(self.plan, self.config, expert, self.model_info.num_layers, self.record_into)
         self._kept = None  # device counter of computed blocks (read when the run ends: no sync per call)
-        self._backend_name = None  # the config's backend that runs here (decided at the first sparse call)
+        self._backend_name = None  # the config's backend that runs here (None: dense), decided at the first hit call
+        self._backend_decided = False
 
     def finish(self) -> None:
         if self.expert is not None:
@@ -260,6 +278,9 @@ class ExpertRun:
         if call.sigma is None:
             return self._fallback(call, "no sigma in this forward")
         if plan.is_hit:
+            if self._backend(call.q) is None:  # no sparse kernel here beats the host's dense attention
+                plan.stats.dense_calls += 1
+                return call.dense(plan.note)
             return self._sparse(call)
         return self._dense_and_record(call)
 
@@ -322,23 +343,36 @@ class ExpertRun:
                                               rows_checked=True, token_perm=order, suffix_len=suffix_len,
                                               suffix_bias=suffix_bias, pooled_tail=cfg.pooled_tail)
 
-    def _backend(self, q: torch.Tensor) -> str:
+    def _backend(self, q: torch.Tensor) -> str | None:
         """The first of the config's :attr:`~chorus.engine.config.SparseConfig.attention_backends` that can run
         here with the config's block size (decided once per run): with auto's accurate choice, ``triton_int8_ws``,
         else ``triton_int8``, else (no CUDA, another block size) ``auto``; any other config, its backend. The kernel
         it resolves to is named once in the request's stats (:attr:`~chorus.engine.state.PlanStats.kernels`, the
-        run's UI text)."""
-        if self._backend_name is None:
-            wanted, block_size = self.config.attention_backends, self.config.block_size
+        run's UI text).
+
+        None where ``auto`` lands on the reference kernel on a device outside :data:`REFERENCE_SERVES_HITS_ON`
+        (a GPU where no Triton kernel runs, e.g. Windows' portable ComfyUI without ``triton-windows``; Apple's
+        ``mps``): the reference is plain torch in fp32, a loop over query blocks, several times slower than the
+        host's dense attention, so the run's hit calls run dense instead, with one note naming why no faster
+        kernel runs. An explicitly chosen ``reference`` still runs it."""
+        if not self._backend_decided:
+            self._backend_decided = True
+            wanted = self.config.attention_backends
             self._backend_name, resolved = wanted[-1], None
             for name in wanted[:-1]:
-                resolved = _resolved(name, q, block_size)
+                resolved = _resolved(name, q, self.config)
                 if resolved is not None:
                     self._backend_name = name
                     break
             if resolved is None:
-                resolved = _resolved(self._backend_name, q, block_size)
-            self.plan.stats.note_kernel(self._backend_name, resolved)
+                resolved = _resolved(self._backend_name, q, self.config)
+            if (self._backend_name == kernels.Backend.AUTO.value and resolved == kernels.Backend.REFERENCE.value
+                    and q.device.type not in REFERENCE_SERVES_HITS_ON):
+                self._backend_name = None
+                self.plan.stats.note_kernel("dense", "dense")
+                self.plan.note(_no_fast_kernel_note(q))
+            else:
+                self.plan.stats.note_kernel(self._backend_name, resolved)
         return self._backend_name
 
     def _count_sparse(self, batch: int, block_map, kept) -> None:

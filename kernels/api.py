@@ -38,6 +38,7 @@ order fused into their loads and output store.
 from __future__ import annotations
 
 import enum
+import importlib.util
 import logging
 import math
 
@@ -128,6 +129,8 @@ def why_unavailable(backend: Backend, q: torch.Tensor, op: str = "attention") ->
             from torch.nn.attention.flex_attention import flex_attention  # noqa: F401
         except ImportError as exc:  # pragma: no cover - depends on torch build
             return f"FlexAttention is not available in this torch ({exc})"
+        if q.device.type == "cuda" and importlib.util.find_spec("triton") is None:
+            return "flex runs compiled on a CUDA GPU (torch.compile), which needs Triton: triton is not installed"
         return None
     if backend in _ATTENTION_ONLY and op != "attention":
         return f"{backend.value} has no block_mass implementation"
@@ -182,18 +185,20 @@ def auto_chain(q: torch.Tensor, op: str = "attention") -> list[tuple[Backend, st
     return [(candidate, why_unavailable(candidate, q, op)) for candidate in _candidates(q, op)]
 
 
-def resolve_backend(backend, q: torch.Tensor, op: str = "attention", block_size: int | None = None) -> Backend:
+def resolve_backend(backend, q: torch.Tensor, op: str = "attention", block_size: int | None = None,
+                    pooled_tail: bool = False) -> Backend:
     """Resolve ``backend`` for inputs like ``q``: auto picks the first runnable backend of its chain
     (cached, logged once); an explicit backend is checked and raises :class:`BackendUnavailableError` if it
-    cannot run. ``block_size`` (attention): the backend must also run blocks of that many tokens (an explicit
-    one raises otherwise; auto moves on along its chain, as a call with that block size does)."""
+    cannot run. ``block_size`` (attention): the backend must also run blocks of that many tokens, and with
+    ``pooled_tail`` have a pooled tail (an explicit one raises otherwise; auto moves on along its chain, as a
+    call with those options does)."""
     requested = _parse_backend(backend)
     if requested != Backend.AUTO:
         reason = why_unavailable(requested, q, op)
         if reason is not None:
             raise BackendUnavailableError(f"backend={requested.value!r} cannot run here: {reason}")
         if block_size is not None and op == "attention":
-            return _for_call_options(requested, True, q, block_size, 0)
+            return _for_call_options(requested, True, q, block_size, 0, pooled_tail=pooled_tail)
         return requested
     key = (op, q.device.type, q.device.index, q.dtype, q.shape[-1])
     if key not in _auto_choice:
@@ -206,7 +211,7 @@ def resolve_backend(backend, q: torch.Tensor, op: str = "attention", block_size:
         LOG.info("chorus: %s backend auto -> %s (device %s, %s, head dim %d)", op, _auto_choice[key].value,
                  q.device, str(q.dtype).replace("torch.", ""), q.shape[-1])
     if block_size is not None and op == "attention":
-        return _for_call_options(_auto_choice[key], False, q, block_size, 0)
+        return _for_call_options(_auto_choice[key], False, q, block_size, 0, pooled_tail=pooled_tail)
     return _auto_choice[key]
 
 

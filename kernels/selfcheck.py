@@ -195,9 +195,12 @@ def _print_report(info: dict) -> None:
         print("  no CUDA device: every call runs the reference kernel (plain torch), for trying the nodes, "
               "not faster than dense")
     elif info["auto"] in (Backend.FLEX.value, Backend.REFERENCE.value):
-        print(f"  WARNING: no Triton kernel runs on this GPU (the reasons above), so a hit runs {info['auto']}, "
-              "slower than ComfyUI's own dense attention: install a Triton that matches this torch "
-              "(on Windows, triton-windows), or leave the Chorus nodes out")
+        runs = ("ComfyUI's own dense attention (no speed-up: the reference kernel would be slower)"
+                if info["auto"] == Backend.REFERENCE.value else
+                "ComfyUI's own dense attention with the pooled tail on (the default; no speed-up), FlexAttention "
+                "with it off")
+        print(f"  WARNING: no Triton kernel runs on this GPU (the reasons above), so a hit runs {runs}: install a "
+              "Triton that matches this torch (on Windows, triton-windows), or leave the Chorus nodes out")
 
 
 def _print_numerics(rows: list[dict]) -> None:

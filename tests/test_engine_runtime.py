@@ -143,6 +143,34 @@ def test_auto_asks_for_the_accurate_path_from_top_p_095_and_runs_auto_where_it_c
     assert plan.stats.kernels == ["reference (auto)"] and "kernel reference (auto)" in plan.stats.summary()
 
 
+def test_a_hit_runs_dense_where_only_the_reference_kernel_would_run_on_a_gpu(monkeypatch):
+    """Where auto lands on the reference kernel on a device other than the CPU (a GPU without Triton, Apple's
+    mps), a hit's calls run the host's dense attention instead, with one note and no sparse call; an explicit
+    ``backend="reference"`` still runs it. Shown on this CPU with the CPU taken out of the devices where the
+    reference serves hits."""
+    from chorus.engine import runtime
+
+    monkeypatch.setattr(runtime, "REFERENCE_SERVES_HITS_ON", frozenset())
+    asked = []
+    real = kernels.block_sparse_attention
+    monkeypatch.setattr(kernels, "block_sparse_attention", lambda *a, **kw: asked.append(kw["backend"]) or real(*a, **kw))
+    diag = torch.eye(QB, dtype=torch.bool).expand(2, QB, QB).clone()
+    masks = {(0, s, l, 0): diag for s in range(3) for l in range(2)}
+    plan = hit_plan(masks)
+    for q, k, v, out in run_steps(ChorusAttention(plan, CFG, INFO)):
+        torch.testing.assert_close(out, sdpa(q, k, v), rtol=0, atol=0)
+    assert asked == [] and plan.stats.sparse_calls == 0 and plan.stats.dense_calls == 6
+    assert plan.stats.fallback_calls == 0 and plan.stats.kernels == ["dense"]
+    notes = [m for m in plan.stats.messages if "no sparse attention kernel faster than dense" in m]
+    assert len(notes) == 1 and "runs dense" in notes[0] and "need a CUDA GPU" in notes[0], plan.stats.messages
+
+    explicit = hit_plan(masks)
+    outs = run_steps(ChorusAttention(explicit, dataclasses.replace(CFG, backend="reference"), INFO))
+    assert explicit.stats.sparse_calls == 6 and asked == ["reference"] * 6 and explicit.stats.kernels == ["reference"]
+    q, k, v, out = outs[0]
+    assert not torch.equal(out, sdpa(q, k, v))  # the diagonal map ran
+
+
 def test_the_stats_name_each_kernel_once_and_one_that_cannot_run():
     from chorus.engine.state import PlanStats
 

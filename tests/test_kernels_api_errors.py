@@ -69,3 +69,31 @@ def test_an_explicit_gpu_only_backend_on_cpu_names_the_device(backend):
         K.block_sparse_attention(q, k, v, _full(2, 2), block_size=128, backend=backend)
     with pytest.raises(K.BackendUnavailableError, match=f"{backend}.*no block_mass|no block_mass.*{backend}"):
         K.block_mass(q, k, block_size=128, backend=backend)
+
+
+def test_flex_on_a_cuda_gpu_without_triton_names_the_missing_triton(monkeypatch):
+    """On a CUDA GPU flex runs compiled, and torch.compile needs Triton: where it is not installed (Windows'
+    portable ComfyUI without triton-windows) flex cannot run, so auto moves on instead of failing every call.
+    (Only the device's type is read: a CUDA device object needs no GPU.)"""
+    import importlib.util
+    from types import SimpleNamespace
+
+    from chorus.kernels.api import why_unavailable
+
+    on_gpu = SimpleNamespace(device=torch.device("cuda", 0))
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real(name, *a))
+    assert "needs Triton: triton is not installed" in why_unavailable(K.Backend.FLEX, on_gpu)
+    assert why_unavailable(K.Backend.FLEX, make_qkv(q_len=64)[0]) is None  # on the CPU flex runs uncompiled
+    monkeypatch.undo()
+    assert why_unavailable(K.Backend.FLEX, on_gpu) is None  # Triton is installed here
+
+
+def test_resolving_with_a_pooled_tail_moves_past_a_backend_without_one():
+    """``pooled_tail=True``: auto resolves as a call with the tail does (past flex and fa4_bf16); an explicit
+    backend without one raises."""
+    q = make_qkv(q_len=64)[0]
+    assert K.resolve_backend("flex", q, block_size=64) == K.Backend.FLEX
+    with pytest.raises(K.BackendUnavailableError, match="flex has no pooled tail"):
+        K.resolve_backend("flex", q, block_size=64, pooled_tail=True)
+    assert K.resolve_backend("auto", q, block_size=64, pooled_tail=True) == K.Backend.REFERENCE

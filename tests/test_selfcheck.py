@@ -26,16 +26,22 @@ def test_the_report_names_the_kernel_auto_runs_and_why_the_others_cannot(tmp_pat
 
 
 def test_a_gpu_without_a_triton_kernel_is_a_warning(capsys):
-    """On a CUDA device where no Triton kernel runs (no Triton: Windows without triton-windows), a hit would run
-    the reference or flex, slower than dense: the report says so."""
+    """On a CUDA device where no Triton kernel runs (no Triton: Windows without triton-windows), a hit runs
+    ComfyUI's dense attention (the engine's rule; flex only with the pooled tail off): the report says so."""
     info = selfcheck.report(torch.device("cpu"))
     info["device"] = {"device": "cuda:0", "name": "a GPU", "capability": "sm_89", "memory_gib": 24.0}
     info["chain"] = [{"backend": "triton_bf16", "reason": "triton is not importable: No module named 'triton'"},
-                     {"backend": "flex", "reason": None}, {"backend": "reference", "reason": None}]
-    info["auto"] = "flex"
+                     {"backend": "flex", "reason": "flex runs compiled on a CUDA GPU (torch.compile), which needs "
+                                                   "Triton: triton is not installed"},
+                     {"backend": "reference", "reason": None}]
+    info["auto"] = "reference"
     selfcheck._print_report(info)
     text = capsys.readouterr().out
     assert "WARNING: no Triton kernel runs on this GPU" in text and "triton is not importable" in text
+    assert "a hit runs ComfyUI's own dense attention (no speed-up" in text
+    info["auto"] = "flex"  # Triton there, but none of Chorus's Triton kernels passes its first-use check
+    selfcheck._print_report(info)
+    assert "FlexAttention with it off" in capsys.readouterr().out
 
 
 def test_run_checks_the_numerics_against_exact_attention_and_times_both(tmp_path, capsys):
