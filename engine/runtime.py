@@ -352,9 +352,10 @@ class ExpertRun:
 
         None where ``auto`` lands on the reference kernel on a device outside :data:`REFERENCE_SERVES_HITS_ON`
         (a GPU where no Triton kernel runs, e.g. Windows' portable ComfyUI without ``triton-windows``; Apple's
-        ``mps``): the reference is plain torch in fp32, a loop over query blocks, several times slower than the
-        host's dense attention, so the run's hit calls run dense instead, with one note naming why no faster
-        kernel runs. An explicitly chosen ``reference`` still runs it."""
+        ``mps``): the reference is plain torch, a loop over query blocks that scores every key in fp32 whatever the
+        map keeps (dense work at fp32 rates, plus the masking), slower than the host's dense attention, so the
+        run's hit calls run dense instead, with one note naming why no faster kernel runs. An explicitly chosen
+        ``reference`` still runs it."""
         if not self._backend_decided:
             self._backend_decided = True
             wanted = self.config.attention_backends
