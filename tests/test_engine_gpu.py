@@ -140,3 +140,33 @@ def test_windows_of_two_lengths_on_gpu_are_recorded_and_served():
     eager = dense_attention_oracle(q2.double(), k2.double(), v2.double(), block_map=used, block_size=128)
     bf16_eager = (eager.to(torch.bfloat16).double() - oracle).abs().max().item()
     assert (out.double() - oracle).abs().max().item() <= 4 * max(bf16_eager, 1e-3)
+
+
+def test_without_triton_a_hit_on_gpu_runs_dense_and_a_miss_still_records(monkeypatch):
+    """This GPU as one without Triton (Windows' portable ComfyUI without triton-windows: ``import triton`` fails):
+    auto finds no Triton kernel and no flex (it runs compiled, which needs Triton), only the reference, so a hit's
+    call runs the host's dense attention with one note, and a miss still records its block mass (the reference's)."""
+    import sys
+
+    from chorus.kernels import api
+
+    monkeypatch.setitem(sys.modules, "triton", None)  # import triton raises; find_spec("triton") is None
+    monkeypatch.setattr(api, "_auto_choice", {})
+    gen = torch.Generator().manual_seed(0)
+    block_map = (torch.rand(4, QB, QB, generator=gen) < 0.3) | torch.eye(QB, dtype=torch.bool)
+    plan = _hit(block_map)
+    handle = ChorusAttention(plan, SparseConfig(k_min=4), INFO)
+    handle.begin_run([0.9, 0.0])
+    q, k, v = _qkv(1)
+    out = handle.self_attention(q, k, v, layer=0, sigma=torch.tensor([0.9], device="cuda"), grid=GRID, dense_fn=sdpa)
+    torch.testing.assert_close(out, sdpa(q, k, v), rtol=0, atol=0)
+    assert plan.stats.sparse_calls == 0 and plan.stats.dense_calls == 1 and plan.stats.kernels == ["dense"]
+    assert any("triton" in m and "runs dense" in m for m in plan.stats.messages), plan.stats.messages
+
+    miss = Plan.miss("test", latent_shape=(16, 5, 60, 104), keep_mass=True)
+    handle = ChorusAttention(miss, SparseConfig(k_min=4), INFO)
+    handle.begin_run([0.9, 0.0])
+    out = handle.self_attention(q, k, v, layer=0, sigma=torch.tensor([0.9], device="cuda"), grid=GRID, dense_fn=sdpa)
+    handle.end_run()
+    torch.testing.assert_close(out, sdpa(q, k, v), rtol=0, atol=0)
+    assert miss.stats.recorded_calls == 1 and miss.recorder.masses(), miss.stats.messages
