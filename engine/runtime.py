@@ -221,14 +221,15 @@ class ChorusAttention:
 REFERENCE_SERVES_HITS_ON = frozenset({"cpu"})
 
 
-def _no_fast_kernel_note(q: torch.Tensor) -> str:
-    """The one note of a hit that runs dense because only the reference kernel runs on ``q``'s device."""
+def _no_fast_kernel(q: torch.Tensor) -> tuple[str, str]:
+    """``(why, remedy)`` for a device where only the reference kernel runs for tensors like ``q``: why no sparse
+    kernel faster than dense runs there (the first reason of auto's chain), and what would bring one."""
     reasons = [f"{backend.value}: {why}" for backend, why in kernels.auto_chain(q) if why]
-    why = f" ({reasons[0]})" if reasons else ""
+    why = (f"no sparse attention kernel faster than dense runs on this {q.device.type} device"
+           + (f" ({reasons[0]})" if reasons else ""))
     remedy = ("install a Triton that matches this torch (on Windows, triton-windows) for Chorus's kernels, and "
               "see `chorus check`" if q.device.type == "cuda" else "Chorus's kernels need a CUDA GPU")
-    return (f"no sparse attention kernel faster than dense runs on this {q.device.type} device{why}: the hit's "
-            f"self-attention runs dense (no speed-up); {remedy}")
+    return why, remedy
 
 
 def _resolved(backend: str, q: torch.Tensor, config: SparseConfig) -> str | None:
@@ -257,8 +258,11 @@ class ExpertRun:
         self.maps = RunMaps(self.plan, self.config, expert)
         self.verifier = Verifier(self.plan, self.config, expert, self.model_info.num_layers, self.record_into)
         self._kept = None  # device counter of computed blocks (read when the run ends: no sync per call)
-        self._backend_name = None  # the config's backend that runs here (None: dense), decided at the first hit call
-        self._backend_decided = False
+        # the config's backend that runs here and what it resolves to, decided at the run's first call
+        # (_decide_backend); _no_fast_kernel: (why, remedy) where none beats dense here
+        self._backend_name = self._resolved_name = self._no_fast_kernel = None
+        self._backend_decided = self._kernel_noted = False
+        self._records_for_nothing_here = None  # (_records_for_nothing)
 
     def finish(self) -> None:
         if self.expert is not None:
@@ -343,37 +347,63 @@ class ExpertRun:
                                               rows_checked=True, token_perm=order, suffix_len=suffix_len,
                                               suffix_bias=suffix_bias, pooled_tail=cfg.pooled_tail)
 
-    def _backend(self, q: torch.Tensor) -> str | None:
-        """The first of the config's :attr:`~chorus.engine.config.SparseConfig.attention_backends` that can run
-        here with the config's block size (decided once per run): with auto's accurate choice, ``triton_int8_ws``,
-        else ``triton_int8``, else (no CUDA, another block size) ``auto``; any other config, its backend. The kernel
-        it resolves to is named once in the request's stats (:attr:`~chorus.engine.state.PlanStats.kernels`, the
-        run's UI text).
+    def _decide_backend(self, q: torch.Tensor) -> None:
+        """Once per run, from the first call: the first of the config's
+        :attr:`~chorus.engine.config.SparseConfig.attention_backends` that can run here with the config's block
+        size and pooled tail (with auto's accurate choice, ``triton_int8_ws``, else ``triton_int8``, else ``auto``;
+        any other config, its backend) and what it resolves to.
 
-        None where ``auto`` lands on the reference kernel on a device outside :data:`REFERENCE_SERVES_HITS_ON`
-        (a GPU where no Triton kernel runs, e.g. Windows' portable ComfyUI without ``triton-windows``; Apple's
-        ``mps``): the reference is plain torch, a loop over query blocks that scores every key in fp32 whatever the
-        map keeps (dense work at fp32 rates, plus the masking), slower than the host's dense attention, so the
-        run's hit calls run dense instead, with one note naming why no faster kernel runs. An explicitly chosen
-        ``reference`` still runs it."""
-        if not self._backend_decided:
-            self._backend_decided = True
-            wanted = self.config.attention_backends
-            self._backend_name, resolved = wanted[-1], None
-            for name in wanted[:-1]:
-                resolved = _resolved(name, q, self.config)
-                if resolved is not None:
-                    self._backend_name = name
-                    break
-            if resolved is None:
-                resolved = _resolved(self._backend_name, q, self.config)
-            if (self._backend_name == kernels.Backend.AUTO.value and resolved == kernels.Backend.REFERENCE.value
-                    and q.device.type not in REFERENCE_SERVES_HITS_ON):
-                self._backend_name = None
+        Where ``auto`` lands on the reference kernel on a device outside :data:`REFERENCE_SERVES_HITS_ON` (a GPU
+        where no Triton kernel runs, e.g. Windows' portable ComfyUI without ``triton-windows``; Apple's ``mps``),
+        no backend: the reference is plain torch, a loop over query blocks that scores every key in fp32 whatever
+        the map keeps (dense work at fp32 rates, plus the masking), slower than the host's dense attention, and
+        its block mass (what a miss records) a loop of fp32 products over every key too. So there a hit's calls
+        run dense and a miss records nothing (:meth:`_backend`, :meth:`record`), each with one note: Chorus
+        changes nothing on such a device, never slows it. An explicitly chosen ``reference`` still runs."""
+        if self._backend_decided:
+            return
+        self._backend_decided = True
+        wanted = self.config.attention_backends
+        self._backend_name, self._resolved_name = wanted[-1], None
+        for name in wanted[:-1]:
+            self._resolved_name = _resolved(name, q, self.config)
+            if self._resolved_name is not None:
+                self._backend_name = name
+                break
+        if self._resolved_name is None:
+            self._resolved_name = _resolved(self._backend_name, q, self.config)
+        if (self._backend_name == kernels.Backend.AUTO.value
+                and self._resolved_name == kernels.Backend.REFERENCE.value
+                and q.device.type not in REFERENCE_SERVES_HITS_ON):
+            self._backend_name, self._no_fast_kernel = None, _no_fast_kernel(q)
+
+    def _records_for_nothing(self, q: torch.Tensor) -> bool:
+        """True where a miss's recording would serve no hit here: its block mass would run the reference kernel
+        on a device outside :data:`REFERENCE_SERVES_HITS_ON` and a hit would run dense
+        (:meth:`_decide_backend`). The block-mass choice is asked first: it is what the recording resolves
+        anyway, so a miss on a GPU whose Triton kernels run builds no attention kernel for this question. Decided
+        at the run's first recorded call."""
+        if self._records_for_nothing_here is None:
+            self._records_for_nothing_here = False
+            if (q.device.type not in REFERENCE_SERVES_HITS_ON
+                    and kernels.resolve_backend("auto", q, "block_mass") == kernels.Backend.REFERENCE):
+                self._decide_backend(q)
+                self._records_for_nothing_here = self._no_fast_kernel is not None
+        return self._records_for_nothing_here
+
+    def _backend(self, q: torch.Tensor) -> str | None:
+        """The backend a hit's sparse calls ask the kernels for (:meth:`_decide_backend`), or None where they run
+        dense. The first time in a run it names the kernel once in the request's stats
+        (:attr:`~chorus.engine.state.PlanStats.kernels`, the run's UI text: ``dense`` for None, with one note)."""
+        self._decide_backend(q)
+        if not self._kernel_noted:
+            self._kernel_noted = True
+            if self._backend_name is None:
+                why, remedy = self._no_fast_kernel
                 self.plan.stats.note_kernel("dense", "dense")
-                self.plan.note(_no_fast_kernel_note(q))
+                self.plan.note(f"{why}: the hit's self-attention runs dense (no speed-up); {remedy}")
             else:
-                self.plan.stats.note_kernel(self._backend_name, resolved)
+                self.plan.stats.note_kernel(self._backend_name, self._resolved_name)
         return self._backend_name
 
     def _count_sparse(self, batch: int, block_map, kept) -> None:
@@ -395,6 +425,12 @@ class ExpertRun:
         if recorder is None or recorder.incomplete_reason is not None or self.expert is None:
             return
         try:
+            if self._records_for_nothing(call.q):  # a hit would run dense here: the recording would only cost time
+                why, remedy = self._no_fast_kernel
+                recorder.mark_incomplete(f"{why}, so a hit would run dense here")
+                plan.note(f"{why}: this miss records nothing (a hit would run dense here, and recording would only "
+                          f"slow this request); {remedy}")
+                return
             if call.layout is not None:
                 raise Fallback("a call on a compact sequence cannot be recorded")
             grid = call.check(self.model_info.num_layers, self.model_info.num_heads)

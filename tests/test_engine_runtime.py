@@ -143,11 +143,12 @@ def test_auto_asks_for_the_accurate_path_from_top_p_095_and_runs_auto_where_it_c
     assert plan.stats.kernels == ["reference (auto)"] and "kernel reference (auto)" in plan.stats.summary()
 
 
-def test_a_hit_runs_dense_where_only_the_reference_kernel_would_run_on_a_gpu(monkeypatch):
+def test_chorus_changes_nothing_where_only_the_reference_kernel_would_run_on_a_gpu(monkeypatch):
     """Where auto lands on the reference kernel on a device other than the CPU (a GPU without Triton, Apple's
-    mps), a hit's calls run the host's dense attention instead, with one note and no sparse call; an explicit
-    ``backend="reference"`` still runs it. Shown on this CPU with the CPU taken out of the devices where the
-    reference serves hits."""
+    mps), a hit's calls run the host's dense attention instead, with one note and no sparse call, and a miss
+    records nothing (its block mass would run the reference too, for hits that would run dense), with one note;
+    an explicit ``backend="reference"`` still runs it. Shown on this CPU with the CPU taken out of the devices
+    where the reference serves hits."""
     from chorus.engine import runtime
 
     monkeypatch.setattr(runtime, "REFERENCE_SERVES_HITS_ON", frozenset())
@@ -169,6 +170,15 @@ def test_a_hit_runs_dense_where_only_the_reference_kernel_would_run_on_a_gpu(mon
     assert explicit.stats.sparse_calls == 6 and asked == ["reference"] * 6 and explicit.stats.kernels == ["reference"]
     q, k, v, out = outs[0]
     assert not torch.equal(out, sdpa(q, k, v))  # the diagonal map ran
+
+    miss = Plan.miss("test", latent_shape=LATENT, keep_mass=True)
+    for q, k, v, out in run_steps(ChorusAttention(miss, CFG, INFO)):
+        torch.testing.assert_close(out, sdpa(q, k, v), rtol=0, atol=0)
+    assert miss.stats.dense_calls == 6 and miss.stats.recorded_calls == 0 and miss.stats.kernels == []
+    notes = [m for m in miss.stats.messages if "this miss records nothing" in m]
+    assert len(notes) == 1 and "no sparse attention kernel faster than dense" in notes[0], miss.stats.messages
+    with pytest.raises(ValueError, match="a hit would run dense here"):  # so no entry is written
+        miss.recorder.block_maps()
 
 
 def test_the_stats_name_each_kernel_once_and_one_that_cannot_run():
