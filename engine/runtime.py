@@ -358,8 +358,8 @@ class ExpertRun:
         no backend: the reference is plain torch, a loop over query blocks that scores every key in fp32 whatever
         the map keeps (dense work at fp32 rates, plus the masking), slower than the host's dense attention, and
         its block mass (what a miss records) a loop of fp32 products over every key too. So there a hit's calls
-        run dense and a miss records nothing (:meth:`_backend`, :meth:`record`), each with one note: Chorus
-        changes nothing on such a device, never slows it. An explicitly chosen ``reference`` still runs."""
+        run dense and a miss records nothing (:meth:`_backend`, :meth:`record`), each with one note: on such a
+        device Chorus costs a request only its bookkeeping. An explicitly chosen ``reference`` still runs."""
         if self._backend_decided:
             return
         self._backend_decided = True
