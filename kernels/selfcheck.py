@@ -6,7 +6,8 @@ The report (nothing runs but ``auto``'s resolution, which runs each kernel it co
 compute capability, memory); ``auto``'s chain for a Wan self-attention call (bf16, head dim 128), with the reason
 each backend cannot run here; the kernel a miss records its block mass with; the accurate 8-bit numerics (what the
 engine runs for masks that keep >= 95% of the attention mass); on Hopper, which ptxas builds the warp-specialised
-kernel.
+kernel; off Hopper, where auto takes the 16-bit ``triton_bf16`` and the portable FP8 kernel runs too (sm_89+: Ada,
+Blackwell; its first-use check runs), that option.
 
 ``--run`` (a GPU's first run builds the kernels: up to a minute):
 
@@ -21,6 +22,9 @@ kernel.
    the median of ``--reps`` calls after two warm-up calls, beside ``torch.nn.functional.scaled_dot_product_attention``
    on the same q/k/v (CUDA events; the wall clock on the CPU). Never judged: a random map is not a Wan map, and a
    request also runs its linears (on Hopper a 720p hit at 15% is ~2.9x a dense request: docs/BENCHMARKS.md).
+3. The option (``triton_fp8`` off Hopper, where it runs): its numerics row in step 1 and, where it passed, its
+   speed as in step 2 beside auto's, for a user choosing it by name (FP8 numerics: ~0.055 against ~0.004); its
+   failure is reported, never the check's (auto does not run it).
 
 Exit codes: 0 (report, or every check passed), 1 (a numerics check failed or a kernel raised), 2 (bad arguments).
 ``--json PATH`` also writes everything as JSON.
@@ -76,6 +80,11 @@ def report(device: torch.device) -> dict:
     out = {"versions": _versions(), "device": _device_info(device), "chain": chain, "auto": choice.value,
            "block_mass_chain": mass_chain, "block_mass": resolve_backend("auto", probe, "block_mass").value,
            "accurate": accurate, "accurate_reasons": accurate_reasons}
+    # off Hopper auto takes the 16-bit kernel; where the portable FP8 one runs too (sm_89+: Ada, Blackwell), --run
+    # also checks and times it: a choice by name whose speed on such GPUs the project has not measured
+    out["option"] = None
+    if choice == Backend.TRITON_BF16 and why_unavailable(Backend.TRITON_FP8, probe) is None:
+        out["option"] = Backend.TRITON_FP8.value
     if choice == Backend.TRITON_FP8_WS:
         from .triton import _ptxas  # noqa: PLC0415 - Triton is importable once the Gluon kernel was chosen
 
@@ -189,6 +198,9 @@ def _print_report(info: dict) -> None:
     else:
         reasons = "; ".join(f"{b}: {why}" for b, why in info["accurate_reasons"].items())
         print(f"  accurate numerics: none here ({reasons}); such masks run auto's choice")
+    if info.get("option"):
+        print(f"  by name: {info['option']} runs here too (FP8 numerics, where auto keeps 16-bit ones; its speed on "
+              "this kind of GPU is not measured by the project: --run checks and times it)")
     if "ptxas" in info:
         print(f"  warp-specialised kernel: {info['ptxas']}")
     if dev["device"] == "cpu":
@@ -283,10 +295,12 @@ def _check(device: torch.device, args) -> tuple[dict, int]:
     status = 0
     if args.run:
         choice = Backend(info["auto"])
-        backends = [choice] + ([Backend(info["accurate"])] if info["accurate"] else [])
-        info["numerics"] = check_numerics(device, backends)
+        judged = [choice] + ([Backend(info["accurate"])] if info["accurate"] else [])
+        option = Backend(info["option"]) if info.get("option") else None
+        info["numerics"] = check_numerics(device, judged + ([option] if option else []))
         _print_numerics(info["numerics"])
-        failed = [row["backend"] for row in info["numerics"] if not row["passed"]]
+        failed = [row["backend"] for row in info["numerics"]
+                  if not row["passed"] and row["backend"] in {b.value for b in judged}]
         if failed:
             status = 1
             print(f"  CHECK FAILED for {', '.join(failed)} on this device: choose another backend in "
@@ -301,4 +315,29 @@ def _check(device: torch.device, args) -> tuple[dict, int]:
             info["speed"] = {"error": f"{type(exc).__name__}: {exc}"}
             print(f"  speed: FAILED ({info['speed']['error']}); a smaller --tokens / --heads may fit")
             status = 1
+        if option is not None:
+            _check_option(device, info, option, heads, tokens, args)
     return info, status
+
+
+def _check_option(device: torch.device, info: dict, option: Backend, heads: int, tokens: int, args) -> None:
+    """The by-name option of the report (``info["option"]``): its speed beside auto's, where its numerics passed;
+    a failure here is reported, never the check's (auto does not run it)."""
+    row = next(row for row in info["numerics"] if row["backend"] == option.value)
+    if not row["passed"]:
+        print(f"  {option.value} did not pass its numerics check on this device: keep backend auto")
+        return
+    try:
+        info["speed_option"] = measure_speed(device, option, heads, tokens, args.density, args.reps)
+    except Exception as exc:  # noqa: BLE001 - reported, not judged
+        info["speed_option"] = {"error": f"{type(exc).__name__}: {exc}"}
+        print(f"  {option.value}: speed FAILED ({info['speed_option']['error']}): keep backend auto")
+        return
+    speed = info["speed_option"]
+    versus = ""
+    if "chorus_ms" in info.get("speed", {}):
+        speed["vs_auto"] = info["speed"]["chorus_ms"] / speed["chorus_ms"]
+        versus = f", {speed['vs_auto']:.2f}x auto's {info['auto']}"
+    print(f"    {option.value} ({row['numerics']} numerics, error above; by name in Chorus Sparse Sampler's backend "
+          f"input): {speed['chorus_ms']:.2f} ms a call (first call {speed['first_call_s']:.1f} s); torch dense: "
+          f"{speed['torch_dense_ms']:.2f} ms; {speed['speedup']:.2f}x{versus}")

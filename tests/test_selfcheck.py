@@ -59,6 +59,48 @@ def test_run_checks_the_numerics_against_exact_attention_and_times_both(tmp_path
     assert "ok" in capsys.readouterr().out
 
 
+def test_the_by_name_option_is_checked_and_timed_beside_auto_s_kernel_and_never_fails_the_check(monkeypatch,
+                                                                                                 capsys):
+    """Off Hopper, where auto takes triton_bf16 and triton_fp8 runs too, --run checks the option's numerics and
+    times it beside auto's kernel; an option that computes wrong is reported (keep auto), the check still passes.
+    On this CPU the option is played by flex (it runs here, uncompiled, without a pooled tail)."""
+    real_report, real_attention = selfcheck.report, selfcheck.block_sparse_attention
+
+    def with_option(device):
+        return {**real_report(device), "option": "flex"}
+
+    monkeypatch.setattr(selfcheck, "report", with_option)
+    args = ["--device", "cpu", "--run", "--tokens", "300", "--heads", "2", "--reps", "2"]
+    info = _run_json(args)
+    option_row = next(row for row in info["numerics"] if row["backend"] == "flex")
+    assert option_row["passed"] and option_row["ceiling"] == 0.02
+    speed = info["speed_option"]
+    assert speed["backend"] == "flex" and not speed["pooled_tail"] and speed["chorus_ms"] > 0
+    assert speed["vs_auto"] == pytest.approx(info["speed"]["chorus_ms"] / speed["chorus_ms"])
+    text = capsys.readouterr().out
+    assert "by name: flex runs here too" in text and "by name in Chorus Sparse Sampler's backend input" in text
+
+    def wrong_option(q, k, v, block_map, **kwargs):
+        out = real_attention(q, k, v, block_map, **kwargs)
+        return out.flip(2) if kwargs.get("backend") == "flex" else out
+
+    monkeypatch.setattr(selfcheck, "block_sparse_attention", wrong_option)
+    info = _run_json(args)
+    assert "speed_option" not in info and info["speed"]["chorus_ms"] > 0
+    assert "flex did not pass its numerics check on this device: keep backend auto" in capsys.readouterr().out
+
+
+def _run_json(args) -> dict:
+    """``chorus check ARGS --json``, asserting it passed; the JSON it wrote."""
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "check.json"
+        assert selfcheck.main([*args, "--json", str(out)]) == 0
+        return json.loads(out.read_text())
+
+
 def test_a_kernel_that_computes_wrong_fails_the_check(monkeypatch, capsys):
     real = selfcheck.block_sparse_attention
 
@@ -119,4 +161,5 @@ def test_on_a_gpu_auto_s_kernel_passes_its_numerics_check(tmp_path):
     info = json.loads(out.read_text())
     if torch.cuda.get_device_capability()[0] == 9:
         assert info["auto"] == "triton_fp8_ws" and info["accurate"] == "triton_int8_ws" and "ptxas" in info
+        assert info["option"] is None  # (auto runs FP8 here already)
     assert all(row["passed"] for row in info["numerics"]) and info["speed"]["chorus_ms"] > 0
