@@ -207,7 +207,8 @@ def _print_report(info: dict) -> None:
         print("  no CUDA device: every call runs the reference kernel (plain torch), for trying the nodes, "
               "not faster than dense")
     elif info["auto"] in (Backend.FLEX.value, Backend.REFERENCE.value):
-        runs = ("ComfyUI's own dense attention (no speed-up: the reference kernel would be slower)"
+        runs = ("ComfyUI's own dense attention (no speed-up: the reference kernel would be slower) and a miss "
+                "records nothing"
                 if info["auto"] == Backend.REFERENCE.value else
                 "ComfyUI's own dense attention with the pooled tail on (the default; no speed-up), FlexAttention "
                 "with it off")
