@@ -87,6 +87,36 @@ def test_miss_write_hit_cycle_through_the_nodes(nodes, model, tmp_path):
         assert (result["checked"] if action == "verify" else result["entries"]) == 1, report
 
 
+def test_where_only_the_reference_kernel_runs_on_a_gpu_the_nodes_change_nothing_and_say_so(nodes, model, monkeypatch):
+    """A GPU without Triton (the CPU standing in: taken out of ``REFERENCE_SERVES_HITS_ON``): a miss records
+    nothing and Chorus Cache Write says why no entry was written; a hit of an entry written elsewhere runs every
+    call dense, and its text names the dense kernel and why."""
+    from chorus.engine import runtime
+
+    image = torch.rand(1, 32, 32, 3, generator=torch.Generator().manual_seed(0))
+    positive = tiny.random_conditioning(5)
+
+    def request(no_fast_kernel: bool):
+        plan = nodes.ChorusMaskRetrieve.execute(latent=LATENT, workspace="no_triton", similarity_threshold=0.9,
+                                                start_image=image, positive=positive, prompt="a red fox").args[0]
+        with monkeypatch.context() as patch:
+            if no_fast_kernel:
+                patch.setattr(runtime, "REFERENCE_SERVES_HITS_ON", frozenset())
+            patched = nodes.ChorusSparseSampler.execute(model=model, plan=plan, top_p=0.9, k_min=4,
+                                                        refresh_steps=0, backend="auto")
+            samples = _sample(patched.args[0], positive)
+        return plan, nodes.ChorusCacheWrite.execute(latent={"samples": samples}, plan=plan).args[0]
+
+    plan, text = request(no_fast_kernel=True)
+    assert not plan.is_hit and text.startswith("not written") and "a hit would run dense here" in text, text
+    assert "recorded 0" in text and "this miss records nothing" in text, text
+    plan, text = request(no_fast_kernel=False)  # the entry a worker with Chorus's kernels writes
+    assert not plan.is_hit and "wrote entry 1" in text, text
+    plan, text = request(no_fast_kernel=True)
+    assert plan.is_hit and text.startswith("hit: updated stats of entry 1,"), text
+    assert "calls sparse 0, dense 4" in text and "kernel dense" in text and "runs dense (no speed-up)" in text, text
+
+
 def test_bad_inputs_are_messages(nodes, model):
     out = nodes.ChorusMaskRetrieve.execute(latent=LATENT, workspace="w")
     assert "no request embedding" in out.args[2] and out.args[0].recorder is None
