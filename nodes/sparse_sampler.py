@@ -9,6 +9,7 @@ from comfy_api.latest import io
 
 from ..engine import BACKENDS, Plan, SparseConfig
 from ..engine.config import DEFAULT_VERIFY_THRESHOLD
+from ..engine.plan import entry_text
 from ..kernels import has_pooled_tail
 from .comfy_patch import configure, describe, get_patch
 from .common import CATEGORY, ChorusPlan, boolean_input, model_input_problem, number_input, ui_text
@@ -113,7 +114,7 @@ class ChorusSparseSampler(io.ComfyNode):
             mode = (f"HIT on entry {plan.entry_id}, but {mismatch}: at sampling it moves to a candidate made for "
                     "this model, or runs dense attention + recording")
         elif plan.is_hit:
-            mode = "HIT: sparse attention with entry %s (similarity %.3f)" % (plan.entry_id, plan.similarity)
+            mode = f"HIT: sparse attention with {entry_text(plan.entry_id, plan.similarity)}"
             mode += ", pooled tail on" if config.pooled_tail else (tail_note or ", pooled tail off")
         elif plan.demoted_reason:
             mode = f"MISS ({plan.demoted_reason}): dense attention + recording"

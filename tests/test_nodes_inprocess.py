@@ -117,6 +117,22 @@ def test_where_only_the_reference_kernel_runs_on_a_gpu_the_nodes_change_nothing_
     assert "calls sparse 0, dense 4" in text and "kernel dense" in text and "runs dense (no speed-up)" in text, text
 
 
+def test_a_hit_made_without_a_similarity_is_named_by_its_entry(nodes, model):
+    """A library caller's hit plan may carry no similarity: the sparse sampler's text names the entry alone."""
+    from chorus.engine import Plan
+    from chorus.nodes.comfy_adapter import comfy_model_info
+
+    info = comfy_model_info(model)
+    sig = {"variant": info.variant, "experts": [info.fingerprint], "num_layers": info.num_layers,
+           "num_heads": info.num_heads, "token_grid": [2, 4, 4], "step_sigmas": [1.0, 0.5], "block_size": 128}
+    masks = {(0, s, layer, 0): torch.ones(info.num_heads, 1, 1, dtype=torch.bool)
+             for s in range(2) for layer in range(info.num_layers)}
+    plan = Plan("hit", entry_id=3, similarity=None, masks=masks, entry_meta={"signature": sig},
+                latent_shape=tuple(LATENT["samples"].shape[1:]))
+    text = _text(nodes.ChorusSparseSampler.execute(model=model, plan=plan, backend="reference"))
+    assert "HIT: sparse attention with entry 3, pooled tail on" in text, text
+
+
 def test_bad_inputs_are_messages(nodes, model):
     out = nodes.ChorusMaskRetrieve.execute(latent=LATENT, workspace="w")
     assert "no request embedding" in out.args[2] and out.args[0].recorder is None
