@@ -60,7 +60,7 @@ def test_run_checks_the_numerics_against_exact_attention_and_times_both(tmp_path
 
 
 def test_the_by_name_option_is_checked_and_timed_beside_auto_s_kernel_and_never_fails_the_check(monkeypatch,
-                                                                                                 capsys):
+                                                                                                 capsys, tmp_path):
     """Off Hopper, where auto takes triton_bf16 and triton_fp8 runs too, --run checks the option's numerics and
     times it beside auto's kernel; an option that computes wrong is reported (keep auto), the check still passes.
     On this CPU the option is played by flex (it runs here, uncompiled, without a pooled tail)."""
@@ -71,7 +71,7 @@ def test_the_by_name_option_is_checked_and_timed_beside_auto_s_kernel_and_never_
 
     monkeypatch.setattr(selfcheck, "report", with_option)
     args = ["--device", "cpu", "--run", "--tokens", "300", "--heads", "2", "--reps", "2"]
-    info = _run_json(args)
+    info = _run_json(args, tmp_path / "check.json")
     option_row = next(row for row in info["numerics"] if row["backend"] == "flex")
     assert option_row["passed"] and option_row["ceiling"] == 0.02
     speed = info["speed_option"]
@@ -85,20 +85,15 @@ def test_the_by_name_option_is_checked_and_timed_beside_auto_s_kernel_and_never_
         return out.flip(2) if kwargs.get("backend") == "flex" else out
 
     monkeypatch.setattr(selfcheck, "block_sparse_attention", wrong_option)
-    info = _run_json(args)
+    info = _run_json(args, tmp_path / "check_wrong_option.json")
     assert "speed_option" not in info and info["speed"]["chorus_ms"] > 0
     assert "flex did not pass its numerics check on this device: keep backend auto" in capsys.readouterr().out
 
 
-def _run_json(args) -> dict:
-    """``chorus check ARGS --json``, asserting it passed; the JSON it wrote."""
-    import tempfile
-    from pathlib import Path
-
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "check.json"
-        assert selfcheck.main([*args, "--json", str(out)]) == 0
-        return json.loads(out.read_text())
+def _run_json(args, out) -> dict:
+    """``chorus check ARGS --json OUT``, asserting it passed; the JSON it wrote."""
+    assert selfcheck.main([*args, "--json", str(out)]) == 0
+    return json.loads(out.read_text())
 
 
 def test_a_kernel_that_computes_wrong_fails_the_check(monkeypatch, capsys):

@@ -199,6 +199,13 @@ def ws_unavailable(q: torch.Tensor, int8: bool = False) -> str | None:
 PROBE_TOKENS = 200  # the portable kernels' first-use probe: two blocks of 128, the second partial (as Wan's lengths)
 
 
+def _probe_inputs(q: torch.Tensor, count: int) -> torch.Tensor:
+    """``count`` unit Gaussian tensors ``[1, 2, PROBE_TOKENS, D]`` like ``q`` (device, dtype, head dim), stacked,
+    the same each time (seed 0): the first-use probes' inputs."""
+    gen = torch.Generator(device=q.device).manual_seed(0)
+    return torch.randn(count, 1, 2, PROBE_TOKENS, q.shape[-1], generator=gen, device=q.device).to(q.dtype)
+
+
 def portable_unavailable(q: torch.Tensor, numerics: str) -> str | None:
     """Reason the portable Triton kernel cannot run on tensors like ``q`` with ``numerics`` (``"fp8"``,
     ``"int8"`` or ``"16-bit"``: backends ``triton_fp8``, ``triton_int8``, ``triton_bf16``), or None. The first
@@ -210,14 +217,12 @@ def portable_unavailable(q: torch.Tensor, numerics: str) -> str | None:
                        lambda: check_portable_kernel(q, numerics))
 
 
-
 def check_portable_kernel(q: torch.Tensor, numerics: str) -> float:
     """Run the portable kernel with ``numerics`` on unit Gaussian q / k / v like ``q`` (2 heads x
     :data:`PROBE_TOKENS`, full map) and return its relative L2 against the fp64 oracle; ``RuntimeError`` when it
     is not finite or past :data:`~chorus.kernels.reference.NUMERICS_CEILINGS`. Whatever the kernel raises
     propagates."""
-    gen = torch.Generator(device=q.device).manual_seed(0)
-    x = torch.randn(3, 1, 2, PROBE_TOKENS, q.shape[-1], generator=gen, device=q.device).to(q.dtype)
+    x = _probe_inputs(q, 3)
     blocks = -(-PROBE_TOKENS // 128)
     full = torch.ones(1, 1, blocks, blocks, dtype=torch.bool, device=q.device)
     if numerics == "int8":
@@ -245,8 +250,7 @@ def check_block_mass_kernel(q: torch.Tensor, sample_rows: int = 8) -> float:
     ``sample_rows`` rows per block as a miss records) and return the largest absolute difference from
     :func:`~chorus.kernels.reference.block_mass_reference`; ``RuntimeError`` when it is not finite or past
     :data:`~chorus.kernels.reference.BLOCK_MASS_CEILING`. Whatever the kernel raises propagates."""
-    gen = torch.Generator(device=q.device).manual_seed(0)
-    x = torch.randn(2, 1, 2, PROBE_TOKENS, q.shape[-1], generator=gen, device=q.device).to(q.dtype)
+    x = _probe_inputs(q, 2)
     got = block_mass_triton(x[0], x[1], block_size=128, sample_rows=sample_rows)
     want = block_mass_reference(x[0], x[1], 128, sample_rows, softmax_scale(q.shape[-1]))
     diff = (got - want).abs().max().item()
