@@ -1,0 +1,124 @@
+"""Wan loaded from a GGUF file by ComfyUI-GGUF's Unet Loader (GGUF), with a LoRA, through the Chorus nodes
+in-process (CPU, tiny A14B-shaped Wan written as GGUF at test time; ``host/gguf_nodes.py``).
+
+Many users run Wan 2.2 14B from GGUF files (quantized weights the pack dequantizes per layer, LoRAs kept
+beside the quantized weights instead of merged). Covers: the model is recognised; its fingerprint is
+the same before and after sampling (else no entry would ever hit) and on a second load of the file, and
+differs from the same weights' safetensors model and from another quantization (other numerics, other
+masks); a miss writes an entry, a similar request hits it with every self-attention call sparse, and a
+full-map hit's latent equals the same model's dense latent.
+
+Skips without a ComfyUI-GGUF checkout (``CHORUS_GGUF_NODES_DIR`` or ComfyUI's ``custom_nodes/``): it is a
+custom node pack, not an installable package, and nothing of it is vendored.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from host import gguf_nodes
+from host import tiny_wan as tiny
+
+GGUF_NODES, SKIP_REASON = gguf_nodes.import_gguf_nodes()
+pytestmark = [pytest.mark.host,
+              pytest.mark.skipif(SKIP_REASON is not None, reason=f"ComfyUI-GGUF not available: {SKIP_REASON}")]
+
+LATENT = {"samples": torch.zeros(1, 16, 2, 8, 8)}
+
+
+@pytest.fixture()
+def nodes(tmp_path, monkeypatch):
+    monkeypatch.setenv("CHORUS_CACHE_DIR", str(tmp_path / "cache"))
+    import chorus.nodes as nodes_pkg
+
+    return nodes_pkg
+
+
+@pytest.fixture(scope="module")
+def state_dict():
+    return tiny.tiny_wan_state_dict(seed=0)
+
+
+@pytest.fixture()
+def load_gguf(tmp_path, monkeypatch, state_dict):
+    """``load(qtype)``: the tiny Wan written as ``tiny_<qtype>.gguf`` in a models folder of this test, loaded by
+    the pack's Unet Loader (GGUF) node as a user's graph loads it."""
+    import folder_paths
+
+    models = tmp_path / "diffusion_models"
+    paths, extensions = folder_paths.folder_names_and_paths["diffusion_models"]
+    monkeypatch.setitem(folder_paths.folder_names_and_paths, "diffusion_models", ([str(models), *paths], extensions))
+
+    def load(qtype: str):
+        name = f"tiny_{qtype}.gguf"
+        if not (models / name).is_file():
+            gguf_nodes.save_gguf(state_dict, models / name, qtype)
+        return GGUF_NODES.UnetLoaderGGUF().load_unet(name)[0]
+
+    return load
+
+
+def _sample(model, positive):
+    import comfy.sample
+
+    latent = LATENT["samples"]
+    noise = comfy.sample.prepare_noise(latent, 0)
+    return comfy.sample.sample(model, noise, 2, 1.0, "euler", "simple", positive, tiny.random_conditioning(1),
+                               latent, disable_pbar=True, seed=0)
+
+
+def _with_lora(model, state_dict):
+    import comfy.sd
+
+    return comfy.sd.load_lora_for_models(model, None, tiny.tiny_lora_state_dict(state_dict, seed=3), 1.0, 0)[0]
+
+
+def _fingerprint(model) -> str:
+    from chorus.nodes.comfy_adapter import comfy_model_info
+
+    info = comfy_model_info(model)
+    assert info.supported and info.variant == "wan2.2-a14b-i2v", info
+    return info.fingerprint
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
+def test_a_gguf_wan_with_a_lora_misses_writes_and_hits_through_the_nodes(nodes, load_gguf, state_dict, qtype):
+    import gguf
+
+    model = _with_lora(load_gguf(qtype), state_dict)
+    quantized = [p for p in model.model.diffusion_model.parameters()
+                 if getattr(p, "tensor_type", None) == getattr(gguf.GGMLQuantizationType, qtype)]
+    assert quantized and type(model).__name__ == "GGUFModelPatcher"  # the pack's model, its weights quantized
+    fingerprint = _fingerprint(model)
+    image = torch.rand(1, 32, 32, 3, generator=torch.Generator().manual_seed(0))
+    positive = tiny.random_conditioning(5)
+
+    plan = nodes.ChorusMaskRetrieve.execute(latent=LATENT, workspace="gguf", similarity_threshold=0.9,
+                                            start_image=image, positive=positive, prompt="a red fox").args[0]
+    assert not plan.is_hit
+    patched = nodes.ChorusSparseSampler.execute(model=model, plan=plan, backend="auto")
+    assert "MISS: dense attention + recording | patched wan2.2-a14b-i2v" in " ".join(patched.ui["text"])
+    samples = _sample(patched.args[0], positive)
+    written = nodes.ChorusCacheWrite.execute(latent={"samples": samples}, plan=plan).args[0]
+    assert written.startswith("wrote entry 1 (4 maps") and "recorded 4" in written, written
+    assert _fingerprint(model) == fingerprint  # sampling loaded the model and its LoRA: still the same model
+
+    plan = nodes.ChorusMaskRetrieve.execute(latent=LATENT, workspace="gguf", similarity_threshold=0.9,
+                                            start_image=image * 0.98, prompt="a red fox",
+                                            positive=tiny.random_conditioning(5, noise=0.05)).args[0]
+    assert plan.is_hit
+    hit = _sample(nodes.ChorusSparseSampler.execute(model=model, plan=plan, backend="auto").args[0], positive)
+    text = nodes.ChorusCacheWrite.execute(latent={"samples": hit}, plan=plan).args[0]
+    assert text.startswith("hit: updated stats of entry 1,") and "calls sparse 4, dense 0" in text, text
+    assert "density 100.0%" in text  # 8 tokens a frame: the recorded map keeps every block
+    dense = _sample(model, positive)
+    torch.testing.assert_close(hit, dense, rtol=1e-4, atol=1e-5)  # a full map: the same attention, summed otherwise
+
+
+def test_a_gguf_file_is_one_model_and_not_another(load_gguf, state_dict):
+    q8 = load_gguf("Q8_0")
+    assert _fingerprint(q8) == _fingerprint(load_gguf("Q8_0"))  # a second load of the same file
+    assert _fingerprint(q8) != _fingerprint(load_gguf("Q4_0"))
+    assert _fingerprint(q8) != _fingerprint(tiny.load_tiny_wan(state_dict))  # the unquantized weights
+    assert _fingerprint(_with_lora(q8, state_dict)) != _fingerprint(q8)
