@@ -47,6 +47,7 @@ import torch
 from . import reference
 from .reference import softmax_scale
 from .masks import validate_block_map
+from .probe import PROBE_TOKENS, build_probe, probe_inputs
 from .tile_order import resolve_token_perm, to_raster_order, to_tile_order
 
 LOG = logging.getLogger(__name__)
@@ -129,8 +130,11 @@ def why_unavailable(backend: Backend, q: torch.Tensor, op: str = "attention") ->
             from torch.nn.attention.flex_attention import flex_attention  # noqa: F401
         except ImportError as exc:  # pragma: no cover - depends on torch build
             return f"FlexAttention is not available in this torch ({exc})"
-        if q.device.type == "cuda" and importlib.util.find_spec("triton") is None:
-            return "flex runs compiled on a CUDA GPU (torch.compile), which needs Triton: triton is not installed"
+        if q.device.type == "cuda":
+            if importlib.util.find_spec("triton") is None:
+                return "flex runs compiled on a CUDA GPU (torch.compile), which needs Triton: triton is not installed"
+            return build_probe(("flex", str(q.device), q.dtype, q.shape[-1]), "compiled FlexAttention",
+                               lambda: check_flex(q))
         return None
     if backend in _ATTENTION_ONLY and op != "attention":
         return f"{backend.value} has no block_mass implementation"
@@ -165,6 +169,26 @@ def why_unavailable(backend: Backend, q: torch.Tensor, op: str = "attention") ->
     if op == "block_mass":
         return triton_kernels.block_mass_unavailable(q)
     return triton_kernels.portable_unavailable(q, numerics_of(backend))
+
+
+def check_flex(q: torch.Tensor) -> float:
+    """Run flex (compiled on a CUDA GPU, as its calls run) on unit Gaussian q / k / v like ``q`` (2 heads x
+    :data:`~chorus.kernels.probe.PROBE_TOKENS`, full map) and return its relative L2 against the fp64 oracle;
+    ``RuntimeError`` past the 16-bit numerics' ceiling (:data:`~chorus.kernels.reference.NUMERICS_CEILINGS`).
+    Whatever the compile or the kernel raises propagates: on CUDA, :func:`why_unavailable` asks this once per
+    (device, dtype, head dim) (:func:`~chorus.kernels.probe.build_probe`), so where Triton imports but cannot
+    build (a Triton of another torch release) flex is a reason found while resolving, not a failed compile at
+    every call."""
+    x = probe_inputs(q, 3)
+    blocks = -(-PROBE_TOKENS // 128)
+    full = torch.ones(1, 1, blocks, blocks, dtype=torch.bool, device=q.device)
+    out = _flex_attention(x[0], x[1], x[2], full, 128, softmax_scale(q.shape[-1]))
+    error = reference.relative_l2(out, reference.dense_attention_oracle(x[0], x[1], x[2]))
+    ceiling = reference.NUMERICS_CEILINGS["16-bit"]
+    if not error <= ceiling:
+        raise RuntimeError(f"it computes wrong: relative error {error:.3g} against exact attention, where its "
+                           f"numerics stay under {ceiling}")
+    return error
 
 
 def _candidates(q: torch.Tensor, op: str) -> list[Backend]:

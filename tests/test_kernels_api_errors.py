@@ -85,8 +85,45 @@ def test_flex_on_a_cuda_gpu_without_triton_names_the_missing_triton(monkeypatch)
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real(name, *a))
     assert "needs Triton: triton is not installed" in why_unavailable(K.Backend.FLEX, on_gpu)
     assert why_unavailable(K.Backend.FLEX, make_qkv(q_len=64)[0]) is None  # on the CPU flex runs uncompiled
-    monkeypatch.undo()
-    assert why_unavailable(K.Backend.FLEX, on_gpu) is None  # Triton is installed here
+
+
+def test_flex_on_a_cuda_gpu_is_built_once_and_a_triton_that_cannot_build_it_is_a_reason(monkeypatch):
+    """Triton installed but unable to build (a triton-windows of another torch release): flex's first question
+    on a CUDA device compiles it once on a small input (``check_flex``), and the failure is the reason, asked
+    once per (device, dtype, head dim), so auto moves past flex instead of every call failing its compile. (A
+    CUDA device object needs no GPU; ``check_flex`` itself is tested below on the CPU.)"""
+    from types import SimpleNamespace
+
+    from chorus.kernels import api, probe
+
+    monkeypatch.setattr(probe, "_PROBED", {})
+    calls = []
+
+    def cannot_build(q):
+        calls.append(q)
+        raise RuntimeError("PassManager::run failed\n(the rest of the compiler's log)")
+
+    monkeypatch.setattr(api, "check_flex", cannot_build)
+    on_gpu = SimpleNamespace(device=torch.device("cuda", 0), dtype=torch.bfloat16, shape=(1, 40, 75600, 128))
+    reason = api.why_unavailable(K.Backend.FLEX, on_gpu)
+    assert reason == "compiled FlexAttention does not build or run here (RuntimeError: PassManager::run failed)"
+    assert api.why_unavailable(K.Backend.FLEX, on_gpu) == reason and len(calls) == 1
+    monkeypatch.setattr(api, "check_flex", lambda q: calls.append(q))
+    other_head_dim = SimpleNamespace(device=on_gpu.device, dtype=torch.bfloat16, shape=(1, 40, 75600, 64))
+    assert api.why_unavailable(K.Backend.FLEX, other_head_dim) is None and len(calls) == 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_flex_check_passes_flex_and_names_a_flex_that_computes_wrong(monkeypatch, dtype):
+    from chorus.kernels import api
+    from chorus.kernels.reference import NUMERICS_CEILINGS
+
+    like = torch.empty(1, 1, 1, 64, dtype=dtype)
+    assert api.check_flex(like) <= NUMERICS_CEILINGS["16-bit"]
+    real = api._flex_attention
+    monkeypatch.setattr(api, "_flex_attention", lambda *args: real(*args).flip(2))  # each row another's output
+    with pytest.raises(RuntimeError, match="computes wrong: relative error"):
+        api.check_flex(like)
 
 
 def test_resolving_with_a_pooled_tail_moves_past_a_backend_without_one():

@@ -71,9 +71,10 @@ def test_sparse_output_differs_from_dense():
 
 
 def test_the_build_probe_answers_once_per_key_and_ignores_out_of_memory():
-    """auto's resolution asks the warp-specialised kernel to build and run once per key (on a Hopper
+    """auto's resolution asks a kernel (the Triton kernels, compiled flex) to build and run once per key (on a
     GPU): a failure is a remembered reason, success is remembered too, an out-of-memory is neither."""
-    triton_kernels = pytest.importorskip("chorus.kernels.triton")
+    from chorus.kernels import probe
+
     calls = []
 
     def broken():
@@ -85,13 +86,13 @@ def test_the_build_probe_answers_once_per_key_and_ignores_out_of_memory():
         raise torch.OutOfMemoryError("CUDA out of memory (test)")
 
     key = ("test-probe", id(calls))
-    assert triton_kernels.build_probe(key + ("oom",), "the test kernel", out_of_memory) is None
-    assert triton_kernels.build_probe(key + ("oom",), "the test kernel", out_of_memory) is None
-    reason = triton_kernels.build_probe(key + ("broken",), "the test kernel", broken)
+    assert probe.build_probe(key + ("oom",), "the test kernel", out_of_memory) is None
+    assert probe.build_probe(key + ("oom",), "the test kernel", out_of_memory) is None
+    reason = probe.build_probe(key + ("broken",), "the test kernel", broken)
     assert reason is not None and "the test kernel does not build or run here (RuntimeError: PassManager::run failed)" in reason and "more lines" not in reason
-    assert triton_kernels.build_probe(key + ("broken",), "the test kernel", broken) == reason
-    assert triton_kernels.build_probe(key + ("fine",), "the test kernel", lambda: calls.append("fine")) is None
-    assert triton_kernels.build_probe(key + ("fine",), "the test kernel", broken) is None
+    assert probe.build_probe(key + ("broken",), "the test kernel", broken) == reason
+    assert probe.build_probe(key + ("fine",), "the test kernel", lambda: calls.append("fine")) is None
+    assert probe.build_probe(key + ("fine",), "the test kernel", broken) is None
     assert calls == ["oom", "oom", "broken", "fine"]
 
 

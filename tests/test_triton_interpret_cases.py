@@ -841,7 +841,9 @@ def _swap_rows_of(module, name, monkeypatch) -> list:
         calls.append(1)
         return real(*args, **kwargs).flip(2)
 
-    monkeypatch.setattr(module, "_PROBED", {})
+    from chorus.kernels import probe
+
+    monkeypatch.setattr(probe, "_PROBED", {})
     monkeypatch.setattr(module, name, wrong)
     return calls
 

@@ -14,7 +14,8 @@ Public entry points (called by :mod:`chorus.kernels.api` for backends ``triton_f
   (backend ``triton_int8``; block size 128; :mod:`._quant_int8`)
 - :func:`block_mass_triton` ``(q, k, *, block_size, sample_rows, scale) -> float32 [B, H, Qb, Kb]``
 - :func:`triton_available` ``() -> (bool, reason)``
-- :func:`build_probe` ``(key, kernel, run) -> reason | None``: one build-and-launch check per key (auto's resolution)
+- :func:`build_probe` ``(key, kernel, run) -> reason | None``: one build-and-launch check per key (auto's
+  resolution; :mod:`chorus.kernels.probe`, re-exported)
 
 Feature reuse's fused pool / unpool kernels live in :mod:`._pooling` (called by
 :mod:`chorus.kernels.pooling` on CUDA tensors), the miss's top-p block selection in :mod:`._select`
@@ -31,19 +32,17 @@ Triton is missing (the API reports that as the reason the backend cannot run). C
 
 from __future__ import annotations
 
-import logging
 import os
 
 import torch
 
 from ..custom_ops import op_registered
+from ..probe import PROBE_TOKENS, build_probe, probe_inputs
 from ..reference import (BLOCK_MASS_CEILING, NUMERICS_CEILINGS, block_mass_reference, dense_attention_oracle,
                          relative_l2, softmax_scale)
 from . import _attention_ws
 from ._attention import block_sparse_attention_triton_impl, compress_block_map, output_like
 from ._block_mass import block_mass_triton_impl
-
-LOG = logging.getLogger(__name__)
 
 __all__ = ["block_sparse_attention_triton", "block_sparse_attention_ws", "block_sparse_attention_int8", "ws_unavailable", "ws_call_unsupported", "build_probe",
            "block_mass_triton", "triton_available", "compress_block_map"]
@@ -196,16 +195,6 @@ def ws_unavailable(q: torch.Tensor, int8: bool = False) -> str | None:
                        f"the warp-specialised {'INT8' if int8 else 'FP8'} kernel", lambda: _run_one_ws_block(q, int8))
 
 
-PROBE_TOKENS = 200  # the portable kernels' first-use probe: two blocks of 128, the second partial (as Wan's lengths)
-
-
-def _probe_inputs(q: torch.Tensor, count: int) -> torch.Tensor:
-    """``count`` unit Gaussian tensors ``[1, 2, PROBE_TOKENS, D]`` like ``q`` (device, dtype, head dim), stacked,
-    the same each time (seed 0): the first-use probes' inputs."""
-    gen = torch.Generator(device=q.device).manual_seed(0)
-    return torch.randn(count, 1, 2, PROBE_TOKENS, q.shape[-1], generator=gen, device=q.device).to(q.dtype)
-
-
 def portable_unavailable(q: torch.Tensor, numerics: str) -> str | None:
     """Reason the portable Triton kernel cannot run on tensors like ``q`` with ``numerics`` (``"fp8"``,
     ``"int8"`` or ``"16-bit"``: backends ``triton_fp8``, ``triton_int8``, ``triton_bf16``), or None. The first
@@ -222,7 +211,7 @@ def check_portable_kernel(q: torch.Tensor, numerics: str) -> float:
     :data:`PROBE_TOKENS`, full map) and return its relative L2 against the fp64 oracle; ``RuntimeError`` when it
     is not finite or past :data:`~chorus.kernels.reference.NUMERICS_CEILINGS`. Whatever the kernel raises
     propagates."""
-    x = _probe_inputs(q, 3)
+    x = probe_inputs(q, 3)
     blocks = -(-PROBE_TOKENS // 128)
     full = torch.ones(1, 1, blocks, blocks, dtype=torch.bool, device=q.device)
     if numerics == "int8":
@@ -250,7 +239,7 @@ def check_block_mass_kernel(q: torch.Tensor, sample_rows: int = 8) -> float:
     ``sample_rows`` rows per block as a miss records) and return the largest absolute difference from
     :func:`~chorus.kernels.reference.block_mass_reference`; ``RuntimeError`` when it is not finite or past
     :data:`~chorus.kernels.reference.BLOCK_MASS_CEILING`. Whatever the kernel raises propagates."""
-    x = _probe_inputs(q, 2)
+    x = probe_inputs(q, 2)
     got = block_mass_triton(x[0], x[1], block_size=128, sample_rows=sample_rows)
     want = block_mass_reference(x[0], x[1], 128, sample_rows, softmax_scale(q.shape[-1]))
     diff = (got - want).abs().max().item()
@@ -258,27 +247,6 @@ def check_block_mass_kernel(q: torch.Tensor, sample_rows: int = 8) -> float:
         raise RuntimeError(f"it computes wrong: block masses {diff:.3g} from the reference's, where a right one "
                            f"stays under {BLOCK_MASS_CEILING}")
     return diff
-
-
-_PROBED: dict[tuple, str | None] = {}
-
-
-def build_probe(key: tuple, kernel: str, run) -> str | None:
-    """Run ``run()`` (a build and launch of ``kernel``, named in the reason, on a tiny input) once per
-    ``key``: None when it returns, else the reason it raised (remembered for ``key``, logged once as a
-    warning). An out-of-memory error says nothing about the build: it is neither a reason nor remembered."""
-    if key not in _PROBED:
-        try:
-            run()
-        except torch.OutOfMemoryError:
-            return None
-        except Exception as exc:  # noqa: BLE001 - any build or launch failure makes the kernel unavailable
-            first_line = str(exc).splitlines()[0] if str(exc) else ""
-            _PROBED[key] = f"{kernel} does not build or run here ({type(exc).__name__}: {first_line})"
-            LOG.warning("chorus: %s", _PROBED[key])
-        else:
-            _PROBED[key] = None
-    return _PROBED[key]
 
 
 def _run_one_ws_block(q: torch.Tensor, int8: bool = False) -> None:
