@@ -67,14 +67,19 @@ def encode_new_entry(embedding, masks: dict, meta: dict) -> NewEntry:
     return NewEntry(sig_key, emb, data, hashlib.sha256(data).hexdigest(), json.dumps(meta, sort_keys=True), now)
 
 
+def check_k(k) -> None:
+    """``ValueError`` unless ``k`` (a search's result count) is an int >= 1 (a bool is not)."""
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
+        raise ValueError(f"k must be an int >= 1, got {k!r}")
+
+
 def search_index(index, embedding, k, signature) -> list[tuple[int, float]]:
     """A store's ``search`` on its worker's index (``PartitionedIndex``, or None for an empty store): the
     top ``k`` ``(entry_id, cosine)``, best first, restricted to ``signature`` (a signature dict, its
     :func:`~chorus.cache_store.signature.signature_key`, or None). Raises ``ValueError`` for a ``k`` that
     is not an int >= 1 and, even on an empty store, for a query that is NaN/inf or zero. The caller
     holds its index's lock."""
-    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
-        raise ValueError(f"k must be an int >= 1, got {k!r}")
+    check_k(k)
     key = None if signature is None else (signature if isinstance(signature, str) else signature_key(signature))
     if index is None:
         normalise(np.asarray(embedding, dtype=np.float32).reshape(1, -1))

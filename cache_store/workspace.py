@@ -80,7 +80,7 @@ from filelock import FileLock
 
 from . import seams
 from .entries import COUNTED, MAX_ENTRY_FILE_BYTES, RUN_COUNTERS, CorruptEntryError, EntryGone, PendingHits, \
-    counted_increments, encode_new_entry, run_counts, search_index, similarity_bound
+    check_k, counted_increments, encode_new_entry, run_counts, search_index, similarity_bound
 from .entry_format import EntryFormatError, decode_entry
 from .errors import StoreBusyError, StoreError, UnsafeLayoutError, store_timeout
 from .index import DEFAULT_APPROX_THRESHOLD, PartitionedIndex
@@ -321,6 +321,7 @@ class Workspace(WorkspaceConnections, WorkspaceIndex, WorkspaceMaintenance):
         compatible entries. An empty workspace returns ``[]``; a query of the wrong dimension,
         NaN/inf or zero raises ``ValueError``. Never waits for a writer.
         """
+        check_k(k)  # before the sync: a bad argument costs no database read
         with self._rmutex:
             self._sync_index()
             return search_index(self._index, embedding, k, signature)

@@ -49,7 +49,7 @@ def test_api_roundtrip(tmp_path):
             ws.load(entry_id)
 
 
-def test_bad_input_raises_value_error(tmp_path):
+def test_bad_input_raises_value_error(tmp_path, monkeypatch):
     with Workspace.open(tmp_path / "ws") as ws:
         good = small_masks(0)
         ws.add(embedding(0), good, {"signature": SIGNATURE})
@@ -63,9 +63,13 @@ def test_bad_input_raises_value_error(tmp_path):
         ]:
             with pytest.raises(ValueError, match=match):
                 ws.add(emb, masks, meta)
-        for bad_k in (0, -1, 1.5, True):
-            with pytest.raises(ValueError):
-                ws.search(embedding(0), k=bad_k)
+        synced = []
+        with monkeypatch.context() as patch:
+            patch.setattr(ws, "_sync_index", lambda: synced.append(1))
+            for bad_k in (0, -1, 1.5, True):
+                with pytest.raises(ValueError, match="k must be an int >= 1"):
+                    ws.search(embedding(0), k=bad_k)
+        assert not synced  # refused before reading the database
         with pytest.raises(ValueError, match="dim"):
             ws.search(np.ones(DIM + 3))
         assert len(ws) == 1 and ws.verify()["ok"]
