@@ -4,7 +4,9 @@ A signature is a plain JSON-able dict (stored in ``meta["signature"]`` of an ent
 
 ``{"format": 1, "family": "wan", "variant": str, "experts": [fingerprint, ...],
 "num_layers": int, "num_heads": int, "latent_shape": [C, T, H, W], "token_grid": [T', H', W'],
-"block_size": int, "token_order": str, "step_sigmas": [float, ...], "head_groups": 1}``
+"block_size": int, "token_order": str, "step_sigmas": [float, ...], "head_groups": 1}``, and where the
+request's first forward told it, ``"image_frames": [first, last, other]``: the latent frames that held an
+input image (:func:`~chorus.engine.model_info.image_frames`; a hit needs the same, :func:`image_frames_mismatch`).
 
 ``token_order`` is the order of the tokens the entry's blocks were cut from: ``"thw"``
 (:data:`TOKEN_ORDER`, raster: Wan's frame-major order after the 1x2x2 patchify; an entry without
@@ -140,6 +142,32 @@ def serve_mismatch(entry_signature, models=(), run_starts=None, block_size: int 
         if reason is not None:
             return reason
     return run_mismatch(entry_signature, run_starts, block_size)
+
+
+def describe_image_frames(frames) -> str:
+    """Words for an :func:`~chorus.engine.model_info.image_frames` triple ``(first, last, other)``."""
+    first, last, other = (int(f) for f in frames)
+    named = {(0, 0, 0): "no input image", (1, 0, 0): "a start image", (1, 1, 0): "a start and an end image",
+             (0, 1, 0): "an end image"}.get((first, last, other))
+    counts = f"{first} first, {last} last, {other} other latent frames"
+    return f"{named} ({counts})" if named else f"images on {counts}"
+
+
+def image_frames_mismatch(entry_signature, frames) -> str | None:
+    """Why an entry cannot serve a request whose forwards hold input images on ``frames`` (``(first, last,
+    other)``, :func:`~chorus.engine.model_info.image_frames`), or None: it can, or either side does not tell
+    (an entry written before entries recorded it, a model it cannot be read from). Never raises."""
+    recorded = entry_signature.get("image_frames") if isinstance(entry_signature, dict) else None
+    if frames is None or recorded is None:
+        return None
+    try:
+        recorded, frames = tuple(int(f) for f in recorded), tuple(int(f) for f in frames)
+        if recorded == frames:
+            return None
+        return (f"the entry was recorded with {describe_image_frames(recorded)}, this request has "
+                f"{describe_image_frames(frames)}")
+    except (TypeError, ValueError) as exc:
+        return f"entry signature unreadable ({type(exc).__name__}: {exc})"
 
 
 def grid_compatibility(entry_signature, grid) -> tuple[str, str]:

@@ -115,18 +115,26 @@ def feature_state(plan: Plan) -> FeatureReuseState:
     return plan.state.feature_reuse
 
 
-def select_regions(redundancy: torch.Tensor, grid, region, share: float, *, keep_first_frame: bool = True
-                   ) -> torch.Tensor:
+def select_regions(redundancy: torch.Tensor, grid, region, share: float, *, keep_first_frame: bool = True,
+                   image_frames=None) -> torch.Tensor:
     """Ids of the ``round(share * R)`` most redundant complete regions (int64, sorted), excluding
-    regions that hold frame 0 when ``keep_first_frame``. ``redundancy``: ``[R]`` scores."""
+    regions that hold frame 0 when ``keep_first_frame``, and those that hold a frame with an input image
+    (``image_frames``: ``(first, last, other)`` of :func:`~chorus.engine.model_info.image_frames`, or None: its
+    first and last frames; a first-last-frame video's end image is never computed downsampled).
+    ``redundancy``: ``[R]`` scores."""
     counts = pooling.region_counts(grid, region)
     total = counts[0] * counts[1] * counts[2]
     if redundancy.numel() != total:
         raise ValueError(f"{redundancy.numel()} region scores for {total} complete regions of grid {tuple(grid)}")
     want = int(round(float(share) * total))
     scores = torch.nan_to_num(redundancy.double(), nan=-math.inf, posinf=-math.inf, neginf=-math.inf)
+    starts = pooling.region_frames(grid, region)
     if keep_first_frame:
-        scores[pooling.region_frames(grid, region) == 0] = -math.inf
+        scores[starts == 0] = -math.inf
+    if image_frames is not None:
+        first, last = int(image_frames[0]), int(image_frames[1])
+        ends = starts + int(tuple(region)[0])  # a region holds frames [start, end)
+        scores[(starts < first) | (ends > int(tuple(grid)[0]) - last)] = -math.inf
     eligible = int(torch.isfinite(scores).sum())
     want = min(want, eligible)
     if want <= 0:
@@ -187,9 +195,10 @@ class FeatureReuse:
         self._forward_grid = None
         self.expert = self.plan.serve_run(self.model_info)
 
-    def serve_grid(self, grid) -> None:
+    def serve_grid(self, grid, image_frames=None) -> None:
         """The token grid ``(T', H', W')`` of a forward of this model (the host calls this before it decides
-        anything else of the forward): the run's first forward has the plan serve it (:meth:`Plan.serve_run`,
+        anything else of the forward) and its input images (``image_frames``: as for ``ChorusAttention``): the
+        run's first forward has the plan serve them (:meth:`Plan.serve_run`,
         as :meth:`ChorusAttention.serve_grid <chorus.engine.runtime.ChorusAttention.serve_grid>`), and reads
         this model's expert index in what the plan serves now. Begins the run if the host did not. Never
         raises: a failure is a note (its blocks then run as the plan and expert index it had allow)."""
@@ -200,7 +209,8 @@ class FeatureReuse:
                 return
             self._forward_grid = grid = tuple(int(g) for g in grid)
             self._layouts.clear()
-            self.expert = self.plan.serve_run(self.model_info, forward_grid=grid)
+            frames = image_frames() if image_frames is not None else None
+            self.expert = self.plan.serve_run(self.model_info, forward_grid=grid, image_frames=frames)
         except Exception as exc:  # noqa: BLE001 - never crash sampling
             self.plan.note(grid_unchecked(grid, exc))
 
@@ -257,7 +267,7 @@ class FeatureReuse:
         if step is not None:
             scores = torch.tensor(per_expert[ordered[step]], dtype=torch.float64)
             regions = select_regions(scores, grid, cfg.region, cfg.downsample_share,
-                                     keep_first_frame=cfg.keep_first_frame)
+                                     keep_first_frame=cfg.keep_first_frame, image_frames=self.plan.state.image_frames)
             if regions.numel():
                 layout = pooling.build_layout(grid, cfg.region, cfg.pool, regions, device=device,
                                               order=self._compact_order(grid, regions))

@@ -1,7 +1,8 @@
 """Model identity and token geometry: what the engine knows about one diffusion model (one expert).
 
 ``ModelInfo`` (variant, layers, heads, weights fingerprint) of a ComfyUI ``WanModel`` or a diffusers
-``WanTransformer3DModel`` (:func:`wan_model_info`), and the token grid of a latent (:func:`token_grid`).
+``WanTransformer3DModel`` (:func:`wan_model_info`), the token grid of a latent (:func:`token_grid`) and the
+latent frames a forward's input conditions on an image (:func:`image_frames`).
 What an entry records about them, and the checks against a request, is ``compat.py``.
 """
 
@@ -136,3 +137,41 @@ def token_grid(latent_shape, patch_size=PATCH_SIZE) -> tuple[int, int, int]:
     _, t, h, w = shape
     pt, ph, pw = patch_size
     return (math.ceil(t / pt), math.ceil(h / ph), math.ceil(w / pw))
+
+
+# Wan I2V models (in_dim 36) take [noise (16), mask (4), image latent (16)] channels, in ComfyUI and diffusers alike
+I2V_MASK_CHANNELS = slice(16, 20)
+
+
+def image_frames(x: torch.Tensor, info: ModelInfo, timestep=None) -> tuple[int, int, int] | None:
+    """Which latent frames of a Wan forward's input ``x`` ``[B, C, T, H, W]`` carry an input image, as
+    ``(first, last, other)``: the number of leading frames, of trailing frames after those, and of any others.
+    ``(1, 0, 0)``: image to video (a start image); ``(1, 1, 0)``: a start and an end image (ComfyUI's
+    WanFirstLastFrameToVideo, diffusers' ``last_image``); ``(0, 0, 0)``: none. Entries record it and a hit needs
+    the same (:func:`~chorus.engine.compat.image_frames_mismatch`): attention runs to the frames that hold an
+    image, so a map recorded with one image does not fit a request with two.
+
+    Read from the I2V models' mask channels (``x[:, 16:20]``: a frame holds an image where any of its mask values
+    is above 0.5; an end image covers one of its frame's four), and for Wan 2.2 TI2V 5B from the per-frame
+    ``timestep`` (``[B, T]``, or per token ``[B, T * n]``): a frame whose timestep is 0 holds the image; one
+    timestep per sample means none. None where this cannot be told (another variant, other shapes): then
+    nothing is checked. One host sync: ask it once per sampler run, not per forward."""
+    if not isinstance(x, torch.Tensor) or x.dim() != 5 or not info.supported:
+        return None
+    frames = int(x.shape[2])
+    if info.in_dim == 36 and x.shape[1] == 36:
+        held = x[:1, I2V_MASK_CHANNELS].amax(dim=(0, 1, 3, 4)) > 0.5
+    elif info.variant == "wan2.2-ti2v-5b":
+        if not isinstance(timestep, torch.Tensor) or timestep.dim() > 2 or timestep.numel() == 0:
+            return None
+        if timestep.dim() < 2 or timestep.shape[1] == 1:
+            return (0, 0, 0)
+        if timestep.shape[1] % frames:
+            return None
+        held = timestep[:1].reshape(frames, -1)[:, 0] == 0
+    else:
+        return None
+    held = [bool(h) for h in held.tolist()]
+    first = next((i for i, h in enumerate(held) if not h), frames)
+    last = next((i for i, h in enumerate(reversed(held[first:])) if not h), frames - first)
+    return first, last, sum(held) - first - last

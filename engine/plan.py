@@ -28,7 +28,8 @@ import numpy as np
 
 from .. import kernels
 from .recorder import MassRecorder
-from .compat import entry_sampler_sigmas, entry_token_order, grid_compatibility, model_mismatch, serve_mismatch
+from .compat import (entry_sampler_sigmas, entry_token_order, grid_compatibility, image_frames_mismatch, model_mismatch,
+                     serve_mismatch)
 from .model_info import ModelInfo, token_grid
 from .state import PlanStats, RequestState, failure_text
 
@@ -139,8 +140,8 @@ def grid_unchecked(grid, exc: Exception) -> str:
     return f"could not check the entry against this forward's token grid {shown} ({failure_text(exc)})"
 
 
-# reselect(candidates, models, run_starts=, block_size=, forward_grid=) -> (Retrieval or None, why not): retrieval's
-# loader of the first candidate whose entry serves every model and the run (engine/retrieval.py)
+# reselect(candidates, models, run_starts=, block_size=, forward_grid=, image_frames=) -> (Retrieval or None, why
+# not): retrieval's loader of the first candidate whose entry serves every model and the run (engine/retrieval.py)
 Reselect = Callable[..., "tuple[Retrieval | None, str]"]
 
 
@@ -398,13 +399,17 @@ class Plan:
                 _add_model(self.state.models, info)
 
     def serve_run(self, info: ModelInfo, *, run_starts=None, block_size: int | None = None,
-                  forward_grid=None) -> int | None:
+                  forward_grid=None, image_frames=None) -> int | None:
         """At the start of a sampler run of one model: the expert index of the model in this request
         (the order models first sampled; a hit: the index in its entry), or None for an unsupported
         model (the caller runs it dense). ``run_starts``: the sigmas the run's steps start at (they join
         ``state.sampler_steps``, what a new entry records as its sampler schedule); ``block_size``: the
         sparse sampler's, when it runs one; ``forward_grid``: the token grid of the run's forwards, told
-        by the run's first forward (the parts call this again then: the latent alone does not tell it).
+        by the run's first forward (the parts call this again then: the latent alone does not tell it);
+        ``image_frames``: the latent frames that forward's input holds images on
+        (:func:`~chorus.engine.model_info.image_frames`), kept as the request's (``state.image_frames``, what a
+        new entry records) when it is the first told; a hit's entry must have been recorded with the same
+        (:func:`~chorus.engine.compat.image_frames_mismatch`: a start image alone, or a start and an end image).
 
         The one place where a hit may change entry: retrieval sees neither the models nor the sampler
         (the embedding is the request's), so the best entry can be one made for other weights or
@@ -424,6 +429,8 @@ class Plan:
         with state.lock:
             for s in run_starts or ():
                 state.sampler_steps.canonical(s)
+            if image_frames is not None and state.image_frames is None:
+                state.image_frames = tuple(int(f) for f in image_frames)
             if not info.supported:
                 self.note(f"unsupported model: {info.reason}; dense attention")
                 return None
@@ -435,7 +442,9 @@ class Plan:
                     return index
                 current = state.retrieval
                 models = list(state.models)
-                reason = serve_mismatch(current.signature, models, run_starts, block_size)
+                frames = state.image_frames
+                reason = serve_mismatch(current.signature, models, run_starts, block_size) \
+                    or image_frames_mismatch(current.signature, frames)
                 if reason is None and forward_grid is not None:
                     reason = self._serve_grid(current, tuple(int(g) for g in forward_grid))
                 if reason is None:
@@ -444,7 +453,7 @@ class Plan:
                     self.demote(reason)
                     return index
             moved, why = self._reselect(current.candidates, models, run_starts=run_starts, block_size=block_size,
-                                        forward_grid=forward_grid)
+                                        forward_grid=forward_grid, image_frames=frames)
             with state.lock:
                 if state.retrieval is not current or state.stats.sparse_calls or not self.is_hit:
                     continue  # decided meanwhile (another thread): check what is there now
@@ -455,7 +464,8 @@ class Plan:
                 state.resampled.clear()
                 state.stats.similarity = moved.similarity
                 self.note(f"hit moved from entry {current.entry_id} ({reason}) to "
-                          f"{entry_text(moved.entry_id, moved.similarity)}, made for this model, schedule and grid")
+                          f"{entry_text(moved.entry_id, moved.similarity)}, made for this model, schedule, grid and "
+                          "input images")
 
     def _serve_grid(self, current: Retrieval, grid: tuple) -> str | None:
         """(The plan's lock held.) Why the hit's entry cannot serve forwards of token ``grid``, or None: it does,

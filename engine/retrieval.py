@@ -16,7 +16,8 @@ import torch
 from .. import kernels
 from .plan import Plan, Retrieval, entry_text, hit_message
 from .routing import match_step
-from .compat import SIGNATURE_FORMAT, TOKEN_ORDER, grid_compatibility, latent_compatibility, serve_mismatch
+from .compat import (SIGNATURE_FORMAT, TOKEN_ORDER, grid_compatibility, image_frames_mismatch, latent_compatibility,
+                     serve_mismatch)
 from .model_info import token_grid
 from .state import failure_text
 
@@ -84,12 +85,13 @@ class CandidateLoader:
         self._workspace, self._grid, self._latent, self._common = workspace, grid, latent, dict(common)
 
     def hit(self, entry_id, similarity: float, others=(), models=(), run_starts=None, block_size=None,
-            forward_grid=None):
+            forward_grid=None, image_frames=None):
         """``(Retrieval, "")`` of a hit on this entry (``others``: its candidates), or ``(None, why not)``:
         unreadable, incompatible latent, no masks, made for another of ``models`` (ModelInfo), not for
         this sampler run (``run_starts`` / ``block_size``, :func:`~chorus.engine.compat.run_mismatch`) or, when
         ``forward_grid`` is given, not for its forwards' token grid (then that grid, not the latent's, decides
-        whether the maps are resampled: :func:`~chorus.engine.compat.grid_compatibility`)."""
+        whether the maps are resampled: :func:`~chorus.engine.compat.grid_compatibility`), or recorded with
+        input images on other latent frames than ``image_frames`` (:func:`~chorus.engine.compat.image_frames_mismatch`)."""
         try:
             masks, meta = _load(self._workspace, entry_id)
             signature = meta["signature"]
@@ -100,7 +102,8 @@ class CandidateLoader:
             return None, f"entry {entry_id} (similarity {similarity:.3f}) incompatible: {why}"
         if not masks:
             return None, f"entry {entry_id} holds no masks"
-        mismatch = serve_mismatch(signature, models, run_starts, block_size)
+        mismatch = serve_mismatch(signature, models, run_starts, block_size) \
+            or image_frames_mismatch(signature, image_frames)
         if mismatch is not None:
             return None, f"entry {entry_id}: {mismatch}"
         grid = self._grid
@@ -118,16 +121,17 @@ class CandidateLoader:
             return None, f"entry {entry_id}: {exc}"
 
     def reselect(self, candidates, models, *, run_starts=None, block_size=None,
-                 forward_grid=None) -> tuple[Retrieval | None, str]:
+                 forward_grid=None, image_frames=None) -> tuple[Retrieval | None, str]:
         """The hit on the most similar of ``candidates`` (``(entry_id, similarity)``, best first) whose
         entry serves every model of ``models`` (:class:`ModelInfo`), the sampler run (``run_starts``:
-        the sigmas its steps start at; ``block_size``) and its forwards' token grid (``forward_grid``, or
-        None: not known yet), with the candidates after it, or ``(None, why not)``."""
+        the sigmas its steps start at; ``block_size``), its forwards' token grid (``forward_grid``, or
+        None: not known yet) and input images (``image_frames``, or None), with the candidates after it, or
+        ``(None, why not)``."""
         reasons = []
         candidates = list(candidates)
         for i, (entry_id, similarity) in enumerate(candidates):
             hit, why = self.hit(entry_id, similarity, tuple(candidates[i + 1:]), models, run_starts, block_size,
-                                forward_grid)
+                                forward_grid, image_frames)
             if hit is not None:
                 return hit, ""
             reasons.append(why)
@@ -185,6 +189,8 @@ def build_signature(plan: Plan) -> dict:
         "step_sigmas": [round(s, 6) for s in steps],
         "head_groups": 1,
     }
+    if plan.state.image_frames is not None:
+        signature["image_frames"] = [int(f) for f in plan.state.image_frames]
     if any(match_step(s, steps) is None for s in sampler):
         # the sampler had steps the model was not called at (a step cache such as EasyCache skipped
         # them): a hit needs this schedule, and runs those steps dense

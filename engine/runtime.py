@@ -110,10 +110,12 @@ class ChorusAttention:
         self.run = ExpertRun(self, expert, sig)
         return self.run
 
-    def serve_grid(self, grid) -> None:
+    def serve_grid(self, grid, image_frames=None) -> None:
         """The token grid ``(T', H', W')`` of a forward of this model (the host calls this before it decides
-        anything else of the forward). The run's first forward has the plan serve it too
-        (:meth:`Plan.serve_run`): a hit whose maps are for another grid -- recorded in context windows and
+        anything else of the forward), and ``image_frames``: a callable giving the latent frames its input holds
+        images on (:func:`~chorus.engine.model_info.image_frames`; it may sync, so it is asked at a run's first
+        forward only), or None. The run's first forward has the plan serve both (:meth:`Plan.serve_run`; a miss
+        keeps the images for its entry, a hit's entry must have the same): a hit whose maps are for another grid -- recorded in context windows and
         sampled without, or the other way round -- is served at this one (resampled, or unresampled where it
         is the entry's own) or, where it cannot be (an entry in a token order), moves to a candidate made for
         this grid or is demoted before any sparse call (a miss that records, so the request can be written);
@@ -127,10 +129,12 @@ class ChorusAttention:
                 return
             run.forward_grid = grid = tuple(int(g) for g in grid)
             plan, served = self.plan, self.plan.retrieval
+            frames = image_frames() if image_frames is not None else None
             if not plan.is_hit:
+                plan.serve_run(self.model_info, image_frames=frames)
                 return
             expert = plan.serve_run(self.model_info, run_starts=run_starts(run.sample_sigmas),
-                                    block_size=self.config.block_size, forward_grid=grid)
+                                    block_size=self.config.block_size, forward_grid=grid, image_frames=frames)
             if plan.retrieval is not served or not plan.is_hit or expert != run.expert:
                 run.finish()
                 self.run = ExpertRun(self, expert, run.sample_sigmas)

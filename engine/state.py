@@ -191,6 +191,7 @@ class RequestState:
     verify_recorder: MassRecorder | None = None
     verify_covered: int = 0
     noted: set = field(default_factory=set)
+    image_frames: tuple | None = None  # (first, last, other) latent frames with an input image (first forward's)
     lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
 
     def __deepcopy__(self, memo):

@@ -18,8 +18,9 @@ put itself on top, Chorus takes the top back in each forward (``nodes/override_s
 
 Per forward the DIFFUSION_MODEL wrapper runs on the host side of the graph (``torch.compiler.disable``:
 under ``TorchCompileModel`` one graph break at the top of the model, none inside a block): it reads the
-token grid from the latent and tells it to the parts (a run's first forward serves a hit's entry at that grid,
-resampled, or moves or demotes a hit whose maps cannot be, ``serve_grid``), reads the sigma once, makes the
+token grid from the latent and tells it to the parts with the latent frames its input holds images on (a run's
+first forward serves a hit's entry at that grid, resampled, or moves or demotes a hit whose maps cannot be or
+whose entry was recorded with images on other frames, ``serve_grid``), reads the sigma once, makes the
 forward's :class:`~chorus.engine.attend.ForwardContext` current, and hands the model an options copy with constants
 only, also published where compiled code is guarded on them (``nodes/comfy_forward.py``). The override
 translates each attention call by them: self-attention to ``torch.ops.chorus.attend`` (or, on a recording
@@ -32,11 +33,13 @@ gives a note in the plan and dense attention / a full block, never a failed prom
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
 
 from ..engine import ChorusAttention, ModelInfo, Plan, token_grid
+from ..engine.model_info import image_frames
 from ..engine import attend as engine_attend
 from ..engine.feature_reuse import FeatureReuse
 from ..engine.guidance import GuidanceBoost
@@ -157,10 +160,12 @@ class ChorusPatch:
         if clip_fea is not None:
             context_lengths.add(CLIP_IMAGE_TOKENS)
         reason = self._stay_out_reason(tokens, context_lengths, extra_tokens, options)
-        if reason is None:  # the parts' entry must serve the forward's grid (Plan.serve_run), first of all
+        if reason is None:  # the parts' entry must serve the forward's grid and images (Plan.serve_run), first of all
+            timestep = args[1] if len(args) > 1 else kwargs.get("timestep", kwargs.get("t"))
+            frames = functools.cache(lambda: image_frames(x, self.model_info, timestep))  # one sync, asked once a run
             for part in (self.attention, self.feature_reuse):
                 if part is not None:
-                    part.serve_grid(grid)
+                    part.serve_grid(grid, frames)
         try:
             sigma = sigma_value(options.get("sigmas"))  # the one host sync of the forward
         except (TypeError, ValueError):  # none, or not a finite number: the forward runs without Chorus's parts

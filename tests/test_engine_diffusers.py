@@ -23,7 +23,10 @@ def tiny_transformer(dtype=torch.float32):
 
 def inputs(sigma, seed=0, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(*SHAPE, generator=g).to(dtype)
+    x = torch.randn(*SHAPE, generator=g)
+    x[:, 16:20] = 0.0
+    x[:, 16:20, 0] = 1.0  # the mask channels as diffusers' I2V pipeline lays them: a start image on frame 0
+    x = x.to(dtype)
     context = torch.randn(1, 8, 64, generator=g).to(dtype)
     return dict(hidden_states=x, timestep=torch.tensor([sigma * 1000.0]), encoder_hidden_states=context,
                 return_dict=False)
@@ -50,6 +53,7 @@ def test_miss_records_cond_calls_and_keeps_the_dense_output():
     assert plan.stats.recorded_calls == 2 * 2 and plan.stats.dense_calls == 4 * 2
     assert sorted(plan.recorder.block_maps()) == [(0, s, l, 0) for s in range(2) for l in range(2)]
     assert build_signature(plan)["token_grid"] == list(GRID)
+    assert build_signature(plan)["image_frames"] == [1, 0, 0]  # read from the first forward's input
     assert all(type(b.attn1.processor).__name__ != "ChorusWanSelfAttnProcessor" for b in model.blocks)
 
 

@@ -412,3 +412,73 @@ def test_a_model_with_scaled_rope_has_its_own_fingerprint(adapter):
     scaled = with_rope(**dict(identity, scale_t=0.5))
     assert scaled != base and scaled == with_rope(**dict(identity, scale_t=0.5))
     assert with_rope(**dict(identity, shift_x=4.0)) not in (base, scaled)
+
+
+def _image_conds(end_image: bool, seed=3):
+    """CONDITIONING as ComfyUI's WanImageToVideo (a start image) or WanFirstLastFrameToVideo (``end_image``: a
+    start and an end image) leave it: ``concat_latent_image`` and ``concat_mask`` (0 where a pixel frame holds
+    an image: the start image's latent frame whole, the end image's last pixel frame only)."""
+    t, h, w = LATENT[2:]
+    mask = torch.ones(1, 1, t * 4, h, w)
+    mask[:, :, :4] = 0.0
+    if end_image:
+        mask[:, :, -1:] = 0.0
+    mask = mask.view(1, t, 4, h, w).transpose(1, 2)
+    image = torch.randn(1, 16, t, h, w, generator=torch.Generator().manual_seed(seed))
+    extra = {"concat_latent_image": image, "concat_mask": mask}
+    return tuple([[cond[0][0], dict(cond[0][1], **extra)]] for cond in _conds(seed))
+
+
+def _sample_conds(model, conds, steps=2):
+    import comfy.sample
+
+    latent_image = torch.zeros(LATENT)
+    noise = comfy.sample.prepare_noise(latent_image, 0)
+    return comfy.sample.sample(model, noise, steps, 1.0, "euler", "simple", conds[0], conds[1], latent_image,
+                               disable_pbar=True, seed=0)
+
+
+def test_an_entry_serves_only_requests_with_images_on_the_same_latent_frames(tmp_path, adapter, experts):
+    """A start-image request's entry is not reused for a first-last-frame request (its attention runs to a second
+    image frame: the map does not fit it), nor the other way round: the hit moves to the entry recorded with the
+    same images, or, where none is, is demoted before any sparse call (dense, recording the new entry). Entries
+    record the frames as ``image_frames`` (first, last, other)."""
+    from chorus.engine.model_info import image_frames
+
+    start, first_last = _image_conds(end_image=False), _image_conds(end_image=True)
+    info = adapter.comfy_model_info(experts[0])
+    ws = Workspace.open(tmp_path / "ws")
+
+    def request(conds):
+        plan = retrieve_plan(ws, _embedding(7), LATENT, similarity_threshold=0.9)
+        model, _, _ = adapter.patch_model(experts[0], plan, CONFIG)
+        out = _sample_conds(model, conds)
+        return plan, out, commit_plan(ws, plan)
+
+    plan, _, written = request(start)
+    assert not plan.is_hit and "wrote entry 1" in written
+    assert ws.load(1, touch=False)[1]["signature"]["image_frames"] == [1, 0, 0]
+
+    plan, out, written = request(first_last)  # entry 1 found, and demoted: another image layout
+    assert not plan.is_hit and plan.stats.sparse_calls == 0, plan.message
+    assert "recorded with a start image (1 first, 0 last, 0 other latent frames), this request has a start and " \
+           "an end image (1 first, 1 last" in plan.message, plan.message
+    torch.testing.assert_close(out, _sample_conds(experts[0], first_last), rtol=0, atol=0)  # dense
+    assert "wrote entry 2" in written and ws.load(2, touch=False)[1]["signature"]["image_frames"] == [1, 1, 0]
+
+    plan, _, _ = request(first_last)  # entry 1 ranks first (equal similarity, lower id): the hit moves to 2
+    assert plan.is_hit and plan.entry_id == 2 and plan.stats.sparse_calls == 2 * 2, plan.stats.messages
+    assert any("hit moved from entry 1" in m for m in plan.stats.messages), plan.stats.messages
+    plan, _, _ = request(start)
+    assert plan.is_hit and plan.entry_id == 1 and plan.stats.sparse_calls == 2 * 2, plan.stats.messages
+
+    # what the forward's input tells: ComfyUI's I2V input channels [noise, mask (4), image]
+    x = torch.zeros(2, 36, 5, 4, 4)
+    x[:, 16:20, 0] = 1.0
+    assert image_frames(x, info) == (1, 0, 0)
+    x[:, 19, 4] = 1.0  # an end image covers the last of its frame's four pixel frames
+    assert image_frames(x, info) == (1, 1, 0)
+    x[:, 16:20, 2] = 1.0
+    assert image_frames(x, info) == (1, 1, 1)
+    assert image_frames(torch.zeros(2, 36, 5, 4, 4), info) == (0, 0, 0)
+    assert image_frames(torch.zeros(2, 16, 5, 4, 4), info) is None  # not this model's input

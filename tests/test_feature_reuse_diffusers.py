@@ -31,6 +31,8 @@ def inputs(sigma):
     t, y, x = torch.meshgrid(torch.arange(5.0), torch.arange(16.0), torch.arange(16.0), indexing="ij")
     smooth = torch.stack([torch.sin(0.2 * y + 0.3 * x + 0.1 * t + c) for c in range(36)])[None]
     hidden = smooth + (x < 8) * torch.randn(SHAPE, generator=g)  # textured left half, smooth right half
+    hidden[:, 16:20] = 0.0
+    hidden[:, 16:20, 0] = 1.0  # the I2V mask channels: a start image on frame 0
     return dict(hidden_states=hidden, timestep=torch.tensor([sigma * 1000.0]),
                 encoder_hidden_states=torch.randn(1, 8, 64, generator=g), return_dict=False)
 

@@ -150,6 +150,21 @@ def test_select_regions_share_and_first_frame():
     assert select_regions(scores, grid, region, 0.0).numel() == 0
 
 
+def test_select_regions_never_picks_a_frame_with_an_input_image():
+    """A first-last-frame request (images on the first and the last latent frame): no region holding the end
+    image's frame is downsampled; where the frame count leaves the last frame outside every complete region
+    (an odd count: Wan's usual lengths), the regions before it stay eligible."""
+    region = (2, 4, 4)
+    for grid, allowed_starts in (((6, 8, 8), {2}), ((7, 8, 8), {2, 4})):
+        n = pooling.region_counts(grid, region)
+        scores = torch.arange(n[0] * n[1] * n[2], dtype=torch.float64)  # the last frames' regions most redundant
+        picked = select_regions(scores, grid, region, 1.0, image_frames=(1, 1, 0))
+        starts = pooling.region_frames(grid, region)[picked]
+        assert set(starts.tolist()) == allowed_starts, (grid, starts)
+        start_only = select_regions(scores, grid, region, 1.0, image_frames=(1, 0, 0))
+        assert set(pooling.region_frames(grid, region)[start_only].tolist()) == set(range(2, grid[0] - 1, 2))
+
+
 def _info():
     return ModelInfo("wan", "wan2.2-a14b-i2v", 2, 2, 4, 36, "fp0")
 

@@ -23,11 +23,13 @@ reverse order of installing them.
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
 
 from ...engine.call import AttnCall
+from ...engine.model_info import image_frames
 from ...engine.guidance import GuidanceBoost
 from ...engine.runtime import ChorusAttention, attend
 
@@ -136,6 +138,15 @@ def forward_grid_and_sigma(args, kwargs, patch_size):
     return (t // pt, h // ph, w // pw), float(torch.as_tensor(timestep).float().max()) / 1000.0
 
 
+def forward_image_frames(args, kwargs, model_info):
+    """A callable giving the latent frames a ``WanTransformer3DModel.forward`` call's input holds images on
+    (:func:`~chorus.engine.model_info.image_frames`: diffusers lays the I2V input out as ComfyUI does), computed
+    once when first asked (it syncs: the engine asks at a run's first forward only)."""
+    hidden = kwargs.get("hidden_states", args[0] if args else None)
+    timestep = kwargs.get("timestep", args[1] if len(args) > 1 else None)
+    return functools.cache(lambda: image_frames(hidden, model_info, timestep))
+
+
 def _set_processor(attn, proc) -> None:
     attn.set_processor(proc) if hasattr(attn, "set_processor") else setattr(attn, "processor", proc)
 
@@ -152,7 +163,7 @@ def _state_hook(transformer, patch_size, handle=None):
             return None
         state.grid, sigma = found
         if handle is not None:
-            handle.serve_grid(state.grid)
+            handle.serve_grid(state.grid, forward_image_frames(args, kwargs, handle.model_info))
         state.cond = state.last_sigma is None or abs(sigma - state.last_sigma) > 1e-7
         state.sigma = state.last_sigma = sigma
         return None

@@ -7,7 +7,7 @@ import torch
 
 from ...engine.feature_reuse import FeatureReuse
 from ...kernels import pooling
-from .adapter import diffusers_wan_blocks, forward_grid_and_sigma
+from .adapter import diffusers_wan_blocks, forward_grid_and_sigma, forward_image_frames
 
 
 class _DiffusersState:
@@ -58,7 +58,7 @@ def patch_diffusers_feature_reuse(transformer, handle: FeatureReuse) -> Diffuser
         found = forward_grid_and_sigma(args, kwargs, patch_size)
         state.grid, state.sigma = found if found is not None else (state.grid, None)
         if found is not None:
-            handle.serve_grid(state.grid)
+            handle.serve_grid(state.grid, forward_image_frames(args, kwargs, handle.model_info))
         return None
 
     def wrap_attn1(attn, original):
