@@ -45,11 +45,12 @@ from host import tiny_wan as tiny  # noqa: E402
 from host import run_host  # noqa: E402
 SKIP_REASON = tiny.import_comfy()
 WORKFLOWS = ["chorus_wan22_a14b_i2v_4step", "chorus_wan22_a14b_i2v_4step_feature_reuse",
-             "chorus_wan22_ti2v_5b", "chorus_wan21_i2v_14b"]
+             "chorus_wan22_a14b_flf2v_4step", "chorus_wan22_ti2v_5b", "chorus_wan21_i2v_14b"]
 CPU_STEPS = 4  # the 20-step KSampler graphs (5B, 2.1) run 4 steps here (same sampler, scheduler, cfg)
 # model calls per request (ComfyUI batches cond and uncond into one call on CPU): A14B 2 steps per
 # expert, cfg 1; 5B and 2.1 4 steps uni_pc (one model call per step)
 MODEL_CALLS = {"chorus_wan22_a14b_i2v_4step": 2 * 2, "chorus_wan22_a14b_i2v_4step_feature_reuse": 2 * 2,
+               "chorus_wan22_a14b_flf2v_4step": 2 * 2,
                "chorus_wan22_ti2v_5b": CPU_STEPS, "chorus_wan21_i2v_14b": CPU_STEPS}
 
 
@@ -92,8 +93,9 @@ def key_of(api: dict, node: dict) -> str:
     return next(k for k, v in api.items() if v is node)
 
 
-def cpu_sized(api: dict, *, seed: int, noise: float, workspace: str) -> dict:
-    """The committed graph with the text encoder replaced by test conditioning and a 64x64x5 video."""
+def cpu_sized(api: dict, *, seed: int, noise: float, workspace: str, length: int = 5) -> dict:
+    """The committed graph with the text encoder replaced by test conditioning and a 64x64 video of ``length``
+    frames (5: two latent frames; 9: three, so that an end image has a frame of its own)."""
     graph = json.loads(json.dumps(api))
     clip_ids = [k for k, v in graph.items() if v["class_type"] == "CLIPLoader"]
     text_ids = [k for k, v in graph.items() if v["class_type"] == "CLIPTextEncode"]
@@ -107,8 +109,8 @@ def cpu_sized(api: dict, *, seed: int, noise: float, workspace: str) -> dict:
         for name, value in node["inputs"].items():
             if isinstance(value, list) and value[0] in text_ids:
                 node["inputs"][name] = ["900", 0 if value[0] == positive_id else 1]
-        if node["class_type"] in ("WanImageToVideo", "Wan22ImageToVideoLatent"):
-            node["inputs"].update(width=64, height=64, length=5)
+        if node["class_type"] in ("WanImageToVideo", "Wan22ImageToVideoLatent", "WanFirstLastFrameToVideo"):
+            node["inputs"].update(width=64, height=64, length=length)
         if node["class_type"] == "KSampler":
             node["inputs"]["steps"] = min(node["inputs"]["steps"], CPU_STEPS)
         if node["class_type"] == "ChorusMaskRetrieve":
@@ -158,3 +160,32 @@ def test_workflow_miss_then_hit(host, name):
     fallback = int(re.search(r"fallback (\d+)", written).group(1))
     assert sparse == MODEL_CALLS[name] * tiny.TINY_LAYERS and dense == 0 and fallback == 0, written
     _assert_saved_one_video(host, record, save_id)
+
+
+def test_a_first_last_frame_entry_serves_first_last_frame_requests_only(host):
+    """The first-last-frame graph and the start-image graph of the same models, prompt and start image in one
+    workspace (three latent frames: the end image on a frame of its own): the start-image request finds the
+    first-last-frame entry by its embedding, is demoted before any sparse call and writes an entry of its own;
+    each graph then hits its own entry, every call sparse."""
+    workspace = "image_layouts"
+    graphs = {}
+    for name in ("chorus_wan22_a14b_flf2v_4step", "chorus_wan22_a14b_i2v_4step"):
+        api = json.loads((WORKFLOWS_DIR / "api" / f"{name}_api.json").read_text())
+        stage_models(api)
+        graphs[name] = cpu_sized(api, seed=5, noise=0.0, workspace=workspace, length=9)
+
+    def queue(name):
+        record = host.queue(graphs[name], timeout=300)
+        assert record["status"]["status_str"] == "success", (record["status"], host.log_tail())
+        return (_texts(record, "ChorusMaskRetrieve", graphs[name]), _texts(record, "ChorusCacheWrite", graphs[name]))
+
+    retrieved, written = queue("chorus_wan22_a14b_flf2v_4step")
+    assert retrieved.startswith("MISS") and "wrote entry 1" in written, written
+    retrieved, written = queue("chorus_wan22_a14b_i2v_4step")
+    assert retrieved.startswith("HIT entry 1"), retrieved
+    assert "wrote entry 2" in written and "calls sparse 0" in written, written
+    assert "recorded with a start and an end image" in written and "this request has a start image" in written
+    for name, entry in (("chorus_wan22_a14b_flf2v_4step", 1), ("chorus_wan22_a14b_i2v_4step", 2)):
+        _, written = queue(name)
+        assert written.startswith(f"hit: updated stats of entry {entry},"), written
+        assert f"calls sparse {MODEL_CALLS[name] * tiny.TINY_LAYERS}, dense 0" in written, written

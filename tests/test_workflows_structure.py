@@ -23,6 +23,7 @@ VIRTUAL_TYPES = {"MarkdownNote", "Note", "Reroute", "PrimitiveNode"}
 EXPECTED = {
     "chorus_wan22_a14b_i2v_4step",
     "chorus_wan22_a14b_i2v_4step_feature_reuse",
+    "chorus_wan22_a14b_flf2v_4step",
     "chorus_wan22_ti2v_5b",
     "chorus_wan21_i2v_14b",
 }
@@ -158,7 +159,8 @@ def test_chorus_wiring_follows_the_contract(ui_path):
     assert [d["inputs"]["samples"] for d in decode.values()] == [[last[0], 0]]
 
 
-@pytest.mark.parametrize("name", ["chorus_wan22_a14b_i2v_4step", "chorus_wan22_a14b_i2v_4step_feature_reuse"])
+@pytest.mark.parametrize("name", ["chorus_wan22_a14b_i2v_4step", "chorus_wan22_a14b_i2v_4step_feature_reuse",
+                                  "chorus_wan22_a14b_flf2v_4step"])
 def test_a14b_is_the_4step_lora_2_plus_2_graph(name):
     api = _load(WORKFLOWS_DIR / "api" / f"{name}_api.json")
     unets = sorted(v["inputs"]["unet_name"] for v in _by_type(api, "UNETLoader").values())
@@ -197,6 +199,7 @@ def _template_dir() -> Path | None:
 TEMPLATE_OF = {
     "chorus_wan22_a14b_i2v_4step": "video_wan2_2_14B_i2v.json",
     "chorus_wan22_a14b_i2v_4step_feature_reuse": "video_wan2_2_14B_i2v.json",
+    "chorus_wan22_a14b_flf2v_4step": "video_wan2_2_14B_flf2v.json",
     "chorus_wan22_ti2v_5b": "video_wan2_2_5B_ti2v.json",
     "chorus_wan21_i2v_14b": "image_to_video_wan.json",
 }

@@ -7,7 +7,7 @@ definitions of a real ComfyUI (``/object_info``), not against the tables in this
 Every graph is ComfyUI's standard Wan image-to-video graph (the loaders, encoders and samplers of
 ComfyUI's own Wan templates, with their model file names) plus the Chorus II nodes:
 
-    WanImageToVideo.latent -> ChorusMaskRetrieve.latent      (the request's latent shape)
+    WanImageToVideo (or WanFirstLastFrameToVideo).latent -> ChorusMaskRetrieve.latent  (the request's latent shape)
     LoadImage / CLIPTextEncode (+ CLIPVisionEncode) -> ChorusMaskRetrieve (what the request is)
     ChorusMaskRetrieve.plan -> ChorusSparseSampler.plan      (every diffusion model, same plan)
     ChorusSparseSampler.model -> KSampler / KSamplerAdvanced
@@ -51,6 +51,19 @@ NODE_SPECS: dict[str, dict] = {
             ("vae", "VAE"),
             ("clip_vision_output", "CLIP_VISION_OUTPUT"),
             ("start_image", "IMAGE"),
+        ],
+        widgets=["width", "height", "length", "batch_size"],
+        outputs=[("positive", "CONDITIONING"), ("negative", "CONDITIONING"), ("latent", "LATENT")],
+    ),
+    "WanFirstLastFrameToVideo": dict(
+        sockets=[
+            ("positive", "CONDITIONING"),
+            ("negative", "CONDITIONING"),
+            ("vae", "VAE"),
+            ("clip_vision_start_image", "CLIP_VISION_OUTPUT"),
+            ("clip_vision_end_image", "CLIP_VISION_OUTPUT"),
+            ("start_image", "IMAGE"),
+            ("end_image", "IMAGE"),
         ],
         widgets=["width", "height", "length", "batch_size"],
         outputs=[("positive", "CONDITIONING"), ("negative", "CONDITIONING"), ("latent", "LATENT")],
@@ -275,18 +288,28 @@ def _chorus_tail(g: Graph, plan_node, final_latent_node, vae, fps, prefix, x, y)
           title="Chorus mask preview")
 
 
-def wan22_a14b_i2v_4step(feature_reuse: bool = False) -> Graph:
+def wan22_a14b_i2v_4step(feature_reuse: bool = False, first_last: bool = False) -> Graph:
     """Wan 2.2 A14B I2V, lightx2v 4-step LoRAs: high-noise expert steps 0-2, low-noise expert 2-4, cfg 1.
 
     ``feature_reuse``: each expert's model also goes through ChorusFeatureReuse (downsample_share
     0.25) and ChorusGuidanceBoost (strength 0.5, image_strength 0.5, cfg_strength 0), same plan, after ChorusSparseSampler.
+    ``first_last``: a start and an end image through WanFirstLastFrameToVideo (ComfyUI's Wan 2.2 14B
+    first-last-frame template) instead of WanImageToVideo's start image.
     """
-    g = Graph("chorus_wan22_a14b_i2v_4step" + ("_feature_reuse" if feature_reuse else ""))
+    if first_last:
+        g = Graph("chorus_wan22_a14b_flf2v_4step")
+    else:
+        g = Graph("chorus_wan22_a14b_i2v_4step" + ("_feature_reuse" if feature_reuse else ""))
     extra = ("With **ChorusFeatureReuse** (on a hit, redundant regions run at a downsampled resolution) and "
              "**ChorusGuidanceBoost** (reinforces the conditioning on the reused steps) after the sparse "
              "sampler of each expert.\n\n" if feature_reuse else "")
+    if first_last:
+        extra = ("A start and an end image (**WanFirstLastFrameToVideo**). An entry records which latent frames "
+                 "held an image: a first-last-frame request reuses only entries of first-last-frame requests, "
+                 "never a start-image-only one (nor the other way round), in the same workspace.\n\n")
+    title = "First-Last Frame" if first_last else "I2V"
     g.add("MarkdownNote", {"text": (
-        "## Chorus II — Wan 2.2 A14B I2V, 4-step LoRA (2 + 2 steps, cfg 1)\n\n"
+        f"## Chorus II — Wan 2.2 A14B {title}, 4-step LoRA (2 + 2 steps, cfg 1)\n\n"
         "Both experts are patched by **ChorusSparseSampler** with the **same plan** from "
         "**ChorusMaskRetrieve**. A miss runs dense attention and records masks; **ChorusCacheWrite** "
         "then stores them. A similar later request (similarity >= threshold) reuses them.\n\n" + extra +
@@ -296,7 +319,7 @@ def wan22_a14b_i2v_4step(feature_reuse: bool = False) -> Graph:
         "- loras/wan2.2_i2v_lightx2v_4steps_lora_v1_high_noise.safetensors\n"
         "- loras/wan2.2_i2v_lightx2v_4steps_lora_v1_low_noise.safetensors\n"
         "- text_encoders/umt5_xxl_fp8_e4m3fn_scaled.safetensors\n"
-        "- vae/wan_2.1_vae.safetensors")}, pos=(0, 880), size=(380, 420))
+        "- vae/wan_2.1_vae.safetensors")}, pos=(0, 1240 if first_last else 880), size=(380, 420))
     high = g.add("UNETLoader", {"unet_name": "wan2.2_i2v_high_noise_14B_fp8_scaled.safetensors",
                                 "weight_dtype": "default"}, pos=(0, 0), size=(380, 82), title="Load high-noise expert")
     low = g.add("UNETLoader", {"unet_name": "wan2.2_i2v_low_noise_14B_fp8_scaled.safetensors",
@@ -313,9 +336,15 @@ def wan22_a14b_i2v_4step(feature_reuse: bool = False) -> Graph:
     shift_low = g.add("ModelSamplingSD3", {"shift": 5.0}, {"model": (lora_low, 0)}, pos=(840, 130), size=(240, 58))
     pos, neg = _common_text(g, clip, "The white dragon warrior stands still, eyes full of determination. "
                             "The camera slowly circles around the warrior.", 420, 260)
-    i2v = g.add("WanImageToVideo", {"width": 640, "height": 640, "length": 81, "batch_size": 1},
-                {"positive": (pos, 0), "negative": (neg, 0), "vae": (vae, 0), "start_image": (image, 0)},
-                pos=(420, 620), size=(300, 190))
+    if first_last:
+        end = g.add("LoadImage", {"image": "example.png"}, pos=(0, 880), size=(320, 320), title="End image")
+        i2v = g.add("WanFirstLastFrameToVideo", {"width": 640, "height": 640, "length": 81, "batch_size": 1},
+                    {"positive": (pos, 0), "negative": (neg, 0), "vae": (vae, 0), "start_image": (image, 0),
+                     "end_image": (end, 0)}, pos=(420, 620), size=(300, 230))
+    else:
+        i2v = g.add("WanImageToVideo", {"width": 640, "height": 640, "length": 81, "batch_size": 1},
+                    {"positive": (pos, 0), "negative": (neg, 0), "vae": (vae, 0), "start_image": (image, 0)},
+                    pos=(420, 620), size=(300, 190))
     retrieve = g.add("ChorusMaskRetrieve", CHORUS_RETRIEVE,
                      {"latent": (i2v, 2), "start_image": (image, 0), "positive": (pos, 0)},
                      pos=(880, 260), size=(320, 220), color=CHORUS_COLOR)
@@ -347,7 +376,7 @@ def wan22_a14b_i2v_4step(feature_reuse: bool = False) -> Graph:
         "scheduler": "simple", "start_at_step": 2, "end_at_step": 4, "return_with_leftover_noise": "disable"},
         {"model": (model_low, 0), "positive": (i2v, 0), "negative": (i2v, 1), "latent_image": (sample_high, 0)},
         pos=(1920, 0), size=(300, 340), title="KSamplerAdvanced (low-noise, steps 2-4)")
-    prefix = "video/chorus_wan22_a14b" + ("_feature_reuse" if feature_reuse else "")
+    prefix = "video/chorus_wan22_a14b" + ("_flf2v" if first_last else "_feature_reuse" if feature_reuse else "")
     _chorus_tail(g, retrieve, sample_low, vae, 16.0, prefix, 1580, 400)
     return g
 
@@ -432,7 +461,12 @@ def wan22_a14b_i2v_4step_feature_reuse() -> Graph:
     return wan22_a14b_i2v_4step(feature_reuse=True)
 
 
-WORKFLOWS = (wan22_a14b_i2v_4step, wan22_a14b_i2v_4step_feature_reuse, wan22_ti2v_5b, wan21_i2v_14b)
+def wan22_a14b_flf2v_4step() -> Graph:
+    return wan22_a14b_i2v_4step(first_last=True)
+
+
+WORKFLOWS = (wan22_a14b_i2v_4step, wan22_a14b_i2v_4step_feature_reuse, wan22_a14b_flf2v_4step, wan22_ti2v_5b,
+             wan21_i2v_14b)
 
 
 def main() -> int:
