@@ -8,6 +8,9 @@ The Triton interpreter cases (``tests/test_triton_interpret_cases.py``) run in a
 (``tests/test_triton_cpu.py``); once collection has kept that test, the subprocess starts at once, so its
 few single-threaded minutes run beside the rest of the suite instead of after it (``interpreter_cases``).
 
+``nodes`` (the ``chorus.nodes`` package with ``CHORUS_CACHE_DIR`` in the test's temporary folder: the in-process
+node tests' workspaces) serves ``tests/test_nodes_inprocess.py`` and ``tests/test_gguf_host.py``.
+
 ``pg`` (a throwaway PostgreSQL cluster of ``tests/fleet_pg.py``, per test module; skips with the
 reason where it cannot start) and ``url`` (a fresh database on it, per test) serve
 ``tests/test_fleet_store.py`` and ``tests/test_fleet_hostile.py``.
@@ -85,6 +88,14 @@ def interpreter_cases(request):
     with output:
         output.seek(0)
         return proc.returncode, output.read()
+
+
+@pytest.fixture()
+def nodes(tmp_path, monkeypatch):
+    monkeypatch.setenv("CHORUS_CACHE_DIR", str(tmp_path / "cache"))
+    import chorus.nodes as nodes_pkg
+
+    return nodes_pkg
 
 
 @pytest.fixture(scope="module")

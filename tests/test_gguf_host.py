@@ -27,14 +27,6 @@ pytestmark = [pytest.mark.host,
 LATENT = {"samples": torch.zeros(1, 16, 2, 8, 8)}
 
 
-@pytest.fixture()
-def nodes(tmp_path, monkeypatch):
-    monkeypatch.setenv("CHORUS_CACHE_DIR", str(tmp_path / "cache"))
-    import chorus.nodes as nodes_pkg
-
-    return nodes_pkg
-
-
 @pytest.fixture(scope="module")
 def state_dict():
     return tiny.tiny_wan_state_dict(seed=0)
@@ -60,12 +52,7 @@ def load_gguf(tmp_path, monkeypatch, state_dict):
 
 
 def _sample(model, positive):
-    import comfy.sample
-
-    latent = LATENT["samples"]
-    noise = comfy.sample.prepare_noise(latent, 0)
-    return comfy.sample.sample(model, noise, 2, 1.0, "euler", "simple", positive, tiny.random_conditioning(1),
-                               latent, disable_pbar=True, seed=0)
+    return tiny.sample_two_steps(model, positive, LATENT["samples"])
 
 
 def _with_lora(model, state_dict):

@@ -17,14 +17,6 @@ pytestmark = pytest.mark.skipif(SKIP_REASON is not None, reason=f"ComfyUI not av
 LATENT = {"samples": torch.zeros(1, 16, 2, 8, 8)}
 
 
-@pytest.fixture()
-def nodes(tmp_path, monkeypatch):
-    monkeypatch.setenv("CHORUS_CACHE_DIR", str(tmp_path / "cache"))
-    import chorus.nodes as nodes_pkg
-
-    return nodes_pkg
-
-
 @pytest.fixture(scope="module")
 def model():
     return tiny.load_tiny_wan(tiny.tiny_wan_state_dict(seed=0))
@@ -35,12 +27,7 @@ def _text(out):
 
 
 def _sample(model_patched, positive):
-    import comfy.sample
-
-    latent = LATENT["samples"]
-    noise = comfy.sample.prepare_noise(latent, 0)
-    return comfy.sample.sample(model_patched, noise, 2, 1.0, "euler", "simple", positive,
-                               tiny.random_conditioning(1), latent, disable_pbar=True, seed=0)
+    return tiny.sample_two_steps(model_patched, positive, LATENT["samples"])
 
 
 def test_miss_write_hit_cycle_through_the_nodes(nodes, model, tmp_path):

@@ -209,6 +209,16 @@ def save_safetensors(state_dict: dict, path) -> Path:
     return path
 
 
+def sample_two_steps(model, positive, latent: torch.Tensor) -> torch.Tensor:
+    """``comfy.sample.sample`` of ``model`` on ``latent``: 2 euler steps, cfg 1, seed 0, ``positive`` against
+    :func:`random_conditioning` ``(1)`` (the in-process node tests' request)."""
+    import comfy.sample
+
+    noise = comfy.sample.prepare_noise(latent, 0)
+    return comfy.sample.sample(model, noise, 2, 1.0, "euler", "simple", positive, random_conditioning(1), latent,
+                               disable_pbar=True, seed=0)
+
+
 def random_conditioning(seed: int, *, scale: float = 1.0, noise: float = 0.0, noise_seed: int = 1000):
     """ComfyUI CONDITIONING ``[[cond [1, 512, 4096], {}]]`` from a seed (+ optional small noise)."""
     gen = torch.Generator().manual_seed(seed)
