@@ -204,9 +204,12 @@ class ComfyGraphEmbedder:
             return hidden[0].float().mean(0)
         raise ValueError("CLIP_VISION_OUTPUT has neither image_embeds nor penultimate_hidden_states")
 
-    def embed(self, image=None, text=None, *, conditioning=None, clip_vision_output=None) -> np.ndarray:
+    def embed(self, image=None, text=None, *, conditioning=None, clip_vision_output=None,
+              end_image=None) -> np.ndarray:
         """Text part from ``conditioning`` (else ``text``); image part from ``clip_vision_output``
-        (else ``image`` pixels)."""
+        (else ``image`` pixels). ``end_image`` (a first-last-frame request's end image): its pixel thumbnail
+        joins the image part, the mean of the start image's and its own unit vectors (alone where there is no
+        other image part), so requests whose end images differ are less similar."""
         t = i = None
         if conditioning is not None:
             t = self._project(self.pool_conditioning(conditioning))
@@ -216,6 +219,10 @@ class ComfyGraphEmbedder:
             i = self._project(self.pool_clip_vision(clip_vision_output))
         elif image is not None:
             i = self._project(torch.from_numpy(thumbnail_vector(image, self.thumb)))
+        if end_image is not None:
+            parts = [u for u in (_unit(i), _unit(self._project(torch.from_numpy(thumbnail_vector(end_image, self.thumb)))))
+                     if u is not None]  # (a uniform image's thumbnail is zero: no part)
+            i = sum(parts) if parts else None
         return joint_embedding(t, i, self.text_weight, self.part_dim, self.part_dim)
 
 

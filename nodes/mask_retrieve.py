@@ -25,18 +25,20 @@ def _image_hash(image) -> str | None:
     return hashlib.sha256(data).hexdigest()[:16]
 
 
-def request_embedding(positive=None, start_image=None, prompt=None, clip_vision_output=None):
+def request_embedding(positive=None, start_image=None, prompt=None, clip_vision_output=None, end_image=None):
     """Joint text+image embedding (``cache_store.embedders.ComfyGraphEmbedder``, text weight 0.5).
 
     Text part: the positive CONDITIONING tensor (mean over tokens), else the prompt string (hashed
-    n-grams). Image part: the CLIP_VISION_OUTPUT when given, else the start image pixels (thumbnail).
-    Raises ``ValueError`` when neither part is given.
+    n-grams). Image part: the CLIP_VISION_OUTPUT when given, else the start image pixels (thumbnail),
+    with a first-last-frame request's ``end_image`` thumbnail joined to it. Raises ``ValueError`` when
+    neither part is given.
     """
     image = start_image if isinstance(start_image, torch.Tensor) else None
+    end = end_image if isinstance(end_image, torch.Tensor) else None
     empty = positive is None or (isinstance(positive, (list, tuple, str)) and not positive)
     conditioning = None if empty else positive  # a tensor is passed on (never truth-tested): the embedder checks it
     return EMBEDDER.embed(image=image, text=prompt or None, conditioning=conditioning,
-                          clip_vision_output=clip_vision_output)
+                          clip_vision_output=clip_vision_output, end_image=end)
 
 
 def plan_density(plan: Plan) -> tuple[float | None, list]:
@@ -76,6 +78,9 @@ class ChorusMaskRetrieve(io.ComfyNode):
                 io.ClipVisionOutput.Input("clip_vision_output", optional=True,
                                           tooltip="CLIP vision output of the start image (image part of the "
                                                   "embedding when given)."),
+                io.Image.Input("end_image", optional=True,
+                               tooltip="End image of a first-last-frame video (WanFirstLastFrameToVideo): joins "
+                                       "the image part of the embedding."),
             ],
             outputs=[
                 ChorusPlan.Output("plan", display_name="plan"),
@@ -93,7 +98,7 @@ class ChorusMaskRetrieve(io.ComfyNode):
 
     @classmethod
     def execute(cls, latent, workspace="default", similarity_threshold=0.9, start_image=None, positive=None,
-                prompt="", clip_vision_output=None) -> io.NodeOutput:
+                prompt="", clip_vision_output=None, end_image=None) -> io.NodeOutput:
         samples = latent.get("samples") if isinstance(latent, dict) else None
         shape = tuple(samples.shape) if isinstance(samples, torch.Tensor) else None
         if shape is None or len(shape) != 5:
@@ -113,8 +118,10 @@ class ChorusMaskRetrieve(io.ComfyNode):
                 "embedder": EMBEDDER.name, "text_weight": TEXT_WEIGHT,
                 "image_source": "clip_vision" if clip_vision_output is not None else
                                 ("pixels" if start_image is not None else None)}
+        if end_image is not None:
+            meta["end_image_hash"] = _image_hash(end_image)
         try:
-            embedding = request_embedding(positive, start_image, prompt, clip_vision_output)
+            embedding = request_embedding(positive, start_image, prompt, clip_vision_output, end_image)
         except (ValueError, TypeError) as exc:
             plan = Plan.miss(f"miss: no request embedding ({exc}); connect start_image and/or positive. "
                              "Dense attention, nothing will be written", latent_shape=shape, record=False)

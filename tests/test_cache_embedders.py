@@ -94,6 +94,23 @@ def test_comfy_graph_embedder():
         emb.embed(conditioning=torch.full((1, 3, 8), float("nan")))
 
 
+def test_a_first_last_frame_request_s_end_image_joins_the_image_part():
+    """The end image's thumbnail joins the start image's (the mean of their unit vectors): another end image is a
+    less similar request, the same one the same; without an end image the embedding is what it was; a uniform end
+    image (a zero thumbnail) adds nothing; an end image alone is the image part."""
+    emb = E.ComfyGraphEmbedder(part_dim=128)
+    start = emb.embed(image=_image(1), text="a red fox")
+    with_end = emb.embed(image=_image(1), text="a red fox", end_image=_image(2))
+    assert np.array_equal(with_end, emb.embed(image=_image(1), text="a red fox", end_image=_image(2).clone()))
+    other_end = emb.embed(image=_image(1), text="a red fox", end_image=_image(3))
+    assert float(with_end @ start) < 0.99 and float(with_end @ other_end) < float(with_end @ with_end) - 0.01
+    images = float(emb.embed(image=_image(1)) @ emb.embed(image=_image(2))) / 0.5  # cosine of the two image parts
+    # the text half, plus the image half's cosine of the start image with the mean of both: sqrt((1 + c) / 2)
+    np.testing.assert_allclose(float(with_end @ start), 0.5 + 0.5 * np.sqrt(0.5 * (1 + images)), rtol=1e-4)
+    assert np.allclose(emb.embed(image=_image(1), text="a red fox", end_image=torch.full((1, 16, 16, 3), 0.5)), start)
+    assert np.allclose(emb.embed(text="a red fox", end_image=_image(2)), emb.embed(image=_image(2), text="a red fox"))
+
+
 @pytest.fixture(scope="module")
 def clip_checkpoint(tmp_path_factory):
     """A real open_clip architecture with random weights, saved to a local file at test time."""

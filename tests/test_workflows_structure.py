@@ -129,6 +129,11 @@ def test_chorus_wiring_follows_the_contract(ui_path):
              not in ("KSampler", "KSamplerAdvanced")]
     assert len(first) == 1 and r["inputs"]["latent"] == first[0]["inputs"]["latent_image"]
     assert api[r["inputs"]["start_image"][0]]["class_type"] == "LoadImage"
+    # A first-last-frame graph's end image joins the embedding: the one WanFirstLastFrameToVideo gets.
+    first_last = list(_by_type(api, "WanFirstLastFrameToVideo").values())
+    assert r["inputs"].get("end_image") == (first_last[0]["inputs"]["end_image"] if first_last else None)
+    if first_last:
+        assert r["inputs"]["start_image"] == first_last[0]["inputs"]["start_image"] != r["inputs"]["end_image"]
     assert api[r["inputs"]["positive"][0]]["class_type"] == "CLIPTextEncode"
     # Every sampler runs a model patched by ChorusSparseSampler (and, in the feature-reuse variant,
     # ChorusFeatureReuse and ChorusGuidanceBoost) with the one plan, on top of ModelSamplingSD3.

@@ -99,6 +99,7 @@ NODE_SPECS: dict[str, dict] = {
             ("start_image", "IMAGE"),
             ("positive", "CONDITIONING"),
             ("clip_vision_output", "CLIP_VISION_OUTPUT"),
+            ("end_image", "IMAGE"),
         ],
         widgets=["workspace", "similarity_threshold", "prompt"],
         outputs=[("plan", "CHORUS_PLAN"), ("mask_preview", "IMAGE"), ("info", "STRING")],
@@ -345,9 +346,11 @@ def wan22_a14b_i2v_4step(feature_reuse: bool = False, first_last: bool = False) 
         i2v = g.add("WanImageToVideo", {"width": 640, "height": 640, "length": 81, "batch_size": 1},
                     {"positive": (pos, 0), "negative": (neg, 0), "vae": (vae, 0), "start_image": (image, 0)},
                     pos=(420, 620), size=(300, 190))
-    retrieve = g.add("ChorusMaskRetrieve", CHORUS_RETRIEVE,
-                     {"latent": (i2v, 2), "start_image": (image, 0), "positive": (pos, 0)},
-                     pos=(880, 260), size=(320, 220), color=CHORUS_COLOR)
+    request = {"latent": (i2v, 2), "start_image": (image, 0), "positive": (pos, 0)}
+    if first_last:
+        request["end_image"] = (end, 0)
+    retrieve = g.add("ChorusMaskRetrieve", CHORUS_RETRIEVE, request, pos=(880, 260), size=(320, 240),
+                     color=CHORUS_COLOR)
     sparse_high = g.add("ChorusSparseSampler", CHORUS_SPARSE, {"model": (shift_high, 0), "plan": (retrieve, 0)},
                         pos=(1240, 0), size=(300, 160), title="ChorusSparseSampler (high-noise)", color=CHORUS_COLOR)
     sparse_low = g.add("ChorusSparseSampler", CHORUS_SPARSE, {"model": (shift_low, 0), "plan": (retrieve, 0)},
