@@ -482,3 +482,31 @@ def test_an_entry_serves_only_requests_with_images_on_the_same_latent_frames(tmp
     assert image_frames(x, info) == (1, 1, 1)
     assert image_frames(torch.zeros(2, 36, 5, 4, 4), info) == (0, 0, 0)
     assert image_frames(torch.zeros(2, 16, 5, 4, 4), info) is None  # not this model's input
+
+
+def test_wan22_5b_image_to_video_and_text_to_video_keep_their_own_entries(adapter):
+    """Wan 2.2 TI2V 5B runs both from one model: with a start image (ComfyUI's Wan22ImageToVideoLatent keeps the
+    first latent frame through a noise mask, its timestep 0) an entry records ``[1, 0, 0]``; a text-to-video
+    request of the same latent is not served from it (demoted before any sparse call), and records ``[0, 0, 0]``."""
+    import comfy.sample
+
+    model = tiny.load_tiny_wan(tiny.tiny_wan_state_dict(seed=9, in_dim=48, out_dim=48))
+    latent = torch.zeros(1, 48, 3, 8, 8)
+    kept_first = torch.ones(1, 1, 3, 8, 8)
+    kept_first[:, :, 0] = 0.0
+
+    def sample(plan, noise_mask):
+        patched, _, _ = adapter.patch_model(model, plan, CONFIG)
+        noise = comfy.sample.prepare_noise(latent, 0)
+        comfy.sample.sample(patched, noise, 2, 1.0, "euler", "simple", *_conds(), latent, noise_mask=noise_mask,
+                            disable_pbar=True, seed=0)
+
+    image_to_video = Plan.miss("test", embedding=_embedding(6), latent_shape=latent.shape)
+    sample(image_to_video, kept_first)
+    signature = build_signature(image_to_video)
+    assert signature["image_frames"] == [1, 0, 0]
+    hit = Plan("hit", entry_id=1, similarity=1.0, masks=image_to_video.recorder.block_maps(),
+               entry_meta={"signature": signature}, latent_shape=latent.shape, embedding=_embedding(6))
+    sample(hit, None)
+    assert not hit.is_hit and hit.stats.sparse_calls == 0 and "this request has no input image" in hit.message
+    assert build_signature(hit)["image_frames"] == [0, 0, 0]
