@@ -124,7 +124,7 @@ def test_object_info_lists_every_node_with_tooltips(env):
     retrieve = info["ChorusMaskRetrieve"]
     assert retrieve["output_name"] == ["plan", "mask_preview", "info"]
     assert list(retrieve["input"]["required"]) == ["latent", "workspace", "similarity_threshold"]
-    assert set(retrieve["input"]["optional"]) == {"start_image", "positive", "prompt", "clip_vision_output"}
+    assert set(retrieve["input"]["optional"]) == {"start_image", "positive", "prompt", "clip_vision_output", "end_image"}
     sampler = info["ChorusSparseSampler"]["input"]["required"]
     assert sampler["top_p"][1]["default"] == 0.9 and sampler["k_min"][1]["default"] == 4
     assert sampler["refresh_steps"][1]["default"] == 0
