@@ -47,7 +47,7 @@ import torch
 from . import reference
 from .reference import softmax_scale
 from .masks import validate_block_map
-from .probe import PROBE_TOKENS, build_probe, probe_inputs
+from .probe import attention_error, build_probe
 from .tile_order import resolve_token_perm, to_raster_order, to_tile_order
 
 LOG = logging.getLogger(__name__)
@@ -178,17 +178,9 @@ def check_flex(q: torch.Tensor) -> float:
     Whatever the compile or the kernel raises propagates: on CUDA, :func:`why_unavailable` asks this once per
     (device, dtype, head dim) (:func:`~chorus.kernels.probe.build_probe`), so where Triton imports but cannot
     build (a Triton of another torch release) flex is a reason found while resolving, not a failed compile at
-    every call."""
-    x = probe_inputs(q, 3)
-    blocks = -(-PROBE_TOKENS // 128)
-    full = torch.ones(1, 1, blocks, blocks, dtype=torch.bool, device=q.device)
-    out = _flex_attention(x[0], x[1], x[2], full, 128, softmax_scale(q.shape[-1]))
-    error = reference.relative_l2(out, reference.dense_attention_oracle(x[0], x[1], x[2]))
-    ceiling = reference.NUMERICS_CEILINGS["16-bit"]
-    if not error <= ceiling:
-        raise RuntimeError(f"it computes wrong: relative error {error:.3g} against exact attention, where its "
-                           f"numerics stay under {ceiling}")
-    return error
+    every call (:func:`~chorus.kernels.probe.attention_error`)."""
+    scale = softmax_scale(q.shape[-1])
+    return attention_error(q, "16-bit", lambda q_, k, v, full: _flex_attention(q_, k, v, full, 128, scale))
 
 
 def _candidates(q: torch.Tensor, op: str) -> list[Backend]:

@@ -8,6 +8,8 @@ and compiled FlexAttention (:func:`chorus.kernels.api.why_unavailable`). Imports
 
 - :func:`build_probe` ``(key, kernel, run) -> reason | None``
 - :func:`probe_inputs` ``(q, count) -> [count, 1, 2, PROBE_TOKENS, D]``: the probes' unit Gaussian inputs
+- :func:`attention_error` ``(q, numerics, attention) -> float``: an attention kernel's full-map run on them,
+  checked against the fp64 oracle (the portable Triton kernels' and flex's first-use check)
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from __future__ import annotations
 import logging
 
 import torch
+
+from .reference import NUMERICS_CEILINGS, dense_attention_oracle, relative_l2
 
 LOG = logging.getLogger(__name__)
 
@@ -28,6 +32,22 @@ def probe_inputs(q: torch.Tensor, count: int) -> torch.Tensor:
     the same each time (seed 0)."""
     gen = torch.Generator(device=q.device).manual_seed(0)
     return torch.randn(count, 1, 2, PROBE_TOKENS, q.shape[-1], generator=gen, device=q.device).to(q.dtype)
+
+
+def attention_error(q: torch.Tensor, numerics: str, attention) -> float:
+    """Run ``attention(q, k, v, full_map)`` (an attention kernel; ``full_map`` a bool ``[1, 1, Qb, Kb]`` of
+    128-token blocks keeping every one) on unit Gaussian q / k / v like ``q`` (2 heads x :data:`PROBE_TOKENS`)
+    and return its relative L2 against the fp64 oracle; ``RuntimeError`` when it is not finite or past the
+    ceiling of its ``numerics`` (:data:`~chorus.kernels.reference.NUMERICS_CEILINGS`). Whatever the kernel
+    raises propagates."""
+    x = probe_inputs(q, 3)
+    blocks = -(-PROBE_TOKENS // 128)
+    full = torch.ones(1, 1, blocks, blocks, dtype=torch.bool, device=q.device)
+    error = relative_l2(attention(x[0], x[1], x[2], full), dense_attention_oracle(x[0], x[1], x[2]))
+    if not error <= NUMERICS_CEILINGS[numerics]:
+        raise RuntimeError(f"it computes wrong: relative error {error:.3g} against exact attention, where its "
+                           f"numerics stay under {NUMERICS_CEILINGS[numerics]}")
+    return error
 
 
 def build_probe(key: tuple, kernel: str, run) -> str | None:

@@ -37,9 +37,8 @@ import os
 import torch
 
 from ..custom_ops import op_registered
-from ..probe import PROBE_TOKENS, build_probe, probe_inputs
-from ..reference import (BLOCK_MASS_CEILING, NUMERICS_CEILINGS, block_mass_reference, dense_attention_oracle,
-                         relative_l2, softmax_scale)
+from ..probe import attention_error, build_probe, probe_inputs
+from ..reference import BLOCK_MASS_CEILING, block_mass_reference, softmax_scale
 from . import _attention_ws
 from ._attention import block_sparse_attention_triton_impl, compress_block_map, output_like
 from ._block_mass import block_mass_triton_impl
@@ -208,21 +207,13 @@ def portable_unavailable(q: torch.Tensor, numerics: str) -> str | None:
 
 def check_portable_kernel(q: torch.Tensor, numerics: str) -> float:
     """Run the portable kernel with ``numerics`` on unit Gaussian q / k / v like ``q`` (2 heads x
-    :data:`PROBE_TOKENS`, full map) and return its relative L2 against the fp64 oracle; ``RuntimeError`` when it
-    is not finite or past :data:`~chorus.kernels.reference.NUMERICS_CEILINGS`. Whatever the kernel raises
-    propagates."""
-    x = probe_inputs(q, 3)
-    blocks = -(-PROBE_TOKENS // 128)
-    full = torch.ones(1, 1, blocks, blocks, dtype=torch.bool, device=q.device)
+    :data:`~chorus.kernels.probe.PROBE_TOKENS`, full map) and return its relative L2 against the fp64 oracle;
+    ``RuntimeError`` when it is not finite or past :data:`~chorus.kernels.reference.NUMERICS_CEILINGS`. Whatever
+    the kernel raises propagates (:func:`~chorus.kernels.probe.attention_error`)."""
     if numerics == "int8":
-        out = block_sparse_attention_int8(x[0], x[1], x[2], full)
-    else:
-        out = block_sparse_attention_triton(x[0], x[1], x[2], full, fp8=numerics == "fp8")
-    error = relative_l2(out, dense_attention_oracle(x[0], x[1], x[2]))
-    if not error <= NUMERICS_CEILINGS[numerics]:
-        raise RuntimeError(f"it computes wrong: relative error {error:.3g} against exact attention, where its "
-                           f"numerics stay under {NUMERICS_CEILINGS[numerics]}")
-    return error
+        return attention_error(q, numerics, block_sparse_attention_int8)
+    fp8 = numerics == "fp8"
+    return attention_error(q, numerics, lambda *qkv_map: block_sparse_attention_triton(*qkv_map, fp8=fp8))
 
 
 def block_mass_unavailable(q: torch.Tensor) -> str | None:
@@ -235,8 +226,9 @@ def block_mass_unavailable(q: torch.Tensor) -> str | None:
 
 
 def check_block_mass_kernel(q: torch.Tensor, sample_rows: int = 8) -> float:
-    """Run the block-mass kernel on unit Gaussian q / k like ``q`` (2 heads x :data:`PROBE_TOKENS`,
-    ``sample_rows`` rows per block as a miss records) and return the largest absolute difference from
+    """Run the block-mass kernel on unit Gaussian q / k like ``q`` (2 heads x
+    :data:`~chorus.kernels.probe.PROBE_TOKENS`, ``sample_rows`` rows per block as a miss records) and return
+    the largest absolute difference from
     :func:`~chorus.kernels.reference.block_mass_reference`; ``RuntimeError`` when it is not finite or past
     :data:`~chorus.kernels.reference.BLOCK_MASS_CEILING`. Whatever the kernel raises propagates."""
     x = probe_inputs(q, 2)
