@@ -133,15 +133,18 @@ def run_mismatch(entry_signature, run_starts=None, block_size: int | None = None
     return None
 
 
-def serve_mismatch(entry_signature, models=(), run_starts=None, block_size: int | None = None) -> str | None:
-    """Why an entry (its signature) cannot serve every model of ``models`` (:class:`ModelInfo`) and a sampler
-    run (:func:`model_mismatch` for each, then :func:`run_mismatch`), or None: what retrieval's candidate
-    loader and a plan moving its hit both ask. Never raises."""
+def serve_mismatch(entry_signature, models=(), run_starts=None, block_size: int | None = None,
+                   image_frames=None) -> str | None:
+    """Why an entry (its signature) cannot serve every model of ``models`` (:class:`ModelInfo`), a sampler
+    run and a request with input images on ``image_frames`` (:func:`model_mismatch` for each, then
+    :func:`run_mismatch`, then :func:`image_frames_mismatch`), or None: what retrieval's candidate loader and a
+    plan moving its hit both ask. Never raises."""
     for info in models:
         reason = model_mismatch(entry_signature, info)
         if reason is not None:
             return reason
-    return run_mismatch(entry_signature, run_starts, block_size)
+    return run_mismatch(entry_signature, run_starts, block_size) or image_frames_mismatch(entry_signature,
+                                                                                          image_frames)
 
 
 def describe_image_frames(frames) -> str:

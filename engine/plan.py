@@ -28,8 +28,7 @@ import numpy as np
 
 from .. import kernels
 from .recorder import MassRecorder
-from .compat import (entry_sampler_sigmas, entry_token_order, grid_compatibility, image_frames_mismatch, model_mismatch,
-                     serve_mismatch)
+from .compat import entry_sampler_sigmas, entry_token_order, grid_compatibility, model_mismatch, serve_mismatch
 from .model_info import ModelInfo, token_grid
 from .state import PlanStats, RequestState, failure_text
 
@@ -443,8 +442,7 @@ class Plan:
                 current = state.retrieval
                 models = list(state.models)
                 frames = state.image_frames
-                reason = serve_mismatch(current.signature, models, run_starts, block_size) \
-                    or image_frames_mismatch(current.signature, frames)
+                reason = serve_mismatch(current.signature, models, run_starts, block_size, frames)
                 if reason is None and forward_grid is not None:
                     reason = self._serve_grid(current, tuple(int(g) for g in forward_grid))
                 if reason is None:

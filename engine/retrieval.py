@@ -16,8 +16,7 @@ import torch
 from .. import kernels
 from .plan import Plan, Retrieval, entry_text, hit_message
 from .routing import match_step
-from .compat import (SIGNATURE_FORMAT, TOKEN_ORDER, grid_compatibility, image_frames_mismatch, latent_compatibility,
-                     serve_mismatch)
+from .compat import SIGNATURE_FORMAT, TOKEN_ORDER, grid_compatibility, latent_compatibility, serve_mismatch
 from .model_info import token_grid
 from .state import failure_text
 
@@ -91,7 +90,8 @@ class CandidateLoader:
         this sampler run (``run_starts`` / ``block_size``, :func:`~chorus.engine.compat.run_mismatch`) or, when
         ``forward_grid`` is given, not for its forwards' token grid (then that grid, not the latent's, decides
         whether the maps are resampled: :func:`~chorus.engine.compat.grid_compatibility`), or recorded with
-        input images on other latent frames than ``image_frames`` (:func:`~chorus.engine.compat.image_frames_mismatch`)."""
+        input images on other latent frames than ``image_frames`` (all but the grid:
+        :func:`~chorus.engine.compat.serve_mismatch`)."""
         try:
             masks, meta = _load(self._workspace, entry_id)
             signature = meta["signature"]
@@ -102,8 +102,7 @@ class CandidateLoader:
             return None, f"entry {entry_id} (similarity {similarity:.3f}) incompatible: {why}"
         if not masks:
             return None, f"entry {entry_id} holds no masks"
-        mismatch = serve_mismatch(signature, models, run_starts, block_size) \
-            or image_frames_mismatch(signature, image_frames)
+        mismatch = serve_mismatch(signature, models, run_starts, block_size, image_frames)
         if mismatch is not None:
             return None, f"entry {entry_id}: {mismatch}"
         grid = self._grid
