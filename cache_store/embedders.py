@@ -218,12 +218,15 @@ class ComfyGraphEmbedder:
         if clip_vision_output is not None:
             i = self._project(self.pool_clip_vision(clip_vision_output))
         elif image is not None:
-            i = self._project(torch.from_numpy(thumbnail_vector(image, self.thumb)))
+            i = self._pixels(image)
         if end_image is not None:
-            parts = [u for u in (_unit(i), _unit(self._project(torch.from_numpy(thumbnail_vector(end_image, self.thumb)))))
-                     if u is not None]  # (a uniform image's thumbnail is zero: no part)
+            parts = [u for u in (_unit(i), _unit(self._pixels(end_image))) if u is not None]  # a uniform image: none
             i = sum(parts) if parts else None
         return joint_embedding(t, i, self.text_weight, self.part_dim, self.part_dim)
+
+    def _pixels(self, image) -> np.ndarray:
+        """An image part from pixels: the projected thumbnail (:func:`thumbnail_vector`)."""
+        return self._project(torch.from_numpy(thumbnail_vector(image, self.thumb)))
 
 
 OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)
