@@ -70,7 +70,8 @@ def validate_block_map(block_map, batch: int, heads: int, q_len: int, kv_len: in
 
 
 def select_blocks(mass: torch.Tensor, *, top_p: float, k_min: int, keep_diagonal: bool = True,
-                  keep_first_frame_blocks: int = 0, check_values: bool = True) -> torch.Tensor:
+                  keep_first_frame_blocks: int = 0, keep_last_frame_blocks: int = 0,
+                  check_values: bool = True) -> torch.Tensor:
     """Block map from block mass: per row, top-p selection, a top-k floor, and keep-sets.
 
     Args:
@@ -82,6 +83,8 @@ def select_blocks(mass: torch.Tensor, *, top_p: float, k_min: int, keep_diagonal
         keep_diagonal: also keep block ``(i, i)`` (for ``i < min(Qb, Kb)``).
         keep_first_frame_blocks: also keep key blocks ``0 .. n-1`` in every row (the blocks that
             hold the first frame, i.e. the image condition in I2V).
+        keep_last_frame_blocks: also keep the last ``n`` key blocks ``Kb - n .. Kb - 1`` in every row
+            (the blocks that hold the last frame, i.e. the end image of a first-last-frame request).
         check_values: reject NaN, inf and negative mass (three reads of the values: on a GPU, three
             host syncs). ``False`` for a caller that checks the mass itself without a sync (the miss
             recorder keeps a device flag and refuses to write a recording that saw such mass); the
@@ -92,21 +95,22 @@ def select_blocks(mass: torch.Tensor, *, top_p: float, k_min: int, keep_diagonal
 
     Raises:
         ValueError: non-float or empty ``mass``, NaN/inf or negative mass, ``top_p`` outside (0, 1],
-            negative ``k_min`` or ``keep_first_frame_blocks``.
+            negative ``k_min``, ``keep_first_frame_blocks`` or ``keep_last_frame_blocks``.
     """
-    _check_selection(mass, top_p, k_min, keep_first_frame_blocks, check_values)
+    _check_selection(mass, top_p, k_min, keep_first_frame_blocks, keep_last_frame_blocks, check_values)
     return _select(mass, False, top_p=top_p, k_min=k_min, keep_diagonal=keep_diagonal,
-                   keep_first_frame_blocks=keep_first_frame_blocks)
+                   keep_first_frame_blocks=keep_first_frame_blocks, keep_last_frame_blocks=keep_last_frame_blocks)
 
 
 def select_blocks_packed(mass: torch.Tensor, *, top_p: float, k_min: int, keep_diagonal: bool = True,
-                         keep_first_frame_blocks: int = 0, check_values: bool = True) -> torch.Tensor:
+                         keep_first_frame_blocks: int = 0, keep_last_frame_blocks: int = 0,
+                         check_values: bool = True) -> torch.Tensor:
     """:func:`select_blocks`, bit-packed on ``mass``'s device: uint8 ``[..., Qb, ceil(Kb / 8)]`` in the
     layout of :func:`chorus.kernels.codec.pack_bits` (what the miss recorder keeps; the Triton kernel
     writes the bytes itself). Same arguments and errors as :func:`select_blocks`."""
-    _check_selection(mass, top_p, k_min, keep_first_frame_blocks, check_values)
+    _check_selection(mass, top_p, k_min, keep_first_frame_blocks, keep_last_frame_blocks, check_values)
     return _select(mass, True, top_p=top_p, k_min=k_min, keep_diagonal=keep_diagonal,
-                   keep_first_frame_blocks=keep_first_frame_blocks)
+                   keep_first_frame_blocks=keep_first_frame_blocks, keep_last_frame_blocks=keep_last_frame_blocks)
 
 
 def _select(mass: torch.Tensor, packed: bool, **selection) -> torch.Tensor:
@@ -121,7 +125,7 @@ def _select(mass: torch.Tensor, packed: bool, **selection) -> torch.Tensor:
     return pack_bits_on_device(keep) if packed else keep
 
 
-def _check_selection(mass, top_p, k_min, keep_first_frame_blocks, check_values) -> None:
+def _check_selection(mass, top_p, k_min, keep_first_frame_blocks, keep_last_frame_blocks, check_values) -> None:
     if not isinstance(mass, torch.Tensor) or not mass.is_floating_point():
         raise ValueError("mass must be a floating-point torch.Tensor")
     if mass.dim() < 2 or mass.shape[-1] == 0 or mass.shape[-2] == 0:
@@ -132,6 +136,8 @@ def _check_selection(mass, top_p, k_min, keep_first_frame_blocks, check_values) 
         raise ValueError(f"k_min must be >= 0, got {k_min}")
     if int(keep_first_frame_blocks) < 0:
         raise ValueError(f"keep_first_frame_blocks must be >= 0, got {keep_first_frame_blocks}")
+    if int(keep_last_frame_blocks) < 0:
+        raise ValueError(f"keep_last_frame_blocks must be >= 0, got {keep_last_frame_blocks}")
     if check_values:
         if bool(torch.isnan(mass).any()):
             raise ValueError("mass contains NaN")
@@ -154,7 +160,7 @@ def _fused_kernel(mass: torch.Tensor):
 
 
 def select_blocks_torch(mass: torch.Tensor, *, top_p: float, k_min: int, keep_diagonal: bool = True,
-                        keep_first_frame_blocks: int = 0) -> torch.Tensor:
+                        keep_first_frame_blocks: int = 0, keep_last_frame_blocks: int = 0) -> torch.Tensor:
     """:func:`select_blocks` in torch ops (any device and float dtype; the Triton kernel's reference).
     Arguments as there, not checked here."""
     num_q, num_kv = mass.shape[-2:]
@@ -181,12 +187,25 @@ def select_blocks_torch(mass: torch.Tensor, *, top_p: float, k_min: int, keep_di
         keep.diagonal(dim1=-2, dim2=-1).fill_(True)
     if keep_first_frame_blocks:
         keep[..., : min(int(keep_first_frame_blocks), num_kv)] = True
+    if keep_last_frame_blocks:
+        keep[..., num_kv - min(int(keep_last_frame_blocks), num_kv):] = True
     return keep
 
 
 def first_frame_blocks(tokens_per_frame: int, block_size: int = 128) -> int:
     """Number of leading key blocks that contain any first-frame token."""
     return num_blocks(tokens_per_frame, block_size)
+
+
+def last_frame_blocks(tokens: int, tokens_per_frame: int, block_size: int = 128) -> int:
+    """Number of trailing key blocks that contain any token of the last ``tokens_per_frame`` of a sequence
+    of ``tokens`` (blocks of ``block_size`` from the start, the last one possibly partial): the blocks that
+    hold the last frame where it is the sequence's suffix (raster order)."""
+    if not 0 <= tokens_per_frame <= tokens:
+        raise ValueError(f"a frame of {tokens_per_frame} tokens in a sequence of {tokens}")
+    if tokens_per_frame == 0:
+        return 0
+    return num_blocks(tokens, block_size) - (tokens - tokens_per_frame) // block_size
 
 
 def density(block_map: torch.Tensor) -> float:

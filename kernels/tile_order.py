@@ -109,6 +109,16 @@ class _OrderOfGrid:
     def first_frame_tokens(self) -> int:
         return self.grid[1] * self.grid[2]
 
+    @property
+    def last_frame_is_suffix(self) -> bool:
+        """Whether the last frame's ``H * W`` tokens take this order's last ``H * W`` positions (as in raster
+        order), so that its key blocks are the trailing blocks: e.g. a region order of an odd frame count with
+        2-frame regions (the last frame in no complete region), a tile order of an even one (frame 0, then
+        2-frame slabs: the last slab is that frame alone). False for a one-frame grid (its last frame is the
+        first)."""
+        hw, length = self.grid[1] * self.grid[2], self.length
+        return self.grid[0] > 1 and bool((self.perm[length - hw:] >= length - hw).all())
+
     def indices(self, device) -> tuple[torch.Tensor, torch.Tensor]:
         """``(perm, inverse)`` on ``device`` (copied once per device and kept)."""
         key = str(torch.device(device))

@@ -60,6 +60,24 @@ def test_select_blocks_floor_and_keep_sets():
     assert got[0, 0, :, 0].all()
     assert got[0, 0, 1, 1] and got[0, 0, 2, 2]
     assert got[0, 0, 2].tolist() == [True, False, True, True]
+    got = K.select_blocks(mass, top_p=0.5, k_min=0, keep_diagonal=False, keep_last_frame_blocks=2)
+    assert got[0, 0, :, 2:].all()
+    assert got[0, 0, 1].tolist() == [True, False, True, True]
+    assert K.select_blocks(mass, top_p=0.5, k_min=0, keep_last_frame_blocks=9).all()  # past the row: every block
+
+
+@pytest.mark.parametrize("tokens,frame,block,want", [(1280, 256, 128, 2), (1300, 256, 128, 3), (1300, 20, 128, 1),
+                                                     (1300, 0, 128, 0), (75600, 3600, 128, 29), (100, 100, 128, 1)])
+def test_last_frame_blocks_counts_the_blocks_the_suffix_touches(tokens, frame, block, want):
+    assert K.last_frame_blocks(tokens, frame, block) == want
+    starts = torch.arange(K.num_blocks(tokens, block)) * block  # every block's first token
+    ends = torch.clamp(starts + block, max=tokens)
+    assert int((ends > tokens - frame).sum()) == want  # blocks holding a token of the last `frame`
+
+
+def test_last_frame_blocks_refuses_a_frame_longer_than_the_sequence():
+    with pytest.raises(ValueError, match="frame of"):
+        K.last_frame_blocks(100, 101)
 
 
 def test_select_blocks_top_p_one_keeps_exactly_nonzero():
@@ -90,14 +108,15 @@ def test_select_blocks_is_the_same_map_whatever_the_float_width(dtype):
     mass[..., 7] = mass[..., 3]          # exact ties
     mass[..., 11] = mass[..., 2] * (1 + 2 ** -20) if dtype == torch.float32 else mass[..., 11]  # a near-tie
     for top_p in (0.5, 0.9, 0.99):
-        got = K.select_blocks(mass, top_p=top_p, k_min=2, keep_first_frame_blocks=1)
-        want = K.select_blocks(mass.double(), top_p=top_p, k_min=2, keep_first_frame_blocks=1)
+        got = K.select_blocks(mass, top_p=top_p, k_min=2, keep_first_frame_blocks=1, keep_last_frame_blocks=2)
+        want = K.select_blocks(mass.double(), top_p=top_p, k_min=2, keep_first_frame_blocks=1, keep_last_frame_blocks=2)
         assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("bad,match", [
     (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(top_p=-0.1), "top_p"),
     (dict(k_min=-1), "k_min"), (dict(keep_first_frame_blocks=-2), "keep_first_frame_blocks"),
+    (dict(keep_last_frame_blocks=-1), "keep_last_frame_blocks"),
 ])
 def test_select_blocks_bad_arguments(bad, match):
     args = dict(top_p=0.9, k_min=1) | bad
@@ -124,7 +143,7 @@ def test_select_blocks_packed_is_the_packed_map():
 
     gen = torch.Generator().manual_seed(5)
     mass = torch.softmax(torch.randn(2, 3, 11, 13, generator=gen) * 3, -1)
-    args = dict(top_p=0.8, k_min=2, keep_first_frame_blocks=1)
+    args = dict(top_p=0.8, k_min=2, keep_first_frame_blocks=1, keep_last_frame_blocks=1)
     packed = K.select_blocks_packed(mass, **args)
     want = K.select_blocks(mass, **args)
     assert packed.dtype == torch.uint8 and packed.shape == (2, 3, 11, 2)

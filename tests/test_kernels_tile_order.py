@@ -142,3 +142,21 @@ def test_prefix_bias_in_tile_order_is_the_first_frame():
     got = block_sparse_attention(q, k, v, full, block_size=bs, backend="reference", token_perm=order,
                                  prefix_len=hw, prefix_bias=1.5)
     assert_matches_oracle(got, q, k, v, full, bs, prefix_len=hw, prefix_bias=1.5)
+
+
+@pytest.mark.parametrize("grid,region,want", [((21, 8, 16), (2, 8, 8), True), ((5, 16, 16), (2, 8, 8), True),
+                                              ((4, 16, 16), (2, 8, 8), False), ((1, 16, 16), (2, 8, 8), False)])
+def test_last_frame_is_suffix_of_a_region_order_of_an_odd_frame_count(grid, region, want):
+    """A first-last-frame request's end image keeps its key blocks only where the last frame is the order's
+    suffix: a region order of an odd frame count (the last frame in no complete 2-frame region; with an even
+    count the rim's frame 1 ends the order), a tile order whose last slab is that frame alone (an even count:
+    frame 0, then 2-frame slabs), never a one-frame grid."""
+    from chorus.kernels.tile_order import cached_region_order, cached_tile_order
+
+    order = cached_region_order(grid, region, 128)
+    hw = grid[1] * grid[2]
+    last = set(range(order.length - hw, order.length))
+    assert order.last_frame_is_suffix == want
+    assert (set(order.perm[order.length - hw:].tolist()) == last) == (want or grid[0] == 1)
+    if grid[0] > 1:
+        assert cached_tile_order(grid, 128).last_frame_is_suffix == (grid[0] % 2 == 0)

@@ -167,8 +167,8 @@ def test_block_selection_on_the_gpu_is_the_torch_map(num_kv):
     mass = torch.softmax(torch.randn(1, 40, min(num_kv, 300), num_kv, device="cuda", generator=gen) * 2.5, -1)
     mass[..., 7] = mass[..., 3]
     assert masks._fused_kernel(mass) is not None and masks._fused_kernel(mass.double()) is None
-    for top_p, k_min, first in [(0.9, 4, 15), (0.5, 0, 0), (1.0, 1, 1)]:
-        args = dict(top_p=top_p, k_min=k_min, keep_first_frame_blocks=first)
+    for top_p, k_min, first, last in [(0.9, 4, 15, 15), (0.5, 0, 0, 0), (1.0, 1, 1, 0)]:
+        args = dict(top_p=top_p, k_min=k_min, keep_first_frame_blocks=first, keep_last_frame_blocks=last)
         want = masks.select_blocks_torch(mass, **args)
         assert torch.equal(K.select_blocks(mass, check_values=False, **args), want), args
         assert torch.equal(K.select_blocks_packed(mass, check_values=False, **args), pack_bits_on_device(want)), args

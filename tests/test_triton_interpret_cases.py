@@ -199,9 +199,11 @@ def test_triton_selection_is_the_torch_map(shape, dtype):
     from chorus.kernels.triton._select import select_blocks_triton
 
     mass = _selection_mass(shape, shape[-1], dtype)
-    for top_p, k_min, first, diagonal in [(0.3, 0, 0, False), (0.9, 2, 1, True), (1.0, 0, 2, True),
-                                          (0.5, shape[-1] + 5, 0, True), (0.999, 1, shape[-1] + 3, False)]:
-        args = dict(top_p=top_p, k_min=k_min, keep_diagonal=diagonal, keep_first_frame_blocks=first)
+    for top_p, k_min, first, last, diagonal in [(0.3, 0, 0, 0, False), (0.9, 2, 1, 1, True), (1.0, 0, 2, 0, True),
+                                                (0.5, shape[-1] + 5, 0, 2, True), (0.999, 1, shape[-1] + 3, 0, False),
+                                                (0.4, 1, 0, shape[-1] + 1, True)]:
+        args = dict(top_p=top_p, k_min=k_min, keep_diagonal=diagonal, keep_first_frame_blocks=first,
+                    keep_last_frame_blocks=last)
         want = select_blocks_torch(mass, **args)
         got = select_blocks_triton(mass, **args)
         assert got.dtype == torch.bool and torch.equal(got, want), args

@@ -6,7 +6,8 @@ Contract: ``mass`` float32 ``[R, Kb]`` contiguous (the rows of ``[..., Qb, Kb]``
 ``packed=True`` uint8 ``[R, ceil(Kb / 8)]`` in :func:`chorus.kernels.codec.pack_bits`' layout (MSB first,
 padding bits zero). Per row: the fewest highest-mass blocks whose mass reaches ``top_p`` of the row
 (equal masses: lower key block first), at least ``max(min(k_min, Kb), 1)`` of them, plus the diagonal
-block ``(r % Qb, r % Qb)`` when ``keep_diagonal`` and key blocks ``0 .. keep_first_frame_blocks - 1``.
+block ``(r % Qb, r % Qb)`` when ``keep_diagonal``, key blocks ``0 .. keep_first_frame_blocks - 1`` and the last
+``keep_last_frame_blocks`` key blocks.
 
 How: the row's float32 bit patterns (a non-negative float orders like its bits) are sorted in one
 bitonic sort (``tl.sort``, values only: no index travels with them). The float64 cumulative sum of the
@@ -41,8 +42,8 @@ SELECT_MAX_KEYS = 4096  # widest row one program sorts (a 4096-entry register so
 SELECT_WARPS = 1  # per row; the fastest of 1 / 2 / 4 / 8 at 256 and 591 key blocks (bench --selection)
 
 
-@triton.jit(do_not_specialize=["top_p_bits", "tol_bits", "k_min", "n_first"])
-def _select_kernel(mass_ptr, out_ptr, num_q, num_kv, top_p_bits, tol_bits, k_min, n_first,
+@triton.jit(do_not_specialize=["top_p_bits", "tol_bits", "k_min", "n_first", "n_last"])
+def _select_kernel(mass_ptr, out_ptr, num_q, num_kv, top_p_bits, tol_bits, k_min, n_first, n_last,
                    KEEP_DIAG: tl.constexpr, PACKED: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
@@ -63,7 +64,7 @@ def _select_kernel(mass_ptr, out_ptr, num_q, num_kv, top_p_bits, tol_bits, k_min
     above = bits > cut
     tie = (bits == cut).to(tl.int32)
     ties_kept = n - tl.sum(above.to(tl.int32), 0)
-    keep = above | ((tie != 0) & (tl.cumsum(tie, 0) - tie < ties_kept)) | (cols < n_first)
+    keep = above | ((tie != 0) & (tl.cumsum(tie, 0) - tie < ties_kept)) | (cols < n_first) | (cols >= num_kv - n_last)
     if KEEP_DIAG:
         keep = keep | (cols == row % num_q)
     keep = keep & valid
@@ -82,7 +83,7 @@ def _float64_bits(value: float) -> int:
 
 
 def select_blocks_triton(mass: torch.Tensor, *, top_p: float, k_min: int, keep_diagonal: bool = True,
-                         keep_first_frame_blocks: int = 0, packed: bool = False,
+                         keep_first_frame_blocks: int = 0, keep_last_frame_blocks: int = 0, packed: bool = False,
                          num_warps: int = SELECT_WARPS) -> torch.Tensor:
     """Launch the selection kernel on ``mass`` ``[..., Qb, Kb]`` (see the module docstring).
 
@@ -108,6 +109,7 @@ def select_blocks_triton(mass: torch.Tensor, *, top_p: float, k_min: int, keep_d
         with torch.cuda.device(mass.device) if mass.is_cuda else contextlib.nullcontext():
             _select_kernel[(rows.shape[0],)](
                 rows, out, num_q, num_kv, _float64_bits(top_p), _float64_bits(SELECTION_TOLERANCE),
-                min(int(k_min), num_kv), min(int(keep_first_frame_blocks), num_kv), KEEP_DIAG=bool(keep_diagonal),
+                min(int(k_min), num_kv), min(int(keep_first_frame_blocks), num_kv),
+                min(int(keep_last_frame_blocks), num_kv), KEEP_DIAG=bool(keep_diagonal),
                 PACKED=bool(packed), BLOCK=max(16, triton.next_power_of_2(num_kv)), num_warps=num_warps)
     return out if packed else out.view(torch.bool)
