@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from chorus.engine.feature_reuse import RECORD_CHANNELS, select_regions
-from chorus.engine.guidance import GAIN_PER_STRENGTH, IMAGE_GAIN_PER_STRENGTH, first_frame_biased_attention
+from chorus.engine.guidance import GAIN_PER_STRENGTH, IMAGE_GAIN_PER_STRENGTH, image_biased_attention
 from chorus.kernels import block_sparse_attention, pooling
 
 from .timing import cuda_median_ms
@@ -150,7 +150,7 @@ def _dense_biased_attention(heads, prefix_len, bias):
         b, s, w = q.shape
         d = w // heads
         t = [u.view(b, s, heads, d).transpose(1, 2) for u in (q, k, v)]
-        return first_frame_biased_attention(*t, prefix_len, bias).transpose(1, 2).reshape(b, s, w)
+        return image_biased_attention(*t, prefix_len, bias).transpose(1, 2).reshape(b, s, w)
     return run
 
 

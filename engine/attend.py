@@ -6,7 +6,7 @@ forward then goes through these ``torch.library`` custom ops (the diffusers adap
 in Python, calls :func:`~chorus.engine.runtime.attend` itself):
 
 - ``torch.ops.chorus.attend(q, k, v, layer_hint) -> out``: the call's whole Chorus work (sparse
-  attention with the run's map, or the dense fallback, the first-frame bias, verification, the
+  attention with the run's map, or the dense fallback, the image biases, verification, the
   counters and notes) on the current context;
 - ``torch.ops.chorus.record_mass(q, k, layer_hint, token) -> ()``: a miss's recording of one call whose
   output the host's own dense attention computed;
@@ -32,7 +32,7 @@ counter, advanced by every op call in program order.
 Shapes: q/k/v ``[B, H, L, D]`` (any strides: ComfyUI's ``[B, L, H*D]`` viewed per head works);
 ``attend`` returns ``[B, H, L, D]`` in q's dtype with ``torch.empty_like(q)``'s strides. No op
 raises for anything a request can bring: an unusable call is answered with dense attention
-(PyTorch SDPA, the first-frame bias included) and a note in the plan. (The feature-reuse ops raise
+(PyTorch SDPA, the image biases included) and a note in the plan. (The feature-reuse ops raise
 ``RuntimeError`` only when a host calls them in a forward it did not reduce: a bug, not an input;
 a request's problems with feature reuse are settled before the forward, where the blocks then run
 in full.)
@@ -76,11 +76,14 @@ class ForwardContext:
             feature reuse reduces; ``feature_reuse.reduction``), or None.
         skipped_layers: layers whose block the host skips in this forward (no self-attention call comes
             from them): the layer count passes over them.
+        image_frames: a callable giving the latent frames the forward's input holds images on
+            (:func:`~chorus.engine.model_info.image_frames`, computed once when first asked), or None:
+            guidance asks it for an end image when the plan does not tell.
     """
 
     def __init__(self, attention, guidance, grid, sigma: float | None, cond_or_uncond=None, note=None,
                  disabled_reason: str | None = None, feature_reuse=None, reduction=None,
-                 skipped_layers: frozenset = frozenset()):
+                 skipped_layers: frozenset = frozenset(), image_frames=None):
         self.attention = attention
         self.guidance = guidance
         self.feature_reuse = feature_reuse
@@ -92,6 +95,7 @@ class ForwardContext:
         self.note = note or (lambda message: None)
         self.disabled_reason = disabled_reason
         self.skipped_layers = frozenset(int(layer) for layer in skipped_layers)
+        self.image_frames = image_frames
         self.layer_counter = 0
         self.current_layer = -1  # the layer of the forward's last self-attention call (record_block's layer)
         self._cond_rows: dict[int, torch.Tensor | None] = {}
@@ -127,6 +131,14 @@ class ForwardContext:
             return 0.0
         return float(guidance.first_frame_bias(self.sigma))
 
+    def last_frame_bias(self) -> float:
+        """Guidance's logit bias toward the last frame's keys (a first-last-frame request's end image) for this
+        forward's calls (0.0: none)."""
+        guidance = self.guidance
+        if guidance is None or not guidance.image_strength or self.sigma is None:
+            return 0.0
+        return float(guidance.last_frame_bias(self.sigma, self.image_frames))
+
     def cross_attention_gain(self) -> float | None:
         """Guidance's text gain for this forward's cross-attention outputs (also in a forward Chorus
         otherwise stays out of: no self-attention is involved), or None. Counts the forward as boosted."""
@@ -144,7 +156,8 @@ class ForwardContext:
         if self.disabled_reason is not None:
             return AttnCall(q, k, v, layer, self.sigma, self.grid, dense_fn=dense_fn).dense(self.note)
         call = AttnCall(q, k, v, layer, self.sigma, self.grid, cond_rows=self.cond_rows(q.shape[0]), layout=layout,
-                        first_frame_bias=self.first_frame_bias(), dense_fn=dense_fn)
+                        first_frame_bias=self.first_frame_bias(), dense_fn=dense_fn,
+                        last_frame_bias=self.last_frame_bias())
         return engine_attend(call, self.attention, self.note)
 
     def reduced(self) -> "Reduction":
@@ -199,12 +212,12 @@ class ForwardContext:
 
 def begin_forward(attention, guidance, grid, sigma: float | None, cond_or_uncond=None, note=None,
                   disabled_reason: str | None = None, feature_reuse=None, reduction=None,
-                  skipped_layers: frozenset = frozenset()) -> ForwardContext:
+                  skipped_layers: frozenset = frozenset(), image_frames=None) -> ForwardContext:
     """The :class:`ForwardContext` of one model forward (arguments as there), made current
     (:func:`activate`). A forward Chorus stays out of (``disabled_reason``) is noted, and its
     self-attention calls (one per layer; they run the host's attention) counted as fallbacks."""
     context = ForwardContext(attention, guidance, grid, sigma, cond_or_uncond, note, disabled_reason, feature_reuse,
-                             reduction, skipped_layers)
+                             reduction, skipped_layers, image_frames)
     activate(context)
     if disabled_reason is not None and (attention is not None or guidance is not None):
         context.note(f"{disabled_reason}; dense attention")

@@ -4,7 +4,7 @@ A host translates its own arguments into an ``AttnCall`` and hands it to the eng
 :func:`chorus.engine.runtime.attend` (``ChorusAttention.attend``); the engine owns what happens to
 it (bias, expand, sparse or dense + recording, verification, compact, counters and notes). This
 module holds the call itself and the parts of that order that need nothing but the call: the
-first-frame bias on a dense call, the expansion of a compact call to its full grid and back, and
+image biases on a dense call, the expansion of a compact call to its full grid and back, and
 the checks that turn a call the engine cannot serve into a :class:`Fallback` (dense attention).
 """
 
@@ -44,6 +44,9 @@ class AttnCall:
       its compact sequence, else None.
     - ``first_frame_bias``: guidance's logit bias (natural-log units) for the first frame's
       ``H' * W'`` keys (0.0: none); applied in the sparse kernel and in every dense call of this call.
+    - ``last_frame_bias``: the same for the last frame's keys (a first-last-frame request's end image;
+      0.0: none): a full-grid call's suffix (:attr:`suffix_len`); in every dense call, and in the sparse
+      kernel where the run's maps are in raster order.
     - ``dense_fn(q, k, v) -> [B, H, L, D]``: the host's dense attention (None: PyTorch SDPA).
     """
 
@@ -57,6 +60,7 @@ class AttnCall:
     layout: Any = None
     first_frame_bias: float = 0.0
     dense_fn: Callable | None = None
+    last_frame_bias: float = 0.0
 
     @property
     def prefix_len(self) -> int:
@@ -73,14 +77,27 @@ class AttnCall:
             return 0
         return h * w if t * h * w == self.q.shape[-2] and h * w > 0 else 0
 
+    @property
+    def suffix_len(self) -> int:
+        """The last frame's token count when its bias applies (a full-grid call of more than one frame: the
+        last frame is the raster sequence's suffix), else 0."""
+        if not self.last_frame_bias or self.layout is not None:
+            return 0
+        try:
+            t, h, w = (int(g) for g in self.grid)
+        except (TypeError, ValueError):
+            return 0
+        return h * w if t > 1 and t * h * w == self.q.shape[-2] and h * w > 0 else 0
+
     def dense(self, note=None) -> torch.Tensor:
-        """The call's dense attention: the host's (or SDPA) with the first-frame bias when it applies
-        (:func:`~chorus.engine.guidance.biased_dense_or_plain`: plain if the biased call fails, after
+        """The call's dense attention: the host's (or SDPA) with the first- and last-frame biases where they
+        apply (:func:`~chorus.engine.guidance.biased_dense_or_plain`: plain if the biased call fails, after
         ``note(message)``)."""
         dense_fn = self.dense_fn or sdpa
-        prefix = self.prefix_len
-        if prefix:
-            dense_fn = biased_dense_or_plain(dense_fn, prefix, float(self.first_frame_bias), note)
+        prefix, suffix = self.prefix_len, self.suffix_len
+        if prefix or suffix:
+            dense_fn = biased_dense_or_plain(dense_fn, prefix, float(self.first_frame_bias), suffix,
+                                             float(self.last_frame_bias), on_error=note)
         return dense_fn(self.q, self.k, self.v)
 
     def expanded(self) -> "AttnCall":

@@ -18,7 +18,11 @@ see the prompt at reduced resolution. Three corrections, each with its own stren
   added to the scaled logits of the first-frame keys for every query: their softmax weights are
   multiplied by ``1 + IMAGE_GAIN_PER_STRENGTH * image_strength`` before renormalisation. On the
   sparse path the kernel applies it (the reused maps always keep the first frame's key blocks); a
-  dense call applies it through :func:`first_frame_biased_attention`.
+  dense call applies it through :func:`image_biased_attention`. A first-last-frame request (an end
+  image in the last latent frame, ``state.image_frames``) gets the same bias on the last frame's keys,
+  the sequence's suffix in raster order (:meth:`GuidanceBoost.last_frame_bias`; a hit whose entry runs
+  in a token order where that frame is not the suffix, and feature reuse's compact calls, bias the
+  first frame only, with a note).
 
 - **CFG-style correction** (``cfg_strength``, only where the sampler's cfg > 1): the guidance
   direction ``cond - uncond`` of the denoised prediction is amplified, i.e. the step runs at
@@ -58,34 +62,41 @@ def _check_strength(name: str, value) -> float:
     return float(value)
 
 
-def first_frame_biased_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_len: int,
-                                 bias: float) -> torch.Tensor:
-    """Dense attention ``[B, H, L, D]`` with ``bias`` added to the scaled logits of keys
-    ``[0, prefix_len)`` (PyTorch SDPA with an additive ``[1, 1, 1, Lk]`` mask, any device/dtype).
+def image_biased_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_len: int, prefix_bias: float,
+                           suffix_len: int = 0, suffix_bias: float = 0.0) -> torch.Tensor:
+    """Dense attention ``[B, H, L, D]`` with ``prefix_bias`` added to the scaled logits of keys
+    ``[0, prefix_len)`` (the first frame) and ``suffix_bias`` to those of the last ``suffix_len`` keys (the last
+    frame of a first-last-frame request): PyTorch SDPA with an additive ``[1, 1, 1, Lk]`` mask, any device/dtype.
 
-    ``bias == 0`` or ``prefix_len == 0`` is plain SDPA. ``ValueError`` for a prefix outside
-    ``[0, Lk]`` or a non-finite bias."""
+    No bias that acts (each length or bias 0) is plain SDPA. ``ValueError`` for a prefix or suffix outside
+    ``[0, Lk]``, the two overlapping, or a non-finite bias."""
     kv_len = k.shape[-2]
-    if not (0 <= int(prefix_len) <= kv_len) or not math.isfinite(bias):
-        raise ValueError(f"prefix_len must be in [0, {kv_len}] and bias finite, got {prefix_len!r}, {bias!r}")
-    if prefix_len == 0 or bias == 0.0:
+    prefix_len, suffix_len = int(prefix_len), int(suffix_len)
+    if not (0 <= prefix_len <= kv_len and 0 <= suffix_len <= kv_len - prefix_len) \
+            or not (math.isfinite(prefix_bias) and math.isfinite(suffix_bias)):
+        raise ValueError(f"prefix_len and suffix_len must be disjoint ranges of the {kv_len} keys and the biases "
+                         f"finite, got {prefix_len!r}, {suffix_len!r}, {prefix_bias!r}, {suffix_bias!r}")
+    if (prefix_len == 0 or prefix_bias == 0.0) and (suffix_len == 0 or suffix_bias == 0.0):
         return torch.nn.functional.scaled_dot_product_attention(q, k, v)
     mask = torch.zeros(1, 1, 1, kv_len, dtype=q.dtype, device=q.device)
-    mask[..., :prefix_len] = bias
+    mask[..., :prefix_len] = prefix_bias
+    if suffix_len:
+        mask[..., kv_len - suffix_len:] = suffix_bias
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
-def biased_dense_or_plain(dense_fn, prefix_len: int, bias: float, on_error=None):
-    """A ``dense_fn``-shaped callable ``(q, k, v) -> [B, H, L, D]``: :func:`first_frame_biased_attention`,
+def biased_dense_or_plain(dense_fn, prefix_len: int, prefix_bias: float, suffix_len: int = 0, suffix_bias: float = 0.0,
+                          on_error=None):
+    """A ``dense_fn``-shaped callable ``(q, k, v) -> [B, H, L, D]``: :func:`image_biased_attention`,
     or ``dense_fn(q, k, v)`` (no bias) when that raises — e.g. out of memory on a GPU/dtype where SDPA
     has no fused kernel for an additive mask — after telling ``on_error(message)``. Guidance must never
     fail a sampling run."""
     def run(q, k, v):
         try:
-            return first_frame_biased_attention(q, k, v, prefix_len, bias)
+            return image_biased_attention(q, k, v, prefix_len, prefix_bias, suffix_len, suffix_bias)
         except Exception as exc:  # noqa: BLE001 - fall back to the plain dense call
             if on_error is not None:
-                on_error(f"first-frame bias not applied to a dense call ({failure_text(exc)}); plain dense attention")
+                on_error(f"image bias not applied to a dense call ({failure_text(exc)}); plain dense attention")
             return dense_fn(q, k, v)
     return run
 
@@ -174,6 +185,22 @@ class GuidanceBoost:
             return 0.0
         self.biased_calls += 1
         return self.image_bias
+
+    def last_frame_bias(self, sigma, image_frames=None) -> float:
+        """The self-attention logit bias toward the last frame's keys at ``sigma``: :meth:`first_frame_bias`'s
+        value where the request's input holds an end image (a first-last-frame request: the plan's
+        ``state.image_frames``, else ``image_frames()``, a callable giving the forward's
+        :func:`~chorus.engine.model_info.image_frames`, asked only then), else 0.0. Not counted (the call's
+        first-frame bias counts it). Never raises."""
+        if self.image_strength == 0.0 or not self.reuse_acted(sigma):
+            return 0.0
+        frames = self.plan.state.image_frames if self.plan is not None else None
+        try:
+            if frames is None and image_frames is not None:
+                frames = image_frames()
+            return self.image_bias if frames is not None and int(frames[1]) >= 1 else 0.0
+        except Exception:  # noqa: BLE001 - no end image known: no bias
+            return 0.0
 
     def cfg_correction(self, denoised: torch.Tensor, cond_denoised, uncond_denoised, cond_scale: float,
                        sigma) -> torch.Tensor:

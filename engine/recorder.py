@@ -16,8 +16,9 @@ class MassRecorder:
 
     ``add(expert, sigma, layer, mass, ...)`` takes the float32 block mass ``[B, H, Qb, Kb]`` of the
     cond rows of one self-attention call, averages it over the batch, selects blocks with
-    ``select_blocks_packed(top_p, k_min, keep_diagonal=True, keep_first_frame_blocks)`` (bit-packed on
-    the mass's device: on a GPU one Triton kernel, no host copy) and ORs the map into what that key
+    ``select_blocks_packed(top_p, k_min, keep_diagonal=True, keep_first_frame_blocks, keep_last_frame_blocks)``
+    (bit-packed on the mass's device: on a GPU one Triton kernel, no host copy; the keep-sets are the key blocks
+    of the frames holding an input image) and ORs the map into what that key
     already holds (samplers that evaluate several sigmas in one step, or cond chunks
     run separately, add to one key). Maps are kept bit-packed on the mass's device and copied to the host only
     when the entry is written (:meth:`block_maps`; a 14B 480p request: ~52 MB).
@@ -71,11 +72,14 @@ class MassRecorder:
             return self._first_sigma.setdefault(int(expert), canonical) == canonical
 
     def add(self, expert: int, sigma: float, layer: int, mass: torch.Tensor, *, grid, top_p: float,
-            k_min: int, keep_first_frame_blocks: int = 0, block_size: int = 128,
+            k_min: int, keep_first_frame_blocks: int = 0, keep_last_frame: bool = False, block_size: int = 128,
             token_order: str | None = None) -> bool:
         """Record one call's mass ``[B, H, Qb, Kb]`` of token grid ``grid`` (its map selected and ORed into
         the key's); False when a call of another grid than the recorder's cannot be carried to it (class
-        docstring). Raises ``ValueError`` for another head count or token order than earlier calls'."""
+        docstring). ``keep_first_frame_blocks``: leading key blocks every row keeps; ``keep_last_frame``: every
+        row also keeps the key blocks of the last frame (the end image), which the caller has checked is the
+        suffix of the recording's token order. Raises ``ValueError`` for another head count or token order than
+        earlier calls'."""
         if mass.dim() != 4:
             raise ValueError(f"mass must be [B, H, Qb, Kb], got shape {tuple(mass.shape)}")
         grid = tuple(int(g) for g in grid)
@@ -98,8 +102,13 @@ class MassRecorder:
         # NaN / inf / negative mass is flagged on the device (no host sync per call) and checked when
         # the maps are written: such a recording is never written
         bad = ~(torch.isfinite(mean) & (mean >= 0)).all()
+        last_blocks = 0
+        if keep_last_frame:  # on the recorder's grid (a resampled call's mass is on it now)
+            last_blocks = kernels.last_frame_blocks(target[0] * target[1] * target[2], target[1] * target[2],
+                                                    block_size)
         packed = kernels.select_blocks_packed(mean, top_p=top_p, k_min=min(k_min, mean.shape[-1]), keep_diagonal=True,
-                                              keep_first_frame_blocks=keep_first_frame_blocks, check_values=False)[0]
+                                              keep_first_frame_blocks=keep_first_frame_blocks,
+                                              keep_last_frame_blocks=last_blocks, check_values=False)[0]
         with self._lock:
             self._bad = bad if self._bad is None else (self._bad | bad)
             key = (int(expert), self.schedule.canonical(sigma), int(layer))

@@ -206,10 +206,12 @@ class ChorusAttention:
         self.plan.stats.fallback_calls += int(count)
 
     def self_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layer: int, sigma, grid,
-                       dense_fn, cond_rows=None, first_frame_bias: float = 0.0) -> torch.Tensor:
+                       dense_fn, cond_rows=None, first_frame_bias: float = 0.0,
+                       last_frame_bias: float = 0.0) -> torch.Tensor:
         """:meth:`attend` of the call these arguments describe (:class:`~chorus.engine.call.AttnCall`)."""
         return self.attend(AttnCall(q, k, v, layer=layer, sigma=sigma, grid=grid, cond_rows=cond_rows,
-                                    first_frame_bias=first_frame_bias, dense_fn=dense_fn))
+                                    first_frame_bias=first_frame_bias, dense_fn=dense_fn,
+                                    last_frame_bias=last_frame_bias))
 
     def compact_self_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout, layer: int,
                                sigma, dense_fn, cond_rows=None, first_frame_bias: float = 0.0) -> torch.Tensor:
@@ -321,6 +323,8 @@ class ExpertRun:
                                                 None if layout is None else layout.length, grid)
             order = self.attention.token_order(grid)
             suffix_len, suffix_bias = 0, 0.0
+            if call.last_frame_bias:
+                suffix_len, suffix_bias = self._end_image_bias(call, order)
             if layout is None:
                 check = self.verifier.observe(call, step, sigma, grid, block_map, order)
             else:  # (no verification estimate from a compact call: the check reads full-grid calls)
@@ -338,6 +342,19 @@ class ExpertRun:
         self._count_sparse(call.q.shape[0], block_map, kept)
         self.verifier.after_call(check, call.layer)
         return out
+
+    def _end_image_bias(self, call: AttnCall, order) -> tuple[int, float]:
+        """``(suffix_len, suffix_bias)`` of guidance's end-image bias on a sparse call: the last frame's keys are
+        the kernel's key suffix in raster order only (the kernel API takes no suffix with a token order, and a
+        compact call's suffix is its cells), so elsewhere ``(0, 0.0)`` with a note: that call biases the first
+        frame alone."""
+        if call.layout is None and order is None:
+            return call.suffix_len, float(call.last_frame_bias) if call.suffix_len else 0.0
+        where = ("feature reuse's compact calls" if call.layout is not None
+                 else f"calls in the entry's token order {token_order_name(order)}")
+        self.plan.note(f"guidance's end-image bias is not applied on {where} (its last frame is not the keys' "
+                       "suffix there); the start-image bias is")
+        return 0, 0.0
 
     def _kernel(self, call: AttnCall, block_map, order, suffix_len: int, suffix_bias: float) -> torch.Tensor:
         """The sparse kernel call of a hit (the one call site of ``kernels.block_sparse_attention``).
@@ -445,6 +462,14 @@ class ExpertRun:
             recorder.mark_incomplete(why)
             plan.note(f"recording stopped ({why}); this request will not be written to the cache")
 
+    def _keeps_end_image(self, order) -> bool:
+        """Whether a recorded map keeps the last frame's key blocks in every row, as it keeps the first frame's:
+        the request's input holds an end image there (``state.image_frames``: a first-last-frame request) and
+        the recording's token order has that frame as its suffix (raster; a region order of an odd frame count,
+        ``kernels.tile_order``'s ``last_frame_is_suffix``)."""
+        frames = self.plan.state.image_frames
+        return frames is not None and frames[1] >= 1 and (order is None or order.last_frame_is_suffix)
+
     def record_into(self, recorder, call: AttnCall, sigma: float, grid) -> bool:
         """Record the cond rows' block mass of one call into ``recorder`` (raises on error); False when the
         call has no positive-conditioning row (nothing to record: the positive rows carry the mask) or a token
@@ -475,7 +500,8 @@ class ExpertRun:
                                                                       "heads": int(cfg.verify_heads)}
             first_frame = kernels.first_frame_blocks(grid[1] * grid[2], cfg.block_size)
             recorded = recorder.add(self.expert, sigma, layer, mass, grid=grid, top_p=cfg.top_p, k_min=cfg.k_min,
-                                    keep_first_frame_blocks=first_frame, block_size=cfg.block_size,
+                                    keep_first_frame_blocks=first_frame, keep_last_frame=self._keeps_end_image(order),
+                                    block_size=cfg.block_size,
                                     token_order=None if order is None else token_order_name(order))
         if not recorded:
             self.plan.note(f"calls of token grid {tuple(grid)} are not recorded: the entry records grid "

@@ -160,6 +160,7 @@ class ChorusPatch:
         if clip_fea is not None:
             context_lengths.add(CLIP_IMAGE_TOKENS)
         reason = self._stay_out_reason(tokens, context_lengths, extra_tokens, options)
+        frames = None
         if reason is None:  # the parts' entry must serve the forward's grid and images (Plan.serve_run), first of all
             timestep = args[1] if len(args) > 1 else kwargs.get("timestep", kwargs.get("t"))
             frames = functools.cache(lambda: image_frames(x, self.model_info, timestep))  # one sync, asked once a run
@@ -175,7 +176,7 @@ class ChorusPatch:
             reduction = self._reduction(sigma, grid, x.device, context_lengths, options)
         ctx = engine_attend.begin_forward(self.attention, self.guidance, grid, sigma, options.get("cond_or_uncond"),
                                           self.note, reason, self.feature_reuse, reduction,
-                                          comfy_forward.skipped_layers(options))
+                                          comfy_forward.skipped_layers(options), frames)
         route = override_stack.forward_route(self.previous_override, options.get(OVERRIDE))
         options = {key: value for key, value in options.items() if key not in FORWARD_KEYS}
         if route.top:  # a foreign sparse override put itself on top: Chorus takes the top back

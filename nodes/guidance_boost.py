@@ -42,7 +42,7 @@ def patch_guidance(model, plan: Plan | None, strength: float, image_strength: fl
     if boost.strength:
         parts.append(f"cross-attention gain {boost.gain:.2f}")
     if boost.image_strength:
-        parts.append(f"first-frame attention weight x{1 + IMAGE_GAIN_PER_STRENGTH * boost.image_strength:.2f}")
+        parts.append(f"image-frame attention weight x{1 + IMAGE_GAIN_PER_STRENGTH * boost.image_strength:.2f}")
     if boost.cfg_strength:
         parts.append(f"cfg x{1 + CFG_GAIN_PER_STRENGTH * boost.cfg_strength:.2f} where cfg > 1")
     return patched, patch.guidance, ", ".join(parts)
@@ -60,7 +60,7 @@ class ChorusGuidanceBoost(io.ComfyNode):
                         f"1 + {GAIN_PER_STRENGTH} x strength on the cross-attention output (Wan 2.1: also its "
                         "CLIP image tokens), the start image (the first latent frame) through a self-attention "
                         f"bias that multiplies the first frame's attention weights by 1 + {IMAGE_GAIN_PER_STRENGTH}"
-                        " x image_strength, and optionally (cfg > 1 graphs) the CFG scale by 1 + "
+                        " x image_strength (and the last frame's, for a first-last-frame video), and optionally (cfg > 1 graphs) the CFG scale by 1 + "
                         f"{CFG_GAIN_PER_STRENGTH} x cfg_strength. On a miss it does nothing; without a plan it "
                         "acts on every step.",
             inputs=[
@@ -74,7 +74,8 @@ class ChorusGuidanceBoost(io.ComfyNode):
                 io.Float.Input("image_strength", default=0.5, min=0.0, max=MAX_STRENGTH, step=0.05,
                                tooltip="Start image: the first latent frame's self-attention weights are "
                                        f"multiplied by 1 + {IMAGE_GAIN_PER_STRENGTH} x image_strength (then "
-                                       "renormalised) where reuse acted. 0 = off."),
+                                       "renormalised) where reuse acted; for a first-last-frame video the last "
+                                       "frame's (the end image) too. 0 = off."),
                 io.Float.Input("cfg_strength", default=0.0, min=0.0, max=MAX_STRENGTH, step=0.05,
                                tooltip="Only for graphs sampled with cfg > 1: where reuse acted the step runs at "
                                        f"cfg x (1 + {CFG_GAIN_PER_STRENGTH} x cfg_strength). 0 = off (the default: "

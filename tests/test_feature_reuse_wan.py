@@ -274,12 +274,12 @@ def test_guidance_survives_a_failing_biased_attention_call(nodes, model, recorde
     def broken(*args, **kwargs):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory (test)")
 
-    monkeypatch.setattr(guidance_module, "first_frame_biased_attention", broken)
+    monkeypatch.setattr(guidance_module, "image_biased_attention", broken)
     hit = _hit_from(miss)
     out = _sample(gb_node.patch_guidance(model, hit, 0.0, 2.0)[0], latent)
     bias_effect = float((guided - dense).abs().mean())
     assert float((out - dense).abs().mean()) < 0.01 * bias_effect, (float((out - dense).abs().mean()), bias_effect)
-    assert any("first-frame bias not applied" in m for m in hit.stats.messages), hit.stats.messages
+    assert any("image bias not applied" in m for m in hit.stats.messages), hit.stats.messages
 
 
 def test_cfg_correction_runs_the_reused_steps_at_a_higher_cfg(nodes, model, recorded):

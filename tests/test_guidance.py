@@ -1,5 +1,6 @@
-"""engine/guidance.py: when the boost acts, its gain and first-frame bias, and that strength 0 changes
-nothing; the biased dense attention and the engine's sparse path against the fp64 oracle."""
+"""engine/guidance.py: when the boost acts, its gain and image biases (the first frame's; the last frame's for a
+first-last-frame request), and that strength 0 changes nothing; the biased dense attention and the engine's
+sparse path against the fp64 oracle."""
 
 import math
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 
 from chorus.engine.guidance import (CFG_GAIN_PER_STRENGTH, GAIN_PER_STRENGTH, IMAGE_GAIN_PER_STRENGTH,
-                                    GuidanceBoost, first_frame_biased_attention)
+                                    GuidanceBoost, image_biased_attention)
 from chorus.engine.plan import Plan
 from chorus.kernels.reference import dense_attention_oracle
 from testing import assert_matches_oracle, make_qkv
@@ -52,6 +53,48 @@ def test_acts_only_where_reuse_acted():
     assert hit.boosted_calls == 1 and no_plan.boosted_calls == 1 and hit.biased_calls == 1
 
 
+def test_last_frame_bias_only_for_a_request_with_an_end_image():
+    """The end image's bias: the first frame's value where the plan's request (else the forward, asked only
+    then) holds an image in the last frame; nothing without one, on a step where reuse did not act, or when
+    the forward cannot tell."""
+    asked = []
+
+    def frames_of(value):
+        return lambda: asked.append(value) or value
+
+    bias = math.log(1 + IMAGE_GAIN_PER_STRENGTH)
+    no_plan = GuidanceBoost(None, 0.0, 1.0)
+    assert no_plan.last_frame_bias(0.5, frames_of((1, 1, 0))) == pytest.approx(bias)
+    assert no_plan.last_frame_bias(0.5, frames_of((1, 0, 0))) == 0.0
+    assert no_plan.last_frame_bias(0.5, frames_of(None)) == 0.0 and no_plan.last_frame_bias(0.5) == 0.0
+    assert no_plan.last_frame_bias(0.5, lambda: 1 / 0) == 0.0  # never raises
+    assert no_plan.biased_calls == 0  # the call's first-frame bias counts it
+    plan = _hit()
+    hit = GuidanceBoost(plan, 0.0, 1.0)
+    plan.state.image_frames = (1, 1, 0)
+    asked.clear()
+    assert hit.last_frame_bias(0.75, frames_of((1, 0, 0))) == pytest.approx(bias) and not asked  # the plan tells
+    assert hit.last_frame_bias(0.6, frames_of((1, 1, 0))) == 0.0  # not a step of the entry
+    plan.state.image_frames = (1, 0, 0)
+    assert hit.last_frame_bias(0.75, frames_of((1, 1, 0))) == 0.0
+    assert GuidanceBoost(plan, 1.0, 0.0).last_frame_bias(0.75, frames_of((1, 1, 0))) == 0.0  # image strength 0
+
+
+def test_image_biased_attention_biases_the_last_frame_too():
+    q, k, v = make_qkv(batch=1, heads=2, q_len=300, seed=4)
+    first, last = math.log(1.5), math.log(1.3)
+    out = image_biased_attention(q, k, v, 100, first, 100, last)
+    assert_matches_oracle(out, q, k, v, None, 64, prefix_len=100, prefix_bias=first, suffix_len=100, suffix_bias=last)
+    only_first = image_biased_attention(q, k, v, 100, first)
+    assert (out - only_first).abs().max() > 1e-3
+    assert torch.equal(image_biased_attention(q, k, v, 0, 0.0, 100, 0.0),
+                       torch.nn.functional.scaled_dot_product_attention(q, k, v))
+    with pytest.raises(ValueError, match="disjoint"):
+        image_biased_attention(q, k, v, 200, first, 101, last)
+    with pytest.raises(ValueError, match="finite"):
+        image_biased_attention(q, k, v, 100, first, 100, math.inf)
+
+
 @pytest.mark.parametrize("name", ["strength", "image_strength", "cfg_strength"])
 @pytest.mark.parametrize("bad", [-0.1, 5.1, math.nan, math.inf, "1", True])
 def test_bad_strength_raises(name, bad):
@@ -86,17 +129,17 @@ def test_bad_plan_raises():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("length,prefix_len", [(300, 100), (97, 36)])
-def test_first_frame_biased_attention_matches_oracle(dtype, length, prefix_len):
+def test_image_biased_attention_matches_oracle(dtype, length, prefix_len):
     q, k, v = make_qkv(batch=2, heads=2, q_len=length, dtype=dtype, seed=length)
     bias = math.log(1.5)
-    out = first_frame_biased_attention(q, k, v, prefix_len, bias)
+    out = image_biased_attention(q, k, v, prefix_len, bias)
     assert out.dtype == dtype and out.shape == q.shape
     assert_matches_oracle(out, q, k, v, None, 64, prefix_len=prefix_len, prefix_bias=bias)
     assert (out.double() - dense_attention_oracle(q, k, v)).abs().max() > 1e-3
-    assert torch.equal(first_frame_biased_attention(q, k, v, prefix_len, 0.0),
+    assert torch.equal(image_biased_attention(q, k, v, prefix_len, 0.0),
                        torch.nn.functional.scaled_dot_product_attention(q, k, v))
     with pytest.raises(ValueError, match="prefix_len"):
-        first_frame_biased_attention(q, k, v, length + 1, bias)
+        image_biased_attention(q, k, v, length + 1, bias)
 
 
 def test_engine_applies_the_bias_on_the_sparse_path_and_in_dense_calls():
@@ -131,6 +174,44 @@ def test_engine_applies_the_bias_on_the_sparse_path_and_in_dense_calls():
     out = dense_handle.self_attention(q, k, v, layer=0, sigma=0.5, grid=grid, dense_fn=None, first_frame_bias=bias)
     assert (out.double() - dense_attention_oracle(q, k, v, prefix_len=100, prefix_bias=bias)).abs().max() < 1e-5
 
+    # a first-last-frame request: the last frame's 100 keys (the raster suffix) get the bias too, sparse and dense
+    both = handle.self_attention(q, k, v, layer=0, sigma=0.5, grid=grid, dense_fn=None, first_frame_bias=bias,
+                                 last_frame_bias=bias)
+    want = dense_attention_oracle(q, k, v, used, bs, prefix_len=100, prefix_bias=bias, suffix_len=100, suffix_bias=bias)
+    assert (both.double() - want).abs().max() < 1e-5 and (both - out).abs().max() > 1e-3
+    assert hit.stats.fallback_calls == 0
+    out = dense_handle.self_attention(q, k, v, layer=0, sigma=0.5, grid=grid, dense_fn=None, first_frame_bias=bias,
+                                      last_frame_bias=bias)
+    want = dense_attention_oracle(q, k, v, prefix_len=100, prefix_bias=bias, suffix_len=100, suffix_bias=bias)
+    assert (out.double() - want).abs().max() < 1e-5
+
+
+def test_a_hit_in_a_token_order_biases_the_first_frame_alone_with_a_note():
+    """Where the entry's maps are in a tile order the last frame is not the keys' suffix: the sparse call keeps the
+    first-frame bias, leaves the end image's out and says so once."""
+    from chorus.engine import ChorusAttention, SparseConfig
+    from chorus.engine.model_info import ModelInfo
+    from chorus.kernels.tile_order import cached_tile_order
+
+    grid, bs = (3, 8, 16), 64  # 384 tokens, 6 blocks
+    order = cached_tile_order(grid, bs)
+    assert not order.last_frame_is_suffix
+    q, k, v = make_qkv(batch=1, heads=2, q_len=384, seed=11)
+    info = ModelInfo("wan2.2-a14b-i2v", "WanModel", 1, 2, 64, 16, "fp0", True, "")
+    sig = {"variant": info.variant, "experts": [info.fingerprint], "num_layers": 1, "num_heads": 2,
+           "token_grid": list(grid), "step_sigmas": [0.5], "block_size": bs, "token_order": order.name}
+    hit = Plan("hit", masks={(0, 0, 0, 0): torch.ones(2, 6, 6, dtype=torch.bool)}, entry_meta={"signature": sig},
+               similarity=0.95, entry_id=1)
+    handle = ChorusAttention(hit, SparseConfig(k_min=1, block_size=bs, backend="reference", pooled_tail=False), info)
+    assert handle.token_order(grid) is not None
+    bias = math.log(1.4)
+    out = handle.self_attention(q, k, v, layer=0, sigma=0.5, grid=grid, dense_fn=None, first_frame_bias=bias,
+                                last_frame_bias=bias)
+    want = dense_attention_oracle(q, k, v, prefix_len=128, prefix_bias=bias)  # a full map: dense with the prefix
+    assert (out.double() - want).abs().max() < 1e-5
+    assert hit.stats.sparse_calls == 1 and hit.stats.fallback_calls == 0
+    assert any("end-image bias is not applied" in m and order.name in m for m in hit.stats.messages)
+
 
 def test_a_failing_biased_dense_call_falls_back_to_plain_dense(monkeypatch):
     """Where SDPA cannot run the masked call (e.g. out of memory without a fused kernel), the dense call
@@ -142,7 +223,7 @@ def test_a_failing_biased_dense_call_falls_back_to_plain_dense(monkeypatch):
     def broken(*args, **kwargs):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory (test)")
 
-    monkeypatch.setattr(guidance_module, "first_frame_biased_attention", broken)
+    monkeypatch.setattr(guidance_module, "image_biased_attention", broken)
     q, k, v = make_qkv(batch=1, heads=2, q_len=300, seed=2)
     info = ModelInfo("wan2.2-a14b-i2v", "WanModel", 1, 2, 64, 16, "fp0", True, "")
     plan = Plan.miss("m")
@@ -150,4 +231,4 @@ def test_a_failing_biased_dense_call_falls_back_to_plain_dense(monkeypatch):
     sdpa = torch.nn.functional.scaled_dot_product_attention
     out = handle.self_attention(q, k, v, layer=0, sigma=0.5, grid=(3, 5, 20), dense_fn=sdpa, first_frame_bias=0.3)
     assert torch.equal(out, sdpa(q, k, v))
-    assert any("first-frame bias not applied" in m for m in plan.stats.messages), plan.stats.messages
+    assert any("image bias not applied" in m for m in plan.stats.messages), plan.stats.messages

@@ -1,6 +1,7 @@
 """ChorusGuidanceBoost's corrections in a diffusers ``WanTransformer3DModel`` (tiny, random weights, CPU):
-the text gain equals scaling the attention result before ``attn2.to_out``; the first-frame bias is
-applied once whether the guidance patch comes before or after ``patch_diffusers_wan`` or alone;
+the text gain equals scaling the attention result before ``attn2.to_out``; the first-frame bias (and a
+first-last-frame request's last-frame bias) is applied once whether the guidance patch comes before or after
+``patch_diffusers_wan`` or alone;
 strength 0 and removal leave the model unchanged."""
 
 from __future__ import annotations
@@ -32,15 +33,20 @@ def tiny_transformer():
     return model.eval()
 
 
-def inputs(sigma):
+def inputs(sigma, end_image=False):
     g = torch.Generator().manual_seed(1)
-    return dict(hidden_states=torch.randn(SHAPE, generator=g) * 2, timestep=torch.tensor([sigma * 1000.0]),
+    hidden = torch.randn(SHAPE, generator=g) * 2
+    if end_image:  # the I2V mask channels of a start and an end image (the pipeline's last_image)
+        hidden[:, 16:20] = 0.0
+        hidden[:, 16:20, 0] = 1.0
+        hidden[:, 19, -1] = 1.0
+    return dict(hidden_states=hidden, timestep=torch.tensor([sigma * 1000.0]),
                 encoder_hidden_states=torch.randn(1, 8, 64, generator=g), return_dict=False)
 
 
-def forward(model):
+def forward(model, end_image=False):
     with torch.no_grad():
-        return [model(**inputs(s))[0] for s in SIGMAS]
+        return [model(**inputs(s, end_image))[0] for s in SIGMAS]
 
 
 def test_text_gain_scales_the_attention_result_before_the_output_projection():
@@ -61,13 +67,13 @@ def test_text_gain_scales_the_attention_result_before_the_output_projection():
     assert all(torch.equal(a, b) for a, b in zip(forward(model), plain))  # removed
 
 
-def _hit_plan(model):
+def _hit_plan(model, end_image=False):
     """A hit with every block kept, for the two sigmas (sparse attention = dense, through the engine)."""
     miss = Plan.miss("m", latent_shape=SHAPE)
     handle = ChorusAttention(miss, CFG, wan_model_info(model))
     patch = patch_diffusers_wan(model, handle)
     handle.begin_run(list(SIGMAS) + [0.0])
-    forward(model)
+    forward(model, end_image)
     handle.end_run()
     patch.remove()
     masks = {k: torch.ones_like(v) for k, v in miss.recorder.block_maps().items()}
@@ -112,6 +118,35 @@ def test_first_frame_bias_applied_once_in_any_order(order):
         assert change > 1e-3, change
         assert float((g - w).norm() / p.norm()) < 0.01 * change
     assert all(torch.equal(a, b) for a, b in zip(forward(model), plain))  # everything removed
+
+
+def test_an_end_image_is_biased_as_the_start_image_sparse_and_dense(monkeypatch):
+    """A request with a start and an end image (``last_image``): the last frame's keys get the first frame's bias,
+    in the sparse processor (the plan tells the end image) and in guidance's own dense call (the forward tells it)
+    alike; both differ from biasing the start image alone."""
+    model = tiny_transformer()
+
+    def run(sparse):
+        plan = _hit_plan(model, end_image=True)
+        assert plan.entry_meta["signature"]["image_frames"] == [1, 1, 0]
+        patches = [patch_diffusers_guidance(model, GuidanceBoost(plan, strength=0.0, image_strength=2.0))]
+        handle = ChorusAttention(plan, CFG, wan_model_info(model))
+        if sparse:
+            patches.append(patch_diffusers_wan(model, handle))
+        handle.begin_run(list(SIGMAS) + [0.0])
+        out = forward(model, end_image=True)
+        handle.end_run()
+        for p in reversed(patches):
+            p.remove()
+        assert plan.stats.sparse_calls == (2 * 3 if sparse else 0) and plan.stats.fallback_calls == 0
+        return out
+
+    sparse, dense = run(True), run(False)
+    monkeypatch.setattr(GuidanceBoost, "last_frame_bias", lambda self, sigma, image_frames=None: 0.0)
+    start_only = run(False)
+    for s, d, f in zip(sparse, dense, start_only):
+        effect = float((d - f).norm() / f.norm())
+        assert effect > 1e-3 and float((s - d).norm() / f.norm()) < 0.01 * effect, effect
 
 
 def test_strength_zero_and_a_miss_leave_the_outputs_bit_identical():

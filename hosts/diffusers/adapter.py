@@ -16,7 +16,7 @@ calls at the same sigma as negative passes, which matches how diffusers' Wan pip
 (:mod:`chorus.engine.guidance`) to the same model, before or after ``patch_diffusers_wan``: the
 cross-attention (``attn2``) output gets the text gain (applied to the attention result before the
 output projection: ``g * out - (g - 1) * to_out.bias``), and self-attention the first-frame logit
-bias — inside the sparse processor when ``patch_diffusers_wan`` is installed, else through a dense
+bias (and the last frame's, for a request with ``last_image``) — inside the sparse processor when ``patch_diffusers_wan`` is installed, else through a dense
 processor that leaves every call without a bias to diffusers' own processor. Remove patches in the
 reverse order of installing them.
 """
@@ -29,7 +29,7 @@ import logging
 import torch
 
 from ...engine.call import AttnCall
-from ...engine.model_info import image_frames
+from ...engine.model_info import image_frames, wan_model_info
 from ...engine.guidance import GuidanceBoost
 from ...engine.runtime import ChorusAttention, attend
 
@@ -53,6 +53,7 @@ class _CallState:
         self.grid = None
         self.cond = True
         self.last_sigma = None
+        self.image_frames = None  # the forward's image_frames callable (forward_image_frames)
 
 
 class ChorusWanSelfAttnProcessor:
@@ -79,7 +80,10 @@ class ChorusWanSelfAttnProcessor:
         st = self.state
         if encoder_hidden_states is not None or attention_mask is not None or st.sigma is None:
             return self.original(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb, **kwargs)
-        bias = self.guidance.first_frame_bias(st.sigma) if self.guidance is not None else 0.0
+        bias = last_bias = 0.0
+        if self.guidance is not None:
+            bias = self.guidance.first_frame_bias(st.sigma)
+            last_bias = self.guidance.last_frame_bias(st.sigma, st.image_frames) if bias else 0.0
         grid = st.grid
         biased = bool(bias) and grid is not None and grid[0] * grid[1] * grid[2] == hidden_states.shape[1]
         if self.handle is None and not biased:
@@ -96,7 +100,7 @@ class ChorusWanSelfAttnProcessor:
             key = _rotary(key, *rotary_emb)
         q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # [B, H, L, D]
         call = AttnCall(q, k, v, layer=self.layer, sigma=st.sigma, grid=st.grid, first_frame_bias=bias,
-                        cond_rows=torch.full((q.shape[0],), st.cond, dtype=torch.bool))
+                        cond_rows=torch.full((q.shape[0],), st.cond, dtype=torch.bool), last_frame_bias=last_bias)
         out = attend(call, self.handle, self._note).transpose(1, 2).flatten(2, 3).type_as(query)
         return attn.to_out[1](attn.to_out[0](out))
 
@@ -155,15 +159,17 @@ def _state_hook(transformer, patch_size, handle=None):
     """A :class:`_CallState` kept current by a forward pre-hook on ``transformer``, which also tells
     ``handle`` (a ``ChorusAttention``, or None) each forward's grid (its ``serve_grid``): ``(state, hook)``."""
     state = _CallState()
+    model_info = handle.model_info if handle is not None else wan_model_info(transformer)
 
     def pre_hook(module, args, kwargs):
         found = forward_grid_and_sigma(args, kwargs, patch_size)
         if found is None:
-            state.sigma = None
+            state.sigma = state.image_frames = None
             return None
         state.grid, sigma = found
+        state.image_frames = forward_image_frames(args, kwargs, model_info)
         if handle is not None:
-            handle.serve_grid(state.grid, forward_image_frames(args, kwargs, handle.model_info))
+            handle.serve_grid(state.grid, state.image_frames)
         state.cond = state.last_sigma is None or abs(sigma - state.last_sigma) > 1e-7
         state.sigma = state.last_sigma = sigma
         return None
