@@ -13,9 +13,10 @@ never modified.
 Part 2, sampling: requests through MaskRetrieve -> SparseSampler, FeatureReuse and GuidanceBoost in a
 fuzzed order (each optional but the first; they configure one Chorus patch) -> ``comfy.sample.sample``
 (tiny Wan, 1-2 steps) -> CacheWrite with fuzzed latent sizes, NaN/inf injected into the latent or the
-conditioning, and fuzzed sampler settings, on a workspace that fills up as the cases run (so later
-cases hit). Sampling never raises; the write either says "wrote entry N" or why nothing was
-written; entries written stay loadable.
+conditioning, input images as ComfyUI's image-to-video nodes give them (none, a start image, a start and an
+end image), and fuzzed sampler settings, on a workspace that fills up as the cases run (so later cases
+hit). Sampling never raises; the write either says "wrote entry N" or why nothing was written; entries
+written stay loadable; a hit runs only an entry recorded with the request's image frames.
 
 Part 3, inputs of any type (beyond what ComfyUI's UI sends: a linked or API-queued input is not
 range-checked): every node's ``execute`` with some inputs replaced by None, bools, huge and negative
@@ -266,6 +267,15 @@ def test_fuzz_sampling_requests(env, record_property):
     written: list[int] = []
     guided = [0]
     orders: dict[str, int] = {}
+    frames_served: dict[str, int] = {}
+    workspaces = {}
+
+    def ws_of(name):
+        from chorus.cache_store import Workspace
+
+        if name not in workspaces:
+            workspaces[name] = Workspace.open(root / name)
+        return workspaces[name]
 
     @settings(max_examples=SAMPLING_CASES, deadline=None, derandomize=True, database=None,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -275,10 +285,11 @@ def test_fuzz_sampling_requests(env, record_property):
            steps=st.integers(1, 2), cfg=st.sampled_from([1.0, 2.0]), k_min=st.sampled_from([1, 4, 10**6]),
            refresh=st.sampled_from([0, 1, 10**6]), top_p=st.sampled_from([0.01, 0.9, 1.0]),
            guidance=st.sampled_from([None, (0.5, 0.5, 0.0), (5.0, 5.0, 5.0)]),
-           order=st.permutations(["sparse", "feature_reuse", "guidance"]), share=st.sampled_from([None, 0.25, 1.0]))
-    def case(template, noise, shape, poison, steps, cfg, k_min, refresh, top_p, guidance, order, share):
-        positive = sh.tiny.random_conditioning(200 + template, noise=noise, noise_seed=11)
-        negative = sh.tiny.random_conditioning(300)
+           order=st.permutations(["sparse", "feature_reuse", "guidance"]), share=st.sampled_from([None, 0.25, 1.0]),
+           images=st.sampled_from(["none", "start", "start_end"]))
+    def case(template, noise, shape, poison, steps, cfg, k_min, refresh, top_p, guidance, order, share, images):
+        positive = _with_images(sh.tiny.random_conditioning(200 + template, noise=noise, noise_seed=11), shape, images)
+        negative = _with_images(sh.tiny.random_conditioning(300), shape, images)
         latent_image = torch.zeros(shape)
         if poison.startswith("latent"):
             latent_image.view(-1)[0] = math.nan if poison.endswith("nan") else math.inf
@@ -306,6 +317,10 @@ def test_fuzz_sampling_requests(env, record_property):
             assert torch.isfinite(samples).all()
         info = ChorusCacheWrite.execute(latent={"samples": samples}, plan=plan).result[0]
         assert info.startswith(("wrote entry", "hit:", "not written")), info
+        if plan.is_hit:  # a hit runs only an entry recorded with the request's image frames (or none recorded)
+            served = ws_of("fuzzrun").load(plan.entry_id, touch=False)[1]["signature"].get("image_frames")
+            assert served is None or tuple(served) == plan.state.image_frames, (served, plan.state.image_frames)
+            frames_served[images] = frames_served.get(images, 0) + 1
         if info.startswith("wrote entry"):
             assert poison == "none", f"a poisoned request was written: {info}"
             written.append(int(info.split()[2]))
@@ -316,6 +331,8 @@ def test_fuzz_sampling_requests(env, record_property):
         orders[key] = orders.get(key, 0) + 1
 
     case()
+    for ws in workspaces.values():
+        ws.close()
     for ws in _check_root(base, root, before):
         if ws.path.name == "fuzzrun":
             live = {e["id"] for e in ws.entries()}
@@ -327,7 +344,23 @@ def test_fuzz_sampling_requests(env, record_property):
         assert report["ok"] and report["index_consistent"], report
         ws.close()
     sh.report(record_property, f"sampling requests ({guided[0]} with ChorusGuidanceBoost; node orders "
-                               f"{dict(sorted(orders.items()))})", counts)
+                               f"{dict(sorted(orders.items()))}; hits by input images {frames_served})", counts)
+
+
+def _with_images(conditioning, shape, images: str):
+    """``conditioning`` as ComfyUI's WanImageToVideo (``"start"``) or WanFirstLastFrameToVideo (``"start_end"``)
+    leaves it for a latent of ``shape``: the image latent and the mask that marks the pixel frames holding an
+    image (the start image's latent frame; the end image's last pixel frame); ``"none"``: unchanged."""
+    if images == "none":
+        return conditioning
+    _, _, t, h, w = shape
+    mask = torch.ones(1, 1, t * 4, h, w)
+    mask[:, :, :4] = 0.0
+    if images == "start_end":
+        mask[:, :, -1:] = 0.0
+    image = torch.randn(1, 16, t, h, w, generator=torch.Generator().manual_seed(t * 100 + h))
+    extra = {"concat_latent_image": image, "concat_mask": mask.view(1, t, 4, h, w).transpose(1, 2)}
+    return [[c[0], dict(c[1], **extra)] for c in conditioning]
     assert written and any(k.endswith("/hit") for k in counts), counts
     assert guided[0] > 0
 
