@@ -59,6 +59,27 @@ def test_comfy_e2e_benchmark_runs_the_ti2v_5b_workflow(tmp_path, monkeypatch):
     assert hit["sparse_calls"] >= steps * layers and hit["tail_calls"] == hit["sparse_calls"], hit
 
 
+def test_comfy_e2e_benchmark_runs_a_first_last_frame_request(tmp_path, monkeypatch, capsys):
+    """``--end-image``: conditioned as WanFirstLastFrameToVideo, the miss's entry records image frames [1, 1, 0]
+    and the hit (on that signature) runs every call sparse, demoted by nothing; a model that takes its image in the
+    latent (TI2V 5B) is refused."""
+    from chorus.benchmarks.comfy_e2e import run
+
+    monkeypatch.setenv("COMFYUI_DIR", str(tiny.find_comfyui_dir()))
+    monkeypatch.setenv("CHORUS_CACHE_DIR", str(tmp_path / "cache"))
+    assert run.main(["--tiny", "--out", str(tmp_path), "--variants", "dense", "miss", "hit15", "--end-image"]) == 0
+    results = json.loads((tmp_path / "comfy_e2e.json").read_text())
+    assert "an end image (WanFirstLastFrameToVideo)" in results["workflow"]
+    rows = {r["variant"]: r for r in results["runs"]}
+    hit = rows["hit15"]
+    assert hit["plan_kind"] == "hit" and hit["sparse_calls"] > 0 and hit["fallback_calls"] == 0, hit
+    assert not any("demoted" in m for m in hit["messages"]), hit["messages"]
+    assert rows["miss"]["image_frames"] == hit["image_frames"] == [1, 1, 0]  # what the miss recorded, the hit read
+    with pytest.raises(SystemExit) as refused:
+        run.main(["--model", "ti2v5b", "--tiny", "--end-image", "--out", str(tmp_path)])
+    assert refused.value.code == 2 and "--end-image needs a Wan I2V model" in capsys.readouterr().err
+
+
 def test_the_row_major_block_patch_hands_the_block_a_row_major_copy():
     from chorus.benchmarks.comfy_e2e import run
 

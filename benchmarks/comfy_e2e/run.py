@@ -19,7 +19,9 @@ What runs (everything side by side in one process, one GPU):
 * A request (:class:`Workflow`), as the shipped workflow runs it: A14B, ComfyUI's ``KSamplerAdvanced`` twice,
   high-noise expert steps 0-2 of 4 (noise added, leftover noise returned), low-noise expert steps 2-4, euler /
   simple, cfg 1, batch 1, 81 frames (21 latent frames), Wan I2V conditioning (``concat_latent_image``,
-  ``concat_mask`` as ``WanImageToVideo`` makes them; random text embeddings); TI2V 5B, one ``KSamplerAdvanced``
+  ``concat_mask`` as ``WanImageToVideo`` makes them; random text embeddings; ``--end-image``: as
+  ``WanFirstLastFrameToVideo`` makes them, an end image on the last latent frame too, each row's ``image_frames``
+  what its run read); TI2V 5B, one ``KSamplerAdvanced``
   over 20 steps, uni_pc / simple, cfg 5 (each step runs the model on the positive and the negative prompt),
   1280 x 704, 121 frames (31 latent frames of 48 channels, Wan 2.2's VAE: 27 280 tokens), the start image's latent
   in the first frame with the ``noise_mask`` that keeps it (as ``Wan22ImageToVideoLatent`` makes them).
@@ -264,17 +266,20 @@ def build_expert(shape: dict, weights: str, seed: int, device: torch.device):
     return patcher, ops
 
 
-def conditioning(workflow: Workflow, latent_shape, seed: int):
+def conditioning(workflow: Workflow, latent_shape, seed: int, end_image: bool = False):
     """``(positive, negative, latent)`` as the workflow's nodes shape them, random text embeddings
     ``[1, 512, 4096]`` and a random start-image latent on the first latent frame: Wan I2V (``WanImageToVideo``)
     carries that frame's latent video and a mask (0 on the first frame) in the conditioning beside a zero latent;
     Wan 2.2 TI2V 5B (``Wan22ImageToVideoLatent``) puts it in the latent's first frame with a ``noise_mask``
-    (0 there: the frame is kept, and the model's per-frame timestep is 0 on it)."""
+    (0 there: the frame is kept, and the model's per-frame timestep is 0 on it). ``end_image`` (Wan I2V only):
+    an end image on the last latent frame too, as ``WanFirstLastFrameToVideo`` conditions."""
     gen = torch.Generator().manual_seed(seed)
     _, c, t, h, w = latent_shape
     image = torch.randn(1, c, t, h, w, generator=gen) * 0.5
     mask = torch.ones(1, 1, t, h, w)
     mask[:, :, :1] = 0.0
+    if end_image:
+        mask[:, :, -1:] = 0.0
     extra = {"concat_latent_image": image, "concat_mask": mask} if workflow.image_in_channels else {}
 
     def cond(s):
@@ -608,7 +613,9 @@ def run(args) -> dict:
     if args.layers:
         shape = dict(shape, num_layers=args.layers)
     results = {"command": " ".join(sys.argv), "device": torch.cuda.get_device_name() if not cpu else "cpu",
-               "torch": torch.__version__, "workflow": workflow.label, "shape": shape, "runs": []}
+               "torch": torch.__version__, "workflow": workflow.label + (
+                   "; a start and an end image (WanFirstLastFrameToVideo)" if args.end_image else ""),
+               "shape": shape, "runs": []}
     if args.compile:
         results["compile_guard_filter"] = args.guard_filter or host_compiles_with_guard_filter()
     if not cpu:
@@ -628,7 +635,7 @@ def run(args) -> dict:
         for res in args.res:
             lat_shape = workflow.latent_shape(res)
             grid = token_grid(lat_shape)
-            positive, negative, latent = conditioning(workflow, lat_shape, 7)
+            positive, negative, latent = conditioning(workflow, lat_shape, 7, end_image=args.end_image)
             pixels = start_image_pixels(workflow, res, 3)
             ws_miss, ws_hit = f"bench_{weights}_{res}_miss", f"bench_{weights}_{res}_hit"
 
@@ -711,7 +718,8 @@ def run(args) -> dict:
                     row.update(plan_kind=plan.kind, density=plan.stats.density, sparse_calls=plan.stats.sparse_calls,
                                blocks_computed=plan.stats.blocks_computed, blocks_total=plan.stats.blocks_total,
                                fallback_calls=plan.stats.fallback_calls, tail_calls=plan.stats.tail_calls,
-                               messages=plan.stats.messages[:5])
+                               messages=plan.stats.messages[:5],
+                               image_frames=None if plan.state.image_frames is None else list(plan.state.image_frames))
                 if args.profile:
                     # the eager miss profiles a throwaway miss (one more step would record into the entry it is
                     # about to write); a compiled row profiles its second request's models once more
@@ -1076,7 +1084,12 @@ def main(argv=None) -> int:
                    help="also one step of each variant under torch.profiler: its top kernels by GPU time")
     p.add_argument("--fr-share", type=float, default=0.25,
                    help="ChorusFeatureReuse downsample_share of the miss and the hitfr rows (the node's default 0.25)")
+    p.add_argument("--end-image", action="store_true",
+                   help="condition as WanFirstLastFrameToVideo (a start and an end image; Wan I2V models only): "
+                        "the entries record and the hits check image frames [1, 1, 0]")
     args = p.parse_args(argv)
+    if args.end_image and not WORKFLOWS[args.model].image_in_channels:
+        p.error(f"--end-image needs a Wan I2V model (--model {args.model} takes its image in the latent)")
     if args.compiled_only and not args.compile:
         p.error("--compiled-only needs --compile")
     if args.guard_filter and not args.compile:
