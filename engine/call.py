@@ -46,7 +46,7 @@ class AttnCall:
       ``H' * W'`` keys (0.0: none); applied in the sparse kernel and in every dense call of this call.
     - ``last_frame_bias``: the same for the last frame's keys (a first-last-frame request's end image;
       0.0: none): a full-grid call's suffix (:attr:`suffix_len`); in every dense call, and in the sparse
-      kernel where the run's maps are in raster order.
+      kernel where the run's token order ends with the last frame.
     - ``dense_fn(q, k, v) -> [B, H, L, D]``: the host's dense attention (None: PyTorch SDPA).
     """
 

@@ -21,8 +21,8 @@ see the prompt at reduced resolution. Three corrections, each with its own stren
   dense call applies it through :func:`image_biased_attention`. A first-last-frame request (an end
   image in the last latent frame, ``state.image_frames``) gets the same bias on the last frame's keys,
   the sequence's suffix in raster order (:meth:`GuidanceBoost.last_frame_bias`; a hit whose entry runs
-  in a token order where that frame is not the suffix, and feature reuse's compact calls, bias the
-  first frame only, with a note).
+  in a token order where that frame is not the suffix, e.g. a tile order of an odd frame count, and
+  feature reuse's compact calls bias the first frame only, with a note).
 
 - **CFG-style correction** (``cfg_strength``, only where the sampler's cfg > 1): the guidance
   direction ``cond - uncond`` of the denoised prediction is amplified, i.e. the step runs at

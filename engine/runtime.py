@@ -345,10 +345,10 @@ class ExpertRun:
 
     def _end_image_bias(self, call: AttnCall, order) -> tuple[int, float]:
         """``(suffix_len, suffix_bias)`` of guidance's end-image bias on a sparse call: the last frame's keys are
-        the kernel's key suffix in raster order only (the kernel API takes no suffix with a token order, and a
-        compact call's suffix is its cells), so elsewhere ``(0, 0.0)`` with a note: that call biases the first
-        frame alone."""
-        if call.layout is None and order is None:
+        the kernel's key suffix in raster order and in a token order that ends with that frame
+        (``last_frame_is_suffix``: a region order of an odd frame count); not in other orders, nor on a compact
+        call, whose suffix is its cells: there ``(0, 0.0)`` with a note, that call biases the first frame alone."""
+        if call.layout is None and (order is None or order.last_frame_is_suffix):
             return call.suffix_len, float(call.last_frame_bias) if call.suffix_len else 0.0
         where = ("feature reuse's compact calls" if call.layout is not None
                  else f"calls in the entry's token order {token_order_name(order)}")

@@ -404,15 +404,17 @@ def block_sparse_attention(q, k, v, block_map, *, block_size: int = 128, scale: 
             ``prefix_len == 0`` or ``prefix_bias == 0`` runs exactly the unbiased computation.
         suffix_len, suffix_bias: the same for the last ``suffix_len`` keys ``[Lk - suffix_len, Lk)``: with
             ``log(n)`` a key counts as ``n`` copies of itself (feature reuse's pooled cells at the end
-            of the compact sequence). Not with ``token_perm``.
+            of the compact sequence; a first-last-frame request's end image, guidance). With ``token_perm``
+            the last keys of the permuted order.
         rows_checked: the caller guarantees that every row of the map keeps at least one block (e.g.
             a ``k_min >= 1`` floor was applied): the empty-row check, the only validation that reads the
             map's values (one host-device sync), is skipped. A map with an empty row then gives
             zeros in that row's output (Triton) or NaN (reference, flex) instead of a ``ValueError``.
         token_perm: None (raster), or a ``TileOrder`` / int64 permutation ``[L]`` (``Lq == Lk == L``;
-            ``perm[p]`` = raster index of position ``p``): q/k/v stay in raster order, ``block_map``
-            and ``prefix_len`` refer to the permuted order (a ``TileOrder`` keeps frame 0 as the
-            prefix), the output is returned in raster order. Exact: attention is permutation-equivariant.
+            ``perm[p]`` = raster index of position ``p``): q/k/v stay in raster order, ``block_map``,
+            ``prefix_len`` and ``suffix_len`` refer to the permuted order (a ``TileOrder`` keeps frame 0 as the
+            prefix; whether the last frame is its suffix, ``last_frame_is_suffix``), the output is returned
+            in raster order. Exact: attention is permutation-equivariant.
         pooled_tail: keep what the map skips. For every query row ``i`` (query block ``I``) and every key
             block ``j`` that ``block_map`` does not keep for ``(I, head)``, one extra term enters row ``i``'s
             softmax: logit ``scale * q_i . kbar_j + w_j``, value ``vbar_j``, where ``kbar_j`` / ``vbar_j`` are
@@ -447,8 +449,6 @@ def block_sparse_attention(q, k, v, block_map, *, block_size: int = 128, scale: 
     suffix_len, suffix_bias = _check_key_bias(suffix_len, suffix_bias, k.shape[2], "suffix")
     scale = softmax_scale(q.shape[-1], scale)
     perm = _token_perm(token_perm, q, k)
-    if perm is not None and suffix_len:
-        raise ValueError("a suffix bias with token_perm is not supported (the suffix is of the compact sequence)")
     explicit = _parse_backend(backend) != Backend.AUTO
     chosen = _for_call_options(resolve_backend(backend, q, "attention"), explicit, q, block_size, prefix_len,
                                suffix_len, pooled_tail)

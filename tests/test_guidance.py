@@ -186,31 +186,36 @@ def test_engine_applies_the_bias_on_the_sparse_path_and_in_dense_calls():
     assert (out.double() - want).abs().max() < 1e-5
 
 
-def test_a_hit_in_a_token_order_biases_the_first_frame_alone_with_a_note():
-    """Where the entry's maps are in a tile order the last frame is not the keys' suffix: the sparse call keeps the
-    first-frame bias, leaves the end image's out and says so once."""
+@pytest.mark.parametrize("kind", ["tile", "regions"])
+def test_a_hit_in_a_token_order_biases_the_end_image_where_the_order_ends_with_it(kind):
+    """A hit whose entry is in a token order: in a region order of an odd frame count the last frame is the order's
+    suffix, and the sparse call biases it as the dense call does; in a tile order of an odd frame count (the last
+    slab holds two frames) it is not: the sparse call keeps the first-frame bias, leaves the end image's out and
+    says so once."""
     from chorus.engine import ChorusAttention, SparseConfig
     from chorus.engine.model_info import ModelInfo
-    from chorus.kernels.tile_order import cached_tile_order
+    from chorus.kernels.tile_order import cached_region_order, cached_tile_order
 
-    grid, bs = (3, 8, 16), 64  # 384 tokens, 6 blocks
-    order = cached_tile_order(grid, bs)
-    assert not order.last_frame_is_suffix
-    q, k, v = make_qkv(batch=1, heads=2, q_len=384, seed=11)
+    grid, bs = (5, 8, 16), 128  # 640 tokens, 5 blocks, frames of 128 tokens
+    order = cached_tile_order(grid, bs) if kind == "tile" else cached_region_order(grid, (2, 8, 8), bs)
+    assert order.last_frame_is_suffix == (kind == "regions")
+    q, k, v = make_qkv(batch=1, heads=2, q_len=640, seed=11)
     info = ModelInfo("wan2.2-a14b-i2v", "WanModel", 1, 2, 64, 16, "fp0", True, "")
     sig = {"variant": info.variant, "experts": [info.fingerprint], "num_layers": 1, "num_heads": 2,
            "token_grid": list(grid), "step_sigmas": [0.5], "block_size": bs, "token_order": order.name}
-    hit = Plan("hit", masks={(0, 0, 0, 0): torch.ones(2, 6, 6, dtype=torch.bool)}, entry_meta={"signature": sig},
+    hit = Plan("hit", masks={(0, 0, 0, 0): torch.ones(2, 5, 5, dtype=torch.bool)}, entry_meta={"signature": sig},
                similarity=0.95, entry_id=1)
     handle = ChorusAttention(hit, SparseConfig(k_min=1, block_size=bs, backend="reference", pooled_tail=False), info)
     assert handle.token_order(grid) is not None
     bias = math.log(1.4)
     out = handle.self_attention(q, k, v, layer=0, sigma=0.5, grid=grid, dense_fn=None, first_frame_bias=bias,
                                 last_frame_bias=bias)
-    want = dense_attention_oracle(q, k, v, prefix_len=128, prefix_bias=bias)  # a full map: dense with the prefix
+    end = dict(suffix_len=128, suffix_bias=bias) if kind == "regions" else {}
+    want = dense_attention_oracle(q, k, v, prefix_len=128, prefix_bias=bias, **end)  # a full map: dense, biased
     assert (out.double() - want).abs().max() < 1e-5
     assert hit.stats.sparse_calls == 1 and hit.stats.fallback_calls == 0
-    assert any("end-image bias is not applied" in m and order.name in m for m in hit.stats.messages)
+    noted = [m for m in hit.stats.messages if "end-image bias is not applied" in m]
+    assert (len(noted) == 1 and order.name in noted[0]) if kind == "tile" else not noted, hit.stats.messages
 
 
 def test_a_failing_biased_dense_call_falls_back_to_plain_dense(monkeypatch):

@@ -160,3 +160,25 @@ def test_last_frame_is_suffix_of_a_region_order_of_an_odd_frame_count(grid, regi
     assert (set(order.perm[order.length - hw:].tolist()) == last) == (want or grid[0] == 1)
     if grid[0] > 1:
         assert cached_tile_order(grid, 128).last_frame_is_suffix == (grid[0] % 2 == 0)
+
+
+@pytest.mark.parametrize("pooled_tail", [False, True])
+def test_a_suffix_bias_with_a_token_order_is_the_orders_suffix(pooled_tail):
+    """``suffix_len`` with ``token_perm`` counts the last positions of the order (as ``prefix_len`` the first): in a
+    region order of an odd frame count those are the last frame's keys (a first-last-frame request's end image)."""
+    from chorus.kernels.tile_order import cached_region_order
+
+    order = cached_region_order((5, 8, 16), (2, 8, 8), 128)  # 640 tokens, frames of 128
+    hw = 128
+    assert order.last_frame_is_suffix
+    q, k, v = make_qkv(heads=2, q_len=order.length, head_dim=32, seed=6)
+    bm = random_block_map(1, 2, order.length, order.length, 128, density=0.4, seed=3)
+    biases = dict(prefix_len=hw, prefix_bias=0.4, suffix_len=hw, suffix_bias=0.7)
+    got = block_sparse_attention(q, k, v, bm, block_size=128, backend="reference", token_perm=order,
+                                 pooled_tail=pooled_tail, **biases)
+    in_order = [order.to_tile(t) for t in (q, k, v)]
+    want = order.to_raster(dense_attention_oracle(*in_order, bm, 128, pooled_tail=pooled_tail, **biases))
+    assert (got.double() - want).abs().max() < 1e-5
+    full = torch.ones(1, 1, 5, 5, dtype=torch.bool)  # every block: raster attention biased on frames 0 and 4
+    got = block_sparse_attention(q, k, v, full, block_size=128, backend="reference", token_perm=order, **biases)
+    assert (got.double() - dense_attention_oracle(q, k, v, **biases)).abs().max() < 1e-5

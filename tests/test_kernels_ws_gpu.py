@@ -209,6 +209,36 @@ def test_the_public_api_runs_a_region_order_on_it():
     _check(order.to_tile(out), qt, kt, vt, bm, 30 * 52, 0.4)
 
 
+@pytest.mark.parametrize("backend", ["triton_fp8_ws", "triton_int8_ws", "triton_fp8", "triton_int8", "triton_bf16"])
+@pytest.mark.parametrize("pooled_tail", [False, True])
+def test_a_region_order_takes_the_end_images_suffix_bias(backend, pooled_tail):
+    """A first-last-frame hit in a region order (480p's 21 frames: the last frame is the order's suffix): the first
+    and the last frame's keys biased through ``token_perm`` equal the biased call on the reordered inputs, within
+    the kernel's numerics of the fp64 oracle (every kernel that takes a token order)."""
+    import chorus.kernels as K
+    from chorus.kernels.tile_order import RegionTileOrder
+
+    order = RegionTileOrder((21, 30, 52))
+    hw = 30 * 52
+    assert order.last_frame_is_suffix
+    q, k, v = cuda_bf16_qkv(1, 2, order.length, 128, seed=23)
+    bm = _random_map(1, 2, order.length, 0.2, seed=9)
+    biases = dict(prefix_len=hw, prefix_bias=0.4, suffix_len=hw, suffix_bias=0.4)
+    out = K.block_sparse_attention(q, k, v, bm, block_size=128, token_perm=order, backend=backend,
+                                   pooled_tail=pooled_tail, **biases)
+    plain = K.block_sparse_attention(q, k, v, bm, block_size=128, token_perm=order, backend=backend,
+                                     pooled_tail=pooled_tail, prefix_len=hw, prefix_bias=0.4)
+    assert not torch.equal(out, plain)  # the suffix bias acted
+    qt, kt, vt = (order.to_tile(t) for t in (q, k, v))
+    want = K.block_sparse_attention(qt, kt, vt, bm, block_size=128, backend=backend, pooled_tail=pooled_tail,
+                                    **biases)
+    ceiling = {"triton_bf16": 0.02, "triton_int8": 0.03, "triton_int8_ws": 0.03}.get(backend, 0.08)
+    got = order.to_tile(out).double()
+    assert float((got - want.double()).norm() / want.double().norm()) < ceiling / 4
+    if not pooled_tail:
+        _check(order.to_tile(out), qt, kt, vt, bm, **biases)
+
+
 @pytest.mark.parametrize("q_len,suffix_len", [(4097, 300), (3000, 2000), (61600, 2000)])
 @pytest.mark.parametrize("backend", ["triton_fp8_ws", "triton_fp8"])
 def test_a_suffix_bias_matches_the_oracle(q_len, suffix_len, backend):

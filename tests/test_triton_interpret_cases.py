@@ -455,18 +455,20 @@ def test_token_perm_bad_input_raises():
 
 
 @pytest.mark.parametrize("fp8", [False, True])
-def test_token_perm_with_prefix_bias(fp8):
-    """With ``token_perm`` the prefix counts positions of the reordered sequence (a tile order puts
-    the first frame first): the same as the biased call on the reordered inputs."""
+@pytest.mark.parametrize("suffix_len", [0, 60])
+def test_token_perm_with_prefix_bias(fp8, suffix_len):
+    """With ``token_perm`` the prefix (and the suffix) count positions of the reordered sequence (a tile order
+    puts the first frame first; a region order of an odd frame count the last frame last): the same as the
+    biased call on the reordered inputs."""
     from chorus.kernels.triton._attention import block_sparse_attention_triton_impl
 
     q, k, v = make_inputs(1, 2, 200, 64, torch.bfloat16, seed=21)
     perm = torch.randperm(200, generator=torch.Generator().manual_seed(5))
     bm = random_map(1, 2, 200, 200, 64, 0.5, seed=9)
-    out = block_sparse_attention_triton_impl(q, k, v, bm, 64, 0.125, fp8, prefix_len=70, prefix_bias=1.3,
-                                             token_perm=perm)
+    biases = dict(prefix_len=70, prefix_bias=1.3, suffix_len=suffix_len, suffix_bias=0.9 if suffix_len else 0.0)
+    out = block_sparse_attention_triton_impl(q, k, v, bm, 64, 0.125, fp8, token_perm=perm, **biases)
     qp, kp, vp = (t[:, :, perm] for t in (q, k, v))
-    (check_fp8 if fp8 else check_16bit)(out[:, :, perm], qp, kp, vp, bm, 64, prefix_len=70, prefix_bias=1.3)
+    (check_fp8 if fp8 else check_16bit)(out[:, :, perm], qp, kp, vp, bm, 64, **biases)
 
 
 @pytest.mark.parametrize("backend", ["triton_fp8", "triton_bf16"])

@@ -143,7 +143,7 @@ def block_sparse_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
         token_perm: None, or (``Lq == Lk == L``) an int32/int64 ``[L]`` permutation: attention runs on
             the sequence in that order (position ``i`` = input row ``token_perm[i]``; ``block_map`` is in
             that order) and the output is returned in the input order; fused into the FP8 pre-pass and
-            the output store; ``prefix_len`` then counts positions of that order.
+            the output store; ``prefix_len`` and ``suffix_len`` then count positions of that order.
         pooled_tail: every key block a row's map skips enters that row's softmax as one pooled term (its
             mean key with weight ``log`` of its key count plus the biases' log-sum-exp, its mean value; see
             :func:`chorus.kernels.block_sparse_attention`): the pooled keys are extra key blocks after the
