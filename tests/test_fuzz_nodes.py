@@ -345,6 +345,8 @@ def test_fuzz_sampling_requests(env, record_property):
         ws.close()
     sh.report(record_property, f"sampling requests ({guided[0]} with ChorusGuidanceBoost; node orders "
                                f"{dict(sorted(orders.items()))}; hits by input images {frames_served})", counts)
+    assert written and any(k.endswith("/hit") for k in counts), counts
+    assert guided[0] > 0
 
 
 def _with_images(conditioning, shape, images: str):
@@ -361,8 +363,6 @@ def _with_images(conditioning, shape, images: str):
     image = torch.randn(1, 16, t, h, w, generator=torch.Generator().manual_seed(t * 100 + h))
     extra = {"concat_latent_image": image, "concat_mask": mask.view(1, t, 4, h, w).transpose(1, 2)}
     return [[c[0], dict(c[1], **extra)] for c in conditioning]
-    assert written and any(k.endswith("/hit") for k in counts), counts
-    assert guided[0] > 0
 
 
 def test_symlinked_workspace_leading_outside_is_refused(tmp_path, monkeypatch):
