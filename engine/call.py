@@ -71,11 +71,7 @@ class AttnCall:
         if self.layout is not None:
             order = self.layout.order
             return order.first_frame_tokens if order is not None else 0
-        try:
-            t, h, w = (int(g) for g in self.grid)
-        except (TypeError, ValueError):
-            return 0
-        return h * w if t * h * w == self.q.shape[-2] and h * w > 0 else 0
+        return self._frame_tokens()[1]
 
     @property
     def suffix_len(self) -> int:
@@ -83,11 +79,16 @@ class AttnCall:
         last frame is the raster sequence's suffix), else 0."""
         if not self.last_frame_bias or self.layout is not None:
             return 0
+        frames, tokens = self._frame_tokens()
+        return tokens if frames > 1 else 0
+
+    def _frame_tokens(self) -> tuple[int, int]:
+        """``(T', H' * W')`` of the grid when it holds this call's tokens (a full-grid call), else ``(0, 0)``."""
         try:
             t, h, w = (int(g) for g in self.grid)
         except (TypeError, ValueError):
-            return 0
-        return h * w if t > 1 and t * h * w == self.q.shape[-2] and h * w > 0 else 0
+            return 0, 0
+        return (t, h * w) if t * h * w == self.q.shape[-2] and h * w > 0 else (0, 0)
 
     def dense(self, note=None) -> torch.Tensor:
         """The call's dense attention: the host's (or SDPA) with the first- and last-frame biases where they
