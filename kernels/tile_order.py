@@ -109,7 +109,7 @@ class _OrderOfGrid:
     def first_frame_tokens(self) -> int:
         return self.grid[1] * self.grid[2]
 
-    @property
+    @functools.cached_property  # (per order object: the orders are cached per grid, asked per call)
     def last_frame_is_suffix(self) -> bool:
         """Whether the last frame's ``H * W`` tokens take this order's last ``H * W`` positions (as in raster
         order), so that its key blocks are the trailing blocks: e.g. a region order of an odd frame count with
