@@ -415,18 +415,9 @@ def test_a_model_with_scaled_rope_has_its_own_fingerprint(adapter):
 
 
 def _image_conds(end_image: bool, seed=3):
-    """CONDITIONING as ComfyUI's WanImageToVideo (a start image) or WanFirstLastFrameToVideo (``end_image``: a
-    start and an end image) leave it: ``concat_latent_image`` and ``concat_mask`` (0 where a pixel frame holds
-    an image: the start image's latent frame whole, the end image's last pixel frame only)."""
-    t, h, w = LATENT[2:]
-    mask = torch.ones(1, 1, t * 4, h, w)
-    mask[:, :, :4] = 0.0
-    if end_image:
-        mask[:, :, -1:] = 0.0
-    mask = mask.view(1, t, 4, h, w).transpose(1, 2)
-    image = torch.randn(1, 16, t, h, w, generator=torch.Generator().manual_seed(seed))
-    extra = {"concat_latent_image": image, "concat_mask": mask}
-    return tuple([[cond[0][0], dict(cond[0][1], **extra)]] for cond in _conds(seed))
+    """The (positive, negative) CONDITIONING of a start-image or a first-last-frame request
+    (``tiny.with_input_images``)."""
+    return tuple(tiny.with_input_images(cond, LATENT, end_image, seed) for cond in _conds(seed))
 
 
 def _sample_conds(model, conds, steps=2):

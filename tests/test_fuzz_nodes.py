@@ -350,19 +350,11 @@ def test_fuzz_sampling_requests(env, record_property):
 
 
 def _with_images(conditioning, shape, images: str):
-    """``conditioning`` as ComfyUI's WanImageToVideo (``"start"``) or WanFirstLastFrameToVideo (``"start_end"``)
-    leaves it for a latent of ``shape``: the image latent and the mask that marks the pixel frames holding an
-    image (the start image's latent frame; the end image's last pixel frame); ``"none"``: unchanged."""
+    """``conditioning`` with input images as ComfyUI's image-to-video nodes give them for a latent of ``shape``
+    (``"start"``, ``"start_end"``: ``tiny.with_input_images``); ``"none"``: unchanged."""
     if images == "none":
         return conditioning
-    _, _, t, h, w = shape
-    mask = torch.ones(1, 1, t * 4, h, w)
-    mask[:, :, :4] = 0.0
-    if images == "start_end":
-        mask[:, :, -1:] = 0.0
-    image = torch.randn(1, 16, t, h, w, generator=torch.Generator().manual_seed(t * 100 + h))
-    extra = {"concat_latent_image": image, "concat_mask": mask.view(1, t, 4, h, w).transpose(1, 2)}
-    return [[c[0], dict(c[1], **extra)] for c in conditioning]
+    return sh.tiny.with_input_images(conditioning, shape, images == "start_end", seed=shape[2] * 100 + shape[3])
 
 
 def test_symlinked_workspace_leading_outside_is_refused(tmp_path, monkeypatch):

@@ -226,3 +226,18 @@ def random_conditioning(seed: int, *, scale: float = 1.0, noise: float = 0.0, no
     if noise:
         cond = cond + noise * torch.randn(cond.shape, generator=torch.Generator().manual_seed(noise_seed))
     return [[cond, {}]]
+
+
+def with_input_images(conditioning, latent_shape, end_image: bool, seed: int):
+    """``conditioning`` as ComfyUI's WanImageToVideo (a start image) or WanFirstLastFrameToVideo (``end_image``: a
+    start and an end image) leaves it for a latent ``[1, 16, T, H, W]``: each entry's options gain
+    ``concat_latent_image`` (a random image latent from ``seed``) and ``concat_mask`` (0 where a pixel frame holds
+    an image: the start image's latent frame whole, the end image's last pixel frame only)."""
+    _, _, t, h, w = latent_shape
+    mask = torch.ones(1, 1, t * 4, h, w)
+    mask[:, :, :4] = 0.0
+    if end_image:
+        mask[:, :, -1:] = 0.0
+    image = torch.randn(1, 16, t, h, w, generator=torch.Generator().manual_seed(seed))
+    extra = {"concat_latent_image": image, "concat_mask": mask.view(1, t, 4, h, w).transpose(1, 2)}
+    return [[c[0], dict(c[1], **extra)] for c in conditioning]
