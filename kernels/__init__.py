@@ -15,7 +15,8 @@ from .resample import aspect_matches, resample_block_map
 __all__ = [
     "Backend", "BackendUnavailableError", "block_sparse_attention", "block_mass", "resolve_backend", "auto_chain",
     "has_pooled_tail",
-    "select_blocks", "select_blocks_packed", "validate_block_map", "num_blocks", "density", "first_frame_blocks", "last_frame_blocks",
+    "select_blocks", "select_blocks_packed", "validate_block_map", "num_blocks", "density", "first_frame_blocks",
+    "last_frame_blocks",
     "pack_bits", "unpack_bits", "encode_block_map", "decode_block_map", "to_flex_block_mask",
     "from_flex_block_mask", "resample_block_map", "aspect_matches", "VisitRefresh",
 ]

@@ -60,7 +60,8 @@ class ChorusGuidanceBoost(io.ComfyNode):
                         f"1 + {GAIN_PER_STRENGTH} x strength on the cross-attention output (Wan 2.1: also its "
                         "CLIP image tokens), the start image (the first latent frame) through a self-attention "
                         f"bias that multiplies the first frame's attention weights by 1 + {IMAGE_GAIN_PER_STRENGTH}"
-                        " x image_strength (and the last frame's, for a first-last-frame video), and optionally (cfg > 1 graphs) the CFG scale by 1 + "
+                        " x image_strength (and the last frame's, for a first-last-frame video), and optionally "
+                        "(cfg > 1 graphs) the CFG scale by 1 + "
                         f"{CFG_GAIN_PER_STRENGTH} x cfg_strength. On a miss it does nothing; without a plan it "
                         "acts on every step.",
             inputs=[

@@ -16,9 +16,9 @@ calls at the same sigma as negative passes, which matches how diffusers' Wan pip
 (:mod:`chorus.engine.guidance`) to the same model, before or after ``patch_diffusers_wan``: the
 cross-attention (``attn2``) output gets the text gain (applied to the attention result before the
 output projection: ``g * out - (g - 1) * to_out.bias``), and self-attention the first-frame logit
-bias (and the last frame's, for a request with ``last_image``) — inside the sparse processor when ``patch_diffusers_wan`` is installed, else through a dense
-processor that leaves every call without a bias to diffusers' own processor. Remove patches in the
-reverse order of installing them.
+bias (and the last frame's, for a request with ``last_image``) — inside the sparse processor when
+``patch_diffusers_wan`` is installed, else through a dense processor that leaves every call without a bias to
+diffusers' own processor. Remove patches in the reverse order of installing them.
 """
 
 from __future__ import annotations
