@@ -13,6 +13,7 @@ order (its registers are the launch's 168, the consumer warpgroups raise theirs 
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import re
 import subprocess
@@ -66,11 +67,21 @@ def compile_attn(fp8=True, use_tma=False, block_m=128, block_n=128, head_dim=128
                    if p.is_constexpr and n not in consts})  # later compile-time switches, off
     for c in consts:
         sig[c] = "constexpr"
+    # in the kernel's parameter order: Triton before 3.4 reads the signature's types by position
+    sig = {name: sig[name] for name in A._bsa_fwd_kernel.arg_names}
     # 16-byte divisibility hints like the launcher's specialisation gives for pointers/strides
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig)
              if sig[n].startswith("*") or (n.startswith("s_") and n not in ("s_nb", "s_nh", "s_ib", "s_ih"))}
-    src = ASTSource(fn=A._bsa_fwd_kernel, signature=sig, constexprs=consts, attrs=attrs)
+    src = _source(A._bsa_fwd_kernel, sig, consts, attrs)
     return triton.compile(src, target=target, options=dict(num_warps=num_warps, num_stages=num_stages))
+
+
+def _source(fn, signature: dict, constexprs: dict, attrs: dict | None = None) -> ASTSource:
+    """``ASTSource`` across Triton releases: before 3.3 it takes ``constants=`` and its divisibility hints as an
+    ``AttrsDescriptor`` (left out there: the build is then the launcher's without the 16-byte hints)."""
+    if "constexprs" in inspect.signature(ASTSource).parameters:
+        return ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    return ASTSource(fn=fn, signature=signature, constants=constexprs)
 
 
 def compile_jit(fn, types: dict, constexprs: dict, num_warps: int = 4, num_stages: int | None = None, target=TARGET):
@@ -79,7 +90,7 @@ def compile_jit(fn, types: dict, constexprs: dict, num_warps: int = 4, num_stage
     sig = {name: ("constexpr" if param.is_constexpr else types.get(name, "i32"))
            for name, param in zip(fn.arg_names, fn.params)}
     options = dict(num_warps=num_warps) if num_stages is None else dict(num_warps=num_warps, num_stages=num_stages)
-    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs), target=target, options=options)
+    return triton.compile(_source(fn, sig, constexprs), target=target, options=options)
 
 
 def compile_ws(head_dim=128, tail=True, has_bias=False, has_perm=False, has_suffix=False, q_kernel=None,

@@ -316,7 +316,7 @@ def _bsa_tile(pid, bh, Q, K, V, O, q_scale, k_scale, v_scale, kv_num, kv_idx, sc
     TPB: tl.constexpr = BS // BLOCK_M
     KV_SUB: tl.constexpr = BS // BLOCK_N
     # Loads need masks only on the bf16 pointer path (FP8 buffers are padded, TMA zero-fills).
-    MASK_LOADS: tl.constexpr = (not FP8) and (not INT8) and (not USE_TMA)
+    MASK_LOADS: tl.constexpr = (not (FP8 or INT8)) and (not USE_TMA)
     b = bh // H
     h = bh % H
     row_base = b * s_nb + h * s_nh
