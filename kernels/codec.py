@@ -12,6 +12,8 @@ information.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import struct
 
 import numpy as np
@@ -148,10 +150,20 @@ def to_flex_block_mask(block_map: torch.Tensor, *, block_size: int = 128, q_len:
     def block_map_mod(b, h, q_idx, kv_idx):
         return dense_map[b % dense_map.shape[0], h % dense_map.shape[1], q_idx // block_size, kv_idx // block_size]
 
+    # forward only: no transposed (query-block) lists, where this torch can skip them (>= 2.9)
+    skip_q_blocks = {"compute_q_blocks": False} if _from_kv_blocks_skips_q_blocks() else {}
     return BlockMask.from_kv_blocks(
         empty_counts, empty_indices, counts, order, BLOCK_SIZE=block_size, mask_mod=block_map_mod,
-        seq_lengths=(q_len, kv_len), compute_q_blocks=False,
+        seq_lengths=(q_len, kv_len), **skip_q_blocks,
     )
+
+
+@functools.cache
+def _from_kv_blocks_skips_q_blocks() -> bool:
+    """Whether this torch's ``BlockMask.from_kv_blocks`` takes ``compute_q_blocks`` (torch 2.8 does not)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    return "compute_q_blocks" in inspect.signature(BlockMask.from_kv_blocks).parameters
 
 
 def from_flex_block_mask(block_mask) -> torch.Tensor:

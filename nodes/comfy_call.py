@@ -48,14 +48,19 @@ KNOWN_KWARGS = frozenset({
 class AttentionCall(NamedTuple):
     """One attention call as an override received it, q/k/v taken out of any container.
 
-    ``args``: the positional arguments to hand on — ``(q, k, v, *rest)`` with plain tensors; ``kwargs``:
-    the keyword arguments as received (handed on unchanged). The other fields are read from either
-    (positional ``heads``/``mask``/``skip_*`` after q, k, v as in the backend signature):
+    ``q``, ``k``, ``v``: the plain tensors; ``args``: the positional arguments to hand on — ``(q, k, v,
+    *rest)``; ``kwargs``: the keyword arguments as received (handed on unchanged). The other fields are read
+    from either (positional ``heads``/``mask``/``skip_*`` after q, k, v as in the backend signature):
     ``heads`` (int or None), ``scale`` (float or None = the backend's default ``1/sqrt(D)``), ``mask``,
     ``skip_reshape`` / ``skip_output_reshape``, ``enable_gqa``, ``low_precision`` (False when the caller
     asked for no low-precision attention), ``unknown`` (names of keyword arguments not in
     :data:`KNOWN_KWARGS`, sorted)."""
 
+    # q / k / v are fields, not properties over ``args``: torch 2.8's dynamo does not trace a NamedTuple's
+    # property (a graph break at every attention call under TorchCompileModel there)
+    q: object
+    k: object
+    v: object
     args: tuple
     kwargs: dict
     heads: object
@@ -66,18 +71,6 @@ class AttentionCall(NamedTuple):
     enable_gqa: bool
     low_precision: bool
     unknown: tuple
-
-    @property
-    def q(self):
-        return self.args[0]
-
-    @property
-    def k(self):
-        return self.args[1]
-
-    @property
-    def v(self):
-        return self.args[2]
 
 
 def take_tensor(value):
@@ -100,9 +93,10 @@ def read_call(args, kwargs) -> AttentionCall | None:
     are). Takes each q/k/v container exactly once — the caller must hand on ``call.args``."""
     if len(args) < 3:
         return None
-    plain = (take_tensor(args[0]), take_tensor(args[1]), take_tensor(args[2])) + tuple(args[3:])
+    q, k, v = take_tensor(args[0]), take_tensor(args[1]), take_tensor(args[2])
     return AttentionCall(
-        args=plain,
+        q=q, k=k, v=v,
+        args=(q, k, v) + tuple(args[3:]),
         kwargs=kwargs,
         heads=_argument("heads", 3, args, kwargs, None),
         scale=kwargs.get("scale"),
