@@ -265,13 +265,43 @@ def _begin_forward(args, kwargs):
     return args, kwargs
 
 
+def _dynamo_keeps_the_forward_compiled() -> bool:
+    """Whether this torch's dynamo compiles the forward behind :func:`_begin_forward`'s graph break once.
+    Before torch 2.10 the resume frame guards the identity of ComfyUI's per-forward executor's bound
+    ``_forward`` (``L['executor'].original``), a new object every forward: every forward recompiled the whole
+    model until dynamo's recompile limit (8) and ran eagerly after (measured on torch 2.8 and 2.9 with the tiny
+    Wan; 2.10 compiles once)."""
+    return tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 10)
+
+
+DYNAMO_KEEPS_THE_FORWARD_COMPILED = _dynamo_keeps_the_forward_compiled()
+
+
 def diffusion_model_wrapper(executor, *args, **kwargs):
     """The DIFFUSION_MODEL wrapper of every Chorus-patched model (Wan args: x, timestep, context,
     clip_fea, time_dim_concat, transformer_options, ...): one module-level function, so a compiled
     model's guards see the same wrapper for every request. It takes :func:`apply_model_wrapper`'s keyword
-    back out: the model never sees it."""
+    back out: the model never sees it. Before torch 2.10 a Chorus-patched forward runs eagerly under
+    ``TorchCompileModel`` (:func:`_eager_forward`)."""
     kwargs.pop(MODEL_KWARG, None)
+    if not DYNAMO_KEEPS_THE_FORWARD_COMPILED and torch.compiler.is_compiling():
+        return _eager_forward(executor, args, kwargs)
     args, kwargs = _begin_forward(tuple(args), kwargs)
+    return executor(*args, **kwargs)
+
+
+@torch.compiler.disable
+def _eager_forward(executor, args, kwargs):
+    """A Chorus-patched forward outside dynamo (torch < 2.10 under ``TorchCompileModel``: see
+    :func:`_dynamo_keeps_the_forward_compiled`): the hit's kernels still run, compile's fusion does not, and
+    no forward pays a recompile. The run's notes say so once."""
+    _, options = _find_transformer_options(args, kwargs)
+    patch = None if options is None else options.get(PATCH_KEY)
+    args, kwargs = _begin_forward(tuple(args), kwargs)
+    if isinstance(patch, ChorusPatch):
+        patch.note(f"TorchCompileModel: torch {torch.__version__} recompiles a Chorus-patched Wan forward at "
+                        "every step (fixed in torch 2.10), so Chorus runs it eagerly: the speed-up of its kernels "
+                        "stays, compile's own does not (docs/NODES.md, \"With TorchCompileModel\")")
     return executor(*args, **kwargs)
 
 
