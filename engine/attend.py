@@ -40,6 +40,7 @@ in full.)
 
 from __future__ import annotations
 
+import inspect
 import threading
 from typing import TYPE_CHECKING
 
@@ -250,10 +251,14 @@ def _like(q: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
 # The kernels read ComfyUI's [B, L, H*D] memory through per-head views: a compiler must hand the ops
 # their inputs with the strides eager code has (no copy into another layout).
 _EXACT_STRIDES = tuple(t for t in (getattr(torch.Tag, "needs_exact_strides", None),) if t is not None)
+# (torch 2.7's custom_op takes no ``tags``: there the ops are declared without it; Chorus-patched forwards
+# run outside dynamo before torch 2.10 anyway, nodes/comfy_patch.py)
+_OP_TAGS = ({"tags": _EXACT_STRIDES}
+            if _EXACT_STRIDES and "tags" in inspect.signature(torch.library.custom_op).parameters else {})
 
 # ComfyUI imports the pack under its folder name while tests import ``chorus``: register once.
 if not op_registered("attend"):
-    @torch.library.custom_op("chorus::attend", mutates_args=(), tags=_EXACT_STRIDES)
+    @torch.library.custom_op("chorus::attend", mutates_args=(), **_OP_TAGS)
     def _attend_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_hint: int) -> torch.Tensor:
         context = current()
         if context is None:  # a call outside any Chorus forward: plain attention
@@ -279,7 +284,7 @@ def _on_context(token: torch.Tensor, method: str, *args) -> None:
 
 
 if not op_registered("record_mass"):
-    @torch.library.custom_op("chorus::record_mass", mutates_args=("token",), tags=_EXACT_STRIDES)
+    @torch.library.custom_op("chorus::record_mass", mutates_args=("token",), **_OP_TAGS)
     def _record_op(q: torch.Tensor, k: torch.Tensor, layer_hint: int, token: torch.Tensor) -> None:
         _on_context(token, "record", q, k, layer_hint)
 
@@ -321,7 +326,7 @@ if not op_registered("compact_tokens"):
         return t.new_empty((t.shape[0], length, *t.shape[2:]))
 
 if not op_registered("attend_compact"):
-    @torch.library.custom_op("chorus::attend_compact", mutates_args=(), tags=_EXACT_STRIDES)
+    @torch.library.custom_op("chorus::attend_compact", mutates_args=(), **_OP_TAGS)
     def _attend_compact_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_hint: int) -> torch.Tensor:
         return _like(q, _reduced_context().attend_compact(q, k, v, layer_hint))
 
