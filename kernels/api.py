@@ -130,6 +130,11 @@ def why_unavailable(backend: Backend, q: torch.Tensor, op: str = "attention") ->
             from torch.nn.attention.flex_attention import flex_attention  # noqa: F401
         except ImportError as exc:  # pragma: no cover - depends on torch build
             return f"FlexAttention is not available in this torch ({exc})"
+        from .codec import flex_masks_unavailable  # noqa: PLC0415
+
+        reason = flex_masks_unavailable()
+        if reason is not None:
+            return reason
         if q.device.type == "cuda":
             if importlib.util.find_spec("triton") is None:
                 return "flex runs compiled on a CUDA GPU (torch.compile), which needs Triton: triton is not installed"

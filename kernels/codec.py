@@ -158,12 +158,24 @@ def to_flex_block_mask(block_map: torch.Tensor, *, block_size: int = 128, q_len:
     )
 
 
-@functools.cache
 def _from_kv_blocks_skips_q_blocks() -> bool:
     """Whether this torch's ``BlockMask.from_kv_blocks`` takes ``compute_q_blocks`` (torch 2.8 does not)."""
+    return "compute_q_blocks" in _from_kv_blocks_parameters()
+
+
+def flex_masks_unavailable() -> str | None:
+    """Why this torch cannot build :func:`to_flex_block_mask`'s masks, or None: it needs
+    ``BlockMask.from_kv_blocks(seq_lengths=)`` (torch >= 2.6) for lengths that are not a multiple of the block."""
+    if "seq_lengths" not in _from_kv_blocks_parameters():
+        return f"FlexAttention's block masks take no sequence lengths in torch {torch.__version__} (torch >= 2.6)"
+    return None
+
+
+@functools.cache
+def _from_kv_blocks_parameters() -> frozenset:
     from torch.nn.attention.flex_attention import BlockMask
 
-    return "compute_q_blocks" in inspect.signature(BlockMask.from_kv_blocks).parameters
+    return frozenset(inspect.signature(BlockMask.from_kv_blocks).parameters)
 
 
 def from_flex_block_mask(block_mask) -> torch.Tensor:
