@@ -126,10 +126,14 @@ def to_flex_block_mask(block_map: torch.Tensor, *, block_size: int = 128, q_len:
     block pass the true lengths (FlexAttention masks the padding itself). A kept block becomes a
     full block (no ``mask_mod`` evaluation in compiled kernels). The ``mask_mod`` looks the block up
     in the map too, because FlexAttention's unfused (eager, CPU) path ignores the block structure and
-    applies only ``mask_mod`` to the full score matrix.
+    applies only ``mask_mod`` to the full score matrix. ``RuntimeError`` on a torch whose masks cannot take
+    the lengths (:func:`flex_masks_unavailable`).
     """
     from torch.nn.attention.flex_attention import BlockMask
 
+    reason = flex_masks_unavailable()
+    if reason is not None:
+        raise RuntimeError(reason)
     _check_bool_map(block_map)
     if block_map.dim() != 4:
         raise ValueError(f"block_map must be [B, H, Qb, Kb], got shape {tuple(block_map.shape)}")
