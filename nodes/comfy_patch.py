@@ -244,16 +244,19 @@ class ChorusPatch:
 
 
 @torch.compiler.disable
-def _begin_forward(args, kwargs):
+def _begin_forward(args, kwargs, note: str | None = None):
     """``(args, kwargs)`` of one DIFFUSION_MODEL call with the options copy of
     :meth:`ChorusPatch.begin_forward` in place; unchanged when the call is not a Chorus-patched Wan
-    video forward. Host side: dynamo never traces it (the sigma read would specialise the graph)."""
+    video forward. ``note``: a message for the run's notes (kept once) when the call is Chorus-patched.
+    Host side: dynamo never traces it (the sigma read would specialise the graph)."""
     where, options = _find_transformer_options(args, kwargs)
     if where is None:
         return args, kwargs
     patch = options.get(PATCH_KEY)
     if not isinstance(patch, ChorusPatch):
         return args, kwargs
+    if note is not None:
+        patch.note(note)
     x = args[0] if args else kwargs.get("x")
     new = patch.begin_forward(x, args, kwargs, options)
     if new is None:
@@ -265,16 +268,14 @@ def _begin_forward(args, kwargs):
     return args, kwargs
 
 
-def _dynamo_keeps_the_forward_compiled() -> bool:
-    """Whether this torch's dynamo compiles the forward behind :func:`_begin_forward`'s graph break once.
-    Before torch 2.10 the resume frame guards the identity of ComfyUI's per-forward executor's bound
-    ``_forward`` (``L['executor'].original``), a new object every forward: every forward recompiled the whole
-    model until dynamo's recompile limit (8) and ran eagerly after (measured on torch 2.8 and 2.9 with the tiny
-    Wan; 2.10 compiles once)."""
-    return tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 10)
-
-
-DYNAMO_KEEPS_THE_FORWARD_COMPILED = _dynamo_keeps_the_forward_compiled()
+# Before torch 2.10 dynamo's resume frame after :func:`_begin_forward`'s graph break guards the identity of
+# ComfyUI's per-forward executor's bound ``_forward`` (``L['executor'].original``), a new object every forward:
+# every forward recompiled the whole model until dynamo's recompile limit (8) and ran eagerly after (measured on
+# torch 2.8 and 2.9 with the tiny Wan; 2.10 compiles once). There a Chorus-patched forward runs outside dynamo.
+DYNAMO_KEEPS_THE_FORWARD_COMPILED = torch.__version__ >= (2, 10)
+EAGER_FORWARD_NOTE = (f"TorchCompileModel: torch {torch.__version__} recompiles a Chorus-patched Wan forward at "
+                      "every step (fixed in torch 2.10), so Chorus runs it eagerly: the speed-up of its kernels "
+                      "stays, compile's own does not (docs/NODES.md, \"With TorchCompileModel\")")
 
 
 def diffusion_model_wrapper(executor, *args, **kwargs):
@@ -293,15 +294,9 @@ def diffusion_model_wrapper(executor, *args, **kwargs):
 @torch.compiler.disable
 def _eager_forward(executor, args, kwargs):
     """A Chorus-patched forward outside dynamo (torch < 2.10 under ``TorchCompileModel``: see
-    :func:`_dynamo_keeps_the_forward_compiled`): the hit's kernels still run, compile's fusion does not, and
-    no forward pays a recompile. The run's notes say so once."""
-    _, options = _find_transformer_options(args, kwargs)
-    patch = None if options is None else options.get(PATCH_KEY)
-    args, kwargs = _begin_forward(tuple(args), kwargs)
-    if isinstance(patch, ChorusPatch):
-        patch.note(f"TorchCompileModel: torch {torch.__version__} recompiles a Chorus-patched Wan forward at "
-                        "every step (fixed in torch 2.10), so Chorus runs it eagerly: the speed-up of its kernels "
-                        "stays, compile's own does not (docs/NODES.md, \"With TorchCompileModel\")")
+    :data:`DYNAMO_KEEPS_THE_FORWARD_COMPILED`): the hit's kernels still run, compile's fusion does not, and no
+    forward pays a recompile. The run's notes say so once."""
+    args, kwargs = _begin_forward(tuple(args), kwargs, EAGER_FORWARD_NOTE)
     return executor(*args, **kwargs)
 
 

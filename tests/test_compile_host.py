@@ -35,7 +35,6 @@ SKIP_REASON = tiny.import_comfy()
 pytestmark = pytest.mark.skipif(SKIP_REASON is not None, reason=f"ComfyUI not available: {SKIP_REASON}")
 
 
-
 def _whole_model_compiles() -> bool:
     """Whether a Chorus-patched forward is compiled under TorchCompileModel with this torch (>= 2.10)."""
     if SKIP_REASON is not None:

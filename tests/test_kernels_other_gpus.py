@@ -174,12 +174,12 @@ def test_the_triton_kernels_use_nothing_an_older_triton_refuses():
     accepts it: one such line made every portable kernel fail to build there, so such a GPU ran dense. The
     builds above under Triton 3.1-3.7 were checked by hand (docs/INSTALL.md); this keeps the sources free of
     that construct whatever Triton CI has."""
-    found = []
+    found, kernels = [], 0
     for path in sorted(pathlib.Path(A.__file__).parent.glob("*.py")):
-        tree = ast.parse(path.read_text())
-        for fn in _jit_functions(tree):
+        for fn in _jit_functions(ast.parse(path.read_text())):
+            kernels += 1
             for node in ast.walk(fn):
                 if isinstance(node, ast.BoolOp) and len(node.values) > 2:
                     found.append(f"{path.name}:{node.lineno} in {fn.name}: {ast.unparse(node)}")
-    assert len(list(_jit_functions(ast.parse(pathlib.Path(A.__file__).read_text())))) >= 5  # the walk sees kernels
+    assert kernels >= 20, kernels  # the walk sees the kernels (32 @triton.jit functions today)
     assert not found, "boolean chains Triton < 3.4 refuses (split them with parentheses):\n" + "\n".join(found)
