@@ -192,3 +192,17 @@ def test_the_peers_plot_redraws_a_saved_run_without_a_gpu(tmp_path):
                     "--plot-from", str(saved)], check=True, cwd=root, timeout=300)
     png = tmp_path / "bench_block_sparse_peers.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_a_comfy_kitchen_without_sol_attn_is_named_not_called(monkeypatch):
+    """ComfyUI's requirements pin comfy-kitchen releases that predate ``sol_attn`` (0.2.20 in ComfyUI 0.28.2):
+    the sol_attn peer says so instead of failing on the missing attribute."""
+    import sys
+    import types
+
+    monkeypatch.setitem(sys.modules, "comfy_kitchen", types.ModuleType("comfy_kitchen"))
+    module, why = peers.comfy_kitchen_with_sol_attn()
+    assert module is None and "has no sol_attn" in why and "chorus-ii[peers]" in why
+    q, k, v, block_map = _inputs()[:4]
+    run, reason = peers.make_sol_attn_topk(q, k, v, block_map, 64)
+    assert run is None and reason == why

@@ -10,11 +10,14 @@ import json
 import pytest
 import torch
 
+from chorus.benchmarks.kernels import peers
 from host import tiny_wan as tiny  # tests/host (pytest pythonpath)
 
 SKIP_REASON = tiny.import_comfy()
-comfy_kitchen = pytest.importorskip("comfy_kitchen", reason="comfy-kitchen (optional extra 'peers') not installed")
 pytestmark = [pytest.mark.host, pytest.mark.skipif(SKIP_REASON is not None, reason=f"ComfyUI not available: {SKIP_REASON}")]
+comfy_kitchen, NO_SOL_ATTN = peers.comfy_kitchen_with_sol_attn()
+if comfy_kitchen is None:  # optional extra 'peers'; ComfyUI's own requirements pin releases without sol_attn
+    pytest.skip(NO_SOL_ATTN, allow_module_level=True)
 
 HEADS, TOKENS = 2, 320  # head dim 128, as sol_attn requires; 320 tokens = 5 of its 64-token blocks
 

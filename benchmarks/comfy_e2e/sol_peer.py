@@ -65,8 +65,12 @@ def sol_patched(model, *, tau: float = 1.3, start_percent: float = 0.2, end_perc
                 min_tokens: int = 12288, extra_tokens: int = 256, cuda_only: bool = True):
     """``(patched clone of the ModelPatcher model, SolCounts)``: the core node's sol-attn patch (module
     docstring). ``start_percent=0`` runs ``sol_attn`` at every step. Raises ``ImportError`` when
-    ``comfy_kitchen`` is not installed (the benchmark reports it as the row's reason)."""
-    import comfy_kitchen
+    ``comfy_kitchen`` is not installed or has no ``sol_attn`` (the benchmark reports it as the row's reason)."""
+    from ..kernels.peers import comfy_kitchen_with_sol_attn
+
+    comfy_kitchen, why = comfy_kitchen_with_sol_attn()
+    if comfy_kitchen is None:
+        raise ImportError(why)
 
     sampling = model.get_model_object("model_sampling")
     sigma_start = float(sampling.percent_to_sigma(start_percent))

@@ -613,11 +613,31 @@ def make_fa4(q, k, v, block_map, block_size):
 # --------------------------------------------------------------------------------------------- sol_attn
 
 
-def make_sol_attn_topk(q, k, v, block_map, block_size):
+def comfy_kitchen_with_sol_attn():
+    """``(comfy_kitchen, None)`` when it has ``sol_attn`` (ComfyUI's core sparse attention; on a CPU its eager
+    reference), else ``(None, why)``: not importable, or a release before ``sol_attn`` (ComfyUI's requirements
+    pin such releases up to at least ComfyUI 0.33.0: 0.2.20 in 0.28.2, 0.2.31 in 0.33.0). The one place the
+    benchmarks load this peer."""
     try:
         import comfy_kitchen
     except Exception as exc:  # noqa: BLE001
         return None, f"comfy_kitchen is not importable ({_err(exc)}); pip install 'chorus-ii[peers]'"
+    if not callable(getattr(comfy_kitchen, "sol_attn", None)):
+        from importlib import metadata
+
+        try:
+            release = metadata.version("comfy-kitchen")
+        except metadata.PackageNotFoundError:
+            release = "of unknown release"
+        return None, (f"comfy_kitchen {release} has no sol_attn (ComfyUI's core sparse attention, from "
+                      "comfy-kitchen 0.2.40); pip install 'chorus-ii[peers]'")
+    return comfy_kitchen, None
+
+
+def make_sol_attn_topk(q, k, v, block_map, block_size):
+    comfy_kitchen, why = comfy_kitchen_with_sol_attn()
+    if comfy_kitchen is None:
+        return None, why
     reason = _needs_cuda(q, "sol_attn")
     if reason:
         return None, reason

@@ -201,10 +201,11 @@ def attention_with_blocks(q, k, v, keep, block, scale, tail):
 def load_sol(device):
     """``(sol_attn, how)`` or ``(None, reason)``: comfy_kitchen's sol_attn, its CUDA kernels on a GPU (the eager
     reference is O(L^2) in memory), its eager reference on the CPU."""
-    try:
-        import comfy_kitchen
-    except ImportError as exc:
-        return None, f"comfy_kitchen is not importable ({exc}); pip install comfy-kitchen==0.2.40"
+    from .peers import comfy_kitchen_with_sol_attn
+
+    comfy_kitchen, why = comfy_kitchen_with_sol_attn()
+    if comfy_kitchen is None:
+        return None, why
     if device.type == "cuda":
         if not comfy_kitchen.sol_attn_is_available(device):
             return None, "comfy_kitchen's CUDA sol_attn kernels are not available on this GPU / build"
