@@ -335,9 +335,10 @@ def test_a_profile_whose_raw_events_cannot_be_read_keeps_its_kernel_table(monkey
 
 def test_the_benchmark_compiles_through_the_host_s_own_node_in_either_signature(monkeypatch, capsys):
     """``torch_compile_model`` drives the host's ``TorchCompileModel``: 0.3.64's ``execute(model, backend)``
-    (a clone carrying ComfyUI's compile wrapper), and later ComfyUI's ``execute(model, backend, mode)`` with
-    the mode left empty, as a graph that leaves the node's default does; ``guard_filter`` on 0.3.64: the host's
-    compile wrapper with later ComfyUI's guard filter."""
+    (a clone carrying ComfyUI's compile wrapper, no compile options; 0.28.2 and 0.33.0's the same signature,
+    always with their guard filter), and 0.38.x's ``execute(model, backend, mode)`` with the mode left empty,
+    as a graph that leaves the node's default does; ``guard_filter`` on a host that compiles without options:
+    the host's compile wrapper with later ComfyUI's guard filter."""
     import comfy_extras.nodes_torch_compile as host_node
 
     from chorus.benchmarks.comfy_e2e import run
@@ -345,7 +346,7 @@ def test_the_benchmark_compiles_through_the_host_s_own_node_in_either_signature(
     model = tiny.load_tiny_wan(tiny.tiny_wan_state_dict(seed=0))
     compiled = run.torch_compile_model(model)
     assert compiled is not model and compiled.model_options["torch_compile_kwargs"]["backend"] == "inductor"
-    if not run.host_compiles_with_guard_filter():  # 0.3.64: no filter unless --guard-filter asks for it
+    if not run.host_compiles_with_guard_filter(compiled):  # 0.3.64: no filter unless --guard-filter asks for it
         assert compiled.model_options["torch_compile_kwargs"]["options"] is None
         compile_calls, torch_compile = [], torch.compile
 
@@ -357,7 +358,8 @@ def test_the_benchmark_compiles_through_the_host_s_own_node_in_either_signature(
         filtered = run.torch_compile_model(model, guard_filter=True)
         assert filtered is not model and filtered.model_options["torch_compile_kwargs"]["backend"] == "inductor"
         assert "torch_compile_kwargs" not in model.model_options
-        [kwargs] = compile_calls
+        kwargs = compile_calls[-1]  # after the host node's own compile (no options): the host's wrapper, filtered
+        assert len(compile_calls) == 2 and compile_calls[0]["options"] == {}
         names = ["L['kwargs']['transformer_options']['patches']", "L['x'].size()[2]"]
         entries = [type("Guard", (), {"name": n})() for n in names]
         assert kwargs["backend"] == "inductor" and kwargs["options"]["guard_filter_fn"](entries) == [False, True]
@@ -371,8 +373,51 @@ def test_the_benchmark_compiles_through_the_host_s_own_node_in_either_signature(
         @classmethod
         def execute(cls, model, backend, mode):
             calls.append((model, backend, mode))
-            return type("Output", (), {"result": (model,)})()
+            compiled = model.clone()
+            compiled.model_options["torch_compile_kwargs"] = {"backend": backend, "options": {}}  # its filter, popped
+            return type("Output", (), {"result": (compiled,)})()
 
     monkeypatch.setattr(host_node, "TorchCompileModel", LaterTorchCompileModel)
-    assert run.torch_compile_model(model) is model and calls == [(model, "inductor", "")]
-    assert run.torch_compile_model(model, guard_filter=True) is model and calls[-1] == (model, "inductor", "")
+    compiled = run.torch_compile_model(model)
+    assert calls == [(model, "inductor", "")] and run.host_compiles_with_guard_filter(compiled)
+    assert run.torch_compile_model(model, guard_filter=True) is not model and calls[-1] == (model, "inductor", "")
+    assert len(calls) == 2  # the host's own filter: not compiled a second time
+
+
+def test_the_dense_cudnn_row_moves_cudnn_attention_first_and_restores_the_host_s_order(monkeypatch):
+    """``dense_cudnn``: ComfyUI 0.33.0 and 0.38.x put SDPA's flash attention before cuDNN attention (0.3.64 and
+    0.28.2 cuDNN first); the row runs the host's dense attention with cuDNN moved first, the rest in the host's
+    order, and puts the host's list back after (also when the row fails). Where the host sets no order (its CPU
+    build) the row says so."""
+    import comfy.ops
+    from torch.nn.attention import SDPBackend
+
+    from chorus.benchmarks.comfy_e2e import run
+
+    host_order = [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                  SDPBackend.MATH]
+    listed = list(host_order)
+    monkeypatch.setattr(comfy.ops, "SDPA_BACKEND_PRIORITY", listed, raising=False)
+    assert run.sdpa_order() == ["FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION", "MATH"]
+    with pytest.raises(ValueError), run.sdpa_cudnn_first():
+        assert comfy.ops.SDPA_BACKEND_PRIORITY is listed  # reordered in place: the host's wrapper reads this list
+        assert run.sdpa_order() == ["CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH"]
+        raise ValueError("the row failed")
+    assert listed == host_order
+    monkeypatch.delattr(comfy.ops, "SDPA_BACKEND_PRIORITY")
+    assert run.sdpa_order() is None
+    with pytest.raises(RuntimeError, match="no SDPA backend order"), run.sdpa_cudnn_first():
+        pass
+
+
+def test_the_benchmark_records_the_host_and_skips_dense_cudnn_where_it_sets_no_sdpa_order(tmp_path, monkeypatch):
+    from chorus.benchmarks.comfy_e2e import run
+    from chorus.nodes.host_report import comfyui_version
+
+    monkeypatch.setenv("COMFYUI_DIR", str(tiny.find_comfyui_dir()))
+    monkeypatch.setenv("CHORUS_CACHE_DIR", str(tmp_path / "cache"))
+    assert run.main(["--tiny", "--out", str(tmp_path), "--variants", "dense", "dense_cudnn"]) == 0
+    results = json.loads((tmp_path / "comfy_e2e.json").read_text())
+    assert results["comfyui"] == comfyui_version() != "unknown" and results["sdpa_order"] is None  # CPU: no order
+    rows = {r["variant"]: r for r in results["runs"]}
+    assert rows["dense"]["finite"] and "no SDPA backend order" in rows["dense_cudnn"]["skipped"]

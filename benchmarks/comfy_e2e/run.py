@@ -27,7 +27,10 @@ What runs (everything side by side in one process, one GPU):
   in the first frame with the ``noise_mask`` that keeps it (as ``Wan22ImageToVideoLatent`` makes them).
 * ``--hit-backends auto fa4_bf16 triton_bf16``: hit15 / hit5 once per sparse-attention backend of
   ``ChorusSparseSampler`` (rows ``hit15@fa4_bf16`` ...; ``auto`` is the plain row).
-* Variants: ``dense`` (the unpatched models: ComfyUI's default attention, SDPA with cuDNN first);
+* Variants: ``dense`` (the unpatched models: ComfyUI's default attention, SDPA in the host's backend order:
+  cuDNN attention first in 0.3.64 and 0.28.2, flash first and cuDNN second in 0.33.0 and 0.38.x; the JSON's
+  ``comfyui`` and ``sdpa_order`` say which); ``dense_cudnn`` (the same with cuDNN attention moved first, the
+  older order, on any host: :func:`sdpa_cudnn_first`);
   ``dense_rowmajor`` (the same, each block on a row-major copy of its input, as Chorus's block patch runs every
   block of a patched model: ComfyUI hands them the patch embedding's transposed view, which Wan 2.2 TI2V 5B's
   per-token modulation makes costly; :func:`row_major_models`);
@@ -78,6 +81,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import contextlib
 import dataclasses
 import json
 import logging
@@ -157,33 +161,33 @@ SOL_VARIANTS = {"sol": 0.2, "sol_every": 0.0}
 
 
 def drop_transformer_options_guards(guard_entries) -> list[bool]:
-    """Later ComfyUI's ``TorchCompileModel`` guard filter (its ``mode`` left empty): keep a dynamo guard unless
-    its name mentions ``transformer_options``."""
+    """ComfyUI's ``TorchCompileModel`` guard filter after 0.3.64 (0.38.x: its ``mode`` left empty): keep a dynamo
+    guard unless its name mentions ``transformer_options``."""
     return ["transformer_options" not in entry.name for entry in guard_entries]
 
 
-def host_compiles_with_guard_filter() -> bool:
-    """Whether the host's ``TorchCompileModel`` has later ComfyUI's ``mode`` input (left empty, its default, it
-    compiles with :func:`drop_transformer_options_guards`'s filter)."""
-    import inspect
-
-    from comfy_extras.nodes_torch_compile import TorchCompileModel
-
-    return "mode" in inspect.signature(TorchCompileModel.execute).parameters
+def host_compiles_with_guard_filter(compiled) -> bool:
+    """Whether the host's ``TorchCompileModel`` compiled ``compiled`` (its output) with compile options, which
+    every ComfyUI that has them uses for its guard filter (no dynamo guard on ``transformer_options``): 0.3.64
+    passes none; 0.28.2 and 0.33.0 always pass the filter (run); 0.38.x with its ``mode`` left empty (read)."""
+    return compiled.model_options.get("torch_compile_kwargs", {}).get("options") is not None
 
 
 def torch_compile_model(model, guard_filter: bool = False):
     """``model`` through the host's own ``TorchCompileModel`` node (inductor) as a user's graph runs it: in
-    0.3.64 ``execute(model, backend)``; in later ComfyUI also ``mode`` (left empty, the node's default, which
-    compiles with its guard filter: no dynamo guard on ``transformer_options``). ``guard_filter`` on a host
-    whose node has no ``mode`` (0.3.64): compile as later ComfyUI's node does, through the host's own
-    ``set_torch_compile_wrapper`` with :func:`drop_transformer_options_guards`."""
+    0.3.64 ``execute(model, backend)``; in 0.38.x also ``mode`` (left empty, the node's default). ``guard_filter``
+    on a host whose node compiles without options (0.3.64): compile as later ComfyUI's node does, through the
+    host's own ``set_torch_compile_wrapper`` with :func:`drop_transformer_options_guards`."""
+    import inspect
+
     from comfy_extras.nodes_torch_compile import TorchCompileModel
 
-    if host_compiles_with_guard_filter():
-        return TorchCompileModel.execute(model, "inductor", "").result[0]
-    if not guard_filter:
-        return TorchCompileModel.execute(model, "inductor").result[0]
+    if "mode" in inspect.signature(TorchCompileModel.execute).parameters:
+        compiled = TorchCompileModel.execute(model, "inductor", "").result[0]
+    else:
+        compiled = TorchCompileModel.execute(model, "inductor").result[0]
+    if not guard_filter or host_compiles_with_guard_filter(compiled):
+        return compiled
     from comfy_api.torch_helpers import set_torch_compile_wrapper
 
     compiled = model.clone()
@@ -500,6 +504,34 @@ def loading_state(models) -> list[dict]:
              "partial": bool(getattr(m.model, "model_lowvram", False))} for m in models]
 
 
+def sdpa_order() -> list[str] | None:
+    """The host's SDPA backend order (``comfy.ops.SDPA_BACKEND_PRIORITY``), or None where it sets none."""
+    import comfy.ops
+
+    order = getattr(comfy.ops, "SDPA_BACKEND_PRIORITY", None)
+    return None if order is None else [backend.name for backend in order]
+
+
+@contextlib.contextmanager
+def sdpa_cudnn_first():
+    """The ``dense_cudnn`` row: the host's SDPA backend order with cuDNN attention first and the others in the
+    host's order (0.3.64 and 0.28.2 put it first, 0.33.0 and 0.38.x second after flash), restored after. A
+    benchmark's reference row: it reorders ComfyUI's module-level order list in place, which its SDPA wrapper
+    reads at every call. Raises ``RuntimeError`` where the host sets no order or has no cuDNN entry in it."""
+    import comfy.ops
+    from torch.nn.attention import SDPBackend
+
+    order = getattr(comfy.ops, "SDPA_BACKEND_PRIORITY", None)
+    if order is None or SDPBackend.CUDNN_ATTENTION not in order:
+        raise RuntimeError("this ComfyUI sets no SDPA backend order with cuDNN attention in it")
+    before = list(order)
+    order.sort(key=lambda backend: backend != SDPBackend.CUDNN_ATTENTION)  # stable: the rest keep their order
+    try:
+        yield
+    finally:
+        order[:] = before
+
+
 def row_major_block(args, extra):
     """A Wan block patch that runs the block on a row-major copy of its input, as Chorus's block patch does
     (``nodes/comfy_forward.ChorusBlock``): ComfyUI hands the blocks the patch embedding's transposed view, and
@@ -605,6 +637,7 @@ def run(args) -> dict:
     from chorus.engine.compat import entry_token_order
     from chorus.nodes.cache_write import ChorusCacheWrite
     from chorus.nodes.feature_reuse import ChorusFeatureReuse
+    from chorus.nodes.host_report import comfyui_version
     from chorus.nodes.mask_retrieve import ChorusMaskRetrieve
     from chorus.nodes.sparse_sampler import ChorusSparseSampler
 
@@ -615,9 +648,7 @@ def run(args) -> dict:
     results = {"command": " ".join(sys.argv), "device": torch.cuda.get_device_name() if not cpu else "cpu",
                "torch": torch.__version__, "workflow": workflow.label + (
                    "; a start and an end image (WanFirstLastFrameToVideo)" if args.end_image else ""),
-               "shape": shape, "runs": []}
-    if args.compile:
-        results["compile_guard_filter"] = args.guard_filter or host_compiles_with_guard_filter()
+               "shape": shape, "comfyui": comfyui_version(), "sdpa_order": sdpa_order(), "runs": []}
     if not cpu:
         import triton
 
@@ -650,6 +681,7 @@ def run(args) -> dict:
                 for m in experts:
                     if compile_models:
                         m = torch_compile_model(m, guard_filter=args.guard_filter)
+                        results["compile_guard_filter"] = host_compiles_with_guard_filter(m)
                     if plan is not None:
                         options = {"backend": backend}
                         if not tail:
@@ -743,9 +775,8 @@ def run(args) -> dict:
                 try:
                     patched_pair = [sol_patched(m, **options) for m in experts]
                 except ImportError as exc:
-                    results["runs"].append({"weights": weights, "res": res, "variant": name,
-                                            "skipped": f"comfy_kitchen is not importable ({exc})"})
-                    print(f"skipping {weights}/{res}/{name}: comfy_kitchen is not importable", flush=True)
+                    results["runs"].append({"weights": weights, "res": res, "variant": name, "skipped": str(exc)})
+                    print(f"skipping {weights}/{res}/{name}: {exc}", flush=True)
                     return
                 if timed(name, tuple(m for m, _ in patched_pair)) is not None:
                     results["runs"][-1].update(
@@ -799,6 +830,16 @@ def run(args) -> dict:
                     timed_compiled("dense")
             if "dense_rowmajor" in args.variants and not args.compiled_only:
                 timed("dense_rowmajor", row_major_models(experts))
+            if "dense_cudnn" in args.variants and not args.compiled_only:
+                try:
+                    with sdpa_cudnn_first():
+                        timed("dense_cudnn", experts)
+                        if results["runs"] and results["runs"][-1]["variant"] == "dense_cudnn":
+                            results["runs"][-1]["sdpa_order"] = sdpa_order()
+                except RuntimeError as exc:
+                    results["runs"].append({"weights": weights, "res": res, "variant": "dense_cudnn",
+                                            "skipped": str(exc)})
+                    print(f"skipping {weights}/{res}/dense_cudnn: {exc}", flush=True)
             for name, start in SOL_VARIANTS.items():
                 if name in args.variants:
                     sol_row(name, start)
@@ -1028,7 +1069,10 @@ def table(results: dict) -> str:
              "| SM MHz (median) |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        base = next((x for x in rows if x["weights"] == r["weights"] and x["res"] == r["res"]
+        if "skipped" in r:
+            lines.append(f"| {r['weights']} | {r['res']} | {r['variant']} | skipped: {r['skipped']} | | | | | | |")
+            continue
+        base = next((x for x in rows if x["weights"] == r["weights"] and x["res"] == r["res"] and "skipped" not in x
                      and x["variant"] == ("dense+compile" if "compile" in r["variant"] else "dense")), None)
         ratio = f"{base['seconds'] / r['seconds']:.2f}x" if base else "-"
         attn = f"{r['attn_ms_per_layer']:.2f}" if r.get("attn_ms_per_layer") is not None else "-"
@@ -1064,7 +1108,7 @@ def main(argv=None) -> int:
                    help="resolutions (default: the model's own but 'tiny'; a14b: 480p 720p, ti2v5b: 720p = 1280 x 704)")
     p.add_argument("--weights", nargs="+", default=["bf16"], choices=["bf16", "fp8"])
     p.add_argument("--variants", nargs="+", default=["dense", "miss", "hit15", "hit5", "hitfr"],
-                   choices=["dense", "dense_rowmajor", "miss", *HIT_VARIANTS, *SOL_VARIANTS])
+                   choices=["dense", "dense_rowmajor", "dense_cudnn", "miss", *HIT_VARIANTS, *SOL_VARIANTS])
     p.add_argument("--hit-backends", nargs="+", default=["auto"],
                    help="sparse-attention backends the hit15 / hit5 variants run with (rows 'hit15@NAME'; "
                         "'auto' = the node's default row 'hit15')")
