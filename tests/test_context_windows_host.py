@@ -9,10 +9,11 @@ or without: a request without windows hits that entry, and its first forward tel
 in feature reuse's region order, cannot be resampled to it, so the hit is demoted to a miss that records and
 is written; from then on each kind of request moves to the entry of its grid (a raster entry would be served
 resampled: ``tests/test_engine_runtime.py``). Later
-ComfyUI's causal window fix (a test double here) runs windows of two lengths in one run: recorded and served
-at the first window's grid (the others' maps carried over), in raster order.
+ComfyUI's causal window fix (the host's own on 0.28.2 and 0.33.0, where the Wan node turns it on; a test double
+on 0.3.64) runs windows of two lengths in one run: recorded and served at the first window's grid (the others'
+maps carried over), in raster order; the plain-windows test turns the host's fix off.
 0.3.64's windows leave Wan I2V's ``c_concat`` whole (an I2V model cannot sample in windows there); later
-ComfyUI cuts it to the window, as ``tests/host/comfy038.py``'s double does here.
+ComfyUI cuts it to the window, as ``tests/host/comfy038.py``'s double does on 0.3.64.
 """
 
 from __future__ import annotations
@@ -46,11 +47,31 @@ def model():
     return tiny.load_tiny_wan(tiny.tiny_wan_state_dict(seed=0))
 
 
-def _windows(model):
+def _host_anchors_windows() -> bool:
+    """Whether this ComfyUI has the causal window fix itself (on by default; 0.28.2 and 0.33.0 do, 0.3.64 not)."""
+    import inspect
+
+    from comfy.context_windows import IndexListContextHandler
+
+    return "causal_window_fix" in inspect.signature(IndexListContextHandler.__init__).parameters
+
+
+def _windows(model, anchored: bool = False):
+    """``model`` through the core "WAN Context Windows (Manual)" node, its later inputs at their defaults;
+    ``anchored``: with the causal window fix (the host's own where it has one, else the test double), else
+    without (turned off in the host's handler where it is on by default)."""
+    import inspect
+
     from comfy_extras.nodes_context_windows import WanContextWindowsManualNode
 
-    return WanContextWindowsManualNode.execute(model, WINDOW_FRAMES, OVERLAP_FRAMES, "standard_static", 1, False,
-                                               "pyramid").args[0]
+    inputs = dict(context_length=WINDOW_FRAMES, context_overlap=OVERLAP_FRAMES, context_schedule="standard_static",
+                  context_stride=1, closed_loop=False, fuse_method="pyramid")
+    if "freenoise" in inspect.signature(WanContextWindowsManualNode.execute).parameters:
+        inputs["freenoise"] = True  # the node's default in the editor (no default in its execute)
+    windowed = WanContextWindowsManualNode.execute(model, **inputs).args[0]
+    if _host_anchors_windows():
+        windowed.model_options["context_handler"].causal_window_fix = anchored
+    return windowed
 
 
 def _window_count(windowed) -> int:
@@ -58,7 +79,8 @@ def _window_count(windowed) -> int:
     return len(handler.context_schedule.func(LATENT["samples"].shape[2], handler, {}))
 
 
-def _request(nodes, model, *, windows: bool, feature_reuse: bool = True, workspace: str = "windows"):
+def _request(nodes, model, *, windows: bool, feature_reuse: bool = True, workspace: str = "windows",
+             anchored: bool = False):
     """``(plan, samples)`` of one request: retrieve, sparse sampler (+ feature reuse), (windows,) sample."""
     import comfy.sample
 
@@ -70,7 +92,7 @@ def _request(nodes, model, *, windows: bool, feature_reuse: bool = True, workspa
     if feature_reuse:
         patched = nodes.ChorusFeatureReuse.execute(patched, plan).args[0]
     if windows:
-        patched = _windows(patched)
+        patched = _windows(patched, anchored)
     latent = LATENT["samples"]
     samples = comfy.sample.sample(patched, comfy.sample.prepare_noise(latent, 0), STEPS, 1.0, "euler", "simple",
                                   positive, tiny.random_conditioning(1), latent, disable_pbar=True, seed=0)
@@ -117,23 +139,24 @@ def test_windows_with_an_anchor_frame_are_recorded_and_served_whole(nodes, model
     every call at the first window's grid (the others' mass carried there) and the hit runs every call sparse
     (its maps resampled to the longer windows). With feature reuse the entry is in its region order, which
     cannot be carried to another grid: the longer windows are not recorded (noted) and run dense on a hit."""
-    comfy038.install_context_window_anchor(monkeypatch)
-    window_count = _window_count(_windows(model))
+    if not _host_anchors_windows():
+        comfy038.install_context_window_anchor(monkeypatch)
+    window_count = _window_count(_windows(model, anchored=True))
     calls = STEPS * window_count * tiny.TINY_LAYERS
 
-    miss, samples = _request(nodes, model, windows=True, feature_reuse=False, workspace="anchored")
+    miss, samples = _request(nodes, model, windows=True, feature_reuse=False, workspace="anchored", anchored=True)
     assert not miss.is_hit and torch.isfinite(samples).all()
     assert miss.recorder.grid == (5, 16, 16) and miss.stats.recorded_calls == calls, miss.stats.messages
     assert "wrote entry 1" in nodes.ChorusCacheWrite.execute(latent={"samples": samples}, plan=miss).args[0]
-    hit, samples = _request(nodes, model, windows=True, feature_reuse=False, workspace="anchored")
+    hit, samples = _request(nodes, model, windows=True, feature_reuse=False, workspace="anchored", anchored=True)
     assert hit.is_hit and torch.isfinite(samples).all()
     assert hit.stats.sparse_calls == calls and hit.stats.fallback_calls == 0, hit.stats.messages
 
-    miss, samples = _request(nodes, model, windows=True, workspace="anchored_regions")
+    miss, samples = _request(nodes, model, windows=True, workspace="anchored_regions", anchored=True)
     first = STEPS * tiny.TINY_LAYERS  # the first window's calls
     assert miss.stats.recorded_calls == first and torch.isfinite(samples).all()
     assert any("calls of token grid (6, 16, 16) are not recorded" in m for m in miss.stats.messages)
     assert "wrote entry 1" in nodes.ChorusCacheWrite.execute(latent={"samples": samples}, plan=miss).args[0]
-    hit, samples = _request(nodes, model, windows=True, workspace="anchored_regions")
+    hit, samples = _request(nodes, model, windows=True, workspace="anchored_regions", anchored=True)
     assert hit.is_hit and torch.isfinite(samples).all()
     assert hit.stats.sparse_calls == first and hit.stats.fallback_calls == calls - first, hit.stats.messages

@@ -4,10 +4,13 @@ A headless ComfyUI (CPU, this pack in its custom nodes; see ``tests/frontend/com
 its frontend (the comfyui-frontend-package of ComfyUI's requirements.txt); headless Chromium (Debian's
 ``chromium``, driven by the ``playwright`` package; no browser is downloaded) opens it, and for each
 workflow the test calls ``app.loadGraphData(workflow)`` and checks:
-- no "Some Nodes Are Missing" dialog, and every node type is registered with LiteGraph;
+- no "Some Nodes Are Missing" dialog, every node type is registered with LiteGraph, no node marked in error
+  (the files the workflows name are in the server's folders, as on a user's machine: ``installed_files``);
 - the loaded graph has the workflow's nodes and exactly its links (origin/target node and slot, type);
-- every widget shows the value the workflow stores (catches a widget order the editor reads otherwise);
-- the API graph the editor makes from it (``app.graphToPrompt()``) equals the committed API twin;
+- every widget shows the value the workflow stores (catches a widget order the editor reads otherwise); widgets
+  a ComfyUI later than the workflows' 0.3.64 adds after the stored ones are optional and at their defaults;
+- the API graph the editor makes from it (``app.graphToPrompt()``) equals the committed API twin (but for
+  those added widgets, the host's display titles and 0.33.0's nested name of SaveVideo's codec);
 - no page error and no console error while loading (network-resource errors excepted: the editor
   probes resources that a machine without network does not have);
 and saves a screenshot ``<workflow>.png`` (under ``$CHORUS_SCREENSHOT_DIR`` when set, else a pytest
@@ -32,7 +35,10 @@ pytestmark = pytest.mark.host
 
 WORKFLOWS_DIR = Path(__file__).resolve().parents[1] / "workflows"
 UI_FILES = sorted(WORKFLOWS_DIR.glob("*.json"))
-NETWORK_NOISE = ("Failed to load resource", "net::ERR_", "ERR_NAME_NOT_RESOLVED", "ERR_INTERNET_DISCONNECTED")
+NETWORK_NOISE = ("Failed to load resource", "net::ERR_", "ERR_NAME_NOT_RESOLVED", "ERR_INTERNET_DISCONNECTED",
+                 # 0.28.2's editor probes a remote template's model downloads, which its own CSP refuses
+                 "violates the document's Content Security Policy",
+                 "violates the following Content Security Policy directive")
 
 GRAPH_STATE_JS = """() => {
   const g = window.app.graph;
@@ -73,8 +79,42 @@ def server():
     return srv
 
 
+MODEL_FOLDERS = {"UNETLoader": "diffusion_models", "CLIPLoader": "text_encoders", "VAELoader": "vae",
+                 "CLIPVisionLoader": "clip_vision", "LoraLoaderModelOnly": "loras"}
+
+
 @pytest.fixture(scope="module")
-def browser_page(server):
+def installed_files(server):
+    """The files the workflows name, present as on a user's machine that has them: the editor of ComfyUI after
+    0.3.64 marks a loader whose file is not in its folder and a LoadImage whose image is not in ``input/``.
+    Empty model files (the editor lists names, it never opens them) and a small image; removed after the
+    module, so that the host tests' server has no model file again."""
+    from PIL import Image
+
+    made = []
+    for ui_path in UI_FILES:
+        for node in json.loads(ui_path.read_text(encoding="utf-8"))["nodes"]:
+            if node["type"] in MODEL_FOLDERS:
+                path = server.workdir / "models" / MODEL_FOLDERS[node["type"]] / node["widgets_values"][0]
+            elif node["type"] == "LoadImage":
+                path = server.workdir / "input" / node["widgets_values"][0]
+            else:
+                continue
+            if path.exists():
+                continue
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if node["type"] == "LoadImage":
+                Image.new("RGB", (64, 64), (120, 90, 60)).save(path)
+            else:
+                path.write_bytes(b"")
+            made.append(path)
+    yield
+    for path in made:
+        path.unlink(missing_ok=True)
+
+
+@pytest.fixture(scope="module")
+def browser_page(server, installed_files):
     sync_api = pytest.importorskip("playwright.sync_api", reason="the playwright package is not installed")
     chromium = _host().find_chromium()
     if chromium is None:
@@ -111,6 +151,18 @@ def screenshot_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("screenshots")
 
 
+def _default(spec) -> object:
+    """The value the editor gives a widget the workflow stores none for: its default, else the first choice
+    (a combo's first item, a dynamic combo's first option)."""
+    options = spec[1] if len(spec) > 1 and isinstance(spec[1], dict) else {}
+    if "default" in options:
+        return options["default"]
+    if isinstance(spec[0], list):
+        return spec[0][0]
+    choices = options.get("options") or [None]
+    return choices[0]["key"] if isinstance(choices[0], dict) else choices[0]
+
+
 @pytest.mark.parametrize("ui_path", UI_FILES, ids=lambda p: p.stem)
 def test_graph_editor_loads_workflow(ui_path, browser_page, screenshot_dir):
     page, events = browser_page
@@ -129,15 +181,35 @@ def test_graph_editor_loads_workflow(ui_path, browser_page, screenshot_dir):
     assert not missing_dialogs, missing_dialogs
     assert all(n["registered"] for n in state["nodes"]), [n["type"] for n in state["nodes"] if not n["registered"]]
     assert not [n for n in state["nodes"] if n["has_errors"]]
-    assert sorted((n["id"], n["type"]) for n in state["nodes"]) == sorted((n["id"], n["type"]) for n in workflow["nodes"])
-    assert sorted(map(tuple, state["links"])) == sorted(tuple(link[1:]) for link in workflow["links"])
-    loaded = {n["id"]: n for n in state["nodes"]}
+    # node ids as strings: the editor of ComfyUI 0.33.0 keeps them so, 0.3.64's as the workflow's numbers
+    assert sorted((str(n["id"]), n["type"]) for n in state["nodes"]) == \
+        sorted((str(n["id"]), n["type"]) for n in workflow["nodes"])
+    assert sorted((str(a), i, str(b), j, t) for a, i, b, j, t in state["links"]) == \
+        sorted((str(a), i, str(b), j, t) for _, a, i, b, j, t in workflow["links"])
+    loaded = {str(n["id"]): n for n in state["nodes"]}
+    object_info = _host().shared_object_info()
+    added = {}  # widgets a ComfyUI later than the workflows' 0.3.64 shows after the stored ones, at their defaults
     for node in workflow["nodes"]:
-        shown = [value for _, value in loaded[node["id"]]["widgets"]]
-        assert shown == node.get("widgets_values", []), (node["type"], loaded[node["id"]]["widgets"])
-    # What the editor would queue for this graph is exactly the committed API twin.
+        stored = node.get("widgets_values", [])
+        widgets = loaded[str(node["id"])]["widgets"]
+        assert [value for _, value in widgets[:len(stored)]] == stored, (node["type"], widgets)
+        optional = object_info.get(node["type"], {}).get("input", {}).get("optional", {})
+        for name, value in widgets[len(stored):]:
+            assert name in optional and value == _default(optional[name]), (node["type"], name, value, widgets)
+            added.setdefault(str(node["id"]), set()).add(name)
+    # What the editor would queue for this graph is exactly the committed API twin (but for those added widgets;
+    # 0.33.0's SaveVideo names the stored codec "format.codec", a widget nested in its format, the twin "codec").
     queued = page.evaluate("async () => (await window.app.graphToPrompt()).output")
     api = json.loads((WORKFLOWS_DIR / "api" / f"{ui_path.stem}_api.json").read_text(encoding="utf-8"))
+    for node_id, names in added.items():
+        inputs = {k: v for k, v in queued[node_id]["inputs"].items() if k not in names}
+        queued[node_id]["inputs"] = {(k.rsplit(".", 1)[-1] if k not in api[node_id]["inputs"] else k): v
+                                     for k, v in inputs.items()}
+    # a node the workflow gives no title of its own is titled with the host's display name (0.33.0's
+    # LoraLoaderModelOnly: "Load LoRA"); metadata the prompt does not run
+    for node in workflow["nodes"]:
+        if "title" not in node and str(node["id"]) in queued and str(node["id"]) in api:
+            queued[str(node["id"])]["_meta"] = api[str(node["id"])].get("_meta")
     assert queued == api, {k: (queued.get(k), api.get(k)) for k in set(queued) | set(api) if queued.get(k) != api.get(k)}
     problems = [(kind, text) for kind, text in events[first_event:]
                 if kind in ("error", "pageerror") and not any(s in text for s in NETWORK_NOISE)]

@@ -62,27 +62,51 @@ def _load(path: Path) -> dict:
         return json.load(f)
 
 
+DYNAMIC_COMBO = "COMFY_DYNAMICCOMBO_V3"  # a combo whose chosen option brings widgets of its own (ComfyUI 0.33.0)
+
+
 def _is_widget(spec) -> bool:
     typ = spec[0]
     opts = spec[1] if len(spec) > 1 and isinstance(spec[1], dict) else {}
-    return (isinstance(typ, list) or typ in WIDGET_TYPES) and not opts.get("forceInput")
+    return (isinstance(typ, list) or typ in WIDGET_TYPES or typ == DYNAMIC_COMBO) and not opts.get("forceInput")
 
 
-def _widget_layout(info: dict) -> list[str]:
-    """Widget names in the order the graph editor creates them; "" for UI-only widgets."""
+def _widget_layout(inputs: dict, order: dict | None, values: list, prefix: str = "") -> list[str]:
+    """Widget names in the order the graph editor creates them; "" for UI-only widgets. A dynamic combo is
+    followed by the widgets of the option it holds (its value among ``values``, stored in this order), named
+    ``combo.widget`` as the editor names them."""
     names = []
     for category in ("required", "optional"):
-        for name in info.get("input_order", {}).get(category, []):
-            spec = info["input"][category][name]
+        section = inputs.get(category, {})
+        for name in (order or {}).get(category, list(section)):
+            spec = section[name]
             if not _is_widget(spec):
                 continue
-            names.append(name)
+            names.append(prefix + name)
             opts = spec[1] if len(spec) > 1 and isinstance(spec[1], dict) else {}
+            if spec[0] == DYNAMIC_COMBO:
+                chosen = values[len(names) - 1] if len(names) <= len(values) else opts["options"][0]["key"]
+                option = next(o for o in opts["options"] if o["key"] == chosen)
+                names += _widget_layout(option["inputs"], None, values[len(names):], f"{prefix}{name}.")
             if opts.get("control_after_generate"):
                 names.append("")
             if opts.get("image_upload") or opts.get("video_upload") or opts.get("audio_upload"):
                 names.append("")
     return names
+
+
+def _stored_and_added_widgets(info: dict, values: list) -> tuple[list[str], list[str]]:
+    """``(layout of the stored widget values, widgets after them)``: the workflows are saved on ComfyUI 0.3.64;
+    a later ComfyUI may add widgets after those (0.28.2's ``CreateVideo``: ``bit_depth``), which the editor fills
+    with their defaults and an API prompt may leave out when they are optional."""
+    layout = _widget_layout(info["input"], info.get("input_order"), values)
+    return layout[:len(values)], layout[len(values):]
+
+
+def _twin_name(name: str, api_inputs: dict) -> str:
+    """The API twin's input for the editor's widget ``name``: a widget nested in a dynamic combo
+    (``format.codec``) is the twin's flat input of 0.3.64 (``codec``)."""
+    return name if name in api_inputs or "." not in name else name.rsplit(".", 1)[-1]
 
 
 def _input_type(info: dict, name: str) -> str:
@@ -119,16 +143,20 @@ def test_node_types_links_and_widgets_match_comfyui(ui_path, object_info):
         # Socket names and output names/types as ComfyUI declares them.
         for inp in node["inputs"]:
             assert _input_type(info, inp["name"]) == inp["type"], f"{node['type']}.{inp['name']}"
-        assert [o["type"] for o in node["outputs"]] == list(info["output"]), node["type"]
-        layout = _widget_layout(info)
+        # ... a later ComfyUI may add outputs after them (0.33.0's SaveVideo passes its video on), unlinked here
+        assert [o["type"] for o in node["outputs"]] == list(info["output"])[:len(node["outputs"])], node["type"]
         values = node.get("widgets_values", [])
-        assert len(values) == len(layout), f"{node['type']}: {len(values)} widget values, layout {layout}"
+        layout, added = _stored_and_added_widgets(info, values)
+        assert len(values) == len(layout), f"{node['type']}: {len(values)} widget values, layout {layout + added}"
+        assert not [n for n in added if n not in info["input"].get("optional", {})], (
+            f"{node['type']}: this ComfyUI added required widgets {added} after the stored ones")
         api_inputs = api[str(node["id"])]["inputs"]
         for name, value in zip(layout, values):
             if name:
-                assert api_inputs[name] == value, f"{node['type']}.{name}: API {api_inputs[name]!r} UI {value!r}"
+                twin = api_inputs[_twin_name(name, api_inputs)]
+                assert twin == value, f"{node['type']}.{name}: API {twin!r} UI {value!r}"
         literal_names = {k for k, v in api_inputs.items() if not isinstance(v, list)}
-        assert literal_names == {n for n in layout if n}, node["type"]
+        assert literal_names == {_twin_name(n, api_inputs) for n in layout if n}, node["type"]
 
 
 @pytest.mark.parametrize("ui_path", UI_FILES, ids=lambda p: p.stem)

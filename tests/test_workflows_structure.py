@@ -193,12 +193,28 @@ def test_a14b_is_the_4step_lora_2_plus_2_graph(name):
     assert "high_noise" in expert_of(samplers[0]) and "low_noise" in expert_of(samplers[1])
 
 
-def _template_dir() -> Path | None:
+def _template_file(name: str) -> Path | None:
+    """ComfyUI's template ``name`` (a ``.json``) from the installed comfyui-workflow-templates, or None: in its
+    own ``templates/`` folder (releases up to 0.1.x), or through its ``get_asset_path`` (later releases split the
+    templates over several packages)."""
     spec = importlib.util.find_spec("comfyui_workflow_templates")
     if spec is None or spec.origin is None:
         return None
-    path = Path(spec.origin).parent / "templates"
-    return path if path.is_dir() else None
+    path = Path(spec.origin).parent / "templates" / name
+    if path.is_file():
+        return path
+    import comfyui_workflow_templates
+
+    try:
+        return Path(comfyui_workflow_templates.get_asset_path(Path(name).stem, name))
+    except Exception:  # noqa: BLE001 - no such template, or a release without get_asset_path
+        return None
+
+
+def _nodes_with_subgraphs(workflow: dict) -> list:
+    """A UI workflow's nodes and those of its subgraph definitions (later templates fold nodes into subgraphs)."""
+    subgraphs = workflow.get("definitions", {}).get("subgraphs", [])
+    return list(workflow["nodes"]) + [n for sg in subgraphs for n in sg.get("nodes", [])]
 
 
 TEMPLATE_OF = {
@@ -213,12 +229,12 @@ FILE_WIDGETS = {"UNETLoader": 0, "CLIPLoader": 0, "VAELoader": 0, "CLIPVisionLoa
 
 @pytest.mark.parametrize("ui_path", UI_FILES, ids=lambda p: p.stem)
 def test_model_files_are_those_of_comfyuis_wan_templates(ui_path):
-    template_dir = _template_dir()
-    if template_dir is None:
-        pytest.skip("comfyui-workflow-templates is not installed (it comes with ComfyUI's requirements.txt)")
-    template = _load(template_dir / TEMPLATE_OF[ui_path.stem])
+    template_file = _template_file(TEMPLATE_OF[ui_path.stem])
+    if template_file is None:
+        pytest.skip(f"comfyui-workflow-templates (it comes with ComfyUI's requirements.txt) is not installed or has "
+                    f"no {TEMPLATE_OF[ui_path.stem]}")
     theirs = {(n["type"], n["widgets_values"][FILE_WIDGETS[n["type"]]])
-              for n in template["nodes"] if n["type"] in FILE_WIDGETS}
+              for n in _nodes_with_subgraphs(_load(template_file)) if n["type"] in FILE_WIDGETS}
     ours = {(n["type"], n["widgets_values"][FILE_WIDGETS[n["type"]]])
             for n in _load(ui_path)["nodes"] if n["type"] in FILE_WIDGETS}
     assert ours and ours <= theirs, f"not in {TEMPLATE_OF[ui_path.stem]}: {sorted(ours - theirs)}"
