@@ -630,7 +630,8 @@ def comfy_kitchen_with_sol_attn():
         except metadata.PackageNotFoundError:
             release = "of unknown release"
         return None, (f"comfy_kitchen {release} has no sol_attn (ComfyUI's core sparse attention, from "
-                      "comfy-kitchen 0.2.40); pip install 'chorus-ii[peers]'")
+                      "comfy-kitchen 0.2.40); pip install 'chorus-ii[peers]' in an environment whose ComfyUI "
+                      "does not pin an older comfy-kitchen (0.28.2 and 0.33.0 do)")
     return comfy_kitchen, None
 
 
