@@ -49,7 +49,10 @@ def _why_no_sol_attn():
     return comfy_kitchen_with_sol_attn()[1]
 
 
-@pytest.mark.skipif(_why_no_sol_attn() is not None, reason=str(_why_no_sol_attn()))
+NO_SOL_ATTN = _why_no_sol_attn()
+
+
+@pytest.mark.skipif(NO_SOL_ATTN is not None, reason=str(NO_SOL_ATTN))
 def test_sol_attn_rows_and_our_replica_of_its_routing(quick):
     assert quick["sol_ran"]
     for entry in quick["head_sets"].values():

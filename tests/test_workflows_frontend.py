@@ -203,8 +203,7 @@ def test_graph_editor_loads_workflow(ui_path, browser_page, screenshot_dir):
     api = json.loads((WORKFLOWS_DIR / "api" / f"{ui_path.stem}_api.json").read_text(encoding="utf-8"))
     for node_id, names in added.items():
         inputs = {k: v for k, v in queued[node_id]["inputs"].items() if k not in names}
-        queued[node_id]["inputs"] = {(k.rsplit(".", 1)[-1] if k not in api[node_id]["inputs"] else k): v
-                                     for k, v in inputs.items()}
+        queued[node_id]["inputs"] = {_host().api_twin_input(k, api[node_id]["inputs"]): v for k, v in inputs.items()}
     # a node the workflow gives no title of its own is titled with the host's display name (0.33.0's
     # LoraLoaderModelOnly: "Load LoRA"); metadata the prompt does not run
     for node in workflow["nodes"]:

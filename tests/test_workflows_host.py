@@ -103,12 +103,6 @@ def _stored_and_added_widgets(info: dict, values: list) -> tuple[list[str], list
     return layout[:len(values)], layout[len(values):]
 
 
-def _twin_name(name: str, api_inputs: dict) -> str:
-    """The API twin's input for the editor's widget ``name``: a widget nested in a dynamic combo
-    (``format.codec``) is the twin's flat input of 0.3.64 (``codec``)."""
-    return name if name in api_inputs or "." not in name else name.rsplit(".", 1)[-1]
-
-
 def _input_type(info: dict, name: str) -> str:
     for category in ("required", "optional"):
         if name in info["input"].get(category, {}):
@@ -153,10 +147,10 @@ def test_node_types_links_and_widgets_match_comfyui(ui_path, object_info):
         api_inputs = api[str(node["id"])]["inputs"]
         for name, value in zip(layout, values):
             if name:
-                twin = api_inputs[_twin_name(name, api_inputs)]
+                twin = api_inputs[_host().api_twin_input(name, api_inputs)]
                 assert twin == value, f"{node['type']}.{name}: API {twin!r} UI {value!r}"
         literal_names = {k for k, v in api_inputs.items() if not isinstance(v, list)}
-        assert literal_names == {_twin_name(n, api_inputs) for n in layout if n}, node["type"]
+        assert literal_names == {_host().api_twin_input(n, api_inputs) for n in layout if n}, node["type"]
 
 
 @pytest.mark.parametrize("ui_path", UI_FILES, ids=lambda p: p.stem)

@@ -74,3 +74,10 @@ def shared_object_info() -> dict:
             raise RuntimeError(f"no server: {server}")
         _SHARED["object_info"] = server.get_json("/object_info", timeout=120)
     return _SHARED["object_info"]
+
+
+def api_twin_input(name: str, api_inputs: dict) -> str:
+    """The committed API twin's input for the editor's widget ``name``: the twins are saved on ComfyUI 0.3.64,
+    so a widget a later editor nests in a dynamic combo (0.33.0's SaveVideo: ``format.codec``) is the twin's flat
+    input (``codec``)."""
+    return name if name in api_inputs or "." not in name else name.rsplit(".", 1)[-1]
