@@ -55,38 +55,60 @@ def region_order_for(grid, region, block_size: int):
     return cached_region_order(tuple(int(g) for g in grid), region, int(block_size))
 
 
+def order_of_kind(name, grid, block_size: int):
+    """The token order of the kind ``name`` names at token ``grid`` cut into ``block_size`` blocks: None for a
+    raster name (``"thw"``, ``"raster"``, None), the :class:`~chorus.kernels.tile_order.RegionTileOrder` of a
+    ``"regions<rt>x<rh>x<rw>"`` name's region, or the default :class:`~chorus.kernels.tile_order.TileOrder` of
+    ``grid`` for a ``"tile..."`` name (its tile chosen for that grid; serpentine where the name ends ``-s``).
+    What carries a map in a token order to another grid: the same kind of order there. Raises ``ValueError``
+    for any other name, a region that is not one block, or a grid out of range (past :data:`MAX_ORDER_TOKENS`:
+    a hostile grid is never allocated)."""
+    from ..kernels.tile_order import cached_tile_order
+
+    if name is None or (isinstance(name, str) and name in RASTER_ORDER_NAMES):
+        return None
+    if not isinstance(name, str) or not name.startswith(("tile", "regions")):
+        raise ValueError(f"unknown token order {name!r}")
+    grid = tuple(int(g) for g in grid)
+    block_size = int(block_size)
+    if len(grid) != 3 or min(grid) < 1 or math.prod(grid) > MAX_ORDER_TOKENS or block_size < 1:
+        raise ValueError(f"token grid {grid} / block size {block_size} of a tile-order entry is out of range")
+    if name.startswith("tile"):
+        return cached_tile_order(grid, block_size, name.endswith("-s"))
+    try:
+        region = tuple(int(r) for r in name[len("regions"):].split("x"))
+    except ValueError:
+        raise ValueError(f"unknown token order {name!r}") from None
+    order = region_order_for(grid, region, block_size) if len(region) == 3 and min(region) >= 1 else None
+    if order is None or order.name != name:
+        raise ValueError(f"token order {name!r} does not fit block size {block_size}")
+    return order
+
+
+def order_at(order, grid):
+    """``order`` (a token order, None: raster) carried to token ``grid``: itself where ``grid`` is its own, else
+    the order of its kind there (:func:`order_of_kind`): what a hit of an entry in that order runs a call of
+    that grid in. Raises ``ValueError`` as :func:`order_of_kind`."""
+    grid = tuple(int(g) for g in grid)
+    if order is None or tuple(order.grid) == grid:
+        return order
+    return order_of_kind(order.name, grid, order.block_size)
+
+
 def entry_token_order(entry_signature: dict):
     """The order an entry's blocks are in: None (raster: ``"thw"``, ``"raster"`` or no field), or the
     :class:`~chorus.kernels.tile_order.TileOrder` / :class:`~chorus.kernels.tile_order.RegionTileOrder`
     of the entry's token grid and block size whose name the entry records. Raises ``ValueError`` for
     any other value (an order this code cannot rebuild is never guessed: the entry is unusable rather
     than misread)."""
-    from ..kernels.tile_order import cached_tile_order
-
     name = entry_signature.get("token_order", TOKEN_ORDER)
     if isinstance(name, str) and name in RASTER_ORDER_NAMES:
         return None
-    if not isinstance(name, str) or not name.startswith(("tile", "regions")):
-        raise ValueError(f"unknown token order {name!r}")
-    grid = tuple(int(g) for g in entry_signature["token_grid"])
-    block_size = int(entry_signature["block_size"])
-    if len(grid) != 3 or min(grid) < 1 or math.prod(grid) > MAX_ORDER_TOKENS or block_size < 1:
-        raise ValueError(f"token grid {grid} / block size {block_size} of a tile-order entry is out of range")
-    if name.startswith("regions"):
-        try:
-            region = tuple(int(r) for r in name[len("regions"):].split("x"))
-        except ValueError:
-            raise ValueError(f"unknown token order {name!r}") from None
-        order = region_order_for(grid, region, block_size) if len(region) == 3 and min(region) >= 1 else None
-        if order is None or order.name != name:
-            raise ValueError(f"token order {name!r} does not fit block size {block_size}")
-        return order
-    for serpentine in (True, False):
-        order = cached_tile_order(grid, block_size, serpentine)
-        if order.name == name:
-            return order
-    raise ValueError(f"token order {name!r} is not the tile order this version builds for grid {grid} "
-                     f"and block size {block_size}")
+    order = order_of_kind(name, entry_signature["token_grid"], entry_signature["block_size"])
+    if order.name != name:  # a tile order other than the one this version chooses for the grid
+        raise ValueError(f"token order {name!r} is not the tile order this version builds for grid {order.grid} "
+                         f"and block size {order.block_size}")
+    return order
 
 
 def model_mismatch(entry_signature, info: ModelInfo) -> str | None:
@@ -176,9 +198,9 @@ def image_frames_mismatch(entry_signature, frames) -> str | None:
 def grid_compatibility(entry_signature, grid) -> tuple[str, str]:
     """Can an entry's maps serve forwards of token grid ``grid`` (``(T', H', W')``)?
 
-    Returns ``("same", "")`` (the entry's own grid), ``("resample", why)`` (another grid of the same aspect, an
-    entry in raster order: its maps are resampled in 3D block coordinates) or ``("incompatible", why)`` (an
-    entry in a token order -- resampled in raster order only --, another aspect, a damaged signature). The
+    Returns ``("same", "")`` (the entry's own grid), ``("resample", why)`` (another grid of the same aspect: its
+    maps are resampled in 3D block coordinates, an entry in a token order to the order of its kind at that grid)
+    or ``("incompatible", why)`` (another aspect, an order that cannot be rebuilt, a damaged signature). The
     latent alone does not tell a forward's grid: ComfyUI's context windows, for one, run the model on windows of
     the latent's frames. Never raises."""
     try:
@@ -191,21 +213,22 @@ def grid_compatibility(entry_signature, grid) -> tuple[str, str]:
 def grid_carry(src_grid, dst_grid, token_order: str | None) -> tuple[str, str]:
     """The rule behind :func:`grid_compatibility`, for block maps (or block mass) of token grid ``src_grid``
     in token order ``token_order`` (a name; None = raster) and a call of grid ``dst_grid``: ``("same", "")``,
-    ``("resample", why)`` (raster order, the same aspect: :func:`chorus.kernels.resample_block_map` carries
-    them) or ``("incompatible", why)``. The recorder carries a call's mass to its recording's grid by it.
-    Raises ``ValueError`` / ``TypeError`` for grids of non-integers, and for two different grids that are not
-    three positive ints each (the aspect check's)."""
+    ``("resample", why)`` (the same aspect: :func:`chorus.kernels.resample_block_map` carries them, from the
+    order at ``src_grid`` to the order of its kind at ``dst_grid``, :func:`order_at`) or ``("incompatible",
+    why)`` (another aspect; a token order at a grid past :data:`MAX_ORDER_TOKENS`). The recorder carries a
+    call's mass to its recording's grid by it. Raises ``ValueError`` / ``TypeError`` for grids of non-integers,
+    and for two different grids that are not three positive ints each (the aspect check's)."""
     from ..kernels import aspect_matches
 
     src, dst = tuple(int(g) for g in src_grid), tuple(int(g) for g in dst_grid)
     if src == dst:
         return "same", ""
-    if token_order is not None:
-        return "incompatible", (f"entry in token order {token_order} for token grid {src}, not {dst}: maps in a "
-                                "token order are resampled to other grids in raster order only")
-    if aspect_matches(src, dst):
-        return "resample", f"token grid {dst} differs from the entry's {src} with the same aspect: masks resampled"
-    return "incompatible", f"token grid {dst} has another aspect than the entry's {src}"
+    if not aspect_matches(src, dst):
+        return "incompatible", f"token grid {dst} has another aspect than the entry's {src}"
+    if token_order is not None and token_order not in RASTER_ORDER_NAMES and math.prod(dst) > MAX_ORDER_TOKENS:
+        return "incompatible", f"token grid {dst} is too large to rebuild token order {token_order} at"
+    in_order = "" if token_order is None or token_order in RASTER_ORDER_NAMES else f" (token order {token_order})"
+    return "resample", f"token grid {dst} differs from the entry's {src} with the same aspect: masks resampled{in_order}"
 
 
 def latent_compatibility(entry_signature: dict, latent_shape) -> tuple[str, str]:
@@ -219,9 +242,9 @@ def latent_compatibility(entry_signature: dict, latent_shape) -> tuple[str, str]
     :func:`grid_compatibility`, after the signature's format and the channels.
 
     Token order (:func:`entry_token_order`): an entry in any order this version rebuilds is served
-    in its own order (the engine runs attention on the tokens in that order: exact); resampling to
-    another grid works in raster order only, so a tile- or region-order entry of another grid is
-    incompatible (a miss, never misread), as is an order that cannot be rebuilt.
+    in its own order (the engine runs attention on the tokens in that order: exact); at another grid in the
+    order of its kind there (:func:`order_at`); an order that cannot be rebuilt is incompatible (a miss, never
+    misread).
     """
     try:
         if int(entry_signature.get("format", -1)) != SIGNATURE_FORMAT:

@@ -37,7 +37,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels import pooling
+from ..kernels import aspect_matches, pooling, resample_region_scores
+from .compat import order_at
 from .plan import Plan, grid_unchecked
 from .routing import match_step, sigma_schedule, sigma_value, step_sigma
 from .model_info import ModelInfo
@@ -240,8 +241,10 @@ class FeatureReuse:
         return fr
 
     def layout_for(self, sigma: float, grid, device) -> pooling.RegionLayout | None:
-        """The layout to use at this step and grid, or None (run in full). Raises ``ValueError`` on
-        an entry whose scores do not fit."""
+        """The layout to use at this step and grid, or None (run in full). The entry's region scores are for
+        its grid; at another grid of the same aspect (context windows of two lengths, a request of another
+        size) they are carried there (:func:`chorus.kernels.resample_region_scores`, noted), at another aspect
+        not (noted, None). Raises ``ValueError`` on an entry whose scores do not fit."""
         cfg = self.config
         if cfg.downsample_share <= 0 or self.expert is None or not self.plan.is_hit or self.full_blocks_reason:
             return None
@@ -250,14 +253,15 @@ class FeatureReuse:
             self.plan.note("feature reuse: the entry has no region scores (written without Chorus Feature "
                            "Reuse on the model); blocks run in full")
             return None
-        if tuple(fr["token_grid"]) != tuple(grid):
-            self.plan.note(f"feature reuse: entry region scores are for grid {tuple(fr['token_grid'])}, "
-                           f"this request has {tuple(grid)}; blocks run in full")
+        scores_grid, grid = tuple(int(g) for g in fr["token_grid"]), tuple(int(g) for g in grid)
+        if scores_grid != grid and not aspect_matches(scores_grid, grid):
+            self.plan.note(f"feature reuse: entry region scores are for grid {scores_grid}, this request has {grid} "
+                           "(another aspect); blocks run in full")
             return None
         if tuple(fr["region"]) != cfg.region or tuple(fr["pool"]) != cfg.pool:
             self.plan.note("feature reuse: the entry's region geometry differs; blocks run in full")
             return None
-        key = (round(sigma, 6), tuple(grid), str(device))
+        key = (round(sigma, 6), grid, str(device))
         if key in self._layouts:
             return self._layouts[key]
         per_expert = {float(s): v for s, v in fr["scores"].get(str(self.expert), {}).items()}
@@ -266,6 +270,9 @@ class FeatureReuse:
         layout = None
         if step is not None:
             scores = torch.tensor(per_expert[ordered[step]], dtype=torch.float64)
+            if scores_grid != grid:  # context windows of two lengths, a request at another size of the same aspect
+                scores = resample_region_scores(scores, scores_grid, grid, cfg.region)
+                self.plan.note(f"feature reuse: entry region scores for grid {scores_grid} carried to grid {grid}")
             regions = select_regions(scores, grid, cfg.region, cfg.downsample_share,
                                      keep_first_frame=cfg.keep_first_frame, image_frames=self.plan.state.image_frames)
             if regions.numel():
@@ -275,14 +282,17 @@ class FeatureReuse:
         return layout
 
     def _compact_order(self, grid, regions: torch.Tensor):
-        """The entry's :class:`~chorus.kernels.tile_order.RegionTileOrder` when its tiles are this
-        config's regions and hold every region to pool (then the layout is built in that order and
-        self-attention runs on the compact sequence), else None (attention on the expanded grid)."""
+        """The entry's :class:`~chorus.kernels.tile_order.RegionTileOrder` at ``grid`` (at another grid than the
+        entry's, the order of its kind there: what the hit's attention runs in, :func:`~chorus.engine.compat.
+        order_at`) when its tiles are this config's regions and hold every region to pool (then the layout is
+        built in that order and self-attention runs on the compact sequence), else None (attention on the
+        expanded grid)."""
         from ..kernels.tile_order import RegionTileOrder
 
         order = self.plan.entry_order
-        if not isinstance(order, RegionTileOrder) or order.region != self.config.region or order.grid != tuple(grid):
+        if not isinstance(order, RegionTileOrder) or order.region != self.config.region:
             return None
+        order = order_at(order, grid)
         if not bool(torch.isin(regions.cpu(), order.tile_regions).all()):
             return None
         return order

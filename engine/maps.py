@@ -16,7 +16,7 @@ from .. import kernels
 from ..kernels.codec import pack_bits_on_device, unpack_bits_on_device
 from ..kernels.masks import floor_k_min, floor_packed_map
 from .call import Fallback
-from .compat import grid_compatibility
+from .compat import grid_compatibility, order_at
 
 __all__ = ["floor_k_min", "unpacked_map", "stored_map", "RunMaps"]  # floor_k_min: kernels.masks's, re-exported
 
@@ -32,7 +32,8 @@ def unpacked_map(stored, device=None):
 def stored_map(plan, expert: int, step: int, layer: int, *, block_size: int, top_p: float, k_min: int,
                device=None, grid=None) -> torch.Tensor:
     """Bool ``[H, Qb, Kb]`` of a hit's entry for a key (on ``device``, default CPU), resampled to ``grid``
-    (default: the plan's ``resample_to``; None there too: the entry's own grid).
+    (default: the plan's ``resample_to``; None there too: the entry's own grid); an entry in a token order is
+    resampled to the order of its kind at ``grid`` (:func:`~chorus.engine.compat.order_at`).
 
     Entries store bool maps (possibly bit-packed, ``cache_store.PackedMap``: unpacked on ``device``);
     an entry that stores float block *mass* instead is turned into a map here with
@@ -68,7 +69,9 @@ def stored_map(plan, expert: int, step: int, layer: int, *, block_size: int, top
             transformed = True
         src = tuple(int(g) for g in plan.entry_meta["signature"]["token_grid"])
         if target is not None and target != src:
-            block_map = kernels.resample_block_map(block_map.cpu()[None], src, target, block_size=block_size)[0]
+            order = plan.entry_order
+            block_map = kernels.resample_block_map(block_map.cpu()[None], src, target, block_size=block_size,
+                                                   src_order=order, dst_order=order_at(order, target))[0]
             transformed = True
         if transformed:
             state.resampled[cache_key] = block_map.cpu()
@@ -195,10 +198,9 @@ class RunMaps:
         """None when the call's token count is that of the grid the maps are for (the entry's, or the one
         retrieval resamples them to); else the call's ``grid`` (of that many tokens) to serve the entry's maps
         at, by the rule retrieval applies to latents (:func:`~chorus.engine.compat.grid_compatibility`: the
-        entry's own grid, or a raster entry resampled to one of the same aspect -- context windows of two
-        lengths in one run: later ComfyUI's causal anchor frame, a shorter last window). :class:`Fallback`
-        otherwise (e.g. context windows in a request and not in the one that recorded a token-order entry:
-        the sampler run moves or demotes such a hit at its first forward, ``Plan.serve_run``)."""
+        entry's own grid, or one of the same aspect its maps are resampled to, in the order of their kind there
+        -- context windows of two lengths in one run: later ComfyUI's causal anchor frame, a shorter last
+        window). :class:`Fallback` otherwise (a call of another aspect, or whose grid is not known)."""
         maps_grid = self.plan.token_grid
         if maps_grid is None:
             return None
@@ -214,7 +216,7 @@ class RunMaps:
                 return call_grid
         raise Fallback(f"the entry's maps are for {tokens} tokens (grid {maps_grid}), this call has {length}"
                        + ("" if call_grid is None else f" (grid {call_grid})") + ": a sequence of another length "
-                       f"they cannot be resampled to (a token-order entry, or another aspect: {why})")
+                       f"they cannot be resampled to ({why})")
 
     def used_map(self, step: int, layer: int) -> torch.Tensor | None:
         """The bool map ``[1, H, Qb, Kb]`` this run computes for (step, layer) at the maps' grid, or None when

@@ -85,8 +85,6 @@ class Retrieval:
                 order = entry_token_order(self.entry_meta["signature"])
             except (AttributeError, KeyError, TypeError, ValueError) as exc:
                 raise ValueError(f"a hit's entry has an unreadable token order ({exc})") from None
-            if order is not None and self.resample_to is not None:  # (retrieval misses first)
-                raise ValueError(f"a hit in token order {order.name} cannot be resampled (raster order only)")
             fix("entry_order", order)
         if self.embedding is not None:
             fix("embedding", np.asarray(self.embedding, dtype=np.float32).reshape(-1))
@@ -417,7 +415,7 @@ class Plan:
         whole latent's shape and the window's grid). The run's token grid is served by the rule retrieval
         applies to latents (:func:`~chorus.engine.compat.grid_compatibility`): before the request's first
         sparse call, the entry is served at that grid -- unresampled where it is the entry's own, resampled
-        where the entry is raster and the aspect the same (a note says so) --; later, calls of another grid
+        where the aspect is the same (in a token order, to the order of its kind there; a note says so) --; later, calls of another grid
         get the maps resampled one by one (``RunMaps``). When the entry does not serve every model met so
         far (:meth:`expect_model` and earlier runs), this run or its grid, then before the request's first
         sparse call the hit moves to the most similar candidate that does (retrieval's ``reselect`` loads

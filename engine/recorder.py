@@ -8,7 +8,7 @@ import torch
 
 from .. import kernels
 from ..kernels.codec import unpack_bits
-from .compat import grid_carry
+from .compat import grid_carry, order_of_kind
 from .routing import SigmaSchedule
 
 class MassRecorder:
@@ -30,8 +30,9 @@ class MassRecorder:
     ``grid``: the token grid of the first call; the entry's maps are for it. A call of another grid (context
     windows of two lengths in one run: later ComfyUI's causal anchor frame, a shorter last window) has its
     mass carried to that grid by the rule that serves an entry's maps to another grid
-    (:func:`~chorus.engine.compat.grid_carry`: raster order, the same aspect, ``kernels.resample_block_map``)
-    and recorded there; in a token order, or of another aspect, it is not recorded (:meth:`add` returns False).
+    (:func:`~chorus.engine.compat.grid_carry`: the same aspect, ``kernels.resample_block_map``; in a token order
+    from that order at the call's grid to the order of its kind at the recorder's) and recorded there; of another
+    aspect it is not recorded (:meth:`add` returns False).
 
     A recorder that missed calls (an error, or a plan demoted after sparse steps ran) is marked
     ``incomplete`` with a reason; :meth:`block_maps` then raises ``ValueError`` so no partial entry is
@@ -98,7 +99,13 @@ class MassRecorder:
         if verdict == "incompatible":
             return False
         if verdict == "resample":
-            mean = kernels.resample_block_map(mean, grid, target, block_size=block_size)
+            dst_order = order_of_kind(token_order, target, block_size)
+            mean = kernels.resample_block_map(mean, grid, target, block_size=block_size,
+                                              src_order=order_of_kind(token_order, grid, block_size),
+                                              dst_order=dst_order)
+            # the caller checked the last frame at the call's grid: in a token order it need not be the suffix
+            # at the recorder's (a region order of an odd frame count has it there, of an even one not)
+            keep_last_frame = keep_last_frame and (dst_order is None or dst_order.last_frame_is_suffix)
         # NaN / inf / negative mass is flagged on the device (no host sync per call) and checked when
         # the maps are written: such a recording is never written
         bad = ~(torch.isfinite(mean) & (mean >= 0)).all()

@@ -116,7 +116,7 @@ class CandidateLoader:
                              similarity=similarity, masks=masks, entry_meta=meta,
                              resample_to=grid if verdict == "resample" else None, candidates=others,
                              **self._common), ""
-        except ValueError as exc:  # e.g. an order that cannot be resampled: not this entry
+        except ValueError as exc:  # e.g. an order that cannot be rebuilt: not this entry
             return None, f"entry {entry_id}: {exc}"
 
     def reselect(self, candidates, models, *, run_starts=None, block_size=None,

@@ -29,7 +29,7 @@ from .config import SparseConfig
 from .maps import RunMaps, floor_k_min
 from .plan import Plan, grid_unchecked
 from .routing import match_step, run_starts, sigma_schedule, sigma_value, step_sigma
-from .compat import region_order_for, token_order_name
+from .compat import order_at, region_order_for, token_order_name
 from .model_info import ModelInfo
 from .state import failure_text
 from .verify import ANCHORS_META_KEY, Verifier, verify_head_index
@@ -165,10 +165,12 @@ class ChorusAttention:
         return None if self.run is None else self.run.maps.used_map(step, layer)
 
     def token_order(self, grid):
-        """The token order this model's attention runs in for ``grid``: a hit's entry order, a miss's
-        ``record_region`` order (None = raster; a hit's order was read when its plan was made)."""
+        """The token order this model's attention runs in for ``grid``: a hit's entry order (at another grid than
+        the entry's, the order of its kind there, :func:`~chorus.engine.compat.order_at`), a miss's
+        ``record_region`` order (None = raster; a hit's order was read when its plan was made). Raises
+        ``ValueError`` for a grid an order cannot be rebuilt at (the callers fall back)."""
         if self.plan.is_hit:
-            return self.plan.entry_order
+            return order_at(self.plan.entry_order, grid)
         if self.record_region is None:
             return None
         return region_order_for(grid, self.record_region, self.config.block_size)
@@ -505,5 +507,5 @@ class ExpertRun:
                                     token_order=None if order is None else token_order_name(order))
         if not recorded:
             self.plan.note(f"calls of token grid {tuple(grid)} are not recorded: the entry records grid "
-                           f"{recorder.grid} and cannot carry maps in a token order, or of another aspect, to it")
+                           f"{recorder.grid} and cannot carry maps of another aspect to it")
         return recorded

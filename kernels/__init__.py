@@ -10,7 +10,7 @@ from .codec import (decode_block_map, encode_block_map, from_flex_block_mask, pa
 from .masks import (density, first_frame_blocks, last_frame_blocks, num_blocks, select_blocks, select_blocks_packed,
                     validate_block_map)
 from .refresh import VisitRefresh
-from .resample import aspect_matches, resample_block_map
+from .resample import aspect_matches, resample_block_map, resample_region_scores
 
 __all__ = [
     "Backend", "BackendUnavailableError", "block_sparse_attention", "block_mass", "resolve_backend", "auto_chain",
@@ -18,5 +18,5 @@ __all__ = [
     "select_blocks", "select_blocks_packed", "validate_block_map", "num_blocks", "density", "first_frame_blocks",
     "last_frame_blocks",
     "pack_bits", "unpack_bits", "encode_block_map", "decode_block_map", "to_flex_block_mask",
-    "from_flex_block_mask", "resample_block_map", "aspect_matches", "VisitRefresh",
+    "from_flex_block_mask", "resample_block_map", "resample_region_scores", "aspect_matches", "VisitRefresh",
 ]

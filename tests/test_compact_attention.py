@@ -100,16 +100,22 @@ INFO = ModelInfo("wan", "wan2.2-a14b-i2v", 2, 2, 64, 36, "fp")
 
 @pytest.mark.parametrize("grid,region", [((5, 8, 8), (2, 4, 4)), ((7, 9, 13), (2, 4, 4))])
 @pytest.mark.parametrize("bias", [0.0, 0.7])
-def test_compact_self_attention_matches_the_full_grid_computation(grid, region, bias):
+@pytest.mark.parametrize("entry_frames", [0, -1])
+def test_compact_self_attention_matches_the_full_grid_computation(grid, region, bias, entry_frames):
+    """``entry_frames`` -1: the entry was recorded at a grid one frame shorter (the first of context windows whose
+    later windows get an anchor frame): its map is resampled to the call's grid in the region order there."""
     bs = region[0] * region[1] * region[2]
     order = cached_region_order(grid, region, bs)
     layout, regions = _layout(grid, region, share=0.5, seed=3, order=order)
-    nb = -(-order.length // bs)
+    entry_grid = (grid[0] + entry_frames,) + grid[1:]
+    entry_order = cached_region_order(entry_grid, region, bs)
+    nb = -(-entry_order.length // bs)
     gen = torch.Generator().manual_seed(4)
     stored = (torch.rand(2, nb, nb, generator=gen) < 0.35) | torch.eye(nb, dtype=torch.bool)
     sig = {"format": 1, "family": "wan", "variant": "wan2.2-a14b-i2v", "experts": ["fp"], "num_layers": 2,
-           "num_heads": 2, "latent_shape": [16, grid[0], 2 * grid[1], 2 * grid[2]], "token_grid": list(grid),
-           "block_size": bs, "token_order": order.name, "step_sigmas": [1.0], "head_groups": 1}
+           "num_heads": 2, "latent_shape": [16, entry_grid[0], 2 * grid[1], 2 * grid[2]],
+           "token_grid": list(entry_grid), "block_size": bs, "token_order": order.name, "step_sigmas": [1.0],
+           "head_groups": 1}
     plan = Plan("hit", entry_id=1, similarity=1.0, masks={(0, 0, 1, 0): stored}, entry_meta={"signature": sig},
                 latent_shape=tuple(sig["latent_shape"]))
     # the compact computation itself (the pooled tail with a suffix bias: tests/test_kernels_pooled_tail.py)
@@ -121,7 +127,10 @@ def test_compact_self_attention_matches_the_full_grid_computation(grid, region, 
     assert plan.stats.sparse_calls == 1 and plan.stats.fallback_calls == 0, plan.stats.messages
     # the oracle: the compact queries over the full grid's keys in the order, each cell's key repeated
     # over its tokens, with the token mask the compact map implies; fp64
-    cmap = pooling.compact_block_map(stored[None], layout.block_sources)[0]  # [H, C, C]
+    served = kernels.resample_block_map(stored, entry_grid, grid, block_size=bs, src_order=entry_order,
+                                        dst_order=order)  # the entry's own where entry_grid is grid
+    assert torch.equal(served, stored) or entry_frames
+    cmap = pooling.compact_block_map(served[None], layout.block_sources)[0]  # [H, C, C]
     key_pos = layout.expand_index[order.perm]  # compact position of the token at each place of the order
     k_full, v_full = (t.index_select(2, key_pos).double() for t in (k, v))
     rows = torch.arange(layout.compact_length) // bs
@@ -137,7 +146,7 @@ def test_compact_self_attention_matches_the_full_grid_computation(grid, region, 
                                            prefix_len=grid[1] * grid[2] if bias else 0, prefix_bias=bias)
     assert not torch.allclose(plain.double(), oracle, atol=1e-3)
     # and fewer blocks than the full grid would compute
-    assert plan.stats.blocks_computed < int(stored.sum())
+    assert plan.stats.blocks_computed < int(served.sum())
 
 
 def test_compact_self_attention_falls_back_to_dense_when_the_orders_differ():

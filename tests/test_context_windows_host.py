@@ -5,13 +5,13 @@ In windows, each sampler step runs the model once per window of latent frames: e
 the window's. A miss records one map per (expert, step, layer) as the union over the windows (the recorder
 ORs the calls of one key), so its entry holds the window's grid; a hit of that entry runs every window's
 self-attention sparse (feature reuse too). Retrieval sees the latent only, which is the same with windows
-or without: a request without windows hits that entry, and its first forward tells another grid; the entry,
-in feature reuse's region order, cannot be resampled to it, so the hit is demoted to a miss that records and
-is written; from then on each kind of request moves to the entry of its grid (a raster entry would be served
-resampled: ``tests/test_engine_runtime.py``). Later
+or without: a request without windows hits that entry, and its first forward tells another grid of the same
+aspect: the entry is served resampled to it, in feature reuse's region order at that grid, its region scores
+carried there (a grid of another aspect moves the hit or demotes it: ``tests/test_engine_runtime.py``). Later
 ComfyUI's causal window fix (the host's own on 0.28.2 and 0.33.0, where the Wan node turns it on; a test double
 on 0.3.64) runs windows of two lengths in one run: recorded and served at the first window's grid (the others'
-maps carried over), in raster order; the plain-windows test turns the host's fix off.
+maps carried over), in raster order and in feature reuse's region order; the plain-windows test turns the
+host's fix off.
 0.3.64's windows leave Wan I2V's ``c_concat`` whole (an I2V model cannot sample in windows there); later
 ComfyUI cuts it to the window, as ``tests/host/comfy038.py``'s double does on 0.3.64.
 """
@@ -99,7 +99,7 @@ def _request(nodes, model, *, windows: bool, feature_reuse: bool = True, workspa
     return plan, samples
 
 
-def test_in_context_windows_a_miss_records_the_window_s_maps_a_hit_runs_every_window_sparse_and_each_grid_gets_its_entry(
+def test_in_context_windows_a_miss_records_the_window_s_maps_and_a_hit_runs_every_window_sparse_or_the_whole_latent(
         nodes, model):
     window_count = _window_count(_windows(model))
     calls = STEPS * window_count * tiny.TINY_LAYERS
@@ -116,47 +116,39 @@ def test_in_context_windows_a_miss_records_the_window_s_maps_a_hit_runs_every_wi
     assert hit.stats.sparse_calls == calls and hit.stats.fallback_calls == 0, hit.stats.messages
     assert hit.state.feature_reuse.blocks_reduced > 0
 
-    # the whole latent: not the entry's grid. Demoted at its first forward, it records and is written
-    unwindowed, samples = _request(nodes, model, windows=False)
-    assert not unwindowed.is_hit and torch.isfinite(samples).all()
-    assert "for token grid (5, 16, 16), not (9, 16, 16): maps in a token order are resampled" in unwindowed.message, \
-        unwindowed.message
-    assert unwindowed.stats.recorded_calls == STEPS * tiny.TINY_LAYERS and unwindowed.stats.fallback_calls == 0
-    written = nodes.ChorusCacheWrite.execute(latent={"samples": samples}, plan=unwindowed).args[0]
-    assert "wrote entry 2" in written, written
-
-    # each kind of request now runs sparse on the entry made for its grid (moved there if the other ranked first)
-    for windows, own, forwards_per_step in ((False, 2, 1), (True, 1, window_count)):
-        plan, samples = _request(nodes, model, windows=windows)
-        assert plan.is_hit and plan.entry_id == own and torch.isfinite(samples).all(), plan.message
-        assert plan.stats.sparse_calls == STEPS * forwards_per_step * tiny.TINY_LAYERS, plan.stats.messages
-        assert plan.stats.fallback_calls == 0
+    # the whole latent, not the entry's grid: its first forward has the entry served resampled there, in feature
+    # reuse's region order at that grid, with the entry's region scores carried to it
+    whole, samples = _request(nodes, model, windows=False)
+    assert whole.is_hit and whole.entry_id == 1 and whole.resample_to == (9, 16, 16) and torch.isfinite(samples).all()
+    assert whole.stats.sparse_calls == STEPS * tiny.TINY_LAYERS and whole.stats.fallback_calls == 0
+    assert any("masks resampled (token order regions2x8x8)" in m for m in whole.stats.messages), whole.stats.messages
+    assert any("region scores for grid (5, 16, 16) carried to grid (9, 16, 16)" in m for m in whole.stats.messages)
+    assert whole.state.feature_reuse.blocks_reduced > 0
 
 
 def test_windows_with_an_anchor_frame_are_recorded_and_served_whole(nodes, model, monkeypatch):
     """Later ComfyUI's causal window fix puts the frame before each window but the first in front of it: one
     run, forwards of two grids ((5, 16, 16) for the first window, (6, 16, 16) for the others). The miss records
     every call at the first window's grid (the others' mass carried there) and the hit runs every call sparse
-    (its maps resampled to the longer windows). With feature reuse the entry is in its region order, which
-    cannot be carried to another grid: the longer windows are not recorded (noted) and run dense on a hit."""
+    (its maps resampled to the longer windows); with feature reuse the same in its region order at each grid,
+    the longer windows downsampled by the entry's region scores carried to their grid."""
     if not _host_anchors_windows():
         comfy038.install_context_window_anchor(monkeypatch)
     window_count = _window_count(_windows(model, anchored=True))
     calls = STEPS * window_count * tiny.TINY_LAYERS
 
-    miss, samples = _request(nodes, model, windows=True, feature_reuse=False, workspace="anchored", anchored=True)
-    assert not miss.is_hit and torch.isfinite(samples).all()
-    assert miss.recorder.grid == (5, 16, 16) and miss.stats.recorded_calls == calls, miss.stats.messages
-    assert "wrote entry 1" in nodes.ChorusCacheWrite.execute(latent={"samples": samples}, plan=miss).args[0]
-    hit, samples = _request(nodes, model, windows=True, feature_reuse=False, workspace="anchored", anchored=True)
-    assert hit.is_hit and torch.isfinite(samples).all()
-    assert hit.stats.sparse_calls == calls and hit.stats.fallback_calls == 0, hit.stats.messages
-
-    miss, samples = _request(nodes, model, windows=True, workspace="anchored_regions", anchored=True)
-    first = STEPS * tiny.TINY_LAYERS  # the first window's calls
-    assert miss.stats.recorded_calls == first and torch.isfinite(samples).all()
-    assert any("calls of token grid (6, 16, 16) are not recorded" in m for m in miss.stats.messages)
-    assert "wrote entry 1" in nodes.ChorusCacheWrite.execute(latent={"samples": samples}, plan=miss).args[0]
-    hit, samples = _request(nodes, model, windows=True, workspace="anchored_regions", anchored=True)
-    assert hit.is_hit and torch.isfinite(samples).all()
-    assert hit.stats.sparse_calls == first and hit.stats.fallback_calls == calls - first, hit.stats.messages
+    for feature_reuse, workspace in ((False, "anchored"), (True, "anchored_regions")):
+        miss, samples = _request(nodes, model, windows=True, feature_reuse=feature_reuse, workspace=workspace,
+                                 anchored=True)
+        assert not miss.is_hit and torch.isfinite(samples).all()
+        assert miss.recorder.grid == (5, 16, 16) and miss.stats.recorded_calls == calls, miss.stats.messages
+        assert miss.recorder.token_order == ("regions2x8x8" if feature_reuse else None)
+        assert "wrote entry 1" in nodes.ChorusCacheWrite.execute(latent={"samples": samples}, plan=miss).args[0]
+        hit, samples = _request(nodes, model, windows=True, feature_reuse=feature_reuse, workspace=workspace,
+                                anchored=True)
+        assert hit.is_hit and torch.isfinite(samples).all()
+        assert hit.stats.sparse_calls == calls and hit.stats.fallback_calls == 0, hit.stats.messages
+        if feature_reuse:  # every window's reducible blocks downsampled: the first's and the longer ones'
+            reducible = STEPS * window_count * (tiny.TINY_LAYERS - 1)  # full_layers = 1
+            assert hit.state.feature_reuse.blocks_reduced == reducible, hit.stats.messages
+            assert any("carried to grid (6, 16, 16)" in m for m in hit.stats.messages), hit.stats.messages

@@ -14,7 +14,9 @@ from chorus import kernels
 from chorus.cache_store import Workspace
 from chorus.engine import (ChorusAttention, Plan, SparseConfig, commit_plan, floor_k_min,
                            latent_compatibility, mask_heatmap, retrieve_plan, token_grid)
+from chorus.engine.maps import stored_map, unpacked_map
 from chorus.kernels.reference import dense_attention_oracle
+from chorus.kernels.tile_order import cached_region_order
 
 from engine_helpers import BS, CFG, GRID, INFO, INFO_LOW, L, LATENT, QB, SIGMAS, hit_plan, qkv, run_steps, sdpa, \
     signature
@@ -487,11 +489,10 @@ def test_the_grid_a_run_s_forwards_have_decides_how_a_hit_serves_its_entry(tmp_p
     whole latent's shape and the window's grid, which retrieval (it sees the latent only) cannot tell from one
     recorded on the whole latent. The run's first forward tells the grid, and the rule retrieval applies to
     latents decides: a windowed request of another length serves the entry at its own grid (retrieval had it
-    resampled to the whole latent's; an entry in a token order, which retrieval does not resample, it takes for
-    one recorded in windows), a request on the whole latent serves a raster entry resampled. An entry in
-    a token order (feature reuse's regions) is not resampled: before the first sparse call the hit moves to a
-    candidate made for the grid, or is demoted (a miss that records, so the request is written); a grid met
-    after sparse calls ran demotes the plan and nothing is written."""
+    resampled to the whole latent's), a request on the whole latent serves the entry resampled (in a token order, to the order of its kind at that grid). A
+    grid of another aspect cannot be served: before the first sparse call the hit moves to a candidate made for
+    the grid, or is demoted (a miss that records, so the request is written); such a grid met after sparse calls
+    ran demotes the plan and nothing is written."""
     window, whole = (2, 5, 7), GRID
     ws = Workspace.open(tmp_path / "ws")
     emb = np.random.default_rng(4).standard_normal(24).astype(np.float32)
@@ -525,7 +526,7 @@ def test_the_grid_a_run_s_forwards_have_decides_how_a_hit_serves_its_entry(tmp_p
     assert any("served at this run's token grid (3, 5, 7) (token grid (3, 5, 7) differs from the entry's (2, 5, 7)"
                in m for m in plan.stats.messages), plan.stats.messages
 
-    # entries in feature reuse's region order (1, 4, 8), one 32-token block: never resampled
+    # entries in feature reuse's region order (1, 4, 8), one 32-token block: resampled in the order of its kind
     window, whole, latent, region = (2, 4, 8), (3, 4, 8), (16, 3, 8, 16), (1, 4, 8)
     ws = Workspace.open(tmp_path / "regions")
     recording = Plan.miss("recording", embedding=emb, latent_shape=latent)
@@ -535,12 +536,21 @@ def test_the_grid_a_run_s_forwards_have_decides_how_a_hit_serves_its_entry(tmp_p
     assert plan.is_hit and plan.resample_to is None and "recorded in context windows" in plan.message
     _run_forwards(ChorusAttention(plan, CFG, INFO, record_region=region), window)
     assert plan.is_hit and plan.stats.sparse_calls == 6 and plan.stats.fallback_calls == 0, plan.stats.messages
-    plan = retrieve_plan(ws, emb, latent)  # the whole latent: demoted at its first forward, records, writes
+    plan = retrieve_plan(ws, emb, latent)  # the whole latent: the window's maps resampled to its region order
     _run_forwards(ChorusAttention(plan, CFG, INFO, record_region=region), whole)
-    assert not plan.is_hit and "for token grid (2, 4, 8), not (3, 4, 8)" in plan.message, plan.message
+    assert plan.is_hit and plan.resample_to == whole and plan.stats.sparse_calls == 6, plan.stats.messages
+    assert any("(3, 4, 8) differs from the entry's (2, 4, 8) with the same aspect: masks resampled (token order "
+               "regions1x4x8)" in m for m in plan.stats.messages), plan.stats.messages
+
+    # a grid of another aspect (as many tokens): demoted at its first forward, records, writes; from then on each
+    # kind of request moves to the entry made for its grid
+    other = (2, 8, 4)
+    plan = retrieve_plan(ws, emb, latent)
+    _run_forwards(ChorusAttention(plan, CFG, INFO, record_region=region), other)
+    assert not plan.is_hit and "token grid (2, 8, 4) has another aspect than the entry's (2, 4, 8)" in plan.message
     assert plan.stats.sparse_calls == 0 and plan.stats.fallback_calls == 0 and plan.stats.recorded_calls == 6
     assert commit_plan(ws, plan).startswith("wrote entry 2"), plan.committed
-    for grid, own in ((whole, 2), (window, 1)):  # equal embeddings (ties rank the older first): each to its own
+    for grid, own in ((other, 2), (window, 1)):  # equal embeddings (ties rank the older first): each to its own
         plan = retrieve_plan(ws, emb, latent)
         _run_forwards(ChorusAttention(plan, CFG, INFO, record_region=region), grid)
         assert plan.is_hit and plan.entry_id == own and plan.token_grid == grid, plan.message
@@ -552,8 +562,8 @@ def test_the_grid_a_run_s_forwards_have_decides_how_a_hit_serves_its_entry(tmp_p
     handle = ChorusAttention(plan, CFG, INFO, record_region=region)
     _run_forwards(handle, window, sigmas=SIGMAS[:3])
     assert plan.is_hit and plan.entry_id == 1 and plan.stats.sparse_calls == 4
-    _run_forwards(handle, whole, sigmas=SIGMAS[2:])
-    assert not plan.is_hit and "not (3, 4, 8)" in plan.message and plan.recorder.incomplete_reason is not None
+    _run_forwards(handle, other, sigmas=SIGMAS[2:])
+    assert not plan.is_hit and "another aspect" in plan.message and plan.recorder.incomplete_reason is not None
 
 
 def _run_windows(handle, grids, sigmas=SIGMAS, layers=2):
@@ -574,7 +584,7 @@ def test_windows_of_two_lengths_in_one_run_are_recorded_and_served_at_the_first_
     window fix), and a batched schedule's last window is shorter: one run, forwards of two grids. A miss records
     every call at the first forward's grid (another grid's mass carried there, ``kernels.resample_block_map``); a
     hit of that entry resamples its maps to such a call's grid, every call sparse. In a token order (feature
-    reuse's regions) a call of another grid is neither recorded nor served from the maps: noted, dense."""
+    reuse's regions) the same, in the order of its kind at each grid."""
     window, anchored = (2, 5, 7), (3, 5, 7)
     ws = Workspace.open(tmp_path / "ws")
     emb = np.random.default_rng(6).standard_normal(24).astype(np.float32)
@@ -588,19 +598,25 @@ def test_windows_of_two_lengths_in_one_run_are_recorded_and_served_at_the_first_
     _run_windows(handle, [window, anchored])
     assert hit.is_hit and hit.stats.sparse_calls == 12 and hit.stats.fallback_calls == 0, hit.stats.messages
 
-    # a call of another grid in a token order: not recorded (noted), the rest is; a hit of it runs such calls dense
+    # in a token order (feature reuse's regions): the same, from the order at one grid to the order of its kind
+    # at the other
     window, anchored = (2, 4, 8), (3, 4, 8)  # feature reuse's region (1, 4, 8) is one 32-token block
     regions = Plan.miss("recording", embedding=emb, latent_shape=(16, 2, 8, 16))
     _run_windows(ChorusAttention(regions, CFG, INFO, record_region=(1, 4, 8)), [window, anchored])
-    assert regions.recorder.token_order is not None and regions.stats.recorded_calls == 6
-    assert any("calls of token grid (3, 4, 8) are not recorded: the entry records grid (2, 4, 8)" in m
-               for m in regions.stats.messages), regions.stats.messages
+    assert regions.recorder.token_order == "regions1x4x8" and regions.recorder.grid == window
+    assert regions.stats.recorded_calls == 12 and not regions.stats.messages, regions.stats.messages
     ws2 = Workspace.open(tmp_path / "ws2")
     assert commit_plan(ws2, regions).startswith("wrote entry 1")
     hit = retrieve_plan(ws2, emb, (16, 2, 8, 16))
-    _run_windows(ChorusAttention(hit, CFG, INFO), [window, anchored])
-    assert hit.is_hit and hit.stats.sparse_calls == 6 and hit.stats.fallback_calls == 6
-    assert any("cannot be resampled to (a token-order entry" in m for m in hit.stats.messages), hit.stats.messages
+    handle = ChorusAttention(hit, CFG, INFO)
+    _run_windows(handle, [window, anchored])
+    assert hit.is_hit and hit.stats.sparse_calls == 12 and hit.stats.fallback_calls == 0, hit.stats.messages
+    at_window, at_anchored = (cached_region_order(g, (1, 4, 8), BS) for g in (window, anchored))
+    assert hit.entry_order is at_window and handle.token_order(anchored) is at_anchored
+    entry_map = unpacked_map(hit.masks[(0, 0, 1, 0)])
+    served = stored_map(hit, 0, 0, 1, block_size=BS, top_p=CFG.top_p, k_min=CFG.k_min, grid=anchored)
+    assert torch.equal(served, kernels.resample_block_map(entry_map, window, anchored, block_size=BS,
+                                                          src_order=at_window, dst_order=at_anchored))
 
 
 def _run_some_steps(handle, sigmas, steps, layers=2):

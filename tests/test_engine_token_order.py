@@ -1,8 +1,8 @@
 """Token order in signatures, retrieval, the plan and the runtime (issue 17, part 2): an entry records
 the order its blocks were cut from (raster ``"thw"`` by default; entries without the field are raster;
 ``"regions..."`` when the request ran feature reuse, ``RegionTileOrder``); a hit runs in its entry's
-order, exactly; an order that cannot be rebuilt, or a tile-order entry of another grid, is a miss,
-never misread."""
+order, exactly (at another grid of the same aspect, resampled to the order of its kind there); an order
+that cannot be rebuilt is a miss, never misread."""
 
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 import torch
 
+from chorus import kernels
 from chorus.cache_store import Workspace
 from chorus.engine import ModelInfo, Plan, build_signature, latent_compatibility, retrieve_plan
-from chorus.engine.compat import TOKEN_ORDER, entry_token_order, token_order_name
+from chorus.engine.compat import TOKEN_ORDER, entry_token_order, grid_carry, order_at, order_of_kind, token_order_name
 from chorus.kernels.tile_order import RegionTileOrder, TileOrder, cached_region_order, cached_tile_order
 
 BS = 32
@@ -57,7 +58,9 @@ def test_latent_compatibility_by_order():
     assert latent_compatibility(signature("thw"), (16, 3, 20, 28))[0] == "resample"
     assert latent_compatibility(signature(tile), LATENT)[0] == "same"  # served in its own order
     verdict, why = latent_compatibility(signature(tile), (16, 3, 20, 28))
-    assert verdict == "incompatible" and "raster order only" in why  # no resampling of tile orders
+    assert verdict == "resample" and f"(token order {tile})" in why  # to the tile order of that grid
+    verdict, why = latent_compatibility(signature(tile), (16, 3, 28, 20))
+    assert verdict == "incompatible" and "another aspect" in why
     verdict, why = latent_compatibility(signature("zigzag"), LATENT)
     assert verdict == "incompatible" and "unknown token order" in why
     assert latent_compatibility(signature({"a": 1}), LATENT)[0] == "incompatible"
@@ -83,12 +86,25 @@ def test_retrieval_serves_every_rebuildable_order_and_misses_the_others(tmp_path
         assert "token order" in plan.message
 
 
-def test_a_hit_plan_takes_a_tile_order_entry_but_never_resamples_it():
+def test_a_hit_plan_takes_a_token_order_entry_and_serves_it_at_another_grid_in_the_order_of_its_kind_there():
     masks = {(0, 0, 0, 0): torch.ones(2, QB, QB, dtype=torch.bool)}
     tile = signature(TileOrder(GRID, BS).name)
     assert Plan("hit", entry_id=1, similarity=1.0, masks=masks, entry_meta={"signature": tile}).is_hit
-    with pytest.raises(ValueError, match="cannot be resampled"):
-        Plan("hit", entry_id=1, similarity=1.0, masks=masks, entry_meta={"signature": tile}, resample_to=(3, 10, 14))
+    resampled = Plan("hit", entry_id=1, similarity=1.0, masks=masks, entry_meta={"signature": tile},
+                     resample_to=(3, 10, 14))
+    assert resampled.entry_order == TileOrder(GRID, BS) and resampled.token_grid == (3, 10, 14)
+    assert order_at(resampled.entry_order, (3, 10, 14)) == cached_tile_order((3, 10, 14), BS)
+    assert order_at(resampled.entry_order, GRID) is resampled.entry_order and order_at(None, GRID) is None
+    regions = cached_region_order(RGRID, (2, 4, 4), BS)
+    assert order_at(regions, (5, 4, 8)) is cached_region_order((5, 4, 8), (2, 4, 4), BS)
+    assert order_of_kind("regions2x4x4", (5, 4, 8), BS) is cached_region_order((5, 4, 8), (2, 4, 4), BS)
+    assert order_of_kind("tile1x4x8-f4x8", (5, 4, 8), BS) == TileOrder((5, 4, 8), BS, serpentine=False)
+    for bad in ("zigzag", "regions2x8x8"):
+        with pytest.raises(ValueError):
+            order_of_kind(bad, (5, 4, 8), BS)
+    with pytest.raises(ValueError, match="out of range"):
+        order_at(regions, (10**6, 10**4, 10**4))
+    assert grid_carry(RGRID, (10**6, 10**3, 2 * 10**3), "regions2x4x4")[0] == "incompatible"
     with pytest.raises(ValueError, match="unreadable token order"):
         Plan("hit", entry_id=1, similarity=1.0, masks=masks, entry_meta={"signature": signature("zigzag")})
     assert Plan("hit", entry_id=1, similarity=1.0, masks=masks, entry_meta={"signature": signature(None)}).is_hit
@@ -167,3 +183,26 @@ def test_a_hit_runs_in_its_entrys_order_exactly():
     raster = kernels.block_sparse_attention(q, k, v, stored[None], block_size=BS, backend="reference",
                                             pooled_tail=True)
     assert not torch.allclose(out, raster, atol=1e-4)
+
+
+@pytest.mark.parametrize("keep_last_frame", [False, True])
+def test_a_call_carried_to_the_recorders_grid_keeps_the_end_image_only_where_it_is_the_suffix_there(keep_last_frame):
+    """A first-last-frame request in context windows with feature reuse: the caller checked the end image's frame
+    at the call's grid (5 frames: the region order's suffix), but the recording is at 4 frames, where that
+    order does not end with the last frame: the carried map keeps no trailing blocks for it."""
+    from chorus.engine.recorder import MassRecorder
+
+    window, anchored, bs = (4, 8, 8), (5, 8, 8), 32
+    assert cached_region_order(anchored, (2, 4, 4), bs).last_frame_is_suffix
+    assert not cached_region_order(window, (2, 4, 4), bs).last_frame_is_suffix
+    recorder = MassRecorder()
+    diagonal = lambda nb: torch.eye(nb)[None, None].expand(1, 2, nb, nb)  # noqa: E731
+    recorder.add(0, 1.0, 0, diagonal(8), grid=window, top_p=0.5, k_min=1, block_size=bs, token_order="regions2x4x4")
+    recorder.add(0, 1.0, 1, diagonal(10), grid=anchored, top_p=0.5, k_min=1, block_size=bs,
+                 token_order="regions2x4x4", keep_last_frame=keep_last_frame)
+    carried = recorder.block_maps()[(0, 0, 1, 0)]
+    plain = kernels.select_blocks(kernels.resample_block_map(diagonal(10), anchored, window, block_size=bs,
+                                                             src_order=cached_region_order(anchored, (2, 4, 4), bs),
+                                                             dst_order=cached_region_order(window, (2, 4, 4), bs)),
+                                  top_p=0.5, k_min=1, keep_diagonal=True)[0]
+    assert torch.equal(carried.reshape(plain.shape), plain)
