@@ -421,3 +421,37 @@ def test_the_benchmark_records_the_host_and_skips_dense_cudnn_where_it_sets_no_s
     assert results["comfyui"] == comfyui_version() != "unknown" and results["sdpa_order"] is None  # CPU: no order
     rows = {r["variant"]: r for r in results["runs"]}
     assert rows["dense"]["finite"] and "no SDPA backend order" in rows["dense_cudnn"]["skipped"]
+
+
+def test_comfy_e2e_benchmark_runs_a_request_in_context_windows(tmp_path, monkeypatch):
+    """``--frames 21 --windows 9 4``: every row's models in the core context-windows node (later ComfyUI's causal
+    window fix: the host's own from 0.28.2, a test double on 0.3.64), three windows, the later ones one anchor frame
+    longer. The miss records them all at the first window's grid; the hit with feature reuse runs every call sparse
+    and downsamples in the longer windows, its region scores carried to their grid."""
+    from chorus.benchmarks.comfy_e2e import run
+    from host import comfy038
+
+    monkeypatch.setenv("COMFYUI_DIR", str(tiny.find_comfyui_dir()))
+    monkeypatch.setenv("CHORUS_CACHE_DIR", str(tmp_path / "cache"))
+    if not run.host_runs_i2v_in_windows():  # 0.3.64: the later host's behaviour, as the windows' host test has it
+        comfy038.install_context_window_conds(monkeypatch)
+        comfy038.install_context_window_anchor(monkeypatch)
+        monkeypatch.setattr(run, "host_runs_i2v_in_windows", lambda: True)
+    assert run.main(["--tiny", "--out", str(tmp_path), "--variants", "miss", "hitfr", "--fr-share", "1.0",
+                     "--frames", "21", "--windows", "9", "4"]) == 0
+    results = json.loads((tmp_path / "comfy_e2e.json").read_text())
+    assert results["windows"]["latent_frames"] == 6 and len(results["windows"]["windows"]) == 3, results["windows"]
+    rows = {r["variant"]: r for r in results["runs"]}
+    assert rows["miss"]["write"].startswith("wrote entry") and rows["miss"]["tokens"] == 6 * 8 * 14
+    hit = rows["hitfr"]
+    assert hit["plan_kind"] == "hit" and hit["sparse_calls"] > 0 and hit["fallback_calls"] == 0, hit
+    assert hit["fr_blocks_reduced"] > 0 and all(r["finite"] for r in rows.values()), hit
+    assert any("carried to grid (4, 8, 14)" in m for m in hit["messages"]), hit["messages"]
+
+
+def test_the_benchmark_refuses_frames_that_are_not_4n_plus_1(tmp_path, capsys):
+    from chorus.benchmarks.comfy_e2e import run
+
+    with pytest.raises(SystemExit) as refused:
+        run.main(["--tiny", "--frames", "20", "--out", str(tmp_path)])
+    assert refused.value.code == 2 and "--frames must be 4n + 1, got 20" in capsys.readouterr().err

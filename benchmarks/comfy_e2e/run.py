@@ -1,7 +1,8 @@
 """The benchmark of record: Chorus II inside ComfyUI's own ``WanModel``, driven through the nodes.
 
 ``python -m benchmarks.comfy_e2e.run --comfyui DIR --out OUT [--model a14b | ti2v5b] [--res 480p 720p]
-[--weights bf16 fp8] [--variants dense miss hit15 hit5 hitfr] [--compile [--guard-filter]] [--layers 40] [--profile]``
+[--weights bf16 fp8] [--variants dense miss hit15 hit5 hitfr] [--compile [--guard-filter]] [--layers 40] [--profile]
+[--frames N --windows LENGTH OVERLAP]``
 (``--tiny``: the same code at toy sizes on the CPU, for tests; ``--profile``: one more step of each variant under
 ``torch.profiler``, its top kernels by GPU time in the JSON, and a hit's attention call's kernels beside
 its per-call time in the table).
@@ -25,6 +26,11 @@ What runs (everything side by side in one process, one GPU):
   over 20 steps, uni_pc / simple, cfg 5 (each step runs the model on the positive and the negative prompt),
   1280 x 704, 121 frames (31 latent frames of 48 channels, Wan 2.2's VAE: 27 280 tokens), the start image's latent
   in the first frame with the ``noise_mask`` that keeps it (as ``Wan22ImageToVideoLatent`` makes them).
+* ``--frames N --windows LENGTH OVERLAP``: a longer request (N pixel frames) whose every row runs its models through
+  the core "WAN Context Windows (Manual)" node (windows of LENGTH frames overlapping by OVERLAP, the node's
+  defaults otherwise; ComfyUI 0.28.2 or later, whose Wan node runs them with its causal window fix: every window
+  but the first one frame longer); the hits' entry is the miss's, recorded at the first window's grid, and the JSON
+  says which latent frames each window held (``windows``) and each row's feature-reuse block counts.
 * ``--hit-backends auto fa4_bf16 triton_bf16``: hit15 / hit5 once per sparse-attention backend of
   ``ChorusSparseSampler`` (rows ``hit15@fa4_bf16`` ...; ``auto`` is the plain row).
 * Variants: ``dense`` (the unpatched models: ComfyUI's default attention, SDPA in the host's backend order:
@@ -126,8 +132,10 @@ class Workflow:
     sampler: str
     image_in_channels: bool
 
-    def latent_shape(self, res: str) -> tuple:
-        h_px, w_px, frames = self.resolutions[res]
+    def latent_shape(self, res: str, frames: int | None = None) -> tuple:
+        """``[B, C, T, H, W]`` of a request at ``res`` (``frames``: pixel frames instead of the resolution's)."""
+        h_px, w_px, own_frames = self.resolutions[res]
+        frames = own_frames if frames is None else frames
         return 1, self.latent_channels, (frames - 1) // 4 + 1, h_px // self.vae_stride, w_px // self.vae_stride
 
 
@@ -194,6 +202,39 @@ def torch_compile_model(model, guard_filter: bool = False):
     set_torch_compile_wrapper(model=compiled, backend="inductor",
                               options={"guard_filter_fn": drop_transformer_options_guards})
     return compiled
+
+
+def host_runs_i2v_in_windows() -> bool:
+    """Whether this ComfyUI samples a Wan I2V model in context windows: from 0.28.2 (its context handler cuts
+    the image conditioning to each window and has the causal window fix, which the Wan node turns on); 0.3.64
+    leaves the conditioning whole."""
+    import inspect
+
+    from comfy.context_windows import IndexListContextHandler
+
+    return "causal_window_fix" in inspect.signature(IndexListContextHandler.__init__).parameters
+
+
+def context_windows(model, length: int, overlap: int):
+    """``model`` through the core "WAN Context Windows (Manual)" node as a user's graph runs it: windows of
+    ``length`` pixel frames overlapping by ``overlap``, the node's defaults otherwise (``standard_static``,
+    stride 1, no loop, ``pyramid`` fusing, FreeNoise on, and the host's causal window fix, which its Wan node turns
+    on)."""
+    import inspect
+
+    from comfy_extras.nodes_context_windows import WanContextWindowsManualNode
+
+    inputs = dict(context_length=length, context_overlap=overlap, context_schedule="standard_static",
+                  context_stride=1, closed_loop=False, fuse_method="pyramid")
+    if "freenoise" in inspect.signature(WanContextWindowsManualNode.execute).parameters:
+        inputs["freenoise"] = True
+    return WanContextWindowsManualNode.execute(model, **inputs).result[0]
+
+
+def windows_of(model, frames: int) -> list[list[int]]:
+    """The latent frames of each context window ``model``'s handler runs on a latent of ``frames`` latent frames."""
+    handler = model.model_options["context_handler"]
+    return [list(w) for w in handler.context_schedule.func(frames, handler, {})]
 
 
 def import_comfy(comfy_dir: Path, cpu: bool):
@@ -628,6 +669,8 @@ def run(args) -> dict:
     cpu = args.tiny or not torch.cuda.is_available()
     comfy_dir = Path(args.comfyui or os.environ.get("COMFYUI_DIR", ""))
     import_comfy(comfy_dir, cpu)
+    if args.windows and not host_runs_i2v_in_windows():
+        raise SystemExit("--windows needs ComfyUI 0.28.2 or later: this one samples no Wan I2V model in context windows")
     device = torch.device("cpu" if cpu else "cuda")
     root = Path(tempfile.mkdtemp(prefix="chorus_comfy_e2e_"))
     os.environ["CHORUS_CACHE_DIR"] = str(root)
@@ -664,11 +707,21 @@ def run(args) -> dict:
         experts = tuple(patcher for patcher, _ in built)
         results.setdefault("ops", {})[weights] = built[0][1]
         for res in args.res:
-            lat_shape = workflow.latent_shape(res)
+            lat_shape = workflow.latent_shape(res, args.frames)
             grid = token_grid(lat_shape)
             positive, negative, latent = conditioning(workflow, lat_shape, 7, end_image=args.end_image)
             pixels = start_image_pixels(workflow, res, 3)
             ws_miss, ws_hit = f"bench_{weights}_{res}_miss", f"bench_{weights}_{res}_hit"
+
+            def windowed(models):
+                """``models`` in context windows with ``--windows``, else as they are."""
+                if not args.windows:
+                    return tuple(models)
+                wrapped = tuple(context_windows(m, *args.windows) for m in models)
+                results["windows"] = {"context_length": args.windows[0], "context_overlap": args.windows[1],
+                                      "latent_frames": lat_shape[2],
+                                      "windows": windows_of(wrapped[0], lat_shape[2])}
+                return wrapped
 
             def retrieve(workspace):
                 t0 = time.perf_counter()
@@ -692,7 +745,7 @@ def run(args) -> dict:
                         if fr_share is not None:
                             m = ChorusFeatureReuse.execute(m, plan, downsample_share=fr_share).result[0]
                     models.append(m)
-                return models
+                return windowed(models)
 
             def timed(name, models, plan=None, again=None, profile_models=None):
                 """One row: a warm-up, then one timed request. ``again()`` (compiled rows): the
@@ -751,6 +804,8 @@ def run(args) -> dict:
                                blocks_computed=plan.stats.blocks_computed, blocks_total=plan.stats.blocks_total,
                                fallback_calls=plan.stats.fallback_calls, tail_calls=plan.stats.tail_calls,
                                messages=plan.stats.messages[:5],
+                               fr_blocks_reduced=plan.state.feature_reuse.blocks_reduced,
+                               fr_blocks_full=plan.state.feature_reuse.blocks_full,
                                image_frames=None if plan.state.image_frames is None else list(plan.state.image_frames))
                 if args.profile:
                     # the eager miss profiles a throwaway miss (one more step would record into the entry it is
@@ -774,6 +829,7 @@ def run(args) -> dict:
                     options.update(min_tokens=0, cuda_only=False)
                 try:
                     patched_pair = [sol_patched(m, **options) for m in experts]
+                    patched_pair = list(zip(windowed([m for m, _ in patched_pair]), [c for _, c in patched_pair]))
                 except ImportError as exc:
                     results["runs"].append({"weights": weights, "res": res, "variant": name, "skipped": str(exc)})
                     print(f"skipping {weights}/{res}/{name}: {exc}", flush=True)
@@ -825,15 +881,15 @@ def run(args) -> dict:
 
             if "dense" in args.variants:
                 if not args.compiled_only:
-                    timed("dense", experts)
+                    timed("dense", windowed(experts))
                 if compiling:
                     timed_compiled("dense")
             if "dense_rowmajor" in args.variants and not args.compiled_only:
-                timed("dense_rowmajor", row_major_models(experts))
+                timed("dense_rowmajor", windowed(row_major_models(experts)))
             if "dense_cudnn" in args.variants and not args.compiled_only:
                 try:
                     with sdpa_cudnn_first():
-                        timed("dense_cudnn", experts)
+                        timed("dense_cudnn", windowed(experts))
                         if results["runs"] and results["runs"][-1]["variant"] == "dense_cudnn":
                             results["runs"][-1]["sdpa_order"] = sdpa_order()
                 except RuntimeError as exc:
@@ -872,7 +928,9 @@ def run(args) -> dict:
                     if name in RASTER_VARIANTS:
                         meta["signature"]["token_order"] = "thw"
                     order = entry_token_order(meta["signature"])
-                    per_layer = structured_maps(grid, shape["num_heads"], density, shape["num_layers"], device, order)
+                    entry_grid = tuple(meta["signature"]["token_grid"])  # the first window's with --windows
+                    per_layer = structured_maps(entry_grid, shape["num_heads"], density, shape["num_layers"], device,
+                                                order)
                     ws.add(entry_plan.embedding, {key: per_layer[key[2]] for key in masks}, meta)
                     results.setdefault("entry_orders", {})[hit_ws] = meta["signature"].get("token_order")
                 if args.compiled_only:
@@ -897,7 +955,8 @@ def run(args) -> dict:
                 if name == "hitver":
                     results["runs"][-1]["verification"] = {str(e): dict(v) for e, v in plan.stats.verification.items()}
                 if name == "hit15" and device.type == "cuda":
-                    results["runs"][-1]["kernel_alone_ms"] = kernel_alone_ms(plan, grid, shape, kernels, sampler)
+                    results["runs"][-1]["kernel_alone_ms"] = kernel_alone_ms(plan, plan.token_grid, shape, kernels,
+                                                                             sampler)
                 if compiling and name in COMPILED_HITS:
                     timed_compiled(name)
             if compiling and "miss" in args.variants and (entry_plan is not None or args.compiled_only):
@@ -1128,6 +1187,12 @@ def main(argv=None) -> int:
                    help="also one step of each variant under torch.profiler: its top kernels by GPU time")
     p.add_argument("--fr-share", type=float, default=0.25,
                    help="ChorusFeatureReuse downsample_share of the miss and the hitfr rows (the node's default 0.25)")
+    p.add_argument("--frames", type=int, default=None,
+                   help="pixel frames of the request (4n + 1; default: the resolution's, 81 or 121)")
+    p.add_argument("--windows", type=int, nargs=2, default=None, metavar=("LENGTH", "OVERLAP"),
+                   help="every row's models in the core 'WAN Context Windows (Manual)' node: windows of LENGTH pixel "
+                        "frames overlapping by OVERLAP (ComfyUI >= 0.28.2, whose Wan node runs them with its causal "
+                        "window fix); with --frames longer than a window")
     p.add_argument("--end-image", action="store_true",
                    help="condition as WanFirstLastFrameToVideo (a start and an end image; Wan I2V models only): "
                         "the entries record and the hits check image frames [1, 1, 0]")
@@ -1138,6 +1203,8 @@ def main(argv=None) -> int:
         p.error("--compiled-only needs --compile")
     if args.guard_filter and not args.compile:
         p.error("--guard-filter needs --compile")
+    if args.frames is not None and (args.frames < 1 or args.frames % 4 != 1):
+        p.error(f"--frames must be 4n + 1, got {args.frames}")
     resolutions = WORKFLOWS[args.model].resolutions
     if args.tiny:
         args.res = ["tiny"]
@@ -1152,6 +1219,10 @@ def main(argv=None) -> int:
     if "compile_guard_filter" in results:
         print(f"compiled rows: {'with' if results['compile_guard_filter'] else 'without'} later ComfyUI's guard filter "
               "(no dynamo guard on transformer_options)")
+    if "windows" in results:
+        w = results["windows"]
+        print(f"context windows of {w['context_length']} frames, overlap {w['context_overlap']}: latent frames "
+              + ", ".join(f"{ws[0]}-{ws[-1]}" for ws in w["windows"]) + f" of {w['latent_frames']}")
     print(f"wall {results['wall_s']:.1f} s")
     return 0
 
