@@ -37,9 +37,11 @@ def stored_map(plan, expert: int, step: int, layer: int, *, block_size: int, top
 
     Entries store bool maps (possibly bit-packed, ``cache_store.PackedMap``: unpacked on ``device``);
     an entry that stores float block *mass* instead is turned into a map here with
-    ``select_blocks(top_p, k_min)`` (density chosen at retrieval time). Transformed maps are cached on
-    the CPU for the request (``plan.state.resampled``). Raises ``KeyError`` when the entry has no map
-    for the key, ``ValueError`` on a bad map.
+    ``select_blocks(top_p, k_min)`` (density chosen at retrieval time). A map is transformed where it is unpacked
+    (on a GPU ``device``: there, where a 720p map's resampling is two small products, while two CPU cores take
+    ~0.2 s and the map would go to the host and back; the run keeps each step's maps on the device,
+    :class:`RunMaps`); transformed on the CPU it is cached there for the request (``plan.state.resampled``). Raises ``KeyError`` when the entry has no map for the key,
+    ``ValueError`` on a bad map.
     """
     key = (expert, step, layer, 0)
     state = plan.state
@@ -70,11 +72,11 @@ def stored_map(plan, expert: int, step: int, layer: int, *, block_size: int, top
         src = tuple(int(g) for g in plan.entry_meta["signature"]["token_grid"])
         if target is not None and target != src:
             order = plan.entry_order
-            block_map = kernels.resample_block_map(block_map.cpu()[None], src, target, block_size=block_size,
+            block_map = kernels.resample_block_map(block_map[None], src, target, block_size=block_size,
                                                    src_order=order, dst_order=order_at(order, target))[0]
             transformed = True
-        if transformed:
-            state.resampled[cache_key] = block_map.cpu()
+        if transformed and block_map.device.type == "cpu":
+            state.resampled[cache_key] = block_map
         return block_map.to(device) if device is not None else block_map
 
 

@@ -145,6 +145,13 @@ def resample_block_map(block_map: torch.Tensor, src_grid, dst_grid, *, block_siz
         raise ValueError(f"block map grid {tuple(block_map.shape[-2:])} does not match src_grid {src_grid} "
                          f"at block size {block_size} (expected {(n_src, n_src)})")
     counts = _source_block_assignment(src_grid, dst_grid, block_size, src_order, dst_order).to(block_map.device)
+    if block_map.dtype == torch.bool and threshold == 0:
+        # any overlap: the 0/1 touch matrix in float32 (counts of kept source pairs, exact integers; twice as fast
+        # as float64 on a CPU, and what a GPU runs at full rate) decides the same pairs as the token shares would
+        touch = (counts > 0).float()
+        keep = (touch @ block_map.float() @ touch.transpose(0, 1)) > 0
+        keep[..., 0] |= ~keep.any(-1)  # a row covering nothing keeps its best-covered block (all tie at 0: the first)
+        return keep
     rows = counts / counts.sum(1, keepdim=True)  # [Qb_dst, Qb_src], each dst block's token share
     if block_map.dtype == torch.bool:
         covered = rows @ block_map.double() @ rows.transpose(0, 1)

@@ -25,10 +25,10 @@ def _qkv(seed):
     return [torch.randn(2, 4, L, 128, generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
 
 
-def _hit(block_map):
+def _hit(block_map, token_order=None):
     sig = {"format": 1, "family": "wan", "variant": INFO.variant, "experts": ["fp"], "num_layers": 1, "num_heads": 4,
-           "latent_shape": [16, 5, 60, 104], "token_grid": list(GRID), "block_size": 128, "token_order": "thw",
-           "step_sigmas": [0.9], "head_groups": 1}
+           "latent_shape": [16, 5, 60, 104], "token_grid": list(GRID), "block_size": 128,
+           "token_order": token_order or "thw", "step_sigmas": [0.9], "head_groups": 1}
     return Plan("hit", entry_id=1, similarity=1.0, masks={(0, 0, 0, 0): block_map}, entry_meta={"signature": sig})
 
 
@@ -111,33 +111,46 @@ def test_first_frame_bias_on_gpu(backend):
     assert (out.double() - want).abs().max().item() < 0.1 * (want - dense_attention_oracle(q, k, v)).abs().max().item()
 
 
-def test_windows_of_two_lengths_on_gpu_are_recorded_and_served():
+@pytest.mark.parametrize("region", [None, (2, 8, 8)])
+def test_windows_of_two_lengths_on_gpu_are_recorded_and_served(region):
     """Context windows of two lengths in one run (later ComfyUI's causal anchor frame): the miss carries the
     longer window's block mass to the first window's grid on the GPU, and the hit runs the longer window's call
-    sparse on its maps resampled to that grid, against the masked oracle of the map it used."""
+    sparse on its maps resampled to that grid (on the GPU, as on the CPU), against the masked oracle of the map it
+    used. ``region``: the miss records in feature reuse's region order, and the longer call runs in the region
+    order of its own grid."""
+    from chorus.engine.compat import order_at
+    from chorus.engine.maps import stored_map
+
     longer = (GRID[0] + 1, GRID[1], GRID[2])
     tokens = longer[0] * longer[1] * longer[2]
     g = torch.Generator(device="cuda").manual_seed(5)
     q2, k2, v2 = (torch.randn(1, 4, tokens, 128, generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     q1, k1, v1 = (t[:, :, :L].contiguous() for t in (q2, k2, v2))
     miss = Plan.miss("gpu", latent_shape=(16, 7, 60, 104))
-    recording = ChorusAttention(miss, SparseConfig(), INFO)
+    recording = ChorusAttention(miss, SparseConfig(), INFO, record_region=region)
     recording.begin_run([0.9, 0.0])
     for q, k, v, grid in ((q1, k1, v1, GRID), (q2, k2, v2, longer)):
         recording.self_attention(q, k, v, layer=0, sigma=0.9, grid=grid, dense_fn=sdpa)
     assert miss.stats.recorded_calls == 2 and miss.recorder.grid == GRID and not miss.stats.messages
     entry_map = miss.recorder.block_maps()[(0, 0, 0, 0)]
 
-    plan = _hit(entry_map)
+    plan = _hit(entry_map, None if region is None else recording.token_order(GRID).name)
     handle = ChorusAttention(plan, SparseConfig(k_min=4, backend="triton_bf16", pooled_tail=False), INFO)
     handle.begin_run([0.9, 0.0])
     handle.self_attention(q1, k1, v1, layer=0, sigma=0.9, grid=GRID, dense_fn=sdpa)
     out = handle.self_attention(q2, k2, v2, layer=0, sigma=0.9, grid=longer, dense_fn=sdpa)
     assert plan.stats.sparse_calls == 2 and plan.stats.fallback_calls == 0, plan.stats.messages
+    on_gpu = stored_map(plan, 0, 0, 0, block_size=128, top_p=0.9, k_min=4, device="cuda", grid=longer)
+    assert torch.equal(on_gpu.cpu(), stored_map(plan, 0, 0, 0, block_size=128, top_p=0.9, k_min=4, grid=longer))
     used, _ = handle.run.maps.map_for(0, 0, q2, None, longer)  # the call's map (built once, cached)
     assert used.shape[-1] == -(-tokens // 128) and used.device.type == "cuda"
-    oracle = dense_attention_oracle(q2, k2, v2, block_map=used, block_size=128)
-    eager = dense_attention_oracle(q2.double(), k2.double(), v2.double(), block_map=used, block_size=128)
+    order = order_at(plan.entry_order, longer)
+    assert (order is None) == (region is None) and handle.token_order(longer) is order
+    q, k, v = (t if order is None else order.to_tile(t, dim=2) for t in (q2, k2, v2))
+    oracle = dense_attention_oracle(q, k, v, block_map=used, block_size=128)
+    eager = dense_attention_oracle(q.double(), k.double(), v.double(), block_map=used, block_size=128)
+    if order is not None:
+        oracle, eager = (order.to_raster(t, dim=2) for t in (oracle, eager))
     bf16_eager = (eager.to(torch.bfloat16).double() - oracle).abs().max().item()
     assert (out.double() - oracle).abs().max().item() <= 4 * max(bf16_eager, 1e-3)
 
