@@ -228,7 +228,8 @@ def grid_carry(src_grid, dst_grid, token_order: str | None) -> tuple[str, str]:
     if token_order is not None and token_order not in RASTER_ORDER_NAMES and math.prod(dst) > MAX_ORDER_TOKENS:
         return "incompatible", f"token grid {dst} is too large to rebuild token order {token_order} at"
     in_order = "" if token_order is None or token_order in RASTER_ORDER_NAMES else f" (token order {token_order})"
-    return "resample", f"token grid {dst} differs from the entry's {src} with the same aspect: masks resampled{in_order}"
+    return "resample", (f"token grid {dst} differs from the entry's {src} with the same aspect: masks "
+                        f"resampled{in_order}")
 
 
 def latent_compatibility(entry_signature: dict, latent_shape) -> tuple[str, str]:

@@ -40,8 +40,8 @@ def stored_map(plan, expert: int, step: int, layer: int, *, block_size: int, top
     ``select_blocks(top_p, k_min)`` (density chosen at retrieval time). A map is transformed where it is unpacked
     (on a GPU ``device``: there, where a 720p map's resampling is two small products, while two CPU cores take
     ~0.2 s and the map would go to the host and back; the run keeps each step's maps on the device,
-    :class:`RunMaps`); transformed on the CPU it is cached there for the request (``plan.state.resampled``). Raises ``KeyError`` when the entry has no map for the key,
-    ``ValueError`` on a bad map.
+    :class:`RunMaps`); transformed on the CPU it is cached there for the request (``plan.state.resampled``).
+    Raises ``KeyError`` when the entry has no map for the key, ``ValueError`` on a bad map.
     """
     key = (expert, step, layer, 0)
     state = plan.state

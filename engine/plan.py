@@ -415,8 +415,8 @@ class Plan:
         whole latent's shape and the window's grid). The run's token grid is served by the rule retrieval
         applies to latents (:func:`~chorus.engine.compat.grid_compatibility`): before the request's first
         sparse call, the entry is served at that grid -- unresampled where it is the entry's own, resampled
-        where the aspect is the same (in a token order, to the order of its kind there; a note says so) --; later, calls of another grid
-        get the maps resampled one by one (``RunMaps``). When the entry does not serve every model met so
+        where the aspect is the same (in a token order, to the order of its kind there; a note says so) --; later,
+        calls of another grid get the maps resampled one by one (``RunMaps``). When the entry does not serve every model met so
         far (:meth:`expect_model` and earlier runs), this run or its grid, then before the request's first
         sparse call the hit moves to the most similar candidate that does (retrieval's ``reselect`` loads
         them, outside the plan's lock), with a note saying why; when none does, or sparse calls already ran,

@@ -489,10 +489,10 @@ def test_the_grid_a_run_s_forwards_have_decides_how_a_hit_serves_its_entry(tmp_p
     whole latent's shape and the window's grid, which retrieval (it sees the latent only) cannot tell from one
     recorded on the whole latent. The run's first forward tells the grid, and the rule retrieval applies to
     latents decides: a windowed request of another length serves the entry at its own grid (retrieval had it
-    resampled to the whole latent's), a request on the whole latent serves the entry resampled (in a token order, to the order of its kind at that grid). A
-    grid of another aspect cannot be served: before the first sparse call the hit moves to a candidate made for
-    the grid, or is demoted (a miss that records, so the request is written); such a grid met after sparse calls
-    ran demotes the plan and nothing is written."""
+    resampled to the whole latent's), a request on the whole latent serves the entry resampled (in a token order,
+    to the order of its kind at that grid). A grid of another aspect cannot be served: before the first sparse
+    call the hit moves to a candidate made for the grid, or is demoted (a miss that records, so the request is
+    written); such a grid met after sparse calls ran demotes the plan and nothing is written."""
     window, whole = (2, 5, 7), GRID
     ws = Workspace.open(tmp_path / "ws")
     emb = np.random.default_rng(4).standard_normal(24).astype(np.float32)

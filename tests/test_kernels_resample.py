@@ -142,7 +142,8 @@ def test_on_one_grid_carrying_between_orders_is_converting_them():
                                convert_mass(mass, tiles, regions, block_size=bs))
 
 
-@pytest.mark.parametrize("src,dst", [((6, 16, 16), (7, 16, 16)), ((7, 16, 16), (6, 16, 16)), ((6, 16, 16), (9, 24, 24))])
+@pytest.mark.parametrize("src,dst", [((6, 16, 16), (7, 16, 16)), ((7, 16, 16), (6, 16, 16)),
+                                     ((6, 16, 16), (9, 24, 24))])
 def test_a_local_pattern_in_region_order_survives_resampling_and_mass_keeps_its_rows(src, dst):
     """Feature reuse's region order (2x8x8 regions, one 128-token block each) at both grids: the carried map
     covers the pattern built natively at the destination and stays far from dense."""
@@ -172,7 +173,8 @@ def test_an_order_of_another_grid_or_block_size_is_refused():
 
 
 @pytest.mark.parametrize("src,dst", [((4, 16, 16), (5, 16, 16)), ((5, 16, 16), (4, 16, 16)),
-                                     ((6, 16, 24), (9, 24, 36)), ((7, 24, 24), (5, 16, 16)), ((3, 16, 16), (6, 16, 16))])
+                                     ((6, 16, 24), (9, 24, 36)), ((7, 24, 24), (5, 16, 16)),
+                                     ((3, 16, 16), (6, 16, 16))])
 def test_region_scores_are_carried_as_their_definition_says(src, dst):
     """Feature reuse's region scores (one per complete 2x8x8 region) at another grid: each destination region's
     score is the mean over its tokens of the source region its nearest source token lies in, tokens landing in

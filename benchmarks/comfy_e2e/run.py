@@ -670,7 +670,8 @@ def run(args) -> dict:
     comfy_dir = Path(args.comfyui or os.environ.get("COMFYUI_DIR", ""))
     import_comfy(comfy_dir, cpu)
     if args.windows and not host_runs_i2v_in_windows():
-        raise SystemExit("--windows needs ComfyUI 0.28.2 or later: this one samples no Wan I2V model in context windows")
+        raise SystemExit("--windows needs ComfyUI 0.28.2 or later: this one samples no Wan I2V model in context "
+                         "windows")
     device = torch.device("cpu" if cpu else "cuda")
     root = Path(tempfile.mkdtemp(prefix="chorus_comfy_e2e_"))
     os.environ["CHORUS_CACHE_DIR"] = str(root)
