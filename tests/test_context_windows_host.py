@@ -10,8 +10,8 @@ aspect: the entry is served resampled to it, in feature reuse's region order at 
 carried there (a grid of another aspect moves the hit or demotes it: ``tests/test_engine_runtime.py``). Later
 ComfyUI's causal window fix (the host's own on 0.28.2 and 0.33.0, where the Wan node turns it on; a test double
 on 0.3.64) runs windows of two lengths in one run: recorded and served at the first window's grid (the others'
-maps carried over), in raster order and in feature reuse's region order; the plain-windows test turns the
-host's fix off.
+maps carried over), in raster order and in feature reuse's region order, eagerly and under TorchCompileModel; the
+plain-windows test turns the host's fix off.
 0.3.64's windows leave Wan I2V's ``c_concat`` whole (an I2V model cannot sample in windows there); later
 ComfyUI cuts it to the window, as ``tests/host/comfy038.py``'s double does on 0.3.64.
 """
@@ -152,3 +152,41 @@ def test_windows_with_an_anchor_frame_are_recorded_and_served_whole(nodes, model
             reducible = STEPS * window_count * (tiny.TINY_LAYERS - 1)  # full_layers = 1
             assert hit.state.feature_reuse.blocks_reduced == reducible, hit.stats.messages
             assert any("carried to grid (6, 16, 16)" in m for m in hit.stats.messages), hit.stats.messages
+
+
+def test_windows_of_two_lengths_under_torch_compile_run_as_the_eager_request(nodes, model, monkeypatch):
+    """The anchored windows with feature reuse under TorchCompileModel (the host's compile wrapper with later
+    ComfyUI's guard filter; dynamo with aot_eager here): the miss records every window, the hit runs every call sparse
+    (layer 0 in full, the others on the compact sequence) and downsamples as many blocks as the eager hit, whose output
+    it gives. (On a torch whose dynamo cannot keep a Chorus forward compiled, the forward runs eagerly: the same
+    assertions hold.)"""
+    import torch._dynamo
+    from comfy_api.torch_helpers import set_torch_compile_wrapper
+    from torch._dynamo.utils import counters
+
+    if not _host_anchors_windows():
+        comfy038.install_context_window_anchor(monkeypatch)
+    compiled = model.clone()
+    set_torch_compile_wrapper(compiled, backend="aot_eager",
+                              options={"guard_filter_fn": comfy038.torch_compile_guard_filter})
+    window_count = _window_count(_windows(model, anchored=True))
+    calls = STEPS * window_count * tiny.TINY_LAYERS
+    feature_reuse, workspace = True, "anchored_compiled"
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        miss, samples = _request(nodes, compiled, windows=True, feature_reuse=feature_reuse, workspace=workspace,
+                                 anchored=True)
+        assert miss.stats.recorded_calls == calls and not miss.stats.messages, miss.stats.messages
+        assert "wrote entry 1" in nodes.ChorusCacheWrite.execute(latent={"samples": samples}, plan=miss).args[0]
+        eager, eager_samples = _request(nodes, model, windows=True, feature_reuse=feature_reuse, workspace=workspace,
+                                        anchored=True)
+        hit, samples = _request(nodes, compiled, windows=True, feature_reuse=feature_reuse, workspace=workspace,
+                                anchored=True)
+        assert counters["frames"]["ok"] > 0  # dynamo compiled frames of the compiled model's forwards
+    finally:
+        torch._dynamo.reset()
+    assert hit.is_hit and hit.stats.sparse_calls == calls and hit.stats.fallback_calls == 0, hit.stats.messages
+    assert hit.state.feature_reuse.blocks_reduced == eager.state.feature_reuse.blocks_reduced
+    assert hit.state.feature_reuse.blocks_reduced > 0
+    torch.testing.assert_close(samples, eager_samples, rtol=1e-4, atol=1e-4)
