@@ -225,9 +225,10 @@ def grid_carry(src_grid, dst_grid, token_order: str | None) -> tuple[str, str]:
         return "same", ""
     if not aspect_matches(src, dst):
         return "incompatible", f"token grid {dst} has another aspect than the entry's {src}"
-    if token_order is not None and token_order not in RASTER_ORDER_NAMES and math.prod(dst) > MAX_ORDER_TOKENS:
+    ordered = token_order is not None and token_order not in RASTER_ORDER_NAMES
+    if ordered and math.prod(dst) > MAX_ORDER_TOKENS:
         return "incompatible", f"token grid {dst} is too large to rebuild token order {token_order} at"
-    in_order = "" if token_order is None or token_order in RASTER_ORDER_NAMES else f" (token order {token_order})"
+    in_order = f" (token order {token_order})" if ordered else ""
     return "resample", (f"token grid {dst} differs from the entry's {src} with the same aspect: masks "
                         f"resampled{in_order}")
 

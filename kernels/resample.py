@@ -68,6 +68,14 @@ def _source_block_assignment(src_grid, dst_grid, block_size: int, src_order=None
     return counts
 
 
+@functools.lru_cache(maxsize=8)
+def _assignment_on(device: torch.device, src_grid, dst_grid, block_size: int, src_order, dst_order) -> torch.Tensor:
+    """:func:`_source_block_assignment` on ``device``, kept there: a run in context windows of two lengths
+    resamples every map of every step on the GPU (and a miss every longer window's call), where a fresh copy from
+    the host each time would wait for the GPU's queue."""
+    return _source_block_assignment(src_grid, dst_grid, block_size, src_order, dst_order).to(device)
+
+
 def resample_region_scores(scores: torch.Tensor, src_grid, dst_grid, region) -> torch.Tensor:
     """Carry per-region scores (feature reuse's redundancy) to another token grid of the same aspect.
 
@@ -144,7 +152,7 @@ def resample_block_map(block_map: torch.Tensor, src_grid, dst_grid, *, block_siz
     if block_map.dim() < 2 or tuple(block_map.shape[-2:]) != (n_src, n_src):
         raise ValueError(f"block map grid {tuple(block_map.shape[-2:])} does not match src_grid {src_grid} "
                          f"at block size {block_size} (expected {(n_src, n_src)})")
-    counts = _source_block_assignment(src_grid, dst_grid, block_size, src_order, dst_order).to(block_map.device)
+    counts = _assignment_on(block_map.device, src_grid, dst_grid, block_size, src_order, dst_order)
     if block_map.dtype == torch.bool and threshold == 0:
         # any overlap: the 0/1 touch matrix in float32 (counts of kept source pairs, exact integers; twice as fast
         # as float64 on a CPU, and what a GPU runs at full rate) decides the same pairs as the token shares would
