@@ -6,7 +6,6 @@ reuse's region order (``kernels.resample_block_map`` with the orders of both gri
 from __future__ import annotations
 
 import pytest
-import torch
 
 pytest.importorskip("skimage")
 
@@ -44,3 +43,17 @@ def test_a_map_carried_to_the_anchored_window_keeps_its_mass(region):
         if region is not None:  # the orders matter: the same map read in raster order at the longer grid misses
             misread = kernels.resample_block_map(recorded, first, anchored, block_size=128, src_order=orders[0])
             assert _recall(mass, misread) < _recall(mass, carried) - 0.02, key
+
+
+def test_the_windows_script_writes_its_table(tmp_path):
+    import json
+
+    from chorus.benchmarks.quality import windows
+
+    assert windows.main(["--out", str(tmp_path), "--first", "5", "16", "24", "--images", "astronaut"]) == 0
+    res = json.loads((tmp_path / "windows.json").read_text())
+    maps = {(r["order"], r["map"]) for r in res["rows"]}
+    assert maps == {(o, m) for o in ("raster", "regions2x8x8")
+                    for m in (*windows.CARRIES, "own top-p 0.9", "own top-p 0.95")}
+    own = {r["order"]: r["recall"] for r in res["rows"] if r["map"] == "own top-p 0.9"}
+    assert all(0.89 <= v <= 1.0 for v in own.values()) and res["longer"] == [6, 16, 24]
