@@ -158,7 +158,7 @@ def test_windows_of_two_lengths_under_torch_compile_run_as_the_eager_request(nod
     """The anchored windows with feature reuse under TorchCompileModel (the host's compile wrapper with later
     ComfyUI's guard filter; dynamo with aot_eager here): the miss records every window, the hit runs every call sparse
     (layer 0 in full, the others on the compact sequence) and downsamples as many blocks as the eager hit, whose output
-    it gives. (On a torch whose dynamo cannot keep a Chorus forward compiled, the forward runs eagerly: the same
+    it gives; a second compiled hit compiles no new frame and breaks no more graphs. (On a torch whose dynamo cannot keep a Chorus forward compiled, the forward runs eagerly: the same
     assertions hold.)"""
     import torch._dynamo
     from comfy_api.torch_helpers import set_torch_compile_wrapper
@@ -184,6 +184,12 @@ def test_windows_of_two_lengths_under_torch_compile_run_as_the_eager_request(nod
         hit, samples = _request(nodes, compiled, windows=True, feature_reuse=feature_reuse, workspace=workspace,
                                 anchored=True)
         assert counters["frames"]["ok"] > 0  # dynamo compiled frames of the compiled model's forwards
+        compiled_after_first = (dict(counters["frames"]), sum(counters["graph_break"].values()))
+        again, _ = _request(nodes, compiled, windows=True, feature_reuse=feature_reuse, workspace=workspace,
+                            anchored=True)
+        # a second hit of the same shape compiles nothing and breaks no more (both window grids were met before)
+        assert (dict(counters["frames"]), sum(counters["graph_break"].values())) == compiled_after_first
+        assert again.stats.sparse_calls == calls and again.stats.fallback_calls == 0
     finally:
         torch._dynamo.reset()
     assert hit.is_hit and hit.stats.sparse_calls == calls and hit.stats.fallback_calls == 0, hit.stats.messages
