@@ -16,7 +16,8 @@ workflow the test calls ``app.loadGraphData(workflow)`` and checks:
 and saves a screenshot ``<workflow>.png`` (under ``$CHORUS_SCREENSHOT_DIR`` when set, else a pytest
 temporary folder; the path is printed).
 
-Skips, with the reason, without a ComfyUI checkout, without the ``playwright`` package or without a
+A workflow made for a later ComfyUI (``comfy_host.LATER_HOST_WORKFLOWS``: the long video in context windows,
+0.28.2 or later) skips on an earlier one, with the reason. Skips, with the reason, without a ComfyUI checkout, without the ``playwright`` package or without a
 Chromium binary (``$CHROMIUM``, /usr/bin/chromium). Install: ``apt-get install -y chromium`` and
 ``pip install playwright`` (never ``playwright install``).
 """
@@ -165,6 +166,8 @@ def _default(spec) -> object:
 
 @pytest.mark.parametrize("ui_path", UI_FILES, ids=lambda p: p.stem)
 def test_graph_editor_loads_workflow(ui_path, browser_page, screenshot_dir):
+    if reason := _host().later_host_needed(ui_path.stem, _host().shared_object_info()):
+        pytest.skip(reason)
     page, events = browser_page
     workflow = json.loads(ui_path.read_text(encoding="utf-8"))
     page.evaluate("() => window.app.graph.clear()")

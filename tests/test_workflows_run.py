@@ -17,6 +17,11 @@ server (``host/run_host.py``), so each graph runs as committed:
   (``clip_vision_output`` -> the model's ``clip_fea``; ChorusMaskRetrieve embeds it) -> KSampler uni_pc,
   cfg 6;
 
+- the long video (Wan 2.2 A14B 4-step in ComfyUI's Wan context windows, with feature reuse): 17 frames in
+  windows of 9 overlapping by 4 (two windows of three latent frames; from 0.28.2 on the second gets the frame
+  before it, the host's causal window fix); on 0.3.64 the run server cuts the image conditioning to each
+  window as later ComfyUI does (``tests/host/conditioning_node.py``);
+
 then VAEDecode -> CreateVideo -> SaveVideo, ChorusCacheWrite on the last sampler's latent. Two
 changes a CPU test needs: the umt5-xxl text encoder (11 GB, fixed size) is replaced by a test-only
 node giving random CONDITIONING, and the video is 64x64, 5 frames (and the 20-step graphs sample 4 steps). Each workflow is queued twice
@@ -45,12 +50,15 @@ from host import tiny_wan as tiny  # noqa: E402
 from host import run_host  # noqa: E402
 SKIP_REASON = tiny.import_comfy()
 WORKFLOWS = ["chorus_wan22_a14b_i2v_4step", "chorus_wan22_a14b_i2v_4step_feature_reuse",
-             "chorus_wan22_a14b_flf2v_4step", "chorus_wan22_ti2v_5b", "chorus_wan21_i2v_14b"]
+             "chorus_wan22_a14b_flf2v_4step", "chorus_wan22_a14b_i2v_4step_long", "chorus_wan22_ti2v_5b",
+             "chorus_wan21_i2v_14b"]
+# the long video on the CPU: 17 pixel frames (5 latent) in windows of 9 (3 latent) overlapping by 4 (1 latent)
+LONG_FRAMES, LONG_WINDOW, LONG_OVERLAP, LONG_WINDOWS = 17, 9, 4, 2
 CPU_STEPS = 4  # the 20-step KSampler graphs (5B, 2.1) run 4 steps here (same sampler, scheduler, cfg)
 # model calls per request (ComfyUI batches cond and uncond into one call on CPU): A14B 2 steps per
 # expert, cfg 1; 5B and 2.1 4 steps uni_pc (one model call per step)
 MODEL_CALLS = {"chorus_wan22_a14b_i2v_4step": 2 * 2, "chorus_wan22_a14b_i2v_4step_feature_reuse": 2 * 2,
-               "chorus_wan22_a14b_flf2v_4step": 2 * 2,
+               "chorus_wan22_a14b_flf2v_4step": 2 * 2, "chorus_wan22_a14b_i2v_4step_long": 2 * 2 * LONG_WINDOWS,
                "chorus_wan22_ti2v_5b": CPU_STEPS, "chorus_wan21_i2v_14b": CPU_STEPS}
 
 
@@ -95,7 +103,10 @@ def key_of(api: dict, node: dict) -> str:
 
 def cpu_sized(api: dict, *, seed: int, noise: float, workspace: str, length: int = 5) -> dict:
     """The committed graph with the text encoder replaced by test conditioning and a 64x64 video of ``length``
-    frames (5: two latent frames; 9: three, so that an end image has a frame of its own)."""
+    frames (5: two latent frames; 9: three, so that an end image has a frame of its own); a graph in context
+    windows: :data:`LONG_FRAMES` in windows of :data:`LONG_WINDOW` overlapping by :data:`LONG_OVERLAP`."""
+    if any(node["class_type"] == "WanContextWindowsManual" for node in api.values()):
+        length = LONG_FRAMES
     graph = json.loads(json.dumps(api))
     clip_ids = [k for k, v in graph.items() if v["class_type"] == "CLIPLoader"]
     text_ids = [k for k, v in graph.items() if v["class_type"] == "CLIPTextEncode"]
@@ -111,6 +122,8 @@ def cpu_sized(api: dict, *, seed: int, noise: float, workspace: str, length: int
                 node["inputs"][name] = ["900", 0 if value[0] == positive_id else 1]
         if node["class_type"] in ("WanImageToVideo", "Wan22ImageToVideoLatent", "WanFirstLastFrameToVideo"):
             node["inputs"].update(width=64, height=64, length=length)
+        if node["class_type"] == "WanContextWindowsManual":
+            node["inputs"].update(context_length=LONG_WINDOW, context_overlap=LONG_OVERLAP)
         if node["class_type"] == "KSampler":
             node["inputs"]["steps"] = min(node["inputs"]["steps"], CPU_STEPS)
         if node["class_type"] == "ChorusMaskRetrieve":

@@ -24,6 +24,7 @@ EXPECTED = {
     "chorus_wan22_a14b_i2v_4step",
     "chorus_wan22_a14b_i2v_4step_feature_reuse",
     "chorus_wan22_a14b_flf2v_4step",
+    "chorus_wan22_a14b_i2v_4step_long",
     "chorus_wan22_ti2v_5b",
     "chorus_wan21_i2v_14b",
 }
@@ -136,13 +137,21 @@ def test_chorus_wiring_follows_the_contract(ui_path):
         assert r["inputs"]["start_image"] == first_last[0]["inputs"]["start_image"] != r["inputs"]["end_image"]
     assert api[r["inputs"]["positive"][0]]["class_type"] == "CLIPTextEncode"
     # Every sampler runs a model patched by ChorusSparseSampler (and, in the feature-reuse variant,
-    # ChorusFeatureReuse and ChorusGuidanceBoost) with the one plan, on top of ModelSamplingSD3.
+    # ChorusFeatureReuse and ChorusGuidanceBoost; in the long video, ChorusFeatureReuse under ComfyUI's Wan
+    # context windows, the node next to the sampler) with the one plan, on top of ModelSamplingSD3.
     sparse = _by_type(api, "ChorusSparseSampler")
     assert len(sparse) == len(samplers)
     chorus_model_nodes = ("ChorusSparseSampler", "ChorusFeatureReuse", "ChorusGuidanceBoost")
+    long_video = ui_path.stem.endswith("_long")
+    assert len(_by_type(api, "WanContextWindowsManual")) == (len(samplers) if long_video else 0)
     chains = []
     for s in samplers.values():
         node_id, chain = s["inputs"]["model"][0], []
+        if long_video:
+            windows = api[node_id]
+            assert windows["class_type"] == "WanContextWindowsManual"
+            assert (windows["inputs"]["context_length"], windows["inputs"]["context_overlap"]) == (81, 30)
+            node_id = windows["inputs"]["model"][0]
         while api[node_id]["class_type"] in chorus_model_nodes:
             assert api[node_id]["inputs"]["plan"] == [retrieve_id, 0]
             chain.append(api[node_id]["class_type"])
@@ -153,6 +162,8 @@ def test_chorus_wiring_follows_the_contract(ui_path):
     assert len(set(chains)) == 1, "every expert must be patched the same way"
     if "feature_reuse" in ui_path.stem:
         assert set(chains[0]) == set(chorus_model_nodes)
+    elif long_video:
+        assert chains[0] == ("ChorusFeatureReuse", "ChorusSparseSampler")
     else:
         assert chains[0] == ("ChorusSparseSampler",)
     # The cache write takes the last sampler's latent (so it runs after sampling) and the plan.
@@ -165,7 +176,7 @@ def test_chorus_wiring_follows_the_contract(ui_path):
 
 
 @pytest.mark.parametrize("name", ["chorus_wan22_a14b_i2v_4step", "chorus_wan22_a14b_i2v_4step_feature_reuse",
-                                  "chorus_wan22_a14b_flf2v_4step"])
+                                  "chorus_wan22_a14b_flf2v_4step", "chorus_wan22_a14b_i2v_4step_long"])
 def test_a14b_is_the_4step_lora_2_plus_2_graph(name):
     api = _load(WORKFLOWS_DIR / "api" / f"{name}_api.json")
     unets = sorted(v["inputs"]["unet_name"] for v in _by_type(api, "UNETLoader").values())
@@ -221,6 +232,7 @@ TEMPLATE_OF = {
     "chorus_wan22_a14b_i2v_4step": "video_wan2_2_14B_i2v.json",
     "chorus_wan22_a14b_i2v_4step_feature_reuse": "video_wan2_2_14B_i2v.json",
     "chorus_wan22_a14b_flf2v_4step": "video_wan2_2_14B_flf2v.json",
+    "chorus_wan22_a14b_i2v_4step_long": "video_wan2_2_14B_i2v.json",
     "chorus_wan22_ti2v_5b": "video_wan2_2_5B_ti2v.json",
     "chorus_wan21_i2v_14b": "image_to_video_wan.json",
 }

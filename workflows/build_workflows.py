@@ -86,6 +86,13 @@ NODE_SPECS: dict[str, dict] = {
         ],
         outputs=[("LATENT", "LATENT")],
     ),
+    # ComfyUI 0.28.2 and later (0.3.64's node has the first six widgets only, and its windows cannot sample Wan I2V)
+    "WanContextWindowsManual": dict(
+        sockets=[("model", "MODEL")],
+        widgets=["context_length", "context_overlap", "context_schedule", "context_stride", "closed_loop",
+                 "fuse_method", "freenoise", "retain_first_frame", "split_conds_to_windows"],
+        outputs=[("MODEL", "MODEL")],
+    ),
     "VAEDecode": dict(sockets=[("samples", "LATENT"), ("vae", "VAE")], widgets=[], outputs=[("IMAGE", "IMAGE")]),
     "CreateVideo": dict(sockets=[("images", "IMAGE"), ("audio", "AUDIO")], widgets=["fps"], outputs=[("VIDEO", "VIDEO")]),
     "SaveVideo": dict(sockets=[("video", "VIDEO")], widgets=["filename_prefix", "format", "codec"], outputs=[]),
@@ -129,7 +136,8 @@ DISPLAY_NAMES = {
     "CLIPVisionLoader": "Load CLIP Vision", "CLIPVisionEncode": "CLIP Vision Encode", "LoadImage": "Load Image",
     "CLIPTextEncode": "CLIP Text Encode (Prompt)", "KSamplerAdvanced": "KSampler (Advanced)",
     "VAEDecode": "VAE Decode", "CreateVideo": "Create Video", "SaveVideo": "Save Video",
-    "PreviewImage": "Preview Image", "ChorusMaskRetrieve": "Chorus Mask Retrieve",
+    "PreviewImage": "Preview Image", "WanContextWindowsManual": "Wan Context Windows",
+    "ChorusMaskRetrieve": "Chorus Mask Retrieve",
     "ChorusSparseSampler": "Chorus Sparse Sampler", "ChorusFeatureReuse": "Chorus Feature Reuse",
     "ChorusGuidanceBoost": "Chorus Guidance Boost", "ChorusCacheWrite": "Chorus Cache Write",
 }
@@ -289,16 +297,21 @@ def _chorus_tail(g: Graph, plan_node, final_latent_node, vae, fps, prefix, x, y)
           title="Chorus mask preview")
 
 
-def wan22_a14b_i2v_4step(feature_reuse: bool = False, first_last: bool = False) -> Graph:
+def wan22_a14b_i2v_4step(feature_reuse: bool = False, first_last: bool = False, long_video: bool = False) -> Graph:
     """Wan 2.2 A14B I2V, lightx2v 4-step LoRAs: high-noise expert steps 0-2, low-noise expert 2-4, cfg 1.
 
     ``feature_reuse``: each expert's model also goes through ChorusFeatureReuse (downsample_share
     0.25) and ChorusGuidanceBoost (strength 0.5, image_strength 0.5, cfg_strength 0), same plan, after ChorusSparseSampler.
     ``first_last``: a start and an end image through WanFirstLastFrameToVideo (ComfyUI's Wan 2.2 14B
     first-last-frame template) instead of WanImageToVideo's start image.
+    ``long_video``: 161 frames in ComfyUI's Wan context windows (81 frames overlapping by 30, the node's
+    defaults but the static schedule) after ChorusSparseSampler and ChorusFeatureReuse (0.25) on each expert;
+    needs ComfyUI 0.28.2 or later.
     """
     if first_last:
         g = Graph("chorus_wan22_a14b_flf2v_4step")
+    elif long_video:
+        g = Graph("chorus_wan22_a14b_i2v_4step_long")
     else:
         g = Graph("chorus_wan22_a14b_i2v_4step" + ("_feature_reuse" if feature_reuse else ""))
     extra = ("With **ChorusFeatureReuse** (on a hit, redundant regions run at a downsampled resolution) and "
@@ -308,7 +321,14 @@ def wan22_a14b_i2v_4step(feature_reuse: bool = False, first_last: bool = False) 
         extra = ("A start and an end image (**WanFirstLastFrameToVideo**). An entry records which latent frames "
                  "held an image: a first-last-frame request reuses only entries of first-last-frame requests, "
                  "never a start-image-only one (nor the other way round), in the same workspace.\n\n")
-    title = "First-Last Frame" if first_last else "I2V"
+    if long_video:
+        extra = ("A long video: 161 frames (10 s at 16 fps) sampled in ComfyUI's **Wan Context Windows** of 81 "
+                 "frames overlapping by 30, with **ChorusFeatureReuse** on each expert. **Needs ComfyUI 0.28.2 or "
+                 "later** (earlier releases cannot sample Wan I2V in windows). A miss records every window; a hit "
+                 "runs every window sparse (the later windows, one frame longer, get the maps resampled). Measured "
+                 "on an H100 (ComfyUI 0.33.0, 720p in two windows): a hit 3.9x ComfyUI's dense request, 4.7x with "
+                 "feature reuse.\n\n")
+    title = "First-Last Frame" if first_last else "I2V, long video" if long_video else "I2V"
     g.add("MarkdownNote", {"text": (
         f"## Chorus II — Wan 2.2 A14B {title}, 4-step LoRA (2 + 2 steps, cfg 1)\n\n"
         "Both experts are patched by **ChorusSparseSampler** with the **same plan** from "
@@ -343,7 +363,8 @@ def wan22_a14b_i2v_4step(feature_reuse: bool = False, first_last: bool = False) 
                     {"positive": (pos, 0), "negative": (neg, 0), "vae": (vae, 0), "start_image": (image, 0),
                      "end_image": (end, 0)}, pos=(420, 620), size=(300, 230))
     else:
-        i2v = g.add("WanImageToVideo", {"width": 640, "height": 640, "length": 81, "batch_size": 1},
+        i2v = g.add("WanImageToVideo", {"width": 640, "height": 640, "length": 161 if long_video else 81,
+                                         "batch_size": 1},
                     {"positive": (pos, 0), "negative": (neg, 0), "vae": (vae, 0), "start_image": (image, 0)},
                     pos=(420, 620), size=(300, 190))
     request = {"latent": (i2v, 2), "start_image": (image, 0), "positive": (pos, 0)}
@@ -356,6 +377,21 @@ def wan22_a14b_i2v_4step(feature_reuse: bool = False, first_last: bool = False) 
     sparse_low = g.add("ChorusSparseSampler", CHORUS_SPARSE, {"model": (shift_low, 0), "plan": (retrieve, 0)},
                        pos=(1240, 200), size=(300, 160), title="ChorusSparseSampler (low-noise)", color=CHORUS_COLOR)
     model_high, model_low = sparse_high, sparse_low
+    if long_video:
+        for expert, y in (("high", 420), ("low", 560)):
+            reuse = g.add("ChorusFeatureReuse", {"downsample_share": 0.25},
+                          {"model": (sparse_high if expert == "high" else sparse_low, 0), "plan": (retrieve, 0)},
+                          pos=(1240, y), size=(300, 80), title=f"ChorusFeatureReuse ({expert}-noise)",
+                          color=CHORUS_COLOR)
+            windows = g.add("WanContextWindowsManual", {
+                "context_length": 81, "context_overlap": 30, "context_schedule": "standard_static", "context_stride": 1,
+                "closed_loop": False, "fuse_method": "pyramid", "freenoise": True, "retain_first_frame": False,
+                "split_conds_to_windows": False}, {"model": (reuse, 0)}, pos=(1240, 700 + (y - 420) * 2),
+                size=(300, 250), title=f"Wan Context Windows ({expert}-noise)")
+            if expert == "high":
+                model_high = windows
+            else:
+                model_low = windows
     if feature_reuse:
         reuse_high = g.add("ChorusFeatureReuse", {"downsample_share": 0.25},
                            {"model": (sparse_high, 0), "plan": (retrieve, 0)}, pos=(1240, 420), size=(300, 80),
@@ -379,7 +415,8 @@ def wan22_a14b_i2v_4step(feature_reuse: bool = False, first_last: bool = False) 
         "scheduler": "simple", "start_at_step": 2, "end_at_step": 4, "return_with_leftover_noise": "disable"},
         {"model": (model_low, 0), "positive": (i2v, 0), "negative": (i2v, 1), "latent_image": (sample_high, 0)},
         pos=(1920, 0), size=(300, 340), title="KSamplerAdvanced (low-noise, steps 2-4)")
-    prefix = "video/chorus_wan22_a14b" + ("_flf2v" if first_last else "_feature_reuse" if feature_reuse else "")
+    prefix = "video/chorus_wan22_a14b" + ("_flf2v" if first_last else "_feature_reuse" if feature_reuse
+                                          else "_long" if long_video else "")
     _chorus_tail(g, retrieve, sample_low, vae, 16.0, prefix, 1580, 400)
     return g
 
@@ -468,8 +505,12 @@ def wan22_a14b_flf2v_4step() -> Graph:
     return wan22_a14b_i2v_4step(first_last=True)
 
 
-WORKFLOWS = (wan22_a14b_i2v_4step, wan22_a14b_i2v_4step_feature_reuse, wan22_a14b_flf2v_4step, wan22_ti2v_5b,
-             wan21_i2v_14b)
+def wan22_a14b_i2v_4step_long() -> Graph:
+    return wan22_a14b_i2v_4step(long_video=True)
+
+
+WORKFLOWS = (wan22_a14b_i2v_4step, wan22_a14b_i2v_4step_feature_reuse, wan22_a14b_flf2v_4step,
+             wan22_a14b_i2v_4step_long, wan22_ti2v_5b, wan21_i2v_14b)
 
 
 def main() -> int:

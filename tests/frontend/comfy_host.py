@@ -45,6 +45,25 @@ class ComfyServer(ComfyHost):
         atexit.register(self.stop)
 
 
+# Workflows made for a later ComfyUI than CI's 0.3.64: name -> (a node type, an input of it that release
+# added, the release). Wan I2V samples in context windows from 0.28.2 on (0.3.64's windows leave its image
+# conditioning whole), whose Wan context-windows node also has more widgets.
+LATER_HOST_WORKFLOWS = {"chorus_wan22_a14b_i2v_4step_long": ("WanContextWindowsManual", "freenoise", "0.28.2")}
+
+
+def later_host_needed(name: str, object_info: dict) -> str | None:
+    """Why workflow ``name`` cannot be checked against this ComfyUI's node definitions (a skip reason), or None."""
+    need = LATER_HOST_WORKFLOWS.get(name)
+    if need is None:
+        return None
+    node_type, input_name, release = need
+    inputs = object_info.get(node_type, {}).get("input", {})
+    if input_name in inputs.get("required", {}) or input_name in inputs.get("optional", {}):
+        return None
+    return (f"{name} needs ComfyUI {release} or later: this ComfyUI's {node_type} has no {input_name!r} input "
+            "(its context windows cannot sample Wan I2V)")
+
+
 _SHARED: dict[str, object] = {}
 
 

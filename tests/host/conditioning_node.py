@@ -10,9 +10,14 @@ ChorusTestSageCalls(latent) -> UI text ``"sage calls N"``: how many times ComfyU
 Counted only when the server runs with env ``CHORUS_TEST_COUNT_SAGE=1``: the test wraps
 ``comfy.ldm.modules.attention.sageattn`` (the name ``attention_sage`` calls) at import time; the
 ``latent`` input only orders the node after sampling.
+
+With env ``CHORUS_TEST_WINDOW_CONDS=1`` (the run server's), ComfyUI's context windows cut Wan I2V's image
+conditioning to each window as ComfyUI 0.28.2 and later do (``comfy038.install_context_window_conds``, copied
+beside this file; a no-op where the host cuts it itself), so a long-video workflow samples on 0.3.64 too.
 """
 
 import os
+import types
 
 import torch
 
@@ -36,6 +41,11 @@ def _wrap_sage():
 
 if os.environ.get("CHORUS_TEST_COUNT_SAGE") == "1":
     _wrap_sage()
+
+if os.environ.get("CHORUS_TEST_WINDOW_CONDS") == "1":
+    from . import comfy038  # noqa: E402 (tests/host/comfy038.py, copied into this test-only node's folder)
+
+    comfy038.install_context_window_conds(types.SimpleNamespace(setattr=setattr))  # for good: one server process
 
 
 class ChorusTestConditioning:

@@ -43,7 +43,9 @@ def shared_run_host():
             for sub in ("loras", "clip_vision"):
                 (base / "models" / sub).mkdir(parents=True, exist_ok=True)
             try:
-                host = hostlib.ComfyHost(tiny.find_comfyui_dir(), base, startup_timeout=180)
+                # later ComfyUI's window conds on a host without them (the long-video workflow; conditioning_node.py)
+                host = hostlib.ComfyHost(tiny.find_comfyui_dir(), base, startup_timeout=180,
+                                         extra_env={"CHORUS_TEST_WINDOW_CONDS": "1"})
             except RuntimeError:
                 shutil.rmtree(base, ignore_errors=True)
                 raise

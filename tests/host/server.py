@@ -40,6 +40,7 @@ def prepare_base(base_dir: Path) -> Path:
     nodes = base_dir / "custom_nodes" / TEST_NODES
     nodes.mkdir(exist_ok=True)
     shutil.copyfile(Path(__file__).parent / "conditioning_node.py", nodes / "__init__.py")
+    shutil.copyfile(Path(__file__).parent / "comfy038.py", nodes / "comfy038.py")  # its window conds (env-gated)
     return base_dir
 
 
