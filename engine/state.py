@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from ..kernels import aspect_matches, resample_region_scores
 from .recorder import MassRecorder
 from .routing import SigmaSchedule
 
@@ -105,8 +106,11 @@ class PlanStats:
 class FeatureReuseState:
     """Request-wide feature-reuse state (``plan.state.feature_reuse``), shared by every patched model.
 
-    Recording: sums of per-region redundancy per (expert, step sigma). Acting: counters of the block calls
-    reduced and run in full, and of the tokens saved, for the UI.
+    Recording: sums of per-region redundancy per (expert, step sigma, token grid). The first call's grid is the
+    entry's; calls at another grid of the same aspect (context windows of two lengths, whose schedule may give a
+    step no window at the first grid) are summed apart and carried to it when exported; another aspect or
+    region geometry is not recorded. Acting: counters of the block calls reduced and run in full, and of the
+    tokens saved, for the UI.
     """
 
     def __init__(self):
@@ -114,9 +118,9 @@ class FeatureReuseState:
         self.grid = None
         self.region = None
         self.pool = None
-        # (expert, sigma) -> [sum [R] float64, count (0-dim float64)], both on the recording's device: a
+        # (expert, sigma, grid) -> [sum [R] float64, count (0-dim float64)], both on the recording's device: a
         # block call adds to them without waiting for the GPU; export() reads them once
-        self.sums: dict[tuple[int, float], list] = {}
+        self.sums: dict[tuple[int, float, tuple], list] = {}
         self.blocks_reduced = 0
         self.blocks_full = 0
         self.tokens_saved = 0
@@ -126,12 +130,14 @@ class FeatureReuseState:
         return self
 
     def record(self, expert: int, sigma: float, grid, region, pool, redundancy: torch.Tensor) -> None:
+        """Add one block call's per-region redundancy ``[R]`` (the complete ``region``s of ``grid``)."""
+        grid = tuple(int(g) for g in grid)
         with self.lock:
             if self.grid is None:
-                self.grid, self.region, self.pool = tuple(grid), tuple(region), tuple(pool)
-            elif (tuple(grid), tuple(region), tuple(pool)) != (self.grid, self.region, self.pool):
+                self.grid, self.region, self.pool = grid, tuple(region), tuple(pool)
+            elif (tuple(region), tuple(pool)) != (self.region, self.pool) or not aspect_matches(grid, self.grid):
                 return  # another geometry within one request: keep the first
-            key = (int(expert), round(float(sigma), 6))
+            key = (int(expert), round(float(sigma), 6), grid)
             vals = redundancy.detach().double()
             finite = torch.isfinite(vals).all()  # a non-finite block output adds no score (decided on the device)
             vals = torch.where(finite, vals, torch.zeros_like(vals))
@@ -143,16 +149,27 @@ class FeatureReuseState:
                 cur[1] += finite.double()
 
     def export(self) -> dict | None:
-        """JSON-able dict written with the entry (None if nothing was recorded)."""
+        """JSON-able dict written with the entry (None if nothing was recorded): per (expert, step) the mean
+        redundancy of each complete region of the first grid, over the calls at that grid and, carried there
+        (:func:`chorus.kernels.resample_region_scores`, weighted by their call count), those at other grids
+        of its aspect; a region no call scored gets 0 (not redundant: never downsampled)."""
         with self.lock:
-            if not self.sums:
-                return None
-            scores: dict[str, dict[str, list[float]]] = {}
-            for (expert, sigma), (total, count) in sorted(self.sums.items()):
+            steps: dict[tuple[int, float], list] = {}  # (expert, sigma) -> [weighted sum [R], weight [R]]
+            for (expert, sigma, grid), (total, count) in sorted(self.sums.items()):
                 count = float(count)
-                if count > 0:
-                    scores.setdefault(str(expert), {})[repr(sigma)] = [round(float(v), 4)
-                                                                        for v in (total.cpu() / count)]
+                if count <= 0:
+                    continue
+                mean = total.cpu() / count
+                if grid != self.grid:
+                    mean = resample_region_scores(mean, grid, self.grid, self.region)
+                weight = torch.where(torch.isnan(mean), 0.0, count).double()
+                acc = steps.setdefault((expert, sigma), [torch.zeros_like(weight), torch.zeros_like(weight)])
+                acc[0] += torch.nan_to_num(mean.double(), nan=0.0) * weight
+                acc[1] += weight
+            scores: dict[str, dict[str, list[float]]] = {}
+            for (expert, sigma), (weighted, weight) in steps.items():
+                means = torch.where(weight > 0, weighted / weight.clamp_min(1e-30), 0.0)
+                scores.setdefault(str(expert), {})[repr(sigma)] = [round(float(v), 4) for v in means]
             if not scores:
                 return None
             return {"version": FEATURE_REUSE_META_VERSION, "metric": "1 - cell-detail share of the block update",

@@ -56,15 +56,16 @@ def _host_anchors_windows() -> bool:
     return "causal_window_fix" in inspect.signature(IndexListContextHandler.__init__).parameters
 
 
-def _windows(model, anchored: bool = False):
+def _windows(model, anchored: bool = False, schedule: str = "standard_static"):
     """``model`` through the core "WAN Context Windows (Manual)" node, its later inputs at their defaults;
     ``anchored``: with the causal window fix (the host's own where it has one, else the test double), else
-    without (turned off in the host's handler where it is on by default)."""
+    without (turned off in the host's handler where it is on by default); ``schedule``: the node's
+    ``context_schedule``."""
     import inspect
 
     from comfy_extras.nodes_context_windows import WanContextWindowsManualNode
 
-    inputs = dict(context_length=WINDOW_FRAMES, context_overlap=OVERLAP_FRAMES, context_schedule="standard_static",
+    inputs = dict(context_length=WINDOW_FRAMES, context_overlap=OVERLAP_FRAMES, context_schedule=schedule,
                   context_stride=1, closed_loop=False, fuse_method="pyramid")
     if "freenoise" in inspect.signature(WanContextWindowsManualNode.execute).parameters:
         inputs["freenoise"] = True  # the node's default in the editor (no default in its execute)
@@ -80,7 +81,7 @@ def _window_count(windowed) -> int:
 
 
 def _request(nodes, model, *, windows: bool, feature_reuse: bool = True, workspace: str = "windows",
-             anchored: bool = False):
+             anchored: bool = False, schedule: str = "standard_static"):
     """``(plan, samples)`` of one request: retrieve, sparse sampler (+ feature reuse), (windows,) sample."""
     import comfy.sample
 
@@ -92,7 +93,7 @@ def _request(nodes, model, *, windows: bool, feature_reuse: bool = True, workspa
     if feature_reuse:
         patched = nodes.ChorusFeatureReuse.execute(patched, plan).args[0]
     if windows:
-        patched = _windows(patched, anchored)
+        patched = _windows(patched, anchored, schedule)
     latent = LATENT["samples"]
     samples = comfy.sample.sample(patched, comfy.sample.prepare_noise(latent, 0), STEPS, 1.0, "euler", "simple",
                                   positive, tiny.random_conditioning(1), latent, disable_pbar=True, seed=0)
@@ -154,6 +155,30 @@ def test_windows_with_an_anchor_frame_are_recorded_and_served_whole(nodes, model
             assert any("carried to grid (6, 16, 16)" in m for m in hit.stats.messages), hit.stats.messages
 
 
+@pytest.mark.parametrize("schedule", ["standard_uniform", "looped_uniform", "batched"])
+def test_every_window_schedule_is_recorded_and_served_whole(nodes, model, monkeypatch, schedule):
+    """The node's other schedules, anchored windows, feature reuse on: ``standard_uniform`` (the node's default
+    from 0.28.2 on) and ``looped_uniform`` move the windows from step to step, so a step may have no window at
+    the first window's grid (here the second step: windows at frames 4-8 and 8, 0-3, each with its anchor) --
+    feature reuse's region scores of such a step are carried to the entry's grid like the attention mass; ``batched``
+    cuts the latent without overlap. The miss records every call, the hit runs every call sparse and downsamples
+    every reducible block of every window."""
+    if not _host_anchors_windows():
+        comfy038.install_context_window_anchor(monkeypatch)
+    workspace = f"schedule_{schedule}"
+    miss, samples = _request(nodes, model, windows=True, workspace=workspace, anchored=True, schedule=schedule)
+    assert not miss.is_hit and torch.isfinite(samples).all()
+    calls = miss.stats.recorded_calls
+    assert calls >= 2 * STEPS * tiny.TINY_LAYERS and miss.stats.fallback_calls == 0, miss.stats.messages
+    assert "wrote entry 1" in nodes.ChorusCacheWrite.execute(latent={"samples": samples}, plan=miss).args[0]
+    hit, samples = _request(nodes, model, windows=True, workspace=workspace, anchored=True, schedule=schedule)
+    assert hit.is_hit and torch.isfinite(samples).all()
+    assert hit.stats.sparse_calls == calls and hit.stats.dense_calls == 0 and hit.stats.fallback_calls == 0, \
+        hit.stats.messages
+    reducible = calls // tiny.TINY_LAYERS * (tiny.TINY_LAYERS - 1)  # full_layers = 1
+    assert hit.state.feature_reuse.blocks_reduced == reducible, hit.stats.messages
+
+
 def test_windows_of_two_lengths_under_torch_compile_run_as_the_eager_request(nodes, model, monkeypatch):
     """The anchored windows with feature reuse under TorchCompileModel (the host's compile wrapper with later
     ComfyUI's guard filter; dynamo with aot_eager here): the miss records every window, the hit runs every call sparse
@@ -196,3 +221,4 @@ def test_windows_of_two_lengths_under_torch_compile_run_as_the_eager_request(nod
     assert hit.state.feature_reuse.blocks_reduced == eager.state.feature_reuse.blocks_reduced
     assert hit.state.feature_reuse.blocks_reduced > 0
     torch.testing.assert_close(samples, eager_samples, rtol=1e-4, atol=1e-4)
+

@@ -9,7 +9,7 @@ from chorus.engine.feature_reuse import (FeatureReuse, FeatureReuseConfig, compa
                                          select_regions)
 from chorus.engine.plan import Plan
 from chorus.engine.model_info import ModelInfo
-from chorus.kernels import pooling
+from chorus.kernels import pooling, resample_region_scores
 from chorus.kernels.fused import FusedSwitch
 
 # awkward grids: ragged rims in every dim, token counts not multiples of 128
@@ -253,3 +253,22 @@ def test_non_finite_scores_are_never_selected_or_recorded():
     state.record(0, 1.0, grid, region, (2, 2, 2), torch.full((12,), 0.25, dtype=torch.float64))
     state.record(0, 1.0, grid, region, (2, 2, 2), torch.tensor([1.0] + [math.inf] * 11))
     assert state.export()["scores"] == {"0": {"1.0": [0.25] * 12}}
+
+
+def test_scores_of_another_grid_of_the_aspect_are_carried_to_the_first_grid_when_exported():
+    """Context windows of two lengths: a step whose calls all ran at another grid of the first call's aspect still
+    gets scores at the first grid (carried as kernels.resample_region_scores carries them); a step with calls at
+    both grids is their mean weighted by call count; another aspect is not recorded."""
+    first, longer, region, pool = (4, 8, 8), (6, 8, 8), (2, 4, 4), (2, 2, 2)
+    state = feature_state(Plan.miss("m"))
+    state.record(0, 1.0, first, region, pool, torch.full((8,), 0.2, dtype=torch.float64))  # 2 x 2 x 2 regions
+    longer_scores = torch.linspace(0.0, 1.0, 12, dtype=torch.float64)  # 3 x 2 x 2 regions
+    for _ in range(3):
+        state.record(0, 1.0, longer, region, pool, longer_scores)
+    state.record(0, 0.5, longer, region, pool, longer_scores)  # a step with no call at the first grid
+    state.record(0, 0.5, (4, 16, 8), region, pool, torch.ones(16, dtype=torch.float64))  # another aspect
+    carried = resample_region_scores(longer_scores, longer, first, region)
+    exported = state.export()
+    assert exported["token_grid"] == list(first)
+    assert exported["scores"]["0"]["0.5"] == [round(float(v), 4) for v in carried]
+    assert exported["scores"]["0"]["1.0"] == [round(float(v), 4) for v in (0.2 + 3 * carried) / 4]
