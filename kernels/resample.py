@@ -23,7 +23,7 @@ import torch
 
 from .masks import num_blocks
 from .pooling import region_cells
-from .tile_order import ORDER_TYPES
+from .tile_order import check_order
 
 
 def _check_grid(grid, name: str) -> tuple[int, int, int]:
@@ -108,18 +108,6 @@ def resample_region_scores(scores: torch.Tensor, src_grid, dst_grid, region) -> 
     return torch.where(landed >= 0, values, torch.nan).nanmean(-1)
 
 
-def _check_order(order, grid, block_size: int, name: str):
-    """``order`` (None: raster) checked to be a token order of ``grid`` cut into ``block_size`` blocks."""
-    if order is None:
-        return None
-    if not isinstance(order, ORDER_TYPES):
-        raise ValueError(f"{name} must be a TileOrder or RegionTileOrder (None: raster), got {type(order).__name__}")
-    if tuple(order.grid) != grid or int(order.block_size) != int(block_size):
-        raise ValueError(f"{name} {order.name} is for token grid {tuple(order.grid)} at block size {order.block_size}, "
-                         f"not {grid} at {block_size}")
-    return order
-
-
 def resample_block_map(block_map: torch.Tensor, src_grid, dst_grid, *, block_size: int = 128,
                        threshold: float = 0.0, src_order=None, dst_order=None) -> torch.Tensor:
     """Carry a self-attention block map (bool) or block mass (float) to another token grid.
@@ -144,8 +132,8 @@ def resample_block_map(block_map: torch.Tensor, src_grid, dst_grid, *, block_siz
     """
     src_grid = _check_grid(src_grid, "src_grid")
     dst_grid = _check_grid(dst_grid, "dst_grid")
-    src_order = _check_order(src_order, src_grid, block_size, "src_order")
-    dst_order = _check_order(dst_order, dst_grid, block_size, "dst_order")
+    src_order = check_order(src_order, src_grid, block_size, "src_order")
+    dst_order = check_order(dst_order, dst_grid, block_size, "dst_order")
     if not aspect_matches(src_grid, dst_grid):
         raise ValueError(f"cannot resample between token grids of different aspect: {src_grid} -> {dst_grid}")
     n_src = num_blocks(src_grid[0] * src_grid[1] * src_grid[2], block_size)

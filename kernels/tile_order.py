@@ -350,16 +350,19 @@ def to_raster_order(inverse: torch.Tensor, out: torch.Tensor, dim: int = -2) -> 
 
 
 # -- maps between orders ----------------------------------------------------------------------
-def _order_of(order, grid, block_size):
+def check_order(order, grid, block_size: int, name: str = "order"):
+    """``order`` checked to be a token order of ``grid`` cut into ``block_size`` blocks: None for raster
+    (``None`` or ``"raster"``), else the :class:`TileOrder` / :class:`RegionTileOrder` itself. ValueError naming
+    ``name`` for anything else, or an order of another grid or block size."""
     if order is None or order == RASTER:
         return None
-    if isinstance(order, ORDER_TYPES):
-        if grid is not None and order.grid != grid:
-            raise ValueError(f"orders of different grids: {order.grid} vs {grid}")
-        if order.block_size != block_size:
-            raise ValueError(f"a {type(order).__name__} built for block size {order.block_size} used with {block_size}")
-        return order
-    raise ValueError(f"an order is 'raster' (or None), a TileOrder or a RegionTileOrder, got {order!r}")
+    if not isinstance(order, ORDER_TYPES):
+        raise ValueError(f"{name} must be a TileOrder or RegionTileOrder (None or 'raster': raster), got {order!r}")
+    grid = tuple(int(g) for g in grid)
+    if tuple(order.grid) != grid or int(order.block_size) != int(block_size):
+        raise ValueError(f"{name} {order.name} is for token grid {tuple(order.grid)} at block size {order.block_size}, "
+                         f"not {grid} at {block_size}")
+    return order
 
 
 def block_overlap(src_order, dst_order, *, grid=None, block_size: int = 128) -> torch.Tensor:
@@ -371,8 +374,8 @@ def block_overlap(src_order, dst_order, *, grid=None, block_size: int = 128) -> 
     grid = positive_triple(grid, "grid") if grid is not None else (grids.pop() if grids else None)
     if grid is None:
         raise ValueError("grid is needed when both orders are raster")
-    src = _order_of(src_order, grid, block_size)
-    dst = _order_of(dst_order, grid, block_size)
+    src = check_order(src_order, grid, block_size, "src_order")
+    dst = check_order(dst_order, grid, block_size, "dst_order")
     length = grid[0] * grid[1] * grid[2]
     nb = -(-length // block_size)
     raster = torch.arange(length, dtype=torch.int64)
