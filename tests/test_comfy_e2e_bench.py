@@ -423,11 +423,13 @@ def test_the_benchmark_records_the_host_and_skips_dense_cudnn_where_it_sets_no_s
     assert rows["dense"]["finite"] and "no SDPA backend order" in rows["dense_cudnn"]["skipped"]
 
 
-def test_comfy_e2e_benchmark_runs_a_request_in_context_windows(tmp_path, monkeypatch):
+@pytest.mark.parametrize("schedule", ["standard_static", "standard_uniform"])
+def test_comfy_e2e_benchmark_runs_a_request_in_context_windows(tmp_path, monkeypatch, schedule):
     """``--frames 21 --windows 9 4``: every row's models in the core context-windows node (later ComfyUI's causal
     window fix: the host's own from 0.28.2, a test double on 0.3.64), three windows, the later ones one anchor frame
-    longer. The miss records them all at the first window's grid; the hit with feature reuse runs every call sparse
-    and downsamples in the longer windows, its region scores carried to their grid."""
+    longer, in the static schedule and in the node's later default, whose windows move from step to step
+    (``--window-schedule``). The miss records them all at the first window's grid; the hit with feature reuse runs
+    every call sparse and downsamples in the longer windows, its region scores carried to their grid."""
     from chorus.benchmarks.comfy_e2e import run
     from host import comfy038
 
@@ -438,9 +440,10 @@ def test_comfy_e2e_benchmark_runs_a_request_in_context_windows(tmp_path, monkeyp
         comfy038.install_context_window_anchor(monkeypatch)
         monkeypatch.setattr(run, "host_runs_i2v_in_windows", lambda: True)
     assert run.main(["--tiny", "--out", str(tmp_path), "--variants", "miss", "hitfr", "--fr-share", "1.0",
-                     "--frames", "21", "--windows", "9", "4"]) == 0
+                     "--frames", "21", "--windows", "9", "4", "--window-schedule", schedule]) == 0
     results = json.loads((tmp_path / "comfy_e2e.json").read_text())
     assert results["windows"]["latent_frames"] == 6 and len(results["windows"]["windows"]) == 3, results["windows"]
+    assert results["windows"]["context_schedule"] == schedule
     rows = {r["variant"]: r for r in results["runs"]}
     assert rows["miss"]["write"].startswith("wrote entry") and rows["miss"]["tokens"] == 6 * 8 * 14
     hit = rows["hitfr"]

@@ -2,7 +2,7 @@
 
 ``python -m benchmarks.comfy_e2e.run --comfyui DIR --out OUT [--model a14b | ti2v5b] [--res 480p 720p]
 [--weights bf16 fp8] [--variants dense miss hit15 hit5 hitfr] [--compile [--guard-filter]] [--layers 40] [--profile]
-[--frames N --windows LENGTH OVERLAP]``
+[--frames N --windows LENGTH OVERLAP [--window-schedule NAME]]``
 (``--tiny``: the same code at toy sizes on the CPU, for tests; ``--profile``: one more step of each variant under
 ``torch.profiler``, its top kernels by GPU time in the JSON, and a hit's attention call's kernels beside
 its per-call time in the table).
@@ -26,9 +26,9 @@ What runs (everything side by side in one process, one GPU):
   over 20 steps, uni_pc / simple, cfg 5 (each step runs the model on the positive and the negative prompt),
   1280 x 704, 121 frames (31 latent frames of 48 channels, Wan 2.2's VAE: 27 280 tokens), the start image's latent
   in the first frame with the ``noise_mask`` that keeps it (as ``Wan22ImageToVideoLatent`` makes them).
-* ``--frames N --windows LENGTH OVERLAP``: a longer request (N pixel frames) whose every row runs its models through
-  the core "WAN Context Windows (Manual)" node (windows of LENGTH frames overlapping by OVERLAP, the node's
-  defaults otherwise; ComfyUI 0.28.2 or later, whose Wan node runs them with its causal window fix: every window
+* ``--frames N --windows LENGTH OVERLAP [--window-schedule NAME]``: a longer request (N pixel frames) whose every
+  row runs its models through the core "WAN Context Windows (Manual)" node (windows of LENGTH frames overlapping by
+  OVERLAP in the schedule NAME, ``standard_static`` unless named, the node's defaults otherwise; ComfyUI 0.28.2 or later, whose Wan node runs them with its causal window fix: every window
   but the first one frame longer); the hits' entry is the miss's, recorded at the first window's grid, and the JSON
   says which latent frames each window held (``windows``) and each row's feature-reuse block counts.
 * ``--hit-backends auto fa4_bf16 triton_bf16``: hit15 / hit5 once per sparse-attention backend of
@@ -215,16 +215,20 @@ def host_runs_i2v_in_windows() -> bool:
     return "causal_window_fix" in inspect.signature(IndexListContextHandler.__init__).parameters
 
 
-def context_windows(model, length: int, overlap: int):
+WINDOW_SCHEDULES = ("standard_static", "standard_uniform", "looped_uniform", "batched")
+
+
+def context_windows(model, length: int, overlap: int, schedule: str = "standard_static"):
     """``model`` through the core "WAN Context Windows (Manual)" node as a user's graph runs it: windows of
-    ``length`` pixel frames overlapping by ``overlap``, the node's defaults otherwise (``standard_static``,
-    stride 1, no loop, ``pyramid`` fusing, FreeNoise on, and the host's causal window fix, which its Wan node turns
-    on)."""
+    ``length`` pixel frames overlapping by ``overlap`` in ``schedule`` (one of :data:`WINDOW_SCHEDULES`; the
+    node's default from 0.28.2 on is ``standard_uniform``, whose windows move from step to step), the node's
+    defaults otherwise (stride 1, no loop, ``pyramid`` fusing, FreeNoise on, and the host's causal window fix,
+    which its Wan node turns on)."""
     import inspect
 
     from comfy_extras.nodes_context_windows import WanContextWindowsManualNode
 
-    inputs = dict(context_length=length, context_overlap=overlap, context_schedule="standard_static",
+    inputs = dict(context_length=length, context_overlap=overlap, context_schedule=schedule,
                   context_stride=1, closed_loop=False, fuse_method="pyramid")
     if "freenoise" in inspect.signature(WanContextWindowsManualNode.execute).parameters:
         inputs["freenoise"] = True
@@ -232,7 +236,8 @@ def context_windows(model, length: int, overlap: int):
 
 
 def windows_of(model, frames: int) -> list[list[int]]:
-    """The latent frames of each context window ``model``'s handler runs on a latent of ``frames`` latent frames."""
+    """The latent frames of each context window ``model``'s handler runs on a latent of ``frames`` latent frames
+    (at the first step: a uniform schedule moves them at later steps)."""
     handler = model.model_options["context_handler"]
     return [list(w) for w in handler.context_schedule.func(frames, handler, {})]
 
@@ -718,8 +723,9 @@ def run(args) -> dict:
                 """``models`` in context windows with ``--windows``, else as they are."""
                 if not args.windows:
                     return tuple(models)
-                wrapped = tuple(context_windows(m, *args.windows) for m in models)
+                wrapped = tuple(context_windows(m, *args.windows, args.window_schedule) for m in models)
                 results["windows"] = {"context_length": args.windows[0], "context_overlap": args.windows[1],
+                                      "context_schedule": args.window_schedule,
                                       "latent_frames": lat_shape[2],
                                       "windows": windows_of(wrapped[0], lat_shape[2])}
                 return wrapped
@@ -1194,6 +1200,8 @@ def main(argv=None) -> int:
                    help="every row's models in the core 'WAN Context Windows (Manual)' node: windows of LENGTH pixel "
                         "frames overlapping by OVERLAP (ComfyUI >= 0.28.2, whose Wan node runs them with its causal "
                         "window fix); with --frames longer than a window")
+    p.add_argument("--window-schedule", default="standard_static", choices=WINDOW_SCHEDULES,
+                   help="with --windows: the node's context_schedule (standard_uniform is its default from 0.28.2 on)")
     p.add_argument("--end-image", action="store_true",
                    help="condition as WanFirstLastFrameToVideo (a start and an end image; Wan I2V models only): "
                         "the entries record and the hits check image frames [1, 1, 0]")
