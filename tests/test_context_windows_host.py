@@ -57,19 +57,13 @@ def _host_anchors_windows() -> bool:
 
 
 def _windows(model, anchored: bool = False, schedule: str = "standard_static"):
-    """``model`` through the core "WAN Context Windows (Manual)" node, its later inputs at their defaults;
+    """``model`` through the core "WAN Context Windows (Manual)" node as the benchmark of record puts it there
+    (``benchmarks/comfy_e2e/run.context_windows``: the node's ``schedule``, its later inputs at their defaults);
     ``anchored``: with the causal window fix (the host's own where it has one, else the test double), else
-    without (turned off in the host's handler where it is on by default); ``schedule``: the node's
-    ``context_schedule``."""
-    import inspect
+    without (turned off in the host's handler where it is on by default)."""
+    from chorus.benchmarks.comfy_e2e.run import context_windows
 
-    from comfy_extras.nodes_context_windows import WanContextWindowsManualNode
-
-    inputs = dict(context_length=WINDOW_FRAMES, context_overlap=OVERLAP_FRAMES, context_schedule=schedule,
-                  context_stride=1, closed_loop=False, fuse_method="pyramid")
-    if "freenoise" in inspect.signature(WanContextWindowsManualNode.execute).parameters:
-        inputs["freenoise"] = True  # the node's default in the editor (no default in its execute)
-    windowed = WanContextWindowsManualNode.execute(model, **inputs).args[0]
+    windowed = context_windows(model, WINDOW_FRAMES, OVERLAP_FRAMES, schedule)
     if _host_anchors_windows():
         windowed.model_options["context_handler"].causal_window_fix = anchored
     return windowed
