@@ -377,34 +377,28 @@ def wan22_a14b_i2v_4step(feature_reuse: bool = False, first_last: bool = False, 
     sparse_low = g.add("ChorusSparseSampler", CHORUS_SPARSE, {"model": (shift_low, 0), "plan": (retrieve, 0)},
                        pos=(1240, 200), size=(300, 160), title="ChorusSparseSampler (low-noise)", color=CHORUS_COLOR)
     model_high, model_low = sparse_high, sparse_low
-    if long_video:
-        for expert, y in (("high", 420), ("low", 560)):
-            reuse = g.add("ChorusFeatureReuse", {"downsample_share": 0.25},
-                          {"model": (sparse_high if expert == "high" else sparse_low, 0), "plan": (retrieve, 0)},
-                          pos=(1240, y), size=(300, 80), title=f"ChorusFeatureReuse ({expert}-noise)",
-                          color=CHORUS_COLOR)
-            windows = g.add("WanContextWindowsManual", {
-                "context_length": 81, "context_overlap": 30, "context_schedule": "standard_static", "context_stride": 1,
-                "closed_loop": False, "fuse_method": "pyramid", "freenoise": True, "retain_first_frame": False,
-                "split_conds_to_windows": False}, {"model": (reuse, 0)}, pos=(1240, 700 + (y - 420) * 2),
-                size=(300, 250), title=f"Wan Context Windows ({expert}-noise)")
-            if expert == "high":
-                model_high = windows
-            else:
-                model_low = windows
-    if feature_reuse:
-        reuse_high = g.add("ChorusFeatureReuse", {"downsample_share": 0.25},
+    if feature_reuse or long_video:
+        model_high = g.add("ChorusFeatureReuse", {"downsample_share": 0.25},
                            {"model": (sparse_high, 0), "plan": (retrieve, 0)}, pos=(1240, 420), size=(300, 80),
                            title="ChorusFeatureReuse (high-noise)", color=CHORUS_COLOR)
-        reuse_low = g.add("ChorusFeatureReuse", {"downsample_share": 0.25},
+        model_low = g.add("ChorusFeatureReuse", {"downsample_share": 0.25},
                           {"model": (sparse_low, 0), "plan": (retrieve, 0)}, pos=(1240, 560), size=(300, 80),
                           title="ChorusFeatureReuse (low-noise)", color=CHORUS_COLOR)
+    if feature_reuse:
         model_high = g.add("ChorusGuidanceBoost", {"strength": 0.5, "image_strength": 0.5, "cfg_strength": 0.0},
-                           {"model": (reuse_high, 0), "plan": (retrieve, 0)}, pos=(1240, 700), size=(300, 130),
+                           {"model": (model_high, 0), "plan": (retrieve, 0)}, pos=(1240, 700), size=(300, 130),
                            title="ChorusGuidanceBoost (high-noise)", color=CHORUS_COLOR)
         model_low = g.add("ChorusGuidanceBoost", {"strength": 0.5, "image_strength": 0.5, "cfg_strength": 0.0},
-                          {"model": (reuse_low, 0), "plan": (retrieve, 0)}, pos=(1240, 860), size=(300, 130),
+                          {"model": (model_low, 0), "plan": (retrieve, 0)}, pos=(1240, 860), size=(300, 130),
                           title="ChorusGuidanceBoost (low-noise)", color=CHORUS_COLOR)
+    if long_video:
+        windows = {"context_length": 81, "context_overlap": 30, "context_schedule": "standard_static",
+                   "context_stride": 1, "closed_loop": False, "fuse_method": "pyramid", "freenoise": True,
+                   "retain_first_frame": False, "split_conds_to_windows": False}
+        model_high = g.add("WanContextWindowsManual", windows, {"model": (model_high, 0)}, pos=(1240, 700),
+                           size=(300, 250), title="Wan Context Windows (high-noise)")
+        model_low = g.add("WanContextWindowsManual", windows, {"model": (model_low, 0)}, pos=(1240, 980),
+                          size=(300, 250), title="Wan Context Windows (low-noise)")
     sample_high = g.add("KSamplerAdvanced", {
         "add_noise": "enable", "noise_seed": 42, "steps": 4, "cfg": 1.0, "sampler_name": "euler",
         "scheduler": "simple", "start_at_step": 0, "end_at_step": 2, "return_with_leftover_noise": "enable"},
