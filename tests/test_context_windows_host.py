@@ -48,12 +48,12 @@ def model():
 
 
 def _host_anchors_windows() -> bool:
-    """Whether this ComfyUI has the causal window fix itself (on by default; 0.28.2 and 0.33.0 do, 0.3.64 not)."""
-    import inspect
+    """Whether this ComfyUI has the causal window fix itself (on by default; 0.28.2 and 0.33.0 do, 0.3.64 not):
+    the benchmark's check (``benchmarks/comfy_e2e/run.host_runs_i2v_in_windows``, the fix and the per-window image
+    conditioning came in the same releases)."""
+    from chorus.benchmarks.comfy_e2e.run import host_runs_i2v_in_windows
 
-    from comfy.context_windows import IndexListContextHandler
-
-    return "causal_window_fix" in inspect.signature(IndexListContextHandler.__init__).parameters
+    return host_runs_i2v_in_windows()
 
 
 def _windows(model, anchored: bool = False, schedule: str = "standard_static"):
