@@ -155,6 +155,37 @@ def test_compiled_only_runs_the_compiled_rows_beside_compiled_dense(tmp_path, mo
     assert "| dense+compile (experts loaded partially) (2 recompiles) | " in run.table({"runs": [row]})
 
 
+def test_a_compiled_row_times_a_request_that_compiles_nothing(tmp_path, monkeypatch):
+    """A compiled row's timed request is one in which dynamo compiled nothing: where the second request compiles
+    again (on a GPU, ComfyUI's loading can change what the graph guards between requests), the row runs a further
+    request and times that one, recording the one that compiled (``unsteady_requests``). Here dynamo's caches are
+    emptied before the second request's models compile, so it really recompiles every frame; the third does not."""
+    import torch
+
+    from chorus.benchmarks.comfy_e2e import run
+
+    monkeypatch.setenv("COMFYUI_DIR", str(tiny.find_comfyui_dir()))
+    monkeypatch.setenv("CHORUS_CACHE_DIR", str(tmp_path / "cache"))
+    compile_model, calls = run.torch_compile_model, []
+
+    def compile_and_forget_before_the_second_request(model, guard_filter=False):
+        calls.append(model)
+        if len(calls) == 3:  # the second request's first expert: requests 1 and 2 have two experts each
+            torch._dynamo.reset()
+        return compile_model(model, guard_filter)
+
+    monkeypatch.setattr(run, "torch_compile_model", compile_and_forget_before_the_second_request)
+    assert run.main(["--tiny", "--out", str(tmp_path), "--variants", "dense", "--compile", "--compiled-only"]) == 0
+    results = json.loads((tmp_path / "comfy_e2e.json").read_text())
+    row = {r["variant"]: r for r in results["runs"]}["dense+compile"]
+    assert len(calls) == 6, len(calls)  # three requests of two experts
+    assert len(row["unsteady_requests"]) == 1 and row["unsteady_requests"][0]["frames_compiled"] > 0, row
+    assert row["timed_request_frames_compiled"] == 0 and row["finite"], row
+    line = next(x for x in run.table(results).splitlines() if "| dense+compile" in x)
+    before = row["unsteady_requests"][0]["seconds"]
+    assert f"(timed: request 3, the first that compiled nothing; before it {before:.2f} s)" in line, line
+
+
 def test_recompile_log_keeps_each_recompile_s_guard_failure_and_leaves_torch_logging_as_it_was(monkeypatch):
     """``RecompileLog`` (a compiled row's ``dynamo.recompile_reasons``): a function compiled for float32 and called
     with float64 recompiles once, and the reason names the guard that failed; afterwards the ``recompiles`` artifact

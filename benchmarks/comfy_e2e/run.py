@@ -56,8 +56,11 @@ What runs (everything side by side in one process, one GPU):
   ``miss``, ``hit15``, ``hit15_notail`` and ``hitfr`` asked for runs again on models passed through ComfyUI's
   ``TorchCompileModel`` node (inductor; rows ``*+compile``); their warm-up is a whole request, whose time
   (compilation included) is the row's ``first_request_s``, and what compiling took in it
-  ``first_request_compile`` (dynamo and inductor, and each Triton kernel built: :class:`CompileLog`); each
-  recompile of the row's two requests is in ``dynamo.recompile_reasons`` (:class:`RecompileLog`).
+  ``first_request_compile`` (dynamo and inductor, and each Triton kernel built: :class:`CompileLog`); the timed
+  request is the next one in which dynamo compiles nothing (up to ``STEADY_RETRIES`` more requests: ComfyUI's
+  loading may change what the graph guards, e.g. its ``comfy_cast_weights`` flags, and a request that recompiles
+  times the compiler; those are in ``unsteady_requests``); each recompile of the row's requests is in
+  ``dynamo.recompile_reasons`` (:class:`RecompileLog`).
   ``--guard-filter``: compile as later ComfyUI's ``TorchCompileModel`` does by default, with no dynamo guard
   on ``transformer_options``, on a host whose node does not (0.3.64; ``compile_guard_filter`` in the JSON says
   which way the rows compiled).
@@ -507,6 +510,17 @@ class CompileLog:
                 "triton_builds_detail": [dict(b, s=round(b["s"], 3)) for b in self.builds] if listening else None}
 
 
+STEADY_RETRIES = 2  # further requests a compiled row may run until one compiles nothing (its timed request)
+
+
+def compiled_frames() -> int:
+    """Frames dynamo has compiled in this process so far (first compiles and recompiles; ``torch._dynamo``'s
+    counters, cleared with them)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["frames"].get("total", 0))
+
+
 class RecompileLog(logging.Handler):
     """Dynamo's recompile reasons while a compiled row runs (its ``dynamo.recompile_reasons``): each recompile's
     message ("Recompiling function ... triggered by the following guard failure(s): ..."), from the
@@ -754,12 +768,31 @@ def run(args) -> dict:
                     models.append(m)
                 return windowed(models)
 
+            def timed_request(models, plan, compiled):
+                """One timed request of ``models``: ``(output, seconds, the GPU's sampler window, the
+                attention timer or None)``. Eager rows time each self-attention call through an outermost
+                override; under compile that override would be traced into the graph, so compiled Chorus rows
+                time the op from the inside."""
+                op_timer = OpTimer() if compiled and plan is not None and device.type == "cuda" else None
+                timed_models, timer = (models, None) if compiled else with_timer(models)
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                    torch.cuda.reset_peak_memory_stats()
+                t0 = time.perf_counter()
+                with sampler.window() as gpu_window, (op_timer or contextlib.nullcontext()):
+                    out = sample_request(workflow, timed_models, latent, positive, negative, 11)
+                    if device.type == "cuda":
+                        torch.cuda.synchronize()
+                return out, time.perf_counter() - t0, gpu_window, timer or op_timer
+
             def timed(name, models, plan=None, again=None, profile_models=None):
                 """One row: a warm-up, then one timed request. ``again()`` (compiled rows): the
-                ``(models, plan)`` of a second request, the timed one, after a whole first request
-                as the warm-up (both experts compile in it: its time is ``first_request_s``).
-                ``profile_models()`` (with ``--profile``): the models the profiled step runs, when not
-                the row's own."""
+                ``(models, plan)`` of a further request, after a whole first request as the warm-up (both
+                experts compile in it: its time is ``first_request_s``); the timed request is the first of up
+                to ``1 + STEADY_RETRIES`` such requests in which dynamo compiled nothing (ComfyUI's loading
+                may change what the graph guards between requests); those that compiled are in
+                ``unsteady_requests``. ``profile_models()`` (with ``--profile``): the models the profiled step
+                runs, when not the row's own."""
                 if time.perf_counter() - t_start > args.time_budget:
                     print(f"skipping {weights}/{res}/{name}: past the time budget", flush=True)
                     return None
@@ -774,26 +807,18 @@ def run(args) -> dict:
                         if device.type == "cuda":
                             torch.cuda.synchronize()
                     first_request_s = time.perf_counter() - t0
-                    models, plan = again()
                 else:
                     sample_request(workflow, models, latent, positive, negative, 11, end_step=1)  # warm-up step
-                # under torch.compile the override timer would be traced into the graph: time the op instead
-                op_timer = OpTimer() if compiled and plan is not None and device.type == "cuda" else None
-                timed_models, timer = (models, None) if compiled else with_timer(models)
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                    torch.cuda.reset_peak_memory_stats()
-                t0 = time.perf_counter()
-                with sampler.window() as gpu_window:
-                    if op_timer is not None:
-                        with op_timer:
-                            out = sample_request(workflow, timed_models, latent, positive, negative, 11)
-                    else:
-                        out = sample_request(workflow, timed_models, latent, positive, negative, 11)
-                    if device.type == "cuda":
-                        torch.cuda.synchronize()
-                seconds = time.perf_counter() - t0
-                timer = timer or op_timer
+                unsteady = []
+                for attempt in range(1 + (STEADY_RETRIES if compiled else 0)):
+                    if compiled:
+                        models, plan = again()
+                    frames_before = compiled_frames()
+                    out, seconds, gpu_window, timer = timed_request(models, plan, compiled)
+                    frames_compiled = compiled_frames() - frames_before
+                    if not frames_compiled or attempt == STEADY_RETRIES:
+                        break
+                    unsteady.append({"seconds": seconds, "frames_compiled": frames_compiled})
                 per_call = timer.per_call_ms() if device.type == "cuda" and timer is not None else []
                 row = {"weights": weights, "res": res, "variant": name, "tokens": grid[0] * grid[1] * grid[2],
                        "seconds": seconds, "attn_ms_per_layer": float(np.mean(per_call)) if per_call else None,
@@ -806,6 +831,7 @@ def run(args) -> dict:
                        "comfy_loading": loading_state(models)}
                 if compile_log is not None:
                     row["first_request_compile"] = compile_log.summary()
+                    row.update(unsteady_requests=unsteady, timed_request_frames_compiled=frames_compiled)
                 if plan is not None:
                     row.update(plan_kind=plan.kind, density=plan.stats.density, sparse_calls=plan.stats.sparse_calls,
                                blocks_computed=plan.stats.blocks_computed, blocks_total=plan.stats.blocks_total,
@@ -867,7 +893,7 @@ def run(args) -> dict:
             def timed_compiled(variant):
                 """A compiled row in a fresh dynamo state: each variant's graphs, not what earlier rows left
                 (dynamo's recompile limit, 8 per code object, is shared by everything one process compiles).
-                ``dynamo``: unique graphs, graph breaks and frames compiled (recompiles included) in this row's two
+                ``dynamo``: unique graphs, graph breaks and frames compiled (recompiles included) in this row's
                 requests, and with ``--profile`` its profiled step too (whose forward adds its own host-side breaks)."""
                 from torch._dynamo.utils import counters
 
@@ -1159,6 +1185,12 @@ def table(results: dict) -> str:
         recompiles = (r.get("dynamo") or {}).get("recompiles")
         if recompiles:
             variant += f" ({recompiles} recompiles)"
+        unsteady = r.get("unsteady_requests") or ()
+        if unsteady:
+            variant += (f" (timed: request {len(unsteady) + 2}, the first that compiled nothing; before it "
+                        + " / ".join(f"{u['seconds']:.2f} s" for u in unsteady) + ")")
+        if r.get("timed_request_frames_compiled"):
+            variant += f" (the timed request compiled {r['timed_request_frames_compiled']} frames)"
         lines.append(f"| {r['weights']} | {r['res']} | {variant} | {r['seconds']:.2f} | {ratio} | {first} | "
                      f"{attn} | {dens} | {peak} | {clock} |")
     return "\n".join(lines)
