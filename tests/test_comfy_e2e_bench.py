@@ -184,6 +184,13 @@ def test_a_compiled_row_times_a_request_that_compiles_nothing(tmp_path, monkeypa
     line = next(x for x in run.table(results).splitlines() if "| dense+compile" in x)
     before = row["unsteady_requests"][0]["seconds"]
     assert f"(timed: request 3, the first that compiled nothing; before it {before:.2f} s)" in line, line
+    assert line.split(" | ")[4] == "1.00x", line
+    # had every try compiled, the row would time the compiler: the table gives no ratio to it
+    recompiling = dict(row, timed_request_frames_compiled=5, variant="dense+compile")
+    hit = dict(row, variant="hit15+compile", seconds=row["seconds"] / 3, timed_request_frames_compiled=0)
+    lines = run.table({"runs": [recompiling, hit]}).splitlines()
+    assert "(the timed request compiled 5 frames)" in lines[2] and lines[3].split(" | ")[4] == "-", lines
+    assert run.table({"runs": [row, hit]}).splitlines()[3].split(" | ")[4] == "3.00x"
 
 
 def test_recompile_log_keeps_each_recompile_s_guard_failure_and_leaves_torch_logging_as_it_was(monkeypatch):
@@ -192,22 +199,22 @@ def test_recompile_log_keeps_each_recompile_s_guard_failure_and_leaves_torch_log
     is off again and no handler is left behind."""
     import logging
 
-    from chorus.benchmarks.comfy_e2e import run
+    from chorus.benchmarks.comfy_e2e import compiling
 
     monkeypatch.delenv("TORCH_LOGS", raising=False)
     torch._dynamo.reset()
     double = torch.compile(lambda x: x * 2, backend="eager")
-    with run.RecompileLog() as log:
+    with compiling.RecompileLog() as log:
         double(torch.ones(3))
         double(torch.ones(3, dtype=torch.float64))
         double(torch.ones(3, dtype=torch.float64))
     assert len(log.reasons) == 1 and "dtype mismatch" in log.reasons[0], log.reasons
     (reason,) = log.summary()
     assert reason.startswith("Recompiling function") and "expected Float, actual Double" in reason, reason
-    assert log not in logging.getLogger(run.RecompileLog.LOGGER).handlers
+    assert log not in logging.getLogger(compiling.RecompileLog.LOGGER).handlers
     torch._dynamo.reset()
     double(torch.ones(3))
-    with run.RecompileLog() as quiet:
+    with compiling.RecompileLog() as quiet:
         pass
     double(torch.ones(3, dtype=torch.float64))  # a recompile after the window: not logged anywhere it would count
     assert quiet.reasons == []
@@ -220,12 +227,12 @@ def test_compile_log_names_each_triton_build_and_tells_a_build_from_a_cache_hit(
     import triton
     from aot_check import compile_jit  # tests/ (pytest pythonpath)
 
-    from chorus.benchmarks.comfy_e2e import run
+    from chorus.benchmarks.comfy_e2e import compiling
     from chorus.kernels.triton._quant import _v_stats_kernel
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
     before = triton.knobs.compilation.listener
-    with run.CompileLog() as log:
+    with compiling.CompileLog() as log:
         for _ in range(2):
             compile_jit(_v_stats_kernel, {"V": "*bf16", "v_part": "*fp32"}, dict(HEAD_DIM=128, TILE=128, CHUNK=2048))
         torch._dynamo.reset()
@@ -243,9 +250,9 @@ def test_compile_log_names_each_triton_build_and_tells_a_build_from_a_cache_hit(
 def test_compile_log_records_an_event_it_cannot_read_instead_of_failing_the_build():
     """The listener runs inside Triton's compile: an event of another shape (a Triton whose listener passes other
     keywords, a source without the fields read) is recorded with its error, never raised into the build."""
-    from chorus.benchmarks.comfy_e2e import run
+    from chorus.benchmarks.comfy_e2e import compiling
 
-    with run.CompileLog() as log:
+    with compiling.CompileLog() as log:
         log._on_build(src=None, metadata={"name": "k"}, metadata_group={}, times=None, cache_hit=False)
         log._on_build(cache_hit=True, fn_name="from another Triton")
     first, second = log.summary()["triton_builds_detail"]
@@ -372,12 +379,12 @@ def test_the_benchmark_compiles_through_the_host_s_own_node_in_either_signature(
     the host's compile wrapper with later ComfyUI's guard filter."""
     import comfy_extras.nodes_torch_compile as host_node
 
-    from chorus.benchmarks.comfy_e2e import run
+    from chorus.benchmarks.comfy_e2e import compiling, run
 
     model = tiny.load_tiny_wan(tiny.tiny_wan_state_dict(seed=0))
-    compiled = run.torch_compile_model(model)
+    compiled = compiling.torch_compile_model(model)
     assert compiled is not model and compiled.model_options["torch_compile_kwargs"]["backend"] == "inductor"
-    if not run.host_compiles_with_guard_filter(compiled):  # 0.3.64: no filter unless --guard-filter asks for it
+    if not compiling.host_compiles_with_guard_filter(compiled):  # 0.3.64: no filter unless --guard-filter asks for it
         assert compiled.model_options["torch_compile_kwargs"]["options"] is None
         compile_calls, torch_compile = [], torch.compile
 
@@ -386,7 +393,7 @@ def test_the_benchmark_compiles_through_the_host_s_own_node_in_either_signature(
             return torch_compile(model, **kwargs)
 
         monkeypatch.setattr(torch, "compile", recording_compile)
-        filtered = run.torch_compile_model(model, guard_filter=True)
+        filtered = compiling.torch_compile_model(model, guard_filter=True)
         assert filtered is not model and filtered.model_options["torch_compile_kwargs"]["backend"] == "inductor"
         assert "torch_compile_kwargs" not in model.model_options
         kwargs = compile_calls[-1]  # after the host node's own compile (no options): the host's wrapper, filtered
@@ -409,9 +416,9 @@ def test_the_benchmark_compiles_through_the_host_s_own_node_in_either_signature(
             return type("Output", (), {"result": (compiled,)})()
 
     monkeypatch.setattr(host_node, "TorchCompileModel", LaterTorchCompileModel)
-    compiled = run.torch_compile_model(model)
-    assert calls == [(model, "inductor", "")] and run.host_compiles_with_guard_filter(compiled)
-    assert run.torch_compile_model(model, guard_filter=True) is not model and calls[-1] == (model, "inductor", "")
+    compiled = compiling.torch_compile_model(model)
+    assert calls == [(model, "inductor", "")] and compiling.host_compiles_with_guard_filter(compiled)
+    assert compiling.torch_compile_model(model, guard_filter=True) is not model and calls[-1] == (model, "inductor", "")
     assert len(calls) == 2  # the host's own filter: not compiled a second time
 
 

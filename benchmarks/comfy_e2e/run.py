@@ -93,7 +93,6 @@ import bisect
 import contextlib
 import dataclasses
 import json
-import logging
 import math
 import os
 import sys
@@ -103,6 +102,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from .compiling import (STEADY_RETRIES, CompileLog, RecompileLog, compiled_frames, host_compiles_with_guard_filter,
+                        torch_compile_model)
+from .timers import OpTimer, with_timer
 
 A14B = dict(dim=5120, ffn_dim=13824, num_heads=40, num_layers=40, in_dim=36, out_dim=16, text_dim=4096,
             freq_dim=256)
@@ -169,42 +172,6 @@ COMPILED_HITS = ("hit15", "hit15_notail", "hitfr")
 # ComfyUI's core sparse attention (sol_peer.py): "sol" with the core node's defaults (the first 20% of the
 # schedule dense), "sol_every" with start_percent 0 (sol_attn at every step)
 SOL_VARIANTS = {"sol": 0.2, "sol_every": 0.0}
-
-
-def drop_transformer_options_guards(guard_entries) -> list[bool]:
-    """ComfyUI's ``TorchCompileModel`` guard filter after 0.3.64 (0.38.x: its ``mode`` left empty): keep a dynamo
-    guard unless its name mentions ``transformer_options``."""
-    return ["transformer_options" not in entry.name for entry in guard_entries]
-
-
-def host_compiles_with_guard_filter(compiled) -> bool:
-    """Whether the host's ``TorchCompileModel`` compiled ``compiled`` (its output) with compile options, which
-    every ComfyUI that has them uses for its guard filter (no dynamo guard on ``transformer_options``): 0.3.64
-    passes none; 0.28.2 and 0.33.0 always pass the filter (run); 0.38.x with its ``mode`` left empty (read)."""
-    return compiled.model_options.get("torch_compile_kwargs", {}).get("options") is not None
-
-
-def torch_compile_model(model, guard_filter: bool = False):
-    """``model`` through the host's own ``TorchCompileModel`` node (inductor) as a user's graph runs it: in
-    0.3.64 ``execute(model, backend)``; in 0.38.x also ``mode`` (left empty, the node's default). ``guard_filter``
-    on a host whose node compiles without options (0.3.64): compile as later ComfyUI's node does, through the
-    host's own ``set_torch_compile_wrapper`` with :func:`drop_transformer_options_guards`."""
-    import inspect
-
-    from comfy_extras.nodes_torch_compile import TorchCompileModel
-
-    if "mode" in inspect.signature(TorchCompileModel.execute).parameters:
-        compiled = TorchCompileModel.execute(model, "inductor", "").result[0]
-    else:
-        compiled = TorchCompileModel.execute(model, "inductor").result[0]
-    if not guard_filter or host_compiles_with_guard_filter(compiled):
-        return compiled
-    from comfy_api.torch_helpers import set_torch_compile_wrapper
-
-    compiled = model.clone()
-    set_torch_compile_wrapper(model=compiled, backend="inductor",
-                              options={"guard_filter_fn": drop_transformer_options_guards})
-    return compiled
 
 
 def host_runs_i2v_in_windows() -> bool:
@@ -353,208 +320,6 @@ def start_image_pixels(workflow: Workflow, res: str, seed: int) -> torch.Tensor:
     return torch.rand(1, h // 8, w // 8, 3, generator=gen).repeat_interleave(8, 1).repeat_interleave(8, 2)
 
 
-class AttentionTimer:
-    """Outermost attention override: CUDA events around every self-attention call (k length == q
-    length) of the model it is installed on; everything else passes straight to the inner override.
-    Nothing here reads a device value, so the timer adds no host sync to the run it measures."""
-
-    def __init__(self, inner):
-        self.inner = inner
-        self.events: list = []
-
-    @property
-    def previous_override(self):
-        """The override it chains: the Chorus nodes see through the timer (``nodes/override_stack.py``)."""
-        return self.inner
-
-    def __deepcopy__(self, memo):
-        return self
-
-    def _inner(self, func, args, kwargs):
-        return self.inner(func, *args, **kwargs) if self.inner is not None else func(*args, **kwargs)
-
-    def __call__(self, func, *args, **kwargs):
-        q, k = args[0], args[1]
-        if q.shape[1] != k.shape[1] or not q.is_cuda:
-            return self._inner(func, args, kwargs)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        out = self._inner(func, args, kwargs)
-        end.record()
-        self.events.append((start, end))
-        return out
-
-    def per_call_ms(self) -> list[float]:
-        torch.cuda.synchronize()
-        return [s.elapsed_time(e) for s, e in self.events]
-
-
-class OpTimer:
-    """CUDA events around the work of every ``torch.ops.chorus.attend`` call of the request it is
-    active for (``ForwardContext.self_attention`` runs eagerly inside a compiled graph), the high
-    expert's calls only when ``experts`` says so. No host sync is added."""
-
-    def __init__(self):
-        self.events: list = []
-        self._real = None
-
-    def __enter__(self):
-        from chorus.engine.attend import ForwardContext
-
-        real = self._real = ForwardContext.self_attention
-        timer = self
-
-        def timed(context, q, *args, **kwargs):
-            if not q.is_cuda or context.attention is None or context.attention.expert != 0:
-                return real(context, q, *args, **kwargs)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            out = real(context, q, *args, **kwargs)
-            end.record()
-            timer.events.append((start, end))
-            return out
-
-        ForwardContext.self_attention = timed
-        return self
-
-    def __exit__(self, *exc):
-        from chorus.engine.attend import ForwardContext
-
-        ForwardContext.self_attention = self._real
-
-    def per_call_ms(self) -> list[float]:
-        torch.cuda.synchronize()
-        return [s.elapsed_time(e) for s, e in self.events]
-
-
-class CompileLog:
-    """What one compiled first request spent compiling, by who compiled: dynamo's frame compiles
-    (``torch._dynamo.utils.compilation_time_metrics``: ``_compile.compile_inner``, of which the backend -- AOT
-    autograd and inductor -- ``OutputGraph.call_user_compiler``) and every Triton build in this process, through
-    ``triton.knobs.compilation.listener`` (Chorus's kernels, built at their first launch; inductor builds its own
-    kernels in worker processes, inside its time). :meth:`summary` is the row's ``first_request_compile``; its Triton
-    fields are None where this Triton has no listener. Builds are counted apart from Triton's on-disk cache hits:
-    run with empty ``TRITON_CACHE_DIR`` / ``TORCHINDUCTOR_CACHE_DIR`` for a first request on a fresh machine.
-    ``triton_builds_detail``: each build or cache hit in order, with the specialisation it was built for (argument
-    types, the constants -- constexprs and arguments Triton specialised to a value -- and the divisibility attributes
-    it derived from the launch), so two builds of one kernel say what differed between their launches."""
-
-    def __init__(self):
-        self.builds: list[dict] = []  # each build or disk-cache hit, in order (``triton_builds_detail``)
-        self._knobs = self._prev = None
-        self._before = self._after = {}
-
-    @staticmethod
-    def _metric_sums() -> dict:
-        from torch._dynamo.utils import compilation_time_metrics
-
-        return {name: float(sum(times)) for name, times in compilation_time_metrics.items()}
-
-    def __enter__(self):
-        try:
-            from triton import knobs
-        except ImportError:
-            knobs = None
-        if knobs is not None and hasattr(getattr(knobs, "compilation", None), "listener"):
-            self._knobs, self._prev = knobs, knobs.compilation.listener
-            knobs.compilation.listener = self._on_build
-        self._before = self._metric_sums()
-        return self
-
-    def _on_build(self, **event):
-        """Triton's listener call (keywords ``src``, ``metadata``, ``metadata_group``, ``times``, ``cache_hit``):
-        passed on to a listener installed before, then recorded. It runs inside Triton's compile, so it never
-        raises: an event it cannot read is recorded as such (``error``) and the build goes on."""
-        if self._prev is not None:
-            self._prev(**event)
-        try:
-            self.builds.append(self._build_record(**event))
-        except Exception as exc:  # noqa: BLE001 - a measuring hook must not fail the kernel build it watches
-            self.builds.append({"kernel": "?", "s": 0.0, "cache_hit": bool(event.get("cache_hit")),
-                                "error": f"{type(exc).__name__}: {exc}"[:200]})
-
-    @staticmethod
-    def _build_record(*, src, metadata, times, cache_hit, **_) -> dict:
-        name = getattr(getattr(src, "fn", None), "__name__", None) or str(metadata.get("name", "?"))
-        signature = getattr(src, "signature", None) or {}
-        names = list(signature)
-
-        def by_name(table):  # Triton keys constants and attributes by argument path: (index,) for a plain argument
-            return {(names[k[0]] if isinstance(k, tuple) and len(k) == 1 and k[0] < len(names) else str(k)): repr(v)
-                    for k, v in (table or {}).items()}
-
-        return {"kernel": name, "s": times.total / 1e6, "cache_hit": bool(cache_hit),  # CompileTimes: microseconds
-                "signature": {str(k): str(v) for k, v in signature.items() if v != "constexpr"},
-                "constants": by_name(getattr(src, "constants", None)), "attrs": by_name(getattr(src, "attrs", None))}
-
-    def __exit__(self, *exc):
-        if self._knobs is not None:
-            self._knobs.compilation.listener = self._prev
-        self._after = self._metric_sums()
-
-    def summary(self) -> dict:
-        def spent(name):  # (a torch._dynamo.reset() inside the window clears the metrics: what came after it counts)
-            before, after = self._before.get(name, 0.0), self._after.get(name, 0.0)
-            return round(after - before if after >= before else after, 3)
-
-        built = [b for b in self.builds if not b["cache_hit"]]
-        by_kernel: dict[str, float] = {}
-        for b in built:
-            by_kernel[b["kernel"]] = round(by_kernel.get(b["kernel"], 0.0) + b["s"], 3)
-        listening = self._knobs is not None
-        return {"dynamo_s": spent("_compile.compile_inner"), "backend_s": spent("OutputGraph.call_user_compiler"),
-                "triton_builds": len(built) if listening else None,
-                "triton_build_s": round(sum(b["s"] for b in built), 3) if listening else None,
-                "triton_cache_hits": len(self.builds) - len(built) if listening else None,
-                "triton_build_s_by_kernel": by_kernel if listening else None,
-                "triton_builds_detail": [dict(b, s=round(b["s"], 3)) for b in self.builds] if listening else None}
-
-
-STEADY_RETRIES = 2  # further requests a compiled row may run until one compiles nothing (its timed request)
-
-
-def compiled_frames() -> int:
-    """Frames dynamo has compiled in this process so far (first compiles and recompiles; ``torch._dynamo``'s
-    counters, cleared with them)."""
-    from torch._dynamo.utils import counters
-
-    return int(counters["frames"].get("total", 0))
-
-
-class RecompileLog(logging.Handler):
-    """Dynamo's recompile reasons while a compiled row runs (its ``dynamo.recompile_reasons``): each recompile's
-    message ("Recompiling function ... triggered by the following guard failure(s): ..."), from the
-    ``recompiles`` log artifact, which this turns on for its window (torch's own handler prints them too) unless
-    ``TORCH_LOGS`` is set, whose settings then decide what is logged."""
-
-    LOGGER = "torch._dynamo.guards.__recompiles"
-
-    def __init__(self):
-        super().__init__(logging.DEBUG)
-        self.reasons: list[str] = []
-        self._own_settings = False
-
-    def emit(self, record):
-        self.reasons.append(record.getMessage())
-
-    def __enter__(self):
-        self._own_settings = "TORCH_LOGS" not in os.environ
-        if self._own_settings:
-            torch._logging.set_logs(recompiles=True)
-        logging.getLogger(self.LOGGER).addHandler(self)
-        return self
-
-    def __exit__(self, *exc):
-        logging.getLogger(self.LOGGER).removeHandler(self)
-        if self._own_settings:
-            torch._logging.set_logs()
-
-    def summary(self, first: int = 4) -> list[str]:
-        """The first ``first`` reasons, each as its function's line and first guard failure (300 characters)."""
-        return [" / ".join(line.strip() for line in r.splitlines() if line.strip() and "triggered by" not in line)[:300]
-                for r in self.reasons[:first]]
-
-
 def loading_state(models) -> list[dict]:
     """How ComfyUI loaded each expert's weights for the request just run (``ModelPatcher.loaded_size`` /
     ``model_size``, GiB, and whether it loaded it partially, ``model_lowvram``): a GPU too small for both experts
@@ -611,16 +376,6 @@ def row_major_models(models):
             clone.set_model_patch_replace(row_major_block, "dit", "double_block", layer)
         out.append(clone)
     return tuple(out)
-
-
-def with_timer(models):
-    """``models`` with an :class:`AttentionTimer` outermost on a clone of the first (the high-noise expert, or
-    the one model), and that timer."""
-    first = models[0].clone()
-    opts = first.model_options.setdefault("transformer_options", {})
-    timer = AttentionTimer(opts.get("optimized_attention_override"))
-    opts["optimized_attention_override"] = timer
-    return (first, *models[1:]), timer
 
 
 def sample_request(workflow: Workflow, models, latent, positive, negative, seed: int, *, end_step=None):
@@ -1166,7 +921,10 @@ def table(results: dict) -> str:
             continue
         base = next((x for x in rows if x["weights"] == r["weights"] and x["res"] == r["res"] and "skipped" not in x
                      and x["variant"] == ("dense+compile" if "compile" in r["variant"] else "dense")), None)
-        ratio = f"{base['seconds'] / r['seconds']:.2f}x" if base else "-"
+        # a request that still compiled (every try recompiled) times the compiler: no ratio from it or to it
+        steady = base is not None and not base.get("timed_request_frames_compiled") \
+            and not r.get("timed_request_frames_compiled")
+        ratio = f"{base['seconds'] / r['seconds']:.2f}x" if steady else "-"
         attn = f"{r['attn_ms_per_layer']:.2f}" if r.get("attn_ms_per_layer") is not None else "-"
         if r.get("attn_kernels_ms_per_call") is not None and r.get("attn_ms_median") is not None:
             attn += f" (median {r['attn_ms_median']:.2f}, its kernels {r['attn_kernels_ms_per_call']:.2f})"
