@@ -80,11 +80,14 @@ class ForwardContext:
         image_frames: a callable giving the latent frames the forward's input holds images on
             (:func:`~chorus.engine.model_info.image_frames`, computed once when first asked), or None:
             guidance asks it for an end image when the plan does not tell.
+        first_frame_image: whether the forward's first latent frame is the video's start image (False for a
+            context window that starts past it, whose first frame is a later frame of the video: guidance's
+            start-image bias is not applied there).
     """
 
     def __init__(self, attention, guidance, grid, sigma: float | None, cond_or_uncond=None, note=None,
                  disabled_reason: str | None = None, feature_reuse=None, reduction=None,
-                 skipped_layers: frozenset = frozenset(), image_frames=None):
+                 skipped_layers: frozenset = frozenset(), image_frames=None, first_frame_image: bool = True):
         self.attention = attention
         self.guidance = guidance
         self.feature_reuse = feature_reuse
@@ -97,6 +100,7 @@ class ForwardContext:
         self.disabled_reason = disabled_reason
         self.skipped_layers = frozenset(int(layer) for layer in skipped_layers)
         self.image_frames = image_frames
+        self.first_frame_image = bool(first_frame_image)
         self.layer_counter = 0
         self.current_layer = -1  # the layer of the forward's last self-attention call (record_block's layer)
         self._cond_rows: dict[int, torch.Tensor | None] = {}
@@ -126,9 +130,10 @@ class ForwardContext:
         return self._cond_rows[batch]
 
     def first_frame_bias(self) -> float:
-        """Guidance's first-frame logit bias for this forward's calls (0.0: none)."""
+        """Guidance's first-frame logit bias for this forward's calls (0.0: none, also where the forward's first
+        frame is not the start image)."""
         guidance = self.guidance
-        if guidance is None or not guidance.image_strength or self.sigma is None:
+        if guidance is None or not guidance.image_strength or self.sigma is None or not self.first_frame_image:
             return 0.0
         return float(guidance.first_frame_bias(self.sigma))
 
@@ -213,12 +218,13 @@ class ForwardContext:
 
 def begin_forward(attention, guidance, grid, sigma: float | None, cond_or_uncond=None, note=None,
                   disabled_reason: str | None = None, feature_reuse=None, reduction=None,
-                  skipped_layers: frozenset = frozenset(), image_frames=None) -> ForwardContext:
+                  skipped_layers: frozenset = frozenset(), image_frames=None,
+                  first_frame_image: bool = True) -> ForwardContext:
     """The :class:`ForwardContext` of one model forward (arguments as there), made current
     (:func:`activate`). A forward Chorus stays out of (``disabled_reason``) is noted, and its
     self-attention calls (one per layer; they run the host's attention) counted as fallbacks."""
     context = ForwardContext(attention, guidance, grid, sigma, cond_or_uncond, note, disabled_reason, feature_reuse,
-                             reduction, skipped_layers, image_frames)
+                             reduction, skipped_layers, image_frames, first_frame_image)
     activate(context)
     if disabled_reason is not None and (attention is not None or guidance is not None):
         context.note(f"{disabled_reason}; dense attention")

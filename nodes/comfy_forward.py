@@ -187,6 +187,22 @@ def skipped_layers(options: dict) -> frozenset:
     return frozenset(skipped)
 
 
+def window_start_frame(options: dict) -> int | None:
+    """The latent frame of the whole video at this forward's first frame when ComfyUI runs the forward in a
+    context window (``options["context_window"]``, set by its context handler before each window's call: the
+    window's ``index_list``, and from 0.28.2 on its ``causal_anchor_index``, the frame before the window that
+    the causal window fix puts in front of it), else None (a whole-latent forward, or a window of another kind)."""
+    window = options.get("context_window")
+    index_list = getattr(window, "index_list", None)
+    try:
+        if not index_list:
+            return None
+        anchor = getattr(window, "causal_anchor_index", None)
+        return int(anchor) if anchor is not None and int(anchor) >= 0 else int(index_list[0])
+    except (TypeError, ValueError):
+        return None
+
+
 def never_runs_block(patch) -> bool:
     """True when a block patch (called as ``patch(args, extra)``) can never run the block it replaces: its
     code never reads ``extra``, the only way to the block (``extra["original_block"]``, made per call). False

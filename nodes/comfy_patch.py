@@ -141,6 +141,17 @@ class ChorusPatch:
                          f"; {self.feature_reuse.state.summary()}" if self.feature_reuse is not None else "")
 
     # -- one forward, host side ----------------------------------------------------------------------
+    def _starts_at_start_image(self, options: dict) -> bool:
+        """Whether this forward's first latent frame is the video's first (where Wan I2V puts the start image, and
+        what guidance's start-image bias reinforces): always outside context windows; in a window, where it starts
+        (its anchor frame included) among the video's leading image frames (the plan's image frames, read at the
+        run's first forward, which is the first window's), at least the first frame."""
+        start = comfy_forward.window_start_frame(options)
+        if start is None:
+            return True
+        frames = self.plan.state.image_frames if self.plan is not None else None
+        return start < max(1, int(frames[0]) if frames is not None else 1)
+
     def begin_forward(self, x: torch.Tensor, args, kwargs, options: dict) -> dict | None:
         """The options copy for one Wan video forward (see the module docstring), with its context made
         current; None when this call is not a Wan video forward (its options are left as they are)."""
@@ -176,7 +187,8 @@ class ChorusPatch:
             reduction = self._reduction(sigma, grid, x.device, context_lengths, options)
         ctx = engine_attend.begin_forward(self.attention, self.guidance, grid, sigma, options.get("cond_or_uncond"),
                                           self.note, reason, self.feature_reuse, reduction,
-                                          comfy_forward.skipped_layers(options), frames)
+                                          comfy_forward.skipped_layers(options), frames,
+                                          self._starts_at_start_image(options))
         route = override_stack.forward_route(self.previous_override, options.get(OVERRIDE))
         options = {key: value for key, value in options.items() if key not in FORWARD_KEYS}
         if route.top:  # a foreign sparse override put itself on top: Chorus takes the top back

@@ -74,11 +74,10 @@ def _window_count(windowed) -> int:
     return len(handler.context_schedule.func(LATENT["samples"].shape[2], handler, {}))
 
 
-def _request(nodes, model, *, windows: bool, feature_reuse: bool = True, workspace: str = "windows",
-             anchored: bool = False, schedule: str = "standard_static"):
-    """``(plan, samples)`` of one request: retrieve, sparse sampler (+ feature reuse), (windows,) sample."""
-    import comfy.sample
-
+def _patched(nodes, model, *, windows: bool, feature_reuse: bool = True, workspace: str = "windows",
+             anchored: bool = False, schedule: str = "standard_static", image_strength: float = 0.0):
+    """``(plan, patched model, positive conditioning)`` of one request: retrieve, sparse sampler (+ feature reuse,
+    + Chorus Guidance Boost's start-image bias where ``image_strength``), (windows)."""
     image = torch.rand(1, 64, 64, 3, generator=torch.Generator().manual_seed(0))
     positive = tiny.random_conditioning(5)
     plan = nodes.ChorusMaskRetrieve.execute(latent=LATENT, workspace=workspace, start_image=image, positive=positive,
@@ -86,12 +85,25 @@ def _request(nodes, model, *, windows: bool, feature_reuse: bool = True, workspa
     patched = nodes.ChorusSparseSampler.execute(model=model, plan=plan).args[0]
     if feature_reuse:
         patched = nodes.ChorusFeatureReuse.execute(patched, plan).args[0]
+    if image_strength:
+        patched = nodes.ChorusGuidanceBoost.execute(patched, plan, strength=0.0, image_strength=image_strength).args[0]
     if windows:
         patched = _windows(patched, anchored, schedule)
+    return plan, patched, positive
+
+
+def _sample(patched, positive) -> torch.Tensor:
+    import comfy.sample
+
     latent = LATENT["samples"]
-    samples = comfy.sample.sample(patched, comfy.sample.prepare_noise(latent, 0), STEPS, 1.0, "euler", "simple",
-                                  positive, tiny.random_conditioning(1), latent, disable_pbar=True, seed=0)
-    return plan, samples
+    return comfy.sample.sample(patched, comfy.sample.prepare_noise(latent, 0), STEPS, 1.0, "euler", "simple",
+                               positive, tiny.random_conditioning(1), latent, disable_pbar=True, seed=0)
+
+
+def _request(nodes, model, **options):
+    """``(plan, samples)`` of one request (:func:`_patched`'s options), sampled."""
+    plan, patched, positive = _patched(nodes, model, **options)
+    return plan, _sample(patched, positive)
 
 
 def test_in_context_windows_a_miss_records_the_window_s_maps_and_a_hit_runs_every_window_sparse_or_the_whole_latent(
@@ -216,3 +228,45 @@ def test_windows_of_two_lengths_under_torch_compile_run_as_the_eager_request(nod
     assert hit.state.feature_reuse.blocks_reduced > 0
     torch.testing.assert_close(samples, eager_samples, rtol=1e-4, atol=1e-4)
 
+
+
+def test_guidance_boost_biases_the_start_image_only_in_the_window_that_begins_with_it(nodes, model, monkeypatch):
+    """Chorus Guidance Boost reinforces the start image through a logit bias on the keys of the forward's first
+    latent frame. In context windows only the first window begins with the start image; a later one begins with a
+    later frame of the video (with the causal window fix, the frame before it): the bias applies in the first
+    window's calls alone (before, in every window's: a later frame was reinforced as if it were the image). A
+    request without windows still biases every call."""
+    from chorus.nodes.comfy_patch import get_patch
+
+    if not _host_anchors_windows():
+        comfy038.install_context_window_anchor(monkeypatch)
+    window_count = _window_count(_windows(model, anchored=True))
+    miss, samples = _request(nodes, model, windows=True, feature_reuse=False, workspace="boost", anchored=True)
+    assert "wrote entry 1" in nodes.ChorusCacheWrite.execute(latent={"samples": samples}, plan=miss).args[0]
+
+    for windows, biased_windows in ((True, 1), (False, None)):
+        hit, patched, positive = _patched(nodes, model, windows=windows, feature_reuse=False, workspace="boost",
+                                          anchored=True, image_strength=2.0)
+        samples = _sample(patched, positive)
+        boost = get_patch(patched).guidance
+        assert hit.is_hit and torch.isfinite(samples).all() and hit.stats.fallback_calls == 0, hit.stats.messages
+        calls = hit.stats.sparse_calls
+        assert calls == STEPS * (window_count if windows else 1) * tiny.TINY_LAYERS, hit.stats.messages
+        assert boost.biased_calls == (STEPS * biased_windows * tiny.TINY_LAYERS if windows else calls), \
+            (boost.biased_calls, calls, window_count)
+
+
+def test_a_forward_s_place_in_the_video_is_read_from_the_host_s_window():
+    """``window_start_frame``: the video's latent frame at a windowed forward's first frame, from the window ComfyUI
+    puts in ``transformer_options["context_window"]`` (its anchor frame where the causal window fix set one); None
+    for a whole-latent forward or a window it cannot read."""
+    from types import SimpleNamespace
+
+    from chorus.nodes.comfy_forward import window_start_frame
+
+    assert window_start_frame({}) is None and window_start_frame({"context_window": object()}) is None
+    assert window_start_frame({"context_window": SimpleNamespace(index_list=[])}) is None
+    assert window_start_frame({"context_window": SimpleNamespace(index_list=[4, 5, 6])}) == 4
+    assert window_start_frame({"context_window": SimpleNamespace(index_list=[4, 5, 6], causal_anchor_index=3)}) == 3
+    assert window_start_frame({"context_window": SimpleNamespace(index_list=[0, 1], causal_anchor_index=-1)}) == 0
+    assert window_start_frame({"context_window": SimpleNamespace(index_list=["a"])}) is None
