@@ -195,11 +195,11 @@ def window_start_frame(options: dict) -> int | None:
     window = options.get("context_window")
     index_list = getattr(window, "index_list", None)
     try:
-        if not index_list:
+        if index_list is None or len(index_list) == 0:
             return None
         anchor = getattr(window, "causal_anchor_index", None)
         return int(anchor) if anchor is not None and int(anchor) >= 0 else int(index_list[0])
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, RuntimeError):  # a window of another shape: read as no window
         return None
 
 

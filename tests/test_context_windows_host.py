@@ -269,4 +269,6 @@ def test_a_forward_s_place_in_the_video_is_read_from_the_host_s_window():
     assert window_start_frame({"context_window": SimpleNamespace(index_list=[4, 5, 6])}) == 4
     assert window_start_frame({"context_window": SimpleNamespace(index_list=[4, 5, 6], causal_anchor_index=3)}) == 3
     assert window_start_frame({"context_window": SimpleNamespace(index_list=[0, 1], causal_anchor_index=-1)}) == 0
+    assert window_start_frame({"context_window": SimpleNamespace(index_list=torch.tensor([2, 3]))}) == 2
     assert window_start_frame({"context_window": SimpleNamespace(index_list=["a"])}) is None
+    assert window_start_frame({"context_window": SimpleNamespace(index_list=7)}) is None
