@@ -564,14 +564,14 @@ def run(args) -> dict:
                     first_request_s = time.perf_counter() - t0
                 else:
                     sample_request(workflow, models, latent, positive, negative, 11, end_step=1)  # warm-up step
-                unsteady = []
-                for attempt in range(1 + (STEADY_RETRIES if compiled else 0)):
+                unsteady, tries = [], 1 + STEADY_RETRIES if compiled else 1
+                for attempt in range(tries):
                     if compiled:
                         models, plan = again()
                     frames_before = compiled_frames()
                     out, seconds, gpu_window, timer = timed_request(models, plan, compiled)
                     frames_compiled = compiled_frames() - frames_before
-                    if not frames_compiled or attempt == STEADY_RETRIES:
+                    if not frames_compiled or attempt == tries - 1:
                         break
                     unsteady.append({"seconds": seconds, "frames_compiled": frames_compiled})
                 per_call = timer.per_call_ms() if device.type == "cuda" and timer is not None else []
