@@ -48,6 +48,7 @@ import torch
 
 from ..kernels.custom_ops import op_registered
 from .call import AttnCall, sdpa
+from .model_info import frames_summary
 from .runtime import attend as engine_attend
 
 if TYPE_CHECKING:
@@ -77,17 +78,17 @@ class ForwardContext:
             feature reuse reduces; ``feature_reuse.reduction``), or None.
         skipped_layers: layers whose block the host skips in this forward (no self-attention call comes
             from them): the layer count passes over them.
-        image_frames: a callable giving the latent frames the forward's input holds images on
-            (:func:`~chorus.engine.model_info.image_frames`, computed once when first asked), or None:
-            guidance asks it for an end image when the plan does not tell.
-        first_frame_image: whether the forward's first latent frame is the video's start image (False for a
-            context window that starts past it, whose first frame is a later frame of the video: guidance's
-            start-image bias is not applied there).
+        image_flags: a callable giving, per latent frame of the forward's input, whether it holds an input
+            image (:func:`~chorus.engine.model_info.image_frame_flags`; the host keeps it, so asking costs no
+            sync after the first time), or None (not known): guidance's biases go where the forward's own
+            frames hold the images (a context window holds part of the video).
+        window_start: the latent frame of the whole video at the forward's first frame when the forward runs in
+            a context window, else None (the whole latent).
     """
 
     def __init__(self, attention, guidance, grid, sigma: float | None, cond_or_uncond=None, note=None,
                  disabled_reason: str | None = None, feature_reuse=None, reduction=None,
-                 skipped_layers: frozenset = frozenset(), image_frames=None, first_frame_image: bool = True):
+                 skipped_layers: frozenset = frozenset(), image_flags=None, window_start: int | None = None):
         self.attention = attention
         self.guidance = guidance
         self.feature_reuse = feature_reuse
@@ -99,8 +100,8 @@ class ForwardContext:
         self.note = note or (lambda message: None)
         self.disabled_reason = disabled_reason
         self.skipped_layers = frozenset(int(layer) for layer in skipped_layers)
-        self.image_frames = image_frames
-        self.first_frame_image = bool(first_frame_image)
+        self.image_flags = image_flags
+        self.window_start = None if window_start is None else int(window_start)
         self.layer_counter = 0
         self.current_layer = -1  # the layer of the forward's last self-attention call (record_block's layer)
         self._cond_rows: dict[int, torch.Tensor | None] = {}
@@ -129,21 +130,42 @@ class ForwardContext:
             self._cond_rows[batch] = rows
         return self._cond_rows[batch]
 
+    def _flags(self) -> tuple | None:
+        return self.image_flags() if self.image_flags is not None else None
+
+    def starts_with_image(self) -> bool:
+        """Whether the forward's first latent frame is where guidance's start-image bias goes: always on the
+        whole latent; in a context window where the window begins with the video's first frame (its causal anchor
+        included) or its first frame holds an image (a start image ComfyUI keeps in every window), not where it
+        begins with a later frame of the video."""
+        if self.window_start is None or self.window_start == 0:
+            return True
+        flags = self._flags()
+        return bool(flags) and bool(flags[0])
+
+    def frames(self):
+        """``(first, last, other)`` of the forward's own frames (:func:`~chorus.engine.model_info.frames_summary`),
+        or None when not known."""
+        flags = self._flags()
+        return None if flags is None else frames_summary(flags)
+
     def first_frame_bias(self) -> float:
         """Guidance's first-frame logit bias for this forward's calls (0.0: none, also where the forward's first
-        frame is not the start image)."""
+        frame is not the start image: :meth:`starts_with_image`)."""
         guidance = self.guidance
-        if guidance is None or not guidance.image_strength or self.sigma is None or not self.first_frame_image:
+        if guidance is None or not guidance.image_strength or self.sigma is None or not self.starts_with_image():
             return 0.0
         return float(guidance.first_frame_bias(self.sigma))
 
     def last_frame_bias(self) -> float:
         """Guidance's logit bias toward the last frame's keys (a first-last-frame request's end image) for this
-        forward's calls (0.0: none)."""
+        forward's calls (0.0: none): where the forward's own last frame holds it (in context windows, the window
+        that ends with the video's end image), else, where the forward's frames are not known, where the
+        request holds one."""
         guidance = self.guidance
         if guidance is None or not guidance.image_strength or self.sigma is None:
             return 0.0
-        return float(guidance.last_frame_bias(self.sigma, self.image_frames))
+        return float(guidance.last_frame_bias(self.sigma, self.frames if self.image_flags is not None else None))
 
     def cross_attention_gain(self) -> float | None:
         """Guidance's text gain for this forward's cross-attention outputs (also in a forward Chorus
@@ -218,13 +240,13 @@ class ForwardContext:
 
 def begin_forward(attention, guidance, grid, sigma: float | None, cond_or_uncond=None, note=None,
                   disabled_reason: str | None = None, feature_reuse=None, reduction=None,
-                  skipped_layers: frozenset = frozenset(), image_frames=None,
-                  first_frame_image: bool = True) -> ForwardContext:
+                  skipped_layers: frozenset = frozenset(), image_flags=None,
+                  window_start: int | None = None) -> ForwardContext:
     """The :class:`ForwardContext` of one model forward (arguments as there), made current
     (:func:`activate`). A forward Chorus stays out of (``disabled_reason``) is noted, and its
     self-attention calls (one per layer; they run the host's attention) counted as fallbacks."""
     context = ForwardContext(attention, guidance, grid, sigma, cond_or_uncond, note, disabled_reason, feature_reuse,
-                             reduction, skipped_layers, image_frames, first_frame_image)
+                             reduction, skipped_layers, image_flags, window_start)
     activate(context)
     if disabled_reason is not None and (attention is not None or guidance is not None):
         context.note(f"{disabled_reason}; dense attention")

@@ -41,7 +41,7 @@ from ..kernels import aspect_matches, pooling, resample_region_scores
 from .compat import order_at
 from .plan import Plan, grid_unchecked
 from .routing import match_step, sigma_schedule, sigma_value, step_sigma
-from .model_info import ModelInfo
+from .model_info import ModelInfo, frame_flags_of
 from .state import FEATURE_REUSE_META_VERSION, FeatureReuseState, failure_text
 
 META_KEY = "feature_reuse"
@@ -117,12 +117,13 @@ def feature_state(plan: Plan) -> FeatureReuseState:
 
 
 def select_regions(redundancy: torch.Tensor, grid, region, share: float, *, keep_first_frame: bool = True,
-                   image_frames=None) -> torch.Tensor:
+                   held_frames=None) -> torch.Tensor:
     """Ids of the ``round(share * R)`` most redundant complete regions (int64, sorted), excluding
     regions that hold frame 0 when ``keep_first_frame``, and those that hold a frame with an input image
-    (``image_frames``: ``(first, last, other)`` of :func:`~chorus.engine.model_info.image_frames`, or None: its
-    first and last frames; a first-last-frame video's end image is never computed downsampled).
-    ``redundancy``: ``[R]`` scores."""
+    (``held_frames``: per latent frame of ``grid``, whether it holds one, as
+    :func:`~chorus.engine.model_info.image_frame_flags`; None: none known; a first-last-frame video's end image,
+    and an image frame inside a context window, is never computed downsampled). ``redundancy``: ``[R]`` scores.
+    Raises ``ValueError`` for scores or flags that do not fit ``grid``."""
     counts = pooling.region_counts(grid, region)
     total = counts[0] * counts[1] * counts[2]
     if redundancy.numel() != total:
@@ -132,10 +133,14 @@ def select_regions(redundancy: torch.Tensor, grid, region, share: float, *, keep
     starts = pooling.region_frames(grid, region)
     if keep_first_frame:
         scores[starts == 0] = -math.inf
-    if image_frames is not None:
-        first, last = int(image_frames[0]), int(image_frames[1])
-        ends = starts + int(tuple(region)[0])  # a region holds frames [start, end)
-        scores[(starts < first) | (ends > int(tuple(grid)[0]) - last)] = -math.inf
+    if held_frames is not None:
+        held = torch.tensor([bool(h) for h in held_frames], dtype=torch.bool)
+        if held.numel() != int(tuple(grid)[0]):
+            raise ValueError(f"{held.numel()} image-frame flags for the {tuple(grid)[0]} frames of grid {tuple(grid)}")
+        held_in = torch.zeros(starts.shape, dtype=torch.bool)
+        for offset in range(int(tuple(region)[0])):  # a complete region holds frames [start, start + region[0])
+            held_in |= held[starts + offset]
+        scores[held_in] = -math.inf
     eligible = int(torch.isfinite(scores).sum())
     want = min(want, eligible)
     if want <= 0:
@@ -240,11 +245,15 @@ class FeatureReuse:
             return None
         return fr
 
-    def layout_for(self, sigma: float, grid, device) -> pooling.RegionLayout | None:
+    def layout_for(self, sigma: float, grid, device, image_flags=None) -> pooling.RegionLayout | None:
         """The layout to use at this step and grid, or None (run in full). The entry's region scores are for
         its grid; at another grid of the same aspect (context windows of two lengths, a request of another
         size) they are carried there (:func:`chorus.kernels.resample_region_scores`, noted), at another aspect
-        not (noted, None). Raises ``ValueError`` on an entry whose scores do not fit."""
+        not (noted, None). Regions on a frame with an input image run in full (:func:`select_regions`): the
+        forward's own frames (``image_flags``: a callable giving them, per frame of ``grid``; the host's answer
+        for a forward in a context window, which holds part of the video), else the request's first and last
+        image frames (the plan's ``state.image_frames``). Raises ``ValueError`` on an entry whose scores do not
+        fit."""
         cfg = self.config
         if cfg.downsample_share <= 0 or self.expert is None or not self.plan.is_hit or self.full_blocks_reason:
             return None
@@ -261,7 +270,10 @@ class FeatureReuse:
         if tuple(fr["region"]) != cfg.region or tuple(fr["pool"]) != cfg.pool:
             self.plan.note("feature reuse: the entry's region geometry differs; blocks run in full")
             return None
-        key = (round(sigma, 6), grid, str(device))
+        held = image_flags() if image_flags is not None else None
+        if held is None or len(held) != grid[0]:
+            held = frame_flags_of(self.plan.state.image_frames, grid[0])
+        key = (round(sigma, 6), grid, str(device), held)
         if key in self._layouts:
             return self._layouts[key]
         per_expert = {float(s): v for s, v in fr["scores"].get(str(self.expert), {}).items()}
@@ -274,7 +286,7 @@ class FeatureReuse:
                 scores = resample_region_scores(scores, scores_grid, grid, cfg.region)
                 self.plan.note(f"feature reuse: entry region scores for grid {scores_grid} carried to grid {grid}")
             regions = select_regions(scores, grid, cfg.region, cfg.downsample_share,
-                                     keep_first_frame=cfg.keep_first_frame, image_frames=self.plan.state.image_frames)
+                                     keep_first_frame=cfg.keep_first_frame, held_frames=held)
             if regions.numel():
                 layout = pooling.build_layout(grid, cfg.region, cfg.pool, regions, device=device,
                                               order=self._compact_order(grid, regions))
@@ -298,20 +310,21 @@ class FeatureReuse:
         return order
 
     # -- the call ----------------------------------------------------------------------------------
-    def reduction(self, sigma, grid, device, *, avoid_lengths=()) -> Reduction | None:
+    def reduction(self, sigma, grid, device, *, avoid_lengths=(), image_flags=None) -> Reduction | None:
         """This forward's :class:`Reduction` on a hit, or None (its blocks run in full). Host side, once
         per forward (begins the sampler run if the host did not). ``sigma``: float or tensor (first
         element); ``grid``: ``(T', H', W')``; ``avoid_lengths``: sequence lengths a reduced block must not
         have (the forward's cross-attention contexts: a host that tells self- from cross-attention by
-        length could not). Counts the forward's full blocks (all layers, or those below
-        ``full_layers``) when feature reuse serves the run. Never raises: a problem is a note and None."""
+        length could not); ``image_flags``: the forward's own image frames (:meth:`layout_for`).
+        Counts the forward's full blocks (all layers, or those below ``full_layers``) when feature reuse
+        serves the run. Never raises: a problem is a note and None."""
         plan = self.plan
         try:
             if not self._running:
                 self.begin_run()
             if self.expert is None or not plan.is_hit:
                 return None
-            found = self._reduction_at(sigma, tuple(int(g) for g in grid), device)
+            found = self._reduction_at(sigma, tuple(int(g) for g in grid), device, image_flags)
             if found is not None:
                 if found.compact_length in set(avoid_lengths):
                     plan.note(f"feature reuse: the compact sequence ({found.compact_length} tokens) is as long as a "
@@ -324,11 +337,11 @@ class FeatureReuse:
             self.state.blocks_full += self.model_info.num_layers if found is None else found.from_layer
         return found
 
-    def _reduction_at(self, sigma, grid, device) -> Reduction | None:
+    def _reduction_at(self, sigma, grid, device, image_flags=None) -> Reduction | None:
         """The :class:`Reduction` of the step at ``sigma`` (float or tensor) on ``grid``, or None (no
         layout: full blocks). Raises what :meth:`layout_for` raises; both callers note it."""
         sigma = step_sigma(sigma_value(sigma), self.sample_sigmas)
-        layout = self.layout_for(sigma, grid, device)
+        layout = self.layout_for(sigma, grid, device, image_flags)
         if layout is None:
             return None
         return Reduction(layout, sigma, self.from_layer, self.config.mode == "skip")

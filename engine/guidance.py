@@ -19,7 +19,8 @@ see the prompt at reduced resolution. Three corrections, each with its own stren
   multiplied by ``1 + IMAGE_GAIN_PER_STRENGTH * image_strength`` before renormalisation. On the
   sparse path the kernel applies it (the reused maps always keep the first frame's key blocks); a
   dense call applies it through :func:`image_biased_attention`. A first-last-frame request (an end
-  image in the last latent frame, ``state.image_frames``) gets the same bias on the last frame's keys,
+  image in the last latent frame of the forward: in context windows the window that ends the video) gets the
+  same bias on the last frame's keys,
   the sequence's suffix in raster order (:meth:`GuidanceBoost.last_frame_bias`; a hit whose entry runs
   in a token order where that frame is not the suffix, e.g. a tile order of an odd frame count, and
   feature reuse's compact calls bias the first frame only, with a note).
@@ -188,16 +189,18 @@ class GuidanceBoost:
 
     def last_frame_bias(self, sigma, image_frames=None) -> float:
         """The self-attention logit bias toward the last frame's keys at ``sigma``: :meth:`first_frame_bias`'s
-        value where the request's input holds an end image (a first-last-frame request: the plan's
-        ``state.image_frames``, else ``image_frames()``, a callable giving the forward's
-        :func:`~chorus.engine.model_info.image_frames`, asked only then), else 0.0. Not counted (the call's
-        first-frame bias counts it). Never raises."""
+        value where the forward's input ends with an end image (a first-last-frame request), else 0.0.
+        ``image_frames``: a callable giving the forward's own ``(first, last, other)``
+        (:func:`~chorus.engine.model_info.image_frames`; the host's answer for a forward in a context window,
+        which holds part of the video), asked only here; where it is None or gives None, the request's (the
+        plan's ``state.image_frames``, read at the run's first forward). Not counted (the call's first-frame bias
+        counts it). Never raises."""
         if self.image_strength == 0.0 or not self.reuse_acted(sigma):
             return 0.0
-        frames = self.plan.state.image_frames if self.plan is not None else None
         try:
-            if frames is None and image_frames is not None:
-                frames = image_frames()
+            frames = image_frames() if image_frames is not None else None
+            if frames is None and self.plan is not None:
+                frames = self.plan.state.image_frames
             return self.image_bias if frames is not None and int(frames[1]) >= 1 else 0.0
         except Exception:  # noqa: BLE001 - no end image known: no bias
             return 0.0

@@ -149,29 +149,56 @@ def image_frames(x: torch.Tensor, info: ModelInfo, timestep=None) -> tuple[int, 
     ``(1, 0, 0)``: image to video (a start image); ``(1, 1, 0)``: a start and an end image (ComfyUI's
     WanFirstLastFrameToVideo, diffusers' ``last_image``); ``(0, 0, 0)``: none. Entries record it and a hit needs
     the same (:func:`~chorus.engine.compat.image_frames_mismatch`): attention runs to the frames that hold an
-    image, so a map recorded with one image does not fit a request with two.
+    image, so a map recorded with one image does not fit a request with two. :func:`frames_summary` of
+    :func:`image_frame_flags` (where each of the frames is read from); None where that is None. One host sync:
+    ask it once per sampler run, not per forward."""
+    flags = image_frame_flags(x, info, timestep)
+    return None if flags is None else frames_summary(flags)
 
-    Read from the I2V models' mask channels (``x[:, 16:20]``: a frame holds an image where any of its mask values
-    is above 0.5; an end image covers one of its frame's four), and for Wan 2.2 TI2V 5B from the per-frame
-    ``timestep`` (``[B, T]``, or per token ``[B, T * n]``): a frame whose timestep is 0 holds the image; one
-    timestep per sample means none. None where this cannot be told (another variant, other shapes): then
-    nothing is checked. One host sync: ask it once per sampler run, not per forward."""
+
+def image_frame_flags(x: torch.Tensor, info: ModelInfo, timestep=None) -> tuple[bool, ...] | None:
+    """Per latent frame of a Wan forward's input ``x`` ``[B, C, T, H, W]``, whether it holds an input image
+    (``T`` bools). Read from the I2V models' mask channels (``x[:, 16:20]``, :func:`mask_frame_flags`), and for
+    Wan 2.2 TI2V 5B from the per-frame ``timestep`` (``[B, T]``, or per token ``[B, T * n]``): a frame whose
+    timestep is 0 holds the image; one timestep per sample means none. None where this cannot be told (another
+    variant, other shapes). One host sync."""
     if not isinstance(x, torch.Tensor) or x.dim() != 5 or not info.supported:
         return None
     frames = int(x.shape[2])
     if info.in_dim == 36 and x.shape[1] == 36:
-        held = x[:1, I2V_MASK_CHANNELS].amax(dim=(0, 1, 3, 4)) > 0.5
-    elif info.variant == "wan2.2-ti2v-5b":
+        return mask_frame_flags(x[:, I2V_MASK_CHANNELS])
+    if info.variant == "wan2.2-ti2v-5b":
         if not isinstance(timestep, torch.Tensor) or timestep.dim() > 2 or timestep.numel() == 0:
             return None
         if timestep.dim() < 2 or timestep.shape[1] == 1:
-            return (0, 0, 0)
+            return (False,) * frames
         if timestep.shape[1] % frames:
             return None
-        held = timestep[:1].reshape(frames, -1)[:, 0] == 0
-    else:
-        return None
-    held = [bool(h) for h in held.tolist()]
-    first = next((i for i, h in enumerate(held) if not h), frames)
-    last = next((i for i, h in enumerate(reversed(held[first:])) if not h), frames - first)
+        return tuple(bool(h) for h in (timestep[:1].reshape(frames, -1)[:, 0] == 0).tolist())
+    return None
+
+
+def mask_frame_flags(mask: torch.Tensor) -> tuple[bool, ...]:
+    """Per latent frame of Wan I2V's 4 mask channels ``[B, 4, T, H, W]`` (1 where the input holds an image, as
+    ComfyUI's model concatenates them after the noise), whether the frame holds an image: any of its mask values
+    (of the first sample) above 0.5 (an end image covers one of its frame's four). One host sync."""
+    held = mask[:1].amax(dim=(0, 1, 3, 4)) > 0.5
+    return tuple(bool(h) for h in held.tolist())
+
+
+def frames_summary(flags) -> tuple[int, int, int]:
+    """``(first, last, other)`` of per-frame image flags (:func:`image_frame_flags`): the leading frames that hold
+    an image, the trailing ones after those, and the rest that do."""
+    held = [bool(h) for h in flags]
+    first = next((i for i, h in enumerate(held) if not h), len(held))
+    last = next((i for i, h in enumerate(reversed(held[first:])) if not h), len(held) - first)
     return first, last, sum(held) - first - last
+
+
+def frame_flags_of(frames, count: int) -> tuple[bool, ...] | None:
+    """Per-frame image flags of ``count`` latent frames from a ``(first, last, other)`` summary
+    (:func:`frames_summary`; ``other`` frames are not placed: their positions are not in it), or None for None."""
+    if frames is None:
+        return None
+    first, last = min(int(frames[0]), count), int(frames[1])
+    return tuple(i < first or i >= count - last for i in range(count))

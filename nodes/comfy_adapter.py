@@ -1,4 +1,5 @@
-"""ComfyUI model identity: the LoRA-aware :class:`~chorus.engine.ModelInfo` of a ``ModelPatcher``.
+"""ComfyUI model identity: the LoRA-aware :class:`~chorus.engine.ModelInfo` of a ``ModelPatcher``, and the
+request's input images as a sampler run's conditioning tells them (:func:`request_image_flags`).
 
 The patching itself (one Chorus patch per model: attention override, wrappers, block patches) is
 :mod:`.comfy_patch`.
@@ -11,6 +12,7 @@ import hashlib
 import torch
 
 from ..engine import ModelInfo, wan_model_info
+from ..engine.model_info import I2V_MASK_CHANNELS, mask_frame_flags
 from ..engine.state import failure_text
 
 
@@ -90,3 +92,25 @@ def comfy_model_info(model_patcher) -> ModelInfo:
     except Exception as exc:  # noqa: BLE001
         return ModelInfo("unknown", type(diffusion_model).__name__, 0, 0, 0, 0, "", False,
                          f"could not inspect the model ({failure_text(exc)})")
+
+
+def request_image_flags(guider, info: ModelInfo) -> tuple[bool, ...] | None:
+    """Per latent frame of the whole video a sampler run denoises, whether the request's input holds an image
+    there, read from the run's conditioning: ``guider.conds`` of ComfyUI's ``CFGGuider``, whose positive conds
+    carry, once its sampler processed them (before the first model call), the model's ``c_concat``: for Wan I2V
+    ``[B, 20, T, H, W]``, the 4 mask channels the model puts after the noise first (:func:`~chorus.engine.
+    model_info.mask_frame_flags`), over the whole latent. What a forward in a context window cannot tell: its
+    input holds its window's frames. None where it cannot be read (no guider, conds not processed, no
+    ``c_concat`` of that layout, a model without the mask channels): the caller reads the forward's own input
+    then. One host sync."""
+    if info.in_dim != I2V_MASK_CHANNELS.stop + 16:
+        return None
+    conds = getattr(guider, "conds", None)
+    positive = conds.get("positive") if isinstance(conds, dict) else None
+    for cond in positive if isinstance(positive, (list, tuple)) else ():
+        model_conds = cond.get("model_conds") if isinstance(cond, dict) else None
+        concat = getattr(model_conds.get("c_concat"), "cond", None) if isinstance(model_conds, dict) else None
+        if isinstance(concat, torch.Tensor) and concat.dim() == 5 \
+                and concat.shape[1] == info.in_dim - I2V_MASK_CHANNELS.start:
+            return mask_frame_flags(concat[:, :I2V_MASK_CHANNELS.stop - I2V_MASK_CHANNELS.start])
+    return None

@@ -187,18 +187,20 @@ def skipped_layers(options: dict) -> frozenset:
     return frozenset(skipped)
 
 
-def window_start_frame(options: dict) -> int | None:
-    """The latent frame of the whole video at this forward's first frame when ComfyUI runs the forward in a
-    context window (``options["context_window"]``, set by its context handler before each window's call: the
-    window's ``index_list``, and from 0.28.2 on its ``causal_anchor_index``, the frame before the window that
-    the causal window fix puts in front of it), else None (a whole-latent forward, or a window of another kind)."""
+def window_frames(options: dict) -> tuple[int, ...] | None:
+    """The latent frames of the whole video this forward's frames are, in order, when ComfyUI runs the forward
+    in a context window (``options["context_window"]``, set by its context handler before each window's call:
+    the window's ``index_list``, and from 0.28.2 on its ``causal_anchor_index``, the frame before the window
+    that the causal window fix puts in front of it), else None (a whole-latent forward, or a window of another
+    kind). Host side, no sync (the index list is a list of ints; a tensor one is read as it is)."""
     window = options.get("context_window")
     index_list = getattr(window, "index_list", None)
     try:
         if index_list is None or len(index_list) == 0:
             return None
+        frames = tuple(int(i) for i in index_list)
         anchor = getattr(window, "causal_anchor_index", None)
-        return int(anchor) if anchor is not None and int(anchor) >= 0 else int(index_list[0])
+        return (int(anchor),) + frames if anchor is not None and int(anchor) >= 0 else frames
     except (TypeError, ValueError, RuntimeError):  # a window of another shape: read as no window
         return None
 

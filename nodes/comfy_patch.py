@@ -39,7 +39,7 @@ import logging
 import torch
 
 from ..engine import ChorusAttention, ModelInfo, Plan, token_grid
-from ..engine.model_info import image_frames
+from ..engine.model_info import frames_summary, image_frame_flags
 from ..engine import attend as engine_attend
 from ..engine.feature_reuse import FeatureReuse
 from ..engine.guidance import GuidanceBoost
@@ -47,7 +47,7 @@ from ..engine.routing import sigma_value
 from ..engine.state import failure_text
 from . import comfy_call, comfy_forward, host_report, override_stack
 from .override_stack import OVERRIDE
-from .comfy_adapter import comfy_model_info
+from .comfy_adapter import comfy_model_info, request_image_flags
 from .comfy_forward import DENSE_KEY, FORWARD_KEYS, GAIN_KEY, MODE_KEY, REDUCE_KEY, REUSE_KEY, \
     TOKENS_KEY, ChorusBlock
 from .comfy_override import ChorusOverride
@@ -82,6 +82,8 @@ class ChorusPatch:
         self.previous_override = previous_override
         self._run_failed: str | None = None
         self._warned: set[str] = set()
+        self._guider = None  # the running sampler's CFGGuider (its conditioning: the request's input images)
+        self._image_flags: dict | None = None  # a run's forwards' image frames by window (one sync per window a run)
 
     def __deepcopy__(self, memo):
         return self
@@ -108,6 +110,7 @@ class ChorusPatch:
         started = []
         self._run_failed = None
         guider = getattr(executor, "class_obj", None)  # another sparse override on this run's model
+        self._guider, self._image_flags = guider, {}
         stack_line = override_stack.run_note(getattr(guider, "model_options", None),
                                              getattr(guider, "model_patcher", None),
                                              ChorusOverride.chaining(self.previous_override), self.attention is not None)
@@ -136,21 +139,34 @@ class ChorusPatch:
                 except Exception as exc:  # noqa: BLE001
                     self.note(f"ending the Chorus run failed ({failure_text(exc)})")
             self._run_failed = None
+            self._guider, self._image_flags = None, None
             if self.plan is not None:
                 log.info("Chorus II run: %s; %s%s", self.plan.message, self.plan.stats.summary(),
                          f"; {self.feature_reuse.state.summary()}" if self.feature_reuse is not None else "")
 
     # -- one forward, host side ----------------------------------------------------------------------
-    def _starts_at_start_image(self, options: dict) -> bool:
-        """Whether this forward's first latent frame is the video's first (where Wan I2V puts the start image, and
-        what guidance's start-image bias reinforces): always outside context windows; in a window, where it starts
-        (its anchor frame included) among the video's leading image frames (the plan's image frames, read at the
-        run's first forward, which is the first window's), at least the first frame."""
-        start = comfy_forward.window_start_frame(options)
-        if start is None:
-            return True
-        frames = self.plan.state.image_frames if self.plan is not None else None
-        return start < max(1, int(frames[0]) if frames is not None else 1)
+    def _forward_image_flags(self, x: torch.Tensor, timestep, window) -> tuple | None:
+        """Per latent frame of this forward's input, whether it holds an input image
+        (:func:`~chorus.engine.model_info.image_frame_flags`), kept for the run by window (``window``: the
+        video frames of a context window's forward, :func:`~.comfy_forward.window_frames`, or None for the whole
+        latent): the mask a window's input carries is its own frames' (its anchor frame, a frame ComfyUI keeps in
+        every window included), read once a run (each forward outside a sampler run)."""
+        if self._image_flags is None:
+            return image_frame_flags(x, self.model_info, timestep)
+        key = (window, int(x.shape[2]))
+        if key not in self._image_flags:
+            self._image_flags[key] = image_frame_flags(x, self.model_info, timestep)
+        return self._image_flags[key]
+
+    def _request_image_frames(self, window, forward_flags) -> tuple | None:
+        """The request's ``(first, last, other)`` image frames (what the entry records and a hit must match): the
+        forward's own outside context windows; in a window (it holds part of the video) from the run's
+        conditioning over the whole latent (:func:`~.comfy_adapter.request_image_flags`), else, where that
+        cannot be read, the window's own (a start image is in the first window; an end image then goes unseen)."""
+        flags = request_image_flags(self._guider, self.model_info) if window is not None else None
+        if flags is None:
+            flags = forward_flags()
+        return None if flags is None else frames_summary(flags)
 
     def begin_forward(self, x: torch.Tensor, args, kwargs, options: dict) -> dict | None:
         """The options copy for one Wan video forward (see the module docstring), with its context made
@@ -171,10 +187,11 @@ class ChorusPatch:
         if clip_fea is not None:
             context_lengths.add(CLIP_IMAGE_TOKENS)
         reason = self._stay_out_reason(tokens, context_lengths, extra_tokens, options)
-        frames = None
+        window = comfy_forward.window_frames(options)
+        timestep = args[1] if len(args) > 1 else kwargs.get("timestep", kwargs.get("t"))
+        flags = functools.cache(lambda: self._forward_image_flags(x, timestep, window))  # asked only where needed
         if reason is None:  # the parts' entry must serve the forward's grid and images (Plan.serve_run), first of all
-            timestep = args[1] if len(args) > 1 else kwargs.get("timestep", kwargs.get("t"))
-            frames = functools.cache(lambda: image_frames(x, self.model_info, timestep))  # one sync, asked once a run
+            frames = functools.cache(lambda: self._request_image_frames(window, flags))  # asked at a run's first
             for part in (self.attention, self.feature_reuse):
                 if part is not None:
                     part.serve_grid(grid, frames)
@@ -184,11 +201,11 @@ class ChorusPatch:
             sigma = None
         reduction = None
         if reason is None and sigma is not None:
-            reduction = self._reduction(sigma, grid, x.device, context_lengths, options)
+            reduction = self._reduction(sigma, grid, x.device, context_lengths, options, flags)
         ctx = engine_attend.begin_forward(self.attention, self.guidance, grid, sigma, options.get("cond_or_uncond"),
                                           self.note, reason, self.feature_reuse, reduction,
-                                          comfy_forward.skipped_layers(options), frames,
-                                          self._starts_at_start_image(options))
+                                          comfy_forward.skipped_layers(options), flags,
+                                          None if window is None else window[0])
         route = override_stack.forward_route(self.previous_override, options.get(OVERRIDE))
         options = {key: value for key, value in options.items() if key not in FORWARD_KEYS}
         if route.top:  # a foreign sparse override put itself on top: Chorus takes the top back
@@ -228,7 +245,7 @@ class ChorusPatch:
                     "several GPUs at once; Chorus's maps and recordings live on one GPU, so it stays out")
         return None
 
-    def _reduction(self, sigma: float, grid, device, context_lengths: set, options: dict):
+    def _reduction(self, sigma: float, grid, device, context_lengths: set, options: dict, image_flags=None):
         """Feature reuse's reduction of this forward (a hit's), or None: none either where another pack's
         patch inside Wan's blocks (:data:`SEQUENCE_PATCHES`) reads the whole sequence, or where the forward's
         self-attention may not reach Chorus (an override on top that Chorus cannot see through,
@@ -246,7 +263,8 @@ class ChorusPatch:
                       "e.g. ComfyUI's MultiTalk / InfiniteTalk audio) that read each block's whole "
                       "sequence: its blocks run in full")
             return None
-        reduction = self.feature_reuse.reduction(sigma, grid, device, avoid_lengths=context_lengths)
+        reduction = self.feature_reuse.reduction(sigma, grid, device, avoid_lengths=context_lengths,
+                                                 image_flags=image_flags)
         if reduction is not None:
             chained = sorted(key[1] for key, block in comfy_forward.block_patches(options).items()
                              if isinstance(block, ChorusBlock) and block.previous is not None)

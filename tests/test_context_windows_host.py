@@ -75,11 +75,16 @@ def _window_count(windowed) -> int:
 
 
 def _patched(nodes, model, *, windows: bool, feature_reuse: bool = True, workspace: str = "windows",
-             anchored: bool = False, schedule: str = "standard_static", image_strength: float = 0.0):
+             anchored: bool = False, schedule: str = "standard_static", image_strength: float = 0.0,
+             images: str | None = None):
     """``(plan, patched model, positive conditioning)`` of one request: retrieve, sparse sampler (+ feature reuse,
-    + Chorus Guidance Boost's start-image bias where ``image_strength``), (windows)."""
+    + Chorus Guidance Boost's start-image bias where ``image_strength``), (windows). ``images``: the positive
+    conditioning as WanImageToVideo (``"start"``) or WanFirstLastFrameToVideo (``"start_end"``) leaves it, else
+    none on the latent."""
     image = torch.rand(1, 64, 64, 3, generator=torch.Generator().manual_seed(0))
     positive = tiny.random_conditioning(5)
+    if images is not None:
+        positive = tiny.with_input_images(positive, LATENT["samples"].shape, images == "start_end", seed=7)
     plan = nodes.ChorusMaskRetrieve.execute(latent=LATENT, workspace=workspace, start_image=image, positive=positive,
                                             prompt="a fox").args[0]
     patched = nodes.ChorusSparseSampler.execute(model=model, plan=plan).args[0]
@@ -256,19 +261,105 @@ def test_guidance_boost_biases_the_start_image_only_in_the_window_that_begins_wi
             (boost.biased_calls, calls, window_count)
 
 
+def test_a_start_and_an_end_image_in_windows_are_read_from_the_request_and_placed_in_each_window(
+        nodes, model, monkeypatch):
+    """A first-last-frame request in anchored windows: each window's input holds its own frames, so the first window
+    shows the start image alone and the last the end image alone. The request's images are read from the run's
+    whole conditioning: the entry records ``[1, 1, 0]`` (before, the first window's ``[1, 0, 0]``), a start-image
+    entry in windows does not serve it, and its hit keeps each window's own image frames: feature reuse never
+    downsamples a region on one (the end image's frame in the last window), and guidance's end-image bias goes on
+    the calls of the window that ends the video alone, its start-image bias on the first window's alone."""
+    from chorus.engine import attend as engine_attend
+    from chorus.engine import feature_reuse as engine_feature_reuse
+    from chorus.kernels import pooling
+    from chorus.nodes.comfy_patch import get_patch
+
+    if not _host_anchors_windows():
+        comfy038.install_context_window_anchor(monkeypatch)
+    frames = LATENT["samples"].shape[2]
+    options = dict(windows=True, anchored=True, workspace="first_last")
+
+    start_only, samples = _request(nodes, model, images="start", **options)
+    assert start_only.state.image_frames == (1, 0, 0), start_only.stats.messages
+    assert "wrote entry 1" in nodes.ChorusCacheWrite.execute(latent={"samples": samples}, plan=start_only).args[0]
+    moved, _ = _request(nodes, model, images="start_end", **options)  # the start-image entry does not fit it
+    assert moved.state.image_frames == (1, 1, 0) and not moved.is_hit, moved.stats.messages
+    assert any("start image" in m and "end image" in m for m in moved.stats.messages), moved.stats.messages
+
+    options["workspace"] = "first_last_own"
+    miss, samples = _request(nodes, model, images="start_end", **options)
+    assert not miss.is_hit and miss.state.image_frames == (1, 1, 0), miss.stats.messages
+    assert "wrote entry 1" in nodes.ChorusCacheWrite.execute(latent={"samples": samples}, plan=miss).args[0]
+
+    picked, last_biases = [], []
+    select_regions = engine_feature_reuse.select_regions
+    last_frame_bias = engine_attend.ForwardContext.last_frame_bias
+
+    def seen_select_regions(scores, grid, region, share, **kwargs):
+        regions = select_regions(scores, grid, region, share, **kwargs)
+        picked.append((tuple(grid), kwargs.get("held_frames"), pooling.region_frames(grid, region)[regions]))
+        return regions
+
+    def seen_last_frame_bias(context):
+        value = last_frame_bias(context)
+        last_biases.append((context.window_start, context.grid[0], value))
+        return value
+
+    monkeypatch.setattr(engine_feature_reuse, "select_regions", seen_select_regions)
+    monkeypatch.setattr(engine_attend.ForwardContext, "last_frame_bias", seen_last_frame_bias)
+    hit, patched, positive = _patched(nodes, model, images="start_end", image_strength=2.0, **options)
+    samples = _sample(patched, positive)
+    assert hit.is_hit and hit.state.image_frames == (1, 1, 0) and torch.isfinite(samples).all(), hit.stats.messages
+    assert hit.stats.fallback_calls == 0 and hit.state.feature_reuse.blocks_reduced > 0, hit.stats.messages
+
+    ends_video = {(start, length) for start, length, _ in last_biases if start + length == frames}
+    assert ends_video and {(start, length) for start, length, bias in last_biases if bias > 0} == ends_video
+    for grid, held, region_starts in picked:
+        assert held is not None and len(held) == grid[0]
+        for start in region_starts.tolist():  # a downsampled region holds no image frame
+            assert not any(held[start:start + 2]), (grid, held, region_starts)
+    assert any(held[-1] for _, held, _ in picked)  # the last window's end image was met and kept whole
+    biased_calls = get_patch(patched).guidance.biased_calls
+    first_window_calls = sum(1 for start, _, _ in last_biases if start == 0)
+    assert biased_calls == first_window_calls > 0 and first_window_calls < len(last_biases)
+
+
+def test_a_start_image_kept_in_every_window_is_reinforced_in_every_window(nodes, model, monkeypatch):
+    """The Wan context-windows node's ``cond_retain_index_list`` "0" (ComfyUI 0.28.2 on) puts the start image's
+    conditioning at the first frame of every window: every window's own input then shows an image there, so
+    guidance's start-image bias goes on every window's calls (where the option is off, the first window's only)."""
+    from chorus.nodes.comfy_patch import get_patch
+
+    windowed = _windows(model, anchored=True)
+    if not hasattr(windowed.model_options["context_handler"], "cond_retain_index_list"):
+        pytest.skip("this ComfyUI's context windows keep no conditioning frame in every window")
+    window_count = _window_count(windowed)
+    options = dict(windows=True, anchored=True, feature_reuse=False, workspace="retained", images="start")
+    miss, samples = _request(nodes, model, **options)
+    assert "wrote entry 1" in nodes.ChorusCacheWrite.execute(latent={"samples": samples}, plan=miss).args[0]
+    for retained, biased_windows in (([], 1), ([0], window_count)):
+        hit, patched, positive = _patched(nodes, model, image_strength=2.0, **options)
+        patched.model_options["context_handler"].cond_retain_index_list = retained
+        samples = _sample(patched, positive)
+        assert hit.is_hit and hit.state.image_frames == (1, 0, 0) and torch.isfinite(samples).all()
+        assert hit.stats.sparse_calls == STEPS * window_count * tiny.TINY_LAYERS, hit.stats.messages
+        assert get_patch(patched).guidance.biased_calls == STEPS * biased_windows * tiny.TINY_LAYERS, retained
+
+
 def test_a_forward_s_place_in_the_video_is_read_from_the_host_s_window():
-    """``window_start_frame``: the video's latent frame at a windowed forward's first frame, from the window ComfyUI
-    puts in ``transformer_options["context_window"]`` (its anchor frame where the causal window fix set one); None
+    """``window_frames``: the video's latent frames a windowed forward's frames are, from the window ComfyUI puts in
+    ``transformer_options["context_window"]`` (its anchor frame first where the causal window fix set one); None
     for a whole-latent forward or a window it cannot read."""
     from types import SimpleNamespace
 
-    from chorus.nodes.comfy_forward import window_start_frame
+    from chorus.nodes.comfy_forward import window_frames
 
-    assert window_start_frame({}) is None and window_start_frame({"context_window": object()}) is None
-    assert window_start_frame({"context_window": SimpleNamespace(index_list=[])}) is None
-    assert window_start_frame({"context_window": SimpleNamespace(index_list=[4, 5, 6])}) == 4
-    assert window_start_frame({"context_window": SimpleNamespace(index_list=[4, 5, 6], causal_anchor_index=3)}) == 3
-    assert window_start_frame({"context_window": SimpleNamespace(index_list=[0, 1], causal_anchor_index=-1)}) == 0
-    assert window_start_frame({"context_window": SimpleNamespace(index_list=torch.tensor([2, 3]))}) == 2
-    assert window_start_frame({"context_window": SimpleNamespace(index_list=["a"])}) is None
-    assert window_start_frame({"context_window": SimpleNamespace(index_list=7)}) is None
+    assert window_frames({}) is None and window_frames({"context_window": object()}) is None
+    assert window_frames({"context_window": SimpleNamespace(index_list=[])}) is None
+    assert window_frames({"context_window": SimpleNamespace(index_list=[4, 5, 6])}) == (4, 5, 6)
+    anchored = SimpleNamespace(index_list=[4, 5, 6], causal_anchor_index=3)
+    assert window_frames({"context_window": anchored}) == (3, 4, 5, 6)
+    assert window_frames({"context_window": SimpleNamespace(index_list=[0, 1], causal_anchor_index=-1)}) == (0, 1)
+    assert window_frames({"context_window": SimpleNamespace(index_list=torch.tensor([2, 3]))}) == (2, 3)
+    assert window_frames({"context_window": SimpleNamespace(index_list=["a"])}) is None
+    assert window_frames({"context_window": SimpleNamespace(index_list=7)}) is None

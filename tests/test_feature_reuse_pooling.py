@@ -8,7 +8,7 @@ import torch
 from chorus.engine.feature_reuse import (FeatureReuse, FeatureReuseConfig, compact_per_token, feature_state,
                                          select_regions)
 from chorus.engine.plan import Plan
-from chorus.engine.model_info import ModelInfo
+from chorus.engine.model_info import ModelInfo, frame_flags_of
 from chorus.kernels import pooling, resample_region_scores
 from chorus.kernels.fused import FusedSwitch
 
@@ -153,16 +153,26 @@ def test_select_regions_share_and_first_frame():
 def test_select_regions_never_picks_a_frame_with_an_input_image():
     """A first-last-frame request (images on the first and the last latent frame): no region holding the end
     image's frame is downsampled; where the frame count leaves the last frame outside every complete region
-    (an odd count: Wan's usual lengths), the regions before it stay eligible."""
+    (an odd count: Wan's usual lengths), the regions before it stay eligible. An image frame inside the grid (a
+    looped context window that holds the video's end and its start) keeps its region whole too; flags of another
+    frame count are refused."""
     region = (2, 4, 4)
     for grid, allowed_starts in (((6, 8, 8), {2}), ((7, 8, 8), {2, 4})):
         n = pooling.region_counts(grid, region)
         scores = torch.arange(n[0] * n[1] * n[2], dtype=torch.float64)  # the last frames' regions most redundant
-        picked = select_regions(scores, grid, region, 1.0, image_frames=(1, 1, 0))
+        picked = select_regions(scores, grid, region, 1.0, held_frames=frame_flags_of((1, 1, 0), grid[0]))
         starts = pooling.region_frames(grid, region)[picked]
         assert set(starts.tolist()) == allowed_starts, (grid, starts)
-        start_only = select_regions(scores, grid, region, 1.0, image_frames=(1, 0, 0))
+        start_only = select_regions(scores, grid, region, 1.0, held_frames=frame_flags_of((1, 0, 0), grid[0]))
         assert set(pooling.region_frames(grid, region)[start_only].tolist()) == set(range(2, grid[0] - 1, 2))
+    grid = (8, 8, 8)
+    n = pooling.region_counts(grid, region)
+    scores = torch.arange(n[0] * n[1] * n[2], dtype=torch.float64)
+    mid = select_regions(scores, grid, region, 1.0, keep_first_frame=False,
+                         held_frames=(False, False, False, True, True, False, False, False))
+    assert set(pooling.region_frames(grid, region)[mid].tolist()) == {0, 6}
+    with pytest.raises(ValueError, match="image-frame flags"):
+        select_regions(scores, grid, region, 1.0, held_frames=(True,) * 7)
 
 
 def _info():

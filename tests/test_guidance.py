@@ -53,10 +53,10 @@ def test_acts_only_where_reuse_acted():
     assert hit.boosted_calls == 1 and no_plan.boosted_calls == 1 and hit.biased_calls == 1
 
 
-def test_last_frame_bias_only_for_a_request_with_an_end_image():
-    """The end image's bias: the first frame's value where the plan's request (else the forward, asked only
-    then) holds an image in the last frame; nothing without one, on a step where reuse did not act, or when
-    the forward cannot tell."""
+def test_last_frame_bias_only_for_a_forward_that_ends_with_an_end_image():
+    """The end image's bias: the first frame's value where the forward's own frames (a context window holds part of
+    the video) hold an image in the last frame, else, where the forward cannot tell, where the plan's request does;
+    nothing without one, on a step where reuse did not act, or when neither can tell."""
     asked = []
 
     def frames_of(value):
@@ -72,11 +72,15 @@ def test_last_frame_bias_only_for_a_request_with_an_end_image():
     plan = _hit()
     hit = GuidanceBoost(plan, 0.0, 1.0)
     plan.state.image_frames = (1, 1, 0)
+    assert hit.last_frame_bias(0.75) == pytest.approx(bias)  # the request's, where the forward is not asked
+    assert hit.last_frame_bias(0.75, frames_of(None)) == pytest.approx(bias)  # ... or cannot tell
     asked.clear()
-    assert hit.last_frame_bias(0.75, frames_of((1, 0, 0))) == pytest.approx(bias) and not asked  # the plan tells
+    # a window of a first-last-frame request that does not end the video: its own frames hold no end image
+    assert hit.last_frame_bias(0.75, frames_of((1, 0, 0))) == 0.0 and asked == [(1, 0, 0)]
+    assert hit.last_frame_bias(0.75, frames_of((0, 1, 0))) == pytest.approx(bias)  # the window that ends it
     assert hit.last_frame_bias(0.6, frames_of((1, 1, 0))) == 0.0  # not a step of the entry
     plan.state.image_frames = (1, 0, 0)
-    assert hit.last_frame_bias(0.75, frames_of((1, 1, 0))) == 0.0
+    assert hit.last_frame_bias(0.75) == 0.0
     assert GuidanceBoost(plan, 1.0, 0.0).last_frame_bias(0.75, frames_of((1, 1, 0))) == 0.0  # image strength 0
 
 

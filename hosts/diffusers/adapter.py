@@ -83,7 +83,11 @@ class ChorusWanSelfAttnProcessor:
         bias = last_bias = 0.0
         if self.guidance is not None:
             bias = self.guidance.first_frame_bias(st.sigma)
-            last_bias = self.guidance.last_frame_bias(st.sigma, st.image_frames) if bias else 0.0
+            # a diffusers forward holds the whole latent: the request's frames (the plan's, read at the run's
+            # first forward) are its own, read from it only without a plan (a sync each forward then)
+            plan = self.guidance.plan
+            known = plan is not None and plan.state.image_frames is not None
+            last_bias = self.guidance.last_frame_bias(st.sigma, None if known else st.image_frames) if bias else 0.0
         grid = st.grid
         biased = bool(bias) and grid is not None and grid[0] * grid[1] * grid[2] == hidden_states.shape[1]
         if self.handle is None and not biased:
