@@ -55,10 +55,19 @@ def nearest_source_tokens(src_grid, dst_grid) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=16)
 def _source_block_assignment(src_grid, dst_grid, block_size: int, src_order=None, dst_order=None) -> torch.Tensor:
-    """Count matrix ``[Qb_dst, Qb_src]``: how many tokens of each destination block map into each
-    source block, blocks cut in ``src_order`` / ``dst_order`` (None: raster) (on the CPU; cached: a run of
-    context windows of two lengths resamples every call of the longer ones; callers never write into it)."""
-    src_token = nearest_source_tokens(src_grid, dst_grid)  # indexed by the destination token's raster position
+    """:func:`source_block_assignment` by :func:`nearest_source_tokens` (on the CPU; cached: a run of context
+    windows of two lengths resamples every call of the longer ones; callers never write into it)."""
+    return source_block_assignment(src_grid, dst_grid, block_size, src_order, dst_order)
+
+
+def source_block_assignment(src_grid, dst_grid, block_size: int, src_order=None, dst_order=None,
+                            src_token=None) -> torch.Tensor:
+    """float64 count matrix ``[Qb_dst, Qb_src]``: how many tokens of each destination block map into each
+    source block, blocks cut in ``src_order`` / ``dst_order`` (None: raster). ``src_token``: int64 ``[T'*H'*W']``,
+    the source token (raster position) of each destination token (raster position); None:
+    :func:`nearest_source_tokens`, the library's carry (a study of another carry passes its own)."""
+    if src_token is None:
+        src_token = nearest_source_tokens(src_grid, dst_grid)  # indexed by the destination token's raster position
     src_block = (src_token if src_order is None else src_order.inverse[src_token]) // block_size
     dst_token = torch.arange(src_token.numel())
     dst_block = (dst_token if dst_order is None else dst_order.inverse) // block_size

@@ -5,7 +5,7 @@ import torch
 
 import chorus.kernels as K
 from chorus.kernels import pooling
-from chorus.kernels.resample import _source_block_assignment, nearest_source_tokens
+from chorus.kernels.resample import _source_block_assignment, nearest_source_tokens, source_block_assignment
 from chorus.kernels.tile_order import (RegionTileOrder, TileOrder, cached_region_order, convert_map, convert_mass)
 
 
@@ -66,6 +66,17 @@ def test_every_row_keeps_a_block_even_with_high_threshold():
 def test_assignment_counts_every_destination_token():
     counts = _source_block_assignment((3, 5, 7), (4, 6, 9), 16)
     assert counts.sum() == 4 * 6 * 9
+    assert torch.equal(counts, source_block_assignment((3, 5, 7), (4, 6, 9), 16))
+
+
+def test_assignment_of_given_source_tokens():
+    """Another carry's source tokens (a study's): on the same grid, token n from token n is the block diagonal
+    (100 tokens in blocks of 16: six of 16, the last of 4); every token from token 0 puts all in source block 0."""
+    grid = (1, 10, 10)
+    same = source_block_assignment(grid, grid, 16, src_token=torch.arange(100))
+    assert torch.equal(same, torch.diag(torch.tensor([16.0] * 6 + [4.0], dtype=torch.float64)))
+    first = source_block_assignment(grid, grid, 16, src_token=torch.zeros(100, dtype=torch.int64))
+    assert first[:, 0].tolist() == [16.0] * 6 + [4.0] and first[:, 1:].sum() == 0
 
 
 def test_aspect_mismatch_and_bad_input():

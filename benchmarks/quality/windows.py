@@ -25,8 +25,7 @@ import numpy as np
 import torch
 
 from chorus import kernels
-from chorus.kernels.masks import num_blocks
-from chorus.kernels.resample import nearest_source_tokens
+from chorus.kernels.resample import nearest_source_tokens, source_block_assignment
 from chorus.kernels.tile_order import cached_region_order
 
 from . import source
@@ -37,17 +36,14 @@ CARRIES = ("library", "nearest_block", "offset_in_time")
 
 
 def _counts(src, dst, src_order, dst_order, offset_in_time: bool) -> torch.Tensor:
-    """``[Qb_dst, Qb_src]``: how many tokens of each destination block map into each source block (space by
-    :func:`~chorus.kernels.resample.nearest_source_tokens`; time too, or frame t from frame t, clamped)."""
-    src_token = nearest_source_tokens(src, dst)
+    """``[Qb_dst, Qb_src]``: how many tokens of each destination block map into each source block
+    (:func:`~chorus.kernels.resample.source_block_assignment`: space by the library's nearest token; time too, or
+    with ``offset_in_time`` frame t from frame t, clamped)."""
+    src_token = None
     if offset_in_time:
         t_src = torch.arange(dst[0]).clamp(max=src[0] - 1).repeat_interleave(dst[1] * dst[2])
-        src_token = t_src * src[1] * src[2] + src_token % (src[1] * src[2])
-    src_block = (src_token if src_order is None else src_order.inverse[src_token]) // BLOCK
-    dst_token = torch.arange(src_token.numel())
-    dst_block = (dst_token if dst_order is None else dst_order.inverse) // BLOCK
-    counts = torch.zeros(num_blocks(src_token.numel(), BLOCK), num_blocks(src[0] * src[1] * src[2], BLOCK))
-    return counts.index_put_((dst_block, src_block), torch.ones(src_token.numel()), accumulate=True)
+        src_token = t_src * src[1] * src[2] + nearest_source_tokens(src, dst) % (src[1] * src[2])
+    return source_block_assignment(src, dst, BLOCK, src_order, dst_order, src_token=src_token)
 
 
 def carried(block_map, src, dst, src_order, dst_order, carry: str) -> torch.Tensor:
