@@ -363,3 +363,30 @@ def test_a_forward_s_place_in_the_video_is_read_from_the_host_s_window():
     assert window_frames({"context_window": SimpleNamespace(index_list=torch.tensor([2, 3]))}) == (2, 3)
     assert window_frames({"context_window": SimpleNamespace(index_list=["a"])}) is None
     assert window_frames({"context_window": SimpleNamespace(index_list=7)}) is None
+
+
+def test_the_request_s_images_are_read_from_the_run_s_processed_conditioning():
+    """``request_image_flags``: per latent frame of the whole latent, an image where Wan I2V's ``c_concat`` (the 4
+    mask channels first) says so, from the first positive cond that has one; None where the guider, its conds or a
+    ``c_concat`` of that layout are missing, or the model has no mask channels (the caller reads the forward)."""
+    from types import SimpleNamespace
+
+    from chorus.engine import ModelInfo
+    from chorus.nodes.comfy_adapter import request_image_flags
+
+    info = ModelInfo("wan", "wan2.2-a14b-i2v", 2, 2, 4, 36, "fp0")
+    concat = torch.zeros(2, 20, 5, 4, 4)
+    concat[:, :4, 0] = 1.0         # a start image: the first frame's four mask channels
+    concat[:, 3, 4] = 1.0          # an end image: one of the last frame's four
+    concat[:, 4:] = 7.0            # the image latent's channels are not read
+
+    def guider(*conds):
+        return SimpleNamespace(conds={"positive": list(conds), "negative": []})
+
+    with_concat = {"model_conds": {"c_concat": SimpleNamespace(cond=concat)}}
+    assert request_image_flags(guider({"model_conds": {}}, with_concat), info) == (True, False, False, False, True)
+    assert request_image_flags(guider(with_concat), ModelInfo("wan", "wan2.2-ti2v-5b", 2, 2, 4, 48, "fp0")) is None
+    for bad in (None, SimpleNamespace(), SimpleNamespace(conds=[]), guider(), guider({"model_conds": None}),
+                guider({"model_conds": {"c_concat": SimpleNamespace(cond=torch.zeros(1, 16, 5, 4, 4))}}),
+                guider({"model_conds": {"c_concat": SimpleNamespace(cond=torch.zeros(20, 5))}}), guider("cond")):
+        assert request_image_flags(bad, info) is None, bad
