@@ -112,9 +112,10 @@ class ChorusAttention:
 
     def serve_grid(self, grid, image_frames=None) -> None:
         """The token grid ``(T', H', W')`` of a forward of this model (the host calls this before it decides
-        anything else of the forward), and ``image_frames``: a callable giving the latent frames its input holds
-        images on (:func:`~chorus.engine.model_info.image_frames`; it may sync, so it is asked at a run's first
-        forward only), or None. The run's first forward has the plan serve both (:meth:`Plan.serve_run`; a miss
+        anything else of the forward), and ``image_frames``: a callable giving the latent frames the request's
+        input holds images on (:func:`~chorus.engine.model_info.image_frames` of the forward's input; for a
+        forward in a context window, which holds part of the video, the host reads the whole latent's; it may
+        sync, so it is asked at a run's first forward only), or None. The run's first forward has the plan serve both (:meth:`Plan.serve_run`; a miss
         keeps the images for its entry, a hit's entry must have the same): a hit whose maps are for another
         grid -- recorded in context windows and sampled without, or the other way round -- is served at this
         one (resampled, or unresampled where it is the entry's own) or, where it cannot be (an entry in a token
