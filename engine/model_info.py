@@ -140,6 +140,7 @@ def token_grid(latent_shape, patch_size=PATCH_SIZE) -> tuple[int, int, int]:
 
 
 # Wan I2V models (in_dim 36) take [noise (16), mask (4), image latent (16)] channels, in ComfyUI and diffusers alike
+I2V_IN_CHANNELS = 36
 I2V_MASK_CHANNELS = slice(16, 20)
 
 
@@ -165,7 +166,7 @@ def image_frame_flags(x: torch.Tensor, info: ModelInfo, timestep=None) -> tuple[
     if not isinstance(x, torch.Tensor) or x.dim() != 5 or not info.supported:
         return None
     frames = int(x.shape[2])
-    if info.in_dim == 36 and x.shape[1] == 36:
+    if info.in_dim == I2V_IN_CHANNELS and x.shape[1] == I2V_IN_CHANNELS:
         return mask_frame_flags(x[:, I2V_MASK_CHANNELS])
     if info.variant == "wan2.2-ti2v-5b":
         if not isinstance(timestep, torch.Tensor) or timestep.dim() > 2 or timestep.numel() == 0:

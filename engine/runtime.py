@@ -115,15 +115,15 @@ class ChorusAttention:
         anything else of the forward), and ``image_frames``: a callable giving the latent frames the request's
         input holds images on (:func:`~chorus.engine.model_info.image_frames` of the forward's input; for a
         forward in a context window, which holds part of the video, the host reads the whole latent's; it may
-        sync, so it is asked at a run's first forward only), or None. The run's first forward has the plan serve both (:meth:`Plan.serve_run`; a miss
-        keeps the images for its entry, a hit's entry must have the same): a hit whose maps are for another
-        grid -- recorded in context windows and sampled without, or the other way round -- is served at this
-        one (resampled, or unresampled where it is the entry's own) or, where it cannot be (an entry in a token
-        order), moves to a candidate made for this grid or is demoted before any sparse call (a miss that
-        records, so the request can be written); the run then starts again on what the plan serves now. Later
-        forwards are not checked again (a call of another grid gets the maps resampled to it where it can, else
-        runs dense, noted: :class:`~chorus.engine.maps.RunMaps`). Never raises: a failure is a note, the calls
-        then fall back one by one."""
+        sync, so it is asked at a run's first forward only), or None. The run's first forward has the plan serve
+        both (:meth:`Plan.serve_run`; a miss keeps the images for its entry, a hit's entry must have the same):
+        a hit whose maps are for another grid -- recorded in context windows and sampled without, or the other
+        way round -- is served at this one (resampled, or unresampled where it is the entry's own) or, where it
+        cannot be (an entry in a token order), moves to a candidate made for this grid or is demoted before any
+        sparse call (a miss that records, so the request can be written); the run then starts again on what the
+        plan serves now. Later forwards are not checked again (a call of another grid gets the maps resampled to
+        it where it can, else runs dense, noted: :class:`~chorus.engine.maps.RunMaps`). Never raises: a failure
+        is a note, the calls then fall back one by one."""
         try:
             run = self.run if self.run is not None else self.begin_run()
             if run.forward_grid is not None:

@@ -12,7 +12,7 @@ import hashlib
 import torch
 
 from ..engine import ModelInfo, wan_model_info
-from ..engine.model_info import I2V_MASK_CHANNELS, mask_frame_flags
+from ..engine.model_info import I2V_IN_CHANNELS, I2V_MASK_CHANNELS, mask_frame_flags
 from ..engine.state import failure_text
 
 
@@ -103,14 +103,15 @@ def request_image_flags(guider, info: ModelInfo) -> tuple[bool, ...] | None:
     input holds its window's frames. None where it cannot be read (no guider, conds not processed, no
     ``c_concat`` of that layout, a model without the mask channels): the caller reads the forward's own input
     then. One host sync."""
-    if info.in_dim != I2V_MASK_CHANNELS.stop + 16:
+    if info.in_dim != I2V_IN_CHANNELS:
         return None
     conds = getattr(guider, "conds", None)
     positive = conds.get("positive") if isinstance(conds, dict) else None
     for cond in positive if isinstance(positive, (list, tuple)) else ():
         model_conds = cond.get("model_conds") if isinstance(cond, dict) else None
         concat = getattr(model_conds.get("c_concat"), "cond", None) if isinstance(model_conds, dict) else None
+        # the model's input is [noise, c_concat]: c_concat holds its channels from the mask's on
         if isinstance(concat, torch.Tensor) and concat.dim() == 5 \
-                and concat.shape[1] == info.in_dim - I2V_MASK_CHANNELS.start:
+                and concat.shape[1] == I2V_IN_CHANNELS - I2V_MASK_CHANNELS.start:
             return mask_frame_flags(concat[:, :I2V_MASK_CHANNELS.stop - I2V_MASK_CHANNELS.start])
     return None
