@@ -461,6 +461,27 @@ def test_the_benchmark_records_the_host_and_skips_dense_cudnn_where_it_sets_no_s
     assert rows["dense"]["finite"] and "no SDPA backend order" in rows["dense_cudnn"]["skipped"]
 
 
+def test_the_guided_feature_reuse_row_runs_the_shipped_workflow_s_node_chain(tmp_path, monkeypatch):
+    """``hitfr_gb``: the feature-reuse hit with Chorus Guidance Boost at its defaults after it, as the shipped
+    feature-reuse workflow chains them: the same sparse calls and downsampled blocks as ``hitfr``, every
+    self-attention call biased toward the start image and every forward's cross-attention outputs boosted (the
+    row's ``guidance`` counts, warm-up step and request; one self-attention call a layer and forward)."""
+    from chorus.benchmarks.comfy_e2e import run
+
+    monkeypatch.setenv("COMFYUI_DIR", str(tiny.find_comfyui_dir()))
+    monkeypatch.setenv("CHORUS_CACHE_DIR", str(tmp_path / "cache"))
+    assert run.main(["--tiny", "--out", str(tmp_path), "--variants", "miss", "hitfr", "hitfr_gb",
+                     "--fr-share", "1.0"]) == 0
+    rows = {r["variant"]: r for r in json.loads((tmp_path / "comfy_e2e.json").read_text())["runs"]}
+    plain, guided = rows["hitfr"], rows["hitfr_gb"]
+    assert guided["plan_kind"] == "hit" and guided["fallback_calls"] == 0 and guided["finite"], guided
+    assert guided["sparse_calls"] == plain["sparse_calls"] > 0
+    assert guided["fr_blocks_reduced"] == plain["fr_blocks_reduced"] > 0
+    assert guided["guidance"] == {"biased_calls": guided["sparse_calls"],
+                                  "boosted_forwards": guided["sparse_calls"] // tiny.TINY_LAYERS}
+    assert "guidance" not in plain
+
+
 @pytest.mark.parametrize("schedule", ["standard_static", "standard_uniform"])
 def test_comfy_e2e_benchmark_runs_a_request_in_context_windows(tmp_path, monkeypatch, schedule):
     """``--frames 21 --windows 9 4``: every row's models in the core context-windows node (later ComfyUI's causal

@@ -48,7 +48,9 @@ What runs (everything side by side in one process, one GPU):
   models; the similarity threshold is the node's default); ``hitfr`` (hit15 + ``ChorusFeatureReuse``
   at ``downsample_share`` 0.25, ``--fr-share``, with the region scores the miss recorded; the miss runs
   feature reuse at the same share, so its entry is in the region order: ``*_raster`` rows are the same
-  requests on that entry relabelled raster). Every hit row runs ``ChorusSparseSampler``'s defaults, the
+  requests on that entry relabelled raster); ``hitfr_gb`` (hitfr + ``ChorusGuidanceBoost`` at its defaults, the
+  shipped feature-reuse workflow's node chain: the row's ``guidance`` counts the biased self-attention calls and the
+  forwards whose cross-attention outputs it boosted, over its warm-up step and request). Every hit row runs ``ChorusSparseSampler``'s defaults, the
   pooled tail on; ``hit15_notail`` / ``hit5_notail``: the same requests with it off. ``sol`` / ``sol_every``:
   ComfyUI's own sparse attention (the core "Model Sparse Attention" node of ComfyUI 0.38.x, rebuilt on this
   host's override hook by ``sol_peer.py``, ``comfy_kitchen.sol_attn`` with tau 1.3 and ``token_aug`` 256):
@@ -157,7 +159,7 @@ WORKFLOWS = {
 }
 TEXT_TOKENS = 512
 HIT_DENSITY = {"hit15": 0.15, "hit5": 0.05, "hitfr": 0.15, "hitver": 0.15, "hit15_raster": 0.15,
-               "hitfr_raster": 0.15, "hit15_notail": 0.15, "hit5_notail": 0.05}
+               "hitfr_raster": 0.15, "hit15_notail": 0.15, "hit5_notail": 0.05, "hitfr_gb": 0.15}
 # *_notail: the same request with ChorusSparseSampler's pooled_tail off (every other row: the node's default, on)
 NO_TAIL_VARIANTS = ("hit15_notail", "hit5_notail")
 # *_raster: the same request on an entry in raster order (what a miss without feature reuse records; a
@@ -166,7 +168,11 @@ RASTER_VARIANTS = ("hit15_raster", "hitfr_raster")
 # hitver: hit15 with self-verification on; 0.01 passes on random weights (a map keeps about its density
 # of near-uniform attention), so the request does the verification work and stays a hit: its overhead
 VERIFY_THRESHOLD_PASSING = 0.01
-HIT_VARIANTS = ("hit15", "hit5", "hitfr", "hitver") + RASTER_VARIANTS + NO_TAIL_VARIANTS
+# hitfr_gb: hitfr + ChorusGuidanceBoost at the node's defaults (text 0.5, image 0.5, cfg 0), the node chain of the
+# shipped feature-reuse workflow (workflows/chorus_wan22_a14b_i2v_4step_feature_reuse)
+GUIDED_VARIANTS = ("hitfr_gb",)
+FEATURE_REUSE_VARIANTS = ("hitfr", "hitfr_raster") + GUIDED_VARIANTS
+HIT_VARIANTS = ("hit15", "hit5", "hitfr", "hitver") + RASTER_VARIANTS + NO_TAIL_VARIANTS + GUIDED_VARIANTS
 # the hits that --compile also runs under TorchCompileModel (with dense and miss)
 COMPILED_HITS = ("hit15", "hit15_notail", "hitfr")
 # ComfyUI's core sparse attention (sol_peer.py): "sol" with the core node's defaults (the first 20% of the
@@ -454,7 +460,9 @@ def run(args) -> dict:
     from chorus.engine import token_grid
     from chorus.engine.compat import entry_token_order
     from chorus.nodes.cache_write import ChorusCacheWrite
+    from chorus.nodes.comfy_patch import get_patch
     from chorus.nodes.feature_reuse import ChorusFeatureReuse
+    from chorus.nodes.guidance_boost import ChorusGuidanceBoost
     from chorus.nodes.host_report import comfyui_version
     from chorus.nodes.mask_retrieve import ChorusMaskRetrieve
     from chorus.nodes.sparse_sampler import ChorusSparseSampler
@@ -505,7 +513,8 @@ def run(args) -> dict:
                                                   positive=positive).result[0]
                 return plan, time.perf_counter() - t0
 
-            def patched(plan, fr_share=None, compile_models=False, verify=None, backend="auto", tail=True):
+            def patched(plan, fr_share=None, compile_models=False, verify=None, backend="auto", tail=True,
+                        guidance=False):
                 models = []
                 for m in experts:
                     if compile_models:
@@ -520,6 +529,8 @@ def run(args) -> dict:
                         m = ChorusSparseSampler.execute(m, plan, **options).result[0]
                         if fr_share is not None:
                             m = ChorusFeatureReuse.execute(m, plan, downsample_share=fr_share).result[0]
+                        if guidance:
+                            m = ChorusGuidanceBoost.execute(m, plan).result[0]
                     models.append(m)
                 return windowed(models)
 
@@ -734,12 +745,16 @@ def run(args) -> dict:
                     continue  # the plain (auto) row below runs only when asked for
                 plan, t_ret = retrieve(hit_ws)
                 assert plan.is_hit, plan.message
-                models = patched(plan, fr_share=args.fr_share if name in ("hitfr", "hitfr_raster") else None,
+                models = patched(plan, fr_share=args.fr_share if name in FEATURE_REUSE_VARIANTS else None,
                                  verify=VERIFY_THRESHOLD_PASSING if name == "hitver" else None,
-                                 tail=name not in NO_TAIL_VARIANTS)
+                                 tail=name not in NO_TAIL_VARIANTS, guidance=name in GUIDED_VARIANTS)
                 if timed(name, models, plan) is None:
                     continue
                 results["runs"][-1].update(retrieve_s=t_ret)
+                if name in GUIDED_VARIANTS:  # over the row's warm-up step and timed request, both experts
+                    boosts = [get_patch(m).guidance for m in models]
+                    results["runs"][-1]["guidance"] = {"biased_calls": sum(b.biased_calls for b in boosts),
+                                                       "boosted_forwards": sum(b.boosted_calls for b in boosts)}
                 if name == "hitver":
                     results["runs"][-1]["verification"] = {str(e): dict(v) for e, v in plan.stats.verification.items()}
                 if name == "hit15" and device.type == "cuda":
