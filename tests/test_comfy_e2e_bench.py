@@ -482,6 +482,22 @@ def test_the_guided_feature_reuse_row_runs_the_shipped_workflow_s_node_chain(tmp
     assert "guidance" not in plain
 
 
+def test_the_guided_feature_reuse_row_compiles(tmp_path, monkeypatch):
+    """``hitfr_gb --compile --compiled-only``: the workflow's chain under ``TorchCompileModel`` runs every call sparse
+    with feature reuse and its timed request compiles nothing."""
+    from chorus.benchmarks.comfy_e2e import run
+
+    monkeypatch.setenv("COMFYUI_DIR", str(tiny.find_comfyui_dir()))
+    monkeypatch.setenv("CHORUS_CACHE_DIR", str(tmp_path / "cache"))
+    assert run.main(["--tiny", "--out", str(tmp_path), "--variants", "hitfr_gb", "--fr-share", "1.0", "--compile",
+                     "--compiled-only"]) == 0
+    rows = {r["variant"]: r for r in json.loads((tmp_path / "comfy_e2e.json").read_text())["runs"]}
+    assert set(rows) == {"miss", "hitfr_gb+compile"}, sorted(rows)
+    guided = rows["hitfr_gb+compile"]
+    assert guided["plan_kind"] == "hit" and guided["sparse_calls"] > 0 and guided["fallback_calls"] == 0, guided
+    assert guided["fr_blocks_reduced"] > 0 and guided["timed_request_frames_compiled"] == 0, guided
+
+
 @pytest.mark.parametrize("schedule", ["standard_static", "standard_uniform"])
 def test_comfy_e2e_benchmark_runs_a_request_in_context_windows(tmp_path, monkeypatch, schedule):
     """``--frames 21 --windows 9 4``: every row's models in the core context-windows node (later ComfyUI's causal

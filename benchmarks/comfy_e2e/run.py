@@ -55,8 +55,8 @@ What runs (everything side by side in one process, one GPU):
   ComfyUI's own sparse attention (the core "Model Sparse Attention" node of ComfyUI 0.38.x, rebuilt on this
   host's override hook by ``sol_peer.py``, ``comfy_kitchen.sol_attn`` with tau 1.3 and ``token_aug`` 256):
   the node's default window (the first 20% of the schedule dense) / every step. ``--compile``: each of ``dense``,
-  ``miss``, ``hit15``, ``hit15_notail`` and ``hitfr`` asked for runs again on models passed through ComfyUI's
-  ``TorchCompileModel`` node (inductor; rows ``*+compile``); their warm-up is a whole request, whose time
+  ``miss``, ``hit15``, ``hit15_notail``, ``hitfr`` and ``hitfr_gb`` asked for runs again on models passed through
+  ComfyUI's ``TorchCompileModel`` node (inductor; rows ``*+compile``); their warm-up is a whole request, whose time
   (compilation included) is the row's ``first_request_s``, and what compiling took in it
   ``first_request_compile`` (dynamo and inductor, and each Triton kernel built: :class:`CompileLog`); the timed
   request is the next one in which dynamo compiles nothing (up to ``STEADY_RETRIES`` more requests: ComfyUI's
@@ -174,7 +174,7 @@ GUIDED_VARIANTS = ("hitfr_gb",)
 FEATURE_REUSE_VARIANTS = ("hitfr", "hitfr_raster") + GUIDED_VARIANTS
 HIT_VARIANTS = ("hit15", "hit5", "hitfr", "hitver") + RASTER_VARIANTS + NO_TAIL_VARIANTS + GUIDED_VARIANTS
 # the hits that --compile also runs under TorchCompileModel (with dense and miss)
-COMPILED_HITS = ("hit15", "hit15_notail", "hitfr")
+COMPILED_HITS = ("hit15", "hit15_notail", "hitfr", "hitfr_gb")
 # ComfyUI's core sparse attention (sol_peer.py): "sol" with the core node's defaults (the first 20% of the
 # schedule dense), "sol_every" with start_percent 0 (sol_attn at every step)
 SOL_VARIANTS = {"sol": 0.2, "sol_every": 0.0}
@@ -653,8 +653,9 @@ def run(args) -> dict:
                     return patched(plan, fr_share=args.fr_share, compile_models=True), plan
                 plan = retrieve(f"{ws_hit}_{int(HIT_DENSITY[variant] * 100)}")[0]
                 assert plan.is_hit, plan.message
-                share = args.fr_share if variant == "hitfr" else None
-                return patched(plan, fr_share=share, compile_models=True, tail=variant not in NO_TAIL_VARIANTS), plan
+                share = args.fr_share if variant in FEATURE_REUSE_VARIANTS else None
+                return patched(plan, fr_share=share, compile_models=True, tail=variant not in NO_TAIL_VARIANTS,
+                               guidance=variant in GUIDED_VARIANTS), plan
 
             def timed_compiled(variant):
                 """A compiled row in a fresh dynamo state: each variant's graphs, not what earlier rows left
@@ -984,7 +985,8 @@ def main(argv=None) -> int:
                    help="sparse-attention backends the hit15 / hit5 variants run with (rows 'hit15@NAME'; "
                         "'auto' = the node's default row 'hit15')")
     p.add_argument("--compile", action="store_true",
-                   help="also dense, miss, hit15 and hitfr (those asked for) under TorchCompileModel")
+                   help="also dense, miss, hit15, hit15_notail, hitfr and hitfr_gb (those asked for) under "
+                        "TorchCompileModel")
     p.add_argument("--compile-res", nargs="+", default=["480p", "720p", "tiny"], help="resolutions --compile applies to")
     p.add_argument("--guard-filter", action="store_true",
                    help="with --compile: compile as later ComfyUI's TorchCompileModel does by default (no dynamo "
