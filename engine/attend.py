@@ -165,7 +165,7 @@ class ForwardContext:
         guidance = self.guidance
         if guidance is None or not guidance.image_strength or self.sigma is None:
             return 0.0
-        return float(guidance.last_frame_bias(self.sigma, self.frames if self.image_flags is not None else None))
+        return float(guidance.last_frame_bias(self.sigma, self.frames))  # (frames() None: the request's)
 
     def cross_attention_gain(self) -> float | None:
         """Guidance's text gain for this forward's cross-attention outputs (also in a forward Chorus
