@@ -50,8 +50,9 @@ What runs (everything side by side in one process, one GPU):
   feature reuse at the same share, so its entry is in the region order: ``*_raster`` rows are the same
   requests on that entry relabelled raster); ``hitfr_gb`` (hitfr + ``ChorusGuidanceBoost`` at its defaults, the
   shipped feature-reuse workflow's node chain: the row's ``guidance`` counts the biased self-attention calls and the
-  forwards whose cross-attention outputs it boosted, over its warm-up step and request). Every hit row runs ``ChorusSparseSampler``'s defaults, the
-  pooled tail on; ``hit15_notail`` / ``hit5_notail``: the same requests with it off. ``sol`` / ``sol_every``:
+  forwards whose cross-attention outputs it boosted, over its warm-up step and request). Every hit row runs
+  ``ChorusSparseSampler``'s defaults, the pooled tail on; ``hit15_notail`` / ``hit5_notail``: the same requests
+  with it off. ``sol`` / ``sol_every``:
   ComfyUI's own sparse attention (the core "Model Sparse Attention" node of ComfyUI 0.38.x, rebuilt on this
   host's override hook by ``sol_peer.py``, ``comfy_kitchen.sol_attn`` with tau 1.3 and ``token_aug`` 256):
   the node's default window (the first 20% of the schedule dense) / every step. ``--compile``: each of ``dense``,
@@ -174,7 +175,7 @@ GUIDED_VARIANTS = ("hitfr_gb",)
 FEATURE_REUSE_VARIANTS = ("hitfr", "hitfr_raster") + GUIDED_VARIANTS
 HIT_VARIANTS = ("hit15", "hit5", "hitfr", "hitver") + RASTER_VARIANTS + NO_TAIL_VARIANTS + GUIDED_VARIANTS
 # the hits that --compile also runs under TorchCompileModel (with dense and miss)
-COMPILED_HITS = ("hit15", "hit15_notail", "hitfr", "hitfr_gb")
+COMPILED_HITS = ("hit15", "hit15_notail", "hitfr") + GUIDED_VARIANTS
 # ComfyUI's core sparse attention (sol_peer.py): "sol" with the core node's defaults (the first 20% of the
 # schedule dense), "sol_every" with start_percent 0 (sol_attn at every step)
 SOL_VARIANTS = {"sol": 0.2, "sol_every": 0.0}
