@@ -45,8 +45,9 @@ class AttnCall:
     - ``first_frame_bias``: guidance's logit bias (natural-log units) for the first frame's
       ``H' * W'`` keys (0.0: none); applied in the sparse kernel and in every dense call of this call.
     - ``last_frame_bias``: the same for the last frame's keys (a first-last-frame request's end image;
-      0.0: none): a full-grid call's suffix (:attr:`suffix_len`); in every dense call, and in the sparse
-      kernel where the run's token order ends with the last frame.
+      0.0: none): a full-grid call's suffix (:attr:`suffix_len`), a compact call's key prefix where its
+      layout leads with the last frame (:attr:`key_prefix`); in every dense call, and in the sparse kernel
+      where the run's token order ends with the last frame or the layout leads with it.
     - ``dense_fn(q, k, v) -> [B, H, L, D]``: the host's dense attention (None: PyTorch SDPA).
     """
 
@@ -63,15 +64,33 @@ class AttnCall:
     last_frame_bias: float = 0.0
 
     @property
-    def prefix_len(self) -> int:
-        """The first frame's token count when the bias applies (the grid holds the call's tokens; the
-        first frame is the prefix of every order the engine runs, kernels/tile_order.py), else 0."""
-        if not self.first_frame_bias:
-            return 0
-        if self.layout is not None:
-            order = self.layout.order
-            return order.first_frame_tokens if order is not None else 0
-        return self._frame_tokens()[1]
+    def key_prefix(self) -> tuple[int, float]:
+        """``(prefix_len, prefix_bias)``: the leading keys that take an image bias, and that bias (``(0, 0.0)``:
+        none). A full-grid call: the first frame's ``H' * W'`` keys with ``first_frame_bias`` (the first frame
+        is the prefix of every order the engine runs, kernels/tile_order.py). A compact call in a token order:
+        the same, or, where its layout leads with the last frame (``RegionLayout.end_image_leads``: the last
+        frame's keys, then the first frame's), the last frame's keys with ``last_frame_bias``, and the first
+        frame's after them where its bias is that value (Guidance Boost gives both one value) — with two other
+        biases the call takes none (:attr:`end_image_in_prefix` False)."""
+        first, last = float(self.first_frame_bias), float(self.last_frame_bias)
+        if self.layout is None:
+            tokens = self._frame_tokens()[1]
+            return (tokens, first) if first and tokens else (0, 0.0)
+        order = self.layout.order
+        if order is None:
+            return 0, 0.0
+        tokens = order.first_frame_tokens
+        if not self.layout.end_image_leads:
+            return (tokens, first) if first else (0, 0.0)
+        if last and first in (0.0, last):
+            return (2 * tokens if first else tokens), last
+        return 0, 0.0
+
+    @property
+    def end_image_in_prefix(self) -> bool:
+        """Whether the end image's bias rides on the call's key prefix (:attr:`key_prefix`): a compact call
+        whose layout leads with the last frame."""
+        return self.layout is not None and self.layout.end_image_leads and self.key_prefix[0] > 0
 
     @property
     def suffix_len(self) -> int:
@@ -95,10 +114,10 @@ class AttnCall:
         apply (:func:`~chorus.engine.guidance.biased_dense_or_plain`: plain if the biased call fails, after
         ``note(message)``)."""
         dense_fn = self.dense_fn or sdpa
-        prefix, suffix = self.prefix_len, self.suffix_len
+        (prefix, prefix_bias), suffix = self.key_prefix, self.suffix_len
         if prefix or suffix:
-            dense_fn = biased_dense_or_plain(dense_fn, prefix, float(self.first_frame_bias), suffix,
-                                             float(self.last_frame_bias), on_error=note)
+            dense_fn = biased_dense_or_plain(dense_fn, prefix, prefix_bias, suffix, float(self.last_frame_bias),
+                                             on_error=note)
         return dense_fn(self.q, self.k, self.v)
 
     def expanded(self) -> "AttnCall":

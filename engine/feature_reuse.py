@@ -288,10 +288,23 @@ class FeatureReuse:
             regions = select_regions(scores, grid, cfg.region, cfg.downsample_share,
                                      keep_first_frame=cfg.keep_first_frame, held_frames=held)
             if regions.numel():
-                layout = pooling.build_layout(grid, cfg.region, cfg.pool, regions, device=device,
-                                              order=self._compact_order(grid, regions))
+                end_image = bool(held) and bool(held[-1]) and grid[0] > 1
+                layout = self._build_layout(grid, regions, device, end_image)
         self._layouts[key] = layout
         return layout
+
+    def _build_layout(self, grid, regions: torch.Tensor, device, end_image: bool) -> pooling.RegionLayout:
+        """The layout pooling ``regions``: in the compact order where there is one (:meth:`_compact_order`),
+        leading with the last frame where it holds an end image (``end_image``) and the order allows
+        (``RegionLayout.end_image_leads``: Guidance Boost's end-image bias then reaches it on compact calls)."""
+        cfg, order = self.config, self._compact_order(grid, regions)
+        if end_image and order is not None and order.last_frame_is_suffix:
+            try:
+                return pooling.build_layout(grid, cfg.region, cfg.pool, regions, device=device, order=order,
+                                            end_image_leads=True)
+            except ValueError:  # too little rim to pad the two frames (a tiny grid): the order's own layout
+                pass
+        return pooling.build_layout(grid, cfg.region, cfg.pool, regions, device=device, order=order)
 
     def _compact_order(self, grid, regions: torch.Tensor):
         """The entry's :class:`~chorus.kernels.tile_order.RegionTileOrder` at ``grid`` (at another grid than the

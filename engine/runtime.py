@@ -217,11 +217,13 @@ class ChorusAttention:
                                     last_frame_bias=last_frame_bias))
 
     def compact_self_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout, layer: int,
-                               sigma, dense_fn, cond_rows=None, first_frame_bias: float = 0.0) -> torch.Tensor:
+                               sigma, dense_fn, cond_rows=None, first_frame_bias: float = 0.0,
+                               last_frame_bias: float = 0.0) -> torch.Tensor:
         """:meth:`attend` of a feature-reuse block's call on the compact sequence of ``layout`` (built in
         a token order: kept tokens in that order, then the cells), q/k/v ``[B, H, L', D]``."""
         return self.attend(AttnCall(q, k, v, layer=layer, sigma=sigma, grid=layout.grid, cond_rows=cond_rows,
-                                    layout=layout, first_frame_bias=first_frame_bias, dense_fn=dense_fn))
+                                    layout=layout, first_frame_bias=first_frame_bias, dense_fn=dense_fn,
+                                    last_frame_bias=last_frame_bias))
 
 
 
@@ -349,14 +351,18 @@ class ExpertRun:
     def _end_image_bias(self, call: AttnCall, order) -> tuple[int, float]:
         """``(suffix_len, suffix_bias)`` of guidance's end-image bias on a sparse call: the last frame's keys are
         the kernel's key suffix in raster order and in a token order that ends with that frame
-        (``last_frame_is_suffix``: a region order of an odd frame count); not in other orders, nor on a compact
-        call, whose suffix is its cells: there ``(0, 0.0)`` with a note, that call biases the first frame alone."""
+        (``last_frame_is_suffix``: a region order of an odd frame count). A compact call's suffix is its cells:
+        its end-image bias rides on the key prefix where its layout leads with the last frame
+        (``call.end_image_in_prefix``; ``(0, 0.0)`` here). Elsewhere ``(0, 0.0)`` with a note: that call
+        biases the first frame alone."""
         if call.layout is None and (order is None or order.last_frame_is_suffix):
             return call.suffix_len, float(call.last_frame_bias) if call.suffix_len else 0.0
-        where = ("feature reuse's compact calls" if call.layout is not None
-                 else f"calls in the entry's token order {token_order_name(order)}")
+        if call.end_image_in_prefix:
+            return 0, 0.0
+        where = ("feature reuse's compact calls whose layout does not lead with the last frame"
+                 if call.layout is not None else f"calls in the entry's token order {token_order_name(order)}")
         self.plan.note(f"guidance's end-image bias is not applied on {where} (its last frame is not the keys' "
-                       "suffix there); the start-image bias is")
+                       "suffix or prefix there); the start-image bias is")
         return 0, 0.0
 
     def _kernel(self, call: AttnCall, block_map, order, suffix_len: int, suffix_bias: float) -> torch.Tensor:
@@ -364,10 +370,10 @@ class ExpertRun:
         ``rows_checked``: the k_min >= 1 floor keeps a block in every row (of a compact map too: a
         compact row has at least one source row), so the kernel API skips the one validation that
         would sync the host with the GPU."""
-        cfg, prefix_len = self.config, call.prefix_len
+        cfg, (prefix_len, prefix_bias) = self.config, call.key_prefix
         return kernels.block_sparse_attention(call.q, call.k, call.v, block_map, block_size=cfg.block_size,
                                               backend=self._backend(call.q), prefix_len=prefix_len,
-                                              prefix_bias=float(call.first_frame_bias) if prefix_len else 0.0,
+                                              prefix_bias=prefix_bias,
                                               rows_checked=True, token_perm=order, suffix_len=suffix_len,
                                               suffix_bias=suffix_bias, pooled_tail=cfg.pooled_tail)
 

@@ -17,7 +17,9 @@ Tokens follow Wan's frame-major order after the 1x2x2 patchify: token ``(t, h, w
   the blocks their tokens come from is kept (kept tiles: their own entry; a block of cells: the union
   over their regions). Each cell's key stands for its ``P`` tokens: with ``log(P)`` added to its
   logits (the kernels' ``suffix_bias``: cells are the end of the compact sequence) it weighs exactly
-  as its ``P`` copies would, so the attention mass is that of the full-grid computation.
+  as its ``P`` copies would, so the attention mass is that of the full-grid computation. Built with
+  ``end_image_leads``, the last frame's tokens come first, then frame 0's (a first-last-frame request:
+  its image frames are the keys' prefix, where the kernels' prefix bias reaches them).
 
 Functions (``x`` is ``[B, L, ...]``, float; indices are int64 on ``x``'s device):
 
@@ -132,6 +134,8 @@ class RegionLayout:
         order: None, or the token order the layout was built in (compact self-attention), with
         ``block_sources`` bool ``[ceil(L'/bs), ceil(L/bs)]`` (the order's blocks each compact block's
         tokens come from; ``bs`` = the order's block size).
+        end_image_leads: the compact sequence begins with the last frame's tokens, then frame 0's
+        (:func:`build_layout`).
     ``length`` = L, ``compact_length`` = L' = Lk + Nc.
     """
 
@@ -145,6 +149,7 @@ class RegionLayout:
     rep_index: torch.Tensor
     order: object = None
     block_sources: torch.Tensor | None = None
+    end_image_leads: bool = False
 
     @property
     def length(self) -> int:
@@ -172,20 +177,31 @@ class RegionLayout:
         return RegionLayout(self.grid, self.region, self.pool,
                             *(t.to(device) for t in (self.regions, self.keep_index, self.cell_index,
                                                      self.expand_index, self.rep_index)),
-                            order=self.order, block_sources=move(self.block_sources))
+                            order=self.order, block_sources=move(self.block_sources),
+                            end_image_leads=self.end_image_leads)
 
     def __deepcopy__(self, memo):
         return self
 
 
-def build_layout(grid, region, pool, regions, device=None, order=None) -> RegionLayout:
+def build_layout(grid, region, pool, regions, device=None, order=None, end_image_leads: bool = False) -> RegionLayout:
     """:class:`RegionLayout` downsampling the complete regions ``regions`` (ids in raster order).
 
     ``order``: None (kept tokens in raster order), or a token order of this grid (``perm`` /
     ``inverse`` / ``block_size``, e.g. a :class:`~chorus.kernels.tile_order.RegionTileOrder`): kept
     tokens in that order, plus the compact self-attention block sources (``block_sources``).
-    Raises ``ValueError`` for bad geometry, a region id outside ``[0, R)`` or an order of another
-    length. Duplicates are ignored.
+
+    ``end_image_leads`` (a :class:`~chorus.kernels.tile_order.RegionTileOrder` whose last frame is its
+    suffix, ``last_frame_is_suffix``: the frame is rim, never pooled): the compact sequence is the last
+    frame's tokens (raster), then frame 0's, then as many rim tokens as bring the two frames to whole
+    blocks, then the kept tiles (still one whole block each) and the rest of the rim. A first-last-frame
+    request's end image is then the keys ``[0, H * W)`` and its start image ``[H * W, 2 * H * W)``: the
+    kernels' one prefix bias range covers the end image, or both (their one suffix range holds the cells'
+    weight).
+
+    Raises ``ValueError`` for bad geometry, a region id outside ``[0, R)``, an order of another
+    length, or ``end_image_leads`` with another order or too little rim to pad the two frames.
+    Duplicates are ignored.
     """
     grid, region, pool = check_geometry(grid, region, pool)
     cells = region_cells(grid, region, pool, device=device)
@@ -200,12 +216,16 @@ def build_layout(grid, region, pool, regions, device=None, order=None) -> Region
     pooled = torch.zeros(length, dtype=torch.bool, device=cells.device)
     pooled[cell_index.reshape(-1)] = True
     if order is None:
+        if end_image_leads:
+            raise ValueError("end_image_leads needs a region tile order")
         keep_index = torch.nonzero(~pooled).reshape(-1)
     else:
         if int(order.perm.numel()) != length:
             raise ValueError(f"token order of {order.perm.numel()} tokens for a grid of {length}")
         perm, position = order.indices(cells.device)  # position: the order position of every raster token
         keep_index = perm[~pooled[perm]]  # kept tokens, in the order's positions
+        if end_image_leads:
+            keep_index = _end_image_first(keep_index, position, order)
     expand_index = torch.empty(length, dtype=torch.int64, device=cells.device)
     expand_index[keep_index] = torch.arange(keep_index.numel(), device=cells.device)
     cell_pos = keep_index.numel() + torch.arange(cell_index.shape[0], device=cells.device)
@@ -217,7 +237,33 @@ def build_layout(grid, region, pool, regions, device=None, order=None) -> Region
     sources = torch.zeros(-(-rep_index.numel() // bs), -(-length // bs), dtype=torch.bool, device=cells.device)
     sources[expand_index // bs, position // bs] = True
     return RegionLayout(grid, region, pool, regions, keep_index, cell_index, expand_index, rep_index,
-                        order=order, block_sources=sources)
+                        order=order, block_sources=sources, end_image_leads=bool(end_image_leads))
+
+
+def _end_image_first(keep_index: torch.Tensor, position: torch.Tensor, order) -> torch.Tensor:
+    """``keep_index`` (kept raster tokens in a region tile order's sequence: frame 0, rim padding, the kept tiles,
+    the other rim tokens, the last frame) rearranged as :func:`build_layout`'s ``end_image_leads`` says: the last
+    frame, frame 0, padding to whole blocks (the order's own padding tokens first, then the rim's last tokens),
+    the kept tiles, the other rim tokens, any padding tokens left over. The kept tiles and the other rim tokens
+    keep their places modulo the block size, so their compact blocks draw on the blocks they filled in the order
+    (no wider map rows or columns there). ``ValueError`` where the order cannot lead with the last frame."""
+    tile_regions, first_tile_block = getattr(order, "tile_regions", None), getattr(order, "first_tile_block", None)
+    if tile_regions is None or first_tile_block is None or not order.last_frame_is_suffix:
+        raise ValueError(f"end_image_leads needs a region tile order whose last frame is its suffix, got "
+                         f"{getattr(order, 'name', type(order).__name__)} on grid {getattr(order, 'grid', None)}")
+    hw, length, bs = order.first_frame_tokens, order.length, int(order.block_size)
+    at = position[keep_index]  # each kept token's place in the order
+    tiles_start, tiles_end = first_tile_block * bs, (first_tile_block + tile_regions.numel()) * bs
+    padding = keep_index[(at >= hw) & (at < tiles_start)]
+    rest = keep_index[(at >= tiles_end) & (at < length - hw)]
+    need = (-2 * hw) % bs
+    if padding.numel() + rest.numel() < need:
+        raise ValueError(f"a grid of {order.grid} has {padding.numel() + rest.numel()} rim tokens, {need} needed to "
+                         f"pad frame 0 and the last frame to whole blocks of {bs}")
+    borrowed = max(need - padding.numel(), 0)  # from the rim's end: the rest's blocks keep their places
+    lead = [keep_index[at >= length - hw], keep_index[at < hw], padding[:need], rest[rest.numel() - borrowed:]]
+    return torch.cat(lead + [keep_index[(at >= tiles_start) & (at < tiles_end)], rest[:rest.numel() - borrowed],
+                             padding[need:]])
 
 
 def _locality_order(regions: torch.Tensor, counts) -> torch.Tensor:

@@ -42,11 +42,11 @@ def test_region_order_is_a_permutation_with_each_tile_one_block(grid, region):
         RegionTileOrder(grid, region, bs * 2)
 
 
-def _layout(grid, region, share=0.5, seed=0, order=None):
+def _layout(grid, region, share=0.5, seed=0, order=None, end_image_leads=False):
     counts = pooling.region_counts(grid, region)
     scores = torch.rand(counts[0] * counts[1] * counts[2], generator=torch.Generator().manual_seed(seed))
     regions = select_regions(scores, grid, region, share)
-    return pooling.build_layout(grid, region, (1, 2, 2), regions, order=order), regions
+    return pooling.build_layout(grid, region, (1, 2, 2), regions, order=order, end_image_leads=end_image_leads), regions
 
 
 @pytest.mark.parametrize("grid,region", GRIDS[:4])
@@ -79,6 +79,64 @@ def test_a_layout_in_the_order_keeps_tiles_whole_and_pools_exactly_as_before(gri
     assert ordered.cell_size == 4 and ordered.num_cells * 4 == ordered.pooled_tokens
 
 
+@pytest.mark.parametrize("grid,region", [((5, 8, 8), (2, 4, 4)), ((7, 9, 13), (2, 4, 4)), ((5, 16, 16), (2, 8, 8))])
+def test_a_layout_that_leads_with_the_end_image_keeps_the_same_tokens_and_its_tiles_whole(grid, region):
+    """``end_image_leads``: the compact sequence is the last frame's tokens, then frame 0's, then rim padding to
+    whole blocks; the kept tiles stay one whole block each (with their own tile as the only source), and the
+    compact tokens, cells and pooling are the order's own layout's, rearranged."""
+    bs = region[0] * region[1] * region[2]
+    order = cached_region_order(grid, region, bs)
+    assert order.last_frame_is_suffix
+    ordered, regions = _layout(grid, region, share=0.25, order=order)
+    leads, _ = _layout(grid, region, share=0.25, order=order, end_image_leads=True)
+    assert leads.end_image_leads and not ordered.end_image_leads and regions.numel() > 0
+    hw, length = grid[1] * grid[2], order.length
+    assert torch.equal(leads.keep_index[:hw], torch.arange(length - hw, length))  # the last frame, raster
+    assert torch.equal(leads.keep_index[hw:2 * hw], torch.arange(hw))  # then frame 0
+    assert torch.equal(leads.keep_index.sort().values, ordered.keep_index.sort().values)
+    assert torch.equal(leads.cell_index, ordered.cell_index)
+    x = torch.randn(2, length, 5, generator=torch.Generator().manual_seed(1))
+    where = ordered.expand_index[leads.rep_index]  # each compact token's place in the order's own layout
+    y_ordered = pooling.pool_tokens(x, ordered)
+    torch.testing.assert_close(pooling.pool_tokens(x, leads), y_ordered[:, where])
+    upd = torch.randn_like(y_ordered)
+    torch.testing.assert_close(pooling.unpool_residual(x, y_ordered[:, where], (y_ordered + upd)[:, where], leads),
+                               pooling.unpool_residual(x, y_ordered, y_ordered + upd, ordered))
+    lead_blocks = -(-2 * hw // bs)  # the two frames and their padding
+    src, p0 = leads.block_sources, order.first_tile_block
+    kept_tiles = [i for i, r in enumerate(order.tile_regions.tolist()) if r not in set(regions.tolist())]
+    assert kept_tiles
+    for rank, i in enumerate(kept_tiles):
+        assert src[lead_blocks + rank].nonzero().flatten().tolist() == [p0 + i]
+    assert bool(src.any(1).all())
+    with pytest.raises(ValueError, match="region tile order"):
+        pooling.build_layout(grid, region, (1, 2, 2), regions, end_image_leads=True)
+    even = (grid[0] + 1,) + grid[1:]  # the last frame in a complete region: not the order's suffix
+    with pytest.raises(ValueError, match="last frame is its suffix"):
+        pooling.build_layout(even, region, (1, 2, 2), regions, order=cached_region_order(even, region, bs),
+                             end_image_leads=True)
+
+
+@pytest.mark.parametrize("rows_agree,most", [(8, 1.02), (1, 1.06)])
+def test_leading_with_the_end_image_widens_few_compact_blocks_at_wan_s_480p_grid(rows_agree, most):
+    """The cost of leading with the end image: its frame and frame 0 sit off their blocks' places in the order, so
+    their compact blocks draw on two blocks each (the tiles and the rest of the rim keep theirs). On Wan's 480p
+    grid, 30% of the regions pooled, a map of 15% plus both image frames' keys: at most 2% more compact blocks
+    where neighbouring query blocks keep the same keys (as attention maps do), 6% where every row is random."""
+    grid, region, bs = (21, 30, 52), (2, 8, 8), 128
+    order = cached_region_order(grid, region, bs)
+    ordered, _ = _layout(grid, region, share=0.3, order=order)
+    leads, _ = _layout(grid, region, share=0.3, order=order, end_image_leads=True)
+    nb, hw = -(-order.length // bs), grid[1] * grid[2]
+    gen = torch.Generator().manual_seed(5)
+    block_map = (torch.rand(-(-nb // rows_agree), nb, generator=gen) < 0.15).repeat_interleave(rows_agree, 0)[:nb]
+    block_map |= torch.eye(nb, dtype=torch.bool)
+    block_map[:, : -(-hw // bs)] = True
+    block_map[:, (order.length - hw) // bs:] = True
+    plain, led = (int(pooling.compact_block_map(block_map, layout.block_sources).sum()) for layout in (ordered, leads))
+    assert plain <= led <= most * plain, (plain, led)
+
+
 def test_compact_block_map_is_the_union_over_the_source_pairs():
     gen = torch.Generator().manual_seed(2)
     block_map = torch.rand(3, 7, 7, generator=gen) < 0.2
@@ -98,15 +156,24 @@ def test_compact_block_map_is_the_union_over_the_source_pairs():
 INFO = ModelInfo("wan", "wan2.2-a14b-i2v", 2, 2, 64, 36, "fp")
 
 
+# (first-frame bias, last-frame bias, layout leads with the end image): none; a start image; a first-last-frame
+# request (Guidance Boost's one value on both); a window that ends the video without a start image; a layout
+# that does not lead (the end image's bias not applied, with a note)
+BIASES = [(0.0, 0.0, False), (0.7, 0.0, False), (0.7, 0.7, True), (0.0, 0.7, True), (0.7, 0.7, False)]
+
+
 @pytest.mark.parametrize("grid,region", [((5, 8, 8), (2, 4, 4)), ((7, 9, 13), (2, 4, 4))])
-@pytest.mark.parametrize("bias", [0.0, 0.7])
+@pytest.mark.parametrize("first,last,leads", BIASES)
 @pytest.mark.parametrize("entry_frames", [0, -1])
-def test_compact_self_attention_matches_the_full_grid_computation(grid, region, bias, entry_frames):
+def test_compact_self_attention_matches_the_full_grid_computation(grid, region, first, last, leads, entry_frames):
     """``entry_frames`` -1: the entry was recorded at a grid one frame shorter (the first of context windows whose
-    later windows get an anchor frame): its map is resampled to the call's grid in the region order there."""
+    later windows get an anchor frame): its map is resampled to the call's grid in the region order there.
+    The image biases as the full grid takes them: the first frame's keys and the last frame's (the order's suffix
+    at these odd frame counts), on the compact sequence through the key prefix where the layout leads with the
+    last frame."""
     bs = region[0] * region[1] * region[2]
     order = cached_region_order(grid, region, bs)
-    layout, regions = _layout(grid, region, share=0.5, seed=3, order=order)
+    layout, regions = _layout(grid, region, share=0.5, seed=3, order=order, end_image_leads=leads)
     entry_grid = (grid[0] + entry_frames,) + grid[1:]
     entry_order = cached_region_order(entry_grid, region, bs)
     nb = -(-entry_order.length // bs)
@@ -122,9 +189,12 @@ def test_compact_self_attention_matches_the_full_grid_computation(grid, region, 
     handle = ChorusAttention(plan, SparseConfig(block_size=bs, k_min=1, backend="reference", verify_threshold=0.0,
                                                 pooled_tail=False), INFO)
     q, k, v = (torch.randn(1, 2, layout.compact_length, 32, generator=gen) for _ in range(3))
-    out = handle.compact_self_attention(q, k, v, layout=layout, layer=1, sigma=1.0, first_frame_bias=bias,
-                                        dense_fn=lambda *a: pytest.fail("fell back to dense"))
+    out = handle.compact_self_attention(q, k, v, layout=layout, layer=1, sigma=1.0, first_frame_bias=first,
+                                        last_frame_bias=last, dense_fn=lambda *a: pytest.fail("fell back to dense"))
     assert plan.stats.sparse_calls == 1 and plan.stats.fallback_calls == 0, plan.stats.messages
+    unbiased_end = last and not leads
+    noted = [m for m in plan.stats.messages if "end-image bias is not applied" in m]
+    assert len(noted) == (1 if unbiased_end else 0), plan.stats.messages
     # the oracle: the compact queries over the full grid's keys in the order, each cell's key repeated
     # over its tokens, with the token mask the compact map implies; fp64
     served = kernels.resample_block_map(stored, entry_grid, grid, block_size=bs, src_order=entry_order,
@@ -136,17 +206,22 @@ def test_compact_self_attention_matches_the_full_grid_computation(grid, region, 
     rows = torch.arange(layout.compact_length) // bs
     mask = cmap[:, rows][:, :, key_pos // bs]  # [H, L', L]
     scores = (q.double() @ k_full.transpose(-1, -2)) / 32 ** 0.5
-    if bias:
-        scores[..., : grid[1] * grid[2]] += bias
+    hw = grid[1] * grid[2]
+    scores[..., :hw] += first
+    if not unbiased_end:
+        scores[..., order.length - hw:] += last  # the last frame: the order's suffix
     scores = scores.masked_fill(~mask[None], float("-inf"))
     oracle = torch.softmax(scores, -1) @ v_full
     torch.testing.assert_close(out.double(), oracle, atol=2e-5, rtol=1e-4)
     # the same computation without the cells' weight differs: the suffix bias acts
-    plain = kernels.block_sparse_attention(q, k, v, cmap[None], block_size=bs, backend="reference",
-                                           prefix_len=grid[1] * grid[2] if bias else 0, prefix_bias=bias)
+    prefix = dict(prefix_len=hw * (bool(first) + bool(last)), prefix_bias=last) if leads else \
+        dict(prefix_len=hw if first else 0, prefix_bias=first)
+    plain = kernels.block_sparse_attention(q, k, v, cmap[None], block_size=bs, backend="reference", **prefix)
     assert not torch.allclose(plain.double(), oracle, atol=1e-3)
-    # and fewer blocks than the full grid would compute
-    assert plan.stats.blocks_computed < int(served.sum())
+    # the blocks of the compact map, fewer than the full grid would compute (a layout that leads with the end image
+    # draws its image frames' rows on two blocks each: on a grid this small, more)
+    assert plan.stats.blocks_computed == int(cmap.sum())
+    assert leads or plan.stats.blocks_computed < int(served.sum())
 
 
 def test_compact_self_attention_falls_back_to_dense_when_the_orders_differ():

@@ -18,6 +18,8 @@ ComfyUI cuts it to the window, as ``tests/host/comfy038.py``'s double does on 0.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -322,6 +324,40 @@ def test_a_start_and_an_end_image_in_windows_are_read_from_the_request_and_place
     biased_calls = get_patch(patched).guidance.biased_calls
     first_window_calls = sum(1 for start, _, _ in last_biases if start == 0)
     assert biased_calls == first_window_calls > 0 and first_window_calls < len(last_biases)
+
+
+def test_a_first_last_frame_hit_with_feature_reuse_biases_the_end_image_on_its_compact_calls(nodes, model,
+                                                                                            monkeypatch):
+    """The whole latent (9 frames: the region order ends with the last frame), a first-last-frame hit with feature
+    reuse and Chorus Guidance Boost: the full-grid calls bias the end image as the keys' suffix; the compact calls,
+    whose suffix holds the cells' weight, lead with the last frame, so one prefix of both image frames' keys takes
+    the bias (before, they biased the start image alone, with a note)."""
+    from chorus import kernels
+
+    options = dict(windows=False, images="start_end", workspace="first_last_whole")
+    miss, samples = _request(nodes, model, **options)
+    assert miss.state.image_frames == (1, 1, 0), miss.stats.messages
+    assert "wrote entry 1" in nodes.ChorusCacheWrite.execute(latent={"samples": samples}, plan=miss).args[0]
+
+    calls, sparse = [], kernels.block_sparse_attention
+
+    def seen(q, k, v, block_map, **options):
+        calls.append((q.shape[-2], options["prefix_len"], options["prefix_bias"], options["suffix_len"],
+                      options["suffix_bias"]))
+        return sparse(q, k, v, block_map, **options)
+
+    monkeypatch.setattr(kernels, "block_sparse_attention", seen)
+    hit, samples = _request(nodes, model, image_strength=2.0, **options)
+    assert hit.is_hit and torch.isfinite(samples).all() and hit.stats.fallback_calls == 0, hit.stats.messages
+    assert not any("end-image bias" in m for m in hit.stats.messages), hit.stats.messages
+    grid = LATENT["samples"].shape[2], 16, 16
+    frame, length = grid[1] * grid[2], grid[0] * grid[1] * grid[2]
+    full = [c for c in calls if c[0] == length]
+    compact = [c for c in calls if c[0] < length]
+    assert full and compact and len(calls) == hit.stats.sparse_calls, calls
+    bias = full[0][2]
+    assert bias > 0 and all(c[1:] == (frame, bias, frame, bias) for c in full), full
+    assert all(c[1:3] == (2 * frame, bias) and c[4] == math.log(8) for c in compact), compact  # cells of 2 x 2 x 2
 
 
 def test_a_start_image_kept_in_every_window_is_reinforced_in_every_window(nodes, model, monkeypatch):

@@ -241,6 +241,46 @@ def test_a_region_order_takes_the_end_images_suffix_bias(backend, pooled_tail):
         _check(order.to_tile(out), qt, kt, vt, bm, **biases)
 
 
+@pytest.mark.parametrize("backend", ["triton_fp8_ws", "triton_int8_ws", "triton_fp8", "triton_int8", "triton_bf16"])
+@pytest.mark.parametrize("pooled_tail", [False, True])
+def test_a_compact_call_that_leads_with_the_end_image_biases_both_image_frames(backend, pooled_tail):
+    """Feature reuse's compact call of a first-last-frame hit (480p's grid, a quarter of the regions pooled, the
+    layout leading with the last frame: ``RegionLayout.end_image_leads``): both image frames' keys, the prefix
+    ``[0, 2 * H * W)``, biased and the cells' keys weighted log(8), as the engine calls it; the kernel's output
+    within its numerics' ceiling of the fp64 oracle (with the tail where it is on), unlike the call that biases
+    the first ``H * W`` keys alone."""
+    import chorus.kernels as K
+    from chorus.engine.feature_reuse import select_regions
+    from chorus.kernels import pooling
+    from chorus.kernels.reference import dense_attention_oracle
+    from chorus.kernels.tile_order import cached_region_order
+    from testing import query_block_rows
+
+    grid, region, hw = (21, 30, 52), (2, 8, 8), 30 * 52
+    order = cached_region_order(grid, region, 128)
+    counts = pooling.region_counts(grid, region)
+    scores = torch.rand(counts[0] * counts[1] * counts[2], generator=torch.Generator().manual_seed(3))
+    regions = select_regions(scores, grid, region, 0.25)
+    layout = pooling.build_layout(grid, region, (2, 2, 2), regions, device="cuda", order=order, end_image_leads=True)
+    cmap = pooling.compact_block_map(_random_map(1, 2, order.length, 0.2, seed=10), layout.block_sources)
+    q, k, v = cuda_bf16_qkv(1, 2, layout.compact_length, 128, seed=29)
+    biases = dict(prefix_len=2 * hw, prefix_bias=0.4, suffix_len=layout.num_cells, suffix_bias=math.log(8))
+
+    def attend(**options):
+        return K.block_sparse_attention(q, k, v, cmap, block_size=128, backend=backend, pooled_tail=pooled_tail,
+                                        **options)
+
+    out = attend(**biases)
+    blocks, rows = query_block_rows(q.shape[2], cmap.shape[2])
+    oracle = dense_attention_oracle(q[:, :, rows], k, v, cmap[:, :, blocks], 128, pooled_tail=pooled_tail, **biases)
+    ceiling = {"triton_bf16": 0.02, "triton_int8": 0.03, "triton_int8_ws": 0.03}.get(backend, 0.08)
+    got = out[:, :, rows].double()
+    assert torch.isfinite(out).all()
+    assert float((got - oracle).norm() / oracle.norm()) < ceiling
+    first_only = attend(**dict(biases, prefix_len=hw))
+    assert not torch.equal(out, first_only)  # the end image's keys took the bias
+
+
 @pytest.mark.parametrize("q_len,suffix_len", [(4097, 300), (3000, 2000), (61600, 2000)])
 @pytest.mark.parametrize("backend", ["triton_fp8_ws", "triton_fp8"])
 def test_a_suffix_bias_matches_the_oracle(q_len, suffix_len, backend):
