@@ -117,6 +117,39 @@ def test_a_layout_that_leads_with_the_end_image_keeps_the_same_tokens_and_its_ti
                              end_image_leads=True)
 
 
+def test_a_grid_with_too_little_rim_to_lead_with_the_end_image_keeps_the_order_s_own_layout():
+    """(5, 8, 9) in 2 x 8 x 8 regions: 88 rim tokens, 112 needed to pad the two 72-token frames to whole blocks.
+    ``build_layout`` refuses; a hit's feature reuse for a forward with an end image then builds the order's own
+    layout (its compact calls bias the start image alone, with the runtime's note); on a grid with the rim for it,
+    the layout that leads."""
+    from chorus.engine.feature_reuse import META_VERSION, FeatureReuse, FeatureReuseConfig
+
+    region = (2, 8, 8)
+    small = cached_region_order((5, 8, 9), region, 128)
+    assert small.last_frame_is_suffix and small.tile_regions.numel() == 1
+    with pytest.raises(ValueError, match="88 rim tokens, 112 needed"):
+        pooling.build_layout((5, 8, 9), region, (2, 2, 2), small.tile_regions, order=small, end_image_leads=True)
+
+    for grid, leads in (((5, 8, 9), False), ((5, 16, 16), True)):
+        order = cached_region_order(grid, region, 128)
+        regions = pooling.region_counts(grid, region)
+        scores = [1.0] * (regions[0] * regions[1] * regions[2])
+        sig = {"format": 1, "family": "wan", "variant": INFO.variant, "experts": [INFO.fingerprint], "num_layers": 2,
+               "num_heads": 2, "latent_shape": [16, grid[0], 2 * grid[1], 2 * grid[2]], "token_grid": list(grid),
+               "block_size": 128, "token_order": order.name, "step_sigmas": [1.0], "head_groups": 1}
+        meta = {"version": META_VERSION, "token_grid": list(grid), "region": list(region), "pool": [2, 2, 2],
+                "scores": {"0": {"1.0": scores}}}
+        nb = -(-order.length // 128)
+        hit = Plan("hit", entry_id=1, similarity=1.0, masks={(0, 0, 0, 0): torch.ones(2, nb, nb, dtype=torch.bool)},
+                   entry_meta={"signature": sig, "feature_reuse": meta}, latent_shape=tuple(sig["latent_shape"]))
+        fr = FeatureReuse(hit, FeatureReuseConfig(downsample_share=1.0, region=region, pool=(2, 2, 2)), INFO)
+        fr.begin_run([1.0, 0.0])
+        flags = (True, False, False, False, True)
+        layout = fr.layout_for(1.0, grid, "cpu", image_flags=lambda: flags)
+        assert layout is not None and layout.order is order and layout.end_image_leads == leads, hit.stats.messages
+        assert not fr.layout_for(1.0, grid, "cpu", image_flags=lambda: flags[:-1] + (False,)).end_image_leads
+
+
 @pytest.mark.parametrize("rows_agree,most", [(8, 1.02), (1, 1.06)])
 def test_leading_with_the_end_image_widens_few_compact_blocks_at_wan_s_480p_grid(rows_agree, most):
     """The cost of leading with the end image: its frame and frame 0 sit off their blocks' places in the order, so
