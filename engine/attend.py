@@ -143,12 +143,6 @@ class ForwardContext:
         flags = self._flags()
         return bool(flags) and bool(flags[0])
 
-    def frames(self):
-        """``(first, last, other)`` of the forward's own frames (:func:`~chorus.engine.model_info.frames_summary`),
-        or None when not known."""
-        flags = self._flags()
-        return None if flags is None else frames_summary(flags)
-
     def first_frame_bias(self) -> float:
         """Guidance's first-frame logit bias for this forward's calls (0.0: none, also where the forward's first
         frame is not the start image: :meth:`starts_with_image`)."""
@@ -158,14 +152,9 @@ class ForwardContext:
         return float(guidance.first_frame_bias(self.sigma))
 
     def last_frame_bias(self) -> float:
-        """Guidance's logit bias toward the last frame's keys (a first-last-frame request's end image) for this
-        forward's calls (0.0: none): where the forward's own last frame holds it (in context windows, the window
-        that ends with the video's end image), else, where the forward's frames are not known, where the
-        request holds one."""
-        guidance = self.guidance
-        if guidance is None or not guidance.image_strength or self.sigma is None:
-            return 0.0
-        return float(guidance.last_frame_bias(self.sigma, self.frames))  # (frames() None: the request's)
+        """Guidance's logit bias toward the last frame's keys for this forward's calls
+        (:func:`end_image_bias`)."""
+        return end_image_bias(self.guidance, self.sigma, self.image_flags)
 
     def cross_attention_gain(self) -> float | None:
         """Guidance's text gain for this forward's cross-attention outputs (also in a forward Chorus
@@ -236,6 +225,22 @@ class ForwardContext:
         self.note(f"{reason}; dense attention")
         if self.attention is not None:
             self.attention.skip_calls(1)
+
+
+def end_image_bias(guidance, sigma, image_flags=None) -> float:
+    """Guidance's logit bias toward a forward's last-frame keys (a first-last-frame request's end image; 0.0:
+    none): where the forward's own last frame holds it (``image_flags``: a callable giving the forward's per-frame
+    image flags; in context windows, the window that ends with the video's end image), else, where the
+    forward's frames are not known, where the request holds one. ``guidance``: a ``GuidanceBoost`` or None;
+    ``sigma``: the forward's (None: no bias)."""
+    if guidance is None or not guidance.image_strength or sigma is None:
+        return 0.0
+
+    def frames():
+        flags = image_flags() if image_flags is not None else None
+        return None if flags is None else frames_summary(flags)
+
+    return float(guidance.last_frame_bias(sigma, frames))  # (frames() None: the request's)
 
 
 def begin_forward(attention, guidance, grid, sigma: float | None, cond_or_uncond=None, note=None,

@@ -245,14 +245,17 @@ class FeatureReuse:
             return None
         return fr
 
-    def layout_for(self, sigma: float, grid, device, image_flags=None) -> pooling.RegionLayout | None:
+    def layout_for(self, sigma: float, grid, device, image_flags=None,
+                   end_image_biased: bool = False) -> pooling.RegionLayout | None:
         """The layout to use at this step and grid, or None (run in full). The entry's region scores are for
         its grid; at another grid of the same aspect (context windows of two lengths, a request of another
         size) they are carried there (:func:`chorus.kernels.resample_region_scores`, noted), at another aspect
         not (noted, None). Regions on a frame with an input image run in full (:func:`select_regions`): the
         forward's own frames (``image_flags``: a callable giving them, per frame of ``grid``; the host's answer
         for a forward in a context window, which holds part of the video), else the request's first and last
-        image frames (the plan's ``state.image_frames``). Raises ``ValueError`` on an entry whose scores do not
+        image frames (the plan's ``state.image_frames``). ``end_image_biased``: the forward's self-attention
+        biases its last frame (Chorus Guidance Boost's end-image bias): where that frame holds an image, the
+        layout leads with it (:meth:`_build_layout`). Raises ``ValueError`` on an entry whose scores do not
         fit."""
         cfg = self.config
         if cfg.downsample_share <= 0 or self.expert is None or not self.plan.is_hit or self.full_blocks_reason:
@@ -273,7 +276,8 @@ class FeatureReuse:
         held = image_flags() if image_flags is not None else None
         if held is None or len(held) != grid[0]:
             held = frame_flags_of(self.plan.state.image_frames, grid[0])
-        key = (round(sigma, 6), grid, str(device), held)
+        end_image = bool(end_image_biased) and bool(held) and bool(held[-1]) and grid[0] > 1
+        key = (round(sigma, 6), grid, str(device), held, end_image)
         if key in self._layouts:
             return self._layouts[key]
         per_expert = {float(s): v for s, v in fr["scores"].get(str(self.expert), {}).items()}
@@ -288,15 +292,16 @@ class FeatureReuse:
             regions = select_regions(scores, grid, cfg.region, cfg.downsample_share,
                                      keep_first_frame=cfg.keep_first_frame, held_frames=held)
             if regions.numel():
-                end_image = bool(held) and bool(held[-1]) and grid[0] > 1
                 layout = self._build_layout(grid, regions, device, end_image)
         self._layouts[key] = layout
         return layout
 
     def _build_layout(self, grid, regions: torch.Tensor, device, end_image: bool) -> pooling.RegionLayout:
         """The layout pooling ``regions``: in the compact order where there is one (:meth:`_compact_order`),
-        leading with the last frame where it holds an end image (``end_image``) and the order allows
-        (``RegionLayout.end_image_leads``: Guidance Boost's end-image bias then reaches it on compact calls)."""
+        leading with the last frame where it holds an end image the forward's self-attention biases
+        (``end_image``) and the order allows (``RegionLayout.end_image_leads``: the bias then reaches it on
+        compact calls; it costs blocks on the two image frames' query rows, so a forward without the bias
+        keeps the order's own layout)."""
         cfg, order = self.config, self._compact_order(grid, regions)
         if end_image and order is not None and order.last_frame_is_suffix:
             try:
@@ -323,12 +328,14 @@ class FeatureReuse:
         return order
 
     # -- the call ----------------------------------------------------------------------------------
-    def reduction(self, sigma, grid, device, *, avoid_lengths=(), image_flags=None) -> Reduction | None:
+    def reduction(self, sigma, grid, device, *, avoid_lengths=(), image_flags=None,
+                  end_image_biased: bool = False) -> Reduction | None:
         """This forward's :class:`Reduction` on a hit, or None (its blocks run in full). Host side, once
         per forward (begins the sampler run if the host did not). ``sigma``: float or tensor (first
         element); ``grid``: ``(T', H', W')``; ``avoid_lengths``: sequence lengths a reduced block must not
         have (the forward's cross-attention contexts: a host that tells self- from cross-attention by
-        length could not); ``image_flags``: the forward's own image frames (:meth:`layout_for`).
+        length could not); ``image_flags``: the forward's own image frames; ``end_image_biased``: whether its
+        self-attention biases its last frame (both :meth:`layout_for`).
         Counts the forward's full blocks (all layers, or those below ``full_layers``) when feature reuse
         serves the run. Never raises: a problem is a note and None."""
         plan = self.plan
@@ -337,7 +344,7 @@ class FeatureReuse:
                 self.begin_run()
             if self.expert is None or not plan.is_hit:
                 return None
-            found = self._reduction_at(sigma, tuple(int(g) for g in grid), device, image_flags)
+            found = self._reduction_at(sigma, tuple(int(g) for g in grid), device, image_flags, end_image_biased)
             if found is not None:
                 if found.compact_length in set(avoid_lengths):
                     plan.note(f"feature reuse: the compact sequence ({found.compact_length} tokens) is as long as a "
@@ -350,11 +357,11 @@ class FeatureReuse:
             self.state.blocks_full += self.model_info.num_layers if found is None else found.from_layer
         return found
 
-    def _reduction_at(self, sigma, grid, device, image_flags=None) -> Reduction | None:
+    def _reduction_at(self, sigma, grid, device, image_flags=None, end_image_biased: bool = False) -> Reduction | None:
         """The :class:`Reduction` of the step at ``sigma`` (float or tensor) on ``grid``, or None (no
         layout: full blocks). Raises what :meth:`layout_for` raises; both callers note it."""
         sigma = step_sigma(sigma_value(sigma), self.sample_sigmas)
-        layout = self.layout_for(sigma, grid, device, image_flags)
+        layout = self.layout_for(sigma, grid, device, image_flags, end_image_biased)
         if layout is None:
             return None
         return Reduction(layout, sigma, self.from_layer, self.config.mode == "skip")

@@ -201,7 +201,8 @@ class ChorusPatch:
             sigma = None
         reduction = None
         if reason is None and sigma is not None:
-            reduction = self._reduction(sigma, grid, x.device, context_lengths, options, flags)
+            end_biased = engine_attend.end_image_bias(self.guidance, sigma, flags) != 0.0
+            reduction = self._reduction(sigma, grid, x.device, context_lengths, options, flags, end_biased)
         ctx = engine_attend.begin_forward(self.attention, self.guidance, grid, sigma, options.get("cond_or_uncond"),
                                           self.note, reason, self.feature_reuse, reduction,
                                           comfy_forward.skipped_layers(options), flags,
@@ -245,8 +246,10 @@ class ChorusPatch:
                     "several GPUs at once; Chorus's maps and recordings live on one GPU, so it stays out")
         return None
 
-    def _reduction(self, sigma: float, grid, device, context_lengths: set, options: dict, image_flags=None):
-        """Feature reuse's reduction of this forward (a hit's), or None: none either where another pack's
+    def _reduction(self, sigma: float, grid, device, context_lengths: set, options: dict, image_flags=None,
+                   end_image_biased: bool = False):
+        """Feature reuse's reduction of this forward (a hit's; ``image_flags`` / ``end_image_biased`` as
+        ``FeatureReuse.reduction`` takes them), or None: none either where another pack's
         patch inside Wan's blocks (:data:`SEQUENCE_PATCHES`) reads the whole sequence, or where the forward's
         self-attention may not reach Chorus (an override on top that Chorus cannot see through,
         ``override_stack.reaches``: a reduced block's attention would run on the compact sequence as if it
@@ -264,7 +267,7 @@ class ChorusPatch:
                       "sequence: its blocks run in full")
             return None
         reduction = self.feature_reuse.reduction(sigma, grid, device, avoid_lengths=context_lengths,
-                                                 image_flags=image_flags)
+                                                 image_flags=image_flags, end_image_biased=end_image_biased)
         if reduction is not None:
             chained = sorted(key[1] for key, block in comfy_forward.block_patches(options).items()
                              if isinstance(block, ChorusBlock) and block.previous is not None)

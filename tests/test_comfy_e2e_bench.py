@@ -484,7 +484,8 @@ def test_the_guided_feature_reuse_row_runs_the_shipped_workflow_s_node_chain(tmp
 
 def test_the_guided_feature_reuse_row_compiles(tmp_path, monkeypatch):
     """``hitfr_gb --compile --compiled-only``: the workflow's chain under ``TorchCompileModel`` runs every call sparse
-    with feature reuse and its timed request compiles nothing."""
+    with feature reuse and its timed request compiles nothing; the row's ``guidance`` counts that request's calls,
+    every one biased."""
     from chorus.benchmarks.comfy_e2e import run
 
     monkeypatch.setenv("COMFYUI_DIR", str(tiny.find_comfyui_dir()))
@@ -496,6 +497,8 @@ def test_the_guided_feature_reuse_row_compiles(tmp_path, monkeypatch):
     guided = rows["hitfr_gb+compile"]
     assert guided["plan_kind"] == "hit" and guided["sparse_calls"] > 0 and guided["fallback_calls"] == 0, guided
     assert guided["fr_blocks_reduced"] > 0 and guided["timed_request_frames_compiled"] == 0, guided
+    assert guided["guidance"] == {"biased_calls": guided["sparse_calls"],
+                                  "boosted_forwards": guided["sparse_calls"] // tiny.TINY_LAYERS}, guided
 
 
 @pytest.mark.parametrize("schedule", ["standard_static", "standard_uniform"])

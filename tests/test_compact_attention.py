@@ -119,9 +119,9 @@ def test_a_layout_that_leads_with_the_end_image_keeps_the_same_tokens_and_its_ti
 
 def test_a_grid_with_too_little_rim_to_lead_with_the_end_image_keeps_the_order_s_own_layout():
     """(5, 8, 9) in 2 x 8 x 8 regions: 88 rim tokens, 112 needed to pad the two 72-token frames to whole blocks.
-    ``build_layout`` refuses; a hit's feature reuse for a forward with an end image then builds the order's own
-    layout (its compact calls bias the start image alone, with the runtime's note); on a grid with the rim for it,
-    the layout that leads."""
+    ``build_layout`` refuses; a hit's feature reuse for a forward whose self-attention biases its end image then
+    builds the order's own layout (its compact calls bias the start image alone, with the runtime's note); on a grid
+    with the rim for it, the layout that leads."""
     from chorus.engine.feature_reuse import META_VERSION, FeatureReuse, FeatureReuseConfig
 
     region = (2, 8, 8)
@@ -145,9 +145,12 @@ def test_a_grid_with_too_little_rim_to_lead_with_the_end_image_keeps_the_order_s
         fr = FeatureReuse(hit, FeatureReuseConfig(downsample_share=1.0, region=region, pool=(2, 2, 2)), INFO)
         fr.begin_run([1.0, 0.0])
         flags = (True, False, False, False, True)
-        layout = fr.layout_for(1.0, grid, "cpu", image_flags=lambda: flags)
+        layout = fr.layout_for(1.0, grid, "cpu", image_flags=lambda: flags, end_image_biased=True)
         assert layout is not None and layout.order is order and layout.end_image_leads == leads, hit.stats.messages
-        assert not fr.layout_for(1.0, grid, "cpu", image_flags=lambda: flags[:-1] + (False,)).end_image_leads
+        # no lead where the forward's last frame holds no image, or where its self-attention does not bias it
+        assert not fr.layout_for(1.0, grid, "cpu", image_flags=lambda: flags[:-1] + (False,),
+                                 end_image_biased=True).end_image_leads
+        assert not fr.layout_for(1.0, grid, "cpu", image_flags=lambda: flags).end_image_leads
 
 
 @pytest.mark.parametrize("rows_agree,most", [(8, 1.02), (1, 1.06)])

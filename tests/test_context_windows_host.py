@@ -331,8 +331,10 @@ def test_a_first_last_frame_hit_with_feature_reuse_biases_the_end_image_on_its_c
     """The whole latent (9 frames: the region order ends with the last frame), a first-last-frame hit with feature
     reuse and Chorus Guidance Boost: the full-grid calls bias the end image as the keys' suffix; the compact calls,
     whose suffix holds the cells' weight, lead with the last frame, so one prefix of both image frames' keys takes
-    the bias (before, they biased the start image alone, with a note)."""
+    the bias (before, they biased the start image alone, with a note). Without Guidance Boost the layouts do not
+    lead (it costs blocks on the two image frames' query rows)."""
     from chorus import kernels
+    from chorus.kernels import pooling
 
     options = dict(windows=False, images="start_end", workspace="first_last_whole")
     miss, samples = _request(nodes, model, **options)
@@ -346,8 +348,21 @@ def test_a_first_last_frame_hit_with_feature_reuse_biases_the_end_image_on_its_c
                       options["suffix_bias"]))
         return sparse(q, k, v, block_map, **options)
 
+    leads, build_layout = [], pooling.build_layout
+
+    def seen_build_layout(*args, **options):
+        layout = build_layout(*args, **options)
+        leads.append(layout.end_image_leads)
+        return layout
+
+    monkeypatch.setattr(pooling, "build_layout", seen_build_layout)
+    plain, _ = _request(nodes, model, **options)  # without Guidance Boost the layouts keep the order's own sequence
+    assert plain.is_hit and plain.state.feature_reuse.blocks_reduced > 0 and leads and not any(leads)
+
+    leads.clear()
     monkeypatch.setattr(kernels, "block_sparse_attention", seen)
     hit, samples = _request(nodes, model, image_strength=2.0, **options)
+    assert leads and all(leads)
     assert hit.is_hit and torch.isfinite(samples).all() and hit.stats.fallback_calls == 0, hit.stats.messages
     assert not any("end-image bias" in m for m in hit.stats.messages), hit.stats.messages
     grid = LATENT["samples"].shape[2], 16, 16

@@ -50,7 +50,8 @@ What runs (everything side by side in one process, one GPU):
   feature reuse at the same share, so its entry is in the region order: ``*_raster`` rows are the same
   requests on that entry relabelled raster); ``hitfr_gb`` (hitfr + ``ChorusGuidanceBoost`` at its defaults, the
   shipped feature-reuse workflow's node chain: the row's ``guidance`` counts the biased self-attention calls and the
-  forwards whose cross-attention outputs it boosted, over its warm-up step and request). Every hit row runs
+  forwards whose cross-attention outputs it boosted, over its warm-up step and request; compiled, over its timed
+  request). Every hit row runs
   ``ChorusSparseSampler``'s defaults, the pooled tail on; ``hit15_notail`` / ``hit5_notail``: the same requests
   with it off. ``sol`` / ``sol_every``:
   ComfyUI's own sparse attention (the core "Model Sparse Attention" node of ComfyUI 0.38.x, rebuilt on this
@@ -607,6 +608,10 @@ def run(args) -> dict:
                                fr_blocks_reduced=plan.state.feature_reuse.blocks_reduced,
                                fr_blocks_full=plan.state.feature_reuse.blocks_full,
                                image_frames=None if plan.state.image_frames is None else list(plan.state.image_frames))
+                if name.split("+")[0] in GUIDED_VARIANTS:  # the timed request's models (eager: the warm-up step too)
+                    boosts = [get_patch(m).guidance for m in models]
+                    row["guidance"] = {"biased_calls": sum(b.biased_calls for b in boosts),
+                                       "boosted_forwards": sum(b.boosted_calls for b in boosts)}
                 if args.profile:
                     # the eager miss profiles a throwaway miss (one more step would record into the entry it is
                     # about to write); a compiled row profiles its second request's models once more
@@ -753,10 +758,6 @@ def run(args) -> dict:
                 if timed(name, models, plan) is None:
                     continue
                 results["runs"][-1].update(retrieve_s=t_ret)
-                if name in GUIDED_VARIANTS:  # over the row's warm-up step and timed request, both experts
-                    boosts = [get_patch(m).guidance for m in models]
-                    results["runs"][-1]["guidance"] = {"biased_calls": sum(b.biased_calls for b in boosts),
-                                                       "boosted_forwards": sum(b.boosted_calls for b in boosts)}
                 if name == "hitver":
                     results["runs"][-1]["verification"] = {str(e): dict(v) for e, v in plan.stats.verification.items()}
                 if name == "hit15" and device.type == "cuda":
