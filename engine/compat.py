@@ -44,21 +44,22 @@ def token_order_name(order) -> str:
     return TOKEN_ORDER if order is None else order.name
 
 
-def region_order_for(grid, region, block_size: int):
+def region_order_for(grid, region, block_size: int, last_frame_rim: bool = False):
     """The :class:`~chorus.kernels.tile_order.RegionTileOrder` of a grid whose tiles are feature
-    reuse's ``region`` (``rt * rh * rw == block_size``), or None when the region is not one block."""
+    reuse's ``region`` (``rt * rh * rw == block_size``; ``last_frame_rim``: the kind that keeps the last frame
+    out of its tiles), or None when the region is not one block."""
     from ..kernels.tile_order import cached_region_order
 
     region = tuple(int(r) for r in region)
     if len(region) != 3 or math.prod(region) != int(block_size):
         return None
-    return cached_region_order(tuple(int(g) for g in grid), region, int(block_size))
+    return cached_region_order(tuple(int(g) for g in grid), region, int(block_size), bool(last_frame_rim))
 
 
 def order_of_kind(name, grid, block_size: int):
     """The token order of the kind ``name`` names at token ``grid`` cut into ``block_size`` blocks: None for a
     raster name (``"thw"``, ``"raster"``, None), the :class:`~chorus.kernels.tile_order.RegionTileOrder` of a
-    ``"regions<rt>x<rh>x<rw>"`` name's region, or the default :class:`~chorus.kernels.tile_order.TileOrder` of
+    ``"regions<rt>x<rh>x<rw>"`` name's region (``"...-last"``: the kind whose last frame is rim), or the default :class:`~chorus.kernels.tile_order.TileOrder` of
     ``grid`` for a ``"tile..."`` name (its tile chosen for that grid; serpentine where the name ends ``-s``).
     What carries a map in a token order to another grid: the same kind of order there. Raises ``ValueError``
     for any other name, a region that is not one block, or a grid out of range (past :data:`MAX_ORDER_TOKENS`:
@@ -75,11 +76,13 @@ def order_of_kind(name, grid, block_size: int):
         raise ValueError(f"token grid {grid} / block size {block_size} of a tile-order entry is out of range")
     if name.startswith("tile"):
         return cached_tile_order(grid, block_size, name.endswith("-s"))
+    shape, last_frame_rim = name[len("regions"):], name.endswith("-last")
     try:
-        region = tuple(int(r) for r in name[len("regions"):].split("x"))
+        region = tuple(int(r) for r in shape.removesuffix("-last").split("x"))
     except ValueError:
         raise ValueError(f"unknown token order {name!r}") from None
-    order = region_order_for(grid, region, block_size) if len(region) == 3 and min(region) >= 1 else None
+    order = region_order_for(grid, region, block_size, last_frame_rim) \
+        if len(region) == 3 and min(region) >= 1 else None
     if order is None or order.name != name:
         raise ValueError(f"token order {name!r} does not fit block size {block_size}")
     return order

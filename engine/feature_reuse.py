@@ -250,7 +250,8 @@ class FeatureReuse:
         """The layout to use at this step and grid, or None (run in full). The entry's region scores are for
         its grid; at another grid of the same aspect (context windows of two lengths, a request of another
         size) they are carried there (:func:`chorus.kernels.resample_region_scores`, noted), at another aspect
-        not (noted, None). Regions on a frame with an input image run in full (:func:`select_regions`): the
+        not (noted, None). Regions on a frame with an input image run in full (:func:`select_regions`; so do
+        those on the last frame where the entry's order keeps it out of its tiles, a first-last-frame entry's): the
         forward's own frames (``image_flags``: a callable giving them, per frame of ``grid``; the host's answer
         for a forward in a context window, which holds part of the video), else the request's first and last
         image frames (the plan's ``state.image_frames``). ``end_image_biased``: the forward's self-attention
@@ -289,6 +290,8 @@ class FeatureReuse:
             if scores_grid != grid:  # context windows of two lengths, a request at another size of the same aspect
                 scores = resample_region_scores(scores, scores_grid, grid, cfg.region)
                 self.plan.note(f"feature reuse: entry region scores for grid {scores_grid} carried to grid {grid}")
+            if getattr(self.plan.entry_order, "last_frame_rim", False):  # its tiles never hold the last frame
+                held = (tuple(held) if held else (False,) * grid[0])[:-1] + (True,)
             regions = select_regions(scores, grid, cfg.region, cfg.downsample_share,
                                      keep_first_frame=cfg.keep_first_frame, held_frames=held)
             if regions.numel():

@@ -168,13 +168,16 @@ class ChorusAttention:
     def token_order(self, grid):
         """The token order this model's attention runs in for ``grid``: a hit's entry order (at another grid than
         the entry's, the order of its kind there, :func:`~chorus.engine.compat.order_at`), a miss's
-        ``record_region`` order (None = raster; a hit's order was read when its plan was made). Raises
+        ``record_region`` order (None = raster; of the kind whose last frame is rim where the request holds an end
+        image, so that frame ends the order at every frame count; a hit's order was read when its plan was made). Raises
         ``ValueError`` for a grid an order cannot be rebuilt at (the callers fall back)."""
         if self.plan.is_hit:
             return order_at(self.plan.entry_order, grid)
         if self.record_region is None:
             return None
-        return region_order_for(grid, self.record_region, self.config.block_size)
+        frames = self.plan.state.image_frames  # a first-last-frame request: the kind whose last frame is rim
+        return region_order_for(grid, self.record_region, self.config.block_size,
+                                last_frame_rim=frames is not None and frames[1] >= 1)
 
     # -- the calls -----------------------------------------------------------------------------
     def attend(self, call: AttnCall) -> torch.Tensor:

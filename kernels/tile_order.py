@@ -44,8 +44,11 @@ origin, :mod:`chorus.kernels.pooling`) and each is exactly one block, on any gri
    run of ``block_size`` tokens (raster inside the region): tile ``i`` is block ``P0 + i``;
 4. then the remaining rim tokens (raster; the last block may be partial).
 
-Regions holding frame 0 (feature reuse never pools them) are rim. A grid whose rim is too small to
-pad the prefix gives up its last tiles to the rim. Its name is ``"regions{rt}x{rh}x{rw}"``.
+Regions holding frame 0 (feature reuse never pools them) are rim; with ``last_frame_rim`` (a first-last-frame
+request's entries) so are those holding the last frame, which then ends the order at every frame count (its keys
+the kernels' suffix, its blocks a trailing keep-set; without it only at an odd count with 2-frame regions). A grid
+whose rim is too small to pad the prefix gives up its last tiles to the rim. Its name is
+``"regions{rt}x{rh}x{rw}"``, with ``last_frame_rim`` ``"regions{rt}x{rh}x{rw}-last"``.
 """
 
 from __future__ import annotations
@@ -208,7 +211,8 @@ class RegionTileOrder(_OrderOfGrid):
     """The region-aligned tile order of one token grid (module docstring, last part).
 
     Args: ``grid`` ``(T, H, W)``; ``region`` ``(rt, rh, rw)`` with ``rt * rh * rw == block_size``
-    (feature reuse's region, default 2 x 8 x 8 = 128 tokens); ``block_size``.
+    (feature reuse's region, default 2 x 8 x 8 = 128 tokens); ``block_size``; ``last_frame_rim``: regions
+    holding the last frame are rim too (the module docstring).
 
     Attributes (computed): ``perm`` / ``inverse`` int64 ``[L]`` as :class:`TileOrder`'s;
     ``tile_regions`` int64 ``[F]`` (the complete-region id of tile ``i``, ascending);
@@ -219,6 +223,7 @@ class RegionTileOrder(_OrderOfGrid):
     grid: tuple
     region: tuple = (2, 8, 8)
     block_size: int = 128
+    last_frame_rim: bool = False
     perm: torch.Tensor = field(init=False, repr=False, compare=False)
     inverse: torch.Tensor = field(init=False, repr=False, compare=False)
     tile_regions: torch.Tensor = field(init=False, repr=False, compare=False)
@@ -235,7 +240,9 @@ class RegionTileOrder(_OrderOfGrid):
             raise ValueError(f"region {region} must hold block_size={bs} tokens, holds {math.prod(region)}")
         T, H, W = grid
         regions = region_cells(grid, region, region)[:, 0]  # [R, tokens]: one cell per region, raster inside
-        tiles = torch.nonzero(region_frames(grid, region) > 0).reshape(-1)  # regions holding frame 0: rim
+        starts = region_frames(grid, region)
+        tiles = (starts > 0) & (starts + region[0] < T if self.last_frame_rim else True)  # the rest: rim
+        tiles = torch.nonzero(tiles).reshape(-1)
         prefix = H * W
         need = (-prefix) % bs
 
@@ -263,16 +270,22 @@ class RegionTileOrder(_OrderOfGrid):
 
     @property
     def name(self) -> str:
-        return "regions{}x{}x{}".format(*self.region)
+        return "regions{}x{}x{}".format(*self.region) + ("-last" if self.last_frame_rim else "")
 
 
 ORDER_TYPES = (TileOrder, RegionTileOrder)
 
 
+def cached_region_order(grid: tuple, region: tuple = (2, 8, 8), block_size: int = 128,
+                        last_frame_rim: bool = False) -> RegionTileOrder:
+    """The :class:`RegionTileOrder` of ``(grid, region, block_size, last_frame_rim)``, built once per process."""
+    return _region_order(tuple(int(g) for g in grid), tuple(int(r) for r in region), int(block_size),
+                         bool(last_frame_rim))
+
+
 @functools.lru_cache(maxsize=32)
-def cached_region_order(grid: tuple, region: tuple = (2, 8, 8), block_size: int = 128) -> RegionTileOrder:
-    """The :class:`RegionTileOrder` of ``(grid, region, block_size)``, built once per process."""
-    return RegionTileOrder(tuple(int(g) for g in grid), tuple(int(r) for r in region), int(block_size))
+def _region_order(grid: tuple, region: tuple, block_size: int, last_frame_rim: bool) -> RegionTileOrder:
+    return RegionTileOrder(grid, region, block_size, last_frame_rim)
 
 
 def _tile_permutation(grid, tile, first, serpentine: bool) -> torch.Tensor:

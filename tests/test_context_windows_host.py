@@ -270,7 +270,9 @@ def test_a_start_and_an_end_image_in_windows_are_read_from_the_request_and_place
     whole conditioning: the entry records ``[1, 1, 0]`` (before, the first window's ``[1, 0, 0]``), a start-image
     entry in windows does not serve it, and its hit keeps each window's own image frames: feature reuse never
     downsamples a region on one (the end image's frame in the last window), and guidance's end-image bias goes on
-    the calls of the window that ends the video alone, its start-image bias on the first window's alone."""
+    the calls of the window that ends the video alone (every sparse call there: the entry's region order keeps the
+    last frame out of its tiles, so it ends the anchored windows' even frame counts too), its start-image bias on the
+    first window's alone."""
     from chorus.engine import attend as engine_attend
     from chorus.engine import feature_reuse as engine_feature_reuse
     from chorus.kernels import pooling
@@ -313,6 +315,10 @@ def test_a_start_and_an_end_image_in_windows_are_read_from_the_request_and_place
     samples = _sample(patched, positive)
     assert hit.is_hit and hit.state.image_frames == (1, 1, 0) and torch.isfinite(samples).all(), hit.stats.messages
     assert hit.stats.fallback_calls == 0 and hit.state.feature_reuse.blocks_reduced > 0, hit.stats.messages
+    # the entry's region order keeps the last frame out of its tiles: it ends every window's order, the anchored
+    # windows of an even frame count too, so every sparse call there biases the end image
+    assert hit.entry_order.name == "regions2x8x8-last", hit.entry_order
+    assert not any("end-image bias" in m for m in hit.stats.messages), hit.stats.messages
 
     ends_video = {(start, length) for start, length, _ in last_biases if start + length == frames}
     assert ends_video and {(start, length) for start, length, bias in last_biases if bias > 0} == ends_video

@@ -14,6 +14,7 @@ from chorus import kernels
 from chorus.cache_store import Workspace
 from chorus.engine import ModelInfo, Plan, build_signature, latent_compatibility, retrieve_plan
 from chorus.engine.compat import TOKEN_ORDER, entry_token_order, grid_carry, order_at, order_of_kind, token_order_name
+from chorus.kernels import pooling
 from chorus.kernels.tile_order import RegionTileOrder, TileOrder, cached_region_order, cached_tile_order
 
 BS = 32
@@ -42,7 +43,10 @@ def test_entry_token_order_reads_raster_tile_and_region_orders_and_refuses_the_r
     assert entry_token_order(signature(plain.name)) == plain
     regions = entry_token_order(signature("regions2x4x4", grid=RGRID))
     assert isinstance(regions, RegionTileOrder) and regions is cached_region_order(RGRID, (2, 4, 4), BS)
-    for bad in ("hwt", "tile9x9x9", "regions2x8x8", "regions2x4", "regionsaxbxc", 3, ["thw"], {"a": 1}):
+    last = entry_token_order(signature("regions2x4x4-last", grid=RGRID))  # a first-last-frame entry's kind
+    assert last is cached_region_order(RGRID, (2, 4, 4), BS, last_frame_rim=True) and last.name == "regions2x4x4-last"
+    for bad in ("hwt", "tile9x9x9", "regions2x8x8", "regions2x4", "regionsaxbxc", "regions2x4x4-first",
+                "regions2x4x4-last-last", 3, ["thw"], {"a": 1}):
         with pytest.raises(ValueError):
             entry_token_order(signature(bad))  # (regions2x8x8 holds 128 tokens, not a 32-token block)
     with pytest.raises(ValueError, match="out of range"):  # a hostile grid is not allocated
@@ -155,6 +159,41 @@ def test_a_miss_with_record_region_records_block_mass_in_the_region_order():
     raster = kernels.block_mass(q, k, block_size=BS, sample_rows=None)[0]
     assert not torch.allclose(mass, raster)  # really another order
     assert build_signature(plan)["token_order"] == order.name == "regions2x4x4"
+
+
+@pytest.mark.parametrize("frames", [4, 5, 6])
+def test_the_region_order_of_a_first_last_frame_entry_ends_with_the_last_frame_at_every_frame_count(frames):
+    """``last_frame_rim``: regions holding the last frame are rim, so the last frame ends the order (its keys the
+    kernels' suffix, its blocks the trailing keep-set) at an even frame count too, e.g. an anchored context window
+    of 22 latent frames, where the plain kind tiles it with the frame before; at an odd count the two kinds are one
+    permutation. A miss of a first-last-frame request records in it; a start-image request in the plain kind."""
+    from chorus.engine import ChorusAttention, SparseConfig
+
+    grid, region = (frames, 8, 12), (2, 4, 4)
+    plain, last = (cached_region_order(grid, region, BS, last_frame_rim=rim) for rim in (False, True))
+    assert last.last_frame_is_suffix and plain.last_frame_is_suffix == (frames % 2 == 1)
+    assert torch.equal(plain.perm, last.perm) == (frames % 2 == 1)
+    starts = pooling.region_frames(grid, region)
+    assert bool((starts[last.tile_regions] + region[0] < frames).all())  # no tile holds the last frame
+    for i, r in enumerate(last.tile_regions.tolist()):  # each tile still one whole block
+        block = last.perm[(last.first_tile_block + i) * BS:(last.first_tile_block + i + 1) * BS]
+        assert torch.equal(block.sort().values, pooling.region_cells(grid, region, (1, 1, 1))[r, :, 0].sort().values)
+    assert last.name == "regions2x4x4-last" and plain.name == "regions2x4x4"
+
+    cfg = SparseConfig(block_size=BS, sample_rows=None, backend="reference", verify_threshold=0.0)
+    for images, order in (((1, 1, 0), last), ((1, 0, 0), plain)):
+        plan = Plan.miss("test", latent_shape=(16, frames, 16, 24), keep_mass=True)
+        handle = ChorusAttention(plan, cfg, INFO, record_region=region)
+        handle.serve_grid(grid, lambda images=images: images)
+        assert handle.token_order(grid) is order
+        nb = -(-order.length // BS)
+        q, k = (torch.randn(1, INFO.num_heads, order.length, 16, generator=torch.Generator().manual_seed(s))
+                for s in (1, 2))
+        handle.self_attention(q, k, k, layer=0, sigma=1.0, grid=grid, dense_fn=_dense)
+        mass = plan.recorder.masses()[(0, 0, 0, 0)]
+        torch.testing.assert_close(mass, kernels.block_mass(q, k, block_size=BS, sample_rows=None,
+                                                            token_perm=order)[0])
+        assert mass.shape[-1] == nb and build_signature(plan)["token_order"] == order.name
 
 
 def test_a_hit_runs_in_its_entrys_order_exactly():
