@@ -59,11 +59,11 @@ def region_order_for(grid, region, block_size: int, last_frame_rim: bool = False
 def order_of_kind(name, grid, block_size: int):
     """The token order of the kind ``name`` names at token ``grid`` cut into ``block_size`` blocks: None for a
     raster name (``"thw"``, ``"raster"``, None), the :class:`~chorus.kernels.tile_order.RegionTileOrder` of a
-    ``"regions<rt>x<rh>x<rw>"`` name's region (``"...-last"``: the kind whose last frame is rim), or the default :class:`~chorus.kernels.tile_order.TileOrder` of
-    ``grid`` for a ``"tile..."`` name (its tile chosen for that grid; serpentine where the name ends ``-s``).
-    What carries a map in a token order to another grid: the same kind of order there. Raises ``ValueError``
-    for any other name, a region that is not one block, or a grid out of range (past :data:`MAX_ORDER_TOKENS`:
-    a hostile grid is never allocated)."""
+    ``"regions<rt>x<rh>x<rw>"`` name's region (``"...-last"``: the kind whose last frame is rim), or the default
+    :class:`~chorus.kernels.tile_order.TileOrder` of ``grid`` for a ``"tile..."`` name (its tile chosen for that
+    grid; serpentine where the name ends ``-s``). What carries a map in a token order to another grid: the same
+    kind of order there. Raises ``ValueError`` for any other name, a region that is not one block, or a grid out
+    of range (past :data:`MAX_ORDER_TOKENS`: a hostile grid is never allocated)."""
     from ..kernels.tile_order import cached_tile_order
 
     if name is None or (isinstance(name, str) and name in RASTER_ORDER_NAMES):

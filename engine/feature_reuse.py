@@ -360,7 +360,8 @@ class FeatureReuse:
             self.state.blocks_full += self.model_info.num_layers if found is None else found.from_layer
         return found
 
-    def _reduction_at(self, sigma, grid, device, image_flags=None, end_image_biased: bool = False) -> Reduction | None:
+    def _reduction_at(self, sigma, grid, device, image_flags=None,
+                      end_image_biased: bool = False) -> Reduction | None:
         """The :class:`Reduction` of the step at ``sigma`` (float or tensor) on ``grid``, or None (no
         layout: full blocks). Raises what :meth:`layout_for` raises; both callers note it."""
         sigma = step_sigma(sigma_value(sigma), self.sample_sigmas)

@@ -241,7 +241,9 @@ class RegionTileOrder(_OrderOfGrid):
         T, H, W = grid
         regions = region_cells(grid, region, region)[:, 0]  # [R, tokens]: one cell per region, raster inside
         starts = region_frames(grid, region)
-        tiles = (starts > 0) & (starts + region[0] < T if self.last_frame_rim else True)  # the rest: rim
+        tiles = starts > 0  # regions holding frame 0: rim
+        if self.last_frame_rim:
+            tiles &= starts + region[0] < T  # and those holding the last frame
         tiles = torch.nonzero(tiles).reshape(-1)
         prefix = H * W
         need = (-prefix) % bs
