@@ -200,7 +200,8 @@ def build_layout(grid, region, pool, regions, device=None, order=None, end_image
     weight).
 
     Raises ``ValueError`` for bad geometry, a region id outside ``[0, R)``, an order of another
-    length, or ``end_image_leads`` with another order or too little rim to pad the two frames.
+    length, or ``end_image_leads`` with another order, a pooled region on the last frame or too little rim to
+    pad the two frames.
     Duplicates are ignored.
     """
     grid, region, pool = check_geometry(grid, region, pool)
@@ -254,14 +255,17 @@ def _end_image_first(keep_index: torch.Tensor, position: torch.Tensor, order) ->
     hw, length, bs = order.first_frame_tokens, order.length, int(order.block_size)
     at = position[keep_index]  # each kept token's place in the order
     tiles_start, tiles_end = first_tile_block * bs, (first_tile_block + tile_regions.numel()) * bs
+    last = at >= length - hw
+    if int(last.sum()) != hw:  # a region on the last frame pooled: its keys are not one range
+        raise ValueError("end_image_leads needs the last frame's tokens kept whole (no pooled region on it)")
     padding = keep_index[(at >= hw) & (at < tiles_start)]
-    rest = keep_index[(at >= tiles_end) & (at < length - hw)]
+    rest = keep_index[(at >= tiles_end) & ~last]
     need = (-2 * hw) % bs
     if padding.numel() + rest.numel() < need:
         raise ValueError(f"a grid of {order.grid} has {padding.numel() + rest.numel()} rim tokens, {need} needed to "
                          f"pad frame 0 and the last frame to whole blocks of {bs}")
     borrowed = max(need - padding.numel(), 0)  # from the rim's end: the rest's blocks keep their places
-    lead = [keep_index[at >= length - hw], keep_index[at < hw], padding[:need], rest[rest.numel() - borrowed:]]
+    lead = [keep_index[last], keep_index[at < hw], padding[:need], rest[rest.numel() - borrowed:]]
     return torch.cat(lead + [keep_index[(at >= tiles_start) & (at < tiles_end)], rest[:rest.numel() - borrowed],
                              padding[need:]])
 

@@ -45,7 +45,8 @@ def test_region_order_is_a_permutation_with_each_tile_one_block(grid, region):
 def _layout(grid, region, share=0.5, seed=0, order=None, end_image_leads=False):
     counts = pooling.region_counts(grid, region)
     scores = torch.rand(counts[0] * counts[1] * counts[2], generator=torch.Generator().manual_seed(seed))
-    regions = select_regions(scores, grid, region, share)
+    held = (False,) * (grid[0] - 1) + (True,) if getattr(order, "last_frame_rim", False) else None  # as feature reuse
+    regions = select_regions(scores, grid, region, share, held_frames=held)
     return pooling.build_layout(grid, region, (1, 2, 2), regions, order=order, end_image_leads=end_image_leads), regions
 
 
@@ -79,13 +80,17 @@ def test_a_layout_in_the_order_keeps_tiles_whole_and_pools_exactly_as_before(gri
     assert ordered.cell_size == 4 and ordered.num_cells * 4 == ordered.pooled_tokens
 
 
-@pytest.mark.parametrize("grid,region", [((5, 8, 8), (2, 4, 4)), ((7, 9, 13), (2, 4, 4)), ((5, 16, 16), (2, 8, 8))])
-def test_a_layout_that_leads_with_the_end_image_keeps_the_same_tokens_and_its_tiles_whole(grid, region):
+@pytest.mark.parametrize("grid,region,last_frame_rim", [
+    ((5, 8, 8), (2, 4, 4), False), ((7, 9, 13), (2, 4, 4), False), ((5, 16, 16), (2, 8, 8), False),
+    ((6, 8, 8), (2, 4, 4), True), ((8, 9, 13), (2, 4, 4), True)])  # even counts: a first-last-frame entry's kind
+def test_a_layout_that_leads_with_the_end_image_keeps_the_same_tokens_and_its_tiles_whole(grid, region,
+                                                                                         last_frame_rim):
     """``end_image_leads``: the compact sequence is the last frame's tokens, then frame 0's, then rim padding to
     whole blocks; the kept tiles stay one whole block each (with their own tile as the only source), and the
-    compact tokens, cells and pooling are the order's own layout's, rearranged."""
+    compact tokens, cells and pooling are the order's own layout's, rearranged. At an even frame count, in the
+    region order kind that keeps the last frame rim."""
     bs = region[0] * region[1] * region[2]
-    order = cached_region_order(grid, region, bs)
+    order = cached_region_order(grid, region, bs, last_frame_rim=last_frame_rim)
     assert order.last_frame_is_suffix
     ordered, regions = _layout(grid, region, share=0.25, order=order)
     leads, _ = _layout(grid, region, share=0.25, order=order, end_image_leads=True)
@@ -111,10 +116,15 @@ def test_a_layout_that_leads_with_the_end_image_keeps_the_same_tokens_and_its_ti
     assert bool(src.any(1).all())
     with pytest.raises(ValueError, match="region tile order"):
         pooling.build_layout(grid, region, (1, 2, 2), regions, end_image_leads=True)
-    even = (grid[0] + 1,) + grid[1:]  # the last frame in a complete region: not the order's suffix
+    other = grid if grid[0] % 2 == 0 else (grid[0] + 1,) + grid[1:]  # the plain kind at an even count: the last
+    # frame in a complete region
     with pytest.raises(ValueError, match="last frame is its suffix"):
-        pooling.build_layout(even, region, (1, 2, 2), regions, order=cached_region_order(even, region, bs),
+        pooling.build_layout(other, region, (1, 2, 2), regions, order=cached_region_order(other, region, bs),
                              end_image_leads=True)
+    if last_frame_rim:  # a region on the last frame pooled (feature reuse never pools one in this kind)
+        on_last = torch.nonzero(pooling.region_frames(grid, region) + region[0] == grid[0]).reshape(-1)[:1]
+        with pytest.raises(ValueError, match="kept whole"):
+            pooling.build_layout(grid, region, (1, 2, 2), on_last, order=order, end_image_leads=True)
 
 
 def test_a_grid_with_too_little_rim_to_lead_with_the_end_image_keeps_the_order_s_own_layout():
@@ -198,20 +208,21 @@ INFO = ModelInfo("wan", "wan2.2-a14b-i2v", 2, 2, 64, 36, "fp")
 BIASES = [(0.0, 0.0, False), (0.7, 0.0, False), (0.7, 0.7, True), (0.0, 0.7, True), (0.7, 0.7, False)]
 
 
-@pytest.mark.parametrize("grid,region", [((5, 8, 8), (2, 4, 4)), ((7, 9, 13), (2, 4, 4))])
+@pytest.mark.parametrize("grid,region,rim", [((5, 8, 8), (2, 4, 4), False), ((7, 9, 13), (2, 4, 4), False),
+                                             ((6, 8, 8), (2, 4, 4), True)])
 @pytest.mark.parametrize("first,last,leads", BIASES)
 @pytest.mark.parametrize("entry_frames", [0, -1])
-def test_compact_self_attention_matches_the_full_grid_computation(grid, region, first, last, leads, entry_frames):
+def test_compact_self_attention_matches_the_full_grid_computation(grid, region, rim, first, last, leads, entry_frames):
     """``entry_frames`` -1: the entry was recorded at a grid one frame shorter (the first of context windows whose
     later windows get an anchor frame): its map is resampled to the call's grid in the region order there.
-    The image biases as the full grid takes them: the first frame's keys and the last frame's (the order's suffix
-    at these odd frame counts), on the compact sequence through the key prefix where the layout leads with the
-    last frame."""
+    The image biases as the full grid takes them: the first frame's keys and the last frame's (the order's suffix:
+    at an odd frame count, and in a first-last-frame entry's kind, ``rim``, at any), on the compact sequence through
+    the key prefix where the layout leads with the last frame."""
     bs = region[0] * region[1] * region[2]
-    order = cached_region_order(grid, region, bs)
+    order = cached_region_order(grid, region, bs, last_frame_rim=rim)
     layout, regions = _layout(grid, region, share=0.5, seed=3, order=order, end_image_leads=leads)
     entry_grid = (grid[0] + entry_frames,) + grid[1:]
-    entry_order = cached_region_order(entry_grid, region, bs)
+    entry_order = cached_region_order(entry_grid, region, bs, last_frame_rim=rim)
     nb = -(-entry_order.length // bs)
     gen = torch.Generator().manual_seed(4)
     stored = (torch.rand(2, nb, nb, generator=gen) < 0.35) | torch.eye(nb, dtype=torch.bool)
