@@ -306,12 +306,12 @@ class FeatureReuse:
         compact calls; it costs blocks on the two image frames' query rows, so a forward without the bias
         keeps the order's own layout)."""
         cfg, order = self.config, self._compact_order(grid, regions)
-        if end_image and order is not None and order.last_frame_is_suffix:
+        if end_image and order is not None:
             try:
                 return pooling.build_layout(grid, cfg.region, cfg.pool, regions, device=device, order=order,
                                             end_image_leads=True)
-            except ValueError:  # too little rim to pad the two frames (a tiny grid): the order's own layout
-                pass
+            except ValueError:  # an order the last frame does not end, or too little rim to pad the two frames
+                pass  # (a tiny grid): the order's own layout
         return pooling.build_layout(grid, cfg.region, cfg.pool, regions, device=device, order=order)
 
     def _compact_order(self, grid, regions: torch.Tensor):

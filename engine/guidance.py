@@ -20,10 +20,10 @@ see the prompt at reduced resolution. Three corrections, each with its own stren
   sparse path the kernel applies it (the reused maps always keep the first frame's key blocks); a
   dense call applies it through :func:`image_biased_attention`. A first-last-frame request (an end
   image in the last latent frame of the forward: in context windows the window that ends the video) gets the
-  same bias on the last frame's keys,
-  the sequence's suffix in raster order (:meth:`GuidanceBoost.last_frame_bias`; a hit whose entry runs
-  in a token order where that frame is not the suffix, e.g. a tile order of an odd frame count, and
-  feature reuse's compact calls bias the first frame only, with a note).
+  same bias on the last frame's keys, the sequence's suffix in raster order and in feature reuse's region
+  orders where that frame ends them (:meth:`GuidanceBoost.last_frame_bias`; feature reuse's compact calls
+  take it on their leading keys, ``AttnCall.key_prefix``; a hit whose entry runs in a token order where that
+  frame is not the suffix, e.g. a tile order of an odd frame count, biases the first frame only, with a note).
 
 - **CFG-style correction** (``cfg_strength``, only where the sampler's cfg > 1): the guidance
   direction ``cond - uncond`` of the denoised prediction is amplified, i.e. the step runs at
