@@ -36,6 +36,25 @@ def test_comfy_e2e_benchmark_runs_dense_miss_and_hit(tmp_path, monkeypatch):
     assert verdicts and all(v == "pass" for v in verdicts), rows["hitver"]["verification"]
 
 
+def test_the_fp8_scaled_rows_load_the_shipped_files_layout_through_comfyuis_loader(tmp_path, monkeypatch):
+    """``--weights fp8_scaled``: experts in the layout of the FP8-scaled files the shipped workflows name, loaded
+    by ComfyUI as UNETLoader loads them (its scaled FP8 operations), run dense, miss and hit."""
+    from chorus.benchmarks.comfy_e2e import run
+
+    monkeypatch.setenv("COMFYUI_DIR", str(tiny.find_comfyui_dir()))
+    monkeypatch.setenv("CHORUS_CACHE_DIR", str(tmp_path / "cache"))
+    assert run.main(["--tiny", "--out", str(tmp_path), "--weights", "fp8_scaled",
+                     "--variants", "dense", "miss", "hit15"]) == 0
+    results = json.loads((tmp_path / "comfy_e2e.json").read_text())
+    rows = {r["variant"]: r for r in results["runs"]}
+    assert set(rows) == {"dense", "miss", "hit15"} and all(r["weights"] == "fp8_scaled" for r in rows.values())
+    ops = results["ops"]["fp8_scaled"]  # 0.3.64: scaled_fp8_ops' Linear on e4m3 weights; later: QuantizedTensor
+    assert ("scaled_fp8" in ops and "float8_e4m3fn" in ops) or "QuantizedTensor" in ops, ops
+    assert rows["miss"]["write"].startswith("wrote entry") and rows["hit15"]["plan_kind"] == "hit"
+    assert rows["hit15"]["sparse_calls"] > 0 and rows["hit15"]["fallback_calls"] == 0
+    assert all(r["finite"] for r in rows.values())
+
+
 def test_comfy_e2e_benchmark_runs_the_ti2v_5b_workflow(tmp_path, monkeypatch):
     """``--model ti2v5b``: one Wan 2.2 TI2V 5B-shaped model (48 latent channels, the start image in the latent's
     first frame with its noise mask) through one 20-step uni_pc request at cfg 5; the miss records every step and

@@ -5,7 +5,9 @@ file names hold random-weight stand-ins made at test time in the models folder o
 server (``host/run_host.py``), so each graph runs as committed:
 
 - Wan 2.2 A14B 4-step (plain and with feature reuse + guidance): two A14B-shaped experts (dim 256,
-  2 layers), rank-4 LoRAs on every self-attention q, a random full-size Wan 2.1 VAE; UNETLoader x2 ->
+  2 layers) in the layout of the FP8-scaled files the graphs name (linear weights e4m3 with a per-tensor
+  scale; ComfyUI loads them with its scaled FP8 operations), rank-4 LoRAs on every self-attention q, a
+  random full-size Wan 2.1 VAE; UNETLoader x2 ->
   LoraLoaderModelOnly x2 -> ModelSamplingSD3 x2 -> Chorus nodes -> KSamplerAdvanced 0-2 / 2-4 (cfg 1);
 - Wan 2.2 TI2V 5B: a tiny 48-channel ``WanModel`` (ComfyUI detects Wan 2.2 TI2V: per-frame
   timesteps) and a random full-size Wan 2.2 VAE (``vae2_2``: ComfyUI hard-codes its config, ~705 M
@@ -76,7 +78,11 @@ def stage_models(api: dict) -> None:
     for seed, node in enumerate(unets):
         name = node["inputs"]["unet_name"]
         seed += 10 * len(name)  # another model file, other weights
-        run_host.ensure_model("diffusion_models", name, lambda: tiny.tiny_wan_state_dict(seed=seed, **unet_kwargs))
+        # a file named as ComfyUI's FP8-scaled Wan files is written in their layout, so the graph loads it as
+        # it loads the published file (ComfyUI's scaled FP8 operations)
+        layout = tiny.fp8_scaled_state_dict if name.endswith("_fp8_scaled.safetensors") else dict
+        run_host.ensure_model("diffusion_models", name,
+                              lambda: layout(tiny.tiny_wan_state_dict(seed=seed, **unet_kwargs)))
         for lora in (n for n in api.values() if n["class_type"] == "LoraLoaderModelOnly"
                      and n["inputs"]["model"] == [key_of(api, node), 0]):
             run_host.ensure_model("loras", lora["inputs"]["lora_name"],

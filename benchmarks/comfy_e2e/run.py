@@ -1,7 +1,7 @@
 """The benchmark of record: Chorus II inside ComfyUI's own ``WanModel``, driven through the nodes.
 
 ``python -m benchmarks.comfy_e2e.run --comfyui DIR --out OUT [--model a14b | ti2v5b] [--res 480p 720p]
-[--weights bf16 fp8] [--variants dense miss hit15 hit5 hitfr] [--compile [--guard-filter]] [--layers 40] [--profile]
+[--weights bf16 fp8 fp8_scaled] [--variants dense miss hit15 hit5 hitfr] [--compile [--guard-filter]] [--layers 40] [--profile]
 [--frames N --windows LENGTH OVERLAP [--window-schedule NAME]]``
 (``--tiny``: the same code at toy sizes on the CPU, for tests; ``--profile``: one more step of each variant under
 ``torch.profiler``, its top kernels by GPU time in the JSON, and a hit's attention call's kernels beside
@@ -17,6 +17,10 @@ What runs (everything side by side in one process, one GPU):
   ``ModelPatcher`` each. ``--weights bf16``: bf16 weights, ComfyUI's default ops. ``--weights fp8``:
   ComfyUI's FP8 weights path -- ``weight_dtype fp8_e4m3fn_fast`` of UNETLoader (e4m3 weights,
   ``fp8_optimizations``) with ``--fast fp8_matrix_mult``, i.e. ``comfy.ops.fp8_ops`` (``torch._scaled_mm``).
+  ``--weights fp8_scaled``: the layout of the files the shipped workflows name (``*_fp8_scaled.safetensors``: e4m3
+  linear weights with per-tensor scales, ``fp8_scaled.py``) loaded by ComfyUI's ``load_diffusion_model_state_dict``
+  as UNETLoader loads them at ``weight_dtype`` default (0.3.64: ``scaled_fp8_ops``; 0.28.2 on: its mixed-precision
+  operations, an FP8 GEMM per linear on a GPU that has them).
 * A request (:class:`Workflow`), as the shipped workflow runs it: A14B, ComfyUI's ``KSamplerAdvanced`` twice,
   high-noise expert steps 0-2 of 4 (noise added, leftover noise returned), low-noise expert steps 2-4, euler /
   simple, cfg 1, batch 1, 81 frames (21 latent frames), Wan I2V conditioning (``concat_latent_image``,
@@ -263,6 +267,8 @@ def build_expert(shape: dict, weights: str, seed: int, device: torch.device):
     config = comfy.model_detection.model_config_from_unet(sd, "")
     if config is None:
         raise RuntimeError("ComfyUI did not detect the Wan state dict")
+    if weights == "fp8_scaled":
+        return _fp8_scaled_expert(sd, seed, device)
     if weights == "fp8":
         unet_dtype = torch.float8_e4m3fn
         config.optimizations["fp8"] = True
@@ -291,6 +297,36 @@ def build_expert(shape: dict, weights: str, seed: int, device: torch.device):
     patcher = comfy.model_patcher.ModelPatcher(model, load_device=device, offload_device=device)
     ops = type(model.diffusion_model.blocks[0].self_attn.q).__module__ + "." + \
         type(model.diffusion_model.blocks[0].self_attn.q).__qualname__
+    return patcher, ops
+
+
+def _fp8_scaled_expert(meta_state_dict: dict, seed: int, device: torch.device):
+    """``build_expert`` for ``--weights fp8_scaled``: random weights (as ``build_expert`` draws them) in the layout
+    of ComfyUI's FP8-scaled Wan files (``fp8_scaled.py``), made one tensor at a time on ``device`` and loaded by
+    ComfyUI's own ``load_diffusion_model_state_dict`` (what UNETLoader runs on such a file, ``weight_dtype``
+    default), kept on ``device`` where the host lets the caller name the offload device (0.28.2 on)."""
+    import comfy.sd
+
+    from .fp8_scaled import fp8_scaled_state_dict
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def random_tensors():
+        for name, p in meta_state_dict.items():
+            if name.endswith("bias"):
+                yield name, torch.zeros(p.shape, device=device)
+            elif "norm" in name and p.dim() == 1:
+                yield name, torch.ones(p.shape, device=device)
+            else:
+                yield name, torch.randn(p.shape, device=device, generator=gen, dtype=torch.float32) * 0.02
+
+    patcher = comfy.sd.load_diffusion_model_state_dict(fp8_scaled_state_dict(random_tensors()),
+                                                        model_options={"offload_device": device})
+    if patcher is None:
+        raise RuntimeError("ComfyUI did not detect the FP8-scaled Wan state dict")
+    patcher.model.diffusion_model.eval()  # as build_expert: 0.3.64 leaves the model in training mode
+    q = patcher.model.diffusion_model.blocks[0].self_attn.q
+    ops = type(q).__module__ + "." + type(q).__qualname__ + f" ({type(q.weight).__name__} {q.weight.dtype})"
     return patcher, ops
 
 
@@ -980,7 +1016,7 @@ def main(argv=None) -> int:
                    help="the workflow whose request runs: " + "; ".join(f"{k}: {w.label}" for k, w in WORKFLOWS.items()))
     p.add_argument("--res", nargs="+", default=None,
                    help="resolutions (default: the model's own but 'tiny'; a14b: 480p 720p, ti2v5b: 720p = 1280 x 704)")
-    p.add_argument("--weights", nargs="+", default=["bf16"], choices=["bf16", "fp8"])
+    p.add_argument("--weights", nargs="+", default=["bf16"], choices=["bf16", "fp8", "fp8_scaled"])
     p.add_argument("--variants", nargs="+", default=["dense", "miss", "hit15", "hit5", "hitfr"],
                    choices=["dense", "dense_rowmajor", "dense_cudnn", "miss", *HIT_VARIANTS, *SOL_VARIANTS])
     p.add_argument("--hit-backends", nargs="+", default=["auto"],
