@@ -19,9 +19,6 @@ from host import tiny_wan as tiny
 SKIP_REASON = tiny.import_comfy()
 pytestmark = [pytest.mark.host, pytest.mark.skipif(SKIP_REASON is not None, reason=str(SKIP_REASON))]
 
-LATENT = {"samples": torch.zeros(1, 16, 2, 8, 8)}
-
-
 @pytest.fixture(autouse=True)
 def _inference_mode():
     """ComfyUI runs every node of a graph in inference mode (``execution.py``); its LoRA patch of an FP8
@@ -67,32 +64,7 @@ def test_an_fp8_scaled_wan_with_a_lora_misses_writes_and_hits_through_the_nodes(
     base = _load(model_files["fp8_scaled"])
     assert _quantized(base.model.diffusion_model.blocks[0].self_attn.q.weight)  # loaded as the published files are
     model = comfy.sd.load_lora_for_models(base, None, tiny.tiny_lora_state_dict(state_dict, seed=3), 1.0, 0)[0]
-    fingerprint = _fingerprint(model)
-    image = torch.rand(1, 32, 32, 3, generator=torch.Generator().manual_seed(0))
-    positive = tiny.random_conditioning(5)
-
-    plan = nodes.ChorusMaskRetrieve.execute(latent=LATENT, workspace="fp8s", similarity_threshold=0.9,
-                                            start_image=image, positive=positive, prompt="a red fox").args[0]
-    assert not plan.is_hit
-    patched = nodes.ChorusSparseSampler.execute(model=model, plan=plan, backend="auto")
-    assert "MISS: dense attention + recording | patched wan2.2-a14b-i2v" in " ".join(patched.ui["text"])
-    samples = tiny.sample_two_steps(patched.args[0], positive, LATENT["samples"])
-    assert torch.isfinite(samples).all()
-    written = nodes.ChorusCacheWrite.execute(latent={"samples": samples}, plan=plan).args[0]
-    assert written.startswith("wrote entry 1 (4 maps") and "recorded 4" in written, written
-    assert _fingerprint(model) == fingerprint  # sampling loaded the model and patched its LoRA: the same model
-
-    plan = nodes.ChorusMaskRetrieve.execute(latent=LATENT, workspace="fp8s", similarity_threshold=0.9,
-                                            start_image=image * 0.98, prompt="a red fox",
-                                            positive=tiny.random_conditioning(5, noise=0.05)).args[0]
-    assert plan.is_hit
-    hit = tiny.sample_two_steps(nodes.ChorusSparseSampler.execute(model=model, plan=plan, backend="auto").args[0],
-                                positive, LATENT["samples"])
-    text = nodes.ChorusCacheWrite.execute(latent={"samples": hit}, plan=plan).args[0]
-    assert text.startswith("hit: updated stats of entry 1,") and "calls sparse 4, dense 0" in text, text
-    assert "density 100.0%" in text  # 8 tokens a frame: the recorded map keeps every block
-    dense = tiny.sample_two_steps(model, positive, LATENT["samples"])
-    torch.testing.assert_close(hit, dense, rtol=1e-4, atol=1e-5)  # a full map: the same attention, summed otherwise
+    tiny.miss_write_hit(nodes, model, "fp8s", _fingerprint)
 
 
 def test_an_fp8_scaled_file_is_one_model_and_not_its_bf16_weights(model_files, state_dict):

@@ -15,7 +15,6 @@ custom node pack, not an installable package, and nothing of it is vendored.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from host import gguf_nodes
 from host import tiny_wan as tiny
@@ -23,9 +22,6 @@ from host import tiny_wan as tiny
 GGUF_NODES, SKIP_REASON = gguf_nodes.import_gguf_nodes()
 pytestmark = [pytest.mark.host,
               pytest.mark.skipif(SKIP_REASON is not None, reason=f"ComfyUI-GGUF not available: {SKIP_REASON}")]
-
-LATENT = {"samples": torch.zeros(1, 16, 2, 8, 8)}
-
 
 @pytest.fixture(scope="module")
 def state_dict():
@@ -51,10 +47,6 @@ def load_gguf(tmp_path, monkeypatch, state_dict):
     return load
 
 
-def _sample(model, positive):
-    return tiny.sample_two_steps(model, positive, LATENT["samples"])
-
-
 def _with_lora(model, state_dict):
     import comfy.sd
 
@@ -77,30 +69,7 @@ def test_a_gguf_wan_with_a_lora_misses_writes_and_hits_through_the_nodes(nodes, 
     quantized = [p for p in model.model.diffusion_model.parameters()
                  if getattr(p, "tensor_type", None) == getattr(gguf.GGMLQuantizationType, qtype)]
     assert quantized and type(model).__name__ == "GGUFModelPatcher"  # the pack's model, its weights quantized
-    fingerprint = _fingerprint(model)
-    image = torch.rand(1, 32, 32, 3, generator=torch.Generator().manual_seed(0))
-    positive = tiny.random_conditioning(5)
-
-    plan = nodes.ChorusMaskRetrieve.execute(latent=LATENT, workspace="gguf", similarity_threshold=0.9,
-                                            start_image=image, positive=positive, prompt="a red fox").args[0]
-    assert not plan.is_hit
-    patched = nodes.ChorusSparseSampler.execute(model=model, plan=plan, backend="auto")
-    assert "MISS: dense attention + recording | patched wan2.2-a14b-i2v" in " ".join(patched.ui["text"])
-    samples = _sample(patched.args[0], positive)
-    written = nodes.ChorusCacheWrite.execute(latent={"samples": samples}, plan=plan).args[0]
-    assert written.startswith("wrote entry 1 (4 maps") and "recorded 4" in written, written
-    assert _fingerprint(model) == fingerprint  # sampling loaded the model and its LoRA: still the same model
-
-    plan = nodes.ChorusMaskRetrieve.execute(latent=LATENT, workspace="gguf", similarity_threshold=0.9,
-                                            start_image=image * 0.98, prompt="a red fox",
-                                            positive=tiny.random_conditioning(5, noise=0.05)).args[0]
-    assert plan.is_hit
-    hit = _sample(nodes.ChorusSparseSampler.execute(model=model, plan=plan, backend="auto").args[0], positive)
-    text = nodes.ChorusCacheWrite.execute(latent={"samples": hit}, plan=plan).args[0]
-    assert text.startswith("hit: updated stats of entry 1,") and "calls sparse 4, dense 0" in text, text
-    assert "density 100.0%" in text  # 8 tokens a frame: the recorded map keeps every block
-    dense = _sample(model, positive)
-    torch.testing.assert_close(hit, dense, rtol=1e-4, atol=1e-5)  # a full map: the same attention, summed otherwise
+    tiny.miss_write_hit(nodes, model, "gguf", _fingerprint)
 
 
 def test_a_gguf_file_is_one_model_and_not_another(load_gguf, state_dict):

@@ -228,6 +228,40 @@ def sample_two_steps(model, positive, latent: torch.Tensor) -> torch.Tensor:
                                disable_pbar=True, seed=0)
 
 
+def miss_write_hit(nodes, model, workspace: str, fingerprint) -> None:
+    """A user's A14B-shaped ``model`` (a ModelPatcher from some loader) through the Chorus nodes in-process, as the
+    loader tests run it: a miss (two steps on an 8 x 8 x 2 latent) writes an entry of 4 maps, ``fingerprint(model)``
+    is the same after sampling (else no entry would ever hit), a similar request hits with every self-attention
+    call sparse, and that full-map hit's latent equals the model's dense latent. ``nodes``: ``chorus.nodes``."""
+    latent = torch.zeros(1, 16, 2, 8, 8)
+    before = fingerprint(model)
+    image = torch.rand(1, 32, 32, 3, generator=torch.Generator().manual_seed(0))
+    positive = random_conditioning(5)
+
+    plan = nodes.ChorusMaskRetrieve.execute(latent={"samples": latent}, workspace=workspace, similarity_threshold=0.9,
+                                            start_image=image, positive=positive, prompt="a red fox").args[0]
+    assert not plan.is_hit
+    patched = nodes.ChorusSparseSampler.execute(model=model, plan=plan, backend="auto")
+    assert "MISS: dense attention + recording | patched wan2.2-a14b-i2v" in " ".join(patched.ui["text"])
+    samples = sample_two_steps(patched.args[0], positive, latent)
+    assert torch.isfinite(samples).all()
+    written = nodes.ChorusCacheWrite.execute(latent={"samples": samples}, plan=plan).args[0]
+    assert written.startswith("wrote entry 1 (4 maps") and "recorded 4" in written, written
+    assert fingerprint(model) == before  # sampling loaded the model and its patches: still the same model
+
+    plan = nodes.ChorusMaskRetrieve.execute(latent={"samples": latent}, workspace=workspace, similarity_threshold=0.9,
+                                            start_image=image * 0.98, prompt="a red fox",
+                                            positive=random_conditioning(5, noise=0.05)).args[0]
+    assert plan.is_hit
+    hit = sample_two_steps(nodes.ChorusSparseSampler.execute(model=model, plan=plan, backend="auto").args[0],
+                           positive, latent)
+    text = nodes.ChorusCacheWrite.execute(latent={"samples": hit}, plan=plan).args[0]
+    assert text.startswith("hit: updated stats of entry 1,") and "calls sparse 4, dense 0" in text, text
+    assert "density 100.0%" in text  # 8 tokens a frame: the recorded map keeps every block
+    dense = sample_two_steps(model, positive, latent)
+    torch.testing.assert_close(hit, dense, rtol=1e-4, atol=1e-5)  # a full map: the same attention, summed otherwise
+
+
 def random_conditioning(seed: int, *, scale: float = 1.0, noise: float = 0.0, noise_seed: int = 1000):
     """ComfyUI CONDITIONING ``[[cond [1, 512, 4096], {}]]`` from a seed (+ optional small noise)."""
     gen = torch.Generator().manual_seed(seed)
