@@ -19,6 +19,7 @@ from host import tiny_wan as tiny
 SKIP_REASON = tiny.import_comfy()
 pytestmark = [pytest.mark.host, pytest.mark.skipif(SKIP_REASON is not None, reason=str(SKIP_REASON))]
 
+
 @pytest.fixture(autouse=True)
 def _inference_mode():
     """ComfyUI runs every node of a graph in inference mode (``execution.py``); its LoRA patch of an FP8
