@@ -55,6 +55,22 @@ def test_the_fp8_scaled_rows_load_the_shipped_files_layout_through_comfyuis_load
     assert all(r["finite"] for r in rows.values())
 
 
+def test_a_compiled_fp8_scaled_hit_with_feature_reuse_compiles_nothing_in_its_second_request(tmp_path, monkeypatch):
+    """The shipped feature-reuse workflow's models as users load them (FP8-scaled files) under ComfyUI's
+    ``TorchCompileModel``: the hit runs every call sparse and its timed request compiles nothing (ComfyUI's scaled
+    FP8 linears recompile per input shape, all in the first request)."""
+    from chorus.benchmarks.comfy_e2e import run
+
+    monkeypatch.setenv("COMFYUI_DIR", str(tiny.find_comfyui_dir()))
+    monkeypatch.setenv("CHORUS_CACHE_DIR", str(tmp_path / "cache"))
+    assert run.main(["--tiny", "--out", str(tmp_path), "--weights", "fp8_scaled", "--variants", "hitfr",
+                     "--compile", "--compiled-only"]) == 0
+    rows = {r["variant"]: r for r in json.loads((tmp_path / "comfy_e2e.json").read_text())["runs"]}
+    row = rows["hitfr+compile"]
+    assert row["plan_kind"] == "hit" and row["sparse_calls"] > 0 and row["fallback_calls"] == 0 and row["finite"]
+    assert row["unsteady_requests"] == [] and row["timed_request_frames_compiled"] == 0, row
+
+
 def test_comfy_e2e_benchmark_runs_the_ti2v_5b_workflow(tmp_path, monkeypatch):
     """``--model ti2v5b``: one Wan 2.2 TI2V 5B-shaped model (48 latent channels, the start image in the latent's
     first frame with its noise mask) through one 20-step uni_pc request at cfg 5; the miss records every step and
