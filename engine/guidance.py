@@ -46,6 +46,7 @@ import math
 
 import torch
 
+from .model_info import ends_with_image
 from .plan import Plan
 from .routing import match_step, sigma_schedule, sigma_value, step_sigma
 from .state import failure_text
@@ -201,7 +202,7 @@ class GuidanceBoost:
             frames = image_frames() if image_frames is not None else None
             if frames is None and self.plan is not None:
                 frames = self.plan.state.image_frames
-            return self.image_bias if frames is not None and int(frames[1]) >= 1 else 0.0
+            return self.image_bias if ends_with_image(frames) else 0.0
         except Exception:  # noqa: BLE001 - no end image known: no bias
             return 0.0
 

@@ -196,6 +196,12 @@ def frames_summary(flags) -> tuple[int, int, int]:
     return first, last, sum(held) - first - last
 
 
+def ends_with_image(frames) -> bool:
+    """Whether a ``(first, last, other)`` summary (:func:`frames_summary`) holds an end image (a trailing image
+    frame: a first-last-frame request); False for None (not known)."""
+    return frames is not None and int(frames[1]) >= 1
+
+
 def frame_flags_of(frames, count: int) -> tuple[bool, ...] | None:
     """Per-frame image flags of ``count`` latent frames from a ``(first, last, other)`` summary
     (:func:`frames_summary`; ``other`` frames are not placed: their positions are not in it), or None for None."""

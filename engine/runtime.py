@@ -30,7 +30,7 @@ from .maps import RunMaps, floor_k_min
 from .plan import Plan, grid_unchecked
 from .routing import match_step, run_starts, sigma_schedule, sigma_value, step_sigma
 from .compat import order_at, region_order_for, token_order_name
-from .model_info import ModelInfo
+from .model_info import ModelInfo, ends_with_image
 from .state import failure_text
 from .verify import ANCHORS_META_KEY, Verifier, verify_head_index
 
@@ -175,9 +175,8 @@ class ChorusAttention:
             return order_at(self.plan.entry_order, grid)
         if self.record_region is None:
             return None
-        frames = self.plan.state.image_frames  # a first-last-frame request: the kind whose last frame is rim
         return region_order_for(grid, self.record_region, self.config.block_size,
-                                last_frame_rim=frames is not None and frames[1] >= 1)
+                                last_frame_rim=ends_with_image(self.plan.state.image_frames))
 
     # -- the calls -----------------------------------------------------------------------------
     def attend(self, call: AttnCall) -> torch.Tensor:
@@ -479,8 +478,7 @@ class ExpertRun:
         the request's input holds an end image there (``state.image_frames``: a first-last-frame request) and
         the recording's token order has that frame as its suffix (raster; a region order of an odd frame count,
         ``kernels.tile_order``'s ``last_frame_is_suffix``)."""
-        frames = self.plan.state.image_frames
-        return frames is not None and frames[1] >= 1 and (order is None or order.last_frame_is_suffix)
+        return ends_with_image(self.plan.state.image_frames) and (order is None or order.last_frame_is_suffix)
 
     def record_into(self, recorder, call: AttnCall, sigma: float, grid) -> bool:
         """Record the cond rows' block mass of one call into ``recorder`` (raises on error); False when the
