@@ -284,12 +284,7 @@ def build_expert(shape: dict, weights: str, seed: int, device: torch.device):
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, p in model.diffusion_model.named_parameters():
-            if name.endswith("bias"):
-                p.zero_()
-            elif "norm" in name and p.dim() == 1:
-                p.fill_(1.0)
-            else:
-                p.copy_(torch.randn(p.shape, device=device, generator=gen, dtype=torch.float32) * 0.02)
+            p.copy_(random_weight(name, p.shape, device, gen))
     # ComfyUI 0.3.64 never leaves training mode for the diffusion model, and its fp8_ops.Linear runs the FP8
     # matmul only outside training mode (later ComfyUI versions dropped that condition): in training mode
     # the FP8-weights path casts each weight back to bf16 (measured: fp8_linears.py and BENCHMARKS.md)
@@ -300,8 +295,18 @@ def build_expert(shape: dict, weights: str, seed: int, device: torch.device):
     return patcher, ops
 
 
+def random_weight(name: str, shape, device, gen: torch.Generator) -> torch.Tensor:
+    """The benchmark's random value of one Wan parameter, float32 on ``device``: biases 0, norm scales 1, every
+    other tensor N(0, 0.02^2) drawn from ``gen``."""
+    if name.endswith("bias"):
+        return torch.zeros(shape, device=device)
+    if "norm" in name and len(shape) == 1:
+        return torch.ones(shape, device=device)
+    return torch.randn(shape, device=device, generator=gen, dtype=torch.float32) * 0.02
+
+
 def _fp8_scaled_expert(meta_state_dict: dict, seed: int, device: torch.device):
-    """``build_expert`` for ``--weights fp8_scaled``: random weights (as ``build_expert`` draws them) in the layout
+    """``build_expert`` for ``--weights fp8_scaled``: random weights (:func:`random_weight`) in the layout
     of ComfyUI's FP8-scaled Wan files (``fp8_scaled.py``), made one tensor at a time on ``device`` and loaded by
     ComfyUI's own ``load_diffusion_model_state_dict`` (what UNETLoader runs on such a file, ``weight_dtype``
     default), kept on ``device`` where the host lets the caller name the offload device (0.28.2 on)."""
@@ -310,17 +315,8 @@ def _fp8_scaled_expert(meta_state_dict: dict, seed: int, device: torch.device):
     from .fp8_scaled import fp8_scaled_state_dict
 
     gen = torch.Generator(device=device).manual_seed(seed)
-
-    def random_tensors():
-        for name, p in meta_state_dict.items():
-            if name.endswith("bias"):
-                yield name, torch.zeros(p.shape, device=device)
-            elif "norm" in name and p.dim() == 1:
-                yield name, torch.ones(p.shape, device=device)
-            else:
-                yield name, torch.randn(p.shape, device=device, generator=gen, dtype=torch.float32) * 0.02
-
-    patcher = comfy.sd.load_diffusion_model_state_dict(fp8_scaled_state_dict(random_tensors()),
+    weights = ((name, random_weight(name, p.shape, device, gen)) for name, p in meta_state_dict.items())
+    patcher = comfy.sd.load_diffusion_model_state_dict(fp8_scaled_state_dict(weights),
                                                         model_options={"offload_device": device})
     if patcher is None:
         raise RuntimeError("ComfyUI did not detect the FP8-scaled Wan state dict")
