@@ -70,7 +70,7 @@ def test_positive_rows_are_views_when_they_follow_each_other():
     assert none.positive_rows() == (None, None)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])  # fp16: what ComfyUI computes Wan in
 def test_full_map_hit_matches_the_fp64_oracle_like_dense(dtype):
     masks = {(0, s, l, 0): torch.ones(2, QB, QB, dtype=torch.bool) for s in range(3) for l in range(2)}
     plan = hit_plan(masks)
