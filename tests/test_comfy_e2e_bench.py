@@ -55,6 +55,26 @@ def test_the_fp8_scaled_rows_load_the_shipped_files_layout_through_comfyuis_load
     assert all(r["finite"] for r in rows.values())
 
 
+def test_the_fp16_rows_run_the_dtype_comfyui_computes_wan_in(tmp_path, monkeypatch):
+    """``--weights fp16`` (what ComfyUI's loader picks for Wan on a GPU, from an fp16 or bf16 file): the experts
+    compute in fp16 (on the CPU too, at toy sizes), and dense, miss, hit and feature reuse run on them."""
+    from chorus.benchmarks.comfy_e2e import run
+
+    monkeypatch.setenv("COMFYUI_DIR", str(tiny.find_comfyui_dir()))
+    monkeypatch.setenv("CHORUS_CACHE_DIR", str(tmp_path / "cache"))
+    assert run.main(["--tiny", "--out", str(tmp_path), "--weights", "fp16",
+                     "--variants", "dense", "miss", "hit15", "hitfr", "--fr-share", "1.0"]) == 0
+    results = json.loads((tmp_path / "comfy_e2e.json").read_text())
+    rows = {r["variant"]: r for r in results["runs"]}
+    assert set(rows) == {"dense", "miss", "hit15", "hitfr"} and "torch.float16" in results["ops"]["fp16"]
+    assert rows["miss"]["write"].startswith("wrote entry")
+    for name in ("hit15", "hitfr"):
+        assert rows[name]["plan_kind"] == "hit" and rows[name]["sparse_calls"] > 0, rows[name]
+        assert rows[name]["fallback_calls"] == 0, rows[name]["messages"]
+    assert rows["hitfr"]["fr_blocks_reduced"] > 0
+    assert all(r["finite"] for r in rows.values())
+
+
 def test_a_compiled_fp8_scaled_hit_with_feature_reuse_compiles_nothing_in_its_second_request(tmp_path, monkeypatch):
     """The shipped feature-reuse workflow's models as users load them (FP8-scaled files) under ComfyUI's
     ``TorchCompileModel``: the hit runs every call sparse and its timed request compiles nothing (ComfyUI's scaled

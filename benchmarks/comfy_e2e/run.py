@@ -1,7 +1,7 @@
 """The benchmark of record: Chorus II inside ComfyUI's own ``WanModel``, driven through the nodes.
 
 ``python -m benchmarks.comfy_e2e.run --comfyui DIR --out OUT [--model a14b | ti2v5b] [--res 480p 720p]
-[--weights bf16 fp8 fp8_scaled] [--variants dense miss hit15 hit5 hitfr] [--compile [--guard-filter]] [--layers 40] [--profile]
+[--weights bf16 fp16 fp8 fp8_scaled] [--variants dense miss hit15 hit5 hitfr] [--compile [--guard-filter]] [--layers 40] [--profile]
 [--frames N --windows LENGTH OVERLAP [--window-schedule NAME]]``
 (``--tiny``: the same code at toy sizes on the CPU, for tests; ``--profile``: one more step of each variant under
 ``torch.profiler``, its top kernels by GPU time in the JSON, and a hit's attention call's kernels beside
@@ -14,7 +14,9 @@ What runs (everything side by side in one process, one GPU):
   TI2V 5B shape (dim 3072, 30 layers, 24 heads x 128, FFN 14 336, in_dim / out_dim 48). Built by ComfyUI
   itself: ``model_detection`` of the state-dict shapes, ``model_config.get_model`` (``model_base.WAN21`` with ``comfy.ldm.wan.model.WanModel``
   and the operations ComfyUI picks for the weight dtype), weights initialised in place on the GPU, one
-  ``ModelPatcher`` each. ``--weights bf16``: bf16 weights, ComfyUI's default ops. ``--weights fp8``:
+  ``ModelPatcher`` each. ``--weights bf16``: bf16 weights, ComfyUI's default ops. ``--weights fp16``: the same in
+  fp16, the dtype ComfyUI's loader computes a Wan model in on a GPU with fp16 (sm >= 8) from an fp16 or bf16 file
+  (Wan lists fp16 first among its inference dtypes; bf16 is a user's ``--bf16-unet``). ``--weights fp8``:
   ComfyUI's FP8 weights path -- ``weight_dtype fp8_e4m3fn_fast`` of UNETLoader (e4m3 weights,
   ``fp8_optimizations``) with ``--fast fp8_matrix_mult``, i.e. ``comfy.ops.fp8_ops`` (``torch._scaled_mm``).
   ``--weights fp8_scaled``: the layout of the files the shipped workflows name (``*_fp8_scaled.safetensors``: e4m3
@@ -272,6 +274,8 @@ def build_expert(shape: dict, weights: str, seed: int, device: torch.device):
     if weights == "fp8":
         unet_dtype = torch.float8_e4m3fn
         config.optimizations["fp8"] = True
+    elif weights == "fp16":
+        unet_dtype = torch.float16  # on the CPU too (toy sizes): the fp16 path itself is what these rows are for
     else:
         unet_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     manual_cast = comfy.model_management.unet_manual_cast(unet_dtype, device, config.supported_inference_dtypes)
@@ -290,8 +294,8 @@ def build_expert(shape: dict, weights: str, seed: int, device: torch.device):
     # the FP8-weights path casts each weight back to bf16 (measured: fp8_linears.py and BENCHMARKS.md)
     model.diffusion_model.eval()
     patcher = comfy.model_patcher.ModelPatcher(model, load_device=device, offload_device=device)
-    ops = type(model.diffusion_model.blocks[0].self_attn.q).__module__ + "." + \
-        type(model.diffusion_model.blocks[0].self_attn.q).__qualname__
+    q = model.diffusion_model.blocks[0].self_attn.q
+    ops = type(q).__module__ + "." + type(q).__qualname__ + f" ({q.weight.dtype})"
     return patcher, ops
 
 
@@ -1012,7 +1016,7 @@ def main(argv=None) -> int:
                    help="the workflow whose request runs: " + "; ".join(f"{k}: {w.label}" for k, w in WORKFLOWS.items()))
     p.add_argument("--res", nargs="+", default=None,
                    help="resolutions (default: the model's own but 'tiny'; a14b: 480p 720p, ti2v5b: 720p = 1280 x 704)")
-    p.add_argument("--weights", nargs="+", default=["bf16"], choices=["bf16", "fp8", "fp8_scaled"])
+    p.add_argument("--weights", nargs="+", default=["bf16"], choices=["bf16", "fp16", "fp8", "fp8_scaled"])
     p.add_argument("--variants", nargs="+", default=["dense", "miss", "hit15", "hit5", "hitfr"],
                    choices=["dense", "dense_rowmajor", "dense_cudnn", "miss", *HIT_VARIANTS, *SOL_VARIANTS])
     p.add_argument("--hit-backends", nargs="+", default=["auto"],
