@@ -134,20 +134,19 @@ def tiny_wan_in(dtype: torch.dtype, device="cpu", *, num_layers: int = TINY_LAYE
                                             offload_device=torch.device(device))
 
 
-def sample_last_steps(model, latent_shape, seed: int = 0) -> torch.Tensor:
-    """``comfy.sample.sample`` of ``model`` (fp32 result): steps 2-4 of 4 euler steps at cfg 1 from a random latent
-    of ``latent_shape`` (``seed``), :func:`random_conditioning` ``(3)`` against ``(103)``, no added noise."""
+def sample_last_steps(model, latent: torch.Tensor) -> torch.Tensor:
+    """``comfy.sample.sample`` of ``model`` on ``latent`` (fp32 result): steps 2-4 of 4 euler steps at cfg 1,
+    :func:`random_conditioning` ``(3)`` against ``(103)``, no added noise."""
     import comfy.sample
 
     positive, negative = random_conditioning(3), random_conditioning(103)
-    latent = torch.randn(latent_shape, generator=torch.Generator().manual_seed(seed))
-    return comfy.sample.sample(model, torch.zeros(latent_shape), 4, 1.0, "euler", "simple", positive, negative, latent,
+    return comfy.sample.sample(model, torch.zeros_like(latent), 4, 1.0, "euler", "simple", positive, negative, latent,
                                start_step=2, last_step=10000, force_full_denoise=True, disable_noise=True,
                                disable_pbar=True, seed=0).float()
 
 
-def full_map_hit(model, latent_shape, block_size: int = 128):
-    """A hit plan on ``model`` whose maps keep every block: a miss of :func:`sample_last_steps` through
+def full_map_hit(model, latent: torch.Tensor, block_size: int = 128):
+    """A hit plan on ``model`` whose maps keep every block: a miss of :func:`sample_last_steps` on ``latent`` through
     ``ChorusSparseSampler`` records the schedule and the model's fingerprint, then a ``Plan("hit")`` carries a full
     map of ``block_size``-token blocks for every key the miss recorded."""
     import numpy as np
@@ -155,13 +154,14 @@ def full_map_hit(model, latent_shape, block_size: int = 128):
     from chorus.engine import Plan, build_signature
     from chorus.nodes.sparse_sampler import ChorusSparseSampler
 
-    miss = Plan.miss("full-map miss", latent_shape=latent_shape[1:], embedding=np.ones(4, np.float32))
-    sample_last_steps(ChorusSparseSampler.execute(model, miss).result[0], latent_shape)
-    _, _, t, h, w = latent_shape
+    shape = tuple(latent.shape)
+    miss = Plan.miss("full-map miss", latent_shape=shape[1:], embedding=np.ones(4, np.float32))
+    sample_last_steps(ChorusSparseSampler.execute(model, miss).result[0], latent)
+    _, _, t, h, w = shape
     blocks = -(-t * (h // 2) * (w // 2) // block_size)
     masks = {key: torch.ones(2, blocks, blocks, dtype=torch.bool) for key in miss.recorder.block_maps()}
     return Plan("hit", entry_id=1, similarity=1.0, masks=masks, entry_meta={"signature": build_signature(miss)},
-                latent_shape=latent_shape[1:], embedding=np.ones(4, np.float32))
+                latent_shape=shape[1:], embedding=np.ones(4, np.float32))
 
 
 def random_wan21_vae_state_dict(seed: int = 0, dtype=torch.bfloat16) -> dict:
