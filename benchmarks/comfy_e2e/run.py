@@ -294,9 +294,7 @@ def build_expert(shape: dict, weights: str, seed: int, device: torch.device):
     # the FP8-weights path casts each weight back to bf16 (measured: fp8_linears.py and BENCHMARKS.md)
     model.diffusion_model.eval()
     patcher = comfy.model_patcher.ModelPatcher(model, load_device=device, offload_device=device)
-    q = model.diffusion_model.blocks[0].self_attn.q
-    ops = type(q).__module__ + "." + type(q).__qualname__ + f" ({q.weight.dtype})"
-    return patcher, ops
+    return patcher, linear_ops(model.diffusion_model)
 
 
 def random_weight(name: str, shape, device, gen: torch.Generator) -> torch.Tensor:
@@ -325,9 +323,14 @@ def _fp8_scaled_expert(meta_state_dict: dict, seed: int, device: torch.device):
     if patcher is None:
         raise RuntimeError("ComfyUI did not detect the FP8-scaled Wan state dict")
     patcher.model.diffusion_model.eval()  # as build_expert: 0.3.64 leaves the model in training mode
-    q = patcher.model.diffusion_model.blocks[0].self_attn.q
-    ops = type(q).__module__ + "." + type(q).__qualname__ + f" ({type(q.weight).__name__} {q.weight.dtype})"
-    return patcher, ops
+    return patcher, linear_ops(patcher.model.diffusion_model)
+
+
+def linear_ops(diffusion_model) -> str:
+    """The operations ComfyUI gave a Wan model's linears, as the JSON's ``ops`` names them: the first self-attention
+    q projection's class and its weight's type and dtype (``QuantizedTensor``, e4m3, fp16 ...)."""
+    q = diffusion_model.blocks[0].self_attn.q
+    return type(q).__module__ + "." + type(q).__qualname__ + f" ({type(q.weight).__name__} {q.weight.dtype})"
 
 
 def conditioning(workflow: Workflow, latent_shape, seed: int, end_image: bool = False):
