@@ -275,13 +275,24 @@ def sample_two_steps(model, positive, latent: torch.Tensor) -> torch.Tensor:
                                disable_pbar=True, seed=0)
 
 
-def miss_write_hit(nodes, model, workspace: str, fingerprint) -> None:
+def a14b_fingerprint(model) -> str:
+    """The weights fingerprint Chorus gives ``model`` (a ModelPatcher), asserting the pack reads it as a supported
+    Wan 2.2 A14B I2V expert (what a loader test's file must be)."""
+    from chorus.nodes.comfy_adapter import comfy_model_info
+
+    info = comfy_model_info(model)
+    assert info.supported and info.variant == "wan2.2-a14b-i2v", info
+    return info.fingerprint
+
+
+def miss_write_hit(nodes, model, workspace: str) -> None:
     """A user's A14B-shaped ``model`` (a ModelPatcher from some loader) through the Chorus nodes in-process, as the
-    loader tests run it: a miss (two steps on an 8 x 8 x 2 latent) writes an entry of 4 maps, ``fingerprint(model)``
-    is the same after sampling (else no entry would ever hit), a similar request hits with every self-attention
-    call sparse, and that full-map hit's latent equals the model's dense latent. ``nodes``: ``chorus.nodes``."""
+    loader tests run it: a miss (two steps on an 8 x 8 x 2 latent) writes an entry of 4 maps, the model's
+    :func:`a14b_fingerprint` is the same after sampling (else no entry would ever hit), a similar request hits with
+    every self-attention call sparse, and that full-map hit's latent equals the model's dense latent. ``nodes``:
+    ``chorus.nodes``."""
     latent = torch.zeros(1, 16, 2, 8, 8)
-    before = fingerprint(model)
+    before = a14b_fingerprint(model)
     image = torch.rand(1, 32, 32, 3, generator=torch.Generator().manual_seed(0))
     positive = random_conditioning(5)
 
@@ -294,7 +305,7 @@ def miss_write_hit(nodes, model, workspace: str, fingerprint) -> None:
     assert torch.isfinite(samples).all()
     written = nodes.ChorusCacheWrite.execute(latent={"samples": samples}, plan=plan).args[0]
     assert written.startswith("wrote entry 1 (4 maps") and "recorded 4" in written, written
-    assert fingerprint(model) == before  # sampling loaded the model and its patches: still the same model
+    assert a14b_fingerprint(model) == before  # sampling loaded the model and its patches: still the same model
 
     plan = nodes.ChorusMaskRetrieve.execute(latent={"samples": latent}, workspace=workspace, similarity_threshold=0.9,
                                             start_image=image * 0.98, prompt="a red fox",
