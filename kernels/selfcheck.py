@@ -3,11 +3,16 @@ computes right here and how fast it is beside PyTorch's dense attention on the s
 
 The report (nothing runs but ``auto``'s resolution, which runs each kernel it considers once on a small input:
 :func:`~chorus.kernels.triton.portable_unavailable`): Python, torch (and its CUDA), Triton; the device (name,
-compute capability, memory); ``auto``'s chain for a Wan self-attention call (bf16, head dim 128), with the reason
+compute capability, memory); ``auto``'s chain for a Wan self-attention call (``--dtype``, head dim 128), with the reason
 each backend cannot run here; the kernel a miss records its block mass with; the accurate 8-bit numerics (what the
 engine runs for masks that keep >= 95% of the attention mass); on Hopper, which ptxas builds the warp-specialised
 kernel; off Hopper, where auto takes the 16-bit ``triton_bf16`` and the portable FP8 kernel runs too (sm_89+: Ada,
 Blackwell; its first-use check runs), that option.
+
+``--dtype`` (default ``fp16``): the dtype of every q / k / v the check makes. ComfyUI computes a Wan model in fp16 on
+a GPU (its loader takes the first of Wan's inference dtypes the device supports: fp16 on any CUDA GPU ComfyUI runs
+Wan on), from an fp16, bf16 or FP8-scaled file; ``bf16`` is what a user who starts ComfyUI with ``--bf16-unet``
+runs. (Named ``triton_bf16``, the 16-bit kernel computes in the inputs' dtype, fp16 included.)
 
 ``--run`` (a GPU's first run builds the kernels: up to a minute):
 
@@ -17,7 +22,7 @@ Blackwell; its first-use check runs), that option.
    its numerics' ceiling (:data:`~chorus.kernels.reference.NUMERICS_CEILINGS`: FP8 0.08, INT8 0.03, 16-bit and
    fp32 0.02, where the measured errors are 0.051-0.056, 0.014-0.017 and 0.002-0.006) fails: exit 1, with the
    backend to choose instead.
-2. Speed, a report: ``--heads`` x ``--tokens`` (40 x 32 760, Wan 14B at 480p; 2 x 2 048 on the CPU) in bf16, a
+2. Speed, a report: ``--heads`` x ``--tokens`` (40 x 32 760, Wan 14B at 480p; 2 x 2 048 on the CPU) in ``--dtype``, a
    random map keeping ``--density`` of the key blocks (and the diagonal), the pooled tail on (the node's default):
    the median of ``--reps`` calls after two warm-up calls, beside ``torch.nn.functional.scaled_dot_product_attention``
    on the same q/k/v (CUDA events; the wall clock on the CPU). Never judged: a random map is not a Wan map, and a
@@ -48,6 +53,7 @@ from .reference import NUMERICS_CEILINGS, dense_attention_oracle, relative_l2
 
 HEAD_DIM = 128
 ORACLE_ROW_STRIDE = 8
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def _versions() -> dict:
@@ -69,15 +75,16 @@ def _device_info(device: torch.device) -> dict:
             "memory_gib": round(props.total_memory / 2**30, 1)}
 
 
-def report(device: torch.device) -> dict:
-    """What runs here, without running attention (see the module docstring)."""
-    probe = torch.empty(1, 1, 1, HEAD_DIM, dtype=torch.bfloat16, device=device)
+def report(device: torch.device, dtype: torch.dtype = torch.float16) -> dict:
+    """What runs here for q / k / v of ``dtype``, without running attention (see the module docstring)."""
+    probe = torch.empty(1, 1, 1, HEAD_DIM, dtype=dtype, device=device)
     chain = [{"backend": b.value, "reason": why} for b, why in auto_chain(probe)]
     choice = resolve_backend("auto", probe)
     accurate_reasons = {b.value: why_unavailable(b, probe) for b in ACCURATE_CHAIN}
     accurate = next((name for name, why in accurate_reasons.items() if why is None), None)
     mass_chain = [{"backend": b.value, "reason": why} for b, why in auto_chain(probe, "block_mass")]
-    out = {"versions": _versions(), "device": _device_info(device), "chain": chain, "auto": choice.value,
+    out = {"versions": _versions(), "device": _device_info(device), "dtype": _dtype_name(dtype), "chain": chain,
+           "auto": choice.value,
            "block_mass_chain": mass_chain, "block_mass": resolve_backend("auto", probe, "block_mass").value,
            "accurate": accurate, "accurate_reasons": accurate_reasons}
     # off Hopper auto takes the 16-bit kernel; where the portable FP8 one runs too (sm_89+: Ada, Blackwell), --run
@@ -92,10 +99,13 @@ def report(device: torch.device) -> dict:
     return out
 
 
-def _gaussian(heads: int, tokens: int, device: torch.device, seed: int):
+def _dtype_name(dtype: torch.dtype) -> str:
+    return next(name for name, value in DTYPES.items() if value == dtype)
+
+
+def _gaussian(heads: int, tokens: int, device: torch.device, dtype: torch.dtype, seed: int):
     gen = torch.Generator(device=device).manual_seed(seed)
-    return [torch.randn(1, heads, tokens, HEAD_DIM, generator=gen, device=device).to(torch.bfloat16)
-            for _ in range(3)]
+    return [torch.randn(1, heads, tokens, HEAD_DIM, generator=gen, device=device).to(dtype) for _ in range(3)]
 
 
 def _full_map(tokens: int, device: torch.device) -> torch.Tensor:
@@ -103,11 +113,12 @@ def _full_map(tokens: int, device: torch.device) -> torch.Tensor:
     return torch.ones(1, 1, blocks, blocks, dtype=torch.bool, device=device)
 
 
-def check_numerics(device: torch.device, backends: list[Backend]) -> list[dict]:
-    """Step 1 of ``--run``: one row per backend (and PyTorch's dense attention): relative L2 against the fp64
-    oracle, its ceiling, whether it passed; a backend that raises is a failed row with the error."""
+def check_numerics(device: torch.device, backends: list[Backend], dtype: torch.dtype = torch.float16) -> list[dict]:
+    """Step 1 of ``--run``: one row per backend (and PyTorch's dense attention) on q / k / v of ``dtype``: relative
+    L2 against the fp64 oracle, its ceiling, whether it passed; a backend that raises is a failed row with the
+    error."""
     tokens = 4097 if device.type == "cuda" else 1000
-    q, k, v = _gaussian(4, tokens, device, seed=1)
+    q, k, v = _gaussian(4, tokens, device, dtype, seed=1)
     rows = torch.arange(0, tokens, ORACLE_ROW_STRIDE, device=device)
     exact = dense_attention_oracle(q[:, :, rows], k, v)
     torch_error = relative_l2(torch.nn.functional.scaled_dot_product_attention(q, k, v)[:, :, rows], exact)
@@ -147,11 +158,11 @@ def _timer(device: torch.device):
 
 
 def measure_speed(device: torch.device, backend: Backend, heads: int, tokens: int, density: float,
-                  reps: int) -> dict:
-    """Step 2 of ``--run``: ``backend`` on a random map of ``density`` (the diagonal kept, the pooled tail on where
-    the backend has one) beside PyTorch's dense attention, medians of ``reps`` calls after two warm-up calls; the
-    first call's time (which builds the kernel on a fresh machine) apart."""
-    q, k, v = _gaussian(heads, tokens, device, seed=2)
+                  reps: int, dtype: torch.dtype = torch.float16) -> dict:
+    """Step 2 of ``--run``: ``backend`` on q / k / v of ``dtype`` and a random map of ``density`` (the diagonal
+    kept, the pooled tail on where the backend has one) beside PyTorch's dense attention, medians of ``reps`` calls
+    after two warm-up calls; the first call's time (which builds the kernel on a fresh machine) apart."""
+    q, k, v = _gaussian(heads, tokens, device, dtype, seed=2)
     blocks = -(-tokens // 128)
     gen = torch.Generator(device=device).manual_seed(3)
     block_map = torch.rand(1, heads, blocks, blocks, generator=gen, device=device) < density
@@ -171,7 +182,8 @@ def measure_speed(device: torch.device, backend: Backend, heads: int, tokens: in
         for _ in range(2):
             fn()
         medians[name] = statistics.median(timed(fn) for _ in range(reps))
-    return {"backend": backend.value, "heads": heads, "tokens": tokens, "density": block_map.float().mean().item(),
+    return {"backend": backend.value, "heads": heads, "tokens": tokens, "dtype": _dtype_name(dtype),
+            "density": block_map.float().mean().item(),
             "pooled_tail": tail,
             "first_call_s": first_s, "chorus_ms": medians["chorus"], "torch_dense_ms": medians["torch_dense"],
             "speedup": medians["torch_dense"] / medians["chorus"]}
@@ -183,7 +195,7 @@ def _print_report(info: dict) -> None:
     print(f"Chorus II check\n  python {ver['python']}, torch {ver['torch']}{cuda}, triton {ver['triton']}")
     extra = f", {dev['capability']}, {dev['memory_gib']} GiB" if "capability" in dev else ""
     print(f"  device {dev['device']}: {dev['name']}{extra}")
-    print("  attention (bf16, head dim 128), auto's chain:")
+    print(f"  attention ({info['dtype']}, head dim 128), auto's chain:")
     for row in info["chain"]:
         mark = "<- auto's choice" if row["backend"] == info["auto"] else (row["reason"] or "runs here")
         print(f"    {row['backend']:<15} {mark}")
@@ -229,8 +241,8 @@ def _print_numerics(rows: list[dict]) -> None:
 
 def _print_speed(row: dict) -> None:
     tail = "pooled tail on" if row["pooled_tail"] else "no pooled tail (this backend has none)"
-    print(f"  speed ({row['heads']} heads x {row['tokens']} tokens, bf16, {row['density']:.1%} of the key blocks, "
-          f"{tail}; a random map, not a Wan map):")
+    print(f"  speed ({row['heads']} heads x {row['tokens']} tokens, {row['dtype']}, {row['density']:.1%} of the key "
+          f"blocks, {tail}; a random map, not a Wan map):")
     print(f"    {row['backend']}: {row['chorus_ms']:.2f} ms a call (first call {row['first_call_s']:.1f} s); "
           f"torch dense: {row['torch_dense_ms']:.2f} ms; {row['speedup']:.2f}x")
 
@@ -254,6 +266,9 @@ def _parser() -> argparse.ArgumentParser:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     ap.add_argument("--run", action="store_true", help="also run the numerics check and the speed comparison")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp16",
+                    help="q / k / v dtype: fp16 (default) is what ComfyUI computes Wan in on a GPU; bf16 if you "
+                         "start ComfyUI with --bf16-unet")
     ap.add_argument("--tokens", type=_positive_int, default=None,
                     help="speed: tokens per call (default 32760, Wan 14B at 480p; 2048 on the CPU)")
     ap.add_argument("--heads", type=_positive_int, default=None, help="speed: heads (default 40; 2 on the CPU)")
@@ -291,14 +306,15 @@ def main(argv=None) -> int:
 
 def _check(device: torch.device, args) -> tuple[dict, int]:
     """The report, and with ``args.run`` the numerics check and the speed row, printed; ``(results, exit code)``."""
-    info = report(device)
+    dtype = DTYPES[args.dtype]
+    info = report(device, dtype)
     _print_report(info)
     status = 0
     if args.run:
         choice = Backend(info["auto"])
         judged = [choice] + ([Backend(info["accurate"])] if info["accurate"] else [])
         option = Backend(info["option"]) if info.get("option") else None
-        info["numerics"] = check_numerics(device, judged + ([option] if option else []))
+        info["numerics"] = check_numerics(device, judged + ([option] if option else []), dtype)
         _print_numerics(info["numerics"])
         failed = [row["backend"] for row in info["numerics"]
                   if not row["passed"] and row["backend"] in {b.value for b in judged}]
@@ -310,7 +326,7 @@ def _check(device: torch.device, args) -> tuple[dict, int]:
         tokens = args.tokens or (32760 if device.type == "cuda" else 2048)
         heads = args.heads or (40 if device.type == "cuda" else 2)
         try:
-            info["speed"] = measure_speed(device, choice, heads, tokens, args.density, args.reps)
+            info["speed"] = measure_speed(device, choice, heads, tokens, args.density, args.reps, dtype)
             _print_speed(info["speed"])
         except Exception as exc:  # noqa: BLE001 - an out-of-memory at this size, or a kernel failure: reported
             info["speed"] = {"error": f"{type(exc).__name__}: {exc}"}
@@ -329,7 +345,8 @@ def _check_option(device: torch.device, info: dict, option: Backend, heads: int,
         print(f"  {option.value} did not pass its numerics check on this device: keep backend auto")
         return
     try:
-        info["speed_option"] = measure_speed(device, option, heads, tokens, args.density, args.reps)
+        info["speed_option"] = measure_speed(device, option, heads, tokens, args.density, args.reps,
+                                             DTYPES[args.dtype])
     except Exception as exc:  # noqa: BLE001 - reported, not judged
         info["speed_option"] = {"error": f"{type(exc).__name__}: {exc}"}
         print(f"  {option.value}: speed FAILED ({info['speed_option']['error']}): keep backend auto")

@@ -51,6 +51,7 @@ def test_run_checks_the_numerics_against_exact_attention_and_times_both(tmp_path
     info = json.loads(out.read_text())
     torch_row, ours = info["numerics"]
     assert torch_row["backend"] == "torch dense" and 0 < torch_row["rel_l2"] < 0.01
+    assert info["dtype"] == info["speed"]["dtype"] == "fp16" and torch_row["numerics"] == "float16"
     assert ours["backend"] == "reference" and ours["passed"] and ours["rel_l2"] <= ours["ceiling"]
     speed = info["speed"]
     assert speed["tokens"] == 300 and speed["heads"] == 2 and speed["pooled_tail"]
@@ -66,8 +67,8 @@ def test_the_by_name_option_is_checked_and_timed_beside_auto_s_kernel_and_never_
     On this CPU the option is played by flex (it runs here, uncompiled, without a pooled tail)."""
     real_report, real_attention = selfcheck.report, selfcheck.block_sparse_attention
 
-    def with_option(device):
-        return {**real_report(device), "option": "flex"}
+    def with_option(device, dtype):
+        return {**real_report(device, dtype), "option": "flex"}
 
     monkeypatch.setattr(selfcheck, "report", with_option)
     args = ["--device", "cpu", "--run", "--tokens", "300", "--heads", "2", "--reps", "2"]
@@ -94,6 +95,28 @@ def _run_json(args, out) -> dict:
     """``chorus check ARGS --json OUT``, asserting it passed; the JSON it wrote."""
     assert selfcheck.main([*args, "--json", str(out)]) == 0
     return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("dtype,expected", [(None, torch.float16), ("fp16", torch.float16),
+                                            ("bf16", torch.bfloat16)])
+def test_every_q_k_v_of_the_check_is_in_the_dtype_comfyui_computes_wan_in(dtype, expected, monkeypatch, tmp_path,
+                                                                         capsys):
+    """fp16 by default (ComfyUI's loader computes Wan in fp16 on a GPU), bf16 with ``--dtype bf16`` (a user's
+    ``--bf16-unet``): the report's probe, the numerics rows and the speed row all see that dtype."""
+    seen, real = set(), selfcheck.block_sparse_attention
+
+    def recording(q, k, v, block_map, **kwargs):
+        seen.add(q.dtype)
+        return real(q, k, v, block_map, **kwargs)
+
+    monkeypatch.setattr(selfcheck, "block_sparse_attention", recording)
+    args = ["--device", "cpu", "--run", "--tokens", "300", "--heads", "1", "--reps", "1"]
+    info = _run_json(args + ([] if dtype is None else ["--dtype", dtype]), tmp_path / "check.json")
+    name = {torch.float16: "fp16", torch.bfloat16: "bf16"}[expected]
+    assert seen == {expected} and info["dtype"] == info["speed"]["dtype"] == name
+    assert info["numerics"][0]["numerics"] == str(expected).split(".")[-1]
+    assert f"attention ({name}, head dim 128)" in capsys.readouterr().out
+    assert selfcheck.main(["--device", "cpu", "--dtype", "fp32"]) == 2
 
 
 def test_a_kernel_that_computes_wrong_fails_the_check(monkeypatch, capsys):
@@ -150,10 +173,13 @@ def test_the_pack_s_command_line_runs_it(capsys):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_on_a_gpu_auto_s_kernel_passes_its_numerics_check(tmp_path):
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_on_a_gpu_auto_s_kernel_passes_its_numerics_check(dtype, tmp_path):
     out = tmp_path / "check.json"
-    assert selfcheck.main(["--run", "--tokens", "4096", "--heads", "4", "--reps", "3", "--json", str(out)]) == 0
+    assert selfcheck.main(["--run", "--dtype", dtype, "--tokens", "4096", "--heads", "4", "--reps", "3",
+                           "--json", str(out)]) == 0
     info = json.loads(out.read_text())
+    assert info["dtype"] == dtype
     if torch.cuda.get_device_capability()[0] == 9:
         assert info["auto"] == "triton_fp8_ws" and info["accurate"] == "triton_int8_ws" and "ptxas" in info
         assert info["option"] is None  # (auto runs FP8 here already)
