@@ -30,13 +30,13 @@ pytestmark = [
 ]
 
 
-def _qkv(heads, length, dim=128, seed=0, layout="bhld"):
+def _qkv(heads, length, dim=128, seed=0, layout="bhld", dtype=torch.bfloat16):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     q, k, v = (torch.randn(1, heads, length, dim, device="cuda", generator=gen) for _ in range(3))
     k = k + 0.5  # a shared K offset: smoothing matters
     if layout == "blhd":  # ComfyUI's [B, L, H, D] memory viewed as [B, H, L, D]
         q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
-    return q.bfloat16(), k.bfloat16(), v.bfloat16()
+    return q.to(dtype), k.to(dtype), v.to(dtype)
 
 
 def _map(heads, length, density, seed=7):
@@ -86,14 +86,29 @@ def test_int8_prepass_matches_its_fp64_twin(length, pooled_tail, v_key_order):
 @pytest.mark.parametrize("layout", ["bhld", "blhd"])
 @pytest.mark.parametrize("backend", INT8_BACKENDS)
 def test_int8_kernel_against_oracle_and_emulation(length, density, pooled_tail, layout, backend):
+    if density == 1.0 and pooled_tail:
+        pytest.skip("a full map has no tail")
+    _against_oracle_and_emulation(length, density, pooled_tail, layout, backend, torch.bfloat16)
+
+
+@pytest.mark.parametrize("length,density", [(4097, 0.3), (32760, 0.15)])
+@pytest.mark.parametrize("pooled_tail", [False, True])
+@pytest.mark.parametrize("backend", INT8_BACKENDS)
+def test_int8_kernel_takes_fp16_the_dtype_comfyui_computes_wan_in(length, density, pooled_tail, backend):
+    """ComfyUI computes a Wan model in fp16 on a GPU: fp16 q / k / v in its ``[B, L, H, D]`` memory, the same
+    bounds as bf16's."""
+    _against_oracle_and_emulation(length, density, pooled_tail, "blhd", backend, torch.float16)
+
+
+def _against_oracle_and_emulation(length, density, pooled_tail, layout, backend, dtype):
+    """``backend`` on 4 heads of ``dtype`` q / k / v in ``layout`` with the first-frame prefix bias: relative L2
+    against the fp64 oracle <= 1.25 x the INT8 emulation's + 0.002, and below half the FP8 kernel's."""
     from chorus.kernels import block_sparse_attention
     from chorus.kernels.reference import dense_attention_oracle
     from chorus.kernels.triton.emulation import int8_attention_emulation
 
-    if density == 1.0 and pooled_tail:
-        pytest.skip("a full map has no tail")
     heads = 4
-    q, k, v = _qkv(heads, length, seed=length, layout=layout)
+    q, k, v = _qkv(heads, length, seed=length, layout=layout, dtype=dtype)
     bm = _map(heads, length, density)
     biases = dict(prefix_len=min(1560, length // 3), prefix_bias=0.7)
     out = block_sparse_attention(q, k, v, bm, backend=backend, pooled_tail=pooled_tail, **biases)
@@ -103,7 +118,7 @@ def test_int8_kernel_against_oracle_and_emulation(length, density, pooled_tail, 
     oracle = dense_attention_oracle(q[:, :, rows], k, v, bm[:, :, blocks], 128, pooled_tail=pooled_tail, **biases)
     emul = int8_attention_emulation(q[:, :, rows], k, v, bm[:, :, blocks], 128, pooled_tail=pooled_tail, **biases)
     ours, yardstick, fast = _rel(out[:, :, rows], oracle), _rel(emul, oracle), _rel(fp8[:, :, rows], oracle)
-    print(f"L={length} density={density} tail={pooled_tail} {layout} {backend}: {ours:.4f} (emulation "
+    print(f"L={length} density={density} tail={pooled_tail} {layout} {dtype} {backend}: {ours:.4f} (emulation "
           f"{yardstick:.4f}), fp8 {fast:.4f}")
     assert ours <= 1.25 * yardstick + 0.002, (ours, yardstick)
     assert ours < 0.5 * fast, (ours, fast)

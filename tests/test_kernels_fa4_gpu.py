@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from testing import cuda_bf16_qkv
+from testing import cuda_qkv
 
 pytestmark = [
     pytest.mark.gpu,
@@ -67,7 +67,7 @@ def _check_against_oracle(out, q, k, v, bm, bs, **key_bias):
 def test_fa4_matches_oracle(length, dim, bs, density):
     import chorus.kernels as K
 
-    q, k, v = cuda_bf16_qkv(1, 4, length, dim, seed=length + dim)
+    q, k, v = cuda_qkv(1, 4, length, dim, seed=length + dim)
     bm = _random_map(4, length, bs, density, seed=length)
     out = K.block_sparse_attention(q, k, v, bm, block_size=bs, backend="fa4_bf16")
     assert out.shape == q.shape and out.dtype == q.dtype
@@ -77,7 +77,7 @@ def test_fa4_matches_oracle(length, dim, bs, density):
 def test_fa4_comfy_layout_broadcast_map_batch_two():
     import chorus.kernels as K
 
-    q, k, v = cuda_bf16_qkv(2, 8, 2000, 128, seed=3, comfy_layout=True)
+    q, k, v = cuda_qkv(2, 8, 2000, 128, seed=3, comfy_layout=True)
     bm = _random_map(8, 2000, 128, 0.2, seed=4)  # [1, H, ...]: one map for both batch rows (cond / uncond)
     out = K.block_sparse_attention(q, k, v, bm, block_size=128, backend="fa4_bf16", rows_checked=True)
     assert out.transpose(1, 2).is_contiguous()  # handed back to ComfyUI without a copy
@@ -91,7 +91,7 @@ def test_prefix_bias_call_routes_to_triton_under_auto_and_raises_explicit():
     import chorus.kernels as K
     from chorus.kernels import api
 
-    q, k, v = cuda_bf16_qkv(1, 4, 1500, 128, seed=9)
+    q, k, v = cuda_qkv(1, 4, 1500, 128, seed=9)
     bm = _random_map(4, 1500, 128, 0.4, seed=10)
     with pytest.raises(K.BackendUnavailableError, match="prefix bias"):
         K.block_sparse_attention(q, k, v, bm, block_size=128, backend="fa4_bf16", prefix_len=300, prefix_bias=1.0)
@@ -111,7 +111,7 @@ def test_prefix_bias_call_routes_to_triton_under_auto_and_raises_explicit():
 def test_fa4_under_torch_compile():
     import chorus.kernels as K
 
-    q, k, v = cuda_bf16_qkv(1, 4, 1000, 128, seed=12, comfy_layout=True)
+    q, k, v = cuda_qkv(1, 4, 1000, 128, seed=12, comfy_layout=True)
     bm = _random_map(4, 1000, 128, 0.3, seed=13)
 
     def attend(q, k, v):

@@ -20,7 +20,7 @@ import os
 import pytest
 import torch
 
-from testing import check_pooled_tail, cuda_bf16_qkv
+from testing import check_pooled_tail, cuda_qkv
 
 pytestmark = [
     pytest.mark.gpu,
@@ -100,17 +100,36 @@ def _check(out, q, k, v, bm, prefix_len=0, prefix_bias=0.0, suffix_len=0, suffix
 def test_ws_matches_oracle(length, dim, density, q_source):
     from chorus.kernels.triton._attention_ws import block_sparse_attention_ws
 
-    q, k, v = cuda_bf16_qkv(1, 4, length, dim, seed=length + dim)
+    q, k, v = cuda_qkv(1, 4, length, dim, seed=length + dim)
     bm = _random_map(1, 4, length, density, seed=length)
     out = block_sparse_attention_ws(_q_from(q, q_source), k, v, bm, dim ** -0.5)
     assert out.shape == q.shape and out.dtype == q.dtype
     _check(out, q, k, v, bm)
 
 
+@pytest.mark.parametrize("length,density", [(4097, 0.3), (32760, 0.15)])
+@pytest.mark.parametrize("pooled_tail", [False, True])
+def test_fp16_inputs_the_dtype_comfyui_computes_wan_in(length, density, pooled_tail):
+    """ComfyUI computes a Wan model in fp16 on a GPU (its loader's choice, whatever the file): fp16 q / k / v in
+    ComfyUI's ``[B, L, H, D]`` memory with the first-frame prefix bias, within the FP8 bounds of the oracle with
+    and without the tail; the output is fp16."""
+    from chorus.kernels.triton._attention_ws import block_sparse_attention_ws
+
+    q, k, v = cuda_qkv(1, 4, length, 128, seed=length + 3, comfy_layout=True, dtype=torch.float16)
+    bm = _random_map(1, 4, length, density, seed=length + 3)
+    biases = dict(prefix_len=300, prefix_bias=0.9)
+    out = block_sparse_attention_ws(q, k, v, bm, SCALE, pooled_tail=pooled_tail, **biases)
+    assert out.shape == q.shape and out.dtype == torch.float16
+    if pooled_tail:
+        check_pooled_tail(out, q, k, v, bm, fp8=True, label=f"ws fp16 L={length} density={density}", **biases)
+    else:
+        _check(out, q, k, v, bm, **biases)
+
+
 def test_ws_comfy_layout_broadcast_map_batch2():
     from chorus.kernels.triton._attention_ws import block_sparse_attention_ws
 
-    q, k, v = cuda_bf16_qkv(2, 3, 2000, 128, seed=7, comfy_layout=True)
+    q, k, v = cuda_qkv(2, 3, 2000, 128, seed=7, comfy_layout=True)
     bm = _random_map(1, 1, 2000, 0.4, seed=3)
     out = block_sparse_attention_ws(q, k, v, bm, SCALE)
     for b in range(2):
@@ -123,7 +142,7 @@ def test_a_q_no_tma_descriptor_can_address_takes_the_pre_pass_q():
     rows without TMA)."""
     from chorus.kernels.triton._attention_ws import block_sparse_attention_ws
 
-    q, k, v = cuda_bf16_qkv(1, 2, 3000, 128, seed=13)
+    q, k, v = cuda_qkv(1, 2, 3000, 128, seed=13)
     wide = torch.zeros(1, 2, 3000, 132, dtype=q.dtype, device=q.device)
     wide[..., :128] = q
     bm = _random_map(1, 2, 3000, 0.3, seed=4)
@@ -141,7 +160,7 @@ def test_ws_agrees_with_triton_fp8_and_empty_rows_are_zero():
     from chorus.kernels.triton import block_sparse_attention_triton
     from chorus.kernels.triton._attention_ws import block_sparse_attention_ws
 
-    q, k, v = cuda_bf16_qkv(1, 2, 3000, 128, seed=11)
+    q, k, v = cuda_qkv(1, 2, 3000, 128, seed=11)
     bm = _random_map(1, 2, 3000, 0.2, seed=5)
     ref = block_sparse_attention_triton(q, k, v, bm, block_size=128, fp8=True)
     for source in Q_SOURCES:
@@ -163,7 +182,7 @@ def test_prefix_bias_matches_oracle_and_the_triton_kernel(length, prefix_len, pr
     from chorus.kernels.triton import block_sparse_attention_triton
     from chorus.kernels.triton._attention_ws import block_sparse_attention_ws
 
-    q, k, v = cuda_bf16_qkv(1, 3, length, 128, seed=length + prefix_len)
+    q, k, v = cuda_qkv(1, 3, length, 128, seed=length + prefix_len)
     bm = _random_map(1, 3, length, 0.25, seed=prefix_len)
     bm[..., : -(-prefix_len // 128)] = True  # every row sees the whole prefix (Chorus's first-frame keep-set)
     out = block_sparse_attention_ws(_q_from(q, q_source), k, v, bm, SCALE, prefix_len=prefix_len,
@@ -183,7 +202,7 @@ def test_prefix_bias_matches_oracle_and_the_triton_kernel(length, prefix_len, pr
 def test_a_token_order_is_fused_into_the_pre_pass_and_the_output_store(length):
     from chorus.kernels.triton._attention_ws import block_sparse_attention_ws
 
-    q, k, v = cuda_bf16_qkv(1, 3, length, 128, seed=length + 5)
+    q, k, v = cuda_qkv(1, 3, length, 128, seed=length + 5)
     perm = torch.randperm(length, device="cuda", generator=torch.Generator(device="cuda").manual_seed(9))
     bm = _random_map(1, 3, length, 0.3, seed=7)
     out = block_sparse_attention_ws(q, k, v, bm, SCALE, token_perm=perm)
@@ -201,7 +220,7 @@ def test_the_public_api_runs_a_region_order_on_it():
     from chorus.kernels.tile_order import RegionTileOrder
 
     order = RegionTileOrder((21, 30, 52))  # 480p's grid: 32 760 tokens
-    q, k, v = cuda_bf16_qkv(1, 2, order.length, 128, seed=21)
+    q, k, v = cuda_qkv(1, 2, order.length, 128, seed=21)
     bm = _random_map(1, 2, order.length, 0.2, seed=8)
     out = K.block_sparse_attention(q, k, v, bm, block_size=128, token_perm=order, backend="triton_fp8_ws",
                                    prefix_len=30 * 52, prefix_bias=0.4)
@@ -221,7 +240,7 @@ def test_a_region_order_takes_the_end_images_suffix_bias(backend, pooled_tail):
     order = RegionTileOrder((21, 30, 52))
     hw = 30 * 52
     assert order.last_frame_is_suffix
-    q, k, v = cuda_bf16_qkv(1, 2, order.length, 128, seed=23)
+    q, k, v = cuda_qkv(1, 2, order.length, 128, seed=23)
     bm = _random_map(1, 2, order.length, 0.2, seed=9)
     biases = dict(prefix_len=hw, prefix_bias=0.4, suffix_len=hw, suffix_bias=0.4)
     out = K.block_sparse_attention(q, k, v, bm, block_size=128, token_perm=order, backend=backend,
@@ -263,7 +282,7 @@ def test_a_compact_call_that_leads_with_the_end_image_biases_both_image_frames(b
     regions = select_regions(scores, grid, region, 0.25)
     layout = pooling.build_layout(grid, region, (2, 2, 2), regions, device="cuda", order=order, end_image_leads=True)
     cmap = pooling.compact_block_map(_random_map(1, 2, order.length, 0.2, seed=10), layout.block_sources)
-    q, k, v = cuda_bf16_qkv(1, 2, layout.compact_length, 128, seed=29)
+    q, k, v = cuda_qkv(1, 2, layout.compact_length, 128, seed=29)
     biases = dict(prefix_len=2 * hw, prefix_bias=0.4, suffix_len=layout.num_cells, suffix_bias=math.log(8))
 
     def attend(**options):
@@ -291,7 +310,7 @@ def test_a_suffix_bias_matches_the_oracle(q_len, suffix_len, backend):
     def attend(**biases):
         return K.block_sparse_attention(q, k, v, bm, block_size=128, backend=backend, **biases)
 
-    q, k, v = cuda_bf16_qkv(1, 3, q_len, 128, seed=q_len + suffix_len)
+    q, k, v = cuda_qkv(1, 3, q_len, 128, seed=q_len + suffix_len)
     bm = _random_map(1, 3, q_len, 0.3, seed=suffix_len)
     for prefix_len, prefix_bias in ((0, 0.0), (1000, 0.4)):
         biases = dict(prefix_len=prefix_len, prefix_bias=prefix_bias, suffix_len=suffix_len, suffix_bias=math.log(8))
@@ -311,7 +330,7 @@ def test_public_api_auto_takes_it_with_and_without_a_prefix_bias():
     import chorus.kernels as K
     from chorus.kernels import api
 
-    q, k, v = cuda_bf16_qkv(1, 2, 2000, 128, seed=13)
+    q, k, v = cuda_qkv(1, 2, 2000, 128, seed=13)
     bm = _random_map(1, 2, 2000, 0.3, seed=2)
     assert api.resolve_backend("auto", q) == api.Backend.TRITON_FP8_WS
     out = K.block_sparse_attention(q, k, v, bm, block_size=128)
@@ -327,7 +346,7 @@ def test_public_api_auto_takes_it_with_and_without_a_prefix_bias():
 def test_torch_compile_of_a_module_calling_it():
     import chorus.kernels as K
 
-    q, k, v = cuda_bf16_qkv(1, 2, 1000, 128, seed=17)
+    q, k, v = cuda_qkv(1, 2, 1000, 128, seed=17)
     bm = _random_map(1, 2, 1000, 0.5, seed=4)
 
     def attend(q, k, v, bm):
@@ -354,7 +373,7 @@ def _structured(length, heads, density):
 def test_tail_ws_both_q_sources_match_oracle(q_source, length, dim, density, tail_form):
     from chorus.kernels.triton._attention_ws import block_sparse_attention_ws
 
-    q, k, v = cuda_bf16_qkv(1, 4, length, dim, seed=length + dim + 1)
+    q, k, v = cuda_qkv(1, 4, length, dim, seed=length + dim + 1)
     bm = _random_map(1, 4, length, density, seed=length + 1)
     bm[:, 1, 0] = True  # a row that keeps every block
     out = block_sparse_attention_ws(_q_from(q, q_source), k, v, bm, dim ** -0.5, pooled_tail=True)
@@ -374,7 +393,7 @@ def test_tail_ws_structured_maps_match_oracle(length, dim, density, sharp):
     attention; a full map lists no pooled tile and gives what the call without the tail gives."""
     from chorus.kernels.triton._attention_ws import block_sparse_attention_ws
 
-    q, k, v = cuda_bf16_qkv(1, 4, length, dim, seed=length + dim + 2 * int(sharp))
+    q, k, v = cuda_qkv(1, 4, length, dim, seed=length + dim + 2 * int(sharp))
     if sharp:
         q = (q.float() * 4).to(q.dtype)
     bm = _structured(length, 4, density)
@@ -394,7 +413,7 @@ def test_tail_ws_agrees_with_triton_fp8_and_rows_that_keep_nothing(tail_form):
     from chorus.kernels.triton import block_sparse_attention_triton
     from chorus.kernels.triton._attention_ws import block_sparse_attention_ws
 
-    q, k, v = cuda_bf16_qkv(1, 3, 3000, 128, seed=41)
+    q, k, v = cuda_qkv(1, 3, 3000, 128, seed=41)
     bm = _random_map(1, 3, 3000, 0.2, seed=6)
     bm[:, 2, 4] = False
     ref = block_sparse_attention_triton(q, k, v, bm, block_size=128, fp8=True, pooled_tail=True)
@@ -418,7 +437,7 @@ def test_tail_ws_a_block_that_keeps_nothing_is_right_in_both_warpgroups(q_source
     from chorus.kernels.triton._attention_ws import block_sparse_attention_ws
 
     heads, length, empty_head, empty_block = 64, 3000, 40, 4
-    q, k, v = cuda_bf16_qkv(1, heads, length, 128, seed=41)
+    q, k, v = cuda_qkv(1, heads, length, 128, seed=41)
     bm = _random_map(1, heads, length, 0.2, seed=6)
     bm[:, empty_head, empty_block] = False
     out = block_sparse_attention_ws(_q_from(q, q_source), k, v, bm, SCALE, pooled_tail=True)
@@ -436,7 +455,7 @@ def test_tail_ws_with_key_biases_matches_oracle(length, prefix_len, suffix_len, 
     pooled tiles' keys (every pooled tile lies past the last key, where a suffix bias would otherwise apply)."""
     from chorus.kernels.triton._attention_ws import block_sparse_attention_ws
 
-    q, k, v = cuda_bf16_qkv(1, 3, length, 128, seed=length + prefix_len)
+    q, k, v = cuda_qkv(1, 3, length, 128, seed=length + prefix_len)
     bm = _random_map(1, 3, length, 0.2, seed=prefix_len)
     biases = dict(prefix_len=prefix_len, prefix_bias=0.9, suffix_len=suffix_len, suffix_bias=math.log(8))
     for name in Q_SOURCES:
@@ -449,13 +468,13 @@ def test_tail_ws_layouts_and_token_order(tail_form):
     gather: pooled blocks of the permuted order)."""
     from chorus.kernels.triton._attention_ws import block_sparse_attention_ws
 
-    q, k, v = cuda_bf16_qkv(2, 3, 2000, 128, seed=7, comfy_layout=True)
+    q, k, v = cuda_qkv(2, 3, 2000, 128, seed=7, comfy_layout=True)
     bm = _random_map(1, 1, 2000, 0.3, seed=3)
     out = block_sparse_attention_ws(q, k, v, bm, SCALE, pooled_tail=True)
     for b in range(2):
         check_pooled_tail(out[b:b + 1], q[b:b + 1], k[b:b + 1], v[b:b + 1], bm, fp8=True,
                           label=f"ws comfy layout batch row {b}")
-    q, k, v = cuda_bf16_qkv(1, 3, 4097, 128, seed=19)
+    q, k, v = cuda_qkv(1, 3, 4097, 128, seed=19)
     perm = torch.randperm(4097, device="cuda", generator=torch.Generator(device="cuda").manual_seed(9))
     bm = _random_map(1, 3, 4097, 0.3, seed=7)
     out = block_sparse_attention_ws(q, k, v, bm, SCALE, token_perm=perm, pooled_tail=True)
@@ -467,7 +486,7 @@ def test_tail_public_api_auto_takes_it_and_compiles():
     import chorus.kernels as K
     from chorus.kernels import api
 
-    q, k, v = cuda_bf16_qkv(1, 2, 2000, 128, seed=23)
+    q, k, v = cuda_qkv(1, 2, 2000, 128, seed=23)
     bm = _random_map(1, 2, 2000, 0.3, seed=2)
     assert api._for_call_options(api.resolve_backend("auto", q), False, q, 128, 0, 0, True) == api.Backend.TRITON_FP8_WS
     out = K.block_sparse_attention(q, k, v, bm, block_size=128, pooled_tail=True)

@@ -18,14 +18,15 @@ def make_qkv(batch=1, heads=2, q_len=300, kv_len=None, head_dim=64, dtype=torch.
     return tuple(t.to(device=device, dtype=dtype) for t in (q, k, v))
 
 
-def cuda_bf16_qkv(batch, heads, length, dim, seed, comfy_layout=False):
-    """Seeded bf16 q, k, v ``[B, H, L, D]`` on the GPU: unit Gaussians, K with a shared +0.5 offset
-    (what K smoothing removes); ``comfy_layout``: head-transposed views of ``[B, L, H, D]`` memory."""
+def cuda_qkv(batch, heads, length, dim, seed, comfy_layout=False, dtype=torch.bfloat16):
+    """Seeded q, k, v ``[B, H, L, D]`` of ``dtype`` (bf16 unless told; fp16 is what ComfyUI computes Wan in on a
+    GPU) on the GPU: unit Gaussians, K with a shared +0.5 offset (what K smoothing removes); ``comfy_layout``:
+    head-transposed views of ``[B, L, H, D]`` memory."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     shape = (batch, length, heads, dim) if comfy_layout else (batch, heads, length, dim)
     q, k, v = (torch.randn(*shape, device="cuda", generator=gen) for _ in range(3))
     k = k + 0.5
-    ts = [t.to(torch.bfloat16) for t in (q, k, v)]
+    ts = [t.to(dtype) for t in (q, k, v)]
     return [t.transpose(1, 2) for t in ts] if comfy_layout else ts
 
 
