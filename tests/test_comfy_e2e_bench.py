@@ -591,3 +591,40 @@ def test_the_benchmark_refuses_frames_that_are_not_4n_plus_1(tmp_path, capsys):
     with pytest.raises(SystemExit) as refused:
         run.main(["--tiny", "--frames", "20", "--out", str(tmp_path)])
     assert refused.value.code == 2 and "--frames must be 4n + 1, got 20" in capsys.readouterr().err
+
+
+def test_a_compiled_row_that_raises_is_recorded_as_failed_and_the_rows_after_it_still_run(tmp_path, monkeypatch,
+                                                                                          capsys):
+    """ComfyUI 0.33.0's own compiled FP8-scaled linears raise inside dynamo on a GPU (docs/BENCHMARKS.md, run 120):
+    a compiled row that raises is a ``failed`` row with the error's first line, the table says FAILED, the next
+    compiled row runs, and the command exits 1. Here the first compiled request's models raise as that one did."""
+    import comfy.patcher_extension
+
+    from chorus.benchmarks.comfy_e2e import run
+
+    monkeypatch.setenv("COMFYUI_DIR", str(tiny.find_comfyui_dir()))
+    monkeypatch.setenv("CHORUS_CACHE_DIR", str(tmp_path / "cache"))
+    real, compiled = run.torch_compile_model, []
+
+    def raises(executor, *args, **kwargs):
+        raise RuntimeError("Cannot access data pointer of Tensor (e.g. FakeTensor, FunctionalTensor).\nmore")
+
+    def first_two_raise(model, guard_filter=False):  # the dense row's first request: both experts
+        out = real(model, guard_filter)
+        compiled.append(out)
+        if len(compiled) <= 2:
+            out = out.clone()
+            out.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.APPLY_MODEL, "test_raises", raises)
+        return out
+
+    monkeypatch.setattr(run, "torch_compile_model", first_two_raise)
+    assert run.main(["--tiny", "--out", str(tmp_path), "--variants", "dense", "miss", "--compile",
+                     "--compiled-only"]) == 1
+    rows = {r["variant"]: r for r in json.loads((tmp_path / "comfy_e2e.json").read_text())["runs"]}
+    assert rows["dense+compile"] == {"weights": "bf16", "res": "tiny", "variant": "dense+compile",
+                                     "failed": "RuntimeError: Cannot access data pointer of Tensor (e.g. FakeTensor, "
+                                               "FunctionalTensor)."}
+    assert rows["miss+compile"]["finite"] and rows["miss+compile"]["plan_kind"] == "miss"
+    out = capsys.readouterr()
+    assert "| bf16 | tiny | dense+compile | FAILED: RuntimeError: Cannot access data pointer" in out.out
+    assert "failed rows: dense+compile" in out.err

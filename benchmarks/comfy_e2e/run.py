@@ -70,7 +70,9 @@ What runs (everything side by side in one process, one GPU):
   request is the next one in which dynamo compiles nothing (up to ``STEADY_RETRIES`` more requests: ComfyUI's
   loading may change what the graph guards, e.g. its ``comfy_cast_weights`` flags, and a request that recompiles
   times the compiler; those are in ``unsteady_requests``); each recompile of the row's requests is in
-  ``dynamo.recompile_reasons`` (:class:`RecompileLog`).
+  ``dynamo.recompile_reasons`` (:class:`RecompileLog`). A compiled row that raises (ComfyUI 0.33.0's own compiled
+  FP8-scaled linears do under torch 2.11: docs/BENCHMARKS.md, run 120) is a row with ``failed`` (the error's first
+  line) and no time; the rows after it run, and the command exits 1.
   ``--guard-filter``: compile as later ComfyUI's ``TorchCompileModel`` does by default, with no dynamo guard
   on ``transformer_options``, on a host whose node does not (0.3.64; ``compile_guard_filter`` in the JSON says
   which way the rows compiled).
@@ -706,14 +708,23 @@ def run(args) -> dict:
                 """A compiled row in a fresh dynamo state: each variant's graphs, not what earlier rows left
                 (dynamo's recompile limit, 8 per code object, is shared by everything one process compiles).
                 ``dynamo``: unique graphs, graph breaks and frames compiled (recompiles included) in this row's
-                requests, and with ``--profile`` its profiled step too (whose forward adds its own host-side breaks)."""
+                requests, and with ``--profile`` its profiled step too (whose forward adds its own host-side breaks).
+                A row that raises is recorded as ``failed`` (module docstring); None then."""
                 from torch._dynamo.utils import counters
 
                 torch._dynamo.reset()
                 counters.clear()
                 models, plan = compiled_request(variant)
-                with RecompileLog() as recompiles:
-                    out = timed(f"{variant}+compile", models, plan, again=lambda: compiled_request(variant))
+                try:
+                    with RecompileLog() as recompiles:
+                        out = timed(f"{variant}+compile", models, plan, again=lambda: compiled_request(variant))
+                except Exception as exc:  # noqa: BLE001 - what the host's compile cannot run is the row's result
+                    failed = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:300]}"
+                    results["runs"].append({"weights": weights, "res": res, "variant": f"{variant}+compile",
+                                            "failed": failed})
+                    print(f"{weights}/{res}/{variant}+compile failed: {failed}", flush=True)
+                    save(results, args.out)
+                    return None
                 if out is not None:
                     results["runs"][-1]["dynamo"] = {
                         "unique_graphs": int(counters["stats"].get("unique_graphs", 0)),
@@ -973,10 +984,11 @@ def table(results: dict) -> str:
              "| SM MHz (median) |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        if "skipped" in r:
-            lines.append(f"| {r['weights']} | {r['res']} | {r['variant']} | skipped: {r['skipped']} | | | | | | |")
+        if "seconds" not in r:  # skipped, or failed
+            why = f"skipped: {r['skipped']}" if "skipped" in r else f"FAILED: {r['failed']}"
+            lines.append(f"| {r['weights']} | {r['res']} | {r['variant']} | {why} | | | | | | |")
             continue
-        base = next((x for x in rows if x["weights"] == r["weights"] and x["res"] == r["res"] and "skipped" not in x
+        base = next((x for x in rows if x["weights"] == r["weights"] and x["res"] == r["res"] and "seconds" in x
                      and x["variant"] == ("dense+compile" if "compile" in r["variant"] else "dense")), None)
         # a request that still compiled (every try recompiled) times the compiler: no ratio from it or to it
         steady = base is not None and not base.get("timed_request_frames_compiled") \
@@ -1081,7 +1093,10 @@ def main(argv=None) -> int:
         print(f"context windows of {w['context_length']} frames, overlap {w['context_overlap']}: latent frames "
               + ", ".join(f"{ws[0]}-{ws[-1]}" for ws in w["windows"]) + f" of {w['latent_frames']}")
     print(f"wall {results['wall_s']:.1f} s")
-    return 0
+    failed = [r["variant"] for r in results["runs"] if "failed" in r]
+    if failed:
+        print(f"failed rows: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
