@@ -10,9 +10,9 @@ kernel; off Hopper, where auto takes the 16-bit ``triton_bf16`` and the portable
 Blackwell; its first-use check runs), that option.
 
 ``--dtype`` (default ``fp16``): the dtype of every q / k / v the check makes. ComfyUI computes a Wan model in fp16 on
-a GPU (its loader takes the first of Wan's inference dtypes the device supports: fp16 on any CUDA GPU ComfyUI runs
-Wan on), from an fp16, bf16 or FP8-scaled file; ``bf16`` is what a user who starts ComfyUI with ``--bf16-unet``
-runs. (Named ``triton_bf16``, the 16-bit kernel computes in the inputs' dtype, fp16 included.)
+a GPU (its loader takes the first of Wan's inference dtypes the device supports: fp16 on the GPUs the Chorus kernels
+are built for, sm_80 and later), from an fp16, bf16 or FP8-scaled file; ``bf16`` is what a user who starts ComfyUI
+with ``--bf16-unet`` runs. (Named ``triton_bf16``, the 16-bit kernel computes in the inputs' dtype, fp16 included.)
 
 ``--run`` (a GPU's first run builds the kernels: up to a minute):
 
