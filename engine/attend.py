@@ -303,8 +303,11 @@ if not op_registered("attend"):
         return torch.empty_like(q)
 
 # An op without outputs is dead code to a compiler: the recording ops mutate a one-element counter (the
-# number of calls recorded in this process), which keeps every call in the graph, in program order.
-_RECORD_TOKEN = torch.zeros(1, dtype=torch.int64)
+# number of calls recorded in this process), which keeps every call in the graph, in program order. Made outside
+# inference mode whoever imports this module first (ComfyUI runs its nodes under ``torch.inference_mode``): an
+# inference tensor could not be updated by a later call outside it, a normal tensor can be inside it.
+with torch.inference_mode(False):
+    _RECORD_TOKEN = torch.zeros(1, dtype=torch.int64)
 
 
 def _on_context(token: torch.Tensor, method: str, *args) -> None:

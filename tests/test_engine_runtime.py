@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -725,3 +727,19 @@ def test_device_unpack_inverts_device_pack(kb):
 
     m = torch.rand(2, 4, kb, generator=torch.Generator().manual_seed(kb)) < 0.5
     assert torch.equal(unpack_bits_on_device(pack_bits_on_device(m), kb), m)
+
+
+def test_the_recording_ops_take_calls_outside_inference_mode_when_first_imported_inside_it():
+    """ComfyUI runs its nodes under ``torch.inference_mode``, so the engine's ops may be imported there first; their
+    call counter must still take calls outside it (a benchmark, a script, another host), as it does inside."""
+    code = ("import torch\n"
+            "with torch.inference_mode():\n"
+            "    from chorus.engine import attend\n"
+            "q = torch.randn(1, 2, 8, 16)\n"
+            "with torch.inference_mode():\n"
+            "    torch.ops.chorus.record_mass(q, q, -1, attend._RECORD_TOKEN)\n"
+            "torch.ops.chorus.record_mass(q, q, -1, attend._RECORD_TOKEN)\n"
+            "print('calls', int(attend._RECORD_TOKEN))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd="/")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-2:] == ["calls", "2"], done.stdout
