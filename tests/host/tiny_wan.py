@@ -249,7 +249,7 @@ def tiny_lora_state_dict(state_dict: dict, *, seed: int, rank: int = 4, scale: f
 
 def fp8_scaled_state_dict(state_dict: dict) -> dict:
     """``state_dict`` (a tiny Wan) in the layout of ComfyUI's ``*_fp8_scaled.safetensors`` Wan files (linear
-    weights e4m3 with a per-tensor scale, the rest bf16, the ``scaled_fp8`` marker:
+    weights e4m3 with a per-tensor scale and an input scale, the rest fp16, the ``scaled_fp8`` marker:
     ``benchmarks/comfy_e2e/fp8_scaled.py``), which ComfyUI loads with its scaled FP8 operations."""
     from chorus.benchmarks.comfy_e2e.fp8_scaled import fp8_scaled_state_dict as layout
 
