@@ -502,6 +502,7 @@ def run(args) -> dict:
     from chorus.cache_store import Workspace, resolve_workspace
     from chorus.engine import token_grid
     from chorus.engine.compat import entry_token_order
+    from chorus.engine.state import failure_text
     from chorus.nodes.cache_write import ChorusCacheWrite
     from chorus.nodes.comfy_patch import get_patch
     from chorus.nodes.feature_reuse import ChorusFeatureReuse
@@ -719,7 +720,7 @@ def run(args) -> dict:
                     with RecompileLog() as recompiles:
                         out = timed(f"{variant}+compile", models, plan, again=lambda: compiled_request(variant))
                 except Exception as exc:  # noqa: BLE001 - what the host's compile cannot run is the row's result
-                    failed = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:300]}"
+                    failed = failure_text(exc)
                     results["runs"].append({"weights": weights, "res": res, "variant": f"{variant}+compile",
                                             "failed": failed})
                     print(f"{weights}/{res}/{variant}+compile failed: {failed}", flush=True)
