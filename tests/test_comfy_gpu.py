@@ -27,8 +27,13 @@ def _model(dtype):
     return tiny.tiny_wan_in(dtype, "cuda", num_layers=LAYERS)
 
 
+def _latent():
+    """The request's input latent (seeded): what every sample of a test and its full-map hit's miss run on."""
+    return torch.randn(LATENT, generator=torch.Generator().manual_seed(0))
+
+
 def _sample(model):
-    return tiny.sample_last_steps(model, torch.randn(LATENT, generator=torch.Generator().manual_seed(0)))
+    return tiny.sample_last_steps(model, _latent())
 
 
 def _rel(a, b):
@@ -63,7 +68,7 @@ def test_full_map_hit_matches_the_unpatched_wan_model(backend, compiled, dtype):
     oracle = _sample(_model(torch.float32))
     model = _model(dtype)
     dense = _sample(model)
-    hit = tiny.full_map_hit(model, torch.randn(LATENT, generator=torch.Generator().manual_seed(0)))
+    hit = tiny.full_map_hit(model, _latent())
     if compiled:
         model = _compiled(model)
     patched = ChorusSparseSampler.execute(model, hit, backend=backend).result[0]
