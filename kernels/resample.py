@@ -23,7 +23,7 @@ import torch
 
 from .masks import num_blocks
 from .pooling import region_cells
-from .tile_order import check_order
+from .tile_order import check_order, outside_inference_mode
 
 
 def _check_grid(grid, name: str) -> tuple[int, int, int]:
@@ -54,6 +54,7 @@ def nearest_source_tokens(src_grid, dst_grid) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=16)
+@outside_inference_mode
 def _source_block_assignment(src_grid, dst_grid, block_size: int, src_order=None, dst_order=None) -> torch.Tensor:
     """:func:`source_block_assignment` by :func:`nearest_source_tokens` (on the CPU; cached: a run of context
     windows of two lengths resamples every call of the longer ones; callers never write into it)."""
@@ -78,6 +79,7 @@ def source_block_assignment(src_grid, dst_grid, block_size: int, src_order=None,
 
 
 @functools.lru_cache(maxsize=8)
+@outside_inference_mode
 def _assignment_on(device: torch.device, src_grid, dst_grid, block_size: int, src_order, dst_order) -> torch.Tensor:
     """:func:`_source_block_assignment` on ``device``, kept there: a run in context windows of two lengths
     resamples every map of every step on the GPU (and a miss every longer window's call), where a fresh copy from

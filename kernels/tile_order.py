@@ -61,6 +61,22 @@ import torch
 
 from .pooling import positive_triple, region_cells, region_frames
 
+
+def outside_inference_mode(build):
+    """``build`` run with inference mode off: for the tensors the kernels keep across calls (orders and their
+    device copies here, ``resample.py``'s count matrices, the INT8 pre-pass's Hadamard matrix). ComfyUI first
+    asks for them inside ``torch.inference_mode``;
+    made there they would be inference tensors, which a later grad-enabled call (a diffusers pipeline run
+    without ``no_grad``) cannot save for backward (``index_select`` saves its index). Made outside, they serve
+    both. Tensors the caller passes in are read as they are."""
+
+    @functools.wraps(build)
+    def built(*args, **kwargs):
+        with torch.inference_mode(False):
+            return build(*args, **kwargs)
+
+    return built
+
 RASTER = "raster"
 
 
@@ -127,8 +143,12 @@ class _OrderOfGrid:
         key = str(torch.device(device))
         found = self._on_device.get(key)
         if found is None:
-            found = self._on_device[key] = (self.perm.to(device), self.inverse.to(device))
+            found = self._on_device[key] = self._copies_on(device)
         return found
+
+    @outside_inference_mode
+    def _copies_on(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.perm.to(device), self.inverse.to(device)
 
     def to_tile(self, x: torch.Tensor, dim: int = -2) -> torch.Tensor:
         """``x`` with its raster token dim ``dim`` (size ``L``) in this order: ``out[p] = x[perm[p]]``."""
@@ -170,6 +190,7 @@ class TileOrder(_OrderOfGrid):
     inverse: torch.Tensor = field(init=False, repr=False, compare=False)
     _on_device: dict = field(init=False, repr=False, compare=False, default_factory=dict)
 
+    @outside_inference_mode
     def __post_init__(self):
         grid = positive_triple(self.grid, "grid")
         if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1:
@@ -230,6 +251,7 @@ class RegionTileOrder(_OrderOfGrid):
     first_tile_block: int = field(init=False, compare=False)
     _on_device: dict = field(init=False, repr=False, compare=False, default_factory=dict)
 
+    @outside_inference_mode
     def __post_init__(self):
         grid = positive_triple(self.grid, "grid")
         region = positive_triple(self.region, "region")

@@ -212,3 +212,15 @@ def test_region_scores_of_another_aspect_or_length_are_refused():
         K.resample_region_scores(torch.zeros(4), (4, 16, 32), (4, 32, 16), (2, 8, 8))
     with pytest.raises(ValueError, match="complete regions"):
         K.resample_region_scores(torch.zeros(3), (4, 16, 16), (5, 16, 16), (2, 8, 8))
+
+
+def test_count_matrices_first_made_under_inference_mode_are_ordinary_tensors():
+    """The carry's count matrices are cached for the process; made first inside ComfyUI's ``inference_mode`` they
+    must still be ordinary tensors (the orders' indices too: ``test_kernels_tile_order.py``)."""
+    from chorus.kernels.resample import _assignment_on
+
+    with torch.inference_mode():
+        counts = _source_block_assignment((3, 5, 9), (4, 7, 11), 16)
+        on_device = _assignment_on(torch.device("cpu"), (3, 5, 9), (4, 7, 11), 16, None, None)
+    assert not counts.is_inference() and not on_device.is_inference()
+    assert torch.equal(counts, source_block_assignment((3, 5, 9), (4, 7, 11), 16))

@@ -8,8 +8,8 @@ import torch
 from chorus.kernels import block_mass, block_sparse_attention
 from chorus.kernels.masks import num_blocks
 from chorus.kernels.reference import dense_attention_oracle, expand_block_map
-from chorus.kernels.tile_order import (TileOrder, block_overlap, choose_tile, convert_map, convert_mass,
-                                       resolve_token_perm)
+from chorus.kernels.tile_order import (TileOrder, block_overlap, cached_region_order, cached_tile_order, choose_tile,
+                                       convert_map, convert_mass, resolve_token_perm)
 
 from testing import assert_matches_oracle, make_qkv, random_block_map
 
@@ -182,3 +182,31 @@ def test_a_suffix_bias_with_a_token_order_is_the_orders_suffix(pooled_tail):
     full = torch.ones(1, 1, 5, 5, dtype=torch.bool)  # every block: raster attention biased on frames 0 and 4
     got = block_sparse_attention(q, k, v, full, block_size=128, backend="reference", token_perm=order, **biases)
     assert (got.double() - dense_attention_oracle(q, k, v, **biases)).abs().max() < 1e-5
+
+
+def test_orders_first_asked_for_under_inference_mode_serve_a_grad_enabled_call():
+    """ComfyUI asks for the cached orders inside ``torch.inference_mode``; a later call with autograd on (a
+    diffusers pipeline run without ``no_grad``) gathers with the same cached indices and must be able to save
+    them for backward."""
+    grid = (3, 8, 9)  # a grid no other test caches
+    with torch.inference_mode():
+        orders = [cached_tile_order(grid, 64), cached_region_order(grid, (1, 8, 8), 64)]
+        for order in orders:
+            order.indices("cpu")
+    for order in orders:
+        assert not any(t.is_inference() for t in (order.perm, order.inverse, *order.indices("cpu")))
+        x = torch.randn(2, order.length, 3, dtype=torch.float64, requires_grad=True)
+        weights = torch.randn(2, order.length, 3, dtype=torch.float64)
+        (order.to_tile(x, dim=1) * weights).sum().backward()
+        assert torch.equal(x.grad, order.to_raster(weights, dim=1))
+
+
+def test_the_int8_pre_pass_hadamard_matrix_first_made_under_inference_mode_is_an_ordinary_tensor():
+    """The other tensor the kernels keep across calls through :func:`outside_inference_mode`."""
+    pytest.importorskip("triton")
+    from chorus.kernels.triton._quant_int8 import hadamard
+
+    with torch.inference_mode():
+        h = hadamard(32, "cpu", torch.float64)
+    assert not h.is_inference()
+    assert torch.equal(h @ h.T, 32 * torch.eye(32, dtype=torch.float64))

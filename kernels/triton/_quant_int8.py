@@ -40,6 +40,7 @@ import triton.language as tl
 from ._quant import (LOG2E, QUANT_TILE, _pool_chunk, _pooled_means, _program_tile, block_sums, check_prepass_perm,
                      interpreter_upcast, padded_len, smoothing_vector, source_rows, tail_rows, v_channel_absmax,
                      wgmma_key_of_column, wgmma_key_order_torch)
+from ..tile_order import outside_inference_mode
 
 INT8_MAX = 127.0
 
@@ -53,11 +54,16 @@ def hadamard(dim: int, device=None, dtype=torch.bfloat16) -> torch.Tensor:
         raise ValueError(f"a Sylvester-Hadamard matrix needs a power-of-two size, got {dim}")
     key = (dim, str(device), dtype)
     if key not in _HADAMARD:
-        h = torch.ones(1, 1, dtype=torch.float64)
-        while h.shape[0] < dim:
-            h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-        _HADAMARD[key] = h.to(device=device, dtype=dtype).contiguous()
+        _HADAMARD[key] = _sylvester_hadamard(dim, device, dtype)
     return _HADAMARD[key]
+
+
+@outside_inference_mode  # kept for the process: an ordinary tensor, whatever mode first asks
+def _sylvester_hadamard(dim: int, device, dtype) -> torch.Tensor:
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < dim:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h.to(device=device, dtype=dtype).contiguous()
 
 
 @triton.jit
