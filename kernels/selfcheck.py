@@ -122,7 +122,7 @@ def check_numerics(device: torch.device, backends: list[Backend], dtype: torch.d
     rows = torch.arange(0, tokens, ORACLE_ROW_STRIDE, device=device)
     exact = dense_attention_oracle(q[:, :, rows], k, v)
     torch_error = relative_l2(torch.nn.functional.scaled_dot_product_attention(q, k, v)[:, :, rows], exact)
-    results = [{"backend": "torch dense", "numerics": str(q.dtype).split(".")[-1],
+    results = [{"backend": "torch dense", "numerics": _dtype_name(dtype),
                 "rel_l2": torch_error, "ceiling": None, "passed": True}]
     for backend in backends:
         numerics = numerics_of(backend)
