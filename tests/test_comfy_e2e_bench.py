@@ -503,17 +503,58 @@ def test_the_dense_cudnn_row_moves_cudnn_attention_first_and_restores_the_host_s
         pass
 
 
-def test_the_benchmark_records_the_host_and_skips_dense_cudnn_where_it_sets_no_sdpa_order(tmp_path, monkeypatch):
+def _host_has_attention_backend_node() -> bool:
+    try:
+        from comfy_extras.nodes_model_advanced import ModelAttentionBackend  # noqa: F401 - ComfyUI 0.33.0 on
+    except ImportError:
+        return False
+    return True
+
+
+def test_the_benchmark_records_the_host_and_skips_the_dense_rows_it_cannot_run(tmp_path, monkeypatch):
+    """``dense_cudnn`` where the host sets no SDPA order (its CPU build), ``dense_ck`` where the host has no Model
+    Attention Backend node (0.3.64, 0.28.2) or comfy-kitchen no INT8 attention kernel for the device (the CPU): each
+    a row with the reason, the rest of the run goes on."""
     from chorus.benchmarks.comfy_e2e import run
     from chorus.nodes.host_report import comfyui_version
 
     monkeypatch.setenv("COMFYUI_DIR", str(tiny.find_comfyui_dir()))
     monkeypatch.setenv("CHORUS_CACHE_DIR", str(tmp_path / "cache"))
-    assert run.main(["--tiny", "--out", str(tmp_path), "--variants", "dense", "dense_cudnn"]) == 0
+    assert run.main(["--tiny", "--out", str(tmp_path), "--variants", "dense", "dense_cudnn", "dense_ck"]) == 0
     results = json.loads((tmp_path / "comfy_e2e.json").read_text())
     assert results["comfyui"] == comfyui_version() != "unknown" and results["sdpa_order"] is None  # CPU: no order
     rows = {r["variant"]: r for r in results["runs"]}
     assert rows["dense"]["finite"] and "no SDPA backend order" in rows["dense_cudnn"]["skipped"]
+    why = "no INT8 attention kernel" if _host_has_attention_backend_node() else "no Model Attention Backend node"
+    assert why in rows["dense_ck"]["skipped"]
+
+
+def test_the_dense_ck_row_runs_comfyui_s_own_attention_backend_node_on_clones(monkeypatch):
+    """``dense_ck``: each model through ComfyUI's core Model Attention Backend node at "comfy kitchen attention"
+    (0.33.0 on): a clone whose attention override calls what ComfyUI registered as ``comfy_kitchen_int8`` (its
+    ``attention_comfy_kitchen_int8``), the model handed in untouched. Where the kernel is missing the row is refused rather than run as the node's silent
+    PyTorch fallback."""
+    from chorus.benchmarks.comfy_e2e import run
+
+    model = tiny.load_tiny_wan(tiny.tiny_wan_state_dict())
+    if not _host_has_attention_backend_node():
+        with pytest.raises(RuntimeError, match="no Model Attention Backend node"):
+            run.comfy_kitchen_attention_models([model])
+        return
+    import comfy.ldm.modules.attention as attention
+
+    monkeypatch.setattr(attention, "COMFY_KITCHEN_INT8_ATTENTION_IS_AVAILABLE", False)
+    with pytest.raises(RuntimeError, match="no INT8 attention kernel"):
+        run.comfy_kitchen_attention_models([model])
+    monkeypatch.setattr(attention, "COMFY_KITCHEN_INT8_ATTENTION_IS_AVAILABLE", True)
+    seen = []  # ComfyUI registers its INT8 attention at import only where the kernel is: a recording stand-in here
+    monkeypatch.setitem(attention.REGISTERED_ATTENTION_FUNCTIONS, "comfy_kitchen_int8",
+                        lambda *a, **k: seen.append(a) or a[0])
+    (patched,) = run.comfy_kitchen_attention_models([model])
+    assert patched is not model and "optimized_attention_override" not in model.model_options["transformer_options"]
+    override = patched.model_options["transformer_options"]["optimized_attention_override"]
+    q = torch.randn(1, 8, 16)
+    assert override(None, q, q, q, 2) is q and len(seen) == 1
 
 
 def test_the_guided_feature_reuse_row_runs_the_shipped_workflow_s_node_chain(tmp_path, monkeypatch):

@@ -42,7 +42,10 @@ What runs (everything side by side in one process, one GPU):
 * Variants: ``dense`` (the unpatched models: ComfyUI's default attention, SDPA in the host's backend order:
   cuDNN attention first in 0.3.64 and 0.28.2, flash first and cuDNN second in 0.33.0 and 0.38.x; the JSON's
   ``comfyui`` and ``sdpa_order`` say which); ``dense_cudnn`` (the same with cuDNN attention moved first, the
-  older order, on any host: :func:`sdpa_cudnn_first`);
+  older order, on any host: :func:`sdpa_cudnn_first`); ``dense_ck`` (the models through ComfyUI's core "Model
+  Attention Backend" node at "comfy kitchen attention", 0.33.0 on: comfy-kitchen's dense INT8 attention in every
+  attention call, what ComfyUI's ``--use-ck-attention`` makes global; skipped with the reason where the host has no
+  such node or comfy-kitchen no INT8 kernel for the device: :func:`comfy_kitchen_attention_models`);
   ``dense_rowmajor`` (the same, each block on a row-major copy of its input, as Chorus's block patch runs every
   block of a patched model: ComfyUI hands them the patch embedding's transposed view, which Wan 2.2 TI2V 5B's
   per-token modulation makes costly; :func:`row_major_models`);
@@ -406,6 +409,24 @@ def sdpa_cudnn_first():
         order[:] = before
 
 
+def comfy_kitchen_attention_models(models):
+    """The ``dense_ck`` row's models: each through ComfyUI's core "Model Attention Backend" node
+    (``ModelAttentionBackend`` of ``comfy_extras/nodes_model_advanced.py``, ComfyUI 0.33.0 on) at "comfy kitchen
+    attention", which puts comfy-kitchen's INT8 attention (``attention_comfy_kitchen_int8``, dense: INT8 Q.K and
+    P.V) on the clone for every attention call. Raises ``RuntimeError`` where the host has no such node, or where
+    comfy-kitchen has no INT8 attention kernel for this device (the node itself would fall back to PyTorch's
+    attention with a warning: a row of that would be a second dense row under another name)."""
+    try:
+        from comfy_extras.nodes_model_advanced import ModelAttentionBackend
+    except ImportError as exc:
+        raise RuntimeError(f"this ComfyUI has no Model Attention Backend node ({exc})") from None
+    import comfy.ldm.modules.attention as attention
+
+    if not getattr(attention, "COMFY_KITCHEN_INT8_ATTENTION_IS_AVAILABLE", False):
+        raise RuntimeError("comfy-kitchen has no INT8 attention kernel for this device (its is_available() is False)")
+    return tuple(ModelAttentionBackend().patch(model, "comfy kitchen attention")[0] for model in models)
+
+
 def row_major_block(args, extra):
     """A Wan block patch that runs the block on a row-major copy of its input, as Chorus's block patch does
     (``nodes/comfy_forward.ChorusBlock``): ComfyUI hands the blocks the patch embedding's transposed view, and
@@ -753,6 +774,15 @@ def run(args) -> dict:
                     results["runs"].append({"weights": weights, "res": res, "variant": "dense_cudnn",
                                             "skipped": str(exc)})
                     print(f"skipping {weights}/{res}/dense_cudnn: {exc}", flush=True)
+            if "dense_ck" in args.variants and not args.compiled_only:
+                try:
+                    ck_models = comfy_kitchen_attention_models(experts)
+                except RuntimeError as exc:
+                    results["runs"].append({"weights": weights, "res": res, "variant": "dense_ck",
+                                            "skipped": str(exc)})
+                    print(f"skipping {weights}/{res}/dense_ck: {exc}", flush=True)
+                else:
+                    timed("dense_ck", windowed(ck_models))
             for name, start in SOL_VARIANTS.items():
                 if name in args.variants:
                     sol_row(name, start)
@@ -1034,7 +1064,8 @@ def main(argv=None) -> int:
                    help="resolutions (default: the model's own but 'tiny'; a14b: 480p 720p, ti2v5b: 720p = 1280 x 704)")
     p.add_argument("--weights", nargs="+", default=["bf16"], choices=["bf16", "fp16", "fp8", "fp8_scaled"])
     p.add_argument("--variants", nargs="+", default=["dense", "miss", "hit15", "hit5", "hitfr"],
-                   choices=["dense", "dense_rowmajor", "dense_cudnn", "miss", *HIT_VARIANTS, *SOL_VARIANTS])
+                   choices=["dense", "dense_rowmajor", "dense_cudnn", "dense_ck", "miss", *HIT_VARIANTS,
+                            *SOL_VARIANTS])
     p.add_argument("--hit-backends", nargs="+", default=["auto"],
                    help="sparse-attention backends the hit15 / hit5 variants run with (rows 'hit15@NAME'; "
                         "'auto' = the node's default row 'hit15')")
