@@ -505,7 +505,7 @@ def test_the_dense_cudnn_row_moves_cudnn_attention_first_and_restores_the_host_s
 
 def _host_has_attention_backend_node() -> bool:
     try:
-        from comfy_extras.nodes_model_advanced import ModelAttentionBackend  # noqa: F401 - ComfyUI 0.33.0 on
+        from comfy_extras.nodes_model_advanced import ModelAttentionBackend  # noqa: F401 - ComfyUI 0.33.0, 0.38.x
     except ImportError:
         return False
     return True
@@ -531,7 +531,7 @@ def test_the_benchmark_records_the_host_and_skips_the_dense_rows_it_cannot_run(t
 
 def test_the_dense_ck_row_runs_comfyui_s_own_attention_backend_node_on_clones(monkeypatch):
     """``dense_ck``: each model through ComfyUI's core Model Attention Backend node at "comfy kitchen attention"
-    (0.33.0 on): a clone whose attention override calls what ComfyUI registered as ``comfy_kitchen_int8`` (its
+    (0.33.0's V1 node, 0.38.x's V3 one): a clone whose attention override calls what ComfyUI registered as ``comfy_kitchen_int8`` (its
     ``attention_comfy_kitchen_int8``), the model handed in untouched. Where the kernel is missing the row is refused rather than run as the node's silent
     PyTorch fallback."""
     from chorus.benchmarks.comfy_e2e import run

@@ -43,9 +43,9 @@ What runs (everything side by side in one process, one GPU):
   cuDNN attention first in 0.3.64 and 0.28.2, flash first and cuDNN second in 0.33.0 and 0.38.x; the JSON's
   ``comfyui`` and ``sdpa_order`` say which); ``dense_cudnn`` (the same with cuDNN attention moved first, the
   older order, on any host: :func:`sdpa_cudnn_first`); ``dense_ck`` (the models through ComfyUI's core "Model
-  Attention Backend" node at "comfy kitchen attention", 0.33.0 on: comfy-kitchen's dense INT8 attention in every
-  attention call, what ComfyUI's ``--use-ck-attention`` makes global; skipped with the reason where the host has no
-  such node or comfy-kitchen no INT8 kernel for the device: :func:`comfy_kitchen_attention_models`);
+  Attention Backend" node at "comfy kitchen attention", 0.33.0 and 0.38.x: comfy-kitchen's dense INT8 attention
+  in every attention call, what ComfyUI's ``--use-ck-attention`` makes global; skipped with the reason where the
+  host has no such node or comfy-kitchen no INT8 kernel for the device: :func:`comfy_kitchen_attention_models`);
   ``dense_rowmajor`` (the same, each block on a row-major copy of its input, as Chorus's block patch runs every
   block of a patched model: ComfyUI hands them the patch embedding's transposed view, which Wan 2.2 TI2V 5B's
   per-token modulation makes costly; :func:`row_major_models`);
@@ -411,11 +411,12 @@ def sdpa_cudnn_first():
 
 def comfy_kitchen_attention_models(models):
     """The ``dense_ck`` row's models: each through ComfyUI's core "Model Attention Backend" node
-    (``ModelAttentionBackend`` of ``comfy_extras/nodes_model_advanced.py``, ComfyUI 0.33.0 on) at "comfy kitchen
-    attention", which puts comfy-kitchen's INT8 attention (``attention_comfy_kitchen_int8``, dense: INT8 Q.K and
-    P.V) on the clone for every attention call. Raises ``RuntimeError`` where the host has no such node, or where
-    comfy-kitchen has no INT8 attention kernel for this device (the node itself would fall back to PyTorch's
-    attention with a warning: a row of that would be a second dense row under another name)."""
+    (``ModelAttentionBackend`` of ``comfy_extras/nodes_model_advanced.py``: a V1 node with ``patch`` in 0.33.0, a V3
+    node with ``execute`` in 0.38.x; not in 0.3.64) at "comfy kitchen attention", which puts comfy-kitchen's INT8
+    attention (``attention_comfy_kitchen_int8``, dense: INT8 Q.K and P.V) on the clone for every attention call.
+    Raises ``RuntimeError`` where the host has no such node, or where comfy-kitchen has no INT8 attention kernel
+    for this device (the node itself would fall back to PyTorch's attention with a warning: a row of that would be
+    a second dense row under another name)."""
     try:
         from comfy_extras.nodes_model_advanced import ModelAttentionBackend
     except ImportError as exc:
@@ -424,6 +425,8 @@ def comfy_kitchen_attention_models(models):
 
     if not getattr(attention, "COMFY_KITCHEN_INT8_ATTENTION_IS_AVAILABLE", False):
         raise RuntimeError("comfy-kitchen has no INT8 attention kernel for this device (its is_available() is False)")
+    if hasattr(ModelAttentionBackend, "define_schema"):  # the V3 node
+        return tuple(ModelAttentionBackend.execute(model, "comfy kitchen attention").result[0] for model in models)
     return tuple(ModelAttentionBackend().patch(model, "comfy kitchen attention")[0] for model in models)
 
 
