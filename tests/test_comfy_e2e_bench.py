@@ -513,7 +513,7 @@ def _host_has_attention_backend_node() -> bool:
 
 def test_the_benchmark_records_the_host_and_skips_the_dense_rows_it_cannot_run(tmp_path, monkeypatch):
     """``dense_cudnn`` where the host sets no SDPA order (its CPU build), ``dense_ck`` where the host has no Model
-    Attention Backend node (0.3.64, 0.28.2) or comfy-kitchen no INT8 attention kernel for the device (the CPU): each
+    Attention Backend node (0.3.64) or comfy-kitchen no INT8 attention kernel for the device (the CPU): each
     a row with the reason, the rest of the run goes on."""
     from chorus.benchmarks.comfy_e2e import run
     from chorus.nodes.host_report import comfyui_version
@@ -531,9 +531,9 @@ def test_the_benchmark_records_the_host_and_skips_the_dense_rows_it_cannot_run(t
 
 def test_the_dense_ck_row_runs_comfyui_s_own_attention_backend_node_on_clones(monkeypatch):
     """``dense_ck``: each model through ComfyUI's core Model Attention Backend node at "comfy kitchen attention"
-    (0.33.0's V1 node, 0.38.x's V3 one): a clone whose attention override calls what ComfyUI registered as ``comfy_kitchen_int8`` (its
-    ``attention_comfy_kitchen_int8``), the model handed in untouched. Where the kernel is missing the row is refused rather than run as the node's silent
-    PyTorch fallback."""
+    (0.33.0's V1 node, 0.38.x's V3 one): a clone whose attention override calls what ComfyUI registered as
+    ``comfy_kitchen_int8`` (its ``attention_comfy_kitchen_int8``), the model handed in untouched. Where the kernel
+    is missing the row is refused rather than run as the node's silent PyTorch fallback."""
     from chorus.benchmarks.comfy_e2e import run
 
     model = tiny.load_tiny_wan(tiny.tiny_wan_state_dict())
