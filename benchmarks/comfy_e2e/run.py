@@ -690,6 +690,11 @@ def run(args) -> dict:
                 save(results, args.out)
                 return out
 
+            def skipped_row(name, why):
+                """A row that could not run here: recorded with the reason, and the run goes on."""
+                results["runs"].append({"weights": weights, "res": res, "variant": name, "skipped": str(why)})
+                print(f"skipping {weights}/{res}/{name}: {why}", flush=True)
+
             def sol_row(name, start_percent):
                 """A row of ComfyUI's core sparse attention on both experts (``sol_peer.py``); without
                 ``comfy_kitchen`` the row records why it did not run."""
@@ -702,8 +707,7 @@ def run(args) -> dict:
                     patched_pair = [sol_patched(m, **options) for m in experts]
                     patched_pair = list(zip(windowed([m for m, _ in patched_pair]), [c for _, c in patched_pair]))
                 except ImportError as exc:
-                    results["runs"].append({"weights": weights, "res": res, "variant": name, "skipped": str(exc)})
-                    print(f"skipping {weights}/{res}/{name}: {exc}", flush=True)
+                    skipped_row(name, exc)
                     return
                 if timed(name, tuple(m for m, _ in patched_pair)) is not None:
                     results["runs"][-1].update(
@@ -774,16 +778,12 @@ def run(args) -> dict:
                         if results["runs"] and results["runs"][-1]["variant"] == "dense_cudnn":
                             results["runs"][-1]["sdpa_order"] = sdpa_order()
                 except RuntimeError as exc:
-                    results["runs"].append({"weights": weights, "res": res, "variant": "dense_cudnn",
-                                            "skipped": str(exc)})
-                    print(f"skipping {weights}/{res}/dense_cudnn: {exc}", flush=True)
+                    skipped_row("dense_cudnn", exc)
             if "dense_ck" in args.variants and not args.compiled_only:
                 try:
                     ck_models = comfy_kitchen_attention_models(experts)
                 except RuntimeError as exc:
-                    results["runs"].append({"weights": weights, "res": res, "variant": "dense_ck",
-                                            "skipped": str(exc)})
-                    print(f"skipping {weights}/{res}/dense_ck: {exc}", flush=True)
+                    skipped_row("dense_ck", exc)
                 else:
                     timed("dense_ck", windowed(ck_models))
             for name, start in SOL_VARIANTS.items():
