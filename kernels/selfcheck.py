@@ -84,9 +84,9 @@ def report(device: torch.device, dtype: torch.dtype = torch.float16) -> dict:
     accurate = next((name for name, why in accurate_reasons.items() if why is None), None)
     mass_chain = [{"backend": b.value, "reason": why} for b, why in auto_chain(probe, "block_mass")]
     out = {"versions": _versions(), "device": _device_info(device), "dtype": _dtype_name(dtype), "chain": chain,
-           "auto": choice.value,
-           "block_mass_chain": mass_chain, "block_mass": resolve_backend("auto", probe, "block_mass").value,
-           "accurate": accurate, "accurate_reasons": accurate_reasons}
+           "auto": choice.value, "block_mass_chain": mass_chain,
+           "block_mass": resolve_backend("auto", probe, "block_mass").value, "accurate": accurate,
+           "accurate_reasons": accurate_reasons}
     # off Hopper auto takes the 16-bit kernel; where the portable FP8 one runs too (sm_89+: Ada, Blackwell), --run
     # also checks and times it: a choice by name whose speed on such GPUs the project has not measured
     out["option"] = None
