@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..kernels.custom_ops import op_registered
+from ..kernels.process_tensors import outside_inference_mode
 from .call import AttnCall, sdpa
 from .model_info import frames_summary
 from .runtime import attend as engine_attend
@@ -306,8 +307,7 @@ if not op_registered("attend"):
 # number of calls recorded in this process), which keeps every call in the graph, in program order. Made outside
 # inference mode whoever imports this module first (ComfyUI runs its nodes under ``torch.inference_mode``): an
 # inference tensor could not be updated by a later call outside it, a normal tensor can be inside it.
-with torch.inference_mode(False):
-    _RECORD_TOKEN = torch.zeros(1, dtype=torch.int64)
+_RECORD_TOKEN = outside_inference_mode(torch.zeros)(1, dtype=torch.int64)
 
 
 def _on_context(token: torch.Tensor, method: str, *args) -> None:

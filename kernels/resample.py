@@ -23,7 +23,8 @@ import torch
 
 from .masks import num_blocks
 from .pooling import region_cells
-from .tile_order import check_order, outside_inference_mode
+from .process_tensors import outside_inference_mode
+from .tile_order import check_order
 
 
 def _check_grid(grid, name: str) -> tuple[int, int, int]:

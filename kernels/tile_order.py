@@ -60,21 +60,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .pooling import positive_triple, region_cells, region_frames
-
-
-def outside_inference_mode(build):
-    """``build`` run with inference mode off: for the tensors the kernels keep across calls (orders and their
-    device copies here, ``resample.py``'s count matrices, the INT8 pre-pass's Hadamard matrix). ComfyUI first
-    asks for them inside ``torch.inference_mode``; made there they would be inference tensors, which a later
-    grad-enabled call (a diffusers pipeline run without ``no_grad``) cannot save for backward (``index_select``
-    saves its index). Made outside, they serve both. Tensors the caller passes in are read as they are."""
-
-    @functools.wraps(build)
-    def built(*args, **kwargs):
-        with torch.inference_mode(False):
-            return build(*args, **kwargs)
-
-    return built
+from .process_tensors import outside_inference_mode
 
 
 RASTER = "raster"

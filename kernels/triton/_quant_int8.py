@@ -40,7 +40,7 @@ import triton.language as tl
 from ._quant import (LOG2E, QUANT_TILE, _pool_chunk, _pooled_means, _program_tile, block_sums, check_prepass_perm,
                      interpreter_upcast, padded_len, smoothing_vector, source_rows, tail_rows, v_channel_absmax,
                      wgmma_key_of_column, wgmma_key_order_torch)
-from ..tile_order import outside_inference_mode
+from ..process_tensors import outside_inference_mode
 
 INT8_MAX = 127.0
 
