@@ -68,11 +68,33 @@ def import_comfy() -> str | None:
             import comfy.model_management  # noqa: F401
             import comfy.sample  # noqa: F401
             import comfy.sd  # noqa: F401
+            if not torch.cuda.is_available():
+                _trace_less_on_the_cpu()
             reason = None
         except Exception as exc:  # noqa: BLE001 - a broken checkout is a skip reason, not a test error
             reason = f"ComfyUI at {comfy_dir} does not import: {type(exc).__name__}: {exc}"
     _IMPORT_STATE["reason"] = reason
     return reason
+
+
+def _trace_less_on_the_cpu() -> None:
+    """Two things dynamo would trace at every compile of ComfyUI's Wan on the CPU, which cost the suite minutes
+    and which no test asserts (each compiled test file runs ~30% faster without them):
+
+    - einops' pattern parsing: ComfyUI's RoPE (``comfy.ldm.flux.math.rope``) calls ``einops.rearrange``; einops
+      puts its functions in dynamo's graph itself below torch 2.8, from 2.8 on dynamo traces the parsing (about
+      half the bytecode it steps through in a tiny forward). Here they are in the graph as before 2.8.
+    - psutil's memory read in ComfyUI's CPU attention (``attention_sub_quad`` asks
+      ``comfy.model_management.get_free_memory``, which reads ``psutil.virtual_memory()``; tracing it wraps all of
+      ``sys.modules``): a graph break either way, here at the call instead of inside psutil.
+
+    Tests only, and only without CUDA (on a GPU ComfyUI attends with SDPA and the GPU tests compile as users do)."""
+    import comfy.model_management
+    import einops
+
+    for function in (einops.rearrange, einops.repeat, einops.reduce, einops.einsum):
+        torch.compiler.allow_in_graph(function)
+    comfy.model_management.get_free_memory = torch.compiler.disable(comfy.model_management.get_free_memory)
 
 
 def _init_(module: torch.nn.Module, seed: int, std: float = 0.02) -> None:
