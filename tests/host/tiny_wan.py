@@ -79,7 +79,7 @@ def import_comfy() -> str | None:
 
 def _trace_less_on_the_cpu() -> None:
     """Two things dynamo would trace at every compile of ComfyUI's Wan on the CPU, which cost the suite minutes
-    and which no test asserts (each compiled test file runs ~30% faster without them):
+    and which no test asserts (the compiled host test files run 10-30% faster without them):
 
     - einops' pattern parsing: ComfyUI's RoPE (``comfy.ldm.flux.math.rope``) calls ``einops.rearrange``; einops
       puts its functions in dynamo's graph itself below torch 2.8, from 2.8 on dynamo traces the parsing (about
