@@ -89,11 +89,12 @@ What runs (everything side by side in one process, one GPU):
   so compiled Chorus rows time each ``torch.ops.chorus.attend`` call from the inside (CUDA events
   around the op's work, which runs eagerly in the compiled graph; ``attn_ms_*`` of those rows).
   ``kernel alone``: ``chorus.kernels.block_sparse_attention`` with ``backend="auto"`` (the backend a
-  hit runs; its name is in the row) on random q/k/v in ComfyUI's layout with the map of layer 0 the
-  hit used (entry map + k_min floor), timed the same way; the hit's per-layer time over it is what
-  the integration costs per call. The GPU's SM clock and power are sampled (NVML, every 50 ms) during each
-  timed request (``gpu``) and during the kernel-alone timing (``kernel_alone_ms.gpu_auto``): the same kernel
-  runs slower at the clock a GPU holds under the model's GEMMs than in a loop on an idle one. Retrieval and
+  hit runs; its name is in the row; a ``--hit-backends`` row times its own backend) on random q/k/v in
+  ComfyUI's layout with the map of layer 0 the hit used (entry map + k_min floor), timed the same way; the
+  hit's per-layer time over it is what the integration costs per call (the table's "alone"). The GPU's SM
+  clock and power are sampled (NVML, every 50 ms) during each timed request (``gpu``) and during the
+  kernel-alone timing (``kernel_alone_ms.gpu_auto``, or ``gpu_<backend>``): the same kernel runs slower at
+  the clock a GPU holds under the model's GEMMs than in a loop on an idle one. Retrieval and
   cache-write times are reported separately (they run on the CPU before / after sampling). ``comfy_loading``:
   whether ComfyUI loaded both experts whole for the timed request (:func:`loading_state`; two bf16 A14B experts
   take 53 GiB, so on an 80 GB card it may load them partially, and the table marks such a row).
@@ -832,6 +833,9 @@ def run(args) -> dict:
                     plan_b, _ = retrieve(hit_ws)
                     if timed(f"{name}@{backend}", patched(plan_b, backend=backend), plan_b) is not None:
                         results["runs"][-1]["backend"] = backend
+                        if name == "hit15" and device.type == "cuda":
+                            results["runs"][-1]["kernel_alone_ms"] = kernel_alone_ms(
+                                plan_b, plan_b.token_grid, shape, kernels, sampler, backend=backend)
                 if per_backend and "auto" not in args.hit_backends:
                     continue  # the plain (auto) row below runs only when asked for
                 plan, t_ret = retrieve(hit_ws)
@@ -865,14 +869,15 @@ def save(results: dict, out_dir) -> None:
     (out / "comfy_e2e.json").write_text(json.dumps(results, indent=1, default=str))
 
 
-def kernel_alone_ms(plan, grid, shape, kernels, sampler=None, reps: int = 10) -> dict:
-    """The kernel a hit runs by itself: ``block_sparse_attention(backend="auto")`` in the entry's
-    token order, as the hit runs it (``"auto"``: its median ms, with the pooled tail as the node's default
-    runs it; ``"auto_no_tail"``: without; ``"backend"``: what auto resolved to) on random q/k/v in ComfyUI's
-    layout with the map the hit computes for layer 0 of step 0 (entry map + k_min floor); also the portable
-    Triton FP8 kernel whole and in its two parts (pre-pass + index, attention), without the tail.
-    ``sampler`` (a ``GpuSampler``): ``"gpu_auto"`` = the GPU's clock and power while ``"auto"`` was timed, to
-    set beside the row's ``"gpu"`` (the same kernel inside the model runs at the model's clock)."""
+def kernel_alone_ms(plan, grid, shape, kernels, sampler=None, reps: int = 10, backend: str = "auto") -> dict:
+    """The kernel a hit runs by itself: ``block_sparse_attention(backend=backend)`` in the entry's
+    token order, as the hit runs it (key ``backend``'s name, e.g. ``"auto"``: its median ms, with the pooled
+    tail as the node's default runs it; ``"<name>_no_tail"``: without; ``"backend"``: what it resolved to) on
+    random q/k/v in ComfyUI's layout with the map the hit computes for layer 0 of step 0 (entry map + k_min
+    floor); for ``"auto"`` also the portable Triton FP8 kernel whole and in its two parts (pre-pass + index,
+    attention), without the tail. ``backend``: the one the row's hit runs (a ``--hit-backends`` row names its
+    own). ``sampler`` (a ``GpuSampler``): ``"gpu_<name>"`` = the GPU's clock and power while the hit's kernel
+    was timed, to set beside the row's ``"gpu"`` (the same kernel inside the model runs at the model's clock)."""
     from chorus.engine.maps import floor_k_min, stored_map
 
     t, h, w = grid
@@ -891,22 +896,24 @@ def kernel_alone_ms(plan, grid, shape, kernels, sampler=None, reps: int = 10) ->
     out = {}
     from chorus.kernels.api import resolve_backend
 
-    out["backend"] = resolve_backend("auto", qkv[0]).value
-    for name in ("auto", "auto_no_tail", "triton_fp8", "prepass_and_index", "attention_kernel"):
+    out["backend"] = resolve_backend(backend, qkv[0]).value
+    no_tail = f"{backend}_no_tail"
+    names = (backend, no_tail) + (("triton_fp8", "prepass_and_index", "attention_kernel") if backend == "auto" else ())
+    for name in names:
         def call():
             if name == "prepass_and_index":
                 return prepare_attention(*qkv, block_map, 128, scale, True)
             if name == "attention_kernel":
                 return launch_attention(prep)
-            hit_like = name.startswith("auto")
-            o = kernels.block_sparse_attention(*qkv, block_map, backend="auto" if hit_like else name,
+            hit_like = name in (backend, no_tail)
+            o = kernels.block_sparse_attention(*qkv, block_map, backend=backend if hit_like else name,
                                                rows_checked=True, token_perm=plan.entry_order if hit_like else None,
-                                               pooled_tail=name == "auto")
+                                               pooled_tail=name == backend)
             return o.transpose(1, 2).reshape(1, length, heads * dim)
-        if name == "auto" and sampler is not None:
+        if name == backend and sampler is not None:
             with sampler.window() as window:
                 out[name] = cuda_median_ms(call, reps, warmup=2)
-            out["gpu_auto"] = window.summary()
+            out[f"gpu_{backend}"] = window.summary()
         else:
             out[name] = cuda_median_ms(call, reps, warmup=2)
     out["density"] = float(block_map.float().mean())
@@ -1031,6 +1038,9 @@ def table(results: dict) -> str:
         attn = f"{r['attn_ms_per_layer']:.2f}" if r.get("attn_ms_per_layer") is not None else "-"
         if r.get("attn_kernels_ms_per_call") is not None and r.get("attn_ms_median") is not None:
             attn += f" (median {r['attn_ms_median']:.2f}, its kernels {r['attn_kernels_ms_per_call']:.2f})"
+        alone = (r.get("kernel_alone_ms") or {}).get(r.get("backend", "auto"))
+        if alone is not None:
+            attn += f" (alone {alone:.2f})"
         dens = f"{r['density']:.1%}" if r.get("density") is not None else "-"
         peak = f"{r['peak_gib']:.1f}" if r.get("peak_gib") is not None else "-"
         first = f"{r['first_request_s']:.1f}" if r.get("first_request_s") is not None else "-"
