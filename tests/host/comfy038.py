@@ -29,8 +29,8 @@ public source as read on 2026-12-02 (behaviour described, no code taken), at the
   MultiTalk / InfiniteTalk audio uses both: its attn2 patch reshapes x by ``grid_sizes``); after each block
   (and its replacement) each ``double_block`` patch gets ``{"img", "x", "vec", "block_index",
   "img_offset", "transformer_options"}`` and returns ``{"img": ...}``.
-- ``comfy_extras/nodes_torch_compile.py`` (as stored on 2026-12-05; 0.3.64 has no such filter):
-  ``TorchCompileModel`` clones with ``disable_dynamic=True`` and, unless its ``mode`` input is set, compiles
+- ``comfy_extras/nodes_torch_compile.py`` (as stored on 2026-12-05 and 2026-12-07; 0.3.64 has no such filter):
+  ``TorchCompileModel`` clones with ``disable_dynamic=True`` and always compiles
   with ``options={"guard_filter_fn": ...}`` keeping only the dynamo guards whose name does not contain
   ``transformer_options`` (:func:`torch_compile_guard_filter`).
 - ``comfy/model_patcher.py`` @ 08d0e510f4e539a1db39072589817136ac6cfa7d and ``comfy/samplers.py`` @
