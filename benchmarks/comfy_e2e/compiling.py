@@ -29,13 +29,14 @@ def drop_transformer_options_guards(guard_entries) -> list[bool]:
 def host_compiles_with_guard_filter(compiled) -> bool:
     """Whether the host's ``TorchCompileModel`` compiled ``compiled`` (its output) with compile options, which
     every ComfyUI that has them uses for its guard filter (no dynamo guard on ``transformer_options``): 0.3.64
-    passes none; 0.28.2 and 0.33.0 always pass the filter (run); 0.38.x with its ``mode`` left empty (read)."""
+    passes none; 0.28.2 and 0.33.0 always pass the filter (run), as the newest stored versions of the node do (read)."""
     return compiled.model_options.get("torch_compile_kwargs", {}).get("options") is not None
 
 
 def torch_compile_model(model, guard_filter: bool = False):
     """``model`` through the host's own ``TorchCompileModel`` node (inductor) as a user's graph runs it: in
-    0.3.64 ``execute(model, backend)``; in 0.38.x also ``mode`` (left empty, the node's default). ``guard_filter``
+    0.3.64 ``execute(model, backend)``, as in every version stored on 2026-12-07; a node that also takes a
+    ``mode`` (read in 2026-12-05's store) gets it left empty, the node's default. ``guard_filter``
     on a host whose node compiles without options (0.3.64): compile as later ComfyUI's node does, through the
     host's own ``set_torch_compile_wrapper`` with :func:`drop_transformer_options_guards`."""
     import inspect
