@@ -30,7 +30,8 @@ public source as read on 2026-12-02 (behaviour described, no code taken), at the
   (and its replacement) each ``double_block`` patch gets ``{"img", "x", "vec", "block_index",
   "img_offset", "transformer_options"}`` and returns ``{"img": ...}``.
 - ``comfy_extras/nodes_torch_compile.py`` (as stored on 2026-12-05 and 2026-12-07; 0.3.64 has no such filter):
-  ``TorchCompileModel`` clones with ``disable_dynamic=True`` and always compiles
+  ``TorchCompileModel`` clones with ``disable_dynamic=True`` and always compiles (a version read on 2026-12-05:
+  unless its ``mode`` input is set)
   with ``options={"guard_filter_fn": ...}`` keeping only the dynamo guards whose name does not contain
   ``transformer_options`` (:func:`torch_compile_guard_filter`).
 - ``comfy/model_patcher.py`` @ 08d0e510f4e539a1db39072589817136ac6cfa7d and ``comfy/samplers.py`` @
