@@ -93,8 +93,8 @@ def test_a_compiled_fp8_scaled_hit_with_feature_reuse_compiles_nothing_in_its_se
 
 def test_comfy_e2e_benchmark_runs_the_ti2v_5b_workflow(tmp_path, monkeypatch):
     """``--model ti2v5b``: one Wan 2.2 TI2V 5B-shaped model (48 latent channels, the start image in the latent's
-    first frame with its noise mask) through one 20-step uni_pc request at cfg 5; the miss records every step and
-    the hit runs each of them sparse."""
+    first frame with its noise mask) through one uni_pc request at cfg 5 (20 steps; ``--tiny``, on the CPU, 4 of
+    them); the miss records every step and the hit runs each of them sparse."""
     from chorus.benchmarks.comfy_e2e import run
 
     monkeypatch.setenv("COMFYUI_DIR", str(tiny.find_comfyui_dir()))
@@ -109,7 +109,8 @@ def test_comfy_e2e_benchmark_runs_the_ti2v_5b_workflow(tmp_path, monkeypatch):
     assert all(len(r["comfy_loading"]) == 1 for r in rows.values())  # one model, no second expert
     assert rows["miss"]["plan_kind"] == "miss" and rows["miss"]["write"].startswith("wrote entry")
     hit = rows["hit15"]
-    steps, layers = run.WORKFLOWS["ti2v5b"].steps, results["shape"]["num_layers"]
+    steps, layers = results["steps"], results["shape"]["num_layers"]
+    assert steps == run.TINY_MAX_STEPS < run.WORKFLOWS["ti2v5b"].steps
     assert hit["plan_kind"] == "hit" and hit["fallback_calls"] == 0
     assert hit["sparse_calls"] >= steps * layers and hit["tail_calls"] == hit["sparse_calls"], hit
 

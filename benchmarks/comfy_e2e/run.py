@@ -3,7 +3,7 @@
 ``python -m benchmarks.comfy_e2e.run --comfyui DIR --out OUT [--model a14b | ti2v5b] [--res 480p 720p]
 [--weights bf16 fp16 fp8 fp8_scaled] [--variants dense miss hit15 hit5 hitfr] [--compile [--guard-filter]] [--layers 40] [--profile]
 [--frames N --windows LENGTH OVERLAP [--window-schedule NAME]]``
-(``--tiny``: the same code at toy sizes on the CPU, for tests; ``--profile``: one more step of each variant under
+(``--tiny``: the same code at toy sizes and at most 4 steps, on the CPU, for tests; ``--profile``: one more step of each variant under
 ``torch.profiler``, its top kernels by GPU time in the JSON, and a hit's attention call's kernels beside
 its per-call time in the table).
 
@@ -128,6 +128,7 @@ A14B = dict(dim=5120, ffn_dim=13824, num_heads=40, num_layers=40, in_dim=36, out
 TI2V_5B = dict(dim=3072, ffn_dim=14336, num_heads=24, num_layers=30, in_dim=48, out_dim=48, text_dim=4096,
                freq_dim=256)
 TINY = dict(dim=256, ffn_dim=512, num_heads=2, num_layers=2, text_dim=4096, freq_dim=256)
+TINY_MAX_STEPS = 4  # --tiny: a 20-step workflow samples 4 steps of the same sampler and cfg (the CPU tests)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -537,13 +538,16 @@ def run(args) -> dict:
     from chorus.nodes.sparse_sampler import ChorusSparseSampler
 
     workflow = WORKFLOWS[args.model]
+    if args.tiny and workflow.steps > TINY_MAX_STEPS:
+        workflow = dataclasses.replace(workflow, steps=TINY_MAX_STEPS, switch=min(workflow.switch, TINY_MAX_STEPS))
     shape = dict(TINY, in_dim=workflow.shape["in_dim"], out_dim=workflow.shape["out_dim"]) if args.tiny else workflow.shape
     if args.layers:
         shape = dict(shape, num_layers=args.layers)
     results = {"command": " ".join(sys.argv), "device": torch.cuda.get_device_name() if not cpu else "cpu",
                "torch": torch.__version__, "workflow": workflow.label + (
                    "; a start and an end image (WanFirstLastFrameToVideo)" if args.end_image else ""),
-               "shape": shape, "comfyui": comfyui_version(), "sdpa_order": sdpa_order(), "runs": []}
+               "shape": shape, "steps": workflow.steps, "comfyui": comfyui_version(), "sdpa_order": sdpa_order(),
+               "runs": []}
     if not cpu:
         import triton
 
@@ -1093,7 +1097,7 @@ def main(argv=None) -> int:
                    help="with --compile: only the compiled rows, each beside compiled dense (the eager miss still "
                         "runs when a hit variant needs its entry)")
     p.add_argument("--layers", type=int, default=0, help="layers per expert (default: the model's, 40 or 30)")
-    p.add_argument("--tiny", action="store_true", help="toy sizes on the CPU (tests)")
+    p.add_argument("--tiny", action="store_true", help="toy sizes and at most 4 steps, on the CPU (tests)")
     p.add_argument("--time-budget", type=float, default=1e9, help="seconds; later variants are skipped past it")
     p.add_argument("--profile", action="store_true",
                    help="also one step of each variant under torch.profiler: its top kernels by GPU time")
