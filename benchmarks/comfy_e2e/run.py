@@ -3,9 +3,9 @@
 ``python -m benchmarks.comfy_e2e.run --comfyui DIR --out OUT [--model a14b | ti2v5b] [--res 480p 720p]
 [--weights bf16 fp16 fp8 fp8_scaled] [--variants dense miss hit15 hit5 hitfr] [--compile [--guard-filter]] [--layers 40] [--profile]
 [--frames N --windows LENGTH OVERLAP [--window-schedule NAME]]``
-(``--tiny``: the same code at toy sizes and at most 4 steps, on the CPU, for tests; ``--profile``: one more step of each variant under
-``torch.profiler``, its top kernels by GPU time in the JSON, and a hit's attention call's kernels beside
-its per-call time in the table).
+(``--tiny``: the same code at toy sizes and at most 4 steps, on the CPU, for tests; ``--profile``: one more
+step of each variant under ``torch.profiler``, its top kernels by GPU time in the JSON, and a hit's attention
+call's kernels beside its per-call time in the table).
 
 What runs (everything side by side in one process, one GPU):
 
