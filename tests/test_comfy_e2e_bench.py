@@ -355,6 +355,23 @@ def test_profile_counts_the_hit_s_attention_calls_and_puts_their_kernels_beside_
     assert run.attention_kernels_ms(None) is None and run.attention_kernels_ms({"ops": {}}) is None
 
 
+def test_the_table_puts_each_hit_s_own_kernel_alone_beside_its_per_call_time():
+    """A hit row's "alone" is the kernel it ran, timed by itself: ``auto``'s for the plain row, the named backend's
+    for a ``--hit-backends`` row (whose ``kernel_alone_ms`` also holds nothing of ``auto``)."""
+    from chorus.benchmarks.comfy_e2e import run
+
+    base = {"weights": "fp16", "res": "720p", "seconds": 16.0, "attn_ms_per_layer": 24.5, "density": 0.15,
+            "gpu": {"available": False}}
+    plain = dict(base, variant="hit15", kernel_alone_ms={"backend": "triton_fp8_ws", "auto": 21.75,
+                                                         "auto_no_tail": 20.28})
+    named = dict(base, variant="hit15@triton_int8_ws", backend="triton_int8_ws", attn_ms_per_layer=36.6,
+                 kernel_alone_ms={"backend": "triton_int8_ws", "triton_int8_ws": 30.96,
+                                  "triton_int8_ws_no_tail": 29.63})
+    lines = run.table({"runs": [plain, named]}).splitlines()
+    assert "| 24.50 (alone 21.75) |" in lines[2] and "| 36.60 (alone 30.96) |" in lines[3], lines
+    assert "alone" not in run.table({"runs": [dict(base, variant="hit15")]})
+
+
 class _Raw:
     """A raw profiler event as :func:`chorus_op_times` reads one (kineto's): name, device, host or GPU interval
     (ns), correlation id and the op id a host-side runtime event is linked to (0 for an op)."""
