@@ -896,14 +896,14 @@ def kernel_alone_ms(plan, grid, shape, kernels, sampler=None, reps: int = 10, ba
     from ..timing import cuda_median_ms
 
     scale = 1.0 / math.sqrt(dim)
-    prep = prepare_attention(*qkv, block_map, 128, scale, True)
+    portable_parts = ("triton_fp8", "prepass_and_index", "attention_kernel") if backend == "auto" else ()
+    prep = prepare_attention(*qkv, block_map, 128, scale, True) if portable_parts else None
     out = {}
     from chorus.kernels.api import resolve_backend
 
     out["backend"] = resolve_backend(backend, qkv[0]).value
     no_tail = f"{backend}_no_tail"
-    names = (backend, no_tail) + (("triton_fp8", "prepass_and_index", "attention_kernel") if backend == "auto" else ())
-    for name in names:
+    for name in (backend, no_tail) + portable_parts:
         def call():
             if name == "prepass_and_index":
                 return prepare_attention(*qkv, block_map, 128, scale, True)
