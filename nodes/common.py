@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import numbers
@@ -19,6 +20,20 @@ MAX_INT_INPUT = 1 << 53  # past this an INT input is absurd for every Chorus set
 
 CATEGORY = "Chorus II"
 ChorusPlan = io.Custom("CHORUS_PLAN")
+
+
+def _inputs_take_advanced() -> bool:
+    """Whether this ComfyUI's V3 inputs take ``advanced`` (0.33.0 and later do; 0.3.64 does not)."""
+    try:
+        return "advanced" in inspect.signature(io.Input.__init__).parameters
+    except (AttributeError, TypeError, ValueError):
+        return False
+
+
+# Keywords of an expert input (one the defaults serve): ``advanced=True`` where the host takes it (the graph
+# editor's Nodes 2.0 view then hides it behind "Show advanced inputs"; its value stays in saved workflows and
+# API graphs); none on an older ComfyUI, where every input shows as before.
+EXPERT_INPUT: dict = {"advanced": True} if _inputs_take_advanced() else {}
 
 _WORKSPACES: dict[str, Workspace] = {}
 _WS_LOCK = threading.Lock()

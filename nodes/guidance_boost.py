@@ -19,7 +19,7 @@ from ..engine import Plan
 from ..engine.guidance import (CFG_GAIN_PER_STRENGTH, GAIN_PER_STRENGTH, IMAGE_GAIN_PER_STRENGTH, MAX_STRENGTH,
                                GuidanceBoost)
 from .comfy_patch import configure, describe, get_patch
-from .common import CATEGORY, ChorusPlan, model_input_problem, number_input, ui_text
+from .common import CATEGORY, EXPERT_INPUT, ChorusPlan, model_input_problem, number_input, ui_text
 
 
 def patch_guidance(model, plan: Plan | None, strength: float, image_strength: float, cfg_strength: float = 0.0):
@@ -77,7 +77,7 @@ class ChorusGuidanceBoost(io.ComfyNode):
                                        f"multiplied by 1 + {IMAGE_GAIN_PER_STRENGTH} x image_strength (then "
                                        "renormalised) where reuse acted; for a first-last-frame video the last "
                                        "frame's (the end image) too. 0 = off."),
-                io.Float.Input("cfg_strength", default=0.0, min=0.0, max=MAX_STRENGTH, step=0.05,
+                io.Float.Input("cfg_strength", default=0.0, min=0.0, max=MAX_STRENGTH, step=0.05, **EXPERT_INPUT,
                                tooltip="Only for graphs sampled with cfg > 1: where reuse acted the step runs at "
                                        f"cfg x (1 + {CFG_GAIN_PER_STRENGTH} x cfg_strength). 0 = off (the default: "
                                        "cfg is already a strong text guidance). All three 0 leave the model "

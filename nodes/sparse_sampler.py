@@ -12,7 +12,7 @@ from ..engine.config import DEFAULT_VERIFY_THRESHOLD
 from ..engine.plan import entry_text
 from ..kernels import has_pooled_tail
 from .comfy_patch import configure, describe, get_patch
-from .common import CATEGORY, ChorusPlan, boolean_input, model_input_problem, number_input, ui_text
+from .common import CATEGORY, EXPERT_INPUT, ChorusPlan, boolean_input, model_input_problem, number_input, ui_text
 
 
 def patch_model(model, plan: Plan, config: SparseConfig):
@@ -44,43 +44,29 @@ class ChorusSparseSampler(io.ComfyNode):
                                tooltip="On a miss: share of attention mass each query block keeps when the "
                                        "recorded mass becomes the stored mask (higher = denser, safer). From 0.95 "
                                        "the auto backend runs the accurate 8-bit kernel on hits."),
-                io.Int.Input("k_min", default=4, min=1, max=4096,
+                io.Int.Input("k_min", default=4, min=1, max=4096, **EXPERT_INPUT,
                              tooltip="Safety floor: at least this many key blocks per query block in a reused mask."),
-                io.Int.Input("refresh_steps", default=0, min=0, max=1000,
+                io.Int.Input("refresh_steps", default=0, min=0, max=1000, **EXPERT_INPUT,
                              tooltip="Visit refresh: 0 = off; R > 0 = every block pair a reused mask skips is "
                                      "still computed at least once every R steps."),
-                io.Combo.Input("backend", options=list(BACKENDS), default="auto",
-                               tooltip="Sparse attention kernel: auto picks the warp-specialised FP8 kernel "
-                                       "(triton_fp8_ws) on Hopper, with Triton FP8 for the calls it cannot take, "
-                                       "Triton bf16 on other CUDA GPUs, the reference on CPU; with top_p >= 0.95 "
-                                       "it picks the accurate 8-bit kernel instead (triton_int8_ws on Hopper, else "
-                                       "triton_int8: INT8 Q.K and P.V, about a third of FP8's numeric error, "
-                                       "slower). fa4_bf16: "
-                                       "FlashAttention-4's block-sparse kernel in bf16 (optional flash-attn-4; "
-                                       "its kernel 1.3-1.5x Triton bf16's on an H200, a 720p request 1.03-1.09x; FP8 "
-                                       "is faster). Never a switch to "
-                                       "another kernel after a choice: a call the chosen kernel cannot take or "
-                                       "that fails runs dense attention, with a message."),
+                io.Combo.Input("backend", options=list(BACKENDS), default="auto", **EXPERT_INPUT,
+                               tooltip="Sparse attention kernel. auto: the fastest for this GPU (the "
+                                       "warp-specialised FP8 kernel on Hopper), or the accurate 8-bit kernel when "
+                                       "top_p >= 0.95. A kernel never hands a call to another once chosen: a call it "
+                                       "cannot take, or that fails, runs dense attention with a message. Each "
+                                       "kernel: docs/NODES.md."),
                 io.Float.Input("verify_threshold", default=DEFAULT_VERIFY_THRESHOLD, min=0.0, max=1.0, step=0.01,
-                               optional=True,
-                               tooltip="Self-verifying hits: at the first step of each expert, the share of "
-                                       "attention mass the reused masks keep is estimated from sampled query "
-                                       "rows (4 heads of layers 0-3) and divided by the share the best masks "
-                                       "as sparse would keep there (the fit ratio: ~1 = the masks fit this "
-                                       "request). Below this value the rest of the request runs dense and "
-                                       "records (a failure at the first expert writes a new, fitting entry). "
-                                       "A ratio, not a share of mass: random-weight models pass it. 0 = off (the "
-                                       "default); 0.95 to turn it on (it caught >= 95% of wrong entries "
-                                       "without demoting near-duplicates on the synthetic quality harness, for "
-                                       "entries recorded since the recorder keeps exact mass where the check "
-                                       "looks; older entries say so and may be demoted and rewritten; "
-                                       "re-measure on your model first)."),
-                io.Boolean.Input("pooled_tail", default=True, optional=True,
+                               optional=True, **EXPERT_INPUT,
+                               tooltip="Self-verifying hits: at each expert's first step the fit of the reused "
+                                       "masks to this request is estimated (a ratio, ~1 = they fit); below this "
+                                       "value the rest of the request runs dense and records a new entry. 0 = off "
+                                       "(the default); 0.95 to turn it on. Details: docs/NODES.md."),
+                io.Boolean.Input("pooled_tail", default=True, optional=True, **EXPERT_INPUT,
                                  tooltip="On a hit, every key block the mask skips still enters the softmax as one "
                                          "pooled term (its mean key and value): closer to dense attention, and "
-                                         "safer when a reused mask misses blocks this request needs; costs ~5% "
-                                         "of the kernel at 15% density. The flex and fa4_bf16 backends have "
-                                         "none: with them it is off."),
+                                         "safer when a reused mask misses blocks this request needs; a few % of "
+                                         "the kernel's time. The flex and fa4_bf16 backends have none: with them "
+                                         "it is off."),
             ],
             outputs=[io.Model.Output(display_name="model")],
         )

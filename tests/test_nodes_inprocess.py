@@ -157,3 +157,27 @@ def test_schemas_match_the_node_contract(nodes):
     assert [i.id for i in ids["ChorusFeatureReuse"].inputs] == ["model", "plan", "downsample_share"]
     guidance = {i.id: getattr(i, "default", None) for i in ids["ChorusGuidanceBoost"].inputs}
     assert guidance == {"model": None, "plan": None, "strength": 0.5, "image_strength": 0.5, "cfg_strength": 0.0}
+
+
+# The inputs the defaults serve: folded under the graph editor's "advanced inputs" where ComfyUI can.
+EXPERT_INPUTS = {("ChorusSparseSampler", name) for name in
+                 ("k_min", "refresh_steps", "backend", "verify_threshold", "pooled_tail")} | {
+                ("ChorusGuidanceBoost", "cfg_strength")}
+
+
+def test_expert_inputs_are_advanced_where_the_host_takes_it_and_every_schema_builds_where_it_does_not(nodes):
+    import inspect
+
+    from comfy_api.latest import io
+
+    takes_advanced = "advanced" in inspect.signature(io.Input.__init__).parameters
+    advanced = set()
+    for node in nodes.NODES:
+        schema = node.define_schema()  # an older ComfyUI's inputs take no ``advanced``: this must not raise there
+        advanced |= {(schema.node_id, i.id) for i in schema.inputs if getattr(i, "advanced", None)}
+    assert advanced == (EXPERT_INPUTS if takes_advanced else set())
+    if takes_advanced:  # what the graph editor reads: the input's options in the V1 node info
+        info = nodes.ChorusSparseSampler.GET_NODE_INFO_V1()
+        assert info["input"]["required"]["k_min"][1]["advanced"] is True
+        assert not info["input"]["required"]["top_p"][1].get("advanced")
+        assert info["input"]["optional"]["pooled_tail"][1]["advanced"] is True
