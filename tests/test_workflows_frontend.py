@@ -14,7 +14,9 @@ workflow the test calls ``app.loadGraphData(workflow)`` and checks:
 - no page error and no console error while loading (network-resource errors excepted: the editor
   probes resources that a machine without network does not have);
 and saves a screenshot ``<workflow>.png`` (under ``$CHORUS_SCREENSHOT_DIR`` when set, else a pytest
-temporary folder; the path is printed).
+temporary folder; the path is printed). On a ComfyUI whose node API sends the ``advanced`` flag (0.33.0), the
+editor's Nodes 2.0 view shows a fresh sampler and guidance node without their advanced inputs until "Show
+advanced inputs" is clicked (skipped on 0.3.64, which has no such flag).
 
 A workflow made for a later ComfyUI (``comfy_host.LATER_HOST_WORKFLOWS``: the long video in context windows,
 0.28.2 or later) skips on an earlier one, with the reason. Skips, with the reason, without a ComfyUI checkout, without the ``playwright`` package or without a
@@ -213,6 +215,51 @@ def test_graph_editor_loads_workflow(ui_path, browser_page, screenshot_dir):
         if "title" not in node and str(node["id"]) in queued and str(node["id"]) in api:
             queued[str(node["id"])]["_meta"] = api[str(node["id"])].get("_meta")
     assert queued == api, {k: (queued.get(k), api.get(k)) for k in set(queued) | set(api) if queued.get(k) != api.get(k)}
+    problems = [(kind, text) for kind, text in events[first_event:]
+                if kind in ("error", "pageerror") and not any(s in text for s in NETWORK_NOISE)]
+    assert not problems, problems
+
+
+# The inputs the nodes mark advanced where ComfyUI's node API takes the flag (nodes/common.py, EXPERT_INPUT).
+EXPERT_INPUTS = {"ChorusSparseSampler": ["k_min", "refresh_steps", "backend", "verify_threshold", "pooled_tail"],
+                 "ChorusGuidanceBoost": ["cfg_strength"]}
+
+
+def _widget_labels(text: str, node_type: str, object_info: dict) -> list[str]:
+    """The node's inputs the rendered node shows, in order (its inner text holds other lines too)."""
+    spec = object_info[node_type]["input"]
+    names = [*spec.get("required", {}), *spec.get("optional", {})]
+    return [line for line in text.splitlines() if line in names]
+
+
+def test_the_nodes_2_view_hides_the_advanced_inputs_until_asked(browser_page):
+    object_info = _host().shared_object_info()
+    sampler = object_info["ChorusSparseSampler"]["input"]["required"]
+    if not sampler["k_min"][1].get("advanced"):
+        pytest.skip("this ComfyUI's node API has no advanced inputs (0.33.0 has): every input shows")
+    page, events = browser_page
+    first_event = len(events)
+    page.evaluate("() => window.app.graph.clear()")
+    page.evaluate("async () => { await window.app.extensionManager.setting.set('Comfy.VueNodes.Enabled', true); }")
+    try:
+        for row, (node_type, expert) in enumerate(EXPERT_INPUTS.items()):
+            node_id = page.evaluate("""(args) => { const n = window.LiteGraph.createNode(args[0]);
+                n.pos = [200, 200 + 300 * args[1]]; window.app.graph.add(n); window.app.canvas.setDirty(true, true);
+                return String(n.id); }""", [node_type, row])
+            node = page.locator(f'[data-node-id="{node_id}"]').first
+            node.wait_for(timeout=30_000)
+            spec = object_info[node_type]["input"]
+            widgets = [name for section in ("required", "optional") for name, s in spec.get(section, {}).items()
+                       if isinstance(s[0], list) or s[0] in ("INT", "FLOAT", "BOOLEAN", "STRING", "COMBO")]
+            shown = _widget_labels(node.inner_text(), node_type, object_info)
+            assert [w for w in widgets if w in shown] == [w for w in widgets if w not in expert], (node_type, shown)
+            node.get_by_text("Show advanced inputs").click()
+            page.wait_for_timeout(300)
+            shown = _widget_labels(node.inner_text(), node_type, object_info)
+            assert all(name in shown for name in expert), (node_type, shown)
+    finally:
+        page.evaluate("async () => { await window.app.extensionManager.setting.set('Comfy.VueNodes.Enabled', false); }")
+        page.evaluate("() => window.app.graph.clear()")
     problems = [(kind, text) for kind, text in events[first_event:]
                 if kind in ("error", "pageerror") and not any(s in text for s in NETWORK_NOISE)]
     assert not problems, problems
