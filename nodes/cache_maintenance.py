@@ -8,7 +8,7 @@ from comfy_api.latest import io
 
 from ..cache_store.limits import limit_value
 from ..engine.state import failure_text
-from .common import CATEGORY, node_text, open_workspace, ui_text
+from .common import CATEGORY, node_text, open_workspace, search_aliases, ui_text
 
 ACTIONS = ("stats", "verify", "prune", "rebuild-index")
 
@@ -20,6 +20,7 @@ class ChorusCacheMaintenance(io.ComfyNode):
             node_id="ChorusCacheMaintenance",
             display_name="Chorus Cache Maintenance",
             category=CATEGORY,
+            **search_aliases("attention mask cache stats", "prune the mask cache"),
             description="Cache workspace maintenance: statistics, checksum verification (damaged entries are "
                         "quarantined), pruning to a maximum number of entries, index rebuild.",
             inputs=[

@@ -5,7 +5,7 @@ from __future__ import annotations
 from comfy_api.latest import io
 
 from ..engine import Plan, commit_plan
-from .common import CATEGORY, ChorusPlan, node_text, open_workspace, ui_text
+from .common import CATEGORY, ChorusPlan, node_text, open_workspace, search_aliases, ui_text
 
 
 class ChorusCacheWrite(io.ComfyNode):
@@ -15,6 +15,7 @@ class ChorusCacheWrite(io.ComfyNode):
             node_id="ChorusCacheWrite",
             display_name="Chorus Cache Write",
             category=CATEGORY,
+            **search_aliases("save attention masks", "mask cache write"),
             description="Runs after sampling (connect the sampled latent). Miss: commits the recorded masks, "
                         "embedding and metadata as a new cache entry. Hit: updates the entry's hit statistics "
                         "(hits, and the hit's sparse attention calls, those with the pooled tail, dense fallbacks).",

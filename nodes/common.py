@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 import math
@@ -34,6 +35,22 @@ def _inputs_take_advanced() -> bool:
 # editor's Nodes 2.0 view then hides it behind "Show advanced inputs"; its value stays in saved workflows and
 # API graphs); none on an older ComfyUI, where every input shows as before.
 EXPERT_INPUT: dict = {"advanced": True} if _inputs_take_advanced() else {}
+
+
+def _schema_has(field_name: str) -> bool:
+    try:
+        return field_name in {f.name for f in dataclasses.fields(io.Schema)}
+    except TypeError:
+        return False
+
+
+_SCHEMA_HAS_ALIASES = _schema_has("search_aliases")
+
+
+def search_aliases(*aliases: str) -> dict:
+    """Schema keywords: other words the graph editor's node search finds the node by, where the host's ``Schema``
+    has ``search_aliases`` (0.33.0 and later); none on an older ComfyUI."""
+    return {"search_aliases": list(aliases)} if _SCHEMA_HAS_ALIASES else {}
 
 _WORKSPACES: dict[str, Workspace] = {}
 _WS_LOCK = threading.Lock()

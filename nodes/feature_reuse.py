@@ -21,7 +21,7 @@ from comfy_api.latest import io
 from ..engine import Plan
 from ..engine.feature_reuse import FeatureReuseConfig
 from .comfy_patch import configure, describe, get_patch
-from .common import CATEGORY, ChorusPlan, model_input_problem, number_input, ui_text
+from .common import CATEGORY, ChorusPlan, model_input_problem, number_input, search_aliases, ui_text
 
 
 # where feature reuse measured slower than the same hit without it on an eager model and faster under
@@ -52,6 +52,7 @@ class ChorusFeatureReuse(io.ComfyNode):
             node_id="ChorusFeatureReuse",
             display_name="Chorus Feature Reuse",
             category=CATEGORY,
+            **search_aliases("downsample redundant regions", "speed up Wan"),
             description="On a hit, the spatiotemporal regions the cache entry found most redundant run at a "
                         "2x2x2-downsampled resolution (a lightweight context that still takes part in attention "
                         "and the feed-forward; its update is upsampled back), the rest in full. On a miss, the "

@@ -19,7 +19,7 @@ from ..engine import Plan
 from ..engine.guidance import (CFG_GAIN_PER_STRENGTH, GAIN_PER_STRENGTH, IMAGE_GAIN_PER_STRENGTH, MAX_STRENGTH,
                                GuidanceBoost)
 from .comfy_patch import configure, describe, get_patch
-from .common import CATEGORY, EXPERT_INPUT, ChorusPlan, model_input_problem, number_input, ui_text
+from .common import CATEGORY, EXPERT_INPUT, ChorusPlan, model_input_problem, number_input, search_aliases, ui_text
 
 
 def patch_guidance(model, plan: Plan | None, strength: float, image_strength: float, cfg_strength: float = 0.0):
@@ -55,6 +55,7 @@ class ChorusGuidanceBoost(io.ComfyNode):
             node_id="ChorusGuidanceBoost",
             display_name="Chorus Guidance Boost",
             category=CATEGORY,
+            **search_aliases("guidance enhancement", "reinforce conditioning"),
             description="Reinforces the conditioning on the steps where reuse acted (the steps of a cache hit), "
                         "against semantic drift and identity loss: the text through a gain of "
                         f"1 + {GAIN_PER_STRENGTH} x strength on the cross-attention output (Wan 2.1: also its "

@@ -11,7 +11,7 @@ from ..cache_store.embedders import ComfyGraphEmbedder
 from ..engine import Plan, mask_heatmap, placeholder, retrieve_plan
 from ..engine.maps import unpacked_map
 from ..kernels.masks import density
-from .common import CATEGORY, ChorusPlan, node_text, number_input, open_workspace, ui_text
+from .common import CATEGORY, ChorusPlan, node_text, number_input, open_workspace, search_aliases, ui_text
 
 TEXT_WEIGHT = 0.5
 EMBEDDER = ComfyGraphEmbedder(text_weight=TEXT_WEIGHT)
@@ -58,6 +58,7 @@ class ChorusMaskRetrieve(io.ComfyNode):
             node_id="ChorusMaskRetrieve",
             display_name="Chorus Mask Retrieve",
             category=CATEGORY,
+            **search_aliases("attention mask cache", "sparse attention cache lookup"),
             description="Find the most similar earlier request in a cache workspace and plan to reuse its "
                         "sparse attention masks (hit), or to record new ones (miss).",
             inputs=[

@@ -12,7 +12,8 @@ from ..engine.config import DEFAULT_VERIFY_THRESHOLD
 from ..engine.plan import entry_text
 from ..kernels import has_pooled_tail
 from .comfy_patch import configure, describe, get_patch
-from .common import CATEGORY, EXPERT_INPUT, ChorusPlan, boolean_input, model_input_problem, number_input, ui_text
+from .common import (CATEGORY, EXPERT_INPUT, ChorusPlan, boolean_input, model_input_problem, number_input,
+                     search_aliases, ui_text)
 
 
 def patch_model(model, plan: Plan, config: SparseConfig):
@@ -34,6 +35,7 @@ class ChorusSparseSampler(io.ComfyNode):
             node_id="ChorusSparseSampler",
             display_name="Chorus Sparse Sampler",
             category=CATEGORY,
+            **search_aliases("sparse attention", "block-sparse attention", "speed up Wan"),
             description="Hit: block-sparse self-attention with the reused masks (+ safety fallback). Miss: dense "
                         "attention while recording block attention mass for a new cache entry. For Wan 2.2 "
                         "A14B patch BOTH models with the same plan.",

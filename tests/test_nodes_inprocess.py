@@ -181,3 +181,19 @@ def test_expert_inputs_are_advanced_where_the_host_takes_it_and_every_schema_bui
         assert info["input"]["required"]["k_min"][1]["advanced"] is True
         assert not info["input"]["required"]["top_p"][1].get("advanced")
         assert info["input"]["optional"]["pooled_tail"][1]["advanced"] is True
+
+
+def test_every_node_has_search_aliases_where_the_host_schema_takes_them(nodes):
+    import dataclasses
+
+    from comfy_api.latest import io
+
+    takes_aliases = "search_aliases" in {f.name for f in dataclasses.fields(io.Schema)}
+    for node in nodes.NODES:
+        schema = node.define_schema()
+        aliases = getattr(schema, "search_aliases", None) or []
+        if not takes_aliases:
+            assert aliases == [], schema.node_id
+            continue
+        assert aliases and all(isinstance(a, str) and a.strip() for a in aliases), schema.node_id
+        assert node.GET_NODE_INFO_V1()["search_aliases"] == aliases  # what the editor's node search reads

@@ -16,7 +16,8 @@ workflow the test calls ``app.loadGraphData(workflow)`` and checks:
 and saves a screenshot ``<workflow>.png`` (under ``$CHORUS_SCREENSHOT_DIR`` when set, else a pytest
 temporary folder; the path is printed). On a ComfyUI whose node API sends the ``advanced`` flag (0.33.0), the
 editor's Nodes 2.0 view shows a fresh sampler and guidance node without their advanced inputs until "Show
-advanced inputs" is clicked (skipped on 0.3.64, which has no such flag).
+advanced inputs" is clicked, and the node search finds the nodes by their search aliases (both skipped on
+0.3.64, whose node API has neither).
 
 A workflow made for a later ComfyUI (``comfy_host.LATER_HOST_WORKFLOWS``: the long video in context windows,
 0.28.2 or later) skips on an earlier one, with the reason. Skips, with the reason, without a ComfyUI checkout, without the ``playwright`` package or without a
@@ -263,3 +264,19 @@ def test_the_nodes_2_view_hides_the_advanced_inputs_until_asked(browser_page):
     problems = [(kind, text) for kind, text in events[first_event:]
                 if kind in ("error", "pageerror") and not any(s in text for s in NETWORK_NOISE)]
     assert not problems, problems
+
+
+def test_the_node_search_finds_the_nodes_by_their_aliases(browser_page):
+    object_info = _host().shared_object_info()
+    if not object_info["ChorusSparseSampler"].get("search_aliases"):
+        pytest.skip("this ComfyUI's node API has no search aliases (0.33.0 has)")
+    page, _ = browser_page
+    page.evaluate("() => window.app.graph.clear()")
+    page.mouse.dblclick(800, 500)  # an empty spot of the canvas opens the node search, its box focused
+    page.wait_for_timeout(1000)
+    try:
+        page.keyboard.type("speed up Wan")  # in no display name: found through the aliases alone
+        page.get_by_text("Chorus Sparse Sampler").first.wait_for(timeout=30_000)
+        assert page.get_by_text("Chorus Feature Reuse").count() > 0
+    finally:
+        page.keyboard.press("Escape")
