@@ -1,4 +1,5 @@
-"""Shared pieces of the Chorus II nodes: the CHORUS_PLAN type, workspaces, input checks, UI text."""
+"""Shared pieces of the Chorus II nodes: the CHORUS_PLAN type, the schema keywords a newer node API takes
+(advanced inputs, search aliases), workspaces, input checks, UI text."""
 
 from __future__ import annotations
 
@@ -51,6 +52,7 @@ def search_aliases(*aliases: str) -> dict:
     """Schema keywords: other words the graph editor's node search finds the node by, where the host's ``Schema``
     has ``search_aliases`` (0.33.0 and later); none on an older ComfyUI."""
     return {"search_aliases": list(aliases)} if _SCHEMA_HAS_ALIASES else {}
+
 
 _WORKSPACES: dict[str, Workspace] = {}
 _WS_LOCK = threading.Lock()
