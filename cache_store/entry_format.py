@@ -21,6 +21,9 @@ Loading can stop at the packed form (:class:`PackedMap`): a Wan 14B 480p entry i
 bits but ~420 MB of bool, so the engine should move the packed bits to the GPU and unpack there
 (:meth:`PackedMap.unpack` works on any device).
 
+torch is imported by :func:`encode_entry` and :func:`decode_entry`, where tensors are made; the header
+functions (:func:`read_meta`, the caps) need none, so the command line's table-only commands never pay its import.
+
 Bad input to :func:`encode_entry` raises ``ValueError``; a file that does not decode raises
 :class:`EntryFormatError` (a ``ValueError``).
 
@@ -49,18 +52,17 @@ import struct
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
-from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
-
-from ..kernels.codec import pack_bits, unpack_bits, unpack_bits_on_device
 
 try:  # zstd compresses bit maps ~3x better than zlib (window >= one layer's maps); zlib is the fallback.
     import zstandard as _zstd
 except ImportError:  # pragma: no cover - exercised only where zstandard is absent
     _zstd = None
+
+if TYPE_CHECKING:  # torch is imported where a tensor is made: the header-level functions need none
+    import torch
 
 LOG = logging.getLogger(__name__)
 
@@ -77,13 +79,7 @@ ZSTD_LEVEL = 3
 ZLIB_LEVEL = 6
 _THREADS = max(1, min(4, os.cpu_count() or 1))
 
-_RAW_DTYPES = {
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float32": torch.float32,
-    "uint8": torch.uint8,
-    "int8": torch.int8,
-}
+_RAW_ITEMSIZES = {"float16": 2, "bfloat16": 2, "float32": 4, "uint8": 1, "int8": 1}  # raw payload dtypes, bytes each
 
 
 class EntryFormatError(ValueError):
@@ -99,6 +95,8 @@ class PackedMap:
 
     def unpack(self, device=None) -> torch.Tensor:
         """Bool ``shape`` tensor on ``device`` (default: where ``bits`` is). The unpack runs on that device."""
+        from ..kernels.codec import unpack_bits, unpack_bits_on_device
+
         bits = self.bits if device is None else self.bits.to(device, non_blocking=True)
         if bits.device.type == "cpu":
             return unpack_bits(bits, self.shape[-1]).reshape(self.shape)
@@ -242,6 +240,11 @@ def encode_entry(embedding, masks: dict, meta: dict, *, codec: str | None = None
     JSON. Raises ``ValueError`` on anything else, and for masks past the element cap of
     ``meta["signature"]`` (:func:`element_cap`) or past ``MAX_ENTRY_RAW_BYTES``.
     """
+    import torch
+    from safetensors.torch import save as st_save
+
+    from ..kernels.codec import pack_bits
+
     codec = codec or default_codec()
     if codec not in ("zstd", "zlib", "none"):
         raise ValueError(f"unknown codec {codec!r}")
@@ -272,7 +275,7 @@ def encode_entry(embedding, masks: dict, meta: dict, *, codec: str | None = None
             items.append((key, "bits", "bool", tuple(value.shape), payload))
         else:
             name = str(value.dtype).replace("torch.", "")
-            if name not in _RAW_DTYPES:
+            if name not in _RAW_ITEMSIZES:
                 raise ValueError(f"mask {key!r} has unsupported dtype {value.dtype}")
             if value.is_floating_point() and not torch.isfinite(value).all():
                 raise ValueError(f"mask {key!r} holds NaN or inf")
@@ -369,8 +372,8 @@ def _check_records(records, raw_sizes, meta, max_elements):
         if encoding == "bits":
             if len(shape) < 2 or math.prod(shape[:-1]) * ((shape[-1] + 7) // 8) != nbytes:
                 raise EntryFormatError(f"map {key!r}: {nbytes} bytes do not hold bit-packed shape {shape}")
-        elif encoding == "raw" and isinstance(dtype_name, str) and dtype_name in _RAW_DTYPES:
-            if math.prod(shape) * _RAW_DTYPES[dtype_name].itemsize != nbytes:
+        elif encoding == "raw" and isinstance(dtype_name, str) and dtype_name in _RAW_ITEMSIZES:
+            if math.prod(shape) * _RAW_ITEMSIZES[dtype_name] != nbytes:
                 raise EntryFormatError(f"map {key!r}: {nbytes} bytes do not hold {dtype_name} {shape}")
         else:
             raise EntryFormatError(f"map {key!r}: unknown encoding {str(encoding)[:40]!r}")
@@ -408,6 +411,9 @@ def decode_entry(data: bytes, *, packed: bool = False, max_elements: int | None 
     if not isinstance(meta, dict):
         raise EntryFormatError(f"corrupt entry: metadata must be a JSON object, got {type(meta).__name__}")
     plan = _check_records(records, raw_sizes, meta, max_elements)
+    import torch
+    from safetensors.torch import load as st_load
+
     try:
         tensors = st_load(bytes(data) if not isinstance(data, bytes) else data)
         embedding = tensors["embedding"]
@@ -447,12 +453,10 @@ def decode_entry(data: bytes, *, packed: bool = False, max_elements: int | None 
                 raise EntryFormatError(f"map {key!r}: {nbytes} bytes do not hold shape {shape}")
             pm = PackedMap(payload.reshape(packed_shape), shape)
             masks[key] = pm if packed else pm.unpack()
-        elif encoding == "raw" and isinstance(dtype_name, str) and dtype_name in _RAW_DTYPES:
-            dtype = _RAW_DTYPES[dtype_name]
-            itemsize = torch.empty(0, dtype=dtype).element_size()
-            if math.prod(shape) * itemsize != nbytes:
+        elif encoding == "raw" and isinstance(dtype_name, str) and dtype_name in _RAW_ITEMSIZES:
+            if math.prod(shape) * _RAW_ITEMSIZES[dtype_name] != nbytes:
                 raise EntryFormatError(f"map {key!r}: {nbytes} bytes do not hold {dtype_name} {shape}")
-            masks[key] = payload.view(dtype).reshape(shape)
+            masks[key] = payload.view(getattr(torch, dtype_name)).reshape(shape)
         else:
             raise EntryFormatError(f"map {key!r}: unknown encoding {str(encoding)[:40]!r}")
     return masks, embedding, meta

@@ -25,9 +25,8 @@ import logging
 
 import faiss
 import numpy as np
-import torch
-from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
+from safetensors.numpy import load as st_load
+from safetensors.numpy import save as st_save
 
 LOG = logging.getLogger(__name__)
 
@@ -224,11 +223,11 @@ class PartitionedIndex:
         for n, (key, part) in enumerate(sorted(self.parts.items())):
             blob = faiss.serialize_index(part.index)
             name = f"part_{n:05d}"
-            tensors[name] = torch.from_numpy(blob)
+            tensors[name] = blob
             parts.append({"sig_key": key, "kind": part.kind, "tensor": name,
                           "sha256": hashlib.sha256(blob.tobytes()).hexdigest()})
         if not tensors:
-            tensors["empty"] = torch.zeros(0, dtype=torch.uint8)
+            tensors["empty"] = np.zeros(0, dtype=np.uint8)
         meta = {"format": INDEX_FORMAT, "generation": str(int(generation)), "dim": str(self.dim), "owner": owner,
                 "approx_threshold": str(self.approx_threshold), "parts": json.dumps(parts)}
         return st_save(tensors, metadata=meta)
@@ -246,7 +245,7 @@ class PartitionedIndex:
             index = cls(int(meta["dim"]), int(meta["approx_threshold"]), ef_search)
             index.owner = meta.get("owner", "")
             for rec in json.loads(meta["parts"]):
-                blob = tensors[rec["tensor"]].numpy()
+                blob = tensors[rec["tensor"]]
                 if hashlib.sha256(blob.tobytes()).hexdigest() != rec["sha256"]:
                     raise ValueError(f"index partition {rec['sig_key']} fails its checksum")
                 part = _Partition(index.dim, rec["kind"])

@@ -59,6 +59,27 @@ def test_cli_commands(tmp_path):
         assert len(ws) == 2 and ws.verify()["ok"]
 
 
+def test_commands_that_decode_no_entry_do_not_import_torch(tmp_path):
+    """``stats``, ``list``, ``prune`` and ``rebuild-index`` read the store's tables and index only, so they
+    answer without torch's import (~2 s of a ~2.8 s command; an operator's script pays it per call);
+    ``verify`` decodes every entry and imports it."""
+    root = tmp_path / "root"
+    with Workspace.open(root / "proj") as ws:
+        for s in range(3):
+            ws.add(embedding(s), small_masks(s), {"signature": SIGNATURE, "prompt": f"prompt {s}"})
+    probe = ("import sys\n"
+             "from chorus.__main__ import main\n"
+             "rc = main(sys.argv[1:])\n"
+             "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH', rc, file=sys.stderr)\n")
+    common = ["--workspace", "proj", "--root", str(root)]
+    for args, torch_expected in ((["stats"], False), (["list"], False), (["rebuild-index"], False),
+                                 (["prune", "--max-entries", "2"], False), (["verify"], True)):
+        out = subprocess.run([sys.executable, "-c", probe, "cache", *args, *common],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert out.stderr.strip().splitlines()[-1] == f"{'TORCH' if torch_expected else 'NO-TORCH'} 0", (args, out.stderr)
+
+
 def test_cli_bad_arguments(tmp_path):
     root = tmp_path / "root"
     for args in (("stats", "--workspace", "../etc"), ("stats", "--workspace", "/abs"), ("verify", "--workspace", "missing"),
