@@ -50,8 +50,10 @@ def clustered(n: int, dim: int, *, clusters: int, spread: float, seed: int) -> n
 
 
 # what a forkserver child of the cache tests uses, imported once by the forkserver: the package alone
-# resolves Workspace lazily, so each child would otherwise import torch, faiss and the store (~2-5 s)
-FORKSERVER_PRELOAD = ["chorus.cache_store", "chorus.cache_store.workspace", "chorus.cache_store.seams", "cache_helpers"]
+# resolves Workspace lazily, so each child would otherwise import torch, faiss and the store (~2-5 s).
+# torch is named itself: the store no longer imports it, and the forkserver may not find cache_helpers
+# (Python 3.11's forkserver keeps the interpreter's sys.path, not pytest's; a preload it cannot import is skipped).
+FORKSERVER_PRELOAD = ["torch", "chorus.cache_store", "chorus.cache_store.workspace", "chorus.cache_store.seams", "cache_helpers"]
 
 
 def forkserver_context():
