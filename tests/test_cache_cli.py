@@ -60,7 +60,7 @@ def test_cli_commands(tmp_path):
 
 
 def test_commands_that_decode_no_entry_do_not_import_torch(tmp_path):
-    """``stats``, ``list``, ``prune`` and ``rebuild-index`` read the store's tables and index only, so they
+    """``stats``, ``list``, ``prune``, ``rebuild-index`` and ``init`` read the store's tables and index only, so they
     answer without torch's import (~2 s of a ~2.8 s command; an operator's script pays it per call);
     ``verify`` decodes every entry and imports it."""
     root = tmp_path / "root"
@@ -71,10 +71,11 @@ def test_commands_that_decode_no_entry_do_not_import_torch(tmp_path):
              "from chorus.__main__ import main\n"
              "rc = main(sys.argv[1:])\n"
              "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH', rc, file=sys.stderr)\n")
-    common = ["--workspace", "proj", "--root", str(root)]
-    for args, torch_expected in ((["stats"], False), (["list"], False), (["rebuild-index"], False),
-                                 (["prune", "--max-entries", "2"], False), (["verify"], True)):
-        out = subprocess.run([sys.executable, "-c", probe, "cache", *args, *common],
+    proj = ["--workspace", "proj"]
+    for args, torch_expected in ((["stats", *proj], False), (["list", *proj], False), (["rebuild-index", *proj], False),
+                                 (["prune", "--max-entries", "2", *proj], False), (["init", "--workspace", "new"], False),
+                                 (["verify", *proj], True)):
+        out = subprocess.run([sys.executable, "-c", probe, "cache", *args, "--root", str(root)],
                              capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr
         assert out.stderr.strip().splitlines()[-1] == f"{'TORCH' if torch_expected else 'NO-TORCH'} 0", (args, out.stderr)
