@@ -325,7 +325,7 @@ def install_context_window_anchor(monkeypatch) -> None:
         dim = self.dim if dim is None else dim
         if dim == 0 and full.shape[dim] == 1:
             return full
-        return full[[slice(None)] * dim + [[anchor] + list(self.index_list)]].to(device)
+        return full[tuple([slice(None)] * dim + [[anchor] + list(self.index_list)])].to(device)
 
     def evaluate_context_windows(self, calc_cond_batch, model, x_in, conds, timestep, enumerated_windows,
                                  model_options, device=None, first_device=None):
