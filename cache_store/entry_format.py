@@ -22,7 +22,8 @@ bits but ~420 MB of bool, so the engine should move the packed bits to the GPU a
 (:meth:`PackedMap.unpack` works on any device).
 
 torch is imported by :func:`encode_entry` and :func:`decode_entry`, where tensors are made; the header
-functions (:func:`read_meta`, the caps) need none, so the command line's table-only commands never pay its import.
+functions (:func:`read_meta`, the caps) and :func:`decode_entry_arrays` (every check of decoding, on numpy
+arrays: what ``verify`` runs) need none, so the command line never pays its import.
 
 Bad input to :func:`encode_entry` raises ``ValueError``; a file that does not decode raises
 :class:`EntryFormatError` (a ``ValueError``).
@@ -198,8 +199,8 @@ def _compress(codec: str, data: bytes) -> bytes:
     return data
 
 
-def _decompress_into(codec: str, blob: memoryview, out: torch.Tensor) -> None:
-    view = memoryview(out.numpy())
+def _decompress_into(codec: str, blob: memoryview, out: np.ndarray) -> None:
+    view = memoryview(out)
     if codec == "zstd":
         if _zstd is None:
             raise EntryFormatError("entry is zstd-compressed but the zstandard package is not installed")
@@ -387,14 +388,18 @@ def _check_records(records, raw_sizes, meta, max_elements):
     return plan
 
 
-def decode_entry(data: bytes, *, packed: bool = False, max_elements: int | None = None):
-    """Parse entry bytes -> ``(masks, embedding, meta)``.
+def decode_entry_arrays(data: bytes, *, max_elements: int | None = None):
+    """Parse and check entry bytes without torch -> ``(payloads, embedding, meta)``.
 
-    Bool maps come back as bool tensors of their original shape, or as :class:`PackedMap` when
-    ``packed`` is true; other dtypes come back as tensors. Raises :class:`EntryFormatError` on
-    any inconsistency, and before allocating anything for maps past the caps of the module
-    docstring (``max_elements``, if given, lowers the element cap further).
+    ``payloads``: ``[(key, encoding, dtype, shape, payload)]`` in file order, ``payload`` a uint8 numpy array:
+    for ``encoding == "bits"`` the bit-packed map ``[..., Qb, ceil(Kb/8)]`` of bool ``shape``, for ``"raw"`` the
+    little-endian bytes of a ``dtype`` tensor of ``shape`` (flat). ``embedding``: float32 ``[dim]``. Every check of
+    :func:`decode_entry` runs here (what ``cache verify`` needs); raises :class:`EntryFormatError` on any
+    inconsistency, and before allocating anything for maps past the caps of the module docstring
+    (``max_elements``, if given, lowers the element cap further).
     """
+    from safetensors.numpy import load as st_load
+
     metadata = _read_metadata(data)
     try:
         codec = metadata["codec"]
@@ -411,25 +416,22 @@ def decode_entry(data: bytes, *, packed: bool = False, max_elements: int | None 
     if not isinstance(meta, dict):
         raise EntryFormatError(f"corrupt entry: metadata must be a JSON object, got {type(meta).__name__}")
     plan = _check_records(records, raw_sizes, meta, max_elements)
-    import torch
-    from safetensors.torch import load as st_load
-
     try:
-        tensors = st_load(bytes(data) if not isinstance(data, bytes) else data)
-        embedding = tensors["embedding"]
-        blobs = [tensors[f"chunk_{i:03d}"] for i in range(len(raw_sizes))]
-    except Exception as exc:  # safetensors raises its own error types on corrupt bytes
+        arrays = st_load(bytes(data) if not isinstance(data, bytes) else data)
+        embedding = arrays["embedding"]
+        blobs = [arrays[f"chunk_{i:03d}"] for i in range(len(raw_sizes))]
+    except Exception as exc:  # safetensors raises its own error types on corrupt bytes (and on dtypes numpy lacks)
         raise EntryFormatError(f"corrupt entry: {exc}") from exc
-    if embedding.dtype != torch.float32 or embedding.dim() != 1:
+    if embedding.dtype != np.float32 or embedding.ndim != 1:
         raise EntryFormatError("corrupt entry: embedding must be float32 [dim]")
-    if any(blob.dtype != torch.uint8 or blob.dim() != 1 for blob in blobs):
+    if any(blob.dtype != np.uint8 or blob.ndim != 1 for blob in blobs):
         raise EntryFormatError("corrupt entry: chunks must be uint8 [n]")
 
     try:
-        buffers = [torch.empty(size, dtype=torch.uint8) for size in raw_sizes]
-    except RuntimeError as exc:  # sizes within the ceiling that this machine still cannot allocate
+        buffers = [np.empty(size, dtype=np.uint8) for size in raw_sizes]
+    except MemoryError as exc:  # sizes within the ceiling that this machine still cannot allocate
         raise EntryFormatError(f"corrupt entry: cannot allocate its chunks ({exc})") from exc
-    jobs = [(codec, memoryview(blob.numpy()), buf) for blob, buf in zip(blobs, buffers)]
+    jobs = [(codec, memoryview(blob), buf) for blob, buf in zip(blobs, buffers)]
     try:
         if len(jobs) > 1:
             with ThreadPoolExecutor(_THREADS) as pool:
@@ -442,22 +444,40 @@ def decode_entry(data: bytes, *, packed: bool = False, max_elements: int | None 
     except Exception as exc:  # zstd/zlib errors on corrupt blobs
         raise EntryFormatError(f"corrupt chunk: {exc}") from exc
 
-    masks = {}
+    payloads, seen = [], set()
     for key, encoding, dtype_name, shape, chunk, offset, nbytes in plan:
-        if key in masks:
+        if key in seen:
             raise EntryFormatError(f"map {key!r} appears twice")
+        seen.add(key)
         payload = buffers[chunk][offset : offset + nbytes]
         if encoding == "bits":
             packed_shape = shape[:-1] + ((shape[-1] + 7) // 8,) if shape else ()
             if len(shape) < 2 or int(np.prod(packed_shape)) != nbytes:
                 raise EntryFormatError(f"map {key!r}: {nbytes} bytes do not hold shape {shape}")
-            pm = PackedMap(payload.reshape(packed_shape), shape)
-            masks[key] = pm if packed else pm.unpack()
-        elif encoding == "raw" and isinstance(dtype_name, str) and dtype_name in _RAW_ITEMSIZES:
-            if math.prod(shape) * _RAW_ITEMSIZES[dtype_name] != nbytes:
-                raise EntryFormatError(f"map {key!r}: {nbytes} bytes do not hold {dtype_name} {shape}")
-            masks[key] = payload.view(getattr(torch, dtype_name)).reshape(shape)
-        else:
-            raise EntryFormatError(f"map {key!r}: unknown encoding {str(encoding)[:40]!r}")
-    return masks, embedding, meta
+            payload = payload.reshape(packed_shape)
+        elif not (encoding == "raw" and isinstance(dtype_name, str) and dtype_name in _RAW_ITEMSIZES
+                  and math.prod(shape) * _RAW_ITEMSIZES[dtype_name] == nbytes):
+            raise EntryFormatError(f"map {key!r}: {nbytes} bytes do not hold {dtype_name} {shape} ({str(encoding)[:40]})")
+        payloads.append((key, encoding, dtype_name, shape, payload))
+    return payloads, embedding.copy(), meta  # the copy: safetensors' arrays are read-only views of ``data``
 
+
+def decode_entry(data: bytes, *, packed: bool = False, max_elements: int | None = None):
+    """Parse entry bytes -> ``(masks, embedding, meta)``.
+
+    Bool maps come back as bool tensors of their original shape, or as :class:`PackedMap` when
+    ``packed`` is true; other dtypes come back as tensors; ``embedding`` a float32 ``[dim]`` tensor. The checks
+    (and their errors: :class:`EntryFormatError`) are :func:`decode_entry_arrays`'.
+    """
+    import torch
+
+    payloads, embedding, meta = decode_entry_arrays(data, max_elements=max_elements)
+    masks = {}
+    for key, encoding, dtype_name, shape, payload in payloads:
+        tensor = torch.from_numpy(payload)
+        if encoding == "bits":
+            packed_map = PackedMap(tensor, shape)
+            masks[key] = packed_map if packed else packed_map.unpack()
+        else:
+            masks[key] = tensor.view(getattr(torch, dtype_name)).reshape(shape)
+    return masks, torch.from_numpy(embedding), meta

@@ -177,7 +177,7 @@ class FleetMaintenance:
                     row = Row(*values)
                     checked += 1
                     live[int(row.id)] = row.sha256
-                    problem = entry_problem(row, dim, packed=True)
+                    problem = entry_problem(row, dim, packed=True, arrays_only=True)
                     if isinstance(problem, str):
                         bad.append((int(row.id), problem))
             return bad, checked, live

@@ -81,7 +81,7 @@ from filelock import FileLock
 from . import seams
 from .entries import COUNTED, MAX_ENTRY_FILE_BYTES, RUN_COUNTERS, CorruptEntryError, EntryGone, PendingHits, \
     check_k, counted_increments, encode_new_entry, run_counts, search_index, similarity_bound
-from .entry_format import EntryFormatError, decode_entry
+from .entry_format import EntryFormatError, decode_entry, decode_entry_arrays
 from .errors import StoreBusyError, StoreError, UnsafeLayoutError, store_timeout
 from .index import DEFAULT_APPROX_THRESHOLD, PartitionedIndex
 from .limits import check_limits, stored_limits_shown
@@ -367,9 +367,11 @@ class Workspace(WorkspaceConnections, WorkspaceIndex, WorkspaceMaintenance):
             raise self._damaged(entry_id, file, "sha256 mismatch")
         return data
 
-    def _decode_checked(self, entry_id: int, file: str, data: bytes, *, packed: bool):
+    def _decode_checked(self, entry_id: int, file: str, data: bytes, *, packed: bool, arrays_only: bool = False):
+        """``decode_entry``'s answer (``decode_entry_arrays``' with ``arrays_only``: the same checks, no torch),
+        or :class:`CorruptEntryError` with the entry quarantined."""
         try:
-            return decode_entry(data, packed=packed)
+            return decode_entry_arrays(data) if arrays_only else decode_entry(data, packed=packed)
         except (EntryFormatError, MemoryError, RecursionError) as exc:
             reason = f"undecodable: {exc}" if isinstance(exc, EntryFormatError) else f"undecodable: {type(exc).__name__}"
             raise self._damaged(entry_id, file, reason) from None

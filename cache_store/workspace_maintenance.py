@@ -215,7 +215,7 @@ class WorkspaceMaintenance:
         for entry_id, file, digest, meta_json, nbytes in iterator:
             try:
                 data = self._read_checked(entry_id, (file, digest, meta_json, nbytes))
-                self._decode_checked(entry_id, file, data, packed=True)
+                self._decode_checked(entry_id, file, data, packed=True, arrays_only=True)
             except EntryGone:
                 evicted.append(entry_id)
             except CorruptEntryError as exc:

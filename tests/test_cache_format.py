@@ -47,6 +47,14 @@ def test_roundtrip_exact_all_dtypes_and_shapes(codec, monkeypatch):
             shifts = torch.arange(7, -1, -1, dtype=torch.uint8)
             manual = ((packed[key].bits.unsqueeze(-1) >> shifts) & 1).flatten(-2)[..., : value.shape[-1]].bool()
             assert torch.equal(manual.reshape(value.shape), value)
+    # the torch-free form (what verify runs): the same payloads as numpy bytes, the embedding as float32
+    payloads, emb_np, meta_np = ef.decode_entry_arrays(data)
+    assert meta_np == meta and emb_np.dtype == np.float32 and np.array_equal(emb_np, np.arange(5, dtype=np.float32))
+    assert {p[0] for p in payloads} == set(masks) and len(payloads) == len(masks)
+    for key, encoding, dtype, shape, payload in payloads:
+        assert payload.dtype == np.uint8 and tuple(shape) == tuple(masks[key].shape), key
+        expected = packed[key].bits if encoding == "bits" else masks[key].contiguous().view(-1).view(torch.uint8)
+        assert np.array_equal(payload.reshape(-1), expected.reshape(-1).numpy()), key
 
 
 def test_packed_unpack_on_device_matches_cpu():
@@ -79,14 +87,15 @@ def test_encode_rejects_non_json_meta():
 
 def test_decode_rejects_damage():
     data = ef.encode_entry([1.0, 2.0], _masks(), {"signature": {}})
-    for bad in (data[:5], data[: len(data) // 2], data[:-1], b"\0" * 64, b"garbage" * 20):
-        with pytest.raises(ef.EntryFormatError):
-            ef.decode_entry(bad)
-    # A flipped payload byte inside a compressed chunk fails decompression or the size check.
-    flipped = bytearray(data)
-    flipped[-10] ^= 0xFF
-    with pytest.raises(ef.EntryFormatError, match="corrupt chunk"):
-        ef.decode_entry(bytes(flipped))
+    for decode in (ef.decode_entry, ef.decode_entry_arrays):
+        for bad in (data[:5], data[: len(data) // 2], data[:-1], b"\0" * 64, b"garbage" * 20):
+            with pytest.raises(ef.EntryFormatError):
+                decode(bad)
+        # A flipped payload byte inside a compressed chunk fails decompression or the size check.
+        flipped = bytearray(data)
+        flipped[-10] ^= 0xFF
+        with pytest.raises(ef.EntryFormatError, match="corrupt chunk"):
+            decode(bytes(flipped))
 
 
 def test_signature_key_canonical():
