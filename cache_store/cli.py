@@ -202,7 +202,7 @@ def _open(args, root):
     if create and path.is_dir() and not (path / "chorus.sqlite3").exists() and any(path.iterdir()):
         raise ValueError(f"{path} is a folder with other files and is not a Chorus cache workspace; init creates a "
                          "workspace only in a new or empty folder (nothing was created there)")
-    from .workspace import Workspace  # faiss is imported only once the arguments are good (torch by decoding alone)
+    from .workspace import Workspace  # faiss is imported only once the arguments are good (torch by no command)
 
     return Workspace.open(path, create=create, readonly=readonly, timeout=args.timeout)
 
