@@ -346,12 +346,12 @@ def read_meta(data: bytes) -> dict:
 
 
 def _check_records(records, raw_sizes, meta, max_elements):
-    """Validate the map records against the chunk sizes and the element cap before any allocation;
-    returns ``[(key, encoding, dtype, shape, chunk, offset, nbytes)]``."""
+    """Validate the map records (keys, each once; encodings; sizes against shapes and chunk sizes; the element cap)
+    before any allocation; returns ``[(key, encoding, dtype, shape, chunk, offset, nbytes)]``."""
     cap = element_cap(meta.get("signature"))
     if max_elements is not None:
         cap = min(cap, int(max_elements))
-    plan, elements = [], 0
+    plan, elements, keys = [], 0, set()
     per_chunk = [0] * len(raw_sizes)
     for rec in records:
         try:
@@ -381,6 +381,9 @@ def _check_records(records, raw_sizes, meta, max_elements):
         elements += math.prod(shape)
         if elements > cap:
             raise EntryFormatError(f"maps declare more than {cap} elements, the cap of this entry's signature")
+        if key in keys:
+            raise EntryFormatError(f"map {key!r} appears twice")
+        keys.add(key)
         per_chunk[chunk] += nbytes
         plan.append((key, encoding, dtype_name, shape, chunk, offset, nbytes))
     if per_chunk != list(raw_sizes):
@@ -444,20 +447,11 @@ def decode_entry_arrays(data: bytes, *, max_elements: int | None = None):
     except Exception as exc:  # zstd/zlib errors on corrupt blobs
         raise EntryFormatError(f"corrupt chunk: {exc}") from exc
 
-    payloads, seen = [], set()
+    payloads = []  # the records' keys, encodings and sizes were checked by _check_records
     for key, encoding, dtype_name, shape, chunk, offset, nbytes in plan:
-        if key in seen:
-            raise EntryFormatError(f"map {key!r} appears twice")
-        seen.add(key)
         payload = buffers[chunk][offset : offset + nbytes]
         if encoding == "bits":
-            packed_shape = shape[:-1] + ((shape[-1] + 7) // 8,) if shape else ()
-            if len(shape) < 2 or int(np.prod(packed_shape)) != nbytes:
-                raise EntryFormatError(f"map {key!r}: {nbytes} bytes do not hold shape {shape}")
-            payload = payload.reshape(packed_shape)
-        elif not (encoding == "raw" and isinstance(dtype_name, str) and dtype_name in _RAW_ITEMSIZES
-                  and math.prod(shape) * _RAW_ITEMSIZES[dtype_name] == nbytes):
-            raise EntryFormatError(f"map {key!r}: {nbytes} bytes do not hold {dtype_name} {shape} ({str(encoding)[:40]})")
+            payload = payload.reshape(shape[:-1] + ((shape[-1] + 7) // 8,))
         payloads.append((key, encoding, dtype_name, shape, payload))
     return payloads, embedding.copy(), meta  # the copy: safetensors' arrays are read-only views of ``data``
 
