@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import statistics
+import time
 
 import torch
 
@@ -24,3 +25,30 @@ def cuda_median_ms(fn, reps: int, warmup: int = 1) -> float:
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+def cuda_median_ms_between(fn, between, reps: int, settle_s: float = 2.0) -> float:
+    """Median milliseconds of ``fn()`` on a GPU kept busy by ``between()``, as an attention call sits
+    between a transformer block's linears in a model: each timed call is queued right after one
+    ``between()``, with CUDA events around ``fn()`` alone and no synchronize until all ``reps`` are queued
+    (as a model's timer records them). First ``settle_s`` seconds of the same alternation run untimed (warm-up
+    and compilation, and the GPU's clock and power settle where that load holds them: under a model's GEMMs a
+    power-capped GPU runs a lower SM clock than an idle one lends a kernel timed in a loop by itself)."""
+    torch.cuda.synchronize()
+    settle_until = time.perf_counter() + settle_s
+    while True:
+        between()
+        fn()
+        torch.cuda.synchronize()
+        if time.perf_counter() >= settle_until:
+            break
+    pairs = []
+    for _ in range(reps):
+        between()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        pairs.append((start, end))
+    torch.cuda.synchronize()
+    return statistics.median(start.elapsed_time(end) for start, end in pairs)

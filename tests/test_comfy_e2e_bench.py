@@ -357,7 +357,8 @@ def test_profile_counts_the_hit_s_attention_calls_and_puts_their_kernels_beside_
 
 def test_the_table_puts_each_hit_s_own_kernel_alone_beside_its_per_call_time():
     """A hit row's "alone" is the kernel it ran, timed by itself: ``auto``'s for the plain row, the named backend's
-    for a ``--hit-backends`` row (whose ``kernel_alone_ms`` also holds nothing of ``auto``)."""
+    for a ``--hit-backends`` row (whose ``kernel_alone_ms`` also holds nothing of ``auto``); where the row also timed
+    it between a block's GEMMs, that time follows."""
     from chorus.benchmarks.comfy_e2e import run
 
     base = {"weights": "fp16", "res": "720p", "seconds": 16.0, "attn_ms_per_layer": 24.5, "density": 0.15,
@@ -370,6 +371,8 @@ def test_the_table_puts_each_hit_s_own_kernel_alone_beside_its_per_call_time():
     lines = run.table({"runs": [plain, named]}).splitlines()
     assert "| 24.50 (alone 21.75) |" in lines[2] and "| 36.60 (alone 30.96) |" in lines[3], lines
     assert "alone" not in run.table({"runs": [dict(base, variant="hit15")]})
+    loaded = dict(plain, kernel_alone_ms=dict(plain["kernel_alone_ms"], auto_under_load=23.9))
+    assert "| 24.50 (alone 21.75, between GEMMs 23.90) |" in run.table({"runs": [loaded]})
 
 
 class _Raw:

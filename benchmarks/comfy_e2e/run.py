@@ -94,7 +94,9 @@ What runs (everything side by side in one process, one GPU):
   hit's per-layer time over it is what the integration costs per call (the table's "alone"). The GPU's SM
   clock and power are sampled (NVML, every 50 ms) during each timed request (``gpu``) and during the
   kernel-alone timing (``kernel_alone_ms.gpu_auto``, or ``gpu_<backend>``): the same kernel runs slower at
-  the clock a GPU holds under the model's GEMMs than in a loop on an idle one. Retrieval and
+  the clock a GPU holds under the model's GEMMs than in a loop on an idle one, so it is timed a second way,
+  each call between the GEMMs of one block's linears (``auto_under_load``, the table's "between GEMMs";
+  its clock in ``gpu_auto_under_load``). A compiled hit 15% row times the kernel alone too. Retrieval and
   cache-write times are reported separately (they run on the CPU before / after sampling). ``comfy_loading``:
   whether ComfyUI loaded both experts whole for the timed request (:func:`loading_state`; two bf16 A14B experts
   take 53 GiB, so on an 80 GB card it may load them partially, and the table marks such a row).
@@ -760,6 +762,9 @@ def run(args) -> dict:
                     save(results, args.out)
                     return None
                 if out is not None:
+                    if variant == "hit15" and device.type == "cuda":
+                        results["runs"][-1]["kernel_alone_ms"] = kernel_alone_ms(plan, plan.token_grid, shape,
+                                                                                 kernels, sampler)
                     results["runs"][-1]["dynamo"] = {
                         "unique_graphs": int(counters["stats"].get("unique_graphs", 0)),
                         "graph_breaks": int(sum(counters["graph_break"].values())),
@@ -881,7 +886,12 @@ def kernel_alone_ms(plan, grid, shape, kernels, sampler=None, reps: int = 10, ba
     floor); for ``"auto"`` also the portable Triton FP8 kernel whole and in its two parts (pre-pass + index,
     attention), without the tail. ``backend``: the one the row's hit runs (a ``--hit-backends`` row names its
     own). ``sampler`` (a ``GpuSampler``): ``"gpu_<name>"`` = the GPU's clock and power while the hit's kernel
-    was timed, to set beside the row's ``"gpu"`` (the same kernel inside the model runs at the model's clock)."""
+    was timed, to set beside the row's ``"gpu"`` (the same kernel inside the model runs at the model's clock).
+    ``"<name>_under_load"``: the hit's kernel again, each call queued between the GEMMs of one block's linears
+    (:func:`block_linears`; ``"under_load_gemms"`` of them) and timed as the model's calls are timed (events, no
+    synchronize; :func:`~chorus.benchmarks.timing.cuda_median_ms_between`), so at the clock such a load holds
+    (``"gpu_<name>_under_load"``): the kernel alone at the model's clock, what a call in the model is set beside
+    to read the integration's own cost."""
     from chorus.engine.maps import floor_k_min, stored_map
 
     t, h, w = grid
@@ -893,7 +903,7 @@ def kernel_alone_ms(plan, grid, shape, kernels, sampler=None, reps: int = 10, ba
            .view(1, length, heads, dim).transpose(1, 2) for _ in range(3)]
     from chorus.kernels.triton._attention import launch_attention, prepare_attention
 
-    from ..timing import cuda_median_ms
+    from ..timing import cuda_median_ms, cuda_median_ms_between
 
     scale = 1.0 / math.sqrt(dim)
     portable_parts = ("triton_fp8", "prepass_and_index", "attention_kernel") if backend == "auto" else ()
@@ -903,7 +913,8 @@ def kernel_alone_ms(plan, grid, shape, kernels, sampler=None, reps: int = 10, ba
 
     out["backend"] = resolve_backend(backend, qkv[0]).value
     no_tail = f"{backend}_no_tail"
-    for name in (backend, no_tail) + portable_parts:
+
+    def timed_call(name):
         def call():
             if name == "prepass_and_index":
                 return prepare_attention(*qkv, block_map, 128, scale, True)
@@ -914,14 +925,43 @@ def kernel_alone_ms(plan, grid, shape, kernels, sampler=None, reps: int = 10, ba
                                                rows_checked=True, token_perm=plan.entry_order if hit_like else None,
                                                pooled_tail=name == backend)
             return o.transpose(1, 2).reshape(1, length, heads * dim)
+        return call
+
+    for name in (backend, no_tail) + portable_parts:
         if name == backend and sampler is not None:
             with sampler.window() as window:
-                out[name] = cuda_median_ms(call, reps, warmup=2)
+                out[name] = cuda_median_ms(timed_call(name), reps, warmup=2)
             out[f"gpu_{backend}"] = window.summary()
         else:
-            out[name] = cuda_median_ms(call, reps, warmup=2)
+            out[name] = cuda_median_ms(timed_call(name), reps, warmup=2)
+    linears, gemms = block_linears(length, shape["dim"], shape["ffn_dim"])
+    with (sampler.window() if sampler is not None else contextlib.nullcontext()) as window:
+        out[f"{backend}_under_load"] = cuda_median_ms_between(timed_call(backend), linears, reps=2 * reps)
+    out["under_load_gemms"] = gemms
+    if window is not None:
+        out[f"gpu_{backend}_under_load"] = window.summary()
     out["density"] = float(block_map.float().mean())
     return out
+
+
+def block_linears(length: int, dim: int, ffn_dim: int):
+    """``(run, n)``: ``run()`` queues the GEMM work of one Wan block's linear layers at ``length`` tokens --
+    self-attention's q, k, v, o and cross-attention's q, o (``dim x dim`` each) and the feed-forward's
+    ``dim x ffn_dim`` pair -- as ``n`` bf16 GEMMs ``[length, dim] @ [dim, dim]`` of the same total FLOPs
+    (``n = round((6 dim + 2 ffn_dim) / dim)``, 11 for Wan 14B), on random data (the same input each
+    time: a chained product would drift to inf). What keeps the GPU where the model keeps it around an
+    attention call (:func:`chorus.benchmarks.timing.cuda_median_ms_between`); 2 ``length x dim`` buffers."""
+    gemms = max(1, round((6 * dim + 2 * ffn_dim) / dim))
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(length, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+    weight = torch.randn(dim, dim, device="cuda", dtype=torch.bfloat16, generator=gen) / math.sqrt(dim)
+    y = torch.empty_like(x)
+
+    def run():
+        for _ in range(gemms):
+            torch.matmul(x, weight, out=y)
+
+    return run, gemms
 
 
 def gpu_sampler(device):
@@ -1042,9 +1082,11 @@ def table(results: dict) -> str:
         attn = f"{r['attn_ms_per_layer']:.2f}" if r.get("attn_ms_per_layer") is not None else "-"
         if r.get("attn_kernels_ms_per_call") is not None and r.get("attn_ms_median") is not None:
             attn += f" (median {r['attn_ms_median']:.2f}, its kernels {r['attn_kernels_ms_per_call']:.2f})"
-        alone = (r.get("kernel_alone_ms") or {}).get(r.get("backend", "auto"))
+        alone_ms = r.get("kernel_alone_ms") or {}
+        alone = alone_ms.get(r.get("backend", "auto"))
         if alone is not None:
-            attn += f" (alone {alone:.2f})"
+            loaded = alone_ms.get(f"{r.get('backend', 'auto')}_under_load")
+            attn += f" (alone {alone:.2f}" + (f", between GEMMs {loaded:.2f})" if loaded is not None else ")")
         dens = f"{r['density']:.1%}" if r.get("density") is not None else "-"
         peak = f"{r['peak_gib']:.1f}" if r.get("peak_gib") is not None else "-"
         first = f"{r['first_request_s']:.1f}" if r.get("first_request_s") is not None else "-"
