@@ -59,6 +59,7 @@ SQLSTATE mapping, reads beside writes), ``tests/test_fleet_serving.py`` (real Co
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -67,6 +68,7 @@ from pathlib import Path
 from . import seams
 from .entries import (COUNTED, RUN_COUNTERS, CorruptEntryError, NewEntry, PendingHits, counted_increments,
                       encode_new_entry, run_counts, search_index, similarity_bound)
+from .entry_format import decode_entry
 from .errors import StoreBusyError, StoreError, store_timeout
 from .fleet_conn import CALL_DEADLINE_S, Connections
 from .fleet_feed import CHANNEL, FEED_DEADLINE_S, POLL_S, FleetFeed
@@ -388,12 +390,13 @@ class FleetStore(FleetFeed, FleetMaintenance):
         """Check a fetched row (or ``tier=(entry_id, bytes, sig_key)`` read from the local tier,
         already matched to the row's sha256): ``(masks, meta)``, else quarantine and raise
         :class:`CorruptEntryError`."""
+        decode = functools.partial(decode_entry, packed=packed)
         if tier is not None:
             entry_id, data, sig_key = tier
-            result = decoded_entry(data, packed, sig_key, None)
+            result = decoded_entry(data, decode, sig_key, None)
         else:
             entry_id = int(row.id)
-            result = entry_problem(row, dim, packed, announced)
+            result = entry_problem(row, dim, decode, announced)
         if isinstance(result, str):
             self._quarantine(entry_id, result)
             raise CorruptEntryError(f"entry {entry_id}: {result} " +

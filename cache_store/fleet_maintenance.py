@@ -25,7 +25,7 @@ import time
 import uuid
 
 from .entries import MAX_ENTRY_FILE_BYTES
-from .entry_format import MAX_META_BYTES
+from .entry_format import MAX_META_BYTES, decode_entry_arrays
 from .errors import StoreError
 from .fleet_conn import Slot
 from .fleet_feed import CHANNEL, FEED_DEADLINE_S
@@ -177,7 +177,7 @@ class FleetMaintenance:
                     row = Row(*values)
                     checked += 1
                     live[int(row.id)] = row.sha256
-                    problem = entry_problem(row, dim, packed=True, arrays_only=True)
+                    problem = entry_problem(row, dim, decode_entry_arrays)
                     if isinstance(problem, str):
                         bad.append((int(row.id), problem))
             return bad, checked, live

@@ -28,7 +28,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .entries import DEFAULT_MAX_BYTES, MAX_ENTRY_FILE_BYTES, RUN_COUNTERS
-from .entry_format import MAX_META_BYTES, EntryFormatError, decode_entry, decode_entry_arrays
+from .entry_format import MAX_META_BYTES, EntryFormatError
 from .fleet_conn import psycopg_module
 from .rows import (DIGEST_CHARS, MAX_EMBEDDING_DIM, SIG_KEY_CHARS, check_embedding, check_entry_matches_row,
                    finite_number, is_digest, is_sig_key)
@@ -234,11 +234,12 @@ def own_row(entry_id: int, new) -> Row:
                new.created, new.created, 0, 0, 0, 0, new.embedding.tobytes(), None, None, None)
 
 
-def entry_problem(row: Row, dim: int | None, packed: bool, announced: str | None = None, *, arrays_only: bool = False):
+def entry_problem(row: Row, dim: int | None, decode, announced: str | None = None):
     """The checks of a fetched row and its entry bytes, shared by ``load`` and ``verify``:
     ``(masks, meta)``, or a ``str`` saying why the row is damaged (``announced``: the sha256 the
-    change feed announced for it). ``arrays_only`` (verify): the same checks without torch, ``masks`` then
-    the payloads of :func:`~.entry_format.decode_entry_arrays`."""
+    change feed announced for it). ``decode``: the entry decoder, ``bytes -> (masks, embedding, meta)``:
+    ``functools.partial(decode_entry, packed=...)`` for a load, :func:`~.entry_format.decode_entry_arrays`
+    for verify (every check of decoding, without torch; ``masks`` then its payloads)."""
     if announced is not None and announced != row.sha256:
         return "row sha256 differs from the one its change announced"
     try:
@@ -247,17 +248,14 @@ def entry_problem(row: Row, dim: int | None, packed: bool, announced: str | None
         return str(exc)
     if hashlib.sha256(row.data).hexdigest() != row.sha256:
         return "sha256 mismatch"
-    return decoded_entry(row.data, packed, row.sig_key, row.embedding, arrays_only=arrays_only)
+    return decoded_entry(row.data, decode, row.sig_key, row.embedding)
 
 
-def decoded_entry(data: bytes, packed: bool, sig_key: str, row_embedding: bytes | None, *, arrays_only: bool = False):
+def decoded_entry(data: bytes, decode, sig_key: str, row_embedding: bytes | None):
     """``(masks, meta)`` of entry bytes whose signature (and embedding) match the row's, or why not
-    (``arrays_only``: as :func:`entry_problem`)."""
+    (``decode``: as :func:`entry_problem`)."""
     try:
-        if arrays_only:
-            masks, emb, meta = decode_entry_arrays(data)
-        else:
-            masks, emb, meta = decode_entry(data, packed=packed)
+        masks, emb, meta = decode(data)
         check_entry_matches_row(emb, meta, sig_key, row_embedding)
     except (EntryFormatError, ValueError, TypeError, MemoryError, RecursionError) as exc:
         return f"undecodable: {exc}"

@@ -67,6 +67,7 @@ reported but not quarantined, and the index is built in memory only.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -81,7 +82,7 @@ from filelock import FileLock
 from . import seams
 from .entries import COUNTED, MAX_ENTRY_FILE_BYTES, RUN_COUNTERS, CorruptEntryError, EntryGone, PendingHits, \
     check_k, counted_increments, encode_new_entry, run_counts, search_index, similarity_bound
-from .entry_format import EntryFormatError, decode_entry, decode_entry_arrays
+from .entry_format import EntryFormatError, decode_entry
 from .errors import StoreBusyError, StoreError, UnsafeLayoutError, store_timeout
 from .index import DEFAULT_APPROX_THRESHOLD, PartitionedIndex
 from .limits import check_limits, stored_limits_shown
@@ -367,11 +368,12 @@ class Workspace(WorkspaceConnections, WorkspaceIndex, WorkspaceMaintenance):
             raise self._damaged(entry_id, file, "sha256 mismatch")
         return data
 
-    def _decode_checked(self, entry_id: int, file: str, data: bytes, *, packed: bool, arrays_only: bool = False):
-        """``decode_entry``'s answer (``decode_entry_arrays``' with ``arrays_only``: the same checks, no torch),
-        or :class:`CorruptEntryError` with the entry quarantined."""
+    def _decode_checked(self, entry_id: int, file: str, data: bytes, decode):
+        """``decode(data)``, or :class:`CorruptEntryError` with the entry quarantined. ``decode``: the entry
+        decoder, ``bytes -> (masks, embedding, meta)``: ``functools.partial(decode_entry, packed=...)`` for a
+        load, ``decode_entry_arrays`` for verify (every check of decoding, without torch)."""
         try:
-            return decode_entry_arrays(data) if arrays_only else decode_entry(data, packed=packed)
+            return decode(data)
         except (EntryFormatError, MemoryError, RecursionError) as exc:
             reason = f"undecodable: {exc}" if isinstance(exc, EntryFormatError) else f"undecodable: {type(exc).__name__}"
             raise self._damaged(entry_id, file, reason) from None
@@ -394,7 +396,7 @@ class Workspace(WorkspaceConnections, WorkspaceIndex, WorkspaceMaintenance):
             raise CorruptEntryError(f"entry {entry_id} was found damaged earlier (quarantine pending)")
         try:
             data = self._read_checked(entry_id, row)
-            masks, _, meta = self._decode_checked(entry_id, row[0], data, packed=packed)
+            masks, _, meta = self._decode_checked(entry_id, row[0], data, functools.partial(decode_entry, packed=packed))
         except EntryGone:
             raise KeyError(f"entry {entry_id} of workspace {self.path} was removed (evicted) while it was read") from None
         if touch:

@@ -29,6 +29,7 @@ import time
 
 from . import seams
 from .entries import CorruptEntryError, EntryGone
+from .entry_format import decode_entry_arrays
 from .errors import StoreBusyError
 from .limits import eviction_caps, eviction_order, over_caps, pick_victims, prune_targets
 from .safe_fs import TEMP_NAME_RE, fsync_dir
@@ -215,7 +216,7 @@ class WorkspaceMaintenance:
         for entry_id, file, digest, meta_json, nbytes in iterator:
             try:
                 data = self._read_checked(entry_id, (file, digest, meta_json, nbytes))
-                self._decode_checked(entry_id, file, data, packed=True, arrays_only=True)
+                self._decode_checked(entry_id, file, data, decode_entry_arrays)
             except EntryGone:
                 evicted.append(entry_id)
             except CorruptEntryError as exc:
