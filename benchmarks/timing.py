@@ -32,8 +32,8 @@ def cuda_median_ms_between(fn, between, reps: int, settle_s: float = 2.0) -> flo
     between a transformer block's linears in a model: each timed call is queued right after one
     ``between()``, with CUDA events around ``fn()`` alone and no synchronize until all ``reps`` are queued
     (as a model's timer records them). First ``settle_s`` seconds of the same alternation run untimed (warm-up
-    and compilation, and the GPU's clock and power settle where that load holds them: under a model's GEMMs a
-    power-capped GPU runs a lower SM clock than an idle one lends a kernel timed in a loop by itself)."""
+    and compilation, and the GPU's clock and power settle where that load holds them: a power-capped GPU runs
+    a lower SM clock under a model's GEMMs than it gives a kernel timed alone in a loop)."""
     torch.cuda.synchronize()
     settle_until = time.perf_counter() + settle_s
     while True:

@@ -949,8 +949,9 @@ def block_linears(length: int, dim: int, ffn_dim: int):
     self-attention's q, k, v, o and cross-attention's q, o (``dim x dim`` each) and the feed-forward's
     ``dim x ffn_dim`` pair -- as ``n`` bf16 GEMMs ``[length, dim] @ [dim, dim]`` of the same total FLOPs
     (``n = round((6 dim + 2 ffn_dim) / dim)``, 11 for Wan 14B), on random data (the same input each
-    time: a chained product would drift to inf). What keeps the GPU where the model keeps it around an
-    attention call (:func:`chorus.benchmarks.timing.cuda_median_ms_between`); 2 ``length x dim`` buffers."""
+    time: a chained product would drift to inf). The load that holds the GPU's clock near where the model
+    holds it around an attention call (:func:`chorus.benchmarks.timing.cuda_median_ms_between`; measured a
+    little lower, as the model's elementwise work draws less power); 2 ``length x dim`` buffers."""
     gemms = max(1, round((6 * dim + 2 * ffn_dim) / dim))
     gen = torch.Generator(device="cuda").manual_seed(1)
     x = torch.randn(length, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
