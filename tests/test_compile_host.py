@@ -17,10 +17,10 @@ a miss and the layer of each call where the host's attention breaks the graph). 
 blocks one by one, as KJNodes' compile nodes do by default.
 
 The backend is ``aot_eager`` (dynamo + AOTAutograd with the ops' fake implementations, no code
-generation: what breaks or recompiles is decided by dynamo, whatever backend follows). ComfyUI on a
-GPU attends with ``attention_pytorch`` (SDPA); on a CPU without flags it picks ``attention_sub_quad``,
-which reads free memory through psutil -- a graph break dynamo cannot avoid, also for a dense model
--- so these tests give the Wan blocks ComfyUI's GPU attention function.
+generation: what breaks or recompiles is decided by dynamo, whatever backend follows). The Wan blocks
+attend with ``attention_pytorch`` (SDPA), ComfyUI's attention on a GPU, which the test harness picks on the
+CPU too (``tests/host/tiny_wan.py``): ComfyUI's CPU default, ``attention_sub_quad``, reads free memory
+through psutil -- a graph break dynamo cannot avoid, also for a dense model.
 """
 
 from __future__ import annotations
@@ -74,14 +74,6 @@ class CountingBackend:
             counts.append(sum(1 for node in gm.graph.nodes if node.op == "call_function"
                               and node.target in (target, getattr(torch.ops.chorus, name))))
         return counts
-
-
-@pytest.fixture()
-def host_attention(monkeypatch):
-    import comfy.ldm.modules.attention as attention
-    import comfy.ldm.wan.model as wan
-
-    monkeypatch.setattr(wan, "optimized_attention", attention.attention_pytorch)
 
 
 @pytest.fixture(scope="module")
@@ -163,7 +155,7 @@ IMAGE = torch.rand(1, 32, 32, 3, generator=torch.Generator().manual_seed(0))
 
 @compiled_forward
 @pytest.mark.parametrize("guards", GUARDS)
-def test_compiled_miss_records_then_two_compiled_hits_compile_once(nodes, experts, host_attention, dynamo, guards):
+def test_compiled_miss_records_then_two_compiled_hits_compile_once(nodes, experts, dynamo, guards):
     backend = CountingBackend()
     miss = _retrieve(nodes, IMAGE)
     assert not miss.is_hit
@@ -201,7 +193,7 @@ def test_compiled_miss_records_then_two_compiled_hits_compile_once(nodes, expert
 
 
 def test_before_torch_2_10_a_compiled_chorus_forward_runs_eagerly_once_noted_and_never_recompiles(
-        nodes, experts, host_attention, dynamo, monkeypatch):
+        nodes, experts, dynamo, monkeypatch):
     """torch 2.8 / 2.9 recompiled every Chorus-patched forward under TorchCompileModel (the resume frame after the
     host side guards ComfyUI's per-forward bound ``_forward``) until dynamo's limit: there the forward runs outside
     dynamo. Forced here on the CI's torch: a miss records and two hits run sparse with the eager request's output,
@@ -229,7 +221,7 @@ def test_before_torch_2_10_a_compiled_chorus_forward_runs_eagerly_once_noted_and
 
 
 @compiled_forward
-def test_compiled_miss_records_region_scores_and_a_feature_reuse_hit_works(nodes, experts, host_attention, dynamo):
+def test_compiled_miss_records_region_scores_and_a_feature_reuse_hit_works(nodes, experts, dynamo):
     backend = CountingBackend()
     miss = _retrieve(nodes, IMAGE, LATENT_FR)
     _request(*_patch(nodes, experts, miss, backend, feature_reuse=1.0), latent=LATENT_FR)
@@ -275,7 +267,7 @@ def test_compiled_miss_records_region_scores_and_a_feature_reuse_hit_works(nodes
 
 
 @compiled_forward
-def test_a_compiled_feature_reuse_hit_leaves_later_compiled_requests_compiled(nodes, host_attention, dynamo):
+def test_a_compiled_feature_reuse_hit_leaves_later_compiled_requests_compiled(nodes, dynamo):
     """With more layers than dynamo's recompile limit (8 per code object): a compiled hit with feature
     reuse keeps its reduced blocks inside its graph (no frame per layer), so the limit is not spent and a
     compiled miss after it in the same process still compiles (its blocks record inside a graph). When
@@ -361,7 +353,7 @@ def test_feature_reuse_compiles_each_block_patch_once_where_the_host_attention_b
     assert variants["__call__"] <= 4 and variants["_run"] <= 4 and 0 < variants["_reduced"] <= 2, variants
 
 
-def test_with_comfyui_s_guard_filter_chorus_runs_on_a_model_compiled_plain_earlier(nodes, experts, host_attention,
+def test_with_comfyui_s_guard_filter_chorus_runs_on_a_model_compiled_plain_earlier(nodes, experts,
                                                                                       dynamo):
     """The same diffusion models compiled without Chorus first (a plain request, or the Chorus nodes
     bypassed), then with them, under ``TorchCompileModel``'s guard filter (one backend, so one set of
@@ -425,7 +417,7 @@ def test_with_comfyui_s_guard_filter_a_hit_after_a_miss_is_sparse_on_each_layer_
     torch.testing.assert_close(hit_out, eager_out, rtol=1e-4, atol=1e-4)
 
 
-def test_blocks_compiled_one_by_one_run_a_miss_and_hits_as_the_eager_requests(nodes, experts, host_attention, dynamo):
+def test_blocks_compiled_one_by_one_run_a_miss_and_hits_as_the_eager_requests(nodes, experts, dynamo):
     """KJNodes' compile nodes compile each transformer block on its own by default
     (``set_torch_compile_wrapper(keys=["diffusion_model.blocks.<i>", ...])``; no guard filter): the model's
     forward, Chorus's wrappers and block patches stay eager, the blocks' self-attention reaches Chorus's
@@ -472,7 +464,7 @@ def _compiled_variants(cls) -> dict:
 
 
 @pytest.mark.parametrize("case", ["all", "comfyui_filter", "comfyui_filter_block_frames"])
-def test_compiled_skip_layer_guidance_forwards_skip_their_layers_and_keep_the_others_maps(nodes, host_attention,
+def test_compiled_skip_layer_guidance_forwards_skip_their_layers_and_keep_the_others_maps(nodes,
                                                                                            dynamo, case,
                                                                                            monkeypatch):
     """ComfyUI's Skip Layer Guidance node on a compiled Chorus hit: its extra forward per step skips the

@@ -236,13 +236,17 @@ def windows_of(model, frames: int) -> list[list[int]]:
 
 
 def import_comfy(comfy_dir: Path, cpu: bool):
-    """Import ComfyUI from a checkout (a benchmark, not the pack: the checkout goes on sys.path)."""
+    """Import ComfyUI from a checkout (a benchmark, not the pack: the checkout goes on sys.path). On the CPU the
+    models attend with ``attention_pytorch`` (SDPA, ComfyUI's ``--use-pytorch-cross-attention``), as ComfyUI
+    attends on a GPU: its CPU default (``attention_sub_quad``) reads free memory in each call, a graph break in
+    every compiled block."""
     if not (comfy_dir / "comfy" / "ldm" / "wan" / "model.py").is_file():
         raise SystemExit(f"error: {comfy_dir} is not a ComfyUI checkout")
     sys.path.insert(0, str(comfy_dir))
     import comfy.cli_args
 
     comfy.cli_args.args.cpu = cpu
+    comfy.cli_args.args.use_pytorch_cross_attention = comfy.cli_args.args.use_pytorch_cross_attention or cpu
     comfy.cli_args.args.highvram = not cpu  # keep both experts resident, as a 141 GB card does
     import comfy.model_management  # noqa: F401
     import comfy.model_patcher  # noqa: F401

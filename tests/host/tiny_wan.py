@@ -7,7 +7,10 @@ ComfyUI is found through env ``COMFYUI_DIR``, else ``/opt/ComfyUI``, else the Co
 pack sits in (``ComfyUI/custom_nodes/<pack>``). :func:`import_comfy` puts that folder on
 ``sys.path`` (tests only; ComfyUI is not an installable package) and sets
 ``comfy.cli_args.args.cpu = True`` before any ``comfy.model_management`` import, as ComfyUI's own
-``tests-unit`` do on machines without a GPU.
+``tests-unit`` do on machines without a GPU, with ``use_pytorch_cross_attention`` (ComfyUI's
+``--use-pytorch-cross-attention``): the models attend with ``attention_pytorch`` (SDPA), as ComfyUI attends
+on a GPU, not with its CPU default ``attention_sub_quad``, whose free-memory read (psutil) breaks every
+compiled graph and makes dynamo wrap all of ``sys.modules`` at each compile.
 """
 
 from __future__ import annotations
@@ -64,13 +67,19 @@ def import_comfy() -> str | None:
 
             if not torch.cuda.is_available():
                 comfy.cli_args.args.cpu = True
+                comfy.cli_args.args.use_pytorch_cross_attention = True  # a GPU's attention function (docstring)
             import comfy.ldm.wan.model  # noqa: F401
             import comfy.model_management  # noqa: F401
             import comfy.sample  # noqa: F401
             import comfy.sd  # noqa: F401
+            reason = None
             if not torch.cuda.is_available():
                 _trace_less_on_the_cpu()
-            reason = None
+                import comfy.ldm.modules.attention as attention
+
+                if attention.optimized_attention is not attention.attention_pytorch:
+                    reason = (f"ComfyUI at {comfy_dir} attends with {attention.optimized_attention.__name__} on the "
+                              "CPU despite use_pytorch_cross_attention (the host tests expect attention_pytorch)")
         except Exception as exc:  # noqa: BLE001 - a broken checkout is a skip reason, not a test error
             reason = f"ComfyUI at {comfy_dir} does not import: {type(exc).__name__}: {exc}"
     _IMPORT_STATE["reason"] = reason
@@ -78,23 +87,17 @@ def import_comfy() -> str | None:
 
 
 def _trace_less_on_the_cpu() -> None:
-    """Two things dynamo would trace at every compile of ComfyUI's Wan on the CPU, which cost the suite minutes
-    and which no test asserts (the compiled host test files run 10-30% faster without them):
+    """einops' pattern parsing, which dynamo would trace at every compile of ComfyUI's Wan on the CPU, costing
+    the suite minutes that no test asserts: ComfyUI's RoPE (``comfy.ldm.flux.math.rope``) calls
+    ``einops.rearrange``; einops puts its functions in dynamo's graph itself below torch 2.8, from 2.8 on dynamo
+    traces the parsing (about half the bytecode it steps through in a tiny forward). Here they are in the graph
+    as before 2.8.
 
-    - einops' pattern parsing: ComfyUI's RoPE (``comfy.ldm.flux.math.rope``) calls ``einops.rearrange``; einops
-      puts its functions in dynamo's graph itself below torch 2.8, from 2.8 on dynamo traces the parsing (about
-      half the bytecode it steps through in a tiny forward). Here they are in the graph as before 2.8.
-    - psutil's memory read in ComfyUI's CPU attention (``attention_sub_quad`` asks
-      ``comfy.model_management.get_free_memory``, which reads ``psutil.virtual_memory()``; tracing it wraps all of
-      ``sys.modules``): a graph break either way, here at the call instead of inside psutil.
-
-    Tests only, and only without CUDA (on a GPU ComfyUI attends with SDPA and the GPU tests compile as users do)."""
-    import comfy.model_management
+    Tests only, and only without CUDA (the GPU tests compile as users do)."""
     import einops
 
     for function in (einops.rearrange, einops.repeat, einops.reduce, einops.einsum):
         torch.compiler.allow_in_graph(function)
-    comfy.model_management.get_free_memory = torch.compiler.disable(comfy.model_management.get_free_memory)
 
 
 def _init_(module: torch.nn.Module, seed: int, std: float = 0.02) -> None:
