@@ -1,13 +1,14 @@
 """Test helper: a headless ComfyUI subprocess on CPU with this pack (and test-only nodes) loaded.
 
-``ComfyHost(comfy_dir, base_dir)`` starts ``main.py --cpu --listen 127.0.0.1 --port <free>
+``ComfyHost(comfy_dir, base_dir)`` starts ``main.py --cpu --use-pytorch-cross-attention --listen 127.0.0.1 --port <free>
 --base-directory <base_dir>`` with every custom node disabled except the whitelisted folders in
 ``<base_dir>/custom_nodes`` (the pack is symlinked there by :func:`prepare_base`). The base
 directory holds models/, input/, output/, temp/, user/, so a restart on the same base keeps the
 cache workspaces (under user/). ``queue(graph)`` posts to ``/prompt`` and polls ``/history`` until
-the prompt finished. ``cpu=False`` (GPU tests) leaves ``--cpu`` out; ``extra_args`` (e.g.
-``--use-sage-attention``) and ``extra_env`` go to the subprocess. Nothing is downloaded; the frontend package must be installed (ComfyUI exits
-without it).
+the prompt finished. On the CPU the server also gets ``--use-pytorch-cross-attention``: it attends with SDPA,
+ComfyUI's attention on a GPU, as the in-process tests do (``tiny_wan.py``). ``cpu=False`` (GPU tests) leaves
+both flags out; ``extra_args`` (e.g. ``--use-sage-attention``) and ``extra_env`` go to the subprocess. Nothing
+is downloaded; the frontend package must be installed (ComfyUI exits without it).
 """
 
 from __future__ import annotations
@@ -74,7 +75,8 @@ class ComfyHost:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = self.base_dir / f"server_{self.port}.log"
-        cmd = [sys.executable, "main.py", *(["--cpu"] if cpu else []), "--listen", "127.0.0.1", "--port", str(self.port),
+        cpu_flags = ["--cpu", "--use-pytorch-cross-attention"] if cpu else []
+        cmd = [sys.executable, "main.py", *cpu_flags, "--listen", "127.0.0.1", "--port", str(self.port),
                "--base-directory", str(self.base_dir), "--user-directory", str(self.base_dir / "user"),
                "--disable-all-custom-nodes", "--whitelist-custom-nodes", PACK_LINK, TEST_NODES,
                "--database-url", "sqlite:///:memory:", "--disable-api-nodes", "--disable-auto-launch",
