@@ -137,13 +137,13 @@ def test_comfy_e2e_benchmark_runs_a_first_last_frame_request(tmp_path, monkeypat
 
 
 def test_the_row_major_block_patch_hands_the_block_a_row_major_copy():
-    from chorus.benchmarks.comfy_e2e import run
+    from chorus.benchmarks.comfy_e2e import host_attention
 
     x = torch.randn(2, 8, 5).transpose(1, 2)  # the patch embedding's transposed view, [B, L, C]
     seen = []
-    out = run.row_major_block({"img": x, "vec": None}, {"original_block": lambda a: seen.append(a["img"]) or {"img": 1}})
+    out = host_attention.row_major_block({"img": x, "vec": None}, {"original_block": lambda a: seen.append(a["img"]) or {"img": 1}})
     assert out == {"img": 1} and seen[0].is_contiguous() and torch.equal(seen[0], x)
-    run.row_major_block({"img": seen[0]}, {"original_block": lambda a: seen.append(a["img"])})
+    host_attention.row_major_block({"img": seen[0]}, {"original_block": lambda a: seen.append(a["img"])})
     assert seen[1] is seen[0]  # a row-major input is handed on as it is
 
 
@@ -176,7 +176,7 @@ def test_fp8_linears_benchmark_takes_comfyuis_fp8_path_without_graph_breaks(tmp_
 def test_compiled_only_runs_the_compiled_rows_beside_compiled_dense(tmp_path, monkeypatch, capsys):
     """``--compile --compiled-only``: dense and a miss under ComfyUI's ``TorchCompileModel`` and no eager row; the
     compiled miss runs as a miss (a fresh workspace of its own) with no eager miss before it."""
-    from chorus.benchmarks.comfy_e2e import run
+    from chorus.benchmarks.comfy_e2e import report, run
 
     monkeypatch.setenv("COMFYUI_DIR", str(tiny.find_comfyui_dir()))
     monkeypatch.setenv("CHORUS_CACHE_DIR", str(tmp_path / "cache"))
@@ -204,11 +204,11 @@ def test_compiled_only_runs_the_compiled_rows_beside_compiled_dense(tmp_path, mo
     row = dict(rows["dense+compile"], first_request_s=76.74, first_request_compile=dict(spent, dynamo_s=62.31,
                                                                                           triton_build_s=5.66))
     row["dynamo"] = dict(row["dynamo"], recompiles=0)
-    assert "| dense+compile | " in run.table({"runs": [row]})
-    assert "| 76.7 (compile 62.3, Triton builds 5.7) |" in run.table({"runs": [row]})
+    assert "| dense+compile | " in report.table({"runs": [row]})
+    assert "| 76.7 (compile 62.3, Triton builds 5.7) |" in report.table({"runs": [row]})
     row["comfy_loading"][1] = dict(row["comfy_loading"][1], partial=True)
     row["dynamo"] = dict(row["dynamo"], recompiles=2)
-    assert "| dense+compile (experts loaded partially) (2 recompiles) | " in run.table({"runs": [row]})
+    assert "| dense+compile (experts loaded partially) (2 recompiles) | " in report.table({"runs": [row]})
 
 
 def test_a_compiled_row_times_a_request_that_compiles_nothing(tmp_path, monkeypatch):
@@ -218,7 +218,7 @@ def test_a_compiled_row_times_a_request_that_compiles_nothing(tmp_path, monkeypa
     emptied before the second request's models compile, so it really recompiles every frame; the third does not."""
     import torch
 
-    from chorus.benchmarks.comfy_e2e import run
+    from chorus.benchmarks.comfy_e2e import report, run
 
     monkeypatch.setenv("COMFYUI_DIR", str(tiny.find_comfyui_dir()))
     monkeypatch.setenv("CHORUS_CACHE_DIR", str(tmp_path / "cache"))
@@ -237,16 +237,16 @@ def test_a_compiled_row_times_a_request_that_compiles_nothing(tmp_path, monkeypa
     assert len(calls) == 6, len(calls)  # three requests of two experts
     assert len(row["unsteady_requests"]) == 1 and row["unsteady_requests"][0]["frames_compiled"] > 0, row
     assert row["timed_request_frames_compiled"] == 0 and row["finite"], row
-    line = next(x for x in run.table(results).splitlines() if "| dense+compile" in x)
+    line = next(x for x in report.table(results).splitlines() if "| dense+compile" in x)
     before = row["unsteady_requests"][0]["seconds"]
     assert f"(timed: request 3, the first that compiled nothing; before it {before:.2f} s)" in line, line
     assert line.split(" | ")[4] == "1.00x", line
     # had every try compiled, the row would time the compiler: the table gives no ratio to it
     recompiling = dict(row, timed_request_frames_compiled=5, variant="dense+compile")
     hit = dict(row, variant="hit15+compile", seconds=row["seconds"] / 3, timed_request_frames_compiled=0)
-    lines = run.table({"runs": [recompiling, hit]}).splitlines()
+    lines = report.table({"runs": [recompiling, hit]}).splitlines()
     assert "(the timed request compiled 5 frames)" in lines[2] and lines[3].split(" | ")[4] == "-", lines
-    assert run.table({"runs": [row, hit]}).splitlines()[3].split(" | ")[4] == "3.00x"
+    assert report.table({"runs": [row, hit]}).splitlines()[3].split(" | ")[4] == "3.00x"
 
 
 def test_recompile_log_keeps_each_recompile_s_guard_failure_and_leaves_torch_logging_as_it_was(monkeypatch):
@@ -339,7 +339,7 @@ def test_profile_counts_the_hit_s_attention_calls_and_puts_their_kernels_beside_
     """``--profile``: one more step of each row under ``torch.profiler``, whose ``chorus::attend`` events (the hit's
     sparse attention: one per layer of the profiled step) are recorded; a call's kernels' GPU time goes beside the
     row's per-call median in the table. On the CPU no call runs a kernel: events, no calls, no per-call time."""
-    from chorus.benchmarks.comfy_e2e import run
+    from chorus.benchmarks.comfy_e2e import profiling, report, run
 
     monkeypatch.setenv("COMFYUI_DIR", str(tiny.find_comfyui_dir()))
     monkeypatch.setenv("CHORUS_CACHE_DIR", str(tmp_path / "cache"))
@@ -350,16 +350,16 @@ def test_profile_counts_the_hit_s_attention_calls_and_puts_their_kernels_beside_
     assert hit["attn_kernels_ms_per_call"] is None
     assert "chorus::attend" not in miss["profile_step0"]["ops"]  # a miss answers densely: no sparse call
     hit = dict(hit, attn_ms_per_layer=2.5, attn_ms_median=2.0, attn_kernels_ms_per_call=1.5)
-    assert "| 2.50 (median 2.00, its kernels 1.50) |" in run.table({"runs": [hit]})
-    assert run.attention_kernels_ms({"ops": {"chorus::attend": [46.0, 40, 80]}}) == pytest.approx(1.15)
-    assert run.attention_kernels_ms(None) is None and run.attention_kernels_ms({"ops": {}}) is None
+    assert "| 2.50 (median 2.00, its kernels 1.50) |" in report.table({"runs": [hit]})
+    assert profiling.attention_kernels_ms({"ops": {"chorus::attend": [46.0, 40, 80]}}) == pytest.approx(1.15)
+    assert profiling.attention_kernels_ms(None) is None and profiling.attention_kernels_ms({"ops": {}}) is None
 
 
 def test_the_table_puts_each_hit_s_own_kernel_alone_beside_its_per_call_time():
     """A hit row's "alone" is the kernel it ran, timed by itself: ``auto``'s for the plain row, the named backend's
     for a ``--hit-backends`` row (whose ``kernel_alone_ms`` also holds nothing of ``auto``); where the row also timed
     it between a block's GEMMs, that time follows."""
-    from chorus.benchmarks.comfy_e2e import run
+    from chorus.benchmarks.comfy_e2e import report
 
     base = {"weights": "fp16", "res": "720p", "seconds": 16.0, "attn_ms_per_layer": 24.5, "density": 0.15,
             "gpu": {"available": False}}
@@ -368,11 +368,11 @@ def test_the_table_puts_each_hit_s_own_kernel_alone_beside_its_per_call_time():
     named = dict(base, variant="hit15@triton_int8_ws", backend="triton_int8_ws", attn_ms_per_layer=36.6,
                  kernel_alone_ms={"backend": "triton_int8_ws", "triton_int8_ws": 30.96,
                                   "triton_int8_ws_no_tail": 29.63})
-    lines = run.table({"runs": [plain, named]}).splitlines()
+    lines = report.table({"runs": [plain, named]}).splitlines()
     assert "| 24.50 (alone 21.75) |" in lines[2] and "| 36.60 (alone 30.96) |" in lines[3], lines
-    assert "alone" not in run.table({"runs": [dict(base, variant="hit15")]})
+    assert "alone" not in report.table({"runs": [dict(base, variant="hit15")]})
     loaded = dict(plain, kernel_alone_ms=dict(plain["kernel_alone_ms"], auto_under_load=23.9))
-    assert "| 24.50 (alone 21.75, between GEMMs 23.90) |" in run.table({"runs": [loaded]})
+    assert "| 24.50 (alone 21.75, between GEMMs 23.90) |" in report.table({"runs": [loaded]})
 
 
 class _Raw:
@@ -414,7 +414,7 @@ def test_a_call_s_kernels_are_those_launched_inside_it_counted_once_and_a_traced
     implementation dispatches the op again is one call; a GEMM launched between calls is not a call's, whatever
     op id the profiler links it to; dynamo tracing the op (nothing launched) adds an event and no call; a kernel
     whose launch is not in the profile is no one's."""
-    from chorus.benchmarks.comfy_e2e import run
+    from chorus.benchmarks.comfy_e2e import profiling
 
     events = [
         _Raw("chorus::attend", 0, 100_000, 7),  # a call ...
@@ -427,24 +427,24 @@ def test_a_call_s_kernels_are_those_launched_inside_it_counted_once_and_a_traced
         _Raw("chorus::record_mass", 500_000, 600_000, 12), *_launch(6, 550_000, 0.3, linked=12),
         _Raw("orphan", 0, 2_000_000, 99, 0, "cuda"),
     ]
-    ops = run.chorus_op_times(events)
+    ops = profiling.chorus_op_times(events)
     assert ops == {"chorus::attend": [3.7, 2, 4], "chorus::record_mass": [0.3, 1, 1]}
-    assert run.attention_kernels_ms({"ops": ops}) == pytest.approx(1.85)
+    assert profiling.attention_kernels_ms({"ops": ops}) == pytest.approx(1.85)
 
 
 def test_a_profile_whose_raw_events_cannot_be_read_keeps_its_kernel_table(monkeypatch):
     """Where this torch's raw profiler events lack an accessor :func:`chorus_op_times` reads, the profiled step
     keeps its totals and kernel table and says why its per-op times are missing (no lost benchmark row)."""
-    from chorus.benchmarks.comfy_e2e import run
+    from chorus.benchmarks.comfy_e2e import profiling
 
     def unreadable(events):
         raise AttributeError("'_KinetoEvent' object has no attribute 'duration_ns'")
 
-    monkeypatch.setattr(run, "chorus_op_times", unreadable)
-    profile = run.profile_step(lambda: torch.ones(64).sum())
+    monkeypatch.setattr(profiling, "chorus_op_times", unreadable)
+    profile = profiling.profile_step(lambda: torch.ones(64).sum())
     assert profile["ops"] == {} and "duration_ns" in profile["ops_error"]
     assert set(profile) == {"gpu_ms_total", "kernels", "ops", "ops_error"}
-    assert run.attention_kernels_ms(profile) is None
+    assert profiling.attention_kernels_ms(profile) is None
 
 
 def test_the_benchmark_compiles_through_the_host_s_own_node_in_either_signature(monkeypatch, capsys):
@@ -506,21 +506,21 @@ def test_the_dense_cudnn_row_moves_cudnn_attention_first_and_restores_the_host_s
     import comfy.ops
     from torch.nn.attention import SDPBackend
 
-    from chorus.benchmarks.comfy_e2e import run
+    from chorus.benchmarks.comfy_e2e import host_attention
 
     host_order = [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
                   SDPBackend.MATH]
     listed = list(host_order)
     monkeypatch.setattr(comfy.ops, "SDPA_BACKEND_PRIORITY", listed, raising=False)
-    assert run.sdpa_order() == ["FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION", "MATH"]
-    with pytest.raises(ValueError), run.sdpa_cudnn_first():
+    assert host_attention.sdpa_order() == ["FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION", "MATH"]
+    with pytest.raises(ValueError), host_attention.sdpa_cudnn_first():
         assert comfy.ops.SDPA_BACKEND_PRIORITY is listed  # reordered in place: the host's wrapper reads this list
-        assert run.sdpa_order() == ["CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH"]
+        assert host_attention.sdpa_order() == ["CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH"]
         raise ValueError("the row failed")
     assert listed == host_order
     monkeypatch.delattr(comfy.ops, "SDPA_BACKEND_PRIORITY")
-    assert run.sdpa_order() is None
-    with pytest.raises(RuntimeError, match="no SDPA backend order"), run.sdpa_cudnn_first():
+    assert host_attention.sdpa_order() is None
+    with pytest.raises(RuntimeError, match="no SDPA backend order"), host_attention.sdpa_cudnn_first():
         pass
 
 
@@ -555,23 +555,23 @@ def test_the_dense_ck_row_runs_comfyui_s_own_attention_backend_node_on_clones(mo
     (0.33.0's V1 node, 0.38.x's V3 one): a clone whose attention override calls what ComfyUI registered as
     ``comfy_kitchen_int8`` (its ``attention_comfy_kitchen_int8``), the model handed in untouched. Where the kernel
     is missing the row is refused rather than run as the node's silent PyTorch fallback."""
-    from chorus.benchmarks.comfy_e2e import run
+    from chorus.benchmarks.comfy_e2e import host_attention
 
     model = tiny.load_tiny_wan(tiny.tiny_wan_state_dict())
     if not _host_has_attention_backend_node():
         with pytest.raises(RuntimeError, match="no Model Attention Backend node"):
-            run.comfy_kitchen_attention_models([model])
+            host_attention.comfy_kitchen_attention_models([model])
         return
     import comfy.ldm.modules.attention as attention
 
     monkeypatch.setattr(attention, "COMFY_KITCHEN_INT8_ATTENTION_IS_AVAILABLE", False)
     with pytest.raises(RuntimeError, match="no INT8 attention kernel"):
-        run.comfy_kitchen_attention_models([model])
+        host_attention.comfy_kitchen_attention_models([model])
     monkeypatch.setattr(attention, "COMFY_KITCHEN_INT8_ATTENTION_IS_AVAILABLE", True)
     seen = []  # ComfyUI registers its INT8 attention at import only where the kernel is: a recording stand-in here
     monkeypatch.setitem(attention.REGISTERED_ATTENTION_FUNCTIONS, "comfy_kitchen_int8",
                         lambda *a, **k: seen.append(a) or a[0])
-    (patched,) = run.comfy_kitchen_attention_models([model])
+    (patched,) = host_attention.comfy_kitchen_attention_models([model])
     assert patched is not model and "optimized_attention_override" not in model.model_options["transformer_options"]
     override = patched.model_options["transformer_options"]["optimized_attention_override"]
     q = torch.randn(1, 8, 16)
@@ -625,12 +625,12 @@ def test_comfy_e2e_benchmark_runs_a_request_in_context_windows(tmp_path, monkeyp
     longer, in the static schedule and in the node's later default, whose windows move from step to step
     (``--window-schedule``). The miss records them all at the first window's grid; the hit with feature reuse runs
     every call sparse and downsamples in the longer windows, its region scores carried to their grid."""
-    from chorus.benchmarks.comfy_e2e import run
+    from chorus.benchmarks.comfy_e2e import run, windows
     from host import comfy038
 
     monkeypatch.setenv("COMFYUI_DIR", str(tiny.find_comfyui_dir()))
     monkeypatch.setenv("CHORUS_CACHE_DIR", str(tmp_path / "cache"))
-    if not run.host_runs_i2v_in_windows():  # 0.3.64: the later host's behaviour, as the windows' host test has it
+    if not windows.host_runs_i2v_in_windows():  # 0.3.64: the later host's behaviour, as the windows' host test has it
         comfy038.install_context_window_conds(monkeypatch)
         comfy038.install_context_window_anchor(monkeypatch)
         monkeypatch.setattr(run, "host_runs_i2v_in_windows", lambda: True)

@@ -51,19 +51,19 @@ def model():
 
 def _host_anchors_windows() -> bool:
     """Whether this ComfyUI has the causal window fix itself (on by default; 0.28.2 and 0.33.0 do, 0.3.64 not):
-    the benchmark's check (``benchmarks/comfy_e2e/run.host_runs_i2v_in_windows``, the fix and the per-window image
+    the benchmark's check (``benchmarks/comfy_e2e/windows.host_runs_i2v_in_windows``, the fix and the per-window image
     conditioning came in the same releases)."""
-    from chorus.benchmarks.comfy_e2e.run import host_runs_i2v_in_windows
+    from chorus.benchmarks.comfy_e2e.windows import host_runs_i2v_in_windows
 
     return host_runs_i2v_in_windows()
 
 
 def _windows(model, anchored: bool = False, schedule: str = "standard_static"):
     """``model`` through the core "WAN Context Windows (Manual)" node as the benchmark of record puts it there
-    (``benchmarks/comfy_e2e/run.context_windows``: the node's ``schedule``, its later inputs at their defaults);
+    (``benchmarks/comfy_e2e/windows.context_windows``: the node's ``schedule``, its later inputs at their defaults);
     ``anchored``: with the causal window fix (the host's own where it has one, else the test double), else
     without (turned off in the host's handler where it is on by default)."""
-    from chorus.benchmarks.comfy_e2e.run import context_windows
+    from chorus.benchmarks.comfy_e2e.windows import context_windows
 
     windowed = context_windows(model, WINDOW_FRAMES, OVERLAP_FRAMES, schedule)
     if _host_anchors_windows():

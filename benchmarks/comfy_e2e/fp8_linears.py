@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from .run import FastFp8, import_comfy
+from .experts import FastFp8, import_comfy
 
 WAN_14B_SHAPES = [(5120, 5120), (5120, 13824), (13824, 5120)]  # (in_features, out_features)
 TINY_SHAPES = [(256, 512), (512, 256)]

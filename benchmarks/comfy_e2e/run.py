@@ -42,13 +42,14 @@ What runs (everything side by side in one process, one GPU):
 * Variants: ``dense`` (the unpatched models: ComfyUI's default attention, SDPA in the host's backend order:
   cuDNN attention first in 0.3.64 and 0.28.2, flash first and cuDNN second in 0.33.0 and 0.38.x; the JSON's
   ``comfyui`` and ``sdpa_order`` say which); ``dense_cudnn`` (the same with cuDNN attention moved first, the
-  older order, on any host: :func:`sdpa_cudnn_first`); ``dense_ck`` (the models through ComfyUI's core "Model
-  Attention Backend" node at "comfy kitchen attention", 0.33.0 and 0.38.x: comfy-kitchen's dense INT8 attention
-  in every attention call, what ComfyUI's ``--use-ck-attention`` makes global; skipped with the reason where the
-  host has no such node or comfy-kitchen no INT8 kernel for the device: :func:`comfy_kitchen_attention_models`);
+  older order, on any host: :func:`host_attention.sdpa_cudnn_first`); ``dense_ck`` (the models through
+  ComfyUI's core "Model Attention Backend" node at "comfy kitchen attention", 0.33.0 and 0.38.x: comfy-kitchen's
+  dense INT8 attention in every attention call, what ComfyUI's ``--use-ck-attention`` makes global; skipped with
+  the reason where the host has no such node or comfy-kitchen no INT8 kernel for the device:
+  :func:`host_attention.comfy_kitchen_attention_models`);
   ``dense_rowmajor`` (the same, each block on a row-major copy of its input, as Chorus's block patch runs every
   block of a patched model: ComfyUI hands them the patch embedding's transposed view, which Wan 2.2 TI2V 5B's
-  per-token modulation makes costly; :func:`row_major_models`);
+  per-token modulation makes costly; :func:`host_attention.row_major_models`);
   ``miss`` (``ChorusMaskRetrieve`` on an empty workspace -> ``ChorusSparseSampler`` +
   ``ChorusFeatureReuse`` on both models -> sampling = dense + recording -> ``ChorusCacheWrite`` writes the
   entry); ``hit15`` / ``hit5`` (the miss's entry with its maps replaced by structured maps of 15% / 5%
@@ -96,9 +97,9 @@ What runs (everything side by side in one process, one GPU):
   kernel-alone timing (``kernel_alone_ms.gpu_auto``, or ``gpu_<backend>``): the same kernel runs slower at
   the clock a GPU holds under the model's GEMMs than in a loop on an idle one, so it is timed a second way,
   each call between the GEMMs of one block's linears (``auto_under_load``, the table's "between GEMMs";
-  its clock in ``gpu_auto_under_load``). A compiled hit 15% row times the kernel alone too. Retrieval and
+  its clock in ``gpu_auto_under_load``; ``kernel_alone.py``). A compiled hit 15% row times the kernel alone too. Retrieval and
   cache-write times are reported separately (they run on the CPU before / after sampling). ``comfy_loading``:
-  whether ComfyUI loaded both experts whole for the timed request (:func:`loading_state`; two bf16 A14B experts
+  whether ComfyUI loaded both experts whole for the timed request (:func:`experts.loading_state`; two bf16 A14B experts
   take 53 GiB, so on an 80 GB card it may load them partially, and the table marks such a row).
 
 Writes ``OUT/comfy_e2e.json`` (every number) and prints a table. Nothing is downloaded.
@@ -107,11 +108,9 @@ Writes ``OUT/comfy_e2e.json`` (every number) and prints a table. Nothing is down
 from __future__ import annotations
 
 import argparse
-import bisect
 import contextlib
 import dataclasses
 import json
-import math
 import os
 import sys
 import tempfile
@@ -123,7 +122,13 @@ import torch
 
 from .compiling import (STEADY_RETRIES, CompileLog, RecompileLog, compiled_frames, host_compiles_with_guard_filter,
                         torch_compile_model)
+from .experts import build_expert, import_comfy, loading_state
+from .host_attention import comfy_kitchen_attention_models, row_major_models, sdpa_cudnn_first, sdpa_order
+from .kernel_alone import kernel_alone_ms
+from .profiling import attention_kernels_ms, profile_step
+from .report import save, table
 from .timers import OpTimer, with_timer
+from .windows import WINDOW_SCHEDULES, context_windows, host_runs_i2v_in_windows, windows_of
 
 A14B = dict(dim=5120, ffn_dim=13824, num_heads=40, num_layers=40, in_dim=36, out_dim=16, text_dim=4096,
             freq_dim=256)
@@ -197,155 +202,6 @@ COMPILED_HITS = ("hit15", "hit15_notail", "hitfr") + GUIDED_VARIANTS
 SOL_VARIANTS = {"sol": 0.2, "sol_every": 0.0}
 
 
-def host_runs_i2v_in_windows() -> bool:
-    """Whether this ComfyUI samples a Wan I2V model in context windows: from 0.28.2 (its context handler cuts
-    the image conditioning to each window and has the causal window fix, which the Wan node turns on); 0.3.64
-    leaves the conditioning whole."""
-    import inspect
-
-    from comfy.context_windows import IndexListContextHandler
-
-    return "causal_window_fix" in inspect.signature(IndexListContextHandler.__init__).parameters
-
-
-WINDOW_SCHEDULES = ("standard_static", "standard_uniform", "looped_uniform", "batched")
-
-
-def context_windows(model, length: int, overlap: int, schedule: str = "standard_static"):
-    """``model`` through the core "WAN Context Windows (Manual)" node as a user's graph runs it: windows of
-    ``length`` pixel frames overlapping by ``overlap`` in ``schedule`` (one of :data:`WINDOW_SCHEDULES`; the
-    node's default from 0.28.2 on is ``standard_uniform``, whose windows move from step to step), the node's
-    defaults otherwise (stride 1, no loop, ``pyramid`` fusing, FreeNoise on, and the host's causal window fix,
-    which its Wan node turns on)."""
-    import inspect
-
-    from comfy_extras.nodes_context_windows import WanContextWindowsManualNode
-
-    inputs = dict(context_length=length, context_overlap=overlap, context_schedule=schedule,
-                  context_stride=1, closed_loop=False, fuse_method="pyramid")
-    if "freenoise" in inspect.signature(WanContextWindowsManualNode.execute).parameters:
-        inputs["freenoise"] = True
-    return WanContextWindowsManualNode.execute(model, **inputs).result[0]
-
-
-def windows_of(model, frames: int) -> list[list[int]]:
-    """The latent frames of each context window ``model``'s handler runs on a latent of ``frames`` latent frames
-    (at the first step: a uniform schedule moves them at later steps)."""
-    handler = model.model_options["context_handler"]
-    return [list(w) for w in handler.context_schedule.func(frames, handler, {})]
-
-
-def import_comfy(comfy_dir: Path, cpu: bool):
-    """Import ComfyUI from a checkout (a benchmark, not the pack: the checkout goes on sys.path). On the CPU the
-    models attend with ``attention_pytorch`` (SDPA, ComfyUI's ``--use-pytorch-cross-attention``), as ComfyUI
-    attends on a GPU: its CPU default (``attention_sub_quad``) reads free memory in each call, a graph break in
-    every compiled block."""
-    if not (comfy_dir / "comfy" / "ldm" / "wan" / "model.py").is_file():
-        raise SystemExit(f"error: {comfy_dir} is not a ComfyUI checkout")
-    sys.path.insert(0, str(comfy_dir))
-    import comfy.cli_args
-
-    comfy.cli_args.args.cpu = cpu
-    comfy.cli_args.args.use_pytorch_cross_attention = comfy.cli_args.args.use_pytorch_cross_attention or cpu
-    comfy.cli_args.args.highvram = not cpu  # keep both experts resident, as a 141 GB card does
-    import comfy.model_management  # noqa: F401
-    import comfy.model_patcher  # noqa: F401
-    import nodes  # noqa: F401  (ComfyUI's nodes.py: KSamplerAdvanced)
-    return comfy
-
-
-class FastFp8:
-    """``--fast fp8_matrix_mult`` while ComfyUI picks the operations of a model (restored after)."""
-
-    def __enter__(self):
-        import comfy.cli_args as cli
-
-        self.cli = cli
-        self.before = set(cli.args.fast or ())
-        cli.args.fast = self.before | {cli.PerformanceFeature.Fp8MatrixMultiplication}
-
-    def __exit__(self, *exc):
-        self.cli.args.fast = self.before
-
-
-def build_expert(shape: dict, weights: str, seed: int, device: torch.device):
-    """A ComfyUI ``ModelPatcher`` over a random Wan expert built by ComfyUI's own loader path."""
-    import comfy.model_detection
-    import comfy.model_management
-    import comfy.model_patcher
-    import comfy.ldm.wan.model
-    import comfy.ops
-
-    with torch.device("meta"):
-        meta = comfy.ldm.wan.model.WanModel(model_type="t2v", operations=comfy.ops.disable_weight_init, **shape)
-    sd = dict(meta.state_dict())
-    config = comfy.model_detection.model_config_from_unet(sd, "")
-    if config is None:
-        raise RuntimeError("ComfyUI did not detect the Wan state dict")
-    if weights == "fp8_scaled":
-        return _fp8_scaled_expert(sd, seed, device)
-    if weights == "fp8":
-        unet_dtype = torch.float8_e4m3fn
-        config.optimizations["fp8"] = True
-    elif weights == "fp16":
-        unet_dtype = torch.float16  # on the CPU too (toy sizes): the fp16 path itself is what these rows are for
-    else:
-        unet_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    manual_cast = comfy.model_management.unet_manual_cast(unet_dtype, device, config.supported_inference_dtypes)
-    config.set_inference_dtype(unet_dtype, manual_cast)
-    if weights == "fp8":
-        with FastFp8():
-            model = config.get_model({}, "", device=device)
-    else:
-        model = config.get_model({}, "", device=device)
-    gen = torch.Generator(device=device).manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.diffusion_model.named_parameters():
-            p.copy_(random_weight(name, p.shape, device, gen))
-    # ComfyUI 0.3.64 never leaves training mode for the diffusion model, and its fp8_ops.Linear runs the FP8
-    # matmul only outside training mode (later ComfyUI versions dropped that condition): in training mode
-    # the FP8-weights path casts each weight back to bf16 (measured: fp8_linears.py and BENCHMARKS.md)
-    model.diffusion_model.eval()
-    patcher = comfy.model_patcher.ModelPatcher(model, load_device=device, offload_device=device)
-    return patcher, linear_ops(model.diffusion_model)
-
-
-def random_weight(name: str, shape, device, gen: torch.Generator) -> torch.Tensor:
-    """The benchmark's random value of one Wan parameter, float32 on ``device``: biases 0, norm scales 1, every
-    other tensor N(0, 0.02^2) drawn from ``gen``."""
-    if name.endswith("bias"):
-        return torch.zeros(shape, device=device)
-    if "norm" in name and len(shape) == 1:
-        return torch.ones(shape, device=device)
-    return torch.randn(shape, device=device, generator=gen, dtype=torch.float32) * 0.02
-
-
-def _fp8_scaled_expert(meta_state_dict: dict, seed: int, device: torch.device):
-    """``build_expert`` for ``--weights fp8_scaled``: random weights (:func:`random_weight`) in the layout
-    of ComfyUI's FP8-scaled Wan files (``fp8_scaled.py``), made one tensor at a time on ``device`` and loaded by
-    ComfyUI's own ``load_diffusion_model_state_dict`` (what UNETLoader runs on such a file, ``weight_dtype``
-    default), kept on ``device`` where the host lets the caller name the offload device (0.28.2 on)."""
-    import comfy.sd
-
-    from .fp8_scaled import fp8_scaled_state_dict
-
-    gen = torch.Generator(device=device).manual_seed(seed)
-    weights = ((name, random_weight(name, p.shape, device, gen)) for name, p in meta_state_dict.items())
-    patcher = comfy.sd.load_diffusion_model_state_dict(fp8_scaled_state_dict(weights),
-                                                        model_options={"offload_device": device})
-    if patcher is None:
-        raise RuntimeError("ComfyUI did not detect the FP8-scaled Wan state dict")
-    patcher.model.diffusion_model.eval()  # as build_expert: 0.3.64 leaves the model in training mode
-    return patcher, linear_ops(patcher.model.diffusion_model)
-
-
-def linear_ops(diffusion_model) -> str:
-    """The operations ComfyUI gave a Wan model's linears, as the JSON's ``ops`` names them: the first self-attention
-    q projection's class and its weight's type and dtype (``QuantizedTensor``, e4m3, fp16 ...)."""
-    q = diffusion_model.blocks[0].self_attn.q
-    return type(q).__module__ + "." + type(q).__qualname__ + f" ({type(q.weight).__name__} {q.weight.dtype})"
-
-
 def conditioning(workflow: Workflow, latent_shape, seed: int, end_image: bool = False):
     """``(positive, negative, latent)`` as the workflow's nodes shape them, random text embeddings
     ``[1, 512, 4096]`` and a random start-image latent on the first latent frame: Wan I2V (``WanImageToVideo``)
@@ -378,85 +234,6 @@ def start_image_pixels(workflow: Workflow, res: str, seed: int) -> torch.Tensor:
     h, w, _ = workflow.resolutions[res]
     gen = torch.Generator().manual_seed(seed)
     return torch.rand(1, h // 8, w // 8, 3, generator=gen).repeat_interleave(8, 1).repeat_interleave(8, 2)
-
-
-def loading_state(models) -> list[dict]:
-    """How ComfyUI loaded each expert's weights for the request just run (``ModelPatcher.loaded_size`` /
-    ``model_size``, GiB, and whether it loaded it partially, ``model_lowvram``): a GPU too small for both experts
-    and the request makes ComfyUI load them partially, and its ops then cast weights per call (slower, and
-    under compile another graph); a row where that happened measures ComfyUI's loading, not attention."""
-    return [{"loaded_gib": round(m.loaded_size() / 2 ** 30, 2), "size_gib": round(m.model_size() / 2 ** 30, 2),
-             "partial": bool(getattr(m.model, "model_lowvram", False))} for m in models]
-
-
-def sdpa_order() -> list[str] | None:
-    """The host's SDPA backend order (``comfy.ops.SDPA_BACKEND_PRIORITY``), or None where it sets none."""
-    import comfy.ops
-
-    order = getattr(comfy.ops, "SDPA_BACKEND_PRIORITY", None)
-    return None if order is None else [backend.name for backend in order]
-
-
-@contextlib.contextmanager
-def sdpa_cudnn_first():
-    """The ``dense_cudnn`` row: the host's SDPA backend order with cuDNN attention first and the others in the
-    host's order (0.3.64 and 0.28.2 put it first, 0.33.0 and 0.38.x second after flash), restored after. A
-    benchmark's reference row: it reorders ComfyUI's module-level order list in place, which its SDPA wrapper
-    reads at every call. Raises ``RuntimeError`` where the host sets no order or has no cuDNN entry in it."""
-    import comfy.ops
-    from torch.nn.attention import SDPBackend
-
-    order = getattr(comfy.ops, "SDPA_BACKEND_PRIORITY", None)
-    if order is None or SDPBackend.CUDNN_ATTENTION not in order:
-        raise RuntimeError("this ComfyUI sets no SDPA backend order with cuDNN attention in it")
-    before = list(order)
-    order.sort(key=lambda backend: backend != SDPBackend.CUDNN_ATTENTION)  # stable: the rest keep their order
-    try:
-        yield
-    finally:
-        order[:] = before
-
-
-def comfy_kitchen_attention_models(models):
-    """The ``dense_ck`` row's models: each through ComfyUI's core "Model Attention Backend" node
-    (``ModelAttentionBackend`` of ``comfy_extras/nodes_model_advanced.py``: a V1 node with ``patch`` in 0.33.0, a V3
-    node with ``execute`` in 0.38.x; not in 0.3.64) at "comfy kitchen attention", which puts comfy-kitchen's INT8
-    attention (``attention_comfy_kitchen_int8``, dense: INT8 Q.K and P.V) on the clone for every attention call.
-    Raises ``RuntimeError`` where the host has no such node, or where comfy-kitchen has no INT8 attention kernel
-    for this device (the node itself would fall back to PyTorch's attention with a warning: a row of that would be
-    a second dense row under another name)."""
-    try:
-        from comfy_extras.nodes_model_advanced import ModelAttentionBackend
-    except ImportError as exc:
-        raise RuntimeError(f"this ComfyUI has no Model Attention Backend node ({exc})") from None
-    import comfy.ldm.modules.attention as attention
-
-    if not getattr(attention, "COMFY_KITCHEN_INT8_ATTENTION_IS_AVAILABLE", False):
-        raise RuntimeError("comfy-kitchen has no INT8 attention kernel for this device (its is_available() is False)")
-    if hasattr(ModelAttentionBackend, "define_schema"):  # the V3 node
-        return tuple(ModelAttentionBackend.execute(model, "comfy kitchen attention").result[0] for model in models)
-    return tuple(ModelAttentionBackend().patch(model, "comfy kitchen attention")[0] for model in models)
-
-
-def row_major_block(args, extra):
-    """A Wan block patch that runs the block on a row-major copy of its input, as Chorus's block patch does
-    (``nodes/comfy_forward.ChorusBlock``): ComfyUI hands the blocks the patch embedding's transposed view, and
-    its elementwise ops and layer norms run strided on it."""
-    x = args["img"]
-    return extra["original_block"](dict(args, img=x.contiguous()) if not x.is_contiguous() else args)
-
-
-def row_major_models(models):
-    """Clones of ``models`` whose every block runs through :func:`row_major_block`: dense attention with the
-    residual stream Chorus's patch gives every forward, to tell that part of a Chorus row's time from its
-    attention's (the ``dense_rowmajor`` row)."""
-    out = []
-    for model in models:
-        clone = model.clone()
-        for layer in range(len(clone.model.diffusion_model.blocks)):
-            clone.set_model_patch_replace(row_major_block, "dit", "double_block", layer)
-        out.append(clone)
-    return tuple(out)
 
 
 def sample_request(workflow: Workflow, models, latent, positive, negative, seed: int, *, end_step=None):
@@ -521,6 +298,8 @@ def structured_maps(grid, heads: int, density: float, layers: int, device, order
 
 
 def run(args) -> dict:
+    """Every row of the command: per ``--weights`` the experts are built once, and per ``--res`` their rows run
+    (:class:`Rows`). Returns the results (``save`` writes them as they come)."""
     cpu = args.tiny or not torch.cuda.is_available()
     comfy_dir = Path(args.comfyui or os.environ.get("COMFYUI_DIR", ""))
     import_comfy(comfy_dir, cpu)
@@ -530,18 +309,7 @@ def run(args) -> dict:
     device = torch.device("cpu" if cpu else "cuda")
     root = Path(tempfile.mkdtemp(prefix="chorus_comfy_e2e_"))
     os.environ["CHORUS_CACHE_DIR"] = str(root)
-    from chorus import kernels
-    from chorus.cache_store import Workspace, resolve_workspace
-    from chorus.engine import token_grid
-    from chorus.engine.compat import entry_token_order
-    from chorus.engine.state import failure_text
-    from chorus.nodes.cache_write import ChorusCacheWrite
-    from chorus.nodes.comfy_patch import get_patch
-    from chorus.nodes.feature_reuse import ChorusFeatureReuse
-    from chorus.nodes.guidance_boost import ChorusGuidanceBoost
     from chorus.nodes.host_report import comfyui_version
-    from chorus.nodes.mask_retrieve import ChorusMaskRetrieve
-    from chorus.nodes.sparse_sampler import ChorusSparseSampler
 
     workflow = WORKFLOWS[args.model]
     if args.tiny and workflow.steps > TINY_MAX_STEPS:
@@ -569,305 +337,7 @@ def run(args) -> dict:
         experts = tuple(patcher for patcher, _ in built)
         results.setdefault("ops", {})[weights] = built[0][1]
         for res in args.res:
-            lat_shape = workflow.latent_shape(res, args.frames)
-            grid = token_grid(lat_shape)
-            positive, negative, latent = conditioning(workflow, lat_shape, 7, end_image=args.end_image)
-            pixels = start_image_pixels(workflow, res, 3)
-            ws_miss, ws_hit = f"bench_{weights}_{res}_miss", f"bench_{weights}_{res}_hit"
-
-            def windowed(models):
-                """``models`` in context windows with ``--windows``, else as they are."""
-                if not args.windows:
-                    return tuple(models)
-                wrapped = tuple(context_windows(m, *args.windows, args.window_schedule) for m in models)
-                results["windows"] = {"context_length": args.windows[0], "context_overlap": args.windows[1],
-                                      "context_schedule": args.window_schedule,
-                                      "latent_frames": lat_shape[2],
-                                      "windows": windows_of(wrapped[0], lat_shape[2])}
-                return wrapped
-
-            def retrieve(workspace):
-                t0 = time.perf_counter()
-                plan = ChorusMaskRetrieve.execute(latent, workspace=workspace, start_image=pixels,
-                                                  positive=positive).result[0]
-                return plan, time.perf_counter() - t0
-
-            def patched(plan, fr_share=None, compile_models=False, verify=None, backend="auto", tail=True,
-                        guidance=False):
-                models = []
-                for m in experts:
-                    if compile_models:
-                        m = torch_compile_model(m, guard_filter=args.guard_filter)
-                        results["compile_guard_filter"] = host_compiles_with_guard_filter(m)
-                    if plan is not None:
-                        options = {"backend": backend}
-                        if not tail:
-                            options["pooled_tail"] = False
-                        if verify is not None:
-                            options["verify_threshold"] = verify
-                        m = ChorusSparseSampler.execute(m, plan, **options).result[0]
-                        if fr_share is not None:
-                            m = ChorusFeatureReuse.execute(m, plan, downsample_share=fr_share).result[0]
-                        if guidance:
-                            m = ChorusGuidanceBoost.execute(m, plan).result[0]
-                    models.append(m)
-                return windowed(models)
-
-            def timed_request(models, plan, compiled):
-                """One timed request of ``models``: ``(output, seconds, the GPU's sampler window, the
-                attention timer or None)``. Eager rows time each self-attention call through an outermost
-                override; under compile that override would be traced into the graph, so compiled Chorus rows
-                time the op from the inside."""
-                op_timer = OpTimer() if compiled and plan is not None and device.type == "cuda" else None
-                timed_models, timer = (models, None) if compiled else with_timer(models)
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                    torch.cuda.reset_peak_memory_stats()
-                t0 = time.perf_counter()
-                with sampler.window() as gpu_window, (op_timer or contextlib.nullcontext()):
-                    out = sample_request(workflow, timed_models, latent, positive, negative, 11)
-                    if device.type == "cuda":
-                        torch.cuda.synchronize()
-                return out, time.perf_counter() - t0, gpu_window, timer or op_timer
-
-            def timed(name, models, plan=None, again=None, profile_models=None):
-                """One row: a warm-up, then one timed request. ``again()`` (compiled rows): the
-                ``(models, plan)`` of a further request, after a whole first request as the warm-up (both
-                experts compile in it: its time is ``first_request_s``); the timed request is the first of up
-                to ``1 + STEADY_RETRIES`` such requests in which dynamo compiled nothing (ComfyUI's loading
-                may change what the graph guards between requests); those that compiled are in
-                ``unsteady_requests``. ``profile_models()`` (with ``--profile``): the models the profiled step
-                runs, when not the row's own."""
-                if time.perf_counter() - t_start > args.time_budget:
-                    print(f"skipping {weights}/{res}/{name}: past the time budget", flush=True)
-                    return None
-                compiled = again is not None
-                first_request_s = compile_log = None
-                if compiled:
-                    if device.type == "cuda":
-                        torch.cuda.synchronize()
-                    t0 = time.perf_counter()
-                    with CompileLog() as compile_log:
-                        sample_request(workflow, models, latent, positive, negative, 11)
-                        if device.type == "cuda":
-                            torch.cuda.synchronize()
-                    first_request_s = time.perf_counter() - t0
-                else:
-                    sample_request(workflow, models, latent, positive, negative, 11, end_step=1)  # warm-up step
-                unsteady, tries = [], 1 + STEADY_RETRIES if compiled else 1
-                for attempt in range(tries):
-                    if compiled:
-                        models, plan = again()
-                    frames_before = compiled_frames()
-                    out, seconds, gpu_window, timer = timed_request(models, plan, compiled)
-                    frames_compiled = compiled_frames() - frames_before
-                    if not frames_compiled or attempt == tries - 1:
-                        break
-                    unsteady.append({"seconds": seconds, "frames_compiled": frames_compiled})
-                per_call = timer.per_call_ms() if device.type == "cuda" and timer is not None else []
-                row = {"weights": weights, "res": res, "variant": name, "tokens": grid[0] * grid[1] * grid[2],
-                       "seconds": seconds, "attn_ms_per_layer": float(np.mean(per_call)) if per_call else None,
-                       "attn_ms_median": float(np.median(per_call)) if per_call else None,
-                       "attn_ms_first_call": per_call[0] if per_call else None,
-                       "attn_calls_timed": len(per_call),
-                       "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
-                       "finite": bool(torch.isfinite(out["samples"]).all()),
-                       "first_request_s": first_request_s, "gpu": gpu_window.summary(),
-                       "comfy_loading": loading_state(models)}
-                if compile_log is not None:
-                    row["first_request_compile"] = compile_log.summary()
-                    row.update(unsteady_requests=unsteady, timed_request_frames_compiled=frames_compiled)
-                if plan is not None:
-                    row.update(plan_kind=plan.kind, density=plan.stats.density, sparse_calls=plan.stats.sparse_calls,
-                               blocks_computed=plan.stats.blocks_computed, blocks_total=plan.stats.blocks_total,
-                               fallback_calls=plan.stats.fallback_calls, tail_calls=plan.stats.tail_calls,
-                               messages=plan.stats.messages[:5],
-                               fr_blocks_reduced=plan.state.feature_reuse.blocks_reduced,
-                               fr_blocks_full=plan.state.feature_reuse.blocks_full,
-                               image_frames=None if plan.state.image_frames is None else list(plan.state.image_frames))
-                if name.split("+")[0] in GUIDED_VARIANTS:  # the timed request's models (eager: the warm-up step too)
-                    boosts = [get_patch(m).guidance for m in models]
-                    row["guidance"] = {"biased_calls": sum(b.biased_calls for b in boosts),
-                                       "boosted_forwards": sum(b.boosted_calls for b in boosts)}
-                if args.profile:
-                    # the eager miss profiles a throwaway miss (one more step would record into the entry it is
-                    # about to write); a compiled row profiles its second request's models once more
-                    profiled = models if profile_models is None else profile_models()
-                    row["profile_step0"] = profile_step(lambda: sample_request(workflow, profiled, latent, positive,
-                                                                               negative, 11, end_step=1))
-                    row["attn_kernels_ms_per_call"] = attention_kernels_ms(row["profile_step0"])
-                results["runs"].append(row)
-                print(json.dumps({k: v for k, v in row.items() if k != "profile_step0"}), flush=True)
-                save(results, args.out)
-                return out
-
-            def skipped_row(name, why):
-                """A row that could not run here: recorded with the reason, and the run goes on."""
-                results["runs"].append({"weights": weights, "res": res, "variant": name, "skipped": str(why)})
-                print(f"skipping {weights}/{res}/{name}: {why}", flush=True)
-
-            def sol_row(name, start_percent):
-                """A row of ComfyUI's core sparse attention on both experts (``sol_peer.py``); without
-                ``comfy_kitchen`` the row records why it did not run."""
-                from .sol_peer import CORE_NODE_DEFAULTS, sol_patched
-
-                options = dict(CORE_NODE_DEFAULTS, start_percent=start_percent)
-                if cpu:  # toy sizes on the CPU: sol_attn's eager reference, no token threshold
-                    options.update(min_tokens=0, cuda_only=False)
-                try:
-                    patched_pair = [sol_patched(m, **options) for m in experts]
-                    patched_pair = list(zip(windowed([m for m, _ in patched_pair]), [c for _, c in patched_pair]))
-                except ImportError as exc:
-                    skipped_row(name, exc)
-                    return
-                if timed(name, tuple(m for m, _ in patched_pair)) is not None:
-                    results["runs"][-1].update(
-                        sol_options={k: v for k, v in options.items() if k != "cuda_only"},
-                        sol_sparse_calls=sum(c.sparse_calls for _, c in patched_pair),
-                        sol_dense_calls=sum(c.dense_calls for _, c in patched_pair),
-                        sol_dense_reasons=[c.dense_reasons for _, c in patched_pair])
-
-            compiling = args.compile and res in args.compile_res
-            fresh = iter(range(10 ** 6))
-
-            def compiled_request(variant):
-                """``(models, plan)`` of one compiled request of ``variant`` (a new plan each time: a miss
-                on a workspace of its own that nothing is written to, a hit retrieved again)."""
-                if variant == "dense":
-                    return patched(None, compile_models=True), None
-                if variant == "miss":
-                    plan = retrieve(f"{ws_miss}_compiled_{next(fresh)}")[0]
-                    return patched(plan, fr_share=args.fr_share, compile_models=True), plan
-                plan = retrieve(f"{ws_hit}_{int(HIT_DENSITY[variant] * 100)}")[0]
-                assert plan.is_hit, plan.message
-                share = args.fr_share if variant in FEATURE_REUSE_VARIANTS else None
-                return patched(plan, fr_share=share, compile_models=True, tail=variant not in NO_TAIL_VARIANTS,
-                               guidance=variant in GUIDED_VARIANTS), plan
-
-            def timed_compiled(variant):
-                """A compiled row in a fresh dynamo state: each variant's graphs, not what earlier rows left
-                (dynamo's recompile limit, 8 per code object, is shared by everything one process compiles).
-                ``dynamo``: unique graphs, graph breaks and frames compiled (recompiles included) in this row's
-                requests, and with ``--profile`` its profiled step too (whose forward adds its own host-side breaks).
-                A row that raises is recorded as ``failed`` (module docstring); None then."""
-                from torch._dynamo.utils import counters
-
-                torch._dynamo.reset()
-                counters.clear()
-                models, plan = compiled_request(variant)
-                try:
-                    with RecompileLog() as recompiles:
-                        out = timed(f"{variant}+compile", models, plan, again=lambda: compiled_request(variant))
-                except Exception as exc:  # noqa: BLE001 - what the host's compile cannot run is the row's result
-                    failed = failure_text(exc)
-                    results["runs"].append({"weights": weights, "res": res, "variant": f"{variant}+compile",
-                                            "failed": failed})
-                    print(f"{weights}/{res}/{variant}+compile failed: {failed}", flush=True)
-                    save(results, args.out)
-                    return None
-                if out is not None:
-                    if variant == "hit15" and device.type == "cuda":
-                        results["runs"][-1]["kernel_alone_ms"] = kernel_alone_ms(plan, plan.token_grid, shape,
-                                                                                 kernels, sampler)
-                    results["runs"][-1]["dynamo"] = {
-                        "unique_graphs": int(counters["stats"].get("unique_graphs", 0)),
-                        "graph_breaks": int(sum(counters["graph_break"].values())),
-                        "frames": {k: int(v) for k, v in counters["frames"].items()},  # every compile, recompiles too
-                        "graph_break_reasons": sorted({r.splitlines()[0][:160] for r in counters["graph_break"]})[:8],
-                        "recompiles": len(recompiles.reasons), "recompile_reasons": recompiles.summary()}
-                    save(results, args.out)
-                return out
-
-            if "dense" in args.variants:
-                if not args.compiled_only:
-                    timed("dense", windowed(experts))
-                if compiling:
-                    timed_compiled("dense")
-            if "dense_rowmajor" in args.variants and not args.compiled_only:
-                timed("dense_rowmajor", windowed(row_major_models(experts)))
-            if "dense_cudnn" in args.variants and not args.compiled_only:
-                try:
-                    with sdpa_cudnn_first():
-                        timed("dense_cudnn", windowed(experts))
-                        if results["runs"] and results["runs"][-1]["variant"] == "dense_cudnn":
-                            results["runs"][-1]["sdpa_order"] = sdpa_order()
-                except RuntimeError as exc:
-                    skipped_row("dense_cudnn", exc)
-            if "dense_ck" in args.variants and not args.compiled_only:
-                try:
-                    ck_models = comfy_kitchen_attention_models(experts)
-                except RuntimeError as exc:
-                    skipped_row("dense_ck", exc)
-                else:
-                    timed("dense_ck", windowed(ck_models))
-            for name, start in SOL_VARIANTS.items():
-                if name in args.variants:
-                    sol_row(name, start)
-            entry_plan = None
-            needs_entry = any(v in args.variants for v in HIT_VARIANTS)
-            if needs_entry or ("miss" in args.variants and not args.compiled_only):
-                plan, t_ret = retrieve(ws_miss)
-                assert not plan.is_hit, plan.message
-                sampled = timed("miss", patched(plan, fr_share=args.fr_share), plan, profile_models=lambda: patched(
-                    retrieve(f"{ws_miss}_profile")[0], fr_share=args.fr_share))
-                if sampled is not None:
-                    t0 = time.perf_counter()
-                    info = ChorusCacheWrite.execute(latent, plan).result[0]
-                    t_write = time.perf_counter() - t0
-                    results["runs"][-1].update(retrieve_s=t_ret, write_s=t_write, write=info[:200])
-                    entry_plan = plan if info.startswith("wrote entry") else None
-                    if entry_plan is None:
-                        print(f"the miss wrote no entry: {info}", flush=True)
-            for name in HIT_VARIANTS:
-                if name not in args.variants or entry_plan is None:
-                    continue
-                density = HIT_DENSITY[name]
-                hit_ws = f"{ws_hit}_{int(density * 100)}" + ("_raster" if name in RASTER_VARIANTS else "")
-                ws = Workspace.open(resolve_workspace(hit_ws))
-                if len(ws) == 0:
-                    src = Workspace.open(resolve_workspace(ws_miss))
-                    eid = src.search(entry_plan.embedding, k=1)[0][0]
-                    masks, meta = src.load(eid, packed=True, touch=False)
-                    meta = dict(meta, signature=dict(meta["signature"]))
-                    if name in RASTER_VARIANTS:
-                        meta["signature"]["token_order"] = "thw"
-                    order = entry_token_order(meta["signature"])
-                    entry_grid = tuple(meta["signature"]["token_grid"])  # the first window's with --windows
-                    per_layer = structured_maps(entry_grid, shape["num_heads"], density, shape["num_layers"], device,
-                                                order)
-                    ws.add(entry_plan.embedding, {key: per_layer[key[2]] for key in masks}, meta)
-                    results.setdefault("entry_orders", {})[hit_ws] = meta["signature"].get("token_order")
-                if args.compiled_only:
-                    if compiling and name in COMPILED_HITS:
-                        timed_compiled(name)
-                    continue
-                per_backend = name in ("hit15", "hit5")
-                for backend in [b for b in args.hit_backends if b != "auto"] if per_backend else []:
-                    plan_b, _ = retrieve(hit_ws)
-                    if timed(f"{name}@{backend}", patched(plan_b, backend=backend), plan_b) is not None:
-                        results["runs"][-1]["backend"] = backend
-                        if name == "hit15" and device.type == "cuda":
-                            results["runs"][-1]["kernel_alone_ms"] = kernel_alone_ms(
-                                plan_b, plan_b.token_grid, shape, kernels, sampler, backend=backend)
-                if per_backend and "auto" not in args.hit_backends:
-                    continue  # the plain (auto) row below runs only when asked for
-                plan, t_ret = retrieve(hit_ws)
-                assert plan.is_hit, plan.message
-                models = patched(plan, fr_share=args.fr_share if name in FEATURE_REUSE_VARIANTS else None,
-                                 verify=VERIFY_THRESHOLD_PASSING if name == "hitver" else None,
-                                 tail=name not in NO_TAIL_VARIANTS, guidance=name in GUIDED_VARIANTS)
-                if timed(name, models, plan) is None:
-                    continue
-                results["runs"][-1].update(retrieve_s=t_ret)
-                if name == "hitver":
-                    results["runs"][-1]["verification"] = {str(e): dict(v) for e, v in plan.stats.verification.items()}
-                if name == "hit15" and device.type == "cuda":
-                    results["runs"][-1]["kernel_alone_ms"] = kernel_alone_ms(plan, plan.token_grid, shape, kernels,
-                                                                             sampler)
-                if compiling and name in COMPILED_HITS:
-                    timed_compiled(name)
-            if compiling and "miss" in args.variants and (entry_plan is not None or args.compiled_only):
-                timed_compiled("miss")  # (each compiled miss records into a fresh workspace of its own)
+            Rows(args, results, workflow, shape, experts, weights, res, device, sampler, t_start).run()
         built = experts = None  # the experts' weights go before the next --weights builds its own
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -875,98 +345,385 @@ def run(args) -> dict:
     return results
 
 
-def save(results: dict, out_dir) -> None:
-    """Write what is measured so far (a run stopped at its time limit still leaves its numbers)."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "comfy_e2e.json").write_text(json.dumps(results, indent=1, default=str))
+class Rows:
+    """The rows of one ``--weights`` x ``--res``, in the order the module docstring gives: dense and its
+    reference rows, ComfyUI's sparse attention, the miss that writes the entry, each hit on a structured copy of
+    it, and their compiled twins. Each row appends to ``results["runs"]`` and saves; ``experts`` are the built
+    models (one or two ``ModelPatcher``), never patched in place."""
 
+    def __init__(self, args, results: dict, workflow: Workflow, shape: dict, experts: tuple, weights: str, res: str,
+                 device: torch.device, sampler, t_start: float):
+        from chorus.engine import token_grid
 
-def kernel_alone_ms(plan, grid, shape, kernels, sampler=None, reps: int = 10, backend: str = "auto") -> dict:
-    """The kernel a hit runs by itself: ``block_sparse_attention(backend=backend)`` in the entry's
-    token order, as the hit runs it (key ``backend``'s name, e.g. ``"auto"``: its median ms, with the pooled
-    tail as the node's default runs it; ``"<name>_no_tail"``: without; ``"backend"``: what it resolved to) on
-    random q/k/v in ComfyUI's layout with the map the hit computes for layer 0 of step 0 (entry map + k_min
-    floor); for ``"auto"`` also the portable Triton FP8 kernel whole and in its two parts (pre-pass + index,
-    attention), without the tail. ``backend``: the one the row's hit runs (a ``--hit-backends`` row names its
-    own). ``sampler`` (a ``GpuSampler``): ``"gpu_<name>"`` = the GPU's clock and power while the hit's kernel
-    was timed, to set beside the row's ``"gpu"`` (the same kernel inside the model runs at the model's clock).
-    ``"<name>_under_load"``: the hit's kernel again, each call queued between the GEMMs of one block's linears
-    (:func:`block_linears`; ``"under_load_gemms"`` of them) and timed as the model's calls are timed (events, no
-    synchronize; :func:`~chorus.benchmarks.timing.cuda_median_ms_between`), so at the clock such a load holds
-    (``"gpu_<name>_under_load"``): the kernel alone at the model's clock, what a call in the model is set beside
-    to read the integration's own cost."""
-    from chorus.engine.maps import floor_k_min, stored_map
+        self.args, self.results, self.workflow, self.shape = args, results, workflow, shape
+        self.experts, self.weights, self.res, self.device = experts, weights, res, device
+        self.sampler, self.t_start = sampler, t_start
+        self.lat_shape = workflow.latent_shape(res, args.frames)
+        self.grid = token_grid(self.lat_shape)
+        self.positive, self.negative, self.latent = conditioning(workflow, self.lat_shape, 7, end_image=args.end_image)
+        self.pixels = start_image_pixels(workflow, res, 3)
+        self.ws_miss, self.ws_hit = f"bench_{weights}_{res}_miss", f"bench_{weights}_{res}_hit"
+        self.compiling = args.compile and res in args.compile_res
+        self.fresh = iter(range(10 ** 6))  # a compiled miss's workspace of its own
 
-    t, h, w = grid
-    length, heads, dim = t * h * w, shape["num_heads"], shape["dim"] // shape["num_heads"]
-    stored = stored_map(plan, 0, 0, 0, block_size=128, top_p=0.9, k_min=4, device="cuda")
-    block_map = floor_k_min(stored, 4)[None]
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    qkv = [torch.randn(1, length, heads * dim, device="cuda", dtype=torch.bfloat16, generator=gen)
-           .view(1, length, heads, dim).transpose(1, 2) for _ in range(3)]
-    from chorus.kernels.triton._attention import launch_attention, prepare_attention
+    def run(self) -> None:
+        args = self.args
+        self.dense_rows()
+        for name, start in SOL_VARIANTS.items():
+            if name in args.variants:
+                self.sol_row(name, start)
+        entry_plan = None
+        needs_entry = any(v in args.variants for v in HIT_VARIANTS)
+        if needs_entry or ("miss" in args.variants and not args.compiled_only):
+            entry_plan = self.miss_row()
+        for name in HIT_VARIANTS:
+            if name in args.variants and entry_plan is not None:
+                self.hit_rows(name, entry_plan)
+        if self.compiling and "miss" in args.variants and (entry_plan is not None or args.compiled_only):
+            self.timed_compiled("miss")  # (each compiled miss records into a fresh workspace of its own)
 
-    from ..timing import cuda_median_ms, cuda_median_ms_between
+    # -- the models of a row ------------------------------------------------------------------------------------
 
-    scale = 1.0 / math.sqrt(dim)
-    portable_parts = ("triton_fp8", "prepass_and_index", "attention_kernel") if backend == "auto" else ()
-    prep = prepare_attention(*qkv, block_map, 128, scale, True) if portable_parts else None
-    out = {}
-    from chorus.kernels.api import resolve_backend
+    def windowed(self, models) -> tuple:
+        """``models`` in context windows with ``--windows``, else as they are."""
+        if not self.args.windows:
+            return tuple(models)
+        wrapped = tuple(context_windows(m, *self.args.windows, self.args.window_schedule) for m in models)
+        self.results["windows"] = {"context_length": self.args.windows[0], "context_overlap": self.args.windows[1],
+                                   "context_schedule": self.args.window_schedule,
+                                   "latent_frames": self.lat_shape[2],
+                                   "windows": windows_of(wrapped[0], self.lat_shape[2])}
+        return wrapped
 
-    out["backend"] = resolve_backend(backend, qkv[0]).value
-    no_tail = f"{backend}_no_tail"
+    def retrieve(self, workspace: str):
+        """``(plan, seconds)``: ``ChorusMaskRetrieve`` on ``workspace`` for this request."""
+        from chorus.nodes.mask_retrieve import ChorusMaskRetrieve
 
-    def timed_call(name):
-        def call():
-            if name == "prepass_and_index":
-                return prepare_attention(*qkv, block_map, 128, scale, True)
-            if name == "attention_kernel":
-                return launch_attention(prep)
-            hit_like = name in (backend, no_tail)
-            o = kernels.block_sparse_attention(*qkv, block_map, backend=backend if hit_like else name,
-                                               rows_checked=True, token_perm=plan.entry_order if hit_like else None,
-                                               pooled_tail=name == backend)
-            return o.transpose(1, 2).reshape(1, length, heads * dim)
-        return call
+        t0 = time.perf_counter()
+        plan = ChorusMaskRetrieve.execute(self.latent, workspace=workspace, start_image=self.pixels,
+                                          positive=self.positive).result[0]
+        return plan, time.perf_counter() - t0
 
-    for name in (backend, no_tail) + portable_parts:
-        if name == backend and sampler is not None:
-            with sampler.window() as window:
-                out[name] = cuda_median_ms(timed_call(name), reps, warmup=2)
-            out[f"gpu_{backend}"] = window.summary()
+    def patched(self, plan, fr_share=None, compile_models=False, verify=None, backend="auto", tail=True,
+                guidance=False) -> tuple:
+        """The experts as a user's graph gives them to the sampler: through ``TorchCompileModel`` if
+        ``compile_models``, then (with a ``plan``) ``ChorusSparseSampler``, ``ChorusFeatureReuse`` and
+        ``ChorusGuidanceBoost`` as asked; in context windows with ``--windows``."""
+        from chorus.nodes.feature_reuse import ChorusFeatureReuse
+        from chorus.nodes.guidance_boost import ChorusGuidanceBoost
+        from chorus.nodes.sparse_sampler import ChorusSparseSampler
+
+        models = []
+        for m in self.experts:
+            if compile_models:
+                m = torch_compile_model(m, guard_filter=self.args.guard_filter)
+                self.results["compile_guard_filter"] = host_compiles_with_guard_filter(m)
+            if plan is not None:
+                options = {"backend": backend}
+                if not tail:
+                    options["pooled_tail"] = False
+                if verify is not None:
+                    options["verify_threshold"] = verify
+                m = ChorusSparseSampler.execute(m, plan, **options).result[0]
+                if fr_share is not None:
+                    m = ChorusFeatureReuse.execute(m, plan, downsample_share=fr_share).result[0]
+                if guidance:
+                    m = ChorusGuidanceBoost.execute(m, plan).result[0]
+            models.append(m)
+        return self.windowed(models)
+
+    def sample(self, models, end_step=None):
+        return sample_request(self.workflow, models, self.latent, self.positive, self.negative, 11, end_step=end_step)
+
+    # -- timing -------------------------------------------------------------------------------------------------
+
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def timed_request(self, models, plan, compiled):
+        """One timed request of ``models``: ``(output, seconds, the GPU's sampler window, the
+        attention timer or None)``. Eager rows time each self-attention call through an outermost
+        override; under compile that override would be traced into the graph, so compiled Chorus rows
+        time the op from the inside."""
+        cuda = self.device.type == "cuda"
+        op_timer = OpTimer() if compiled and plan is not None and cuda else None
+        timed_models, timer = (models, None) if compiled else with_timer(models)
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        with self.sampler.window() as gpu_window, (op_timer or contextlib.nullcontext()):
+            out = self.sample(timed_models)
+            self.synchronize()
+        return out, time.perf_counter() - t0, gpu_window, timer or op_timer
+
+    def timed(self, name, models, plan=None, again=None, profile_models=None):
+        """One row: a warm-up, then one timed request. ``again()`` (compiled rows): the
+        ``(models, plan)`` of a further request, after a whole first request as the warm-up (both
+        experts compile in it: its time is ``first_request_s``); the timed request is the first of up
+        to ``1 + STEADY_RETRIES`` such requests in which dynamo compiled nothing (ComfyUI's loading
+        may change what the graph guards between requests); those that compiled are in
+        ``unsteady_requests``. ``profile_models()`` (with ``--profile``): the models the profiled step
+        runs, when not the row's own. Returns the request's output, or None past ``--time-budget``."""
+        from chorus.nodes.comfy_patch import get_patch
+
+        args, cuda = self.args, self.device.type == "cuda"
+        if time.perf_counter() - self.t_start > args.time_budget:
+            print(f"skipping {self.weights}/{self.res}/{name}: past the time budget", flush=True)
+            return None
+        compiled = again is not None
+        first_request_s = compile_log = None
+        if compiled:
+            self.synchronize()
+            t0 = time.perf_counter()
+            with CompileLog() as compile_log:
+                self.sample(models)
+                self.synchronize()
+            first_request_s = time.perf_counter() - t0
         else:
-            out[name] = cuda_median_ms(timed_call(name), reps, warmup=2)
-    linears, gemms = block_linears(length, shape["dim"], shape["ffn_dim"])
-    with (sampler.window() if sampler is not None else contextlib.nullcontext()) as window:
-        out[f"{backend}_under_load"] = cuda_median_ms_between(timed_call(backend), linears, reps=2 * reps)
-    out["under_load_gemms"] = gemms
-    if window is not None:
-        out[f"gpu_{backend}_under_load"] = window.summary()
-    out["density"] = float(block_map.float().mean())
-    return out
+            self.sample(models, end_step=1)  # warm-up step
+        unsteady, tries = [], 1 + STEADY_RETRIES if compiled else 1
+        for attempt in range(tries):
+            if compiled:
+                models, plan = again()
+            frames_before = compiled_frames()
+            out, seconds, gpu_window, timer = self.timed_request(models, plan, compiled)
+            frames_compiled = compiled_frames() - frames_before
+            if not frames_compiled or attempt == tries - 1:
+                break
+            unsteady.append({"seconds": seconds, "frames_compiled": frames_compiled})
+        per_call = timer.per_call_ms() if cuda and timer is not None else []
+        grid = self.grid
+        row = {"weights": self.weights, "res": self.res, "variant": name, "tokens": grid[0] * grid[1] * grid[2],
+               "seconds": seconds, "attn_ms_per_layer": float(np.mean(per_call)) if per_call else None,
+               "attn_ms_median": float(np.median(per_call)) if per_call else None,
+               "attn_ms_first_call": per_call[0] if per_call else None,
+               "attn_calls_timed": len(per_call),
+               "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+               "finite": bool(torch.isfinite(out["samples"]).all()),
+               "first_request_s": first_request_s, "gpu": gpu_window.summary(),
+               "comfy_loading": loading_state(models)}
+        if compile_log is not None:
+            row["first_request_compile"] = compile_log.summary()
+            row.update(unsteady_requests=unsteady, timed_request_frames_compiled=frames_compiled)
+        if plan is not None:
+            row.update(plan_kind=plan.kind, density=plan.stats.density, sparse_calls=plan.stats.sparse_calls,
+                       blocks_computed=plan.stats.blocks_computed, blocks_total=plan.stats.blocks_total,
+                       fallback_calls=plan.stats.fallback_calls, tail_calls=plan.stats.tail_calls,
+                       messages=plan.stats.messages[:5],
+                       fr_blocks_reduced=plan.state.feature_reuse.blocks_reduced,
+                       fr_blocks_full=plan.state.feature_reuse.blocks_full,
+                       image_frames=None if plan.state.image_frames is None else list(plan.state.image_frames))
+        if name.split("+")[0] in GUIDED_VARIANTS:  # the timed request's models (eager: the warm-up step too)
+            boosts = [get_patch(m).guidance for m in models]
+            row["guidance"] = {"biased_calls": sum(b.biased_calls for b in boosts),
+                               "boosted_forwards": sum(b.boosted_calls for b in boosts)}
+        if args.profile:
+            # the eager miss profiles a throwaway miss (one more step would record into the entry it is
+            # about to write); a compiled row profiles its second request's models once more
+            profiled = models if profile_models is None else profile_models()
+            row["profile_step0"] = profile_step(lambda: self.sample(profiled, end_step=1))
+            row["attn_kernels_ms_per_call"] = attention_kernels_ms(row["profile_step0"])
+        self.results["runs"].append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "profile_step0"}), flush=True)
+        save(self.results, args.out)
+        return out
 
+    def add_kernel_alone(self, plan, backend: str = "auto") -> None:
+        """The last row's ``kernel_alone_ms`` (a hit 15% row on a GPU: :func:`kernel_alone.kernel_alone_ms`)."""
+        from chorus import kernels
 
-def block_linears(length: int, dim: int, ffn_dim: int):
-    """``(run, n)``: ``run()`` queues the GEMM work of one Wan block's linear layers at ``length`` tokens --
-    self-attention's q, k, v, o and cross-attention's q, o (``dim x dim`` each) and the feed-forward's
-    ``dim x ffn_dim`` pair -- as ``n`` bf16 GEMMs ``[length, dim] @ [dim, dim]`` of the same total FLOPs
-    (``n = round((6 dim + 2 ffn_dim) / dim)``, 11 for Wan 14B), on random data (the same input each
-    time: a chained product would drift to inf). The load that holds the GPU's clock near where the model
-    holds it around an attention call (:func:`chorus.benchmarks.timing.cuda_median_ms_between`; measured a
-    little lower, as the model's elementwise work draws less power); 2 ``length x dim`` buffers."""
-    gemms = max(1, round((6 * dim + 2 * ffn_dim) / dim))
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    x = torch.randn(length, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
-    weight = torch.randn(dim, dim, device="cuda", dtype=torch.bfloat16, generator=gen) / math.sqrt(dim)
-    y = torch.empty_like(x)
+        if self.device.type == "cuda":
+            self.results["runs"][-1]["kernel_alone_ms"] = kernel_alone_ms(plan, plan.token_grid, self.shape, kernels,
+                                                                          self.sampler, backend=backend)
 
-    def run():
-        for _ in range(gemms):
-            torch.matmul(x, weight, out=y)
+    def skipped_row(self, name, why) -> None:
+        """A row that could not run here: recorded with the reason, and the run goes on."""
+        self.results["runs"].append({"weights": self.weights, "res": self.res, "variant": name, "skipped": str(why)})
+        print(f"skipping {self.weights}/{self.res}/{name}: {why}", flush=True)
 
-    return run, gemms
+    # -- the rows -----------------------------------------------------------------------------------------------
+
+    def dense_rows(self) -> None:
+        """``dense`` (and its compiled twin), ``dense_rowmajor``, ``dense_cudnn`` and ``dense_ck``, as asked."""
+        args, experts = self.args, self.experts
+        if "dense" in args.variants:
+            if not args.compiled_only:
+                self.timed("dense", self.windowed(experts))
+            if self.compiling:
+                self.timed_compiled("dense")
+        if args.compiled_only:
+            return
+        if "dense_rowmajor" in args.variants:
+            self.timed("dense_rowmajor", self.windowed(row_major_models(experts)))
+        if "dense_cudnn" in args.variants:
+            try:
+                with sdpa_cudnn_first():
+                    self.timed("dense_cudnn", self.windowed(experts))
+                    if self.results["runs"] and self.results["runs"][-1]["variant"] == "dense_cudnn":
+                        self.results["runs"][-1]["sdpa_order"] = sdpa_order()
+            except RuntimeError as exc:
+                self.skipped_row("dense_cudnn", exc)
+        if "dense_ck" in args.variants:
+            try:
+                ck_models = comfy_kitchen_attention_models(experts)
+            except RuntimeError as exc:
+                self.skipped_row("dense_ck", exc)
+            else:
+                self.timed("dense_ck", self.windowed(ck_models))
+
+    def sol_row(self, name, start_percent) -> None:
+        """A row of ComfyUI's core sparse attention on both experts (``sol_peer.py``); without
+        ``comfy_kitchen`` the row records why it did not run."""
+        from .sol_peer import CORE_NODE_DEFAULTS, sol_patched
+
+        options = dict(CORE_NODE_DEFAULTS, start_percent=start_percent)
+        if self.device.type == "cpu":  # toy sizes on the CPU: sol_attn's eager reference, no token threshold
+            options.update(min_tokens=0, cuda_only=False)
+        try:
+            patched_pair = [sol_patched(m, **options) for m in self.experts]
+            patched_pair = list(zip(self.windowed([m for m, _ in patched_pair]), [c for _, c in patched_pair]))
+        except ImportError as exc:
+            self.skipped_row(name, exc)
+            return
+        if self.timed(name, tuple(m for m, _ in patched_pair)) is not None:
+            self.results["runs"][-1].update(
+                sol_options={k: v for k, v in options.items() if k != "cuda_only"},
+                sol_sparse_calls=sum(c.sparse_calls for _, c in patched_pair),
+                sol_dense_calls=sum(c.dense_calls for _, c in patched_pair),
+                sol_dense_reasons=[c.dense_reasons for _, c in patched_pair])
+
+    def miss_row(self):
+        """The miss on an empty workspace, then ``ChorusCacheWrite``: the plan whose entry the hits copy, or None
+        where it wrote none (or the row did not run)."""
+        from chorus.nodes.cache_write import ChorusCacheWrite
+
+        args = self.args
+        plan, t_ret = self.retrieve(self.ws_miss)
+        assert not plan.is_hit, plan.message
+        sampled = self.timed("miss", self.patched(plan, fr_share=args.fr_share), plan,
+                             profile_models=lambda: self.patched(self.retrieve(f"{self.ws_miss}_profile")[0],
+                                                                 fr_share=args.fr_share))
+        if sampled is None:
+            return None
+        t0 = time.perf_counter()
+        info = ChorusCacheWrite.execute(self.latent, plan).result[0]
+        t_write = time.perf_counter() - t0
+        self.results["runs"][-1].update(retrieve_s=t_ret, write_s=t_write, write=info[:200])
+        if not info.startswith("wrote entry"):
+            print(f"the miss wrote no entry: {info}", flush=True)
+            return None
+        return plan
+
+    def hit_workspace(self, name, entry_plan) -> str:
+        """The workspace of hit ``name``: the miss's entry with its maps replaced by structured maps of the hit's
+        density (written once per density and order)."""
+        from chorus.cache_store import Workspace, resolve_workspace
+        from chorus.engine.compat import entry_token_order
+
+        density = HIT_DENSITY[name]
+        hit_ws = f"{self.ws_hit}_{int(density * 100)}" + ("_raster" if name in RASTER_VARIANTS else "")
+        ws = Workspace.open(resolve_workspace(hit_ws))
+        if len(ws) == 0:
+            src = Workspace.open(resolve_workspace(self.ws_miss))
+            eid = src.search(entry_plan.embedding, k=1)[0][0]
+            masks, meta = src.load(eid, packed=True, touch=False)
+            meta = dict(meta, signature=dict(meta["signature"]))
+            if name in RASTER_VARIANTS:
+                meta["signature"]["token_order"] = "thw"
+            order = entry_token_order(meta["signature"])
+            entry_grid = tuple(meta["signature"]["token_grid"])  # the first window's with --windows
+            per_layer = structured_maps(entry_grid, self.shape["num_heads"], density, self.shape["num_layers"],
+                                        self.device, order)
+            ws.add(entry_plan.embedding, {key: per_layer[key[2]] for key in masks}, meta)
+            self.results.setdefault("entry_orders", {})[hit_ws] = meta["signature"].get("token_order")
+        return hit_ws
+
+    def hit_rows(self, name, entry_plan) -> None:
+        """Hit ``name``: once per named ``--hit-backends`` backend (hit15 / hit5), the plain (``auto``) row, and
+        its compiled twin; with ``--compiled-only`` the compiled row alone."""
+        args = self.args
+        hit_ws = self.hit_workspace(name, entry_plan)
+        if args.compiled_only:
+            if self.compiling and name in COMPILED_HITS:
+                self.timed_compiled(name)
+            return
+        per_backend = name in ("hit15", "hit5")
+        for backend in [b for b in args.hit_backends if b != "auto"] if per_backend else []:
+            plan_b, _ = self.retrieve(hit_ws)
+            if self.timed(f"{name}@{backend}", self.patched(plan_b, backend=backend), plan_b) is not None:
+                self.results["runs"][-1]["backend"] = backend
+                if name == "hit15":
+                    self.add_kernel_alone(plan_b, backend)
+        if per_backend and "auto" not in args.hit_backends:
+            return  # the plain (auto) row runs only when asked for
+        plan, t_ret = self.retrieve(hit_ws)
+        assert plan.is_hit, plan.message
+        models = self.patched(plan, fr_share=args.fr_share if name in FEATURE_REUSE_VARIANTS else None,
+                              verify=VERIFY_THRESHOLD_PASSING if name == "hitver" else None,
+                              tail=name not in NO_TAIL_VARIANTS, guidance=name in GUIDED_VARIANTS)
+        if self.timed(name, models, plan) is None:
+            return
+        self.results["runs"][-1].update(retrieve_s=t_ret)
+        if name == "hitver":
+            self.results["runs"][-1]["verification"] = {str(e): dict(v) for e, v in plan.stats.verification.items()}
+        if name == "hit15":
+            self.add_kernel_alone(plan)
+        if self.compiling and name in COMPILED_HITS:
+            self.timed_compiled(name)
+
+    # -- compiled rows ------------------------------------------------------------------------------------------
+
+    def compiled_request(self, variant):
+        """``(models, plan)`` of one compiled request of ``variant`` (a new plan each time: a miss
+        on a workspace of its own that nothing is written to, a hit retrieved again)."""
+        args = self.args
+        if variant == "dense":
+            return self.patched(None, compile_models=True), None
+        if variant == "miss":
+            plan = self.retrieve(f"{self.ws_miss}_compiled_{next(self.fresh)}")[0]
+            return self.patched(plan, fr_share=args.fr_share, compile_models=True), plan
+        plan = self.retrieve(f"{self.ws_hit}_{int(HIT_DENSITY[variant] * 100)}")[0]
+        assert plan.is_hit, plan.message
+        share = args.fr_share if variant in FEATURE_REUSE_VARIANTS else None
+        return self.patched(plan, fr_share=share, compile_models=True, tail=variant not in NO_TAIL_VARIANTS,
+                            guidance=variant in GUIDED_VARIANTS), plan
+
+    def timed_compiled(self, variant):
+        """A compiled row in a fresh dynamo state: each variant's graphs, not what earlier rows left
+        (dynamo's recompile limit, 8 per code object, is shared by everything one process compiles).
+        ``dynamo``: unique graphs, graph breaks and frames compiled (recompiles included) in this row's
+        requests, and with ``--profile`` its profiled step too (whose forward adds its own host-side breaks).
+        A row that raises is recorded as ``failed`` (module docstring); None then."""
+        from torch._dynamo.utils import counters
+
+        from chorus.engine.state import failure_text
+
+        torch._dynamo.reset()
+        counters.clear()
+        models, plan = self.compiled_request(variant)
+        try:
+            with RecompileLog() as recompiles:
+                out = self.timed(f"{variant}+compile", models, plan, again=lambda: self.compiled_request(variant))
+        except Exception as exc:  # noqa: BLE001 - what the host's compile cannot run is the row's result
+            failed = failure_text(exc)
+            self.results["runs"].append({"weights": self.weights, "res": self.res, "variant": f"{variant}+compile",
+                                         "failed": failed})
+            print(f"{self.weights}/{self.res}/{variant}+compile failed: {failed}", flush=True)
+            save(self.results, self.args.out)
+            return None
+        if out is not None:
+            if variant == "hit15":
+                self.add_kernel_alone(plan)
+            self.results["runs"][-1]["dynamo"] = {
+                "unique_graphs": int(counters["stats"].get("unique_graphs", 0)),
+                "graph_breaks": int(sum(counters["graph_break"].values())),
+                "frames": {k: int(v) for k, v in counters["frames"].items()},  # every compile, recompiles too
+                "graph_break_reasons": sorted({r.splitlines()[0][:160] for r in counters["graph_break"]})[:8],
+                "recompiles": len(recompiles.reasons), "recompile_reasons": recompiles.summary()}
+            save(self.results, self.args.out)
+        return out
 
 
 def gpu_sampler(device):
@@ -977,145 +734,6 @@ def gpu_sampler(device):
 
     return GpuSampler(index=device.index or 0, interval_s=0.05,
                       off_reason="" if device.type == "cuda" else "a CPU run")
-
-
-def profile_step(step, top: int = 40) -> dict:
-    """One sampling step (the high expert's step 0 -> 1, after the timed request) under
-    ``torch.profiler`` (CPU and, where there is one, CUDA activity): total GPU time, the ``top`` kernels by GPU time,
-    ``name -> [ms, calls]`` (names cut at 100 characters), and per ``chorus::`` custom op the GPU time
-    of the kernels run inside its calls (``ops``: :func:`chorus_op_times`; ``chorus::attend``: a hit's
-    sparse attention calls, pre-pass, block lists and kernel together; empty, with ``ops_error`` saying why, where
-    this torch's raw profiler events lack what it reads). Where a request's time goes, not a timing of record (the profiler adds its own host overhead; kernel durations are the GPU's)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    cuda = torch.cuda.is_available()
-    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
-        step()
-        if cuda:
-            torch.cuda.synchronize()
-    kernels = {}
-    for event in prof.key_averages():
-        if event.device_type == torch.autograd.DeviceType.CPU:
-            continue
-        us = getattr(event, "self_device_time_total", None)
-        if us is None:
-            us = getattr(event, "self_cuda_time_total", 0.0)
-        if us > 0:
-            name = event.key[:100]
-            ms, calls = kernels.get(name, (0.0, 0))
-            kernels[name] = (ms + us / 1000.0, calls + event.count)
-    ranked = sorted(kernels.items(), key=lambda kv: -kv[1][0])
-    out = {"gpu_ms_total": sum(ms for ms, _ in kernels.values()),
-           "kernels": {name: [round(ms, 3), calls] for name, (ms, calls) in ranked[:top]}, "ops": {}}
-    try:
-        out["ops"] = chorus_op_times(prof.profiler.kineto_results.events())
-    except AttributeError as exc:  # a torch whose raw events lack an accessor: the row keeps its other numbers
-        out["ops_error"] = f"{type(exc).__name__}: {exc}"
-    return out
-
-
-def chorus_op_times(events) -> dict:
-    """Per ``chorus::`` custom op in a profile's raw events (``torch.profiler``'s kineto events, as
-    ``prof.profiler.kineto_results.events()`` gives them: ``name()``, ``device_type()``, ``start_ns()``,
-    ``duration_ns()``, ``correlation_id()``, ``linked_correlation_id()``): ``name -> [ms, calls, events]``, the GPU time of the
-    device work (kernels, copies, memsets) launched inside its calls, how many calls launched any, and every
-    event of that name.
-
-    A device activity belongs to the call during which the host launched it: its launch is the host-side
-    runtime / driver event of the same correlation id (a host event linked to an op; an op is a host event
-    linked to none), and the call is the outermost ``chorus::`` op event
-    whose host interval holds that launch's start (the benchmark launches from one thread). The profiler's
-    own op-to-kernel link is not used: in a 40-layer step it gave each compiled call the GEMMs of its layer
-    (55 ms a call against a 24.5 ms per-call median) and each eager call 1.2 ms too much (H200, 2026-12-04;
-    right at 3 layers). A call counts once: an op event inside another ``chorus::`` event (the op's
-    implementation dispatched again) is part of it, and one that launched nothing is not a call (dynamo
-    tracing the op with fake tensors, in a step that recompiles; on the CPU nothing is launched, so there
-    are events and no calls)."""
-    cpu = torch.autograd.DeviceType.CPU
-    host = [e for e in events if e.device_type() == cpu]
-    op_events = sorted((e for e in host if e.linked_correlation_id() == 0 and e.name().startswith("chorus::")),
-                       key=lambda e: e.start_ns())
-    seen: dict[str, int] = {}
-    calls: list[list] = []  # outermost calls in start order: [name, start_ns, end_ns, device ns, launched]
-    for event in op_events:
-        seen[event.name()] = seen.get(event.name(), 0) + 1
-        if calls and event.start_ns() < calls[-1][2]:
-            continue  # inside the call before it
-        calls.append([event.name(), event.start_ns(), event.start_ns() + event.duration_ns(), 0, False])
-    launches = {e.correlation_id(): e.start_ns() for e in host if e.linked_correlation_id() > 0}
-    starts = [call[1] for call in calls]
-    for activity in events:
-        launched = launches.get(activity.correlation_id()) if activity.device_type() != cpu else None
-        if launched is None:
-            continue
-        index = bisect.bisect_right(starts, launched) - 1
-        if index >= 0 and launched <= calls[index][2]:
-            calls[index][3] += activity.duration_ns()
-            calls[index][4] = True
-    ops = {name: [0.0, 0, count] for name, count in seen.items()}
-    for name, _start, _end, device_ns, launched in calls:
-        if launched:
-            ops[name][0] += device_ns / 1e6
-            ops[name][1] += 1
-    return {name: [round(ms, 3), n, count] for name, (ms, n, count) in ops.items()}
-
-
-def attention_kernels_ms(profile: dict | None) -> float | None:
-    """GPU time of one ``chorus::attend`` call's kernels in a profiled step (:func:`profile_step`), or None
-    where the step ran none. Beside the row's per-call time (CUDA events in the timed request) it gives what
-    a call costs over its kernels, both measured inside the model at the clock it runs at."""
-    ms, calls = ((profile or {}).get("ops", {}).get("chorus::attend") or (0.0, 0))[:2]
-    return ms / calls if calls else None
-
-
-def table(results: dict) -> str:
-    rows = results["runs"]
-    lines = ["| weights | res | variant | request s | vs dense | first request s | attention ms/layer | density | peak GiB "
-             "| SM MHz (median) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        if "seconds" not in r:  # skipped, or failed
-            why = f"skipped: {r['skipped']}" if "skipped" in r else f"FAILED: {r['failed']}"
-            lines.append(f"| {r['weights']} | {r['res']} | {r['variant']} | {why} | | | | | | |")
-            continue
-        base = next((x for x in rows if x["weights"] == r["weights"] and x["res"] == r["res"] and "seconds" in x
-                     and x["variant"] == ("dense+compile" if "compile" in r["variant"] else "dense")), None)
-        # a request that still compiled (every try recompiled) times the compiler: no ratio from it or to it
-        steady = base is not None and not base.get("timed_request_frames_compiled") \
-            and not r.get("timed_request_frames_compiled")
-        ratio = f"{base['seconds'] / r['seconds']:.2f}x" if steady else "-"
-        attn = f"{r['attn_ms_per_layer']:.2f}" if r.get("attn_ms_per_layer") is not None else "-"
-        if r.get("attn_kernels_ms_per_call") is not None and r.get("attn_ms_median") is not None:
-            attn += f" (median {r['attn_ms_median']:.2f}, its kernels {r['attn_kernels_ms_per_call']:.2f})"
-        alone_ms = r.get("kernel_alone_ms") or {}
-        alone = alone_ms.get(r.get("backend", "auto"))
-        if alone is not None:
-            loaded = alone_ms.get(f"{r.get('backend', 'auto')}_under_load")
-            attn += f" (alone {alone:.2f}" + (f", between GEMMs {loaded:.2f})" if loaded is not None else ")")
-        dens = f"{r['density']:.1%}" if r.get("density") is not None else "-"
-        peak = f"{r['peak_gib']:.1f}" if r.get("peak_gib") is not None else "-"
-        first = f"{r['first_request_s']:.1f}" if r.get("first_request_s") is not None else "-"
-        spent = r.get("first_request_compile")
-        if spent:
-            first += f" (compile {spent['dynamo_s']:.1f}"
-            first += f", Triton builds {spent['triton_build_s']:.1f})" if spent["triton_build_s"] is not None else ")"
-        gpu = r.get("gpu") or {}
-        clock = f"{gpu['sm_mhz']:.0f}" if gpu.get("available") else "-"
-        variant = r["variant"]
-        if any(e["partial"] for e in r.get("comfy_loading") or ()):
-            variant += " (experts loaded partially)"
-        recompiles = (r.get("dynamo") or {}).get("recompiles")
-        if recompiles:
-            variant += f" ({recompiles} recompiles)"
-        unsteady = r.get("unsteady_requests") or ()
-        if unsteady:
-            variant += (f" (timed: request {len(unsteady) + 2}, the first that compiled nothing; before it "
-                        + " / ".join(f"{u['seconds']:.2f} s" for u in unsteady) + ")")
-        if r.get("timed_request_frames_compiled"):
-            variant += f" (the timed request compiled {r['timed_request_frames_compiled']} frames)"
-        lines.append(f"| {r['weights']} | {r['res']} | {variant} | {r['seconds']:.2f} | {ratio} | {first} | "
-                     f"{attn} | {dens} | {peak} | {clock} |")
-    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
