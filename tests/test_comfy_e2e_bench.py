@@ -141,7 +141,8 @@ def test_the_row_major_block_patch_hands_the_block_a_row_major_copy():
 
     x = torch.randn(2, 8, 5).transpose(1, 2)  # the patch embedding's transposed view, [B, L, C]
     seen = []
-    out = host_attention.row_major_block({"img": x, "vec": None}, {"original_block": lambda a: seen.append(a["img"]) or {"img": 1}})
+    out = host_attention.row_major_block({"img": x, "vec": None},
+                                         {"original_block": lambda a: seen.append(a["img"]) or {"img": 1}})
     assert out == {"img": 1} and seen[0].is_contiguous() and torch.equal(seen[0], x)
     host_attention.row_major_block({"img": seen[0]}, {"original_block": lambda a: seen.append(a["img"])})
     assert seen[1] is seen[0]  # a row-major input is handed on as it is

@@ -9,10 +9,10 @@ import math
 import torch
 
 
-def kernel_alone_ms(plan, grid, shape, kernels, sampler=None, reps: int = 10, backend: str = "auto") -> dict:
-    """The kernel a hit runs by itself: ``block_sparse_attention(backend=backend)`` in the entry's
-    token order, as the hit runs it (key ``backend``'s name, e.g. ``"auto"``: its median ms, with the pooled
-    tail as the node's default runs it; ``"<name>_no_tail"``: without; ``"backend"``: what it resolved to) on
+def kernel_alone_ms(plan, shape, sampler=None, reps: int = 10, backend: str = "auto") -> dict:
+    """The kernel a hit runs by itself: ``block_sparse_attention(backend=backend)`` at the hit's token grid and in
+    the entry's token order, as the hit runs it (key ``backend``'s name, e.g. ``"auto"``: its median ms, with the
+    pooled tail as the node's default runs it; ``"<name>_no_tail"``: without; ``"backend"``: what it resolved to) on
     random q/k/v in ComfyUI's layout with the map the hit computes for layer 0 of step 0 (entry map + k_min
     floor); for ``"auto"`` also the portable Triton FP8 kernel whole and in its two parts (pre-pass + index,
     attention), without the tail. ``backend``: the one the row's hit runs (a ``--hit-backends`` row names its
@@ -23,9 +23,10 @@ def kernel_alone_ms(plan, grid, shape, kernels, sampler=None, reps: int = 10, ba
     synchronize; :func:`~chorus.benchmarks.timing.cuda_median_ms_between`), so at the clock such a load holds
     (``"gpu_<name>_under_load"``): the kernel alone at the model's clock, what a call in the model is set beside
     to read the integration's own cost."""
+    from chorus import kernels
     from chorus.engine.maps import floor_k_min, stored_map
 
-    t, h, w = grid
+    t, h, w = plan.token_grid
     length, heads, dim = t * h * w, shape["num_heads"], shape["dim"] // shape["num_heads"]
     stored = stored_map(plan, 0, 0, 0, block_size=128, top_p=0.9, k_min=4, device="cuda")
     block_map = floor_k_min(stored, 4)[None]

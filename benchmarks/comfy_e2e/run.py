@@ -532,11 +532,9 @@ class Rows:
 
     def add_kernel_alone(self, plan, backend: str = "auto") -> None:
         """The last row's ``kernel_alone_ms`` (a hit 15% row on a GPU: :func:`kernel_alone.kernel_alone_ms`)."""
-        from chorus import kernels
-
         if self.device.type == "cuda":
-            self.results["runs"][-1]["kernel_alone_ms"] = kernel_alone_ms(plan, plan.token_grid, self.shape, kernels,
-                                                                          self.sampler, backend=backend)
+            self.results["runs"][-1]["kernel_alone_ms"] = kernel_alone_ms(plan, self.shape, self.sampler,
+                                                                          backend=backend)
 
     def skipped_row(self, name, why) -> None:
         """A row that could not run here: recorded with the reason, and the run goes on."""
