@@ -9,13 +9,15 @@ import math
 import torch
 
 
-def kernel_alone_ms(plan, shape, sampler=None, reps: int = 10, backend: str = "auto") -> dict:
+def kernel_alone_ms(plan, shape, sampler=None, reps: int = 10, backend: str = "auto",
+                    portable_parts: bool = True) -> dict:
     """The kernel a hit runs by itself: ``block_sparse_attention(backend=backend)`` at the hit's token grid and in
     the entry's token order, as the hit runs it (key ``backend``'s name, e.g. ``"auto"``: its median ms, with the
     pooled tail as the node's default runs it; ``"<name>_no_tail"``: without; ``"backend"``: what it resolved to) on
     random q/k/v in ComfyUI's layout with the map the hit computes for layer 0 of step 0 (entry map + k_min
-    floor); for ``"auto"`` also the portable Triton FP8 kernel whole and in its two parts (pre-pass + index,
-    attention), without the tail. ``backend``: the one the row's hit runs (a ``--hit-backends`` row names its
+    floor); for ``"auto"`` with ``portable_parts`` also the portable Triton FP8 kernel whole and in its two parts
+    (pre-pass + index, attention), without the tail (what no row's compiling changes: a compiled row whose eager
+    twin timed them passes False). ``backend``: the one the row's hit runs (a ``--hit-backends`` row names its
     own). ``sampler`` (a ``GpuSampler``): ``"gpu_<name>"`` = the GPU's clock and power while the hit's kernel
     was timed, to set beside the row's ``"gpu"`` (the same kernel inside the model runs at the model's clock).
     ``"<name>_under_load"``: the hit's kernel again, each call queued between the GEMMs of one block's linears
@@ -38,8 +40,8 @@ def kernel_alone_ms(plan, shape, sampler=None, reps: int = 10, backend: str = "a
     from ..timing import cuda_median_ms, cuda_median_ms_between
 
     scale = 1.0 / math.sqrt(dim)
-    portable_parts = ("triton_fp8", "prepass_and_index", "attention_kernel") if backend == "auto" else ()
-    prep = prepare_attention(*qkv, block_map, 128, scale, True) if portable_parts else None
+    parts = ("triton_fp8", "prepass_and_index", "attention_kernel") if backend == "auto" and portable_parts else ()
+    prep = prepare_attention(*qkv, block_map, 128, scale, True) if parts else None
     out = {}
     from chorus.kernels.api import resolve_backend
 
@@ -59,7 +61,7 @@ def kernel_alone_ms(plan, shape, sampler=None, reps: int = 10, backend: str = "a
             return o.transpose(1, 2).reshape(1, length, heads * dim)
         return call
 
-    for name in (backend, no_tail) + portable_parts:
+    for name in (backend, no_tail) + parts:
         if name == backend and sampler is not None:
             with sampler.window() as window:
                 out[name] = cuda_median_ms(timed_call(name), reps, warmup=2)

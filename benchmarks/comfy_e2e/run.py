@@ -97,7 +97,8 @@ What runs (everything side by side in one process, one GPU):
   kernel-alone timing (``kernel_alone_ms.gpu_auto``, or ``gpu_<backend>``): the same kernel runs slower at
   the clock a GPU holds under the model's GEMMs than in a loop on an idle one, so it is timed a second way,
   each call between the GEMMs of one block's linears (``auto_under_load``, the table's "between GEMMs";
-  its clock in ``gpu_auto_under_load``; ``kernel_alone.py``). A compiled hit 15% row times the kernel alone too. Retrieval and
+  its clock in ``gpu_auto_under_load``; ``kernel_alone.py``). A compiled hit 15% row times the kernel alone too (the
+  portable kernel's parts only with ``--compiled-only``: the eager row timed them otherwise). Retrieval and
   cache-write times are reported separately (they run on the CPU before / after sampling). ``comfy_loading``:
   whether ComfyUI loaded both experts whole for the timed request (:func:`experts.loading_state`; two bf16 A14B experts
   take 53 GiB, so on an 80 GB card it may load them partially, and the table marks such a row).
@@ -530,11 +531,12 @@ class Rows:
         save(self.results, args.out)
         return out
 
-    def add_kernel_alone(self, plan, backend: str = "auto") -> None:
+    def add_kernel_alone(self, plan, backend: str = "auto", portable_parts: bool = True) -> None:
         """The last row's ``kernel_alone_ms`` (a hit 15% row on a GPU: :func:`kernel_alone.kernel_alone_ms`)."""
         if self.device.type == "cuda":
             self.results["runs"][-1]["kernel_alone_ms"] = kernel_alone_ms(plan, self.shape, self.sampler,
-                                                                          backend=backend)
+                                                                          backend=backend,
+                                                                          portable_parts=portable_parts)
 
     def skipped_row(self, name, why) -> None:
         """A row that could not run here: recorded with the reason, and the run goes on."""
@@ -712,8 +714,8 @@ class Rows:
             save(self.results, self.args.out)
             return None
         if out is not None:
-            if variant == "hit15":
-                self.add_kernel_alone(plan)
+            if variant == "hit15":  # the portable kernel's parts: timed by the eager row where it ran
+                self.add_kernel_alone(plan, portable_parts=self.args.compiled_only)
             self.results["runs"][-1]["dynamo"] = {
                 "unique_graphs": int(counters["stats"].get("unique_graphs", 0)),
                 "graph_breaks": int(sum(counters["graph_break"].values())),
