@@ -27,6 +27,10 @@ def kernel_alone_ms(plan, shape, sampler=None, reps: int = 10, backend: str = "a
     to read the integration's own cost."""
     from chorus import kernels
     from chorus.engine.maps import floor_k_min, stored_map
+    from chorus.kernels.api import resolve_backend
+    from chorus.kernels.triton._attention import launch_attention, prepare_attention
+
+    from ..timing import cuda_median_ms, cuda_median_ms_between
 
     t, h, w = plan.token_grid
     length, heads, dim = t * h * w, shape["num_heads"], shape["dim"] // shape["num_heads"]
@@ -35,17 +39,10 @@ def kernel_alone_ms(plan, shape, sampler=None, reps: int = 10, backend: str = "a
     gen = torch.Generator(device="cuda").manual_seed(0)
     qkv = [torch.randn(1, length, heads * dim, device="cuda", dtype=torch.bfloat16, generator=gen)
            .view(1, length, heads, dim).transpose(1, 2) for _ in range(3)]
-    from chorus.kernels.triton._attention import launch_attention, prepare_attention
-
-    from ..timing import cuda_median_ms, cuda_median_ms_between
-
     scale = 1.0 / math.sqrt(dim)
     parts = ("triton_fp8", "prepass_and_index", "attention_kernel") if backend == "auto" and portable_parts else ()
     prep = prepare_attention(*qkv, block_map, 128, scale, True) if parts else None
-    out = {}
-    from chorus.kernels.api import resolve_backend
-
-    out["backend"] = resolve_backend(backend, qkv[0]).value
+    out = {"backend": resolve_backend(backend, qkv[0]).value}
     no_tail = f"{backend}_no_tail"
 
     def timed_call(name):
