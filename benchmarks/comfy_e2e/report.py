@@ -5,12 +5,35 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
+
 
 def save(results: dict, out_dir) -> None:
     """Write what is measured so far (a run stopped at its time limit still leaves its numbers)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "comfy_e2e.json").write_text(json.dumps(results, indent=1, default=str))
+
+
+def attention_call_fields(per_call_ms: list) -> dict:
+    """A row's per-call attention times (milliseconds, in call order; empty where none were timed): mean, median,
+    the first call's and how many calls."""
+    return {"attn_ms_per_layer": float(np.mean(per_call_ms)) if per_call_ms else None,
+            "attn_ms_median": float(np.median(per_call_ms)) if per_call_ms else None,
+            "attn_ms_first_call": per_call_ms[0] if per_call_ms else None,
+            "attn_calls_timed": len(per_call_ms)}
+
+
+def plan_fields(plan) -> dict:
+    """What a Chorus row's request plan counted (a ``chorus.engine`` request plan after its request): the plan's
+    kind, density, sparse / fallback / tail calls, blocks computed of all, its first five messages, feature reuse's
+    blocks and the image frames it kept dense."""
+    stats, state = plan.stats, plan.state
+    return {"plan_kind": plan.kind, "density": stats.density, "sparse_calls": stats.sparse_calls,
+            "blocks_computed": stats.blocks_computed, "blocks_total": stats.blocks_total,
+            "fallback_calls": stats.fallback_calls, "tail_calls": stats.tail_calls, "messages": stats.messages[:5],
+            "fr_blocks_reduced": state.feature_reuse.blocks_reduced, "fr_blocks_full": state.feature_reuse.blocks_full,
+            "image_frames": None if state.image_frames is None else list(state.image_frames)}
 
 
 def table(results: dict) -> str:

@@ -118,7 +118,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from .compiling import (STEADY_RETRIES, CompileLog, RecompileLog, compiled_frames, host_compiles_with_guard_filter,
@@ -127,7 +126,7 @@ from .experts import build_expert, import_comfy, loading_state
 from .host_attention import comfy_kitchen_attention_models, row_major_models, sdpa_cudnn_first, sdpa_order
 from .kernel_alone import kernel_alone_ms
 from .profiling import attention_kernels_ms, profile_step
-from .report import save, table
+from .report import attention_call_fields, plan_fields, save, table
 from .timers import OpTimer, with_timer
 from .windows import WINDOW_SCHEDULES, context_windows, host_runs_i2v_in_windows, windows_of
 
@@ -497,10 +496,7 @@ class Rows:
         per_call = timer.per_call_ms() if cuda and timer is not None else []
         grid = self.grid
         row = {"weights": self.weights, "res": self.res, "variant": name, "tokens": grid[0] * grid[1] * grid[2],
-               "seconds": seconds, "attn_ms_per_layer": float(np.mean(per_call)) if per_call else None,
-               "attn_ms_median": float(np.median(per_call)) if per_call else None,
-               "attn_ms_first_call": per_call[0] if per_call else None,
-               "attn_calls_timed": len(per_call),
+               "seconds": seconds, **attention_call_fields(per_call),
                "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
                "finite": bool(torch.isfinite(out["samples"]).all()),
                "first_request_s": first_request_s, "gpu": gpu_window.summary(),
@@ -509,13 +505,7 @@ class Rows:
             row["first_request_compile"] = compile_log.summary()
             row.update(unsteady_requests=unsteady, timed_request_frames_compiled=frames_compiled)
         if plan is not None:
-            row.update(plan_kind=plan.kind, density=plan.stats.density, sparse_calls=plan.stats.sparse_calls,
-                       blocks_computed=plan.stats.blocks_computed, blocks_total=plan.stats.blocks_total,
-                       fallback_calls=plan.stats.fallback_calls, tail_calls=plan.stats.tail_calls,
-                       messages=plan.stats.messages[:5],
-                       fr_blocks_reduced=plan.state.feature_reuse.blocks_reduced,
-                       fr_blocks_full=plan.state.feature_reuse.blocks_full,
-                       image_frames=None if plan.state.image_frames is None else list(plan.state.image_frames))
+            row.update(plan_fields(plan))
         if name.split("+")[0] in GUIDED_VARIANTS:  # the timed request's models (eager: the warm-up step too)
             boosts = [get_patch(m).guidance for m in models]
             row["guidance"] = {"biased_calls": sum(b.biased_calls for b in boosts),
