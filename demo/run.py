@@ -28,7 +28,8 @@ What it runs (CPU; 1-2 minutes with the defaults on a 2-core machine that is not
   (see :func:`sample`): the frames show the start image with what the random model adds, not a
   trained video; sparse attention changes only the added part.
 
-Library use: :func:`run_demo` returns one :class:`RequestResult` per request.
+Library use: :func:`run_demo` returns one :class:`RequestResult` per request; :func:`serve_request` is one
+request's path (retrieve, patch, sample, commit, save).
 """
 
 from __future__ import annotations
@@ -484,6 +485,72 @@ def _save_mask_preview(directory: str, plan) -> None:
     Image.fromarray((heat.numpy() * 255).round().astype(np.uint8)).save(os.path.join(directory, "mask_preview.png"))
 
 
+@dataclass(frozen=True)
+class DemoSetting:
+    """What every request of one demo run shares: the host (two experts), the embedder, the sparse config, the
+    latent shape ``(C, T, H, W)``, the flow sigmas and steps (split over the two experts), the similarity
+    threshold, the seed, where frames go and whether a hit is also sampled dense for its PSNR."""
+
+    host: object
+    embedder: HashEmbedder
+    config: SparseConfig
+    latent_shape: tuple
+    sigmas: list
+    steps: int
+    threshold: float
+    seed: int
+    out_dir: str
+    compare_dense: bool
+
+
+def serve_request(ws: Workspace, req: Request, setting: DemoSetting) -> RequestResult:
+    """One request through the engine, each step once: retrieve a plan from ``ws``, patch both experts with
+    ``ChorusAttention`` (each call also measured against dense attention), sample, commit the plan (a miss
+    writes its entry), save the frames (and a hit's mask preview), and for a hit with ``compare_dense`` sample
+    the request dense for the PSNR of its frames."""
+    host, latent_shape, steps, seed = setting.host, setting.latent_shape, setting.steps, setting.seed
+    latent_frames = latent_shape[1]
+    t0 = time.perf_counter()
+    context = text_conditioning(req.prompt)
+    cond_y = i2v_condition(req.image, latent_frames)
+    prior = cond_y[:, 4:4 + LATENT_CHANNELS, :1]  # the start image latent, first frame
+    embedding = setting.embedder.embed(image=torch.from_numpy(req.image)[None], text=req.prompt)
+    plan = retrieve_plan(ws, embedding, latent_shape, similarity_threshold=setting.threshold,
+                         request_meta={"prompt": req.prompt, "template": req.name})
+    # The similarity of the best entry, shown for misses too.
+    best = ws.search(embedding, k=1) if len(ws) else []
+    similarity = plan.similarity if plan.is_hit else (float(best[0][1]) if best else None)
+    errors: list[float] = []
+    random_errors: list[float] = []
+    handles = []
+    for e in range(2):
+        info = wan_model_info(host.experts[e])
+        handles.append(DenseErrorProbe(ChorusAttention(plan, setting.config, info), errors, random_errors,
+                                       seed=seed + 1000 * req.index + e))
+        host.patch(e, handles[-1])
+    try:
+        latent = sample(host, latent_shape, cond_y, context, setting.sigmas, steps // 2, seed + req.index, handles,
+                        prior=prior)
+    finally:
+        host.unpatch()
+    message = commit_plan(ws, plan)
+    hit = plan.is_hit
+    frame_dir = os.path.join(setting.out_dir, f"req_{req.index:02d}_{req.name}_{'hit' if hit else 'miss'}")
+    made = _save_frames(frame_dir, req.image, latent)
+    if hit:
+        _save_mask_preview(frame_dir, plan)
+    quality = None
+    if hit and setting.compare_dense:
+        dense = sample(host, latent_shape, cond_y, context, setting.sigmas, steps // 2, seed + req.index, None,
+                       prior=prior)
+        quality = float(np.mean([psnr(a, decode_latent(dense[:, t])) for t, a in enumerate(made)]))
+    return RequestResult(req.index, req.kind, req.name, req.variant, hit, similarity,
+                         plan.stats.density if hit else None,
+                         float(np.mean(errors)) if errors else None, max(errors) if errors else None,
+                         float(np.mean(random_errors)) if random_errors else None, quality, message,
+                         time.perf_counter() - t0, frame_dir, list(plan.stats.messages))
+
+
 def run_demo(*, num_requests: int | None = None, out_dir: str = "chorus_demo_out", workspace_dir: str | None = None,
              model: str = "auto", attention: str = "structured", size: int = 256, frames: int = 17,
              layers: int = 2, heads: int = 2, steps: int = 4, shift: float = 5.0, threshold: float = 0.9,
@@ -518,6 +585,8 @@ def run_demo(*, num_requests: int | None = None, out_dir: str = "chorus_demo_out
     if workspace_dir is None:
         tmp_ws = tempfile.TemporaryDirectory(prefix="chorus_demo_ws_")
         workspace_dir = tmp_ws.name
+    setting = DemoSetting(host, embedder, config, latent_shape, sigmas, steps, threshold, seed, out_dir,
+                          compare_dense)
     grid = token_grid(latent_shape)
     tokens = grid[0] * grid[1] * grid[2]
     source = ("random weights, q/k biased toward RoPE-positional (3D-local) structure" if attention == "structured"
@@ -536,45 +605,7 @@ def run_demo(*, num_requests: int | None = None, out_dir: str = "chorus_demo_out
     try:
         with Workspace.open(workspace_dir) as ws:
             for req in requests:
-                t0 = time.perf_counter()
-                context = text_conditioning(req.prompt)
-                cond_y = i2v_condition(req.image, latent_frames)
-                prior = cond_y[:, 4:4 + LATENT_CHANNELS, :1]  # the start image latent, first frame
-                embedding = embedder.embed(image=torch.from_numpy(req.image)[None], text=req.prompt)
-                plan = retrieve_plan(ws, embedding, latent_shape, similarity_threshold=threshold,
-                                     request_meta={"prompt": req.prompt, "template": req.name})
-                # The similarity of the best entry, shown for misses too.
-                best = ws.search(embedding, k=1) if len(ws) else []
-                similarity = plan.similarity if plan.is_hit else (float(best[0][1]) if best else None)
-                errors: list[float] = []
-                random_errors: list[float] = []
-                handles = []
-                for e in range(2):
-                    info = wan_model_info(host.experts[e])
-                    handles.append(DenseErrorProbe(ChorusAttention(plan, config, info), errors, random_errors,
-                                                   seed=seed + 1000 * req.index + e))
-                    host.patch(e, handles[-1])
-                try:
-                    latent = sample(host, latent_shape, cond_y, context, sigmas, steps // 2, seed + req.index, handles,
-                                    prior=prior)
-                finally:
-                    host.unpatch()
-                message = commit_plan(ws, plan)
-                hit = plan.is_hit
-                frame_dir = os.path.join(out_dir, f"req_{req.index:02d}_{req.name}_{'hit' if hit else 'miss'}")
-                made = _save_frames(frame_dir, req.image, latent)
-                if hit:
-                    _save_mask_preview(frame_dir, plan)
-                quality = None
-                if hit and compare_dense:
-                    dense = sample(host, latent_shape, cond_y, context, sigmas, steps // 2, seed + req.index, None,
-                                   prior=prior)
-                    quality = float(np.mean([psnr(a, decode_latent(dense[:, t])) for t, a in enumerate(made)]))
-                density = plan.stats.density if hit else None
-                res = RequestResult(req.index, req.kind, req.name, req.variant, hit, similarity, density,
-                                    float(np.mean(errors)) if errors else None, max(errors) if errors else None,
-                                    float(np.mean(random_errors)) if random_errors else None, quality, message, time.perf_counter() - t0, frame_dir,
-                                    list(plan.stats.messages))
+                res = serve_request(ws, req, setting)
                 results.append(res)
                 log(_format_line(res))
                 for note in res.messages:
