@@ -244,46 +244,12 @@ def encode_entry(embedding, masks: dict, meta: dict, *, codec: str | None = None
     import torch
     from safetensors.torch import save as st_save
 
-    from ..kernels.codec import pack_bits
-
     codec = codec or default_codec()
     if codec not in ("zstd", "zlib", "none"):
         raise ValueError(f"unknown codec {codec!r}")
     emb = torch.as_tensor(np.asarray(embedding, dtype=np.float32)).reshape(-1).contiguous()
-    if not isinstance(masks, dict) or not masks:
-        raise ValueError("masks must be a non-empty dict {(expert, step, layer, head_group): tensor}")
-    if not json_depth_ok(meta):
-        raise ValueError(f"meta is nested deeper than {MAX_JSON_DEPTH} levels; the store cannot keep it")
-    try:
-        meta_json = json.dumps(meta, sort_keys=True, allow_nan=False)
-    except RecursionError:
-        raise ValueError("meta is nested too deeply; the store cannot keep it") from None
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"meta must be JSON-serialisable: {exc}") from exc
-    if len(meta_json) > MAX_META_BYTES:
-        raise ValueError(f"meta is {len(meta_json)} bytes as JSON; the store keeps at most {MAX_META_BYTES}")
-
-    items = []
-    for key, value in masks.items():
-        key = validate_key(key)
-        if not isinstance(value, torch.Tensor):
-            raise ValueError(f"mask {key!r} must be a torch.Tensor, got {type(value).__name__}")
-        value = value.detach().cpu()
-        if value.dtype == torch.bool:
-            if value.dim() < 2:
-                raise ValueError(f"bool block map {key!r} must have >= 2 dims [..., Qb, Kb], got {tuple(value.shape)}")
-            payload = pack_bits(value).contiguous()
-            items.append((key, "bits", "bool", tuple(value.shape), payload))
-        else:
-            name = str(value.dtype).replace("torch.", "")
-            if name not in _RAW_ITEMSIZES:
-                raise ValueError(f"mask {key!r} has unsupported dtype {value.dtype}")
-            if value.is_floating_point() and not torch.isfinite(value).all():
-                raise ValueError(f"mask {key!r} holds NaN or inf")
-            payload = value.contiguous().reshape(-1).view(torch.uint8)
-            items.append((key, "raw", name, tuple(value.shape), payload))
-    if len({k for k, *_ in items}) != len(items):
-        raise ValueError("duplicate mask keys")
+    meta_json = _meta_json(meta)
+    items = _mask_payloads(masks)
     elements = sum(math.prod(shape) for *_, shape, _ in items)
     cap = element_cap(meta.get("signature") if isinstance(meta, dict) else None)
     if elements > cap:
@@ -291,20 +257,7 @@ def encode_entry(embedding, masks: dict, meta: dict, *, codec: str | None = None
                          "may hold (its token grid, block size, layers, heads and steps)")
     if sum(payload.numel() for *_, payload in items) > MAX_ENTRY_RAW_BYTES:
         raise ValueError(f"masks take more than {MAX_ENTRY_RAW_BYTES} bytes")
-    items.sort(key=lambda item: _order(item[0]))
-
-    # Group payloads into chunks of about CHUNK_RAW_BYTES raw bytes.
-    chunks, current, current_size, records = [], [], 0, []
-    for key, encoding, dtype, shape, payload in items:
-        if current and current_size + payload.numel() > CHUNK_RAW_BYTES:
-            chunks.append(current)
-            current, current_size = [], 0
-        records.append({"key": list(key), "encoding": encoding, "dtype": dtype, "shape": list(shape),
-                        "chunk": len(chunks), "offset": current_size, "nbytes": int(payload.numel())})
-        current.append(payload.numpy().tobytes() if payload.numel() else b"")
-        current_size += payload.numel()
-    chunks.append(current)
-    raw_chunks = [b"".join(parts) for parts in chunks]
+    records, raw_chunks = _chunked(items)
     with ThreadPoolExecutor(_THREADS) as pool:
         blobs = list(pool.map(lambda data: _compress(codec, data), raw_chunks))
 
@@ -320,6 +273,73 @@ def encode_entry(embedding, masks: dict, meta: dict, *, codec: str | None = None
         "meta": meta_json,
     }
     return st_save(tensors, metadata=metadata)
+
+
+def _meta_json(meta) -> str:
+    """``meta`` as the canonical JSON an entry stores (sorted keys, no NaN); ``ValueError`` past
+    ``MAX_JSON_DEPTH`` levels or ``MAX_META_BYTES`` bytes, or for anything JSON cannot hold."""
+    if not json_depth_ok(meta):
+        raise ValueError(f"meta is nested deeper than {MAX_JSON_DEPTH} levels; the store cannot keep it")
+    try:
+        meta_json = json.dumps(meta, sort_keys=True, allow_nan=False)
+    except RecursionError:
+        raise ValueError("meta is nested too deeply; the store cannot keep it") from None
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"meta must be JSON-serialisable: {exc}") from exc
+    if len(meta_json) > MAX_META_BYTES:
+        raise ValueError(f"meta is {len(meta_json)} bytes as JSON; the store keeps at most {MAX_META_BYTES}")
+    return meta_json
+
+
+def _mask_payloads(masks) -> list:
+    """``masks`` as ``(key, encoding, dtype name, shape, uint8 payload)`` in the store's key order: a bool block
+    map bit-packed (``"bits"``), any other tensor as its raw bytes (``"raw"``). ``ValueError`` for an empty or
+    non-dict ``masks``, a bad or duplicate key, a non-tensor, a bool map under 2 dims, an unsupported dtype,
+    or a float tensor holding NaN or inf."""
+    import torch
+
+    from ..kernels.codec import pack_bits
+
+    if not isinstance(masks, dict) or not masks:
+        raise ValueError("masks must be a non-empty dict {(expert, step, layer, head_group): tensor}")
+    items = []
+    for key, value in masks.items():
+        key = validate_key(key)
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(f"mask {key!r} must be a torch.Tensor, got {type(value).__name__}")
+        value = value.detach().cpu()
+        if value.dtype == torch.bool:
+            if value.dim() < 2:
+                raise ValueError(f"bool block map {key!r} must have >= 2 dims [..., Qb, Kb], got {tuple(value.shape)}")
+            items.append((key, "bits", "bool", tuple(value.shape), pack_bits(value).contiguous()))
+            continue
+        name = str(value.dtype).replace("torch.", "")
+        if name not in _RAW_ITEMSIZES:
+            raise ValueError(f"mask {key!r} has unsupported dtype {value.dtype}")
+        if value.is_floating_point() and not torch.isfinite(value).all():
+            raise ValueError(f"mask {key!r} holds NaN or inf")
+        items.append((key, "raw", name, tuple(value.shape), value.contiguous().reshape(-1).view(torch.uint8)))
+    if len({k for k, *_ in items}) != len(items):
+        raise ValueError("duplicate mask keys")
+    items.sort(key=lambda item: _order(item[0]))
+    return items
+
+
+def _chunked(items: list) -> tuple[list, list]:
+    """``(records, raw_chunks)``: the payloads of ``items`` (from :func:`_mask_payloads`) joined in order into
+    chunks of about ``CHUNK_RAW_BYTES`` raw bytes (a payload is never split; one larger than that is a chunk of
+    its own), and each map's record (key, encoding, dtype, shape, chunk, offset, nbytes)."""
+    chunks, current, current_size, records = [], [], 0, []
+    for key, encoding, dtype, shape, payload in items:
+        if current and current_size + payload.numel() > CHUNK_RAW_BYTES:
+            chunks.append(current)
+            current, current_size = [], 0
+        records.append({"key": list(key), "encoding": encoding, "dtype": dtype, "shape": list(shape),
+                        "chunk": len(chunks), "offset": current_size, "nbytes": int(payload.numel())})
+        current.append(payload.numpy().tobytes() if payload.numel() else b"")
+        current_size += payload.numel()
+    chunks.append(current)
+    return records, [b"".join(parts) for parts in chunks]
 
 
 def _read_metadata(data: bytes) -> dict:
