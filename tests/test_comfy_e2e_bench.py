@@ -356,6 +356,29 @@ def test_profile_counts_the_hit_s_attention_calls_and_puts_their_kernels_beside_
     assert profiling.attention_kernels_ms(None) is None and profiling.attention_kernels_ms({"ops": {}}) is None
 
 
+def test_a_compiled_row_s_dynamo_counts_its_requests_and_its_profiled_step_counts_its_own(tmp_path, monkeypatch):
+    """With ``--profile`` a compiled row's ``dynamo`` is counted before its profiled step: a one-step request has
+    a shorter sigma schedule, which dynamo guards, so what that step compiles is the row's
+    ``profile_step_frames_compiled``, not a recompile of the row's requests. Together they are every frame the
+    process compiled since the row cleared dynamo's counters."""
+    from torch._dynamo.utils import counters
+
+    from chorus.benchmarks.comfy_e2e import run
+
+    monkeypatch.setenv("COMFYUI_DIR", str(tiny.find_comfyui_dir()))
+    monkeypatch.setenv("CHORUS_CACHE_DIR", str(tmp_path / "cache"))
+    assert run.main(["--tiny", "--out", str(tmp_path), "--variants", "hit15", "--compile", "--compiled-only",
+                     "--guard-filter", "--profile"]) == 0
+    row = {r["variant"]: r for r in json.loads((tmp_path / "comfy_e2e.json").read_text())["runs"]}["hit15+compile"]
+    assert row["plan_kind"] == "hit" and row["timed_request_frames_compiled"] == 0, row
+    assert row["profile_step0"]["ops"]["chorus::attend"][2] > 0, row["profile_step0"]["ops"]
+    profiled = row["profile_step_frames_compiled"]
+    assert profiled >= 0 and row["dynamo"]["frames"]["total"] + profiled == counters["frames"]["total"], \
+        (row["dynamo"], profiled, dict(counters["frames"]))
+    assert "dynamo" in row and "profile_step_frames_compiled" not in \
+        {r["variant"]: r for r in json.loads((tmp_path / "comfy_e2e.json").read_text())["runs"]}["miss"]
+
+
 def test_the_table_puts_each_hit_s_own_kernel_alone_beside_its_per_call_time():
     """A hit row's "alone" is the kernel it ran, timed by itself: ``auto``'s for the plain row, the named backend's
     for a ``--hit-backends`` row (whose ``kernel_alone_ms`` also holds nothing of ``auto``); where the row also timed

@@ -183,3 +183,17 @@ class RecompileLog(logging.Handler):
         """The first ``first`` reasons, each as its function's line and first guard failure (300 characters)."""
         return [" / ".join(line.strip() for line in r.splitlines() if line.strip() and "triggered by" not in line)[:300]
                 for r in self.reasons[:first]]
+
+
+def dynamo_summary(recompiles: RecompileLog) -> dict:
+    """A compiled row's ``dynamo``: from ``torch._dynamo``'s counters (since they were last cleared) the unique
+    graphs, the graph breaks (count, and up to 8 distinct first lines of their reasons), the frames compiled by
+    outcome (every compile, recompiles too), and from ``recompiles`` each recompile (count, the first four
+    reasons)."""
+    from torch._dynamo.utils import counters
+
+    return {"unique_graphs": int(counters["stats"].get("unique_graphs", 0)),
+            "graph_breaks": int(sum(counters["graph_break"].values())),
+            "frames": {k: int(v) for k, v in counters["frames"].items()},
+            "graph_break_reasons": sorted({r.splitlines()[0][:160] for r in counters["graph_break"]})[:8],
+            "recompiles": len(recompiles.reasons), "recompile_reasons": recompiles.summary()}

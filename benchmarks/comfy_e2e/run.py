@@ -120,8 +120,8 @@ from pathlib import Path
 
 import torch
 
-from .compiling import (STEADY_RETRIES, CompileLog, RecompileLog, compiled_frames, host_compiles_with_guard_filter,
-                        torch_compile_model)
+from .compiling import (STEADY_RETRIES, CompileLog, RecompileLog, compiled_frames, dynamo_summary,
+                        host_compiles_with_guard_filter, torch_compile_model)
 from .experts import build_expert, import_comfy, loading_state
 from .host_attention import comfy_kitchen_attention_models, row_major_models, sdpa_cudnn_first, sdpa_order
 from .kernel_alone import kernel_alone_ms
@@ -464,8 +464,12 @@ class Rows:
         experts compile in it: its time is ``first_request_s``); the timed request is the first of up
         to ``1 + STEADY_RETRIES`` such requests in which dynamo compiled nothing (ComfyUI's loading
         may change what the graph guards between requests); those that compiled are in
-        ``unsteady_requests``. ``profile_models()`` (with ``--profile``): the models the profiled step
-        runs, when not the row's own. Returns the request's output, or None past ``--time-budget``."""
+        ``unsteady_requests``; ``dynamo`` (:func:`compiling.dynamo_summary`): what dynamo compiled in the row's
+        requests, counted since the caller cleared its counters. ``profile_models()`` (with ``--profile``): the
+        models the profiled step runs, when not the row's own; a compiled row's profiled step comes after its
+        ``dynamo`` is counted, and what it compiled (its one step's sigma schedule is shorter than a request's,
+        which dynamo guards) is its own ``profile_step_frames_compiled``. Returns the request's output, or None
+        past ``--time-budget``."""
         from chorus.nodes.comfy_patch import get_patch
 
         args, cuda = self.args, self.device.type == "cuda"
@@ -474,25 +478,26 @@ class Rows:
             return None
         compiled = again is not None
         first_request_s = compile_log = None
-        if compiled:
-            self.synchronize()
-            t0 = time.perf_counter()
-            with CompileLog() as compile_log:
-                self.sample(models)
-                self.synchronize()
-            first_request_s = time.perf_counter() - t0
-        else:
-            self.sample(models, end_step=1)  # warm-up step
-        unsteady, tries = [], 1 + STEADY_RETRIES if compiled else 1
-        for attempt in range(tries):
+        with RecompileLog() if compiled else contextlib.nullcontext() as recompiles:
             if compiled:
-                models, plan = again()
-            frames_before = compiled_frames()
-            out, seconds, gpu_window, timer = self.timed_request(models, plan, compiled)
-            frames_compiled = compiled_frames() - frames_before
-            if not frames_compiled or attempt == tries - 1:
-                break
-            unsteady.append({"seconds": seconds, "frames_compiled": frames_compiled})
+                self.synchronize()
+                t0 = time.perf_counter()
+                with CompileLog() as compile_log:
+                    self.sample(models)
+                    self.synchronize()
+                first_request_s = time.perf_counter() - t0
+            else:
+                self.sample(models, end_step=1)  # warm-up step
+            unsteady, tries = [], 1 + STEADY_RETRIES if compiled else 1
+            for attempt in range(tries):
+                if compiled:
+                    models, plan = again()
+                frames_before = compiled_frames()
+                out, seconds, gpu_window, timer = self.timed_request(models, plan, compiled)
+                frames_compiled = compiled_frames() - frames_before
+                if not frames_compiled or attempt == tries - 1:
+                    break
+                unsteady.append({"seconds": seconds, "frames_compiled": frames_compiled})
         per_call = timer.per_call_ms() if cuda and timer is not None else []
         grid = self.grid
         row = {"weights": self.weights, "res": self.res, "variant": name, "tokens": grid[0] * grid[1] * grid[2],
@@ -501,9 +506,10 @@ class Rows:
                "finite": bool(torch.isfinite(out["samples"]).all()),
                "first_request_s": first_request_s, "gpu": gpu_window.summary(),
                "comfy_loading": loading_state(models)}
-        if compile_log is not None:
+        if compiled:
             row["first_request_compile"] = compile_log.summary()
-            row.update(unsteady_requests=unsteady, timed_request_frames_compiled=frames_compiled)
+            row.update(unsteady_requests=unsteady, timed_request_frames_compiled=frames_compiled,
+                       dynamo=dynamo_summary(recompiles))
         if plan is not None:
             row.update(plan_fields(plan))
         if name.split("+")[0] in GUIDED_VARIANTS:  # the timed request's models (eager: the warm-up step too)
@@ -514,8 +520,11 @@ class Rows:
             # the eager miss profiles a throwaway miss (one more step would record into the entry it is
             # about to write); a compiled row profiles its second request's models once more
             profiled = models if profile_models is None else profile_models()
+            frames_before = compiled_frames()
             row["profile_step0"] = profile_step(lambda: self.sample(profiled, end_step=1))
             row["attn_kernels_ms_per_call"] = attention_kernels_ms(row["profile_step0"])
+            if compiled:  # a one-step request has a shorter sigma schedule: dynamo may compile for it
+                row["profile_step_frames_compiled"] = compiled_frames() - frames_before
         self.results["runs"].append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "profile_step0"}), flush=True)
         save(self.results, args.out)
@@ -684,8 +693,8 @@ class Rows:
         """A compiled row in a fresh dynamo state: each variant's graphs, not what earlier rows left
         (dynamo's recompile limit, 8 per code object, is shared by everything one process compiles).
         ``dynamo``: unique graphs, graph breaks and frames compiled (recompiles included) in this row's
-        requests, and with ``--profile`` its profiled step too (whose forward adds its own host-side breaks).
-        A row that raises is recorded as ``failed`` (module docstring); None then."""
+        requests (:meth:`timed`; not its profiled step's). A row that raises is recorded as ``failed`` (module
+        docstring); None then."""
         from torch._dynamo.utils import counters
 
         from chorus.engine.state import failure_text
@@ -694,8 +703,7 @@ class Rows:
         counters.clear()
         models, plan = self.compiled_request(variant)
         try:
-            with RecompileLog() as recompiles:
-                out = self.timed(f"{variant}+compile", models, plan, again=lambda: self.compiled_request(variant))
+            out = self.timed(f"{variant}+compile", models, plan, again=lambda: self.compiled_request(variant))
         except Exception as exc:  # noqa: BLE001 - what the host's compile cannot run is the row's result
             failed = failure_text(exc)
             self.results["runs"].append({"weights": self.weights, "res": self.res, "variant": f"{variant}+compile",
@@ -703,15 +711,8 @@ class Rows:
             print(f"{self.weights}/{self.res}/{variant}+compile failed: {failed}", flush=True)
             save(self.results, self.args.out)
             return None
-        if out is not None:
-            if variant == "hit15":  # the portable kernel's parts: timed by the eager row where it ran
-                self.add_kernel_alone(plan, portable_parts=self.args.compiled_only)
-            self.results["runs"][-1]["dynamo"] = {
-                "unique_graphs": int(counters["stats"].get("unique_graphs", 0)),
-                "graph_breaks": int(sum(counters["graph_break"].values())),
-                "frames": {k: int(v) for k, v in counters["frames"].items()},  # every compile, recompiles too
-                "graph_break_reasons": sorted({r.splitlines()[0][:160] for r in counters["graph_break"]})[:8],
-                "recompiles": len(recompiles.reasons), "recompile_reasons": recompiles.summary()}
+        if out is not None and variant == "hit15":  # the portable kernel's parts: timed by the eager row where it ran
+            self.add_kernel_alone(plan, portable_parts=self.args.compiled_only)
             save(self.results, self.args.out)
         return out
 
