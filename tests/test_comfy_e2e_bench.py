@@ -14,14 +14,26 @@ SKIP_REASON = tiny.import_comfy()
 pytestmark = [pytest.mark.host, pytest.mark.skipif(SKIP_REASON is not None, reason=f"ComfyUI not available: {SKIP_REASON}")]
 
 
-def test_comfy_e2e_benchmark_runs_dense_miss_and_hit(tmp_path, monkeypatch):
+def tiny_run(tmp_path, monkeypatch, *args: str) -> dict:
+    """``run.main(["--tiny", "--out", tmp_path, *args])`` on the test's ComfyUI with the cache under ``tmp_path``
+    (the benchmark sets its own ``CHORUS_CACHE_DIR``; monkeypatch restores it after): asserts the run exits 0 and
+    returns its ``comfy_e2e.json``."""
     from chorus.benchmarks.comfy_e2e import run
 
     monkeypatch.setenv("COMFYUI_DIR", str(tiny.find_comfyui_dir()))
-    monkeypatch.setenv("CHORUS_CACHE_DIR", str(tmp_path / "cache"))  # the benchmark sets its own; restored after
-    assert run.main(["--tiny", "--out", str(tmp_path), "--variants", "dense", "miss", "hit15", "hitver",
-                     "--hit-backends", "auto", "reference"]) == 0
-    rows = {r["variant"]: r for r in json.loads((tmp_path / "comfy_e2e.json").read_text())["runs"]}
+    monkeypatch.setenv("CHORUS_CACHE_DIR", str(tmp_path / "cache"))
+    assert run.main(["--tiny", "--out", str(tmp_path), *args]) == 0
+    return json.loads((tmp_path / "comfy_e2e.json").read_text())
+
+
+def variant_rows(results: dict) -> dict:
+    """A run's rows by variant."""
+    return {r["variant"]: r for r in results["runs"]}
+
+
+def test_comfy_e2e_benchmark_runs_dense_miss_and_hit(tmp_path, monkeypatch):
+    rows = variant_rows(tiny_run(tmp_path, monkeypatch, "--variants", "dense", "miss", "hit15", "hitver",
+                                 "--hit-backends", "auto", "reference"))
     assert set(rows) == {"dense", "miss", "hit15", "hit15@reference", "hitver"}
     # --hit-backends: the same hit once more through ChorusSparseSampler's backend input
     assert rows["hit15@reference"]["backend"] == "reference" and rows["hit15@reference"]["plan_kind"] == "hit"
@@ -39,14 +51,8 @@ def test_comfy_e2e_benchmark_runs_dense_miss_and_hit(tmp_path, monkeypatch):
 def test_the_fp8_scaled_rows_load_the_shipped_files_layout_through_comfyuis_loader(tmp_path, monkeypatch):
     """``--weights fp8_scaled``: experts in the layout of the FP8-scaled files the shipped workflows name, loaded
     by ComfyUI as UNETLoader loads them (its scaled FP8 operations), run dense, miss and hit."""
-    from chorus.benchmarks.comfy_e2e import run
-
-    monkeypatch.setenv("COMFYUI_DIR", str(tiny.find_comfyui_dir()))
-    monkeypatch.setenv("CHORUS_CACHE_DIR", str(tmp_path / "cache"))
-    assert run.main(["--tiny", "--out", str(tmp_path), "--weights", "fp8_scaled",
-                     "--variants", "dense", "miss", "hit15"]) == 0
-    results = json.loads((tmp_path / "comfy_e2e.json").read_text())
-    rows = {r["variant"]: r for r in results["runs"]}
+    results = tiny_run(tmp_path, monkeypatch, "--weights", "fp8_scaled", "--variants", "dense", "miss", "hit15")
+    rows = variant_rows(results)
     assert set(rows) == {"dense", "miss", "hit15"} and all(r["weights"] == "fp8_scaled" for r in rows.values())
     ops = results["ops"]["fp8_scaled"]  # 0.3.64: scaled_fp8_ops' Linear on e4m3 weights; later: QuantizedTensor
     assert ("scaled_fp8" in ops and "float8_e4m3fn" in ops) or "QuantizedTensor" in ops, ops
@@ -58,14 +64,9 @@ def test_the_fp8_scaled_rows_load_the_shipped_files_layout_through_comfyuis_load
 def test_the_fp16_rows_run_the_dtype_comfyui_computes_wan_in(tmp_path, monkeypatch):
     """``--weights fp16`` (what ComfyUI's loader picks for Wan on a GPU, from an fp16 or bf16 file): the experts
     compute in fp16 (on the CPU too, at toy sizes), and dense, miss, hit and feature reuse run on them."""
-    from chorus.benchmarks.comfy_e2e import run
-
-    monkeypatch.setenv("COMFYUI_DIR", str(tiny.find_comfyui_dir()))
-    monkeypatch.setenv("CHORUS_CACHE_DIR", str(tmp_path / "cache"))
-    assert run.main(["--tiny", "--out", str(tmp_path), "--weights", "fp16",
-                     "--variants", "dense", "miss", "hit15", "hitfr", "--fr-share", "1.0"]) == 0
-    results = json.loads((tmp_path / "comfy_e2e.json").read_text())
-    rows = {r["variant"]: r for r in results["runs"]}
+    results = tiny_run(tmp_path, monkeypatch, "--weights", "fp16", "--variants", "dense", "miss", "hit15", "hitfr",
+                       "--fr-share", "1.0")
+    rows = variant_rows(results)
     assert set(rows) == {"dense", "miss", "hit15", "hitfr"} and "torch.float16" in results["ops"]["fp16"]
     assert rows["miss"]["write"].startswith("wrote entry")
     for name in ("hit15", "hitfr"):
@@ -79,13 +80,8 @@ def test_a_compiled_fp8_scaled_hit_with_feature_reuse_compiles_nothing_in_its_se
     """The shipped feature-reuse workflow's models as users load them (FP8-scaled files) under ComfyUI's
     ``TorchCompileModel``: the hit runs every call sparse and its timed request compiles nothing (ComfyUI's scaled
     FP8 linears recompile per input shape, all in the first request)."""
-    from chorus.benchmarks.comfy_e2e import run
-
-    monkeypatch.setenv("COMFYUI_DIR", str(tiny.find_comfyui_dir()))
-    monkeypatch.setenv("CHORUS_CACHE_DIR", str(tmp_path / "cache"))
-    assert run.main(["--tiny", "--out", str(tmp_path), "--weights", "fp8_scaled", "--variants", "hitfr",
-                     "--compile", "--compiled-only"]) == 0
-    rows = {r["variant"]: r for r in json.loads((tmp_path / "comfy_e2e.json").read_text())["runs"]}
+    rows = variant_rows(tiny_run(tmp_path, monkeypatch, "--weights", "fp8_scaled", "--variants", "hitfr", "--compile",
+                                 "--compiled-only"))
     row = rows["hitfr+compile"]
     assert row["plan_kind"] == "hit" and row["sparse_calls"] > 0 and row["fallback_calls"] == 0 and row["finite"]
     assert row["unsteady_requests"] == [] and row["timed_request_frames_compiled"] == 0, row
@@ -97,14 +93,11 @@ def test_comfy_e2e_benchmark_runs_the_ti2v_5b_workflow(tmp_path, monkeypatch):
     them); the miss records every step and the hit runs each of them sparse."""
     from chorus.benchmarks.comfy_e2e import run
 
-    monkeypatch.setenv("COMFYUI_DIR", str(tiny.find_comfyui_dir()))
-    monkeypatch.setenv("CHORUS_CACHE_DIR", str(tmp_path / "cache"))
-    assert run.main(["--tiny", "--model", "ti2v5b", "--out", str(tmp_path), "--variants", "dense", "dense_rowmajor",
-                     "miss", "hit15"]) == 0
-    results = json.loads((tmp_path / "comfy_e2e.json").read_text())
+    results = tiny_run(tmp_path, monkeypatch, "--model", "ti2v5b", "--variants", "dense", "dense_rowmajor", "miss",
+                       "hit15")
     assert results["workflow"] == run.WORKFLOWS["ti2v5b"].label
     assert results["shape"]["in_dim"] == results["shape"]["out_dim"] == 48
-    rows = {r["variant"]: r for r in results["runs"]}
+    rows = variant_rows(results)
     assert set(rows) == {"dense", "dense_rowmajor", "miss", "hit15"} and all(r["finite"] for r in rows.values())
     assert all(len(r["comfy_loading"]) == 1 for r in rows.values())  # one model, no second expert
     assert rows["miss"]["plan_kind"] == "miss" and rows["miss"]["write"].startswith("wrote entry")
@@ -121,12 +114,9 @@ def test_comfy_e2e_benchmark_runs_a_first_last_frame_request(tmp_path, monkeypat
     latent (TI2V 5B) is refused."""
     from chorus.benchmarks.comfy_e2e import run
 
-    monkeypatch.setenv("COMFYUI_DIR", str(tiny.find_comfyui_dir()))
-    monkeypatch.setenv("CHORUS_CACHE_DIR", str(tmp_path / "cache"))
-    assert run.main(["--tiny", "--out", str(tmp_path), "--variants", "dense", "miss", "hit15", "--end-image"]) == 0
-    results = json.loads((tmp_path / "comfy_e2e.json").read_text())
+    results = tiny_run(tmp_path, monkeypatch, "--variants", "dense", "miss", "hit15", "--end-image")
     assert "an end image (WanFirstLastFrameToVideo)" in results["workflow"]
-    rows = {r["variant"]: r for r in results["runs"]}
+    rows = variant_rows(results)
     hit = rows["hit15"]
     assert hit["plan_kind"] == "hit" and hit["sparse_calls"] > 0 and hit["fallback_calls"] == 0, hit
     assert not any("demoted" in m for m in hit["messages"]), hit["messages"]
@@ -179,14 +169,10 @@ def test_compiled_only_runs_the_compiled_rows_beside_compiled_dense(tmp_path, mo
     compiled miss runs as a miss (a fresh workspace of its own) with no eager miss before it."""
     from chorus.benchmarks.comfy_e2e import report, run
 
-    monkeypatch.setenv("COMFYUI_DIR", str(tiny.find_comfyui_dir()))
-    monkeypatch.setenv("CHORUS_CACHE_DIR", str(tmp_path / "cache"))
     with pytest.raises(SystemExit) as refused:
         run.main(["--tiny", "--out", str(tmp_path), "--compiled-only"])
     assert refused.value.code == 2 and "--compiled-only needs --compile" in capsys.readouterr().err
-    assert run.main(["--tiny", "--out", str(tmp_path), "--variants", "dense", "miss", "--compile",
-                     "--compiled-only"]) == 0
-    rows = {r["variant"]: r for r in json.loads((tmp_path / "comfy_e2e.json").read_text())["runs"]}
+    rows = variant_rows(tiny_run(tmp_path, monkeypatch, "--variants", "dense", "miss", "--compile", "--compiled-only"))
     assert set(rows) == {"dense+compile", "miss+compile"}, sorted(rows)
     assert rows["miss+compile"]["plan_kind"] == "miss" and all(r["finite"] for r in rows.values())
     assert rows["miss+compile"]["first_request_s"] > 0 and rows["miss+compile"]["dynamo"]["unique_graphs"] >= 1
@@ -221,8 +207,6 @@ def test_a_compiled_row_times_a_request_that_compiles_nothing(tmp_path, monkeypa
 
     from chorus.benchmarks.comfy_e2e import report, run
 
-    monkeypatch.setenv("COMFYUI_DIR", str(tiny.find_comfyui_dir()))
-    monkeypatch.setenv("CHORUS_CACHE_DIR", str(tmp_path / "cache"))
     compile_model, calls = run.torch_compile_model, []
 
     def compile_and_forget_before_the_second_request(model, guard_filter=False):
@@ -232,9 +216,8 @@ def test_a_compiled_row_times_a_request_that_compiles_nothing(tmp_path, monkeypa
         return compile_model(model, guard_filter)
 
     monkeypatch.setattr(run, "torch_compile_model", compile_and_forget_before_the_second_request)
-    assert run.main(["--tiny", "--out", str(tmp_path), "--variants", "dense", "--compile", "--compiled-only"]) == 0
-    results = json.loads((tmp_path / "comfy_e2e.json").read_text())
-    row = {r["variant"]: r for r in results["runs"]}["dense+compile"]
+    results = tiny_run(tmp_path, monkeypatch, "--variants", "dense", "--compile", "--compiled-only")
+    row = variant_rows(results)["dense+compile"]
     assert len(calls) == 6, len(calls)  # three requests of two experts
     assert len(row["unsteady_requests"]) == 1 and row["unsteady_requests"][0]["frames_compiled"] > 0, row
     assert row["timed_request_frames_compiled"] == 0 and row["finite"], row
@@ -321,13 +304,8 @@ def test_compiled_hit_without_the_tail_runs_its_own_compiled_row(tmp_path, monke
     """``--compile --compiled-only`` with ``hit15`` and ``hit15_notail``: the eager miss that writes the entry, then
     both hits under ``TorchCompileModel``, the first with the pooled tail on every sparse call, the second with it off
     on every one (the node's option reaches the compiled calls)."""
-    from chorus.benchmarks.comfy_e2e import run
-
-    monkeypatch.setenv("COMFYUI_DIR", str(tiny.find_comfyui_dir()))
-    monkeypatch.setenv("CHORUS_CACHE_DIR", str(tmp_path / "cache"))
-    assert run.main(["--tiny", "--out", str(tmp_path), "--variants", "hit15", "hit15_notail", "--compile",
-                     "--compiled-only"]) == 0
-    rows = {r["variant"]: r for r in json.loads((tmp_path / "comfy_e2e.json").read_text())["runs"]}
+    rows = variant_rows(tiny_run(tmp_path, monkeypatch, "--variants", "hit15", "hit15_notail", "--compile",
+                                 "--compiled-only"))
     assert set(rows) == {"miss", "hit15+compile", "hit15_notail+compile"}, sorted(rows)
     tail, no_tail = rows["hit15+compile"], rows["hit15_notail+compile"]
     assert tail["plan_kind"] == no_tail["plan_kind"] == "hit"
@@ -340,12 +318,9 @@ def test_profile_counts_the_hit_s_attention_calls_and_puts_their_kernels_beside_
     """``--profile``: one more step of each row under ``torch.profiler``, whose ``chorus::attend`` events (the hit's
     sparse attention: one per layer of the profiled step) are recorded; a call's kernels' GPU time goes beside the
     row's per-call median in the table. On the CPU no call runs a kernel: events, no calls, no per-call time."""
-    from chorus.benchmarks.comfy_e2e import profiling, report, run
+    from chorus.benchmarks.comfy_e2e import profiling, report
 
-    monkeypatch.setenv("COMFYUI_DIR", str(tiny.find_comfyui_dir()))
-    monkeypatch.setenv("CHORUS_CACHE_DIR", str(tmp_path / "cache"))
-    assert run.main(["--tiny", "--out", str(tmp_path), "--variants", "hit15", "--profile"]) == 0
-    rows = {r["variant"]: r for r in json.loads((tmp_path / "comfy_e2e.json").read_text())["runs"]}
+    rows = variant_rows(tiny_run(tmp_path, monkeypatch, "--variants", "hit15", "--profile"))
     hit, miss = rows["hit15"], rows["miss"]
     assert hit["profile_step0"]["ops"]["chorus::attend"] == [0.0, 0, hit["sparse_calls"] // 4]  # one step of four
     assert hit["attn_kernels_ms_per_call"] is None
@@ -363,13 +338,8 @@ def test_a_compiled_row_s_dynamo_counts_its_requests_and_its_profiled_step_count
     process compiled since the row cleared dynamo's counters."""
     from torch._dynamo.utils import counters
 
-    from chorus.benchmarks.comfy_e2e import run
-
-    monkeypatch.setenv("COMFYUI_DIR", str(tiny.find_comfyui_dir()))
-    monkeypatch.setenv("CHORUS_CACHE_DIR", str(tmp_path / "cache"))
-    assert run.main(["--tiny", "--out", str(tmp_path), "--variants", "hit15", "--compile", "--compiled-only",
-                     "--guard-filter", "--profile"]) == 0
-    rows = {r["variant"]: r for r in json.loads((tmp_path / "comfy_e2e.json").read_text())["runs"]}
+    rows = variant_rows(tiny_run(tmp_path, monkeypatch, "--variants", "hit15", "--compile", "--compiled-only",
+                                 "--guard-filter", "--profile"))
     row = rows["hit15+compile"]
     assert row["plan_kind"] == "hit" and row["timed_request_frames_compiled"] == 0, row
     assert row["profile_step0"]["ops"]["chorus::attend"][2] > 0, row["profile_step0"]["ops"]
@@ -560,15 +530,11 @@ def test_the_benchmark_records_the_host_and_skips_the_dense_rows_it_cannot_run(t
     """``dense_cudnn`` where the host sets no SDPA order (its CPU build), ``dense_ck`` where the host has no Model
     Attention Backend node (0.3.64) or comfy-kitchen no INT8 attention kernel for the device (the CPU): each
     a row with the reason, the rest of the run goes on."""
-    from chorus.benchmarks.comfy_e2e import run
     from chorus.nodes.host_report import comfyui_version
 
-    monkeypatch.setenv("COMFYUI_DIR", str(tiny.find_comfyui_dir()))
-    monkeypatch.setenv("CHORUS_CACHE_DIR", str(tmp_path / "cache"))
-    assert run.main(["--tiny", "--out", str(tmp_path), "--variants", "dense", "dense_cudnn", "dense_ck"]) == 0
-    results = json.loads((tmp_path / "comfy_e2e.json").read_text())
+    results = tiny_run(tmp_path, monkeypatch, "--variants", "dense", "dense_cudnn", "dense_ck")
     assert results["comfyui"] == comfyui_version() != "unknown" and results["sdpa_order"] is None  # CPU: no order
-    rows = {r["variant"]: r for r in results["runs"]}
+    rows = variant_rows(results)
     assert rows["dense"]["finite"] and "no SDPA backend order" in rows["dense_cudnn"]["skipped"]
     why = "no INT8 attention kernel" if _host_has_attention_backend_node() else "no Model Attention Backend node"
     assert why in rows["dense_ck"]["skipped"]
@@ -607,13 +573,7 @@ def test_the_guided_feature_reuse_row_runs_the_shipped_workflow_s_node_chain(tmp
     feature-reuse workflow chains them: the same sparse calls and downsampled blocks as ``hitfr``, every
     self-attention call biased toward the start image and every forward's cross-attention outputs boosted (the
     row's ``guidance`` counts, warm-up step and request; one self-attention call a layer and forward)."""
-    from chorus.benchmarks.comfy_e2e import run
-
-    monkeypatch.setenv("COMFYUI_DIR", str(tiny.find_comfyui_dir()))
-    monkeypatch.setenv("CHORUS_CACHE_DIR", str(tmp_path / "cache"))
-    assert run.main(["--tiny", "--out", str(tmp_path), "--variants", "miss", "hitfr", "hitfr_gb",
-                     "--fr-share", "1.0"]) == 0
-    rows = {r["variant"]: r for r in json.loads((tmp_path / "comfy_e2e.json").read_text())["runs"]}
+    rows = variant_rows(tiny_run(tmp_path, monkeypatch, "--variants", "miss", "hitfr", "hitfr_gb", "--fr-share", "1.0"))
     plain, guided = rows["hitfr"], rows["hitfr_gb"]
     assert guided["plan_kind"] == "hit" and guided["fallback_calls"] == 0 and guided["finite"], guided
     assert guided["sparse_calls"] == plain["sparse_calls"] > 0
@@ -627,13 +587,8 @@ def test_the_guided_feature_reuse_row_compiles(tmp_path, monkeypatch):
     """``hitfr_gb --compile --compiled-only``: the workflow's chain under ``TorchCompileModel`` runs every call sparse
     with feature reuse and its timed request compiles nothing; the row's ``guidance`` counts that request's calls,
     every one biased."""
-    from chorus.benchmarks.comfy_e2e import run
-
-    monkeypatch.setenv("COMFYUI_DIR", str(tiny.find_comfyui_dir()))
-    monkeypatch.setenv("CHORUS_CACHE_DIR", str(tmp_path / "cache"))
-    assert run.main(["--tiny", "--out", str(tmp_path), "--variants", "hitfr_gb", "--fr-share", "1.0", "--compile",
-                     "--compiled-only"]) == 0
-    rows = {r["variant"]: r for r in json.loads((tmp_path / "comfy_e2e.json").read_text())["runs"]}
+    rows = variant_rows(tiny_run(tmp_path, monkeypatch, "--variants", "hitfr_gb", "--fr-share", "1.0", "--compile",
+                                 "--compiled-only"))
     assert set(rows) == {"miss", "hitfr_gb+compile"}, sorted(rows)
     guided = rows["hitfr_gb+compile"]
     assert guided["plan_kind"] == "hit" and guided["sparse_calls"] > 0 and guided["fallback_calls"] == 0, guided
@@ -652,18 +607,15 @@ def test_comfy_e2e_benchmark_runs_a_request_in_context_windows(tmp_path, monkeyp
     from chorus.benchmarks.comfy_e2e import run, windows
     from host import comfy038
 
-    monkeypatch.setenv("COMFYUI_DIR", str(tiny.find_comfyui_dir()))
-    monkeypatch.setenv("CHORUS_CACHE_DIR", str(tmp_path / "cache"))
     if not windows.host_runs_i2v_in_windows():  # 0.3.64: the later host's behaviour, as the windows' host test has it
         comfy038.install_context_window_conds(monkeypatch)
         comfy038.install_context_window_anchor(monkeypatch)
         monkeypatch.setattr(run, "host_runs_i2v_in_windows", lambda: True)
-    assert run.main(["--tiny", "--out", str(tmp_path), "--variants", "miss", "hitfr", "--fr-share", "1.0",
-                     "--frames", "21", "--windows", "9", "4", "--window-schedule", schedule]) == 0
-    results = json.loads((tmp_path / "comfy_e2e.json").read_text())
+    results = tiny_run(tmp_path, monkeypatch, "--variants", "miss", "hitfr", "--fr-share", "1.0", "--frames", "21",
+                       "--windows", "9", "4", "--window-schedule", schedule)
     assert results["windows"]["latent_frames"] == 6 and len(results["windows"]["windows"]) == 3, results["windows"]
     assert results["windows"]["context_schedule"] == schedule
-    rows = {r["variant"]: r for r in results["runs"]}
+    rows = variant_rows(results)
     assert rows["miss"]["write"].startswith("wrote entry") and rows["miss"]["tokens"] == 6 * 8 * 14
     hit = rows["hitfr"]
     assert hit["plan_kind"] == "hit" and hit["sparse_calls"] > 0 and hit["fallback_calls"] == 0, hit
