@@ -658,7 +658,7 @@ def test_a_compiled_row_that_raises_is_recorded_as_failed_and_the_rows_after_it_
     monkeypatch.setattr(run, "torch_compile_model", first_two_raise)
     assert run.main(["--tiny", "--out", str(tmp_path), "--variants", "dense", "miss", "--compile",
                      "--compiled-only"]) == 1
-    rows = {r["variant"]: r for r in json.loads((tmp_path / "comfy_e2e.json").read_text())["runs"]}
+    rows = variant_rows(json.loads((tmp_path / "comfy_e2e.json").read_text()))
     assert rows["dense+compile"] == {"weights": "bf16", "res": "tiny", "variant": "dense+compile",
                                      "failed": "RuntimeError: Cannot access data pointer of Tensor (e.g. FakeTensor, "
                                                "FunctionalTensor)."}
