@@ -207,7 +207,7 @@ def bench_entry(tmp, repeats, layers=40):
 
 
 def to_markdown(results) -> str:
-    """Tables for docs/BENCHMARKS.md from a results dict (as written by ``--out``)."""
+    """Tables for docs/BENCHMARK_LOG.md from a results dict (as written by ``--out``)."""
     m = results["machine"]
     lines = [f"Machine: {m['cpu']}, {m['cores']} cores, Python {m['python']}, faiss {m['faiss']}, torch {m['torch']}; "
              f"load average {m['load_average_at_start'][0]:.1f} at start, {m.get('load_average_at_end', [float('nan')])[0]:.1f} at end.",
@@ -255,7 +255,7 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     parser.add_argument("--markdown", default=None, metavar="JSON",
-                        help="only print the docs/BENCHMARKS.md tables of an earlier --out file")
+                        help="only print the docs/BENCHMARK_LOG.md tables of an earlier --out file")
     parser.add_argument("--nice", type=int, default=None,
                         help="run at this nice value (negative needs root): on a machine shared with other jobs, "
                              "latency percentiles then reflect this CPU rather than the other jobs")

@@ -1,4 +1,4 @@
-"""Fleet store benchmark (CPU, PostgreSQL on loopback) -> docs/BENCHMARKS.md "Fleet store".
+"""Fleet store benchmark (CPU, PostgreSQL on loopback) -> docs/BENCHMARK_LOG.md "Fleet store".
 
     python benchmarks/fleet_bench.py [--url postgresql://...] [--sizes 10000 100000] [--json OUT]
 

@@ -15,7 +15,7 @@ BACKENDS = tuple(backend.value for backend in Backend)  # the node's choices, in
 # records exact mass there (its verification anchors: first step of each expert, verify_layers x verify_heads;
 # engine/runtime.py). With them, on the quality harness, 0.95 meets the targets with the recorder's real row
 # sampling elsewhere (97-100% of permuted / 99% of other-family entries caught, no near-duplicate demoted;
-# without them no threshold does: docs/BENCHMARKS.md, "Self-verifying hits"). Still off by default: the
+# without them no threshold does: docs/BENCHMARK_LOG.md, "Self-verifying hits"). Still off by default: the
 # near-duplicates' margin there is thin (0.953 against 0.95 on the content-heavy source), nothing says where a
 # trained Wan puts it, and entries written before the anchors existed have none (a hit on one says so in its
 # messages). SUGGESTED_VERIFY_THRESHOLD is the value to try, and to re-measure on real weights first.
@@ -29,7 +29,7 @@ DEFAULT_VERIFY_ROWS = 64
 # auto's numerics rule: a map that keeps at least this share of the recorded attention mass per row (top_p) leaves
 # an error of the same order as the FP8 path's own (~0.055 relative L2 on a full map), so there auto runs the
 # accurate INT8 path (~0.016); below it the sparsity error dominates and the fast FP8 path runs
-# (docs/BENCHMARKS.md, "The accurate INT8 path").
+# (docs/BENCHMARK_LOG.md, "The accurate INT8 path").
 ACCURATE_TOP_P = 0.95
 
 
@@ -50,12 +50,12 @@ class SparseConfig:
       the maps then keep nearly all the mass and the FP8 numerics would set the error.
     - ``sample_rows``: query rows per block used by the recorder's ``block_mass`` (None = exact). 8 keeps
       the miss within 10% of a dense run on the H200 and loses 0.0003 of mask recall against exact
-      mass (docs/BENCHMARKS.md, "End to end", miss rows).
+      mass (docs/BENCHMARK_LOG.md, "End to end", miss rows).
     - ``block_size``: tokens per block (q and kv), 128 by default.
     - ``pooled_tail``: on a hit, every key block a query block's map skips still enters each of its
       rows' softmax as one pooled term (the block's mean key, weighted by its token count, with its mean
       value, from the current call's K and V: ``kernels.block_sparse_attention(pooled_tail=True)``).
-      On by default: measured on the H200 (docs/BENCHMARKS.md, "Two-level P.V accumulation") it lowers the error of the
+      On by default: measured on the H200 (docs/BENCHMARK_LOG.md, "Two-level P.V accumulation") it lowers the error of the
       FP8 and the 16-bit paths at every density on spread attention (on sharp attention it lowers it at
       5% and leaves it equal above), for +5% of the kernel's time at 15% density and +19%
       at 5% (720p). A backend without one (``flex``, ``fa4_bf16``) with ``pooled_tail=True`` raises

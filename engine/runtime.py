@@ -488,7 +488,7 @@ class ExpertRun:
         Verification anchors: at the first step of each expert, on the ``verify_layers`` and the
         ``verify_heads`` heads (exactly where a later hit of this entry checks how well it fits), the
         mass is exact (every query row) instead of ``sample_rows`` per block, so a genuine hit's fit
-        ratio is not held down by the recording's row-sampling noise (docs/BENCHMARKS.md,
+        ratio is not held down by the recording's row-sampling noise (docs/BENCHMARK_LOG.md,
         "Self-verifying hits"). Cost: exact block mass of those heads on those few calls."""
         cfg = self.config
         qs, ks = call.positive_rows()

@@ -102,7 +102,7 @@ def recall_terms(q: torch.Tensor, k: torch.Tensor, block_map: torch.Tensor, *, h
     the same sampled mass: what any map that sparse can keep, so ``recall <= best``. With sampled rows
     ``best`` is biased up (the top blocks of a noisy mass include the ones the noise favoured; the bias
     shrinks with more rows per block): on near-uniform attention, where that noise is all there is, a
-    map that fits keeps visibly less than ``best`` with few rows (docs/BENCHMARKS.md, "Self-verifying hits").
+    map that fits keeps visibly less than ``best`` with few rows (docs/BENCHMARK_LOG.md, "Self-verifying hits").
     """
     if heads is not None:
         idx = torch.as_tensor(list(heads), dtype=torch.long, device=q.device)

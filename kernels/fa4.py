@@ -3,7 +3,7 @@
 FlashAttention-4 (PyPI ``flash-attn-4``, optional: ``pip install chorus-ii[fa4]``) ships a
 warp-specialised Hopper forward (producer warp with TMA loads, two consumer warpgroups) that takes a
 FlexAttention-style list of kept key blocks per query block. It computes in the inputs' 16-bit dtype
-(no FP8 on sm_90). Measured on the H200 (``docs/BENCHMARKS.md``, "Kernels (H200), 2026-12-01, second
+(no FP8 on sm_90). Measured on the H200 (``docs/BENCHMARK_LOG.md``, "Kernels (H200), 2026-12-01, second
 run"): 1.3-1.5x our Triton bf16 path on the same maps; our Triton FP8 path stays faster at 720p 15%,
 and per request in ComfyUI's WanModel the two are equal. So ``auto`` takes it on
 sm_90 only after ``triton_fp8`` (where FP8 cannot run), and a user who wants bf16 attention picks it.

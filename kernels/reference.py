@@ -113,7 +113,7 @@ def _attend(q, k, v, block_map, block_size, scale, biases, pooled_tail):
 
 
 # Relative L2 against exact attention that each numerics family stays under on a full map of unit Gaussian
-# q / k / v (measured, docs/BENCHMARKS.md: FP8 0.051-0.056, INT8 0.014-0.017, bf16 0.002-0.006 from 200 to
+# q / k / v (measured, docs/BENCHMARK_LOG.md: FP8 0.051-0.056, INT8 0.014-0.017, bf16 0.002-0.006 from 200 to
 # 32 760 tokens, fp16 ~0.0003): a kernel past its ceiling computes wrong (one row's output in another's gives
 # ~1.4). Used by the portable Triton backends' first-use probe and ``python -m chorus check``.
 NUMERICS_CEILINGS = {"fp8": 0.08, "int8": 0.03, "16-bit": 0.02}

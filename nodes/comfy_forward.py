@@ -66,7 +66,7 @@ class ChorusBlock:
     """``patches_replace["dit"][("double_block", layer)]`` of Chorus-patched models, traced by a compiled
     model: the residual stream made row-major (ComfyUI's WanModel passes its patch embedding's
     ``transpose(1, 2)`` view to the blocks, whose three layer norms would each copy it: 8% of a 720p
-    hit's GPU time per step, docs/BENCHMARKS.md, run 15; a copy only when it is not); a miss's full
+    hit's GPU time per step, docs/BENCHMARK_LOG.md, run 15; a copy only when it is not); a miss's full
     block records its region scores (``torch.ops.chorus.record_block``); in a forward whose blocks
     feature reuse reduces (:data:`REDUCE_KEY`, from its ``from_layer`` on), the block runs on the compact
     sequence: its input, RoPE and per-token modulation through ``torch.ops.chorus.compact_tokens``, its

@@ -25,7 +25,7 @@ from .common import CATEGORY, ChorusPlan, model_input_problem, number_input, sea
 
 
 # where feature reuse measured slower than the same hit without it on an eager model and faster under
-# TorchCompileModel (docs/BENCHMARKS.md, the TI2V 5B section): eagerly the model's per-token modulation runs per
+# TorchCompileModel (docs/BENCHMARK_LOG.md, the TI2V 5B section): eagerly the model's per-token modulation runs per
 # compact token in every reduced block, which outweighs the tokens saved; compiled, the request is faster
 PAYS_ONLY_COMPILED_ON = {
     "wan2.2-ti2v-5b": "on Wan 2.2 TI2V 5B it pays only under TorchCompileModel: 720p on an H100, 17.7 s against "

@@ -249,7 +249,7 @@ def test_wan14b_entry_fits_16mb(tmp_path):
     """40 layers x 40 heads x 4 steps of 256x256 blocks (Wan 14B, 480p, 81 frames) <= 16 MB on disk.
 
     Masks come from the structured attention-mass model of ``cache_store.synthetic`` (stated in
-    docs/BENCHMARKS.md); uniformly random maps of the same density would not compress this far.
+    docs/BENCHMARK_LOG.md); uniformly random maps of the same density would not compress this far.
     """
     masks = structured_masks(layers=40, heads=40, steps=4, seed=0)
     density = float(torch.stack([m.float().mean() for m in masks.values()]).mean())

@@ -633,7 +633,7 @@ def test_the_benchmark_refuses_frames_that_are_not_4n_plus_1(tmp_path, capsys):
 
 def test_a_compiled_row_that_raises_is_recorded_as_failed_and_the_rows_after_it_still_run(tmp_path, monkeypatch,
                                                                                           capsys):
-    """ComfyUI 0.33.0's own compiled FP8-scaled linears raise inside dynamo on a GPU (docs/BENCHMARKS.md, run 120):
+    """ComfyUI 0.33.0's own compiled FP8-scaled linears raise inside dynamo on a GPU (docs/BENCHMARK_LOG.md, run 120):
     a compiled row that raises is a ``failed`` row with the error's first line, the table says FAILED, the next
     compiled row runs, and the command exits 1. Here the first compiled request's models raise as that one did."""
     import comfy.patcher_extension

@@ -272,7 +272,7 @@ def test_a_compiled_feature_reuse_hit_leaves_later_compiled_requests_compiled(no
     reuse keeps its reduced blocks inside its graph (no frame per layer), so the limit is not spent and a
     compiled miss after it in the same process still compiles (its blocks record inside a graph). When
     the reduced blocks ran on the host side, each layer's block patch became a frame of its own, the
-    limit was hit, and that miss ran eagerly (docs/BENCHMARKS.md, runs 30 and 32)."""
+    limit was hit, and that miss ran eagerly (docs/BENCHMARK_LOG.md, runs 30 and 32)."""
     import torch._dynamo
 
     layers = torch._dynamo.config.recompile_limit + 2

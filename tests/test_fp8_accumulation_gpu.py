@@ -4,7 +4,7 @@ many key blocks.
 An FP8 wgmma accumulates in fewer mantissa bits than fp32 and truncates. A kernel that chains O through the
 wgmma accumulator from key block to key block loses a little of O at every block: over the 256-590 blocks of a
 Wan row the output comes out 1-2% too small, a coherent error that averaging does not remove (and that the
-pooled tail makes visible: see docs/BENCHMARKS.md, "pooled tail"). Both FP8 kernels therefore add each
+pooled tail makes visible: see docs/BENCHMARK_LOG.md, "pooled tail"). Both FP8 kernels therefore add each
 block's P @ V, computed in a fresh accumulator, to O in fp32 registers (two-level accumulation).
 
 The test: V with a large common part (1 + 0.25 x noise per channel), so every output is near 1 whatever P's

@@ -432,7 +432,7 @@ def test_tail_ws_a_block_that_keeps_nothing_is_right_in_both_warpgroups(q_source
     """A query block whose map row keeps nothing runs its pooled tiles alone: each consumer warpgroup's 64 rows
     within the FP8 bound of the oracle, checked apart (one warpgroup's fault hides in a whole-tensor cosine). 64
     heads, so the tile is not its CTA's first and a miscompile shows on every run: ptxas 12 assembles the first
-    warpgroup's rows of the ``pooled_loop`` form wrong (cosine 0.994; docs/BENCHMARKS.md, "Where the pooled
+    warpgroup's rows of the ``pooled_loop`` form wrong (cosine 0.994; docs/BENCHMARK_LOG.md, "Where the pooled
     tail's extra cost comes from ..."), which is why that form is built only by the fixed ptxas."""
     from chorus.kernels.triton._attention_ws import block_sparse_attention_ws
 

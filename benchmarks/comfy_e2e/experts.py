@@ -78,7 +78,7 @@ def build_expert(shape: dict, weights: str, seed: int, device: torch.device):
             p.copy_(random_weight(name, p.shape, device, gen))
     # ComfyUI 0.3.64 never leaves training mode for the diffusion model, and its fp8_ops.Linear runs the FP8
     # matmul only outside training mode (later ComfyUI versions dropped that condition): in training mode
-    # the FP8-weights path casts each weight back to bf16 (measured: fp8_linears.py and BENCHMARKS.md)
+    # the FP8-weights path casts each weight back to bf16 (measured: fp8_linears.py and BENCHMARK_LOG.md)
     model.diffusion_model.eval()
     patcher = comfy.model_patcher.ModelPatcher(model, load_device=device, offload_device=device)
     return patcher, linear_ops(model.diffusion_model)

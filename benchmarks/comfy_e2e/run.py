@@ -75,7 +75,7 @@ What runs (everything side by side in one process, one GPU):
   loading may change what the graph guards, e.g. its ``comfy_cast_weights`` flags, and a request that recompiles
   times the compiler; those are in ``unsteady_requests``); each recompile of the row's requests is in
   ``dynamo.recompile_reasons`` (:class:`RecompileLog`). A compiled row that raises (ComfyUI 0.33.0's own compiled
-  FP8-scaled linears do under torch 2.11: docs/BENCHMARKS.md, run 120) is a row with ``failed`` (the error's first
+  FP8-scaled linears do under torch 2.11: docs/BENCHMARK_LOG.md, run 120) is a row with ``failed`` (the error's first
   line) and no time; the rows after it run, and the command exits 1.
   ``--guard-filter``: compile as later ComfyUI's ``TorchCompileModel`` does by default, with no dynamo guard
   on ``transformer_options``, on a host whose node does not (0.3.64; ``compile_guard_filter`` in the JSON says

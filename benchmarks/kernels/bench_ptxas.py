@@ -18,7 +18,7 @@ time the kernel alone::
 
 Usage (from the pack root, on an sm_90 GPU): ``python -m benchmarks.kernels.bench_ptxas --out /tmp/ptxas``
 (about 1.5 minutes on an H200 with three assemblers); ``--densities``, ``--forms``, ``--versions 12.8,13.0``
-narrow it. Writes ``bench_ptxas.json``. Measured: ``docs/BENCHMARKS.md``, "One ptxas per kernel variant".
+narrow it. Writes ``bench_ptxas.json``. Measured: ``docs/BENCHMARK_LOG.md``, "One ptxas per kernel variant".
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ per block (what a miss records), each timed by CUDA events after one warm-up cal
 
     python -m benchmarks.kernels.reference_vs_dense --out /tmp/ref
 
-Measured 2026-12-05 on an H100 (``docs/BENCHMARKS.md``, "Wan 2.2 TI2V 5B under TorchCompileModel ...").
+Measured 2026-12-05 on an H100 (``docs/BENCHMARK_LOG.md``, "Wan 2.2 TI2V 5B under `TorchCompileModel` ...").
 """
 
 from __future__ import annotations

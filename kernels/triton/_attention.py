@@ -102,7 +102,7 @@ class TileConfig:
 
 DEFAULT_TILES = {
     # 64-row tiles with one warpgroup: 2+ CTAs per SM overlap one CTA's softmax with another's MMAs
-    # (measured best on the H200 at 32 760 and 75 600 tokens, full and sparse maps; see BENCHMARKS.md)
+    # (measured best on the H200 at 32 760 and 75 600 tokens, full and sparse maps; see BENCHMARK_LOG.md)
     "fp8": TileConfig(block_m=64, block_n=128, num_warps=4, num_stages=3, use_tma=True),
     "bf16": TileConfig(block_m=128, block_n=128, num_warps=8, num_stages=2, use_tma=True),
     # the INT8 path: the FP8 path's tiling (64-row tiles, one warpgroup); BLOCK_N must be 128

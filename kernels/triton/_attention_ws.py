@@ -79,7 +79,7 @@ then one persistent launch of ``_bsa_ws_kernel``):
   moves to the pooled values' own per-channel scale once between the two.
 
 The alternatives measured against these choices (schedules, the exp2 path and its split onto the FMA
-pipes, other P clamps and stores, per-tile V scales) and their numbers: ``docs/BENCHMARKS.md``.
+pipes, other P clamps and stores, per-tile V scales) and their numbers: ``docs/BENCHMARK_LOG.md``.
 
 Gluon is an experimental Triton API (built and tested with Triton 3.6 and 3.8): :func:`available`
 says whether this Triton has it; :func:`compile_sm90` builds any variant ahead of time for sm_90 without

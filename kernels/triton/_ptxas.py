@@ -1,6 +1,6 @@
 """Which ptxas assembles the warp-specialised Gluon kernel (:mod:`._attention_ws`) for sm_90, pinned per variant.
 
-Measured on an H200 (2026-12-04, Nsight Compute, 720p, 15%; ``docs/BENCHMARKS.md``): ptxas 13.0 and 13.3 build
+Measured on an H200 (2026-12-04, Nsight Compute, 720p, 15%; ``docs/BENCHMARK_LOG.md``): ptxas 13.0 and 13.3 build
 every FP8 form of the kernel 0.3-1.3 ms faster than Triton 3.6's own (12.8), and they alone assemble right the
 form whose pooled tiles run in a loop of their own (``POOLED_LOOP``): ptxas before 13.0 gets that loop wrong when
 it is a query block's only one (its map row keeps nothing: the first consumer warpgroup's 64 rows off). The INT8

@@ -415,7 +415,7 @@ def quantize_qkv_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
         v.stride(0), v.stride(1), v.stride(2),
         HEAD_DIM=head_dim, TILE=QUANT_TILE, INTERPRET=interpreter_upcast(q),
         QUANT_Q=bool(quantize_q), HAS_PERM=token_perm is not None, V_WGMMA_ORDER=v_key_order == "wgmma",
-        POOL_CHUNK=chunk, num_warps=4)  # the fastest of 2 / 4 / 8 / 16 warps on the H200 (docs/BENCHMARKS.md)
+        POOL_CHUNK=chunk, num_warps=4)  # the fastest of 2 / 4 / 8 / 16 warps on the H200 (docs/BENCHMARK_LOG.md)
     if chunk:
         _pooled_finalize_kernel[((lrow_k - lpad_k) // QUANT_TILE, batch * heads)](
             pool_sums, k8, v8t, k_scale, v_stats, heads, kv_len, lpad_k // chunk, lrow_k, lpad_k, HEAD_DIM=head_dim,

@@ -21,7 +21,7 @@ within float64 rounding (~1e-16 of the row) of the target may be decided the oth
 differs. NaN, inf or negative mass gives an undefined map (never an out-of-bounds write); the caller
 checks values (``select_blocks(check_values=...)``).
 
-Measured on the H200 (docs/BENCHMARKS.md, "The miss's block selection in one kernel";
+Measured on the H200 (docs/BENCHMARK_LOG.md, "The miss's block selection in one kernel";
 ``bench_block_sparse.py --selection``): 40 heads of peaked softmax mass, packed map, 720p (591 key blocks)
 0.561 ms against 1.431 ms for torch's sort, gather, scatter and packing; 480p (256) 0.044 against 0.562
 ms. One warp per row: the fastest of 1 / 2 / 4 / 8 at 720p, 8 us behind 2 warps at 480p.
