@@ -24,8 +24,9 @@ Limits (``prune --max-entries / --max-bytes``, ``list --limit``) go through
 deletes nothing, and a limit of 0 (keep nothing: every entry is deleted) needs ``--delete-all``.
 
 Output is human-readable, or JSON with ``--json``. Exit status: 0 on success, 1 when ``verify``
-finds damage (quarantined with ``--repair``) or the index is inconsistent (entries evicted by a
-worker while verify ran are listed, not damage), 2 on any error: bad arguments, a folder that is
+finds damage (quarantined with ``--repair``), the index is inconsistent or an entry could not be
+checked for want of memory (left as it is; entries evicted by a worker while verify ran are listed,
+not damage), 2 on any error: bad arguments, a folder that is
 not a workspace, a permission, disk or SQLite error, a store busy past ``--timeout`` (default
 30 s), an unreachable fleet store; an error is one line on stderr starting ``error:``, never a
 traceback, and never holds a password: argparse's own messages (which echo mistyped arguments,
@@ -127,7 +128,9 @@ def _fmt_time(t) -> str:
         return f"{'?':19}"
 
 
-def _fmt_bytes(n: int) -> str:
+def _fmt_bytes(n: int | None) -> str:
+    if n is None:  # a row whose size is not an integer (edited by hand)
+        return "?"
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":
             return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
@@ -267,7 +270,7 @@ def _run(args, ws):
         text = "\n".join(lines)
     elif args.action == "verify":
         result = ws.verify(progress=True)
-        code = 0 if result["ok"] and result["index_consistent"] else 1
+        code = 0 if result["ok"] and result["index_consistent"] and not result.get("unchecked") else 1
         repaired = "quarantined" if args.repair else "not quarantined: run verify --repair"
         text = (f"checked {result['checked']} entries: " +
                 ("no damage" if result["ok"] else f"{len(result['damaged'])} damaged ({repaired})") +
@@ -275,6 +278,8 @@ def _run(args, ws):
                 f"and {result['temp_files_removed']} temporary files")
         for d in result["damaged"]:
             text += f"\n  entry {d['id']} ({d['file']}): {d['reason']}"
+        for u in result.get("unchecked", []):
+            text += f"\n  entry {u['id']}: not checked ({u['reason']}; left as it is)"
         if result.get("evicted"):
             text += (f"\n  {len(result['evicted'])} entries were evicted or removed by a worker while verify ran "
                      "(not damage)")

@@ -28,7 +28,21 @@ from .rows import QUIET_FLOATS, check_embedding
 from .signature import signature_key
 
 DEFAULT_MAX_BYTES = 20 << 30  # a store's default size cap
+MAX_ENTRY_ID = (1 << 63) - 1  # ids are signed 64-bit in SQLite and PostgreSQL alike
 MAX_ENTRY_FILE_BYTES = MAX_ENTRY_RAW_BYTES + MAX_HEADER_BYTES + (1 << 20)  # an entry file never exceeds this
+
+
+def checked_entry_id(entry_id) -> int:
+    """An entry id argument of ``load``, ``remove``, ``touch`` and ``entry_path``, as both stores take
+    it: an ``int`` (a numpy integer too), neither a ``bool`` nor a ``float`` (``1.7`` is not entry 1):
+    else ``ValueError``. An int no entry can have (outside ``[1, MAX_ENTRY_ID]``) is a ``KeyError``
+    like any unknown id, raised before anything is counted or sent to the database."""
+    if isinstance(entry_id, (bool, np.bool_)) or not isinstance(entry_id, (int, np.integer)):
+        raise ValueError(f"an entry id is an int, got {type(entry_id).__name__} {entry_id!r:.40}")
+    value = int(entry_id)
+    if not 1 <= value <= MAX_ENTRY_ID:
+        raise KeyError(f"no entry {value}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -96,6 +110,18 @@ def similarity_bound(min_similarity) -> float:
     if bound != bound:
         raise ValueError("min_similarity must be a number")
     return bound
+
+
+def serving_entry(index, embedding, sig_key: str, min_similarity: float, replacing) -> int | None:
+    """``add_unique``'s check, under the store's writer lock: the id of an entry of signature ``sig_key``
+    whose cosine with ``embedding`` (a checked float32 vector) is >= ``min_similarity``, other than
+    ``replacing`` (an entry the new one replaces: a hit that failed its verification for this very
+    request does not serve it); None when there is none. The caller holds its index's lock."""
+    found = index.search(embedding, 2, sig_key) if index is not None else []
+    for entry_id, similarity in found:
+        if similarity >= min_similarity and (replacing is None or int(entry_id) != int(replacing)):
+            return int(entry_id)
+    return None
 
 
 class CorruptEntryError(ValueError):

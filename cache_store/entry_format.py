@@ -148,7 +148,8 @@ def geometry_element_cap(signature) -> int | None:
     """The most map elements an entry of this signature can hold, from its geometry: steps x layers
     x head groups x heads x ``nb``², ``nb`` = ``GEOMETRY_SLACK`` x ceil(tokens / block_size) + 8.
     ``None`` when the signature does not state ``token_grid`` (3 positive ints), ``block_size``,
-    ``num_layers``, ``num_heads`` (positive ints) and ``step_sigmas`` (a list)."""
+    ``num_layers``, ``num_heads`` (positive ints) and ``step_sigmas`` (a list). A tuple counts as a list
+    (the stored JSON turns one into the other, so an entry's cap is the same when written and read)."""
     if not isinstance(signature, dict):
         return None
     grid = signature.get("token_grid")
@@ -158,8 +159,8 @@ def geometry_element_cap(signature) -> int | None:
     steps = signature.get("step_sigmas")
     groups = signature.get("head_groups", 1)
     groups = _positive_int(groups) if groups is not None else 1
-    if not (isinstance(grid, list) and len(grid) == 3 and all(_positive_int(g) for g in grid)) \
-            or None in (block, layers, heads, groups) or not isinstance(steps, list) or not steps:
+    if not (isinstance(grid, (list, tuple)) and len(grid) == 3 and all(_positive_int(g) for g in grid)) \
+            or None in (block, layers, heads, groups) or not isinstance(steps, (list, tuple)) or not steps:
         return None
     blocks = math.ceil(math.prod(grid) / block)
     nb = math.ceil(GEOMETRY_SLACK * blocks) + 8
@@ -398,6 +399,8 @@ def _check_records(records, raw_sizes, meta, max_elements):
                 raise EntryFormatError(f"map {key!r}: {nbytes} bytes do not hold {dtype_name} {shape}")
         else:
             raise EntryFormatError(f"map {key!r}: unknown encoding {str(encoding)[:40]!r}")
+        if math.prod(max(s, 1) for s in shape) > cap:  # a zero elsewhere must not let a huge dimension pass
+            raise EntryFormatError(f"map {key!r}: shape {shape} is past the cap of {cap} elements")
         elements += math.prod(shape)
         if elements > cap:
             raise EntryFormatError(f"maps declare more than {cap} elements, the cap of this entry's signature")
@@ -419,7 +422,8 @@ def decode_entry_arrays(data: bytes, *, max_elements: int | None = None):
     little-endian bytes of a ``dtype`` tensor of ``shape`` (flat). ``embedding``: float32 ``[dim]``. Every check of
     :func:`decode_entry` runs here (what ``cache verify`` needs); raises :class:`EntryFormatError` on any
     inconsistency, and before allocating anything for maps past the caps of the module docstring
-    (``max_elements``, if given, lowers the element cap further).
+    (``max_elements``, if given, lowers the element cap further). ``MemoryError`` (this machine cannot
+    allocate what an entry within the caps needs) leaves as it is: a fault of the moment, not of the entry.
     """
     from safetensors.numpy import load as st_load
 
@@ -443,6 +447,8 @@ def decode_entry_arrays(data: bytes, *, max_elements: int | None = None):
         arrays = st_load(bytes(data) if not isinstance(data, bytes) else data)
         embedding = arrays["embedding"]
         blobs = [arrays[f"chunk_{i:03d}"] for i in range(len(raw_sizes))]
+    except MemoryError:
+        raise
     except Exception as exc:  # safetensors raises its own error types on corrupt bytes (and on dtypes numpy lacks)
         raise EntryFormatError(f"corrupt entry: {exc}") from exc
     if embedding.dtype != np.float32 or embedding.ndim != 1:
@@ -450,10 +456,7 @@ def decode_entry_arrays(data: bytes, *, max_elements: int | None = None):
     if any(blob.dtype != np.uint8 or blob.ndim != 1 for blob in blobs):
         raise EntryFormatError("corrupt entry: chunks must be uint8 [n]")
 
-    try:
-        buffers = [np.empty(size, dtype=np.uint8) for size in raw_sizes]
-    except MemoryError as exc:  # sizes within the ceiling that this machine still cannot allocate
-        raise EntryFormatError(f"corrupt entry: cannot allocate its chunks ({exc})") from exc
+    buffers = [np.empty(size, dtype=np.uint8) for size in raw_sizes]  # MemoryError: this machine, not the entry
     jobs = [(codec, memoryview(blob), buf) for blob, buf in zip(blobs, buffers)]
     try:
         if len(jobs) > 1:
@@ -462,7 +465,7 @@ def decode_entry_arrays(data: bytes, *, max_elements: int | None = None):
         else:
             for job in jobs:
                 _decompress_into(*job)
-    except EntryFormatError:
+    except (EntryFormatError, MemoryError):
         raise
     except Exception as exc:  # zstd/zlib errors on corrupt blobs
         raise EntryFormatError(f"corrupt chunk: {exc}") from exc

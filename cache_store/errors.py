@@ -37,6 +37,7 @@ import os
 
 TIMEOUT_ENV = "CHORUS_CACHE_TIMEOUT"
 DEFAULT_TIMEOUT = 2.0  # seconds a prompt-path store call may wait for another process
+MAX_TIMEOUT = 86400.0  # the largest time bound accepted (seconds)
 
 
 class StoreError(OSError):
@@ -71,7 +72,8 @@ class MissingDriverError(ImportError, ValueError):
 
 def store_timeout(timeout=None) -> float:
     """The time bound in seconds: ``timeout`` if given, else ``CHORUS_CACHE_TIMEOUT``, else
-    :data:`DEFAULT_TIMEOUT`. Raises ``ValueError`` unless it is a finite number > 0."""
+    :data:`DEFAULT_TIMEOUT`. Raises ``ValueError`` unless it is a finite number > 0 and at most
+    :data:`MAX_TIMEOUT` (a day: past ``threading.TIMEOUT_MAX`` a lock wait raises ``OverflowError``)."""
     source = "timeout"
     if timeout is None:
         raw = os.environ.get(TIMEOUT_ENV, "").strip()
@@ -82,6 +84,6 @@ def store_timeout(timeout=None) -> float:
         value = float(timeout)
     except (TypeError, ValueError):
         raise ValueError(f"{source} must be a number of seconds > 0, got {timeout!r}") from None
-    if isinstance(timeout, bool) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{source} must be a number of seconds > 0, got {timeout!r}")
+    if isinstance(timeout, bool) or not math.isfinite(value) or value <= 0 or value > MAX_TIMEOUT:
+        raise ValueError(f"{source} must be a number of seconds > 0 and <= {MAX_TIMEOUT:g}, got {timeout!r}")
     return value

@@ -66,8 +66,9 @@ import time
 from pathlib import Path
 
 from . import seams
-from .entries import (COUNTED, RUN_COUNTERS, CorruptEntryError, NewEntry, PendingHits, counted_increments,
-                      encode_new_entry, run_counts, search_index, similarity_bound)
+from .entries import (COUNTED, RUN_COUNTERS, CorruptEntryError, NewEntry, PendingHits, checked_entry_id,
+                      counted_increments, encode_new_entry, run_counts, search_index, serving_entry,
+                      similarity_bound)
 from .entry_format import decode_entry
 from .errors import StoreBusyError, StoreError, store_timeout
 from .fleet_conn import CALL_DEADLINE_S, Connections
@@ -247,24 +248,26 @@ class FleetStore(FleetFeed, FleetMaintenance):
         """Store one entry fleet-wide; returns its id. Same input rules as :meth:`Workspace.add`."""
         return self._add(embedding, masks, meta, None)[0]
 
-    def add_unique(self, embedding, masks: dict, meta: dict, *, min_similarity: float) -> tuple[int, bool]:
+    def add_unique(self, embedding, masks: dict, meta: dict, *, min_similarity: float,
+                   replacing: int | None = None) -> tuple[int, bool]:
         """Like :meth:`add` unless an entry of the same signature with cosine >= ``min_similarity``
         exists fleet-wide (checked under the workspace row lock after catching up): then
-        ``(that id, False)``. Each miss is thus written once across all workers."""
-        return self._add(embedding, masks, meta, similarity_bound(min_similarity))
+        ``(that id, False)``. Each miss is thus written once across all workers. ``replacing``: an
+        entry that does not count as serving the request (as :meth:`Workspace.add_unique`)."""
+        return self._add(embedding, masks, meta, similarity_bound(min_similarity), replacing)
 
-    def _add(self, embedding, masks, meta, min_similarity):
+    def _add(self, embedding, masks, meta, min_similarity, replacing=None):
         self._conns.check_writable()
         new = encode_new_entry(embedding, masks, meta)  # the same checks and bytes as a one-host workspace
-        return self.add_entry(new, min_similarity=min_similarity)
+        return self.add_entry(new, min_similarity=min_similarity, replacing=replacing)
 
-    def add_entry(self, new: NewEntry, *, min_similarity: float | None = None,
+    def add_entry(self, new: NewEntry, *, min_similarity: float | None = None, replacing: int | None = None,
                   keep_local: bool = True) -> tuple[int, bool]:
         """Commit an entry already checked and encoded by :func:`~chorus.cache_store.entries.encode_new_entry`
         (what :meth:`add` and :meth:`add_unique` do after encoding; the fleet benchmark times it
         alone): ``(entry id, created)``, deduplicated as :meth:`add_unique` when
         ``min_similarity`` is given. ``keep_local``: also keep the bytes in the local tier."""
-        entry_id, created = self._conns.call(self._add_tx, new, min_similarity)
+        entry_id, created = self._conns.call(self._add_tx, new, min_similarity, replacing)
         seams.fleet_phase("committed")
         if created and keep_local:
             self.tier.put(entry_id, new.digest, new.data)
@@ -272,7 +275,7 @@ class FleetStore(FleetFeed, FleetMaintenance):
             self._count_pending_hits()
         return entry_id, created
 
-    def _add_tx(self, conn, new, min_similarity):
+    def _add_tx(self, conn, new, min_similarity, replacing=None):
         emb = new.embedding
         with conn.transaction():
             row = conn.execute("SELECT dim FROM chorus_workspaces WHERE name=%s FOR UPDATE",
@@ -285,9 +288,9 @@ class FleetStore(FleetFeed, FleetMaintenance):
             self._catch_up(conn)
             if min_similarity is not None:
                 with self._mutex:
-                    found = self._index.search(emb, 1, new.sig_key) if self._index is not None else []
-                if found and found[0][1] >= min_similarity:
-                    return int(found[0][0]), False
+                    served = serving_entry(self._index, emb, new.sig_key, min_similarity, replacing)
+                if served is not None:
+                    return served, False
             if dim is None:
                 conn.execute("UPDATE chorus_workspaces SET dim=%s WHERE name=%s", (emb.size, self.workspace))
             entry_id = conn.execute(
@@ -307,7 +310,11 @@ class FleetStore(FleetFeed, FleetMaintenance):
         return entry_id, True
 
     def remove(self, entry_id: int) -> bool:
-        """Delete an entry fleet-wide; returns whether it existed."""
+        """Delete an entry fleet-wide; returns whether it existed (``ValueError`` for an id that is not an int)."""
+        try:
+            entry_id = checked_entry_id(entry_id)
+        except KeyError:
+            return False
         self._conns.check_writable()
         changes = self._conns.call(self._locked_tx, lambda conn: self._delete(conn, [entry_id]))
         return bool(changes)
@@ -350,8 +357,8 @@ class FleetStore(FleetFeed, FleetMaintenance):
         at once when the write connection is free, else with the next write, touch or close.
         Raises ``KeyError`` (unknown id), :class:`CorruptEntryError` (damaged row, now
         quarantined) or :class:`StoreUnavailableError` (not in the tier and PostgreSQL
-        unreachable)."""
-        entry_id = int(entry_id)
+        unreachable); ``ValueError`` for an id that is not an int."""
+        entry_id = checked_entry_id(entry_id)
         with self._mutex:
             known = self._known.get(entry_id)
             set_aside = entry_id in self._set_aside
@@ -440,9 +447,10 @@ class FleetStore(FleetFeed, FleetMaintenance):
         """Count a hit fleet-wide (``hits += 1``, ``last_used = now``) and ``run``'s stats (a mapping
         of some :data:`~chorus.cache_store.entries.RUN_COUNTERS` to counts, added to the entry's;
         ``ValueError`` for a bad one, nothing counted), with any hits :meth:`load` kept pending;
-        raises ``StoreBusyError`` past the time bound (the hits stay pending)."""
+        raises ``StoreBusyError`` past the time bound (the hits stay pending). An id that is not an int
+        is a ``ValueError``, an int no entry can have a ``KeyError``; nothing is counted then."""
         self._conns.check_writable()
-        self._pending.add(entry_id, run_counts(run))
+        self._pending.add(checked_entry_id(entry_id), run_counts(run))
         self._flush_hits()
 
     def entries(self) -> list[dict]:

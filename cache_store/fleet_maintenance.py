@@ -162,11 +162,12 @@ class FleetMaintenance:
         row) on a connection of its own, quarantine the damaged ones, clean the local tier
         (temporary files, files of removed entries, files whose bytes differ from their row) and
         check that the index holds exactly the live entries. Read-only handles report damage
-        without quarantining and clean nothing (``cleanup_skipped`` says so)."""
+        without quarantining and clean nothing (``cleanup_skipped`` says so). Rows this machine had not
+        the memory to decode are listed under ``unchecked`` (left as they are: not damage)."""
         self.sync()
 
         def scan(conn):
-            bad, checked, live = [], 0, {}
+            bad, unchecked, checked, live = [], [], 0, {}
             dim = conn.execute("SELECT dim FROM chorus_workspaces WHERE name=%s", (self.workspace,)).fetchone()
             dim = self._workspace_dim(dim[0]) if dim else None
             with conn.cursor(name=f"chorus_verify_{uuid.uuid4().hex[:8]}", binary=True) as cur:
@@ -177,14 +178,18 @@ class FleetMaintenance:
                     row = Row(*values)
                     checked += 1
                     live[int(row.id)] = row.sha256
-                    problem = entry_problem(row, dim, decode_entry_arrays)
+                    try:
+                        problem = entry_problem(row, dim, decode_entry_arrays)
+                    except MemoryError:
+                        unchecked.append({"id": int(row.id), "file": None, "reason": "not enough memory to decode it"})
+                        continue
                     if isinstance(problem, str):
                         bad.append((int(row.id), problem))
-            return bad, checked, live
+            return bad, unchecked, checked, live
 
         scanner = Slot("verify", read_only=True)
         try:
-            bad, checked, live = self._conns.call(self._in_snapshot, scan, deadline=3600, slot=scanner)
+            bad, unchecked, checked, live = self._conns.call(self._in_snapshot, scan, deadline=3600, slot=scanner)
         finally:
             scanner.close()
         damaged = []
@@ -192,8 +197,8 @@ class FleetMaintenance:
             self._quarantine(entry_id, reason)
             damaged.append({"id": entry_id, "file": None, "reason": reason})
             live.pop(entry_id, None)
-        report = {"checked": checked, "damaged": damaged, "ok": not damaged, "temp_files_removed": 0,
-                  "orphans_removed": 0}
+        report = {"checked": checked, "damaged": damaged, "unchecked": unchecked, "ok": not damaged,
+                  "temp_files_removed": 0, "orphans_removed": 0}
         if self.readonly:
             report["cleanup_skipped"] = "read-only: damaged rows are not quarantined, the local tier is not cleaned"
         else:

@@ -239,7 +239,8 @@ def entry_problem(row: Row, dim: int | None, decode, announced: str | None = Non
     ``(masks, meta)``, or a ``str`` saying why the row is damaged (``announced``: the sha256 the
     change feed announced for it). ``decode``: the entry decoder, ``bytes -> (masks, embedding, meta)``:
     ``functools.partial(decode_entry, packed=...)`` for a load, :func:`~.entry_format.decode_entry_arrays`
-    for verify (every check of decoding, without torch; ``masks`` then its payloads)."""
+    for verify (every check of decoding, without torch; ``masks`` then its payloads). A ``MemoryError``
+    while decoding leaves as it is (the machine is short of memory; the row passed its caps: not damage)."""
     if announced is not None and announced != row.sha256:
         return "row sha256 differs from the one its change announced"
     try:
@@ -257,6 +258,6 @@ def decoded_entry(data: bytes, decode, sig_key: str, row_embedding: bytes | None
     try:
         masks, emb, meta = decode(data)
         check_entry_matches_row(emb, meta, sig_key, row_embedding)
-    except (EntryFormatError, ValueError, TypeError, MemoryError, RecursionError) as exc:
+    except (EntryFormatError, ValueError, TypeError, RecursionError) as exc:  # MemoryError: the machine's, it leaves
         return f"undecodable: {exc}"
     return masks, meta

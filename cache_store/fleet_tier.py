@@ -28,7 +28,7 @@ from pathlib import Path
 from .entries import MAX_ENTRY_FILE_BYTES
 from .errors import UnsafeLayoutError
 from .rows import is_digest
-from .safe_fs import atomic_write, open_dir, read_regular_file, regular_files, unlink
+from .safe_fs import TEMP_NAME_RE, abandoned_temp, atomic_write, open_dir, read_regular_file, regular_files, unlink
 
 LOG = logging.getLogger(__name__)
 
@@ -170,30 +170,36 @@ class LocalTier:
             LOG.warning("local tier %s: could not drop entry %d: %s", self.path, entry_id, exc)
 
     def remove_temps(self) -> int:
-        """Delete temporary files left by a killed process; returns how many."""
+        """Delete temporary files left by a killed process (:func:`~.safe_fs.abandoned_temp`: those of
+        live processes, e.g. another worker's write on this host, stay); returns how many."""
         if self.readonly:
             return 0
         try:
             with self._folder() as fd:
                 return sum(unlink(name, fd) for name in (os.listdir(fd) if fd is not None else [])
-                           if name.startswith(".tmp-"))
+                           if abandoned_temp(name))
         except OSError:
             return 0
 
     def clean(self, live: dict) -> dict:
-        """Delete the tier's temporary files and every other file not of a live entry with that
-        sha256 (``live``: id -> sha256), links included (removed, never followed)."""
+        """Delete the tier's abandoned temporary files and its entry files (names
+        ``<id>-<sha256>.safetensors``, links included: removed, never followed) not of a live entry
+        with that sha256 (``live``: id -> sha256). Names the tier does not make are left alone and
+        listed under ``stray``; temporary files of live processes (writes in flight) stay."""
         temps = orphans = 0
+        stray = []
         with self._lock:
             try:
                 with self._folder() as fd:
                     for name in os.listdir(fd) if fd is not None else []:
-                        if name.startswith(".tmp-"):
-                            temps += unlink(name, fd)
+                        if TEMP_NAME_RE.fullmatch(name):
+                            temps += unlink(name, fd) if abandoned_temp(name) else 0
                             continue
                         m = TIER_NAME_RE.fullmatch(name)
-                        if m is None or live.get(int(m.group(1))) != m.group(2):
+                        if m is None:
+                            stray.append(f"{TIER_DIR}/{name}")
+                        elif live.get(int(m.group(1))) != m.group(2):
                             orphans += unlink(name, fd)
             except OSError as exc:
                 LOG.warning("local tier %s not cleaned: %s", self.path, exc)
-        return {"temp_files_removed": temps, "orphans_removed": orphans}
+        return {"temp_files_removed": temps, "orphans_removed": orphans, "stray": stray}

@@ -18,9 +18,10 @@ Contract shared by both (tested against both in ``tests/test_fleet_store.py::tes
 * ``load(entry_id, *, packed=False, touch=True) -> (masks, meta)``; ``KeyError`` for an unknown id,
   :class:`~chorus.cache_store.CorruptEntryError` (a ``ValueError``) for a damaged entry, which is
   quarantined first; a store that cannot be reached raises :class:`StoreUnavailableError`.
-* ``add(embedding, masks, meta) -> entry_id`` and ``add_unique(..., min_similarity=) ->
+* ``add(embedding, masks, meta) -> entry_id`` and ``add_unique(..., min_similarity=, replacing=None) ->
   (entry_id, created)`` (no second entry for a request an entry already serves, checked under the
-  store's writer lock); an entry is visible whole or not at all.
+  store's writer lock; ``replacing``: an entry that does not count, a hit that failed its
+  verification); an entry is visible whole or not at all.
 * ``touch(entry_id, run=None)`` (a hit; ``run``: its run stats, some of ``entries.RUN_COUNTERS`` summed per
   entry, ``ValueError`` for a bad one), ``remove(entry_id) -> bool``, ``stats() -> dict``, ``verify(progress=False)
   -> dict`` (keys ``checked``, ``damaged``, ``ok``, ``index_consistent``, ``orphans_removed``,
@@ -57,7 +58,8 @@ class CacheStore(Protocol):
 
     def add(self, embedding, masks: dict, meta: dict) -> int: ...
 
-    def add_unique(self, embedding, masks: dict, meta: dict, *, min_similarity: float) -> tuple[int, bool]: ...
+    def add_unique(self, embedding, masks: dict, meta: dict, *, min_similarity: float,
+                   replacing: int | None = None) -> tuple[int, bool]: ...
 
     def touch(self, entry_id: int, run=None) -> None: ...
 

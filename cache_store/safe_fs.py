@@ -79,6 +79,26 @@ def temp_name() -> str:
     return f".tmp-{os.getpid()}-{uuid.uuid4().hex}"
 
 
+def abandoned_temp(name: str) -> bool:
+    """Whether ``name`` is a temporary file (:data:`TEMP_NAME_RE`) that no write can still be making:
+    the process named in it is not alive on this host. A file of this process, or of a live one, may be
+    a write in flight (another thread's, another worker's beside this one): not abandoned."""
+    if TEMP_NAME_RE.fullmatch(name) is None:
+        return False
+    pid = int(name.split("-")[1])
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except (OverflowError, ValueError):  # not a pid this host can have
+        return True
+    except PermissionError:  # alive, another user's
+        return False
+    return False
+
+
 def atomic_write(dir_fd: int, name: str, data: bytes, *, durable: bool = True, phase=None) -> None:
     """Write ``data`` as ``name`` relative to ``dir_fd``: temp file (``O_EXCL | O_NOFOLLOW``) ->
     write -> fsync -> rename -> fsync the directory (the fsyncs only when ``durable``). On any error

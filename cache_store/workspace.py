@@ -81,7 +81,8 @@ from filelock import FileLock
 
 from . import seams
 from .entries import COUNTED, MAX_ENTRY_FILE_BYTES, RUN_COUNTERS, CorruptEntryError, EntryGone, PendingHits, \
-    check_k, counted_increments, encode_new_entry, run_counts, search_index, similarity_bound
+    check_k, checked_entry_id, counted_increments, encode_new_entry, run_counts, search_index, serving_entry, \
+    similarity_bound
 from .entry_format import EntryFormatError, decode_entry
 from .errors import StoreBusyError, StoreError, UnsafeLayoutError, store_timeout
 from .index import DEFAULT_APPROX_THRESHOLD, PartitionedIndex
@@ -89,8 +90,8 @@ from .limits import check_limits, stored_limits_shown
 from .paths import check_not_in_pack
 from .rows import row_meta
 from .safe_fs import atomic_write, read_regular_file, unlink
-from .workspace_db import (DB_NAME, ENTRY_DIR, ENTRY_NAME_RE, LOCK_NAME, QUARANTINE_DIR, WorkspaceConnections,
-                           read_generation, set_setting, setting, store_call, stored_limits)
+from .workspace_db import (DB_NAME, ENTRY_DIR, ENTRY_NAME_RE, LOCK_NAME, QUARANTINE_DIR, ROW_NBYTES,
+                           WorkspaceConnections, read_generation, set_setting, setting, store_call, stored_limits)
 from .workspace_index import WorkspaceIndex
 from .workspace_maintenance import WorkspaceMaintenance
 
@@ -121,6 +122,7 @@ class Workspace(WorkspaceConnections, WorkspaceIndex, WorkspaceMaintenance):
         self._closed = False
         self._fds: list[int] = []
         self._rdb = self._wdb = None
+        self._immutable_stamp = None  # a read-only handle's immutable read: the database stamp it read
         self._rmutex = threading.RLock()  # the read connection and the in-memory index
         self._wmutex = threading.RLock()  # the write connection; writers of this handle
         try:
@@ -255,17 +257,20 @@ class Workspace(WorkspaceConnections, WorkspaceIndex, WorkspaceMaintenance):
         """
         return self._add(embedding, masks, meta, None)[0]
 
-    def add_unique(self, embedding, masks: dict, meta: dict, *, min_similarity: float) -> tuple[int, bool]:
+    def add_unique(self, embedding, masks: dict, meta: dict, *, min_similarity: float,
+                   replacing: int | None = None) -> tuple[int, bool]:
         """Like :meth:`add`, unless the workspace already holds an entry with the same signature and
         cosine similarity >= ``min_similarity`` (checked under the writer lock, after catching up
         with other processes): then nothing is written and ``(that entry id, False)`` is returned;
         else ``(new entry id, True)``. Several workers that missed on the same request at once thus
-        write it once. Raises as :meth:`add`.
+        write it once. ``replacing``: an entry that does not count as serving the request (a hit
+        that failed its verification; it stays, the new entry is written beside it). Raises as :meth:`add`.
         """
-        return self._add(embedding, masks, meta, similarity_bound(min_similarity))
+        return self._add(embedding, masks, meta, similarity_bound(min_similarity), replacing)
 
     @store_call
-    def _add(self, embedding, masks: dict, meta: dict, min_similarity: float | None) -> tuple[int, bool]:
+    def _add(self, embedding, masks: dict, meta: dict, min_similarity: float | None,
+             replacing: int | None = None) -> tuple[int, bool]:
         new = encode_new_entry(embedding, masks, meta)
         sig_key, emb, data, digest, meta_json, now = (new.sig_key, new.embedding, new.data, new.digest,
                                                        new.meta_json, new.created)
@@ -277,9 +282,9 @@ class Workspace(WorkspaceConnections, WorkspaceIndex, WorkspaceMaintenance):
                 raise ValueError(f"embedding has dim {emb.size}, this workspace holds dim {dim}")
             if min_similarity is not None:
                 with self._rmutex:
-                    found = self._index.search(emb, 1, sig_key) if self._index is not None else []
-                if found and found[0][1] >= min_similarity:
-                    return found[0][0], False
+                    served = serving_entry(self._index, emb, sig_key, min_similarity, replacing)
+                if served is not None:
+                    return served, False
             atomic_write(self._entry_fd, file_name, data, phase=seams.workspace_phase)
             seams.workspace_phase("file_durable")
             try:
@@ -302,13 +307,16 @@ class Workspace(WorkspaceConnections, WorkspaceIndex, WorkspaceMaintenance):
                 raise
             seams.workspace_phase("committed")
             self._index_committed(generation, added=(entry_id, sig_key, emb))
-            self._evict_locked(db, protect=entry_id)
-            self._maybe_save_index()
+            self._evict_after_write(db, entry_id)
         return entry_id, True
 
     @store_call
     def remove(self, entry_id: int) -> bool:
-        """Delete an entry; returns whether it existed."""
+        """Delete an entry; returns whether it existed (``ValueError`` for an id that is not an int)."""
+        try:
+            entry_id = checked_entry_id(entry_id)
+        except KeyError:
+            return False
         with self._writing() as db:
             self._sync_index()
             return bool(self._delete_locked(db, [entry_id]))
@@ -338,7 +346,10 @@ class Workspace(WorkspaceConnections, WorkspaceIndex, WorkspaceMaintenance):
         """The path of an entry's file (``entries/<32 hex>.safetensors``), or None for an unknown id.
         For operators and tests that inspect or damage a file; the store reads it only through its
         checks (never follow what is found there)."""
-        row = self._row(entry_id)
+        try:
+            row = self._row(checked_entry_id(entry_id))
+        except KeyError:
+            return None
         return None if row is None else self.entry_dir / row[0]
 
     def _damaged(self, entry_id: int, file: str, reason: str):
@@ -351,6 +362,8 @@ class Workspace(WorkspaceConnections, WorkspaceIndex, WorkspaceMaintenance):
     def _read_checked(self, entry_id: int, row) -> bytes:
         """The entry's bytes after the checks of the module docstring (kind, size, sha256)."""
         file, digest, _, nbytes = row
+        if type(nbytes) is not int:
+            raise self._damaged(entry_id, file, f"the row's size {str(nbytes)[:40]!r} is not an integer")
         if self._entry_fd is None:  # read-only handle of a workspace without entries/
             raise self._damaged(entry_id, file, "file missing (no entries/ directory)")
         if not ENTRY_NAME_RE.fullmatch(file):
@@ -371,10 +384,11 @@ class Workspace(WorkspaceConnections, WorkspaceIndex, WorkspaceMaintenance):
     def _decode_checked(self, entry_id: int, file: str, data: bytes, decode):
         """``decode(data)``, or :class:`CorruptEntryError` with the entry quarantined. ``decode``: the entry
         decoder, ``bytes -> (masks, embedding, meta)``: ``functools.partial(decode_entry, packed=...)`` for a
-        load, ``decode_entry_arrays`` for verify (every check of decoding, without torch)."""
+        load, ``decode_entry_arrays`` for verify (every check of decoding, without torch). A ``MemoryError``
+        leaves as it is, the entry untouched (the machine is short of memory; the entry passed its caps)."""
         try:
             return decode(data)
-        except (EntryFormatError, MemoryError, RecursionError) as exc:
+        except (EntryFormatError, RecursionError) as exc:
             reason = f"undecodable: {exc}" if isinstance(exc, EntryFormatError) else f"undecodable: {type(exc).__name__}"
             raise self._damaged(entry_id, file, reason) from None
 
@@ -384,10 +398,12 @@ class Workspace(WorkspaceConnections, WorkspaceIndex, WorkspaceMaintenance):
         (as :class:`~chorus.cache_store.entry_format.PackedMap` when ``packed``; unpack on the GPU
         with ``.unpack(device)``). Counts a hit unless ``touch=False``, without waiting (a hit that
         cannot be written this instant is kept pending, see the module docstring). Raises
-        ``KeyError`` for an unknown id (or one evicted while it was read) and
+        ``KeyError`` for an unknown id (or one evicted while it was read; ``ValueError`` for an id that
+        is not an int: :func:`~chorus.cache_store.entries.checked_entry_id`) and
         :class:`CorruptEntryError` for a damaged (now quarantined) entry. Never waits for a writer
         except to quarantine a damaged entry (within the time bound).
         """
+        entry_id = checked_entry_id(entry_id)
         row = self._row(entry_id)
         if row is None:
             raise KeyError(f"no entry {entry_id} in workspace {self.path}")
@@ -439,8 +455,9 @@ class Workspace(WorkspaceConnections, WorkspaceIndex, WorkspaceMaintenance):
         stats (a mapping of some :data:`~chorus.cache_store.entries.RUN_COUNTERS` to counts, added to
         the entry's; ``ValueError`` for a bad one, nothing counted), together with hits :meth:`load`
         could not count earlier. Takes SQLite's write lock only (not the writers' file lock); raises
-        ``StoreBusyError`` past the time bound (the hits stay pending)."""
-        self._pending.add(entry_id, run_counts(run))
+        ``StoreBusyError`` past the time bound (the hits stay pending). An id that is not an int is a
+        ``ValueError``, an int no entry can have a ``KeyError``; nothing is counted then."""
+        self._pending.add(checked_entry_id(entry_id), run_counts(run))
         self._flush_hits()
 
     @store_call
@@ -452,7 +469,7 @@ class Workspace(WorkspaceConnections, WorkspaceIndex, WorkspaceMaintenance):
             runs = ", ".join(RUN_COUNTERS) if self._run_columns_present(self._rdb) else \
                 ", ".join("0" for _ in RUN_COUNTERS)
             rows = self._rdb.execute(
-                f"SELECT id, sig_key, nbytes, hits, created, last_used, meta_json, {runs} FROM entries ORDER BY id"
+                f"SELECT id, sig_key, {ROW_NBYTES}, hits, created, last_used, meta_json, {runs} FROM entries ORDER BY id"
             ).fetchall()
         return [{"id": r[0], "sig_key": r[1], "nbytes": r[2], "hits": r[3], "created": r[4],
                  "last_used": r[5], "meta": row_meta(r[6]), "runs": dict(zip(RUN_COUNTERS, r[7:]))} for r in rows]
@@ -469,7 +486,7 @@ class Workspace(WorkspaceConnections, WorkspaceIndex, WorkspaceMaintenance):
         with self._rmutex:
             self._sync_index()
             count, total, hits = self._rdb.execute(
-                "SELECT COUNT(*), COALESCE(SUM(nbytes), 0), COALESCE(SUM(hits), 0) FROM entries").fetchone()
+                f"SELECT COUNT(*), COALESCE(SUM({ROW_NBYTES}), 0), COALESCE(SUM(hits), 0) FROM entries").fetchone()
             signatures = self._rdb.execute("SELECT COUNT(DISTINCT sig_key) FROM entries").fetchone()[0]
             dim = setting(self._rdb, "dim")
             return {

@@ -40,6 +40,10 @@ LOCK_NAME = "write.lock"
 ENTRY_DIR = "entries"
 QUARANTINE_DIR = "quarantine"
 ENTRY_NAME_RE = re.compile(r"[0-9a-f]{32}\.safetensors")  # names the store gives entry files (fullmatch)
+# A row's size as SQL reads it where sizes are added up or listed: NULL unless the column holds an
+# integer (a row edited by hand may hold text; SQLite's INTEGER affinity keeps it): such a row's size
+# counts as 0 in sums and eviction, lists as unknown, and its load finds the row damaged.
+ROW_NBYTES = "(CASE WHEN typeof(nbytes) = 'integer' THEN nbytes END)"
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS entries(
     id INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -78,6 +82,7 @@ def store_call(method):
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
         try:
+            self._reopen_if_written()
             return method(self, *args, **kwargs)
         except sqlite3.Error as exc:
             if is_busy(exc):
@@ -170,10 +175,7 @@ class WorkspaceConnections:
             raise ValueError(f"{self.path} is not a Chorus cache workspace (no {DB_NAME}); nothing was created there")
         try:
             if self.readonly:
-                live = any(os.path.lexists(self.path / (DB_NAME + s)) for s in ("-wal", "-shm"))
-                uri = db_path.as_uri() + ("?mode=ro" if live else "?immutable=1")
-                self._rdb = sqlite3.connect(uri, uri=True, timeout=self.timeout, isolation_level=None,
-                                            check_same_thread=False)
+                self._rdb, self._immutable_stamp = self._readonly_connection()
             else:
                 self._rdb = sqlite3.connect(str(db_path), timeout=self.timeout, isolation_level=None,
                                             check_same_thread=False)
@@ -192,6 +194,39 @@ class WorkspaceConnections:
             raise StoreError(f"workspace {self.path}: {DB_NAME} could not be opened as a SQLite database "
                              f"({type(exc).__name__}: {exc})") from exc
         self._workspace_id = workspace_id
+
+    def _db_stamp(self):
+        """``(device, inode, size, mtime)`` of the database file while no process has it open for
+        writing (no ``-wal`` / ``-shm`` beside it), else None."""
+        if any(os.path.lexists(self.path / (DB_NAME + s)) for s in ("-wal", "-shm")):
+            return None
+        st = os.stat(DB_NAME, dir_fd=self._dir_fd, follow_symlinks=False)
+        return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+    def _readonly_connection(self):
+        """A read-only handle's read connection, and the stamp (:meth:`_db_stamp`) it read the database
+        at when it reads it as immutable (else None). ``immutable=1`` only while no writer has the
+        database open: a ``mode=ro`` connection would create the ``-wal`` / ``-shm`` files, and a
+        read-only handle creates nothing; ``mode=ro`` otherwise, which sees every commit."""
+        stamp = self._db_stamp()
+        uri = (self.path / DB_NAME).as_uri() + ("?mode=ro" if stamp is None else "?immutable=1")
+        return sqlite3.connect(uri, uri=True, timeout=self.timeout, isolation_level=None,
+                               check_same_thread=False), stamp
+
+    def _reopen_if_written(self) -> None:
+        """Run by every public call (:func:`store_call`): an immutable read connection whose database a
+        writer has opened or changed since is replaced (:meth:`_readonly_connection`), so a read-only
+        handle never goes on reading a changed file as one that cannot change (a stale view: entries
+        evicted since would read as damage, entries added since would be missed)."""
+        if getattr(self, "_immutable_stamp", None) is None:
+            return
+        with self._rmutex:
+            if self._immutable_stamp is None or self._rdb is None or self._rdb.in_transaction \
+                    or self._db_stamp() == self._immutable_stamp:
+                return
+            stale = self._rdb
+            self._rdb, self._immutable_stamp = self._readonly_connection()
+            stale.close()
 
     def _run_columns_present(self, db) -> bool:
         names = {row[1] for row in db.execute("PRAGMA table_info(entries)").fetchall()}

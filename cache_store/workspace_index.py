@@ -8,7 +8,8 @@ the entry count, made for this database: its ``workspace_id``) and caught up the
 is missing, damaged or of another database, the index is rebuilt from the embeddings in SQLite
 (which are also inside each entry file). The index is saved atomically, under the writers' lock,
 after every ``max(256, size / 10)`` changes and on close; older index files are deleted. Rows
-whose embedding fails ``rows.check_embedding`` are left out of the index, logged.
+whose signature key or embedding fails ``rows.is_sig_key`` / ``rows.check_embedding`` are left out of the
+index, logged.
 
 :class:`WorkspaceIndex` is a part of :class:`~chorus.cache_store.workspace.Workspace` (a mixin):
 it uses the handle's read connection and reader mutex (``_rdb``, ``_rmutex``: callers of the
@@ -30,7 +31,7 @@ import numpy as np
 
 from . import seams
 from .index import PartitionedIndex
-from .rows import QUIET_FLOATS, check_embedding
+from .rows import QUIET_FLOATS, check_embedding, is_sig_key
 from .safe_fs import atomic_write, read_regular_file, unlink
 from .workspace_db import read_generation, setting, store_call
 
@@ -63,14 +64,17 @@ class WorkspaceIndex:
         return rows
 
     def _add_rows_to_index(self, index: PartitionedIndex, rows) -> None:
-        """Index rows ``(id, sig_key, embedding bytes)``; a row whose embedding fails the row
-        checks (``rows.check_embedding``: e.g. a database edited by hand) is set aside, logged."""
+        """Index rows ``(id, sig_key, embedding bytes)``; a row whose signature key or embedding fails
+        the row checks (``rows.is_sig_key``, ``rows.check_embedding``: e.g. a database edited by hand) is
+        set aside, logged."""
         good = []
         with np.errstate(**QUIET_FLOATS):
             for entry_id, key, blob in rows:
                 if entry_id in self._set_aside:
                     continue
                 try:
+                    if not is_sig_key(key):
+                        raise ValueError(f"signature key {str(key)[:40]!r} is not one the store makes")
                     good.append((entry_id, key, check_embedding(blob, index.dim)))
                 except (ValueError, TypeError) as exc:
                     LOG.error("entry %d of %s is left out of the index: %s", entry_id, self.path, exc)

@@ -33,7 +33,7 @@ from .entry_format import decode_entry_arrays
 from .errors import StoreBusyError
 from .limits import eviction_caps, eviction_order, over_caps, pick_victims, prune_targets
 from .safe_fs import TEMP_NAME_RE, fsync_dir
-from .workspace_db import ENTRY_DIR, ENTRY_NAME_RE, read_generation, set_setting, store_call, stored_limits
+from .workspace_db import ENTRY_DIR, ENTRY_NAME_RE, ROW_NBYTES, read_generation, set_setting, store_call, stored_limits
 
 LOG = logging.getLogger(__name__)
 
@@ -79,6 +79,8 @@ class WorkspaceMaintenance:
         except BaseException:
             if db.in_transaction:
                 db.execute("ROLLBACK")
+            if quarantine_reason is not None:
+                self._unquarantine_files([r[1] for r in rows])
             raise
         if quarantine_reason is None:
             for _, file, _, _ in rows:  # after the commit: a crash here leaves orphans, never dangling rows
@@ -91,12 +93,26 @@ class WorkspaceMaintenance:
         self._index_committed(generation, removed=removed)
         return removed
 
+    def _unquarantine_files(self, files) -> None:
+        """Move files back from ``quarantine/`` after their quarantine's transaction failed, so that
+        the rows still name files in ``entries/`` (the next reader finds the same damage and its reason)."""
+        for file in files:
+            if ENTRY_NAME_RE.fullmatch(file):
+                try:
+                    os.replace(file, file, src_dir_fd=self._quarantine_fd, dst_dir_fd=self._entry_fd)
+                except OSError as exc:
+                    LOG.warning("workspace %s: could not move %s back from quarantine/: %s", self.path, file, exc)
+
     def _quarantine(self, entry_id: int, file: str, reason: str) -> bool:
         """Move a damaged entry aside. Returns False when its row is gone already (evicted or
         removed meanwhile: not damage). On a read-only handle, or when the store stays busy past
         the time bound, the entry is only set aside in this handle (left out of its searches) and
         logged; the next writable handle that reads it quarantines it."""
         if self.readonly:
+            self._reopen_if_written()  # an immutable read of a database written since would not see the row go
+            with self._rmutex:
+                if self._rdb.execute("SELECT 1 FROM entries WHERE id=? AND file=?", (entry_id, file)).fetchone() is None:
+                    return False
             LOG.error("entry %d of %s is damaged (%s); read-only: not quarantined", entry_id, self.path, reason)
             self._set_aside_entry(entry_id)
             return True
@@ -120,6 +136,18 @@ class WorkspaceMaintenance:
             if self._index is not None and int(entry_id) in self._index.where:
                 self._index.remove([int(entry_id)])
 
+    def _evict_after_write(self, db, entry_id: int) -> None:
+        """The eviction after a committed add (caller holds the writers' lock). The entry is written
+        whatever happens here: when SQLite's write lock stays busy past the time bound (another
+        process's hit flush takes it without the writers' lock) or a row fails its checks, the
+        eviction waits for the next write or ``prune`` (logged) and the add still returns its id."""
+        try:
+            self._evict_locked(db, protect=entry_id)
+        except (sqlite3.Error, OSError, ValueError, TypeError) as exc:
+            LOG.warning("workspace %s: entry %d written; eviction deferred to the next write (%s: %s)",
+                        self.path, entry_id, type(exc).__name__, exc)
+        self._maybe_save_index()
+
     def _evict_locked(self, db, protect=None, max_bytes=None, max_entries=None, *, strict: bool = False) -> list[int]:
         """Evict down to the caps (:func:`limits.eviction_caps`: the prune targets given, else the
         stored limits). Limits that are not valid evict nothing: ``ValueError`` when ``strict``
@@ -131,10 +159,11 @@ class WorkspaceMaintenance:
                 raise
             LOG.error("workspace %s: %s", self.path, exc)
             return []
-        count, total = db.execute("SELECT COUNT(*), COALESCE(SUM(nbytes), 0) FROM entries").fetchone()
+        count, total = db.execute(f"SELECT COUNT(*), COALESCE(SUM({ROW_NBYTES}), 0) FROM entries").fetchone()
         if not over_caps(count, total, cap_bytes, cap_entries):
             return []
-        candidates = db.execute(f"SELECT id, nbytes FROM entries WHERE id != ? ORDER BY {eviction_order(policy)} "
+        candidates = db.execute(f"SELECT id, COALESCE({ROW_NBYTES}, 0) FROM entries WHERE id != ? "
+                                f"ORDER BY {eviction_order(policy)} "
                                 "LIMIT ?", (protect if protect is not None else -1, count)).fetchall()
         victims = pick_victims(candidates, count, total, cap_bytes, cap_entries)
         if victims:
@@ -201,13 +230,14 @@ class WorkspaceMaintenance:
         exactly the live entries (compared at one generation). ``report["damaged"]`` lists what
         this run quarantined; ``report["evicted"]`` the entries whose row went away while the run
         read them (evicted or removed by a worker: not damage); ``report["stray"]`` what the store
-        did not make and left alone; ``report["ok"]`` is true when nothing was damaged. Safe beside
-        busy workers: it waits for the writers' lock only to quarantine and to clean up.
+        did not make and left alone; ``report["unchecked"]`` the entries this machine had not the
+        memory to decode (left as they are: not damage); ``report["ok"]`` is true when nothing was
+        damaged. Safe beside busy workers: it waits for the writers' lock only to quarantine and to clean up.
         """
         with self._rmutex:
             rows = self._rdb.execute("SELECT id, file, sha256, meta_json, nbytes FROM entries ORDER BY id").fetchall()
         seams.workspace_phase("verify_listed")
-        damaged, evicted = [], []
+        damaged, evicted, unchecked = [], [], []
         iterator = rows
         if progress:
             from tqdm import tqdm
@@ -221,6 +251,8 @@ class WorkspaceMaintenance:
                 evicted.append(entry_id)
             except CorruptEntryError as exc:
                 damaged.append({"id": entry_id, "file": file, "reason": str(exc)})
+            except MemoryError:
+                unchecked.append({"id": entry_id, "file": file, "reason": "not enough memory to decode it"})
         cleaned = {"temp_files_removed": 0, "orphans_removed": 0, "stray": []}
         if self.readonly:
             cleaned["cleanup_skipped"] = "read-only: damaged entries are not quarantined, orphans are not removed"
@@ -231,5 +263,5 @@ class WorkspaceMaintenance:
                 LOG.warning("verify of %s: orphan cleanup skipped: %s", self.path, exc)
                 cleaned["cleanup_skipped"] = str(exc)
         consistent = self._index_matches()
-        return {"checked": len(rows), "damaged": damaged, "evicted": evicted, "ok": not damaged,
-                "index_consistent": consistent, **cleaned}
+        return {"checked": len(rows), "damaged": damaged, "evicted": evicted, "unchecked": unchecked,
+                "ok": not damaged, "index_consistent": consistent, **cleaned}

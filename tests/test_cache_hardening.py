@@ -21,7 +21,7 @@ from safetensors.torch import save as st_save
 
 import cache_helpers
 from cache_helpers import SIGNATURE, Holder, embedding, small_masks, tree_snapshot
-from chorus.cache_store import CorruptEntryError, Workspace, resolve_workspace
+from chorus.cache_store import CorruptEntryError, Workspace, resolve_workspace, signature_key
 from chorus.cache_store.entry_format import FORMAT, VERSION, decode_entry, encode_entry
 from chorus.cache_store.errors import StoreBusyError, StoreError, UnsafeLayoutError
 
@@ -132,6 +132,40 @@ def test_held_sqlite_transaction_bounds_every_prompt_call(tmp_path, caplog):
     slow.close()
 
 
+def test_an_add_that_finds_the_store_busy_when_it_evicts_returns_its_committed_entry(tmp_path, monkeypatch, caplog):
+    """The eviction after an add runs once the entry is committed. When SQLite's write lock is held
+    at that instant past the time bound (another process's hit flush takes it without the writers'
+    lock), the add still returns the entry it wrote (not a StoreBusyError saying nothing changed);
+    the eviction is logged as deferred and the next write makes it."""
+    from chorus.cache_store import seams
+
+    path = tmp_path / "ws"
+    with Workspace.open(path, max_entries=2) as ws:
+        for s in range(2):
+            ws.add(embedding(s), small_masks(s), {"signature": SIGNATURE})
+    other = sqlite3.connect(path / "chorus.sqlite3", isolation_level=None, check_same_thread=False)
+    release = []
+
+    def hold_sqlite_at_commit(phase):
+        if phase == "committed" and not release:
+            other.execute("BEGIN IMMEDIATE")
+            release.append(threading.Timer(3 * BOUND, lambda: other.execute("COMMIT")))
+            release[0].start()
+
+    with Workspace.open(path, timeout=BOUND) as ws:
+        monkeypatch.setattr(seams, "workspace_phase", hold_sqlite_at_commit)
+        entry_id, took = _in_thread(lambda: ws.add(embedding(9), small_masks(9), {"signature": SIGNATURE}))
+        monkeypatch.setattr(seams, "workspace_phase", lambda phase: None)
+        assert isinstance(entry_id, int), entry_id
+        assert took < LIMIT and "eviction deferred" in caplog.text
+        assert len(ws) == 3 and ws.search(embedding(9))[0][0] == entry_id
+        release[0].join()
+        ws.add(embedding(10), small_masks(10), {"signature": SIGNATURE})
+        assert len(ws) == 2 and ws.load(entry_id, touch=False)  # the next write evicted the oldest two
+        assert ws.verify()["ok"]
+    other.close()
+
+
 def test_open_of_a_new_workspace_is_bounded_and_raises_oserror(tmp_path):
     """Creating a workspace needs the writers' lock: held by another process, open gives up within the
     bound with StoreBusyError, which the retrieve node catches (it catches OSError)."""
@@ -156,10 +190,12 @@ def test_timeout_setting(monkeypatch, tmp_path):
     assert store_timeout() == 7.5
     with Workspace.open(tmp_path / "ws") as ws:
         assert ws.timeout == 7.5 and ws.stats()["timeout_s"] == 7.5
-    for bad in ("0", "-1", "nan", "inf", "soon"):
+    for bad in ("0", "-1", "nan", "inf", "soon", "1e10"):  # 1e10 s: past what a lock can wait for
         monkeypatch.setenv("CHORUS_CACHE_TIMEOUT", bad)
         with pytest.raises(ValueError, match="CHORUS_CACHE_TIMEOUT"):
             store_timeout()
+    with pytest.raises(ValueError, match="timeout"):
+        Workspace.open(tmp_path / "ws", timeout=1e10)
 
 
 # -- 2. nothing outside the root ---------------------------------------------------------------------
@@ -285,10 +321,29 @@ def _bomb_stream(raw_bytes: int, codec: str) -> bytes:
 def _entry_bytes(records, raw_sizes, chunks, meta, codec="zstd") -> bytes:
     tensors = {"embedding": torch.as_tensor(embedding(0))}
     for i, blob in enumerate(chunks):
-        tensors[f"chunk_{i:03d}"] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+        tensors[f"chunk_{i:03d}"] = torch.frombuffer(bytearray(blob), dtype=torch.uint8) if blob else \
+            torch.zeros(0, dtype=torch.uint8)
     return st_save(tensors, metadata={"format": FORMAT, "version": str(VERSION), "codec": codec,
                                       "chunk_raw_sizes": json.dumps(raw_sizes), "maps": json.dumps(records),
                                       "meta": json.dumps(meta)})
+
+
+@pytest.mark.parametrize("encoding, shape", [("bits", [2**40, 2**40, 0]), ("raw", [0, 2**70]),
+                                             ("raw", [2**40, 2**40, 0])])
+def test_an_empty_map_with_huge_dimensions_is_damage_not_a_crash(tmp_path, encoding, shape):
+    """A forged map of zero elements whose other dimensions are past the cap (0 bytes, so its sizes
+    agree) is refused by the record checks: load quarantines it (CorruptEntryError), verify runs."""
+    path = tmp_path / "ws"
+    ids = _filled(path)
+    record = {"key": ["high", 0, 0, 0], "encoding": encoding, "dtype": "bool" if encoding == "bits" else "uint8",
+              "shape": shape, "chunk": 0, "offset": 0, "nbytes": 0}
+    _forge(path, ids[1], _entry_bytes([record], [0], [b""], {"signature": SIGNATURE}, codec="none"))
+    with Workspace.open(path) as ws:
+        with pytest.raises(CorruptEntryError, match="past the cap"):
+            ws.load(ids[1])
+        assert [q["id"] for q in ws.quarantined()] == [ids[1]]
+        report = ws.verify()
+        assert report["ok"] and len(ws) == 3
 
 
 @needs_peak_rss
@@ -345,10 +400,44 @@ def test_decompression_bombs_are_refused_at_their_stated_size(tmp_path, case):
         assert ws.verify()["ok"] and len(ws) == 3
 
 
+def test_a_machine_short_of_memory_quarantines_no_healthy_entry(tmp_path, monkeypatch):
+    """A MemoryError while decoding a healthy entry (within its caps) is the machine's, not the
+    entry's: load raises it and quarantines nothing, verify lists the entry as unchecked (not
+    damaged, not removed), and once memory is back the entry loads as written."""
+    import numpy as np
+
+    from chorus.cache_store import entry_format
+
+    path = tmp_path / "ws"
+    ids = _filled(path)
+    real_empty = np.empty
+
+    def no_memory(*args, **kwargs):
+        raise MemoryError("test: the allocation failed")
+
+    with Workspace.open(path) as ws:
+        monkeypatch.setattr(entry_format.np, "empty", no_memory)
+        with pytest.raises(MemoryError):
+            ws.load(ids[1])
+        report = ws.verify()
+        monkeypatch.setattr(entry_format.np, "empty", real_empty)
+        assert report["ok"] and report["damaged"] == [] and report["index_consistent"]
+        assert sorted(u["id"] for u in report["unchecked"]) == sorted(ids)
+        assert ws.quarantined() == [] and len(ws) == 4
+        masks, meta = ws.load(ids[1])
+        assert meta["seed"] == 1 and all(torch.equal(masks[k], v) for k, v in small_masks(1).items())
+        assert ws.verify()["unchecked"] == []
+
+
 def test_encode_refuses_masks_past_the_geometry_cap():
+    """The cap is the decoder's: a signature whose grid and sigmas are tuples (its JSON reads back as
+    lists, the same signature key) is held to it as well, so no written entry fails its first load."""
     masks = {("high", 0, 0, 0): torch.ones(3, 64, 64, dtype=torch.bool)}  # 64 blocks a side; the grid has 3
-    with pytest.raises(ValueError, match="more than"):
-        encode_entry(embedding(0), masks, {"signature": GEO_SIG})
+    as_tuples = {k: tuple(v) if isinstance(v, list) else v for k, v in GEO_SIG.items()}
+    assert as_tuples != GEO_SIG and signature_key(as_tuples) == signature_key(GEO_SIG)
+    for signature in (GEO_SIG, as_tuples):
+        with pytest.raises(ValueError, match="more than"):
+            encode_entry(embedding(0), masks, {"signature": signature})
     ok = {("high", 0, 0, 0): torch.ones(3, 3, 3, dtype=torch.bool)}
     decoded, _, _ = decode_entry(encode_entry(embedding(0), ok, {"signature": GEO_SIG}))
     assert torch.equal(decoded[("high", 0, 0, 0)], ok[("high", 0, 0, 0)])
@@ -389,28 +478,38 @@ def test_deep_json_is_quarantined_and_refused_by_add(tmp_path):
 
 def test_rows_edited_in_sqlite_never_stop_an_open_or_a_listing(tmp_path, caplog):
     """Rows are checked like new entries (``rows.py``): an embedding edited to zeros, to NaN or
-    to another size is left out of the index (logged) while the workspace opens and searches;
-    48 x 1e-45 is a valid direction (normalised in float64), as for an add; metadata nested
-    100 000 deep reads as unreadable in the listing."""
+    to another size, or whose signature key is not text, is left out of the index (logged) while the
+    workspace opens, searches and saves its index; 48 x 1e-45 is a valid direction (normalised in
+    float64), as for an add; metadata nested 100 000 deep reads as unreadable in the listing; a size
+    edited to text lists as unknown, counts as 0 where sizes are added up (stats, eviction) and makes
+    the entry's load find it damaged."""
     import numpy as np
 
     path = tmp_path / "ws"
-    ids = _filled(path)
+    ids = _filled(path, n=6)
     tiny = np.full(48, 1e-45, np.float32)
     with sqlite3.connect(path / "chorus.sqlite3") as db:
         for entry_id, blob in ((ids[0], bytes(4 * 48)), (ids[1], np.full(48, np.nan, np.float32).tobytes()),
                                (ids[2], b"\0" * 8)):
             db.execute("UPDATE entries SET embedding = ? WHERE id = ?", (blob, entry_id))
         db.execute("UPDATE entries SET meta_json = ? WHERE id = ?", ("[" * 100_000 + "]" * 100_000, ids[3]))
+        db.execute("UPDATE entries SET nbytes = 'big' WHERE id = ?", (ids[4],))
+        db.execute("UPDATE entries SET sig_key = ? WHERE id = ?", (b"\x01" * 32, ids[5]))
         db.execute("DELETE FROM settings WHERE key = 'generation'")  # no saved index matches: rebuilt from rows
     for index_file in path.glob("index.g*.safetensors"):
         index_file.unlink()
     with Workspace.open(path) as ws:
-        assert ws.search(embedding(3))[0][0] == ids[3] and ws.stats()["indexed"] == 1
-        assert "nested too deeply" in {e["id"]: e for e in ws.entries()}[ids[3]]["meta"]["unreadable"]
-        assert caplog.text.count("is left out of the index") == 3
+        assert ws.search(embedding(3))[0][0] == ids[3] and ws.stats()["indexed"] == 2
+        listing = {e["id"]: e for e in ws.entries()}
+        assert "nested too deeply" in listing[ids[3]]["meta"]["unreadable"] and listing[ids[4]]["nbytes"] is None
+        assert ws.stats()["bytes"] == sum(e["nbytes"] or 0 for e in listing.values())
+        assert caplog.text.count("is left out of the index") == 4
         new = ws.add(tiny, small_masks(9), {"signature": SIGNATURE})
         assert ws.search(tiny)[0] == (new, pytest.approx(1.0, abs=1e-5))
+        ws.save_index()
+        with pytest.raises(CorruptEntryError, match="not an integer"):
+            ws.load(ids[4])
+        assert len(ws) == 6 and len(ws.prune(max_entries=2)) == 4 and len(ws) == 2
 
 
 # -- 4. verify beside a busy worker; evicted is not damaged ------------------------------------------
@@ -446,30 +545,59 @@ def test_verify_beside_an_evicting_worker_reports_no_false_damage(tmp_path):
         assert ws.quarantined() == []
 
 
-def test_verify_tells_entries_evicted_during_the_run_from_damage(tmp_path, monkeypatch):
+@pytest.mark.parametrize("readonly", [False, True], ids=["writable", "read_only"])
+def test_verify_tells_entries_evicted_during_the_run_from_damage(tmp_path, monkeypatch, readonly):
     """Deterministic: right after verify lists the entries, another handle (its own SQLite connections
     and lock file descriptor, as another process) prunes most of them and adds two: verify reports the
-    pruned ones as evicted, no damage, a consistent index, and quarantines nothing."""
+    pruned ones as evicted, no damage, a consistent index, and quarantines nothing; so does plain
+    ``cache verify``'s read-only handle (opened while no process had the database open)."""
     from chorus.cache_store import seams
 
     path = tmp_path / "ws"
     ids = _filled(path, n=8)
-    other = Workspace.open(path)
-    pruned = []
+    pruned, handles = [], []
 
     def hook(phase):
         if phase == "verify_listed" and not pruned:
-            pruned.extend(other.prune(max_entries=2))
-            other.add(embedding(50), small_masks(50), {"signature": SIGNATURE})
-            other.add(embedding(51), small_masks(51), {"signature": SIGNATURE})
+            handles.append(Workspace.open(path))
+            pruned.extend(handles[0].prune(max_entries=2))
+            handles[0].add(embedding(50), small_masks(50), {"signature": SIGNATURE})
+            handles[0].add(embedding(51), small_masks(51), {"signature": SIGNATURE})
 
     monkeypatch.setattr(seams, "workspace_phase", hook)
-    with Workspace.open(path) as ws:
+    with Workspace.open(path, readonly=readonly) as ws:
         report = ws.verify()
         assert sorted(report["evicted"]) == sorted(pruned) == ids[:6]
         assert report["ok"] and report["damaged"] == [] and report["index_consistent"], report
         assert ws.quarantined() == [] and len(ws) == 4
-    other.close()
+    handles[0].close()
+
+
+def test_a_read_only_handle_opened_while_the_workspace_is_idle_sees_later_writes(tmp_path):
+    """A read-only handle opened while no process has the database open reads it as immutable (it
+    creates no -wal / -shm file); once a worker writes, the handle reads what the worker committed:
+    its adds, its removal (a KeyError, not damage), its count; nothing is quarantined or created."""
+    path = tmp_path / "ws"
+    ids = _filled(path, n=3)
+    ro = Workspace.open(path, readonly=True)
+    try:
+        assert len(ro) == 3 and not (path / "chorus.sqlite3-wal").exists()
+        with Workspace.open(path) as worker:
+            added = [worker.add(embedding(s), small_masks(s), {"signature": SIGNATURE}) for s in range(10, 40)]
+            worker.remove(ids[0])
+        assert len(ro) == 32 and ro.stats()["entries"] == 32
+        assert ro.search(embedding(25))[0][0] == added[15]
+        with pytest.raises(KeyError):
+            ro.load(ids[0])
+        report = ro.verify()
+        assert report["ok"] and report["checked"] == 32 and report["index_consistent"]
+        with Workspace.open(path) as worker:  # a worker that stays open while the handle reads
+            worker.add(embedding(99), small_masks(99), {"signature": SIGNATURE})
+            assert len(ro) == 33
+    finally:
+        ro.close()
+    with Workspace.open(path) as ws:
+        assert ws.quarantined() == []
 
 
 def test_load_of_an_entry_evicted_meanwhile_is_a_key_error_not_damage(tmp_path, monkeypatch):
@@ -497,6 +625,31 @@ def test_load_of_an_entry_evicted_meanwhile_is_a_key_error_not_damage(tmp_path, 
 
 
 # -- 5. errors as OSError / ValueError at the store boundary -----------------------------------------
+def test_ids_no_entry_can_have_are_key_errors_and_ids_that_are_not_ints_value_errors(tmp_path):
+    """An id past SQLite's 64 bits (or below 1) is an unknown id: load and touch raise KeyError,
+    remove returns False, entry_path None, and nothing is left pending that would fail every later
+    write of the handle; 1.7 or True is not entry 1 (ValueError). A good entry's hits still count."""
+    import numpy as np
+
+    path = tmp_path / "ws"
+    ids = _filled(path)
+    with Workspace.open(path) as ws:
+        for bad in (2**63, 2**70, 0, -1):
+            with pytest.raises(KeyError):
+                ws.load(bad)
+            with pytest.raises(KeyError):
+                ws.touch(bad)
+            assert ws.remove(bad) is False and ws.entry_path(bad) is None
+        for not_an_id in (1.7, float(ids[0]), True, "1", None):
+            for call in (ws.load, ws.touch, ws.remove, ws.entry_path):
+                with pytest.raises(ValueError, match="entry id"):
+                    call(not_an_id)
+        for _ in range(3):
+            ws.load(np.int64(ids[0]))
+        ws.touch(ids[0])
+        assert {e["id"]: e["hits"] for e in ws.entries()}[ids[0]] == 4 and len(ws) == 4
+
+
 @pytest.mark.parametrize("damage", ["garbage_db", "db_is_directory", "db_is_fifo"])
 def test_damaged_database_is_a_store_error(tmp_path, damage):
     path = tmp_path / "ws"

@@ -51,7 +51,7 @@ def test_a_link_under_an_entry_name_is_absent_and_removed_never_followed(tmp_pat
         f.truncate(1 << 30)
     (tier.path / tier_name(8, _entry(8)[1])).symlink_to(big)
     assert tier.usage() == (0, 0)  # links are not the tier's files and count nothing
-    assert tier.clean({7: digest}) == {"temp_files_removed": 0, "orphans_removed": 1}  # 8 is not live
+    assert tier.clean({7: digest}) == {"temp_files_removed": 0, "orphans_removed": 1, "stray": []}  # 8 is not live
     assert outside.exists() and big.exists()
 
 
@@ -68,3 +68,36 @@ def test_a_link_in_place_of_the_tier_folder_is_not_used(tmp_path):
     tier.drop(3)
     assert sorted(os.listdir(outside)) == [tier_name(3, digest)]
     assert (outside / tier_name(3, digest)).stat().st_mtime == 1000 and tier.usage() == (0, 0)
+
+
+def test_cleanup_deletes_only_what_the_tier_makes_and_no_write_in_flight(tmp_path):
+    """``clean`` and ``remove_temps`` (run by verify and by every open) delete the files of entries
+    not live and the temporary files of processes that are gone; a file the tier never makes (an
+    operator's note) is left alone and reported as stray, and a temporary file of a live process (a
+    write in flight: another worker on this host, or this process's other thread) is not touched."""
+    import subprocess
+    import sys
+    import uuid
+
+    tier = LocalTier(tmp_path / "fleet_tier", max_bytes=1 << 20)
+    data, digest = _entry(5)
+    tier.put(5, digest, data)
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(gone.stdout)
+    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        names = {"dead": f".tmp-{dead_pid}-{uuid.uuid4().hex}", "live": f".tmp-{worker.pid}-{uuid.uuid4().hex}",
+                 "own": f".tmp-{os.getpid()}-{uuid.uuid4().hex}", "note": "README-operator-notes.txt",
+                 "old": tier_name(6, _entry(6)[1])}
+        for name in names.values():
+            (tier.path / name).write_bytes(b"x")
+        assert tier.remove_temps() == 1 and not (tier.path / names["dead"]).exists()
+        (tier.path / names["dead"]).write_bytes(b"x")
+        report = tier.clean({5: digest})
+        assert report == {"temp_files_removed": 1, "orphans_removed": 1,
+                          "stray": ["fleet_tier/README-operator-notes.txt"]}
+        left = sorted(os.listdir(tier.path))
+        assert left == sorted([names["live"], names["own"], names["note"], tier_name(5, digest)])
+    finally:
+        worker.kill()
+        worker.wait()
