@@ -10,13 +10,15 @@ the checks that turn a call the engine cannot serve into a :class:`Fallback` (de
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import torch
 
 from ..kernels import pooling
-from .guidance import biased_dense_or_plain
+from .guidance import biased_dense_or_plain, image_biased_attention
+from .state import failure_text
 
 __all__ = ["AttnCall", "Fallback", "sdpa"]
 
@@ -112,13 +114,32 @@ class AttnCall:
     def dense(self, note=None) -> torch.Tensor:
         """The call's dense attention: the host's (or SDPA) with the first- and last-frame biases where they
         apply (:func:`~chorus.engine.guidance.biased_dense_or_plain`: plain if the biased call fails, after
-        ``note(message)``)."""
+        ``note(message)``). A compact call (``layout``) weights each pooled key by the tokens it stands for, as
+        its sparse call does (:meth:`_compact_dense`): the attention of its full grid, read on its rows."""
+        if self.layout is not None:
+            return self._compact_dense(note)
         dense_fn = self.dense_fn or sdpa
         (prefix, prefix_bias), suffix = self.key_prefix, self.suffix_len
         if prefix or suffix:
             dense_fn = biased_dense_or_plain(dense_fn, prefix, prefix_bias, suffix, float(self.last_frame_bias),
                                              on_error=note)
         return dense_fn(self.q, self.k, self.v)
+
+    def _compact_dense(self, note=None) -> torch.Tensor:
+        """A compact call's dense attention: SDPA with a key bias of ``log(cell_size)`` on its cells (the
+        sequence's last ``num_cells`` keys; each stands for ``cell_size`` tokens of identical q/k/v) and its
+        image prefix bias (:attr:`key_prefix`); equal to :meth:`expanded`'s dense call read back on the compact
+        rows (:meth:`compact`), at the compact length's cost. Where the biased call fails (e.g. out of memory
+        for the mask on a device without a fused masked kernel), that expansion, after ``note(message)``."""
+        layout = self.layout
+        prefix, prefix_bias = self.key_prefix
+        try:
+            return image_biased_attention(self.q, self.k, self.v, prefix, prefix_bias, layout.num_cells,
+                                          math.log(layout.cell_size))
+        except Exception as exc:  # noqa: BLE001 - the exact expansion instead
+            if note is not None:
+                note(f"a compact call's dense attention ran on its full grid ({failure_text(exc)})")
+            return self.compact(self.expanded().dense(note))
 
     def expanded(self) -> "AttnCall":
         """The call of a compact sequence carried to its full grid (every token takes its compact

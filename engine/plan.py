@@ -365,7 +365,8 @@ class Plan:
 
         ``recorder``: a recording that already covers every sparse call of the request (the
         verification's record-ahead, engine/verify.py); it continues, so the request can be written.
-        Without one, if sparse calls already ran, the recording cannot cover the request: it is
+        Without one, if calls of the hit already ran (sparse, or dense where the hit fell back or no
+        kernel beats dense: none of them recorded), the recording cannot cover the request: it is
         marked incomplete and no entry will be written from it.
         """
         state = self.state
@@ -377,9 +378,11 @@ class Plan:
                 state.recorder = recorder
             else:
                 state.recorder = MassRecorder()
-                if state.stats.sparse_calls:
-                    state.recorder.mark_incomplete(f"plan demoted after {state.stats.sparse_calls} sparse calls "
-                                                   f"({reason})")
+                stats = state.stats
+                ran = stats.sparse_calls + stats.fallback_calls + stats.dense_calls  # the hit's calls: none recorded
+                if ran:
+                    state.recorder.mark_incomplete(f"plan demoted after {ran} calls of the hit ({stats.sparse_calls} "
+                                                   f"sparse; {reason})")
         self.note(f"plan demoted to dense: {reason}")
 
     def mismatch(self, info: ModelInfo) -> str | None:

@@ -200,6 +200,9 @@ def build_signature(plan: Plan) -> dict:
 def commit_plan(workspace, plan: Plan) -> str:
     """After sampling: write a miss's recording as a new entry, or count a hit. Returns a message.
 
+    A hit demoted while it ran (its verification failed) is written as a miss is, beside its entry: the
+    deduplication (``add_unique``) does not count that entry as serving the request (``replacing``).
+
     Never raises for an incomplete recording or a store error: the message says why nothing was
     written. Committing the same plan twice does nothing the second time.
     """
@@ -237,10 +240,12 @@ def commit_plan(workspace, plan: Plan) -> str:
     meta.update({"signature": signature, "created": time.time(), "hits": 0})
     threshold = plan.similarity_threshold
     add_unique = getattr(workspace, "add_unique", None)
+    # a hit demoted mid-request (its verification failed) is written anew: its entry does not serve it
+    replacing = plan.entry_id if plan.demoted_reason is not None else None
     try:
         if threshold is not None and add_unique is not None:
             # dedupe under the store's writer lock: a concurrent worker may have written this request
-            entry_id, created = add_unique(plan.embedding, masks, meta, min_similarity=threshold)
+            entry_id, created = add_unique(plan.embedding, masks, meta, min_similarity=threshold, replacing=replacing)
             if not created:
                 plan.state.committed = (f"not written: entry {entry_id} (written meanwhile, e.g. by another worker) "
                                         f"already serves this request at threshold {threshold:.3f}")
@@ -252,5 +257,6 @@ def commit_plan(workspace, plan: Plan) -> str:
         plan.state.committed = f"not written: the store refused the entry ({failure_text(exc)})"
         return plan.committed
     density = sum(kernels.density(m) for m in masks.values()) / max(len(masks), 1)
-    plan.state.committed = f"wrote entry {entry_id} ({len(masks)} maps, density {density:.1%})"
+    plan.state.committed = f"wrote entry {entry_id} ({len(masks)} maps, density {density:.1%})" + (
+        "" if replacing is None else f", for the request entry {replacing} failed to serve")
     return plan.committed

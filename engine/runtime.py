@@ -40,12 +40,11 @@ __all__ = ["ChorusAttention", "ExpertRun", "attend", "floor_k_min"]
 def attend(call: AttnCall, attention: "ChorusAttention | None" = None, note=None) -> torch.Tensor:
     """The engine's entry for one self-attention call ``[B, H, L, D]`` of a patched model:
     ``attention.attend(call)`` for a model with a sparse part; without one (guidance alone), the
-    call's dense attention with its first-frame bias (expanded and compacted for a compact call).
-    ``note(message)``: where a model without a sparse part reports. Never raises."""
+    call's dense attention with its image biases (:meth:`AttnCall.dense`: a compact call's pooled keys
+    weighted by the tokens they stand for). ``note(message)``: where a model without a sparse part
+    reports. Never raises."""
     if attention is not None:
         return attention.attend(call)
-    if call.layout is not None:
-        return call.compact(call.expanded().dense(note))
     return call.dense(note)
 
 

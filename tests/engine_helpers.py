@@ -35,7 +35,8 @@ def signature(experts=("fp-high",), sigmas=SIGMAS[:-1], grid=GRID, latent=LATENT
 
 
 def hit_plan(masks, **kw):
-    return Plan("hit", entry_id=7, similarity=0.95, masks=masks, entry_meta={"signature": kw.pop("sig", signature())},
+    kw.setdefault("entry_id", 7)
+    return Plan("hit", similarity=0.95, masks=masks, entry_meta={"signature": kw.pop("sig", signature())},
                 latent_shape=LATENT, **kw)
 
 

@@ -272,6 +272,8 @@ def test_compact_self_attention_matches_the_full_grid_computation(grid, region, 
 
 
 def test_compact_self_attention_falls_back_to_dense_when_the_orders_differ():
+    """The fallback of a compact call is the dense attention of its full grid read on its rows: each
+    pooled key weighs the tokens it stands for (fp64 oracle of the expanded call), not one token."""
     grid, region, bs = (5, 8, 8), (2, 4, 4), 32
     order = cached_region_order(grid, region, bs)
     layout, _ = _layout(grid, region, order=order)
@@ -282,8 +284,13 @@ def test_compact_self_attention_falls_back_to_dense_when_the_orders_differ():
     plan = Plan("hit", entry_id=1, similarity=1.0, masks={(0, 0, 0, 0): torch.ones(2, nb, nb, dtype=torch.bool)},
                 entry_meta={"signature": sig}, latent_shape=(16, 5, 16, 16))
     handle = ChorusAttention(plan, SparseConfig(block_size=bs, k_min=1, backend="reference"), INFO)
-    q = torch.randn(1, 2, layout.compact_length, 32)
-    out = handle.compact_self_attention(q, q, q, layout=layout, layer=0, sigma=1.0,
-                                        dense_fn=lambda q, k, v: torch.zeros_like(q))
-    assert torch.equal(out, torch.zeros_like(q)) and plan.stats.fallback_calls == 1
-    assert any("token order" in m for m in plan.stats.messages)
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 2, layout.compact_length, 32, generator=gen) for _ in range(3))
+    out = handle.compact_self_attention(q, k, v, layout=layout, layer=0, sigma=1.0,
+                                        dense_fn=lambda *a: pytest.fail("a compact call's dense is the weighted one"))
+    assert plan.stats.fallback_calls == 1 and any("token order" in m for m in plan.stats.messages)
+    k_full, v_full = (t.index_select(2, layout.expand_index).double() for t in (k, v))  # every token its cell's k/v
+    oracle = torch.softmax(q.double() @ k_full.transpose(-1, -2) / 32 ** 0.5, -1) @ v_full
+    torch.testing.assert_close(out.double(), oracle, atol=2e-5, rtol=1e-4)
+    unweighted = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    assert not torch.allclose(unweighted.double(), oracle, atol=1e-3)

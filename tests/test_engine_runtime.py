@@ -297,7 +297,7 @@ def test_a_hit_made_without_a_similarity_is_named_and_committed_without_one(tmp_
     assert msg.startswith("hit: ") and "entry 7" in msg and "similarity" not in msg, msg
 
 
-def test_hit_for_another_model_or_schedule_demotes_to_a_recording_miss():
+def test_hit_for_another_model_or_schedule_demotes_to_a_recording_miss(monkeypatch):
     masks = {(0, s, l, 0): torch.ones(2, QB, QB, dtype=torch.bool) for s in range(3) for l in range(2)}
     plan = hit_plan(masks)
     run_steps(ChorusAttention(plan, CFG, INFO_LOW))
@@ -310,6 +310,19 @@ def test_hit_for_another_model_or_schedule_demotes_to_a_recording_miss():
     run_steps(ChorusAttention(plan, CFG, INFO), sigmas=[1.0, 0.75, 0.5])
     run_steps(ChorusAttention(plan, CFG, INFO_LOW), sigmas=[0.5, 0.0])
     assert plan.kind == "miss" and not plan.recorder.complete
+    assert "not written" in commit_plan(object(), plan)
+    # demoted after calls of the hit that fell back to dense (not recorded either): no partial entry
+    plan = hit_plan(masks, sig=signature(experts=("fp-high",)))
+
+    def kernel_failure(*args, **kwargs):
+        raise RuntimeError("test: the kernel failed")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(kernels, "block_sparse_attention", kernel_failure)
+        run_steps(ChorusAttention(plan, CFG, INFO), sigmas=[1.0, 0.75, 0.5])
+    assert plan.is_hit and plan.stats.sparse_calls == 0 and plan.stats.fallback_calls == 4
+    run_steps(ChorusAttention(plan, CFG, INFO_LOW), sigmas=[0.5, 0.0])
+    assert plan.kind == "miss" and not plan.recorder.complete and "4 calls of the hit" in plan.recorder.incomplete_reason
     assert "not written" in commit_plan(object(), plan)
 
 

@@ -112,6 +112,29 @@ def test_a_wrong_hit_fails_at_the_first_expert_runs_dense_and_writes_a_new_entry
     assert meta[verify_mod.ANCHORS_META_KEY] == {"layers": [0, 1], "heads": 1}
 
 
+def test_a_hit_that_fails_its_verification_is_written_beside_its_entry_and_serves_the_next_request(tmp_path):
+    """As the nodes commit (``add_unique`` at the request's similarity threshold): the entry that failed
+    its verification has the request's signature and sits within the threshold, yet it does not count as
+    serving the request, so the recording is written beside it (not "written meanwhile by another
+    worker"), and the same request next retrieves the new entry."""
+    maps = _recorded()
+    ws = Workspace.open(tmp_path / "ws")
+    near = EMB + 0.05 * np.random.default_rng(5).standard_normal(EMB.shape).astype(np.float32)  # an earlier request's
+    failing = ws.add(near, _wrong(maps), {"signature": signature()})
+    assert ws.search(EMB, k=1)[0][1] > 0.9
+    hit = hit_plan(_wrong(maps), embedding=EMB, entry_id=failing, similarity_threshold=0.9)
+    run_steps(ChorusAttention(hit, VCFG, INFO))
+    assert not hit.is_hit and hit.recorder.complete
+    message = commit_plan(ws, hit)
+    assert message.startswith("wrote entry") and f"entry {failing} failed to serve" in message, message
+    (best, similarity), = ws.search(EMB, k=1)
+    assert best != failing and similarity == pytest.approx(1.0, abs=1e-5) and len(ws) == 2
+    loaded, _ = ws.load(best, touch=False)
+    assert all(torch.equal(loaded[key], m) for key, m in hit.recorder.block_maps().items())
+    assert ws.add_unique(EMB, maps, {"signature": signature()}, min_similarity=0.9) == (best, False)  # dedupe holds
+    ws.close()
+
+
 def test_a_later_expert_failing_runs_dense_but_writes_nothing(tmp_path):
     high = _recorded(info=INFO)
     sig = signature(experts=("fp-high", "fp-low"))
