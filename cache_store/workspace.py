@@ -179,7 +179,9 @@ class Workspace(WorkspaceConnections, WorkspaceIndex, WorkspaceMaintenance):
 
     def close(self) -> None:
         """Save the index if it changed since the last save (skipped when the writers' lock stays
-        busy past the time bound: the index is rebuildable), and close the database."""
+        busy past the time bound: the index is rebuildable), and close the database. A write of
+        another thread of this handle still running past the time bound keeps the handle's files
+        open until it ends (it closes them then): no descriptor is closed under a write."""
         if self._closed:
             return
         if self._pending and not self.readonly:
@@ -197,7 +199,11 @@ class Workspace(WorkspaceConnections, WorkspaceIndex, WorkspaceMaintenance):
             with self._rmutex:
                 if not self._closed:
                     self._closed = True
-                    self._close_handles()
+                    if got_writer:
+                        self._close_handles()
+                    else:
+                        LOG.warning("workspace %s closed while another thread writes; its files close when "
+                                    "that write ends", self.path)
         finally:
             if got_writer:
                 self._wmutex.release()

@@ -320,6 +320,9 @@ class WorkspaceConnections:
                 if locked:
                     self._file_lock.release()
         finally:
+            if self._closed:  # close() ran during this write and left the files to it
+                with self._rmutex:
+                    self._close_handles()
             self._wmutex.release()
 
 

@@ -166,6 +166,38 @@ def test_an_add_that_finds_the_store_busy_when_it_evicts_returns_its_committed_e
     other.close()
 
 
+def test_close_beside_a_write_of_another_thread_leaves_that_write_its_files(tmp_path, monkeypatch):
+    """``close`` gives up waiting for another thread's write after the time bound but closes no
+    descriptor under it (a closed directory descriptor reused by another open could send the entry
+    elsewhere): the write completes and is committed, and the handle's files close when it ends."""
+    from chorus.cache_store import seams
+
+    path = tmp_path / "ws"
+    _filled(path, n=1)
+    ws = Workspace.open(path, timeout=0.2)
+    writing, release = threading.Event(), threading.Event()
+
+    def slow_write(phase):
+        if phase == "file_durable":
+            writing.set()
+            release.wait(LIMIT)
+
+    monkeypatch.setattr(seams, "workspace_phase", slow_write)
+    added = {}
+    writer = threading.Thread(target=lambda: added.setdefault(
+        "id", ws.add(embedding(7), small_masks(7), {"signature": SIGNATURE})), daemon=True)
+    writer.start()
+    assert writing.wait(LIMIT)
+    ws.close()  # gives up on the writer mutex after 0.2 s
+    assert ws.closed
+    release.set()
+    writer.join(LIMIT)
+    monkeypatch.setattr(seams, "workspace_phase", lambda phase: None)
+    assert isinstance(added.get("id"), int), added
+    with Workspace.open(path) as again:
+        assert len(again) == 2 and again.search(embedding(7))[0][0] == added["id"] and again.verify()["ok"]
+
+
 def test_open_of_a_new_workspace_is_bounded_and_raises_oserror(tmp_path):
     """Creating a workspace needs the writers' lock: held by another process, open gives up within the
     bound with StoreBusyError, which the retrieve node catches (it catches OSError)."""
