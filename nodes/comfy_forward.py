@@ -62,6 +62,24 @@ def constants(options: dict) -> dict:
     return options
 
 
+MAX_CHAINED = 16
+"""How many patch objects chaining another pack's patch :func:`chained_instance` keeps at once."""
+
+
+def chained_instance(cache: dict, key, previous, make):
+    """The one object of ``cache`` for ``key`` while it chains ``previous`` (another pack's patch, or None),
+    else a new one, ``make()``: the same object request after request (what a compiled model's guards
+    see). The cache keeps the :data:`MAX_CHAINED` most recently used (each holds its ``previous`` alive:
+    a pack that makes a new patch per prompt must not grow it, nor keep every old patch, without bound)."""
+    found = cache.pop(key, None)
+    if found is None or found.previous is not previous:
+        found = make()
+    cache[key] = found  # the most recent last
+    while len(cache) > MAX_CHAINED:
+        cache.pop(next(iter(cache)))
+    return found
+
+
 class ChorusBlock:
     """``patches_replace["dit"][("double_block", layer)]`` of Chorus-patched models, traced by a compiled
     model: the residual stream made row-major (ComfyUI's WanModel passes its patch embedding's
@@ -88,11 +106,8 @@ class ChorusBlock:
 
     @classmethod
     def at(cls, reducible: bool = False, previous=None) -> "ChorusBlock":
-        key = (bool(reducible), id(previous))
-        found = cls._instances.get(key)
-        if found is None or found.previous is not previous:
-            found = cls._instances[key] = cls(reducible, previous)
-        return found
+        return chained_instance(cls._instances, (bool(reducible), id(previous)), previous,
+                                lambda: cls(reducible, previous))
 
     def __deepcopy__(self, memo):
         return self

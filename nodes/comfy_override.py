@@ -16,7 +16,7 @@ import torch
 from ..engine import attend as engine_attend
 from . import comfy_call
 from .comfy_forward import DENSE_KEY, FORWARD_KEY, FORWARD_KEYS, GAIN_KEY, MODE_KEY, REDUCE_KEY, TOKENS_KEY, \
-    constants
+    chained_instance, constants
 
 
 class ChorusOverride:
@@ -40,11 +40,9 @@ class ChorusOverride:
 
     @classmethod
     def chaining(cls, previous) -> "ChorusOverride":
-        """The override that chains ``previous`` (None: the host's attention), made once per process."""
-        found = cls._by_previous.get(id(previous))
-        if found is None or found.previous is not previous:
-            found = cls._by_previous[id(previous)] = cls(previous)
-        return found
+        """The override that chains ``previous`` (None: the host's attention), made once per process while it
+        is in use (:func:`~.comfy_forward.chained_instance`)."""
+        return chained_instance(cls._by_previous, id(previous), previous, lambda: cls(previous))
 
     @property
     def previous_override(self):

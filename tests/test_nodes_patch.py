@@ -165,6 +165,31 @@ def test_repatching_replaces_parts_and_keeps_other_packs_hooks(cp, nodes, model)
     assert torch.isfinite(out).all() and plan.stats.recorded_calls == 2 * LAYERS and plan.stats.fallback_calls == 0
 
 
+def test_one_patch_object_per_chained_patch_and_old_chained_patches_not_kept_alive(cp):
+    """The override and the block patch are one object per patch they chain (what a compiled model's
+    guards see request after request), and a pack that makes a new patch per prompt does not make
+    Chorus keep every old one alive: at most ``MAX_CHAINED`` of them are held."""
+    import gc
+    import weakref
+
+    from chorus.nodes import comfy_forward as cf
+    from chorus.nodes.comfy_override import ChorusOverride
+
+    assert ChorusOverride.chaining(None) is ChorusOverride.chaining(None)
+    kept = []
+    for i in range(3 * cf.MAX_CHAINED):
+        def per_prompt_patch(*args, i=i):  # another pack's patch, made anew for each prompt
+            return i
+
+        override, block = ChorusOverride.chaining(per_prompt_patch), cf.ChorusBlock.at(True, per_prompt_patch)
+        assert ChorusOverride.chaining(per_prompt_patch) is override and override.previous is per_prompt_patch
+        assert cf.ChorusBlock.at(True, per_prompt_patch) is block and block.previous is per_prompt_patch
+        kept.append(weakref.ref(per_prompt_patch))
+        del per_prompt_patch, override, block
+    gc.collect()
+    assert 0 < sum(ref() is not None for ref in kept) <= cf.MAX_CHAINED
+
+
 def test_one_grid_and_one_float_sigma_per_forward(cp, nodes, model, monkeypatch):
     """Per forward the DIFFUSION_MODEL wrapper computes the token grid once (engine.token_grid) and
     reads the sigma once: the sparse, feature-reuse and guidance parts all get it as a float."""
