@@ -77,6 +77,7 @@ _SM90_ONLY = (Backend.TRITON_FP8_WS, Backend.TRITON_FP8, Backend.FA4_BF16)  # au
 _ATTENTION_ONLY = (Backend.TRITON_FP8_WS, Backend.TRITON_INT8_WS, Backend.TRITON_INT8, Backend.FA4_BF16, Backend.FLEX)
 _WARP_SPECIALISED = (Backend.TRITON_FP8_WS, Backend.TRITON_INT8_WS)  # the Gluon kernel: sm_90, block size 128
 _NO_POOLED_TAIL = (Backend.FA4_BF16, Backend.FLEX)  # auto sends a pooled_tail call past these
+_PORTABLE_TRITON = (Backend.TRITON_FP8, Backend.TRITON_BF16)  # power-of-two blocks in [16, 256]
 # the accurate 8-bit numerics, in order of preference: what the engine asks for instead of auto's choice where
 # the maps keep nearly all the mass (chorus.engine.config.SparseConfig.attention_backends)
 ACCURATE_CHAIN = (Backend.TRITON_INT8_WS, Backend.TRITON_INT8)
@@ -261,13 +262,18 @@ def _for_call_options(chosen: Backend, explicit: bool, q, block_size: int, prefi
         reason = _triton_module().ws_call_unsupported(q.shape[-1], block_size)
     elif chosen == Backend.TRITON_INT8:
         reason = None if block_size == 128 else f"triton_int8 runs 128-token blocks, got block_size={block_size}"
+    elif chosen in _PORTABLE_TRITON:
+        reason = None if portable_block_size(block_size) else \
+            f"{chosen.value} runs power-of-two blocks in [16, 256], got block_size={block_size}"
     else:
         return chosen
     if reason is None:
         return chosen
     if explicit:
         raise BackendUnavailableError(f"backend={chosen.value!r} cannot run this call: {reason}")
-    return _next_in_chain("attention", q, chosen) or Backend.REFERENCE
+    # the next backend must meet this call's options too (a pooled tail, a key bias, the block size)
+    return _for_call_options(_next_in_chain("attention", q, chosen) or Backend.REFERENCE, explicit, q, block_size,
+                             prefix_len, suffix_len, pooled_tail)
 
 
 def _check_qkv(q, k, v=None) -> None:
@@ -275,8 +281,8 @@ def _check_qkv(q, k, v=None) -> None:
     for name, t in zip("qkv", tensors):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(f"{name} must be [B, H, L, D], got shape {tuple(t.shape)}")
+        if t.dim() != 4 or t.shape[-1] < 1:
+            raise ValueError(f"{name} must be [B, H, L, D] with D >= 1, got shape {tuple(t.shape)}")
         if not t.is_floating_point():
             raise ValueError(f"{name} must be floating point, got {t.dtype}")
     if q.shape[0] != k.shape[0] or q.shape[1] != k.shape[1] or q.shape[3] != k.shape[3]:
@@ -290,8 +296,20 @@ def _check_qkv(q, k, v=None) -> None:
 
 
 def _check_block_size(block_size) -> None:
-    if not isinstance(block_size, int) or block_size < 1:
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+
+
+def portable_block_size(block_size: int) -> bool:
+    """Whether the portable Triton kernels (``triton_fp8``, ``triton_bf16``, the block mass) run blocks of this
+    size: a power of two in [16, 256]."""
+    return 16 <= block_size <= 256 and block_size & (block_size - 1) == 0
+
+
+def _check_scale(scale: float) -> float:
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"the softmax needs a positive finite scale, got {scale!r}")
+    return scale
 
 
 def _check_key_bias(length, bias, kv_len: int, what: str) -> tuple[int, float]:
@@ -452,7 +470,9 @@ def block_sparse_attention(q, k, v, block_map, *, block_size: int = 128, scale: 
                        check_rows=not rows_checked)
     prefix_len, prefix_bias = _check_key_bias(prefix_len, prefix_bias, k.shape[2], "prefix")
     suffix_len, suffix_bias = _check_key_bias(suffix_len, suffix_bias, k.shape[2], "suffix")
-    scale = softmax_scale(q.shape[-1], scale)
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
+        raise ValueError(f"scale must be a number or None, got {scale!r}")
+    scale = _check_scale(softmax_scale(q.shape[-1], scale))
     perm = _token_perm(token_perm, q, k)
     explicit = _parse_backend(backend) != Backend.AUTO
     chosen = _for_call_options(resolve_backend(backend, q, "attention"), explicit, q, block_size, prefix_len,
@@ -479,13 +499,18 @@ def block_mass(q, k, *, block_size: int = 128, sample_rows: int | None = None, s
     """
     _check_qkv(q, k)
     _check_block_size(block_size)
-    if sample_rows is not None and (not isinstance(sample_rows, int) or sample_rows < 1):
+    if sample_rows is not None and (isinstance(sample_rows, bool) or not isinstance(sample_rows, int)
+                                    or sample_rows < 1):
         raise ValueError(f"sample_rows must be a positive int or None, got {sample_rows!r}")
-    scale = softmax_scale(q.shape[-1], scale)
-    if not (math.isfinite(scale) and scale > 0):
-        raise ValueError(f"block_mass needs a positive finite scale, got {scale!r}")
+    scale = _check_scale(softmax_scale(q.shape[-1], scale))
     perm = _token_perm(token_perm, q, k)
-    if resolve_backend(backend, q, "block_mass") == Backend.REFERENCE:
+    chosen = resolve_backend(backend, q, "block_mass")
+    if chosen != Backend.REFERENCE and not portable_block_size(block_size):
+        if _parse_backend(backend) != Backend.AUTO:
+            raise BackendUnavailableError(f"backend={chosen.value!r} cannot run this block mass: it runs power-of-two "
+                                          f"blocks in [16, 256], got block_size={block_size}")
+        chosen = Backend.REFERENCE
+    if chosen == Backend.REFERENCE:
         qo, ko = (q, k) if perm is None else to_tile_order(perm[0], q, k)
         return reference.block_mass_reference(qo, ko, block_size, sample_rows, scale)
     return _triton_module().block_mass_triton(q, k, block_size=block_size, sample_rows=sample_rows,

@@ -169,6 +169,13 @@ def resample_block_map(block_map: torch.Tensor, src_grid, dst_grid, *, block_siz
         return keep
     if not block_map.is_floating_point():
         raise ValueError(f"block_map must be bool or floating point, got {block_map.dtype}")
-    # Source kv block mass is spread over destination kv blocks in proportion to its tokens.
-    spread = counts.transpose(0, 1) / counts.sum(0).clamp_min(1.0)[:, None]  # [Qb_src, Qb_dst]
+    # Source kv block mass is spread over destination kv blocks in proportion to its tokens: the destination
+    # tokens that carry it. A source block no destination token samples (a grid shrunk by more than a block's
+    # worth) goes where its own tokens' nearest destination tokens lie, so that no row loses mass.
+    spread = counts.transpose(0, 1).clone()  # [Qb_src, Qb_dst]
+    unsampled = spread.sum(1) == 0
+    if bool(unsampled.any()):
+        reverse = _assignment_on(block_map.device, dst_grid, src_grid, block_size, dst_order, src_order)
+        spread[unsampled] = reverse[unsampled]
+    spread = spread / spread.sum(1, keepdim=True)
     return (rows @ block_map.double() @ spread).to(block_map.dtype)

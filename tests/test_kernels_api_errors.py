@@ -134,3 +134,24 @@ def test_resolving_with_a_pooled_tail_moves_past_a_backend_without_one():
     with pytest.raises(K.BackendUnavailableError, match="flex has no pooled tail"):
         K.resolve_backend("flex", q, block_size=64, pooled_tail=True)
     assert K.resolve_backend("auto", q, block_size=64, pooled_tail=True) == K.Backend.REFERENCE
+
+
+def test_a_scale_a_bool_or_an_empty_head_dim_is_a_clear_error():
+    """A NaN, infinite, zero or non-numeric softmax scale (attention and block mass alike), a bool where an int
+    is asked for (``block_size``, ``sample_rows``: True is not 1) and a head dim of 0 are ValueErrors naming the
+    problem, not an all-NaN output or a ZeroDivisionError."""
+    q, k, v = make_qkv(q_len=100)
+    for scale in (float("nan"), float("inf"), 0.0, -1.0, "0.5", True):
+        with pytest.raises(ValueError, match="scale"):
+            K.block_sparse_attention(q, k, v, _full(2, 2), block_size=64, scale=scale)
+    with pytest.raises(ValueError, match="positive finite scale"):
+        K.block_mass(q, k, block_size=64, scale=float("nan"))
+    with pytest.raises(ValueError, match="block_size"):
+        K.block_sparse_attention(q, k, v, torch.ones(1, 1, 100, 100, dtype=torch.bool), block_size=True)
+    with pytest.raises(ValueError, match="sample_rows"):
+        K.block_mass(q, k, block_size=64, sample_rows=True)
+    empty = q[..., :0]
+    with pytest.raises(ValueError, match="D >= 1"):
+        K.block_sparse_attention(empty, empty, empty, _full(2, 2), block_size=64)
+    with pytest.raises(ValueError, match="D >= 1"):
+        K.block_mass(empty, empty, block_size=64)

@@ -60,3 +60,41 @@ def test_fake_output_is_a_head_transposed_view_like_the_kernel_returns(comfy_lay
         out = torch.ops.chorus.block_sparse_attention_fa4(q, q, q, bm, 128, 0.1)
         assert out.shape == (b, h, length, d) and out.dtype == torch.bfloat16
         assert out.transpose(1, 2).is_contiguous()  # FA4 writes [B, L, H, D]
+
+
+def test_each_step_down_the_chain_meets_the_call_s_options(monkeypatch):
+    """Auto's step down past a backend that cannot take a call's options checks the next one too: on Hopper's
+    chain with ``triton_fp8`` (and then fa4) unavailable, a call with the pooled tail, a key bias or a block size
+    the warp-specialised kernel does not run lands where those options run (never on fa4 or flex, which would drop
+    the tail or the bias), and the portable Triton kernels take power-of-two blocks in [16, 256] only. End to end
+    on the CPU, such a call keeps its pooled tail (the fp64 oracle's result with it, not without it)."""
+    from chorus.kernels.reference import dense_attention_oracle
+
+    unavailable = {api.Backend.TRITON_FP8}
+    monkeypatch.setattr(api, "_auto_choice", {})  # auto's choice under this mock stays in this test
+    monkeypatch.setattr(api, "_candidates", lambda q, op: list(api._AUTO_CHAIN))
+    monkeypatch.setattr(api, "why_unavailable", lambda b, q, op="attention": "test" if b in unavailable else None)
+
+    class Hopper:  # the warp-specialised kernel's own rule: 128-token blocks
+        ws_call_unsupported = staticmethod(lambda head_dim, block_size: None if block_size == 128 else "128 only")
+
+    monkeypatch.setattr(api, "_triton_module", lambda: Hopper)
+    q = torch.zeros(1, 1, 4, 64)
+    ws = api.Backend.TRITON_FP8_WS
+    assert api._for_call_options(ws, False, q, 64, 0, pooled_tail=True) == api.Backend.TRITON_BF16
+    assert api._for_call_options(ws, False, q, 64, 5) == api.Backend.TRITON_BF16
+    assert api._for_call_options(ws, False, q, 64, 0) == api.Backend.FA4_BF16  # nothing fa4 lacks
+    assert api._for_call_options(ws, False, q, 96, 0) == api.Backend.FLEX  # no Triton kernel runs 96
+    assert api._for_call_options(ws, False, q, 96, 0, pooled_tail=True) == api.Backend.REFERENCE
+    with pytest.raises(K.BackendUnavailableError, match="power-of-two blocks"):
+        api._for_call_options(api.Backend.TRITON_BF16, True, q, 96, 0)
+    unavailable |= {api.Backend.FA4_BF16, api.Backend.TRITON_BF16}
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 40, 16, generator=gen) for _ in range(3))
+    block_map = torch.eye(5, dtype=torch.bool)[None, None].clone()
+    block_map[..., 0] = True
+    out = K.block_sparse_attention(q, k, v, block_map, block_size=8, pooled_tail=True)
+    with_tail = dense_attention_oracle(q, k, v, block_map, block_size=8, pooled_tail=True)
+    without = dense_attention_oracle(q, k, v, block_map, block_size=8)
+    torch.testing.assert_close(out.double(), with_tail, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(out.double(), without, atol=1e-3)
