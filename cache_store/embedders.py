@@ -183,8 +183,8 @@ class ComfyGraphEmbedder:
         cond = _as_tensor(cond, "conditioning tensor")
         if cond.dim() == 2:
             cond = cond.unsqueeze(0)
-        if cond.dim() != 3 or cond.shape[1] < 1:
-            raise ValueError(f"conditioning tensor must be [B, tokens, dim], got {tuple(cond.shape)}")
+        if cond.dim() != 3 or cond.shape[0] < 1 or cond.shape[1] < 1 or cond.shape[2] < 1:
+            raise ValueError(f"conditioning tensor must be [B, tokens, dim], none empty, got {tuple(cond.shape)}")
         return cond[0].float().mean(0)
 
     @staticmethod
@@ -195,12 +195,17 @@ class ComfyGraphEmbedder:
         embeds = get("image_embeds", None)
         if embeds is not None:
             embeds = _as_tensor(embeds, "CLIP vision image_embeds")
+            if embeds.numel() == 0:
+                raise ValueError(f"CLIP vision image_embeds is empty ({tuple(embeds.shape)})")
             return (embeds[0] if embeds.dim() > 1 else embeds).float().reshape(-1)
         hidden = get("penultimate_hidden_states", None)
         if hidden is not None:
             hidden = _as_tensor(hidden, "CLIP vision penultimate_hidden_states")
             if hidden.dim() == 2:
                 hidden = hidden.unsqueeze(0)
+            if hidden.dim() != 3 or 0 in hidden.shape:
+                raise ValueError(f"CLIP vision penultimate_hidden_states must be [B, tokens, dim], none empty, "
+                                 f"got {tuple(hidden.shape)}")
             return hidden[0].float().mean(0)
         raise ValueError("CLIP_VISION_OUTPUT has neither image_embeds nor penultimate_hidden_states")
 

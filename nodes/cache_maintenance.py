@@ -49,7 +49,7 @@ class ChorusCacheMaintenance(io.ComfyNode):
             if not isinstance(action, str) or action not in ACTIONS:
                 raise ValueError(f"unknown action {action!r}; one of {ACTIONS}")
             keep = (limit_value(max_entries, "max_entries") or None) if action == "prune" else None
-            ws = open_workspace(workspace)
+            ws = open_workspace(workspace, create=False)  # a mistyped name creates nothing (as the command line)
             if action == "stats":
                 result = ws.stats()
             elif action == "verify":

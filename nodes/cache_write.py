@@ -37,8 +37,8 @@ class ChorusCacheWrite(io.ComfyNode):
         if not isinstance(plan, Plan):
             info = f"not written: the plan input is not a Chorus plan ({type(plan).__name__})"
             return io.NodeOutput(info, ui=ui_text(info))
-        if plan.workspace_name is None:
-            info = f"not written: no workspace ({plan.message})"
+        if plan.workspace_name is None:  # Chorus Mask Retrieve's miss that cannot be written: its reason
+            info = f"not written: {plan.message}"
         else:
             try:
                 info = commit_plan(open_workspace(plan.workspace_name), plan)

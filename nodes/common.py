@@ -58,8 +58,9 @@ _WORKSPACES: dict[str, Workspace] = {}
 _WS_LOCK = threading.Lock()
 
 
-def open_workspace(name: str) -> Workspace:
-    """Open (creating if needed) the cache store of workspace ``name``; one open handle per process.
+def open_workspace(name: str, *, create: bool = True) -> Workspace:
+    """Open (creating if needed; with ``create=False`` a workspace that does not exist is a ``ValueError``
+    that creates nothing) the cache store of workspace ``name``; one open handle per process.
     The store follows ``chorus.cache_store.protocol`` (the engine calls nothing else): the fleet
     store (PostgreSQL) when ``CHORUS_CACHE_URL`` is set, else the one-host workspace directory
     under the cache root (ComfyUI's user directory ``/chorus`` unless ``CHORUS_CACHE_DIR`` is set;
@@ -72,7 +73,7 @@ def open_workspace(name: str) -> Workspace:
     with _WS_LOCK:
         ws = _WORKSPACES.get(key)
         if ws is None or ws.closed:
-            ws = _WORKSPACES[key] = open_store(name)
+            ws = _WORKSPACES[key] = open_store(name, create=create)
         return ws
 
 

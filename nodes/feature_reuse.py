@@ -92,6 +92,8 @@ class ChorusFeatureReuse(io.ComfyNode):
             fr = (plan.entry_meta or {}).get("feature_reuse")
             mode = (f"HIT: {config.downsample_share:.0%} of regions downsampled where the entry scored them"
                     if fr else "HIT, but the entry has no region scores: blocks run in full")
+        elif plan.recorder is None:  # Chorus Mask Retrieve's miss that cannot be written (it says why)
+            mode = f"MISS: full blocks, nothing recorded ({plan.message})"
         else:
             mode = ("MISS: full blocks + recording region redundancy for the new entry (stored with the masks "
                     "Chorus Sparse Sampler records; without it no entry is written)")

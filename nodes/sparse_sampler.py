@@ -106,6 +106,8 @@ class ChorusSparseSampler(io.ComfyNode):
             mode += ", pooled tail on" if config.pooled_tail else (tail_note or ", pooled tail off")
         elif plan.demoted_reason:
             mode = f"MISS ({plan.demoted_reason}): dense attention + recording"
+        elif plan.recorder is None:  # Chorus Mask Retrieve's miss that cannot be written (it says why)
+            mode = f"MISS: dense attention, nothing recorded ({plan.message})"
         else:
             mode = "MISS: dense attention + recording"
         if attention is None:

@@ -139,6 +139,28 @@ def test_bad_inputs_are_messages(nodes, model):
     assert "not patched" in _text(out) and "not supported" in _text(out)
 
 
+def test_a_miss_that_cannot_be_written_says_so_in_every_node_and_empty_inputs_are_messages(nodes, model, tmp_path):
+    """Chorus Mask Retrieve's miss without an embedding (here: empty conditioning or CLIP vision output, a
+    message, not an IndexError) records nothing: Sparse Sampler and Feature Reuse say "nothing recorded" with
+    its reason, Cache Write repeats that reason (not "no workspace"). Cache Maintenance on a workspace that does
+    not exist (a typo) reports it and creates nothing, as the command line does."""
+    empty = [[torch.zeros(0, 5, 4096), {}]]
+    for inputs in ({"positive": empty}, {"positive": torch.zeros(0, 5, 4096)},
+                   {"clip_vision_output": {"image_embeds": torch.zeros(0, 1024)}},
+                   {"clip_vision_output": {"penultimate_hidden_states": torch.zeros(0, 257, 1280)}}):
+        plan, _, info = nodes.ChorusMaskRetrieve.execute(latent=LATENT, workspace="w", **inputs).args
+        assert info.startswith("MISS") and plan.recorder is None, info
+    sampler = _text(nodes.ChorusSparseSampler.execute(model=model, plan=plan))
+    assert "MISS: dense attention, nothing recorded" in sampler and "+ recording" not in sampler, sampler
+    reuse = _text(nodes.ChorusFeatureReuse.execute(model=model, plan=plan))
+    assert "MISS: full blocks, nothing recorded" in reuse and "recording region" not in reuse, reuse
+    written = nodes.ChorusCacheWrite.execute(latent=LATENT, plan=plan).args[0]
+    assert written.startswith(f"not written: {plan.message}") and "no workspace" not in written, written
+    report = nodes.ChorusCacheMaintenance.execute(workspace="defualt", action="stats").args[0]
+    assert "stats defualt failed" in report and "nothing was created" in report, report
+    assert not (tmp_path / "cache" / "defualt").exists()
+
+
 def test_schemas_match_the_node_contract(nodes):
     ids = {c.define_schema().node_id: c.define_schema() for c in nodes.NODES}
     assert set(ids) == {"ChorusMaskRetrieve", "ChorusSparseSampler", "ChorusFeatureReuse", "ChorusGuidanceBoost",
