@@ -121,6 +121,7 @@ class FleetStore(FleetFeed, FleetMaintenance):
         self._listen = listen
         self._build_token = None
         self._building: threading.Thread | None = None
+        self._writer_tx = threading.local()  # per thread: the depth of this handle's write transactions open
 
     @property
     def tier_dir(self) -> Path:
@@ -277,7 +278,7 @@ class FleetStore(FleetFeed, FleetMaintenance):
 
     def _add_tx(self, conn, new, min_similarity, replacing=None):
         emb = new.embedding
-        with conn.transaction():
+        with self._in_write_transaction(), conn.transaction():
             row = conn.execute("SELECT dim FROM chorus_workspaces WHERE name=%s FOR UPDATE",
                                (self.workspace,)).fetchone()
             if row is None:
@@ -403,6 +404,9 @@ class FleetStore(FleetFeed, FleetMaintenance):
             result = decoded_entry(data, decode, sig_key, None)
         else:
             entry_id = int(row.id)
+            if dim is None:  # the workspace row states no valid dimension: its entries are hidden, not damaged
+                raise StoreError(f"fleet workspace {self.workspace} states no valid embedding dimension; entry "
+                                 f"{entry_id} is not served until it does (nothing quarantined)")
             result = entry_problem(row, dim, decode, announced)
         if isinstance(result, str):
             self._quarantine(entry_id, result)

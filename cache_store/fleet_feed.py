@@ -11,8 +11,9 @@ when the log was trimmed past it). Writers append to the log under the workspace
 catching up by sequence number never skips a change. The feed applies only changes up to the
 workspace's own sequence number, contiguously (a gap, a sequence number that went backwards or a
 changed dimension is a full reload); change rows found past that number are deleted by the next
-writer. Rows that fail :func:`~chorus.cache_store.fleet_schema.check_row` are quarantined; none
-stops the feed.
+writer. Rows that fail :func:`~chorus.cache_store.fleet_schema.check_row` are quarantined (met by a
+writer catching up inside its own transaction: after that transaction ends, never inside it); none
+stops the feed. A reload during which another thread of the handle applied changes is not installed.
 
 :class:`FleetFeed` is a part of :class:`~chorus.cache_store.fleet.FleetStore` (a mixin): it keeps
 the handle's ``_index``, ``_known`` (id -> sig_key, sha256, nbytes), ``_dim`` and ``_seq`` under
@@ -27,6 +28,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -88,7 +90,7 @@ class FleetFeed:
         row = conn.execute("SELECT seq, dim FROM chorus_workspaces WHERE name=%s", (self.workspace,)).fetchone()
         seq, dim = (int(row[0]), self._workspace_dim(row[1])) if row else (0, None)
         with self._mutex:
-            set_aside = set(self._set_aside)
+            set_aside, started_at = set(self._set_aside), self._seq
         good, bad = [], []
         if dim is not None:
             with conn.cursor(binary=True) as cur, np.errstate(**QUIET_FLOATS):
@@ -115,6 +117,10 @@ class FleetFeed:
             self._index_add(index, good)
         known = {r[0]: (r[1], r[2], r[3]) for r in good}
         with self._mutex:
+            if self._seq != started_at:  # another thread of this handle applied changes meanwhile, perhaps newer
+                LOG.info("fleet workspace %s: a reload read at %d while changes up to %d were applied; not "
+                         "installed (the next catch-up reloads if it still must)", self.workspace, seq, self._seq)
+                return
             self._index, self._known, self._dim, self._seq = index, known, dim, seq
             token = self._build_token = object()
             large = index is not None and any(p.live_count() >= self._approx_threshold for p in index.parts.values())
@@ -241,8 +247,36 @@ class FleetFeed:
         self._quarantine_all(bad)
 
     def _quarantine_all(self, bad) -> None:
+        """Quarantine damaged rows the feed met. Met by a writer catching up inside its own transaction, they are
+        set aside now and quarantined once that transaction has ended (:meth:`_in_write_transaction`): a
+        quarantine inside it would be rolled back with it, after this handle had applied its change (its feed
+        position past the workspace's, the change committed next at that number never applied)."""
+        local = self._writer_tx
+        if getattr(local, "depth", 0):
+            for entry_id, _ in bad:
+                self._set_aside_entry(entry_id)
+            local.deferred.extend(bad)
+            return
         for entry_id, reason in bad:
             self._quarantine(entry_id, reason)
+
+    @contextmanager
+    def _in_write_transaction(self):
+        """Mark this thread's write transaction on this handle (entered around ``conn.transaction()``): the
+        quarantines the feed meets inside it wait until the outermost one has ended (committed or rolled back)."""
+        local = self._writer_tx
+        local.depth = getattr(local, "depth", 0) + 1
+        if local.depth == 1:
+            local.deferred = []
+        try:
+            yield
+        finally:
+            local.depth -= 1
+            if local.depth == 0 and local.deferred:
+                deferred, local.deferred = local.deferred, []
+                with self._mutex:
+                    self._set_aside.difference_update(entry_id for entry_id, _ in deferred)
+                self._quarantine_all(deferred)
 
     def _listen_loop(self) -> None:
         """LISTEN on the change channel; catch up on each notification and every POLL_S seconds;

@@ -94,7 +94,7 @@ class FleetMaintenance:
     def _locked_tx(self, conn, body):
         """Run ``body(conn) -> changes`` in a transaction holding the workspace row lock, notify,
         commit, apply the changes locally; returns the changes."""
-        with conn.transaction():
+        with self._in_write_transaction(), conn.transaction():
             conn.execute("SELECT 1 FROM chorus_workspaces WHERE name=%s FOR UPDATE", (self.workspace,))
             self._catch_up(conn)
             changes = body(conn)
@@ -178,6 +178,10 @@ class FleetMaintenance:
                     row = Row(*values)
                     checked += 1
                     live[int(row.id)] = row.sha256
+                    if dim is None:  # no valid dimension stated: rows cannot be checked, none is damaged for it
+                        unchecked.append({"id": int(row.id), "file": None,
+                                          "reason": "the workspace states no valid embedding dimension"})
+                        continue
                     try:
                         problem = entry_problem(row, dim, decode_entry_arrays)
                     except MemoryError:
@@ -203,9 +207,26 @@ class FleetMaintenance:
             report["cleanup_skipped"] = "read-only: damaged rows are not quarantined, the local tier is not cleaned"
         else:
             report.update(self.tier.clean(live))
-            self.sync()
-        with self._mutex:
-            indexed = set(self._known)
-            index_ids = set(self._index.where) if self._index is not None else set()
-        report["index_consistent"] = indexed == set(live) and index_ids == set(live)
+        report["index_consistent"] = self._index_matches()
         return report
+
+    def _index_matches(self, attempts: int = 50) -> bool:
+        """Whether this handle's index holds exactly the workspace's live rows (less those it set aside),
+        compared at one sequence number: the live ids and the sequence number are read in one snapshot, and
+        the comparison is made once the handle has applied the change log up to that same number (retried
+        while workers keep writing; False when it never catches the same number)."""
+        def live_at(conn):
+            seq = conn.execute("SELECT seq FROM chorus_workspaces WHERE name=%s", (self.workspace,)).fetchone()
+            ids = conn.execute("SELECT id FROM chorus_entries WHERE workspace=%s", (self.workspace,)).fetchall()
+            return (int(seq[0]) if seq else 0), {int(r[0]) for r in ids}
+
+        for _ in range(attempts):
+            self.sync()
+            seq, live = self._conns.call(self._in_snapshot, live_at, read=True)
+            with self._mutex:
+                if self._seq != seq:
+                    continue  # a writer committed between the catch-up and the snapshot: again
+                expected = live - self._set_aside
+                index_ids = set(self._index.where) if self._index is not None else set()
+                return set(self._known) == expected and index_ids == expected
+        return False

@@ -33,7 +33,7 @@ from cache_helpers import tree_snapshot
 
 psycopg = pytest.importorskip("psycopg", reason="psycopg 3 is not installed (pip install 'psycopg[binary]')")
 
-from chorus.cache_store import (StoreBusyError, StoreFullError, StoreReadOnlyError,  # noqa: E402
+from chorus.cache_store import (StoreBusyError, StoreError, StoreFullError, StoreReadOnlyError,  # noqa: E402
                                 StoreUnavailableError, Workspace)
 from chorus.cache_store import fleet_conn, fleet_feed, seams  # noqa: E402
 from chorus.cache_store.entry_format import encode_entry  # noqa: E402
@@ -197,6 +197,65 @@ def test_the_feed_never_moves_past_the_workspace_sequence_number(url, tmp_path, 
         b.close()
 
 
+def test_a_writer_that_meets_a_damaged_row_and_then_fails_keeps_its_feed_position(url, tmp_path, pg, monkeypatch):
+    """A writer catches up under the workspace row lock and meets a damaged row: its quarantine waits until the
+    writer's transaction has ended. The write then fails before its commit and rolls back: the writer's feed
+    position stays the workspace's (the quarantine, made after the rollback, is a committed change), so the
+    change another worker commits next is applied (before, the quarantine ran inside the failed transaction,
+    the writer applied its change, and the next change committed at that number was never applied)."""
+    db = url.rsplit("/", 1)[1]
+    a = _worker(url, tmp_path, "a", listen=False)
+    b = _worker(url, tmp_path, "b", listen=False)
+    try:
+        _add(a, 1)
+        damaged = _insert(url, embedding=np.ones(2))  # fails the row checks, with its change row
+
+        def fail_before_commit(phase):
+            if phase == "before_commit":
+                raise RuntimeError("test: the write fails before its commit")
+
+        monkeypatch.setattr(seams, "fleet_phase", fail_before_commit)
+        with pytest.raises(RuntimeError, match="before its commit"):
+            _add(a, 2)
+        monkeypatch.setattr(seams, "fleet_phase", lambda phase: None)
+        workspace_seq = pg.sql("SELECT seq FROM chorus_workspaces WHERE name='w'", db)[0][0]
+        assert a.feed_seq == workspace_seq and damaged in _quarantined(a), (a.feed_seq, workspace_seq)
+        later = _add(b, 3)
+        a.sync()
+        assert later in a.known_ids() and a.search(sh.embedding(3))[0][0] == later
+    finally:
+        a.close()
+        b.close()
+
+
+def test_verify_beside_a_writing_worker_finds_the_index_consistent(url, tmp_path):
+    """Verify compares its index with the live rows at one sequence number (read in one snapshot, compared once
+    the index has applied the log up to it), so a worker adding entries all the while never makes a healthy
+    store read as inconsistent (``cache verify --url`` would exit 1)."""
+    writer, checker = _worker(url, tmp_path, "a"), _worker(url, tmp_path, "b")
+    stop, added = threading.Event(), []
+
+    def keep_writing():
+        seed = 100
+        while not stop.is_set():
+            added.append(_add(writer, seed))
+            seed += 1
+
+    for seed in range(5):
+        _add(writer, seed)
+    thread = threading.Thread(target=keep_writing, daemon=True)
+    thread.start()
+    try:
+        reports = [checker.verify() for _ in range(6)]
+    finally:
+        stop.set()
+        thread.join(30)
+        writer.close()
+    assert len(added) >= 3, "the worker wrote while verify ran"
+    assert all(r["ok"] and r["index_consistent"] for r in reports), [r for r in reports if not r["index_consistent"]]
+    checker.close()
+
+
 def test_an_invalid_workspace_dimension_hides_entries_without_quarantining_them(url, tmp_path, pg, caplog):
     """The workspace row's dimension set out of range (by hand or by a compromised worker): the
     workers index nothing (one log line each, not one per poll), quarantine nothing and refuse
@@ -209,6 +268,11 @@ def test_an_invalid_workspace_dimension_hides_entries_without_quarantining_them(
         _wait(lambda: len(a) == len(b) == 0, "both workers reloaded")
         time.sleep(2 * fleet_feed.POLL_S)  # a few polls of the feed
         assert caplog.text.count("states embedding dimension must be an int") == 2 and a.quarantined() == []
+        with pytest.raises(StoreError, match="no valid embedding dimension"):  # hidden, not damage
+            b.load(ids[0])
+        report = a.verify()
+        assert report["damaged"] == [] and sorted(u["id"] for u in report["unchecked"]) == ids
+        assert a.quarantined() == []
         with pytest.raises(ValueError, match="this workspace holds dim 70000"):
             _add(a, 5)
         pg.sql("UPDATE chorus_workspaces SET dim = %s WHERE name = 'w'", db, (sh.EMB_DIM,))
