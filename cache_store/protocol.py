@@ -24,7 +24,7 @@ Contract shared by both (tested against both in ``tests/test_fleet_store.py::tes
   verification); an entry is visible whole or not at all.
 * ``touch(entry_id, run=None)`` (a hit; ``run``: its run stats, some of ``entries.RUN_COUNTERS`` summed per
   entry, ``ValueError`` for a bad one), ``remove(entry_id) -> bool``, ``stats() -> dict``, ``verify(progress=False)
-  -> dict`` (keys ``checked``, ``damaged``, ``ok``, ``index_consistent``, ``orphans_removed``,
+  -> dict`` (keys ``checked``, ``damaged``, ``unchecked``, ``ok``, ``index_consistent``, ``orphans_removed``,
   ``temp_files_removed``), ``prune(*, max_bytes=None, max_entries=None) -> [removed ids]``,
   ``set_limits(...)``, ``rebuild_index(progress=False) -> index kinds``, ``entries() -> [dict]`` (each with ``runs``, the summed run stats),
   ``quarantined() -> [dict]``, ``len(store)``, ``close()``; usable as a context manager.
