@@ -129,10 +129,14 @@ class AttnCall:
         """A compact call's dense attention: SDPA with a key bias of ``log(cell_size)`` on its cells (the
         sequence's last ``num_cells`` keys; each stands for ``cell_size`` tokens of identical q/k/v) and its
         image prefix bias (:attr:`key_prefix`); equal to :meth:`expanded`'s dense call read back on the compact
-        rows (:meth:`compact`), at the compact length's cost. Where the biased call fails (e.g. out of memory
-        for the mask on a device without a fused masked kernel), that expansion, after ``note(message)``."""
+        rows (:meth:`compact`), at the compact length's cost. That expansion itself where an image bias does not
+        ride on the key prefix (a raster layout; an end image in a layout that does not lead with it) and where
+        the biased call fails (e.g. out of memory for the mask on a device without a fused masked kernel, after
+        ``note(message)``)."""
         layout = self.layout
         prefix, prefix_bias = self.key_prefix
+        if (self.first_frame_bias and not prefix) or (self.last_frame_bias and not self.end_image_in_prefix):
+            return self.compact(self.expanded().dense(note))
         try:
             return image_biased_attention(self.q, self.k, self.v, prefix, prefix_bias, layout.num_cells,
                                           math.log(layout.cell_size))

@@ -57,7 +57,8 @@ class FeatureReuseConfig:
     """Settings of feature reuse. Bad values raise ``ValueError``.
 
     - ``downsample_share`` in [0, 1]: share of complete regions downsampled on a hit (0 = off).
-    - ``region`` / ``pool``: region and cell sizes in tokens (t, h, w); ``pool`` divides ``region``.
+    - ``region`` / ``pool``: region and cell sizes in tokens (t, h, w); ``pool`` divides ``region``, each extent at
+      most ``pooling.MAX_ROTATION_POOL`` (6: a cell's RoPE is its rotations' mean).
     - ``full_layers`` >= 0: leading layers always computed in full.
     - ``keep_first_frame``: never downsample a region that holds frame 0 (the image condition).
     - ``mode``: ``"downsample"`` (the method) or ``"skip"`` (ablation for tests and benchmarks: the
@@ -76,6 +77,8 @@ class FeatureReuseConfig:
         if not (isinstance(share, (int, float)) and math.isfinite(share) and 0.0 <= share <= 1.0):
             raise ValueError(f"downsample_share must be in [0, 1], got {share!r}")
         pooling.check_geometry((1, 1, 1), self.region, self.pool)
+        if max(int(v) for v in self.pool) > pooling.MAX_ROTATION_POOL:  # cells' RoPE is their rotations' mean
+            raise ValueError(f"pool extents must be at most {pooling.MAX_ROTATION_POOL}, got {tuple(self.pool)}")
         object.__setattr__(self, "region", tuple(int(v) for v in self.region))
         object.__setattr__(self, "pool", tuple(int(v) for v in self.pool))
         if not isinstance(self.full_layers, int) or self.full_layers < 0:
@@ -422,21 +425,25 @@ class FeatureReuse:
         """
         plan = self.plan
         full_inputs = {name: t for name, (t, _) in (per_token or {}).items()}
+        full, record_sigma = True, None  # decided here; the host's block runs once, outside (its errors are its own)
         try:
             if not self._running:
                 self.begin_run()
-            if self.expert is None:
-                return block_fn(x, full_inputs, None)
-            grid = tuple(int(g) for g in grid)
-            if x.dim() != 3 or grid[0] * grid[1] * grid[2] != x.shape[1]:
-                plan.note(f"feature reuse: token grid {grid} does not hold the {x.shape[1]} tokens of a block "
-                          "call; that call runs in full")
-                return block_fn(x, full_inputs, None)
-            if not plan.is_hit:
-                return self._full_and_record(block_fn, x, full_inputs, layer,
-                                             step_sigma(sigma_value(sigma), self.sample_sigmas), grid)
+            if self.expert is not None:
+                grid = tuple(int(g) for g in grid)
+                if x.dim() != 3 or grid[0] * grid[1] * grid[2] != x.shape[1]:
+                    plan.note(f"feature reuse: token grid {grid} does not hold the {x.shape[1]} tokens of a block "
+                              "call; that call runs in full")
+                elif not plan.is_hit:
+                    record_sigma = step_sigma(sigma_value(sigma), self.sample_sigmas)
+                else:
+                    full = False
         except Exception as exc:  # noqa: BLE001 - never crash sampling: full block
             plan.note(f"feature reuse not used for a block call ({failure_text(exc)}); full block")
+            full, record_sigma = True, None
+        if record_sigma is not None:
+            return self._full_and_record(block_fn, x, full_inputs, layer, record_sigma, grid)
+        if full:
             return block_fn(x, full_inputs, None)
         reduction = self._block_reduction(sigma, grid, x.device) if int(layer) >= self.config.full_layers else None
         if reduction is None:

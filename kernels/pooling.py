@@ -383,14 +383,24 @@ def unpool_residual_torch(x: torch.Tensor, x_compact: torch.Tensor, y_compact: t
     return out
 
 
+MAX_ROTATION_POOL = 6
+"""The largest cell extent along one axis whose averaged RoPE rotations point at the centre: the mean of ``n``
+rotations ``omega`` apart is the centre's rotation times ``sin(n omega / 2) / (n sin(omega / 2))``, positive for
+every RoPE frequency (``omega <= 1``) while ``n <= 6``; from 7 on the highest frequencies come out reversed."""
+
+
 def pool_rotations(rot: torch.Tensor, layout: RegionLayout) -> torch.Tensor:
     """Pool RoPE rotation matrices ``[B or 1, L, ..., 2, 2]`` (ComfyUI Wan ``freqs`` layout).
 
     A cell's rotations are averaged and each 2x2 rotation is renormalised: for positions symmetric
     about the cell centre the result is exactly the rotation at the centre (half-integer position).
+    ``ValueError`` for a layout whose cells are longer than :data:`MAX_ROTATION_POOL` along an axis.
     """
     if rot.shape[-2:] != (2, 2):
         raise ValueError(f"rotations must end in [2, 2], got {tuple(rot.shape)}")
+    if max(layout.pool) > MAX_ROTATION_POOL:
+        raise ValueError(f"rotations cannot be pooled over cells of {tuple(layout.pool)} tokens (at most "
+                         f"{MAX_ROTATION_POOL} along an axis: past it the averaged high frequencies reverse)")
     pooled = pool_tokens(rot.float(), layout)
     cos, sin = pooled[..., 0, 0], pooled[..., 1, 0]
     norm = torch.sqrt(cos * cos + sin * sin).clamp_min(1e-12)

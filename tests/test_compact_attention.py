@@ -294,3 +294,31 @@ def test_compact_self_attention_falls_back_to_dense_when_the_orders_differ():
     torch.testing.assert_close(out.double(), oracle, atol=2e-5, rtol=1e-4)
     unweighted = torch.nn.functional.scaled_dot_product_attention(q, k, v)
     assert not torch.allclose(unweighted.double(), oracle, atol=1e-3)
+
+
+@pytest.mark.parametrize("first,last,leads,ordered", [(0.6, 0.0, False, False), (0.0, 0.6, False, False),
+                                                      (0.6, 0.6, False, True), (0.6, 0.0, False, True),
+                                                      (0.6, 0.6, True, True), (0.4, 0.9, True, True)])
+def test_a_compact_call_s_dense_attention_is_its_full_grid_s_with_every_image_bias(first, last, leads, ordered):
+    """``AttnCall.dense`` of a compact call (a fallback, a device without a fast kernel, guidance alone) equals
+    the dense attention of its full grid read on its rows, with the first- and last-frame biases where the full
+    grid takes them: through the cells' weight and the key prefix where the biases ride on it, through the
+    expansion where they do not (a raster layout; an end image in a layout that does not lead with it)."""
+    from chorus.engine.call import AttnCall
+
+    grid, region = (6, 8, 8), (2, 4, 4)
+    order = cached_region_order(grid, region, 32, last_frame_rim=True) if ordered else None
+    layout, _ = _layout(grid, region, share=0.5, seed=5, order=order, end_image_leads=leads)
+    gen = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(1, 2, layout.compact_length, 16, generator=gen, dtype=torch.float64) for _ in range(3))
+    call = AttnCall(q, k, v, layer=0, sigma=1.0, grid=grid, layout=layout, first_frame_bias=first,
+                    last_frame_bias=last)
+    out = call.dense()
+    full = [pooling.expand_tokens(t, layout, dim=2) for t in (q, k, v)]  # raster order, every token its cell's
+    hw = grid[1] * grid[2]
+    bias = torch.zeros(full[1].shape[2], dtype=torch.float64)
+    bias[:hw] += first
+    bias[-hw:] += last
+    scores = full[0] @ full[1].transpose(-1, -2) / 16 ** 0.5 + bias
+    oracle = pooling.compact_rows(torch.softmax(scores, -1) @ full[2], layout, dim=2)
+    torch.testing.assert_close(out, oracle, atol=1e-9, rtol=1e-9)

@@ -76,3 +76,25 @@ def test_a_channel_strided_stream_gives_the_same_row_major_output(tmp_path):
     # the same values up to the last bits: the pooled tail (on by default) averages every key block, and a
     # strided stream's pooled cells are summed in another order
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-6)
+
+
+def test_the_host_s_own_block_error_propagates_once_and_is_not_a_feature_reuse_note():
+    """A miss's full block runs once, outside feature reuse's own guard: an error of the host's block (out of
+    memory) leaves once, with no note blaming feature reuse and no second run of the block (a second run
+    recorded the layer's attention mass twice)."""
+    import pytest
+
+    from chorus.engine import Plan
+
+    plan = Plan.miss("t", latent_shape=LATENT)
+    fr = FeatureReuse(plan, FeatureReuseConfig(region=(2, 4, 4)), INFO)
+    fr.begin_run(SIGMAS)
+    calls = []
+
+    def block_fn(h, per_token, layout):
+        calls.append(layout)
+        raise torch.OutOfMemoryError("test: the host's block ran out of memory")
+
+    with pytest.raises(torch.OutOfMemoryError):
+        fr.block(block_fn, torch.randn(1, 256, 64), layer=1, sigma=0.5, grid=GRID)
+    assert calls == [None] and not any("feature reuse" in m for m in plan.stats.messages), plan.stats.messages

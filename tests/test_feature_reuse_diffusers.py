@@ -105,3 +105,35 @@ def test_share_zero_and_removal_leave_the_model_unchanged():
     assert all("forward" not in b.__dict__ and "forward" not in b.attn1.__dict__ for b in model.blocks)
     with pytest.raises(ValueError, match="not a diffusers"):
         patch_diffusers_feature_reuse(torch.nn.Linear(2, 2), FeatureReuse(hit, FR, wan_model_info(model)))
+
+
+def test_other_libraries_block_hooks_keep_running_under_the_patch_and_after_its_removal():
+    """diffusers' HookRegistry (group offloading, the caching hooks) and accelerate keep their hooks as an
+    instance-level ``forward`` of each block: the patch wraps it (the hook runs on every forward), patching
+    again replaces the older Chorus wrapper instead of stacking, and ``remove()`` puts the hook back."""
+    from diffusers.hooks import HookRegistry, ModelHook
+
+    calls = []
+
+    class Counting(ModelHook):
+        def pre_forward(self, module, *args, **kwargs):
+            calls.append(type(module).__name__)
+            return args, kwargs
+
+    model = tiny_transformer()
+    for block in model.blocks:
+        HookRegistry.check_if_exists_or_initialize(block).register_hook(Counting(), "count")
+    hooked = [block.__dict__["forward"] for block in model.blocks]
+    plan = Plan.miss("t", latent_shape=(1, 36, 3, 8, 8))
+    first = patch_diffusers_feature_reuse(model, FeatureReuse(plan, FR, wan_model_info(model)))
+    second = patch_diffusers_feature_reuse(model, FeatureReuse(plan, FR, wan_model_info(model)))
+    with torch.no_grad():
+        model(**inputs(0.5))
+    assert len(calls) == len(model.blocks), calls  # each hook once: wrapped, not dropped, not stacked
+    second.remove()
+    first.remove()
+    assert [block.__dict__["forward"] for block in model.blocks] == hooked
+    calls.clear()
+    with torch.no_grad():
+        model(**inputs(0.5))
+    assert len(calls) == len(model.blocks)

@@ -111,6 +111,29 @@ def test_pool_rotations_give_the_centre_rotation():
     assert torch.allclose(pooled, want, atol=1e-12)
 
 
+@pytest.mark.parametrize("extent", [2, 4, 6, 8])
+def test_pool_rotations_point_at_the_centre_at_the_highest_frequency_or_refuse_the_cell(extent):
+    """At RoPE's highest frequency (1 radian a token) the mean of ``n`` rotations along an axis points at the
+    cell's centre while ``n <= 6``; from 7 on it would point the opposite way: such cells are refused, by the
+    rotation pooling and by FeatureReuseConfig."""
+    from chorus.engine.feature_reuse import FeatureReuseConfig
+
+    grid = region = pool = (1, 1, extent)
+    ang = torch.arange(float(extent), dtype=torch.float64)  # omega = 1
+    rot = torch.stack([torch.cos(ang), -torch.sin(ang), torch.sin(ang), torch.cos(ang)], -1).view(1, extent, 2, 2)
+    layout = pooling.build_layout(grid, region, pool, [0])
+    if extent > pooling.MAX_ROTATION_POOL:
+        with pytest.raises(ValueError, match="at most 6"):
+            pooling.pool_rotations(rot, layout)
+        with pytest.raises(ValueError, match="at most 6"):
+            FeatureReuseConfig(region=(2, 8, 8), pool=(1, 1, extent))
+        return
+    pooled = pooling.pool_rotations(rot, layout)[0, -1]
+    centre = torch.tensor((extent - 1) / 2, dtype=torch.float64)
+    want = torch.stack([torch.cos(centre), -torch.sin(centre), torch.sin(centre), torch.cos(centre)]).view(2, 2)
+    assert torch.allclose(pooled, want, atol=1e-12)
+
+
 @pytest.mark.parametrize("grid,region,pool", GEOMETRIES)
 def test_region_detail_matches_reference(grid, region, pool):
     L = grid[0] * grid[1] * grid[2]

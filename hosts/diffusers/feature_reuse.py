@@ -10,6 +10,34 @@ from ...kernels import pooling
 from .adapter import diffusers_wan_blocks, forward_grid_and_sigma, forward_image_frames
 
 
+_ABSENT = object()  # no instance attribute ``forward`` before the patch
+
+
+def _install_forward(module, wrap) -> tuple:
+    """Set ``module.forward`` to ``wrap(current forward)`` (an instance attribute) and return ``(module, what
+    remove restores)``. The current forward is whatever runs now: the class's method, or another library's
+    instance-level forward (diffusers' ``HookRegistry`` hooks: group offloading, caches; accelerate's device
+    hooks), which keeps running inside the wrapper; an older Chorus wrapper is replaced, not stacked."""
+    before = module.__dict__.get("forward", _ABSENT)
+    older = getattr(before, "_chorus_feature_reuse", None)
+    before, current = older if older is not None else (before, module.forward)
+    wrapper = wrap(current)
+    wrapper._chorus_feature_reuse = (before, current)
+    module.forward = wrapper
+    return module, before
+
+
+def _restore_forward(module, before) -> None:
+    """Undo :func:`_install_forward` where its wrapper is still the module's forward (one installed on top of
+    it since is left alone)."""
+    if getattr(module.__dict__.get("forward"), "_chorus_feature_reuse", None) is None:
+        return
+    if before is _ABSENT:
+        module.__dict__.pop("forward", None)
+    else:
+        module.forward = before
+
+
 class _DiffusersState:
     def __init__(self):
         self.sigma = None
@@ -25,14 +53,13 @@ def _rope_as_rotations(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 class DiffusersFeatureReusePatch:
     """Handle returned by :func:`patch_diffusers_feature_reuse`; ``remove()`` undoes the patch."""
 
-    def __init__(self, transformer, handle, blocks, hook):
-        self.transformer, self.handle, self._blocks, self._hook = transformer, handle, blocks, hook
+    def __init__(self, transformer, handle, installed, hook):
+        self.transformer, self.handle, self._installed, self._hook = transformer, handle, installed, hook
 
     def remove(self) -> None:
-        for block in self._blocks:
-            block.__dict__.pop("forward", None)
-            block.attn1.__dict__.pop("forward", None)
-        self._blocks = []
+        for module, before in self._installed:
+            _restore_forward(module, before)
+        self._installed = []
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
@@ -41,7 +68,8 @@ class DiffusersFeatureReusePatch:
 def patch_diffusers_feature_reuse(transformer, handle: FeatureReuse) -> DiffusersFeatureReusePatch:
     """Drive a diffusers ``WanTransformer3DModel``'s blocks through ``handle`` (a :class:`FeatureReuse`).
 
-    Each block's ``forward`` is wrapped (instance attribute; ``remove()`` restores it): the block runs
+    Each block's ``forward`` is wrapped (instance attribute, around whatever forward it had, other libraries'
+    hooks included; ``remove()`` restores it; patching again replaces the older wrapper): the block runs
     on the compact sequence with pooled RoPE (``cos, sin`` renormalised) and, for Wan 2.2 TI2V, pooled
     per-token ``temb``. During a compacted call the block's ``attn1`` (self-attention) gets its input
     expanded back to the full token grid with the pooled tokens' RoPE repeated over their cells, runs
@@ -101,10 +129,9 @@ def patch_diffusers_feature_reuse(transformer, handle: FeatureReuse) -> Diffuser
                                 per_token=per_token)
         return forward
 
+    installed = []
     for i, block in enumerate(blocks):
-        block.__dict__.pop("forward", None)
-        block.attn1.__dict__.pop("forward", None)
-        block.forward = wrap_block(block, i, block.forward)
-        block.attn1.forward = wrap_attn1(block.attn1, block.attn1.forward)
+        installed.append(_install_forward(block, lambda current, block=block, i=i: wrap_block(block, i, current)))
+        installed.append(_install_forward(block.attn1, lambda current, attn=block.attn1: wrap_attn1(attn, current)))
     hook = transformer.register_forward_pre_hook(pre_hook, with_kwargs=True)
-    return DiffusersFeatureReusePatch(transformer, handle, list(blocks), hook)
+    return DiffusersFeatureReusePatch(transformer, handle, installed, hook)
