@@ -62,7 +62,7 @@ def _root_epilog() -> str:
             "Also installed as the `chorus` command: `chorus cache stats ...`.")
 
 
-class _Parser(argparse.ArgumentParser):
+class OneLineErrorParser(argparse.ArgumentParser):
     """argparse with errors as one line ``error: ...`` (exit 2) instead of usage + message (redacted
     with all of stderr by :func:`main`: argparse echoes the arguments it refuses, which may be a URL
     holding a password)."""
@@ -83,7 +83,7 @@ def _limit(name: str):
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="python -m chorus cache", description="Inspect and maintain a Chorus mask cache workspace.",
+    parser = OneLineErrorParser(prog="python -m chorus cache", description="Inspect and maintain a Chorus mask cache workspace.",
                                      epilog=_root_epilog())
     sub = parser.add_subparsers(dest="action", required=True)
     for name, help_text in [("stats", "counts, bytes, index kinds, quarantine (read-only)"),
@@ -151,6 +151,9 @@ def _main(argv: list) -> int:
     parser = _parser()
     try:
         args = parser.parse_args(argv)
+        for option in ("path", "root", "comfyui", "url"):  # an empty value is a mistake, not "the default"
+            if getattr(args, option, None) == "":
+                parser.error(f"--{option}: empty")
     except SystemExit as exc:
         return int(exc.code or 0)
     where = ""
@@ -263,8 +266,9 @@ def _run(args, ws):
                  "            prompt"]
         for e in result:
             prompt = str(e["meta"].get("prompt", ""))[:40].replace("\n", " ")
-            runs = e.get("runs") or {}
-            tail = f"{runs['tail_calls'] / runs['sparse_calls']:.0%}" if runs.get("sparse_calls") else "-"
+            runs = {k: v if isinstance(v, (int, float)) and not isinstance(v, bool) else 0  # a row edited by hand
+                    for k, v in (e.get("runs") or {}).items()}
+            tail = f"{runs.get('tail_calls', 0) / runs['sparse_calls']:.0%}" if runs.get("sparse_calls") else "-"
             lines.append(f"{e['id']:>8}  {str(e['sig_key'])[:12]:12}  {_fmt_bytes(e['nbytes']):>10}  {e['hits']:>5}  "
                          f"{tail:>6}  {runs.get('fallback_calls', 0):>5}  {_fmt_time(e['last_used'])}  {prompt}")
         text = "\n".join(lines)

@@ -34,7 +34,7 @@ request's path (retrieve, patch, sample, commit, save).
 
 from __future__ import annotations
 
-import argparse
+import importlib
 import math
 import os
 import sys
@@ -48,6 +48,7 @@ import torch
 import torch.nn.functional as F
 
 from ..cache_store import Workspace
+from ..cache_store.cli import OneLineErrorParser
 from ..cache_store.embedders import HashEmbedder
 from ..engine import (BACKENDS, AttnCall, ChorusAttention, SparseConfig, commit_plan, mask_heatmap, retrieve_plan,
                       wan_model_info)
@@ -334,6 +335,10 @@ def make_host(kind: str, layers: int, heads: int, attention: str, seed: int):
                              "(run from the ComfyUI folder or set PYTHONPATH to it)")
         return ComfyWanHost(layers, heads, attention, seed)
     if kind == "diffusers":
+        try:
+            importlib.import_module("diffusers")  # the demo extra
+        except ImportError as exc:
+            raise ValueError(f"--model diffusers needs diffusers ({exc}): pip install -e '.[demo]'") from None
         return DiffusersWanHost(layers, heads, attention, seed)
     raise ValueError(f"--model must be auto, diffusers or comfy, got {kind!r}")
 
@@ -567,6 +572,8 @@ def run_demo(*, num_requests: int | None = None, out_dir: str = "chorus_demo_out
         raise ValueError(f"frames must be 4n+1, got {frames}")
     if steps < 2:
         raise ValueError(f"steps must be >= 2 (split over two experts), got {steps}")
+    if layers < 1 or heads < 1:
+        raise ValueError(f"layers and heads must be >= 1, got {layers} and {heads}")
     if attention not in ("structured", "random"):
         raise ValueError(f"attention must be 'structured' or 'random', got {attention!r}")
     if num_requests is not None and not (1 <= int(num_requests) <= len(DEFAULT_STREAM)):
@@ -637,7 +644,7 @@ def _format_line(r: RequestResult) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="chorus demo", description=__doc__.split("\n\n")[0])
+    parser = OneLineErrorParser(prog="chorus demo", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="chorus_demo_out", help="folder for the PNG frames (default ./chorus_demo_out)")
     parser.add_argument("--workspace", default=None, help="cache workspace folder (default: a temporary one)")
     parser.add_argument("--requests", type=int, default=None, help=f"how many requests (default all {len(DEFAULT_STREAM)})")
@@ -655,13 +662,19 @@ def main(argv=None) -> int:
     parser.add_argument("--backend", default="auto", choices=BACKENDS)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-dense-compare", action="store_true", help="skip the dense re-run of hits (PSNR column)")
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # -h (0) or a bad argument (2, one line)
+        return int(exc.code or 0)
+    if not args.out:
+        print("error: --out: empty", file=sys.stderr)
+        return 2
     try:
         run_demo(num_requests=args.requests, out_dir=args.out, workspace_dir=args.workspace, model=args.model,
                  attention=args.attention, size=args.size, frames=args.frames, layers=args.layers,
                  threshold=args.threshold, top_p=args.top_p, k_min=args.k_min, block_size=args.block_size,
                  backend=args.backend, seed=args.seed, compare_dense=not args.no_dense_compare)
-    except ValueError as exc:
+    except (ValueError, OSError) as exc:  # bad settings; a folder that cannot be made or written
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0

@@ -261,9 +261,16 @@ def _density(text: str) -> float:
     return value
 
 
+class _OneLineErrors(argparse.ArgumentParser):
+    """argparse whose errors are one line ``error: ...`` (exit 2), as the other commands say them."""
+
+    def error(self, message):
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m chorus check", description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = _OneLineErrors(prog="python -m chorus check", description=__doc__.split("\n\n")[0],
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     ap.add_argument("--run", action="store_true", help="also run the numerics check and the speed comparison")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp16",
@@ -296,11 +303,21 @@ def main(argv=None) -> int:
     if device.type not in ("cuda", "cpu"):
         print(f"error: --device {device}: Chorus runs on CUDA GPUs or the CPU", file=sys.stderr)
         return 2
-    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-        info, status = _check(device, args)
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(info, f, indent=1)
+    json_out = None
+    if args.json is not None:  # opened before the check runs: a path that cannot be written is said at once
+        try:
+            json_out = open(args.json, "w", encoding="utf-8")  # noqa: SIM115 - closed below
+        except OSError as exc:
+            print(f"error: --json {args.json!r}: {exc.strerror or exc}", file=sys.stderr)
+            return 2
+    try:
+        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+            info, status = _check(device, args)
+        if json_out is not None:
+            json.dump(info, json_out, indent=1)
+    finally:
+        if json_out is not None:
+            json_out.close()
     return status
 
 

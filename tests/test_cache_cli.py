@@ -134,6 +134,24 @@ def test_read_only_commands_write_nothing_and_refuse_non_workspaces(tmp_path, ca
     assert tree_snapshot(folder) == before, "a command created files in a folder that is not a workspace"
 
 
+def test_list_shows_a_row_whose_run_counters_were_edited_by_hand(tmp_path, capsys):
+    """A run counter edited to text (SQLite keeps it) lists as 0 in the text table and as stored in --json:
+    it never stops the listing (rule 4)."""
+    import json
+    import sqlite3
+
+    path = tmp_path / "ws"
+    with Workspace.open(path) as ws:
+        ids = [ws.add(embedding(s), small_masks(s), {"signature": SIGNATURE, "prompt": f"prompt {s}"}) for s in range(2)]
+        ws.touch(ids[1], run={"sparse_calls": 4, "tail_calls": 4})
+    with sqlite3.connect(path / "chorus.sqlite3") as db:
+        db.execute("UPDATE entries SET sparse_calls = 'y' WHERE id = ?", (ids[0],))
+    code, out, err = _run_inprocess(capsys, "list", "--path", str(path))
+    assert code == 0 and "prompt 0" in out and "100%" in out, (out, err)
+    code, out, err = _run_inprocess(capsys, "list", "--path", str(path), "--json")
+    assert code == 0 and len(json.loads(out)) == 2, (out, err)
+
+
 @pytest.mark.parametrize("damage", ["db_directory", "db_garbage", "entries_link", "long_root", "bad_comfyui",
                                     "name_is_a_path", "relative_env_root"])
 def test_errors_are_one_line_with_exit_2(tmp_path, capsys, monkeypatch, damage):
@@ -233,7 +251,8 @@ def test_comfyui_option_and_help_name_the_root(tmp_path, capsys, monkeypatch):
 
 
 def test_argument_errors_are_one_line(capsys):
-    for args in (["stats", "--bogus"], [], ["frobnicate"], ["prune", "--max-entries", "x"]):
+    for args in (["stats", "--bogus"], [], ["frobnicate"], ["prune", "--max-entries", "x"], ["init", "--path", ""],
+                 ["prune", "--path", "", "--max-entries", "1"], ["stats", "--root", ""]):
         code, _, err = _run_inprocess(capsys, *args)
         assert code == 2 and _one_error_line(err), (args, err)
     from chorus.__main__ import main as top

@@ -75,10 +75,20 @@ def test_frames_are_saved_as_png(results):
     assert any("HIT" in line for line in lines) and any("attention source" in line for line in lines)
 
 
-def test_bad_options_give_a_clear_error():
+def test_bad_options_give_a_clear_error(tmp_path, capsys):
+    """Bad settings, a mistyped argument, an --out that is a file and zero layers: exit 2 with one line
+    ``error: ...`` on stderr, never a usage block or a traceback."""
     with pytest.raises(ValueError, match="frames"):
         demo.run_demo(num_requests=1, frames=16, log=lambda *_: None)
-    assert demo.main(["--model", "diffusers", "--size", "100", "--requests", "1"]) == 2
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    small = ["--requests", "1", "--size", "32", "--frames", "1"]
+    for args in (["--model", "diffusers", "--size", "100", "--requests", "1"], ["--requests", "x"],
+                 ["--out", str(a_file), *small], ["--out", ""], ["--layers", "0", *small]):
+        capsys.readouterr()
+        assert demo.main(args) == 2, args
+        err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+        assert len(err) == 1 and err[0].startswith("error: "), (args, err)
 
 
 def _comfy_dir() -> Path | None:

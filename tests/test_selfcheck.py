@@ -119,6 +119,16 @@ def test_every_q_k_v_of_the_check_is_in_the_dtype_comfyui_computes_wan_in(dtype,
     assert selfcheck.main(["--device", "cpu", "--dtype", "fp32"]) == 2
 
 
+def test_bad_arguments_and_a_json_path_that_cannot_be_written_are_one_line_before_any_check(tmp_path, capsys,
+                                                                                            monkeypatch):
+    monkeypatch.setattr(selfcheck, "_check", lambda *a: pytest.fail("the check ran"))
+    for args in (["--tokens", "0"], ["--json", str(tmp_path / "missing" / "x.json")], ["--json", str(tmp_path)]):
+        capsys.readouterr()
+        assert selfcheck.main(["--device", "cpu", *args]) == 2, args
+        err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+        assert len(err) == 1 and err[0].startswith("error: "), (args, err)
+
+
 def test_a_kernel_that_computes_wrong_fails_the_check(monkeypatch, capsys):
     real = selfcheck.block_sparse_attention
 
