@@ -265,7 +265,8 @@ def _run(args, ws):
         lines = [f"{'id':>8}  {'signature':12}  {'size':>10}  {'hits':>5}  {'tail':>6}  {'dense':>5}  last used"
                  "            prompt"]
         for e in result:
-            prompt = str(e["meta"].get("prompt", ""))[:40].replace("\n", " ")
+            # shown, not interpreted: a stored prompt's control characters (terminal escapes) print as "?"
+            prompt = "".join(c if c.isprintable() else "?" for c in str(e["meta"].get("prompt", ""))[:40])
             runs = {k: v if isinstance(v, (int, float)) and not isinstance(v, bool) else 0  # a row edited by hand
                     for k, v in (e.get("runs") or {}).items()}
             tail = f"{runs.get('tail_calls', 0) / runs['sparse_calls']:.0%}" if runs.get("sparse_calls") else "-"

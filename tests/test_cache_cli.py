@@ -134,9 +134,9 @@ def test_read_only_commands_write_nothing_and_refuse_non_workspaces(tmp_path, ca
     assert tree_snapshot(folder) == before, "a command created files in a folder that is not a workspace"
 
 
-def test_list_shows_a_row_whose_run_counters_were_edited_by_hand(tmp_path, capsys):
+def test_list_shows_rows_edited_by_hand_and_prompts_as_plain_text(tmp_path, capsys):
     """A run counter edited to text (SQLite keeps it) lists as 0 in the text table and as stored in --json:
-    it never stops the listing (rule 4)."""
+    it never stops the listing (rule 4). Stored prompts are shown, never interpreted by the terminal."""
     import json
     import sqlite3
 
@@ -148,8 +148,12 @@ def test_list_shows_a_row_whose_run_counters_were_edited_by_hand(tmp_path, capsy
         db.execute("UPDATE entries SET sparse_calls = 'y' WHERE id = ?", (ids[0],))
     code, out, err = _run_inprocess(capsys, "list", "--path", str(path))
     assert code == 0 and "prompt 0" in out and "100%" in out, (out, err)
+    with Workspace.open(path) as ws:  # a prompt holding terminal escapes prints them as "?", not as escapes
+        ws.add(embedding(7), small_masks(7), {"signature": SIGNATURE, "prompt": "red\x1b[31m\rfox\nnext"})
+    code, out, err = _run_inprocess(capsys, "list", "--path", str(path))
+    assert code == 0 and "red?[31m?fox?next" in out and "\x1b" not in out and "\r" not in out, (out, err)
     code, out, err = _run_inprocess(capsys, "list", "--path", str(path), "--json")
-    assert code == 0 and len(json.loads(out)) == 2, (out, err)
+    assert code == 0 and len(json.loads(out)) == 3, (out, err)
 
 
 @pytest.mark.parametrize("damage", ["db_directory", "db_garbage", "entries_link", "long_root", "bad_comfyui",
