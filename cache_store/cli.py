@@ -267,9 +267,8 @@ def _run(args, ws):
         for e in result:
             # shown, not interpreted: a stored prompt's control characters (terminal escapes) print as "?"
             prompt = "".join(c if c.isprintable() else "?" for c in str(e["meta"].get("prompt", ""))[:40])
-            runs = {k: v if isinstance(v, (int, float)) and not isinstance(v, bool) else 0  # a row edited by hand
-                    for k, v in (e.get("runs") or {}).items()}
-            tail = f"{runs.get('tail_calls', 0) / runs['sparse_calls']:.0%}" if runs.get("sparse_calls") else "-"
+            runs = e.get("runs") or {}
+            tail = f"{runs['tail_calls'] / runs['sparse_calls']:.0%}" if runs.get("sparse_calls") else "-"
             lines.append(f"{e['id']:>8}  {str(e['sig_key'])[:12]:12}  {_fmt_bytes(e['nbytes']):>10}  {e['hits']:>5}  "
                          f"{tail:>6}  {runs.get('fallback_calls', 0):>5}  {_fmt_time(e['last_used'])}  {prompt}")
         text = "\n".join(lines)

@@ -90,9 +90,7 @@ def abandoned_temp(name: str) -> bool:
         return False
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except (OverflowError, ValueError):  # not a pid this host can have
+    except (ProcessLookupError, OverflowError, ValueError):  # gone, or not a pid this host can have
         return True
     except PermissionError:  # alive, another user's
         return False

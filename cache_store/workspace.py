@@ -470,10 +470,12 @@ class Workspace(WorkspaceConnections, WorkspaceIndex, WorkspaceMaintenance):
     def entries(self) -> list[dict]:
         """One dict per entry (id, sig_key, nbytes, hits, created, last_used, meta, runs: the summed
         run stats of its hits, :data:`~chorus.cache_store.entries.RUN_COUNTERS`), in id order. (A
-        read-only handle of a workspace older than the run stats shows them as 0.)"""
+        read-only handle of a workspace older than the run stats shows them as 0, as a counter edited by
+        hand to something other than an integer; a size that is not an integer shows as None.)"""
         with self._rmutex:
-            runs = ", ".join(RUN_COUNTERS) if self._run_columns_present(self._rdb) else \
-                ", ".join("0" for _ in RUN_COUNTERS)
+            counted = self._run_columns_present(self._rdb)
+            runs = ", ".join(f"(CASE WHEN typeof({name}) = 'integer' THEN {name} ELSE 0 END)" if counted else "0"
+                             for name in RUN_COUNTERS)
             rows = self._rdb.execute(
                 f"SELECT id, sig_key, {ROW_NBYTES}, hits, created, last_used, meta_json, {runs} FROM entries ORDER BY id"
             ).fetchall()

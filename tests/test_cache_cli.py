@@ -135,8 +135,8 @@ def test_read_only_commands_write_nothing_and_refuse_non_workspaces(tmp_path, ca
 
 
 def test_list_shows_rows_edited_by_hand_and_prompts_as_plain_text(tmp_path, capsys):
-    """A run counter edited to text (SQLite keeps it) lists as 0 in the text table and as stored in --json:
-    it never stops the listing (rule 4). Stored prompts are shown, never interpreted by the terminal."""
+    """A run counter edited to text (SQLite keeps it) lists as 0, in the text table and in --json: it never
+    stops the listing (rule 4). Stored prompts are shown, never interpreted by the terminal."""
     import json
     import sqlite3
 
@@ -153,7 +153,8 @@ def test_list_shows_rows_edited_by_hand_and_prompts_as_plain_text(tmp_path, caps
     code, out, err = _run_inprocess(capsys, "list", "--path", str(path))
     assert code == 0 and "red?[31m?fox?next" in out and "\x1b" not in out and "\r" not in out, (out, err)
     code, out, err = _run_inprocess(capsys, "list", "--path", str(path), "--json")
-    assert code == 0 and len(json.loads(out)) == 3, (out, err)
+    listed = json.loads(out)
+    assert code == 0 and len(listed) == 3 and listed[0]["runs"]["sparse_calls"] == 0, (out, err)
 
 
 @pytest.mark.parametrize("damage", ["db_directory", "db_garbage", "entries_link", "long_root", "bad_comfyui",
