@@ -263,7 +263,7 @@ def _for_call_options(chosen: Backend, explicit: bool, q, block_size: int, prefi
     elif chosen == Backend.TRITON_INT8:
         reason = None if block_size == 128 else f"triton_int8 runs 128-token blocks, got block_size={block_size}"
     elif chosen in _PORTABLE_TRITON:
-        reason = None if portable_block_size(block_size) else \
+        reason = None if _triton_module().portable_block_size(block_size) else \
             f"{chosen.value} runs power-of-two blocks in [16, 256], got block_size={block_size}"
     else:
         return chosen
@@ -298,12 +298,6 @@ def _check_qkv(q, k, v=None) -> None:
 def _check_block_size(block_size) -> None:
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
-
-
-def portable_block_size(block_size: int) -> bool:
-    """Whether the portable Triton kernels (``triton_fp8``, ``triton_bf16``, the block mass) run blocks of this
-    size: a power of two in [16, 256]."""
-    return 16 <= block_size <= 256 and block_size & (block_size - 1) == 0
 
 
 def _check_scale(scale: float) -> float:
@@ -505,7 +499,7 @@ def block_mass(q, k, *, block_size: int = 128, sample_rows: int | None = None, s
     scale = _check_scale(softmax_scale(q.shape[-1], scale))
     perm = _token_perm(token_perm, q, k)
     chosen = resolve_backend(backend, q, "block_mass")
-    if chosen != Backend.REFERENCE and not portable_block_size(block_size):
+    if chosen != Backend.REFERENCE and not _triton_module().portable_block_size(block_size):
         if _parse_backend(backend) != Backend.AUTO:
             raise BackendUnavailableError(f"backend={chosen.value!r} cannot run this block mass: it runs power-of-two "
                                           f"blocks in [16, 256], got block_size={block_size}")

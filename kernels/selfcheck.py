@@ -261,16 +261,11 @@ def _density(text: str) -> float:
     return value
 
 
-class _OneLineErrors(argparse.ArgumentParser):
-    """argparse whose errors are one line ``error: ...`` (exit 2), as the other commands say them."""
-
-    def error(self, message):
-        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
-
-
 def _parser() -> argparse.ArgumentParser:
-    ap = _OneLineErrors(prog="python -m chorus check", description=__doc__.split("\n\n")[0],
-                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    from ..cache_store.cli import OneLineErrorParser  # errors as one line, as every command says them
+
+    ap = OneLineErrorParser(prog="python -m chorus check", description=__doc__.split("\n\n")[0],
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     ap.add_argument("--run", action="store_true", help="also run the numerics check and the speed comparison")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp16",

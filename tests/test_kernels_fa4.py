@@ -75,8 +75,11 @@ def test_each_step_down_the_chain_meets_the_call_s_options(monkeypatch):
     monkeypatch.setattr(api, "_candidates", lambda q, op: list(api._AUTO_CHAIN))
     monkeypatch.setattr(api, "why_unavailable", lambda b, q, op="attention": "test" if b in unavailable else None)
 
-    class Hopper:  # the warp-specialised kernel's own rule: 128-token blocks
+    from chorus.kernels.triton import portable_block_size as portable_rule
+
+    class Hopper:  # the warp-specialised kernel's own rule: 128-token blocks; the portable kernels' as they are
         ws_call_unsupported = staticmethod(lambda head_dim, block_size: None if block_size == 128 else "128 only")
+        portable_block_size = staticmethod(portable_rule)
 
     monkeypatch.setattr(api, "_triton_module", lambda: Hopper)
     q = torch.zeros(1, 1, 4, 64)

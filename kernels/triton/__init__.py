@@ -13,6 +13,7 @@ Public entry points (called by :mod:`chorus.kernels.api` for backends ``triton_f
   suffix_len, suffix_bias, pooled_tail) -> Tensor``: the accurate INT8 path of the portable kernel
   (backend ``triton_int8``; block size 128; :mod:`._quant_int8`)
 - :func:`block_mass_triton` ``(q, k, *, block_size, sample_rows, scale) -> float32 [B, H, Qb, Kb]``
+- :func:`portable_block_size` ``(block_size) -> bool``: the block sizes the portable kernels and the block mass run
 - :func:`triton_available` ``() -> (bool, reason)``
 - :func:`build_probe` ``(key, kernel, run) -> reason | None``: one build-and-launch check per key (auto's
   resolution; :mod:`chorus.kernels.probe`, re-exported)
@@ -40,10 +41,10 @@ from ..custom_ops import op_registered
 from ..probe import attention_error, build_probe, probe_inputs
 from ..reference import BLOCK_MASS_CEILING, block_mass_reference, softmax_scale
 from . import _attention_ws
-from ._attention import block_sparse_attention_triton_impl, compress_block_map, output_like
+from ._attention import block_sparse_attention_triton_impl, compress_block_map, output_like, portable_block_size
 from ._block_mass import block_mass_triton_impl
 
-__all__ = ["block_sparse_attention_triton", "block_sparse_attention_ws", "block_sparse_attention_int8", "ws_unavailable", "ws_call_unsupported", "build_probe",
+__all__ = ["block_sparse_attention_triton", "block_sparse_attention_ws", "block_sparse_attention_int8", "ws_unavailable", "ws_call_unsupported", "portable_block_size", "build_probe",
            "block_mass_triton", "triton_available", "compress_block_map"]
 
 

@@ -515,6 +515,12 @@ def lpt_block_lists(block_map: torch.Tensor, tail: dict | None = None):
     return (kv_num, kv_idx, sched, strides) if tail is None else (kv_num, kv_idx, sched, strides, lists[2])
 
 
+def portable_block_size(block_size) -> bool:
+    """Whether the portable kernels (``triton_fp8``, ``triton_bf16``, the block mass) run blocks of this size: an int,
+    a power of two in [16, 256]."""
+    return isinstance(block_size, int) and 16 <= block_size <= 256 and block_size & (block_size - 1) == 0
+
+
 def _validate(q, k, v, block_map, block_size):
     if not all(isinstance(t, torch.Tensor) for t in (q, k, v, block_map)):
         raise ValueError("q, k, v and block_map must be torch tensors")
@@ -531,7 +537,7 @@ def _validate(q, k, v, block_map, block_size):
         raise ValueError(f"triton kernels support head dims 64 and 128, got {head_dim}")
     if q_len < 1 or k.shape[2] < 1:
         raise ValueError("empty sequence")
-    if not isinstance(block_size, int) or block_size < 16 or block_size > 256 or block_size & (block_size - 1):
+    if not portable_block_size(block_size):
         raise ValueError(f"triton kernels need a power-of-two block_size in [16, 256], got {block_size!r}")
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError("q, k, v need unit stride on the head dim")

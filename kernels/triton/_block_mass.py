@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._attention import check_perm, int32_chunks
+from ._attention import check_perm, int32_chunks, portable_block_size
 from ._quant import interpreter_upcast
 from ._quant import LOG2E, source_rows
 
@@ -165,7 +165,7 @@ def block_mass_triton_impl(q: torch.Tensor, k: torch.Tensor, block_size: int, sa
         raise ValueError(f"triton block_mass needs fp16/bf16 q and k of one dtype, got {q.dtype}, {k.dtype}")
     if q.shape[3] not in (64, 128):
         raise ValueError(f"triton block_mass supports head dims 64 and 128, got {q.shape[3]}")
-    if not isinstance(block_size, int) or block_size < 16 or block_size > 256 or block_size & (block_size - 1):
+    if not portable_block_size(block_size):
         raise ValueError(f"triton block_mass needs a power-of-two block_size in [16, 256], got {block_size!r}")
     if sample_rows is not None and (not isinstance(sample_rows, int) or sample_rows < 1):
         raise ValueError(f"sample_rows must be a positive int or None, got {sample_rows!r}")
